@@ -1,0 +1,79 @@
+"""``p2pkv plugins``: what is installed, what is not, and why."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from p2pkv.registry import Registry, default_registry
+
+__all__ = ["add_parser", "plugin_report"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plugins", help="list registered transports and why others are unavailable")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def plugin_report(registry: Registry) -> dict[str, Any]:
+    """Everything ``p2pkv plugins`` shows, as plain data (also used by ``p2pkv doctor``)."""
+    rows = []
+    for kind in ("control", "data"):
+        for name, entry in sorted(registry.entries(kind).items()):  # type: ignore[arg-type]
+            problem = entry.cls.availability()
+            rows.append(
+                {
+                    "name": name,
+                    "kind": kind,
+                    "distribution": entry.distribution,
+                    "version": entry.version,
+                    "available": problem is None,
+                    "reason": "" if problem is None else str(problem),
+                    "capabilities": entry.cls.capabilities.as_dict(),
+                }
+            )
+    missing = [
+        {"name": name, "kind": kind, "distribution": dist, "install": f"pip install {dist}"}
+        for kind, name, dist in registry.missing_known()
+    ]
+    failures = [
+        {"plugin": f.plugin, "distribution": f.distribution, "reason": f.reason}
+        for f in registry.failures
+    ]
+    conflicts = [
+        {"kind": kind, "name": name, "distributions": dists}
+        for (kind, name), dists in sorted(registry.conflicts.items())
+    ]
+    return {"transports": rows, "not_installed": missing, "failed_plugins": failures,
+            "conflicts": conflicts}
+
+
+def run(args: argparse.Namespace) -> int:
+    report = plugin_report(default_registry())
+    if args.json:
+        from p2pkv.cli import print_json
+
+        print_json(report)
+        return 0
+    console = Console()
+    table = Table(title="p2pkv transports")
+    for col in ("name", "kind", "distribution", "version", "status", "capabilities"):
+        table.add_column(col)
+    for row in report["transports"]:
+        caps = ", ".join(k for k, v in row["capabilities"].items() if v is True)
+        status = "[green]available[/]" if row["available"] else f"[red]unavailable[/]: {row['reason']}"
+        table.add_row(row["name"], row["kind"], row["distribution"], row["version"], status, caps)
+    for row in report["not_installed"]:
+        table.add_row(row["name"], row["kind"], row["distribution"], "-",
+                      f"[yellow]not installed[/]: {row['install']}", "")
+    console.print(table)
+    for f in report["failed_plugins"]:
+        console.print(f"[red]plugin {f['plugin']} ({f['distribution']}) failed:[/] {f['reason']}")
+    for c in report["conflicts"]:
+        console.print(f"[red]{c['kind']} transport {c['name']!r} refused: claimed by "
+                      f"{' and '.join(c['distributions'])}[/]")
+    return 0

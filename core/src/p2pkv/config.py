@@ -1,0 +1,228 @@
+"""``TierConfig``: a tier config dict, environment defaults and the data-parallel port offset.
+
+Precedence for ``host`` and ``port``: explicit key > environment variable > built-in default.
+The bound port is ``base port + dp_rank``. Every rejection is a ``ConfigError`` that names the
+key and what would be valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from p2pkv.addressing import format_address
+from p2pkv.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "Limits",
+    "TierConfig",
+    "Timeouts",
+    "config_fingerprint",
+]
+
+DEFAULT_HOST = "localhost"
+DEFAULT_PORT = 5710
+HOST_ENV = ("P2PKV_HOST",)
+PORT_ENV = ("P2PKV_PORT",)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines in seconds. Every wait in the tier is bounded by one of these."""
+
+    handshake: float = 10.0
+    """A connected peer must complete the hello exchange within this."""
+    load: float = 30.0
+    """A load with no transfer-done by then is aborted."""
+    abort_ack: float = 10.0
+    """An aborted load with no abort-ack by then fails anyway."""
+    abort_drain: float = 10.0
+    """A producer draining an abort force-cancels after this."""
+    store: float = 30.0
+    """A store bound to a consumer but not finished by then fails."""
+    unbound_store: float = 60.0
+    """A store whose consumer never asked for it fails after this."""
+    lookup: float = 5.0
+    """A producer answers MISS for lookups its hit source has not settled by then."""
+    shutdown_drain: float = 5.0
+    """Shutdown waits this long for in-flight transfers before giving up on them."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what a peer may send; exceeding one is a protocol error."""
+
+    max_frame_bytes: int = 64 * 1024 * 1024
+    max_keys_per_message: int = 65536
+    max_key_bytes: int = 1024
+    max_request_id_chars: int = 256
+    max_descriptor_bytes: int = 16 * 1024 * 1024
+    max_consecutive_internal_errors: int = 5
+
+
+_TOP_KEYS = (
+    "type",
+    "control",
+    "data",
+    "host",
+    "port",
+    "control_options",
+    "data_options",
+    "timeouts",
+    "limits",
+    "fingerprint",
+    "hash_seed",
+)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """A validated tier config. Build it with :meth:`from_dict`."""
+
+    control: str = "zmq"
+    data: str = "nixl"
+    host: str = DEFAULT_HOST
+    base_port: int = DEFAULT_PORT
+    dp_rank: int = 0
+    control_options: Mapping[str, Any] = field(default_factory=dict)
+    data_options: Mapping[str, Any] = field(default_factory=dict)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
+    fingerprint: str = ""
+    hash_seed: str = ""
+
+    @property
+    def port(self) -> int:
+        """The port this tier binds: base port + data-parallel rank (0 stays 0: ephemeral)."""
+        return self.base_port + self.dp_rank if self.base_port else 0
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    def with_overrides(self, **changes: Any) -> TierConfig:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(
+        cls,
+        d: Mapping[str, Any] | None = None,
+        *,
+        dp_rank: int = 0,
+        environ: Mapping[str, str] | None = None,
+        host_env: Sequence[str] = HOST_ENV,
+        port_env: Sequence[str] = PORT_ENV,
+    ) -> TierConfig:
+        """Validate a tier config dict.
+
+        ``host_env``/``port_env`` name the environment variables consulted, first match wins
+        (engine adapters put their own names first). ``environ`` defaults to ``os.environ``.
+        """
+        d = dict(d or {})
+        env = os.environ if environ is None else environ
+        unknown = sorted(set(d) - set(_TOP_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"unknown tier config key(s) {unknown}; valid keys: {', '.join(_TOP_KEYS)}"
+            )
+        if "type" in d and not isinstance(d["type"], str):
+            raise ConfigError("tier config key 'type' must be a string")
+        control = _str(d, "control", "zmq")
+        data = _str(d, "data", "nixl")
+        host = _str(d, "host", None)
+        host_source = "key 'host'"
+        if host is None:
+            host, host_source = _from_env(env, host_env, DEFAULT_HOST)
+        if not host:
+            raise ConfigError(f"{host_source}: host must not be empty")
+        if "port" in d:
+            base_port = d["port"]
+            port_source = "key 'port'"
+            if isinstance(base_port, bool) or not isinstance(base_port, int):
+                raise ConfigError(f"tier config key 'port' must be an integer, got {base_port!r}")
+        else:
+            text, port_source = _from_env(env, port_env, str(DEFAULT_PORT))
+            try:
+                base_port = int(text)
+            except ValueError:
+                raise ConfigError(f"{port_source}: port must be an integer, got {text!r}") from None
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+            raise ConfigError(f"dp_rank must be a non-negative integer, got {dp_rank!r}")
+        if base_port != 0 and not 0 < base_port + dp_rank < 65536:
+            raise ConfigError(
+                f"{port_source}: port {base_port} + data-parallel rank {dp_rank} = "
+                f"{base_port + dp_rank} is outside 1..65535"
+            )
+        if base_port < 0:
+            raise ConfigError(f"{port_source}: port must be >= 0 (0 = ephemeral)")
+        return cls(
+            control=control,
+            data=data,
+            host=host,
+            base_port=base_port,
+            dp_rank=dp_rank,
+            control_options=_mapping(d, "control_options"),
+            data_options=_mapping(d, "data_options"),
+            timeouts=_dataclass_from(Timeouts, d.get("timeouts"), "timeouts"),
+            limits=_dataclass_from(Limits, d.get("limits"), "limits"),
+            fingerprint=_str(d, "fingerprint", "") or "",
+            hash_seed=_str(d, "hash_seed", "") or "",
+        )
+
+
+def config_fingerprint(fields_: Mapping[str, Any]) -> str:
+    """16 hex chars identifying a model/run config; empty fields give "" (matches anyone)."""
+    if not fields_:
+        return ""
+    blob = json.dumps(dict(fields_), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _from_env(env: Mapping[str, str], names: Sequence[str], default: str) -> tuple[str, str]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            return str(value), f"environment variable {name}"
+    return default, "default"
+
+
+def _str(d: Mapping[str, Any], key: str, default: str | None) -> str | None:
+    value = d.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"tier config key {key!r} must be a string, got {value!r}")
+    return value
+
+
+def _mapping(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = d.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"tier config key {key!r} must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def _dataclass_from(cls: Any, raw: Any, key: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"tier config key {key!r} must be a mapping")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown {key} key(s) {unknown}; valid: {', '.join(known)}")
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        default = getattr(cls(), name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}.{name} must be a number, got {value!r}")
+        if value <= 0:
+            raise ConfigError(f"{key}.{name} must be > 0, got {value!r}")
+        if isinstance(default, int) and not isinstance(value, int):
+            raise ConfigError(f"{key}.{name} must be an integer, got {value!r}")
+        values[name] = type(default)(value)
+    return cls(**values)

@@ -1,0 +1,318 @@
+"""Transport contracts: what the core needs from a control plane and a data plane.
+
+Threading model (applies to every class here): all public methods are called from **one
+driver thread at a time** (the tier's). A transport may run I/O threads of its own, but it
+never calls back into the core from them, and it never blocks the driver longer than a call's
+contract allows. Transports carry opaque bytes; encoding, validation and the session protocol
+live in the core.
+
+Construction goes through ``create(settings)`` so the registry can build any transport from a
+tier config; ``availability()`` lets ``p2pkv plugins`` explain a transport whose library is
+missing without constructing it.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from p2pkv.errors import TransportUnavailable
+
+__all__ = [
+    "EMPTY_POLL",
+    "CancelMode",
+    "Capabilities",
+    "ControlConnection",
+    "ControlSettings",
+    "ControlTransport",
+    "DataSettings",
+    "DataTransport",
+    "PollResult",
+    "TransportKind",
+]
+
+TransportKind = Literal["control", "data"]
+
+
+class CancelMode(str, enum.Enum):
+    """How ``DataTransport.cancel`` treats transfers.
+
+    ``IMMEDIATE`` forgets the transfers at once; only for transfers known to be dead (the
+    backend no longer touches their memory). ``WAIT`` asks the backend to stop and keeps every
+    transfer it cannot confirm stopped; those ids are returned and stay pollable.
+    """
+
+    IMMEDIATE = "immediate"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport claims to support; the conformance kit and ``p2pkv plugins`` read it.
+
+    ``two_sided`` marks data transports that need the receiver to post buffers first (see
+    ``DataTransport.expect_blocks``). ``heartbeats`` marks control transports that detect a
+    silent peer on their own (not only a closed socket).
+    """
+
+    cross_process: bool
+    cross_host: bool
+    wait_cancel: bool = True
+    memory_kinds: frozenset[str] = frozenset({"DRAM"})
+    auth: bool = False
+    heartbeats: bool = False
+    two_sided: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cross_process": self.cross_process,
+            "cross_host": self.cross_host,
+            "wait_cancel": self.wait_cancel,
+            "memory_kinds": sorted(self.memory_kinds),
+            "auth": self.auth,
+            "heartbeats": self.heartbeats,
+            "two_sided": self.two_sided,
+        }
+
+
+class PollResult(NamedTuple):
+    """Transfer ids that reached a terminal state since the previous poll of the same scope.
+
+    Each id appears in exactly one ``PollResult`` over the transport's lifetime (never both
+    ``done`` and ``failed``, never twice). Sequences may be shared immutable objects.
+    """
+
+    done: Sequence[int]
+    failed: Sequence[int]
+
+
+EMPTY_POLL = PollResult((), ())
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """What a control transport is built from.
+
+    ``host``/``port`` is where to listen; ``port`` 0 asks for an ephemeral port, reported by
+    ``local_address``. ``max_frame_bytes`` caps every frame in both directions. ``options`` is
+    the transport-specific part of the tier config (``control_options``); unknown keys must be
+    refused with ``ConfigError`` naming the key.
+    """
+
+    host: str
+    port: int
+    max_frame_bytes: int = 64 * 1024 * 1024
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What a data transport is built from.
+
+    ``region`` is a 1-D, C-contiguous, writable byte buffer of ``num_blocks * block_len``
+    bytes owned by the caller (the engine's KV region). The transport registers it for the
+    transport's lifetime and must not keep a reference after ``close()`` returns (unless it
+    reports undrained transfers, see ``close``). ``options`` is ``data_options``.
+    """
+
+    region: memoryview
+    block_len: int
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.region.nbytes // self.block_len
+
+
+class _Transport(ABC):
+    name: ClassVar[str]
+    kind: ClassVar[TransportKind]
+    capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    def availability(cls) -> TransportUnavailable | None:
+        """Return why this transport cannot be used here, or None if it can.
+
+        Must be cheap and must not raise; it may import the transport's library.
+        """
+        return None
+
+
+class ControlConnection(ABC):
+    """An ordered, message-framed, bidirectional channel to one peer.
+
+    Frames sent on one connection arrive at the peer in order, each exactly once, or the
+    connection dies. The transport owns liveness: a peer that closes, crashes or stops
+    answering makes ``alive`` False within the transport's configured timeout.
+    """
+
+    @property
+    @abstractmethod
+    def peer_address(self) -> str:
+        """The peer's dialable address; equal to what ``connect`` was given for that peer."""
+
+    @property
+    @abstractmethod
+    def alive(self) -> bool:
+        """False once the connection is closed locally, closed by the peer, or the peer is dead."""
+
+    @abstractmethod
+    def send(self, frame: bytes) -> None:
+        """Queue one frame; never blocks.
+
+        Raises ``ConnectionClosed`` on a dead or closed connection, ``SendQueueFull`` when the
+        bounded queue is full, ``ProtocolError`` when the frame exceeds the size cap. The caller
+        keeps ownership of ``frame``; the transport copies it if it needs it later.
+        """
+
+    @abstractmethod
+    def recv(self) -> Sequence[bytes]:
+        """Drain every frame received since the last call, in order (possibly empty).
+
+        Frames arrive through the owning transport's ``poll``; ``recv`` does no I/O itself.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close; idempotent. The peer sees the connection die; frames not yet sent may be lost."""
+
+
+class ControlTransport(_Transport):
+    """Listens on one address, dials peers, and drives all control I/O from ``poll``."""
+
+    kind: ClassVar[TransportKind] = "control"
+
+    @classmethod
+    @abstractmethod
+    def create(cls, settings: ControlSettings) -> ControlTransport:
+        """Bind and listen. Raises ``ConfigError`` (address in use, bad option) or
+        ``TransportUnavailable``. On failure nothing stays bound."""
+
+    @property
+    @abstractmethod
+    def local_address(self) -> str:
+        """The address peers dial to reach us (``host:port``, ``[v6]:port``, ``mem://...``)."""
+
+    @abstractmethod
+    def connect(self, address: str) -> ControlConnection:
+        """Open (or return the live) connection to ``address``; never blocks.
+
+        Frames may be sent at once; they are delivered once the peer is reachable. A dead
+        connection registered for the same address is retired and replaced.
+        """
+
+    @abstractmethod
+    def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
+        """Do all pending I/O and return connections accepted since the last call.
+
+        Each inbound peer is returned exactly once, with its first frames already buffered.
+        Waits at most ``timeout`` seconds for I/O (0 = never wait).
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every connection and stop listening; idempotent."""
+
+
+class DataTransport(_Transport):
+    """Moves whole blocks from our registered region into a peer's registered region.
+
+    Ids: ``write_blocks`` and ``expect_blocks`` return transfer ids unique for the transport's
+    lifetime; each reaches exactly one terminal state, reported once by ``poll``.
+
+    Progress: ``poll`` must also progress *inbound* work (one-sided transports without a
+    progress thread need the target to keep calling in, or the initiator's writes never
+    finish). Callers therefore poll every tick, even with nothing of their own in flight.
+    """
+
+    kind: ClassVar[TransportKind] = "data"
+
+    @classmethod
+    @abstractmethod
+    def create(cls, settings: DataSettings) -> DataTransport:
+        """Register ``settings.region``. Raises ``ConfigError`` or ``TransportUnavailable``."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def block_len(self) -> int: ...
+
+    @abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to its ``add_peer`` to be able to write into our region."""
+
+    @abstractmethod
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        """Register a peer's region. Raises ``PeerRejected`` (with the reason) when the
+        descriptor is malformed or the region shape does not match ours. Re-adding a known
+        peer replaces it once its transfers are quiescent."""
+
+    @abstractmethod
+    def remove_peer(self, peer_id: str) -> list[int]:
+        """Forget a peer. Transfers of the peer still running are wait-cancelled and polled up
+        to the transport's drain deadline; ids that could not be drained are returned and the
+        peer's resources are kept (never released under a live transfer)."""
+
+    @abstractmethod
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        """Start copying local block ``local_idxs[i]`` into the peer's block ``remote_idxs[i]``.
+
+        Non-blocking. Both lists are bounds-checked (local against ours, remote against the
+        peer's advertised ``num_blocks``) before anything is posted. Raises
+        ``TransferSubmitError`` on any failure (unknown peer, bad index, backend refusal);
+        never returns a sentinel. Our source blocks must stay untouched until the id is done.
+        """
+
+    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
+        """Announce that ``peer_id`` will write into our blocks ``local_idxs``.
+
+        One-sided transports (NIXL-style writes) return None and do nothing. Two-sided
+        transports (tagged send/receive) post receives into those slots and return a transfer
+        id that completes, in ``poll(peer_id)``, when every block has landed; the core does not
+        trust a load until that id is done. Raises ``TransferSubmitError`` like
+        ``write_blocks``.
+        """
+        return None
+
+    def progress(self) -> None:
+        """Progress inbound and outbound I/O without reporting or forgetting anything.
+
+        The tier calls this every tick (even with no session), so a peer's one-sided writes
+        into our region complete. Must not block. Default: nothing to do.
+        """
+        return None
+
+    @abstractmethod
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        """Progress all I/O; report and forget terminal transfers of ``peer_id``.
+
+        With ``peer_id``, only that peer's transfers are examined and drained (other peers'
+        completions stay for their own poll). ``None`` drains every peer (shutdown only).
+        An error while checking a transfer fails that transfer; it is never left in flight.
+        """
+
+    @abstractmethod
+    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
+        """Cancel transfers; unknown ids are ignored.
+
+        ``WAIT``: returns the ids the backend could not confirm stopped; they stay in flight
+        and will be reported by ``poll``. Ids it did stop are forgotten (never reported).
+        ``IMMEDIATE``: forgets every id and returns ``[]``.
+        """
+
+    @abstractmethod
+    def close(self) -> list[int]:
+        """Release peers and deregister the region; idempotent.
+
+        Every transfer still in flight is wait-cancelled and polled up to the drain deadline
+        first. Ids that never drained are returned, and then the region stays registered
+        (leaked on purpose rather than freed under DMA).
+        """

@@ -1,0 +1,107 @@
+"""Every hook a p2pkv plugin may implement, in one place.
+
+A plugin is a module (or object) named by an entry point in the ``p2pkv`` group. It declares
+``P2PKV_PLUGIN_API = 1`` and implements hooks with the :data:`hookimpl` marker::
+
+    from p2pkv.hookspecs import hookimpl
+
+    P2PKV_PLUGIN_API = 1
+
+    @hookimpl
+    def p2pkv_transports():
+        return [MyDataTransport]
+
+Implementations must not raise from observer hooks: an observer that raises is logged and
+the core goes on. Observer hooks run on the tier's driver thread; keep them cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pluggy
+
+__all__ = ["PLUGIN_API_VERSION", "PROJECT", "hookimpl", "hookspec"]
+
+PROJECT = "p2pkv"
+PLUGIN_API_VERSION = 1
+"""Plugins declare the API they were built for as ``P2PKV_PLUGIN_API``; others are refused."""
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# -- registration ---------------------------------------------------------------------------
+
+
+@hookspec
+def p2pkv_transports() -> list[type[Any]]:
+    """Return transport classes this plugin provides.
+
+    Each class subclasses ``ControlTransport`` or ``DataTransport`` and carries ``name``,
+    ``kind`` and ``capabilities``. Importing the plugin module must not import the
+    transport's heavy library; ``availability()`` reports a missing one.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def p2pkv_cli_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add subcommands to the ``p2pkv`` CLI.
+
+    Each parser must set ``func`` (``parser.set_defaults(func=...)``), a callable taking the
+    parsed ``argparse.Namespace`` and returning the process exit code.
+    """
+
+
+# -- observers ------------------------------------------------------------------------------
+
+
+@hookspec
+def p2pkv_session_opened(peer: str, local: str) -> None:
+    """A session with ``peer`` completed its handshake."""
+
+
+@hookspec
+def p2pkv_session_closed(peer: str, reason: str) -> None:
+    """A session ended (``reason``: bye text, ``peer_dead``, ``protocol_error: ...``, ``shutdown``)."""
+
+
+@hookspec
+def p2pkv_handshake_rejected(peer: str, reason: str) -> None:
+    """A peer was refused at handshake (incompatible shape, fingerprint, seed, version)."""
+
+
+@hookspec
+def p2pkv_protocol_error(peer: str, reason: str) -> None:
+    """A peer violated the protocol; its session is being closed."""
+
+
+@hookspec
+def p2pkv_transfer_submitted(peer: str, transfer_id: int, blocks: int, nbytes: int) -> None:
+    """A data transfer was posted."""
+
+
+@hookspec
+def p2pkv_transfer_finished(
+    peer: str, transfer_id: int, success: bool, nbytes: int, seconds: float
+) -> None:
+    """A data transfer reached a terminal state (``seconds`` since submit)."""
+
+
+@hookspec
+def p2pkv_job_finished(
+    job_id: int, is_load: bool, outcome: str, kv_request_id: str, peer: str, seconds: float
+) -> None:
+    """An engine job got its single result (``outcome`` is an ``Outcome`` value)."""
+
+
+@hookspec
+def p2pkv_timeout(kind: str, kv_request_id: str, peer: str) -> None:
+    """A deadline fired (``kind``: handshake, load, abort_ack, store, unbound_store, ...)."""
+
+
+@hookspec
+def p2pkv_tier_state(in_flight_transfers: int, parked_stores: int, sessions: int) -> None:
+    """Gauges, reported once per ``on_schedule_end``."""

@@ -1,0 +1,88 @@
+"""Run one side of a test in a child process, with bounded waits and a hard kill.
+
+The child runs ``target(conn, *args)`` where ``conn`` is the child's end of a duplex
+``multiprocessing`` pipe (test-harness traffic only; never a p2pkv wire). Every wait takes a
+timeout and raises ``TimeoutError`` naming what was awaited, so a stuck peer fails the test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["Child"]
+
+
+def _entry(target: Callable[..., Any], conn: Connection, args: tuple[Any, ...]) -> None:
+    try:
+        target(conn, *args)
+    finally:
+        conn.close()
+
+
+class Child:
+    """A spawned process talking to the test over a pipe. Use as a context manager."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, name: str = "p2pkv-child") -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_entry, args=(target, child_conn, args), name=name, daemon=True
+        )
+        self._child_conn = child_conn
+
+    def start(self) -> Child:
+        self.process.start()
+        self._child_conn.close()
+        return self
+
+    def __enter__(self) -> Child:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def send(self, obj: Any) -> None:
+        self._conn.send(obj)
+
+    def recv(self, timeout: float, what: str = "a message") -> Any:
+        """Next object from the child; ``TimeoutError`` if none within ``timeout`` seconds."""
+        if not self._conn.poll(timeout):
+            state = "alive" if self.process.is_alive() else f"exited {self.process.exitcode}"
+            raise TimeoutError(f"child {self.process.name} ({state}) sent no {what} in {timeout}s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise EOFError(
+                f"child {self.process.name} closed its pipe (exit {self.process.exitcode})"
+            ) from None
+
+    def request(self, obj: Any, timeout: float, what: str = "a reply") -> Any:
+        self.send(obj)
+        return self.recv(timeout, what)
+
+    def kill(self) -> None:
+        """SIGKILL the child (no cleanup on its side) and reap it."""
+        if self.process.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask politely (close the pipe), then kill if it does not exit in time."""
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up .venv with every p2pkv distribution (editable), the transport libraries and the dev
+# tools. Idempotent; safe to re-run. Needs only python3 (>= 3.10) and pip, plus PyPI access.
+#
+# NIXL and UCXX are installed lean: `pip install nixl` would pull torch and the CUDA stack
+# (about 6 GB) because nixl-cu12 declares torch although it never imports it. We install
+# numpy first and then the NIXL/UCXX wheels with --no-deps (about 0.6 GB in all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${P2PKV_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" -r scripts/requirements-dev.txt
+# Transport libraries, lean (see above). Versions are pinned: nixl 1.5.2 does not resolve.
+"${PIP[@]}" --no-deps -r scripts/requirements-transports.txt
+
+# Every distribution in the workspace, editable, in dependency order.
+dists=(core)
+for d in transports/* plugins/* tests/example_plugin; do
+  [ -f "$d/pyproject.toml" ] && dists+=("$d")
+done
+args=()
+for d in "${dists[@]}"; do args+=(-e "$d"); done
+"${PIP[@]}" --no-build-isolation --no-deps "${args[@]}"
+echo "p2pkv installed in $VENV: ${dists[*]}"
