@@ -1,0 +1,65 @@
+"""The metric objects, built once per registry.
+
+Label values are bounded: ``outcome`` is an ``Outcome`` value, ``reason`` keeps only the first
+word of a free-text reason, ``kind`` is a timeout kind. No per-request or per-peer labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """All p2pkv metrics registered in one ``CollectorRegistry``."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.jobs = Counter(
+            "p2pkv_jobs", "Engine jobs finished, by kind and outcome.", ["kind", "outcome"],
+            registry=registry,
+        )
+        self.job_seconds = Histogram(
+            "p2pkv_job_duration_seconds", "Time from submit to result of an engine job.", ["kind"],
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.transfers = Counter(
+            "p2pkv_transfers", "Data transfers finished, by result.", ["result"], registry=registry
+        )
+        self.transferred_bytes = Counter(
+            "p2pkv_transferred_bytes", "Bytes written to peers by successful transfers.",
+            registry=registry,
+        )
+        self.transfer_seconds = Histogram(
+            "p2pkv_transfer_duration_seconds", "Time from submit to completion of a transfer.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.sessions_opened = Counter(
+            "p2pkv_sessions_opened", "Sessions that completed their handshake.", registry=registry
+        )
+        self.sessions_closed = Counter(
+            "p2pkv_sessions_closed", "Sessions that ended, by reason.", ["reason"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "p2pkv_handshake_rejections", "Peers refused at handshake.", registry=registry
+        )
+        self.protocol_errors = Counter(
+            "p2pkv_protocol_errors", "Sessions closed for a protocol violation.", registry=registry
+        )
+        self.timeouts = Counter(
+            "p2pkv_timeouts", "Deadlines that fired, by kind.", ["kind"], registry=registry
+        )
+        self.inflight = Gauge(
+            "p2pkv_inflight_transfers", "Data transfers in flight.", registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.parked = Gauge(
+            "p2pkv_parked_stores", "Store jobs waiting for their consumer.", registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.sessions = Gauge(
+            "p2pkv_sessions", "Live sessions.", registry=registry, multiprocess_mode="livesum"
+        )
