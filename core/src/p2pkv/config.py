@@ -59,11 +59,17 @@ class Limits:
     """Caps on what a peer may send; exceeding one is a protocol error."""
 
     max_frame_bytes: int = 64 * 1024 * 1024
+    """Largest control frame accepted or sent."""
     max_keys_per_message: int = 65536
+    """Most keys (blocks) in one fetch, lookup or lookup response."""
     max_key_bytes: int = 1024
+    """Longest block key."""
     max_request_id_chars: int = 256
+    """Longest ``kv_request_id``."""
     max_descriptor_bytes: int = 16 * 1024 * 1024
+    """Largest data-transport descriptor in a hello."""
     max_consecutive_internal_errors: int = 5
+    """Internal errors in a row while handling one peer's messages before its session is closed."""
 
 
 _TOP_KEYS = (
@@ -86,16 +92,27 @@ class TierConfig:
     """A validated tier config. Build it with :meth:`from_dict`."""
 
     control: str = "zmq"
+    """Control transport name (``p2pkv plugins`` lists what is installed)."""
     data: str = "nixl"
+    """Data transport name."""
     host: str = DEFAULT_HOST
+    """Host to bind and advertise; env ``P2PKV_HOST``. Non-loopback needs authentication."""
     base_port: int = DEFAULT_PORT
+    """Base control port (key ``port``; env ``P2PKV_PORT``); the bound port adds ``dp_rank``. 0 = ephemeral."""
     dp_rank: int = 0
+    """Data-parallel rank (given by the engine, not a config key)."""
     control_options: Mapping[str, Any] = field(default_factory=dict)
+    """Options of the control transport (see Transports)."""
     data_options: Mapping[str, Any] = field(default_factory=dict)
+    """Options of the data transport (see Transports)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    """Deadlines, below."""
     limits: Limits = field(default_factory=Limits)
+    """Caps on what peers may send, below."""
     fingerprint: str = ""
+    """Model/run fingerprint; peers with different non-empty fingerprints are rejected."""
     hash_seed: str = ""
+    """Block-hash seed; peers with a different seed are rejected at handshake."""
 
     @property
     def port(self) -> int:

@@ -1,0 +1,71 @@
+"""mkdocs hook: replace ``<!-- config-reference -->`` with tables generated from TierConfig.
+
+The tables come from the dataclasses in ``p2pkv.config`` (field names, defaults, and the
+docstring under each field), so the reference cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from typing import Any
+
+from p2pkv import config
+
+MARKER = "<!-- config-reference -->"
+_KEY_NAMES = {"base_port": "port"}
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _default(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return "{}" if isinstance(value, dict) else "see below"
+    return "required"
+
+
+def _table(cls: type, prefix: str) -> str:
+    docs = _field_docs(cls)
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        key = _KEY_NAMES.get(f.name, f.name)
+        rows.append(f"| `{prefix}{key}` | `{_default(f)}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows)
+
+
+def render() -> str:
+    parts = [
+        "### Top-level keys",
+        _table(config.TierConfig, ""),
+        "",
+        "### `timeouts` (seconds)",
+        _table(config.Timeouts, "timeouts."),
+        "",
+        "### `limits`",
+        _table(config.Limits, "limits."),
+    ]
+    return "\n".join(parts)
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    if MARKER in markdown:
+        return markdown.replace(MARKER, render())
+    return markdown
