@@ -55,6 +55,23 @@ def p2pkv_cli_commands(subparsers: argparse._SubParsersAction) -> None:  # type:
     """
 
 
+@hookspec
+def p2pkv_bench_baselines() -> list[type[Any]]:
+    """Return raw-library baselines for ``p2pkv bench`` (optional; additive to plugin API 1).
+
+    A baseline moves blocks with the transport's library *without* p2pkv (for example NIXL
+    with the same prepared descriptors), so the bench can report p2pkv's ratio to it. Each
+    class has a ``name`` (usually the transport's name, e.g. ``"nixl"``) and is duck-typed
+    like a ``DataTransport``: ``create(DataSettings)``, ``descriptor() -> bytes``,
+    ``add_peer(peer_id, descriptor)``, ``write_blocks(peer_id, local_idxs, remote_idxs) ->
+    id``, ``expect_blocks(peer_id, local_idxs) -> id | None``, ``progress()``,
+    ``poll(peer_id) -> PollResult``, ``close()``. It skips p2pkv's validation and bookkeeping
+    but must still move real bytes (the bench verifies them). Importing the plugin module must
+    not import the library.
+    """
+    raise NotImplementedError
+
+
 # -- observers ------------------------------------------------------------------------------
 
 

@@ -256,6 +256,29 @@ class Registry:
             if name not in (self.control if kind == "control" else self.data)
         ]
 
+    def bench_baselines(self) -> dict[str, type[Any]]:
+        """Raw-library baselines for ``p2pkv bench`` by name (hook ``p2pkv_bench_baselines``).
+
+        A plugin whose hook raises is logged and skipped; the first of two same-named
+        baselines wins (logged)."""
+        found: dict[str, type[Any]] = {}
+        hook = cast(Any, self.pm.hook).p2pkv_bench_baselines
+        for impl in hook.get_hookimpls():
+            try:
+                classes = impl.function() or []
+            except Exception:
+                log.exception("p2pkv_bench_baselines of %s raised; ignored", impl.plugin_name)
+                continue
+            for cls in classes:
+                name = getattr(cls, "name", None)
+                if not isinstance(name, str):
+                    log.warning("bench baseline %r of %s has no name", cls, impl.plugin_name)
+                elif name in found:
+                    log.warning("bench baseline %r offered twice; keeping the first", name)
+                else:
+                    found[name] = cls
+        return found
+
     def add_cli_commands(self, subparsers: Any) -> None:
         cast(Any, self.pm.hook).p2pkv_cli_commands(subparsers=subparsers)
 
