@@ -41,7 +41,8 @@ def build_parser(registry: Registry) -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
+            # Only a command whose own module (or package) is absent is skipped.
+            if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
                 raise
             continue
         mod.add_parser(sub)
