@@ -1,0 +1,65 @@
+"""Data-plane endpoints the bench drives: p2pkv transports, raw-library baselines, memcpy.
+
+Every series of the matrix is an *endpoint kind* built over a caller-owned region:
+
+- ``p2pkv``: a registered ``DataTransport`` (``nixl``, ``ucx``, ``memory`` ...), built exactly
+  as the tier builds it (registry + ``DataSettings``).
+- ``raw``: a baseline from a transport distribution (hook ``p2pkv_bench_baselines``): the same
+  library driven without p2pkv (e.g. NIXL with the same prepared descriptors). Baselines are
+  duck-typed like ``DataTransport`` — ``create(DataSettings)``, ``descriptor()``,
+  ``add_peer(peer, descriptor)``, ``write_blocks(peer, local, remote) -> id``,
+  ``poll(peer) -> PollResult``, ``progress()``, ``expect_blocks(peer, local) -> id | None``,
+  ``close()`` — so the bench times both with one loop.
+
+Two endpoints of a kind are paired: the initiator writes from its region into the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from p2pkv.contracts import DataSettings
+from p2pkv.errors import ConfigError
+from p2pkv.registry import Registry
+
+__all__ = ["SeriesSpec", "make_endpoint"]
+
+
+@dataclass(frozen=True)
+class SeriesSpec:
+    """One series of the matrix: what moves the bytes.
+
+    ``impl`` is ``p2pkv``, ``raw`` or ``memcpy``; ``transport`` names the transport (or the
+    library for ``raw``; ``memcpy`` for memcpy).
+    """
+
+    impl: str
+    transport: str
+    cross_process: bool
+
+    @property
+    def label(self) -> str:
+        return "memcpy" if self.impl == "memcpy" else f"{self.impl} {self.transport}"
+
+
+def make_endpoint(
+    spec: SeriesSpec, registry: Registry, region: memoryview, block_len: int
+) -> Any:
+    """Build the endpoint of ``spec`` over ``region`` (raises ``ConfigError`` if unknown)."""
+    settings = DataSettings(region=region, block_len=block_len, options={})
+    if spec.impl == "p2pkv":
+        cls = registry.transport("data", spec.transport)
+        problem = cls.availability()
+        if problem is not None:
+            raise problem
+        return cls.create(settings)
+    if spec.impl == "raw":
+        baseline = registry.bench_baselines().get(spec.transport)
+        if baseline is None:
+            raise ConfigError(
+                f"no raw baseline named {spec.transport!r}; installed: "
+                f"{', '.join(sorted(registry.bench_baselines())) or 'none'}"
+            )
+        return baseline.create(settings)
+    raise ConfigError(f"series {spec.label!r} has no endpoint")

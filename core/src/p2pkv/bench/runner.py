@@ -1,0 +1,204 @@
+"""Time one cell of the matrix: a lane, a block size, blocks per request, concurrency.
+
+A cell picks ``batch x groups`` source and destination slots (scattered at random, as a block
+allocator hands them out, or contiguous) and splits them into ``groups`` request-sized
+groups: at least ``concurrency``, and enough to span ``working_set`` bytes so consecutive
+requests touch different memory (a block copied again and again stays in cache and would
+flatter every series). In a repetition request ``r`` writes group ``r % groups`` and is
+submitted once that group's previous request finished and fewer than ``concurrency`` requests
+are in flight. A request's latency runs from its submit to the poll that reports it
+done; a repetition's throughput is its bytes over its wall time. After every repetition
+(warm-up included) the destination slots are checked byte for byte against the source
+blocks' key-derived content and consumed, so the next repetition must write them again.
+
+Every repetition is bounded by ``deadline`` seconds (``CellTimeout``); a failed transfer or a
+wrong byte makes the cell's ``error`` non-empty instead of raising.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from p2pkv.bench.lanes import Lane
+
+__all__ = ["CellPlan", "CellResult", "CellTimeout", "measure_cell", "seeds_for"]
+
+_MASK = (1 << 64) - 1
+
+
+class CellTimeout(TimeoutError):
+    """A repetition did not finish within its deadline."""
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    block_size: int
+    batch: int
+    concurrency: int
+    requests: int
+    reps: int
+    warmup: int = 1
+    contiguous: bool = False
+    deadline: float = 60.0
+    working_set: int = 128 * 1024 * 1024
+
+    def groups_within(self, num_blocks: int) -> int:
+        """Request-sized slot groups for this cell in a region of ``num_blocks`` (0: too small)."""
+        fit = num_blocks // self.batch
+        if fit < self.concurrency:
+            return 0
+        wanted = -(-self.working_set // (self.batch * self.block_size))
+        return min(fit, self.requests, max(self.concurrency, wanted))
+
+
+@dataclass
+class CellResult:
+    """One row of ``p2pkv bench --json`` (rates in GB/s = 1e9 B/s, latencies in µs)."""
+
+    series: str
+    impl: str
+    transport: str
+    block_size: int
+    batch: int
+    concurrency: int
+    requests: int = 0
+    reps: int = 0
+    gbps: float = 0.0
+    gbps_min: float = 0.0
+    gbps_max: float = 0.0
+    p50_us: float = 0.0
+    p99_us: float = 0.0
+    mean_us: float = 0.0
+    bytes_moved: int = 0
+    bytes_verified: int = 0
+    verified: bool = False
+    ratio_raw: float | None = None
+    ratio_memcpy: float | None = None
+    error: str = ""
+    skipped: str = ""
+    rep_gbps: list[float] = field(default_factory=list)
+
+    def as_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def seeds_for(slots: Sequence[int], block_size: int) -> list[int]:
+    """Content seeds of source blocks (distinct per slot and block size, odd)."""
+    return [(((s + 1) * 0x9E3779B97F4A7C15) ^ block_size) & _MASK | 1 for s in slots]
+
+
+def _pick(rng: np.random.Generator, num_blocks: int, need: int, contiguous: bool) -> list[int]:
+    if contiguous:
+        start = int(rng.integers(0, num_blocks - need + 1))
+        return list(range(start, start + need))
+    return [int(x) for x in rng.choice(num_blocks, size=need, replace=False)]
+
+
+def _run_rep(
+    lane: Lane,
+    local: list[list[int]],
+    remote: list[list[int]],
+    requests: int,
+    concurrency: int,
+    deadline: float,
+) -> tuple[float, np.ndarray, int]:
+    """One repetition; returns (wall seconds, latencies in seconds, failed requests)."""
+    n_groups = len(local)
+    busy = [False] * n_groups
+    owner: dict[int, tuple[int, float]] = {}  # id -> (group, submit time)
+    lat = np.empty(requests)
+    finished = submitted = failed_count = 0
+    clock = time.perf_counter
+    t_begin = clock()
+    limit = t_begin + deadline
+    while finished < requests:
+        while (
+            submitted < requests
+            and len(owner) < concurrency
+            and not busy[g := submitted % n_groups]
+        ):
+            busy[g] = True
+            owner[lane.submit(local[g], remote[g])] = (g, clock())
+            submitted += 1
+        done, failed = lane.poll()
+        if done or failed:
+            now = clock()
+            for ids, is_failure in ((done, False), (failed, True)):
+                for tid in ids:
+                    g, t0 = owner.pop(tid)
+                    busy[g] = False
+                    lat[finished] = now - t0
+                    finished += 1
+                    failed_count += is_failure
+        elif clock() > limit:
+            raise CellTimeout(f"{finished}/{requests} requests finished in {deadline}s")
+    return clock() - t_begin, lat, failed_count
+
+
+def measure_cell(lane: Lane, plan: CellPlan, rng: np.random.Generator) -> CellResult:
+    """Run ``plan`` on an opened ``lane``; never raises for transfer or byte failures."""
+    spec = lane.spec
+    result = CellResult(
+        series=spec.label,
+        impl=spec.impl,
+        transport=spec.transport,
+        block_size=plan.block_size,
+        batch=plan.batch,
+        concurrency=plan.concurrency,
+        requests=plan.requests,
+        reps=plan.reps,
+    )
+    num_blocks = lane.source.num_blocks
+    n_groups = plan.groups_within(num_blocks)
+    if n_groups == 0:
+        result.skipped = (
+            f"needs {plan.batch * plan.concurrency} blocks per side, region holds {num_blocks}"
+        )
+        return result
+    need = plan.batch * n_groups
+    src = _pick(rng, num_blocks, need, plan.contiguous)
+    dst = _pick(rng, num_blocks, need, plan.contiguous)
+    seeds = seeds_for(src, plan.block_size)
+    lane.source.fill_seeds(src, seeds)
+    b = plan.batch
+    local = [src[g * b : (g + 1) * b] for g in range(n_groups)]
+    remote = [dst[g * b : (g + 1) * b] for g in range(n_groups)]
+    counts = [
+        plan.requests // n_groups + (g < plan.requests % n_groups) for g in range(n_groups)
+    ]
+    request_bytes = b * plan.block_size
+    latencies: list[np.ndarray] = []
+    errors: list[str] = []
+    for rep in range(plan.warmup + plan.reps):
+        lane.prepare_rep(remote, counts)
+        wall, lat, failed = _run_rep(
+            lane, local, remote, plan.requests, plan.concurrency, plan.deadline
+        )
+        bad, recv_failures = lane.verify(dst, seeds)
+        if failed or bad or recv_failures:
+            errors.append(
+                f"rep {rep}: {failed} failed requests, {len(bad)} wrong blocks, "
+                f"{recv_failures} failed receives"
+            )
+        else:
+            result.bytes_verified += need * plan.block_size
+        result.bytes_moved += plan.requests * request_bytes
+        if rep >= plan.warmup:
+            result.rep_gbps.append(plan.requests * request_bytes / wall / 1e9)
+            latencies.append(lat)
+    rates = np.array(result.rep_gbps)
+    pooled = np.concatenate(latencies) * 1e6
+    result.gbps = float(np.median(rates))
+    result.gbps_min = float(rates.min())
+    result.gbps_max = float(rates.max())
+    result.p50_us = float(np.percentile(pooled, 50))
+    result.p99_us = float(np.percentile(pooled, 99))
+    result.mean_us = float(pooled.mean())
+    result.error = "; ".join(errors)
+    result.verified = not errors
+    return result

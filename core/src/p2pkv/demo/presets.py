@@ -1,0 +1,107 @@
+"""Model presets: the shape of one KV block, and so its size in bytes.
+
+A block holds ``tokens_per_block`` tokens of KV cache for every layer of the model::
+
+    block_bytes = layers x kv_heads x head_dim x tokens_per_block x dtype_bytes x kv_factor
+
+``kv_factor`` is 2 for standard attention (a K and a V vector per head) and 1 for MLA
+(multi-head latent attention, DeepSeek-V2/V3), which caches one compressed latent per token:
+its "head" is the latent (``kv_lora_rank``) plus the decoupled RoPE key (``qk_rope_head_dim``),
+shared by every query head, so ``kv_heads = 1``. Presets use the published model configs and
+assume the KV cache dtype is the model dtype (bf16, 2 bytes) unless ``dtype_bytes`` says
+otherwise; an fp8 KV cache halves the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from p2pkv.errors import ConfigError
+
+__all__ = ["PRESETS", "ModelPreset", "resolve_preset"]
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """The KV-cache geometry of one model."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens_per_block: int = 16
+    dtype_bytes: int = 2
+    kv_factor: int = 2
+    """2: separate K and V; 1: one MLA latent per token."""
+    note: str = ""
+    override_bytes: int | None = None
+    """Set by ``--block-bytes``: the block size used instead of the formula."""
+
+    @property
+    def block_bytes(self) -> int:
+        if self.override_bytes is not None:
+            return self.override_bytes
+        return (
+            self.layers
+            * self.kv_heads
+            * self.head_dim
+            * self.tokens_per_block
+            * self.dtype_bytes
+            * self.kv_factor
+        )
+
+    def formula(self) -> str:
+        """The block size written out, for the demo's header and ``--help``."""
+        if self.override_bytes is not None:
+            return f"{self.override_bytes:,} B (--block-bytes)"
+        kv = "2 (K and V)" if self.kv_factor == 2 else "1 (MLA latent)"
+        return (
+            f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} head dim x "
+            f"{self.tokens_per_block} tokens x {self.dtype_bytes} B x {kv} = "
+            f"{self.block_bytes:,} B"
+        )
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset("llama-3-8b", layers=32, kv_heads=8, head_dim=128, note="GQA, bf16"),
+        ModelPreset("llama-3-70b", layers=80, kv_heads=8, head_dim=128, note="GQA, bf16"),
+        ModelPreset("qwen3-8b", layers=36, kv_heads=8, head_dim=128, note="GQA, bf16"),
+        ModelPreset("qwen2.5-7b", layers=28, kv_heads=4, head_dim=128, note="GQA, bf16"),
+        ModelPreset("mistral-7b", layers=32, kv_heads=8, head_dim=128, note="GQA, bf16"),
+        ModelPreset(
+            "deepseek-v3",
+            layers=61,
+            kv_heads=1,
+            head_dim=512 + 64,
+            kv_factor=1,
+            note="MLA: kv_lora_rank 512 + rope dim 64, bf16",
+        ),
+        ModelPreset("tiny", layers=2, kv_heads=2, head_dim=64, note="for quick checks"),
+    )
+}
+
+
+def resolve_preset(
+    name: str, *, block_bytes: int | None = None, tokens_per_block: int | None = None
+) -> ModelPreset:
+    """The preset ``name``, optionally re-blocked (``tokens_per_block``) or overridden.
+
+    ``block_bytes`` replaces the computed size. Sizes must be positive multiples of 8 bytes (the
+    content check works in 64-bit words). Raises ``ConfigError`` naming the valid choices.
+    """
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    if tokens_per_block is not None:
+        if tokens_per_block <= 0:
+            raise ConfigError(f"--tokens-per-block must be > 0, got {tokens_per_block}")
+        preset = replace(preset, tokens_per_block=tokens_per_block)
+    if block_bytes is not None:
+        preset = replace(preset, override_bytes=block_bytes)
+    if preset.block_bytes <= 0 or preset.block_bytes % 8:
+        raise ConfigError(
+            f"block size must be a positive multiple of 8 bytes, got {preset.block_bytes}"
+        )
+    return preset
