@@ -8,5 +8,13 @@ from __future__ import annotations
 
 from p2pkv_memory.control import MemoryConnection, MemoryControlTransport
 from p2pkv_memory.data import MemoryDataTransport
+from p2pkv_memory.faults import Fault, FaultInjector, FaultRule
 
-__all__ = ["MemoryConnection", "MemoryControlTransport", "MemoryDataTransport"]
+__all__ = [
+    "Fault",
+    "FaultInjector",
+    "FaultRule",
+    "MemoryConnection",
+    "MemoryControlTransport",
+    "MemoryDataTransport",
+]

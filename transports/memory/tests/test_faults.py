@@ -1,0 +1,292 @@
+"""Every fault kind of the FaultInjector, with memory transports inside."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from p2pkv.contracts import CancelMode, ControlConnection, ControlSettings, DataSettings
+from p2pkv.errors import ConnectionClosed, TransferSubmitError
+from p2pkv_memory import (
+    Fault,
+    FaultInjector,
+    MemoryControlTransport,
+    MemoryDataTransport,
+)
+from p2pkv_memory.faults import FaultyControlTransport, FaultyDataTransport
+
+BLOCK = 8
+
+
+@pytest.fixture
+def faults() -> FaultInjector:
+    return FaultInjector(seed=1234)
+
+
+@pytest.fixture
+def controls(faults: FaultInjector) -> Iterator[tuple[FaultyControlTransport, Any]]:
+    a = faults.control(MemoryControlTransport.create(ControlSettings("127.0.0.1", 0)))
+    b = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def link(a: FaultyControlTransport, b: Any) -> tuple[ControlConnection, ControlConnection]:
+    conn = a.connect(b.local_address)
+    conn.send(b"hello")
+    (peer,) = b.poll()
+    assert list(peer.recv()) == [b"hello"]
+    return conn, peer
+
+
+def deliver(b: Any, peer: ControlConnection) -> list[bytes]:
+    b.poll()
+    return list(peer.recv())
+
+
+def test_no_rule_no_fault(controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    for i in range(5):
+        conn.send(bytes([i]))
+    assert deliver(b, peer) == [bytes([i]) for i in range(5)]
+    assert a.capabilities == b.capabilities and conn.alive
+
+
+def test_drop_next_frame_only(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    rule = faults.arm(Fault.DROP, peer=b.local_address, count=1)
+    conn.send(b"1")
+    conn.send(b"2")
+    assert deliver(b, peer) == [b"2"]
+    assert rule.fired == 1
+
+
+def test_rule_for_another_peer_does_not_fire(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    rule = faults.arm(Fault.DROP, peer="10.0.0.1:1")
+    conn.send(b"1")
+    assert deliver(b, peer) == [b"1"]
+    assert rule.fired == 0
+
+
+def test_delay_holds_for_n_polls(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.arm(Fault.DELAY, count=1, polls=2)
+    conn.send(b"late")
+    conn.send(b"early")
+    assert deliver(b, peer) == [b"early"]
+    a.poll()
+    assert deliver(b, peer) == []
+    a.poll()
+    assert deliver(b, peer) == [b"late"]
+
+
+def test_duplicate(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.arm(Fault.DUPLICATE, count=1)
+    conn.send(b"x")
+    conn.send(b"y")
+    assert deliver(b, peer) == [b"x", b"x", b"y"]
+
+
+def test_reorder_swaps_with_next_frame(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.arm(Fault.REORDER, count=1)
+    conn.send(b"1")
+    conn.send(b"2")
+    conn.send(b"3")
+    assert deliver(b, peer) == [b"2", b"1", b"3"]
+
+
+def test_reordered_frame_is_released_by_poll(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.arm(Fault.REORDER, count=1)
+    conn.send(b"only")
+    assert deliver(b, peer) == []
+    a.poll()
+    assert deliver(b, peer) == [b"only"]
+
+
+def test_kill_rule_kills_both_ends(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.arm(Fault.KILL, count=1)
+    with pytest.raises(ConnectionClosed):
+        conn.send(b"x")
+    assert not conn.alive
+    b.poll()
+    assert not peer.alive
+    with pytest.raises(ConnectionClosed):
+        conn.send(b"y")
+
+
+def test_kill_now(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.kill(conn)
+    assert not conn.alive
+    b.poll()
+    assert not peer.alive
+    with pytest.raises(TypeError):
+        faults.kill(peer)
+
+
+def test_connect_returns_the_same_wrapper(controls: Any) -> None:
+    a, b = controls
+    assert a.connect(b.local_address) is a.connect(b.local_address)
+
+
+def test_partition_kills_and_blocks_until_healed(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    faults.partition(a.local_address, b.local_address)
+    assert not conn.alive
+    b.poll()
+    assert not peer.alive
+    again = a.connect(b.local_address)
+    assert not again.alive
+    # inbound from the other side of the partition is closed unseen
+    back = b.connect(a.local_address)
+    back.send(b"x")
+    assert a.poll() == []
+    b.poll()
+    assert not back.alive
+    faults.heal(a.local_address, b.local_address)
+    fresh = a.connect(b.local_address)
+    fresh.send(b"ok")
+    (accepted,) = b.poll()
+    assert list(accepted.recv()) == [b"ok"]
+
+
+def test_probability_is_deterministic_from_the_seed() -> None:
+    def run(seed: int) -> list[bytes]:
+        faults = FaultInjector(seed)
+        a = faults.control(MemoryControlTransport.create(ControlSettings("127.0.0.1", 0)))
+        b = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
+        try:
+            faults.arm(Fault.DROP, probability=0.5)
+            conn = a.connect(b.local_address)
+            for i in range(64):
+                conn.send(bytes([i]))
+            (peer,) = b.poll()
+            return list(peer.recv())
+        finally:
+            a.close()
+            b.close()
+
+    first = run(5)
+    assert first == run(5)
+    assert 0 < len(first) < 64
+    assert first != run(6)
+
+
+def test_arm_validates(faults: FaultInjector) -> None:
+    with pytest.raises(ValueError, match="probability"):
+        faults.arm(Fault.DROP, probability=1.5)
+    with pytest.raises(ValueError, match="count"):
+        faults.arm(Fault.DROP, count=0)
+    with pytest.raises(ValueError, match="polls"):
+        faults.arm(Fault.DELAY, polls=0)
+
+
+def test_disarm(faults: FaultInjector, controls: Any) -> None:
+    a, b = controls
+    conn, peer = link(a, b)
+    rule = faults.arm(Fault.DROP)
+    faults.disarm(rule)
+    faults.arm(Fault.DROP)
+    faults.disarm()
+    conn.send(b"kept")
+    assert deliver(b, peer) == [b"kept"]
+
+
+def test_wrappers_cannot_be_created_from_settings() -> None:
+    with pytest.raises(TypeError):
+        FaultyControlTransport.create(ControlSettings("127.0.0.1", 0))
+    with pytest.raises(TypeError):
+        FaultyDataTransport.create(DataSettings(memoryview(bytearray(8)), 8))
+
+
+# -- data faults -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def datas(faults: FaultInjector) -> Iterator[tuple[FaultyDataTransport, Any, np.ndarray]]:
+    src_buf = np.arange(4 * BLOCK, dtype=np.uint8)
+    dst_buf = np.zeros(4 * BLOCK, dtype=np.uint8)
+    src = faults.data(
+        MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK)), local="src"
+    )
+    dst = MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK))
+    src.add_peer("dst", dst.descriptor())
+    yield src, dst, dst_buf
+    src.close()
+    dst.close()
+
+
+def test_data_wrapper_delegates(datas: Any) -> None:
+    src, dst, dst_buf = datas
+    assert (src.num_blocks, src.block_len) == (4, BLOCK)
+    assert src.capabilities == dst.capabilities
+    assert src.expect_blocks("dst", [0]) is None
+    src.progress()
+    tid = src.write_blocks("dst", [1], [2])
+    assert src.poll("dst") == ([tid], [])
+    assert dst_buf[2 * BLOCK] == BLOCK
+
+
+def test_fail_submit_posts_nothing(faults: FaultInjector, datas: Any) -> None:
+    src, _dst, dst_buf = datas
+    faults.arm(Fault.FAIL_SUBMIT, peer="dst", count=1)
+    with pytest.raises(TransferSubmitError, match="injected"):
+        src.write_blocks("dst", [1], [1])
+    assert src.poll(None) == ((), ())
+    assert not dst_buf.any()
+    src.write_blocks("dst", [1], [1])  # count used up
+
+
+def test_fail_completion(faults: FaultInjector, datas: Any) -> None:
+    src, *_ = datas
+    faults.arm(Fault.FAIL_COMPLETION, peer="dst", count=1)
+    first = src.write_blocks("dst", [0], [0])
+    second = src.write_blocks("dst", [1], [1])
+    result = src.poll("dst")
+    assert (list(result.done), list(result.failed)) == ([second], [first])
+
+
+def test_data_partition(faults: FaultInjector, datas: Any) -> None:
+    src, *_ = datas
+    in_flight = src.write_blocks("dst", [0], [0])
+    faults.partition("src", "dst")
+    with pytest.raises(TransferSubmitError, match="partitioned"):
+        src.write_blocks("dst", [1], [1])
+    assert src.poll("dst") == ([], [in_flight])
+    faults.heal("src", "dst")
+    tid = src.write_blocks("dst", [1], [1])
+    assert src.poll(None) == ([tid], [])
+
+
+def test_cancel_remove_peer_and_close_delegate(faults: FaultInjector) -> None:
+    src_buf, dst_buf = np.zeros(4 * BLOCK, np.uint8), np.zeros(4 * BLOCK, np.uint8)
+    opts = {"completion_polls": 2, "wait_cancel_refuses": True, "drain_polls": 1}
+    src = faults.data(MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK, opts)))
+    dst = MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK))
+    src.add_peer("dst", dst.descriptor())
+    t1 = src.write_blocks("dst", [0], [0])
+    assert src.cancel([t1], CancelMode.WAIT) == [t1]
+    assert src.cancel([t1], CancelMode.IMMEDIATE) == []
+    t2 = src.write_blocks("dst", [0], [0])
+    assert src.remove_peer("dst") == [t2]
+    assert src.close() == [t2]
+    assert src.close() == []
+    dst.close()
