@@ -10,7 +10,7 @@ from rich.table import Table
 
 from p2pkv.registry import Registry, default_registry
 
-__all__ = ["add_parser", "plugin_report"]
+__all__ = ["add_parser", "plugin_report", "print_report"]
 
 
 def add_parser(sub: Any) -> None:
@@ -59,7 +59,12 @@ def run(args: argparse.Namespace) -> int:
 
         print_json(report)
         return 0
-    console = Console()
+    print_report(Console(), report)
+    return 0
+
+
+def print_report(console: Console, report: dict[str, Any]) -> None:
+    """Render a :func:`plugin_report` (also used by ``p2pkv doctor``)."""
     table = Table(title="p2pkv transports")
     for col in ("name", "kind", "distribution", "version", "status", "capabilities"):
         table.add_column(col)
@@ -76,4 +81,3 @@ def run(args: argparse.Namespace) -> int:
     for c in report["conflicts"]:
         console.print(f"[red]{c['kind']} transport {c['name']!r} refused: claimed by "
                       f"{' and '.join(c['distributions'])}[/]")
-    return 0

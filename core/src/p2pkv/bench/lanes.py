@@ -62,6 +62,7 @@ class Lane(ABC):
     def poll(self) -> tuple[Sequence[int], Sequence[int]]:
         """(done ids, failed ids) since the last call; drives I/O."""
 
+    @abstractmethod
     def prepare_rep(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
         """Announce a repetition: ``counts[g]`` requests will write destination ``groups[g]``."""
 
@@ -135,7 +136,7 @@ class MemcpyLane(Lane):
 
     def submit(self, local: list[int], remote: list[int]) -> int:
         src, dst = self.source.words, self._dest.words
-        for i, j in zip(local, remote):
+        for i, j in zip(local, remote, strict=True):
             np.copyto(dst[j], src[i])
         tid = next(self._ids)
         self._done.append(tid)
@@ -144,6 +145,9 @@ class MemcpyLane(Lane):
     def poll(self) -> tuple[Sequence[int], Sequence[int]]:
         done, self._done = self._done, []
         return done, ()
+
+    def prepare_rep(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
+        """Nothing to announce: copies complete inside ``submit``."""
 
     def verify(self, slots: Sequence[int], seeds: Sequence[int]) -> tuple[list[int], int]:
         return self._dest.verify_seeds(slots, seeds), 0

@@ -100,14 +100,10 @@ def _pick(rng: np.random.Generator, num_blocks: int, need: int, contiguous: bool
 
 
 def _run_rep(
-    lane: Lane,
-    local: list[list[int]],
-    remote: list[list[int]],
-    requests: int,
-    concurrency: int,
-    deadline: float,
+    lane: Lane, local: list[list[int]], remote: list[list[int]], plan: CellPlan
 ) -> tuple[float, np.ndarray, int]:
     """One repetition; returns (wall seconds, latencies in seconds, failed requests)."""
+    requests, concurrency, deadline = plan.requests, plan.concurrency, plan.deadline
     n_groups = len(local)
     busy = [False] * n_groups
     owner: dict[int, tuple[int, float]] = {}  # id -> (group, submit time)
@@ -176,9 +172,7 @@ def measure_cell(lane: Lane, plan: CellPlan, rng: np.random.Generator) -> CellRe
     errors: list[str] = []
     for rep in range(plan.warmup + plan.reps):
         lane.prepare_rep(remote, counts)
-        wall, lat, failed = _run_rep(
-            lane, local, remote, plan.requests, plan.concurrency, plan.deadline
-        )
+        wall, lat, failed = _run_rep(lane, local, remote, plan)
         bad, recv_failures = lane.verify(dst, seeds)
         if failed or bad or recv_failures:
             errors.append(

@@ -1,0 +1,199 @@
+"""``p2pkv bench``: data-plane matrix against raw libraries and memcpy; ``--control`` mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from p2pkv.bench.hostinfo import describe_host
+from p2pkv.bench.matrix import KiB, MatrixConfig, MiB, available_series, run_matrix
+from p2pkv.bench.report import geomean_ratios, plot, print_tables
+from p2pkv.bench.runner import CellResult
+from p2pkv.errors import ConfigError
+from p2pkv.registry import default_registry
+
+__all__ = ["QUICK", "add_parser", "parse_size", "run"]
+
+QUICK = MatrixConfig(
+    block_sizes=(64 * KiB, 1 * MiB),
+    batches=(1, 16),
+    concurrency=(1, 4),
+    reps=2,
+    warmup=1,
+    bytes_per_rep=8 * MiB,
+    max_requests=64,
+    region_bytes=64 * MiB,
+)
+"""``--quick``: every series, two block sizes, two batches; seconds, for CI smoke runs."""
+
+_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
+          "G": 1024 * MiB, "GB": 1024 * MiB, "GIB": 1024 * MiB}
+
+
+def parse_size(text: str) -> int:
+    """``64K``, ``1M``, ``4MiB``, ``1G``, ``65536`` -> bytes (binary units)."""
+    t = text.strip().upper()
+    num = t.rstrip("BKMGI")
+    unit = t[len(num):]
+    if not num.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64K, 1M, 4MiB)")
+    return int(num) * _UNITS[unit]
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return values
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    values = tuple(parse_size(x) for x in text.split(",") if x.strip())
+    if not values or any(v <= 0 or v % 8 for v in values):
+        raise argparse.ArgumentTypeError(f"block sizes must be positive multiples of 8: {text!r}")
+    return values
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure transports against the raw libraries and memcpy",
+        description="Data-plane matrix: every data transport x block size x blocks per request "
+        "x concurrency, with the raw library (same transport without p2pkv) and memcpy of "
+        "the same scattered blocks measured in the same run. Every repetition's bytes are "
+        "verified. --control measures control-plane round trips instead.",
+    )
+    p.add_argument("--quick", action="store_true", help="small matrix for CI (seconds)")
+    p.add_argument("--transports", type=lambda s: tuple(x for x in s.split(",") if x),
+                   help="data transports to run (default: every available one)")
+    p.add_argument("--block-sizes", type=_size_list, help="e.g. 64K,256K,1M,4M")
+    p.add_argument("--batches", type=_int_list, help="blocks per request, e.g. 1,4,16,64,256")
+    p.add_argument("--concurrency", type=_int_list, help="requests in flight, e.g. 1,4")
+    p.add_argument("--reps", type=int, help="timed repetitions per cell (default 5)")
+    p.add_argument("--warmup", type=int, help="untimed repetitions per cell (default 1)")
+    p.add_argument("--bytes-per-rep", type=parse_size, help="bytes per repetition (default 256M)")
+    p.add_argument("--region", type=parse_size, help="region size per side (default 1G)")
+    p.add_argument("--contiguous", action="store_true",
+                   help="contiguous slot runs instead of scattered slots")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw-library baselines")
+    p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy baseline")
+    p.add_argument("--seed", type=int, default=0, help="slot-placement seed")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write results as JSON to PATH ('-' or no value: stdout)")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="throughput vs block size per series (needs p2pkv[plot])")
+    p.add_argument("--control", action="store_true",
+                   help="control plane: round trips vs raw pyzmq, CPU per request")
+    p.set_defaults(func=run)
+
+
+def _config(args: argparse.Namespace) -> MatrixConfig:
+    config = QUICK if args.quick else MatrixConfig()
+    changes: dict[str, Any] = {
+        "transports": args.transports,
+        "block_sizes": args.block_sizes,
+        "batches": args.batches,
+        "concurrency": args.concurrency,
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "bytes_per_rep": args.bytes_per_rep,
+        "region_bytes": args.region,
+    }
+    config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+    if config.reps < 1 or config.warmup < 0:
+        raise ConfigError("--reps must be >= 1 and --warmup >= 0")
+    return replace(
+        config,
+        raw=not args.no_raw,
+        memcpy=not args.no_memcpy,
+        contiguous=args.contiguous,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    to_stdout = args.json == "-"
+    console = Console(stderr=to_stdout)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            console.print("[red]--plot needs matplotlib:[/] pip install 'p2pkv[plot]'")
+            return 2
+    if args.control:
+        from p2pkv.bench.control import run_control
+
+        return run_control(args, console)
+    try:
+        config = _config(args)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    registry = default_registry()
+    series, unavailable = available_series(registry, config)
+    for label, why in unavailable.items():
+        console.print(f"[yellow]{label} not measured:[/] {why}")
+    if not series:
+        console.print("[red]nothing to measure[/]")
+        return 2
+    total = sum(
+        1
+        for _ in config.block_sizes
+        for _ in config.batches
+        for c in config.concurrency
+        for s in series
+        if not (s.impl == "memcpy" and c != 1)
+    )
+    started = time.time()
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def on_cell(r: CellResult) -> None:
+            progress.update(
+                task, advance=1,
+                description=f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}",
+            )
+
+        results = run_matrix(registry, config, series, on_cell)
+    elapsed = time.time() - started
+    doc = {
+        "host": describe_host(),
+        "config": asdict(config),
+        "series": [s.label for s in series],
+        "unavailable": unavailable,
+        "elapsed_s": round(elapsed, 1),
+        "rows": [r.as_row() for r in results],
+        "summary": geomean_ratios(results),
+    }
+    title = f"p2pkv bench ({'quick' if args.quick else 'full'}, {elapsed:.0f} s)"
+    if not to_stdout:
+        print_tables(console, results, title)
+    if args.json:
+        text = json.dumps(doc, indent=2, sort_keys=True)
+        if to_stdout:
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+    if args.plot:
+        plot(results, args.plot, title)
+        console.print(f"plot written to {args.plot}")
+    failed = [r for r in results if r.error]
+    return 1 if failed else 0
