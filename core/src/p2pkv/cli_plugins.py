@@ -70,7 +70,9 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         table.add_column(col)
     for row in report["transports"]:
         caps = ", ".join(k for k, v in row["capabilities"].items() if v is True)
-        status = "[green]available[/]" if row["available"] else f"[red]unavailable[/]: {row['reason']}"
+        status = (
+            "[green]available[/]" if row["available"] else f"[red]unavailable[/]: {row['reason']}"
+        )
         table.add_row(row["name"], row["kind"], row["distribution"], row["version"], status, caps)
     for row in report["not_installed"]:
         table.add_row(row["name"], row["kind"], row["distribution"], "-",
