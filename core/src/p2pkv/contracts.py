@@ -99,13 +99,16 @@ class ControlSettings:
     ``host``/``port`` is where to listen; ``port`` 0 asks for an ephemeral port, reported by
     ``local_address``. ``max_frame_bytes`` caps every frame in both directions. ``options`` is
     the transport-specific part of the tier config (``control_options``); unknown keys must be
-    refused with ``ConfigError`` naming the key.
+    refused with ``ConfigError`` naming the key. ``dp_rank`` is the data-parallel rank already
+    added to ``port`` (``TierConfig.dp_rank``); transports use it only to explain errors (a
+    port in use names the base port, the rank offset and ``P2PKV_PORT``).
     """
 
     host: str
     port: int
     max_frame_bytes: int = 64 * 1024 * 1024
     options: Mapping[str, Any] = field(default_factory=dict)
+    dp_rank: int = 0
 
 
 @dataclass(frozen=True)
