@@ -1,0 +1,412 @@
+"""``p2pkv doctor``: what an operator needs when something is slow or fails.
+
+Sections: versions; installed transports and why others are unavailable (the ``p2pkv
+plugins`` report); which UCX lanes each UCX-based data transport picks on this host; the
+environment variables that change lanes and ports; whether the configured control ports are
+free; how NIXL is installed.
+
+Lanes are read from UCX itself: a subprocess with ``UCX_PROTO_INFO=y`` builds two endpoints of
+the transport in one process, moves one small and one large block between them, and UCX
+prints the protocol it selected per operation and size range; we parse those tables. Two
+endpoints in one process talk through UCX's intra-node path, the one two serving processes on
+one host use as well. A transport whose descriptor reports it does not use UCX shows nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from p2pkv import __version__
+from p2pkv.bench.hostinfo import RELEVANT_ENV, describe_host
+from p2pkv.cli_plugins import plugin_report, print_report
+from p2pkv.config import TierConfig
+from p2pkv.errors import ConfigError
+from p2pkv.registry import default_registry
+
+__all__ = [
+    "LaneRow",
+    "add_parser",
+    "check_ports",
+    "nixl_install_note",
+    "parse_proto_info",
+    "probe_lanes",
+    "run",
+    "summarize_lanes",
+]
+
+UCX_TRANSPORTS = ("nixl", "ucx")
+"""Data transports built on UCX, whose lanes are worth probing."""
+_PROBE_TIMEOUT = 45.0
+_PROBE_BLOCK = 1024 * 1024
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="diagnose this host: transports, versions, UCX lanes, ports",
+        description="Everything needed when p2pkv is slow or fails on this host.",
+    )
+    p.add_argument("--config", metavar="JSON",
+                   help="tier config (JSON text or @file) whose ports to check")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data-parallel ranks on this host: check base port .. base+N-1")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the UCX lane probe (it starts a subprocess for a few seconds)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+# -- UCX lanes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaneRow:
+    """One row of a UCX protocol-selection table: for ``operation`` in ``size_range`` bytes,
+    UCX uses ``protocol`` over ``lanes`` (e.g. ``cma/memory``, ``tcp/lo``)."""
+
+    endpoint: str
+    operation: str
+    size_range: str
+    protocol: str
+    lanes: str
+
+
+_TS = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")
+
+
+def parse_proto_info(text: str) -> list[LaneRow]:
+    """Parse ``UCX_PROTO_INFO=y`` output into rows (endpoints to self are left out).
+
+    UCX prints one box per (endpoint configuration, operation)::
+
+        | A intra-node cfg#1                                  |
+        | remote memory write by ucp_put* from host memory ... |
+        | Range | Description | Config |
+        | 0..inf | zero-copy  | cma/memory |
+    """
+    rows: list[LaneRow] = []
+    header: list[str] = []
+    in_body = False
+    for raw in text.splitlines():
+        line = _TS.sub("", raw).strip()
+        if line.startswith("+"):
+            continue
+        if not (line.startswith("|") and line.endswith("|")):
+            header, in_body = [], False
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 1:
+            if in_body:
+                header, in_body = [], False
+            header.append(cells[0])
+        elif cells[0] == "Range":
+            in_body = True
+        elif in_body and len(header) >= 2 and len(cells) >= 3:
+            endpoint, operation = header[0], header[1]
+            if " self " in f" {endpoint} ":
+                continue
+            rows.append(LaneRow(endpoint, operation, cells[0], cells[1], cells[2]))
+    return rows
+
+
+def _probe_child(name: str) -> None:
+    """Subprocess body: two endpoints of data transport ``name`` in this process, one 1 MiB
+    block written from one to the other. Prints ``PROBE-OK`` or ``PROBE-FAIL <why>``."""
+    import time
+
+    import numpy as np
+
+    from p2pkv.contracts import DataSettings
+
+    try:
+        cls = default_registry().transport("data", name)
+        bufs = [np.zeros(_PROBE_BLOCK * 2, np.uint8) for _ in range(2)]
+        src, dst = (cls.create(DataSettings(memoryview(b), _PROBE_BLOCK, {})) for b in bufs)
+        src.add_peer("dst", dst.descriptor())
+        dst.add_peer("src", src.descriptor())
+        expect = dst.expect_blocks("src", [1])
+        tid = src.write_blocks("dst", [0], [1])
+        pending = {("src", tid)} | ({("dst", expect)} if expect is not None else set())
+        deadline = time.monotonic() + 20
+        while pending and time.monotonic() < deadline:
+            for side, ep, peer in (("src", src, "dst"), ("dst", dst, "src")):
+                ep.progress()
+                done, failed = ep.poll(peer)
+                if failed:
+                    raise RuntimeError(f"{side} transfer failed")
+                pending -= {(side, t) for t in done}
+        if pending:
+            raise TimeoutError("probe transfer did not finish in 20 s")
+        src.close()
+        dst.close()
+    except Exception as exc:
+        print(f"PROBE-FAIL {type(exc).__name__}: {exc}", flush=True)
+        return
+    print("PROBE-OK", flush=True)
+
+
+def probe_lanes(name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run the lane probe for data transport ``name`` in a subprocess (bounded)."""
+    env = dict(os.environ if environ is None else environ)
+    env["UCX_PROTO_INFO"] = "y"
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    code = f"from p2pkv.doctor import _probe_child; _probe_child({name!r})"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"probe timed out after {_PROBE_TIMEOUT:.0f}s", "lanes": []}
+    out = proc.stdout + proc.stderr
+    ok = "PROBE-OK" in proc.stdout
+    error = ""
+    if not ok:
+        fail = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-FAIL")]
+        error = fail[0][len("PROBE-FAIL ") :] if fail else f"probe exited {proc.returncode}"
+    return {"ok": ok, "error": error, "lanes": summarize_lanes(parse_proto_info(out))}
+
+
+_FAMILIES = (
+    ("remote memory write", "RMA write (data)"),
+    ("remote memory read", "RMA read (data)"),
+    ("tag", "tagged send (data)"),
+    ("stream", "stream (data)"),
+    ("active message", "active messages (notifications)"),
+)
+
+
+def summarize_lanes(rows: Sequence[LaneRow]) -> list[dict[str, str]]:
+    """Rows per operation family: data operations per size range, active messages merged."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        family = next((f for key, f in _FAMILIES if key in r.operation), r.operation)
+        if family.startswith("active messages"):
+            entry = out.setdefault((family, ""), {
+                "operation": family, "size_range": "all", "protocol": "", "lanes": ""
+            })
+            for field, value in (("protocol", r.protocol), ("lanes", r.lanes)):
+                have = [v for v in entry[field].split(", ") if v]
+                if value not in have:
+                    entry[field] = ", ".join([*have, value])
+        else:
+            out.setdefault((family, r.size_range), {
+                "operation": family, "size_range": r.size_range, "protocol": r.protocol,
+                "lanes": r.lanes,
+            })
+    return list(out.values())
+
+
+# -- ports ----------------------------------------------------------------------------------
+
+
+def check_ports(host: str, ports: Sequence[int]) -> list[dict[str, Any]]:
+    """Whether each ``host:port`` can be bound now (as the ZMQ listener would bind it).
+
+    Uses ``SO_REUSEADDR`` like libzmq, so a port in TIME_WAIT counts as free. Port 0 is
+    ephemeral and always free."""
+    results = []
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        addrs = sorted({(info[0], info[4][0]) for info in infos})
+    except socket.gaierror as exc:
+        return [{"host": host, "port": p, "free": False, "detail": f"cannot resolve: {exc}"}
+                for p in ports]
+    for port in ports:
+        problems = []
+        for family, addr in addrs:
+            if port == 0:
+                continue
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((addr, port))
+                except OSError as exc:
+                    why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+                    problems.append(f"{addr}: {why}{_owner(port)}")
+        results.append({
+            "host": host, "port": port, "free": not problems, "detail": "; ".join(problems)
+        })
+    return results
+
+
+def _owner(port: int) -> str:
+    try:
+        import psutil
+    except ImportError:
+        return ""
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid is None:
+                    return " (by another user's process)"
+                return f" (by pid {conn.pid} {psutil.Process(conn.pid).name()})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+# -- NIXL install ---------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def nixl_install_note() -> str:
+    """How NIXL is installed here, and what that means (lean install explained)."""
+    cu12, cu13, meta, torch = (
+        _version(d) for d in ("nixl-cu12", "nixl-cu13", "nixl", "torch")
+    )
+    how = (
+        "Install it lean (no torch/CUDA): pip install numpy && pip install --no-deps "
+        "nixl-cu12==1.5.1 nixl==1.5.1 (scripts/install.sh does this). Plain "
+        "`pip install nixl` pulls torch and the CUDA stack (about 6 GB) because nixl-cu12 "
+        "declares torch although it never imports it, and it silently resolves 1.5.1 because "
+        "nixl 1.5.2's wheels are missing."
+    )
+    if cu12 is None and cu13 is None:
+        return "NIXL is not installed, so the nixl data transport is unavailable. " + how
+    wheel = f"nixl-cu12 {cu12}" if cu12 else f"nixl-cu13 {cu13}"
+    if torch is None:
+        return (
+            f"NIXL is installed lean: {wheel}{f' + nixl {meta}' if meta else ''} without torch "
+            "or CUDA. NIXL's UCX backend runs on host memory with no GPU. `pip check` reports "
+            "'nixl-cu12 requires torch' (and 'nixl requires nixl-cu13'): harmless, torch is "
+            "declared but never imported."
+        )
+    return (
+        f"NIXL is installed with torch {torch} ({wheel}). That works; a CPU-only host does not "
+        "need torch for p2pkv. " + how
+    )
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _tier_config(text: str | None) -> TierConfig:
+    if not text:
+        return TierConfig.from_dict({})
+    if text.startswith("@"):
+        with open(text[1:], encoding="utf-8") as f:
+            text = f.read()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--config must be a JSON object (a tier config)")
+    return TierConfig.from_dict(raw)
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``p2pkv doctor`` shows, as plain data."""
+    registry = default_registry()
+    config = _tier_config(args.config)
+    ports = [config.port + rank for rank in range(max(1, args.dp_size))] if config.port else [0]
+    lanes: dict[str, Any] = {}
+    if not args.no_probe:
+        for name in UCX_TRANSPORTS:
+            entry = registry.entries("data").get(name)
+            if entry is not None and entry.cls.availability() is None:
+                lanes[name] = probe_lanes(name)
+    return {
+        "p2pkv": __version__,
+        "host": describe_host(),
+        "plugins": plugin_report(registry),
+        "config": {"control": config.control, "data": config.data, "host": config.host,
+                   "port": config.port},
+        "ports": check_ports(config.host, ports),
+        "ucx_lanes": lanes,
+        "env_unset": [k for k in RELEVANT_ENV if k not in os.environ],
+        "nixl_install": nixl_install_note(),
+    }
+
+
+def _lane_table(name: str, probe: Mapping[str, Any]) -> Table:
+    table = Table(title=f"UCX lanes picked by the {name} transport on this host",
+                  title_justify="left")
+    for col in ("operation", "size (bytes)", "protocol", "lanes"):
+        table.add_column(col)
+    for row in probe["lanes"]:
+        table.add_row(row["operation"], row["size_range"], row["protocol"], row["lanes"])
+    return table
+
+
+def _advice(report: Mapping[str, Any]) -> list[str]:
+    tips = []
+    env = report["host"]["env"]
+    if "UCX_NET_DEVICES" not in env:
+        tips.append("UCX_NET_DEVICES is unset: on a single host UCX may stripe TCP over every "
+                    "interface; set UCX_NET_DEVICES=lo for loopback-only runs.")
+    if env.get("UCX_TLS") in {"tcp", "self,tcp"}:
+        tips.append("UCX_TLS forces TCP: intra-host transfers lose the zero-copy cma lane "
+                    "(about 3x slower here).")
+    for name, probe in report["ucx_lanes"].items():
+        tcp_data = [r for r in probe["lanes"]
+                    if ("remote memory write" in r["operation"] or "tag" in r["operation"])
+                    and "tcp" in r["lanes"] and "inf" in r["size_range"]]
+        if tcp_data:
+            tips.append(f"{name}: large transfers go over TCP ({tcp_data[0]['lanes']}); expect "
+                        "about 1 GB/s instead of the cma zero-copy lane.")
+    return tips
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = collect(args)
+    except ConfigError as exc:
+        Console(stderr=True).print(f"[red]{exc}[/]")
+        return 2
+    if args.json:
+        from p2pkv.cli import print_json
+
+        print_json(report)
+        return 0
+    console = Console()
+    host = report["host"]
+    console.rule(f"p2pkv {report['p2pkv']} doctor")
+    console.print(f"host: {host['cpu']}, {host['cores']} cores, {host['memory_gib']} GiB, "
+                  f"kernel {host['kernel']}, Python {host['python']}")
+    console.print("libraries: " + ", ".join(f"{k} {v}" for k, v in host["libraries"].items()))
+    print_report(console, report["plugins"])
+    cfg = report["config"]
+    console.print(f"tier config: control={cfg['control']} data={cfg['data']} "
+                  f"listen={cfg['host']}:{cfg['port']}")
+    for p in report["ports"]:
+        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {p['detail']}"
+        console.print(f"  port {p['host']}:{p['port']}: {state}")
+    for name, probe in report["ucx_lanes"].items():
+        if probe["lanes"]:
+            console.print(_lane_table(name, probe))
+        if not probe["ok"]:
+            console.print(f"[red]{name} lane probe failed:[/] {probe['error']}")
+    if host["env"]:
+        console.print("environment: " + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
+    console.print("unset: " + ", ".join(report["env_unset"]))
+    console.print(f"NIXL: {report['nixl_install']}")
+    for tip in _advice(report):
+        console.print(f"[yellow]hint:[/] {tip}")
+    bad_ports = [p for p in report["ports"] if not p["free"]]
+    return 1 if bad_ports else 0
