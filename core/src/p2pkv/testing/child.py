@@ -77,6 +77,16 @@ class Child:
             os.kill(self.pid, signal.SIGKILL)
         self.process.join(10)
 
+    def pause(self) -> None:
+        """SIGSTOP the child: it stays connected but falls silent (a hung peer)."""
+        if self.process.is_alive():
+            os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused child (harmless if it is running or gone)."""
+        if self.process.is_alive():
+            os.kill(self.pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Ask politely (close the pipe), then kill if it does not exit in time."""
         try:

@@ -1,0 +1,976 @@
+"""Conformance suites: pytest test classes a transport author subclasses.
+
+Ten lines prove a data transport (see ``docs/plugin-authors.md``)::
+
+    from p2pkv.testing.suites import DataTransportSuite
+    from my_transport import MyDataTransport
+
+    class TestMyDataTransport(DataTransportSuite):
+        transport = MyDataTransport
+        options = {"progress_thread": False}   # data_options used for every instance
+
+The kit builds every instance itself through ``transport.create(settings)``: the transport
+under test here, and its peers either in this process (``same-process``) or in a spawned child
+(``child-process``, a :class:`p2pkv.testing.peers.PeerHost`), so cross-process behaviour
+(including a peer that is SIGKILLed or SIGSTOPped) is tested with no extra code. Tests read the
+class's declared :class:`~p2pkv.contracts.Capabilities` and skip, with the reason, what it does
+not claim; a transport whose ``availability()`` reports a missing library is skipped as a
+whole.
+
+Knobs (class attributes; the fixtures of the same purpose may be overridden instead):
+
+``transport``            the class under test (or override the ``transport_class`` fixture)
+``options``              ``control_options``/``data_options`` for every instance
+``timeout``              seconds any single expected event may take (default 10)
+``same_process_pairs``   False if two instances cannot share a process
+``num_blocks``/``block_len``  the region shape (data)
+``max_frame_bytes``      the frame cap used by the suite (control)
+``liveness_timeout``     seconds within which a dead or closed peer must show ``alive`` False
+``host``                 the host to listen on (control; default ``127.0.0.1``)
+
+Individual tests may be overridden or disabled in the subclass like any pytest test
+(``test_x = None`` removes one), but a transport that needs that is not conformant.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import pytest
+
+from p2pkv.contracts import (
+    CancelMode,
+    Capabilities,
+    ControlConnection,
+    ControlSettings,
+    ControlTransport,
+    DataSettings,
+    DataTransport,
+)
+from p2pkv.errors import (
+    ConfigError,
+    ConnectionClosed,
+    P2PKVError,
+    PeerRejected,
+    ProtocolError,
+    TransferSubmitError,
+)
+from p2pkv.testing.peers import (
+    ControlPeer,
+    DataPeer,
+    LocalControlPeer,
+    LocalDataPeer,
+    PeerHost,
+    make_region,
+    pattern,
+)
+from p2pkv.testing.polllog import PollLog
+from p2pkv.testing.waiting import wait_until
+
+__all__ = ["ControlTransportSuite", "DataTransportSuite"]
+
+PEER_MODES = ("same-process", "child-process")
+
+T = TypeVar("T")
+
+
+class _SuiteBase:
+    transport: ClassVar[type[Any] | None] = None
+    options: ClassVar[Mapping[str, Any]] = {}
+    timeout: ClassVar[float] = 10.0
+    same_process_pairs: ClassVar[bool] = True
+
+    @pytest.fixture
+    def transport_class(self) -> type[Any]:
+        if self.transport is None:
+            pytest.fail(
+                f"{type(self).__name__}: set `transport = YourTransport` on the suite subclass "
+                f"or override the `transport_class` fixture"
+            )
+        return self.transport
+
+    @pytest.fixture
+    def transport_options(self) -> Mapping[str, Any]:
+        return dict(self.options)
+
+    @pytest.fixture
+    def capabilities(self, transport_class: type[Any]) -> Capabilities:
+        missing = transport_class.availability()
+        if missing is not None:
+            pytest.skip(str(missing))
+        caps = transport_class.capabilities
+        assert isinstance(caps, Capabilities), (
+            f"{transport_class.__name__}.capabilities must be a p2pkv Capabilities"
+        )
+        return caps
+
+    @pytest.fixture(scope="class")
+    def peer_host(self) -> Iterator[PeerHost]:
+        """One child process per suite class, hosting every child-process peer of it."""
+        with PeerHost(name=f"p2pkv-peers-{type(self).__name__}") as host:
+            yield host
+
+    @pytest.fixture(params=PEER_MODES)
+    def peer_mode(self, request: pytest.FixtureRequest, capabilities: Capabilities) -> str:
+        mode: str = request.param
+        if mode == "child-process" and not capabilities.cross_process:
+            pytest.skip("transport does not claim cross_process")
+        if mode == "same-process" and not self.same_process_pairs:
+            pytest.skip("suite declares same_process_pairs = False")
+        return mode
+
+    @staticmethod
+    def _require(flag: bool, reason: str) -> None:
+        if not flag:
+            pytest.skip(reason)
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+class _DataPair:
+    """The transport under test (``local``) with its poll log, and peers registered both ways."""
+
+    def __init__(self, local: LocalDataPeer, two_sided: bool, timeout: float) -> None:
+        self.local = local
+        self.transport: DataTransport = local.transport
+        self.log = PollLog(self.transport.poll, self.transport.cancel, "transport under test")
+        self.two_sided = two_sided
+        self.timeout = timeout
+        self.peers: dict[str, DataPeer] = {}
+        self.peer_logs: dict[str, PollLog] = {}
+
+    def connect(self, peer_id: str, peer: DataPeer) -> DataPeer:
+        self.transport.add_peer(peer_id, peer.descriptor)
+        peer.add_peer("local", self.local.descriptor)
+        self.peers[peer_id] = peer
+        self.peer_logs[peer_id] = PollLog(peer.poll, peer.cancel, f"peer {peer_id}")
+        return peer
+
+    def pumps(self) -> list[Callable[[], object]]:
+        return [peer.pump for peer in self.peers.values()]
+
+    def expect(self, peer_id: str, remote_idxs: Sequence[int]) -> int | None:
+        """Two-sided: the peer posts receives for our write; returns its expect id."""
+        if not self.two_sided:
+            return None
+        eid = self.peers[peer_id].expect_blocks("local", remote_idxs)
+        assert eid is not None, "a two_sided transport must return an id from expect_blocks"
+        return self.peer_logs[peer_id].submitted(eid, "local")
+
+    def submit(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
+        tid = self.transport.write_blocks(peer_id, local_idxs, remote_idxs)
+        return self.log.submitted(tid, peer_id)
+
+    def wait_terminal(self, peer_id: str | None, ids: set[int], what: str) -> None:
+        wait_until(
+            lambda: self.log.terminal(ids),
+            timeout=self.timeout,
+            what=what,
+            pumps=[*self.pumps(), lambda: self.log.poll(peer_id)],
+        )
+
+    def wait_peer_terminal(self, peer_id: str, ids: set[int], what: str) -> None:
+        log = self.peer_logs[peer_id]
+        wait_until(
+            lambda: log.terminal(ids),
+            timeout=self.timeout,
+            what=what,
+            pumps=[*self.pumps(), self.transport.progress, lambda: log.poll("local")],
+        )
+
+    def write(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
+        """Write and wait until done (and, two-sided, the peer's receive done). Returns the id."""
+        eid = self.expect(peer_id, remote_idxs)
+        tid = self.submit(peer_id, local_idxs, remote_idxs)
+        self.wait_terminal(peer_id, {tid}, f"transfer {tid} to reach a terminal state")
+        assert tid in self.log.done, f"transfer {tid} failed on a healthy peer"
+        if eid is not None:
+            self.wait_peer_terminal(peer_id, {eid}, f"the peer's expect_blocks id {eid}")
+            assert eid in self.peer_logs[peer_id].done, f"expect_blocks id {eid} failed"
+        return tid
+
+
+class DataTransportSuite(_SuiteBase):
+    """The ``DataTransport`` contract (see ``p2pkv.contracts``). Subclass and set ``transport``."""
+
+    num_blocks: ClassVar[int] = 16
+    block_len: ClassVar[int] = 256
+
+    # -- fixtures -------------------------------------------------------------------------
+
+    @pytest.fixture
+    def make_peer(
+        self,
+        transport_class: type[DataTransport],
+        transport_options: Mapping[str, Any],
+        capabilities: Capabilities,
+        request: pytest.FixtureRequest,
+    ) -> Iterator[Callable[..., DataPeer]]:
+        """``make_peer(mode, num_blocks=None, block_len=None, host=None)`` -> an open peer."""
+        made: list[DataPeer] = []
+
+        def make(
+            mode: str,
+            num_blocks: int | None = None,
+            block_len: int | None = None,
+            host: PeerHost | None = None,
+        ) -> DataPeer:
+            n = num_blocks or self.num_blocks
+            b = block_len or self.block_len
+            peer: DataPeer
+            if mode == "same-process":
+                peer = LocalDataPeer(transport_class, n, b, transport_options)
+            else:
+                host = host or request.getfixturevalue("peer_host")
+                peer = host.data_peer(transport_class, n, b, transport_options)
+            made.append(peer)
+            return peer
+
+        yield make
+        for peer in made:
+            _quietly(peer.close)
+
+    @pytest.fixture
+    def local(
+        self,
+        transport_class: type[DataTransport],
+        transport_options: Mapping[str, Any],
+        capabilities: Capabilities,
+    ) -> Iterator[LocalDataPeer]:
+        self._require("DRAM" in capabilities.memory_kinds, "transport does not claim DRAM")
+        local = LocalDataPeer(transport_class, self.num_blocks, self.block_len, transport_options)
+        local.fill(1)
+        yield local
+        _quietly(local.close)
+
+    @pytest.fixture
+    def pair(
+        self,
+        local: LocalDataPeer,
+        capabilities: Capabilities,
+        make_peer: Callable[..., DataPeer],
+        peer_mode: str,
+    ) -> _DataPair:
+        """The transport under test and one peer (``"remote"``), registered both ways."""
+        pair = _DataPair(local, capabilities.two_sided, self.timeout)
+        remote = pair.connect("remote", make_peer(peer_mode))
+        remote.fill(2)
+        return pair
+
+    # -- shape and descriptor -------------------------------------------------------------
+
+    def test_shape_and_descriptor(self, local: LocalDataPeer) -> None:
+        t = local.transport
+        assert (t.num_blocks, t.block_len) == (self.num_blocks, self.block_len)
+        first = t.descriptor()
+        assert isinstance(first, bytes) and first, "descriptor() must return non-empty bytes"
+        assert t.descriptor() == first, "descriptor() must be stable"
+        assert t.name and t.kind == "data"
+
+    def test_create_rejects_a_region_that_is_not_whole_blocks(
+        self, transport_class: type[DataTransport], transport_options: Mapping[str, Any],
+        capabilities: Capabilities,
+    ) -> None:
+        region = make_region(1, self.block_len + 1)
+        with pytest.raises(ConfigError):
+            transport_class.create(
+                DataSettings(region=region.data, block_len=self.block_len,
+                             options=transport_options)
+            ).close()
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def test_writes_are_byte_exact_at_scattered_indexes(self, pair: _DataPair) -> None:
+        n, b = self.num_blocks, self.block_len
+        remote = pair.peers["remote"]
+        before = remote.region_bytes()
+        src = pair.local.region_bytes()
+        local_idxs = [5 % n, 0, (n - 3) % n, 7 % n]
+        remote_idxs = [2 % n, n - 5, 3 % n, n - 1]
+        pair.write("remote", local_idxs, remote_idxs)
+        after = remote.region_bytes()
+        for li, ri in zip(local_idxs, remote_idxs, strict=True):
+            assert after[ri * b:(ri + 1) * b] == src[li * b:(li + 1) * b], (
+                f"remote block {ri} does not hold local block {li} once the transfer is done"
+            )
+        for blk in set(range(n)) - set(remote_idxs):
+            assert after[blk * b:(blk + 1) * b] == before[blk * b:(blk + 1) * b], (
+                f"remote block {blk} was not named in the write but changed"
+            )
+
+    def test_peer_writes_into_us(self, pair: _DataPair) -> None:
+        """The other direction: our ``poll``/``progress`` must progress inbound work."""
+        n, b = self.num_blocks, self.block_len
+        remote = pair.peers["remote"]
+        src = remote.region_bytes()
+        before = pair.local.region_bytes()
+        local_idxs, remote_idxs = [1, n - 2], [n - 1, 0]
+        eid = pair.transport.expect_blocks("remote", local_idxs)
+        if pair.two_sided:
+            assert eid is not None, "a two_sided transport must return an id from expect_blocks"
+            pair.log.submitted(eid, "remote")
+        else:
+            assert eid is None, "a one-sided transport must return None from expect_blocks"
+        plog = pair.peer_logs["remote"]
+        tid = plog.submitted(remote.write_blocks("local", remote_idxs, local_idxs), "local")
+        wait_until(
+            lambda: plog.terminal({tid}) and (eid is None or pair.log.terminal({eid})),
+            timeout=self.timeout,
+            what="the peer's write into our region",
+            pumps=[
+                remote.pump,
+                lambda: pair.log.poll("remote"),
+                lambda: plog.poll("local"),
+            ],
+        )
+        assert tid in plog.done and (eid is None or eid in pair.log.done)
+        after = pair.local.region_bytes()
+        for li, ri in zip(local_idxs, remote_idxs, strict=True):
+            assert after[li * b:(li + 1) * b] == src[ri * b:(ri + 1) * b]
+        for blk in set(range(n)) - set(local_idxs):
+            assert after[blk * b:(blk + 1) * b] == before[blk * b:(blk + 1) * b]
+
+    def test_each_transfer_reported_exactly_once(self, pair: _DataPair) -> None:
+        n = self.num_blocks
+        eids = [pair.expect("remote", [i % n]) for i in range(6)]
+        ids = {pair.submit("remote", [i % n], [i % n]) for i in range(6)}
+        assert len(ids) == 6, "transfer ids must be unique"
+        pair.wait_terminal("remote", ids, "six transfers to finish")
+        assert ids <= pair.log.done
+        if pair.two_sided:
+            pair.wait_peer_terminal("remote", {e for e in eids if e is not None}, "receives")
+        for _ in range(5):  # later polls report nothing again (PollLog asserts it)
+            pair.log.poll("remote")
+            pair.log.poll(None)
+
+    def test_progress_reports_and_forgets_nothing(self, pair: _DataPair) -> None:
+        n, b = self.num_blocks, self.block_len
+        remote = pair.peers["remote"]
+        src = pair.local.region_bytes()
+        eid = pair.expect("remote", [n - 1])
+        tid = pair.submit("remote", [0], [n - 1])
+
+        def landed() -> bool:
+            if eid is not None:
+                pair.peer_logs["remote"].poll("local")
+                if not pair.peer_logs["remote"].terminal({eid}):
+                    return False
+            return remote.region_bytes()[(n - 1) * b:] == src[:b]
+
+        wait_until(landed, timeout=self.timeout, what="the block to land (progress only)",
+                   pumps=[remote.pump, pair.transport.progress])
+        pair.wait_terminal("remote", {tid}, "poll to report the transfer progress completed")
+        assert tid in pair.log.done
+
+    def test_poll_is_scoped_by_peer(
+        self, pair: _DataPair, make_peer: Callable[..., DataPeer], peer_mode: str
+    ) -> None:
+        """``poll(p)`` reports only ``p``'s transfers; the others wait for their own poll."""
+        other = pair.connect("other", make_peer(peer_mode))
+        e1, e2 = pair.expect("remote", [1]), pair.expect("other", [2])
+        t1 = pair.submit("remote", [3], [1])
+        t2 = pair.submit("other", [4], [2])
+        pair.wait_terminal("remote", {t1}, "the first peer's transfer")
+        src = pair.local.region_bytes()
+        b = self.block_len
+
+        def other_landed() -> bool:  # t2 is complete; poll("remote") must still not report it
+            if e2 is not None:
+                pair.peer_logs["other"].poll("local")
+                return pair.peer_logs["other"].terminal({e2})
+            return other.region_bytes()[2 * b:3 * b] == src[4 * b:5 * b]
+
+        wait_until(other_landed, timeout=self.timeout, what="the second peer's block to land",
+                   pumps=[*pair.pumps(), pair.transport.progress])
+        for _ in range(3):
+            pair.log.poll("remote")  # PollLog fails if t2 shows up here
+        assert t2 not in pair.log.done | pair.log.failed, "poll('remote') reported other's id"
+        pair.wait_terminal("other", {t2}, "the second peer's transfer in its own poll")
+        if e1 is not None:
+            pair.wait_peer_terminal("remote", {e1}, "the first peer's receive")
+
+    def test_poll_none_drains_every_peer(
+        self, pair: _DataPair, make_peer: Callable[..., DataPeer], peer_mode: str
+    ) -> None:
+        pair.connect("other", make_peer(peer_mode))
+        pair.expect("remote", [0])
+        pair.expect("other", [0])
+        ids = {pair.submit("remote", [0], [0]), pair.submit("other", [1], [0])}
+        pair.wait_terminal(None, ids, "poll(None) to report both peers' transfers")
+
+    # -- refusals -------------------------------------------------------------------------
+
+    def test_write_to_unknown_peer_is_refused(self, local: LocalDataPeer) -> None:
+        with pytest.raises(TransferSubmitError):
+            local.transport.write_blocks("nobody", [0], [0])
+
+    @pytest.mark.parametrize(
+        "case",
+        ["local-too-big", "local-negative", "remote-too-big", "remote-negative",
+         "lengths-differ", "one-bad-among-good"],
+    )
+    def test_bad_indexes_are_refused_before_posting(self, pair: _DataPair, case: str) -> None:
+        n = self.num_blocks
+        local_idxs, remote_idxs = {
+            "local-too-big": ([n], [0]),
+            "local-negative": ([-1], [0]),
+            "remote-too-big": ([0], [n]),
+            "remote-negative": ([0], [-1]),
+            "lengths-differ": ([0, 1], [0]),
+            "one-bad-among-good": ([0, 1, 2], [0, n, 1]),
+        }[case]
+        remote = pair.peers["remote"]
+        before = remote.region_bytes()
+        with pytest.raises(TransferSubmitError):
+            pair.transport.write_blocks("remote", local_idxs, remote_idxs)
+        # nothing was posted: a good transfer afterwards is the only thing ever reported
+        pair.write("remote", [n - 1], [n - 1])
+        after = remote.region_bytes()
+        b = self.block_len
+        assert after[:(n - 1) * b] == before[:(n - 1) * b], "a refused write changed the peer"
+
+    def test_expect_blocks_contract(self, pair: _DataPair) -> None:
+        n = self.num_blocks
+        if not pair.two_sided:
+            assert pair.transport.expect_blocks("remote", [0]) is None, (
+                "a one-sided transport's expect_blocks must return None"
+            )
+            return
+        for bad in ([n], [-1]):
+            with pytest.raises(TransferSubmitError):
+                pair.transport.expect_blocks("remote", bad)
+        with pytest.raises(TransferSubmitError):
+            pair.transport.expect_blocks("nobody", [0])
+
+    def test_mismatched_descriptor_is_refused(
+        self, local: LocalDataPeer, make_peer: Callable[..., DataPeer], capabilities: Capabilities
+    ) -> None:
+        mode = "same-process" if self.same_process_pairs else "child-process"
+        self._require(
+            mode == "same-process" or capabilities.cross_process, "no way to build a second peer"
+        )
+        other = make_peer(mode, block_len=self.block_len * 2)
+        with pytest.raises(PeerRejected) as info:
+            local.transport.add_peer("wide", other.descriptor)
+        assert str(info.value), "PeerRejected must carry the reason"
+        with pytest.raises(TransferSubmitError):
+            local.transport.write_blocks("wide", [0], [0])
+
+    @pytest.mark.parametrize("garbage", [b"", b"\x00", b"\xc1" * 7, b"not a descriptor" * 4])
+    def test_garbage_descriptor_is_refused(self, local: LocalDataPeer, garbage: bytes) -> None:
+        with pytest.raises(PeerRejected):
+            local.transport.add_peer("garbage", garbage)
+
+    def test_truncated_descriptor_is_refused(self, local: LocalDataPeer) -> None:
+        own = local.transport.descriptor()
+        with pytest.raises(PeerRejected):
+            local.transport.add_peer("truncated", own[: len(own) // 2])
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def test_remove_peer_then_add_again(self, pair: _DataPair) -> None:
+        pair.write("remote", [0], [0])
+        assert pair.transport.remove_peer("remote") == [], "a quiescent peer drains to []"
+        with pytest.raises(TransferSubmitError):
+            pair.transport.write_blocks("remote", [0], [0])
+        pair.transport.add_peer("remote", pair.peers["remote"].descriptor)
+        pair.write("remote", [1], [1])
+
+    def test_remove_unknown_peer_is_harmless(self, local: LocalDataPeer) -> None:
+        assert list(local.transport.remove_peer("nobody")) == []
+
+    # -- cancel ---------------------------------------------------------------------------
+
+    def test_cancel_unknown_ids_is_ignored(self, local: LocalDataPeer) -> None:
+        for mode in CancelMode:
+            assert list(local.transport.cancel([123456789], mode)) == []
+
+    def test_cancel_immediate_forgets(self, pair: _DataPair) -> None:
+        n, b = self.num_blocks, self.block_len
+        remote = pair.peers["remote"]
+        src = pair.local.region_bytes()
+        eid = pair.expect("remote", [n - 2])
+        tid = pair.submit("remote", [2], [n - 2])
+
+        def dead() -> bool:  # only dead transfers may be cancelled IMMEDIATE
+            if eid is not None:
+                pair.peer_logs["remote"].poll("local")
+                if not pair.peer_logs["remote"].terminal({eid}):
+                    return False
+            return remote.region_bytes()[(n - 2) * b:(n - 1) * b] == src[2 * b:3 * b]
+
+        wait_until(dead, timeout=self.timeout, what="the block to land",
+                   pumps=[remote.pump, pair.transport.progress])
+        assert pair.log.cancel([tid], CancelMode.IMMEDIATE) == []
+        for _ in range(5):
+            pair.log.poll("remote")  # PollLog fails if the cancelled id shows up
+            pair.log.poll(None)
+
+    def test_cancel_wait_keeps_what_it_cannot_stop(
+        self, pair: _DataPair, capabilities: Capabilities
+    ) -> None:
+        self._require(capabilities.wait_cancel, "transport does not claim wait_cancel")
+        for i in range(4):
+            pair.expect("remote", [i])
+        ids = [pair.submit("remote", [i], [i]) for i in range(4)]
+        kept = pair.log.cancel(ids, CancelMode.WAIT)
+        pair.wait_terminal("remote", set(kept), "kept (unstoppable) ids to be reported")
+        for _ in range(5):
+            pair.log.poll("remote")  # stopped ids must never be reported
+
+    # -- close ----------------------------------------------------------------------------
+
+    def test_close_is_idempotent_and_releases_the_region(self, pair: _DataPair) -> None:
+        pair.write("remote", [0], [0])
+        local = pair.local
+        region_ref = weakref.ref(local.array)
+        assert list(local.transport.close()) == [], "a quiescent close returns []"
+        assert list(local.transport.close()) == [], "a second close returns [] and is harmless"
+        del local.array
+        gc.collect()
+        assert region_ref() is None, (
+            "the transport still references the region after close() returned []"
+        )
+        with pytest.raises(P2PKVError):
+            local.transport.write_blocks("remote", [0], [0])
+
+    def test_close_with_transfers_in_flight_is_bounded(self, pair: _DataPair) -> None:
+        n = self.num_blocks
+        for i in range(n):
+            pair.expect("remote", [i])
+        ids = [pair.submit("remote", [i], [i]) for i in range(n)]
+        with _background(pair.pumps()):
+            left = list(pair.transport.close())
+        assert set(left) <= set(ids), f"close returned ids it never issued: {left}"
+        again = list(pair.transport.close())
+        assert set(again) <= set(left), "a second close may only repeat undrained ids"
+
+    def test_peer_close_then_write_is_terminal(self, pair: _DataPair) -> None:
+        """A peer that closed: our writes to it are refused or reach a terminal state."""
+        pair.write("remote", [0], [0])
+        _quietly(pair.peers["remote"].close)
+        _write_reaches_a_verdict(pair)
+
+    def test_peer_killed_is_survivable(
+        self,
+        local: LocalDataPeer,
+        capabilities: Capabilities,
+        make_peer: Callable[..., DataPeer],
+    ) -> None:
+        """SIGKILL the peer's process: our transfers still end, and we still close."""
+        self._require(capabilities.cross_process, "transport does not claim cross_process")
+        with PeerHost(name="p2pkv-doomed-peer") as host:
+            pair = _DataPair(local, capabilities.two_sided, self.timeout)
+            pair.connect("remote", make_peer("child-process", host=host))
+            pair.write("remote", [0], [0])
+            host.kill()
+            _write_reaches_a_verdict(pair)
+            local.transport.remove_peer("remote")
+            assert isinstance(local.transport.close(), list)
+
+
+def _write_reaches_a_verdict(pair: _DataPair) -> None:
+    try:
+        tid = pair.submit("remote", [1], [1])
+    except TransferSubmitError:
+        return
+    pair.wait_terminal("remote", {tid}, "a write to a dead peer to end (done or failed)")
+
+
+# -- control ---------------------------------------------------------------------------------
+
+
+class _ControlPair:
+    """The transport under test (wrapped as a :class:`LocalControlPeer`) and one peer.
+
+    Every ``poll`` of the transport under test goes through :meth:`poll_local`, which records
+    the inbound connections it returns, so accept-once is checked whatever the test does.
+    """
+
+    def __init__(self, local: LocalControlPeer, peer: ControlPeer, timeout: float) -> None:
+        self.local = local
+        self.transport: ControlTransport = local.transport
+        self.peer = peer
+        self.timeout = timeout
+        self.inbound: list[ControlConnection] = []
+
+    def poll_local(self, timeout: float = 0.001) -> None:
+        for conn in self.transport.poll(timeout):
+            assert all(conn is not seen for seen in self.inbound), (
+                "poll returned the same inbound connection twice"
+            )
+            self.inbound.append(conn)
+
+    def pumps(self) -> list[Callable[[], object]]:
+        return [self.poll_local, self.peer.pump]
+
+    def accept_from_peer(self, frames: Sequence[bytes]) -> tuple[int, ControlConnection]:
+        """The peer dials us and sends ``frames``; returns (peer handle, our accepted conn)."""
+        before = len(self.inbound)
+        handle = self.peer.connect(self.transport.local_address)
+        for frame in frames:
+            self.peer.send(handle, frame)
+        wait_until(
+            lambda: len(self.inbound) > before,
+            timeout=self.timeout,
+            what="our poll to return the inbound connection",
+            pumps=self.pumps(),
+        )
+        assert len(self.inbound) == before + 1, "one peer dialed once, poll returned more"
+        return handle, self.inbound[-1]
+
+    def dial_peer(self, frames: Sequence[bytes]) -> tuple[ControlConnection, int]:
+        """We dial the peer and send ``frames``; returns (our conn, the peer's handle)."""
+        conn = self.transport.connect(self.peer.address)
+        for frame in frames:
+            conn.send(frame)
+        handles: list[int] = []
+        wait_until(
+            lambda: _gather(handles, self.peer.accepted()),
+            timeout=self.timeout,
+            what="the peer to accept our connection",
+            pumps=self.pumps(),
+        )
+        assert len(handles) == 1
+        return conn, handles[0]
+
+    def receive(self, source: Callable[[], Sequence[bytes]], count: int, what: str) -> list[bytes]:
+        got: list[bytes] = []
+        wait_until(
+            lambda: len(_gather(got, source())) >= count,
+            timeout=self.timeout,
+            what=what,
+            pumps=self.pumps(),
+        )
+        return got
+
+
+class ControlTransportSuite(_SuiteBase):
+    """The ``ControlTransport``/``ControlConnection`` contract. Subclass and set ``transport``."""
+
+    max_frame_bytes: ClassVar[int] = 64 * 1024
+    liveness_timeout: ClassVar[float] = 10.0
+    host: ClassVar[str] = "127.0.0.1"
+
+    @pytest.fixture
+    def make_peer(
+        self,
+        transport_class: type[ControlTransport],
+        transport_options: Mapping[str, Any],
+        request: pytest.FixtureRequest,
+    ) -> Iterator[Callable[..., ControlPeer]]:
+        """``make_peer(mode, max_frame_bytes=None, host=None)`` -> a listening peer."""
+        made: list[ControlPeer] = []
+
+        def make(
+            mode: str, max_frame_bytes: int | None = None, host: PeerHost | None = None
+        ) -> ControlPeer:
+            cap = max_frame_bytes or self.max_frame_bytes
+            peer: ControlPeer
+            if mode == "same-process":
+                peer = LocalControlPeer(transport_class, transport_options, cap, self.host)
+            else:
+                host = host or request.getfixturevalue("peer_host")
+                peer = host.control_peer(transport_class, transport_options, cap, self.host)
+            made.append(peer)
+            return peer
+
+        yield make
+        for peer in made:
+            _quietly(peer.close)
+
+    @pytest.fixture
+    def local(
+        self,
+        transport_class: type[ControlTransport],
+        transport_options: Mapping[str, Any],
+        capabilities: Capabilities,
+    ) -> Iterator[LocalControlPeer]:
+        local = LocalControlPeer(
+            transport_class, transport_options, self.max_frame_bytes, self.host
+        )
+        yield local
+        _quietly(local.close)
+
+    @pytest.fixture
+    def pair(
+        self, local: LocalControlPeer, make_peer: Callable[..., ControlPeer], peer_mode: str
+    ) -> _ControlPair:
+        return _ControlPair(local, make_peer(peer_mode), self.timeout)
+
+    def _frames(self, count: int) -> list[bytes]:
+        sizes = [1, 2, 17, 1000, self.max_frame_bytes]
+        return [
+            bytes([i % 251]) + pattern(i, sizes[i % len(sizes)] - 1).tobytes()
+            for i in range(count)
+        ]
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def test_identity_and_address(self, local: LocalControlPeer) -> None:
+        t = local.transport
+        assert t.name and t.kind == "control"
+        assert isinstance(t.local_address, str) and t.local_address
+
+    def test_unknown_option_is_refused_naming_it(
+        self,
+        transport_class: type[ControlTransport],
+        transport_options: Mapping[str, Any],
+        capabilities: Capabilities,
+    ) -> None:
+        key = "p2pkv_conformance_no_such_option"
+        settings = ControlSettings(self.host, 0, self.max_frame_bytes,
+                                   {**transport_options, key: 1})
+        with pytest.raises(ConfigError, match=key):
+            transport_class.create(settings).close()
+
+    def test_address_in_use_is_refused(
+        self,
+        local: LocalControlPeer,
+        transport_class: type[ControlTransport],
+        transport_options: Mapping[str, Any],
+    ) -> None:
+        from p2pkv.addressing import parse_address
+
+        try:
+            _, port = parse_address(local.address)
+        except ConfigError:
+            pytest.skip(f"local address {local.address!r} is not host:port")
+        with pytest.raises(ConfigError):
+            transport_class.create(
+                ControlSettings(self.host, port, self.max_frame_bytes, transport_options)
+            ).close()
+
+    # -- delivery -------------------------------------------------------------------------
+
+    def test_frames_arrive_in_order_each_once(self, pair: _ControlPair) -> None:
+        frames = self._frames(40)
+        conn, handle = pair.dial_peer(frames)
+        got = pair.receive(lambda: pair.peer.frames(handle), len(frames), "40 frames")
+        assert got == frames, "frames must arrive intact, in order, each exactly once"
+        reply = self._frames(7)[::-1]
+        for frame in reply:
+            pair.peer.send(handle, frame)
+        back = pair.receive(conn.recv, len(reply), "the peer's replies on the same connection")
+        assert back == reply
+
+    def test_inbound_connection_is_returned_once_with_its_first_frames(
+        self, pair: _ControlPair
+    ) -> None:
+        frames = self._frames(3)
+        _, conn = pair.accept_from_peer(frames)
+        first = list(conn.recv())
+        assert first and first[0] == frames[0], (
+            "poll must return an inbound connection with its first frame already buffered"
+        )
+        rest = pair.receive(conn.recv, len(frames) - len(first), "the remaining frames")
+        assert first + rest == frames
+        for _ in range(5):
+            pair.poll_local()  # fails if the connection is returned again
+
+    def test_accepted_connection_can_reply(self, pair: _ControlPair) -> None:
+        handle, conn = pair.accept_from_peer([b"hello"])
+        conn.send(b"welcome")
+        assert pair.receive(lambda: pair.peer.frames(handle), 1, "our reply") == [b"welcome"]
+
+    def test_connect_returns_the_live_connection(self, pair: _ControlPair) -> None:
+        conn = pair.transport.connect(pair.peer.address)
+        assert pair.transport.connect(pair.peer.address) is conn, (
+            "connect to an address with a live connection must return that connection"
+        )
+        assert conn.peer_address == pair.peer.address
+        assert conn.alive
+
+    def test_connections_do_not_cross_talk(
+        self, local: LocalControlPeer, make_peer: Callable[..., ControlPeer], peer_mode: str
+    ) -> None:
+        peers = [make_peer(peer_mode) for _ in range(3)]
+        pairs = [_ControlPair(local, p, self.timeout) for p in peers]
+        conns = [p.dial_peer([f"to-{i}".encode()]) for i, p in enumerate(pairs)]
+        for i, (p, (_, handle)) in enumerate(zip(pairs, conns, strict=True)):
+            got = p.receive(functools.partial(p.peer.frames, handle), 1, f"peer {i}'s frame")
+            assert got == [f"to-{i}".encode()]
+
+    def test_frame_size_cap(self, pair: _ControlPair) -> None:
+        conn, handle = pair.dial_peer([b"x"])
+        with pytest.raises(ProtocolError):
+            conn.send(b"x" * (self.max_frame_bytes + 1))
+        exact = b"y" * self.max_frame_bytes
+        conn.send(exact)
+        got = pair.receive(lambda: pair.peer.frames(handle), 2, "a frame at the cap")
+        assert got == [b"x", exact]
+
+    def test_oversized_inbound_frame_is_never_delivered(
+        self, local: LocalControlPeer, make_peer: Callable[..., ControlPeer], peer_mode: str
+    ) -> None:
+        big_peer = make_peer(peer_mode, max_frame_bytes=self.max_frame_bytes * 4)
+        pair = _ControlPair(local, big_peer, self.timeout)
+        _, conn = pair.accept_from_peer([b"hi"])
+        handle = pair.peer.connect(pair.transport.local_address)
+        big = b"z" * (self.max_frame_bytes * 2)
+        pair.peer.send(handle, big)
+        pair.peer.send(handle, b"after")
+        got: list[bytes] = []
+        wait_until(
+            lambda: b"after" in _gather(got, conn.recv()) or not conn.alive,
+            timeout=self.timeout,
+            what="the frame after an oversized one, or the connection's death",
+            pumps=pair.pumps(),
+        )
+        assert big not in got, "a frame above max_frame_bytes was delivered"
+
+    # -- close and liveness ---------------------------------------------------------------
+
+    def test_close_is_idempotent(self, pair: _ControlPair) -> None:
+        conn, _ = pair.dial_peer([b"x"])
+        conn.close()
+        conn.close()
+        assert not conn.alive
+        with pytest.raises(ConnectionClosed):
+            conn.send(b"after close")
+        pair.transport.close()
+        pair.transport.close()
+
+    def test_close_is_visible_to_the_peer(self, pair: _ControlPair) -> None:
+        conn, handle = pair.dial_peer([b"x"])
+        conn.close()
+        wait_until(lambda: not pair.peer.alive(handle), timeout=self.liveness_timeout,
+                   what="the peer to see our closed connection die", pumps=pair.pumps())
+
+    def test_peer_close_is_visible_to_us(self, pair: _ControlPair) -> None:
+        handle, conn = pair.accept_from_peer([b"x"])
+        pair.peer.close_conn(handle)
+        wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
+                   what="our accepted connection to die after the peer closed it",
+                   pumps=pair.pumps())
+        with pytest.raises(ConnectionClosed):
+            conn.send(b"to the dead")
+
+    def test_transport_close_is_visible_to_the_peer(self, pair: _ControlPair) -> None:
+        _, handle = pair.dial_peer([b"x"])
+        pair.transport.close()
+        wait_until(lambda: not pair.peer.alive(handle), timeout=self.liveness_timeout,
+                   what="the peer to see our transport close", pumps=[pair.peer.pump])
+
+    def test_dead_connection_is_replaced_on_connect(self, pair: _ControlPair) -> None:
+        conn, handle = pair.dial_peer([b"first"])
+        pair.peer.close_conn(handle)
+        wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
+                   what="our connection to die after the peer closed it", pumps=pair.pumps())
+        fresh = pair.transport.connect(pair.peer.address)
+        assert fresh is not conn and fresh.alive, "connect must replace a dead connection"
+        fresh.send(b"second")
+        handles: list[int] = []
+        wait_until(lambda: _gather(handles, pair.peer.accepted()),
+                   timeout=self.timeout, what="the peer to accept the new connection",
+                   pumps=pair.pumps())
+        got = pair.receive(lambda: pair.peer.frames(handles[-1]), 1, "a frame on the new one")
+        assert got == [b"second"]
+
+    @pytest.mark.parametrize("direction", ["dialed", "accepted"])
+    def test_peer_killed_is_detected(
+        self,
+        local: LocalControlPeer,
+        make_peer: Callable[..., ControlPeer],
+        capabilities: Capabilities,
+        direction: str,
+    ) -> None:
+        self._require(capabilities.cross_process, "transport does not claim cross_process")
+        with PeerHost(name="p2pkv-doomed-peer") as host:
+            pair = _ControlPair(local, make_peer("child-process", host=host), self.timeout)
+            if direction == "dialed":
+                conn, _ = pair.dial_peer([b"x"])
+            else:
+                _, conn = pair.accept_from_peer([b"x"])
+            host.kill()
+            wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
+                       what="alive to turn False after the peer was SIGKILLed",
+                       pumps=[lambda: pair.poll_local(0.01)])
+            with pytest.raises(ConnectionClosed):
+                conn.send(b"to the dead")
+
+    def test_silent_peer_is_detected(
+        self,
+        local: LocalControlPeer,
+        make_peer: Callable[..., ControlPeer],
+        capabilities: Capabilities,
+    ) -> None:
+        self._require(capabilities.cross_process, "transport does not claim cross_process")
+        self._require(capabilities.heartbeats, "transport does not claim heartbeats")
+        with PeerHost(name="p2pkv-frozen-peer") as host:
+            pair = _ControlPair(local, make_peer("child-process", host=host), self.timeout)
+            conn, _ = pair.dial_peer([b"x"])
+            host.pause()
+            try:
+                wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
+                           what="alive to turn False while the peer is SIGSTOPped",
+                           pumps=[lambda: pair.poll_local(0.01)])
+            finally:
+                host.kill()
+
+    def test_connect_to_nobody_does_not_block(
+        self,
+        local: LocalControlPeer,
+        transport_class: type[ControlTransport],
+        transport_options: Mapping[str, Any],
+    ) -> None:
+        gone = LocalControlPeer(transport_class, transport_options, self.max_frame_bytes, self.host)
+        address = gone.address
+        gone.close()
+        conn = local.transport.connect(address)  # must return at once
+        try:
+            conn.send(b"queued")
+        except ConnectionClosed:
+            pass  # allowed if the transport already knows the address is dead
+        local.transport.poll(0.0)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _gather(into: list[T], more: Iterable[T]) -> list[T]:
+    into.extend(more)
+    return into
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    """Teardown: close what a test left open without masking the test's own outcome."""
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+class _background:
+    """Pump ``pumps`` on a helper thread while the test thread blocks (e.g. in ``close``).
+
+    The helper thread is the only driver of the pumped peers meanwhile, so the one-driver rule
+    holds.
+    """
+
+    def __init__(self, pumps: Sequence[Callable[[], object]]) -> None:
+        import threading
+
+        self._pumps = list(pumps)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="p2pkv-pump", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pump in self._pumps:
+                pump()
+            self._stop.wait(0.0005)
+
+    def __enter__(self) -> None:
+        if self._pumps:
+            self._thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
