@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from p2pkv.contracts import TransportKind
 from p2pkv.registry import Registry, default_registry
 
 __all__ = ["add_parser", "plugin_report", "print_report"]
@@ -22,8 +23,9 @@ def add_parser(sub: Any) -> None:
 def plugin_report(registry: Registry) -> dict[str, Any]:
     """Everything ``p2pkv plugins`` shows, as plain data (also used by ``p2pkv doctor``)."""
     rows = []
-    for kind in ("control", "data"):
-        for name, entry in sorted(registry.entries(kind).items()):  # type: ignore[arg-type]
+    kinds: tuple[TransportKind, ...] = ("control", "data")
+    for kind in kinds:
+        for name, entry in sorted(registry.entries(kind).items()):
             problem = entry.cls.availability()
             rows.append(
                 {

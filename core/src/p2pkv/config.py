@@ -98,7 +98,8 @@ class TierConfig:
     host: str = DEFAULT_HOST
     """Host to bind and advertise; env ``P2PKV_HOST``. Non-loopback needs authentication."""
     base_port: int = DEFAULT_PORT
-    """Base control port (key ``port``; env ``P2PKV_PORT``); the bound port adds ``dp_rank``. 0 = ephemeral."""
+    """Base control port (key ``port``; env ``P2PKV_PORT``); the bound port adds ``dp_rank``.
+    0 = ephemeral."""
     dp_rank: int = 0
     """Data-parallel rank (given by the engine, not a config key)."""
     control_options: Mapping[str, Any] = field(default_factory=dict)
@@ -152,9 +153,9 @@ class TierConfig:
             raise ConfigError("tier config key 'type' must be a string")
         control = _str(d, "control", "zmq")
         data = _str(d, "data", "nixl")
-        host = _str(d, "host", None)
-        host_source = "key 'host'"
-        if host is None:
+        if "host" in d:
+            host, host_source = _str(d, "host", ""), "key 'host'"
+        else:
             host, host_source = _from_env(env, host_env, DEFAULT_HOST)
         if not host:
             raise ConfigError(f"{host_source}: host must not be empty")
@@ -188,8 +189,8 @@ class TierConfig:
             data_options=_mapping(d, "data_options"),
             timeouts=_dataclass_from(Timeouts, d.get("timeouts"), "timeouts"),
             limits=_dataclass_from(Limits, d.get("limits"), "limits"),
-            fingerprint=_str(d, "fingerprint", "") or "",
-            hash_seed=_str(d, "hash_seed", "") or "",
+            fingerprint=_str(d, "fingerprint", ""),
+            hash_seed=_str(d, "hash_seed", ""),
         )
 
 
@@ -209,9 +210,9 @@ def _from_env(env: Mapping[str, str], names: Sequence[str], default: str) -> tup
     return default, "default"
 
 
-def _str(d: Mapping[str, Any], key: str, default: str | None) -> str | None:
+def _str(d: Mapping[str, Any], key: str, default: str) -> str:
     value = d.get(key, default)
-    if value is not None and not isinstance(value, str):
+    if not isinstance(value, str):
         raise ConfigError(f"tier config key {key!r} must be a string, got {value!r}")
     return value
 

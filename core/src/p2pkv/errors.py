@@ -34,7 +34,8 @@ class TransportUnavailable(P2PKVError):
         self.package = package
         self.cause = cause
         super().__init__(
-            f"transport {transport!r} is unavailable: {cause}. Install it with: pip install {package}"
+            f"transport {transport!r} is unavailable: {cause}. "
+            f"Install it with: pip install {package}"
         )
 
 

@@ -82,7 +82,10 @@ def p2pkv_session_opened(peer: str, local: str) -> None:
 
 @hookspec
 def p2pkv_session_closed(peer: str, reason: str) -> None:
-    """A session ended (``reason``: bye text, ``peer_dead``, ``protocol_error: ...``, ``shutdown``)."""
+    """A session ended.
+
+    ``reason``: the bye text, ``peer_dead``, ``protocol_error: ...`` or ``shutdown``.
+    """
 
 
 @hookspec
@@ -108,7 +111,7 @@ def p2pkv_transfer_finished(
 
 
 @hookspec
-def p2pkv_job_finished(
+def p2pkv_job_finished(  # noqa: PLR0917 - pluggy passes hook arguments by keyword
     job_id: int, is_load: bool, outcome: str, kv_request_id: str, peer: str, seconds: float
 ) -> None:
     """An engine job got its single result (``outcome`` is an ``Outcome`` value)."""

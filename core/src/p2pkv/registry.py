@@ -199,11 +199,17 @@ class Registry:
     def _add_transport(self, tcls: Any, plugin: str, dist: str, version: str) -> None:
         kind = getattr(tcls, "kind", None)
         tname = getattr(tcls, "name", None)
-        base = {"control": ControlTransport, "data": DataTransport}.get(str(kind))
+        bases: dict[str, type[ControlTransport] | type[DataTransport]] = {
+            "control": ControlTransport,
+            "data": DataTransport,
+        }
+        base = bases.get(str(kind))
         if base is None or not isinstance(tname, str) or not (
             isinstance(tcls, type) and issubclass(tcls, base)
         ):
-            self._fail(plugin, dist, f"{tcls!r} is not a ControlTransport/DataTransport with a name")
+            self._fail(
+                plugin, dist, f"{tcls!r} is not a ControlTransport/DataTransport with a name"
+            )
             return
         table = self.control if kind == "control" else self.data
         key = (cast(TransportKind, kind), tname)

@@ -1,0 +1,160 @@
+"""Registry rules exercised with in-process plugin objects (``Registry.from_plugins``).
+
+Loading from installed entry points is covered by ``test_registry_entry_points.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, ClassVar
+
+import pytest
+from p2pkv.contracts import Capabilities, ControlTransport, DataTransport
+from p2pkv.errors import ConfigError
+from p2pkv.hookspecs import hookimpl
+from p2pkv.registry import KNOWN_TRANSPORTS, Observers, Registry
+
+
+class _Control(ControlTransport):
+    name: ClassVar[str] = "ctl"
+    capabilities: ClassVar[Capabilities] = Capabilities(cross_process=True, cross_host=True)
+
+
+class _Data(DataTransport):
+    name: ClassVar[str] = "dat"
+    capabilities: ClassVar[Capabilities] = Capabilities(cross_process=True, cross_host=True)
+
+
+class Plugin:
+    P2PKV_PLUGIN_API = 1
+
+    def __init__(self, *classes: Any) -> None:
+        self.classes = list(classes)
+
+    @hookimpl
+    def p2pkv_transports(self) -> list[type[Any]]:
+        return self.classes
+
+
+class Observer:
+    P2PKV_PLUGIN_API = 1
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    @hookimpl
+    def p2pkv_session_opened(self, peer: str, local: str) -> None:
+        self.calls.append({"peer": peer, "local": local})
+
+    @hookimpl
+    def p2pkv_session_closed(self, peer: str, reason: str) -> None:
+        raise RuntimeError("observer bug")
+
+    @hookimpl
+    def p2pkv_cli_commands(self, subparsers: Any) -> None:
+        subparsers.add_parser("observed").set_defaults(func=lambda args: 0)
+
+
+def test_transports_by_kind_and_name() -> None:
+    reg = Registry.from_plugins([("p", Plugin(_Control, _Data))], environ={})
+    assert reg.transport("control", "ctl") is _Control
+    assert reg.transport("data", "dat") is _Data
+    assert set(reg.entries("control")) == {"ctl"}
+    assert reg.entries("data")["dat"].plugin == "p"
+    with pytest.raises(ConfigError, match="unknown data transport 'ctl'"):
+        reg.transport("data", "ctl")
+
+
+@pytest.mark.parametrize(("kind", "name"), sorted(KNOWN_TRANSPORTS))
+def test_known_but_absent_transport_names_its_distribution(kind: Any, name: str) -> None:
+    reg = Registry.from_plugins([], environ={})
+    dist = KNOWN_TRANSPORTS[(kind, name)]
+    with pytest.raises(ConfigError) as info:
+        reg.transport(kind, name)
+    assert f"{name!r} is provided by {dist}: pip install {dist}" in str(info.value)
+    assert "installed: none" in str(info.value)
+    assert (kind, name, dist) in reg.missing_known()
+
+
+def test_unknown_name_without_close_match() -> None:
+    reg = Registry.from_plugins([("p", Plugin(_Data))], environ={})
+    with pytest.raises(ConfigError) as info:
+        reg.transport("data", "zzzzzz")
+    message = str(info.value)
+    assert "installed: dat" in message
+    assert "did you mean" not in message and "pip install" not in message
+
+
+def test_duplicate_in_process_plugins_are_refused() -> None:
+    reg = Registry.from_plugins([("a", Plugin(_Data)), ("b", Plugin(_Data))], environ={})
+    with pytest.raises(ConfigError, match="more than one distribution"):
+        reg.transport("data", "dat")
+    assert reg.conflicts == {("data", "dat"): ["(in-process)", "(in-process)"]}
+
+
+def test_non_transport_class_is_a_failure() -> None:
+    reg = Registry.from_plugins([("p", Plugin(int, _Data))], environ={})
+    assert [f.plugin for f in reg.failures] == ["p"]
+    assert "is not a ControlTransport/DataTransport" in reg.failures[0].reason
+    assert reg.transport("data", "dat") is _Data
+
+
+def test_hook_that_raises_is_a_failure_and_unregistered() -> None:
+    class Raising:
+        P2PKV_PLUGIN_API = 1
+
+        @hookimpl
+        def p2pkv_transports(self) -> list[type[Any]]:
+            raise RuntimeError("boom")
+
+    raising = Raising()
+    reg = Registry.from_plugins([("bad", raising), ("good", Plugin(_Control))], environ={})
+    assert [(f.plugin, f.reason) for f in reg.failures] == [("bad", "RuntimeError: boom")]
+    assert not reg.pm.is_registered(raising)
+    assert reg.transport("control", "ctl") is _Control
+
+
+def test_plugin_without_api_version_is_refused() -> None:
+    class NoApi:
+        @hookimpl
+        def p2pkv_transports(self) -> list[type[Any]]:
+            return [_Data]
+
+    reg = Registry.from_plugins([("old", NoApi())], environ={})
+    assert "built for plugin API None" in reg.failures[0].reason
+    assert reg.entries("data") == {}
+
+
+def test_observers_are_noops_without_implementations() -> None:
+    obs = Registry.from_plugins([("p", Plugin(_Data))], environ={}).observers
+    assert not obs.enabled
+    assert obs.session_opened(peer="x", local="y") is None
+    assert not Observers().enabled
+
+
+def test_observers_call_implementations_and_swallow_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    observer = Observer()
+    reg = Registry.from_plugins([("obs", observer)], environ={})
+    assert reg.observers.enabled
+    reg.observers.session_opened(peer="a:1", local="b:2")
+    assert observer.calls == [{"peer": "a:1", "local": "b:2"}]
+    with caplog.at_level(logging.ERROR, logger="p2pkv.registry"):
+        reg.observers.session_closed(peer="a:1", reason="bye")
+    assert "observer hook p2pkv_session_closed raised" in caplog.text
+
+
+def test_trace_hooks_logs_calls(caplog: pytest.LogCaptureFixture) -> None:
+    reg = Registry.from_plugins([("obs", Observer())], environ={"P2PKV_TRACE_HOOKS": "1"})
+    with caplog.at_level(logging.INFO, logger="p2pkv.hooks"):
+        reg.observers.session_opened(peer="a:1", local="b:2")
+    assert "hook p2pkv_session_opened(peer='a:1', local='b:2')" in caplog.text
+
+
+def test_plugins_add_cli_commands() -> None:
+    reg = Registry.from_plugins([("obs", Observer())], environ={})
+    parser = argparse.ArgumentParser()
+    reg.add_cli_commands(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["observed"]).func(None) == 0
