@@ -1,0 +1,34 @@
+"""p2pkv for vLLM: the ``P2PKVTier`` secondary KV-offload tier and the ``p2pkv proxy`` router.
+
+``import p2pkv_vllm`` works without vLLM; ``p2pkv_vllm.P2PKVTier`` imports the vLLM-bound
+adapter on first access (that is what vLLM's ``"module_path": "p2pkv_vllm"`` does) and, when
+vLLM is missing, raises an ``ImportError`` saying how to install it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from p2pkv_vllm.adapter import P2PKVTier
+
+__all__ = ["SUPPORTED_VLLM", "P2PKVTier"]
+
+SUPPORTED_VLLM = "0.33.0"
+"""The vLLM release whose (experimental) tier API this adapter is built and tested against."""
+
+
+def __getattr__(name: str) -> Any:
+    if name != "P2PKVTier":
+        raise AttributeError(f"module 'p2pkv_vllm' has no attribute {name!r}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"p2pkv_vllm.P2PKVTier needs vLLM (tested with vllm=={SUPPORTED_VLLM}), which is "
+            f"not importable here ({exc}). Install vLLM itself (pip install "
+            f"vllm=={SUPPORTED_VLLM}); p2pkv-vllm deliberately does not depend on it."
+        ) from exc
+    from p2pkv_vllm.adapter import P2PKVTier
+
+    return P2PKVTier

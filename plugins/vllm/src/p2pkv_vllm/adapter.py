@@ -1,0 +1,244 @@
+"""``P2PKVTier``: p2pkv's ``P2PTier`` as a vLLM secondary KV-offload tier (vLLM 0.33).
+
+vLLM loads it by module path, with no registration or patch::
+
+    "secondary_tiers": [{"type": "P2PKVTier", "module_path": "p2pkv_vllm",
+                         "control": "zmq", "data": "nixl"}]
+
+This module imports vLLM (its factory requires a real ``SecondaryTierManager`` subclass);
+``import p2pkv_vllm`` does not. The adapter is thin: it maps vLLM's jobs, request contexts
+and lookup results onto p2pkv's and forwards; the protocol lives in ``p2pkv.tier``.
+
+Threading: vLLM calls every method under its tiering manager's lock, from the scheduler
+thread or its tier-poll thread, never concurrently; ``P2PTier`` needs exactly that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from p2pkv.errors import ConfigError
+from p2pkv.tier import P2PTier
+from p2pkv.types import LookupResult
+from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.base import LookupResult as VllmLookupResult
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    ParentManager,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from p2pkv_vllm.bridge import (
+    ParentHitSource,
+    context_of,
+    job_of,
+    resolve_hash_seed,
+    tier_config_from_keys,
+)
+from p2pkv_vllm.metrics import StatsReporter, metric_definitions
+
+__all__ = ["P2PKVTier"]
+
+log = logging.getLogger(__name__)
+
+_TO_VLLM = {
+    LookupResult.HIT: VllmLookupResult.HIT,
+    LookupResult.MISS: VllmLookupResult.MISS,
+    LookupResult.RETRY: VllmLookupResult.RETRY,
+}
+_FROM_VLLM = {VllmLookupResult.HIT: LookupResult.HIT, VllmLookupResult.MISS: LookupResult.MISS}
+_REQUEST_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+_CHUNK_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
+_INFO_KEYS = ("p2pkv_address", "p2pkv_control", "p2pkv_data", "p2pkv_fingerprint")
+
+
+def run_config(offloading_spec: Any) -> dict[str, Any]:
+    """The parallelism-agnostic run config vLLM uses to namespace offloaded KV (model, dtype,
+    block geometry, KV groups): peers whose run configs differ cannot share blocks."""
+    config = offloading_spec.config
+    return FileMapper.from_offloading_spec(
+        root_dir="",
+        offloading_spec=offloading_spec,
+        blocks_per_file=config.cache.blocks_per_chunk,
+        parallel_agnostic=True,
+    ).get_run_config()
+
+
+class P2PKVTier(SecondaryTierManager):
+    """vLLM secondary tier moving KV chunks peer to peer through ``p2pkv.tier.P2PTier``.
+
+    Tier keys (all optional): ``control``, ``data``, ``host``, ``port``, ``control_options``,
+    ``data_options``, ``timeouts``, ``limits``, ``fingerprint``, ``hash_seed`` (see
+    docs/vllm.md). ``host``/``port`` default to ``VLLM_P2P_SIDE_CHANNEL_HOST`` /
+    ``VLLM_P2P_SIDE_CHANNEL_PORT`` (then ``localhost`` / 5710); the bound port is base + DP
+    rank. Unknown keys raise ``ConfigError``; so does a ``backpressure`` config (dropping a
+    PD store would leave the decoder waiting out its load timeout instead of failing fast).
+    """
+
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+    # Peers' fetches and lookups must be answered between engine steps too.
+    tolerates_off_thread_polling: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **tier_keys: Any,
+    ) -> None:
+        if backpressure_detector is not None:
+            raise ConfigError(
+                "P2PKVTier does not support 'backpressure': a dropped PD store makes the "
+                "decoder wait out its load timeout instead of failing fast; remove it"
+            )
+        locality = tier_keys.pop("locality", None)
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        if locality is not None:
+            try:
+                self.locality = Locality(locality)
+            except ValueError:
+                valid = ", ".join(m.value for m in Locality)
+                raise ConfigError(f"P2PKVTier: locality {locality!r} is not one of {valid}") \
+                    from None
+        if primary_kv_view.ndim != 2:
+            raise ConfigError(
+                f"P2PKVTier needs vLLM's 2-D primary view (chunks x bytes), got "
+                f"{primary_kv_view.ndim}-D"
+            )
+        parallel = offloading_spec.config.parallel
+        config = tier_config_from_keys(
+            tier_keys,
+            dp_rank=parallel.data_parallel_index,
+            run_config=run_config(offloading_spec),
+            hash_seed=resolve_hash_seed(get_none_hash_seed()),
+        )
+        self._config = config
+        self._seed_checked = False
+        self._region = primary_kv_view.cast("B")
+        try:
+            self._tier = P2PTier(config, self._region, self.block_size_bytes)
+        except BaseException:
+            self._region.release()
+            raise
+        self._serial = itertools.count()
+        self._stats = StatsReporter()
+        self._closed = False
+        log.info(
+            "P2PKVTier %s listening on %s (control %s, data %s, dp rank %d, %d chunks x %d B)",
+            tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
+            primary_kv_view.shape[0], self.block_size_bytes,
+        )
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if not self._seed_checked:
+            self._check_hash_seed()
+        if self._tier.on_new_request(context_of(req_context)):
+            return _REQUEST_LEVEL
+        return _CHUNK_LEVEL
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
+        return _TO_VLLM[self._tier.lookup(key, context_of(req_context))]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._tier.submit_store(job_of(job_metadata, context_of(job_metadata.req_context)))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._tier.submit_load(job_of(job_metadata, context_of(job_metadata.req_context)))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = self._tier.get_finished_jobs()
+        for result in results:
+            if not result.success:
+                log.debug("P2PKVTier job %d failed: %s %s", result.job_id,
+                          result.outcome.value, result.detail)
+        return [JobResult(result.job_id, result.success) for result in results]
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._tier.on_request_finished(context_of(req_context))
+
+    # -- engine step -------------------------------------------------------------------------
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._tier.on_schedule_end()
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        self._tier.serve_lookups(
+            ParentHitSource(parent, new_context=ReqContext, results=_FROM_VLLM,
+                            serial=self._serial)
+        )
+
+    def has_pending_work(self) -> bool:
+        return self._tier.has_pending_work()
+
+    def drain_jobs(self) -> None:
+        self._tier.drain_jobs()
+
+    def shutdown(self) -> None:
+        """Close the tier (bounded by its shutdown drain) and release the region view.
+
+        vLLM reads no results after shutdown, so leftover ones are only logged.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            leftover = self._tier.shutdown()
+            if leftover:
+                log.info("P2PKVTier shut down with %d unreported job result(s)", len(leftover))
+        finally:
+            self._region.release()
+
+    # -- observability -----------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def get_stats(self) -> Any:
+        return self._stats.report(self._tier.stats())
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return _INFO_KEYS
+
+    def config_info(self) -> ConfigInfoMapping:
+        values = (self._tier.local_address, self._config.control, self._config.data,
+                  self._config.fingerprint)
+        return dict(zip(_INFO_KEYS, values, strict=True))
+
+    def _check_hash_seed(self) -> None:
+        """Once the engine runs: complain if its block-hash seed is not the advertised one.
+
+        vLLM seeds block hashes after building tiers; only a non-cryptographic hash
+        algorithm without ``PYTHONHASHSEED`` (a random per-process seed) gets here, and then
+        no peer can ever match this instance's blocks. The seed itself is never logged.
+        """
+        self._seed_checked = True
+        if get_none_hash_seed() != self._config.hash_seed:
+            log.error(
+                "P2PKVTier: vLLM derives block hashes from a seed other than the one this "
+                "tier advertises (a random per-process seed: non-cryptographic "
+                "prefix_caching_hash_algo without PYTHONHASHSEED?), so peers will never "
+                "match its blocks. Set PYTHONHASHSEED to one value on every instance."
+            )

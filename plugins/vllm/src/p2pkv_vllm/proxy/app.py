@@ -1,0 +1,533 @@
+"""The PD routing proxy as a plain ASGI application (served by uvicorn, see ``server``).
+
+Per generate request: a fresh ``kv_request_id``; a prefill leg to a prefiller slot and a decode
+leg to a decoder slot, ordered by the configured mode; the decode response is relayed to the
+client chunk by chunk as raw bytes (no re-encoding, no buffering).
+
+Failure contract:
+- prefill leg fails (error status, timeout, unreachable): ``recompute`` runs the decode leg
+  without remote KV; ``fail`` answers 502 naming the prefiller (a 4xx verdict is relayed);
+- decoder unreachable: 502 naming it; no response headers within the decode timeout: 504;
+- the upstream stream breaks after the response started: the client connection is dropped
+  (a truncated body never looks complete);
+- the client disconnects: the in-flight legs are cancelled, which closes their upstream
+  connections so vLLM aborts those requests;
+- every request is bounded by ``prefill + decode + connect`` seconds in all.
+
+One access-log record (JSON, logger ``p2pkv_vllm.proxy.access``) per generate request.
+Threading: everything runs on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from p2pkv_vllm.proxy.config import (
+    Decoder,
+    Mode,
+    Prefiller,
+    PrefillFailure,
+    ProxyConfig,
+)
+from p2pkv_vllm.proxy.legs import (
+    FORWARDED_HEADERS,
+    consumer_params,
+    decode_body,
+    leg_headers,
+    new_kv_request_id,
+    prefill_body,
+    producer_params,
+    source_params,
+)
+from p2pkv_vllm.proxy.selection import Slot, make_policy, slots_of
+
+__all__ = ["ACCESS_LOGGER", "ProxyApp"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+ACCESS_LOGGER = "p2pkv_vllm.proxy.access"
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+KV_REQUEST_ID_HEADER = b"x-kv-request-id"
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"date", b"server",
+    }
+)
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+
+class _UpstreamError(Exception):
+    """A leg failed before any byte reached the client; becomes a JSON error response."""
+
+    def __init__(self, status: int, outcome: str, message: str, upstream: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.outcome = outcome
+        self.upstream = upstream
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+@dataclass
+class _PrefillOutcome:
+    ok: bool
+    reason: str = ""
+    response: httpx.Response | None = None
+
+
+@dataclass
+class AccessRecord:
+    """One line of the access log."""
+
+    kv_request_id: str
+    method: str
+    path: str
+    mode: str
+    stream: bool = False
+    prefiller: str = ""
+    decoder: str = ""
+    prefill: str = "skipped"
+    prefill_ms: float = 0.0
+    status: int = 0
+    bytes: int = 0
+    outcome: str = "ok"
+    duration_ms: float = 0.0
+    started: float = field(default_factory=time.monotonic, repr=False)
+
+
+class _Exchange:
+    """The client side of one request: response start, body chunks, byte count."""
+
+    def __init__(self, send: Send, record: AccessRecord) -> None:
+        self._send = send
+        self.record = record
+        self.started = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.record.status = status
+        headers.append((KV_REQUEST_ID_HEADER, self.record.kv_request_id.encode()))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, chunk: bytes) -> None:
+        self.record.bytes += len(chunk)
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        await self.start(status, [(b"content-type", b"application/json"),
+                                  (b"content-length", str(len(data)).encode())])
+        await self.body(data)
+        await self.end()
+
+    async def error(self, status: int, message: str, *, kind: str, upstream: str = "") -> None:
+        err: dict[str, Any] = {"message": message, "type": kind, "code": status,
+                               "kv_request_id": self.record.kv_request_id}
+        if upstream:
+            err["upstream"] = upstream
+        await self.json(status, {"error": err})
+
+
+@dataclass
+class _Call:
+    """One client request being routed: its ASGI scope, client side and parsed body."""
+
+    scope: Scope
+    exchange: _Exchange
+    body: dict[str, Any]
+
+    @property
+    def record(self) -> AccessRecord:
+        return self.exchange.record
+
+
+class ProxyApp:
+    """ASGI app routing OpenAI-compatible requests to prefillers and decoders.
+
+    ``transport`` replaces httpx's network transport (tests only). The pooled HTTP client is
+    created on first use and closed by the ASGI lifespan shutdown or :meth:`aclose`.
+    """
+
+    def __init__(
+        self, config: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        self._prefillers = make_policy(config.policy, slots_of(config.prefillers))
+        self._decoders = make_policy(config.policy, slots_of(config.decoders))
+        self._model_sources = itertools.cycle(config.decoders)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        t = config.timeouts
+        self._deadline = t.prefill + t.decode + t.connect
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            t = self.config.timeouts
+            n = self.config.max_connections
+            self._client = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+                timeout=httpx.Timeout(connect=t.connect, read=t.idle, write=t.idle, pool=t.prefill),
+                transport=self._transport,
+                trust_env=False,
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        allowed = {"/health": "GET", "/v1/models": "GET"}.get(
+            path, "POST" if path in GENERATE_PATHS else None
+        )
+        record = AccessRecord(new_kv_request_id(), method, path, self.config.mode.value)
+        exchange = _Exchange(send, record)
+        if allowed is None:
+            await exchange.error(404, f"no route {path}", kind="not_found")
+        elif method != allowed:
+            await exchange.error(405, f"{path} takes {allowed}", kind="method_not_allowed")
+        elif path == "/health":
+            await exchange.json(200, {"status": "ok", "mode": self.config.mode.value})
+        elif path == "/v1/models":
+            await self._models(scope, exchange)
+        else:
+            await self._generate(scope, receive, exchange)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- /v1/models --------------------------------------------------------------------------
+
+    async def _models(self, scope: Scope, exchange: _Exchange) -> None:
+        decoder = next(self._model_sources)
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() in FORWARDED_HEADERS
+        }
+        t = self.config.timeouts
+        try:
+            response = await asyncio.wait_for(
+                self._http().get(f"{decoder.url}/v1/models", headers=headers), t.connect + t.idle
+            )
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            await exchange.error(
+                502, f"decoder {decoder.url} unreachable: {_describe(exc)}",
+                kind="bad_gateway", upstream=decoder.url,
+            )
+            return
+        await exchange.start(response.status_code, _response_headers(response))
+        await exchange.body(response.content)
+        await exchange.end()
+
+    # -- generate ----------------------------------------------------------------------------
+
+    async def _generate(self, scope: Scope, receive: Receive, exchange: _Exchange) -> None:
+        record = exchange.record
+        try:
+            try:
+                raw = await asyncio.wait_for(
+                    _read_body(receive, self.config.max_body_bytes), self.config.timeouts.idle
+                )
+            except _BodyTooLarge:
+                record.outcome = "bad_request"
+                await exchange.error(
+                    413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                    kind="invalid_request_error",
+                )
+                return
+            except asyncio.TimeoutError:
+                record.outcome = "client_timeout"
+                await exchange.error(408, "request body not received in time",
+                                     kind="invalid_request_error")
+                return
+            if raw is None:
+                record.outcome = "client_disconnected"
+                return
+            body = _json_object(raw)
+            if body is None:
+                record.outcome = "bad_request"
+                await exchange.error(400, "request body must be a JSON object",
+                                     kind="invalid_request_error")
+                return
+            record.stream = bool(body.get("stream"))
+            await self._supervise(_Call(scope, exchange, body), receive)
+        finally:
+            record.duration_ms = round((time.monotonic() - record.started) * 1000, 3)
+            access_log.info(
+                json.dumps({k: v for k, v in asdict(record).items() if k != "started"}),
+                extra={"p2pkv_access": record},
+            )
+
+    async def _supervise(self, call: _Call, receive: Receive) -> None:
+        """Run the legs; cancel them on client disconnect or at the request deadline."""
+        record, exchange = call.record, call.exchange
+        work = asyncio.ensure_future(self._route(call))
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait(
+                {work, watcher}, timeout=self._deadline, return_when=asyncio.FIRST_COMPLETED
+            )
+            if work in done:
+                await work
+                return
+            record.outcome = "client_disconnected" if watcher in done else "deadline"
+            await _cancel(work)
+            if record.outcome == "deadline" and not exchange.started:
+                await exchange.error(504, f"request exceeded {self._deadline:g}s",
+                                     kind="gateway_timeout")
+        except _UpstreamError as exc:
+            record.outcome = exc.outcome
+            await exchange.error(exc.status, str(exc), kind=_kind(exc.status),
+                                 upstream=exc.upstream)
+        except Exception:
+            record.outcome = "error"
+            log.exception("proxy failure for kv_request_id %s", record.kv_request_id)
+            if not exchange.started:
+                await exchange.error(500, "internal proxy error", kind="internal_error")
+        finally:
+            await _cancel(watcher)
+            await _cancel(work)
+
+    async def _route(self, call: _Call) -> None:
+        record = call.record
+        decoder = self._decoders.choose()
+        prefiller = self._prefillers.choose()
+        record.decoder = _slot_name(decoder)
+        record.prefiller = _slot_name(prefiller)
+        try:
+            if self.config.mode is Mode.DECODER_FIRST:
+                await self._decoder_first(call, prefiller, decoder)
+                return
+            producer = None if self.config.mode is Mode.SYMMETRIC else producer_params(
+                record.kv_request_id)
+            outcome = await self._prefill(call, prefiller, producer)
+            if outcome.ok:
+                params = (source_params if self.config.mode is Mode.SYMMETRIC
+                          else consumer_params)(record.kv_request_id, prefiller)
+            elif await self._refuse_after_prefill_failure(call, prefiller, outcome):
+                return
+            else:
+                params = None
+            await self._relay(call.exchange, await self._open_decode(call, decoder, params))
+        finally:
+            self._decoders.release(decoder)
+
+    async def _decoder_first(
+        self, call: _Call, prefiller: Slot[Prefiller], decoder: Slot[Decoder]
+    ) -> None:
+        kv_id = call.record.kv_request_id
+        decode = asyncio.ensure_future(
+            self._open_decode(call, decoder, consumer_params(kv_id, prefiller))
+        )
+        try:
+            outcome = await self._prefill(call, prefiller, producer_params(kv_id))
+            if outcome.ok:
+                response = await decode
+            else:
+                # The decoder would wait out its load timeout for blocks that never come:
+                # cancel that leg (vLLM aborts the request) before deciding what to do.
+                await _discard(decode)
+                if await self._refuse_after_prefill_failure(call, prefiller, outcome):
+                    return
+                response = await self._open_decode(call, decoder, None)
+            await self._relay(call.exchange, response)
+        finally:
+            await _discard(decode)
+
+    async def _prefill(
+        self, call: _Call, slot: Slot[Prefiller], kv_params: dict[str, Any] | None
+    ) -> _PrefillOutcome:
+        """Run the prefill leg to completion; never raises for upstream failures."""
+        record = call.record
+        timeout = self.config.timeouts.prefill
+        began = time.monotonic()
+        try:
+            response = await asyncio.wait_for(
+                self._http().post(
+                    f"{slot.upstream.url}{record.path}",
+                    content=json.dumps(prefill_body(call.body, kv_params)).encode(),
+                    headers=leg_headers(call.scope["headers"], record.kv_request_id,
+                                        slot.dp_rank, self.config.api_key),
+                ),
+                timeout,
+            )
+        except asyncio.TimeoutError:
+            outcome = _PrefillOutcome(False, f"timeout after {timeout:g}s")
+        except httpx.HTTPError as exc:
+            outcome = _PrefillOutcome(False, f"unreachable: {_describe(exc)}")
+        else:
+            if response.is_success:
+                outcome = _PrefillOutcome(True, response=response)
+            else:
+                outcome = _PrefillOutcome(False, f"status {response.status_code}", response)
+        finally:
+            self._prefillers.release(slot)
+        record.prefill_ms = round((time.monotonic() - began) * 1000, 3)
+        record.prefill = "ok" if outcome.ok else f"failed: {outcome.reason}"
+        if not outcome.ok:
+            log.warning("prefill leg %s to %s failed: %s (on_prefill_failure=%s)",
+                        record.kv_request_id, _slot_name(slot), outcome.reason,
+                        self.config.on_prefill_failure.value)
+        return outcome
+
+    async def _refuse_after_prefill_failure(
+        self, call: _Call, slot: Slot[Prefiller], outcome: _PrefillOutcome
+    ) -> bool:
+        """Answer the client if the failure policy says so; False means: go recompute."""
+        record, exchange = call.record, call.exchange
+        if self.config.on_prefill_failure is PrefillFailure.RECOMPUTE:
+            record.outcome = "recomputed"
+            return False
+        record.outcome = "prefill_failed"
+        response = outcome.response
+        if response is not None and 400 <= response.status_code < 500 and \
+                response.status_code not in (408, 429):
+            await exchange.start(response.status_code, _response_headers(response))
+            await exchange.body(response.content)
+            await exchange.end()
+            return True
+        url = slot.upstream.url
+        await exchange.error(
+            502, f"prefiller {url} (dp rank {slot.dp_rank}) failed: {outcome.reason}",
+            kind="bad_gateway", upstream=url,
+        )
+        return True
+
+    async def _open_decode(
+        self, call: _Call, slot: Slot[Decoder], kv_params: dict[str, Any] | None
+    ) -> httpx.Response:
+        """Send the decode leg; returns once its response headers are in (body unread)."""
+        url = slot.upstream.url
+        client = self._http()
+        request = client.build_request(
+            "POST",
+            f"{url}{call.record.path}",
+            content=json.dumps(decode_body(call.body, kv_params)).encode(),
+            headers=leg_headers(call.scope["headers"], call.record.kv_request_id, slot.dp_rank,
+                                self.config.api_key),
+        )
+        timeout = self.config.timeouts.decode
+        try:
+            return await asyncio.wait_for(client.send(request, stream=True), timeout)
+        except asyncio.TimeoutError:
+            raise _UpstreamError(504, "decoder_timeout",
+                                 f"decoder {url} sent no response in {timeout:g}s", url) from None
+        except httpx.HTTPError as exc:
+            raise _UpstreamError(502, "decoder_unreachable",
+                                 f"decoder {url} unreachable: {_describe(exc)}", url) from None
+
+    async def _relay(self, exchange: _Exchange, response: httpx.Response) -> None:
+        """Stream the decode response to the client chunk by chunk, as raw bytes."""
+        try:
+            await exchange.start(response.status_code, _response_headers(response))
+            try:
+                async for chunk in response.aiter_raw():
+                    await exchange.body(chunk)
+            except httpx.HTTPError as exc:
+                exchange.record.outcome = "decode_stream_error"
+                log.warning("decode stream %s broke after %d bytes: %s; dropping the client "
+                            "connection", exchange.record.kv_request_id, exchange.record.bytes,
+                            _describe(exc))
+                return
+            await exchange.end()
+        finally:
+            await response.aclose()
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+async def _discard(task: asyncio.Future[httpx.Response]) -> None:
+    """Cancel a pending decode leg, or close the response it already opened."""
+    if not task.done():
+        await _cancel(task)
+    elif not task.cancelled() and task.exception() is None:
+        await task.result().aclose()
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in response.headers.raw
+            if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+
+
+def _slot_name(slot: Slot[Any]) -> str:
+    return f"{slot.upstream.url}#dp{slot.dp_rank}"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _kind(status: int) -> str:
+    return {502: "bad_gateway", 504: "gateway_timeout"}.get(status, "error")

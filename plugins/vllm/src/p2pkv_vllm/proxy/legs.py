@@ -1,0 +1,112 @@
+"""What each leg of a proxied request carries: body, ``kv_transfer_params``, headers.
+
+Pure functions over plain dicts (no I/O), so the wire contract with the vLLM tier is tested
+on its own. The routing dict names are the tier's current ones (``remote_prefiller``,
+``remote_decoder``, ``remote_kv_source``; see docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from p2pkv_vllm.proxy.config import Prefiller
+from p2pkv_vllm.proxy.selection import Slot
+
+__all__ = [
+    "DP_RANK_HEADER",
+    "FORWARDED_HEADERS",
+    "consumer_params",
+    "decode_body",
+    "leg_headers",
+    "new_kv_request_id",
+    "prefill_body",
+    "producer_params",
+    "source_params",
+]
+
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+FORWARDED_HEADERS = frozenset(
+    {"authorization", "x-api-key", "openai-organization", "openai-project", "accept"}
+)
+"""Client headers copied onto both legs (auth, and the client's ``Accept``)."""
+
+_DECODE_ONLY_FIELDS = (
+    "stream",
+    "stream_options",
+    "max_completion_tokens",
+    "min_tokens",
+    "min_completion_tokens",
+    "n",
+    "best_of",
+    "kv_transfer_params",
+)
+"""Dropped from the prefill leg: it produces one token of one sequence, unstreamed."""
+
+
+def new_kv_request_id() -> str:
+    """A fresh join key for one request's two legs (unique across proxies and restarts)."""
+    return f"p2pkv-{uuid.uuid4().hex}"
+
+
+def producer_params(kv_request_id: str) -> dict[str, Any]:
+    """The prefill leg's routing: this instance produces the blocks for a remote decoder."""
+    return {"remote_decoder": {"kv_request_id": kv_request_id}}
+
+
+def _source(kv_request_id: str, slot: Slot[Prefiller]) -> dict[str, Any]:
+    return {
+        "kv_request_id": kv_request_id,
+        "remote_host": slot.upstream.p2p_host,
+        "remote_port": slot.upstream.p2p_port + slot.dp_rank,
+    }
+
+
+def consumer_params(kv_request_id: str, prefiller: Slot[Prefiller]) -> dict[str, Any]:
+    """The decode leg's routing (PD): pull every prompt block from that prefiller replica."""
+    return {"remote_prefiller": _source(kv_request_id, prefiller)}
+
+
+def source_params(kv_request_id: str, prefiller: Slot[Prefiller]) -> dict[str, Any]:
+    """The decode leg's routing (symmetric): probe that replica's cache, load what it has."""
+    return {"remote_kv_source": _source(kv_request_id, prefiller)}
+
+
+def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of the client body for the prefill leg: one token, not streamed."""
+    out = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
+    out["max_tokens"] = 1
+    out["stream"] = False
+    if kv_params is not None:
+        out["kv_transfer_params"] = dict(kv_params)
+    return out
+
+
+def decode_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The client body for the decode leg; the proxy owns ``kv_transfer_params``."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if kv_params is not None:
+        out["kv_transfer_params"] = dict(kv_params)
+    return out
+
+
+def leg_headers(
+    client_headers: Iterable[tuple[bytes, bytes]],
+    kv_request_id: str,
+    dp_rank: int,
+    api_key: str | None = None,
+) -> dict[str, str]:
+    """Headers of one leg: forwarded client auth, the request id, the pinned DP rank."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in client_headers:
+        name = raw_name.decode("latin-1").lower()
+        if name in FORWARDED_HEADERS:
+            headers[name] = raw_value.decode("latin-1")
+    if api_key and "authorization" not in headers and "x-api-key" not in headers:
+        headers["authorization"] = f"Bearer {api_key}"
+    headers["content-type"] = "application/json"
+    headers["x-request-id"] = kv_request_id
+    headers[DP_RANK_HEADER.lower()] = str(dp_rank)
+    return headers
