@@ -20,6 +20,7 @@ whole.
 Knobs (class attributes; the fixtures of the same purpose may be overridden instead):
 
 ``transport``            the class under test (or override the ``transport_class`` fixture)
+``transport_name``       instead of ``transport``: an installed transport, by registry name
 ``options``              ``control_options``/``data_options`` for every instance
 ``timeout``              seconds any single expected event may take (default 10)
 ``same_process_pairs``   False if two instances cannot share a process
@@ -50,6 +51,7 @@ from p2pkv.contracts import (
     ControlTransport,
     DataSettings,
     DataTransport,
+    TransportKind,
 )
 from p2pkv.errors import (
     ConfigError,
@@ -71,27 +73,46 @@ from p2pkv.testing.peers import (
 from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.waiting import wait_until
 
-__all__ = ["ControlTransportSuite", "DataTransportSuite"]
+__all__ = ["ControlTransportSuite", "DataTransportSuite", "installed_transport"]
 
 PEER_MODES = ("same-process", "child-process")
 
 T = TypeVar("T")
 
 
+def installed_transport(kind: TransportKind, name: str, *, missing: str = "skip") -> type[Any]:
+    """The installed transport ``name`` of ``kind``, through the plugin registry.
+
+    When it is not installed (or refused by the registry), the current test is skipped
+    (``missing="skip"``) or failed (``missing="fail"``) with the registry's explanation.
+    """
+    from p2pkv.registry import default_registry
+
+    try:
+        return default_registry().transport(kind, name)
+    except ConfigError as exc:
+        (pytest.skip if missing == "skip" else pytest.fail)(str(exc))
+        raise  # unreachable: skip and fail raise
+
+
 class _SuiteBase:
+    kind: ClassVar[TransportKind]
     transport: ClassVar[type[Any] | None] = None
+    transport_name: ClassVar[str | None] = None
     options: ClassVar[Mapping[str, Any]] = {}
     timeout: ClassVar[float] = 10.0
     same_process_pairs: ClassVar[bool] = True
 
     @pytest.fixture
     def transport_class(self) -> type[Any]:
-        if self.transport is None:
-            pytest.fail(
-                f"{type(self).__name__}: set `transport = YourTransport` on the suite subclass "
-                f"or override the `transport_class` fixture"
-            )
-        return self.transport
+        if self.transport is not None:
+            return self.transport
+        if self.transport_name is not None:
+            return installed_transport(self.kind, self.transport_name)
+        pytest.fail(
+            f"{type(self).__name__}: set `transport = YourTransport` (or `transport_name`) on "
+            f"the suite subclass, or override the `transport_class` fixture"
+        )
 
     @pytest.fixture
     def transport_options(self) -> Mapping[str, Any]:
@@ -198,6 +219,7 @@ class _DataPair:
 class DataTransportSuite(_SuiteBase):
     """The ``DataTransport`` contract (see ``p2pkv.contracts``). Subclass and set ``transport``."""
 
+    kind: ClassVar[TransportKind] = "data"
     num_blocks: ClassVar[int] = 16
     block_len: ClassVar[int] = 256
 
@@ -653,6 +675,7 @@ class _ControlPair:
 class ControlTransportSuite(_SuiteBase):
     """The ``ControlTransport``/``ControlConnection`` contract. Subclass and set ``transport``."""
 
+    kind: ClassVar[TransportKind] = "control"
     max_frame_bytes: ClassVar[int] = 64 * 1024
     liveness_timeout: ClassVar[float] = 10.0
     host: ClassVar[str] = "127.0.0.1"

@@ -1,0 +1,34 @@
+"""The conformance kit over every transport the project publishes (skipped if not installed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
+
+
+class TestMemoryControl(ControlTransportSuite):
+    transport_name = "memory"
+
+
+class TestMemoryData(DataTransportSuite):
+    transport_name = "memory"
+
+    @pytest.mark.xfail(
+        strict=False,
+        reason="p2pkv-memory keeps its (num_blocks, block_len) view of the region after close()",
+    )
+    def test_close_is_idempotent_and_releases_the_region(self, pair):  # type: ignore[no-untyped-def]
+        super().test_close_is_idempotent_and_releases_the_region(pair)
+
+
+class TestZmqControl(ControlTransportSuite):
+    transport_name = "zmq"
+
+
+class TestNixlData(DataTransportSuite):
+    transport_name = "nixl"
+
+
+class TestUcxData(DataTransportSuite):
+    transport_name = "ucx"
