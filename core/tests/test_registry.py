@@ -158,3 +158,19 @@ def test_plugins_add_cli_commands() -> None:
     parser = argparse.ArgumentParser()
     reg.add_cli_commands(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["observed"]).func(None) == 0
+
+
+def test_a_failing_cli_hook_is_a_failure_not_fatal() -> None:
+    class BadCli:
+        P2PKV_PLUGIN_API = 1
+
+        @hookimpl
+        def p2pkv_cli_commands(self, subparsers: Any) -> None:
+            raise ModuleNotFoundError("No module named 'gone'")
+
+    reg = Registry.from_plugins([("bad", BadCli()), ("obs", Observer())], environ={})
+    parser = argparse.ArgumentParser()
+    reg.add_cli_commands(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["observed"]).func(None) == 0
+    assert [(f.plugin, f.distribution) for f in reg.failures] == [("bad", "(in-process)")]
+    assert "p2pkv_cli_commands failed: ModuleNotFoundError" in reg.failures[0].reason

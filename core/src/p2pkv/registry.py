@@ -286,7 +286,19 @@ class Registry:
         return found
 
     def add_cli_commands(self, subparsers: Any) -> None:
-        cast(Any, self.pm.hook).p2pkv_cli_commands(subparsers=subparsers)
+        """Let every plugin add its subcommands; one that raises is recorded in ``failures``
+        and logged, so a broken plugin never takes the whole CLI down."""
+        args = {"subparsers": subparsers}
+        for impl in cast(Any, self.pm.hook).p2pkv_cli_commands.get_hookimpls():
+            try:
+                impl.function(*(args[name] for name in impl.argnames))
+            except Exception as exc:
+                name = impl.plugin_name
+                self._fail(
+                    name,
+                    self.plugins.get(name, "?"),
+                    f"p2pkv_cli_commands failed: {type(exc).__name__}: {exc}",
+                )
 
 
 def _new_manager(env: Mapping[str, str]) -> pluggy.PluginManager:
