@@ -124,6 +124,8 @@ def _config(args: argparse.Namespace) -> MatrixConfig:
 def run(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     console = Console(stderr=to_stdout)
+    if not console.is_terminal:
+        console = Console(stderr=to_stdout, width=200)
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -46,55 +46,63 @@ def geomean_ratios(results: Sequence[CellResult]) -> dict[str, dict[str, float |
     return out
 
 
-def _cell_text(r: CellResult | None) -> str:
+def _rate(r: CellResult | None) -> str:
     if r is None:
         return ""
     if r.skipped:
         return "[dim]skip[/]"
-    if r.error and not r.gbps:
+    if not r.gbps:
         return "[red]error[/]"
-    spread = (r.gbps_max - r.gbps_min) / 2 / r.gbps * 100 if r.gbps else 0.0
-    text = f"{r.gbps:.2f}[dim]±{spread:.0f}%[/]"
-    if r.ratio_raw is not None:
-        text += f" [cyan]{r.ratio_raw:.2f}xr[/]"
-    if r.ratio_memcpy is not None:
-        text += f" [magenta]{r.ratio_memcpy:.2f}xm[/]"
-    if r.error:
-        text += " [red]![/]"
-    return text
+    spread = (r.gbps_max - r.gbps_min) / 2 / r.gbps * 100
+    return f"{r.gbps:.2f}[dim]±{spread:.0f}%[/]" + (" [red]![/]" if r.error else "")
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return ""
+    color = "green" if value >= 0.95 else "yellow" if value >= 0.7 else "red"
+    return f"[{color}]{value:.2f}[/]"
 
 
 def print_tables(console: Console, results: Sequence[CellResult], title: str) -> None:
     """Throughput table (GB/s, ratios) and per-request latency table (p50/p99 µs)."""
     order = series_order(results)
+    p2pkv = [s for s in order if s.startswith("p2pkv ")]
+    has_raw = {s for s in p2pkv if f"raw {s.removeprefix('p2pkv ')}" in order}
     index = {(r.series, r.block_size, r.batch, r.concurrency): r for r in results}
     cells = sorted({(r.block_size, r.batch, r.concurrency) for r in results})
-    thr = Table(
-        title=f"{title}: GB/s, median of reps ±half-range; xr = ratio to raw library, "
-        "xm = ratio to memcpy",
-        title_justify="left",
-    )
+    thr = Table(title=f"{title}: GB/s (1e9 B/s), median of repetitions ±half-range",
+                title_justify="left")
     lat = Table(title="per-request latency p50 / p99 (µs)", title_justify="left")
     for t in (thr, lat):
         for col in ("block", "batch", "conc"):
             t.add_column(col, justify="right")
     for label in order:
         thr.add_column(label, justify="right")
+    for label in p2pkv:
+        short = label.removeprefix("p2pkv ")
+        if label in has_raw:
+            thr.add_column(f"{short}\n/raw", justify="right")
+        if "memcpy" in order:
+            thr.add_column(f"{short}\n/memcpy", justify="right")
+    for label in order:
         if label != "memcpy":
             lat.add_column(label, justify="right")
     for block, batch, conc in cells:
         head = (format_size(block), str(batch), str(conc))
-        row = [_cell_text(index.get((s, block, batch, conc))) for s in order]
-        if all(not c for c in row[1:]) and not row[0]:
-            continue
-        thr.add_row(*head, *row)
-        lat_row = []
-        for s in order:
-            if s == "memcpy":
-                continue
-            r = index.get((s, block, batch, conc))
-            lat_row.append(f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r and r.gbps else "")
-        lat.add_row(*head, *lat_row)
+        found = {s: index.get((s, block, batch, conc)) for s in order}
+        ratios = []
+        for label in p2pkv:
+            r = found[label]
+            if label in has_raw:
+                ratios.append(_ratio(r.ratio_raw if r else None))
+            if "memcpy" in order:
+                ratios.append(_ratio(r.ratio_memcpy if r else None))
+        thr.add_row(*head, *(_rate(found[s]) for s in order), *ratios)
+        lat.add_row(*head, *(
+            f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r and r.gbps else ""
+            for s, r in found.items() if s != "memcpy"
+        ))
     console.print(thr)
     console.print(lat)
     for label, g in geomean_ratios(results).items():
@@ -105,12 +113,12 @@ def print_tables(console: Console, results: Sequence[CellResult], title: str) ->
             parts.append(f"{g['ratio_memcpy']:.2f}x memcpy (worst {g['ratio_memcpy_min']:.2f}x)")
         if parts:
             console.print(f"{label}: geometric mean over {g['cells']} cells: " + ", ".join(parts))
-    failed = [r for r in results if r.error]
-    for r in failed:
-        console.print(
-            f"[red]{r.series} {format_size(r.block_size)} x{r.batch} c{r.concurrency}:[/] "
-            f"{r.error}"
-        )
+    for r in results:
+        if r.error:
+            console.print(
+                f"[red]{r.series} {format_size(r.block_size)} x{r.batch} c{r.concurrency}:[/] "
+                f"{r.error}"
+            )
 
 
 def plot(results: Sequence[CellResult], path: str, title: str) -> None:
