@@ -1,0 +1,81 @@
+"""Setting up a NIXL agent over a block region (shared by the transport and the raw baseline).
+
+Everything here runs once per transport, on the constructing thread.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from p2pkv.contracts import DataSettings
+from p2pkv.errors import ConfigError
+
+from p2pkv_nixl.descriptor import MAX_BLOCKS
+from p2pkv_nixl.library import Nixl
+from p2pkv_nixl.options import NixlOptions
+
+__all__ = ["LOCAL", "block_dlist", "open_agent", "region_array"]
+
+LOCAL = "NIXL_INIT_AGENT"
+"""``prep_xfer_dlist`` name for a local (initiator-side) descriptor list."""
+
+
+def region_array(settings: DataSettings) -> npt.NDArray[np.uint8]:
+    """``settings.region`` as a flat uint8 array (sharing its memory); ``ConfigError`` if the
+    region is not a writable, C-contiguous whole number of blocks."""
+    region, block_len = settings.region, settings.block_len
+    if not isinstance(region, memoryview):
+        raise ConfigError(f"region must be a memoryview, got {type(region).__name__}")
+    if region.readonly or not region.c_contiguous:
+        raise ConfigError("region must be a writable, C-contiguous buffer")
+    if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len <= 0:
+        raise ConfigError(f"block_len must be a positive integer, got {block_len!r}")
+    if region.nbytes == 0 or region.nbytes % block_len:
+        raise ConfigError(
+            f"region of {region.nbytes} bytes is not a positive multiple of block_len {block_len}"
+        )
+    if region.nbytes // block_len > MAX_BLOCKS:
+        raise ConfigError(f"region has more than {MAX_BLOCKS} blocks (NIXL indexes are int32)")
+    return np.frombuffer(region.cast("B"), dtype=np.uint8)
+
+
+def block_dlist(base: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
+    """One strided row describing ``num_blocks`` consecutive blocks (NIXL's Nx5 form:
+    address, length, device, stride, count): O(1) to build and to ship, indexed per block."""
+    return np.array([[base, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
+
+
+def open_agent(nixl: Nixl, options: NixlOptions) -> tuple[Any, str]:
+    """A new agent named by a fresh uuid, with ``options.backends`` created.
+
+    ``ConfigError`` if a backend is not available or fails to start (e.g. ``UCX_TLS=shm`` or
+    ``cma`` alone: UCX finds no transport for active messages)."""
+    name = f"p2pkv-{uuid.uuid4()}"
+    config = nixl.config_cls(
+        enable_prog_thread=options.enable_prog_thread,
+        enable_listen_thread=False,
+        backends=[],
+    )
+    try:
+        agent = nixl.agent_cls(name, config)
+    except Exception as exc:
+        raise ConfigError(f"cannot create a NIXL agent: {type(exc).__name__}: {exc}") from exc
+    available = list(agent.get_plugin_list())
+    for backend in options.backends:
+        if backend not in available:
+            raise ConfigError(
+                f"nixl data option 'backends': NIXL backend {backend!r} is not available here; "
+                f"available: {', '.join(sorted(available))}"
+            )
+        try:
+            agent.create_backend(backend, options.init_params(backend))
+        except Exception as exc:
+            raise ConfigError(
+                f"NIXL backend {backend!r} failed to start ({type(exc).__name__}: {exc}); "
+                f"check UCX_TLS (it needs an active-message transport such as tcp: 'shm' or "
+                f"'cma' alone fail) and nixl data option 'backend_params'"
+            ) from exc
+    return agent, name

@@ -1,0 +1,403 @@
+"""Throughput of raw NIXL, of the p2pkv ``nixl`` transport alone, and of memcpy, comparably.
+
+- :class:`RawNixl` drives NIXL with no p2pkv in the timed path: the same agent setup and the
+  same prepared (strided) descriptor lists as the transport, progress thread off, then
+  ``make_prepped_xfer`` + ``transfer`` per write and ``check_xfer_state`` per poll. It is
+  duck-typed like a ``DataTransport`` (the ``p2pkv_bench_baselines`` hook offers it to
+  ``p2pkv bench``), so one loop times both.
+- :func:`measure` moves ``num_blocks`` blocks from this process into a child's region at
+  scattered destination slots (a fixed random permutation), once per repetition and endpoint
+  kind, alternating the kinds rep by rep so they see the same machine. A repetition is timed
+  from ``write_blocks`` to the ``poll`` that reports it done. Every repetition is verified:
+  each source block carries a fresh stamp, checked in the destination slot; the first and
+  last repetition compare every byte.
+- :func:`run_raw`, :func:`run_transport` and :func:`run_memcpy` (the same scattered blocks
+  copied block by block with numpy in one process) return seconds per repetition.
+
+``python -m p2pkv_nixl.baseline`` prints GB/s (10^9 bytes/s) of the three for 256 blocks of
+64 KiB, 256 KiB, 1 MiB and 2 MiB, and the ratios. Set ``UCX_NET_DEVICES=lo`` on one host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from p2pkv.contracts import DataSettings, PollResult
+from p2pkv.errors import TransferSubmitError, TransportUnavailable
+from p2pkv.testing.child import Child
+
+from p2pkv_nixl import library
+from p2pkv_nixl.agent import LOCAL, block_dlist, open_agent, region_array
+from p2pkv_nixl.descriptor import RegionDescriptor
+from p2pkv_nixl.options import NixlOptions
+from p2pkv_nixl.transport import NixlDataTransport
+
+__all__ = ["RawNixl", "main", "measure", "run_memcpy", "run_raw", "run_transport"]
+
+KiB = 1024
+MiB = 1024 * KiB
+SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
+_PEER = "target"
+
+
+class RawNixl:
+    """NIXL without p2pkv (no validation, no bookkeeping beyond an id -> handle map).
+
+    Same agent setup and descriptor lists as ``NixlDataTransport``; ``enable_prog_thread``
+    off. Driver-thread only. Not for production: it checks nothing.
+    """
+
+    name = "nixl"
+
+    @classmethod
+    def availability(cls) -> TransportUnavailable | None:
+        return library.problem()
+
+    @classmethod
+    def create(cls, settings: DataSettings) -> RawNixl:
+        return cls(settings)
+
+    def __init__(self, settings: DataSettings) -> None:
+        nixl = library.load()
+        library.apply_ucx_defaults()
+        self._array = region_array(settings)
+        self._agent, name = open_agent(nixl, NixlOptions())
+        base, block_len = int(self._array.ctypes.data), settings.block_len
+        num_blocks = self._array.size // block_len
+        self._registration = self._agent.register_memory(
+            [(base, self._array.nbytes, 0, "")], "DRAM"
+        )
+        self._local = self._agent.prep_xfer_dlist(
+            LOCAL, block_dlist(base, num_blocks, block_len), "DRAM"
+        )
+        self._descriptor = RegionDescriptor(
+            name, self._agent.get_agent_metadata(), base, num_blocks, block_len
+        ).encode()
+        self._peers: dict[str, tuple[Any, Any]] = {}
+        self._inflight: dict[int, tuple[str, Any]] = {}
+        self._ids = itertools.count(1)
+
+    def descriptor(self) -> bytes:
+        return self._descriptor
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        desc = RegionDescriptor.decode(descriptor, peer_id)
+        name = self._agent.add_remote_agent(desc.metadata)
+        dlist = self._agent.prep_xfer_dlist(
+            name, block_dlist(desc.base, desc.num_blocks, desc.block_len), "DRAM"
+        )
+        self._peers[peer_id] = (name, dlist)
+
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        handle = self._agent.make_prepped_xfer(
+            "WRITE",
+            self._local,
+            np.asarray(local_idxs, dtype=np.int32),
+            self._peers[peer_id][1],
+            np.asarray(remote_idxs, dtype=np.int32),
+        )
+        if self._agent.transfer(handle) == "ERR":
+            handle.release()
+            raise TransferSubmitError("raw nixl: transfer failed at submit")
+        transfer_id = next(self._ids)
+        self._inflight[transfer_id] = (peer_id, handle)
+        return transfer_id
+
+    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> None:
+        return None
+
+    def progress(self) -> None:
+        self._agent.get_new_notifs()
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        done: list[int] = []
+        failed: list[int] = []
+        for transfer_id, (peer, handle) in list(self._inflight.items()):
+            if peer_id is not None and peer != peer_id:
+                continue
+            state = self._agent.check_xfer_state(handle)
+            if state != "PROC":
+                handle.release()
+                del self._inflight[transfer_id]
+                (done if state == "DONE" else failed).append(transfer_id)
+        return PollResult(done, failed)
+
+    def close(self) -> list[int]:
+        for _, handle in self._inflight.values():
+            handle.release()
+        self._inflight.clear()
+        for name, dlist in self._peers.values():
+            dlist.release()
+            self._agent.remove_remote_agent(name)
+        self._peers.clear()
+        self._local.release()
+        self._agent.deregister_memory(self._registration)
+        return []
+
+
+# -- block contents ----------------------------------------------------------------------
+
+
+def _block(seed: int, index: int, block_len: int) -> npt.NDArray[np.uint8]:
+    return np.frombuffer(np.random.default_rng([seed, index]).bytes(block_len), dtype=np.uint8)
+
+
+def _fill(blocks: npt.NDArray[np.uint8], seed: int) -> None:
+    for i in range(blocks.shape[0]):
+        blocks[i] = _block(seed, i, blocks.shape[1])
+
+
+def _stamp(blocks: npt.NDArray[np.uint8], tag: int) -> None:
+    """Write ``tag << 32 | i`` into the first 8 bytes of block ``i`` (a fresh mark per rep)."""
+    marks = (np.uint64(tag) << np.uint64(32)) + np.arange(blocks.shape[0], dtype=np.uint64)
+    blocks[:, :8] = marks.view(np.uint8).reshape(-1, 8)
+
+
+def _verify(
+    dest: npt.NDArray[np.uint8], slots: npt.NDArray[np.int64], seed: int, tag: int, every_byte: bool
+) -> str:
+    """'' if ``dest[slots[i]]`` holds source block ``i`` stamped ``tag``; else what is wrong."""
+    expected = (np.uint64(tag) << np.uint64(32)) + np.arange(len(slots), dtype=np.uint64)
+    marks = np.ascontiguousarray(dest[slots, :8]).view(np.uint64).ravel()
+    wrong = np.flatnonzero(marks != expected)
+    if len(wrong):
+        return f"{len(wrong)} block(s) without this repetition's stamp, first: source {wrong[0]}"
+    if every_byte:
+        for i, slot in enumerate(slots):
+            if not np.array_equal(dest[slot, 8:], _block(seed, i, dest.shape[1])[8:]):
+                return f"source block {i} differs in slot {slot}"
+    return ""
+
+
+def _slots(seed: int, num_blocks: int) -> npt.NDArray[np.int64]:
+    return np.random.default_rng(seed).permutation(num_blocks)
+
+
+# -- the target process ------------------------------------------------------------------
+
+
+def _serve(
+    conn: Connection, classes: Sequence[type], block_len: int, num_blocks: int, seed: int
+) -> None:
+    """Child: one region, one endpoint of each class over it, progressed between requests."""
+    region = np.empty(num_blocks * block_len, dtype=np.uint8)
+    region.fill(0)  # fault the pages in before anything is timed
+    dest = region.reshape(num_blocks, block_len)
+    slots = _slots(seed, num_blocks)
+    endpoints = [cls.create(DataSettings(memoryview(region), block_len)) for cls in classes]
+    conn.send([endpoint.descriptor() for endpoint in endpoints])
+    while True:
+        for endpoint in endpoints:
+            endpoint.progress()
+        if conn.poll(0):
+            request = conn.recv()
+            if request is None:
+                break
+            tag, every_byte = request
+            conn.send(_verify(dest, slots, seed, tag, every_byte))
+    for endpoint in endpoints:
+        endpoint.close()
+
+
+# -- measurements ------------------------------------------------------------------------
+
+
+def _wait_done(endpoint: Any, transfer_id: int, deadline: float) -> None:
+    while True:
+        result = endpoint.poll(_PEER)
+        if transfer_id in result.done:
+            return
+        if transfer_id in result.failed:
+            raise RuntimeError(f"transfer {transfer_id} failed")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"transfer {transfer_id} not done in time")
+
+
+def measure(
+    kinds: Mapping[str, type],
+    block_len: int,
+    num_blocks: int,
+    repeats: int,
+    warmup: int,
+    *,
+    seed: int = 0,
+    timeout: float = 60.0,
+) -> dict[str, list[float]]:
+    """Seconds per repetition for each endpoint kind (label -> class), measured side by side.
+
+    Raises ``RuntimeError`` if a transfer fails or a byte is wrong, ``TimeoutError`` past
+    ``timeout`` seconds for any one step.
+    """
+    source = np.empty(num_blocks * block_len, dtype=np.uint8)
+    blocks = source.reshape(num_blocks, block_len)
+    _fill(blocks, seed)
+    local = list(range(num_blocks))
+    remote = _slots(seed, num_blocks).tolist()
+    classes = list(kinds.values())
+    with Child(_serve, classes, block_len, num_blocks, seed, name="p2pkv-nixl-baseline") as child:
+        descriptors = child.recv(timeout, "endpoint descriptors")
+        endpoints = [cls.create(DataSettings(memoryview(source), block_len)) for cls in classes]
+        try:
+            for endpoint, descriptor in zip(endpoints, descriptors, strict=True):
+                endpoint.add_peer(_PEER, descriptor)
+            times: dict[str, list[float]] = {label: [] for label in kinds}
+            tags = itertools.count(1)
+            total = warmup + repeats
+            for rep in range(total):
+                for label, endpoint in zip(kinds, endpoints, strict=True):
+                    tag = next(tags)
+                    _stamp(blocks, tag)
+                    start = time.perf_counter()
+                    transfer_id = endpoint.write_blocks(_PEER, local, remote)
+                    _wait_done(endpoint, transfer_id, time.monotonic() + timeout)
+                    elapsed = time.perf_counter() - start
+                    problem = child.request((tag, rep in (0, total - 1)), timeout, "a verdict")
+                    if problem:
+                        raise RuntimeError(f"{label}, {block_len} B blocks: {problem}")
+                    if rep >= warmup:
+                        times[label].append(elapsed)
+        finally:
+            for endpoint in endpoints:
+                endpoint.close()
+            child.send(None)
+    return times
+
+
+def run_raw(block_len: int, num_blocks: int, repeats: int, warmup: int) -> list[float]:
+    """Seconds per repetition of raw NIXL moving ``num_blocks`` scattered blocks to a child."""
+    return measure({"raw": RawNixl}, block_len, num_blocks, repeats, warmup)["raw"]
+
+
+def run_transport(block_len: int, num_blocks: int, repeats: int, warmup: int) -> list[float]:
+    """The same as :func:`run_raw` through the p2pkv ``nixl`` transport."""
+    return measure({"p2pkv": NixlDataTransport}, block_len, num_blocks, repeats, warmup)["p2pkv"]
+
+
+def run_memcpy(
+    block_len: int, num_blocks: int, repeats: int, warmup: int, *, seed: int = 0
+) -> list[float]:
+    """Seconds per repetition copying the same scattered blocks with numpy in one process."""
+    source = np.empty((num_blocks, block_len), dtype=np.uint8)
+    _fill(source, seed)
+    dest = np.empty_like(source)
+    dest.fill(0)
+    pairs = list(enumerate(_slots(seed, num_blocks).tolist()))
+    times: list[float] = []
+    for rep in range(warmup + repeats):
+        start = time.perf_counter()
+        for i, slot in pairs:
+            dest[slot] = source[i]
+        elapsed = time.perf_counter() - start
+        if rep >= warmup:
+            times.append(elapsed)
+    if not np.array_equal(dest[_slots(seed, num_blocks)], source):
+        raise RuntimeError("memcpy baseline copied wrong bytes")
+    return times
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def _gbps(nbytes: int, seconds: Sequence[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def compare(
+    sizes: Sequence[int], num_blocks: int, repeats: int, warmup: int
+) -> list[dict[str, Any]]:
+    """One row per block size: GB/s of raw nixl, p2pkv nixl and memcpy, and the ratios."""
+    rows = []
+    for block_len in sizes:
+        nbytes = block_len * num_blocks
+        times = measure(
+            {"raw nixl": RawNixl, "p2pkv nixl": NixlDataTransport},
+            block_len, num_blocks, repeats, warmup,
+        )
+        raw = _gbps(nbytes, times["raw nixl"])
+        p2pkv = _gbps(nbytes, times["p2pkv nixl"])
+        memcpy = _gbps(nbytes, run_memcpy(block_len, num_blocks, repeats, warmup))
+        rows.append({
+            "block_bytes": block_len,
+            "blocks": num_blocks,
+            "raw_nixl_gbps": raw,
+            "p2pkv_nixl_gbps": p2pkv,
+            "memcpy_gbps": memcpy,
+            "p2pkv_over_raw": p2pkv / raw,
+            "raw_over_memcpy": raw / memcpy,
+            "p2pkv_over_memcpy": p2pkv / memcpy,
+        })
+    return rows
+
+
+def _size(text: str) -> int:
+    units = {"k": KiB, "m": MiB}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes % MiB == 0 else f"{nbytes // KiB} KiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m p2pkv_nixl.baseline",
+        description="GB/s of raw NIXL, the p2pkv nixl transport and memcpy, side by side.",
+    )
+    parser.add_argument(
+        "--sizes", default="64K,256K,1M,2M", help="block sizes (default %(default)s)"
+    )
+    parser.add_argument("--blocks", type=int, default=256, help="blocks per transfer (default 256)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed repetitions (default 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions (default 3)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    problem = library.problem()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
+    sizes = [_size(s) for s in args.sizes.split(",") if s.strip()]
+    rows = compare(sizes, args.blocks, args.repeats, args.warmup)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"{args.blocks} scattered blocks per transfer, median of {args.repeats} repetitions "
+          f"(GB/s = 1e9 B/s)")
+    header = ("block", "raw nixl", "p2pkv nixl", "memcpy", "p2pkv/raw", "raw/memcpy",
+              "p2pkv/memcpy")
+    print("  ".join(f"{h:>12}" for h in header))
+    for row in rows:
+        cells = (
+            _label(row["block_bytes"]),
+            f"{row['raw_nixl_gbps']:.2f}",
+            f"{row['p2pkv_nixl_gbps']:.2f}",
+            f"{row['memcpy_gbps']:.2f}",
+            f"{row['p2pkv_over_raw']:.3f}",
+            f"{row['raw_over_memcpy']:.3f}",
+            f"{row['p2pkv_over_memcpy']:.3f}",
+        )
+        print("  ".join(f"{c:>12}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    # run the imported module's main so the child pickles p2pkv_nixl.baseline._serve, not
+    # __main__._serve
+    from p2pkv_nixl.baseline import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,94 @@
+"""What a peer needs to write into our region: NIXL agent metadata plus the region's shape.
+
+Wire form: a msgpack map (never pickle) ::
+
+    {"format": "p2pkv-nixl", "v": 1, "agent": str, "metadata": bytes, "mem": "DRAM",
+     "base": int, "num_blocks": int, "block_len": int}
+
+``metadata`` is NIXL's ``get_agent_metadata()`` taken after the region was registered (it
+carries the remote keys); ``base`` is the region's virtual address in the owner's process.
+Unknown extra keys are ignored (a later minor version may add some); a different ``v`` is
+rejected. Decoding checks every field's type and range and raises ``PeerRejected`` with the
+reason; nothing from the descriptor reaches NIXL unchecked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from p2pkv.errors import PeerRejected
+
+__all__ = ["FORMAT", "MAX_BLOCKS", "VERSION", "RegionDescriptor"]
+
+FORMAT = "p2pkv-nixl"
+VERSION = 1
+MAX_BLOCKS = 2**31 - 1
+"""NIXL takes block indexes as int32."""
+_ADDRESS_LIMIT = 2**64
+
+
+@dataclass(frozen=True)
+class RegionDescriptor:
+    agent: str
+    metadata: bytes
+    base: int
+    num_blocks: int
+    block_len: int
+    mem: str = "DRAM"
+
+    def encode(self) -> bytes:
+        packed: bytes = msgpack.packb(
+            {
+                "format": FORMAT,
+                "v": VERSION,
+                "agent": self.agent,
+                "metadata": self.metadata,
+                "mem": self.mem,
+                "base": self.base,
+                "num_blocks": self.num_blocks,
+                "block_len": self.block_len,
+            },
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def decode(cls, data: bytes, peer_id: str) -> RegionDescriptor:
+        """Parse and validate; ``PeerRejected`` names the peer and what is wrong."""
+
+        def reject(reason: str) -> PeerRejected:
+            return PeerRejected(f"peer {peer_id!r}: {reason}")
+
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise reject(f"nixl descriptor must be bytes, got {type(data).__name__}")
+        try:
+            fields: Any = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        except Exception as exc:
+            raise reject(f"malformed nixl descriptor ({type(exc).__name__}: {exc})") from None
+        if not isinstance(fields, dict) or fields.get("format") != FORMAT:
+            raise reject("not a p2pkv-nixl descriptor (is the peer using another data transport?)")
+        if fields.get("v") != VERSION:
+            raise reject(f"nixl descriptor version {fields.get('v')!r}; this side reads {VERSION}")
+        agent, metadata, mem = fields.get("agent"), fields.get("metadata"), fields.get("mem")
+        base, num_blocks, block_len = (
+            fields.get("base"), fields.get("num_blocks"), fields.get("block_len")
+        )
+        if not (isinstance(agent, str) and agent):
+            raise reject(f"nixl descriptor has no agent name: {agent!r}")
+        if not (isinstance(metadata, bytes) and metadata):
+            raise reject("nixl descriptor has no agent metadata")
+        if mem != "DRAM":
+            raise reject(f"nixl descriptor memory kind {mem!r}; this transport handles DRAM only")
+        if not (_is_int(num_blocks) and 0 < num_blocks <= MAX_BLOCKS):
+            raise reject(f"nixl descriptor num_blocks {num_blocks!r} is not in 1..{MAX_BLOCKS}")
+        if not (_is_int(block_len) and block_len > 0):
+            raise reject(f"nixl descriptor block_len {block_len!r} is not a positive integer")
+        if not (_is_int(base) and base > 0 and base + num_blocks * block_len <= _ADDRESS_LIMIT):
+            raise reject(f"nixl descriptor base address {base!r} is not a valid region address")
+        return cls(agent, metadata, base, num_blocks, block_len, mem)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,591 @@
+"""The ``nixl`` data transport: one-sided NIXL WRITEs from our region into peers' regions.
+
+Layout: one NIXL agent per transport, named by a fresh uuid; the caller's region registered
+once as DRAM; one prepared descriptor list for it (``NIXL_INIT_AGENT``) and one per peer
+registration, both in NIXL's strided form (one row however many blocks), so a write is a
+``make_prepped_xfer`` over two int32 index arrays plus ``transfer``. NIXL merges contiguous
+index runs into larger descriptors itself.
+
+Threading: every NIXL call is made on the caller's (driver) thread; this module starts no
+thread. With ``enable_prog_thread`` off (the default) nothing progresses NIXL's worker except
+``progress()``/``poll()``: a target that stops calling them stalls its peers' writes into it
+(the UCX endpoint wire-up and the completion of each write need the target's worker).
+
+Failure: a peer whose process died makes NIXL raise ``nixlRemoteDisconnectError``, at submit
+or when a transfer's state is checked; every transfer of that peer then fails at once and the
+peer must be added again (with a fresh descriptor: agent names are never reused). An error
+while checking a transfer fails that transfer; it is never left in flight.
+
+Memory safety: a transfer handle is released only once NIXL reports it terminal or accepts a
+cancel (release) of it. ``remove_peer`` and ``close`` wait up to ``drain_timeout`` for the
+rest; what never drains is reported and its resources kept: a peer's descriptor list stays
+prepared, and after ``close`` the agent and region stay registered (held in a module-level list
+so that not even garbage collection frees them under a transfer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+from p2pkv.contracts import (
+    EMPTY_POLL,
+    CancelMode,
+    Capabilities,
+    DataSettings,
+    DataTransport,
+    PollResult,
+)
+from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError, TransportUnavailable
+
+from p2pkv_nixl import library
+from p2pkv_nixl.agent import LOCAL, block_dlist, open_agent, region_array
+from p2pkv_nixl.descriptor import RegionDescriptor
+from p2pkv_nixl.options import NixlOptions
+
+__all__ = ["NixlDataTransport"]
+
+log = logging.getLogger(__name__)
+
+_LEAKED: list[object] = []
+"""State of transports whose ``close`` could not drain: kept alive for the process lifetime."""
+
+_WARMUP_BYTES = 8
+
+
+class _RemoteAgent:
+    """A peer's NIXL agent, loaded once however many registrations use it."""
+
+    __slots__ = ("disconnected", "metadata", "name", "users")
+
+    def __init__(self, name: str, metadata: bytes) -> None:
+        self.name = name
+        self.metadata = metadata
+        self.users = 0
+        self.disconnected = False
+
+
+class _Registration:
+    """One ``add_peer``: the peer's prepared descriptor list and the transfers posted on it.
+
+    A registration replaced by a newer ``add_peer`` or removed while transfers were still
+    running stays in its peer's list until it is quiescent; its ids stay pollable.
+    """
+
+    __slots__ = ("dlist", "finished", "inflight", "num_blocks", "peer_id", "remote", "warmup")
+
+    def __init__(self, peer_id: str, remote: _RemoteAgent, dlist: Any, num_blocks: int) -> None:
+        self.peer_id = peer_id
+        self.remote = remote
+        self.dlist = dlist
+        self.num_blocks = num_blocks
+        self.inflight: dict[int, Any] = {}
+        """id -> NIXL transfer handle, not yet terminal."""
+        self.finished: dict[int, bool] = {}
+        """id -> success, terminal (handle released) and not yet reported."""
+        self.warmup: Any = None
+        """The connection warm-up READ's handle while it runs."""
+
+    @property
+    def quiescent(self) -> bool:
+        return not self.inflight and self.warmup is None
+
+
+class NixlDataTransport(DataTransport):
+    """NIXL data transport; see the module docstring and the README for the options."""
+
+    name: ClassVar[str] = "nixl"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        cross_process=True, cross_host=True, wait_cancel=True, memory_kinds=frozenset({"DRAM"})
+    )
+
+    @classmethod
+    def availability(cls) -> TransportUnavailable | None:
+        return library.problem()
+
+    @classmethod
+    def create(cls, settings: DataSettings) -> NixlDataTransport:
+        return cls(settings)
+
+    def __init__(self, settings: DataSettings) -> None:
+        self._options = NixlOptions.parse(settings.options)
+        self._array = region_array(settings)
+        self._block_len = settings.block_len
+        self._num_blocks = self._array.size // settings.block_len
+        self._nixl = library.load()
+        library.apply_ucx_defaults()
+        self._agent, self._agent_name = open_agent(self._nixl, self._options)
+        self._memory: list[Any] = []
+        """NIXL registrations (region, then scratch), deregistered last."""
+        base = int(self._array.ctypes.data)
+        self._scratch = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
+        try:
+            self._memory.append(
+                self._agent.register_memory([(base, self._array.nbytes, 0, "")], "DRAM")
+            )
+            if self._options.warmup:
+                self._memory.append(
+                    self._agent.register_memory(
+                        [(int(self._scratch.ctypes.data), _WARMUP_BYTES, 0, "")], "DRAM"
+                    )
+                )
+            self._local = self._agent.prep_xfer_dlist(
+                LOCAL, block_dlist(base, self._num_blocks, self._block_len), "DRAM"
+            )
+            self._descriptor = RegionDescriptor(
+                self._agent_name,
+                self._agent.get_agent_metadata(),
+                base,
+                self._num_blocks,
+                self._block_len,
+            ).encode()
+        except Exception as exc:
+            for registration in reversed(self._memory):
+                self._quietly(self._agent.deregister_memory, registration)
+            raise ConfigError(
+                f"NIXL could not register the region: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._agents: dict[str, _RemoteAgent] = {}
+        self._current: dict[str, _Registration] = {}
+        self._by_peer: dict[str, list[_Registration]] = {}
+        self._owner: dict[int, _Registration] = {}
+        self._warming: list[_Registration] = []
+        self._zombies: dict[int, Any] = {}
+        """Handles whose release NIXL refused after they ended: never freed under them."""
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._released = False
+
+    # -- shape ----------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_len(self) -> int:
+        return self._block_len
+
+    @property
+    def agent_name(self) -> str:
+        """Our NIXL agent's name (a fresh uuid per transport)."""
+        return self._agent_name
+
+    def descriptor(self) -> bytes:
+        return self._descriptor
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        if self._closed:
+            raise PeerRejected(f"peer {peer_id!r}: the nixl transport is closed")
+        desc = RegionDescriptor.decode(descriptor, peer_id)
+        if desc.block_len != self._block_len:
+            raise PeerRejected(
+                f"peer {peer_id!r}: block_len {desc.block_len} does not match ours "
+                f"({self._block_len})"
+            )
+        if desc.agent == self._agent_name:
+            raise PeerRejected(f"peer {peer_id!r}: the descriptor is our own")
+        remote = self._load_agent(peer_id, desc)
+        try:
+            dlist = self._agent.prep_xfer_dlist(
+                desc.agent, block_dlist(desc.base, desc.num_blocks, desc.block_len), "DRAM"
+            )
+        except Exception as exc:
+            self._unload_agent(remote)
+            raise PeerRejected(
+                f"peer {peer_id!r}: NIXL refused its region ({type(exc).__name__}: {exc})"
+            ) from exc
+        registration = _Registration(peer_id, remote, dlist, desc.num_blocks)
+        old = self._current.pop(peer_id, None)
+        self._current[peer_id] = registration
+        self._by_peer.setdefault(peer_id, []).append(registration)
+        if old is not None:
+            self._retire_quiescent(peer_id)
+        if self._options.warmup:
+            self._start_warmup(registration, desc.base)
+
+    def remove_peer(self, peer_id: str) -> list[int]:
+        self._current.pop(peer_id, None)
+        registrations = list(self._by_peer.get(peer_id, ()))
+        if self._closed or not registrations:
+            return []
+        undrained = self._quiesce(registrations)
+        self._retire_quiescent(peer_id)
+        return undrained
+
+    def _load_agent(self, peer_id: str, desc: RegionDescriptor) -> _RemoteAgent:
+        remote = self._agents.get(desc.agent)
+        if remote is not None:
+            if remote.disconnected:
+                raise PeerRejected(
+                    f"peer {peer_id!r}: NIXL agent {desc.agent} disconnected earlier; a restarted "
+                    f"peer has a new agent name"
+                )
+            if remote.metadata != desc.metadata:
+                raise PeerRejected(
+                    f"peer {peer_id!r}: agent {desc.agent} is already known with other metadata"
+                )
+        else:
+            try:
+                loaded = self._agent.add_remote_agent(desc.metadata)
+            except Exception as exc:
+                raise PeerRejected(
+                    f"peer {peer_id!r}: NIXL cannot load its agent metadata (is it alive and "
+                    f"reachable?): {type(exc).__name__}: {exc}"
+                ) from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != desc.agent:
+                self._quietly(self._agent.remove_remote_agent, loaded)
+                raise PeerRejected(
+                    f"peer {peer_id!r}: its metadata names agent {name!r}, its descriptor "
+                    f"{desc.agent!r}"
+                )
+            remote = self._agents[name] = _RemoteAgent(name, desc.metadata)
+        remote.users += 1
+        return remote
+
+    def _unload_agent(self, remote: _RemoteAgent) -> None:
+        remote.users -= 1
+        if remote.users == 0:
+            del self._agents[remote.name]
+            self._quietly(self._agent.remove_remote_agent, remote.name)
+
+    def _start_warmup(self, registration: _Registration, remote_base: int) -> None:
+        """Post an 8-byte READ from the peer's region into our scratch: it wires the
+        connection up while both sides progress, and touches neither region's contents."""
+        length = min(_WARMUP_BYTES, self._block_len)
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs([(int(self._scratch.ctypes.data), length, 0)], "DRAM"),
+                self._agent.get_xfer_descs([(remote_base, length, 0)], "DRAM"),
+                registration.remote.name,
+            )
+        except Exception as exc:
+            log.warning("nixl: connection warm-up to %s not posted: %s", registration.peer_id, exc)
+            return
+        registration.warmup = handle
+        self._warming.append(registration)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._warmup_ended(registration, exc)
+            return
+        if state != "PROC":
+            self._warmup_ended(registration, None)
+
+    def _check_warmups(self) -> None:
+        for registration in list(self._warming):
+            try:
+                state = self._agent.check_xfer_state(registration.warmup)
+            except Exception as exc:
+                self._warmup_ended(registration, exc)
+                continue
+            if state != "PROC":
+                self._warmup_ended(registration, None)
+
+    def _warmup_ended(self, registration: _Registration, exc: BaseException | None) -> None:
+        if isinstance(exc, self._nixl.remote_disconnect):
+            self._disconnected(registration.remote)
+        elif exc is not None:
+            log.info("nixl: connection warm-up to %s failed: %s", registration.peer_id, exc)
+        try:
+            self._agent.release_xfer_handle(registration.warmup)
+        except Exception as release_exc:
+            log.warning("nixl: warm-up handle of %s not released yet: %s",
+                        registration.peer_id, release_exc)
+            return
+        registration.warmup = None
+        self._warming.remove(registration)
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        if self._closed:
+            raise TransferSubmitError("the nixl transport is closed")
+        registration = self._current.get(peer_id)
+        if registration is None:
+            raise TransferSubmitError(f"unknown peer {peer_id!r}")
+        if registration.remote.disconnected:
+            raise TransferSubmitError(
+                f"peer {peer_id!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT); add it again with "
+                f"a fresh descriptor"
+            )
+        local = _indexes(local_idxs, self._num_blocks, "local")
+        remote = _indexes(remote_idxs, registration.num_blocks, f"remote (peer {peer_id!r})")
+        if len(local) != len(remote):
+            raise TransferSubmitError(f"{len(local)} local but {len(remote)} remote block indexes")
+        if len(remote) > 1:
+            ordered = np.sort(remote)
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            if len(repeated):
+                raise TransferSubmitError(
+                    f"remote (peer {peer_id!r}) block index {int(repeated[0])} is written twice "
+                    f"in one transfer"
+                )
+        transfer_id = next(self._ids)
+        if len(local) == 0:
+            registration.finished[transfer_id] = True
+            self._owner[transfer_id] = registration
+            return transfer_id
+        agent = self._agent
+        try:
+            handle = agent.make_prepped_xfer(
+                "WRITE", self._local, local, registration.dlist, remote
+            )
+        except Exception as exc:
+            raise TransferSubmitError(
+                f"peer {peer_id!r}: NIXL refused the transfer ({type(exc).__name__}: {exc})"
+            ) from exc
+        try:
+            state = agent.transfer(handle)
+        except Exception as exc:
+            self._quietly(agent.release_xfer_handle, handle)
+            if isinstance(exc, self._nixl.remote_disconnect):
+                self._disconnected(registration.remote)
+            raise TransferSubmitError(
+                f"peer {peer_id!r}: NIXL could not post the transfer ({type(exc).__name__}: {exc})"
+            ) from exc
+        if state == "ERR":
+            self._quietly(agent.release_xfer_handle, handle)
+            raise TransferSubmitError(f"peer {peer_id!r}: NIXL failed the transfer at submit")
+        self._owner[transfer_id] = registration
+        if state == "DONE":
+            self._release(transfer_id, handle)
+            registration.finished[transfer_id] = True
+        else:
+            registration.inflight[transfer_id] = handle
+        return transfer_id
+
+    def progress(self) -> None:
+        """Drive NIXL's worker: ``get_new_notifs`` is the cheapest call that progresses it
+        (a few microseconds; we send no notifications, so it returns nothing we keep)."""
+        if self._released:
+            return
+        self._agent.get_new_notifs()
+        if self._warming:
+            self._check_warmups()
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        if self._closed:
+            return EMPTY_POLL
+        self.progress()
+        if peer_id is None:
+            registrations: Iterable[_Registration] = list(self._all_registrations())
+        else:
+            found = self._by_peer.get(peer_id)
+            if not found:
+                return EMPTY_POLL
+            registrations = found
+        done: list[int] = []
+        failed: list[int] = []
+        retire = False
+        for registration in registrations:
+            if registration.inflight:
+                self._check(registration)
+            if registration.finished:
+                for transfer_id, ok in registration.finished.items():
+                    (done if ok else failed).append(transfer_id)
+                    del self._owner[transfer_id]
+                registration.finished.clear()
+            retire = retire or (
+                registration.quiescent
+                and self._current.get(registration.peer_id) is not registration
+            )
+        if retire:
+            for peer in [peer_id] if peer_id is not None else list(self._by_peer):
+                self._retire_quiescent(peer)
+        if not done and not failed:
+            return EMPTY_POLL
+        return PollResult(done, failed)
+
+    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
+        kept: list[int] = []
+        touched: set[str] = set()
+        for transfer_id in transfer_ids:
+            registration = self._owner.get(transfer_id)
+            if registration is None:
+                continue
+            touched.add(registration.peer_id)
+            if registration.finished.pop(transfer_id, None) is not None:
+                del self._owner[transfer_id]
+                continue
+            handle = registration.inflight[transfer_id]
+            if mode is CancelMode.IMMEDIATE:
+                self._release(transfer_id, handle)
+            else:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception as exc:
+                    log.debug("nixl: cancel of transfer %d refused: %s", transfer_id, exc)
+                    kept.append(transfer_id)
+                    continue
+            del registration.inflight[transfer_id]
+            del self._owner[transfer_id]
+        for peer_id in touched:
+            self._retire_quiescent(peer_id)
+        return kept
+
+    def _check(self, registration: _Registration) -> None:
+        agent = self._agent
+        for transfer_id, handle in list(registration.inflight.items()):
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as exc:
+                if isinstance(exc, self._nixl.remote_disconnect):
+                    self._disconnected(registration.remote)
+                    return  # every transfer of that agent has just been failed
+                log.warning("nixl: checking transfer %d failed; failing it: %s", transfer_id, exc)
+                state = "ERR"
+            if state == "PROC":
+                continue
+            del registration.inflight[transfer_id]
+            self._release(transfer_id, handle)
+            registration.finished[transfer_id] = state == "DONE"
+
+    def _disconnected(self, remote: _RemoteAgent) -> None:
+        """The peer process is gone: fail every transfer of every registration using it."""
+        if not remote.disconnected:
+            log.warning("nixl: peer agent %s disconnected; failing its transfers", remote.name)
+        remote.disconnected = True
+        for registration in self._all_registrations():
+            if registration.remote is not remote:
+                continue
+            for transfer_id, handle in registration.inflight.items():
+                self._release(transfer_id, handle)
+                registration.finished[transfer_id] = False
+            registration.inflight.clear()
+
+    def _release(self, transfer_id: int, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.error(
+                "nixl: transfer %d ended but NIXL refused to release it: %s", transfer_id, exc
+            )
+            self._zombies[transfer_id] = handle
+
+    # -- quiescence -----------------------------------------------------------------------
+
+    def _all_registrations(self) -> Iterator[_Registration]:
+        for registrations in self._by_peer.values():
+            yield from registrations
+
+    def _quiesce(self, registrations: Sequence[_Registration]) -> list[int]:
+        """Wait-cancel, then poll up to ``drain_timeout``, every transfer (and warm-up) of
+        ``registrations``; forget what ended. Returns the ids still running."""
+        for registration in registrations:
+            for transfer_id in registration.finished:
+                del self._owner[transfer_id]
+            registration.finished.clear()
+        ids = [t for registration in registrations for t in registration.inflight]
+        self.cancel(ids, CancelMode.WAIT)
+        for registration in registrations:
+            if registration.warmup is not None:
+                self._warmup_ended(registration, None)
+        deadline = time.monotonic() + self._options.drain_timeout
+        while any(not r.quiescent for r in registrations) and time.monotonic() < deadline:
+            self.progress()
+            for registration in registrations:
+                self._check(registration)
+                for transfer_id in registration.finished:
+                    del self._owner[transfer_id]
+                registration.finished.clear()
+        undrained = sorted(t for registration in registrations for t in registration.inflight)
+        if undrained or any(not r.quiescent for r in registrations):
+            log.error(
+                "nixl: %d transfer(s) still running after %.1fs drain (%s); their memory stays "
+                "registered", len(undrained), self._options.drain_timeout, undrained,
+            )
+        return undrained
+
+    def _retire_quiescent(self, peer_id: str) -> None:
+        """Release the registrations of ``peer_id`` that are replaced or removed and idle."""
+        registrations = self._by_peer.get(peer_id)
+        if not registrations:
+            return
+        current = self._current.get(peer_id)
+        keep = []
+        for registration in registrations:
+            if registration is current or not registration.quiescent or registration.finished:
+                keep.append(registration)
+                continue
+            self._quietly(self._agent.release_dlist_handle, registration.dlist)
+            self._unload_agent(registration.remote)
+        if keep:
+            self._by_peer[peer_id] = keep
+        else:
+            del self._by_peer[peer_id]
+
+    # -- close ----------------------------------------------------------------------------
+
+    def close(self) -> list[int]:
+        """See ``DataTransport.close``. Calling it again after it returned ids retries the drain
+        and releases everything once nothing runs any more."""
+        if self._released:
+            return []
+        self._closed = True
+        self._current.clear()
+        undrained = self._quiesce(list(self._all_registrations()))
+        for transfer_id, handle in list(self._zombies.items()):
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:
+                continue
+            del self._zombies[transfer_id]
+        if undrained or self._zombies or any(
+            not r.quiescent for r in self._all_registrations()
+        ):
+            leftover = sorted({*undrained, *self._zombies})
+            if self not in _LEAKED:
+                _LEAKED.append(self)
+            return leftover
+        for peer_id in list(self._by_peer):
+            self._retire_quiescent(peer_id)
+        agent = self._agent
+        self._quietly(agent.release_dlist_handle, self._local)
+        for registration in reversed(self._memory):
+            self._quietly(agent.deregister_memory, registration)
+        self._memory.clear()
+        self._released = True
+        if self in _LEAKED:
+            _LEAKED.remove(self)
+        del self._agent, self._array, self._scratch
+        return []
+
+    @staticmethod
+    def _quietly(call: Any, *args: Any) -> None:
+        """A best-effort NIXL cleanup call: failures are logged, never raised."""
+        try:
+            call(*args)
+        except Exception as exc:
+            log.warning("nixl: %s failed during cleanup: %s", getattr(call, "__name__", call), exc)
+
+
+def _indexes(idxs: Sequence[int], limit: int, what: str) -> npt.NDArray[np.int32]:
+    """``idxs`` as a contiguous int32 array, every index in ``0..limit-1``; else
+    ``TransferSubmitError`` naming the side and the first offending index."""
+    try:
+        arr = np.asarray(idxs)
+    except Exception as exc:
+        raise TransferSubmitError(
+            f"{what} block indexes are not a list of integers: {exc}"
+        ) from None
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TransferSubmitError(f"{what} block indexes must be a flat list of integers")
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise TransferSubmitError(f"{what} block index {bad} is outside 0..{limit - 1}")
+    return np.ascontiguousarray(arr, dtype=np.int32)

@@ -1,0 +1,183 @@
+"""Which UCX transports ("lanes") NIXL picks here, for ``p2pkv nixl-lanes`` and ``p2pkv doctor``.
+
+UCX decides per operation and message size which of its transports carries the bytes: on one
+host a WRITE should go ``zero-copy | cma/memory`` (one kernel copy, process to process) with
+notifications over ``tcp``; a wrong ``UCX_TLS``/``UCX_NET_DEVICES`` silently costs bandwidth
+(``UCX_TLS=tcp`` gives about a third of cma's throughput here). :func:`ucx_lanes` runs one tiny
+WRITE between two ``nixl`` transports in a subprocess with ``UCX_PROTO_INFO=y`` and parses the
+protocol tables UCX prints, so the answer reflects the real environment (``UCX_*`` variables,
+installed UCX modules). The probe is intra-node: lanes to another host may differ.
+
+UCX variables that matter (see the README): ``UCX_TLS`` (leave unset or ``all``; it must keep
+an active-message transport such as ``tcp``: ``shm`` or ``cma`` alone fail at agent creation),
+``UCX_NET_DEVICES`` (``lo`` for loopback tests, else UCX also stripes TCP over external
+interfaces), ``UCX_RCACHE_MAX_UNRELEASED`` (set to 1024 unless already set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from p2pkv_nixl import library
+
+__all__ = ["UCX_VARS", "add_parser", "parse_proto_info", "ucx_lanes"]
+
+UCX_VARS = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_RCACHE_MAX_UNRELEASED")
+_PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")
+
+
+def parse_proto_info(text: str) -> list[dict[str, Any]]:
+    """The protocol tables in UCX output (``UCX_PROTO_INFO=y``).
+
+    Each table becomes ``{"context": "<name> <scope> cfg#N", "scope": ..., "operation": ...,
+    "rows": [{"range", "protocol", "lane"}]}``; lines of one table share their log prefix.
+    """
+    groups: dict[str, list[list[str]]] = {}
+    for line in text.splitlines():
+        match = _PREFIX.match(line)
+        body = line[match.end():] if match else line
+        if not body.startswith("|"):
+            continue
+        prefix = match.group(0) if match else ""
+        cells = [c.strip() for c in body.strip().strip("|").split("|")]
+        groups.setdefault(prefix, []).append(cells)
+    tables = []
+    for rows in groups.values():
+        titles = [r[0] for r in rows if len(r) == 1]
+        data = [r for r in rows if len(r) == 3 and r[0] != "Range"]
+        if len(titles) < 2 or not data:
+            continue
+        words = titles[0].split()
+        tables.append({
+            "context": titles[0],
+            "scope": " ".join(words[1:-1]) if len(words) > 2 else "",
+            "operation": titles[1],
+            "rows": [{"range": r[0], "protocol": r[1], "lane": r[2]} for r in data],
+        })
+    return tables
+
+
+def _lanes(tables: Sequence[Mapping[str, Any]], operation_prefix: str) -> list[str]:
+    found: list[str] = []
+    for table in tables:
+        if table["scope"] == "self" or not table["operation"].startswith(operation_prefix):
+            continue
+        for row in table["rows"]:
+            if row["lane"] not in found:
+                found.append(row["lane"])
+    return found
+
+
+def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """Probe the lanes a ``nixl`` transport with ``options`` (data_options) uses on this host.
+
+    Returns ``{"ok", "error", "env", "put", "am", "tables"}``: ``put`` lists the lanes of
+    remote memory writes (e.g. ``["cma/memory"]``), ``am`` those of active messages
+    (notifications, wire-up; e.g. ``["tcp/lo"]``), ``env`` the ``UCX_*`` variables the probe
+    ran with. Never raises; a probe that fails says why in ``error``.
+    """
+    env = dict(os.environ)
+    library.apply_ucx_defaults(env)
+    report: dict[str, Any] = {
+        "ok": False,
+        "error": "",
+        "env": {k: env.get(k) for k in UCX_VARS},
+        "put": [],
+        "am": [],
+        "tables": [],
+    }
+    problem = library.problem()
+    if problem is not None:
+        report["error"] = str(problem)
+        return report
+    env["UCX_PROTO_INFO"] = "y"
+    command = [sys.executable, "-m", "p2pkv_nixl.ucx", "--probe", json.dumps(dict(options or {}))]
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        report["error"] = f"probe did not finish: {exc}"
+        return report
+    tables = parse_proto_info(done.stdout + "\n" + done.stderr)
+    report["tables"] = tables
+    report["put"] = _lanes(tables, "remote memory write")
+    report["am"] = _lanes(tables, "active message")
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout or "?").strip().splitlines()[-1]
+        report["error"] = f"probe exited {done.returncode}: {last}"
+    elif not report["put"]:
+        report["error"] = "UCX printed no protocol table for remote writes"
+    else:
+        report["ok"] = True
+    return report
+
+
+def _probe(options: Mapping[str, Any], timeout: float = 20.0) -> None:
+    """Subprocess side: one 4 KiB WRITE between two transports of this process."""
+    import numpy as np
+    from p2pkv.contracts import DataSettings
+
+    from p2pkv_nixl.transport import NixlDataTransport
+
+    block_len = 4096
+    regions = [np.full(2 * block_len, fill, dtype=np.uint8) for fill in (1, 0)]
+    source, target = (
+        NixlDataTransport.create(DataSettings(memoryview(r), block_len, options)) for r in regions
+    )
+    source.add_peer("target", target.descriptor())
+    transfer_id = source.write_blocks("target", [0], [1])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        target.progress()
+        result = source.poll("target")
+        if transfer_id in result.failed:
+            raise SystemExit("probe WRITE failed")
+        if transfer_id in result.done:
+            break
+    else:
+        raise SystemExit("probe WRITE did not complete")
+    if not (regions[1][block_len:] == 1).all():
+        raise SystemExit("probe WRITE landed wrong bytes")
+    source.close()
+    target.close()
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("nixl-lanes", help="show which UCX transports NIXL uses on this host")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--options", default="{}", help="nixl data_options as JSON (default {})")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    report = ucx_lanes(json.loads(args.options))
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0 if report["ok"] else 1
+    for key, value in report["env"].items():
+        print(f"{key}={value if value is not None else '(unset)'}")
+    if not report["ok"]:
+        print(f"probe failed: {report['error']}")
+        return 1
+    print(f"remote writes: {', '.join(report['put'])}")
+    print(f"active messages: {', '.join(report['am'])}")
+    if "cma/memory" not in report["put"]:
+        print("note: writes do not use cma on this host; check UCX_TLS (unset or 'all' picks cma)")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--probe":
+        _probe(json.loads(sys.argv[2]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --probe OPTIONS_JSON (internal; use `p2pkv nixl-lanes`)")
