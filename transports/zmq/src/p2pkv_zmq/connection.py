@@ -1,0 +1,95 @@
+"""One logical connection to a peer: our DEALER out, the peer's frames in (via our ROUTER).
+
+Threading: used only from the transport's driver thread, like the hub that owns it. The hub
+fills ``inbox`` and retires the connection (``reason`` set, sockets released); the connection
+never does I/O except ``send``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import zmq
+from p2pkv.contracts import ControlConnection
+from p2pkv.errors import ConnectionClosed, ProtocolError, SendQueueFull
+
+if TYPE_CHECKING:
+    from p2pkv_zmq.hub import ZmqHub
+
+__all__ = ["ZmqConnection"]
+
+_NOBLOCK = zmq.NOBLOCK
+_EMPTY: Sequence[bytes] = ()
+
+
+class ZmqConnection(ControlConnection):
+    """A connection of a :class:`~p2pkv_zmq.hub.ZmqHub`; created by ``connect`` or ``poll``.
+
+    ``key`` is the peer's canonical address, ``incarnation`` our DEALER's, ``remote_rid`` the
+    routing id of the peer's DEALER once known. ``reason`` is None while alive, then says why
+    the connection ended; frames received before that stay readable through ``recv``.
+    """
+
+    def __init__(
+        self,
+        hub: ZmqHub,
+        *,
+        shown_address: str,
+        key: str,
+        dealer: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
+        incarnation: bytes,
+        deadline: float,
+    ) -> None:
+        self._hub = hub
+        self._shown_address = shown_address
+        self.key = key
+        self.dealer: zmq.Socket[bytes] | None = dealer
+        self.monitor: zmq.Socket[bytes] | None = monitor
+        self.incarnation = incarnation
+        self.remote_rid: bytes | None = None
+        self.inbox: list[bytes] = []
+        self.deadline = deadline
+        self.reason: str | None = None
+        self._max_frame = hub.max_frame_bytes
+
+    @property
+    def peer_address(self) -> str:
+        return self._shown_address
+
+    @property
+    def alive(self) -> bool:
+        return self.reason is None
+
+    def send(self, frame: bytes) -> None:
+        if self.reason is not None:
+            raise ConnectionClosed(f"connection to {self._shown_address} is gone: {self.reason}")
+        if len(frame) > self._max_frame:
+            raise ProtocolError(
+                f"frame of {len(frame)} bytes exceeds max_frame_bytes {self._max_frame}"
+            )
+        assert self.dealer is not None  # released only together with setting reason
+        try:
+            self.dealer.send(frame, _NOBLOCK)
+        except zmq.Again:
+            raise SendQueueFull(
+                f"send queue to {self._shown_address} is full "
+                f"({self._hub.max_queued_frames} frames; zmq option max_queued_frames)"
+            ) from None
+        except zmq.ZMQError as exc:
+            raise ConnectionClosed(f"connection to {self._shown_address}: {exc}") from None
+
+    def recv(self) -> Sequence[bytes]:
+        frames = self.inbox
+        if not frames:
+            return _EMPTY
+        self.inbox = []
+        return frames
+
+    def close(self) -> None:
+        self._hub.retire(self, "closed locally")
+
+    def __repr__(self) -> str:
+        state = "alive" if self.reason is None else self.reason
+        return f"<ZmqConnection {self._shown_address} {state}>"

@@ -1,0 +1,494 @@
+"""The sockets of one ``zmq`` control transport and the small link protocol between peers.
+
+Sockets (all in the transport's own ``zmq.Context``, all used only from the driver thread):
+one ROUTER bound at our address (every peer's frames come in here), one DEALER per connection
+dialing the peer's ROUTER (our frames go out there), one monitor PAIR per DEALER and one for
+the ROUTER (``inproc://p2pkv-monitor-<n>``, never reused), and the ZAP handler with CURVE.
+
+Link protocol, below the opaque frames of the contract:
+
+- DEALER -> ROUTER. A DEALER's routing id is ``<our address>#<incarnation>``. Its first
+  message is ``["", "open", ref]``: ``ref`` is empty when we dialed on our own, or the
+  incarnation of the peer DEALER we answer. Every later message is one frame of payload.
+- ROUTER -> DEALER. Any message means "the connection you dialed with this DEALER is gone";
+  it is how a ``close`` reaches the peer, since a ROUTER cannot drop one peer's TCP
+  connection.
+- Accepting: frames from a DEALER that opened fresh are buffered until the first payload
+  frame, then a connection is created (dialing back, answering that DEALER) and returned by
+  ``poll``. An open answering one of our live DEALERs completes that connection; a fresh open
+  from an address we already hold a completed connection with means the peer restarted or
+  re-dialed: the old connection is retired. Payload from a DEALER that never opened to us
+  (one that reconnected by itself to a restarted us) is dropped and answered with "gone", so
+  stale frames never enter a new session.
+
+Memories of retired ids, pending opens and logged refusals are bounded (oldest forgotten).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
+from typing import Any
+
+import zmq
+from p2pkv.addressing import format_address, parse_address
+from p2pkv.contracts import ControlConnection
+from p2pkv.errors import ConfigError, ConnectionClosed
+from zmq.utils.monitor import parse_monitor_message
+
+from p2pkv_zmq.connection import ZmqConnection
+from p2pkv_zmq.identity import (
+    canonical_address,
+    is_ipv6_literal,
+    new_incarnation,
+    parse_routing_id,
+    routing_id,
+    tcp_url,
+)
+from p2pkv_zmq.options import ZmqOptions
+from p2pkv_zmq.security import CurveKeys
+from p2pkv_zmq.transport import ListenPlan, ZmqControlTransport
+from p2pkv_zmq.zap import ZapHandler
+
+__all__ = ["ZmqHub"]
+
+log = logging.getLogger("p2pkv_zmq")
+
+_NOBLOCK = zmq.NOBLOCK
+_OPEN = b"open"
+_GONE = b"gone"
+_ZAP_DOMAIN = b"p2pkv"
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_DEALER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+_ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_MAX_MESSAGES_PER_POLL = 4096  # fairness: the rest waits for the next poll
+_MEMORY = 4096  # entries in each bounded memory
+_NOTICE_MAX_BYTES = 64  # what a DEALER accepts from the peer's ROUTER
+_EMPTY: Sequence[ControlConnection] = ()
+
+
+class ZmqHub(ZmqControlTransport):
+    """A listening ``zmq`` control transport. Build it through ``ZmqControlTransport.create``."""
+
+    def __init__(
+        self, plan: ListenPlan, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int
+    ) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.max_queued_frames = options.max_queued_frames
+        self._plan = plan
+        self._options = options
+        self._keys = keys
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        self._poller = zmq.Poller()
+        self._handlers: dict[zmq.Socket[bytes], Callable[[], None]] = {}
+        self._router: zmq.Socket[bytes] | None = None
+        self._router_monitor: zmq.Socket[bytes] | None = None
+        self._zap: ZapHandler | None = None
+        self._local_address = ""
+        self._by_address: dict[str, ZmqConnection] = {}
+        self._by_rid: dict[bytes, ZmqConnection] = {}
+        self._by_incarnation: dict[bytes, ZmqConnection] = {}
+        self._connecting: set[ZmqConnection] = set()
+        self._pending: OrderedDict[bytes, str] = OrderedDict()  # opened rid -> address
+        self._retired: OrderedDict[bytes, None] = OrderedDict()  # rids and our incarnations
+        self._logged: OrderedDict[Hashable, None] = OrderedDict()
+        self._new: list[ZmqConnection] = []
+        self._monitor_seq = itertools.count()
+        self._closed = False
+        self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0}
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, plan: ListenPlan, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int
+    ) -> ZmqHub:
+        """Bind and listen; on any failure everything is closed again and the error raised."""
+        hub = cls(plan, options, keys, max_frame_bytes)
+        try:
+            hub._listen()
+        except BaseException:
+            hub.close()
+            raise
+        return hub
+
+    def _listen(self) -> None:
+        plan, keys = self._plan, self._keys
+        if keys is not None:  # before the listener exists, or libzmq admits everyone
+            self._zap = ZapHandler(self._ctx, keys.allowed, self._on_zap_refusal)
+            self._watch(self._zap.socket, self._zap.serve)
+        router = self._router = self._ctx.socket(zmq.ROUTER)
+        self._tune(router, ipv6=plan.ipv6)
+        router.maxmsgsize = self.max_frame_bytes
+        if keys is not None:
+            router.curve_server = True
+            router.curve_secretkey = keys.server_secret
+            router.zap_domain = _ZAP_DOMAIN
+        self._router_monitor = self._monitor(router, _ROUTER_EVENTS)
+        self._watch(self._router_monitor, self._on_router_event)
+        try:
+            router.bind(tcp_url(plan.bind_host, plan.port or "*"))
+        except zmq.ZMQError as exc:
+            raise self._bind_error(exc) from None
+        self._poller.register(router, zmq.POLLIN)
+        endpoint = router.last_endpoint.decode("ascii")
+        port = plan.advertise_port or int(endpoint.rsplit(":", 1)[1])
+        self._local_address = format_address(plan.advertise_host, port)
+        log.info("zmq control transport listening on %s as %s (%s)", endpoint,
+                 self._local_address, "CURVE" if keys else "no authentication")
+
+    def _bind_error(self, exc: zmq.ZMQError) -> ConfigError:
+        plan = self._plan
+        where = format_address(plan.bind_host, plan.port)
+        if exc.errno == zmq.EADDRINUSE:
+            return ConfigError(
+                f"zmq control port {plan.port} is already in use on {plan.bind_host} "
+                f"(port = base port {plan.port - plan.dp_rank} + data-parallel rank offset "
+                f"{plan.dp_rank}); stop the process holding it, or choose another base port "
+                "with the environment variable P2PKV_PORT or the tier config key 'port'"
+            )
+        return ConfigError(
+            f"cannot listen on {where}: {exc.strerror}; check the tier config key 'host' "
+            "(or P2PKV_HOST)"
+        )
+
+    def _tune(self, sock: zmq.Socket[bytes], *, ipv6: bool) -> None:
+        opts = self._options
+        sock.linger = 0
+        sock.ipv6 = ipv6
+        sock.heartbeat_ivl = _ms(opts.heartbeat_interval)
+        sock.heartbeat_timeout = _ms(opts.heartbeat_timeout)
+        sock.heartbeat_ttl = _ms(opts.heartbeat_ttl)
+
+    def _monitor(self, sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
+        # A fresh endpoint every time: libzmq frees inproc names asynchronously.
+        endpoint = f"inproc://p2pkv-monitor-{next(self._monitor_seq)}"
+        monitor: zmq.Socket[bytes] = sock.get_monitor_socket(events, endpoint)
+        monitor.linger = 0
+        return monitor
+
+    def _watch(self, sock: zmq.Socket[bytes], handler: Callable[[], None]) -> None:
+        self._poller.register(sock, zmq.POLLIN)
+        self._handlers[sock] = handler
+
+    def _unwatch(self, sock: zmq.Socket[bytes]) -> None:
+        self._poller.unregister(sock)
+        del self._handlers[sock]
+
+    # -- ControlTransport -----------------------------------------------------------------
+
+    @property
+    def local_address(self) -> str:
+        return self._local_address
+
+    def connect(self, address: str) -> ControlConnection:
+        if self._closed:
+            raise ConnectionClosed("the zmq control transport is closed")
+        key = canonical_address(address)
+        conn = self._by_address.get(key)
+        if conn is not None:
+            return conn
+        answering = self._take_pending(key)
+        conn = self._dial(key, address, answering)
+        if answering is not None:
+            self._complete(conn, answering)
+        return conn
+
+    def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
+        if self._closed:
+            return _EMPTY
+        ready = self._poller.poll(math.ceil(timeout * 1000) if timeout > 0 else 0)
+        router_ready = False
+        for sock, _ in ready:
+            if sock is self._router:
+                router_ready = True
+            else:
+                handler = self._handlers.get(sock)
+                if handler is not None:  # None: unwatched by an earlier handler
+                    handler()
+        if router_ready:
+            self._read_router()
+        if self._connecting:
+            self._expire_connects()
+        new = self._new
+        if not new:
+            return _EMPTY
+        self._new = []
+        return new
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._by_incarnation.values()):
+            self.retire(conn, "transport closed", notify=False)
+        for sock in (self._router_monitor, self._zap.socket if self._zap else None):
+            if sock is not None:
+                sock.close(0)
+        if self._router is not None:
+            self._router.close(0)
+        self._ctx.term()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: refused handshakes, dropped messages, accepted connections, live ones."""
+        return {**self.counters, "connections": len(self._by_incarnation)}
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _dial(self, key: str, shown: str, answering: bytes | None) -> ZmqConnection:
+        host, port = parse_address(key)
+        incarnation = new_incarnation()
+        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        monitor = None
+        try:
+            self._tune(dealer, ipv6=is_ipv6_literal(host))
+            dealer.routing_id = routing_id(self._local_address, incarnation)
+            dealer.sndhwm = self.max_queued_frames + 1  # + the open message
+            dealer.rcvhwm = 4
+            dealer.maxmsgsize = _NOTICE_MAX_BYTES
+            if self._keys is not None:
+                dealer.curve_serverkey = self._keys.server_public
+                dealer.curve_publickey = self._keys.client_public
+                dealer.curve_secretkey = self._keys.client_secret
+            monitor = self._monitor(dealer, _DEALER_EVENTS)
+            dealer.connect(tcp_url(host, port))
+            ref = b"" if answering is None else answering.rpartition(b"#")[2]
+            dealer.send_multipart([b"", _OPEN, ref], _NOBLOCK)
+        except zmq.ZMQError as exc:
+            if monitor is not None:
+                monitor.close(0)
+            dealer.close(0)
+            raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
+        deadline = time.monotonic() + self._options.connect_timeout
+        conn = ZmqConnection(
+            self, shown_address=shown, key=key, dealer=dealer, monitor=monitor,
+            incarnation=incarnation, deadline=deadline,
+        )
+        self._by_address[key] = conn
+        self._by_incarnation[incarnation] = conn
+        self._connecting.add(conn)
+        self._watch(dealer, partial(self._on_gone_notice, conn))
+        self._watch(monitor, partial(self._on_dealer_event, conn))
+        log.debug("dialing %s (%s)", key, "answering" if answering else "fresh")
+        return conn
+
+    def _complete(self, conn: ZmqConnection, rid: bytes) -> None:
+        """The peer's DEALER ``rid`` carries the peer's half of ``conn``."""
+        conn.remote_rid = rid
+        self._by_rid[rid] = conn
+
+    def _accept(self, rid: bytes, address: str) -> ZmqConnection:
+        old = self._by_address.get(address)
+        if old is not None:
+            self.retire(old, "replaced by a new connection from the peer")
+        conn = self._dial(address, address, rid)
+        self._complete(conn, rid)
+        self._new.append(conn)
+        self.counters["accepted"] += 1
+        return conn
+
+    def retire(self, conn: ZmqConnection, reason: str, *, notify: bool = True) -> None:
+        """End ``conn`` (idempotent): forget its ids, tell the peer, release its sockets."""
+        if conn.reason is not None:
+            return
+        conn.reason = reason
+        if self._by_address.get(conn.key) is conn:
+            del self._by_address[conn.key]
+        del self._by_incarnation[conn.incarnation]
+        self._connecting.discard(conn)
+        _remember(self._retired, conn.incarnation)
+        rid = conn.remote_rid
+        if rid is not None:
+            del self._by_rid[rid]
+            _remember(self._retired, rid)
+            if notify:
+                self._say_gone(rid)
+        dealer, monitor = conn.dealer, conn.monitor
+        conn.dealer = conn.monitor = None
+        if dealer is not None and monitor is not None:
+            self._unwatch(dealer)
+            self._unwatch(monitor)
+            dealer.disable_monitor()
+            dealer.close(0)
+            monitor.close(0)
+        log.debug("connection to %s ended: %s", conn.key, reason)
+
+    def _take_pending(self, address: str) -> bytes | None:
+        for rid, pending_address in self._pending.items():
+            if pending_address == address:
+                del self._pending[rid]
+                return rid
+        return None
+
+    def _say_gone(self, rid: bytes) -> None:
+        assert self._router is not None
+        try:
+            self._router.send_multipart([rid, _GONE], _NOBLOCK)
+        except zmq.ZMQError:
+            pass  # unroutable or full: the peer's heartbeats and timeouts still end it
+
+    # -- inbound --------------------------------------------------------------------------
+
+    def _read_router(self) -> None:
+        router = self._router
+        assert router is not None
+        by_rid = self._by_rid
+        for _ in range(_MAX_MESSAGES_PER_POLL):
+            try:
+                parts = router.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            conn = by_rid.get(parts[0])
+            if conn is not None and len(parts) == 2:
+                conn.inbox.append(parts[1])
+            else:
+                self._on_unrouted(parts)
+
+    def _on_unrouted(self, parts: list[bytes]) -> None:
+        rid = parts[0]
+        is_open = len(parts) == 4 and parts[1] == b"" and parts[2] == _OPEN
+        is_payload = len(parts) == 2
+        if rid in self._retired:  # its connection ended; the peer may not know yet
+            self._drop(rid, "frames for a connection that has ended", notify=is_open)
+            return
+        if rid in self._by_rid:
+            self._drop(rid, "malformed message from a connected peer", notify=False)
+            return
+        parsed = parse_routing_id(rid)
+        if parsed is None or not (is_open or is_payload):
+            self._drop(rid, "malformed message (not a p2pkv zmq peer?)", notify=False)
+            return
+        address, _ = parsed
+        if is_open:
+            self._on_open(rid, address, parts[3])
+        elif rid in self._pending:
+            del self._pending[rid]
+            self._accept(rid, address).inbox.append(parts[1])
+        else:
+            self._drop(rid, "frames from a peer connection that never opened to this "
+                       "transport (a stale reconnect after a restart?)", notify=True)
+
+    def _on_open(self, rid: bytes, address: str, ref: bytes) -> None:
+        if ref:  # the peer answers one of our DEALERs
+            conn = self._by_incarnation.get(ref)
+            if conn is None:
+                self._say_gone(rid)  # we already retired that connection
+            elif conn.remote_rid is None:
+                if conn.key != address:  # matched by incarnation, so still one connection
+                    self._log_once(("alias", conn.key, address),
+                                   "peer dialed as %s presents itself as %s; dial the address "
+                                   "it advertises, or set its 'advertise' option", conn.key,
+                                   address)
+                self._complete(conn, rid)
+            else:
+                self.retire(conn, "the peer replaced its end of the connection")
+                self._say_gone(rid)
+            return
+        conn = self._by_address.get(address)
+        if conn is not None and conn.remote_rid is None:
+            self._complete(conn, rid)  # we dialed each other at once: one connection
+            return
+        if conn is not None:
+            self.retire(conn, "the peer dialed again (restarted or re-connected)")
+        for stale in [r for r, a in self._pending.items() if a == address]:
+            del self._pending[stale]
+        self._pending[rid] = address
+        while len(self._pending) > _MEMORY:
+            self._pending.popitem(last=False)
+
+    def _drop(self, rid: bytes, why: str, *, notify: bool) -> None:
+        self.counters["dropped_messages"] += 1
+        if notify:
+            self._say_gone(rid)
+        self._log_once(("drop", rid), "dropped a message from %r: %s", rid[:64], why)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _on_gone_notice(self, conn: ZmqConnection) -> None:
+        assert conn.dealer is not None
+        try:
+            conn.dealer.recv_multipart(_NOBLOCK)
+        except zmq.ZMQError:
+            return
+        self.retire(conn, "closed by the peer", notify=False)
+
+    def _on_dealer_event(self, conn: ZmqConnection) -> None:
+        while conn.monitor is not None:
+            try:
+                event = parse_monitor_message(conn.monitor.recv_multipart(_NOBLOCK))
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connecting.discard(conn)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.retire(conn, "disconnected (peer closed, crashed or silent)")
+            elif kind & _HANDSHAKE_FAILED:
+                reason = _handshake_failure(kind, event["value"])
+                self._log_once(("dial", conn.key, kind), "connection to %s refused: %s",
+                               conn.key, reason)
+                self.retire(conn, f"handshake failed: {reason}")
+
+    def _on_router_event(self) -> None:
+        assert self._router_monitor is not None
+        while True:
+            try:
+                event = parse_monitor_message(self._router_monitor.recv_multipart(_NOBLOCK))
+            except zmq.Again:
+                return
+            self.counters["refused_handshakes"] += 1
+            endpoint = event["endpoint"].decode("ascii", "replace")
+            host = endpoint.removeprefix("tcp://").rpartition(":")[0] or endpoint
+            reason = _handshake_failure(event["event"], event["value"])
+            self._log_once(("listen", host, event["event"]),
+                           "refused a connection from %s: %s", host, reason)
+
+    def _on_zap_refusal(self, host: str, client: str) -> None:
+        self.counters["refused_handshakes"] += 1
+        self._log_once(("zap", host, client),
+                       "refused a connection from %s: client key %s is not in "
+                       "allowed_client_keys", host, client)
+
+    def _expire_connects(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._connecting if c.deadline <= now]:
+            self._log_once(("unreachable", conn.key),
+                           "peer %s did not complete a connection within connect_timeout %ss",
+                           conn.key, self._options.connect_timeout)
+            self.retire(conn, f"not connected within connect_timeout "
+                              f"({self._options.connect_timeout} s)")
+
+    def _log_once(self, key: Hashable, msg: str, *args: object) -> None:
+        """Warn once per ``key`` (per peer, never per frame or per reconnect attempt)."""
+        if key in self._logged:
+            return
+        _remember(self._logged, key)
+        log.warning(msg, *args)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _remember(memory: OrderedDict[Any, None], key: Hashable) -> None:
+    memory[key] = None
+    if len(memory) > _MEMORY:
+        memory.popitem(last=False)
+
+
+def _handshake_failure(kind: int, value: int) -> str:
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"authentication refused (ZAP status {value}): our client key is not allowed there"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return (f"security handshake failed (ZMTP protocol error {value:#x}); both sides must use "
+                "the same security mode (CURVE or none) and server key")
+    return "security handshake failed; both sides must use the same security mode and server key"
