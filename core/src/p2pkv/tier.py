@@ -1,6 +1,9 @@
 """``P2PTier``: the engine-facing manager of the P2P KV tier (DESIGN §5).
 
-STUB: signatures and contracts are fixed; the implementation lands with the session protocol.
+The tier owns one control and one data transport, a session per peer (both roles in each,
+see :mod:`p2pkv.session`), the job ledger (exactly one result per job) and one deadline heap.
+Everything is driven by ``tick`` (called from ``get_finished_jobs``, ``drain_jobs`` and by
+adapters that want to progress I/O between steps); no thread of its own.
 
 Threading: every method is called from one driver thread (the engine's scheduler). Nothing
 here blocks except ``drain_jobs`` and ``shutdown``, which are bounded by deadlines.
@@ -8,16 +11,35 @@ here blocks except ``drain_jobs`` and ``shutdown``, which are bounded by deadlin
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from p2pkv.config import TierConfig
-from p2pkv.contracts import ControlTransport, DataTransport
-from p2pkv.registry import Registry
-from p2pkv.types import Job, JobResult, LookupResult, RequestContext
+from p2pkv.contracts import (
+    ControlConnection,
+    ControlSettings,
+    ControlTransport,
+    DataSettings,
+    DataTransport,
+)
+from p2pkv.errors import ConfigError
+from p2pkv.registry import Registry, default_registry
+from p2pkv.routing import Routing, parse_routing
+from p2pkv.session.deadlines import Deadlines, Timer
+from p2pkv.session.directory import Directory
+from p2pkv.session.env import LocalIdentity, SessionEnv
+from p2pkv.session.ledger import JobLedger
+from p2pkv.session.session import Session, State
+from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
 __all__ = ["LocalHitSource", "P2PTier"]
+
+log = logging.getLogger(__name__)
+
+_DRAIN_WARN_S = 5.0
 
 
 class LocalHitSource(Protocol):
@@ -45,6 +67,7 @@ class LocalHitSource(Protocol):
         ...
 
 
+
 class P2PTier:
     """One peer's P2P tier over a control and a data transport chosen by name.
 
@@ -65,12 +88,67 @@ class P2PTier:
         control: ControlTransport | None = None,
         data: DataTransport | None = None,
     ) -> None:
-        raise NotImplementedError
+        if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len <= 0:
+            raise ConfigError(f"block_len must be a positive integer, got {block_len!r}")
+        if not isinstance(region, memoryview):
+            raise ConfigError(f"region must be a memoryview, got {type(region).__name__}")
+        if region.nbytes == 0 or region.nbytes % block_len:
+            raise ConfigError(
+                f"region of {region.nbytes} bytes is not a positive multiple of "
+                f"block_len {block_len}"
+            )
+        self._config = config
+        self._clock = clock
+        self._num_blocks = region.nbytes // block_len
+        self._block_len = block_len
+        reg = registry if registry is not None else default_registry()
+        built_data = data is None
+        if data is None:
+            data = reg.transport("data", config.data).create(
+                DataSettings(region, block_len, config.data_options)
+            )
+        try:
+            if data.block_len != block_len or data.num_blocks != self._num_blocks:
+                raise ConfigError(
+                    f"data transport region is {data.num_blocks}x{data.block_len}, the tier's "
+                    f"is {self._num_blocks}x{block_len}"
+                )
+            if control is None:
+                control = reg.transport("control", config.control).create(ControlSettings(
+                    config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
+                    options=config.control_options,
+                ))
+        except BaseException:
+            if built_data:
+                data.close()
+            raise
+        self._control: ControlTransport = control
+        self._data: DataTransport = data
+        observers = reg.observers
+        self._observers = observers
+        self._deadlines = Deadlines()
+        self._ledger = JobLedger(clock, observers)
+        self._dir = Directory(self._ledger, self._deadlines, clock, config.timeouts, observers)
+        self._env = SessionEnv(
+            data=data, ledger=self._ledger, deadlines=self._deadlines, clock=clock,
+            observers=observers, timeouts=config.timeouts, limits=config.limits,
+            local=LocalIdentity(
+                address=control.local_address, epoch=secrets.randbits(64),
+                descriptor=data.descriptor(), num_blocks=self._num_blocks, block_len=block_len,
+                fingerprint=config.fingerprint, hash_seed=config.hash_seed,
+            ),
+            host=self._dir,
+        )
+        self._sessions: dict[str, Session] = {}
+        self._closing: dict[Session, Timer | None] = {}
+        self._closed = False
 
     @property
     def local_address(self) -> str:
         """The dialable control address consumers put in ``remote_host``/``remote_port``."""
-        raise NotImplementedError
+        return self._env.local.address
+
+    # -- engine API -------------------------------------------------------------------------
 
     def on_new_request(self, ctx: RequestContext) -> bool:
         """Parse routing; a consumer starts connecting to its producer now.
@@ -78,56 +156,410 @@ class P2PTier:
         Returns True when the engine should store *every* block of the request to this tier,
         prefix hits included (producer requests), False for chunk-level (only new blocks).
         """
-        raise NotImplementedError
+        routing = self._routing(ctx)
+        if self._closed:
+            return False
+        consumer = routing.consumer
+        if consumer is not None:
+            session = self._session_for(consumer.peer)
+            if session is None:
+                self._dir.failed.add(consumer.kv_request_id)
+            else:
+                session.client.open_request(consumer.kv_request_id)
+        if routing.producer is not None:
+            self._dir.producer_started(routing.producer.kv_request_id)
+            return True
+        return False
 
     def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
         """PD consumer: HIT at once. Symmetric consumer: RETRY until the batched probe sent at
         ``on_schedule_end`` is answered, then HIT/MISS. No consumer routing, or a failed
         ``kv_request_id``: MISS."""
-        raise NotImplementedError
+        consumer = self._routing(ctx).consumer
+        if consumer is None or self._closed or consumer.kv_request_id in self._dir.failed:
+            return LookupResult.MISS
+        if not consumer.probe:
+            return LookupResult.HIT
+        session = self._session_for(consumer.peer)
+        if session is None:
+            return LookupResult.MISS
+        return session.client.probe(consumer.kv_request_id, key)
 
     def submit_store(self, job: Job) -> None:
         """Offer blocks to the consumer named by the request's producer routing. Non-blocking."""
-        raise NotImplementedError
+        if job.is_load:
+            raise ValueError(f"job {job.job_id}: submit_store needs a store job (is_load=False)")
+        routing = self._routing(job.ctx)
+        producer = routing.producer
+        if self._refuse(job, routing, producer is None):
+            return
+        assert producer is not None
+        kv = producer.kv_request_id
+        job = self._checked(job, load=False)
+        self._ledger.open(job.job_id, False, kv)
+        d = self._dir
+        if kv not in d.producers and kv not in d.tombstones:
+            d.producer_started(kv)
+        session = d.bindings.get(kv)
+        if session is not None:
+            self._ledger.set_peer(job.job_id, session.peer)
+            session.server.add_store(kv, job)
+        else:
+            d.park(kv, job)
 
     def submit_load(self, job: Job) -> None:
         """Ask the producer to write ``job.keys`` into our slots ``job.block_ids``."""
-        raise NotImplementedError
+        if not job.is_load:
+            raise ValueError(f"job {job.job_id}: submit_load needs a load job (is_load=True)")
+        routing = self._routing(job.ctx)
+        consumer = routing.consumer
+        if self._refuse(job, routing, consumer is None):
+            return
+        assert consumer is not None
+        kv = consumer.kv_request_id
+        job = self._checked(job, load=True)
+        self._ledger.open(job.job_id, True, kv, consumer.peer)
+        if kv in self._dir.failed:
+            self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
+                               f"an earlier load of {kv!r} failed")
+            return
+        session = self._session_for(consumer.peer)
+        if session is None:
+            self._dir.failed.add(kv)
+            self._ledger.close(job.job_id, Outcome.PEER_DEAD,
+                               f"cannot connect to {consumer.peer}")
+            return
+        session.client.submit(job, kv)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Run one tick of I/O and hand over every result produced since the last call."""
-        raise NotImplementedError
+        self.tick()
+        return self._ledger.take()
 
     def tick(self, timeout: float = 0.0) -> None:
         """One tick of control and data I/O (waits at most ``timeout`` for control I/O)."""
-        raise NotImplementedError
+        if self._closed:
+            return
+        for conn in self._control.poll(timeout):
+            self._accept(conn)
+        for session in list(self._sessions.values()):
+            if session.state is State.HANDSHAKE or session.state is State.READY:
+                rest = session.receive()
+                current = session
+                while rest is not None:
+                    current = self._restart(current, rest)
+                    rest = current.receive(rest)
+        self._reap()
+        self._data_tick()
+        self._deadlines.fire_due(self._clock())
+        self._reap()
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         """No more submits for this request; in-flight jobs still get their results."""
-        raise NotImplementedError
+        routing = self._routing(ctx)
+        consumer, producer = routing.consumer, routing.producer
+        if consumer is not None:
+            self._dir.failed.discard(consumer.kv_request_id)
+            session = self._sessions.get(consumer.peer)
+            if session is not None:
+                session.client.finish(consumer.kv_request_id)
+        if producer is not None:
+            session = self._dir.producer_finished(producer.kv_request_id)
+            if session is not None:
+                session.server.producer_finished(producer.kv_request_id)
 
     def on_schedule_end(self) -> None:
         """Once per engine step: flush batched lookups, report gauges."""
-        raise NotImplementedError
+        for session in self._sessions.values():
+            if session.ready:
+                session.client.flush_lookups()
+        if self._observers.enabled:
+            self._observers.tier_state(
+                in_flight_transfers=self._in_flight(), parked_stores=self._dir.parked_count,
+                sessions=len(self._sessions),
+            )
 
     def serve_lookups(self, source: LocalHitSource) -> None:
         """Answer pending symmetric lookups from ``source`` (valid only during this call)."""
-        raise NotImplementedError
+        self._dir.source_seen = True
+        for handle in self._dir.take_ends():
+            try:
+                source.end(handle)
+            except Exception:
+                log.exception("hit source end() failed for a released lookup")
+        for session in list(self._sessions.values()):
+            if session.ready:
+                session.server.serve(source)
 
     def has_pending_work(self) -> bool:
         """True while any job, transfer, parked store, probe or handshake is outstanding."""
-        raise NotImplementedError
+        if self._ledger.pending or self._ledger.undelivered or self._closing or self._dir.ends:
+            return True
+        return any(s.busy for s in self._sessions.values())
 
     def drain_jobs(self, timeout: float | None = None) -> None:
         """Tick until every submitted job has a result (never aborts anything)."""
-        raise NotImplementedError
+        t = self._config.timeouts
+        budget = timeout if timeout is not None else (
+            max(t.load + t.abort_ack, t.store, t.unbound_store) + t.shutdown_drain
+        )
+        start, wall = self._clock(), time.monotonic()
+        warned = False
+        while self._ledger.pending and not self._closed:
+            self.tick(0.001)
+            elapsed = max(self._clock() - start, time.monotonic() - wall)
+            if elapsed >= budget:
+                log.warning("drain_jobs: %d job(s) still pending after %.1fs; returning",
+                            self._ledger.pending, elapsed)
+                return
+            if not warned and elapsed >= _DRAIN_WARN_S:
+                warned = True
+                log.warning("drain_jobs: still waiting for %d job(s) after %.0fs",
+                            self._ledger.pending, elapsed)
 
     def shutdown(self) -> list[JobResult]:
         """Fail what is left, wait for the data plane to go quiescent, close transports.
 
         Returns the results not yet handed over (every job still gets exactly one)."""
-        raise NotImplementedError
+        if self._closed:
+            return self._ledger.take()
+        self._dir.fail_parked(Outcome.SHUTDOWN, "tier shut down")
+        for session in list(self._sessions.values()):
+            self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
+        drain = self._config.timeouts.shutdown_drain
+        start, wall = self._clock(), time.monotonic()
+        owners = self._env.owners
+        while self._closing:
+            self._data.progress()
+            done, failed = self._data.poll(None)
+            self._route(done, failed, owners)
+            for session in [s for s in self._closing if s.state is State.CLOSED]:
+                self._finalize(session)
+            if not self._closing or max(self._clock() - start, time.monotonic() - wall) >= drain:
+                break
+            for conn in self._control.poll(0.001):
+                conn.close()
+        for session in list(self._closing):
+            stuck = session.force_quiesce()
+            log.error("shutdown: %d transfer(s) with %s did not drain within %.1fs",
+                      len(stuck), session.peer, drain)
+            self._finalize(session)
+        self._closed = True
+        for job_id in self._ledger.open_ids():  # safety net: nothing may stay unanswered
+            self._ledger.close(job_id, Outcome.SHUTDOWN, "tier shut down")
+        if self._dir.ends:
+            log.info("shutdown: %d lookup handle(s) were never released (no serve_lookups call)",
+                     len(self._dir.take_ends()))
+        self._control.close()
+        undrained = self._data.close()
+        if undrained:
+            log.error("shutdown: data transport kept its region registered; %d transfer(s) "
+                      "never drained: %s", len(undrained), undrained[:16])
+        return self._ledger.take()
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers)."""
-        raise NotImplementedError
+        c = self._env.counters
+        out = {f"jobs_{o.value}": n for o, n in self._ledger.outcomes.items()}
+        out.update(
+            jobs_pending=self._ledger.pending,
+            sessions=len(self._sessions),
+            sessions_ready=sum(1 for s in self._sessions.values() if s.ready),
+            sessions_closing=len(self._closing),
+            in_flight_transfers=self._in_flight(),
+            parked_stores=self._dir.parked_count,
+            blocks_sent=c["blocks_sent"],
+            bytes_sent=c["blocks_sent"] * self._block_len,
+            transfers_failed=c["transfers_failed"],
+            submit_failures=c["submit_failures"],
+            protocol_errors=c["protocol_errors"],
+            handshake_rejections=c["handshake_rejections"],
+        )
+        return out
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _state_sizes(self) -> dict[str, int]:
+        """Every per-request structure's size (tests assert all zero once quiescent)."""
+        sizes: dict[str, int] = dict.fromkeys(
+            ("client_requests", "client_rounds", "expectations", "lookups", "probes",
+             "server_requests", "server_rounds", "server_jobs", "supply", "demand",
+             "transfers", "serves"), 0)
+        for session in [*self._sessions.values(), *self._closing]:
+            for k, v in session.state_sizes().items():
+                sizes[k] += v
+        sizes.update(self._dir.state_sizes())
+        sizes.update(
+            jobs_open=self._ledger.pending, results_waiting=self._ledger.undelivered,
+            owners=len(self._env.owners), timers=len(self._deadlines),
+            sessions_closing=len(self._closing),
+        )
+        return sizes
+
+    def _routing(self, ctx: RequestContext) -> Routing:
+        routing = ctx.routing
+        if not isinstance(routing, Routing):
+            routing = ctx.routing = parse_routing(
+                ctx.kv_transfer_params,
+                max_request_id_chars=self._config.limits.max_request_id_chars,
+                req_id=ctx.req_id,
+            )
+        return routing
+
+    def _refuse(self, job: Job, routing: Routing, no_route: bool) -> bool:
+        """Answer jobs that cannot go anywhere at once; True if ``job`` got its result."""
+        if self._closed:
+            outcome, detail = Outcome.SHUTDOWN, "tier shut down"
+        elif routing.invalid:
+            outcome, detail = Outcome.NO_ROUTE, routing.error
+        elif no_route:
+            if job.is_load:
+                outcome, detail = Outcome.NO_ROUTE, "request has no consumer routing"
+            else:
+                outcome, detail = Outcome.NOTHING_TO_DO, "request has no producer routing"
+        elif not len(job.keys):
+            outcome, detail = Outcome.NOTHING_TO_DO, "no blocks"
+        else:
+            return False
+        self._ledger.open(job.job_id, job.is_load)
+        self._ledger.close(job.job_id, outcome, detail)
+        return True
+
+    def _checked(self, job: Job, *, load: bool) -> Job:
+        """Validate a job from the engine; a normalised copy (block ids as a list of ints)."""
+        keys, ids = job.keys, job.block_ids
+        if len(keys) != len(ids):
+            raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(ids)} block ids")
+        limits = self._config.limits
+        if len(keys) > limits.max_keys_per_message:
+            raise ValueError(f"job {job.job_id}: {len(keys)} blocks exceeds "
+                             f"limits.max_keys_per_message={limits.max_keys_per_message}")
+        tolist = getattr(ids, "tolist", None)
+        slots: list[int] = tolist() if tolist is not None else list(ids)
+        for s in slots:
+            if type(s) is not int or not 0 <= s < self._num_blocks:
+                raise ValueError(f"job {job.job_id}: block id {s!r} is not a slot in "
+                                 f"0..{self._num_blocks - 1}")
+        cap = limits.max_key_bytes
+        nbytes = 0
+        for k in keys:
+            if not isinstance(k, bytes) or not 0 < len(k) <= cap:
+                raise ValueError(f"job {job.job_id}: keys must be 1..{cap} bytes, got {k!r:.60}")
+            nbytes += len(k)
+        if load:
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"job {job.job_id}: duplicate keys in one load")
+            if len(set(slots)) != len(slots):
+                raise ValueError(f"job {job.job_id}: duplicate block ids in one load")
+            if nbytes + 16 * len(keys) + 512 > limits.max_frame_bytes:
+                raise ValueError(f"job {job.job_id}: a fetch for it would exceed "
+                                 f"limits.max_frame_bytes={limits.max_frame_bytes}")
+        key_list = keys if type(keys) is list else list(keys)
+        return Job(job.job_id, key_list, slots, job.is_load, job.ctx)
+
+    def _session_for(self, peer: str) -> Session | None:
+        """The usable session to ``peer``, connecting if needed; None if we cannot dial it."""
+        session = self._sessions.get(peer)
+        if session is not None:
+            if session.usable:
+                return session
+            doom = session.doomed
+            if doom is not None:
+                self._close(session, doom.outcome, doom.reason, bye=doom.bye)
+            else:
+                self._close(session, Outcome.PEER_DEAD, f"connection to {peer} lost")
+        try:
+            conn = self._control.connect(peer)
+        except Exception as exc:
+            log.warning("cannot connect to %s: %s", peer, exc)
+            return None
+        return self._new_session(peer, conn)
+
+    def _new_session(self, peer: str, conn: ControlConnection) -> Session:
+        session = Session(self._env, peer, conn)
+        self._sessions[peer] = session
+        session.start()
+        return session
+
+    def _accept(self, conn: ControlConnection) -> None:
+        peer = conn.peer_address
+        old = self._sessions.get(peer)
+        if old is not None:
+            if old.conn is conn:
+                return
+            self._close(old, Outcome.PEER_DEAD, f"{peer} opened a new connection",
+                        close_conn=True)
+        self._new_session(peer, conn)
+
+    def _restart(self, old: Session, frames: list[bytes]) -> Session:
+        """``old``'s peer restarted (new epoch): fail the old incarnation, start afresh on the
+        same connection."""
+        log.warning("peer %s restarted (new session epoch); failing its old work", old.peer)
+        self._close(old, Outcome.PEER_DEAD, f"{old.peer} restarted", close_conn=False)
+        return self._new_session(old.peer, old.conn)
+
+    def _reap(self) -> None:
+        for session in list(self._sessions.values()):
+            doom = session.doomed
+            if doom is not None:
+                self._close(session, doom.outcome, doom.reason, bye=doom.bye)
+            elif not session.conn.alive:
+                self._close(session, Outcome.PEER_DEAD, f"connection to {session.peer} lost")
+        for session in [s for s in self._closing if s.state is State.CLOSED]:
+            self._finalize(session)
+
+    def _close(self, session: Session, outcome: Outcome, reason: str, *,
+               bye: str | None = None, close_conn: bool = True) -> None:
+        if self._sessions.get(session.peer) is session:
+            del self._sessions[session.peer]
+        session.close(outcome, reason, bye=bye, close_conn=close_conn)
+        if session.state is State.CLOSED:
+            self._finalize(session)
+        elif session not in self._closing:
+            self._closing[session] = self._deadlines.at(
+                self._clock() + self._config.timeouts.shutdown_drain, self._drain_expired, session
+            )
+
+    def _drain_expired(self, session: Session) -> None:
+        self._closing[session] = None
+        stuck = session.force_quiesce()
+        log.error("session %s: %d transfer(s) did not drain within %.1fs after close",
+                  session.peer, len(stuck), self._config.timeouts.shutdown_drain)
+        self._finalize(session)
+
+    def _finalize(self, session: Session) -> None:
+        """``session`` is closed and quiescent: release its data peer if it owns it."""
+        self._deadlines.cancel(self._closing.pop(session, None))
+        if self._dir.data_owner.get(session.peer) is session:
+            del self._dir.data_owner[session.peer]
+            undrained = self._data.remove_peer(session.peer)
+            if undrained:
+                log.error("data peer %s removed with %d transfer(s) undrained: %s",
+                          session.peer, len(undrained), undrained[:16])
+
+    def _data_tick(self) -> None:
+        data = self._data
+        data.progress()
+        owners = self._env.owners
+        if not owners:
+            return
+        peers = {s.peer for s in self._sessions.values() if not s.quiescent}
+        peers.update(s.peer for s in self._closing if not s.quiescent)
+        for peer in peers:
+            done, failed = data.poll(peer)
+            if done or failed:
+                self._route(done, failed, owners)
+
+    @staticmethod
+    def _route(done: Sequence[int], failed: Sequence[int], owners: dict[int, Session]) -> None:
+        for tid in done:
+            owner = owners.pop(tid, None)
+            if owner is not None:
+                owner.on_data(tid, True)
+        for tid in failed:
+            owner = owners.pop(tid, None)
+            if owner is not None:
+                owner.on_data(tid, False)
+
+    def _in_flight(self) -> int:
+        return sum(len(s.server.transfers) for s in [*self._sessions.values(), *self._closing])

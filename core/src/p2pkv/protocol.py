@@ -1,0 +1,429 @@
+"""The session wire format: versioned msgpack maps, strictly validated (docs/protocol.md).
+
+Every frame is one msgpack map with a ``"type"`` string and the fields of that message.
+Nothing is ever unpickled; ``bin`` values stay ``bytes``; map keys are strings. Decoding
+checks the frame size, every field's type and range, and the caps from
+:class:`p2pkv.config.Limits`; a violation raises :class:`p2pkv.errors.ProtocolError` whose
+message starts with ``<type>.<field>`` so both sides can log exactly what was wrong.
+
+Compatibility: unknown fields are ignored (a newer minor version may add optional fields);
+a message type this side does not know decodes to :class:`Unknown` and the session decides
+(ignored when the peer announced a newer minor version, a protocol error otherwise). Only
+``hello`` carries the wire version; a peer with another major version is rejected during the
+handshake.
+
+Hot path: ``fetch`` keys and slots stay plain lists (no per-block objects are created beyond
+what msgpack builds); validation is one pass over each list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from p2pkv.config import Limits
+from p2pkv.errors import ProtocolError
+
+__all__ = [
+    "MAX_REASON_CHARS",
+    "WIRE_MAJOR",
+    "WIRE_MINOR",
+    "Abort",
+    "AbortAck",
+    "Bye",
+    "Fetch",
+    "Hello",
+    "HelloAck",
+    "Lookup",
+    "LookupResp",
+    "Message",
+    "TransferDone",
+    "Unknown",
+    "decode",
+    "encode",
+    "message_type",
+]
+
+WIRE_MAJOR = 1
+"""Bumped only for incompatible changes; peers with another major are rejected."""
+WIRE_MINOR = 0
+"""Bumped for additive changes (new optional fields or message types)."""
+
+MAX_REASON_CHARS = 1024
+"""Cap on free-text ``reason`` fields."""
+MAX_ADDRESS_CHARS = 1024
+MAX_TAG_CHARS = 256
+"""Cap on ``fingerprint`` and ``hash_seed``."""
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First message on a connection, both ways: who we are and what our region looks like."""
+
+    wire: tuple[int, int]
+    epoch: int
+    """Random per tier incarnation; a new epoch on a live session means the peer restarted."""
+    address: str
+    """The sender's dialable control address (must equal what the receiver sees)."""
+    descriptor: bytes
+    """The sender's data-transport descriptor (``DataTransport.descriptor()``)."""
+    num_blocks: int
+    block_len: int
+    fingerprint: str
+    hash_seed: str
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAck:
+    """We registered the peer's hello with this ``epoch`` (an echo of ``Hello.epoch``)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """Consumer -> producer: write ``keys[i]`` into my slot ``slots[i]``.
+
+    ``round`` numbers the loads of one ``kv_request_id`` on one session (0, 1, ...; each
+    completes independently). Empty ``keys`` is the terminal fetch: the consumer is done with
+    the request, the producer releases everything it holds for it and answers nothing.
+    """
+
+    kv_request_id: str
+    round: int
+    keys: list[bytes]
+    slots: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Consumer -> producer (symmetric mode): which of ``keys`` can you serve?"""
+
+    seq: int
+    kv_request_id: str
+    keys: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResp:
+    """Producer -> consumer: ``hits[i]`` answers ``keys[i]`` of lookup ``seq``."""
+
+    seq: int
+    hits: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    """Producer -> consumer: round ``round`` is over and nothing of it is in flight any more."""
+
+    kv_request_id: str
+    round: int
+    success: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Consumer -> producer: stop round ``round``; answer with an ``AbortAck`` once drained."""
+
+    kv_request_id: str
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAck:
+    """Producer -> consumer: nothing of round ``round`` is (or will be) in flight."""
+
+    kv_request_id: str
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Either way: I am closing this session, because ``reason``."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """A well-formed frame of a message type this side does not know."""
+
+    type: str
+
+
+Message = Hello | HelloAck | Fetch | Lookup | LookupResp | TransferDone | Abort | AbortAck | Bye
+
+_TYPE_NAMES: dict[type, str] = {
+    Hello: "hello",
+    HelloAck: "hello_ack",
+    Fetch: "fetch",
+    Lookup: "lookup",
+    LookupResp: "lookup_resp",
+    TransferDone: "transfer_done",
+    Abort: "abort",
+    AbortAck: "abort_ack",
+    Bye: "bye",
+}
+
+
+def message_type(msg: Message | Unknown) -> str:
+    """The wire ``type`` string of ``msg``."""
+    if type(msg) is Unknown:
+        return msg.type
+    return _TYPE_NAMES[type(msg)]
+
+
+# -- encoding -------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """One frame for ``msg``. Fields are written as given (the sender is trusted to be valid)."""
+    t = type(msg)
+    if t is Fetch:
+        assert isinstance(msg, Fetch)
+        body: dict[str, Any] = {
+            "type": "fetch",
+            "kv_request_id": msg.kv_request_id,
+            "round": msg.round,
+            "keys": msg.keys,
+            "slots": msg.slots,
+        }
+    elif t is TransferDone:
+        assert isinstance(msg, TransferDone)
+        body = {
+            "type": "transfer_done",
+            "kv_request_id": msg.kv_request_id,
+            "round": msg.round,
+            "success": msg.success,
+            "reason": msg.reason,
+        }
+    elif t is Hello:
+        assert isinstance(msg, Hello)
+        body = {
+            "type": "hello",
+            "wire": list(msg.wire),
+            "epoch": msg.epoch,
+            "address": msg.address,
+            "descriptor": msg.descriptor,
+            "num_blocks": msg.num_blocks,
+            "block_len": msg.block_len,
+            "fingerprint": msg.fingerprint,
+            "hash_seed": msg.hash_seed,
+        }
+    else:
+        name = _TYPE_NAMES.get(t)
+        if name is None:
+            raise TypeError(f"not a protocol message: {msg!r}")
+        body = {"type": name}
+        for slot in t.__slots__:
+            body[slot] = getattr(msg, slot)
+    out: bytes = msgpack.packb(body, use_bin_type=True)
+    return out
+
+
+# -- decoding -------------------------------------------------------------------------------
+
+
+class _Fields:
+    """Typed access to one decoded map; every error names ``<type>.<field>``."""
+
+    __slots__ = ("d", "kind")
+
+    def __init__(self, kind: str, d: dict[str, Any]) -> None:
+        self.kind = kind
+        self.d = d
+
+    def err(self, field: str, what: str) -> ProtocolError:
+        return ProtocolError(f"{self.kind}.{field}: {what}")
+
+    def get(self, field: str) -> Any:
+        try:
+            return self.d[field]
+        except KeyError:
+            raise self.err(field, "missing") from None
+
+    def int_(self, field: str, low: int = 0, high: int = _U64) -> int:
+        v = self.get(field)
+        if type(v) is not int:
+            raise self.err(field, f"expected an integer, got {_tname(v)}")
+        if not low <= v < high:
+            raise self.err(field, f"{v} is outside {low}..{high - 1}")
+        return v
+
+    def bool_(self, field: str) -> bool:
+        v = self.get(field)
+        if type(v) is not bool:
+            raise self.err(field, f"expected a boolean, got {_tname(v)}")
+        return v
+
+    def str_(self, field: str, max_chars: int, *, default: str | None = None,
+             nonempty: bool = False) -> str:
+        if default is not None and field not in self.d:
+            return default
+        v = self.get(field)
+        if type(v) is not str:
+            raise self.err(field, f"expected a string, got {_tname(v)}")
+        if len(v) > max_chars:
+            raise self.err(field, f"{len(v)} characters exceeds the cap of {max_chars}")
+        if nonempty and not v:
+            raise self.err(field, "must not be empty")
+        return v
+
+    def bytes_(self, field: str, max_bytes: int) -> bytes:
+        v = self.get(field)
+        if type(v) is not bytes:
+            raise self.err(field, f"expected bytes, got {_tname(v)}")
+        if len(v) > max_bytes:
+            raise self.err(field, f"{len(v)} bytes exceeds the cap of {max_bytes}")
+        return v
+
+    def list_(self, field: str, max_len: int) -> list[Any]:
+        v = self.get(field)
+        if type(v) is not list:
+            raise self.err(field, f"expected a list, got {_tname(v)}")
+        if len(v) > max_len:
+            raise self.err(field, f"{len(v)} entries exceeds the cap of {max_len}")
+        return v
+
+    def keys(self, field: str, limits: Limits) -> list[bytes]:
+        keys = self.list_(field, limits.max_keys_per_message)
+        cap = limits.max_key_bytes
+        for i, k in enumerate(keys):
+            if type(k) is not bytes:
+                raise self.err(f"{field}[{i}]", f"expected bytes, got {_tname(k)}")
+            if not 0 < len(k) <= cap:
+                raise self.err(f"{field}[{i}]", f"key of {len(k)} bytes is outside 1..{cap}")
+        return keys
+
+    def request_id(self, limits: Limits) -> str:
+        return self.str_("kv_request_id", limits.max_request_id_chars, nonempty=True)
+
+
+def _tname(v: object) -> str:
+    return type(v).__name__
+
+
+def _hello(f: _Fields, limits: Limits) -> Hello:
+    wire = f.list_("wire", 2)
+    if len(wire) != 2 or any(type(x) is not int or x < 0 for x in wire):
+        raise f.err("wire", f"expected [major, minor] non-negative integers, got {wire!r}")
+    return Hello(
+        wire=(wire[0], wire[1]),
+        epoch=f.int_("epoch"),
+        address=f.str_("address", MAX_ADDRESS_CHARS, nonempty=True),
+        descriptor=f.bytes_("descriptor", limits.max_descriptor_bytes),
+        num_blocks=f.int_("num_blocks", 1),
+        block_len=f.int_("block_len", 1),
+        fingerprint=f.str_("fingerprint", MAX_TAG_CHARS, default=""),
+        hash_seed=f.str_("hash_seed", MAX_TAG_CHARS, default=""),
+    )
+
+
+def _hello_ack(f: _Fields, limits: Limits) -> HelloAck:
+    return HelloAck(epoch=f.int_("epoch"))
+
+
+def _fetch(f: _Fields, limits: Limits) -> Fetch:
+    kv = f.request_id(limits)
+    rnd = f.int_("round")
+    keys = f.keys("keys", limits)
+    slots = f.list_("slots", limits.max_keys_per_message)
+    if len(slots) != len(keys):
+        raise f.err("slots", f"{len(slots)} slots for {len(keys)} keys")
+    for i, s in enumerate(slots):
+        if type(s) is not int or s < 0:
+            raise f.err(f"slots[{i}]", f"expected a non-negative integer, got {s!r}")
+    return Fetch(kv, rnd, keys, slots)
+
+
+def _lookup(f: _Fields, limits: Limits) -> Lookup:
+    seq = f.int_("seq")
+    kv = f.request_id(limits)
+    keys = f.keys("keys", limits)
+    if not keys:
+        raise f.err("keys", "must not be empty")
+    return Lookup(seq, kv, keys)
+
+
+def _lookup_resp(f: _Fields, limits: Limits) -> LookupResp:
+    seq = f.int_("seq")
+    hits = f.list_("hits", limits.max_keys_per_message)
+    for i, h in enumerate(hits):
+        if type(h) is not bool:
+            raise f.err(f"hits[{i}]", f"expected a boolean, got {_tname(h)}")
+    return LookupResp(seq, hits)
+
+
+def _transfer_done(f: _Fields, limits: Limits) -> TransferDone:
+    return TransferDone(
+        kv_request_id=f.request_id(limits),
+        round=f.int_("round"),
+        success=f.bool_("success"),
+        reason=f.str_("reason", MAX_REASON_CHARS, default=""),
+    )
+
+
+def _abort(f: _Fields, limits: Limits) -> Abort:
+    return Abort(f.request_id(limits), f.int_("round"))
+
+
+def _abort_ack(f: _Fields, limits: Limits) -> AbortAck:
+    return AbortAck(f.request_id(limits), f.int_("round"))
+
+
+def _bye(f: _Fields, limits: Limits) -> Bye:
+    return Bye(f.str_("reason", MAX_REASON_CHARS))
+
+
+_DECODERS: dict[str, Callable[[_Fields, Limits], Message]] = {
+    "hello": _hello,
+    "hello_ack": _hello_ack,
+    "fetch": _fetch,
+    "lookup": _lookup,
+    "lookup_resp": _lookup_resp,
+    "transfer_done": _transfer_done,
+    "abort": _abort,
+    "abort_ack": _abort_ack,
+    "bye": _bye,
+}
+
+
+def decode(frame: bytes, limits: Limits) -> Message | Unknown:
+    """Parse and validate one frame; ``ProtocolError`` (naming the field) on any violation."""
+    if len(frame) > limits.max_frame_bytes:
+        raise ProtocolError(
+            f"frame: {len(frame)} bytes exceeds max_frame_bytes={limits.max_frame_bytes}"
+        )
+    cap = limits.max_frame_bytes
+    try:
+        d = msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=cap,
+            max_bin_len=cap,
+            max_array_len=limits.max_keys_per_message,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(
+            f"frame: not a valid msgpack message ({type(exc).__name__}: {exc})"
+        ) from None
+    if type(d) is not dict:
+        raise ProtocolError(f"frame: expected a map, got {_tname(d)}")
+    kind = d.get("type")
+    if type(kind) is not str:
+        raise ProtocolError(f"frame.type: expected a string, got {_tname(kind)}")
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        if len(kind) > MAX_TAG_CHARS:
+            raise ProtocolError(f"frame.type: {len(kind)} characters exceeds {MAX_TAG_CHARS}")
+        return Unknown(kind)
+    return decoder(_Fields(kind, d), limits)

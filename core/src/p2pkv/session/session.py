@@ -1,0 +1,357 @@
+"""One session per peer connection: handshake, dispatch, protocol errors, lifecycle.
+
+States: ``HANDSHAKE`` -> ``READY`` -> ``CLOSING`` -> ``CLOSED`` (docs/protocol.md has the
+diagram). In ``HANDSHAKE`` only ``hello``/``hello_ack``/``bye`` may be sent or received; any
+other message from the peer is a protocol error. The session is ``READY`` once the peer's
+hello was accepted (its data descriptor registered, our ack sent) **and** our hello was acked.
+
+A session never closes itself in the middle of a call: a fatal condition (protocol error,
+rejected hello, failed send, handshake timeout, peer's bye) *dooms* it, and the tier closes
+doomed sessions at safe points of its tick. Closing fails every job of the session with one
+outcome, wait-cancels its transfers and stays ``CLOSING`` until the data plane confirms
+quiescence (or the drain deadline passes); only then may the tier remove the data peer.
+
+Threading: driver thread only.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+
+from p2pkv.contracts import ControlConnection
+from p2pkv.errors import ProtocolError
+from p2pkv.protocol import (
+    WIRE_MAJOR,
+    WIRE_MINOR,
+    Abort,
+    AbortAck,
+    Bye,
+    Fetch,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    TransferDone,
+    Unknown,
+    decode,
+    encode,
+    message_type,
+)
+from p2pkv.session.client import ClientRole
+from p2pkv.session.deadlines import Timer
+from p2pkv.session.env import SessionEnv
+from p2pkv.session.server import ServerRole
+from p2pkv.types import Outcome
+
+__all__ = ["Doom", "Session", "State"]
+
+log = logging.getLogger(__name__)
+
+REJECTED_PREFIX = "rejected: "
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class Doom:
+    """Why a session must be closed: the jobs' outcome, the reason, and whether to say bye."""
+
+    __slots__ = ("bye", "outcome", "reason")
+
+    def __init__(self, outcome: Outcome, reason: str, bye: str | None) -> None:
+        self.outcome = outcome
+        self.reason = reason
+        self.bye = bye
+
+
+class Session:
+    """Both roles towards one peer over one control connection."""
+
+    def __init__(self, env: SessionEnv, peer: str, conn: ControlConnection) -> None:
+        self.env = env
+        self.peer = peer
+        self.conn = conn
+        self.state = State.HANDSHAKE
+        self.acked = False
+        """The peer acked our hello."""
+        self.peer_hello: Hello | None = None
+        self.doomed: Doom | None = None
+        self.internal_errors = 0
+        self.timer: Timer | None = None
+        self.client = ClientRole(env, self)
+        self.server = ServerRole(env, self)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Send our hello and arm the handshake deadline."""
+        env, local = self.env, self.env.local
+        self.timer = env.deadlines.at(
+            env.clock() + env.timeouts.handshake, self._handshake_expired, None
+        )
+        self._send_now(Hello(
+            wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
+            descriptor=local.descriptor, num_blocks=local.num_blocks, block_len=local.block_len,
+            fingerprint=local.fingerprint, hash_seed=local.hash_seed,
+        ))
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY and self.doomed is None
+
+    @property
+    def usable(self) -> bool:
+        """Still able to carry new work (handshaking or ready, not doomed, connection alive)."""
+        return (self.state in (State.HANDSHAKE, State.READY) and self.doomed is None
+                and self.conn.alive)
+
+    @property
+    def quiescent(self) -> bool:
+        """No transfer or receive of this session is in flight."""
+        return not self.server.transfers and not self.client.xids
+
+    @property
+    def busy(self) -> bool:
+        return (self.state is not State.READY or self.server.busy or self.client.busy)
+
+    def doom(self, outcome: Outcome, reason: str, bye: str | None) -> None:
+        """Mark the session for closing at the tier's next safe point (first reason wins)."""
+        if self.doomed is None and self.state in (State.HANDSHAKE, State.READY):
+            self.doomed = Doom(outcome, reason, bye)
+
+    def close(self, outcome: Outcome, reason: str, *, bye: str | None = None,
+              close_conn: bool = True) -> None:
+        """Fail everything with ``outcome``; wait-cancel transfers; say ``bye`` if given."""
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        env = self.env
+        env.deadlines.cancel(self.timer)
+        self.timer = None
+        if bye is not None and self.conn.alive:
+            self._send_now(Bye(bye))
+        self.state = State.CLOSING
+        if close_conn:
+            self.conn.close()
+        log.info("session with %s closed: %s", self.peer, reason)
+        if env.observers.enabled:
+            env.observers.session_closed(peer=self.peer, reason=reason)
+        self.client.close(outcome, reason)
+        self.server.close(outcome, reason)
+        if self.quiescent:
+            self.state = State.CLOSED
+
+    def force_quiesce(self) -> list[int]:
+        """Give up on what never drained; returns the undrained ids (for the log)."""
+        reason = "data plane did not drain in time"
+        stuck = self.server.force_quiesce(Outcome.PEER_DEAD, reason)
+        stuck += self.client.force_quiesce()
+        self.state = State.CLOSED
+        return stuck
+
+    def on_data(self, tid: int, ok: bool) -> None:
+        """A transfer or receive of this session terminated."""
+        if tid in self.server.transfers:
+            self.server.on_transfer(tid, ok)
+        elif tid in self.client.xids:
+            self.client.on_xid(tid, ok)
+        if self.state is State.CLOSING and self.quiescent:
+            self.state = State.CLOSED
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        """Send a non-handshake message; dropped when the session is not ready."""
+        if self.state is State.READY and self.doomed is None:
+            self._send_now(msg)
+
+    def _send_now(self, msg: Message) -> None:
+        try:
+            self.conn.send(encode(msg))
+        except Exception as exc:  # ConnectionClosed, SendQueueFull, oversized frame, ...
+            self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def receive(self, frames: Sequence[bytes] | None = None) -> list[bytes] | None:
+        """Handle received frames (``conn.recv()`` when not given).
+
+        Returns the remaining frames, starting with the peer's new hello, when the peer
+        restarted (a hello with another epoch): the tier closes this session and feeds them
+        to a fresh one. Otherwise None.
+        """
+        if frames is None:
+            frames = self.conn.recv()
+        for i, frame in enumerate(frames):
+            if self.doomed is not None or self.state not in (State.HANDSHAKE, State.READY):
+                return None
+            try:
+                msg = decode(frame, self.env.limits)
+                if (type(msg) is Hello and self.peer_hello is not None
+                        and msg.epoch != self.peer_hello.epoch):
+                    return list(frames[i:])
+                self._dispatch(msg)
+                self.internal_errors = 0
+            except ProtocolError as exc:
+                self.protocol_error(str(exc))
+            except Exception as exc:
+                self.internal_errors += 1
+                cap = self.env.limits.max_consecutive_internal_errors
+                log.exception("session %s: internal error %d/%d handling a frame",
+                              self.peer, self.internal_errors, cap)
+                if self.internal_errors >= cap:
+                    self.protocol_error(
+                        f"{self.internal_errors} consecutive internal errors, last: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+        return None
+
+    def protocol_error(self, reason: str) -> None:
+        env = self.env
+        log.warning("protocol error from %s: %s; closing the session", self.peer, reason)
+        env.counters["protocol_errors"] += 1
+        if env.observers.enabled:
+            env.observers.protocol_error(peer=self.peer, reason=reason)
+        self.doom(Outcome.PROTOCOL_ERROR, f"protocol error: {reason}",
+                  f"protocol error: {reason}")
+
+    def _dispatch(self, msg: Message | Unknown) -> None:
+        t = type(msg)
+        if t is Hello:
+            assert isinstance(msg, Hello)
+            self._on_hello(msg)
+            return
+        if t is HelloAck:
+            assert isinstance(msg, HelloAck)
+            self._on_hello_ack(msg)
+            return
+        if t is Bye:
+            assert isinstance(msg, Bye)
+            self._on_bye(msg)
+            return
+        if t is Unknown:
+            assert isinstance(msg, Unknown)
+            hello = self.peer_hello
+            if hello is not None and hello.wire[1] > WIRE_MINOR:
+                log.debug("ignoring %r from %s (wire 1.%d)", msg.type, self.peer, hello.wire[1])
+                return
+            raise ProtocolError(f"frame.type: unknown message type {msg.type!r}")
+        if self.state is not State.READY:
+            raise ProtocolError(f"{message_type(msg)}: received before the handshake completed")
+        if t is Fetch:
+            assert isinstance(msg, Fetch) and self.peer_hello is not None
+            self.server.on_fetch(msg, self.peer_hello.num_blocks)
+        elif t is TransferDone:
+            assert isinstance(msg, TransferDone)
+            self.client.on_transfer_done(msg)
+        elif t is Abort:
+            assert isinstance(msg, Abort)
+            self.server.on_abort(msg)
+        elif t is AbortAck:
+            assert isinstance(msg, AbortAck)
+            self.client.on_abort_ack(msg)
+        elif t is Lookup:
+            assert isinstance(msg, Lookup)
+            self.server.on_lookup(msg)
+        elif t is LookupResp:
+            assert isinstance(msg, LookupResp)
+            self.client.on_lookup_resp(msg)
+
+    # -- handshake --------------------------------------------------------------------------
+
+    def _on_hello(self, msg: Hello) -> None:
+        if self.peer_hello is not None:
+            raise ProtocolError("hello: duplicate hello from the same incarnation")
+        reason = self._incompatibility(msg)
+        if reason:
+            self._reject(reason)
+            return
+        try:
+            self.env.data.add_peer(self.peer, msg.descriptor)
+        except Exception as exc:  # PeerRejected, or a transport bug: refuse either way
+            self._reject(f"data transport refused the peer: {exc}")
+            return
+        self.env.host.data_peer_added(self.peer, self)
+        self.peer_hello = msg
+        self._send_now(HelloAck(msg.epoch))
+        self._maybe_ready()
+
+    def _incompatibility(self, msg: Hello) -> str:
+        local = self.env.local
+        if msg.wire[0] != WIRE_MAJOR:
+            return (f"wire version {msg.wire[0]}.{msg.wire[1]} is incompatible with ours "
+                    f"{WIRE_MAJOR}.{WIRE_MINOR} (major versions differ)")
+        if msg.block_len != local.block_len:
+            return f"block_len {msg.block_len} does not match ours ({local.block_len})"
+        if msg.fingerprint and local.fingerprint and msg.fingerprint != local.fingerprint:
+            return (f"config fingerprint {msg.fingerprint!r} does not match ours "
+                    f"({local.fingerprint!r}): different model or KV layout")
+        if msg.hash_seed != local.hash_seed:
+            return (f"block-hash seed {msg.hash_seed!r} does not match ours "
+                    f"({local.hash_seed!r}): every lookup would miss")
+        if msg.address != self.peer:
+            return (f"hello.address {msg.address!r} is not the connection's peer address "
+                    f"{self.peer!r}")
+        return ""
+
+    def _reject(self, reason: str) -> None:
+        env = self.env
+        log.warning("rejecting peer %s: %s", self.peer, reason)
+        env.counters["handshake_rejections"] += 1
+        if env.observers.enabled:
+            env.observers.handshake_rejected(peer=self.peer, reason=reason)
+        self.doom(Outcome.PEER_REJECTED, f"rejected {self.peer}: {reason}",
+                  REJECTED_PREFIX + reason)
+
+    def _on_hello_ack(self, msg: HelloAck) -> None:
+        if msg.epoch != self.env.local.epoch:
+            raise ProtocolError(
+                f"hello_ack.epoch: {msg.epoch} does not echo our epoch {self.env.local.epoch}"
+            )
+        if not self.acked:
+            self.acked = True
+            self._maybe_ready()
+
+    def _on_bye(self, msg: Bye) -> None:
+        env = self.env
+        if msg.reason.startswith(REJECTED_PREFIX):
+            reason = msg.reason[len(REJECTED_PREFIX):]
+            log.warning("peer %s rejected us: %s", self.peer, reason)
+            env.counters["handshake_rejections"] += 1
+            if env.observers.enabled:
+                env.observers.handshake_rejected(peer=self.peer, reason=reason)
+            self.doom(Outcome.PEER_REJECTED, f"{self.peer} rejected us: {reason}", None)
+        else:
+            outcome = (Outcome.PROTOCOL_ERROR if msg.reason.startswith("protocol error")
+                       else Outcome.PEER_DEAD)
+            self.doom(outcome, f"peer said bye: {msg.reason}", None)
+
+    def _maybe_ready(self) -> None:
+        if self.state is not State.HANDSHAKE or not self.acked or self.peer_hello is None:
+            return
+        env = self.env
+        env.deadlines.cancel(self.timer)
+        self.timer = None
+        self.state = State.READY
+        log.debug("session with %s ready", self.peer)
+        if env.observers.enabled:
+            env.observers.session_opened(peer=self.peer, local=env.local.address)
+        self.client.on_ready()
+
+    def _handshake_expired(self, _: object) -> None:
+        self.timer = None
+        env = self.env
+        if env.observers.enabled:
+            env.observers.timeout(kind="handshake", kv_request_id="", peer=self.peer)
+        self.doom(Outcome.PEER_DEAD, f"handshake with {self.peer} not complete within "
+                  f"{env.timeouts.handshake}s", "handshake timeout")
+
+    def state_sizes(self) -> dict[str, int]:
+        return {**self.client.state_sizes(), **self.server.state_sizes()}
+
