@@ -135,7 +135,7 @@ def _probe_child(name: str) -> None:
     try:
         cls = default_registry().transport("data", name)
         bufs = [np.zeros(_PROBE_BLOCK * 2, np.uint8) for _ in range(2)]
-        src, dst = (cls.create(DataSettings(memoryview(b), _PROBE_BLOCK, {})) for b in bufs)
+        src, dst = (cls.create(DataSettings(b.data, _PROBE_BLOCK, {})) for b in bufs)
         src.add_peer("dst", dst.descriptor())
         dst.add_peer("src", src.descriptor())
         expect = dst.expect_blocks("src", [1])
@@ -403,7 +403,8 @@ def run(args: argparse.Namespace) -> int:
         if not probe["ok"]:
             console.print(f"[red]{name} lane probe failed:[/] {probe['error']}")
     if host["env"]:
-        console.print("environment: " + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
+        console.print("environment in effect (yours, or p2pkv's defaults): "
+                      + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
     console.print("unset: " + ", ".join(report["env_unset"]))
     console.print(f"NIXL: {report['nixl_install']}")
     for tip in _advice(report):

@@ -89,7 +89,7 @@ class EndpointLane(Lane):
 
     def open(self, block_len: int) -> None:
         num_blocks = self._buf.nbytes // block_len
-        region = memoryview(self._buf)[: num_blocks * block_len]
+        region = self._buf.data[: num_blocks * block_len]
         self.source = BlockRegion(self._buf, block_len, num_blocks)
         self._endpoint = make_endpoint(self.spec, self._registry, region, block_len)
         try:

@@ -151,8 +151,11 @@ def plot(results: Sequence[CellResult], path: str, title: str) -> None:
                 {"color": "black", "linestyle": "--"} if label == "memcpy" else {"marker": "o"}
             )
             ax.errorbar(xs, ys, yerr=err, label=label, capsize=2, **style)
+        sizes = sorted({r.block_size for r in results})
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (KiB)")
+        ax.set_xticks([b / 1024 for b in sizes], [format_size(b) for b in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("block size")
         ax.set_title(f"{batch} block(s) per request")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("GB/s")

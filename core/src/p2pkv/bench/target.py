@@ -12,7 +12,7 @@ The harness pipe carries only the parent's own commands (never anything from a p
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -95,7 +95,7 @@ class TargetState:
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         self.close(spec.label)
         num_blocks = self.buf.nbytes // block_len
-        region = memoryview(self.buf)[: num_blocks * block_len]
+        region = self.buf.data[: num_blocks * block_len]
         endpoint = make_endpoint(spec, default_registry(), region, block_len)
         self._receivers[spec.label] = _Receiver(endpoint, block_len)
         return bytes(endpoint.descriptor())
@@ -145,7 +145,7 @@ class TargetState:
 def _serve(conn: Connection, region_bytes: int) -> None:
     """Child entry: execute commands, pump the endpoint while idle."""
     state = TargetState(region_bytes)
-    handlers = {
+    handlers: dict[str, Callable[..., Any]] = {
         "open": state.open,
         "add_peer": state.add_peer,
         "expect": state.expect,

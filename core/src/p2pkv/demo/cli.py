@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     setups = [
         RoleSetup(tier_config, preset.block_bytes, capacity, seed=args.seed + i) for i in (0, 1)
     ]
-    kind: type[RoleHandle] = InlineRole if inline else ProcessRole
+    kind: Callable[[str, RoleSetup], RoleHandle] = InlineRole if inline else ProcessRole
     roles: list[RoleHandle] = []
     try:
         roles.append(kind("producer", setups[0]))

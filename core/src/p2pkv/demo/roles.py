@@ -60,7 +60,7 @@ class _Engine:
         free = np.random.default_rng(setup.seed).permutation(setup.num_slots)
         self._free: list[int] = [int(s) for s in free]  # scattered, like a block allocator
         self.tier = P2PTier(
-            TierConfig.from_dict(setup.tier_config), memoryview(self.buf), setup.block_len
+            TierConfig.from_dict(setup.tier_config), self.buf.data, setup.block_len
         )
         self._job_ids = itertools.count(1)
         self.cpu_started = time.process_time()

@@ -1,0 +1,135 @@
+"""``p2pkv bench``: the quick matrix runs end to end, every cell moves verified bytes.
+
+Benchmarks are not tests: nothing here looks at a rate or a latency value, only at structure
+and verification.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from p2pkv.bench.cli import parse_size
+from p2pkv.bench.lanes import MemcpyLane
+from p2pkv.bench.report import geomean_ratios
+from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
+from p2pkv.cli import main
+from p2pkv.registry import default_registry
+
+ROW_KEYS = {
+    "series", "impl", "transport", "block_size", "batch", "concurrency", "requests", "reps",
+    "gbps", "gbps_min", "gbps_max", "p50_us", "p99_us", "mean_us", "bytes_moved",
+    "bytes_verified", "verified", "ratio_raw", "ratio_memcpy", "error", "skipped", "rep_gbps",
+}
+
+
+@pytest.fixture(scope="module")
+def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    assert main(["bench", "--quick", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_quick_json_structure(quick_doc: dict) -> None:
+    assert {"host", "config", "series", "rows", "summary", "unavailable"} <= set(quick_doc)
+    assert quick_doc["host"]["cores"] >= 1
+    rows = quick_doc["rows"]
+    assert rows
+    for row in rows:
+        assert set(row) == ROW_KEYS
+
+
+def test_every_cell_moved_verified_bytes(quick_doc: dict) -> None:
+    for row in quick_doc["rows"]:
+        if row["skipped"]:
+            continue
+        where = f"{row['series']} {row['block_size']} x{row['batch']} c{row['concurrency']}"
+        assert row["error"] == "", where
+        assert row["verified"], where
+        assert row["bytes_verified"] >= row["block_size"] * row["batch"], where
+        assert row["bytes_moved"] >= row["bytes_verified"], where
+        assert len(row["rep_gbps"]) == row["reps"], where
+
+
+def test_series_cover_baselines_and_installed_transports(quick_doc: dict) -> None:
+    series = set(quick_doc["series"])
+    assert "memcpy" in series
+    registry = default_registry()
+    for name, entry in registry.entries("data").items():
+        if entry.cls.availability() is None:
+            assert f"p2pkv {name}" in series
+    for name in registry.bench_baselines():
+        assert f"raw {name}" in series or f"raw {name}" in quick_doc["unavailable"]
+    # ratios are filled in wherever the baseline of the same cell exists
+    rows = quick_doc["rows"]
+    by_cell = {(r["series"], r["block_size"], r["batch"], r["concurrency"]) for r in rows}
+    for r in rows:
+        if r["impl"] == "p2pkv" and f"raw {r['transport']}" in series:
+            assert (f"raw {r['transport']}", r["block_size"], r["batch"], r["concurrency"]) \
+                in by_cell
+            assert r["ratio_raw"] is not None
+        if r["impl"] != "memcpy":
+            assert r["ratio_memcpy"] is not None
+
+
+def test_memcpy_lane_detects_a_wrong_byte() -> None:
+    src = np.zeros(64 * 1024, np.uint8)
+    dst = np.zeros(64 * 1024, np.uint8)
+    lane = MemcpyLane(src, dst)
+    lane.open(4096)
+    plan = CellPlan(block_size=4096, batch=4, concurrency=1, requests=3, reps=1, warmup=0)
+    good = measure_cell(lane, plan, np.random.default_rng(0))
+    assert good.verified and good.error == ""
+
+    class Corrupting(MemcpyLane):
+        def submit(self, local: list[int], remote: list[int]) -> int:
+            tid = super().submit(local, remote)
+            self._dest.words[remote[0], 5] ^= np.uint64(1)
+            return tid
+
+    bad_lane = Corrupting(src, dst)
+    bad_lane.open(4096)
+    bad = measure_cell(bad_lane, plan, np.random.default_rng(0))
+    assert not bad.verified
+    assert "wrong blocks" in bad.error
+
+
+def test_cell_too_big_for_the_region_is_skipped() -> None:
+    lane = MemcpyLane(np.zeros(8192, np.uint8), np.zeros(8192, np.uint8))
+    lane.open(4096)
+    plan = CellPlan(block_size=4096, batch=4, concurrency=1, requests=2, reps=1)
+    result = measure_cell(lane, plan, np.random.default_rng(0))
+    assert result.skipped and not result.verified
+
+
+def test_sizes_and_geomean() -> None:
+    assert parse_size("64K") == 65536
+    assert parse_size("4MiB") == 4 << 20
+    assert parse_size("1g") == 1 << 30
+    rows = [
+        CellResult("p2pkv nixl", "p2pkv", "nixl", 1, 1, 1, gbps=1.0, ratio_raw=0.5,
+                   ratio_memcpy=0.25),
+        CellResult("p2pkv nixl", "p2pkv", "nixl", 2, 1, 1, gbps=1.0, ratio_raw=2.0,
+                   ratio_memcpy=0.25),
+    ]
+    g = geomean_ratios(rows)["p2pkv nixl"]
+    assert g["ratio_raw"] == pytest.approx(1.0)
+    assert g["ratio_raw_min"] == 0.5
+    assert g["ratio_memcpy"] == pytest.approx(0.25)
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--block-sizes", "12"])
+    assert "multiples of 8" in capsys.readouterr().err
+
+
+def test_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--transports", "memory", "--no-raw",
+                 "--block-sizes", "64K,256K", "--batches", "1", "--concurrency", "1",
+                 "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,96 @@
+"""``p2pkv doctor``: names the transports, explains the missing ones, checks ports and lanes."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from p2pkv.cli import main
+from p2pkv.doctor import check_ports, nixl_install_note, parse_proto_info, summarize_lanes
+from p2pkv.registry import default_registry
+
+# Two boxes as UCX_PROTO_INFO=y prints them (timestamps and padding as UCX writes them).
+PROTO_INFO = """\
+[1795947197.677002] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.677002] [vm:11792:0]   | A self cfg#0                        |
+[1795947197.677002] [vm:11792:0]   | remote memory write by ucp_put* from host memory to host |
+[1795947197.677002] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.677002] [vm:11792:0]   | Range  | Description | Config     |
+[1795947197.677002] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.677002] [vm:11792:0]   | 0..inf | zero-copy   | self/memory |
+[1795947197.677002] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.681946] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.681946] [vm:11792:0]   | A intra-node cfg#1                  |
+[1795947197.681946] [vm:11792:0]   | remote memory write by ucp_put* from host memory to host |
+[1795947197.681946] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.681946] [vm:11792:0]   | Range  | Description | Config     |
+[1795947197.681946] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.681946] [vm:11792:0]   | 0..inf | zero-copy   | cma/memory |
+[1795947197.681946] [vm:11792:0]   +--------+-------------+------------+
+[1795947197.684501] [vm:11792:0]   | A intra-node cfg#1                  |
+[1795947197.684501] [vm:11792:0]   | active message by ucp_am_send* from host memory |
+[1795947197.684501] [vm:11792:0]   +-----------+--------------------+-----+
+[1795947197.684501] [vm:11792:0]   |   Range   |    Description     | Config |
+[1795947197.684501] [vm:11792:0]   |   0..8184 | short              | tcp/lo |
+[1795947197.684501] [vm:11792:0]   | 8185..inf | multi-frag copy-in | tcp/lo |
+"""
+
+
+def test_parse_proto_info_keeps_peer_endpoints() -> None:
+    rows = parse_proto_info(PROTO_INFO)
+    assert [(r.endpoint, r.size_range, r.lanes) for r in rows] == [
+        ("A intra-node cfg#1", "0..inf", "cma/memory"),
+        ("A intra-node cfg#1", "0..8184", "tcp/lo"),
+        ("A intra-node cfg#1", "8185..inf", "tcp/lo"),
+    ]
+    summary = summarize_lanes(rows)
+    assert summary[0] == {"operation": "RMA write (data)", "size_range": "0..inf",
+                          "protocol": "zero-copy", "lanes": "cma/memory"}
+    assert summary[1]["operation"].startswith("active messages")
+    assert summary[1]["protocol"] == "short, multi-frag copy-in"
+
+
+def test_port_in_use_is_reported() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (result,) = check_ports("127.0.0.1", [port])
+        assert not result["free"]
+        assert "in use" in result["detail"]
+    (result,) = check_ports("127.0.0.1", [0])
+    assert result["free"]
+
+
+def test_nixl_note_explains_the_install() -> None:
+    assert "NIXL" in nixl_install_note()
+
+
+def test_doctor_json_names_the_transports(capsys: pytest.CaptureFixture[str]) -> None:
+    # an ephemeral port, so a tier running elsewhere on this host does not fail the test
+    assert main(["doctor", "--json", "--config", '{"port": 0}']) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = {(t["kind"], t["name"]) for t in report["plugins"]["transports"]}
+    for kind in ("control", "data"):
+        assert set(default_registry().entries(kind)) == {n for k, n in names if k == kind}
+    missing = {t["name"] for t in report["plugins"]["not_installed"]}
+    assert all(t["install"].startswith("pip install") for t in report["plugins"]["not_installed"])
+    assert names or missing
+    for name, probe in report["ucx_lanes"].items():
+        # every installed UCX-based data transport got probed, and UCX said which lanes
+        assert probe["ok"], (name, probe["error"])
+        assert any("data" in row["operation"] for row in probe["lanes"]), name
+    assert report["ports"][0]["free"]
+
+
+def test_doctor_text_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-probe", "--config", '{"port": 0}']) == 0
+    out = capsys.readouterr().out
+    assert "p2pkv transports" in out
+    assert "NIXL" in out
+
+
+def test_doctor_refuses_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-probe", "--config", '{"bogus": 1}']) == 2
+    assert "bogus" in capsys.readouterr().err
