@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
 
 
@@ -24,6 +23,8 @@ class TestMemoryData(DataTransportSuite):
 
 class TestZmqControl(ControlTransportSuite):
     transport_name = "zmq"
+    options = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
+    liveness_timeout = 5.0
 
 
 class TestNixlData(DataTransportSuite):

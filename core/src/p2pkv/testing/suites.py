@@ -130,9 +130,10 @@ class _SuiteBase:
         return caps
 
     @pytest.fixture(scope="class")
-    def peer_host(self) -> Iterator[PeerHost]:
+    @classmethod
+    def peer_host(cls) -> Iterator[PeerHost]:
         """One child process per suite class, hosting every child-process peer of it."""
-        with PeerHost(name=f"p2pkv-peers-{type(self).__name__}") as host:
+        with PeerHost(name=f"p2pkv-peers-{cls.__name__}") as host:
             yield host
 
     @pytest.fixture(params=PEER_MODES)
@@ -154,19 +155,20 @@ class _SuiteBase:
 
 
 class _DataPair:
-    """The transport under test (``local``) with its poll log, and peers registered both ways."""
+    """The transport under test (``local``, a peer object: usually in this process, in a child
+    where a crash must not take the test run down) with its poll log, and its peers registered
+    both ways."""
 
-    def __init__(self, local: LocalDataPeer, two_sided: bool, timeout: float) -> None:
+    def __init__(self, local: DataPeer, two_sided: bool, timeout: float) -> None:
         self.local = local
-        self.transport: DataTransport = local.transport
-        self.log = PollLog(self.transport.poll, self.transport.cancel, "transport under test")
+        self.log = PollLog(local.poll, local.cancel, "transport under test")
         self.two_sided = two_sided
         self.timeout = timeout
         self.peers: dict[str, DataPeer] = {}
         self.peer_logs: dict[str, PollLog] = {}
 
     def connect(self, peer_id: str, peer: DataPeer) -> DataPeer:
-        self.transport.add_peer(peer_id, peer.descriptor)
+        self.local.add_peer(peer_id, peer.descriptor)
         peer.add_peer("local", self.local.descriptor)
         self.peers[peer_id] = peer
         self.peer_logs[peer_id] = PollLog(peer.poll, peer.cancel, f"peer {peer_id}")
@@ -184,7 +186,7 @@ class _DataPair:
         return self.peer_logs[peer_id].submitted(eid, "local")
 
     def submit(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
-        tid = self.transport.write_blocks(peer_id, local_idxs, remote_idxs)
+        tid = self.local.write_blocks(peer_id, local_idxs, remote_idxs)
         return self.log.submitted(tid, peer_id)
 
     def wait_terminal(self, peer_id: str | None, ids: set[int], what: str) -> None:
@@ -201,7 +203,7 @@ class _DataPair:
             lambda: log.terminal(ids),
             timeout=self.timeout,
             what=what,
-            pumps=[*self.pumps(), self.transport.progress, lambda: log.poll("local")],
+            pumps=[*self.pumps(), self.local.pump, lambda: log.poll("local")],
         )
 
     def write(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
@@ -332,7 +334,7 @@ class DataTransportSuite(_SuiteBase):
         src = remote.region_bytes()
         before = pair.local.region_bytes()
         local_idxs, remote_idxs = [1, n - 2], [n - 1, 0]
-        eid = pair.transport.expect_blocks("remote", local_idxs)
+        eid = pair.local.expect_blocks("remote", local_idxs)
         if pair.two_sided:
             assert eid is not None, "a two_sided transport must return an id from expect_blocks"
             pair.log.submitted(eid, "remote")
@@ -385,7 +387,7 @@ class DataTransportSuite(_SuiteBase):
             return remote.region_bytes()[(n - 1) * b:] == src[:b]
 
         wait_until(landed, timeout=self.timeout, what="the block to land (progress only)",
-                   pumps=[remote.pump, pair.transport.progress])
+                   pumps=[remote.pump, pair.local.pump])
         pair.wait_terminal("remote", {tid}, "poll to report the transfer progress completed")
         assert tid in pair.log.done
 
@@ -408,7 +410,7 @@ class DataTransportSuite(_SuiteBase):
             return other.region_bytes()[2 * b:3 * b] == src[4 * b:5 * b]
 
         wait_until(other_landed, timeout=self.timeout, what="the second peer's block to land",
-                   pumps=[*pair.pumps(), pair.transport.progress])
+                   pumps=[*pair.pumps(), pair.local.pump])
         for _ in range(3):
             pair.log.poll("remote")  # PollLog fails if t2 shows up here
         assert t2 not in pair.log.done | pair.log.failed, "poll('remote') reported other's id"
@@ -449,7 +451,7 @@ class DataTransportSuite(_SuiteBase):
         remote = pair.peers["remote"]
         before = remote.region_bytes()
         with pytest.raises(TransferSubmitError):
-            pair.transport.write_blocks("remote", local_idxs, remote_idxs)
+            pair.local.write_blocks("remote", local_idxs, remote_idxs)
         # nothing was posted: a good transfer afterwards is the only thing ever reported
         pair.write("remote", [n - 1], [n - 1])
         after = remote.region_bytes()
@@ -459,15 +461,15 @@ class DataTransportSuite(_SuiteBase):
     def test_expect_blocks_contract(self, pair: _DataPair) -> None:
         n = self.num_blocks
         if not pair.two_sided:
-            assert pair.transport.expect_blocks("remote", [0]) is None, (
+            assert pair.local.expect_blocks("remote", [0]) is None, (
                 "a one-sided transport's expect_blocks must return None"
             )
             return
         for bad in ([n], [-1]):
             with pytest.raises(TransferSubmitError):
-                pair.transport.expect_blocks("remote", bad)
+                pair.local.expect_blocks("remote", bad)
         with pytest.raises(TransferSubmitError):
-            pair.transport.expect_blocks("nobody", [0])
+            pair.local.expect_blocks("nobody", [0])
 
     def test_mismatched_descriptor_is_refused(
         self, local: LocalDataPeer, make_peer: Callable[..., DataPeer], capabilities: Capabilities
@@ -497,10 +499,10 @@ class DataTransportSuite(_SuiteBase):
 
     def test_remove_peer_then_add_again(self, pair: _DataPair) -> None:
         pair.write("remote", [0], [0])
-        assert pair.transport.remove_peer("remote") == [], "a quiescent peer drains to []"
+        assert pair.local.remove_peer("remote") == [], "a quiescent peer drains to []"
         with pytest.raises(TransferSubmitError):
-            pair.transport.write_blocks("remote", [0], [0])
-        pair.transport.add_peer("remote", pair.peers["remote"].descriptor)
+            pair.local.write_blocks("remote", [0], [0])
+        pair.local.add_peer("remote", pair.peers["remote"].descriptor)
         pair.write("remote", [1], [1])
 
     def test_remove_unknown_peer_is_harmless(self, local: LocalDataPeer) -> None:
@@ -527,7 +529,7 @@ class DataTransportSuite(_SuiteBase):
             return remote.region_bytes()[(n - 2) * b:(n - 1) * b] == src[2 * b:3 * b]
 
         wait_until(dead, timeout=self.timeout, what="the block to land",
-                   pumps=[remote.pump, pair.transport.progress])
+                   pumps=[remote.pump, pair.local.pump])
         assert pair.log.cancel([tid], CancelMode.IMMEDIATE) == []
         for _ in range(5):
             pair.log.poll("remote")  # PollLog fails if the cancelled id shows up
@@ -550,6 +552,7 @@ class DataTransportSuite(_SuiteBase):
     def test_close_is_idempotent_and_releases_the_region(self, pair: _DataPair) -> None:
         pair.write("remote", [0], [0])
         local = pair.local
+        assert isinstance(local, LocalDataPeer)
         region_ref = weakref.ref(local.array)
         assert list(local.transport.close()) == [], "a quiescent close returns []"
         assert list(local.transport.close()) == [], "a second close returns [] and is harmless"
@@ -567,41 +570,58 @@ class DataTransportSuite(_SuiteBase):
             pair.expect("remote", [i])
         ids = [pair.submit("remote", [i], [i]) for i in range(n)]
         with _background(pair.pumps()):
-            left = list(pair.transport.close())
+            left = list(pair.local.close())
         assert set(left) <= set(ids), f"close returned ids it never issued: {left}"
-        again = list(pair.transport.close())
+        again = list(pair.local.close())
         assert set(again) <= set(left), "a second close may only repeat undrained ids"
 
-    def test_peer_close_then_write_is_terminal(self, pair: _DataPair) -> None:
-        """A peer that closed: our writes to it are refused or reach a terminal state."""
+    def test_peer_closed_is_survivable(self, pair: _DataPair) -> None:
+        """A peer that closed: a write to it is refused or ends, and ``remove_peer`` bounds it."""
         pair.write("remote", [0], [0])
         _quietly(pair.peers["remote"].close)
-        _write_reaches_a_verdict(pair)
+        _survive_dead_peer(pair)
 
     def test_peer_killed_is_survivable(
         self,
-        local: LocalDataPeer,
         capabilities: Capabilities,
+        transport_class: type[DataTransport],
+        transport_options: Mapping[str, Any],
         make_peer: Callable[..., DataPeer],
     ) -> None:
-        """SIGKILL the peer's process: our transfers still end, and we still close."""
+        """SIGKILL the peer's process: we still write (or refuse), remove the peer and close.
+
+        The transport under test runs in a child of its own here, so a crash in it fails this
+        test instead of taking the test run down.
+        """
         self._require(capabilities.cross_process, "transport does not claim cross_process")
-        with PeerHost(name="p2pkv-doomed-peer") as host:
+        with PeerHost(name="p2pkv-survivor") as ours, PeerHost(name="p2pkv-doomed") as doomed:
+            local = ours.data_peer(
+                transport_class, self.num_blocks, self.block_len, transport_options
+            )
             pair = _DataPair(local, capabilities.two_sided, self.timeout)
-            pair.connect("remote", make_peer("child-process", host=host))
+            pair.connect("remote", make_peer("child-process", host=doomed))
             pair.write("remote", [0], [0])
-            host.kill()
-            _write_reaches_a_verdict(pair)
-            local.transport.remove_peer("remote")
-            assert isinstance(local.transport.close(), list)
+            doomed.kill()
+            try:
+                _survive_dead_peer(pair)
+            except (EOFError, TimeoutError) as exc:
+                pytest.fail(f"the transport under test crashed or hung after its peer was "
+                            f"SIGKILLed: {exc}")
 
 
-def _write_reaches_a_verdict(pair: _DataPair) -> None:
+def _survive_dead_peer(pair: _DataPair) -> None:
+    """Write to a dead peer, then remove it and close: all bounded, nothing reported twice."""
+    issued: set[int] = set()
     try:
-        tid = pair.submit("remote", [1], [1])
+        issued.add(pair.submit("remote", [1], [1]))
     except TransferSubmitError:
-        return
-    pair.wait_terminal("remote", {tid}, "a write to a dead peer to end (done or failed)")
+        pass
+    pair.log.poll("remote")
+    left = list(pair.local.remove_peer("remote"))
+    assert set(left) <= issued, f"remove_peer returned ids it never issued: {left}"
+    with pytest.raises(TransferSubmitError):
+        pair.local.write_blocks("remote", [0], [0])
+    assert set(pair.local.close()) <= issued
 
 
 # -- control ---------------------------------------------------------------------------------
