@@ -1,0 +1,659 @@
+"""P2PTier end to end over the memory transports (fake clock, optional fault injection)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from p2pkv_memory.faults import Fault, FaultInjector
+
+from p2pkv.config import TierConfig
+from p2pkv.errors import ConfigError
+from p2pkv.hookspecs import hookimpl
+from p2pkv.registry import Registry
+from p2pkv.tier import P2PTier
+from p2pkv.types import Job, LookupResult, Outcome, RequestContext
+
+
+@pytest.fixture
+def h(tier_harness: Any) -> Any:
+    return tier_harness
+
+
+@pytest.fixture
+def clock(h: Any) -> Any:
+    return h.FakeClock()
+
+
+@pytest.fixture
+def nodes(h: Any, clock: Any) -> Any:
+    made: list[Any] = []
+
+    def make(**kw: Any) -> Any:
+        node = h.Node(clock, seed=len(made), **kw)
+        made.append(node)
+        return node
+
+    yield make
+    for n in made:
+        n.shutdown()
+
+
+class Source:
+    """A LocalHitSource over a dict key -> slot of a node's region."""
+
+    ids = itertools.count(10_000)
+
+    def __init__(self, node: Any, have: dict[bytes, int], retry: set[bytes] = frozenset()) -> None:
+        self.node, self.have, self.retry = node, have, set(retry)
+        self.begun: list[str] = []
+        self.ended: list[object] = []
+        self.pinned: list[int] = []
+
+    def begin(self, kv: str) -> object:
+        self.begun.append(kv)
+        return (kv, len(self.begun))
+
+    def lookup(self, handle: object, key: bytes) -> LookupResult:
+        if key in self.retry:
+            self.retry.discard(key)
+            return LookupResult.RETRY
+        return LookupResult.HIT if key in self.have else LookupResult.MISS
+
+    def pin(self, handle: object, keys: list[bytes]) -> Job:
+        job_id = next(self.ids)
+        self.node.submitted.add(job_id)
+        self.pinned.append(job_id)
+        return Job(job_id, keys, [self.have[k] for k in keys], False, RequestContext("pin"))
+
+    def end(self, handle: object) -> None:
+        self.ended.append(handle)
+
+
+def pd_pair(nodes: Any, **kw: Any) -> tuple[Any, Any]:
+    return nodes(**kw), nodes(**kw)
+
+
+# -- both orders, rounds, cleanliness ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["producer_first", "consumer_first"])
+def test_pd_request_moves_byte_exact_in_both_orders(h: Any, nodes: Any, order: str) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r1"), c.consumer_ctx("r1", p)
+    assert p.tier.on_new_request(pctx) is True
+    assert c.tier.on_new_request(cctx) is False
+    ks = h.keys("r1", 32)
+    src, dst = list(range(32)), list(range(10, 42))
+    if order == "producer_first":
+        p.store(1, ks, src, pctx)
+        h.pump([p, c], 3)
+        c.load(2, ks, dst, cctx)
+    else:
+        c.load(2, ks, dst, cctx)
+        h.pump([p, c], 3)
+        p.store(1, ks, src, pctx)
+    h.pump_until([p, c], lambda: len(p.results) + len(c.results) == 2)
+    assert p.outcome(1) is Outcome.DONE and c.outcome(2) is Outcome.DONE
+    assert (c.blocks[dst] == p.blocks[src]).all()
+    p.tier.on_request_finished(pctx)
+    c.tier.on_request_finished(cctx)
+    h.pump([p, c], 3)
+    h.assert_clean(p, c)
+    assert not p.tier.has_pending_work() and not c.tier.has_pending_work()
+
+
+def test_several_load_rounds_complete_independently(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    c.tier.on_new_request(cctx)
+    ks = h.keys("r", 24)
+    c.load(10, ks[:8], list(range(0, 8)), cctx)
+    c.load(11, ks[8:16], list(range(8, 16)), cctx)
+    c.load(12, ks[16:], list(range(16, 24)), cctx)
+    h.pump([p, c], 3)
+    p.store(1, ks[8:16], list(range(40, 48)), pctx)  # only round 1's blocks so far
+    h.pump_until([p, c], lambda: 11 in c.results)
+    assert c.outcome(11) is Outcome.DONE and 10 not in c.results and 12 not in c.results
+    p.store(2, ks[:8] + ks[16:], list(range(48, 64)), pctx)
+    h.pump_until([p, c], lambda: {10, 12} <= set(c.results))
+    assert c.outcome(10) is Outcome.DONE and c.outcome(12) is Outcome.DONE
+    assert (c.blocks[8:16] == p.blocks[40:48]).all()
+    assert (c.blocks[0:8] == p.blocks[48:56]).all() and (c.blocks[16:24] == p.blocks[56:64]).all()
+    assert p.outcome(1) is Outcome.DONE and p.outcome(2) is Outcome.DONE
+    p.tier.on_request_finished(pctx)
+    c.tier.on_request_finished(cctx)
+    h.pump([p, c], 3)
+    h.assert_clean(p, c)
+
+
+def test_blocks_the_consumer_never_needs_are_released_by_its_finish(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    c.tier.on_new_request(cctx)
+    ks = h.keys("r", 8)
+    p.store(1, ks, list(range(8)), pctx)  # the consumer had the first 4 as prefix hits
+    c.load(2, ks[4:], list(range(4)), cctx)
+    h.pump_until([p, c], lambda: 2 in c.results)
+    assert 1 not in p.results  # 4 blocks still pinned for a possible later round
+    c.tier.on_request_finished(cctx)
+    p.tier.on_request_finished(pctx)
+    h.pump_until([p, c], lambda: 1 in p.results)
+    assert p.outcome(1) is Outcome.DONE
+    h.assert_clean(p, c)
+
+
+def test_one_producer_serves_two_consumers_and_both_roles_share_a_session(
+        h: Any, nodes: Any) -> None:
+    a, b, c = nodes(), nodes(), nodes()
+    for i, cons in enumerate((b, c)):
+        kv = f"r{i}"
+        pctx, cctx = a.producer_ctx(kv), cons.consumer_ctx(kv, a)
+        a.tier.on_new_request(pctx)
+        cons.tier.on_new_request(cctx)
+        a.store(i, h.keys(kv, 4), [4 * i + j for j in range(4)], pctx)
+        cons.load(100 + i, h.keys(kv, 4), [0, 1, 2, 3], cctx)
+    # b also produces for a over the same session
+    pctx, cctx = b.producer_ctx("back"), a.consumer_ctx("back", b)
+    b.tier.on_new_request(pctx)
+    a.tier.on_new_request(cctx)
+    b.store(7, h.keys("back", 2), [30, 31], pctx)
+    a.load(8, h.keys("back", 2), [60, 61], cctx)
+    h.pump_until([a, b, c], lambda: len(a.results) == 3 and len(b.results) == 2
+                 and len(c.results) == 1)
+    assert all(r.outcome is Outcome.DONE for n in (a, b, c) for r in n.results.values())
+    assert (b.blocks[0:4] == a.blocks[0:4]).all() and (c.blocks[0:4] == a.blocks[4:8]).all()
+    assert (a.blocks[60:62] == b.blocks[30:32]).all()
+    assert a.tier.stats()["sessions"] == 2
+
+
+# -- routing and lookups -----------------------------------------------------------------------
+
+
+def test_lookup_pd_is_eager_hit_and_failed_ids_miss_until_finished(h: Any, nodes: Any,
+                                                                    clock: Any) -> None:
+    p, c = pd_pair(nodes)
+    cctx = c.consumer_ctx("r", p)
+    assert c.tier.lookup(b"k", RequestContext("x")) is LookupResult.MISS
+    c.tier.on_new_request(cctx)
+    assert c.tier.lookup(b"k", cctx) is LookupResult.HIT
+    c.load(1, [b"k"], [0], cctx)
+    h.pump([p, c], 3)
+    h.advance(clock, [p, c], 31)  # load timeout -> abort -> ack
+    assert c.outcome(1) is Outcome.LOAD_TIMEOUT
+    assert c.tier.lookup(b"k", cctx) is LookupResult.MISS
+    c.tier.on_request_finished(cctx)
+    again = c.consumer_ctx("r", p)
+    c.tier.on_new_request(again)
+    assert c.tier.lookup(b"k", again) is LookupResult.HIT
+
+
+def test_symmetric_lookup_batches_one_probe_per_request_and_step(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    ks = h.keys("s", 6)
+    src = Source(p, {ks[0]: 20, ks[1]: 21, ks[3]: 23}, retry={ks[1]})
+    p.tier.serve_lookups(src)  # an engine offers its source every step from the start
+    cctx = c.consumer_ctx("s", p, probe=True)
+    c.tier.on_new_request(cctx)
+    h.pump([p, c], 3)
+    assert [c.tier.lookup(k, cctx) for k in ks[:4]] == [LookupResult.RETRY] * 4
+    c.tier.on_schedule_end()
+    assert [c.tier.lookup(k, cctx) for k in ks[4:]] == [LookupResult.RETRY] * 2
+    h.pump([p, c], 2)
+    p.tier.serve_lookups(src)  # ks[1] answers RETRY once: that lookup waits
+    h.pump([p, c], 2)
+    assert src.begun == ["s"]
+    c.tier.on_schedule_end()  # second batch: ks[4:]
+    h.pump([p, c], 2)
+    p.tier.serve_lookups(src)
+    h.pump([p, c], 2)
+    assert src.begun == ["s", "s"] and len(src.ended) == 2
+    got = [c.tier.lookup(k, cctx) for k in ks]
+    H, M = LookupResult.HIT, LookupResult.MISS
+    assert got == [H, H, M, H, M, M]
+    # load the prefix of hits; the pinned blocks move
+    c.load(5, [ks[0], ks[1]], [0, 1], cctx)
+    h.pump_until([p, c], lambda: 5 in c.results)
+    assert c.outcome(5) is Outcome.DONE
+    assert (c.blocks[0:2] == p.blocks[20:22]).all()
+    c.tier.on_request_finished(cctx)
+    h.pump_until([p, c], lambda: set(src.pinned) <= set(p.results))
+    assert p.outcome(src.pinned[0]) is Outcome.DONE  # ks[0], ks[1] delivered, ks[3] unneeded
+    h.assert_clean(p, c)
+
+
+def test_symmetric_lookup_without_a_hit_source_answers_miss_at_once(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    cctx = c.consumer_ctx("s", p, probe=True)
+    c.tier.on_new_request(cctx)
+    h.pump([p, c], 3)
+    assert c.tier.lookup(b"a", cctx) is LookupResult.RETRY
+    assert h.probe_until(c, b"a", cctx, [p]) is LookupResult.MISS
+    c.tier.on_request_finished(cctx)
+    h.pump([p, c], 3)
+    h.assert_clean(p, c)
+
+
+def test_symmetric_lookup_deadline_answers_miss(h: Any, nodes: Any, clock: Any) -> None:
+    p, c = pd_pair(nodes)
+    src = Source(p, {}, retry={b"a"})
+    p.tier.serve_lookups(src)  # a source exists, but the engine stops calling in
+    cctx = c.consumer_ctx("s", p, probe=True)
+    c.tier.on_new_request(cctx)
+    h.pump([p, c], 3)
+    c.tier.lookup(b"a", cctx)
+    c.tier.on_schedule_end()
+    h.pump([p, c], 3)
+    assert c.tier.lookup(b"a", cctx) is LookupResult.RETRY
+    h.advance(clock, [p, c], p.tier._config.timeouts.lookup + 0.1)
+    assert c.tier.lookup(b"a", cctx) is LookupResult.MISS
+    c.tier.on_request_finished(cctx)
+    h.pump([p, c], 3)
+    h.assert_clean(p, c)
+
+
+def test_jobs_without_a_route_finish_at_once(h: Any, nodes: Any) -> None:
+    (c,) = (nodes(),)
+    plain = RequestContext("plain")
+    bad = RequestContext("bad", {"remote_prefiller": {"kv_request_id": "x"}})  # no host/port
+    c.store(1, [b"a"], [0], plain)
+    c.load(2, [b"a"], [0], plain)
+    c.load(3, [b"a"], [0], bad)
+    c.store(4, [b"a"], [0], bad)
+    c.load(5, [], [], c.consumer_ctx("r", c))
+    c.collect()
+    assert c.outcome(1) is Outcome.NOTHING_TO_DO
+    assert c.outcome(2) is Outcome.NO_ROUTE and c.outcome(3) is Outcome.NO_ROUTE
+    assert c.outcome(4) is Outcome.NO_ROUTE  # refused params fail stores too
+    assert c.results[3].detail  # the reason travels in the detail
+    assert c.outcome(5) is Outcome.NOTHING_TO_DO
+
+
+@pytest.mark.parametrize("job, match", [
+    (Job(1, [b"a", b"b"], [0], True, RequestContext("r")), "keys but"),
+    (Job(1, [b"a"], [64], True, RequestContext("r")), "not a slot"),
+    (Job(1, [b"a", b"a"], [0, 1], True, RequestContext("r")), "duplicate keys"),
+    (Job(1, [b"a", b"b"], [1, 1], True, RequestContext("r")), "duplicate block ids"),
+    (Job(1, ["a"], [1], True, RequestContext("r")), "keys must be"),
+    (Job(1, [b"a"], [0], False, RequestContext("r")), "is_load=True"),
+])
+def test_malformed_load_jobs_raise_and_record_nothing(h: Any, nodes: Any, job: Job,
+                                                      match: str) -> None:
+    p, c = pd_pair(nodes)
+    job.ctx = c.consumer_ctx("r", p)
+    with pytest.raises(ValueError, match=match):
+        c.tier.submit_load(job)
+    assert c.tier._state_sizes()["jobs_open"] == 0
+
+
+def test_duplicate_job_id_in_flight_is_refused(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    cctx = c.consumer_ctx("r", p)
+    c.load(1, [b"a"], [0], cctx)
+    with pytest.raises(ValueError, match="already in flight"):
+        c.tier.submit_load(Job(1, [b"b"], [1], True, cctx))
+
+
+def test_numpy_block_ids_are_accepted(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.submitted.add(1)
+    p.tier.submit_store(Job(1, h.keys("r", 3), np.array([5, 6, 7]), False, pctx))
+    c.submitted.add(2)
+    c.tier.submit_load(Job(2, h.keys("r", 3), np.array([1, 2, 3], dtype=np.int32), True, cctx))
+    h.pump_until([p, c], lambda: 1 in p.results and 2 in c.results)
+    assert c.outcome(2) is Outcome.DONE and (c.blocks[1:4] == p.blocks[5:8]).all()
+
+
+# -- failures and timeouts --------------------------------------------------------------------
+
+
+def test_load_timeout_aborts_and_reports_after_the_ack(h: Any, nodes: Any, clock: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    c.load(1, [b"a"], [0], cctx)
+    h.pump([p, c], 3)
+    clock.advance(30.5)
+    c.collect()  # abort sent, no result yet: the producer may still write
+    assert 1 not in c.results
+    h.pump([p, c], 3)
+    assert c.outcome(1) is Outcome.LOAD_TIMEOUT
+    p.store(2, [b"a"], [3], pctx)  # the aborted demand must not be served later
+    h.pump([p, c], 3)
+    assert c.blocks[0].tolist() != p.blocks[3].tolist()
+
+
+def test_abort_ack_timeout_when_the_producer_goes_silent(h: Any, clock: Any) -> None:
+    faults = FaultInjector(seed=1)
+    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    try:
+        cctx = c.consumer_ctx("r", p)
+        c.load(1, [b"a"], [0], cctx)
+        h.pump([p, c], 3)
+        faults.arm(Fault.DROP, peer=p.address)  # everything c sends to p is lost
+        h.advance(clock, [p, c], 30.5)
+        assert 1 not in c.results
+        h.advance(clock, [p, c], 10.5)
+        assert c.outcome(1) is Outcome.ABORT_ACK_TIMEOUT
+    finally:
+        p.shutdown()
+        c.shutdown()
+
+
+def test_consumer_finishing_mid_load_gets_request_finished(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    c.tier.on_new_request(cctx)
+    c.load(1, h.keys("r", 2), [0, 1], cctx)
+    p.store(2, h.keys("r", 1), [9], pctx)  # half the blocks: the round stays open
+    h.pump([p, c], 4)
+    c.tier.on_request_finished(cctx)
+    assert 1 not in c.results  # not before the producer confirmed
+    h.pump_until([p, c], lambda: 1 in c.results and 2 in p.results)
+    assert c.outcome(1) is Outcome.REQUEST_FINISHED
+    assert p.outcome(2) is Outcome.DONE  # its one block was delivered
+    p.tier.on_request_finished(pctx)
+    h.pump([p, c], 3)
+    h.assert_clean(p, c)
+
+
+def test_unmet_demand_fails_when_the_producer_request_finishes(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    c.load(1, h.keys("r", 3), [0, 1, 2], cctx)
+    p.store(2, h.keys("r", 2), [5, 6], pctx)
+    h.pump([p, c], 4)
+    assert not c.results
+    p.tier.on_request_finished(pctx)
+    h.pump_until([p, c], lambda: 1 in c.results)
+    assert c.outcome(1) is Outcome.DEMAND_UNMET
+    c.tier.on_request_finished(RequestContext("x", cctx.kv_transfer_params))
+    h.pump_until([p, c], lambda: 2 in p.results)
+    h.assert_clean(p, c)
+
+
+def test_fetch_after_the_producer_finished_with_too_little_fails_fast(h: Any,
+                                                                       nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    p.store(1, h.keys("r", 1), [0], pctx)
+    p.tier.on_request_finished(pctx)
+    c.load(2, h.keys("r", 2), [0, 1], cctx)
+    h.pump_until([p, c], lambda: 2 in c.results)
+    assert c.outcome(2) is Outcome.DEMAND_UNMET
+
+
+def test_store_timeout_and_unbound_timeout(h: Any, nodes: Any, clock: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    p.store(1, h.keys("r", 2), [0, 1], pctx)
+    c.load(2, h.keys("r", 1), [0], cctx)  # binds the request; one block stays undelivered
+    h.pump_until([p, c], lambda: 2 in c.results)
+    p.store(3, [b"other"], [5], p.producer_ctx("unbound"))
+    h.advance(clock, [p, c], 30.5)
+    assert p.outcome(1) is Outcome.STORE_TIMEOUT and 3 not in p.results
+    h.advance(clock, [p, c], 30)
+    assert p.outcome(3) is Outcome.UNBOUND_TIMEOUT
+
+
+def test_transfer_and_submit_failures(h: Any, clock: Any) -> None:
+    faults = FaultInjector(seed=3)
+    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    try:
+        pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+        faults.arm(Fault.FAIL_COMPLETION, count=1)
+        p.store(1, [b"a"], [0], pctx)
+        c.load(2, [b"a"], [0], cctx)
+        h.pump_until([p, c], lambda: 1 in p.results and 2 in c.results)
+        assert p.outcome(1) is Outcome.TRANSFER_FAILED and c.outcome(2) is Outcome.TRANSFER_FAILED
+        pctx2, cctx2 = p.producer_ctx("s"), c.consumer_ctx("s", p)
+        faults.arm(Fault.FAIL_SUBMIT, count=1)
+        p.store(3, [b"b"], [1], pctx2)
+        c.load(4, [b"b"], [1], cctx2)
+        h.pump_until([p, c], lambda: 3 in p.results and 4 in c.results)
+        assert p.outcome(3) is Outcome.SUBMIT_FAILED and c.outcome(4) is Outcome.SUBMIT_FAILED
+    finally:
+        p.shutdown()
+        c.shutdown()
+
+
+def test_killed_connection_fails_both_sides_with_peer_dead(h: Any, clock: Any) -> None:
+    faults = FaultInjector(seed=4)
+    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    try:
+        pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+        p.tier.on_new_request(pctx)
+        c.load(1, h.keys("r", 2), [0, 1], cctx)
+        p.store(2, h.keys("r", 1), [4], pctx)
+        h.pump([p, c], 4)
+        faults.arm(Fault.KILL, peer=p.address, count=1)
+        c.load(3, h.keys("r", 1, 5), [7], cctx)  # the send kills the connection
+        h.pump_until([p, c], lambda: {1, 3} <= set(c.results) and 2 in p.results)
+        assert c.outcome(1) is Outcome.PEER_DEAD and c.outcome(3) is Outcome.PEER_DEAD
+        assert p.outcome(2) is Outcome.DONE  # its block had been delivered before
+        assert c.tier.lookup(b"x", cctx) is LookupResult.MISS
+        p.store(4, h.keys("r", 1, 1), [5], pctx)  # the binding died with the session: parks
+        h.pump([p, c], 2)
+        assert 4 not in p.results
+    finally:
+        p.shutdown()
+        c.shutdown()
+    assert p.outcome(4) is Outcome.SHUTDOWN
+
+
+def test_incompatible_peers_are_rejected_with_a_reason_on_both_sides(h: Any, nodes: Any) -> None:
+    p = nodes(hash_seed="1")
+    c = nodes(hash_seed="2")
+    cctx = c.consumer_ctx("r", p)
+    c.load(1, [b"a"], [0], cctx)
+    h.pump_until([p, c], lambda: 1 in c.results)
+    assert c.outcome(1) is Outcome.PEER_REJECTED
+    assert "seed" in c.results[1].detail
+    assert p.tier.stats()["handshake_rejections"] == 1
+    assert c.tier.stats()["handshake_rejections"] == 1
+
+
+def test_handshake_timeout(h: Any, clock: Any) -> None:
+    faults = FaultInjector(seed=5)
+    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    try:
+        faults.arm(Fault.DROP, peer=p.address)
+        cctx = c.consumer_ctx("r", p)
+        c.load(1, [b"a"], [0], cctx)
+        h.pump([p, c], 3)
+        assert c.tier.has_pending_work()
+        h.advance(clock, [p, c], 10.5)
+        assert c.outcome(1) is Outcome.PEER_DEAD and "handshake" in c.results[1].detail
+    finally:
+        p.shutdown()
+        c.shutdown()
+
+
+# -- pending work, drain, shutdown -------------------------------------------------------------
+
+
+def test_has_pending_work_only_while_work_exists(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    assert not p.tier.has_pending_work() and not c.tier.has_pending_work()
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    c.tier.on_new_request(cctx)
+    assert c.tier.has_pending_work()  # handshake in progress
+    h.pump([p, c], 3)
+    assert not c.tier.has_pending_work() and not p.tier.has_pending_work()
+    c.load(1, [b"a"], [0], cctx)
+    assert c.tier.has_pending_work()
+    p.store(2, [b"a"], [0], pctx)
+    assert p.tier.has_pending_work()
+    h.pump_until([p, c], lambda: 1 in c.results and 2 in p.results)
+    assert not c.tier.has_pending_work() and not p.tier.has_pending_work()
+
+
+def test_drain_jobs_waits_for_results_and_is_bounded(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    c.load(1, [b"a"], [0], cctx)
+    p.store(2, [b"a"], [0], pctx)
+    for _ in range(3):
+        p.tier.tick()
+    c.tier.drain_jobs(timeout=5)  # drives its own ticks; the producer must tick too
+    p.tier.drain_jobs(timeout=5)
+    c.tier.drain_jobs(timeout=5)
+    c.collect()
+    p.collect()
+    assert c.outcome(1) is Outcome.DONE and p.outcome(2) is Outcome.DONE
+    c.load(3, [b"zz"], [1], cctx)  # never served: drain returns at its deadline, no abort
+    c.tier.drain_jobs(timeout=0.05)
+    c.collect()
+    assert 3 not in c.results
+
+
+def test_shutdown_answers_every_job_exactly_once(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes, data_options={"completion_polls": 50})
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.tier.on_new_request(pctx)
+    c.load(1, h.keys("r", 2), [0, 1], cctx)
+    p.store(2, h.keys("r", 2), [4, 5], pctx)  # in flight for 50 polls
+    p.store(3, [b"parked"], [6], p.producer_ctx("other"))
+    c.load(4, [b"never"], [9], c.consumer_ctx("q", p))
+    h.pump([p, c], 4)
+    p.shutdown()
+    assert p.outcome(2) is Outcome.SHUTDOWN and p.outcome(3) is Outcome.SHUTDOWN
+    assert p.tier.shutdown() == []  # idempotent
+    h.pump_until([c], lambda: {1, 4} <= set(c.results))
+    assert c.outcome(1) is Outcome.PEER_DEAD and c.outcome(4) is Outcome.PEER_DEAD
+    c.shutdown()
+    c.load(5, [b"late"], [0], cctx)
+    c.record(c.tier.get_finished_jobs())
+    assert c.outcome(5) is Outcome.SHUTDOWN
+
+
+def test_shutdown_waits_for_the_data_plane_before_closing(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes, data_options={"completion_polls": 3, "wait_cancel_refuses": True})
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    c.load(1, [b"a"], [0], cctx)
+    h.pump([p, c], 3)
+    p.store(2, [b"a"], [4], pctx)  # submitted; cannot be cancelled, completes after 3 polls
+    p.tier.tick()
+    assert p.tier.stats()["in_flight_transfers"] == 1
+    p.shutdown()
+    assert p.outcome(2) is Outcome.SHUTDOWN
+    assert (c.blocks[0] == p.blocks[4]).all()  # it was allowed to finish, not torn down
+
+
+def test_stats_and_local_address(h: Any, nodes: Any) -> None:
+    p, c = pd_pair(nodes)
+    assert p.tier.local_address == p.address and p.address.startswith("127.0.0.1:")
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.store(1, h.keys("r", 4), [0, 1, 2, 3], pctx)
+    c.load(2, h.keys("r", 4), [0, 1, 2, 3], cctx)
+    h.pump_until([p, c], lambda: 1 in p.results and 2 in c.results)
+    s = p.tier.stats()
+    assert s["jobs_done"] == 1 and s["blocks_sent"] == 4 and s["bytes_sent"] == 4 * 16
+    assert s["sessions"] == 1 and s["sessions_ready"] == 1 and s["jobs_pending"] == 0
+
+
+# -- construction and observers ----------------------------------------------------------------
+
+
+def test_tier_builds_its_transports_from_the_config(h: Any) -> None:
+    region = bytearray(8 * 16)
+    tier = P2PTier(h.config(), memoryview(region), 16, registry=h.REGISTRY)
+    try:
+        assert tier.local_address.startswith("127.0.0.1:")
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("size, block_len, match", [
+    (100, 16, "multiple"), (0, 16, "multiple"), (64, 0, "block_len"),
+])
+def test_bad_region_shapes_are_config_errors(h: Any, size: int, block_len: int,
+                                             match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        P2PTier(h.config(), memoryview(bytearray(size)), block_len, registry=h.REGISTRY)
+
+
+def test_unknown_transport_names_fail_at_construction(h: Any) -> None:
+    cfg = TierConfig.from_dict({"control": "memory", "data": "nope", "port": 0})
+    with pytest.raises(ConfigError, match="unknown data transport 'nope'"):
+        P2PTier(cfg, memoryview(bytearray(64)), 16, registry=h.REGISTRY)
+
+
+def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, clock: Any) -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    class Plugin:
+        P2PKV_PLUGIN_API = 1
+
+        @hookimpl
+        def p2pkv_session_opened(self, peer: str, local: str) -> None:
+            seen.append(("session_opened", {"peer": peer}))
+
+        @hookimpl
+        def p2pkv_session_closed(self, peer: str, reason: str) -> None:
+            seen.append(("session_closed", {"reason": reason}))
+
+        @hookimpl
+        def p2pkv_transfer_submitted(self, peer: str, transfer_id: int, blocks: int) -> None:
+            seen.append(("transfer_submitted", {"blocks": blocks}))
+
+        @hookimpl
+        def p2pkv_transfer_finished(self, transfer_id: int, success: bool) -> None:
+            seen.append(("transfer_finished", {"success": success}))
+
+        @hookimpl
+        def p2pkv_job_finished(self, job_id: int, outcome: str) -> None:
+            seen.append(("job_finished", {"job_id": job_id, "outcome": outcome}))
+
+        @hookimpl
+        def p2pkv_timeout(self, kind: str) -> None:
+            seen.append(("timeout", {"kind": kind}))
+
+        @hookimpl
+        def p2pkv_tier_state(self, sessions: int) -> None:
+            seen.append(("tier_state", {"sessions": sessions}))
+
+    names = ("session_opened", "session_closed", "transfer_submitted", "transfer_finished",
+             "job_finished", "timeout", "tier_state")
+    plugin = Plugin()
+    import p2pkv_memory.plugin as memory_plugin
+
+    reg = Registry.from_plugins([("memory", memory_plugin), ("obs", plugin)])
+    assert reg.observers.enabled
+    tiers = [P2PTier(h.config(), memoryview(bytearray(8 * 16)), 16, registry=reg, clock=clock)
+             for _ in range(2)]
+    p, c = tiers
+    try:
+        host, port = p.local_address.rsplit(":", 1)
+        cctx = RequestContext("c", {"remote_prefiller": {
+            "kv_request_id": "r", "remote_host": host, "remote_port": int(port)}})
+        pctx = RequestContext("p", {"remote_decoder": {"kv_request_id": "r"}})
+        p.submit_store(Job(1, [b"a"], [0], False, pctx))
+        c.submit_load(Job(2, [b"a"], [0], True, cctx))
+        c.submit_load(Job(3, [b"b"], [1], True, cctx))
+        for _ in range(6):
+            p.get_finished_jobs()
+            c.get_finished_jobs()
+        clock.advance(31)
+        for _ in range(4):
+            p.get_finished_jobs()
+            c.get_finished_jobs()
+        c.on_schedule_end()
+    finally:
+        p.shutdown()
+        c.shutdown()
+    kinds = {name for name, _ in seen}
+    assert set(names) <= kinds
+    jobs = [kw for name, kw in seen if name == "job_finished"]
+    assert sorted((kw["job_id"], kw["outcome"]) for kw in jobs) == [
+        (1, "done"), (2, "done"), (3, "load_timeout")]
+    assert any(kw["kind"] == "load" for name, kw in seen if name == "timeout")

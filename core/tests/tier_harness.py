@@ -1,0 +1,171 @@
+"""Test harness for P2PTier tests: tiers over the memory transports, a fake clock, helpers.
+
+Loaded by the ``tier_harness`` fixture (core/tests/conftest.py); tests run with
+``--import-mode=importlib`` and cannot import each other.
+
+``Node`` is one tier with its own region (numpy view ``blocks``) over a memory control and a
+memory data transport, optionally wrapped by a :class:`FaultInjector`. ``Node.collect``
+gathers results and fails the test on a duplicate or unknown job id (exactly-once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import p2pkv_memory.plugin as memory_plugin
+from p2pkv_memory.control import MemoryControlTransport
+from p2pkv_memory.data import MemoryDataTransport
+from p2pkv_memory.faults import FaultInjector
+
+from p2pkv.addressing import parse_address
+from p2pkv.config import TierConfig
+from p2pkv.contracts import ControlSettings, DataSettings
+from p2pkv.registry import Registry
+from p2pkv.tier import P2PTier
+from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
+
+REGISTRY = Registry.from_plugins([("memory", memory_plugin)])
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def config(**overrides: Any) -> TierConfig:
+    d: dict[str, Any] = {"control": "memory", "data": "memory", "host": "127.0.0.1", "port": 0}
+    d.update(overrides)
+    return TierConfig.from_dict(d)
+
+
+class Node:
+    """One tier, its region and the results it reported."""
+
+    def __init__(self, clock: FakeClock, *, faults: FaultInjector | None = None,
+                 num_blocks: int = 64, block_len: int = 16,
+                 data_options: Mapping[str, Any] | None = None, seed: int = 0,
+                 **config_overrides: Any) -> None:
+        self.clock = clock
+        self.region = bytearray(num_blocks * block_len)
+        self.blocks = np.frombuffer(self.region, dtype=np.uint8).reshape(num_blocks, block_len)
+        self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
+        cfg = config(**config_overrides)
+        ctl: Any = MemoryControlTransport.create(
+            ControlSettings("127.0.0.1", 0, max_frame_bytes=cfg.limits.max_frame_bytes)
+        )
+        data: Any = MemoryDataTransport.create(
+            DataSettings(memoryview(self.region), block_len, dict(data_options or {}))
+        )
+        if faults is not None:
+            ctl = faults.control(ctl)
+            data = faults.data(data, local=ctl.local_address)
+        self.control, self.data = ctl, data
+        self.tier = P2PTier(cfg, memoryview(self.region), block_len, registry=REGISTRY,
+                            clock=clock, control=ctl, data=data)
+        self.address = self.tier.local_address
+        self.host, self.port = parse_address(self.address)
+        self.results: dict[int, JobResult] = {}
+        self.submitted: set[int] = set()
+        self.closed = False
+
+    # -- requests ---------------------------------------------------------------------------
+
+    @staticmethod
+    def producer_ctx(kv: str) -> RequestContext:
+        return RequestContext(f"prod-{kv}", {"remote_decoder": {"kv_request_id": kv}})
+
+    def consumer_ctx(self, kv: str, source: Node, *, probe: bool = False) -> RequestContext:
+        key = "remote_kv_source" if probe else "remote_prefiller"
+        return RequestContext(f"cons-{kv}", {key: {
+            "kv_request_id": kv, "remote_host": source.host, "remote_port": source.port,
+        }})
+
+    def store(self, job_id: int, keys: list[bytes], slots: list[int],
+              ctx: RequestContext) -> None:
+        self.submitted.add(job_id)
+        self.tier.submit_store(Job(job_id, keys, slots, False, ctx))
+
+    def load(self, job_id: int, keys: list[bytes], slots: list[int],
+             ctx: RequestContext) -> None:
+        self.submitted.add(job_id)
+        self.tier.submit_load(Job(job_id, keys, slots, True, ctx))
+
+    # -- results ----------------------------------------------------------------------------
+
+    def collect(self) -> list[JobResult]:
+        got = self.tier.get_finished_jobs()
+        self.record(got)
+        return got
+
+    def record(self, got: Iterable[JobResult]) -> None:
+        for r in got:
+            assert r.job_id not in self.results, f"job {r.job_id} reported twice: {r}"
+            assert r.job_id in self.submitted, f"result for unknown job {r.job_id}: {r}"
+            self.results[r.job_id] = r
+
+    def outcome(self, job_id: int) -> Outcome | None:
+        r = self.results.get(job_id)
+        return None if r is None else r.outcome
+
+    def shutdown(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.record(self.tier.shutdown())
+
+
+def pump(nodes: Iterable[Node], rounds: int = 6) -> None:
+    """Tick every node ``rounds`` times, collecting results."""
+    nodes = list(nodes)
+    for _ in range(rounds):
+        for n in nodes:
+            n.collect()
+
+
+def pump_until(nodes: Iterable[Node], cond: Any, rounds: int = 50) -> None:
+    """Tick until ``cond()`` holds; fails the test after ``rounds`` passes."""
+    nodes = list(nodes)
+    for _ in range(rounds):
+        if cond():
+            return
+        for n in nodes:
+            n.collect()
+    assert cond(), "condition not reached within the pump budget"
+
+
+def advance(clock: FakeClock, nodes: Iterable[Node], seconds: float, rounds: int = 4) -> None:
+    clock.advance(seconds)
+    pump(nodes, rounds)
+
+
+def keys(kv: str, n: int, start: int = 0) -> list[bytes]:
+    return [f"{kv}/{i}".encode() for i in range(start, start + n)]
+
+
+def probe_until(node: Node, key: bytes, ctx: RequestContext, others: Iterable[Node],
+                rounds: int = 10) -> LookupResult:
+    """Symmetric lookup: call, flush at schedule end, pump, until not RETRY."""
+    others = list(others)
+    for _ in range(rounds):
+        res = node.tier.lookup(key, ctx)
+        if res is not LookupResult.RETRY:
+            return res
+        node.tier.on_schedule_end()
+        pump([node, *others], 2)
+    return node.tier.lookup(key, ctx)
+
+
+def assert_clean(*nodes: Node) -> None:
+    """No per-request state left (tombstones/timers of finished producers excepted)."""
+    for n in nodes:
+        sizes = n.tier._state_sizes()
+        left = {k: v for k, v in sizes.items() if v and k not in ("tombstones", "timers")}
+        assert not left, f"{n.address}: state left behind: {left}"
+        assert sizes["timers"] == sizes["tombstones"], sizes
