@@ -7,14 +7,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from p2pkv_memory.faults import Fault, FaultInjector
-
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import hookimpl
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
+from p2pkv_memory.faults import Fault, FaultInjector
 
 
 @pytest.fixture

@@ -15,16 +15,15 @@ from typing import Any
 
 import numpy as np
 import p2pkv_memory.plugin as memory_plugin
-from p2pkv_memory.control import MemoryControlTransport
-from p2pkv_memory.data import MemoryDataTransport
-from p2pkv_memory.faults import FaultInjector
-
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
+from p2pkv_memory.control import MemoryControlTransport
+from p2pkv_memory.data import MemoryDataTransport
+from p2pkv_memory.faults import FaultInjector
 
 REGISTRY = Registry.from_plugins([("memory", memory_plugin)])
 
