@@ -408,7 +408,7 @@ def decode(frame: bytes, limits: Limits) -> Message | Unknown:
             strict_map_key=True,
             max_str_len=cap,
             max_bin_len=cap,
-            max_array_len=limits.max_keys_per_message,
+            max_array_len=cap,  # bounded by the frame size; fields check their own caps
             max_map_len=64,
             max_ext_len=0,
         )

@@ -1,0 +1,234 @@
+"""The wire codec: round trips, every validation error, caps, compatibility rules."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from p2pkv.config import Limits
+from p2pkv.errors import ProtocolError
+from p2pkv.protocol import (
+    WIRE_MAJOR,
+    WIRE_MINOR,
+    Abort,
+    AbortAck,
+    Bye,
+    Fetch,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    TransferDone,
+    Unknown,
+    decode,
+    encode,
+    message_type,
+)
+
+LIMITS = Limits()
+SMALL = Limits(max_frame_bytes=4096, max_keys_per_message=4, max_key_bytes=8,
+               max_request_id_chars=5, max_descriptor_bytes=16)
+
+u64 = st.integers(0, 2**64 - 1)
+rid = st.text(min_size=1, max_size=20)
+key = st.binary(min_size=1, max_size=40)
+text = st.text(max_size=30)
+
+
+@st.composite
+def fetches(draw: Any) -> Fetch:
+    ks = draw(st.lists(key, max_size=10, unique=True))
+    slots = draw(st.lists(st.integers(0, 2**31), min_size=len(ks), max_size=len(ks)))
+    return Fetch(draw(rid), draw(u64), ks, slots)
+
+
+@st.composite
+def lookup_resps(draw: Any) -> LookupResp:
+    return LookupResp(draw(u64), draw(st.lists(st.booleans(), max_size=10)))
+
+
+messages: st.SearchStrategy[Message] = st.one_of(
+    st.builds(Hello, wire=st.tuples(st.integers(0, 9), st.integers(0, 9)), epoch=u64,
+              address=st.text(min_size=1, max_size=30), descriptor=st.binary(max_size=64),
+              num_blocks=st.integers(1, 2**40), block_len=st.integers(1, 2**30),
+              fingerprint=text, hash_seed=text),
+    st.builds(HelloAck, epoch=u64),
+    fetches(),
+    st.builds(Lookup, seq=u64, kv_request_id=rid, keys=st.lists(key, min_size=1, max_size=10)),
+    lookup_resps(),
+    st.builds(TransferDone, kv_request_id=rid, round=u64, success=st.booleans(), reason=text),
+    st.builds(Abort, kv_request_id=rid, round=u64),
+    st.builds(AbortAck, kv_request_id=rid, round=u64),
+    st.builds(Bye, reason=text),
+)
+
+
+@given(messages)
+def test_every_message_round_trips(msg: Message) -> None:
+    assert decode(encode(msg), LIMITS) == msg
+
+
+@given(st.binary(max_size=200))
+def test_hostile_bytes_raise_only_protocol_errors(frame: bytes) -> None:
+    try:
+        decode(frame, LIMITS)
+    except ProtocolError:
+        pass
+
+
+@given(st.dictionaries(st.sampled_from(["type", "kv_request_id", "round", "keys", "slots",
+                                         "epoch", "seq", "hits", "success", "reason", "wire"]),
+                       st.one_of(st.none(), st.integers(-3, 3), st.text(max_size=3),
+                                 st.binary(max_size=3), st.booleans(),
+                                 st.lists(st.integers(0, 3), max_size=3)),
+                       max_size=8))
+def test_hostile_maps_raise_only_protocol_errors(d: dict[str, Any]) -> None:
+    try:
+        decode(msgpack.packb(d), LIMITS)
+    except ProtocolError:
+        pass
+
+
+def test_keys_stay_bytes_and_slots_stay_ints() -> None:
+    msg = decode(encode(Fetch("r", 0, [b"\x00\xffk"], [7])), LIMITS)
+    assert isinstance(msg, Fetch)
+    assert type(msg.keys[0]) is bytes and type(msg.slots[0]) is int
+
+
+def test_message_type_names() -> None:
+    assert message_type(Fetch("r", 0, [], [])) == "fetch"
+    assert message_type(AbortAck("r", 1)) == "abort_ack"
+    assert message_type(Unknown("future")) == "future"
+
+
+def _frame(kind: str, **fields: Any) -> bytes:
+    return msgpack.packb({"type": kind, **fields}, use_bin_type=True)
+
+
+def _valid(kind: str) -> dict[str, Any]:
+    return {
+        "hello": {"wire": [WIRE_MAJOR, WIRE_MINOR], "epoch": 1, "address": "h:1",
+                  "descriptor": b"d", "num_blocks": 4, "block_len": 8, "fingerprint": "",
+                  "hash_seed": ""},
+        "hello_ack": {"epoch": 1},
+        "fetch": {"kv_request_id": "r", "round": 0, "keys": [b"k"], "slots": [0]},
+        "lookup": {"seq": 0, "kv_request_id": "r", "keys": [b"k"]},
+        "lookup_resp": {"seq": 0, "hits": [True]},
+        "transfer_done": {"kv_request_id": "r", "round": 0, "success": True, "reason": ""},
+        "abort": {"kv_request_id": "r", "round": 0},
+        "abort_ack": {"kv_request_id": "r", "round": 0},
+        "bye": {"reason": "x"},
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["hello", "hello_ack", "fetch", "lookup", "lookup_resp",
+                                  "transfer_done", "abort", "abort_ack", "bye"])
+def test_valid_templates_decode_and_unknown_fields_are_ignored(kind: str) -> None:
+    decoded = decode(_frame(kind, **_valid(kind), future_field=[1, 2]), LIMITS)
+    assert message_type(decoded) == kind
+
+
+# (message, field, bad value or "<missing>", expected message fragment)
+BAD: list[tuple[str, str, Any, str]] = [
+    ("hello", "wire", "<missing>", "hello.wire: missing"),
+    ("hello", "wire", [1], "hello.wire: expected [major, minor]"),
+    ("hello", "wire", [1, -1], "hello.wire: expected [major, minor]"),
+    ("hello", "wire", [1, 2, 3], "hello.wire: 3 entries exceeds"),
+    ("hello", "epoch", -1, "hello.epoch: -1 is outside"),
+    ("hello", "epoch", True, "hello.epoch: expected an integer, got bool"),
+    ("hello", "address", "", "hello.address: must not be empty"),
+    ("hello", "address", 5, "hello.address: expected a string"),
+    ("hello", "descriptor", "text", "hello.descriptor: expected bytes, got str"),
+    ("hello", "num_blocks", 0, "hello.num_blocks: 0 is outside 1.."),
+    ("hello", "block_len", 0, "hello.block_len: 0 is outside 1.."),
+    ("hello", "block_len", 1.5, "hello.block_len: expected an integer, got float"),
+    ("hello", "fingerprint", 7, "hello.fingerprint: expected a string"),
+    ("hello", "hash_seed", b"x", "hello.hash_seed: expected a string, got bytes"),
+    ("hello_ack", "epoch", "1", "hello_ack.epoch: expected an integer"),
+    ("fetch", "kv_request_id", "", "fetch.kv_request_id: must not be empty"),
+    ("fetch", "kv_request_id", b"r", "fetch.kv_request_id: expected a string, got bytes"),
+    ("fetch", "kv_request_id", "<missing>", "fetch.kv_request_id: missing"),
+    ("fetch", "round", -1, "fetch.round: -1 is outside"),
+    ("fetch", "keys", "k", "fetch.keys: expected a list"),
+    ("fetch", "keys", ["k"], "fetch.keys[0]: expected bytes, got str"),
+    ("fetch", "keys", [b""], "fetch.keys[0]: key of 0 bytes"),
+    ("fetch", "slots", [0, 1], "fetch.slots: 2 slots for 1 keys"),
+    ("fetch", "slots", [-1], "fetch.slots[0]: expected a non-negative integer"),
+    ("fetch", "slots", [True], "fetch.slots[0]: expected a non-negative integer"),
+    ("lookup", "seq", None, "lookup.seq: expected an integer, got NoneType"),
+    ("lookup", "keys", [], "lookup.keys: must not be empty"),
+    ("lookup_resp", "hits", [1], "lookup_resp.hits[0]: expected a boolean, got int"),
+    ("lookup_resp", "hits", "yes", "lookup_resp.hits: expected a list"),
+    ("transfer_done", "success", 1, "transfer_done.success: expected a boolean, got int"),
+    ("transfer_done", "reason", 3, "transfer_done.reason: expected a string"),
+    ("transfer_done", "reason", "x" * 1025, "transfer_done.reason: 1025 characters exceeds"),
+    ("abort", "round", "0", "abort.round: expected an integer"),
+    ("abort_ack", "kv_request_id", 0, "abort_ack.kv_request_id: expected a string"),
+    ("bye", "reason", "<missing>", "bye.reason: missing"),
+]
+
+
+@pytest.mark.parametrize("kind, field, value, expected", BAD,
+                         ids=[f"{k}.{f}={v!r:.20}" for k, f, v, _ in BAD])
+def test_every_validation_error_names_the_field(kind: str, field: str, value: Any,
+                                                expected: str) -> None:
+    body = _valid(kind)
+    if value == "<missing>":
+        del body[field]
+    else:
+        body[field] = value
+    with pytest.raises(ProtocolError) as info:
+        decode(_frame(kind, **body), LIMITS)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("kind, field, value, expected", [
+    ("fetch", "keys", [b"a", b"b", b"c", b"d", b"e"], "fetch.keys: 5 entries exceeds the cap of 4"),
+    ("fetch", "keys", [b"123456789"], "fetch.keys[0]: key of 9 bytes is outside 1..8"),
+    ("fetch", "kv_request_id", "abcdef", "fetch.kv_request_id: 6 characters exceeds"),
+    ("hello", "descriptor", b"x" * 17, "hello.descriptor: 17 bytes exceeds the cap of 16"),
+    ("lookup_resp", "hits", [True] * 5, "lookup_resp.hits: 5 entries exceeds"),
+])
+def test_caps_from_limits(kind: str, field: str, value: Any, expected: str) -> None:
+    body = _valid(kind)
+    body[field] = value
+    if field == "keys" and kind == "fetch":
+        body["slots"] = list(range(len(value)))
+    with pytest.raises(ProtocolError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        decode(_frame(kind, **body), SMALL)
+
+
+def test_frame_level_errors() -> None:
+    with pytest.raises(ProtocolError, match="frame: 5000 bytes exceeds max_frame_bytes=4096"):
+        decode(b"\x00" * 5000, SMALL)
+    with pytest.raises(ProtocolError, match="frame: not a valid msgpack message"):
+        decode(b"\xc1", LIMITS)
+    with pytest.raises(ProtocolError, match="frame: expected a map, got list"):
+        decode(msgpack.packb([1, 2]), LIMITS)
+    with pytest.raises(ProtocolError, match=r"frame\.type: expected a string, got NoneType"):
+        decode(msgpack.packb({"round": 1}), LIMITS)
+    with pytest.raises(ProtocolError, match="not a valid msgpack"):
+        decode(msgpack.packb({1: 2}), LIMITS)  # map keys must be strings
+    with pytest.raises(ProtocolError, match="not a valid msgpack"):
+        decode(msgpack.packb(msgpack.ExtType(1, b"x")), LIMITS)  # no ext types
+
+
+def test_unknown_types_decode_to_unknown() -> None:
+    assert decode(_frame("gossip", x=1), LIMITS) == Unknown("gossip")
+
+
+def test_never_unpickles() -> None:
+    import pickle
+
+    with pytest.raises(ProtocolError):
+        decode(pickle.dumps({"type": "bye", "reason": "x"}), LIMITS)
+
+
+def test_encode_refuses_non_messages() -> None:
+    with pytest.raises(TypeError, match="not a protocol message"):
+        encode(replace)  # type: ignore[arg-type]
