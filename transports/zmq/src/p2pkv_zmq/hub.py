@@ -13,13 +13,16 @@ Link protocol, below the opaque frames of the contract:
 - ROUTER -> DEALER. Any message means "the connection you dialed with this DEALER is gone";
   it is how a ``close`` reaches the peer, since a ROUTER cannot drop one peer's TCP
   connection.
-- Accepting: frames from a DEALER that opened fresh are buffered until the first payload
-  frame, then a connection is created (dialing back, answering that DEALER) and returned by
-  ``poll``. An open answering one of our live DEALERs completes that connection; a fresh open
-  from an address we already hold a completed connection with means the peer restarted or
-  re-dialed: the old connection is retired. Payload from a DEALER that never opened to us
-  (one that reconnected by itself to a restarted us) is dropped and answered with "gone", so
-  stale frames never enter a new session.
+- Accepting: a DEALER that opened fresh is remembered until its first payload frame, then a
+  connection is created (dialing back, answering that DEALER) and returned by ``poll`` with
+  the frame buffered. An open answering one of our DEALERs completes that connection (or gets
+  "gone" if we retired it). A fresh open while our own dial to that address is still
+  unanswered completes our connection instead (both dialed at once: one connection). An older
+  connection to the same address is left alone: if the peer restarted or re-dialed, it dies
+  by itself (disconnect or "gone"); frames arrive over TCP streams that are not ordered with
+  each other, so arrival order cannot tell old from new.
+- Payload from a DEALER that never opened to us (one that reconnected by itself to a
+  restarted us) is dropped and answered with "gone", so stale frames never enter a session.
 
 Memories of retired ids, pending opens and logged refusals are bounded (oldest forgotten).
 """
@@ -287,10 +290,7 @@ class ZmqHub(ZmqControlTransport):
         self._by_rid[rid] = conn
 
     def _accept(self, rid: bytes, address: str) -> ZmqConnection:
-        old = self._by_address.get(address)
-        if old is not None:
-            self.retire(old, "replaced by a new connection from the peer")
-        conn = self._dial(address, address, rid)
+        conn = self._dial(address, address, rid)  # the newest one is what connect returns
         self._complete(conn, rid)
         self._new.append(conn)
         self.counters["accepted"] += 1
@@ -301,9 +301,13 @@ class ZmqHub(ZmqControlTransport):
         if conn.reason is not None:
             return
         conn.reason = reason
+        del self._by_incarnation[conn.incarnation]
         if self._by_address.get(conn.key) is conn:
             del self._by_address[conn.key]
-        del self._by_incarnation[conn.incarnation]
+            for other in reversed(self._by_incarnation.values()):  # an older one still alive
+                if other.key == conn.key:
+                    self._by_address[conn.key] = other
+                    break
         self._connecting.discard(conn)
         _remember(self._retired, conn.incarnation)
         rid = conn.remote_rid
@@ -323,7 +327,7 @@ class ZmqHub(ZmqControlTransport):
         log.debug("connection to %s ended: %s", conn.key, reason)
 
     def _take_pending(self, address: str) -> bytes | None:
-        for rid, pending_address in self._pending.items():
+        for rid, pending_address in reversed(self._pending.items()):  # the newest
             if pending_address == address:
                 del self._pending[rid]
                 return rid
@@ -397,10 +401,9 @@ class ZmqHub(ZmqControlTransport):
         if conn is not None and conn.remote_rid is None:
             self._complete(conn, rid)  # we dialed each other at once: one connection
             return
-        if conn is not None:
-            self.retire(conn, "the peer dialed again (restarted or re-connected)")
-        for stale in [r for r, a in self._pending.items() if a == address]:
-            del self._pending[stale]
+        # A completed connection to that address stays: if the peer restarted or re-dialed,
+        # it dies on its own (disconnect or "gone"); if this open is a late one from a
+        # connection the peer already closed, our answer to it gets "gone" instead.
         self._pending[rid] = address
         while len(self._pending) > _MEMORY:
             self._pending.popitem(last=False)
@@ -432,6 +435,8 @@ class ZmqHub(ZmqControlTransport):
                 self._connecting.discard(conn)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.retire(conn, "disconnected (peer closed, crashed or silent)")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # interrupted, not refused
+                self.retire(conn, "disconnected during the handshake")
             elif kind & _HANDSHAKE_FAILED:
                 reason = _handshake_failure(kind, event["value"])
                 self._log_once(("dial", conn.key, kind), "connection to %s refused: %s",
@@ -445,9 +450,12 @@ class ZmqHub(ZmqControlTransport):
                 event = parse_monitor_message(self._router_monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
-            self.counters["refused_handshakes"] += 1
             endpoint = event["endpoint"].decode("ascii", "replace")
             host = endpoint.removeprefix("tcp://").rpartition(":")[0] or endpoint
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                log.debug("a connection from %s ended during its handshake", host)
+                continue
+            self.counters["refused_handshakes"] += 1
             reason = _handshake_failure(event["event"], event["value"])
             self._log_once(("listen", host, event["event"]),
                            "refused a connection from %s: %s", host, reason)
@@ -488,7 +496,5 @@ def _remember(memory: OrderedDict[Any, None], key: Hashable) -> None:
 def _handshake_failure(kind: int, value: int) -> str:
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"authentication refused (ZAP status {value}): our client key is not allowed there"
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return (f"security handshake failed (ZMTP protocol error {value:#x}); both sides must use "
-                "the same security mode (CURVE or none) and server key")
-    return "security handshake failed; both sides must use the same security mode and server key"
+    return (f"security handshake failed (ZMTP protocol error {value:#x}); both sides must use "
+            "the same security mode (CURVE or none) and server key")

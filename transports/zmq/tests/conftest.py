@@ -1,0 +1,45 @@
+"""Fixtures of the zmq transport tests: transports on loopback that are always closed.
+
+``zmq_peers`` (the programs child processes run) is importable by name in spawned children:
+this directory goes on ``sys.path``, which ``multiprocessing`` hands to its children.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from p2pkv.contracts import ControlSettings
+from p2pkv_zmq import ZmqControlTransport
+
+_HERE = str(Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
+"""Short heartbeats so death and silence show within about a second."""
+
+MakeTransport = Callable[..., Any]
+
+
+@pytest.fixture
+def make_transport() -> Iterator[MakeTransport]:
+    """``make_transport(host="127.0.0.1", port=0, max_frame_bytes=..., **options)``."""
+    made: list[Any] = []
+
+    def make(host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = 1 << 20,
+             dp_rank: int = 0, options: Mapping[str, Any] | None = None, **kw: Any) -> Any:
+        opts = {**FAST, **(options or {}), **kw}
+        t = ZmqControlTransport.create(
+            ControlSettings(host, port, max_frame_bytes=max_frame_bytes, options=opts,
+                            dp_rank=dp_rank)
+        )
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
