@@ -34,7 +34,7 @@ __all__ = ["ClientRole", "outcome_from_reason"]
 log = logging.getLogger(__name__)
 
 # Round phases.
-_UNSENT, _ACTIVE, _ABORTING, _SETTLING = 0, 1, 2, 3
+_UNSENT, _ACTIVE, _ABORTING, _SETTLING, _DONE = 0, 1, 2, 3, 4
 # Probe states.
 _PENDING, _INFLIGHT, _MISS, _HIT = 0, 1, 2, 3
 
@@ -337,6 +337,7 @@ class ClientRole:
         env.deadlines.cancel(rnd.timer)
         rnd.timer = None
         rnd.keys = ()
+        rnd.phase = _DONE
         self._forget_xid(rnd)
         req = rnd.req
         del req.rounds[rnd.no]
