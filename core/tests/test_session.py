@@ -171,8 +171,8 @@ class Rig:
         self.ledger = JobLedger(self.clock, Observers())
         self.timeouts = Timeouts()
         self.dir = Directory(self.ledger, self.deadlines, self.clock, self.timeouts, Observers())
-        ident = dict(address="me:1", epoch=7, descriptor=b"ours", num_blocks=64, block_len=16,
-                     fingerprint="", hash_seed="")
+        ident = {"address": "me:1", "epoch": 7, "descriptor": b"ours", "num_blocks": 64, "block_len": 16,
+                     "fingerprint": "", "hash_seed": ""}
         ident.update(local)
         self.env = SessionEnv(
             data=self.data, ledger=self.ledger, deadlines=self.deadlines, clock=self.clock,
@@ -197,9 +197,9 @@ class Rig:
         return out  # type: ignore[return-value]
 
     def hello(self, **over: Any) -> Hello:
-        fields: dict[str, Any] = dict(wire=(WIRE_MAJOR, WIRE_MINOR), epoch=99, address=PEER,
-                                      descriptor=b"theirs", num_blocks=32, block_len=16,
-                                      fingerprint="", hash_seed="")
+        fields: dict[str, Any] = {"wire": (WIRE_MAJOR, WIRE_MINOR), "epoch": 99, "address": PEER,
+                                      "descriptor": b"theirs", "num_blocks": 32, "block_len": 16,
+                                      "fingerprint": "", "hash_seed": ""}
         fields.update(over)
         return Hello(**fields)
 
