@@ -171,8 +171,8 @@ class Rig:
         self.ledger = JobLedger(self.clock, Observers())
         self.timeouts = Timeouts()
         self.dir = Directory(self.ledger, self.deadlines, self.clock, self.timeouts, Observers())
-        ident = {"address": "me:1", "epoch": 7, "descriptor": b"ours", "num_blocks": 64, "block_len": 16,
-                     "fingerprint": "", "hash_seed": ""}
+        ident = {"address": "me:1", "epoch": 7, "descriptor": b"ours", "num_blocks": 64,
+                 "block_len": 16, "fingerprint": "", "hash_seed": ""}
         ident.update(local)
         self.env = SessionEnv(
             data=self.data, ledger=self.ledger, deadlines=self.deadlines, clock=self.clock,
