@@ -255,6 +255,9 @@ class ZmqHub(ZmqControlTransport):
         try:
             self._tune(dealer, ipv6=is_ipv6_literal(host))
             dealer.routing_id = routing_id(self._local_address, incarnation)
+            # A peer that stalls the handshake (frozen right after accepting the TCP
+            # connection) is as silent as one that stops answering PINGs.
+            dealer.handshake_ivl = _ms(self._options.heartbeat_timeout)
             dealer.sndhwm = self.max_queued_frames + 1  # + the open message
             dealer.rcvhwm = 4
             dealer.maxmsgsize = _NOTICE_MAX_BYTES

@@ -11,7 +11,8 @@ option                   type       default     meaning
                                                 Logged as a warning at every start.
 ``heartbeat_interval``   seconds    2.0         ZMTP PING interval (``ZMQ_HEARTBEAT_IVL``).
 ``heartbeat_timeout``    seconds    10.0        No traffic this long after a PING: the
-                                                connection is dead (``ZMQ_HEARTBEAT_TIMEOUT``).
+                                                connection is dead (``ZMQ_HEARTBEAT_TIMEOUT``);
+                                                also bounds a dialed connection's handshake.
 ``heartbeat_ttl``        seconds    10.0        Tells the peer to drop us after this much
                                                 silence (``ZMQ_HEARTBEAT_TTL``; 0.1..6553).
 ``connect_timeout``      seconds    10.0        A dialed peer that has not completed the
