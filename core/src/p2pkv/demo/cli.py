@@ -59,8 +59,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--orders", default="consumer_first=2,producer_first=2,symmetric=1",
                    help="arrival orders and weights (consumer_first, producer_first, symmetric)")
     p.add_argument("--inflight", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--region", type=parse_size, default=parse_size("768M"),
-                   help="KV region per side (default 768M)")
+    p.add_argument("--region", type=parse_size, default=parse_size("512M"),
+                   help="KV region per side (default 512M)")
     p.add_argument("--control", default="zmq", help="control transport (default zmq)")
     p.add_argument("--data", default="nixl", help="data transport (default nixl)")
     p.add_argument("--host", default="127.0.0.1", help="address the producer listens on")
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             console, roles, stream, block_len=preset.block_bytes, capacity=capacity, args=args
         )
         stats = {}
-        for role in roles:
+        for role in reversed(roles):  # the consumer (which dialed) says goodbye first
             stats[role.kind], _left = role.stop(timeout=30.0)
     except DemoFailure as exc:
         console.print(f"[red]demo failed:[/] {exc}")

@@ -27,7 +27,17 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from p2pkv.addressing import parse_address
-from p2pkv.demo.roles import ConsumerRole, Event, ProducerRole, RoleSetup
+from p2pkv.demo.roles import (
+    ConsumerRole,
+    Event,
+    Evicted,
+    Loaded,
+    Pinned,
+    ProducerRole,
+    RoleSetup,
+    Stored,
+    Submitted,
+)
 from p2pkv.demo.workload import DemoRequest
 
 __all__ = ["DemoFailure", "InlineRole", "ProcessRole", "RequestRecord", "RoleHandle", "replay"]
@@ -40,6 +50,31 @@ class DemoFailure(RuntimeError):
     """The run could not go on (a role died, refused to start, or stopped answering)."""
 
 
+@dataclass(frozen=True)
+class Ready:
+    """The role's tier is up; consumers dial ``address``."""
+
+    address: str
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The role hit an error it cannot go on from."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The role shut its tier down (``leftovers``: outcomes of jobs still open then)."""
+
+    stats: dict[str, Any]
+    leftovers: list[str]
+
+
+Message = Event | Ready | Fatal | Stopped
+
+
 def _make_role(kind: str, setup: RoleSetup) -> ProducerRole | ConsumerRole:
     return ProducerRole(setup) if kind == "producer" else ConsumerRole(setup)
 
@@ -49,9 +84,9 @@ def _role_main(conn: Connection, kind: str, setup: RoleSetup) -> None:
     try:
         role = _make_role(kind, setup)
     except Exception as exc:
-        conn.send([("fatal", f"{kind} failed to start: {type(exc).__name__}: {exc}")])
+        conn.send([Fatal(f"{kind} failed to start: {type(exc).__name__}: {exc}")])
         return
-    conn.send([("ready", role.address)])
+    conn.send([Ready(role.address)])
     try:
         while True:
             events: list[Event] = []
@@ -59,20 +94,20 @@ def _role_main(conn: Connection, kind: str, setup: RoleSetup) -> None:
                 cmd = conn.recv()
                 if cmd[0] == "stop":
                     leftovers = role.shutdown()
-                    conn.send([("stopped", role.stats(), [r.outcome.value for r in leftovers])])
+                    conn.send([Stopped(role.stats(), [r.outcome.value for r in leftovers])])
                     return
                 events.extend(role.handle(cmd))
             events.extend(role.step())
             if events:
                 conn.send(events)
-            elif role.busy:
+            elif role.busy or role.tier.has_pending_work():
                 role.tier.tick(_BUSY_TICK)
             else:
                 conn.poll(_IDLE_WAIT)
     except (EOFError, BrokenPipeError):
         role.shutdown()
     except Exception as exc:
-        conn.send([("fatal", f"{kind}: {type(exc).__name__}: {exc}")])
+        conn.send([Fatal(f"{kind}: {type(exc).__name__}: {exc}")])
         role.shutdown()
 
 
@@ -86,7 +121,7 @@ class RoleHandle(ABC):
     def send(self, cmd: tuple[Any, ...]) -> None: ...
 
     @abstractmethod
-    def events(self, timeout: float) -> list[Event]:
+    def events(self, timeout: float) -> list[Message]:
         """Events since the last call, waiting at most ``timeout`` for the first."""
 
     @abstractmethod
@@ -120,8 +155,8 @@ class ProcessRole(RoleHandle):
         code = self.process.exitcode
         return "running" if code is None else f"exit code {code}"
 
-    def events(self, timeout: float) -> list[Event]:
-        out: list[Event] = []
+    def events(self, timeout: float) -> list[Message]:
+        out: list[Message] = []
         try:
             while self.conn.poll(timeout if not out else 0):
                 out.extend(self.conn.recv())
@@ -134,9 +169,9 @@ class ProcessRole(RoleHandle):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for ev in self.events(max(0.0, deadline - time.monotonic())):
-                if ev[0] == "stopped":
+                if isinstance(ev, Stopped):
                     self.process.join(timeout)
-                    return ev[1], ev[2]
+                    return ev.stats, ev.leftovers
         raise DemoFailure(f"{self.kind} did not shut down within {timeout}s")
 
     def kill(self) -> None:
@@ -152,12 +187,12 @@ class InlineRole(RoleHandle):
         self.kind = kind
         self.role = _make_role(kind, setup)
         self.address = self.role.address
-        self._queued: list[Event] = [("ready", self.address)]
+        self._queued: list[Message] = [Ready(self.address)]
 
     def send(self, cmd: tuple[Any, ...]) -> None:
         self._queued.extend(self.role.handle(cmd))
 
-    def events(self, timeout: float) -> list[Event]:
+    def events(self, timeout: float) -> list[Message]:
         out, self._queued = self._queued, []
         out.extend(self.role.step())
         return out
@@ -176,9 +211,10 @@ class RequestRecord:
 
     req: DemoRequest
     admitted: float = 0.0
-    loaded: Event | None = None
-    stored: Event | None = None
-    pinned: list[Event] = field(default_factory=list)
+    store_submitted: float | None = None
+    loaded: Loaded | None = None
+    stored: Stored | None = None
+    pinned: list[Pinned] = field(default_factory=list)
     evicted: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -245,9 +281,11 @@ def replay(
         if got:
             last_change = now
         for role, ev in got:
-            if ev[0] == "fatal":
-                raise DemoFailure(str(ev[1]))
-            rec = records.get(ev[1]) if len(ev) > 1 and isinstance(ev[1], int) else None
+            if isinstance(ev, Fatal):
+                raise DemoFailure(ev.reason)
+            if isinstance(ev, (Ready, Stopped)):
+                continue
+            rec = records.get(ev.index)
             if rec is None:
                 continue
             router.on_event(role.kind, ev, rec)
@@ -265,7 +303,7 @@ def replay(
     return list(records.values()), time.perf_counter() - t_start
 
 
-def _gather(handles: Sequence[RoleHandle]) -> list[tuple[RoleHandle, Event]]:
+def _gather(handles: Sequence[RoleHandle]) -> list[tuple[RoleHandle, Message]]:
     procs = [h for h in handles if isinstance(h, ProcessRole)]
     if procs and len(procs) == len(handles):
         ready = wait([h.conn for h in procs], timeout=0.05)
@@ -277,11 +315,11 @@ def _await_ready(role: RoleHandle, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for ev in role.events(0.1):
-            if ev[0] == "ready":
-                role.address = str(ev[1])
+            if isinstance(ev, Ready):
+                role.address = ev.address
                 return
-            if ev[0] == "fatal":
-                raise DemoFailure(str(ev[1]))
+            if isinstance(ev, Fatal):
+                raise DemoFailure(ev.reason)
     raise DemoFailure(f"{role.kind} did not start within {timeout}s")
 
 
@@ -306,38 +344,38 @@ class _Router:
 
     def on_event(self, kind: str, ev: Event, rec: RequestRecord) -> None:
         req = rec.req
-        what = ev[0]
-        if what == "submitted":
+        if isinstance(ev, Submitted):
             if kind == "consumer" and req.order == "consumer_first":
                 self.producer.send(("store", req))
-            elif kind == "producer" and req.order == "producer_first":
-                self.consumer.send(("load", req, self.target))
-            elif kind == "producer" and req.order == "symmetric":
-                self.consumer.send(("probe", req, self.target))
-        elif what == "stored":
+            elif kind == "producer":
+                rec.store_submitted = ev.at
+                if req.order == "producer_first":
+                    self.consumer.send(("load", req, self.target))
+                elif req.order == "symmetric":
+                    self.consumer.send(("probe", req, self.target))
+        elif isinstance(ev, Stored):
             rec.stored = ev
-            if ev[2] != "done":
-                rec.problems.append(f"store {ev[2]} {ev[3]}".strip())
-        elif what == "pinned":
+            if ev.outcome != "done":
+                rec.problems.append(f"store {ev.outcome} {ev.detail}".strip())
+        elif isinstance(ev, Pinned):
             rec.pinned.append(ev)
-            if ev[2] != "done":
-                rec.problems.append(f"served store {ev[2]} {ev[3]}".strip())
-        elif what == "evicted":
+            if ev.outcome != "done":
+                rec.problems.append(f"served store {ev.outcome} {ev.detail}".strip())
+        elif isinstance(ev, Evicted):
             rec.evicted = True
-        elif what == "loaded":
+        else:
             self._loaded(ev, rec)
 
-    def _loaded(self, ev: Event, rec: RequestRecord) -> None:
+    def _loaded(self, ev: Loaded, rec: RequestRecord) -> None:
         req = rec.req
         rec.loaded = ev
-        _, _, outcome, _seconds, blocks, bad, detail = ev
-        if outcome != "done":
-            rec.problems.append(f"load {outcome} {detail}".strip())
-        if bad:
-            rec.problems.append(f"{bad} of {blocks} blocks had wrong bytes")
-        if blocks != req.hits and outcome == "done":
-            rec.problems.append(f"loaded {blocks} blocks, expected {req.hits}")
-        moved = blocks * self.block_len
+        if ev.outcome != "done":
+            rec.problems.append(f"load {ev.outcome} {ev.detail}".strip())
+        if ev.bad_blocks:
+            rec.problems.append(f"{ev.bad_blocks} of {ev.blocks} blocks had wrong bytes")
+        if ev.blocks != req.hits and ev.outcome == "done":
+            rec.problems.append(f"loaded {ev.blocks} blocks, expected {req.hits}")
+        moved = ev.blocks * self.block_len
         self.progress.bytes_moved += moved
         self.progress.samples.append((time.monotonic(), moved))
         if req.order == "symmetric":

@@ -26,17 +26,75 @@ from typing import Any
 
 import numpy as np
 
+from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.demo.content import BlockRegion
 from p2pkv.demo.workload import DemoRequest
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
-__all__ = ["ConsumerRole", "Event", "ProducerRole", "RoleSetup"]
+__all__ = [
+    "ConsumerRole",
+    "Event",
+    "Evicted",
+    "Loaded",
+    "Pinned",
+    "ProducerRole",
+    "RoleSetup",
+    "Stored",
+    "Submitted",
+]
 
-Event = tuple[Any, ...]
-"""``("submitted", idx)``, ``("stored", idx, outcome)``, ``("loaded", idx, outcome, seconds,
-blocks, bad_blocks, detail)``, ``("evicted", idx)``, ``("stats", dict)``."""
+@dataclass(frozen=True)
+class Submitted:
+    """A side took its half of request ``index`` (at ``at``, ``time.monotonic``)."""
+
+    index: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Stored:
+    """The producer's store job of request ``index`` got its result."""
+
+    index: int
+    outcome: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A store job the producer's hit source pinned for request ``index`` got its result."""
+
+    index: int
+    outcome: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """The producer dropped request ``index``'s blocks from its prefix cache."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The consumer's load of request ``index`` got its result and was verified.
+
+    ``submitted_at``/``done_at`` are ``time.monotonic`` (comparable across processes on one
+    host); ``bad_blocks`` counts blocks whose bytes did not match their keys."""
+
+    index: int
+    outcome: str
+    submitted_at: float
+    done_at: float
+    blocks: int
+    bad_blocks: int = 0
+    detail: str = ""
+
+
+Event = Submitted | Stored | Pinned | Evicted | Loaded
 
 
 @dataclass(frozen=True)
@@ -132,7 +190,7 @@ class ProducerRole(_Engine):
         job = Job(self.next_job_id(), req.keys, slots, is_load=False, ctx=ctx)
         self._stores[job.job_id] = (req, ctx, slots)
         self.tier.submit_store(job)
-        return [("submitted", req.index)]
+        return [Submitted(req.index, time.monotonic())]
 
     def _put_cache(self, req: DemoRequest) -> list[Event]:
         keys = req.keys[: req.hits]
@@ -141,12 +199,12 @@ class ProducerRole(_Engine):
         self._cache[req.kv_request_id] = _Cached(
             req.index, slots, dict(zip(keys, slots, strict=True))
         )
-        return [("submitted", req.index)]
+        return [Submitted(req.index, time.monotonic())]
 
     def _evict(self, req: DemoRequest) -> list[Event]:
         entry = self._cache.get(req.kv_request_id)
         if entry is None:
-            return [("evicted", req.index)]
+            return [Evicted(req.index)]
         entry.evict = True
         return self._maybe_evict(req.kv_request_id)
 
@@ -156,11 +214,10 @@ class ProducerRole(_Engine):
             return []
         del self._cache[kv]
         self.free_slots(entry.slots)
-        return [("evicted", entry.index)]
+        return [Evicted(entry.index)]
 
     def step(self) -> list[Event]:
-        if self._cache:
-            self.tier.serve_lookups(_CacheSource(self))
+        self.tier.serve_lookups(_CacheSource(self))
         events: list[Event] = []
         for result in self.tier.get_finished_jobs():
             events.extend(self._finished(result))
@@ -173,16 +230,13 @@ class ProducerRole(_Engine):
             req, ctx, slots = stored
             self.tier.on_request_finished(ctx)
             self.free_slots(slots)
-            return [("stored", req.index, result.outcome.value, result.detail)]
+            return [Stored(req.index, result.outcome.value, result.detail)]
         kv = self._pins.pop(result.job_id, None)
         if kv is None or kv not in self._cache:
             return []
         entry = self._cache[kv]
         entry.pinned.discard(result.job_id)
-        return [
-            ("pinned", entry.index, result.outcome.value, result.detail),
-            *self._maybe_evict(kv),
-        ]
+        return [Pinned(entry.index, result.outcome.value, result.detail), *self._maybe_evict(kv)]
 
     def cached(self, kv_request_id: str) -> _Cached | None:
         return self._cache.get(kv_request_id)
@@ -254,16 +308,17 @@ class ConsumerRole(_Engine):
         raise ValueError(f"consumer: unknown command {op!r}")
 
     def _begin(self, req: DemoRequest, producer: str, *, probe: bool) -> list[Event]:
-        host, _, port = producer.rpartition(":")
-        route = {"kv_request_id": req.kv_request_id, "remote_host": host, "remote_port": int(port)}
+        host, port = parse_address(producer)
+        route = {"kv_request_id": req.kv_request_id, "remote_host": host, "remote_port": port}
         key = "remote_kv_source" if probe else "remote_prefiller"
         load = _Load(req, RequestContext(req_id=f"c-{req.kv_request_id}",
                                          kv_transfer_params={key: route}))
         self.tier.on_new_request(load.ctx)
         if probe:
             self._probing.append(load)
-            return [("submitted", req.index), *self._probe(load)]
-        return [("submitted", req.index), *self._submit(load, list(req.keys), looked_up=False)]
+            return [Submitted(req.index, time.monotonic()), *self._probe(load)]
+        now = time.monotonic()
+        return [Submitted(req.index, now), *self._submit(load, list(req.keys), looked_up=False)]
 
     def _probe(self, load: _Load) -> list[Event]:
         """Look up keys in order; stop at the first MISS (a prefix hit, as engines use it)."""
@@ -278,7 +333,8 @@ class ConsumerRole(_Engine):
         self._probing.remove(load)
         if not hits:
             self.tier.on_request_finished(load.ctx)
-            return [("loaded", load.req.index, Outcome.NOTHING_TO_DO.value, 0.0, 0, 0, "")]
+            now = time.monotonic()
+            return [Loaded(load.req.index, Outcome.NOTHING_TO_DO.value, now, now, 0)]
         return self._submit(load, hits, looked_up=True)
 
     def _submit(self, load: _Load, keys: list[bytes], *, looked_up: bool) -> list[Event]:
@@ -286,11 +342,12 @@ class ConsumerRole(_Engine):
             for key in keys:  # PD consumer: eager HIT for every key
                 if self.tier.lookup(key, load.ctx) is not LookupResult.HIT:
                     self.tier.on_request_finished(load.ctx)
-                    return [("loaded", load.req.index, "lookup_miss", 0.0, 0, 0, key.hex())]
+                    now = time.monotonic()
+                    return [Loaded(load.req.index, "lookup_miss", now, now, 0, 0, key.hex())]
         load.keys = keys
         load.slots = self.take_slots(len(keys))
         load.job_id = self.next_job_id()
-        load.started = time.perf_counter()
+        load.started = time.monotonic()
         self._loads[load.job_id] = load
         self.tier.submit_load(Job(load.job_id, keys, load.slots, is_load=True, ctx=load.ctx))
         return []
@@ -308,7 +365,7 @@ class ConsumerRole(_Engine):
         load = self._loads.pop(result.job_id, None)
         if load is None:
             return []
-        seconds = time.perf_counter() - load.started
+        done_at = time.monotonic()
         bad = 0
         if result.outcome is Outcome.DONE:
             bad = len(self.region.verify(load.slots, load.keys))
@@ -316,8 +373,8 @@ class ConsumerRole(_Engine):
             self.region.poison(load.slots)
         self.tier.on_request_finished(load.ctx)
         self.free_slots(load.slots)
-        return [("loaded", load.req.index, result.outcome.value, seconds, len(load.keys), bad,
-                 result.detail)]
+        return [Loaded(load.req.index, result.outcome.value, load.started, done_at,
+                       len(load.keys), bad, result.detail)]
 
     @property
     def busy(self) -> bool:
