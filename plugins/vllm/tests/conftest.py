@@ -202,7 +202,6 @@ async def serving(app: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
-        server.force_exit = True
         try:
             await asyncio.wait_for(task, WAIT)
         finally:

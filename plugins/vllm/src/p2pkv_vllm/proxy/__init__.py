@@ -1,5 +1,5 @@
 """``p2pkv proxy``: OpenAI-compatible PD router (config, selection, legs, ASGI app, server).
 
 ``config``, ``selection`` and ``legs`` are pure stdlib; ``app`` and ``server`` need the
-``proxy`` extra (httpx, uvicorn).
+``proxy`` extra (aiohttp, uvicorn).
 """

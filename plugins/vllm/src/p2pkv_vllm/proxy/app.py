@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from p2pkv_vllm.proxy.config import (
     Decoder,
@@ -86,11 +86,20 @@ class _BodyTooLarge(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Reply:
+    """A fully read upstream response."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
 @dataclass
 class _PrefillOutcome:
     ok: bool
     reason: str = ""
-    response: httpx.Response | None = None
+    reply: _Reply | None = None
 
 
 @dataclass
@@ -134,6 +143,11 @@ class _Exchange:
     async def end(self) -> None:
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def reply(self, reply: _Reply) -> None:
+        await self.start(reply.status, list(reply.headers))
+        await self.body(reply.body)
+        await self.end()
+
     async def json(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         await self.start(status, [(b"content-type", b"application/json"),
@@ -165,38 +179,43 @@ class _Call:
 class ProxyApp:
     """ASGI app routing OpenAI-compatible requests to prefillers and decoders.
 
-    ``transport`` replaces httpx's network transport (tests only). The pooled HTTP client is
-    created on first use and closed by the ASGI lifespan shutdown or :meth:`aclose`.
+    The pooled upstream client (aiohttp, up to ``max_connections`` connections) is created on
+    first use, on the serving loop, and closed by the ASGI lifespan shutdown or :meth:`aclose`.
+    Upstream bodies are relayed undecoded (no ``Accept-Encoding`` is sent upstream).
     """
 
-    def __init__(
-        self, config: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self._prefillers = make_policy(config.policy, slots_of(config.prefillers))
         self._decoders = make_policy(config.policy, slots_of(config.decoders))
         self._model_sources = itertools.cycle(config.decoders)
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         t = config.timeouts
         self._deadline = t.prefill + t.decode + t.connect
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
             t = self.config.timeouts
-            n = self.config.max_connections
-            self._client = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                timeout=httpx.Timeout(connect=t.connect, read=t.idle, write=t.idle, pool=t.prefill),
-                transport=self._transport,
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.config.max_connections,
+                                               limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect,
+                                              sock_read=t.idle),
+                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding",),
                 trust_env=False,
             )
-        return self._client
+        return self._session
+
+    async def _fetch(self, method: str, url: str, **kwargs: Any) -> _Reply:
+        async with self._http().request(method, url, **kwargs) as response:
+            body = await response.read()
+            return _Reply(response.status, _response_headers(response.raw_headers), body)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -242,18 +261,17 @@ class ProxyApp:
         }
         t = self.config.timeouts
         try:
-            response = await asyncio.wait_for(
-                self._http().get(f"{decoder.url}/v1/models", headers=headers), t.connect + t.idle
+            reply = await asyncio.wait_for(
+                self._fetch("GET", f"{decoder.url}/v1/models", headers=headers),
+                t.connect + t.idle,
             )
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             await exchange.error(
                 502, f"decoder {decoder.url} unreachable: {_describe(exc)}",
                 kind="bad_gateway", upstream=decoder.url,
             )
             return
-        await exchange.start(response.status_code, _response_headers(response))
-        await exchange.body(response.content)
-        await exchange.end()
+        await exchange.reply(reply)
 
     # -- generate ----------------------------------------------------------------------------
 
@@ -378,10 +396,11 @@ class ProxyApp:
         timeout = self.config.timeouts.prefill
         began = time.monotonic()
         try:
-            response = await asyncio.wait_for(
-                self._http().post(
+            reply = await asyncio.wait_for(
+                self._fetch(
+                    "POST",
                     f"{slot.upstream.url}{record.path}",
-                    content=json.dumps(prefill_body(call.body, kv_params)).encode(),
+                    data=json.dumps(prefill_body(call.body, kv_params)).encode(),
                     headers=leg_headers(call.scope["headers"], record.kv_request_id,
                                         slot.dp_rank, self.config.api_key),
                 ),
@@ -389,13 +408,13 @@ class ProxyApp:
             )
         except asyncio.TimeoutError:
             outcome = _PrefillOutcome(False, f"timeout after {timeout:g}s")
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             outcome = _PrefillOutcome(False, f"unreachable: {_describe(exc)}")
         else:
-            if response.is_success:
-                outcome = _PrefillOutcome(True, response=response)
+            if 200 <= reply.status < 300:
+                outcome = _PrefillOutcome(True, reply=reply)
             else:
-                outcome = _PrefillOutcome(False, f"status {response.status_code}", response)
+                outcome = _PrefillOutcome(False, f"status {reply.status}", reply)
         finally:
             self._prefillers.release(slot)
         record.prefill_ms = round((time.monotonic() - began) * 1000, 3)
@@ -415,12 +434,9 @@ class ProxyApp:
             record.outcome = "recomputed"
             return False
         record.outcome = "prefill_failed"
-        response = outcome.response
-        if response is not None and 400 <= response.status_code < 500 and \
-                response.status_code not in (408, 429):
-            await exchange.start(response.status_code, _response_headers(response))
-            await exchange.body(response.content)
-            await exchange.end()
+        reply = outcome.reply
+        if reply is not None and 400 <= reply.status < 500 and reply.status not in (408, 429):
+            await exchange.reply(reply)
             return True
         url = slot.upstream.url
         await exchange.error(
@@ -431,43 +447,50 @@ class ProxyApp:
 
     async def _open_decode(
         self, call: _Call, slot: Slot[Decoder], kv_params: dict[str, Any] | None
-    ) -> httpx.Response:
+    ) -> aiohttp.ClientResponse:
         """Send the decode leg; returns once its response headers are in (body unread)."""
         url = slot.upstream.url
-        client = self._http()
-        request = client.build_request(
-            "POST",
-            f"{url}{call.record.path}",
-            content=json.dumps(decode_body(call.body, kv_params)).encode(),
-            headers=leg_headers(call.scope["headers"], call.record.kv_request_id, slot.dp_rank,
-                                self.config.api_key),
-        )
         timeout = self.config.timeouts.decode
         try:
-            return await asyncio.wait_for(client.send(request, stream=True), timeout)
+            return await asyncio.wait_for(
+                self._http().post(
+                    f"{url}{call.record.path}",
+                    data=json.dumps(decode_body(call.body, kv_params)).encode(),
+                    headers=leg_headers(call.scope["headers"], call.record.kv_request_id,
+                                        slot.dp_rank, self.config.api_key),
+                ),
+                timeout,
+            )
         except asyncio.TimeoutError:
             raise _UpstreamError(504, "decoder_timeout",
                                  f"decoder {url} sent no response in {timeout:g}s", url) from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise _UpstreamError(502, "decoder_unreachable",
                                  f"decoder {url} unreachable: {_describe(exc)}", url) from None
 
-    async def _relay(self, exchange: _Exchange, response: httpx.Response) -> None:
-        """Stream the decode response to the client chunk by chunk, as raw bytes."""
+    async def _relay(self, exchange: _Exchange, response: aiohttp.ClientResponse) -> None:
+        """Stream the decode response to the client chunk by chunk, as received."""
+        finished = False
         try:
-            await exchange.start(response.status_code, _response_headers(response))
+            await exchange.start(response.status, _response_headers(response.raw_headers))
             try:
-                async for chunk in response.aiter_raw():
+                async for chunk in response.content.iter_any():
                     await exchange.body(chunk)
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 exchange.record.outcome = "decode_stream_error"
                 log.warning("decode stream %s broke after %d bytes: %s; dropping the client "
                             "connection", exchange.record.kv_request_id, exchange.record.bytes,
                             _describe(exc))
                 return
             await exchange.end()
+            finished = True
         finally:
-            await response.aclose()
+            # A half-read response must not go back to the pool: closing it drops the
+            # upstream connection, which is how vLLM learns to abort the request.
+            if finished:
+                response.release()
+            else:
+                response.close()
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -499,12 +522,12 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         await task
 
 
-async def _discard(task: asyncio.Future[httpx.Response]) -> None:
+async def _discard(task: asyncio.Future[aiohttp.ClientResponse]) -> None:
     """Cancel a pending decode leg, or close the response it already opened."""
     if not task.done():
         await _cancel(task)
     elif not task.cancelled() and task.exception() is None:
-        await task.result().aclose()
+        task.result().close()
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -515,9 +538,9 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in response.headers.raw
-            if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+def _response_headers(raw: Any) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers minus hop-by-hop ones (and date/server: ours are sent)."""
+    return [(k.lower(), v) for k, v in raw if k.lower() not in _DROPPED_RESPONSE_HEADERS]
 
 
 def _slot_name(slot: Slot[Any]) -> str:

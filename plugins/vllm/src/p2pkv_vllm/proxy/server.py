@@ -18,7 +18,9 @@ __all__ = ["bind", "build_server", "run"]
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (0 = ephemeral; read it back from the socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP (not 0): asyncio only disables Nagle on accepted sockets whose
+    # proto says TCP, and with Nagle on every small streamed chunk can stall ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
