@@ -29,10 +29,19 @@ from p2pkv_vllm.proxy.config import (
     ProxyTimeouts,
 )
 
-COMPLETION = {"model": "m", "prompt": "The capital of France is", "max_tokens": 16,
-              "temperature": 0}
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-        "stream": True, "stream_options": {"include_usage": True}}
+COMPLETION = {
+    "model": "m",
+    "prompt": "The capital of France is",
+    "max_tokens": 16,
+    "temperature": 0,
+}
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 8,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 AUTH = {"Authorization": "Bearer sk-test", "Cookie": "session=secret"}
 
 
@@ -55,17 +64,27 @@ async def fetch(client: aiohttp.ClientSession, method: str, path: str, **kwargs:
 async def proxy_for(kit: Any, config: ProxyConfig) -> AsyncIterator[aiohttp.ClientSession]:
     """Serve a ProxyApp for ``config``; yields a client session pointed at it."""
     app = ProxyApp(config)
-    async with kit.serving(app) as url, aiohttp.ClientSession(
-        base_url=url, trust_env=False, timeout=aiohttp.ClientTimeout(total=30),
-        connector=aiohttp.TCPConnector(limit=400),
-    ) as client:
+    async with (
+        kit.serving(app) as url,
+        aiohttp.ClientSession(
+            base_url=url,
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=30),
+            connector=aiohttp.TCPConnector(limit=400),
+        ) as client,
+    ):
         yield client
 
 
 @contextlib.asynccontextmanager
 async def cluster(
-    kit: Any, *, prefillers: list[Any], decoders: list[Any], p2p: list[tuple[int, int]] | None = None,
-    decoder_dp: list[int] | None = None, **overrides: Any,
+    kit: Any,
+    *,
+    prefillers: list[Any],
+    decoders: list[Any],
+    p2p: list[tuple[int, int]] | None = None,
+    decoder_dp: list[int] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[aiohttp.ClientSession]:
     """Serve the fakes and a proxy in front of them.
 
@@ -78,8 +97,10 @@ async def cluster(
         p2p = p2p or [(5710, 1)] * len(p_urls)
         decoder_dp = decoder_dp or [1] * len(d_urls)
         config = ProxyConfig(
-            prefillers=tuple(Prefiller(u, f"p2p-host-{i}", port, dp)
-                             for i, (u, (port, dp)) in enumerate(zip(p_urls, p2p, strict=True))),
+            prefillers=tuple(
+                Prefiller(u, f"p2p-host-{i}", port, dp)
+                for i, (u, (port, dp)) in enumerate(zip(p_urls, p2p, strict=True))
+            ),
             decoders=tuple(Decoder(u, dp) for u, dp in zip(d_urls, decoder_dp, strict=True)),
             **overrides,
         )
@@ -96,7 +117,9 @@ def access(caplog: pytest.LogCaptureFixture) -> Callable[[], list[dict[str, Any]
 # -- the legs -------------------------------------------------------------------------------
 
 
-def test_prefiller_first_legs_carry_exactly_the_right_params_and_headers(kit: Any, access: Callable[[], list[dict[str, Any]]]) -> None:
+def test_prefiller_first_legs_carry_exactly_the_right_params_and_headers(
+    kit: Any, access: Callable[[], list[dict[str, Any]]]
+) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
     async def main() -> None:
@@ -108,11 +131,24 @@ def test_prefiller_first_legs_carry_exactly_the_right_params_and_headers(kit: An
         kv_id = p.kv_params["remote_decoder"]["kv_request_id"]
         assert r.headers["x-kv-request-id"] == kv_id
         assert p.path == d.path == "/v1/completions"
-        assert p.body == {"model": "m", "prompt": "The capital of France is", "max_tokens": 1,
-                          "temperature": 0, "stream": False,
-                          "kv_transfer_params": {"remote_decoder": {"kv_request_id": kv_id}}}
-        assert d.body == {**COMPLETION, "kv_transfer_params": {"remote_prefiller": {
-            "kv_request_id": kv_id, "remote_host": "p2p-host-0", "remote_port": 6100}}}
+        assert p.body == {
+            "model": "m",
+            "prompt": "The capital of France is",
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            "kv_transfer_params": {"remote_decoder": {"kv_request_id": kv_id}},
+        }
+        assert d.body == {
+            **COMPLETION,
+            "kv_transfer_params": {
+                "remote_prefiller": {
+                    "kv_request_id": kv_id,
+                    "remote_host": "p2p-host-0",
+                    "remote_port": 6100,
+                }
+            },
+        }
         for leg in (p, d):
             assert leg.headers["authorization"] == "Bearer sk-test"
             assert "cookie" not in leg.headers
@@ -131,11 +167,14 @@ def test_every_request_gets_a_fresh_kv_request_id(kit: Any) -> None:
     async def main() -> None:
         async with cluster(kit, prefillers=[pre], decoders=[dec]) as client:
             for _ in range(5):
-                assert (await fetch(client, "POST", "/v1/completions", json=COMPLETION)).status == 200
+                assert (
+                    await fetch(client, "POST", "/v1/completions", json=COMPLETION)
+                ).status == 200
         ids = [s.kv_params["remote_decoder"]["kv_request_id"] for s in pre.generate_requests()]
         assert len(set(ids)) == 5
-        assert ids == [s.kv_params["remote_prefiller"]["kv_request_id"]
-                       for s in dec.generate_requests()]
+        assert ids == [
+            s.kv_params["remote_prefiller"]["kv_request_id"] for s in dec.generate_requests()
+        ]
 
     kit.run(main)
 
@@ -145,21 +184,36 @@ def test_dp_round_robin_and_port_offsets(kit: Any) -> None:
     dc = kit.FakeVLLM("dc")
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pa, pb], decoders=[dc], p2p=[(6000, 2), (7000, 1)],
-                           decoder_dp=[3]) as client:
+        async with cluster(
+            kit, prefillers=[pa, pb], decoders=[dc], p2p=[(6000, 2), (7000, 1)], decoder_dp=[3]
+        ) as client:
             for _ in range(6):
-                assert (await fetch(client, "POST", "/v1/completions", json=COMPLETION)).status == 200
+                assert (
+                    await fetch(client, "POST", "/v1/completions", json=COMPLETION)
+                ).status == 200
         decodes = dc.generate_requests()
-        route = [(d.kv_params["remote_prefiller"]["remote_host"],
-                  d.kv_params["remote_prefiller"]["remote_port"]) for d in decodes]
+        route = [
+            (
+                d.kv_params["remote_prefiller"]["remote_host"],
+                d.kv_params["remote_prefiller"]["remote_port"],
+            )
+            for d in decodes
+        ]
         assert route == [("p2p-host-0", 6000), ("p2p-host-1", 7000), ("p2p-host-0", 6001)] * 2
         assert [d.headers["x-data-parallel-rank"] for d in decodes] == ["0", "1", "2"] * 2
-        assert [p.headers["x-data-parallel-rank"] for p in pa.generate_requests()] == \
-            ["0", "1", "0", "1"]
+        assert [p.headers["x-data-parallel-rank"] for p in pa.generate_requests()] == [
+            "0",
+            "1",
+            "0",
+            "1",
+        ]
         assert [p.headers["x-data-parallel-rank"] for p in pb.generate_requests()] == ["0", "0"]
         # The decoder is told the port of the very replica that ran the prefill.
-        by_id = {p.kv_params["remote_decoder"]["kv_request_id"]: (p, base)
-                 for f, base in ((pa, 6000), (pb, 7000)) for p in f.generate_requests()}
+        by_id = {
+            p.kv_params["remote_decoder"]["kv_request_id"]: (p, base)
+            for f, base in ((pa, 6000), (pb, 7000))
+            for p in f.generate_requests()
+        }
         for d in decodes:
             src = d.kv_params["remote_prefiller"]
             p, base = by_id[src["kv_request_id"]]
@@ -174,8 +228,10 @@ def test_decoder_first_starts_the_decode_leg_before_the_prefill_finishes(kit: An
     async def prefill_after_decode_arrived(fake: Any, seen: Any, send: Any) -> None:
         kv_id = seen.kv_params["remote_decoder"]["kv_request_id"]
         await dec.wait_for(
-            lambda: any(d.kv_params["remote_prefiller"]["kv_request_id"] == kv_id
-                        for d in dec.generate_requests()),
+            lambda: any(
+                d.kv_params["remote_prefiller"]["kv_request_id"] == kv_id
+                for d in dec.generate_requests()
+            ),
             "the decode leg of the same request",
         )
         await kit.reply(fake, seen, send)
@@ -197,10 +253,13 @@ def test_symmetric_mode_probes_the_prefillers_cache(kit: Any) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec], p2p=[(6200, 2)],
-                           mode=Mode.SYMMETRIC) as client:
+        async with cluster(
+            kit, prefillers=[pre], decoders=[dec], p2p=[(6200, 2)], mode=Mode.SYMMETRIC
+        ) as client:
             for _ in range(2):
-                assert (await fetch(client, "POST", "/v1/completions", json=COMPLETION)).status == 200
+                assert (
+                    await fetch(client, "POST", "/v1/completions", json=COMPLETION)
+                ).status == 200
         assert [p.kv_params for p in pre.generate_requests()] == [None, None]
         params = [d.kv_params for d in dec.generate_requests()]
         assert [list(p) for p in params] == [["remote_kv_source"]] * 2
@@ -237,16 +296,24 @@ def test_models_and_health(kit: Any) -> None:
 def test_streaming_relay_is_byte_exact(kit: Any) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
     # Awkward boundaries: an event split mid-line, a multi-byte character split in two.
-    text = "data: {\"text\": \"h\u00e9llo \u4e16\u754c\"}\n\n".encode()
-    dec.stream_chunks = [b"data: {\"text\": \"a\"}\n", b"\n", text[:20], text[20:21], text[21:],
-                         b"data: [DONE]\n\n"]
+    text = 'data: {"text": "h\u00e9llo \u4e16\u754c"}\n\n'.encode()
+    dec.stream_chunks = [
+        b'data: {"text": "a"}\n',
+        b"\n",
+        text[:20],
+        text[20:21],
+        text[21:],
+        b"data: [DONE]\n\n",
+    ]
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec]) as client:
-            async with client.post("/v1/chat/completions", json=CHAT) as r:
-                assert r.status == 200
-                assert r.headers["content-type"].startswith("text/event-stream")
-                body = b"".join([chunk async for chunk in r.content.iter_any()])
+        async with (
+            cluster(kit, prefillers=[pre], decoders=[dec]) as client,
+            client.post("/v1/chat/completions", json=CHAT) as r,
+        ):
+            assert r.status == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            body = b"".join([chunk async for chunk in r.content.iter_any()])
         assert body == b"".join(dec.stream_chunks)
         [p] = pre.generate_requests()
         assert p.body["stream"] is False and "stream_options" not in p.body
@@ -261,8 +328,13 @@ def test_stream_is_relayed_chunk_by_chunk_not_buffered(kit: Any) -> None:
     second_chunk_allowed = asyncio.Event()
 
     async def two_phase(fake: Any, seen: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"data: first\n\n", "more_body": True})
         await asyncio.wait_for(second_chunk_allowed.wait(), 10)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
@@ -270,13 +342,15 @@ def test_stream_is_relayed_chunk_by_chunk_not_buffered(kit: Any) -> None:
     dec = kit.FakeVLLM("dec", two_phase)
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec]) as client:
-            async with client.post("/v1/completions", json={**COMPLETION, "stream": True}) as r:
-                chunks = r.content.iter_any()
-                first = await asyncio.wait_for(chunks.__anext__(), 10)
-                assert first == b"data: first\n\n"  # arrived while the upstream still streams
-                second_chunk_allowed.set()
-                rest = b"".join([c async for c in chunks])
+        async with (
+            cluster(kit, prefillers=[pre], decoders=[dec]) as client,
+            client.post("/v1/completions", json={**COMPLETION, "stream": True}) as r,
+        ):
+            chunks = r.content.iter_any()
+            first = await asyncio.wait_for(chunks.__anext__(), 10)
+            assert first == b"data: first\n\n"  # arrived while the upstream still streams
+            second_chunk_allowed.set()
+            rest = b"".join([c async for c in chunks])
         assert rest == b"data: [DONE]\n\n"
 
     kit.run(main)
@@ -287,8 +361,10 @@ def test_200_concurrent_requests(kit: Any, access: Callable[[], list[dict[str, A
     decs = [kit.FakeVLLM("d0"), kit.FakeVLLM("d1")]
 
     async def main() -> None:
-        async with cluster(kit, prefillers=pres, decoders=decs, p2p=[(6000, 2), (7000, 2)],
-                           decoder_dp=[2, 2]) as client:
+        async with cluster(
+            kit, prefillers=pres, decoders=decs, p2p=[(6000, 2), (7000, 2)], decoder_dp=[2, 2]
+        ) as client:
+
             async def one(i: int) -> tuple[int, bytes, str]:
                 body = {**COMPLETION, "stream": i % 2 == 0}
                 async with client.post("/v1/completions", json=body) as r:
@@ -302,10 +378,16 @@ def test_200_concurrent_requests(kit: Any, access: Callable[[], list[dict[str, A
         for i, (_, data, _) in enumerate(results):
             if i % 2 == 0:
                 assert data.endswith(b"data: [DONE]\n\n")
-        pre_ids = {s.kv_params["remote_decoder"]["kv_request_id"]
-                   for f in pres for s in f.generate_requests()}
-        dec_ids = {s.kv_params["remote_prefiller"]["kv_request_id"]
-                   for f in decs for s in f.generate_requests()}
+        pre_ids = {
+            s.kv_params["remote_decoder"]["kv_request_id"]
+            for f in pres
+            for s in f.generate_requests()
+        }
+        dec_ids = {
+            s.kv_params["remote_prefiller"]["kv_request_id"]
+            for f in decs
+            for s in f.generate_requests()
+        }
         assert pre_ids == dec_ids == set(ids)
         assert [len(f.generate_requests()) for f in (*pres, *decs)] == [100, 100, 100, 100]
 
@@ -317,7 +399,9 @@ def test_200_concurrent_requests(kit: Any, access: Callable[[], list[dict[str, A
 
 
 @pytest.mark.parametrize("mode", [Mode.PREFILLER_FIRST, Mode.DECODER_FIRST])
-def test_prefill_error_then_decoder_recomputes(kit: Any, access: Callable[[], list[dict[str, Any]]], mode: Mode) -> None:
+def test_prefill_error_then_decoder_recomputes(
+    kit: Any, access: Callable[[], list[dict[str, Any]]], mode: Mode
+) -> None:
     pre = kit.FakeVLLM("pre", kit.status(500))
 
     async def decode_or_wait_for_cancel(fake: Any, seen: Any, send: Any) -> None:
@@ -354,8 +438,9 @@ def test_prefill_error_with_fail_policy_is_a_502_naming_the_prefiller(
     dec = kit.FakeVLLM("dec", kit.hang)
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec], mode=mode,
-                           on_prefill_failure=PrefillFailure.FAIL) as client:
+        async with cluster(
+            kit, prefillers=[pre], decoders=[dec], mode=mode, on_prefill_failure=PrefillFailure.FAIL
+        ) as client:
             r = await fetch(client, "POST", "/v1/completions", json=COMPLETION)
             err = r.json()["error"]
             assert r.status == 502
@@ -374,8 +459,9 @@ def test_prefill_client_error_is_relayed_under_fail_policy(kit: Any) -> None:
     dec = kit.FakeVLLM("dec")
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec],
-                           on_prefill_failure=PrefillFailure.FAIL) as client:
+        async with cluster(
+            kit, prefillers=[pre], decoders=[dec], on_prefill_failure=PrefillFailure.FAIL
+        ) as client:
             r = await fetch(client, "POST", "/v1/completions", json=COMPLETION)
         assert r.status == 400
         assert r.json()["error"]["message"] == "prompt too long"
@@ -389,8 +475,13 @@ def test_prefill_timeout_cancels_the_leg(kit: Any, policy: PrefillFailure) -> No
     pre, dec = kit.FakeVLLM("pre", kit.hang), kit.FakeVLLM("dec")
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec], on_prefill_failure=policy,
-                           timeouts=ProxyTimeouts(prefill=0.3)) as client:
+        async with cluster(
+            kit,
+            prefillers=[pre],
+            decoders=[dec],
+            on_prefill_failure=policy,
+            timeouts=ProxyTimeouts(prefill=0.3),
+        ) as client:
             r = await fetch(client, "POST", "/v1/completions", json=COMPLETION)
         [p] = pre.generate_requests()
         await pre.wait_for(p.disconnected.is_set, "the timed-out prefill leg to be closed")
@@ -410,8 +501,11 @@ def test_unreachable_prefiller(kit: Any, policy: PrefillFailure) -> None:
 
     async def main() -> None:
         async with kit.serving(dec) as d_url:
-            config = ProxyConfig(prefillers=(Prefiller(dead_url, "h"),),
-                                 decoders=(Decoder(d_url),), on_prefill_failure=policy)
+            config = ProxyConfig(
+                prefillers=(Prefiller(dead_url, "h"),),
+                decoders=(Decoder(d_url),),
+                on_prefill_failure=policy,
+            )
             async with proxy_for(kit, config) as client:
                 r = await fetch(client, "POST", "/v1/completions", json=COMPLETION)
         if policy is PrefillFailure.RECOMPUTE:
@@ -427,7 +521,9 @@ def test_unreachable_prefiller(kit: Any, policy: PrefillFailure) -> None:
         held.close()
 
 
-def test_unreachable_decoder_is_a_502_naming_it(kit: Any, access: Callable[[], list[dict[str, Any]]]) -> None:
+def test_unreachable_decoder_is_a_502_naming_it(
+    kit: Any, access: Callable[[], list[dict[str, Any]]]
+) -> None:
     pre = kit.FakeVLLM("pre")
     dead_url, held = kit.refused_url()
 
@@ -452,8 +548,9 @@ def test_silent_decoder_is_a_504(kit: Any) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec", kit.hang)
 
     async def main() -> None:
-        async with cluster(kit, prefillers=[pre], decoders=[dec],
-                           timeouts=ProxyTimeouts(decode=0.3)) as client:
+        async with cluster(
+            kit, prefillers=[pre], decoders=[dec], timeouts=ProxyTimeouts(decode=0.3)
+        ) as client:
             r = await fetch(client, "POST", "/v1/completions", json=COMPLETION)
         assert r.status == 504
         assert "sent no response in 0.3s" in r.json()["error"]["message"]
@@ -463,12 +560,19 @@ def test_silent_decoder_is_a_504(kit: Any) -> None:
     kit.run(main)
 
 
-def test_decoder_stream_breaking_midway_drops_the_client_connection(kit: Any, access: Callable[[], list[dict[str, Any]]]) -> None:
+def test_decoder_stream_breaking_midway_drops_the_client_connection(
+    kit: Any, access: Callable[[], list[dict[str, Any]]]
+) -> None:
     pre = kit.FakeVLLM("pre")
 
     async def break_after_one(fake: Any, seen: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
         # returning without finishing makes uvicorn drop the connection mid-body
 
@@ -477,8 +581,7 @@ def test_decoder_stream_breaking_midway_drops_the_client_connection(kit: Any, ac
     async def main() -> None:
         async with cluster(kit, prefillers=[pre], decoders=[dec]) as client:
             with pytest.raises(aiohttp.ClientPayloadError):
-                async with client.post("/v1/completions",
-                                         json={**COMPLETION, "stream": True}) as r:
+                async with client.post("/v1/completions", json={**COMPLETION, "stream": True}) as r:
                     async for _ in r.content.iter_any():
                         pass
 
@@ -495,7 +598,9 @@ def test_client_disconnect_during_prefill_cancels_both_legs(
 
     async def main() -> None:
         async with cluster(kit, prefillers=[pre], decoders=[dec], mode=mode) as client:
-            request = asyncio.ensure_future(fetch(client, "POST", "/v1/completions", json=COMPLETION))
+            request = asyncio.ensure_future(
+                fetch(client, "POST", "/v1/completions", json=COMPLETION)
+            )
             [p] = await pre.wait_for(pre.generate_requests, "the prefill leg")
             if mode is Mode.DECODER_FIRST:
                 await dec.wait_for(dec.generate_requests, "the decode leg")
@@ -513,12 +618,19 @@ def test_client_disconnect_during_prefill_cancels_both_legs(
     assert access()[0]["outcome"] == "client_disconnected"
 
 
-def test_client_disconnect_mid_stream_cancels_the_decode_leg(kit: Any, access: Callable[[], list[dict[str, Any]]]) -> None:
+def test_client_disconnect_mid_stream_cancels_the_decode_leg(
+    kit: Any, access: Callable[[], list[dict[str, Any]]]
+) -> None:
     pre = kit.FakeVLLM("pre")
 
     async def stream_forever(fake: Any, seen: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
         await kit.hang(fake, seen, send)
 
@@ -526,8 +638,7 @@ def test_client_disconnect_mid_stream_cancels_the_decode_leg(kit: Any, access: C
 
     async def main() -> None:
         async with cluster(kit, prefillers=[pre], decoders=[dec]) as client:
-            async with client.post("/v1/completions",
-                                     json={**COMPLETION, "stream": True}) as r:
+            async with client.post("/v1/completions", json={**COMPLETION, "stream": True}) as r:
                 assert await r.content.iter_any().__anext__() == b"data: one\n\n"
                 r.close()  # the client goes away mid-stream
             # leaving the block unread closes the client's connection
@@ -540,12 +651,19 @@ def test_client_disconnect_mid_stream_cancels_the_decode_leg(kit: Any, access: C
     assert rec["outcome"] == "client_disconnected" and rec["bytes"] == len(b"data: one\n\n")
 
 
-def test_request_deadline_bounds_everything(kit: Any, access: Callable[[], list[dict[str, Any]]]) -> None:
+def test_request_deadline_bounds_everything(
+    kit: Any, access: Callable[[], list[dict[str, Any]]]
+) -> None:
     pre = kit.FakeVLLM("pre")
 
     async def headers_then_silence(fake: Any, seen: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await kit.hang(fake, seen, send)
 
     dec = kit.FakeVLLM("dec", headers_then_silence)
@@ -554,8 +672,7 @@ def test_request_deadline_bounds_everything(kit: Any, access: Callable[[], list[
     async def main() -> None:
         async with cluster(kit, prefillers=[pre], decoders=[dec], timeouts=timeouts) as client:
             with pytest.raises(aiohttp.ClientPayloadError):
-                async with client.post("/v1/completions",
-                                         json={**COMPLETION, "stream": True}) as r:
+                async with client.post("/v1/completions", json={**COMPLETION, "stream": True}) as r:
                     async for _ in r.content.iter_any():
                         pass
             [d] = dec.generate_requests()
@@ -570,7 +687,9 @@ def test_oversized_body_is_refused(kit: Any) -> None:
 
     async def main() -> None:
         async with cluster(kit, prefillers=[pre], decoders=[dec], max_body_bytes=1000) as client:
-            r = await fetch(client, "POST", "/v1/completions", json={**COMPLETION, "prompt": "x" * 2000})
+            r = await fetch(
+                client, "POST", "/v1/completions", json={**COMPLETION, "prompt": "x" * 2000}
+            )
         assert r.status == 413
         assert not pre.generate_requests()
 
@@ -604,9 +723,19 @@ def test_p2pkv_proxy_command_end_to_end(kit: Any) -> None:
     async def main() -> None:
         async with kit.serving(pre) as p_url, kit.serving(dec) as d_url:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "p2pkv.cli", "--log-level", "INFO", "proxy",
-                "--port", "0", "--prefiller", f"{p_url},p2p_port=6300,dp_size=2",
-                "--decoder", d_url, stderr=asyncio.subprocess.PIPE,
+                sys.executable,
+                "-m",
+                "p2pkv.cli",
+                "--log-level",
+                "INFO",
+                "proxy",
+                "--port",
+                "0",
+                "--prefiller",
+                f"{p_url},p2p_port=6300,dp_size=2",
+                "--decoder",
+                d_url,
+                stderr=asyncio.subprocess.PIPE,
             )
             assert proc.stderr is not None
             try:
@@ -625,7 +754,10 @@ def test_p2pkv_proxy_command_end_to_end(kit: Any) -> None:
                 record = json.loads(line)
                 assert record["kv_request_id"] == kv_id and record["status"] == 200
                 assert dec.generate_requests()[0].kv_params["remote_prefiller"] == {
-                    "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": 6300}
+                    "kv_request_id": kv_id,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 6300,
+                }
             finally:
                 proc.terminate()
                 rest = await asyncio.wait_for(proc.stderr.read(), 30)
