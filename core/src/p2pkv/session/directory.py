@@ -87,6 +87,8 @@ class Directory:
     def request_gone(self, kv_request_id: str, session: Session) -> None:
         if self.bindings.get(kv_request_id) is session:
             del self.bindings[kv_request_id]
+        if kv_request_id in self.tombstones:
+            self._tombstone(kv_request_id)  # counts from when the last state went away
 
     def mark_failed(self, kv_request_id: str) -> None:
         self.failed.add(kv_request_id)
@@ -109,11 +111,14 @@ class Directory:
     def producer_finished(self, kv_request_id: str) -> Session | None:
         """Forget the producer request; returns the session holding its state, if any."""
         self.producers.discard(kv_request_id)
+        self._tombstone(kv_request_id)
+        return self.bindings.get(kv_request_id)
+
+    def _tombstone(self, kv_request_id: str) -> None:
         self._deadlines.cancel(self.tombstones.pop(kv_request_id, None))
         self.tombstones[kv_request_id] = self._deadlines.at(
             self._clock() + self._timeouts.unbound_store, self._tombstone_expired, kv_request_id
         )
-        return self.bindings.get(kv_request_id)
 
     def _tombstone_expired(self, kv_request_id: str) -> None:
         self.tombstones.pop(kv_request_id, None)
@@ -134,6 +139,8 @@ class Directory:
             self.parked[kv] = entries = [e for e in entries if e[0] is not job]
             if not entries:
                 del self.parked[kv]
+                if kv in self.tombstones:
+                    self._tombstone(kv)
         if self._observers.enabled:
             self._observers.timeout(kind="unbound_store", kv_request_id=kv, peer="")
         self._ledger.close(job.job_id, Outcome.UNBOUND_TIMEOUT,
