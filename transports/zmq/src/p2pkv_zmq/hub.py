@@ -75,7 +75,7 @@ _DEALER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDS
 _ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _MAX_MESSAGES_PER_POLL = 4096  # fairness: the rest waits for the next poll
 _MEMORY = 4096  # entries in each bounded memory
-_NOTICE_MAX_BYTES = 64  # what a DEALER accepts from the peer's ROUTER
+_DEALER_MAX_MSG = 65536  # a DEALER receives only "gone" (and handshake commands, ~200 B)
 _EMPTY: Sequence[ControlConnection] = ()
 
 
@@ -260,7 +260,7 @@ class ZmqHub(ZmqControlTransport):
             dealer.handshake_ivl = _ms(self._options.heartbeat_timeout)
             dealer.sndhwm = self.max_queued_frames + 1  # + the open message
             dealer.rcvhwm = 4
-            dealer.maxmsgsize = _NOTICE_MAX_BYTES
+            dealer.maxmsgsize = _DEALER_MAX_MSG
             if self._keys is not None:
                 dealer.curve_serverkey = self._keys.server_public
                 dealer.curve_publickey = self._keys.client_public
@@ -453,15 +453,14 @@ class ZmqHub(ZmqControlTransport):
                 event = parse_monitor_message(self._router_monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
-            endpoint = event["endpoint"].decode("ascii", "replace")
-            host = endpoint.removeprefix("tcp://").rpartition(":")[0] or endpoint
+            # libzmq names our listening endpoint here, not the peer: log once per cause.
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                log.debug("a connection from %s ended during its handshake", host)
+                log.debug("an inbound connection ended during its handshake")
                 continue
             self.counters["refused_handshakes"] += 1
             reason = _handshake_failure(event["event"], event["value"])
-            self._log_once(("listen", host, event["event"]),
-                           "refused a connection from %s: %s", host, reason)
+            self._log_once(("listen", event["event"], event["value"]),
+                           "refused an inbound connection: %s", reason)
 
     def _on_zap_refusal(self, host: str, client: str) -> None:
         self.counters["refused_handshakes"] += 1

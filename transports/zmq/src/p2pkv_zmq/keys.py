@@ -35,8 +35,8 @@ Kind = Literal["public", "secret"]
 
 def read_key(value: str, option: str, kind: Kind) -> bytes:
     """The 40-byte Z85 key named by ``value``: the key itself or a key file holding it."""
-    path = Path(value).expanduser()
-    if path.is_file():
+    path = _existing(value)
+    if path is not None and path.is_file():
         return _from_file(path, option, kind)
     if len(value) == _Z85_LEN:
         return _checked(value, option, "the value")
@@ -50,8 +50,8 @@ def read_key_list(values: tuple[str, ...], option: str) -> frozenset[bytes]:
     """Raw 32-byte public keys from keys, key files and directories of ``*.key`` files."""
     keys: set[bytes] = set()
     for i, value in enumerate(values):
-        path = Path(value).expanduser()
-        if path.is_dir():
+        path = _existing(value)
+        if path is not None and path.is_dir():
             files = sorted(path.glob(f"*{PUBLIC_SUFFIX}"))
             if not files:
                 raise ConfigError(f"zmq option {option!r}: no *{PUBLIC_SUFFIX} files in {path}")
@@ -88,6 +88,15 @@ def write_key_pair(directory: Path, name: str, *, force: bool = False) -> tuple[
            "# their server_public_key when this pair is the cluster's server key).\n"
            f'curve\n    public-key = "{pub}"\n')
     return public_path, secret_path
+
+
+def _existing(value: str) -> Path | None:
+    """``value`` as an existing path, or None (a Z85 key may look like anything)."""
+    try:
+        path = Path(value).expanduser()
+        return path if path.exists() else None
+    except (OSError, RuntimeError, ValueError):  # unknown ~user, name too long, NUL byte
+        return None
 
 
 def _write(path: Path, mode: int, text: str) -> None:
