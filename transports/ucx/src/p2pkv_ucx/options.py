@@ -1,0 +1,75 @@
+"""``data_options`` of the ``ucx`` data transport: names, defaults, validation.
+
+Every key is optional; an unknown key or a value of the wrong type or range raises
+``ConfigError`` naming the key. See the package README for the trade-offs behind each default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pkv.errors import ConfigError
+
+__all__ = ["UcxOptions"]
+
+
+@dataclass(frozen=True)
+class UcxOptions:
+    endpoint_error_handling: bool = True
+    """UCX PEER error handling on our endpoints. True (default): a dead peer fails our requests
+    with an error; on one host UCX then moves payload over TCP (about 1 GB/s here). False: the
+    zero-copy CMA path (several GB/s), but UCX has no failure path for it: a peer that dies
+    while we pull a block from it **aborts this process** inside UCX (measured), and requests
+    to a peer that vanished never complete (``transfer_timeout`` then fails them)."""
+    transfer_timeout: float = 60.0
+    """Seconds from submit after which a transfer that is still running is failed (0 = never).
+    Receives are cancelled first; a receive already pulling payload cannot be stopped and stays
+    in flight until UCX ends it. Keep it above the tier's load and store timeouts."""
+    drain_timeout: float = 2.0
+    """Seconds ``remove_peer`` and ``close`` keep progressing cancelled transfers before
+    returning the ones that did not drain."""
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest coalesced message: index runs contiguous on both sides are sent as one message
+    of up to this many bytes (at least one block). Our value is advertised to peers, which
+    respect it when they write into us."""
+    coalesce: bool = True
+    """Coalesce contiguous runs (see ``max_message_bytes``); False sends one message per block."""
+    ucx_config: Mapping[str, str] = field(default_factory=dict)
+    """UCX settings for this transport's UCX context only, without the ``UCX_`` prefix (for
+    example ``{"TLS": "tcp"}``); the process environment is not touched."""
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> UcxOptions:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"unknown ucx data option(s) {unknown}; valid: {', '.join(sorted(fields))}"
+            )
+        values: dict[str, Any] = {}
+        for key, value in options.items():
+            values[key] = _checked(key, value, type(getattr(cls(), key)))
+        opts = cls(**values)
+        for key in ("transfer_timeout", "drain_timeout"):
+            if getattr(opts, key) < 0:
+                raise ConfigError(f"ucx data option {key!r} must be >= 0 seconds")
+        if opts.max_message_bytes < 1:
+            raise ConfigError("ucx data option 'max_message_bytes' must be >= 1")
+        return opts
+
+
+def _checked(key: str, value: Any, expected: type) -> Any:
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is dict:
+        if isinstance(value, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            return dict(value)
+        raise ConfigError(f"ucx data option {key!r} must map str to str, got {value!r}")
+    if isinstance(value, expected) and (expected is bool or not isinstance(value, bool)):
+        return value
+    raise ConfigError(f"ucx data option {key!r} must be {expected.__name__}, got {value!r}")

@@ -1,0 +1,34 @@
+"""Cutting a write into messages: runs contiguous on both sides, capped in length."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["plan_runs"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+def plan_runs(
+    src: IntArray, dst: IntArray, gens: IntArray, max_run: int
+) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+    """Split a write into runs; returns (src starts, dst starts, lengths, gens) per run.
+
+    Block ``i`` continues the run of block ``i - 1`` when both its source and destination
+    index are one higher and it belongs to the same expectation round (``gens``); a run never
+    exceeds ``max_run`` blocks (``max_run == 1`` sends one message per block).
+    """
+    n = len(src)
+    if max_run <= 1:
+        return src, dst, np.ones(n, np.int64), gens
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1) | (np.diff(gens) != 0)
+    firsts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.append(firsts, n))
+    if (lengths > max_run).any():
+        pieces = -(-lengths // max_run)
+        run = np.repeat(np.arange(len(lengths)), pieces)
+        offset = (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_run
+        firsts = firsts[run] + offset
+        lengths = np.minimum(max_run, lengths[run] - offset)
+    return src[firsts], dst[firsts], lengths.astype(np.int64), gens[firsts]

@@ -1,0 +1,728 @@
+"""The ``ucx`` data transport: two-sided UCX tag messaging over ucxx, host memory.
+
+ucxx's Python API has no RMA (no memory map, rkey or put), so a block moves as a tagged
+message that the receiver matches into its slot. The round trip per write:
+
+1. The consumer's tier calls ``expect_blocks(producer, slots)`` when it asks for blocks. We
+   number the expectation (``gen``, per peer), own the slots, and send the producer an
+   EXPECT message ``(gen, slots, link)`` over UCX.
+2. The producer's ``write_blocks(consumer, src, dst)`` waits (inside the transport, never
+   blocking the caller) until an EXPECT covers every ``dst`` slot, takes each slot's ``gen``
+   (once: a second write into the same slot waits for a new EXPECT), cuts the write into
+   runs contiguous on both sides (:func:`~p2pkv_ucx.runs.plan_runs`), and sends one HEADER
+   naming the runs, then each run's payload straight from its source blocks.
+3. The consumer checks each run of the HEADER against its live expectations (same peer, same
+   ``gen``, slots not yet claimed) and posts a receive directly into the slots (zero copy: the
+   payload moves by rendezvous only once the receive is posted). A run that fails the check is
+   drained into a scratch buffer instead and never touches the region.
+
+Tags (:mod:`p2pkv_ucx.tags`) carry a link id the *receiver* assigned to the sender, so
+messages from two peers can never match each other's receives even though UCX matches per
+worker. ``gen`` makes a write from an abandoned round unable to land in a later round's slot.
+
+Threading and progress: no progress thread. ``poll``/``progress`` call ``worker.progress()``
+on the caller's (driver) thread; ucxx never calls back into Python here. Nothing blocks
+except ``remove_peer`` and ``close``, which progress for at most ``drain_timeout``.
+
+Memory safety: a receive is the only request that writes our region; it is terminal only
+when UCX says so (completed, failed, or confirmed cancelled). Sends only read our memory, so
+a send UCX cannot finish (a vanished peer without endpoint error handling) is failed at its
+deadline and kept as an *orphan* until UCX lets go of it; ``close`` reports orphans as
+undrained and then leaks the UCX objects rather than freeing memory under them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+from p2pkv.contracts import (
+    EMPTY_POLL,
+    CancelMode,
+    Capabilities,
+    DataSettings,
+    DataTransport,
+    PollResult,
+)
+from p2pkv.errors import (
+    ConfigError,
+    PeerRejected,
+    TransferSubmitError,
+    TransportUnavailable,
+)
+
+from p2pkv_ucx import library, tags, wire
+from p2pkv_ucx.options import UcxOptions
+from p2pkv_ucx.runs import plan_runs
+
+__all__ = ["UcxDataTransport"]
+
+log = logging.getLogger("p2pkv.ucx")
+
+IntArray = npt.NDArray[np.int64]
+_OK, _IN_PROGRESS = 0, 1
+_GEN_LIMIT = (1 << 32) - 1
+_INBOX_BATCH = 256
+"""Control messages taken from UCX per kind per pump (the rest wait for the next pump)."""
+_EARLY_LIMIT = 64
+"""EXPECTs kept per not-yet-added sender, and senders kept (older ones are dropped)."""
+
+
+@dataclass(eq=False)
+class _Peer:
+    peer_id: str
+    desc: wire.Descriptor
+    ep: Any
+    link_in: int
+    """Our id for this peer: it tags HEADER and DATA to us with it."""
+    slot_gen: npt.NDArray[np.uint32]
+    """Round of the newest unconsumed EXPECT per slot of the peer's region (0 = none)."""
+    link_out: int | None = None
+    """The peer's id for us (from its EXPECTs); we cannot write to it before the first one."""
+    next_gen: int = 1
+    next_seq: int = 0
+    dead: bool = False
+    transfers: dict[int, _Transfer] = field(default_factory=dict)
+    deferred: list[_Write] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Transfer:
+    tid: int
+    peer: _Peer
+    deadline: float
+    requests: list[Any] = field(default_factory=list)
+    front: int = 0
+    """``requests[:front]`` have completed."""
+    error: str | None = None
+    cancelled: bool = False
+    keep: Any = None
+    """A payload UCX reads until ``requests`` complete (HEADER or EXPECT bytes)."""
+
+    def settle(self) -> bool:
+        """Record completions; True when every request has completed."""
+        reqs = self.requests
+        while self.front < len(reqs) and reqs[self.front].completed:
+            status = reqs[self.front].status
+            if status != _OK and self.error is None:
+                self.error = f"UCX status {status}"
+            self.front += 1
+        return self.front == len(reqs)
+
+
+@dataclass(eq=False)
+class _Write(_Transfer):
+    src: IntArray = field(default_factory=lambda: np.empty(0, np.int64))
+    dst: IntArray = field(default_factory=lambda: np.empty(0, np.int64))
+    posted: bool = False
+
+
+@dataclass(eq=False)
+class _Expect(_Transfer):
+    gen: int = 0
+    slots: IntArray = field(default_factory=lambda: np.empty(0, np.int64))
+    unclaimed: int = 0
+    stopping: bool = False
+    notice: Any = None
+    """The EXPECT send; it reads ``keep`` only, never the region."""
+
+    def settle(self) -> bool:
+        if self.notice is not None and self.notice.completed:
+            if self.notice.status != _OK and self.error is None:
+                self.error = f"EXPECT to the peer failed (UCX status {self.notice.status})"
+            self.notice = None
+        return super().settle()
+
+
+class UcxDataTransport(DataTransport):
+    """``DataTransport`` over ucxx tag send/receive (see the module docstring)."""
+
+    name: ClassVar[str] = "ucx"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        cross_process=True,
+        cross_host=True,
+        wait_cancel=True,
+        memory_kinds=frozenset({"DRAM"}),
+        two_sided=True,
+    )
+
+    @classmethod
+    def availability(cls) -> TransportUnavailable | None:
+        return library.problem()
+
+    @classmethod
+    def create(cls, settings: DataSettings) -> UcxDataTransport:
+        options = UcxOptions.from_mapping(settings.options)
+        region = settings.region
+        if settings.block_len < 1:
+            raise ConfigError(f"block_len must be positive, got {settings.block_len}")
+        if region.readonly or not region.c_contiguous or region.ndim != 1:
+            raise ConfigError("the ucx transport needs a writable, 1-D, C-contiguous region")
+        if region.nbytes == 0 or region.nbytes % settings.block_len:
+            raise ConfigError(
+                f"region of {region.nbytes} bytes is not a whole number of "
+                f"{settings.block_len}-byte blocks"
+            )
+        return cls(settings, options, library.load())
+
+    def __init__(self, settings: DataSettings, options: UcxOptions, lib: library.Ucxx) -> None:
+        api = lib.api
+        self._opts = options
+        self._lib = lib
+        self._tag = api.UCXXTag
+        self._mask = api.UCXXTagMask
+        self._array = lib.array
+        self._block_len = settings.block_len
+        self._num_blocks = settings.num_blocks
+        self._blocks: npt.NDArray[np.uint8] | None = np.frombuffer(
+            settings.region.cast("B"), np.uint8
+        ).reshape(self._num_blocks, self._block_len)
+        config = {k.removeprefix("UCX_"): v for k, v in options.ucx_config.items()}
+        try:
+            self._ctx: Any = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
+            self._worker: Any = api.UCXWorker(self._ctx)
+            address = self._worker.address.tobytes()
+        except Exception as exc:
+            raise ConfigError(f"UCX refused to start ({type(exc).__name__}: {exc})") from exc
+        self._max_run = (
+            max(1, options.max_message_bytes // self._block_len) if options.coalesce else 1
+        )
+        self._instance = secrets.randbits(62) | 1
+        self._descriptor = wire.encode_descriptor(wire.Descriptor(
+            address, self._instance, self._num_blocks, self._block_len, self._max_run
+        ))
+        self._timeout = options.transfer_timeout if options.transfer_timeout > 0 else math.inf
+        self._ids = itertools.count(1)
+        self._links = itertools.count(1)
+        self._peers: dict[str, _Peer] = {}
+        self._retired: dict[str, list[_Peer]] = {}
+        self._by_link: dict[int, _Peer] = {}
+        self._by_instance: dict[int, _Peer] = {}
+        self._early: dict[int, list[wire.Expect]] = {}
+        self._transfers: dict[int, _Transfer] = {}
+        self._slot_owner = np.zeros(self._num_blocks, np.int64)
+        self._claimed = np.zeros(self._num_blocks, np.bool_)
+        self._inbox: deque[tuple[int, int, Any, npt.NDArray[np.uint8]]] = deque()
+        self._poisoned: dict[tuple[int, int], float] = {}
+        self._drains: list[Any] = []
+        self._scratch: npt.NDArray[np.uint8] | None = None
+        self._orphans: list[_Transfer] = []
+        self._loose: list[tuple[Any, Any]] = []
+        self._control_limit = 64 + 12 * self._num_blocks
+        self._closed = False
+        self._undrained: list[int] = []
+
+    # -- shape and peers --------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_len(self) -> int:
+        return self._block_len
+
+    def descriptor(self) -> bytes:
+        return self._descriptor
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        if self._closed:
+            raise PeerRejected(f"peer {peer_id!r}: the ucx transport is closed")
+        try:
+            desc = wire.decode_descriptor(descriptor)
+        except ValueError as exc:
+            raise PeerRejected(f"peer {peer_id!r}: {exc}") from None
+        if desc.block_len != self._block_len:
+            raise PeerRejected(
+                f"peer {peer_id!r}: block_len {desc.block_len} does not match ours "
+                f"({self._block_len})"
+            )
+        known = self._peers.get(peer_id)
+        if known is not None:
+            if known.desc == desc:
+                return
+            self.remove_peer(peer_id)
+        link = next(self._links)
+        if link > tags.MAX_LINK:
+            raise PeerRejected(f"peer {peer_id!r}: link ids exhausted; recreate the transport")
+        api = self._lib.api
+        try:
+            address = api.UCXAddress.create_from_buffer(desc.address)
+            ep = api.UCXEndpoint.create_from_worker_address(
+                self._worker, address, self._opts.endpoint_error_handling
+            )
+        except Exception as exc:
+            raise PeerRejected(
+                f"peer {peer_id!r}: UCX cannot reach its worker ({type(exc).__name__}: {exc})"
+            ) from None
+        peer = _Peer(peer_id, desc, ep, link, np.zeros(desc.num_blocks, np.uint32))
+        self._control_limit = max(self._control_limit, 64 + 12 * desc.num_blocks)
+        self._peers[peer_id] = peer
+        self._by_link[link] = peer
+        self._by_instance[desc.instance] = peer
+        for expect in self._early.pop(desc.instance, []):
+            self._on_expect(expect)
+
+    def remove_peer(self, peer_id: str) -> list[int]:
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return []
+        if self._by_instance.get(peer.desc.instance) is peer:
+            del self._by_instance[peer.desc.instance]
+        kept = self._drain(list(peer.transfers))
+        if peer.transfers:
+            self._retired.setdefault(peer_id, []).append(peer)
+        else:
+            self._release(peer)
+        return kept
+
+    # -- submit -----------------------------------------------------------------------------
+
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        peer = self._active(peer_id)
+        src = _indexes(local_idxs, self._num_blocks, "local")
+        dst = _indexes(remote_idxs, peer.desc.num_blocks, "remote")
+        if len(src) != len(dst):
+            raise TransferSubmitError(
+                f"{len(src)} local but {len(dst)} remote block indexes"
+            )
+        if len(dst) > tags.MAX_RUNS:
+            raise TransferSubmitError(f"at most {tags.MAX_RUNS} blocks per write")
+        if len(np.unique(dst)) != len(dst):
+            raise TransferSubmitError("a remote block index appears twice in one write")
+        write = _Write(next(self._ids), peer, time.monotonic() + self._timeout, src=src, dst=dst)
+        self._register(write)
+        if len(dst) == 0:
+            write.posted = True
+        else:
+            peer.deferred.append(write)
+            self._post_deferred(peer)
+        return write.tid
+
+    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
+        peer = self._active(peer_id)
+        slots = _indexes(local_idxs, self._num_blocks, "local")
+        if len(np.unique(slots)) != len(slots):
+            raise TransferSubmitError("a local block index appears twice in one expectation")
+        busy = slots[self._slot_owner[slots] != 0]
+        if len(busy):
+            raise TransferSubmitError(
+                f"local block {int(busy[0])} already expects a write (cancel that one first)"
+            )
+        gen = peer.next_gen
+        expect = _Expect(
+            next(self._ids), peer, time.monotonic() + self._timeout,
+            gen=gen, slots=slots, unclaimed=len(slots),
+        )
+        if len(slots):
+            payload = np.frombuffer(
+                wire.encode_expect(self._instance, peer.link_in, gen, slots), np.uint8
+            )
+            try:
+                expect.notice = peer.ep.tag_send(
+                    self._array(payload), self._tag(tags.kind_tag(tags.EXPECT))
+                )
+            except Exception as exc:
+                raise TransferSubmitError(
+                    f"peer {peer_id!r}: UCX refused the EXPECT ({type(exc).__name__}: {exc})"
+                ) from None
+            expect.keep = payload
+            peer.next_gen = gen % _GEN_LIMIT + 1
+            self._slot_owner[slots] = expect.tid
+        self._register(expect)
+        return expect.tid
+
+    # -- progress and completion ------------------------------------------------------------
+
+    def progress(self) -> None:
+        if not self._closed:
+            self._pump()
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        if self._closed:
+            return EMPTY_POLL
+        self._pump()
+        if peer_id is None:
+            scope = list(self._transfers.values())
+        else:
+            peers = [*self._retired.get(peer_id, ()), self._peers.get(peer_id)]
+            scope = [t for p in peers if p is not None for t in p.transfers.values()]
+        if not scope:
+            return EMPTY_POLL
+        now = time.monotonic()
+        done: list[int] = []
+        failed: list[int] = []
+        for t in scope:
+            outcome = self._advance(t, now)
+            if outcome is not None:
+                (done if outcome else failed).append(t.tid)
+                self._forget(t)
+        return PollResult(done, failed)
+
+    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
+        kept: list[int] = []
+        for tid in transfer_ids:
+            t = self._transfers.get(tid)
+            if t is None:
+                continue
+            if isinstance(t, _Expect):
+                self._stop(t, "cancelled")
+            if mode is CancelMode.IMMEDIATE or self._stopped(t):
+                self._forget(t)
+            else:
+                t.cancelled = True
+                kept.append(tid)
+        return kept
+
+    def close(self) -> list[int]:
+        if self._closed:
+            return list(self._undrained)
+        kept = self._drain(list(self._transfers))
+        self._closed = True
+        self._prune_orphans()
+        undrained = sorted({*kept, *(t.tid for t in self._orphans)})
+        self._undrained = undrained
+        if undrained:
+            log.warning(
+                "ucx transport closed with %d transfers UCX has not released; keeping its "
+                "region and UCX objects alive on purpose", len(undrained)
+            )
+            _leak(self)
+        else:
+            self._teardown()
+        return list(undrained)
+
+    # -- internals: submit side -------------------------------------------------------------
+
+    def _active(self, peer_id: str) -> _Peer:
+        if self._closed:
+            raise TransferSubmitError("the ucx transport is closed")
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise TransferSubmitError(f"unknown peer {peer_id!r}")
+        if peer.dead:
+            raise TransferSubmitError(f"peer {peer_id!r} is unreachable (UCX endpoint failed)")
+        return peer
+
+    def _register(self, t: _Transfer) -> None:
+        self._transfers[t.tid] = t
+        t.peer.transfers[t.tid] = t
+
+    def _post_deferred(self, peer: _Peer) -> None:
+        """Post the peer's waiting writes whose slots all have an unconsumed EXPECT round.
+
+        Writes go in submit order per slot: one still waiting holds its slots for later ones.
+        """
+        if peer.link_out is None or not peer.deferred:
+            return
+        waiting: list[_Write] = []
+        held: set[int] = set()
+        for write in peer.deferred:
+            gens = peer.slot_gen[write.dst]
+            if gens.all() and not (held and held.intersection(write.dst.tolist())):
+                peer.slot_gen[write.dst] = 0
+                self._post(peer, write, gens.astype(np.int64))
+            else:
+                waiting.append(write)
+                held.update(write.dst.tolist())
+        peer.deferred = waiting
+
+    def _post(self, peer: _Peer, write: _Write, gens: IntArray) -> None:
+        assert peer.link_out is not None and self._blocks is not None
+        starts, dsts, lengths, run_gens = plan_runs(
+            write.src, write.dst, gens, min(self._max_run, peer.desc.max_run)
+        )
+        seq = peer.next_seq
+        peer.next_seq = (seq + 1) & tags.SEQ_MASK
+        header = np.frombuffer(wire.encode_header(dsts, lengths, run_gens), np.uint8)
+        write.keep = header
+        write.posted = True
+        tag, array, blocks, send = self._tag, self._array, self._blocks, peer.ep.tag_send
+        try:
+            write.requests.append(send(array(header), tag(tags.header_tag(peer.link_out, seq))))
+            first = tags.data_tag(peer.link_out, seq, 0)
+            for run, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+                write.requests.append(send(array(blocks[s:s + n]), tag(first + run)))
+        except Exception as exc:  # a failed endpoint refuses new sends
+            write.error = f"UCX refused a send ({type(exc).__name__}: {exc})"
+
+    # -- internals: progress ----------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """All I/O: progress UCX, take inbound control messages, drain rejected payload."""
+        worker = self._worker
+        worker.progress()
+        self._take_control(tags.EXPECT)
+        self._take_control(tags.HEADER)
+        self._drain_poisoned()
+        worker.progress()
+        self._handle_inbox()
+        for peer in self._peers.values():
+            if peer.transfers and not peer.dead and not peer.ep.alive:
+                peer.dead = True
+        if self._orphans:
+            self._prune_orphans()
+        if self._drains:
+            self._drains = [r for r in self._drains if not r.completed]
+        if self._loose:
+            self._loose = [(r, keep) for r, keep in self._loose if not r.completed]
+
+    def _take_control(self, kind: int) -> None:
+        probe = self._worker.tag_probe
+        tag, mask = self._tag(tags.kind_tag(kind)), self._mask(tags.KIND_MASK)
+        limit = self._control_limit
+        for _ in range(_INBOX_BATCH):
+            found = probe(tag, mask, remove=True)
+            if not found.matched:
+                return
+            size = found.length
+            buf = np.empty(size if size <= limit else 1, np.uint8)  # too big: truncated, dropped
+            req = self._worker.tag_recv_with_handle(self._array(buf), found)
+            self._inbox.append((kind, found.sender_tag.value, req, buf))
+
+    def _handle_inbox(self) -> None:
+        inbox = self._inbox
+        while inbox and inbox[0][2].completed:
+            kind, tag, req, buf = inbox.popleft()
+            _, link, seq, _ = tags.split(tag)
+            try:
+                if req.status != _OK:
+                    raise ValueError(f"UCX status {req.status}")
+                if kind == tags.EXPECT:
+                    self._on_expect(wire.decode_expect(buf.tobytes()))
+                else:
+                    self._on_header(link, seq, wire.decode_header(buf.tobytes()))
+            except ValueError as exc:
+                log.warning("ucx: dropped a malformed %s message: %s",
+                            "EXPECT" if kind == tags.EXPECT else "HEADER", exc)
+                if kind == tags.HEADER:
+                    self._poison(link, seq)
+
+    def _on_expect(self, expect: wire.Expect) -> None:
+        peer = self._by_instance.get(expect.instance)
+        if peer is None:  # its add_peer may still come: keep a few
+            early = self._early.setdefault(expect.instance, [])
+            early.append(expect)
+            del early[:-_EARLY_LIMIT]
+            while len(self._early) > _EARLY_LIMIT:
+                del self._early[next(iter(self._early))]
+            return
+        slots = expect.slots
+        if expect.link > tags.MAX_LINK or (len(slots) and slots.max() >= peer.desc.num_blocks):
+            raise ValueError(f"EXPECT from peer {peer.peer_id!r} names slots outside its region")
+        peer.link_out = expect.link
+        peer.slot_gen[slots] = expect.gen
+        self._post_deferred(peer)
+
+    def _on_header(self, link: int, seq: int, header: wire.Header) -> None:
+        peer = self._by_link.get(link)
+        blocks = self._blocks
+        if peer is None or self._peers.get(peer.peer_id) is not peer or blocks is None:
+            self._poison(link, seq)
+            return
+        owner, claimed, transfers = self._slot_owner, self._claimed, self._transfers
+        tag, array, recv = self._tag, self._array, peer.ep.tag_recv
+        first = tags.data_tag(link, seq, 0)
+        rejected = 0
+        for run, (s, n, gen) in enumerate(zip(
+            header.starts.tolist(), header.lengths.tolist(), header.gens.tolist(), strict=True
+        )):
+            t = transfers.get(int(owner[s])) if 0 < n <= self._max_run and s + n <= len(owner) \
+                else None
+            if (
+                not isinstance(t, _Expect) or t.peer is not peer or t.gen != gen or t.stopping
+                or (owner[s:s + n] != t.tid).any() or claimed[s:s + n].any()
+            ):
+                rejected += 1
+                continue
+            claimed[s:s + n] = True
+            t.unclaimed -= n
+            try:
+                t.requests.append(recv(array(blocks[s:s + n]), tag(first + run)))
+            except Exception as exc:
+                t.error = f"UCX refused a receive ({type(exc).__name__}: {exc})"
+        if rejected:
+            log.info("ucx: drained %d run(s) from peer %r that no live expectation wants",
+                     rejected, peer.peer_id)
+            self._poison(link, seq)
+
+    def _poison(self, link: int, seq: int) -> None:
+        """Drain every not-yet-received DATA run of write (link, seq) into scratch."""
+        self._poisoned[(link, seq)] = time.monotonic() + min(self._timeout, 300.0)
+
+    def _drain_poisoned(self) -> None:
+        if not self._poisoned:
+            return
+        if self._scratch is None:
+            self._scratch = np.empty(self._max_run * self._block_len, np.uint8)
+        now, mask = time.monotonic(), self._mask(tags.WRITE_MASK)
+        for (link, seq), expiry in list(self._poisoned.items()):
+            while True:
+                found = self._worker.tag_probe(
+                    self._tag(tags.data_tag(link, seq, 0)), mask, remove=True
+                )
+                if not found.matched:
+                    break
+                sink = self._array(self._scratch[: min(found.length, len(self._scratch))])
+                self._drains.append(self._worker.tag_recv_with_handle(sink, found))
+            if now > expiry:
+                del self._poisoned[(link, seq)]
+
+    def _advance(self, t: _Transfer, now: float) -> bool | None:
+        """True done, False failed, None still in flight (never reports a live receive)."""
+        if isinstance(t, _Write):
+            if not t.posted:
+                if now > t.deadline or t.peer.dead:
+                    t.peer.deferred.remove(t)
+                    return False
+                return None
+            if t.settle():
+                return t.error is None
+            if t.error is not None or now > t.deadline:
+                return False  # the sends only read our memory: orphaned by _forget
+            return None
+        assert isinstance(t, _Expect)
+        finished = t.settle()
+        if not t.stopping:
+            if t.error is None and finished and t.unclaimed == 0:
+                return True
+            if t.error is not None or now > t.deadline or t.peer.dead:
+                self._stop(t, t.error or ("peer unreachable" if t.peer.dead else "timed out"))
+                finished = t.settle()
+        return False if t.stopping and finished else None
+
+    def _stop(self, t: _Expect, reason: str) -> None:
+        """Cancel the expectation's receives and give back its unclaimed slots (once)."""
+        if t.stopping:
+            return
+        t.stopping = True
+        t.error = t.error or reason
+        cancel = self._lib.cancel
+        if cancel is not None:
+            for req in t.requests[t.front:]:
+                if not req.completed:
+                    cancel(req)
+        unclaimed = t.slots[(self._slot_owner[t.slots] == t.tid) & ~self._claimed[t.slots]]
+        self._slot_owner[unclaimed] = 0
+
+    def _stopped(self, t: _Transfer) -> bool:
+        """True when nothing of ``t`` can still touch memory we give back by forgetting it."""
+        if isinstance(t, _Write) and not t.posted:
+            t.peer.deferred.remove(t)
+            return True
+        return t.settle()
+
+    def _forget(self, t: _Transfer) -> None:
+        del self._transfers[t.tid]
+        del t.peer.transfers[t.tid]
+        if isinstance(t, _Write) and not t.posted and t in t.peer.deferred:
+            t.peer.deferred.remove(t)
+        if isinstance(t, _Expect):
+            mine = t.slots[self._slot_owner[t.slots] == t.tid]
+            self._slot_owner[mine] = 0
+            self._claimed[mine] = False
+        if not t.settle():
+            self._orphans.append(t)
+        if isinstance(t, _Expect) and t.notice is not None:
+            self._loose.append((t.notice, t.keep))
+        peer = t.peer
+        if not peer.transfers and self._peers.get(peer.peer_id) is not peer:
+            self._release(peer)
+
+    def _prune_orphans(self) -> None:
+        self._orphans = [t for t in self._orphans if not t.settle()]
+
+    def _drain(self, ids: list[int]) -> list[int]:
+        """Wait-cancel ``ids`` and progress up to ``drain_timeout``; forget what drained.
+
+        Sends still running when the drain ends are given the drain deadline as their
+        deadline: they only read our memory, so the next poll fails (and orphans) them.
+        """
+        kept = set(self.cancel(ids, CancelMode.WAIT))
+        deadline = time.monotonic() + self._opts.drain_timeout
+        while kept:
+            self._pump()
+            for tid in list(kept):
+                t = self._transfers.get(tid)
+                if t is None or self._stopped(t):
+                    if t is not None:
+                        self._forget(t)
+                    kept.discard(tid)
+            if time.monotonic() >= deadline:
+                break
+        for tid in kept:
+            self._transfers[tid].deadline = min(self._transfers[tid].deadline, deadline)
+        return sorted(kept)
+
+    def _release(self, peer: _Peer) -> None:
+        """Drop a removed peer whose transfers are all gone (its endpoint closes on release)."""
+        retired = self._retired.get(peer.peer_id)
+        if retired is not None and peer in retired:
+            retired.remove(peer)
+            if not retired:
+                del self._retired[peer.peer_id]
+        if self._by_link.get(peer.link_in) is peer:
+            del self._by_link[peer.link_in]
+        peer.ep = None
+
+    def _teardown(self) -> None:
+        """Close with nothing in flight: cancel our own control receives, drop UCX objects.
+
+        A control receive UCX will not confirm cancelled keeps the worker alive (leaked)."""
+        cancel = self._lib.cancel
+        receives = [req for _, _, req, _ in self._inbox] + self._drains
+        if cancel is not None:
+            for req in receives:
+                if not req.completed:
+                    cancel(req)
+        self._worker.progress()
+        sends = [(r, keep) for r, keep in self._loose if not r.completed]
+        if sends or not all(req.completed for req in receives):
+            _leak((self._worker, self._ctx, receives, list(self._inbox), self._scratch, sends))
+        for peer in [*self._peers.values(), *(p for ps in self._retired.values() for p in ps)]:
+            peer.ep = None
+        self._peers.clear()
+        self._retired.clear()
+        self._by_link.clear()
+        self._by_instance.clear()
+        self._inbox.clear()
+        self._drains.clear()
+        self._orphans.clear()
+        self._loose.clear()
+        self._transfers.clear()
+        self._scratch = None
+        self._blocks = None
+        self._worker = None
+        self._ctx = None
+
+
+def _indexes(values: Sequence[int], bound: int, what: str) -> IntArray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.empty(0, np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TransferSubmitError(f"{what} block indexes must be a flat sequence of integers")
+    arr = arr.astype(np.int64, copy=False)
+    bad = (arr < 0) | (arr >= bound)
+    if bad.any():
+        raise TransferSubmitError(
+            f"{what} block index {int(arr[bad][0])} is outside 0..{bound - 1}"
+        )
+    return arr
+
+
+def _leak(obj: object) -> None:
+    """Keep ``obj`` alive for the life of the process (UCX may still touch its memory)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
