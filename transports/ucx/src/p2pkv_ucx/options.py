@@ -2,18 +2,26 @@
 
 Every key is optional; an unknown key or a value of the wrong type or range raises
 ``ConfigError`` naming the key. See the package README for the trade-offs behind each default.
+
+``P2PKV_UCX_ENDPOINT_ERROR_HANDLING`` (``1``/``0``, ``true``/``false``) replaces the default of
+``endpoint_error_handling`` for processes that cannot pass options (``p2pkv bench`` targets);
+an explicit option still wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["UcxOptions"]
+__all__ = ["ERROR_HANDLING_ENV", "UcxOptions"]
+
+ERROR_HANDLING_ENV = "P2PKV_UCX_ENDPOINT_ERROR_HANDLING"
+_BOOLS = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,10 @@ class UcxOptions:
     example ``{"TLS": "tcp"}``); the process environment is not touched."""
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any]) -> UcxOptions:
+    def from_mapping(
+        cls, options: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    ) -> UcxOptions:
+        env = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
         if unknown:
@@ -50,6 +61,11 @@ class UcxOptions:
                 f"unknown ucx data option(s) {unknown}; valid: {', '.join(sorted(fields))}"
             )
         values: dict[str, Any] = {}
+        raw = env.get(ERROR_HANDLING_ENV)
+        if raw is not None:
+            if raw.strip().lower() not in _BOOLS:
+                raise ConfigError(f"{ERROR_HANDLING_ENV}={raw!r}: use 1, 0, true or false")
+            values["endpoint_error_handling"] = _BOOLS[raw.strip().lower()]
         for key, value in options.items():
             values[key] = _checked(key, value, type(getattr(cls(), key)))
         opts = cls(**values)
