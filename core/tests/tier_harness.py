@@ -51,14 +51,14 @@ class Node:
     def __init__(self, clock: FakeClock, *, faults: FaultInjector | None = None,
                  num_blocks: int = 64, block_len: int = 16,
                  data_options: Mapping[str, Any] | None = None, seed: int = 0,
-                 **config_overrides: Any) -> None:
+                 port: int = 0, **config_overrides: Any) -> None:
         self.clock = clock
         self.region = bytearray(num_blocks * block_len)
         self.blocks = np.frombuffer(self.region, dtype=np.uint8).reshape(num_blocks, block_len)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
         cfg = config(**config_overrides)
         ctl: Any = MemoryControlTransport.create(
-            ControlSettings("127.0.0.1", 0, max_frame_bytes=cfg.limits.max_frame_bytes)
+            ControlSettings("127.0.0.1", port, max_frame_bytes=cfg.limits.max_frame_bytes)
         )
         data: Any = MemoryDataTransport.create(
             DataSettings(memoryview(self.region), block_len, dict(data_options or {}))
