@@ -1,0 +1,121 @@
+"""P2PTier pairs over ``zmq`` control and ``memory`` data in one process (real sockets, real
+clock), built from tier configs through the registry like an engine adapter would."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import p2pkv_memory.plugin as memory_plugin
+import p2pkv_zmq.plugin as zmq_plugin
+import pytest
+from p2pkv.addressing import parse_address
+from p2pkv.config import TierConfig
+from p2pkv.registry import Registry
+from p2pkv.testing.waiting import wait_until
+from p2pkv.tier import P2PTier
+from p2pkv.types import Job, JobResult, Outcome, RequestContext
+from p2pkv_zmq import ZmqControlTransport
+
+from conftest import FAST
+
+REGISTRY = Registry.from_plugins([("zmq", zmq_plugin), ("memory", memory_plugin)])
+T = 10.0
+NUM_BLOCKS, BLOCK_LEN = 64, 256
+
+
+class Peer:
+    def __init__(self, seed: int) -> None:
+        self.region = bytearray(NUM_BLOCKS * BLOCK_LEN)
+        self.blocks = np.frombuffer(self.region, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
+        self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
+        config = TierConfig.from_dict({
+            "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
+            "control_options": FAST,
+        })
+        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY)
+        self.host, self.port = parse_address(self.tier.local_address)
+        self.results: dict[int, JobResult] = {}
+
+    def collect(self) -> None:
+        for r in self.tier.get_finished_jobs():
+            assert r.job_id not in self.results, f"job {r.job_id} reported twice"
+            self.results[r.job_id] = r
+
+    def job(self, job_id: int, keys: list[bytes], slots: list[int], *, load: bool,
+            ctx: RequestContext) -> None:
+        (self.tier.submit_load if load else self.tier.submit_store)(
+            Job(job_id, keys, slots, load, ctx))
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Peer, Peer]]:
+    producer, consumer = Peer(1), Peer(2)
+    yield producer, consumer
+    consumer.tier.shutdown()
+    producer.tier.shutdown()
+
+
+def contexts(kv: str, producer: Peer) -> tuple[RequestContext, RequestContext]:
+    return (
+        RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}}),
+        RequestContext(f"c-{kv}", {"remote_prefiller": {
+            "kv_request_id": kv, "remote_host": producer.host, "remote_port": producer.port}}),
+    )
+
+
+def tick(*peers: Peer) -> Any:
+    return lambda: [p.collect() for p in peers]
+
+
+def test_the_tier_builds_the_zmq_transport_from_its_config(pair: tuple[Peer, Peer]) -> None:
+    producer, _ = pair
+    assert isinstance(producer.tier._control, ZmqControlTransport)
+
+
+@pytest.mark.parametrize("order", ["producer_first", "consumer_first"])
+def test_pd_request_over_zmq_control_moves_bytes_exactly(
+    pair: tuple[Peer, Peer], order: str,
+) -> None:
+    producer, consumer = pair
+    for round_ in range(3):  # several requests over the same session
+        kv = f"{order}-{round_}"
+        pctx, cctx = contexts(kv, producer)
+        producer.tier.on_new_request(pctx)
+        consumer.tier.on_new_request(cctx)
+        keys = [f"{kv}/{i}".encode() for i in range(16)]
+        src = list(range(16 * round_, 16 * round_ + 16))
+        dst = [NUM_BLOCKS - 1 - s for s in src]
+        store_id, load_id = 100 + round_, 200 + round_
+        first, second = ((producer, store_id, src, False, pctx), (consumer, load_id, dst, True,
+                                                                   cctx))
+        if order == "consumer_first":
+            first, second = second, first
+        peer, job_id, slots, load, ctx = first
+        peer.job(job_id, keys, slots, load=load, ctx=ctx)
+        tick(producer, consumer)()
+        peer, job_id, slots, load, ctx = second
+        peer.job(job_id, keys, slots, load=load, ctx=ctx)
+        wait_until(lambda: store_id in producer.results and load_id in consumer.results,
+                   timeout=T, what=f"both results of {kv}", pumps=[tick(producer, consumer)])
+        assert producer.results[store_id].outcome is Outcome.DONE
+        assert consumer.results[load_id].outcome is Outcome.DONE
+        assert (consumer.blocks[dst] == producer.blocks[src]).all()
+        producer.tier.on_request_finished(pctx)
+        consumer.tier.on_request_finished(cctx)
+    assert producer.tier._control.stats()["connections"] == 1  # type: ignore[attr-defined]
+
+
+def test_producer_gone_fails_the_load_with_peer_dead(pair: tuple[Peer, Peer]) -> None:
+    producer, consumer = pair
+    pctx, cctx = contexts("doomed", producer)
+    producer.tier.on_new_request(pctx)
+    consumer.tier.on_new_request(cctx)
+    consumer.job(1, [b"doomed/0", b"doomed/1"], [0, 1], load=True, ctx=cctx)
+    wait_until(lambda: consumer.tier.stats().get("sessions", 0) >= 1, timeout=T,
+               what="the session", pumps=[tick(producer, consumer)])
+    producer.tier._control.close()  # the producer's control plane vanishes (no goodbye)
+    wait_until(lambda: 1 in consumer.results, timeout=FAST["heartbeat_timeout"] + T,
+               what="the load to fail", pumps=[tick(consumer)])
+    assert consumer.results[1].outcome is Outcome.PEER_DEAD
