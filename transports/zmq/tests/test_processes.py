@@ -27,7 +27,8 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
 ) -> None:
     p = make_transport()
     plan = {"B": 10_000, "C": 2_000}  # frames each way per peer
-    with Child(zmq_peers.streamer, p.local_address, plan["B"], b"B", plan["B"], FAST,
+    calm: dict[str, float] = {}  # default heartbeats: a starved CPU must not look like death
+    with Child(zmq_peers.streamer, p.local_address, plan["B"], b"B", plan["B"], calm,
                name="streamer-B") as b:
         addresses = {address_of(b): "B"}
         c: Child | None = None
@@ -51,7 +52,7 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
                     sent[name] += 1
             if c is None and len(got["B"]) >= plan["B"] // 2:
                 c = Child(zmq_peers.streamer, p.local_address, plan["C"], b"C", plan["C"],
-                          FAST, name="streamer-C").start()
+                          calm, name="streamer-C").start()
                 addresses[address_of(c)] = "C"
             return all(len(got[n]) >= plan[n] and sent[n] == plan[n] for n in plan)
 
@@ -71,7 +72,7 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
 
 
 def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(make_transport: Any) -> None:
-    p = make_transport()
+    p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-1") as first:
         address = address_of(first)
         port = int(address.rsplit(":", 1)[1])
@@ -104,7 +105,7 @@ def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(make_transpor
 
 
 def test_dialed_peer_sigkill_is_detected(make_transport: Any) -> None:
-    p = make_transport()
+    p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, None, FAST, name="sitter-dialed") as child:
         conn = p.connect(address_of(child))
         conn.send(b"ping")
@@ -116,7 +117,7 @@ def test_dialed_peer_sigkill_is_detected(make_transport: Any) -> None:
 
 
 def test_silent_peer_is_detected_by_heartbeats(make_transport: Any) -> None:
-    p = make_transport()
+    p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-frozen") as child:
         accepted: list[Any] = []
         wait_until(lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T,

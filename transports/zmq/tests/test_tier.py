@@ -18,8 +18,6 @@ from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, Outcome, RequestContext
 from p2pkv_zmq import ZmqControlTransport
 
-from conftest import FAST
-
 REGISTRY = Registry.from_plugins([("zmq", zmq_plugin), ("memory", memory_plugin)])
 T = 10.0
 NUM_BLOCKS, BLOCK_LEN = 64, 256
@@ -32,7 +30,6 @@ class Peer:
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
         config = TierConfig.from_dict({
             "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
-            "control_options": FAST,
         })
         self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY)
         self.host, self.port = parse_address(self.tier.local_address)
@@ -74,36 +71,39 @@ def test_the_tier_builds_the_zmq_transport_from_its_config(pair: tuple[Peer, Pee
     assert isinstance(producer.tier._control, ZmqControlTransport)
 
 
+def run_request(producer: Peer, consumer: Peer, kv: str, slots: list[int],
+                consumer_first: bool) -> None:
+    """One PD request: store ``slots`` of the producer into mirrored consumer slots."""
+    pctx, cctx = contexts(kv, producer)
+    producer.tier.on_new_request(pctx)
+    consumer.tier.on_new_request(cctx)
+    keys = [f"{kv}/{i}".encode() for i in range(len(slots))]
+    dst = [NUM_BLOCKS - 1 - s for s in slots]
+    store_id, load_id = len(producer.results) + 1000, len(consumer.results) + 2000
+    steps = [lambda: producer.job(store_id, keys, slots, load=False, ctx=pctx),
+             lambda: consumer.job(load_id, keys, dst, load=True, ctx=cctx)]
+    if consumer_first:
+        steps.reverse()
+    steps[0]()
+    tick(producer, consumer)()
+    steps[1]()
+    wait_until(lambda: store_id in producer.results and load_id in consumer.results,
+               timeout=T, what=f"both results of {kv}", pumps=[tick(producer, consumer)])
+    assert producer.results[store_id].outcome is Outcome.DONE
+    assert consumer.results[load_id].outcome is Outcome.DONE
+    assert (consumer.blocks[dst] == producer.blocks[slots]).all()
+    producer.tier.on_request_finished(pctx)
+    consumer.tier.on_request_finished(cctx)
+
+
 @pytest.mark.parametrize("order", ["producer_first", "consumer_first"])
-def test_pd_request_over_zmq_control_moves_bytes_exactly(
+def test_pd_requests_over_zmq_control_move_bytes_exactly(
     pair: tuple[Peer, Peer], order: str,
 ) -> None:
     producer, consumer = pair
     for round_ in range(3):  # several requests over the same session
-        kv = f"{order}-{round_}"
-        pctx, cctx = contexts(kv, producer)
-        producer.tier.on_new_request(pctx)
-        consumer.tier.on_new_request(cctx)
-        keys = [f"{kv}/{i}".encode() for i in range(16)]
-        src = list(range(16 * round_, 16 * round_ + 16))
-        dst = [NUM_BLOCKS - 1 - s for s in src]
-        store_id, load_id = 100 + round_, 200 + round_
-        first, second = ((producer, store_id, src, False, pctx), (consumer, load_id, dst, True,
-                                                                   cctx))
-        if order == "consumer_first":
-            first, second = second, first
-        peer, job_id, slots, load, ctx = first
-        peer.job(job_id, keys, slots, load=load, ctx=ctx)
-        tick(producer, consumer)()
-        peer, job_id, slots, load, ctx = second
-        peer.job(job_id, keys, slots, load=load, ctx=ctx)
-        wait_until(lambda: store_id in producer.results and load_id in consumer.results,
-                   timeout=T, what=f"both results of {kv}", pumps=[tick(producer, consumer)])
-        assert producer.results[store_id].outcome is Outcome.DONE
-        assert consumer.results[load_id].outcome is Outcome.DONE
-        assert (consumer.blocks[dst] == producer.blocks[src]).all()
-        producer.tier.on_request_finished(pctx)
-        consumer.tier.on_request_finished(cctx)
+        slots = list(range(16 * round_, 16 * round_ + 16))
+        run_request(producer, consumer, f"{order}-{round_}", slots, order == "consumer_first")
     assert producer.tier._control.stats()["connections"] == 1  # type: ignore[attr-defined]
 
 
@@ -116,6 +116,6 @@ def test_producer_gone_fails_the_load_with_peer_dead(pair: tuple[Peer, Peer]) ->
     wait_until(lambda: consumer.tier.stats().get("sessions", 0) >= 1, timeout=T,
                what="the session", pumps=[tick(producer, consumer)])
     producer.tier._control.close()  # the producer's control plane vanishes (no goodbye)
-    wait_until(lambda: 1 in consumer.results, timeout=FAST["heartbeat_timeout"] + T,
+    wait_until(lambda: 1 in consumer.results, timeout=T,
                what="the load to fail", pumps=[tick(consumer)])
     assert consumer.results[1].outcome is Outcome.PEER_DEAD
