@@ -242,7 +242,8 @@ class NixlDataTransport(DataTransport):
                 ) from exc
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if name != desc.agent:
-                self._quietly(self._agent.remove_remote_agent, loaded)
+                if name != self._agent_name and name not in self._agents:
+                    self._quietly(self._agent.remove_remote_agent, loaded)  # only ours to undo
                 raise PeerRejected(
                     f"peer {peer_id!r}: its metadata names agent {name!r}, its descriptor "
                     f"{desc.agent!r}"

@@ -1,0 +1,175 @@
+"""Fixtures for the nixl transport tests: real NIXL on CPU, peers in spawned children.
+
+``UCX_NET_DEVICES=lo`` is set here (children inherit it) so UCX never stripes over external
+interfaces. Children are ``p2pkv.testing.peers.PeerHost`` processes: they call ``progress()``
+on their transports continuously between harness requests, like a live serving process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from p2pkv.contracts import DataSettings
+from p2pkv.testing.peers import PeerHost, pattern
+from p2pkv.testing.waiting import wait_until
+from p2pkv_nixl import NixlDataTransport
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+TIMEOUT = 15.0
+"""Seconds any single expected event may take on a busy 2-core machine."""
+
+
+class Recorder:
+    """Wraps a transport's NIXL agent and records the calls that matter for ordering.
+
+    ``calls`` holds ``(method, detail)`` tuples. With ``refuse_running_release`` set, releasing a
+    transfer handle whose last seen state is not terminal raises, like a backend that cannot
+    cancel a transfer in progress (NIXL's ``NIXL_ERR_REPOST_ACTIVE`` case).
+    """
+
+    RECORDED = (
+        "make_prepped_xfer", "initialize_xfer", "transfer", "check_xfer_state",
+        "release_xfer_handle", "release_dlist_handle", "remove_remote_agent",
+        "deregister_memory", "add_remote_agent",
+    )
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.calls: list[tuple[str, Any]] = []
+        self.state: dict[int, str] = {}
+        self.refuse_running_release = False
+        self.on_check: Callable[[], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._agent, name)
+        if name not in self.RECORDED:
+            return target
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "release_xfer_handle":
+                handle = args[0]
+                running = self.state.get(id(handle), "PROC") == "PROC"
+                if self.refuse_running_release and running:
+                    self.calls.append(("release_refused", id(handle)))
+                    raise RuntimeError("NIXL_ERR_REPOST_ACTIVE (simulated)")
+            result = target(*args, **kwargs)
+            if name in ("transfer", "check_xfer_state"):
+                self.state[id(args[0])] = result
+                if name == "check_xfer_state" and self.on_check is not None:
+                    self.on_check()
+            detail = id(args[0]) if name in ("transfer", "check_xfer_state",
+                                             "release_xfer_handle") else result
+            self.calls.append((name, result if name == "check_xfer_state" else detail))
+            return result
+
+        return call
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+@pytest.fixture
+def record() -> Iterator[Callable[[NixlDataTransport], Recorder]]:
+    """``record(transport)`` wraps its agent in a :class:`Recorder` (unwrapped afterwards)."""
+    wrapped: list[tuple[NixlDataTransport, Recorder]] = []
+
+    def wrap(transport: NixlDataTransport) -> Recorder:
+        recorder = Recorder(transport._agent)
+        transport._agent = recorder
+        wrapped.append((transport, recorder))
+        return recorder
+
+    yield wrap
+    for transport, recorder in reversed(wrapped):
+        if getattr(transport, "_agent", None) is recorder:
+            transport._agent = recorder._agent
+
+
+class Local:
+    """A transport in this process over a patterned region; closed by the fixture."""
+
+    def __init__(self, num_blocks: int, block_len: int, options: dict[str, Any], seed: int):
+        self.array = pattern(seed, num_blocks * block_len)
+        self.blocks = self.array.reshape(num_blocks, block_len)
+        self.transport = NixlDataTransport.create(
+            DataSettings(memoryview(self.array), block_len, options)
+        )
+
+
+@pytest.fixture
+def make_local() -> Iterator[Callable[..., Local]]:
+    made: list[Local] = []
+
+    def make(num_blocks: int = 64, block_len: int = 4096, seed: int = 1, **options: Any) -> Local:
+        local = Local(num_blocks, block_len, options, seed)
+        made.append(local)
+        return local
+
+    yield make
+    for local in made:
+        try:
+            local.transport.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[PeerHost]:
+    """A child process hosting healthy consumers for the whole module."""
+    with PeerHost(timeout=60.0, name="p2pkv-nixl-consumers") as peer_host:
+        yield peer_host
+
+
+@pytest.fixture
+def doomed() -> Iterator[PeerHost]:
+    """A child of its own, for a test that pauses or kills it."""
+    with PeerHost(timeout=60.0, name="p2pkv-nixl-doomed") as peer_host:
+        yield peer_host
+
+
+def _wait_for(
+    transport: NixlDataTransport, peer_id: str | None, ids: set[int]
+) -> tuple[set[int], set[int]]:
+    """Poll ``peer_id`` until every id in ``ids`` is terminal; returns (done, failed)."""
+    done: set[int] = set()
+    failed: set[int] = set()
+
+    def finished() -> bool:
+        result = transport.poll(peer_id)
+        done.update(result.done)
+        failed.update(result.failed)
+        return ids <= done | failed
+
+    wait_until(finished, timeout=TIMEOUT, what=f"transfers {sorted(ids)} to end")
+    return done, failed
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., tuple[set[int], set[int]]]:
+    """``wait_for(transport, peer_id, ids)`` -> (done, failed) once every id ended."""
+    return _wait_for
+
+
+@pytest.fixture
+def when() -> Iterator[Callable[[threading.Event, Callable[[], None]], None]]:
+    """``when(event, action)``: run ``action`` on a helper thread once ``event`` is set (used to
+    resume a paused peer while the test thread is blocked inside ``close``)."""
+    threads: list[threading.Thread] = []
+
+    def schedule(event: threading.Event, action: Callable[[], None]) -> None:
+        def run() -> None:
+            if event.wait(TIMEOUT):
+                action()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    yield schedule
+    for thread in threads:
+        thread.join(TIMEOUT)

@@ -1,0 +1,59 @@
+"""The UCX lane probe and the throughput harness (behaviour only: timings are not asserted)."""
+
+from __future__ import annotations
+
+import pytest
+from p2pkv_nixl import NixlDataTransport
+from p2pkv_nixl.baseline import RawNixl, measure, run_memcpy
+from p2pkv_nixl.ucx import parse_proto_info, ucx_lanes
+
+SAMPLE = """\
+[1795947060.750159] [vm:9694 :0]   +--------+-------------+-----------------------------------+
+[1795947060.750159] [vm:9694 :0]   | A self cfg#0                                             |
+[1795947060.750159] [vm:9694 :0]   | remote memory write by ucp_put* from host memory to host |
+[1795947060.750159] [vm:9694 :0]   +--------+-------------+-----------------------------------+
+[1795947060.750159] [vm:9694 :0]   | Range  | Description |              Config               |
+[1795947060.750159] [vm:9694 :0]   +--------+-------------+-----------------------------------+
+[1795947060.750159] [vm:9694 :0]   | 0..inf | zero-copy   | self/memory                       |
+[1795947060.750159] [vm:9694 :0]   +--------+-------------+-----------------------------------+
+some unrelated line | with a pipe
+[1795947062.637840] [vm:9719 :0]   | A intra-node cfg#1                                       |
+[1795947062.637840] [vm:9719 :0]   | remote memory write by ucp_put* from host memory to host |
+[1795947062.637840] [vm:9719 :0]   | Range  | Description |              Config               |
+[1795947062.637840] [vm:9719 :0]   | 0..inf | zero-copy   | cma/memory                        |
+[1795947062.639939] [vm:9719 :0]   | A intra-node cfg#1                              |
+[1795947062.639939] [vm:9719 :0]   | active message by ucp_am_send* from host memory |
+[1795947062.639939] [vm:9719 :0]   |          0 | short              | tcp/lo        |
+[1795947062.639939] [vm:9719 :0]   | 16516..inf | multi-frag copy-in | tcp/lo        |
+"""
+
+
+def test_parse_proto_info() -> None:
+    tables = parse_proto_info(SAMPLE)
+    assert [t["scope"] for t in tables] == ["self", "intra-node", "intra-node"]
+    put = tables[1]
+    assert put["operation"].startswith("remote memory write")
+    assert put["rows"] == [{"range": "0..inf", "protocol": "zero-copy", "lane": "cma/memory"}]
+    assert [r["lane"] for r in tables[2]["rows"]] == ["tcp/lo", "tcp/lo"]
+
+
+def test_ucx_lanes_probe_reports_the_write_lane() -> None:
+    report = ucx_lanes()
+    assert report["ok"], report["error"]
+    assert report["put"], report
+    assert report["env"]["UCX_RCACHE_MAX_UNRELEASED"]
+    assert report["env"]["UCX_NET_DEVICES"] == "lo"
+
+
+def test_ucx_lanes_reports_a_failing_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "cma")  # no active-message transport: agent creation fails
+    report = ucx_lanes()
+    assert not report["ok"]
+    assert "UCX_TLS" in report["error"]
+
+
+def test_measure_raw_and_transport_side_by_side_with_verified_bytes() -> None:
+    times = measure({"raw": RawNixl, "p2pkv": NixlDataTransport}, 4096, 32, 3, 1)
+    assert set(times) == {"raw", "p2pkv"}
+    assert all(len(v) == 3 and min(v) > 0 for v in times.values())
+    assert len(run_memcpy(4096, 32, 2, 1)) == 2

@@ -1,0 +1,168 @@
+"""``data_options`` validation and the descriptor codec (no NIXL needed for most of it)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from p2pkv.errors import ConfigError, PeerRejected
+from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
+from p2pkv_nixl.options import NixlOptions
+
+# -- options -------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    options = NixlOptions.parse({})
+    assert options == NixlOptions()
+    assert options.backends == ("UCX",)
+    assert options.enable_prog_thread is False
+    assert options.drain_timeout == 5.0
+    assert options.init_params("UCX") == {}
+
+
+def test_values_and_init_params() -> None:
+    options = NixlOptions.parse({
+        "backends": ["UCX"],
+        "num_threads": 2,
+        "enable_prog_thread": True,
+        "drain_timeout": 1,
+        "warmup": False,
+        "backend_params": {"UCX": {"ucx_error_handling_mode": "none", "num_workers": 1}},
+    })
+    assert options.drain_timeout == 1.0 and options.enable_prog_thread and not options.warmup
+    assert options.init_params("UCX") == {
+        "num_threads": "2", "ucx_error_handling_mode": "none", "num_workers": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"progress_thread": True}, "'progress_thread'"),
+        ({"backends": "UCX"}, "'backends'"),
+        ({"backends": []}, "'backends'"),
+        ({"backends": ["UCX", "UCX"]}, "'backends'"),
+        ({"backends": [""]}, "'backends'"),
+        ({"num_threads": -1}, "'num_threads'"),
+        ({"num_threads": True}, "'num_threads'"),
+        ({"num_threads": 1.5}, "'num_threads'"),
+        ({"enable_prog_thread": 1}, "'enable_prog_thread'"),
+        ({"warmup": "yes"}, "'warmup'"),
+        ({"drain_timeout": -1}, "'drain_timeout'"),
+        ({"drain_timeout": float("nan")}, "'drain_timeout'"),
+        ({"drain_timeout": "5"}, "'drain_timeout'"),
+        ({"backend_params": {"GDS": {}}}, "'backend_params'"),
+        ({"backend_params": {"UCX": {"x": None}}}, "'backend_params'"),
+        ({"backend_params": ["UCX"]}, "'backend_params'"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_key(options: dict, names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        NixlOptions.parse(options)
+
+
+def test_unknown_backend_is_a_config_error(make_local) -> None:
+    with pytest.raises(ConfigError, match=r"'NOPE' is not available here; available: .*UCX"):
+        make_local(backends=["NOPE"])
+
+
+def test_region_must_be_whole_writable_blocks() -> None:
+    from p2pkv.contracts import DataSettings
+    from p2pkv_nixl import NixlDataTransport
+
+    for region, block_len, says in [
+        (memoryview(bytes(64)), 16, "writable"),
+        (memoryview(bytearray(65)), 16, "multiple of block_len"),
+        (memoryview(bytearray(64)), 0, "block_len"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            NixlDataTransport.create(DataSettings(region, block_len))
+
+
+# -- descriptor ----------------------------------------------------------------------------
+
+GOOD = RegionDescriptor("p2pkv-agent", b"md", 0x7F00_0000_0000, 16, 4096)
+
+
+def _with(**changes: object) -> bytes:
+    fields = msgpack.unpackb(GOOD.encode(), raw=False)
+    for key, value in changes.items():
+        if value is ...:
+            del fields[key]
+        else:
+            fields[key] = value
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def test_roundtrip_and_extra_keys_are_ignored() -> None:
+    assert RegionDescriptor.decode(GOOD.encode(), "p") == GOOD
+    assert RegionDescriptor.decode(_with(future_field=[1, 2]), "p") == GOOD
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"", "malformed"),
+        (b"\xc1", "malformed"),
+        (msgpack.packb([1, 2]), "not a p2pkv-nixl descriptor"),
+        (_with(format="p2pkv-memory"), "not a p2pkv-nixl descriptor"),
+        (_with(v=2), "version 2"),
+        (_with(agent=""), "agent name"),
+        (_with(agent=...), "agent name"),
+        (_with(metadata=b""), "metadata"),
+        (_with(metadata="text"), "metadata"),
+        (_with(mem="VRAM"), "DRAM only"),
+        (_with(num_blocks=0), "num_blocks"),
+        (_with(num_blocks=MAX_BLOCKS + 1), "num_blocks"),
+        (_with(num_blocks=True), "num_blocks"),
+        (_with(block_len=-4096), "block_len"),
+        (_with(block_len=4096.0), "block_len"),
+        (_with(base=0), "base address"),
+        (_with(base=2**64 - 4096), "base address"),
+        (_with(base="0x1000"), "base address"),
+    ],
+)
+def test_bad_descriptors_are_rejected_with_a_reason(data: bytes, says: str) -> None:
+    with pytest.raises(PeerRejected, match=f"peer 'p': .*{says}"):
+        RegionDescriptor.decode(data, "p")
+
+
+@given(st.binary(max_size=256))
+def test_any_bytes_decode_or_are_rejected(data: bytes) -> None:
+    try:
+        RegionDescriptor.decode(data, "p")
+    except PeerRejected:
+        pass
+
+
+@given(
+    st.text(min_size=1, max_size=64),
+    st.binary(min_size=1, max_size=512),
+    st.integers(1, 2**40),
+    st.integers(1, MAX_BLOCKS),
+    st.integers(1, 2**22),
+)
+def test_valid_descriptors_roundtrip(
+    agent: str, metadata: bytes, base: int, num_blocks: int, block_len: int
+) -> None:
+    desc = RegionDescriptor(agent, metadata, base, num_blocks, block_len)
+    assert RegionDescriptor.decode(desc.encode(), "p") == desc
+
+
+def test_add_peer_rejections_from_a_live_transport(make_local) -> None:
+    local = make_local(num_blocks=8, block_len=4096)
+    t = local.transport
+    own = RegionDescriptor.decode(t.descriptor(), "self")
+    with pytest.raises(PeerRejected, match="our own"):
+        t.add_peer("self", t.descriptor())
+    wide = RegionDescriptor("other", own.metadata, own.base, 8, 8192).encode()
+    with pytest.raises(PeerRejected, match="block_len 8192 does not match ours"):
+        t.add_peer("wide", wide)
+    garbage_md = RegionDescriptor("other", b"\x00" * 32, own.base, 8, 4096).encode()
+    with pytest.raises(PeerRejected, match="cannot load its agent metadata"):
+        t.add_peer("garbage", garbage_md)
+    renamed = RegionDescriptor("not-its-name", own.metadata, own.base, 8, 4096).encode()
+    with pytest.raises(PeerRejected):
+        t.add_peer("renamed", renamed)
