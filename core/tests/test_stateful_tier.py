@@ -381,6 +381,7 @@ def _settings(examples: int, steps: int) -> settings:
 
 
 @pytest.mark.hypothesis
+@pytest.mark.timeout(3600 if DEEP else 120)
 @pytest.mark.parametrize("machine, examples", [(TwoTiers, 30), (ThreeTiers, 20)],
                          ids=["two", "three"])
 def test_tiers_keep_their_promises_under_faults(tier_harness: Any, machine: type,

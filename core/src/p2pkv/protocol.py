@@ -293,6 +293,10 @@ class _Fields:
     def keys(self, field: str, limits: Limits) -> list[bytes]:
         keys = self.list_(field, limits.max_keys_per_message)
         cap = limits.max_key_bytes
+        if _all(keys, bytes):
+            lens = set(map(len, keys))
+            if not lens or (min(lens) > 0 and max(lens) <= cap):
+                return keys  # fast path: checked in C; the loop below names the culprit
         for i, k in enumerate(keys):
             if type(k) is not bytes:
                 raise self.err(f"{field}[{i}]", f"expected bytes, got {_tname(k)}")
@@ -306,6 +310,11 @@ class _Fields:
 
 def _tname(v: object) -> str:
     return type(v).__name__
+
+
+def _all(values: list[Any], t: type) -> bool:
+    """Every element is exactly of type ``t`` (one C-level pass; True for an empty list)."""
+    return not values or set(map(type, values)) == {t}
 
 
 def _hello(f: _Fields, limits: Limits) -> Hello:
@@ -335,6 +344,8 @@ def _fetch(f: _Fields, limits: Limits) -> Fetch:
     slots = f.list_("slots", limits.max_keys_per_message)
     if len(slots) != len(keys):
         raise f.err("slots", f"{len(slots)} slots for {len(keys)} keys")
+    if _all(slots, int) and (not slots or min(slots) >= 0):
+        return Fetch(kv, rnd, keys, slots)
     for i, s in enumerate(slots):
         if type(s) is not int or s < 0:
             raise f.err(f"slots[{i}]", f"expected a non-negative integer, got {s!r}")
@@ -353,6 +364,8 @@ def _lookup(f: _Fields, limits: Limits) -> Lookup:
 def _lookup_resp(f: _Fields, limits: Limits) -> LookupResp:
     seq = f.int_("seq")
     hits = f.list_("hits", limits.max_keys_per_message)
+    if _all(hits, bool):
+        return LookupResp(seq, hits)
     for i, h in enumerate(hits):
         if type(h) is not bool:
             raise f.err(f"hits[{i}]", f"expected a boolean, got {_tname(h)}")

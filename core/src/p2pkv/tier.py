@@ -436,22 +436,24 @@ class P2PTier:
                              f"limits.max_keys_per_message={limits.max_keys_per_message}")
         tolist = getattr(ids, "tolist", None)
         slots: list[int] = tolist() if tolist is not None else list(ids)
-        for s in slots:
-            if type(s) is not int or not 0 <= s < self._num_blocks:
-                raise ValueError(f"job {job.job_id}: block id {s!r} is not a slot in "
-                                 f"0..{self._num_blocks - 1}")
+        if slots and (set(map(type, slots)) != {int} or min(slots) < 0
+                      or max(slots) >= self._num_blocks):
+            bad = next(s for s in slots if type(s) is not int or not 0 <= s < self._num_blocks)
+            raise ValueError(f"job {job.job_id}: block id {bad!r} is not a slot in "
+                             f"0..{self._num_blocks - 1}")
         cap = limits.max_key_bytes
-        nbytes = 0
-        for k in keys:
-            if not isinstance(k, bytes) or not 0 < len(k) <= cap:
-                raise ValueError(f"job {job.job_id}: keys must be 1..{cap} bytes, got {k!r:.60}")
-            nbytes += len(k)
+        if set(map(type, keys)) != {bytes}:
+            bad_key = next(k for k in keys if type(k) is not bytes)
+            raise ValueError(f"job {job.job_id}: keys must be bytes, got {bad_key!r:.60}")
+        lens = list(map(len, keys))
+        if min(lens) < 1 or max(lens) > cap:
+            raise ValueError(f"job {job.job_id}: keys must be 1..{cap} bytes long")
         if load:
             if len(set(keys)) != len(keys):
                 raise ValueError(f"job {job.job_id}: duplicate keys in one load")
             if len(set(slots)) != len(slots):
                 raise ValueError(f"job {job.job_id}: duplicate block ids in one load")
-            if nbytes + 16 * len(keys) + 512 > limits.max_frame_bytes:
+            if sum(lens) + 16 * len(keys) + 512 > limits.max_frame_bytes:
                 raise ValueError(f"job {job.job_id}: a fetch for it would exceed "
                                  f"limits.max_frame_bytes={limits.max_frame_bytes}")
         key_list = keys if type(keys) is list else list(keys)

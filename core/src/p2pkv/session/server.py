@@ -195,11 +195,11 @@ class ServerRole:
         if req.released:
             raise ProtocolError(f"fetch.round: {kv!r} was already ended by a terminal fetch")
         demand, supply = req.demand, req.supply
-        for k in keys:
-            if k in demand:
-                raise ProtocolError(
-                    f"fetch.keys: a key is already demanded by round {demand[k][0].no}"
-                )
+        if demand and not demand.keys().isdisjoint(keys):
+            k = next(k for k in keys if k in demand)
+            raise ProtocolError(
+                f"fetch.keys: a key is already demanded by round {demand[k][0].no}"
+            )
         if not req.supply_open:
             missing = sum(1 for k in keys if k not in supply)
             if missing:
