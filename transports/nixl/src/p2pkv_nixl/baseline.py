@@ -189,14 +189,14 @@ def _slots(seed: int, num_blocks: int) -> npt.NDArray[np.int64]:
 
 
 def _serve(
-    conn: Connection, classes: Sequence[type], block_len: int, num_blocks: int, seed: int
+    conn: Connection, classes: Sequence[type[Any]], block_len: int, num_blocks: int, seed: int
 ) -> None:
     """Child: one region, one endpoint of each class over it, progressed between requests."""
     region = np.empty(num_blocks * block_len, dtype=np.uint8)
     region.fill(0)  # fault the pages in before anything is timed
     dest = region.reshape(num_blocks, block_len)
     slots = _slots(seed, num_blocks)
-    endpoints = [cls.create(DataSettings(memoryview(region), block_len)) for cls in classes]
+    endpoints = [cls.create(DataSettings(region.data, block_len)) for cls in classes]
     conn.send([endpoint.descriptor() for endpoint in endpoints])
     while True:
         for endpoint in endpoints:
@@ -226,7 +226,7 @@ def _wait_done(endpoint: Any, transfer_id: int, deadline: float) -> None:
 
 
 def measure(
-    kinds: Mapping[str, type],
+    kinds: Mapping[str, type[Any]],
     block_len: int,
     num_blocks: int,
     repeats: int,
@@ -248,7 +248,7 @@ def measure(
     classes = list(kinds.values())
     with Child(_serve, classes, block_len, num_blocks, seed, name="p2pkv-nixl-baseline") as child:
         descriptors = child.recv(timeout, "endpoint descriptors")
-        endpoints = [cls.create(DataSettings(memoryview(source), block_len)) for cls in classes]
+        endpoints = [cls.create(DataSettings(source.data, block_len)) for cls in classes]
         try:
             for endpoint, descriptor in zip(endpoints, descriptors, strict=True):
                 endpoint.add_peer(_PEER, descriptor)

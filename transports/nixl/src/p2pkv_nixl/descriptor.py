@@ -15,7 +15,7 @@ reason; nothing from the descriptor reaches NIXL unchecked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 from p2pkv.errors import PeerRejected
@@ -90,5 +90,5 @@ class RegionDescriptor:
         return cls(agent, metadata, base, num_blocks, block_len, mem)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -131,7 +131,7 @@ def _probe(options: Mapping[str, Any], timeout: float = 20.0) -> None:
     block_len = 4096
     regions = [np.full(2 * block_len, fill, dtype=np.uint8) for fill in (1, 0)]
     source, target = (
-        NixlDataTransport.create(DataSettings(memoryview(r), block_len, options)) for r in regions
+        NixlDataTransport.create(DataSettings(r.data, block_len, options)) for r in regions
     )
     source.add_peer("target", target.descriptor())
     transfer_id = source.write_blocks("target", [0], [1])
