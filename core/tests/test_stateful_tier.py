@@ -200,6 +200,8 @@ class TierMachine(RuleBasedStateMachine):
             left = [k for k in left if c.tier.lookup(k, req.cctx) is LookupResult.HIT]
             if not left:
                 return  # the lookups just made are the probe; a later load may find hits
+        elif data.draw(st.booleans(), label="only stored keys"):
+            left = [k for k in left if k in req.stored] or left
         chunk = data.draw(st.lists(st.sampled_from(left), min_size=1, unique=True))
         free = self.free[req.cons]
         if len(free) < len(chunk):

@@ -499,20 +499,21 @@ def test_has_pending_work_only_while_work_exists(h: Any, nodes: Any) -> None:
 def test_drain_jobs_waits_for_results_and_is_bounded(h: Any, nodes: Any) -> None:
     p, c = pd_pair(nodes)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    c.tier.on_new_request(cctx)
+    h.pump([p, c], 3)  # handshake done
     c.load(1, [b"a"], [0], cctx)
+    c.tier.tick()  # fetch out
     p.store(2, [b"a"], [0], pctx)
-    for _ in range(3):
-        p.tier.tick()
-    c.tier.drain_jobs(timeout=5)  # drives its own ticks; the producer must tick too
-    p.tier.drain_jobs(timeout=5)
-    c.tier.drain_jobs(timeout=5)
-    c.collect()
+    p.tier.tick()  # fetch in, write posted, transfer_done out
+    p.tier.drain_jobs(timeout=5)  # the store completes on the producer's own ticks
+    c.tier.drain_jobs(timeout=5)  # the load completes on the consumer's own ticks
     p.collect()
+    c.collect()
     assert c.outcome(1) is Outcome.DONE and p.outcome(2) is Outcome.DONE
     c.load(3, [b"zz"], [1], cctx)  # never served: drain returns at its deadline, no abort
     c.tier.drain_jobs(timeout=0.05)
     c.collect()
-    assert 3 not in c.results
+    assert 3 not in c.results and c.tier.has_pending_work()
 
 
 def test_shutdown_answers_every_job_exactly_once(h: Any, nodes: Any) -> None:
