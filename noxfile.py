@@ -59,3 +59,47 @@ def types(session: nox.Session) -> None:
 def deep(session: nox.Session) -> None:
     """Every hypothesis test (``-m hypothesis``) with the ``deep`` profile (20x the examples)."""
     pytest(session, "-m", "hypothesis", HYPOTHESIS_PROFILE="deep")
+
+
+# -- vLLM adapter (p2pkv-vllm) against the real vLLM tier API --------------------------------
+
+VLLM_VERSION = "0.33.0"
+"""The vLLM release whose experimental tier API p2pkv-vllm targets (see plugins/vllm)."""
+VLLM_TORCH = "torch==2.13.0"
+"""CPU torch (the file on this machine's wheel folder); vLLM's own torch pin means CUDA."""
+VLLM_IMPORT_DEPS = (
+    # base + factory (the tier ABC and module_path loading)
+    "packaging", "numpy", "msgspec", "psutil", "pyzmq>=25.0.0", "urllib3", "regex",
+    # the TieringOffloadingSpec -> TieringOffloadingManager chain, with vLLM 0.33.0's own pins
+    "requests>=2.33.0", "transformers>=5.16.1,<5.21.0", "cbor2", "aiohttp>=3.14.4",
+    "oss-harmony>=0.0.11", "openai>=2.25.0", "pillow>=13.0.0", "pybase64", "cachetools",
+    "cloudpickle", "uvloop", "py-cpuinfo", "prometheus_client>=0.18.0", "xgrammar==0.2.8",
+    "fastapi>=0.133.0,<0.137.0", "partial-json-parser", "llguidance>=1.7.0,<1.8.0",
+)
+VLLM_P2PKV_DISTS = ("core", "transports/memory", "transports/zmq", "transports/nixl",
+                    "plugins/vllm")
+VLLM_P2PKV_DEPS = ("hatchling>=1.21", "editables>=0.5", "msgpack>=1.0", "pluggy>=1.3",
+                   "rich>=13", "uvicorn>=0.29", "hypothesis>=6.100", "pytest>=8",
+                   "pytest-timeout>=2.3")
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+def vllm(session: nox.Session) -> None:
+    """p2pkv-vllm against vLLM 0.33.0 on CPU, in its own pip venv (not the shared .venv).
+
+    vLLM is installed with --no-deps over CPU torch plus the packages its tiering import chain
+    needs (its declared deps would pull CUDA torch); NIXL lean, as in scripts/install.sh.
+    Runs the ``-m vllm`` tests of plugins/vllm. The venv is reused between runs.
+    """
+    pip = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
+    session.run(*pip, VLLM_TORCH)
+    session.run(*pip, "--no-deps", f"vllm=={VLLM_VERSION}")
+    session.run(*pip, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
+    nixl = [line.split("#")[0].strip()
+            for line in (ROOT / "scripts" / "requirements-transports.txt").read_text().splitlines()
+            if line.startswith("nixl")]
+    session.run(*pip, "--no-deps", *nixl)
+    editable = [arg for d in VLLM_P2PKV_DISTS for arg in ("-e", str(ROOT / d))]
+    session.run(*pip, "--no-deps", "--no-build-isolation", *editable)
+    session.run("python", "-m", "pytest", str(ROOT / "plugins" / "vllm" / "tests"), "-m", "vllm",
+                *session.posargs, env={"UCX_NET_DEVICES": "lo"})

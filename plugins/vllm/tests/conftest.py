@@ -14,11 +14,17 @@ import asyncio
 import contextlib
 import json
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+# Spawned children (p2pkv.testing.child.Child) import their target by module name and inherit
+# sys.path: make the child-side helpers of these tests (vllm_engine_host) importable there.
+sys.path.insert(0, str(Path(__file__).parent))
 
 T = TypeVar("T")
 

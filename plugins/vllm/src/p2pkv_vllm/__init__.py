@@ -22,13 +22,13 @@ def __getattr__(name: str) -> Any:
     if name != "P2PKVTier":
         raise AttributeError(f"module 'p2pkv_vllm' has no attribute {name!r}")
     try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
+        from p2pkv_vllm.adapter import P2PKVTier
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "vllm":
+            raise
         raise ImportError(
             f"p2pkv_vllm.P2PKVTier needs vLLM (tested with vllm=={SUPPORTED_VLLM}), which is "
             f"not importable here ({exc}). Install vLLM itself (pip install "
             f"vllm=={SUPPORTED_VLLM}); p2pkv-vllm deliberately does not depend on it."
         ) from exc
-    from p2pkv_vllm.adapter import P2PKVTier
-
     return P2PKVTier

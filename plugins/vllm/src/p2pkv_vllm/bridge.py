@@ -86,12 +86,16 @@ def context_of(req_context: Any) -> RequestContext:
 
 
 def job_of(transfer_job: Any, ctx: RequestContext) -> Job:
-    """A vLLM ``TransferJob`` as a p2pkv ``Job`` (``chunk_ids`` become plain ints)."""
+    """A vLLM ``TransferJob`` as a p2pkv ``Job``.
+
+    ``chunk_ids`` (a numpy array) is passed as is: ``P2PTier`` normalises the block ids of
+    submitted jobs itself, so they are converted exactly once.
+    """
     keys = transfer_job.keys
     return Job(
         job_id=transfer_job.job_id,
         keys=keys if isinstance(keys, Sequence) else list(keys),
-        block_ids=transfer_job.chunk_ids.tolist(),
+        block_ids=transfer_job.chunk_ids,
         is_load=bool(transfer_job.is_promotion),
         ctx=ctx,
     )
@@ -128,8 +132,11 @@ class ParentHitSource:
         return self._results.get(self._parent.lookup(key, handle), LookupResult.RETRY)
 
     def pin(self, handle: object, keys: Sequence[bytes]) -> Job:
+        """The parent's store job over ``keys`` (block ids as plain ints: pinned jobs are not
+        normalised by the tier)."""
         transfer_job = self._parent.create_store_job(keys, handle)
-        return job_of(transfer_job, context_of(handle))
+        return Job(transfer_job.job_id, list(transfer_job.keys),
+                   transfer_job.chunk_ids.tolist(), False, context_of(handle))
 
     def end(self, handle: object) -> None:
         self._parent.on_request_finished(handle)

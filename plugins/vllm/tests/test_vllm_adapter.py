@@ -1,0 +1,249 @@
+"""P2PKVTier against vLLM 0.33's real classes, in one process (``nox -s vllm``).
+
+vLLM's own factory builds the tier by ``module_path``; two tiers talk over the in-process
+``memory`` transports so the mapping (contexts, jobs, lookups, REQUEST_LEVEL, results,
+symmetric serving through a ParentManager) is checked without sockets. The cross-process
+test over zmq + nixl with real TieringOffloadingManagers is test_vllm_two_process.py.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+base = pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s vllm)")
+
+import p2pkv_vllm  # noqa: E402
+from p2pkv.config import config_fingerprint  # noqa: E402
+from p2pkv.errors import ConfigError  # noqa: E402
+from p2pkv_vllm.adapter import P2PKVTier, run_config  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    Locality,
+    LookupResult,
+    OffloadPolicy,
+    ReqContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import (  # noqa: E402
+    ParentManager,
+    TransferJob,
+)
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
+from vllm_engine_host import offloading_config  # noqa: E402
+
+CHUNKS, CHUNK = 16, 4096
+MEMORY = {"control": "memory", "data": "memory", "host": "127.0.0.1", "port": 0}
+STEP = ScheduleEndContext((), ())
+
+
+def spec(dp_rank: int = 0) -> Any:
+    """What a tier reads from vLLM's OffloadingSpec: its normalised config."""
+    return types.SimpleNamespace(config=offloading_config("unit", dp_rank, {}))
+
+
+def region() -> tuple[np.ndarray, memoryview]:
+    arr = np.zeros((CHUNKS, CHUNK), dtype=np.uint8)
+    return arr, memoryview(arr)
+
+
+def build(keys: dict[str, Any], dp_rank: int = 0) -> tuple[P2PKVTier, np.ndarray]:
+    arr, view = region()
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "P2PKVTier", "module_path": "p2pkv_vllm", **keys}, view, spec(dp_rank)
+    )
+    assert isinstance(tier, P2PKVTier)
+    return tier, arr
+
+
+def test_factory_builds_the_tier_by_module_path() -> None:
+    tier, _ = build({**MEMORY, "locality": "REMOTE"})
+    try:
+        assert p2pkv_vllm.P2PKVTier is P2PKVTier
+        assert tier.tier_type == "P2PKVTier"
+        assert tier.locality is Locality.REMOTE
+        assert tier.block_size_bytes == CHUNK
+        info = tier.config_info()
+        assert set(info) == set(P2PKVTier.config_info_keys({}))
+        assert info["p2pkv_control"] == "memory" and info["p2pkv_data"] == "memory"
+        assert info["p2pkv_fingerprint"] == config_fingerprint(run_config(spec()))
+        assert P2PKVTier.tolerates_off_thread_polling
+    finally:
+        tier.shutdown()
+        tier.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("keys", "needle"),
+    [
+        ({"bogus": 1}, r"unknown tier config key\(s\) \['bogus'\]"),
+        ({"host": 5}, "'host' must be a string"),
+        ({"locality": "MARS"}, "locality 'MARS' is not one of LOCAL, REMOTE"),
+        ({"backpressure": {"backpressure_cls": "EMABackpressureDetector"}},
+         "does not support 'backpressure'"),
+    ],
+)
+def test_bad_tier_keys_are_a_clear_error(keys: dict[str, Any], needle: str) -> None:
+    _, view = region()
+    with pytest.raises(ConfigError, match=needle):
+        SecondaryTierFactory.create_secondary_tier(
+            {"type": "P2PKVTier", "module_path": "p2pkv_vllm", **MEMORY, **keys}, view, spec()
+        )
+
+
+def test_env_defaults_and_the_dp_port_offset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_HOST", "127.0.0.9")
+    monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", "6000")
+    keys = {"control": "memory", "data": "memory"}
+    for dp_rank, expected in ((0, "127.0.0.9:6000"), (1, "127.0.0.9:6001")):
+        tier, _ = build(keys, dp_rank)
+        try:
+            assert tier.config_info()["p2pkv_address"] == expected
+        finally:
+            tier.shutdown()
+    tier, _ = build({**keys, "port": 7000}, 1)  # an explicit key beats the environment
+    try:
+        assert tier.config_info()["p2pkv_address"] == "127.0.0.9:7001"
+    finally:
+        tier.shutdown()
+
+
+def test_hash_seed_follows_pythonhashseed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    tier, _ = build(MEMORY)
+    try:
+        assert tier._config.hash_seed == "1234"
+    finally:
+        tier.shutdown()
+
+
+def test_primary_view_must_be_vllms_2d_view() -> None:
+    with pytest.raises(ConfigError, match="2-D primary view"):
+        P2PKVTier(spec(), memoryview(bytearray(CHUNK * 2)), "P2PKVTier", **MEMORY)
+
+
+def job(job_id: int, keys: list[bytes], chunks: list[int], load: bool, ctx: Any) -> TransferJob:
+    return TransferJob(job_id, keys, np.array(chunks, dtype=np.int32), load, ctx)
+
+
+def drive(*tiers: P2PKVTier, until: Any, parent: Any = None, rounds: int = 2000
+          ) -> dict[int, bool]:
+    """Step every tier (as vLLM's manager does: serve, schedule end, collect) until
+    ``until(results)`` holds; returns job id -> success."""
+    results: dict[int, bool] = {}
+    for _ in range(rounds):
+        for t in tiers:
+            if parent is not None:
+                t.serve_external_requests(parent)
+            t.on_schedule_end(STEP)
+            for r in t.get_finished_jobs():
+                assert r.job_id not in results, f"job {r.job_id} reported twice"
+                results[r.job_id] = r.success
+        if until(results):
+            return results
+    raise AssertionError(f"not done after {rounds} rounds: {results}")
+
+
+def test_pd_store_and_load_through_the_adapter_types() -> None:
+    producer, p_arr = build(MEMORY)
+    consumer, c_arr = build(MEMORY)
+    try:
+        host, port = producer.config_info()["p2pkv_address"].rsplit(":", 1)
+        keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(3)]
+        p_arr[[2, 5, 7]] = np.arange(3 * CHUNK, dtype=np.uint64).astype(np.uint8).reshape(3, -1)
+
+        prefill = ReqContext("pre-1", {"remote_decoder": {"kv_request_id": "kv1"}})
+        assert producer.on_new_request(prefill).policy is OffloadPolicy.REQUEST_LEVEL
+        producer.submit_store(job(1, keys, [2, 5, 7], False, prefill))
+        producer.on_request_finished(prefill)
+
+        decode = ReqContext("dec-1", {"remote_prefiller": {
+            "kv_request_id": "kv1", "remote_host": host, "remote_port": int(port)}})
+        assert consumer.on_new_request(decode).policy is OffloadPolicy.CHUNK_LEVEL
+        assert [consumer.lookup(k, decode) for k in keys] == [LookupResult.HIT] * 3
+        consumer.submit_load(job(2, keys, [9, 0, 4], True, decode))
+        results = drive(producer, consumer, until=lambda r: {1, 2} <= set(r))
+        assert results == {1: True, 2: True}
+        assert (c_arr[[9, 0, 4]] == p_arr[[2, 5, 7]]).all()
+        consumer.on_request_finished(decode)
+        assert not consumer.has_pending_work()
+
+        no_route = ReqContext("plain", None)
+        assert consumer.lookup(keys[0], no_route) is LookupResult.MISS
+        consumer.submit_store(job(3, keys[:1], [1], False, no_route))  # nothing to do: success
+        assert drive(consumer, until=lambda r: 3 in r) == {3: True}
+
+        stats = producer.get_stats()
+        _, values = stats.metric_sections()
+        assert values["vllm:kv_offload_p2pkv_jobs"][("done",)] == 1
+        assert values["vllm:kv_offload_p2pkv_bytes_sent"][()] == 3 * CHUNK
+        _, again = producer.get_stats().metric_sections()
+        assert "vllm:kv_offload_p2pkv_bytes_sent" not in again  # deltas, not totals
+        defs = P2PKVTier.build_metric_definitions({})
+        assert set(values) <= set(defs)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+class PrimaryTierParent(ParentManager):
+    """vLLM's ParentManager over a fixed set of 'primary' chunks (key -> chunk)."""
+
+    def __init__(self, chunks: dict[bytes, int]) -> None:
+        self.chunks = chunks
+        self.log: list[str] = []
+        self.next_job = 100
+
+    def on_new_request(self, req_context: ReqContext) -> Any:
+        self.log.append(f"new:{req_context.req_id}")
+        from vllm.v1.kv_offload.base import RequestOffloadingContext
+        return RequestOffloadingContext()
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        return LookupResult.HIT if key in self.chunks else LookupResult.MISS
+
+    def create_store_job(self, keys: Any, req_context: ReqContext) -> TransferJob:
+        self.next_job += 1
+        self.log.append(f"pin:{len(keys)}")
+        return job(self.next_job, list(keys), [self.chunks[k] for k in keys], False,
+                   req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.log.append(f"end:{req_context.req_id}")
+
+
+def test_symmetric_lookup_is_served_from_the_parent() -> None:
+    source, s_arr = build(MEMORY)
+    consumer, c_arr = build(MEMORY)
+    try:
+        host, port = source.config_info()["p2pkv_address"].rsplit(":", 1)
+        have, missing = b"h" * 36, b"m" * 36
+        s_arr[6] = 77
+        parent = PrimaryTierParent({have: 6})
+        ctx = ReqContext("sym-1", {"remote_kv_source": {
+            "kv_request_id": "kv-sym", "remote_host": host, "remote_port": int(port)}})
+        consumer.on_new_request(ctx)
+        answers: dict[bytes, Any] = {}
+
+        def probed(_: Any) -> bool:
+            for k in (have, missing):
+                if k not in answers and (r := consumer.lookup(k, ctx)) is not LookupResult.RETRY:
+                    answers[k] = r
+            return len(answers) == 2
+
+        drive(source, consumer, parent=parent, until=probed)
+        assert answers == {have: LookupResult.HIT, missing: LookupResult.MISS}
+        consumer.submit_load(job(1, [have], [3], True, ctx))
+        results = drive(source, consumer, parent=parent, until=lambda r: {1, 101} <= set(r))
+        assert results == {1: True, 101: True}  # the load, and the parent's pinned store job
+        assert (c_arr[3] == 77).all()
+        consumer.on_request_finished(ctx)
+        drive(source, consumer, parent=parent,
+              until=lambda _: any(x.startswith("end:") for x in parent.log))
+        assert parent.log[0].startswith("new:p2pkv-serve-") and "pin:1" in parent.log
+    finally:
+        source.shutdown()
+        consumer.shutdown()
