@@ -65,8 +65,10 @@ def producer_and_small_peer(host):
         ([0, 1], [5, 5], "block index 5 is written twice"),
         ([0.5], [1], "flat list of integers"),
         ([[0]], [[1]], "flat list of integers"),
-        ([True], [1], "flat list of integers"),
         (["0"], [1], "flat list of integers"),
+        (np.array([0.0]), [1], "flat list of integers"),
+        ([0], np.zeros((1, 1), dtype=np.int64), "flat list of integers"),
+        ([0], [2**40], "remote (peer 'small') block index outside 0..31"),
     ],
 )
 def test_bad_indexes_are_refused_before_anything_is_posted(
@@ -123,7 +125,7 @@ def test_contiguous_runs_and_repeated_writes(make_local, host, wait_for) -> None
     producer.transport.add_peer("c", consumer.descriptor)
     ids = {
         producer.transport.write_blocks("c", list(range(0, 32)), list(range(32, 64))),
-        producer.transport.write_blocks("c", list(range(32, 64)), list(range(0, 32))),
+        producer.transport.write_blocks("c", np.arange(32, 64), np.arange(0, 32, dtype=np.int32)),
         producer.transport.write_blocks("c", [], []),
     }
     done, failed = wait_for(producer.transport, "c", ids)

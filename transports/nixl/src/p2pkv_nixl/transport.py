@@ -25,6 +25,7 @@ so that not even garbage collection frees them under a transfer).
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import time
@@ -574,17 +575,29 @@ class NixlDataTransport(DataTransport):
 
 def _indexes(idxs: Sequence[int], limit: int, what: str) -> npt.NDArray[np.int32]:
     """``idxs`` as a contiguous int32 array, every index in ``0..limit-1``; else
-    ``TransferSubmitError`` naming the side and the first offending index."""
-    try:
-        arr = np.asarray(idxs)
-    except Exception as exc:
-        raise TransferSubmitError(
-            f"{what} block indexes are not a list of integers: {exc}"
-        ) from None
+    ``TransferSubmitError`` naming the side and the offending index.
+
+    A list goes through ``array.array("i")``: C speed, straight to int32, and it refuses
+    floats, strings and nested lists (``np.asarray`` with an int dtype would silently truncate
+    or parse them). An ndarray must already have an integer dtype.
+    """
+    if isinstance(idxs, np.ndarray):
+        if idxs.ndim != 1 or (idxs.size and idxs.dtype.kind not in "iu"):
+            raise TransferSubmitError(f"{what} block indexes must be a flat list of integers")
+        arr: npt.NDArray[Any] = idxs
+    else:
+        try:
+            arr = np.frombuffer(array.array("i", idxs), dtype=np.int32)
+        except OverflowError:
+            raise TransferSubmitError(
+                f"{what} block index outside 0..{limit - 1} (beyond int32)"
+            ) from None
+        except (TypeError, ValueError):
+            raise TransferSubmitError(
+                f"{what} block indexes must be a flat list of integers"
+            ) from None
     if arr.size == 0:
         return np.empty(0, dtype=np.int32)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TransferSubmitError(f"{what} block indexes must be a flat list of integers")
     low, high = int(arr.min()), int(arr.max())
     if low < 0 or high >= limit:
         bad = low if low < 0 else high
