@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,7 +62,7 @@ def run_python_fixture() -> object:
 
 
 @pytest.fixture(scope="session")
-def tier_harness() -> object:
+def tier_harness() -> Any:
     """``tier_harness.py`` (memory-transport tiers, fake clock) as a module, loaded once."""
     import importlib.util
 
@@ -75,3 +76,11 @@ def tier_harness() -> object:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def cluster(tier_harness: Any) -> Any:
+    """A ``tier_harness.Cluster``: memory-transport tiers on one fake clock, shut down after."""
+    made = tier_harness.Cluster()
+    yield made
+    made.close()

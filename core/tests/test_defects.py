@@ -41,25 +41,6 @@ def h(tier_harness: Any) -> Any:
     return tier_harness
 
 
-@pytest.fixture
-def clock(h: Any) -> Any:
-    return h.FakeClock()
-
-
-@pytest.fixture
-def nodes(h: Any, clock: Any) -> Any:
-    made: list[Any] = []
-
-    def make(**kw: Any) -> Any:
-        node = h.Node(clock, seed=len(made), **kw)
-        made.append(node)
-        return node
-
-    yield make
-    for n in made:
-        n.shutdown()
-
-
 class Recording(DataTransport):
     """Delegates to a memory data transport and records what the tier asked when."""
 
@@ -117,8 +98,8 @@ class Recording(DataTransport):
         return self.inner.close()
 
 
-def recording_node(h: Any, clock: Any, **data_options: Any) -> tuple[Any, Recording]:
-    node = h.Node(clock, data_options=data_options)
+def recording_node(cluster: Any, **data_options: Any) -> tuple[Any, Recording]:
+    node = cluster(data_options=data_options)
     rec = Recording(node.data)
     node.data = rec
     node.tier._data = rec
@@ -126,21 +107,33 @@ def recording_node(h: Any, clock: Any, **data_options: Any) -> tuple[Any, Record
     return node, rec
 
 
-def raw_peer(h: Any, target: Any) -> tuple[MemoryControlTransport, Any]:
-    """A hand-driven peer: a bare memory control transport connected to ``target``."""
-    ctl = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
-    return ctl, ctl.connect(target.address)
+class RawPeer:
+    """A hand-driven peer of ``node``: a bare memory control connection and data region."""
 
+    def __init__(self, h: Any, node: Any) -> None:
+        self.h, self.node = h, node
+        self.ctl = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
+        self.conn = self.ctl.connect(node.address)
+        self.data = MemoryDataTransport.create(DataSettings(memoryview(bytearray(64 * 16)), 16))
 
-def raw_hello(ctl: MemoryControlTransport, data: MemoryDataTransport) -> Hello:
-    return Hello((WIRE_MAJOR, WIRE_MINOR), 1, ctl.local_address, data.descriptor(),
-                 data.num_blocks, data.block_len, "", "")
+    def __enter__(self) -> RawPeer:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        self.ctl.close()
+        self.data.close()
 
-def received(h: Any, node: Any, ctl: MemoryControlTransport, conn: Any) -> list[Any]:
-    h.pump([node], 2)
-    ctl.poll()
-    return [decode(f, node.tier._config.limits) for f in conn.recv()]
+    def hello(self, address: str = "") -> Hello:
+        return Hello((WIRE_MAJOR, WIRE_MINOR), 1, address or self.ctl.local_address,
+                     self.data.descriptor(), self.data.num_blocks, self.data.block_len, "", "")
+
+    def send(self, *msgs: Any) -> list[Any]:
+        """Send messages, let the node answer; returns what it sent back."""
+        for m in msgs:
+            self.conn.send(m if isinstance(m, bytes) else encode(m))
+        self.h.pump([self.node], 2)
+        self.ctl.poll()
+        return [decode(f, self.node.tier._config.limits) for f in self.conn.recv()]
 
 
 # 1 ----------------------------------------------------------------------------------------------
@@ -172,16 +165,16 @@ def test_defect_01_missing_transport_library_fails_fast_at_construction(h: Any) 
 # 2 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_02_write_blocks_failure_fails_both_sides_at_once(h: Any, clock: Any) -> None:
+def test_defect_02_write_blocks_failure_fails_both_sides_at_once(h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=2)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
         c.load(1, h.keys("r", 2), [0, 1], cctx)
         h.pump([p, c], 3)
         faults.arm(Fault.FAIL_SUBMIT, count=1)
         p.store(2, h.keys("r", 2), [5, 6], pctx)
-        h.pump([p, c], 4)  # no clock advance: no timeout involved
+        h.pump([p, c], 4)  # no cluster.clock advance: no timeout involved
         assert c.outcome(1) is Outcome.SUBMIT_FAILED and p.outcome(2) is Outcome.SUBMIT_FAILED
     finally:
         p.shutdown()
@@ -191,15 +184,14 @@ def test_defect_02_write_blocks_failure_fails_both_sides_at_once(h: Any, clock: 
 # 3 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_03_store_timeout_then_finalize_reports_once(h: Any, nodes: Any,
-                                                           clock: Any) -> None:
-    p, c = nodes(timeouts={"store": 20}), nodes()
+def test_defect_03_store_timeout_then_finalize_reports_once(h: Any, cluster: Any) -> None:
+    p, c = cluster(timeouts={"store": 20}), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     p.store(1, h.keys("r", 2), [0, 1], pctx)
     c.load(2, h.keys("r", 1, 5), [3], cctx)  # binds the request, demands something else
     h.pump([p, c], 3)
-    h.advance(clock, [p, c], 20.5)
+    h.advance(cluster.clock, [p, c], 20.5)
     assert p.outcome(1) is Outcome.STORE_TIMEOUT
     p.tier.on_request_finished(pctx)  # finalize: must not report job 1 again
     h.pump([p, c], 3)  # Node.collect fails on any duplicate
@@ -213,47 +205,34 @@ def test_defect_03_store_timeout_then_finalize_reports_once(h: Any, nodes: Any,
 
 
 def test_defect_04_messages_before_the_handshake_close_that_session_only(h: Any,
-                                                                        nodes: Any) -> None:
-    p, good = nodes(), nodes()
-    ctl, conn = raw_peer(h, p)
-    try:
-        conn.send(encode(Fetch("r", 0, [b"a"], [0])))  # before any hello
-        msgs = received(h, p, ctl, conn)
+                                                                        cluster: Any) -> None:
+    p, good = cluster(), cluster()
+    with RawPeer(h, p) as rogue:
+        msgs = rogue.send(Fetch("r", 0, [b"a"], [0]))  # before any hello
         assert isinstance(msgs[0], Hello)
         assert isinstance(msgs[-1], Bye) and "before the handshake" in msgs[-1].reason
         assert p.tier.stats()["protocol_errors"] == 1
-        # the other peer is unaffected
-        pctx, cctx = p.producer_ctx("ok"), good.consumer_ctx("ok", p)
-        p.store(1, [b"k"], [0], pctx)
-        good.load(2, [b"k"], [0], cctx)
-        h.pump_until([p, good], lambda: 2 in good.results)
-        assert good.outcome(2) is Outcome.DONE
-    finally:
-        ctl.close()
+    # the other peer is unaffected
+    pctx, cctx = p.producer_ctx("ok"), good.consumer_ctx("ok", p)
+    p.store(1, [b"k"], [0], pctx)
+    good.load(2, [b"k"], [0], cctx)
+    h.pump_until([p, good], lambda: 2 in good.results)
+    assert good.outcome(2) is Outcome.DONE
 
 
-def test_defect_04_a_second_hello_does_not_re_register_the_peer(h: Any, nodes: Any) -> None:
-    p = nodes()
-    ctl, conn = raw_peer(h, p)
-    data = MemoryDataTransport.create(DataSettings(memoryview(bytearray(64 * 16)), 16))
-    try:
-        hello = raw_hello(ctl, data)
-        conn.send(encode(hello))
-        received(h, p, ctl, conn)
-        conn.send(encode(hello))  # same incarnation again
-        msgs = received(h, p, ctl, conn)
+def test_defect_04_a_second_hello_does_not_re_register_the_peer(h: Any, cluster: Any) -> None:
+    with RawPeer(h, cluster()) as peer:
+        peer.send(peer.hello())
+        msgs = peer.send(peer.hello())  # same incarnation again
         assert isinstance(msgs[-1], Bye) and "duplicate hello" in msgs[-1].reason
-    finally:
-        ctl.close()
-        data.close()
 
 
 # 5 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_05_the_tier_runs_no_threads_of_its_own(h: Any, nodes: Any) -> None:
+def test_defect_05_the_tier_runs_no_threads_of_its_own(h: Any, cluster: Any) -> None:
     before = set(threading.enumerate())
-    p, c = nodes(), nodes()
+    p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.store(1, [b"a"], [0], pctx)
     c.load(2, [b"a"], [0], cctx)
@@ -265,9 +244,9 @@ def test_defect_05_the_tier_runs_no_threads_of_its_own(h: Any, nodes: Any) -> No
 
 
 def test_defect_06_shutdown_never_closes_the_data_plane_under_a_live_transfer(
-        h: Any, clock: Any) -> None:
-    p, rec = recording_node(h, clock, completion_polls=4, wait_cancel_refuses=True)
-    c = h.Node(clock, seed=1)
+        h: Any, cluster: Any) -> None:
+    p, rec = recording_node(cluster, completion_polls=4, wait_cancel_refuses=True)
+    c = cluster()
     try:
         pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
         c.load(1, [b"a"], [0], cctx)
@@ -283,13 +262,13 @@ def test_defect_06_shutdown_never_closes_the_data_plane_under_a_live_transfer(
 
 
 def test_defect_06_a_dead_peer_is_removed_only_once_its_transfers_drained(
-        h: Any, clock: Any) -> None:
+        h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=6)
-    p = h.Node(clock, faults=faults, data_options={"completion_polls": 3,
+    p = cluster(faults=faults, data_options={"completion_polls": 3,
                                                    "wait_cancel_refuses": True})
     rec = Recording(p.data.inner)
     p.data.inner = rec
-    c = h.Node(clock, faults=faults, seed=1)
+    c = cluster(faults=faults)
     try:
         pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
         c.load(1, [b"a"], [0], cctx)
@@ -309,14 +288,13 @@ def test_defect_06_a_dead_peer_is_removed_only_once_its_transfers_drained(
 # 7 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(h: Any, nodes: Any,
-                                                                   clock: Any) -> None:
-    a, b = nodes(), nodes()
+def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(h: Any, cluster: Any) -> None:
+    a, b = cluster(), cluster()
     assert a.address != b.address and a.port and b.port  # port 0 -> read back what was bound
     cctx = b.consumer_ctx("r", a)
     b.load(1, [b"a"], [0], cctx)
     h.pump([a, b], 3)
-    clock.advance(10_000)  # a timeout path with no sleeping at all
+    cluster.clock.advance(10_000)  # a timeout path with no sleeping at all
     h.pump([a, b], 4)
     assert b.outcome(1) is Outcome.LOAD_TIMEOUT
 
@@ -324,23 +302,14 @@ def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(h: Any, nodes
 # 8 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_08_a_hello_from_another_identity_is_rejected(h: Any, nodes: Any) -> None:
-    p = nodes()
-    ctl, conn = raw_peer(h, p)
-    data = MemoryDataTransport.create(DataSettings(memoryview(bytearray(64 * 16)), 16))
-    try:
-        hello = raw_hello(ctl, data)
-        conn.send(encode(Hello(hello.wire, 1, "0.0.0.0:5710", hello.descriptor,
-                               hello.num_blocks, hello.block_len, "", "")))
-        msgs = received(h, p, ctl, conn)
+def test_defect_08_a_hello_from_another_identity_is_rejected(h: Any, cluster: Any) -> None:
+    with RawPeer(h, cluster()) as peer:
+        msgs = peer.send(peer.hello(address="0.0.0.0:5710"))
         assert isinstance(msgs[-1], Bye) and "not the connection's peer address" in msgs[-1].reason
-    finally:
-        ctl.close()
-        data.close()
 
 
-def test_defect_08_one_peer_is_one_session_in_both_directions(h: Any, nodes: Any) -> None:
-    a, b = nodes(), nodes()
+def test_defect_08_one_peer_is_one_session_in_both_directions(h: Any, cluster: Any) -> None:
+    a, b = cluster(), cluster()
     for src, dst, kv in ((a, b, "ab"), (b, a, "ba")):
         src.store(1 if kv == "ab" else 3, [kv.encode()], [0], src.producer_ctx(kv))
         dst.load(2 if kv == "ab" else 4, [kv.encode()], [1], dst.consumer_ctx(kv, src))
@@ -352,8 +321,8 @@ def test_defect_08_one_peer_is_one_session_in_both_directions(h: Any, nodes: Any
 
 
 def test_defect_09_a_load_of_a_finished_request_is_reported_not_dropped(h: Any,
-                                                                        nodes: Any) -> None:
-    p, c = nodes(), nodes()
+                                                                        cluster: Any) -> None:
+    p, c = cluster(), cluster()
     cctx = c.consumer_ctx("r", p)
     c.tier.on_new_request(cctx)
     c.load(1, [b"a"], [0], cctx)
@@ -366,8 +335,8 @@ def test_defect_09_a_load_of_a_finished_request_is_reported_not_dropped(h: Any,
 # 10 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_10_several_loads_per_request_each_complete(h: Any, nodes: Any) -> None:
-    p, c = nodes(), nodes()
+def test_defect_10_several_loads_per_request_each_complete(h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     ks = h.keys("r", 4)
     p.store(1, ks, [0, 1, 2, 3], pctx)
@@ -383,8 +352,8 @@ def test_defect_10_several_loads_per_request_each_complete(h: Any, nodes: Any) -
 # 11 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_11_terminal_empty_fetch_leaves_no_zombie(h: Any, nodes: Any) -> None:
-    p, c = nodes(), nodes()
+def test_defect_11_terminal_empty_fetch_leaves_no_zombie(h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster()
     for _ in range(2):  # the same id twice: the second must not be a "duplicate fetch"
         cctx = c.consumer_ctx("s", p, probe=True)
         c.tier.on_new_request(cctx)
@@ -403,17 +372,16 @@ def test_defect_11_terminal_empty_fetch_leaves_no_zombie(h: Any, nodes: Any) -> 
 # 12 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(h: Any, nodes: Any,
-                                                                      clock: Any) -> None:
-    p, c = nodes(), nodes()
+def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     p.store(1, [b"a"], [0], pctx)
     p.tier.on_request_finished(pctx)
-    h.advance(clock, [p, c], 60.5)
+    h.advance(cluster.clock, [p, c], 60.5)
     assert p.outcome(1) is Outcome.UNBOUND_TIMEOUT
     c.load(2, [b"a"], [0], cctx)
-    h.pump_until([p, c], lambda: 2 in c.results, rounds=8)  # no clock advance needed
+    h.pump_until([p, c], lambda: 2 in c.results, rounds=8)  # no cluster.clock advance needed
     assert c.outcome(2) is Outcome.DEMAND_UNMET
 
 
@@ -421,8 +389,8 @@ def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(h: Any, no
 
 
 def test_defect_13_producer_requests_store_every_block_including_prefix_hits(
-        h: Any, nodes: Any) -> None:
-    p, c = nodes(), nodes()
+        h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster()
     assert p.tier.on_new_request(p.producer_ctx("r")) is True
     assert p.tier.on_new_request(c.consumer_ctx("q", p)) is False
     assert p.tier.on_new_request(RequestContext("plain")) is False
@@ -436,28 +404,21 @@ def test_defect_13_producer_requests_store_every_block_including_prefix_hits(
 # 14 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_14_duplicate_keys_in_a_fetch_are_refused(h: Any, nodes: Any) -> None:
-    p, c = nodes(), nodes()
+def test_defect_14_duplicate_keys_in_a_fetch_are_refused(h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster()
     with pytest.raises(ValueError, match="duplicate keys"):
         c.tier.submit_load(Job(1, [b"a", b"a"], [0, 1], True, c.consumer_ctx("r", p)))
-    ctl, conn = raw_peer(h, p)
-    data = MemoryDataTransport.create(DataSettings(memoryview(bytearray(64 * 16)), 16))
-    try:
-        conn.send(encode(raw_hello(ctl, data)))
-        msgs = received(h, p, ctl, conn)
-        conn.send(msgpack.packb({"type": "hello_ack", "epoch": msgs[0].epoch}))
-        conn.send(encode(Fetch("r", 0, [b"a", b"a"], [0, 1])))
-        msgs = received(h, p, ctl, conn)
+    with RawPeer(h, p) as peer:
+        (hello, _) = peer.send(peer.hello())
+        msgs = peer.send(msgpack.packb({"type": "hello_ack", "epoch": hello.epoch}),
+                         Fetch("r", 0, [b"a", b"a"], [0, 1]))
         assert isinstance(msgs[-1], Bye) and "duplicate key" in msgs[-1].reason
-    finally:
-        ctl.close()
-        data.close()
 
 
 def test_defect_14_a_failing_completion_check_fails_the_transfer_promptly(
-        h: Any, clock: Any) -> None:
+        h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=14)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         faults.arm(Fault.FAIL_COMPLETION, count=1)
         p.store(1, [b"a"], [0], p.producer_ctx("r"))
@@ -473,9 +434,9 @@ def test_defect_14_a_failing_completion_check_fails_the_transfer_promptly(
 
 
 def test_defect_15_a_dead_connection_is_closed_and_the_peer_redialled(h: Any,
-                                                                     clock: Any) -> None:
+                                                                     cluster: Any) -> None:
     faults = FaultInjector(seed=15)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         p.store(1, [b"a"], [0], p.producer_ctx("r"))
         c.load(2, [b"a"], [0], c.consumer_ctx("r", p))
@@ -497,8 +458,8 @@ def test_defect_15_a_dead_connection_is_closed_and_the_peer_redialled(h: Any,
 
 
 def test_defect_16_finishing_a_symmetric_consumer_cancels_its_probes(h: Any,
-                                                                    nodes: Any) -> None:
-    p, c = nodes(), nodes()
+                                                                    cluster: Any) -> None:
+    p, c = cluster(), cluster()
     cctx = c.consumer_ctx("s", p, probe=True)
     c.tier.on_new_request(cctx)
     h.pump([p, c], 3)
@@ -512,8 +473,8 @@ def test_defect_16_finishing_a_symmetric_consumer_cancels_its_probes(h: Any,
 # 17 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, nodes: Any) -> None:
-    p, c = nodes(), nodes()
+def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster()
     for i in range(40):
         kv = f"r{i}"
         pctx, cctx = p.producer_ctx(kv), c.consumer_ctx(kv, p)
@@ -533,9 +494,9 @@ def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, nodes: Any)
 
 
 def test_defect_18_an_idle_tier_asks_for_no_ticks_and_polls_nothing(h: Any,
-                                                                     clock: Any) -> None:
-    p, rec = recording_node(h, clock)
-    c = h.Node(clock, seed=1)
+                                                                     cluster: Any) -> None:
+    p, rec = recording_node(cluster)
+    c = cluster()
     try:
         p.store(1, [b"a"], [0], p.producer_ctx("r"))
         c.load(2, [b"a"], [0], c.consumer_ctx("r", p))

@@ -21,25 +21,6 @@ def h(tier_harness: Any) -> Any:
     return tier_harness
 
 
-@pytest.fixture
-def clock(h: Any) -> Any:
-    return h.FakeClock()
-
-
-@pytest.fixture
-def nodes(h: Any, clock: Any) -> Any:
-    made: list[Any] = []
-
-    def make(**kw: Any) -> Any:
-        node = h.Node(clock, seed=len(made), **kw)
-        made.append(node)
-        return node
-
-    yield make
-    for n in made:
-        n.shutdown()
-
-
 class Source:
     """A LocalHitSource over a dict key -> slot of a node's region."""
 
@@ -71,16 +52,16 @@ class Source:
         self.ended.append(handle)
 
 
-def pd_pair(nodes: Any, **kw: Any) -> tuple[Any, Any]:
-    return nodes(**kw), nodes(**kw)
+def pd_pair(cluster: Any, **kw: Any) -> tuple[Any, Any]:
+    return cluster(**kw), cluster(**kw)
 
 
 # -- both orders, rounds, cleanliness ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("order", ["producer_first", "consumer_first"])
-def test_pd_request_moves_byte_exact_in_both_orders(h: Any, nodes: Any, order: str) -> None:
-    p, c = pd_pair(nodes)
+def test_pd_request_moves_byte_exact_in_both_orders(h: Any, cluster: Any, order: str) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r1"), c.consumer_ctx("r1", p)
     assert p.tier.on_new_request(pctx) is True
     assert c.tier.on_new_request(cctx) is False
@@ -104,8 +85,8 @@ def test_pd_request_moves_byte_exact_in_both_orders(h: Any, nodes: Any, order: s
     assert not p.tier.has_pending_work() and not c.tier.has_pending_work()
 
 
-def test_several_load_rounds_complete_independently(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_several_load_rounds_complete_independently(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.tier.on_new_request(cctx)
@@ -129,8 +110,8 @@ def test_several_load_rounds_complete_independently(h: Any, nodes: Any) -> None:
     h.assert_clean(p, c)
 
 
-def test_blocks_the_consumer_never_needs_are_released_by_its_finish(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_blocks_the_consumer_never_needs_are_released_by_its_finish(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.tier.on_new_request(cctx)
@@ -147,8 +128,8 @@ def test_blocks_the_consumer_never_needs_are_released_by_its_finish(h: Any, node
 
 
 def test_one_producer_serves_two_consumers_and_both_roles_share_a_session(
-        h: Any, nodes: Any) -> None:
-    a, b, c = nodes(), nodes(), nodes()
+        h: Any, cluster: Any) -> None:
+    a, b, c = cluster(), cluster(), cluster()
     for i, cons in enumerate((b, c)):
         kv = f"r{i}"
         pctx, cctx = a.producer_ctx(kv), cons.consumer_ctx(kv, a)
@@ -173,16 +154,15 @@ def test_one_producer_serves_two_consumers_and_both_roles_share_a_session(
 # -- routing and lookups -----------------------------------------------------------------------
 
 
-def test_lookup_pd_is_eager_hit_and_failed_ids_miss_until_finished(h: Any, nodes: Any,
-                                                                    clock: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_lookup_pd_is_eager_hit_and_failed_ids_miss_until_finished(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     cctx = c.consumer_ctx("r", p)
     assert c.tier.lookup(b"k", RequestContext("x")) is LookupResult.MISS
     c.tier.on_new_request(cctx)
     assert c.tier.lookup(b"k", cctx) is LookupResult.HIT
     c.load(1, [b"k"], [0], cctx)
     h.pump([p, c], 3)
-    h.advance(clock, [p, c], 31)  # load timeout -> abort -> ack
+    h.advance(cluster.clock, [p, c], 31)  # load timeout -> abort -> ack
     assert c.outcome(1) is Outcome.LOAD_TIMEOUT
     assert c.tier.lookup(b"k", cctx) is LookupResult.MISS
     c.tier.on_request_finished(cctx)
@@ -191,8 +171,8 @@ def test_lookup_pd_is_eager_hit_and_failed_ids_miss_until_finished(h: Any, nodes
     assert c.tier.lookup(b"k", again) is LookupResult.HIT
 
 
-def test_symmetric_lookup_batches_one_probe_per_request_and_step(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_symmetric_lookup_batches_one_probe_per_request_and_step(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     ks = h.keys("s", 6)
     src = Source(p, {ks[0]: 20, ks[1]: 21, ks[3]: 23}, retry={ks[1]})
     p.tier.serve_lookups(src)  # an engine offers its source every step from the start
@@ -225,8 +205,8 @@ def test_symmetric_lookup_batches_one_probe_per_request_and_step(h: Any, nodes: 
     h.assert_clean(p, c)
 
 
-def test_symmetric_lookup_without_a_hit_source_answers_miss_at_once(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_symmetric_lookup_without_a_hit_source_answers_miss_at_once(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     cctx = c.consumer_ctx("s", p, probe=True)
     c.tier.on_new_request(cctx)
     h.pump([p, c], 3)
@@ -237,8 +217,8 @@ def test_symmetric_lookup_without_a_hit_source_answers_miss_at_once(h: Any, node
     h.assert_clean(p, c)
 
 
-def test_symmetric_lookup_deadline_answers_miss(h: Any, nodes: Any, clock: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_symmetric_lookup_deadline_answers_miss(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     src = Source(p, {}, retry={b"a"})
     p.tier.serve_lookups(src)  # a source exists, but the engine stops calling in
     cctx = c.consumer_ctx("s", p, probe=True)
@@ -248,15 +228,15 @@ def test_symmetric_lookup_deadline_answers_miss(h: Any, nodes: Any, clock: Any) 
     c.tier.on_schedule_end()
     h.pump([p, c], 3)
     assert c.tier.lookup(b"a", cctx) is LookupResult.RETRY
-    h.advance(clock, [p, c], p.tier._config.timeouts.lookup + 0.1)
+    h.advance(cluster.clock, [p, c], p.tier._config.timeouts.lookup + 0.1)
     assert c.tier.lookup(b"a", cctx) is LookupResult.MISS
     c.tier.on_request_finished(cctx)
     h.pump([p, c], 3)
     h.assert_clean(p, c)
 
 
-def test_jobs_without_a_route_finish_at_once(h: Any, nodes: Any) -> None:
-    (c,) = (nodes(),)
+def test_jobs_without_a_route_finish_at_once(h: Any, cluster: Any) -> None:
+    (c,) = (cluster(),)
     plain = RequestContext("plain")
     bad = RequestContext("bad", {"remote_prefiller": {"kv_request_id": "x"}})  # no host/port
     c.store(1, [b"a"], [0], plain)
@@ -280,25 +260,25 @@ def test_jobs_without_a_route_finish_at_once(h: Any, nodes: Any) -> None:
     (Job(1, ["a"], [1], True, RequestContext("r")), "keys must be"),
     (Job(1, [b"a"], [0], False, RequestContext("r")), "is_load=True"),
 ])
-def test_malformed_load_jobs_raise_and_record_nothing(h: Any, nodes: Any, job: Job,
+def test_malformed_load_jobs_raise_and_record_nothing(h: Any, cluster: Any, job: Job,
                                                       match: str) -> None:
-    p, c = pd_pair(nodes)
+    p, c = pd_pair(cluster)
     job.ctx = c.consumer_ctx("r", p)
     with pytest.raises(ValueError, match=match):
         c.tier.submit_load(job)
     assert c.tier._state_sizes()["jobs_open"] == 0
 
 
-def test_duplicate_job_id_in_flight_is_refused(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_duplicate_job_id_in_flight_is_refused(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     cctx = c.consumer_ctx("r", p)
     c.load(1, [b"a"], [0], cctx)
     with pytest.raises(ValueError, match="already in flight"):
         c.tier.submit_load(Job(1, [b"b"], [1], True, cctx))
 
 
-def test_numpy_block_ids_are_accepted(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_numpy_block_ids_are_accepted(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.submitted.add(1)
     p.tier.submit_store(Job(1, h.keys("r", 3), np.array([5, 6, 7]), False, pctx))
@@ -311,13 +291,13 @@ def test_numpy_block_ids_are_accepted(h: Any, nodes: Any) -> None:
 # -- failures and timeouts --------------------------------------------------------------------
 
 
-def test_load_timeout_aborts_and_reports_after_the_ack(h: Any, nodes: Any, clock: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_load_timeout_aborts_and_reports_after_the_ack(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.load(1, [b"a"], [0], cctx)
     h.pump([p, c], 3)
-    clock.advance(30.5)
+    cluster.clock.advance(30.5)
     c.collect()  # abort sent, no result yet: the producer may still write
     assert 1 not in c.results
     h.pump([p, c], 3)
@@ -327,25 +307,25 @@ def test_load_timeout_aborts_and_reports_after_the_ack(h: Any, nodes: Any, clock
     assert c.blocks[0].tolist() != p.blocks[3].tolist()
 
 
-def test_abort_ack_timeout_when_the_producer_goes_silent(h: Any, clock: Any) -> None:
+def test_abort_ack_timeout_when_the_producer_goes_silent(h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=1)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         cctx = c.consumer_ctx("r", p)
         c.load(1, [b"a"], [0], cctx)
         h.pump([p, c], 3)
         faults.arm(Fault.DROP, peer=p.address)  # everything c sends to p is lost
-        h.advance(clock, [p, c], 30.5)
+        h.advance(cluster.clock, [p, c], 30.5)
         assert 1 not in c.results
-        h.advance(clock, [p, c], 10.5)
+        h.advance(cluster.clock, [p, c], 10.5)
         assert c.outcome(1) is Outcome.ABORT_ACK_TIMEOUT
     finally:
         p.shutdown()
         c.shutdown()
 
 
-def test_consumer_finishing_mid_load_gets_request_finished(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_consumer_finishing_mid_load_gets_request_finished(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.tier.on_new_request(cctx)
@@ -362,8 +342,8 @@ def test_consumer_finishing_mid_load_gets_request_finished(h: Any, nodes: Any) -
     h.assert_clean(p, c)
 
 
-def test_unmet_demand_fails_when_the_producer_request_finishes(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_unmet_demand_fails_when_the_producer_request_finishes(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.load(1, h.keys("r", 3), [0, 1, 2], cctx)
@@ -379,8 +359,8 @@ def test_unmet_demand_fails_when_the_producer_request_finishes(h: Any, nodes: An
 
 
 def test_fetch_after_the_producer_finished_with_too_little_fails_fast(h: Any,
-                                                                       nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+                                                                       cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     p.store(1, h.keys("r", 1), [0], pctx)
@@ -390,23 +370,23 @@ def test_fetch_after_the_producer_finished_with_too_little_fails_fast(h: Any,
     assert c.outcome(2) is Outcome.DEMAND_UNMET
 
 
-def test_store_timeout_and_unbound_timeout(h: Any, nodes: Any, clock: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_store_timeout_and_unbound_timeout(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     p.store(1, h.keys("r", 2), [0, 1], pctx)
     c.load(2, h.keys("r", 1), [0], cctx)  # binds the request; one block stays undelivered
     h.pump_until([p, c], lambda: 2 in c.results)
     p.store(3, [b"other"], [5], p.producer_ctx("unbound"))
-    h.advance(clock, [p, c], 30.5)
+    h.advance(cluster.clock, [p, c], 30.5)
     assert p.outcome(1) is Outcome.STORE_TIMEOUT and 3 not in p.results
-    h.advance(clock, [p, c], 30)
+    h.advance(cluster.clock, [p, c], 30)
     assert p.outcome(3) is Outcome.UNBOUND_TIMEOUT
 
 
-def test_transfer_and_submit_failures(h: Any, clock: Any) -> None:
+def test_transfer_and_submit_failures(h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=3)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
         faults.arm(Fault.FAIL_COMPLETION, count=1)
@@ -425,9 +405,9 @@ def test_transfer_and_submit_failures(h: Any, clock: Any) -> None:
         c.shutdown()
 
 
-def test_killed_connection_fails_both_sides_with_peer_dead(h: Any, clock: Any) -> None:
+def test_killed_connection_fails_both_sides_with_peer_dead(h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=4)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
         p.tier.on_new_request(pctx)
@@ -449,9 +429,9 @@ def test_killed_connection_fails_both_sides_with_peer_dead(h: Any, clock: Any) -
     assert p.outcome(4) is Outcome.SHUTDOWN
 
 
-def test_incompatible_peers_are_rejected_with_a_reason_on_both_sides(h: Any, nodes: Any) -> None:
-    p = nodes(hash_seed="1")
-    c = nodes(hash_seed="2")
+def test_incompatible_peers_are_rejected_with_a_reason_on_both_sides(h: Any, cluster: Any) -> None:
+    p = cluster(hash_seed="1")
+    c = cluster(hash_seed="2")
     cctx = c.consumer_ctx("r", p)
     c.load(1, [b"a"], [0], cctx)
     h.pump_until([p, c], lambda: 1 in c.results)
@@ -461,16 +441,16 @@ def test_incompatible_peers_are_rejected_with_a_reason_on_both_sides(h: Any, nod
     assert c.tier.stats()["handshake_rejections"] == 1
 
 
-def test_handshake_timeout(h: Any, clock: Any) -> None:
+def test_handshake_timeout(h: Any, cluster: Any) -> None:
     faults = FaultInjector(seed=5)
-    p, c = h.Node(clock, faults=faults), h.Node(clock, faults=faults, seed=1)
+    p, c = cluster(faults=faults), cluster(faults=faults)
     try:
         faults.arm(Fault.DROP, peer=p.address)
         cctx = c.consumer_ctx("r", p)
         c.load(1, [b"a"], [0], cctx)
         h.pump([p, c], 3)
         assert c.tier.has_pending_work()
-        h.advance(clock, [p, c], 10.5)
+        h.advance(cluster.clock, [p, c], 10.5)
         assert c.outcome(1) is Outcome.PEER_DEAD and "handshake" in c.results[1].detail
     finally:
         p.shutdown()
@@ -480,8 +460,8 @@ def test_handshake_timeout(h: Any, clock: Any) -> None:
 # -- pending work, drain, shutdown -------------------------------------------------------------
 
 
-def test_has_pending_work_only_while_work_exists(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_has_pending_work_only_while_work_exists(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     assert not p.tier.has_pending_work() and not c.tier.has_pending_work()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     c.tier.on_new_request(cctx)
@@ -496,8 +476,8 @@ def test_has_pending_work_only_while_work_exists(h: Any, nodes: Any) -> None:
     assert not c.tier.has_pending_work() and not p.tier.has_pending_work()
 
 
-def test_drain_jobs_waits_for_results_and_is_bounded(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_drain_jobs_waits_for_results_and_is_bounded(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     c.tier.on_new_request(cctx)
     h.pump([p, c], 3)  # handshake done
@@ -516,8 +496,8 @@ def test_drain_jobs_waits_for_results_and_is_bounded(h: Any, nodes: Any) -> None
     assert 3 not in c.results and c.tier.has_pending_work()
 
 
-def test_shutdown_answers_every_job_exactly_once(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes, data_options={"completion_polls": 50})
+def test_shutdown_answers_every_job_exactly_once(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster, data_options={"completion_polls": 50})
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.load(1, h.keys("r", 2), [0, 1], cctx)
@@ -536,8 +516,8 @@ def test_shutdown_answers_every_job_exactly_once(h: Any, nodes: Any) -> None:
     assert c.outcome(5) is Outcome.SHUTDOWN
 
 
-def test_shutdown_waits_for_the_data_plane_before_closing(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes, data_options={"completion_polls": 3, "wait_cancel_refuses": True})
+def test_shutdown_waits_for_the_data_plane_before_closing(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster, data_options={"completion_polls": 3, "wait_cancel_refuses": True})
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     c.load(1, [b"a"], [0], cctx)
     h.pump([p, c], 3)
@@ -549,8 +529,8 @@ def test_shutdown_waits_for_the_data_plane_before_closing(h: Any, nodes: Any) ->
     assert (c.blocks[0] == p.blocks[4]).all()  # it was allowed to finish, not torn down
 
 
-def test_stats_and_local_address(h: Any, nodes: Any) -> None:
-    p, c = pd_pair(nodes)
+def test_stats_and_local_address(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
     assert p.tier.local_address == p.address and p.address.startswith("127.0.0.1:")
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.store(1, h.keys("r", 4), [0, 1, 2, 3], pctx)
@@ -588,7 +568,7 @@ def test_unknown_transport_names_fail_at_construction(h: Any) -> None:
         P2PTier(cfg, memoryview(bytearray(64)), 16, registry=h.REGISTRY)
 
 
-def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, clock: Any) -> None:
+def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, cluster: Any) -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
 
     class Plugin:
@@ -629,7 +609,8 @@ def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, clock: Any) 
 
     reg = Registry.from_plugins([("memory", memory_plugin), ("obs", plugin)])
     assert reg.observers.enabled
-    tiers = [P2PTier(h.config(), memoryview(bytearray(8 * 16)), 16, registry=reg, clock=clock)
+    tiers = [P2PTier(h.config(), memoryview(bytearray(8 * 16)), 16, registry=reg,
+                     clock=cluster.clock)
              for _ in range(2)]
     p, c = tiers
     try:
@@ -643,7 +624,7 @@ def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, clock: Any) 
         for _ in range(6):
             p.get_finished_jobs()
             c.get_finished_jobs()
-        clock.advance(31)
+        cluster.clock.advance(31)
         for _ in range(4):
             p.get_finished_jobs()
             c.get_finished_jobs()

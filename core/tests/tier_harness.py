@@ -120,6 +120,24 @@ class Node:
             self.record(self.tier.shutdown())
 
 
+class Cluster:
+    """Makes nodes on one fake clock (``cluster(**node_kwargs)``); ``close`` shuts them down."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.made: list[Node] = []
+
+    def __call__(self, **kw: Any) -> Node:
+        kw.setdefault("seed", len(self.made))
+        node = Node(self.clock, **kw)
+        self.made.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.made:
+            node.shutdown()
+
+
 def pump(nodes: Iterable[Node], rounds: int = 6) -> None:
     """Tick every node ``rounds`` times, collecting results."""
     nodes = list(nodes)
