@@ -2,24 +2,25 @@
 
 UCX matches tags per *worker*, not per connection, so a tag must say who sent the message::
 
-    bit 63..62  kind   1 EXPECT, 2 HEADER, 3 DATA (0 is never used by p2pkv-ucx)
+    bit 63..62  kind   1 NOTICE, 2 HEADER, 3 DATA (0 is never used by p2pkv-ucx)
     bit 61..40  link   the id the *receiver* gave the sender (unique per receiver, never reused)
     bit 39..20  seq    the sender's write number on that link, modulo 2**20
     bit 19..0   run    the run's position in its write (DATA only)
 
-EXPECT carries only the kind (its payload names the sender). A HEADER (kind, link, seq)
-announces the runs of one write; DATA (kind, link, seq, run) is one run's payload.
+A NOTICE (consumer to producer: EXPECT, RETRACT, VERDICT) carries only the kind; its payload
+names the sender. A HEADER (kind, link, seq) announces the runs of one write; DATA (kind,
+link, seq, run) is one run's payload.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "DATA",
-    "EXPECT",
     "HEADER",
     "KIND_MASK",
     "MAX_LINK",
     "MAX_RUNS",
+    "NOTICE",
     "SEQ_MASK",
     "WRITE_MASK",
     "data_tag",
@@ -28,7 +29,7 @@ __all__ = [
     "split",
 ]
 
-EXPECT, HEADER, DATA = 1, 2, 3
+NOTICE, HEADER, DATA = 1, 2, 3
 _KIND_SHIFT, _LINK_SHIFT, _SEQ_SHIFT = 62, 40, 20
 MAX_LINK = (1 << 22) - 1
 SEQ_MASK = (1 << 20) - 1

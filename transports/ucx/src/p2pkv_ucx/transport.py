@@ -4,8 +4,8 @@ ucxx's Python API has no RMA (no memory map, rkey or put), so a block moves as a
 message that the receiver matches into its slot. The round trip per write:
 
 1. The consumer's tier calls ``expect_blocks(producer, slots)`` when it asks for blocks. We
-   number the expectation (``gen``, per peer), own the slots, and send the producer an
-   EXPECT message ``(gen, slots, link)`` over UCX.
+   number the expectation (``gen``, a per-peer round), own the slots, and send the producer
+   an EXPECT ``(link, gen, slots)`` over UCX.
 2. The producer's ``write_blocks(consumer, src, dst)`` waits (inside the transport, never
    blocking the caller) until an EXPECT covers every ``dst`` slot, takes each slot's ``gen``
    (once: a second write into the same slot waits for a new EXPECT), cuts the write into
@@ -14,11 +14,20 @@ message that the receiver matches into its slot. The round trip per write:
 3. The consumer checks each run of the HEADER against its live expectations (same peer, same
    ``gen``, slots not yet claimed) and posts a receive directly into the slots (zero copy: the
    payload moves by rendezvous only once the receive is posted). A run that fails the check is
-   drained into a scratch buffer instead and never touches the region.
+   drained into a scratch buffer and never touches the region. The consumer answers every
+   HEADER with a VERDICT (runs refused); the producer reports the write done only when UCX
+   completed every send *and* the consumer refused nothing, so ``done`` means landed.
+4. An expectation that ends without its data (cancel, deadline, error) sends a RETRACT so the
+   producer forgets its round for those slots and a later write for them waits for the next
+   EXPECT instead of going out with a dead round.
 
 Tags (:mod:`p2pkv_ucx.tags`) carry a link id the *receiver* assigned to the sender, so
 messages from two peers can never match each other's receives even though UCX matches per
-worker. ``gen`` makes a write from an abandoned round unable to land in a later round's slot.
+worker. ``gen`` makes a write from an abandoned round unable to land in a later round's slot:
+the consumer refuses it and the producer reports it failed. What the transport cannot see is
+which of the producer *core's* rounds a write belongs to: a producer that writes an aborted
+round's blocks after the consumer re-expected the same slots (and after the RETRACT/EXPECT
+reached it) would pass. The core's abort handshake rules that out; see the README.
 
 Threading and progress: no progress thread. ``poll``/``progress`` call ``worker.progress()``
 on the caller's (driver) thread; ucxx never calls back into Python here. Nothing blocks
@@ -75,7 +84,9 @@ _GEN_LIMIT = (1 << 32) - 1
 _INBOX_BATCH = 256
 """Control messages taken from UCX per kind per pump (the rest wait for the next pump)."""
 _EARLY_LIMIT = 64
-"""EXPECTs kept per not-yet-added sender, and senders kept (older ones are dropped)."""
+"""Notices kept per not-yet-added sender, and senders kept (older ones are dropped)."""
+_ALL_RUNS = tags.MAX_RUNS
+"""VERDICT count for a HEADER we could not read: every run refused."""
 
 
 @dataclass(eq=False)
@@ -94,6 +105,8 @@ class _Peer:
     dead: bool = False
     transfers: dict[int, _Transfer] = field(default_factory=dict)
     deferred: list[_Write] = field(default_factory=list)
+    posts: dict[int, _Write] = field(default_factory=dict)
+    """Our posted writes to the peer awaiting its VERDICT, by seq."""
 
 
 @dataclass(eq=False)
@@ -107,7 +120,7 @@ class _Transfer:
     error: str | None = None
     cancelled: bool = False
     keep: Any = None
-    """A payload UCX reads until ``requests`` complete (HEADER or EXPECT bytes)."""
+    """A payload UCX reads until its send completes (HEADER or EXPECT bytes)."""
 
     def settle(self) -> bool:
         """Record completions; True when every request has completed."""
@@ -125,6 +138,9 @@ class _Write(_Transfer):
     src: IntArray = field(default_factory=lambda: np.empty(0, np.int64))
     dst: IntArray = field(default_factory=lambda: np.empty(0, np.int64))
     posted: bool = False
+    seq: int | None = None
+    accepted: bool = False
+    """The consumer's VERDICT came back with nothing refused."""
 
 
 @dataclass(eq=False)
@@ -135,6 +151,8 @@ class _Expect(_Transfer):
     stopping: bool = False
     notice: Any = None
     """The EXPECT send; it reads ``keep`` only, never the region."""
+    writes: list[tuple[int, int]] = field(default_factory=list)
+    """(link, seq) of the producer's writes whose runs we accepted."""
 
     def settle(self) -> bool:
         if self.notice is not None and self.notice.completed:
@@ -208,7 +226,7 @@ class UcxDataTransport(DataTransport):
         self._retired: dict[str, list[_Peer]] = {}
         self._by_link: dict[int, _Peer] = {}
         self._by_instance: dict[int, _Peer] = {}
-        self._early: dict[int, list[wire.Expect]] = {}
+        self._early: dict[int, list[wire.Notice]] = {}
         self._transfers: dict[int, _Transfer] = {}
         self._slot_owner = np.zeros(self._num_blocks, np.int64)
         self._claimed = np.zeros(self._num_blocks, np.bool_)
@@ -219,6 +237,7 @@ class UcxDataTransport(DataTransport):
         self._orphans: list[_Transfer] = []
         self._loose: list[tuple[Any, Any]] = []
         self._control_limit = 64 + 12 * self._num_blocks
+        self._closing = False
         self._closed = False
         self._undrained: list[int] = []
 
@@ -270,8 +289,8 @@ class UcxDataTransport(DataTransport):
         self._peers[peer_id] = peer
         self._by_link[link] = peer
         self._by_instance[desc.instance] = peer
-        for expect in self._early.pop(desc.instance, []):
-            self._on_expect(expect)
+        for notice in self._early.pop(desc.instance, []):
+            self._on_notice(notice)
 
     def remove_peer(self, peer_id: str) -> list[int]:
         peer = self._peers.pop(peer_id, None)
@@ -305,9 +324,10 @@ class UcxDataTransport(DataTransport):
         write = _Write(next(self._ids), peer, time.monotonic() + self._timeout, src=src, dst=dst)
         self._register(write)
         if len(dst) == 0:
-            write.posted = True
+            write.posted = write.accepted = True
         else:
             peer.deferred.append(write)
+            self._pump()  # take EXPECTs and RETRACTs that already arrived first
             self._post_deferred(peer)
         return write.tid
 
@@ -327,18 +347,14 @@ class UcxDataTransport(DataTransport):
             gen=gen, slots=slots, unclaimed=len(slots),
         )
         if len(slots):
-            payload = np.frombuffer(
-                wire.encode_expect(self._instance, peer.link_in, gen, slots), np.uint8
-            )
             try:
-                expect.notice = peer.ep.tag_send(
-                    self._array(payload), self._tag(tags.kind_tag(tags.EXPECT))
+                expect.notice, expect.keep = self._notify(
+                    peer, wire.encode_expect(self._instance, peer.link_in, gen, slots)
                 )
             except Exception as exc:
                 raise TransferSubmitError(
                     f"peer {peer_id!r}: UCX refused the EXPECT ({type(exc).__name__}: {exc})"
                 ) from None
-            expect.keep = payload
             peer.next_gen = gen % _GEN_LIMIT + 1
             self._slot_owner[slots] = expect.tid
         self._register(expect)
@@ -389,6 +405,7 @@ class UcxDataTransport(DataTransport):
     def close(self) -> list[int]:
         if self._closed:
             return list(self._undrained)
+        self._closing = True  # no RETRACTs: they would outlive us
         kept = self._drain(list(self._transfers))
         self._closed = True
         self._prune_orphans()
@@ -446,9 +463,13 @@ class UcxDataTransport(DataTransport):
         )
         seq = peer.next_seq
         peer.next_seq = (seq + 1) & tags.SEQ_MASK
-        header = np.frombuffer(wire.encode_header(dsts, lengths, run_gens), np.uint8)
+        header = np.frombuffer(
+            wire.encode_header(self._instance, dsts, lengths, run_gens), np.uint8
+        )
         write.keep = header
         write.posted = True
+        write.seq = seq
+        peer.posts[seq] = write
         tag, array, blocks, send = self._tag, self._array, self._blocks, peer.ep.tag_send
         try:
             write.requests.append(send(array(header), tag(tags.header_tag(peer.link_out, seq))))
@@ -464,7 +485,7 @@ class UcxDataTransport(DataTransport):
         """All I/O: progress UCX, take inbound control messages, drain rejected payload."""
         worker = self._worker
         worker.progress()
-        self._take_control(tags.EXPECT)
+        self._take_control(tags.NOTICE)
         self._take_control(tags.HEADER)
         self._drain_poisoned()
         worker.progress()
@@ -493,70 +514,116 @@ class UcxDataTransport(DataTransport):
             self._inbox.append((kind, found.sender_tag.value, req, buf))
 
     def _handle_inbox(self) -> None:
+        """Handle arrived control messages in arrival order; post writes they unblock after
+        the whole batch (a RETRACT or newer EXPECT right behind an EXPECT must count)."""
         inbox = self._inbox
+        unblocked: dict[int, _Peer] = {}
         while inbox and inbox[0][2].completed:
             kind, tag, req, buf = inbox.popleft()
             _, link, seq, _ = tags.split(tag)
             try:
                 if req.status != _OK:
                     raise ValueError(f"UCX status {req.status}")
-                if kind == tags.EXPECT:
-                    self._on_expect(wire.decode_expect(buf.tobytes()))
+                if kind == tags.NOTICE:
+                    peer = self._on_notice(wire.decode_notice(buf.tobytes()))
+                    if peer is not None:
+                        unblocked[id(peer)] = peer
                 else:
                     self._on_header(link, seq, wire.decode_header(buf.tobytes()))
             except ValueError as exc:
                 log.warning("ucx: dropped a malformed %s message: %s",
-                            "EXPECT" if kind == tags.EXPECT else "HEADER", exc)
+                            "NOTICE" if kind == tags.NOTICE else "HEADER", exc)
                 if kind == tags.HEADER:
-                    self._poison(link, seq)
+                    self._refuse(link, seq, _ALL_RUNS, self._by_link.get(link))
+        for peer in unblocked.values():
+            if self._peers.get(peer.peer_id) is peer:
+                self._post_deferred(peer)
 
-    def _on_expect(self, expect: wire.Expect) -> None:
-        peer = self._by_instance.get(expect.instance)
-        if peer is None:  # its add_peer may still come: keep a few
-            early = self._early.setdefault(expect.instance, [])
-            early.append(expect)
-            del early[:-_EARLY_LIMIT]
-            while len(self._early) > _EARLY_LIMIT:
-                del self._early[next(iter(self._early))]
-            return
-        slots = expect.slots
-        if expect.link > tags.MAX_LINK or (len(slots) and slots.max() >= peer.desc.num_blocks):
-            raise ValueError(f"EXPECT from peer {peer.peer_id!r} names slots outside its region")
-        peer.link_out = expect.link
-        peer.slot_gen[slots] = expect.gen
-        self._post_deferred(peer)
+    def _on_notice(self, notice: wire.Notice) -> _Peer | None:
+        """Apply a consumer's NOTICE; returns the peer when it was an EXPECT."""
+        peer = self._by_instance.get(notice.instance)
+        if peer is None:  # its add_peer may still come: keep a few, in order
+            if not isinstance(notice, wire.Verdict):
+                early = self._early.setdefault(notice.instance, [])
+                early.append(notice)
+                del early[:-_EARLY_LIMIT]
+                while len(self._early) > _EARLY_LIMIT:
+                    del self._early[next(iter(self._early))]
+            return None
+        if isinstance(notice, wire.Verdict):
+            write = peer.posts.pop(notice.seq, None)
+            if write is not None:
+                if notice.refused:
+                    write.error = f"the peer discarded {notice.refused} run(s): no live round"
+                else:
+                    write.accepted = True
+            return None
+        slots = notice.slots
+        if len(slots) and slots.max() >= peer.desc.num_blocks:
+            raise ValueError(f"notice from peer {peer.peer_id!r} names slots outside its region")
+        if isinstance(notice, wire.Retract):
+            slots = slots[peer.slot_gen[slots] == notice.gen]
+            peer.slot_gen[slots] = 0
+            return None
+        if notice.link > tags.MAX_LINK:
+            raise ValueError(f"EXPECT from peer {peer.peer_id!r} has link {notice.link}")
+        if peer.link_out != notice.link:  # the peer (re-)registered us: older rounds are gone
+            peer.slot_gen[:] = 0
+            peer.link_out = notice.link
+        peer.slot_gen[slots] = notice.gen
+        return peer
 
     def _on_header(self, link: int, seq: int, header: wire.Header) -> None:
         peer = self._by_link.get(link)
         blocks = self._blocks
         if peer is None or self._peers.get(peer.peer_id) is not peer or blocks is None:
-            self._poison(link, seq)
+            # an old link of a peer we re-registered, or one we removed: refuse all of it
+            self._refuse(link, seq, len(header.starts), self._by_instance.get(header.instance))
             return
         owner, claimed, transfers = self._slot_owner, self._claimed, self._transfers
         tag, array, recv = self._tag, self._array, peer.ep.tag_recv
         first = tags.data_tag(link, seq, 0)
-        rejected = 0
+        refused = 0
         for run, (s, n, gen) in enumerate(zip(
             header.starts.tolist(), header.lengths.tolist(), header.gens.tolist(), strict=True
         )):
-            t = transfers.get(int(owner[s])) if 0 < n <= self._max_run and s + n <= len(owner) \
-                else None
+            fits = 0 < n <= self._max_run and s + n <= len(owner)
+            t = transfers.get(int(owner[s])) if fits else None
             if (
                 not isinstance(t, _Expect) or t.peer is not peer or t.gen != gen or t.stopping
                 or (owner[s:s + n] != t.tid).any() or claimed[s:s + n].any()
             ):
-                rejected += 1
+                refused += 1
                 continue
             claimed[s:s + n] = True
             t.unclaimed -= n
+            if not t.writes or t.writes[-1] != (link, seq):
+                t.writes.append((link, seq))
             try:
                 t.requests.append(recv(array(blocks[s:s + n]), tag(first + run)))
             except Exception as exc:
                 t.error = f"UCX refused a receive ({type(exc).__name__}: {exc})"
-        if rejected:
-            log.info("ucx: drained %d run(s) from peer %r that no live expectation wants",
-                     rejected, peer.peer_id)
+        self._refuse(link, seq, refused, peer)
+
+    def _refuse(self, link: int, seq: int, refused: int, sender: _Peer | None) -> None:
+        """Answer the HEADER of write (link, seq) with a VERDICT; drain what we refused."""
+        if refused:
+            log.info("ucx: discarding %d run(s) of write %d on link %d: no live round wants "
+                     "them", refused, seq, link)
             self._poison(link, seq)
+        if sender is not None and sender.ep is not None:
+            self._send_notice(sender, wire.encode_verdict(self._instance, seq, refused))
+
+    def _send_notice(self, peer: _Peer, payload: bytes) -> None:
+        """Send a NOTICE nobody waits for (its payload is kept until UCX is done with it)."""
+        try:
+            self._loose.append(self._notify(peer, payload))
+        except Exception as exc:  # a failed endpoint: the peer learns nothing, deadlines rule
+            log.info("ucx: notice to peer %r not sent: %s", peer.peer_id, exc)
+
+    def _notify(self, peer: _Peer, payload: bytes) -> tuple[Any, npt.NDArray[np.uint8]]:
+        data = np.frombuffer(payload, np.uint8)
+        return peer.ep.tag_send(self._array(data), self._tag(tags.kind_tag(tags.NOTICE))), data
 
     def _poison(self, link: int, seq: int) -> None:
         """Drain every not-yet-received DATA run of write (link, seq) into scratch."""
@@ -588,8 +655,8 @@ class UcxDataTransport(DataTransport):
                     t.peer.deferred.remove(t)
                     return False
                 return None
-            if t.settle():
-                return t.error is None
+            if t.settle() and t.accepted and t.error is None:
+                return True
             if t.error is not None or now > t.deadline:
                 return False  # the sends only read our memory: orphaned by _forget
             return None
@@ -616,6 +683,12 @@ class UcxDataTransport(DataTransport):
                     cancel(req)
         unclaimed = t.slots[(self._slot_owner[t.slots] == t.tid) & ~self._claimed[t.slots]]
         self._slot_owner[unclaimed] = 0
+        for link, seq in t.writes:  # payload of accepted runs that may still arrive
+            self._poison(link, seq)
+        peer = t.peer
+        if len(unclaimed) and not self._closing and self._peers.get(peer.peer_id) is peer \
+                and not peer.dead:
+            self._send_notice(peer, wire.encode_retract(self._instance, t.gen, unclaimed))
 
     def _stopped(self, t: _Transfer) -> bool:
         """True when nothing of ``t`` can still touch memory we give back by forgetting it."""
@@ -627,8 +700,11 @@ class UcxDataTransport(DataTransport):
     def _forget(self, t: _Transfer) -> None:
         del self._transfers[t.tid]
         del t.peer.transfers[t.tid]
-        if isinstance(t, _Write) and not t.posted and t in t.peer.deferred:
-            t.peer.deferred.remove(t)
+        if isinstance(t, _Write):
+            if not t.posted and t in t.peer.deferred:
+                t.peer.deferred.remove(t)
+            if t.seq is not None and t.peer.posts.get(t.seq) is t:
+                del t.peer.posts[t.seq]
         if isinstance(t, _Expect):
             mine = t.slots[self._slot_owner[t.slots] == t.tid]
             self._slot_owner[mine] = 0

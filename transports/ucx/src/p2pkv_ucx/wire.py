@@ -2,10 +2,18 @@
 
 - **Descriptor** (``descriptor()`` → peer's ``add_peer``): our UCX worker address, region
   shape, a random instance id, and the longest run (in blocks) we accept in one message.
-- **EXPECT** (consumer → producer, tag kind EXPECT): "I expect your write into my slots
-  ``slots``, round ``gen``; tag your messages to me with link ``link``".
-- **HEADER** (producer → consumer, tag kind HEADER + link + seq): the runs of one write, each
-  ``(dst_start, length, gen)``; run ``i``'s payload follows as DATA with run number ``i``.
+- **NOTICE** messages, consumer → producer (tag kind NOTICE), each naming the consumer by its
+  instance id; UCX keeps them in order, and the producer handles them in that order:
+
+  - EXPECT ``(link, gen, slots)``: "write into my ``slots`` for round ``gen``; tag your
+    messages to me with ``link``";
+  - RETRACT ``(gen, slots)``: round ``gen`` no longer wants ``slots`` (cancelled, timed out);
+  - VERDICT ``(seq, refused)``: of your write ``seq``, ``refused`` runs matched no live round
+    and were discarded (0: all of it landed).
+
+- **HEADER** (producer → consumer, tag kind HEADER + link + seq): the producer's instance and
+  the runs of one write, each ``(dst_start, length, gen)``; run ``i``'s payload follows as DATA
+  with run number ``i``.
 
 Decoders validate types and sizes and raise ``ValueError`` with the reason; integer arrays
 travel as little-endian ``uint32`` bytes.
@@ -24,15 +32,21 @@ __all__ = [
     "Descriptor",
     "Expect",
     "Header",
+    "Notice",
+    "Retract",
+    "Verdict",
     "decode_descriptor",
-    "decode_expect",
     "decode_header",
+    "decode_notice",
     "encode_descriptor",
     "encode_expect",
     "encode_header",
+    "encode_retract",
+    "encode_verdict",
 ]
 
 WIRE_VERSION = 1
+_EXPECT, _RETRACT, _VERDICT = 0, 1, 2
 _U32 = np.dtype("<u4")
 IntArray = npt.NDArray[np.int64]
 
@@ -55,17 +69,35 @@ class Expect:
 
 
 @dataclass(frozen=True)
+class Retract:
+    instance: int
+    gen: int
+    slots: IntArray
+
+
+@dataclass(frozen=True)
+class Verdict:
+    instance: int
+    seq: int
+    refused: int
+
+
+Notice = Expect | Retract | Verdict
+
+
+@dataclass(frozen=True)
 class Header:
+    instance: int
     starts: IntArray
     lengths: IntArray
     gens: IntArray
 
 
 def encode_descriptor(d: Descriptor) -> bytes:
-    return bytes(msgpack.packb({
+    return _pack({
         "transport": "ucx", "v": WIRE_VERSION, "address": d.address, "instance": d.instance,
         "num_blocks": d.num_blocks, "block_len": d.block_len, "max_run": d.max_run,
-    }))
+    })
 
 
 def decode_descriptor(data: bytes) -> Descriptor:
@@ -84,32 +116,54 @@ def decode_descriptor(data: bytes) -> Descriptor:
 
 
 def encode_expect(instance: int, link: int, gen: int, slots: IntArray) -> bytes:
-    return bytes(msgpack.packb([WIRE_VERSION, instance, link, gen, _u32(slots)]))
+    return _pack([WIRE_VERSION, _EXPECT, instance, link, gen, _u32(slots)])
 
 
-def decode_expect(data: bytes) -> Expect:
+def encode_retract(instance: int, gen: int, slots: IntArray) -> bytes:
+    return _pack([WIRE_VERSION, _RETRACT, instance, gen, _u32(slots)])
+
+
+def encode_verdict(instance: int, seq: int, refused: int) -> bytes:
+    return _pack([WIRE_VERSION, _VERDICT, instance, seq, refused])
+
+
+def decode_notice(data: bytes) -> Notice:
     obj = _unpack(data, max_bin=len(data))
-    if not (isinstance(obj, list) and len(obj) == 5 and obj[0] == WIRE_VERSION):
-        raise ValueError("malformed EXPECT")
-    _, instance, link, gen, slots = obj
-    if not (_is_positive(instance) and _is_positive(link) and _is_positive(gen)):
-        raise ValueError("EXPECT needs positive instance, link and gen")
-    return Expect(instance, link, gen, _ints(slots, "slots"))
+    if not (isinstance(obj, list) and len(obj) >= 4 and obj[0] == WIRE_VERSION):
+        raise ValueError("malformed NOTICE")
+    kind, instance, fields = obj[1], obj[2], obj[3:]
+    if not _is_positive(instance):
+        raise ValueError("NOTICE without a sender instance")
+    if kind == _EXPECT and len(fields) == 3 and _is_positive(fields[0]) and _is_positive(
+        fields[1]
+    ):
+        return Expect(instance, fields[0], fields[1], _ints(fields[2], "slots"))
+    if kind == _RETRACT and len(fields) == 2 and _is_positive(fields[0]):
+        return Retract(instance, fields[0], _ints(fields[1], "slots"))
+    if kind == _VERDICT and len(fields) == 2 and all(_is_count(f) for f in fields):
+        return Verdict(instance, fields[0], fields[1])
+    raise ValueError(f"malformed NOTICE of kind {kind!r}")
 
 
-def encode_header(starts: IntArray, lengths: IntArray, gens: IntArray) -> bytes:
-    return bytes(msgpack.packb([WIRE_VERSION, _u32(starts), _u32(lengths), _u32(gens)]))
+def encode_header(instance: int, starts: IntArray, lengths: IntArray, gens: IntArray) -> bytes:
+    return _pack([WIRE_VERSION, instance, _u32(starts), _u32(lengths), _u32(gens)])
 
 
 def decode_header(data: bytes) -> Header:
     obj = _unpack(data, max_bin=len(data))
-    if not (isinstance(obj, list) and len(obj) == 4 and obj[0] == WIRE_VERSION):
+    if not (isinstance(obj, list) and len(obj) == 5 and obj[0] == WIRE_VERSION):
         raise ValueError("malformed HEADER")
+    if not _is_positive(obj[1]):
+        raise ValueError("HEADER without a sender instance")
     starts, lengths, gens = (_ints(obj[i], name) for i, name in
-                             ((1, "starts"), (2, "lengths"), (3, "gens")))
+                             ((2, "starts"), (3, "lengths"), (4, "gens")))
     if not len(starts) == len(lengths) == len(gens):
         raise ValueError("HEADER arrays differ in length")
-    return Header(starts, lengths, gens)
+    return Header(obj[1], starts, lengths, gens)
+
+
+def _pack(obj: Any) -> bytes:
+    return bytes(msgpack.packb(obj))
 
 
 def _unpack(data: bytes, max_bin: int) -> Any:
@@ -122,8 +176,12 @@ def _unpack(data: bytes, max_bin: int) -> Any:
         raise ValueError(f"undecodable ({type(exc).__name__}: {exc})") from None
 
 
+def _is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < (1 << 63)
+
+
 def _is_positive(n: Any) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and 0 < n < (1 << 63)
+    return _is_count(n) and n > 0
 
 
 def _u32(values: IntArray) -> bytes:
