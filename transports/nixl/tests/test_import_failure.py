@@ -93,11 +93,3 @@ def test_nixl_failing_to_import(tmp_path: Path) -> None:
     out = _run("", env)
     _assert_unavailable(out, "ImportError: libcuda.so.1: cannot open shared object file")
 
-
-def test_nixl_installed_is_available() -> None:
-    out = _run("")
-    assert out["availability"] is None
-    assert out["create"] == "created"
-    assert out["nixl_imported_by_plugin"] is False
-    (row,) = out["plugins"]
-    assert row["available"] is True
