@@ -384,7 +384,7 @@ def test_consecutive_internal_errors_reach_the_threshold(rig: Rig, monkeypatch: 
         calls["n"] += 1
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(rig.session.server, "on_abort", boom)
+    monkeypatch.setitem(rig.session._handlers, Abort, boom)
     for _ in range(LIMITS.max_consecutive_internal_errors - 1):
         rig.feed(Abort("r", 0))
         rig.feed(AbortAck("r", 0))  # a successful dispatch resets the counter

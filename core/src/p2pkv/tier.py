@@ -27,7 +27,7 @@ from p2pkv.contracts import (
 )
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
-from p2pkv.routing import Routing, parse_routing
+from p2pkv.routing import ConsumerRoute, Routing, parse_routing
 from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.directory import Directory
 from p2pkv.session.env import LocalIdentity, SessionEnv
@@ -187,16 +187,10 @@ class P2PTier:
 
     def submit_store(self, job: Job) -> None:
         """Offer blocks to the consumer named by the request's producer routing. Non-blocking."""
-        if job.is_load:
-            raise ValueError(f"job {job.job_id}: submit_store needs a store job (is_load=False)")
-        routing = self._routing(job.ctx)
-        producer = routing.producer
-        if self._refuse(job, routing, producer is None):
+        admitted = self._admit(job, load=False)
+        if admitted is None:
             return
-        assert producer is not None
-        kv = producer.kv_request_id
-        job = self._checked(job, load=False)
-        self._ledger.open(job.job_id, False, kv)
+        job, kv, _ = admitted
         d = self._dir
         if kv not in d.producers and kv not in d.tombstones:
             d.producer_started(kv)
@@ -209,25 +203,18 @@ class P2PTier:
 
     def submit_load(self, job: Job) -> None:
         """Ask the producer to write ``job.keys`` into our slots ``job.block_ids``."""
-        if not job.is_load:
-            raise ValueError(f"job {job.job_id}: submit_load needs a load job (is_load=True)")
-        routing = self._routing(job.ctx)
-        consumer = routing.consumer
-        if self._refuse(job, routing, consumer is None):
+        admitted = self._admit(job, load=True)
+        if admitted is None:
             return
-        assert consumer is not None
-        kv = consumer.kv_request_id
-        job = self._checked(job, load=True)
-        self._ledger.open(job.job_id, True, kv, consumer.peer)
+        job, kv, peer = admitted
         if kv in self._dir.failed:
             self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
                                f"an earlier load of {kv!r} failed")
             return
-        session = self._session_for(consumer.peer)
+        session = self._session_for(peer)
         if session is None:
             self._dir.failed.add(kv)
-            self._ledger.close(job.job_id, Outcome.PEER_DEAD,
-                               f"cannot connect to {consumer.peer}")
+            self._ledger.close(job.job_id, Outcome.PEER_DEAD, f"cannot connect to {peer}")
             return
         session.client.submit(job, kv)
 
@@ -405,6 +392,22 @@ class P2PTier:
                 req_id=ctx.req_id,
             )
         return routing
+
+    def _admit(self, job: Job, *, load: bool) -> tuple[Job, str, str] | None:
+        """Validate and record a submitted job: (normalised job, kv_request_id, peer), or None
+        when it got its result at once (no route, nothing to move, shut down)."""
+        if job.is_load is not load:
+            want = "submit_load needs a load" if load else "submit_store needs a store"
+            raise ValueError(f"job {job.job_id}: {want} job (is_load={load})")
+        routing = self._routing(job.ctx)
+        route = routing.consumer if load else routing.producer
+        if self._refuse(job, routing, route is None):
+            return None
+        assert route is not None
+        job = self._checked(job, load=load)
+        peer = route.peer if isinstance(route, ConsumerRoute) else ""
+        self._ledger.open(job.job_id, load, route.kv_request_id, peer)
+        return job, route.kv_request_id, peer
 
     def _refuse(self, job: Job, routing: Routing, no_route: bool) -> bool:
         """Answer jobs that cannot go anywhere at once; True if ``job`` got its result."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ProtocolError
@@ -87,6 +88,15 @@ class Session:
         self.timer: Timer | None = None
         self.client = ClientRole(env, self)
         self.server = ServerRole(env, self)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Fetch: self._on_fetch,
+            TransferDone: self.client.on_transfer_done,
+            Abort: self.server.on_abort,
+            AbortAck: self.client.on_abort_ack,
+            Lookup: self.server.on_lookup,
+            LookupResp: self.client.on_lookup_resp,
+        }
+        """Handlers of the messages that need a READY session."""
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -222,46 +232,25 @@ class Session:
                   f"protocol error: {reason}")
 
     def _dispatch(self, msg: Message | Unknown) -> None:
-        t = type(msg)
-        if t is Hello:
-            assert isinstance(msg, Hello)
+        if isinstance(msg, Hello):
             self._on_hello(msg)
-            return
-        if t is HelloAck:
-            assert isinstance(msg, HelloAck)
+        elif isinstance(msg, HelloAck):
             self._on_hello_ack(msg)
-            return
-        if t is Bye:
-            assert isinstance(msg, Bye)
+        elif isinstance(msg, Bye):
             self._on_bye(msg)
-            return
-        if t is Unknown:
-            assert isinstance(msg, Unknown)
+        elif isinstance(msg, Unknown):
             hello = self.peer_hello
-            if hello is not None and hello.wire[1] > WIRE_MINOR:
-                log.debug("ignoring %r from %s (wire 1.%d)", msg.type, self.peer, hello.wire[1])
-                return
-            raise ProtocolError(f"frame.type: unknown message type {msg.type!r}")
-        if self.state is not State.READY:
+            if hello is None or hello.wire[1] <= WIRE_MINOR:
+                raise ProtocolError(f"frame.type: unknown message type {msg.type!r}")
+            log.debug("ignoring %r from %s (wire 1.%d)", msg.type, self.peer, hello.wire[1])
+        elif self.state is not State.READY:
             raise ProtocolError(f"{message_type(msg)}: received before the handshake completed")
-        if t is Fetch:
-            assert isinstance(msg, Fetch) and self.peer_hello is not None
-            self.server.on_fetch(msg, self.peer_hello.num_blocks)
-        elif t is TransferDone:
-            assert isinstance(msg, TransferDone)
-            self.client.on_transfer_done(msg)
-        elif t is Abort:
-            assert isinstance(msg, Abort)
-            self.server.on_abort(msg)
-        elif t is AbortAck:
-            assert isinstance(msg, AbortAck)
-            self.client.on_abort_ack(msg)
-        elif t is Lookup:
-            assert isinstance(msg, Lookup)
-            self.server.on_lookup(msg)
-        elif t is LookupResp:
-            assert isinstance(msg, LookupResp)
-            self.client.on_lookup_resp(msg)
+        else:
+            self._handlers[type(msg)](msg)
+
+    def _on_fetch(self, msg: Fetch) -> None:
+        assert self.peer_hello is not None
+        self.server.on_fetch(msg, self.peer_hello.num_blocks)
 
     # -- handshake --------------------------------------------------------------------------
 
