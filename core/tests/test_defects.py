@@ -13,20 +13,15 @@ import msgpack
 import pytest
 from p2pkv.contracts import (
     CancelMode,
-    ControlSettings,
     DataSettings,
     DataTransport,
     PollResult,
 )
 from p2pkv.errors import ProtocolError, TransportUnavailable
 from p2pkv.protocol import (
-    WIRE_MAJOR,
-    WIRE_MINOR,
     Bye,
     Fetch,
     Hello,
-    decode,
-    encode,
 )
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
@@ -107,35 +102,6 @@ def recording_node(cluster: Any, **data_options: Any) -> tuple[Any, Recording]:
     return node, rec
 
 
-class RawPeer:
-    """A hand-driven peer of ``node``: a bare memory control connection and data region."""
-
-    def __init__(self, h: Any, node: Any) -> None:
-        self.h, self.node = h, node
-        self.ctl = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
-        self.conn = self.ctl.connect(node.address)
-        self.data = MemoryDataTransport.create(DataSettings(memoryview(bytearray(64 * 16)), 16))
-
-    def __enter__(self) -> RawPeer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.ctl.close()
-        self.data.close()
-
-    def hello(self, address: str = "") -> Hello:
-        return Hello((WIRE_MAJOR, WIRE_MINOR), 1, address or self.ctl.local_address,
-                     self.data.descriptor(), self.data.num_blocks, self.data.block_len, "", "")
-
-    def send(self, *msgs: Any) -> list[Any]:
-        """Send messages, let the node answer; returns what it sent back."""
-        for m in msgs:
-            self.conn.send(m if isinstance(m, bytes) else encode(m))
-        self.h.pump([self.node], 2)
-        self.ctl.poll()
-        return [decode(f, self.node.tier._config.limits) for f in self.conn.recv()]
-
-
 # 1 ----------------------------------------------------------------------------------------------
 
 
@@ -207,7 +173,7 @@ def test_defect_03_store_timeout_then_finalize_reports_once(h: Any, cluster: Any
 def test_defect_04_messages_before_the_handshake_close_that_session_only(h: Any,
                                                                         cluster: Any) -> None:
     p, good = cluster(), cluster()
-    with RawPeer(h, p) as rogue:
+    with h.RawPeer(p) as rogue:
         msgs = rogue.send(Fetch("r", 0, [b"a"], [0]))  # before any hello
         assert isinstance(msgs[0], Hello)
         assert isinstance(msgs[-1], Bye) and "before the handshake" in msgs[-1].reason
@@ -221,7 +187,7 @@ def test_defect_04_messages_before_the_handshake_close_that_session_only(h: Any,
 
 
 def test_defect_04_a_second_hello_does_not_re_register_the_peer(h: Any, cluster: Any) -> None:
-    with RawPeer(h, cluster()) as peer:
+    with h.RawPeer(cluster()) as peer:
         peer.send(peer.hello())
         msgs = peer.send(peer.hello())  # same incarnation again
         assert isinstance(msgs[-1], Bye) and "duplicate hello" in msgs[-1].reason
@@ -303,7 +269,7 @@ def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(h: Any, clust
 
 
 def test_defect_08_a_hello_from_another_identity_is_rejected(h: Any, cluster: Any) -> None:
-    with RawPeer(h, cluster()) as peer:
+    with h.RawPeer(cluster()) as peer:
         msgs = peer.send(peer.hello(address="0.0.0.0:5710"))
         assert isinstance(msgs[-1], Bye) and "not the connection's peer address" in msgs[-1].reason
 
@@ -408,7 +374,7 @@ def test_defect_14_duplicate_keys_in_a_fetch_are_refused(h: Any, cluster: Any) -
     p, c = cluster(), cluster()
     with pytest.raises(ValueError, match="duplicate keys"):
         c.tier.submit_load(Job(1, [b"a", b"a"], [0, 1], True, c.consumer_ctx("r", p)))
-    with RawPeer(h, p) as peer:
+    with h.RawPeer(p) as peer:
         (hello, _) = peer.send(peer.hello())
         msgs = peer.send(msgpack.packb({"type": "hello_ack", "epoch": hello.epoch}),
                          Fetch("r", 0, [b"a", b"a"], [0, 1]))

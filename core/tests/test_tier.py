@@ -638,3 +638,30 @@ def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, cluster: Any
     assert sorted((kw["job_id"], kw["outcome"]) for kw in jobs) == [
         (1, "done"), (2, "done"), (3, "load_timeout")]
     assert any(kw["kind"] == "load" for name, kw in seen if name == "timeout")
+
+
+def test_a_hello_with_a_new_epoch_on_a_live_connection_restarts_the_session(
+        h: Any, cluster: Any) -> None:
+    from p2pkv.addressing import parse_address
+    from p2pkv.protocol import Fetch, Hello, HelloAck
+
+    c = cluster()
+    with h.RawPeer(c) as peer:
+        ours, ack = peer.send(peer.hello(epoch=1))
+        assert isinstance(ours, Hello) and ack == HelloAck(1)
+        peer.send(HelloAck(ours.epoch))
+        host, port = parse_address(peer.ctl.local_address)
+        cctx = RequestContext("c", {"remote_prefiller": {
+            "kv_request_id": "r", "remote_host": host, "remote_port": port}})
+        c.load(1, [b"a"], [0], cctx)
+        assert peer.send() == [Fetch("r", 0, [b"a"], [0])]
+        msgs = peer.send(peer.hello(epoch=2))  # the peer restarted behind the same connection
+        c.collect()
+        assert c.outcome(1) is Outcome.PEER_DEAD and "restarted" in c.results[1].detail
+        assert msgs == [ours, HelloAck(2)]  # a fresh session: our hello again, then the ack
+        assert c.tier.stats()["sessions"] == 1
+        peer.send(HelloAck(ours.epoch))
+        assert c.tier.lookup(b"a", cctx) is LookupResult.MISS  # "r" failed until it finishes
+        c.load(2, [b"b"], [1], RequestContext("c2", {"remote_prefiller": {
+            "kv_request_id": "q", "remote_host": host, "remote_port": port}}))
+        assert peer.send() == [Fetch("q", 0, [b"b"], [1])]  # the new session works

@@ -18,6 +18,7 @@ import p2pkv_memory.plugin as memory_plugin
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings
+from p2pkv.protocol import WIRE_MAJOR, WIRE_MINOR, Hello, decode, encode
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
@@ -136,6 +137,35 @@ class Cluster:
     def close(self) -> None:
         for node in self.made:
             node.shutdown()
+
+
+class RawPeer:
+    """A hand-driven peer of ``node``: a bare memory control connection and data region."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.ctl = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
+        self.conn = self.ctl.connect(node.address)
+        self.data = MemoryDataTransport.create(DataSettings(memoryview(bytearray(64 * 16)), 16))
+
+    def __enter__(self) -> RawPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ctl.close()
+        self.data.close()
+
+    def hello(self, address: str = "", epoch: int = 1) -> Hello:
+        return Hello((WIRE_MAJOR, WIRE_MINOR), epoch, address or self.ctl.local_address,
+                     self.data.descriptor(), self.data.num_blocks, self.data.block_len, "", "")
+
+    def send(self, *msgs: Any) -> list[Any]:
+        """Send messages, let the node answer; returns what it sent back."""
+        for m in msgs:
+            self.conn.send(m if isinstance(m, bytes) else encode(m))
+        pump([self.node], 2)
+        self.ctl.poll()
+        return [decode(f, self.node.tier._config.limits) for f in self.conn.recv()]
 
 
 def pump(nodes: Iterable[Node], rounds: int = 6) -> None:
