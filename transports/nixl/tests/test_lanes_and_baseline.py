@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from p2pkv_nixl import NixlDataTransport
 from p2pkv_nixl.baseline import RawNixl, measure, run_memcpy
-from p2pkv_nixl.ucx import parse_proto_info, ucx_lanes
+from p2pkv_nixl.ucx import proto_tables, ucx_lanes
 
 SAMPLE = """\
 [1795947060.750159] [vm:9694 :0]   +--------+-------------+-----------------------------------+
@@ -23,18 +23,21 @@ some unrelated line | with a pipe
 [1795947062.637840] [vm:9719 :0]   | 0..inf | zero-copy   | cma/memory                        |
 [1795947062.639939] [vm:9719 :0]   | A intra-node cfg#1                              |
 [1795947062.639939] [vm:9719 :0]   | active message by ucp_am_send* from host memory |
+[1795947062.639939] [vm:9719 :0]   +------------+--------------------+---------------+
+[1795947062.639939] [vm:9719 :0]   |   Range    |    Description     |    Config     |
+[1795947062.639939] [vm:9719 :0]   +------------+--------------------+---------------+
 [1795947062.639939] [vm:9719 :0]   |          0 | short              | tcp/lo        |
 [1795947062.639939] [vm:9719 :0]   | 16516..inf | multi-frag copy-in | tcp/lo        |
 """
 
 
-def test_parse_proto_info() -> None:
-    tables = parse_proto_info(SAMPLE)
-    assert [t["scope"] for t in tables] == ["self", "intra-node", "intra-node"]
-    put = tables[1]
+def test_proto_tables() -> None:
+    tables = proto_tables(SAMPLE)
+    assert [t["scope"] for t in tables] == ["intra-node", "intra-node"]  # self left out
+    put = tables[0]
     assert put["operation"].startswith("remote memory write")
     assert put["rows"] == [{"range": "0..inf", "protocol": "zero-copy", "lane": "cma/memory"}]
-    assert [r["lane"] for r in tables[2]["rows"]] == ["tcp/lo", "tcp/lo"]
+    assert [r["lane"] for r in tables[1]["rows"]] == ["tcp/lo", "tcp/lo"]
 
 
 def test_ucx_lanes_probe_reports_the_write_lane() -> None:

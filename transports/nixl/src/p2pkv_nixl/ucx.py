@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -28,47 +27,36 @@ from typing import Any
 
 from p2pkv_nixl import library
 
-__all__ = ["UCX_VARS", "add_parser", "parse_proto_info", "ucx_lanes"]
+__all__ = ["UCX_VARS", "add_parser", "proto_tables", "ucx_lanes"]
 
 UCX_VARS = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_RCACHE_MAX_UNRELEASED")
-_PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")
 
 
-def parse_proto_info(text: str) -> list[dict[str, Any]]:
-    """The protocol tables in UCX output (``UCX_PROTO_INFO=y``).
+def proto_tables(text: str) -> list[dict[str, Any]]:
+    """The protocol tables in UCX output (``UCX_PROTO_INFO=y``), endpoints to self left out.
 
-    Each table becomes ``{"context": "<name> <scope> cfg#N", "scope": ..., "operation": ...,
-    "rows": [{"range", "protocol", "lane"}]}``; lines of one table share their log prefix.
+    Each becomes ``{"context": "<name> <scope> cfg#N", "scope", "operation", "rows":
+    [{"range", "protocol", "lane"}]}`` (the rows come from ``p2pkv.doctor``'s parser).
     """
-    groups: dict[str, list[list[str]]] = {}
-    for line in text.splitlines():
-        match = _PREFIX.match(line)
-        body = line[match.end():] if match else line
-        if not body.startswith("|"):
-            continue
-        prefix = match.group(0) if match else ""
-        cells = [c.strip() for c in body.strip().strip("|").split("|")]
-        groups.setdefault(prefix, []).append(cells)
-    tables = []
-    for rows in groups.values():
-        titles = [r[0] for r in rows if len(r) == 1]
-        data = [r for r in rows if len(r) == 3 and r[0] != "Range"]
-        if len(titles) < 2 or not data:
-            continue
-        words = titles[0].split()
-        tables.append({
-            "context": titles[0],
-            "scope": " ".join(words[1:-1]) if len(words) > 2 else "",
-            "operation": titles[1],
-            "rows": [{"range": r[0], "protocol": r[1], "lane": r[2]} for r in data],
+    from p2pkv.doctor import parse_proto_info
+
+    tables: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in parse_proto_info(text):
+        words = row.endpoint.split()
+        table = tables.setdefault((row.endpoint, row.operation), {
+            "context": row.endpoint,
+            "scope": " ".join(words[1:-1]),
+            "operation": row.operation,
+            "rows": [],
         })
-    return tables
+        table["rows"].append({"range": row.size_range, "protocol": row.protocol, "lane": row.lanes})
+    return list(tables.values())
 
 
 def _lanes(tables: Sequence[Mapping[str, Any]], operation_prefix: str) -> list[str]:
     found: list[str] = []
     for table in tables:
-        if table["scope"] == "self" or not table["operation"].startswith(operation_prefix):
+        if not table["operation"].startswith(operation_prefix):
             continue
         for row in table["rows"]:
             if row["lane"] not in found:
@@ -107,7 +95,7 @@ def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -
     except (OSError, subprocess.TimeoutExpired) as exc:
         report["error"] = f"probe did not finish: {exc}"
         return report
-    tables = parse_proto_info(done.stdout + "\n" + done.stderr)
+    tables = proto_tables(done.stdout + "\n" + done.stderr)
     report["tables"] = tables
     report["put"] = _lanes(tables, "remote memory write")
     report["am"] = _lanes(tables, "active message")
