@@ -119,8 +119,11 @@ def test_poll_is_scoped_when_two_peers_share_the_transport(make_local, host, wai
     second.close()
 
 
-def test_contiguous_runs_and_repeated_writes(make_local, host, wait_for) -> None:
-    producer = make_local(num_blocks=64, block_len=BLOCK, seed=9)
+@pytest.mark.parametrize(
+    "options", [{}, {"enable_prog_thread": True, "warmup": False}], ids=["default", "prog-thread"]
+)
+def test_contiguous_runs_and_repeated_writes(make_local, host, wait_for, options) -> None:
+    producer = make_local(num_blocks=64, block_len=BLOCK, seed=9, **options)
     consumer = host.data_peer(type(producer.transport), 64, BLOCK, {})
     producer.transport.add_peer("c", consumer.descriptor)
     ids = {

@@ -161,6 +161,7 @@ class NixlDataTransport(DataTransport):
         self._ids = itertools.count(1)
         self._closed = False
         self._released = False
+        self._progress_failed = False
 
     # -- shape ----------------------------------------------------------------------------
 
@@ -373,7 +374,14 @@ class NixlDataTransport(DataTransport):
         (a few microseconds; we send no notifications, so it returns nothing we keep)."""
         if self._released:
             return
-        self._agent.get_new_notifs()
+        try:
+            self._agent.get_new_notifs()
+        except Exception as exc:  # a tick must survive a backend hiccup; transfers report theirs
+            log.log(
+                logging.DEBUG if self._progress_failed else logging.WARNING,
+                "nixl: progressing the worker failed: %s", exc,
+            )
+            self._progress_failed = True
         if self._warming:
             self._check_warmups()
 
