@@ -117,11 +117,14 @@ class _Engine:
         self.region = BlockRegion(self.buf, setup.block_len)
         free = np.random.default_rng(setup.seed).permutation(setup.num_slots)
         self._free: list[int] = [int(s) for s in free]  # scattered, like a block allocator
-        self.tier = P2PTier(
-            TierConfig.from_dict(setup.tier_config), self.buf.data, setup.block_len
-        )
+        self.tier = self.make_tier(TierConfig.from_dict(setup.tier_config))
         self._job_ids = itertools.count(1)
         self.cpu_started = time.process_time()
+
+    def make_tier(self, config: TierConfig) -> P2PTier:
+        """Build the tier over this engine's region (a subclass may build it with transports
+        of its own, e.g. wrapped to record or inject faults)."""
+        return P2PTier(config, self.buf.data, self.block_len)
 
     @property
     def address(self) -> str:

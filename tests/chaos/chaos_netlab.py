@@ -1,0 +1,106 @@
+"""Two test "hosts": network namespaces joined by a veth pair, created and removed by the test.
+
+Everything lives inside the two namespaces (the veth ends, their addresses ``10.123.N.1`` and
+``10.123.N.2``, the qdiscs), so nothing touches the machine's own network. Nodes enter a
+namespace with ``chaos_node.enter_netns``. ``cut()`` takes host A's link down (both sides go
+silent: no FIN, no RST, exactly like a pulled cable), ``restore()`` brings it back, and
+``shape()`` adds ``tc netem`` delay and loss on both ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+__all__ = ["NetLab", "NetLabUnavailable", "netlab_problem"]
+
+_SEQ = itertools.count()
+_CMD_TIMEOUT = 20.0
+
+
+class NetLabUnavailable(RuntimeError):
+    """This machine cannot create network namespaces (the reason says why)."""
+
+
+def netlab_problem() -> str | None:
+    """Why namespaces cannot be used here, or None."""
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root (CI runs the chaos suite as root)"
+    return None
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    cmd = ["ip", *(("-n", netns) if netns else ()), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT)
+    if done.returncode:
+        raise NetLabUnavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+@dataclass
+class NetLab:
+    """Hosts ``a`` and ``b`` (namespace names) with addresses ``addr_a`` / ``addr_b``."""
+
+    a: str
+    b: str
+    dev_a: str
+    dev_b: str
+    addr_a: str
+    addr_b: str
+    _created: bool = False
+
+    @classmethod
+    def create(cls) -> NetLab:
+        n = next(_SEQ)
+        tag = f"{os.getpid() % 100000}x{n}"
+        subnet = f"10.123.{(os.getpid() + n) % 250}"
+        lab = cls(a=f"p2pkv-chaos-{tag}a", b=f"p2pkv-chaos-{tag}b",
+                  dev_a=f"pkv{tag}a"[:15], dev_b=f"pkv{tag}b"[:15],
+                  addr_a=f"{subnet}.1", addr_b=f"{subnet}.2")
+        try:
+            lab._up()
+        except BaseException:
+            lab.remove()
+            raise
+        return lab
+
+    def _up(self) -> None:
+        self._created = True
+        _ip("netns", "add", self.a)
+        _ip("netns", "add", self.b)
+        _ip("link", "add", self.dev_a, "netns", self.a, "type", "veth",
+            "peer", "name", self.dev_b, "netns", self.b)
+        for ns, dev, addr in ((self.a, self.dev_a, self.addr_a), (self.b, self.dev_b, self.addr_b)):
+            _ip("addr", "add", f"{addr}/24", "dev", dev, netns=ns)
+            _ip("link", "set", "lo", "up", netns=ns)
+            _ip("link", "set", dev, "up", netns=ns)
+
+    def cut(self) -> None:
+        """Pull the cable: host A's end goes down (nothing is sent, nothing arrives)."""
+        _ip("link", "set", self.dev_a, "down", netns=self.a)
+
+    def restore(self) -> None:
+        """Plug it back in (addresses survive a link going down; the route comes back)."""
+        _ip("link", "set", self.dev_a, "up", netns=self.a)
+
+    def shape(self, delay_ms: float, loss_pct: float) -> None:
+        """``tc netem`` on both ends: every packet delayed ``delay_ms``, ``loss_pct`` % lost,
+        in each direction."""
+        for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
+            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
+                   "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT)
+            if done.returncode:
+                raise NetLabUnavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+    def remove(self) -> None:
+        """Delete both namespaces (their veth ends and qdiscs go with them); idempotent."""
+        if not self._created:
+            return
+        self._created = False
+        for ns in (self.a, self.b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_CMD_TIMEOUT)

@@ -1,0 +1,56 @@
+"""The chaos suite (issue 10): real processes, real network cuts, hostile peers, leaks.
+
+Every test here is marked ``chaos``. They run through ``nox -s chaos`` (``pytest -m chaos
+tests/chaos``), which CI calls; a plain ``pytest`` run deselects them (they take minutes,
+kill processes and need root for namespaces), unless the mark expression names ``chaos`` or a
+path inside ``tests/chaos`` is given.
+
+The ``chaos_*`` modules of this directory are importable by name, in the test process and in
+the spawned node processes (``multiprocessing`` hands ``sys.path`` to its children).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+from chaos_netlab import NetLab, NetLabUnavailable, netlab_problem  # noqa: E402
+
+
+def _selected(config: pytest.Config) -> bool:
+    if "chaos" in (config.option.markexpr or ""):
+        return True
+    return any(str(_HERE) in str(Path(a.split("::")[0]).resolve()) for a in config.args)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [i for i in items if _HERE in Path(str(i.path)).parents]
+    for item in ours:
+        item.add_marker(pytest.mark.chaos)
+    if ours and not _selected(config):
+        keep = [i for i in items if _HERE not in Path(str(i.path)).parents]
+        config.hook.pytest_deselected(items=ours)
+        items[:] = keep
+
+
+@pytest.fixture
+def netlab() -> Iterator[NetLab]:
+    """Two namespaced hosts joined by a veth pair; removed afterwards, even on failure."""
+    problem = netlab_problem()
+    if problem is not None:
+        pytest.skip(f"network namespaces unavailable: {problem}")
+    try:
+        lab = NetLab.create()
+    except NetLabUnavailable as exc:
+        pytest.skip(f"network namespaces unavailable: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.remove()

@@ -1,0 +1,181 @@
+"""Scenario 1: a peer is SIGKILLed mid-transfer (zmq control + nixl data, separate processes).
+
+- Producer killed: a consumer has 200 loads in flight, half from producer A and half from
+  producer B. A is killed while its writes are in flight. Every load of A without a result
+  ends (exactly once) within the heartbeat timeout plus a margin; B's requests all succeed
+  with verified bytes; a new producer at A's address serves new requests.
+- Consumer killed: a producer serves consumers C1 and C2; C1 is killed while the producer
+  writes into it. The producer's store jobs for C1 fail (those C1 had fetched: within the
+  heartbeat timeout plus the drain; those it never fetched: at the unbound-store timeout),
+  never while a write reading their slots is live; C2's requests all succeed.
+
+"In flight" is made certain, not hoped for: writes go over TCP (``UCX_TLS=tcp``, as between
+hosts), where a write needs its target's progress to complete, and the target is paused
+(SIGSTOP, well under the heartbeat timeout) while the producer posts them. The kill lands
+once the producer has reported writes posted and not ended.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from chaos_checks import release_violations
+from chaos_cluster import Cluster, Node, Req, requests, tier_config
+from chaos_node import NodeSpec
+from p2pkv.addressing import parse_address
+from p2pkv.demo.roles import RoleSetup
+from p2pkv.demo.workload import DemoRequest
+
+BLOCK = 256 * 1024
+MAX_BLOCKS = 12
+TCP = {"UCX_TLS": "tcp"}
+HEARTBEAT_TIMEOUT = 2.0
+"""Seconds of silence before a connection is dead. Longer than the suite's usual second:
+the target stays paused (silent) while the producer posts writes into it, on a busy machine."""
+MARGIN = 1.5
+"""Seconds allowed beyond the heartbeat timeout (a loaded 2-core machine, pipe latency)."""
+DEATH_BOUND = HEARTBEAT_TIMEOUT + MARGIN
+UNBOUND = 3.0
+PAUSE = 1.2
+"""Longest a target stays paused (below the heartbeat timeout: its other sessions live on)."""
+T = 60.0
+
+
+def spec(kind: str, slots: int, *, port: int = 0, record: bool = False) -> NodeSpec:
+    config = tier_config(port=port, timeouts={"unbound_store": UNBOUND},
+                         control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
+                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT})
+    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=TCP, record=record)
+
+
+def blocks(reqs: list[DemoRequest]) -> int:
+    return sum(r.num_blocks for r in reqs)
+
+
+def live_writes(node: Node, to: str | None = None) -> set[int]:
+    """Writes ``node`` reported posted (to ``to``) and not yet ended."""
+    live: set[int] = set()
+    for e in node.data_log:
+        if e[1] == "write" and (to is None or e[3] == to):
+            live.add(e[2])
+        elif e[1] in ("end", "cancel"):
+            live.discard(e[2])
+    return live
+
+
+def all_done(recs: list[Req]) -> bool:
+    return all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs)
+
+
+def not_done(recs: list[Req]) -> list[str]:
+    return [r.describe() for r in recs if r.load_outcome != "done" or r.store_outcome != "done"]
+
+
+def stall_writes(c: Cluster, writer: Node, target: Node, release: list[Req]) -> set[int]:
+    """Pause ``target``, release the stores of ``release``, and return once ``writer`` reports
+    writes into ``target`` in flight (the caller resumes or kills ``target``)."""
+    target.child.pause()
+    wanted = {id(r) for r in release}
+    c.flow.hold_stores = False
+    c.flow.release_stores(lambda r: id(r) in wanted)
+    c.wait(lambda: live_writes(writer, target.address), timeout=PAUSE,
+           what=f"{writer.name} writing into paused {target.name}")
+    return live_writes(writer, target.address)
+
+
+def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves() -> None:
+    reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-p")
+    with Cluster() as c:
+        a, b, con = c.start(("A", spec("producer", blocks(reqs[:100]), record=True)),
+                            ("B", spec("producer", blocks(reqs[100:]))),
+                            ("C", spec("consumer", blocks(reqs))))
+        c.flow.hold_stores = True
+        of_a = c.flow.admit(reqs[:100], a, con)
+        of_b = c.flow.admit(reqs[100:], b, con)
+        c.wait(lambda: len(c.flow.held) == 200, timeout=T, what="200 loads submitted")
+        warm = of_a[:10] + of_b[:10]
+        c.flow.release_stores(lambda r: r in warm)
+        c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests of A and of B")
+
+        try:
+            stalled = stall_writes(c, a, con, [r for r in of_a + of_b if r not in warm])
+            open_at_kill = [r for r in of_a if not r.loaded]
+            killed_at = a.kill()
+        finally:
+            con.child.resume()
+        c.wait(lambda: all(r.loaded for r in of_a) and all(r.finished for r in of_b),
+               timeout=T, what="every load of A and every request of B ended")
+
+        assert not c.flow.problems(), c.flow.problems()
+        failed = [r for r in open_at_kill if r.load_outcome != "done"]
+        assert failed, "the kill hit no load in flight"
+        late = [(r.describe(), r.loaded[0].done_at - killed_at) for r in failed
+                if r.loaded[0].done_at - killed_at > DEATH_BOUND]
+        assert not late, f"loads failed later than {DEATH_BOUND}s after the kill: {late}"
+        assert all_done(of_b), not_done(of_b)
+        worst = max(r.loaded[0].done_at - killed_at for r in failed)
+        print(f"\nproducer killed with {len(open_at_kill)} of its 100 loads open and "
+              f"{len(stalled)} write(s) in flight: {len(failed)} failed "
+              f"{dict(Counter(r.load_outcome for r in failed))}, the last "
+              f"{worst * 1000:.0f} ms after the kill (bound {DEATH_BOUND}s); the other "
+              f"producer's 100 requests all done")
+
+        port = parse_address(a.address)[1]
+        (a2,) = c.start(("A2", spec("producer", 50 * MAX_BLOCKS, port=port)))
+        assert a2.address == a.address
+        again = c.flow.admit(requests(50, max_blocks=MAX_BLOCKS, orders={
+            "consumer_first": 1, "producer_first": 1}, run_id="kill-p2", first_index=1000),
+            a2, con)
+        c.wait(lambda: all(r.finished for r in again), timeout=T,
+               what="requests to the restarted producer", recs=again)
+        assert all_done(again), not_done(again)
+        assert not c.flow.problems(), c.flow.problems()
+        for node in (b, con, a2):
+            assert not c.report(node)["anomalies"], node.name
+
+
+def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slots() -> None:
+    reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-c")
+    with Cluster() as c:
+        p, c1, c2 = c.start(("P", spec("producer", blocks(reqs), record=True)),
+                            ("C1", spec("consumer", blocks(reqs[:100]))),
+                            ("C2", spec("consumer", blocks(reqs[100:]))))
+        c.flow.hold_stores = True
+        of_c1 = c.flow.admit(reqs[:100], p, c1)
+        of_c2 = c.flow.admit(reqs[100:], p, c2)
+        c.wait(lambda: len(c.flow.held) == 200, timeout=T, what="200 loads submitted")
+        warm = of_c1[:10] + of_c2[:10]
+        c.flow.release_stores(lambda r: r in warm)
+        c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests of each consumer")
+
+        later = of_c1[-20:]  # stored only after the kill: an engine keeps prefilling
+        stalled = stall_writes(c, p, c1, [r for r in of_c1 + of_c2
+                                          if r not in warm and r not in later])
+        killed_at = c1.kill()
+        c.flow.release_stores()  # ``later``
+        c.wait(lambda: all(r.stored for r in of_c1) and all(r.finished for r in of_c2),
+               timeout=T + UNBOUND, what="every store of C1's requests and C2's requests")
+
+        assert not c.flow.problems(), c.flow.problems()
+        assert all_done(of_c2), not_done(of_c2)
+        failed = [r for r in of_c1 if r.store_outcome != "done"]
+        assert failed, "the kill hit no store in flight"
+        bounds = {"unbound_timeout": UNBOUND + MARGIN}
+        drain = tier_config()["timeouts"]["shutdown_drain"]
+        late = [(r.describe(), t - killed_at) for r in failed for t, _ in r.stored
+                if t - killed_at > bounds.get(r.store_outcome or "", DEATH_BOUND + drain)]
+        assert not late, f"stores failed too late: {late}"
+        assert {r.store_outcome for r in later} == {"unbound_timeout"}, [
+            r.describe() for r in later]
+        report = c.report(p)
+        assert not report["anomalies"], report["anomalies"]
+        violations = release_violations(p.data_log)
+        assert not violations, violations
+        timing = Counter()
+        for r in failed:
+            o = r.store_outcome or ""
+            timing[o] = max(timing[o], r.stored[0][0] - killed_at)
+        print(f"\nconsumer killed with {len(stalled)} write(s) into it in flight: "
+              f"{len(failed)} store job(s) failed {dict(Counter(r.store_outcome for r in failed))}"
+              f"; last of each kind after "
+              f"{ {k: round(v, 2) for k, v in timing.items()} } s; other consumer all done")
