@@ -7,13 +7,14 @@ and verification.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from p2pkv.bench.cli import parse_size
 from p2pkv.bench.lanes import MemcpyLane
-from p2pkv.bench.report import geomean_ratios
+from p2pkv.bench.report import geomean_ratios, plot
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.cli import main
 from p2pkv.registry import default_registry
@@ -126,10 +127,16 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "multiples of 8" in capsys.readouterr().err
 
 
-def test_plot(tmp_path: Path) -> None:
+def test_plot(quick_doc: dict, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
-    assert main(["bench", "--quick", "--transports", "memory", "--no-raw",
-                 "--block-sizes", "64K,256K", "--batches", "1", "--concurrency", "1",
-                 "--plot", str(out)]) == 0
+    plot([CellResult(**row) for row in quick_doc["rows"]], str(out), "quick")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "--quick", "--plot", "x.png"]) == 2
+    assert "pip install 'p2pkv[plot]'" in capsys.readouterr().out

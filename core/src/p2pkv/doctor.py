@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import json
 import os
 import re
@@ -28,10 +29,11 @@ from importlib import metadata
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from p2pkv import __version__
-from p2pkv.bench.hostinfo import RELEVANT_ENV, describe_host
+from p2pkv.bench.hostinfo import RELEVANT_ENV, describe_host, environ_restored
 from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError
@@ -46,6 +48,7 @@ __all__ = [
     "probe_lanes",
     "run",
     "summarize_lanes",
+    "transport_lanes",
 ]
 
 UCX_TRANSPORTS = ("nixl", "ucx")
@@ -157,6 +160,33 @@ def _probe_child(name: str) -> None:
         print(f"PROBE-FAIL {type(exc).__name__}: {exc}", flush=True)
         return
     print("PROBE-OK", flush=True)
+
+
+_LANE_HELPERS = {"nixl": ("p2pkv_nixl.ucx", "ucx_lanes")}
+"""Lane probes a transport distribution ships itself (preferred over the generic probe)."""
+
+
+def transport_lanes(name: str) -> dict[str, Any]:
+    """The lanes data transport ``name`` picks: its own helper if it ships one, else the
+    generic probe (:func:`probe_lanes`). ``{"ok", "error", "lanes", "source"}``."""
+    module_name, func_name = _LANE_HELPERS.get(name, ("", ""))
+    helper = None
+    if module_name:
+        try:
+            helper = getattr(importlib.import_module(module_name), func_name)
+        except (ImportError, AttributeError):
+            helper = None
+    if helper is None:
+        return {**probe_lanes(name), "source": "p2pkv doctor probe"}
+    report = helper()
+    rows = [
+        LaneRow(t["context"], t["operation"], r["range"], r["protocol"], r["lane"])
+        for t in report.get("tables", [])
+        if t.get("scope") != "self"
+        for r in t["rows"]
+    ]
+    return {"ok": bool(report.get("ok")), "error": str(report.get("error", "")),
+            "lanes": summarize_lanes(rows), "source": f"{module_name}.{func_name}"}
 
 
 def probe_lanes(name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -329,12 +359,16 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_probe:
         for name in UCX_TRANSPORTS:
             entry = registry.entries("data").get(name)
-            if entry is not None and entry.cls.availability() is None:
-                lanes[name] = probe_lanes(name)
+            with environ_restored():
+                usable = entry is not None and entry.cls.availability() is None
+            if usable:
+                lanes[name] = transport_lanes(name)
+    with environ_restored():  # availability() may import libraries that set UCX_* vars
+        plugins = plugin_report(registry)
     return {
         "p2pkv": __version__,
         "host": describe_host(),
-        "plugins": plugin_report(registry),
+        "plugins": plugins,
         "config": {"control": config.control, "data": config.data, "host": config.host,
                    "port": config.port},
         "ports": check_ports(config.host, ports),
@@ -345,8 +379,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _lane_table(name: str, probe: Mapping[str, Any]) -> Table:
-    table = Table(title=f"UCX lanes picked by the {name} transport on this host",
-                  title_justify="left")
+    table = Table(title=f"UCX lanes picked by the {name} transport on this host "
+                  f"(from {probe['source']})", title_justify="left")
     for col in ("operation", "size (bytes)", "protocol", "lanes"):
         table.add_column(col)
     for row in probe["lanes"]:
@@ -395,19 +429,19 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"tier config: control={cfg['control']} data={cfg['data']} "
                   f"listen={cfg['host']}:{cfg['port']}")
     for p in report["ports"]:
-        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {p['detail']}"
+        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {escape(p['detail'])}"
         console.print(f"  port {p['host']}:{p['port']}: {state}")
     for name, probe in report["ucx_lanes"].items():
         if probe["lanes"]:
             console.print(_lane_table(name, probe))
         if not probe["ok"]:
-            console.print(f"[red]{name} lane probe failed:[/] {probe['error']}")
+            console.print(f"[red]{name} lane probe failed:[/] {escape(probe['error'])}")
     if host["env"]:
         console.print("environment in effect (yours, or p2pkv's defaults): "
                       + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
     console.print("unset: " + ", ".join(report["env_unset"]))
-    console.print(f"NIXL: {report['nixl_install']}")
+    console.print(f"NIXL: {escape(report['nixl_install'])}")
     for tip in _advice(report):
-        console.print(f"[yellow]hint:[/] {tip}")
+        console.print(f"[yellow]hint:[/] {escape(tip)}")
     bad_ports = [p for p in report["ports"] if not p["free"]]
     return 1 if bad_ports else 0

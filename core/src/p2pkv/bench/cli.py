@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from p2pkv.bench.hostinfo import describe_host
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            console.print("[red]--plot needs matplotlib:[/] pip install 'p2pkv[plot]'")
+            console.print("[red]--plot needs matplotlib:[/] " + escape("pip install 'p2pkv[plot]'"))
             return 2
     if args.control:
         from p2pkv.bench.control import run_control
@@ -139,12 +140,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
     except ConfigError as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     registry = default_registry()
     series, unavailable = available_series(registry, config)
     for label, why in unavailable.items():
-        console.print(f"[yellow]{label} not measured:[/] {why}")
+        console.print(f"[yellow]{label} not measured:[/] {escape(why)}")
     if not series:
         console.print("[red]nothing to measure[/]")
         return 2
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 description=f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}",
             )
 
-        results = run_matrix(registry, config, series, on_cell)
+        results = run_matrix(config, series, on_cell)
     elapsed = time.time() - started
     doc = {
         "host": describe_host(),

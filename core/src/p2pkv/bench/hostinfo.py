@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
 
-__all__ = ["RELEVANT_ENV", "describe_host", "library_versions"]
+__all__ = ["RELEVANT_ENV", "describe_host", "environ_restored", "library_versions"]
 
 RELEVANT_ENV = (
     "UCX_TLS",
@@ -84,3 +86,20 @@ def describe_host() -> dict[str, Any]:
         "libraries": library_versions(),
         "env": {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ},
     }
+
+
+@contextmanager
+def environ_restored() -> Iterator[None]:
+    """Undo whatever the block does to ``os.environ``.
+
+    ``availability()`` may import a transport's library, and some set variables on import
+    (ucxx sets ``UCX_RNDV_FRAG_MEM_TYPE=cuda``, ``UCX_RNDV_THRESH`` and more): left in
+    ``os.environ`` they leak into every process spawned afterwards and change how *another*
+    library's UCX (NIXL's) picks its protocols — here, a 30-100x slowdown."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if os.environ != saved:
+            os.environ.clear()
+            os.environ.update(saved)

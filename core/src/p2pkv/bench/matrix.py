@@ -1,10 +1,10 @@
 """The data-plane matrix: series x block sizes x blocks per request x concurrency, one run.
 
-For each block size every series is opened side by side (one target child holds the
-receiving endpoints of all cross-process series), then each (batch, concurrency) cell is run
-on every series back to back, so the series of a cell are measured minutes apart at most,
-not a whole run apart. Ratios are computed per cell: to the raw library of the same
-transport, and to memcpy of the same blocks (concurrency 1: memcpy is one thread).
+For each block size every series is opened side by side (see :mod:`p2pkv.bench.groups` for
+which process each runs in), then each (batch, concurrency) cell is run on every series back
+to back, with the same slot placement, so they are measured seconds apart, not a whole run
+apart. Ratios are computed per cell: to the raw library of the same transport, and to memcpy
+of the same blocks (concurrency 1: memcpy is one thread).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from p2pkv.bench.endpoints import SeriesSpec
-from p2pkv.bench.lanes import EndpointLane, Lane, MemcpyLane
-from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
-from p2pkv.bench.target import LocalTarget, RemoteTarget, page_in
+from p2pkv.bench.groups import Group, LaneGroup, WorkerGroup, failed_cell
+from p2pkv.bench.hostinfo import environ_restored
+from p2pkv.bench.runner import CellPlan, CellResult
 from p2pkv.registry import Registry
 
 __all__ = ["MatrixConfig", "available_series", "run_matrix"]
@@ -57,7 +55,17 @@ class MatrixConfig:
 def available_series(
     registry: Registry, config: MatrixConfig
 ) -> tuple[list[SeriesSpec], dict[str, str]]:
-    """The series this host can run, and why the others cannot (label -> reason)."""
+    """The series this host can run, and why the others cannot (label -> reason).
+
+    Availability checks run with the environment restored afterwards (see
+    :func:`p2pkv.bench.hostinfo.environ_restored`)."""
+    with environ_restored():
+        return _available_series(registry, config)
+
+
+def _available_series(
+    registry: Registry, config: MatrixConfig
+) -> tuple[list[SeriesSpec], dict[str, str]]:
     series: list[SeriesSpec] = []
     skipped: dict[str, str] = {}
     wanted = config.transports
@@ -104,37 +112,46 @@ def _add_ratios(results: Sequence[CellResult]) -> None:
             r.ratio_memcpy = r.gbps / memcpy.gbps
 
 
+def _groups(config: MatrixConfig, series: Sequence[SeriesSpec]) -> list[Group]:
+    """In-process series share this process; each cross-process transport gets a worker."""
+    local = [s for s in series if not s.cross_process]
+    by_transport: dict[str, list[SeriesSpec]] = {}
+    for s in series:
+        if s.cross_process:
+            by_transport.setdefault(s.transport, []).append(s)
+    timeout = config.deadline * (config.reps + config.warmup + 2)
+    groups: list[Group] = []
+    try:
+        if local:
+            groups.append(LaneGroup(local, config.region_bytes))
+        for specs in by_transport.values():
+            groups.append(WorkerGroup(specs, config.region_bytes, timeout))
+    except Exception:
+        for g in groups:
+            g.shutdown()
+        raise
+    return groups
+
+
 def run_matrix(
-    registry: Registry,
     config: MatrixConfig,
     series: Sequence[SeriesSpec],
     on_cell: Callable[[CellResult], None] = lambda r: None,
 ) -> list[CellResult]:
-    """Run every cell on every series; a series that fails to open is reported per cell."""
-    rng = np.random.default_rng(config.seed)
-    source = page_in(config.region_bytes)
-    remote = RemoteTarget(config.region_bytes) if any(s.cross_process for s in series) else None
-    local = LocalTarget(config.region_bytes) if any(not s.cross_process for s in series) else None
+    """Run every cell on every series; a series that fails to open is reported per cell.
+
+    The series of a cell run back to back with the same slot placement (one seed per cell)."""
+    groups = _groups(config, series)
+    owner = {s.label: g for g in groups for s in g.series}
     results: list[CellResult] = []
     try:
         for block_size in config.block_sizes:
-            lanes: dict[str, Lane] = {}
             open_errors: dict[str, str] = {}
-            for spec in series:
-                lane: Lane
-                if spec.impl == "memcpy":
-                    assert local is not None
-                    lane = MemcpyLane(source, local.state.buf)
-                else:
-                    target = remote if spec.cross_process else local
-                    assert target is not None
-                    lane = EndpointLane(spec, registry, source, target)
+            for g in groups:
                 try:
-                    lane.open(block_size)
-                    lanes[spec.label] = lane
+                    open_errors.update(g.open(block_size))
                 except Exception as exc:
-                    log.warning("%s at %d B: open failed: %s", spec.label, block_size, exc)
-                    open_errors[spec.label] = f"open failed: {type(exc).__name__}: {exc}"
+                    open_errors.update({s.label: str(exc) for s in g.series})
             for batch in config.batches:
                 for conc in config.concurrency:
                     plan = CellPlan(
@@ -147,45 +164,26 @@ def run_matrix(
                         contiguous=config.contiguous,
                         deadline=config.deadline,
                     )
+                    seed = (config.seed, block_size, batch, conc)
                     for spec in series:
                         if spec.impl == "memcpy" and conc != 1:
                             continue
-                        result = _one_cell(spec, lanes.get(spec.label), plan, rng, open_errors)
+                        if spec.label in open_errors:
+                            result = failed_cell(spec, plan, open_errors[spec.label])
+                        else:
+                            try:
+                                result = owner[spec.label].measure(spec.label, plan, seed)
+                            except Exception as exc:
+                                result = failed_cell(spec, plan, f"{type(exc).__name__}: {exc}")
                         results.append(result)
                         on_cell(result)
-            for lane in lanes.values():
+            for g in groups:
                 try:
-                    lane.close()
+                    g.close()
                 except Exception as exc:
-                    log.warning("%s: close failed: %s", lane.spec.label, exc)
+                    log.warning("closing %s: %s", [s.label for s in g.series], exc)
     finally:
-        if remote is not None:
-            remote.shutdown()
-        if local is not None:
-            local.shutdown()
+        for g in groups:
+            g.shutdown()
     _add_ratios(results)
     return results
-
-
-def _one_cell(
-    spec: SeriesSpec,
-    lane: Lane | None,
-    plan: CellPlan,
-    rng: np.random.Generator,
-    open_errors: dict[str, str],
-) -> CellResult:
-    if lane is None:
-        return CellResult(
-            series=spec.label, impl=spec.impl, transport=spec.transport,
-            block_size=plan.block_size, batch=plan.batch, concurrency=plan.concurrency,
-            error=open_errors.get(spec.label, "not opened"),
-        )
-    try:
-        return measure_cell(lane, plan, rng)
-    except Exception as exc:
-        log.warning("%s cell %s failed: %s", spec.label, plan, exc)
-        return CellResult(
-            series=spec.label, impl=spec.impl, transport=spec.transport,
-            block_size=plan.block_size, batch=plan.batch, concurrency=plan.concurrency,
-            error=f"{type(exc).__name__}: {exc}",
-        )

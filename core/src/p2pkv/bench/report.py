@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from p2pkv.bench.runner import CellResult
@@ -117,7 +118,7 @@ def print_tables(console: Console, results: Sequence[CellResult], title: str) ->
         if r.error:
             console.print(
                 f"[red]{r.series} {format_size(r.block_size)} x{r.batch} c{r.concurrency}:[/] "
-                f"{r.error}"
+                f"{escape(r.error)}"
             )
 
 

@@ -47,6 +47,8 @@ class _Receiver:
         self.remaining: list[int] = []
         self.posted: dict[int, int] = {}  # expect id -> group
         self.failures = 0
+        self.broken = ""
+        """Why this endpoint raised while being pumped (then it is pumped no more)."""
 
     def expect(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
         self.groups = [list(g) for g in groups]
@@ -84,6 +86,10 @@ class _Receiver:
 class TargetState:
     """A region plus the endpoints registered over it, one per series label.
 
+    Only the endpoint of the repetition being measured (from its ``expect`` to its
+    ``verify``) is pumped: a serving process runs one data transport, and spinning idle ones
+    (or spinning between repetitions) would bill that CPU to whatever is measured meanwhile.
+
     Two-sided endpoints (``expect_blocks`` returns an id) get one receive posted per group at a
     time, re-posted as each completes until the repetition's count for that group is reached.
     """
@@ -91,6 +97,7 @@ class TargetState:
     def __init__(self, region_bytes: int) -> None:
         self.buf = page_in(region_bytes)
         self._receivers: dict[str, _Receiver] = {}
+        self._active: _Receiver | None = None
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         self.close(spec.label)
@@ -104,16 +111,26 @@ class TargetState:
         self._receivers[label].endpoint.add_peer(INITIATOR, descriptor)
 
     def expect(self, label: str, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        self._receivers[label].expect(groups, counts)
+        """A repetition of series ``label`` starts: it becomes the pumped one."""
+        self._active = self._receivers[label]
+        self._active.expect(groups, counts)
 
     @property
     def active(self) -> bool:
-        return bool(self._receivers)
+        return self._active is not None
 
     def pump(self) -> None:
-        """Progress inbound work of every endpoint and re-post receives (never blocks)."""
-        for receiver in self._receivers.values():
+        """Progress the active endpoint's inbound work and re-post receives (never blocks).
+
+        An endpoint that raises is set aside with the reason (its series fails at its next
+        check); the other series go on."""
+        receiver = self._active
+        if receiver is None or receiver.broken:
+            return
+        try:
             receiver.pump()
+        except Exception as exc:
+            receiver.broken = f"target endpoint failed: {type(exc).__name__}: {exc}"
 
     def verify(
         self, label: str, slots: Sequence[int], seeds: Sequence[int]
@@ -123,10 +140,13 @@ class TargetState:
         Returns the mismatching slots and the failed receives since the last call."""
         receiver = self._receivers[label]
         deadline = time.monotonic() + _DRAIN_SECONDS
-        while receiver.waiting:
+        while receiver.waiting and not receiver.broken:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(receiver.posted)} posted receives never completed")
             self.pump()
+        self._active = None  # the repetition is over: stop spinning until the next one
+        if receiver.broken:
+            raise RuntimeError(receiver.broken)
         bad = BlockRegion(self.buf, receiver.block_len).verify_seeds(slots, seeds)
         failures, receiver.failures = receiver.failures, 0
         return bad, failures
@@ -137,8 +157,14 @@ class TargetState:
         undrained: list[int] = []
         for name in labels:
             receiver = self._receivers.pop(name, None)
+            if receiver is self._active:
+                self._active = None
             if receiver is not None:
-                undrained.extend(receiver.endpoint.close() or [])
+                try:
+                    undrained.extend(receiver.endpoint.close() or [])
+                except Exception:
+                    if not receiver.broken:  # a broken endpoint's close may fail too
+                        raise
         return undrained
 
 

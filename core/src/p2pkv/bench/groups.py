@@ -1,0 +1,194 @@
+"""Where each series runs: lane groups, one process per transport library.
+
+Two UCX-based libraries in one process do not mix: NIXL bundles its own UCX and ucxx loads
+another (and sets UCX variables at import), and a process holding both measured either at a
+small fraction of its speed here. So the series of each cross-process transport (``raw nixl``
+and ``p2pkv nixl``; ``raw ucx`` and ``p2pkv ucx``) run in a worker process of their own, which
+spawns the target child they write into; in-process series (``memory``, ``memcpy``) run in
+the bench process with a local target. Every group owns a source region and a target region
+of ``region_bytes``, page-faulted before anything is timed.
+
+:class:`LaneGroup` does the work; :class:`WorkerGroup` runs one in a worker process and is
+called synchronously with deadlines. The worker pipe carries only the bench's own commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import numpy as np
+
+from p2pkv.bench.endpoints import SeriesSpec
+from p2pkv.bench.lanes import EndpointLane, Lane, MemcpyLane
+from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
+from p2pkv.bench.target import LocalTarget, RemoteTarget, page_in
+from p2pkv.registry import default_registry
+
+__all__ = ["Group", "LaneGroup", "WorkerGroup", "failed_cell"]
+
+log = logging.getLogger(__name__)
+
+
+class Group(Protocol):
+    series: list[SeriesSpec]
+
+    def open(self, block_size: int) -> dict[str, str]:
+        """Open every series' lane for ``block_size``; label -> why it could not open."""
+        ...
+
+    def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult: ...
+
+    def close(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def failed_cell(spec: SeriesSpec, plan: CellPlan, error: str) -> CellResult:
+    return CellResult(
+        series=spec.label, impl=spec.impl, transport=spec.transport,
+        block_size=plan.block_size, batch=plan.batch, concurrency=plan.concurrency, error=error,
+    )
+
+
+class LaneGroup:
+    """Series sharing one process: their lanes, one source region and one target."""
+
+    def __init__(self, series: Sequence[SeriesSpec], region_bytes: int) -> None:
+        self.series = list(series)
+        self._source = page_in(region_bytes)
+        remote = any(s.cross_process for s in series)
+        self._target: RemoteTarget | LocalTarget = (
+            RemoteTarget(region_bytes) if remote else LocalTarget(region_bytes)
+        )
+        self._lanes: dict[str, Lane] = {}
+        self._open_errors: dict[str, str] = {}
+
+    def open(self, block_size: int) -> dict[str, str]:
+        self.close()
+        registry = default_registry()
+        for spec in self.series:
+            lane: Lane
+            if spec.impl == "memcpy":
+                assert isinstance(self._target, LocalTarget)
+                lane = MemcpyLane(self._source, self._target.state.buf)
+            else:
+                lane = EndpointLane(spec, registry, self._source, self._target)
+            try:
+                lane.open(block_size)
+                self._lanes[spec.label] = lane
+            except Exception as exc:
+                log.warning("%s at %d B: open failed: %s", spec.label, block_size, exc)
+                self._open_errors[spec.label] = f"open failed: {type(exc).__name__}: {exc}"
+        return dict(self._open_errors)
+
+    def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult:
+        spec = next(s for s in self.series if s.label == label)
+        lane = self._lanes.get(label)
+        if lane is None:
+            return failed_cell(spec, plan, self._open_errors.get(label, "not opened"))
+        try:
+            return measure_cell(lane, plan, np.random.default_rng(list(seed)))
+        except Exception as exc:
+            log.warning("%s cell %s failed: %s", label, plan, exc)
+            return failed_cell(spec, plan, f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            try:
+                lane.close()
+            except Exception as exc:
+                log.warning("%s: close failed: %s", lane.spec.label, exc)
+        self._lanes.clear()
+        self._open_errors.clear()
+
+    def shutdown(self) -> None:
+        self.close()
+        self._target.shutdown()
+
+
+def _worker_main(conn: Connection, series: list[SeriesSpec], region_bytes: int) -> None:
+    try:
+        group = LaneGroup(series, region_bytes)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", None))
+    try:
+        while True:
+            try:
+                op, args = conn.recv()
+            except EOFError:
+                return
+            if op == "exit":
+                return
+            try:
+                conn.send(("ok", getattr(group, op)(*args)))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        group.shutdown()
+
+
+class WorkerGroup:
+    """A :class:`LaneGroup` in a worker process of its own.
+
+    The worker is not daemonic (it spawns its target child); it exits when told to or when
+    its pipe closes, and is killed if it does not within ``timeout``."""
+
+    def __init__(self, series: Sequence[SeriesSpec], region_bytes: int, timeout: float) -> None:
+        self.series = list(series)
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        name = "p2pkv-bench-" + "-".join(sorted({s.transport for s in series}))
+        self._process = ctx.Process(
+            target=_worker_main, args=(child, self.series, region_bytes), name=name
+        )
+        self._process.start()
+        child.close()
+        self._reply("startup")
+
+    def _reply(self, what: str) -> Any:
+        if not self._conn.poll(self.timeout):
+            raise TimeoutError(f"bench worker {self._process.name} sent no {what} in "
+                               f"{self.timeout}s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"bench worker {self._process.name} died "
+                               f"(exit {self._process.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"bench worker {self._process.name}: {value}")
+        return value
+
+    def _call(self, op: str, *args: Any) -> Any:
+        try:
+            self._conn.send((op, args))
+        except (BrokenPipeError, OSError):
+            raise RuntimeError(f"bench worker {self._process.name} is gone") from None
+        return self._reply(f"reply to {op}")
+
+    def open(self, block_size: int) -> dict[str, str]:
+        return dict(self._call("open", block_size))
+
+    def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult:
+        result: CellResult = self._call("measure", label, plan, list(seed))
+        return result
+
+    def close(self) -> None:
+        self._call("close")
+
+    def shutdown(self) -> None:
+        try:
+            self._conn.send(("exit", ()))
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(self.timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(10)
+        self._conn.close()
