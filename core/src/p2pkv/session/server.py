@@ -1,9 +1,10 @@
 """Producer role of a session: supply, demand, transfers, aborts and lookup serving.
 
 Per ``kv_request_id`` the role keeps the **supply** (blocks stored by the engine and not yet
-sent: key -> (local slot, store job)) and the **demand** of the consumer's open fetch rounds
-(key -> (round, destination slot)). A block is written as soon as both exist; one
-``write_blocks`` per round per batch, no per-block objects beyond the dict entries.
+sent: key -> local slot, key -> store job) and the **demand** of the consumer's open fetch
+rounds (key -> round, key -> destination slot). A block is written as soon as both exist; one
+``write_blocks`` per round per batch. Parallel dicts rather than a tuple per entry: no
+per-block objects beyond the dict entries.
 
 Invariants (docs/protocol.md, "Producer"):
 
@@ -81,13 +82,17 @@ class _Round:
 
 
 class _Req:
-    __slots__ = ("demand", "jobs", "kv", "max_round", "released", "rounds", "supply",
-                 "supply_open")
+    __slots__ = ("demand", "demand_slot", "jobs", "kv", "max_round", "released", "rounds",
+                 "supply", "supply_job", "supply_open")
 
     def __init__(self, kv: str, supply_open: bool) -> None:
         self.kv = kv
-        self.supply: dict[bytes, tuple[int, _StoreJob]] = {}
-        self.demand: dict[bytes, tuple[_Round, int]] = {}
+        self.supply: dict[bytes, int] = {}
+        """Key -> our slot holding it (with ``supply_job``: the job that pins it)."""
+        self.supply_job: dict[bytes, _StoreJob] = {}
+        self.demand: dict[bytes, _Round] = {}
+        """Key -> the open round waiting for it (with ``demand_slot``: where it must go)."""
+        self.demand_slot: dict[bytes, int] = {}
         self.rounds: dict[int, _Round] = {}
         self.jobs: set[_StoreJob] = set()
         self.max_round = -1
@@ -198,7 +203,7 @@ class ServerRole:
         if demand and not demand.keys().isdisjoint(keys):
             k = next(k for k in keys if k in demand)
             raise ProtocolError(
-                f"fetch.keys: a key is already demanded by round {demand[k][0].no}"
+                f"fetch.keys: a key is already demanded by round {demand[k].no}"
             )
         if not req.supply_open:
             missing = sum(1 for k in keys if k not in supply)
@@ -215,15 +220,17 @@ class ServerRole:
         local: list[int] = []
         remote: list[int] = []
         jobs: list[_StoreJob] = []
+        supply_job, demand_slot = req.supply_job, req.demand_slot
         for k, dest in zip(keys, slots, strict=True):
             held = supply.pop(k, None)
             if held is None:
-                demand[k] = (rnd, dest)
+                demand[k] = rnd
+                demand_slot[k] = dest
                 rnd.waiting += 1
             else:
-                local.append(held[0])
+                local.append(held)
                 remote.append(dest)
-                jobs.append(held[1])
+                jobs.append(supply_job.pop(k))
         if local:
             self._submit(req, rnd, local, remote, jobs)
 
@@ -357,17 +364,18 @@ class ServerRole:
             sj.released = True
             self._maybe_release_job(sj)
             return
-        supply, demand = req.supply, req.demand
+        supply, supply_job, demand = req.supply, req.supply_job, req.demand
         matched: dict[_Round, tuple[list[int], list[int], list[_StoreJob]]] = {}
         for key, slot in zip(job.keys, job.block_ids, strict=True):
-            want = demand.pop(key, None)
-            if want is None:
+            rnd = demand.pop(key, None)
+            if rnd is None:
                 if key in supply:
                     sj.remaining -= 1  # an earlier job holds this key already
                 else:
-                    supply[key] = (slot, sj)
+                    supply[key] = slot
+                    supply_job[key] = sj
                 continue
-            rnd, dest = want
+            dest = req.demand_slot.pop(key)
             rnd.waiting -= 1
             group = matched.get(rnd)
             if group is None:
@@ -458,8 +466,9 @@ class ServerRole:
     @staticmethod
     def _drop_waiting(req: _Req, rnd: _Round) -> None:
         if rnd.waiting:
-            for k in [k for k, (r, _) in req.demand.items() if r is rnd]:
+            for k in [k for k, r in req.demand.items() if r is rnd]:
                 del req.demand[k]
+                del req.demand_slot[k]
             rnd.waiting = 0
 
     def _maybe_finish_round(self, req: _Req, rnd: _Round) -> None:
@@ -517,6 +526,7 @@ class ServerRole:
         """Terminal fetch: the consumer is done with ``req``; release everything."""
         req.released = True
         req.supply.clear()
+        req.supply_job.clear()
         for rnd in list(req.rounds.values()):
             if rnd.aborting:
                 rnd.silent = True
@@ -539,12 +549,12 @@ class ServerRole:
     def _fail_job(self, sj: _StoreJob, outcome: Outcome, detail: str) -> None:
         if sj.failure is None:
             sj.failure = (outcome, detail)
-        supply = sj.req.supply
+        supply, supply_job = sj.req.supply, sj.req.supply_job
         if supply:
             for key in sj.keys:
-                held = supply.get(key)
-                if held is not None and held[1] is sj:
+                if supply_job.get(key) is sj:
                     del supply[key]
+                    del supply_job[key]
         self._maybe_release_job(sj)
 
     def _release_jobs(self, jobs: list[_StoreJob]) -> None:
@@ -602,6 +612,7 @@ class ServerRole:
                 env.deadlines.cancel(rnd.timer)
             req.rounds.clear()
             req.demand.clear()
+            req.demand_slot.clear()
             for sj in list(req.jobs):
                 self._fail_job(sj, outcome, reason)
             env.host.request_gone(req.kv, self.session)
