@@ -172,11 +172,11 @@ def compare(
     series, skipped = available_series(registry, config)
     for label, reason in skipped.items():
         print(f"skipped {label}: {reason}", file=sys.stderr)
-    return run_matrix(registry, config, series)
+    return run_matrix(config, series)
 
 
 def _table(results: Sequence[CellResult], mode: str) -> str:
-    rows = {}
+    rows: dict[int, dict[str, CellResult]] = {}
     for r in results:
         rows.setdefault(r.block_size, {})[r.impl] = r
     lines = [f"endpoint error handling {mode}: GB/s (median of reps), ratios",

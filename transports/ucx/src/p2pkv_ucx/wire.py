@@ -112,7 +112,8 @@ def decode_descriptor(data: bytes) -> Descriptor:
         raise ValueError("descriptor has no worker address")
     if not all(_is_positive(n) for n in numbers):
         raise ValueError(f"descriptor needs positive integers, got {numbers!r}")
-    return Descriptor(address, *numbers)
+    instance, num_blocks, block_len, max_run = (int(n) for n in numbers)  # type: ignore[arg-type]
+    return Descriptor(address, instance, num_blocks, block_len, max_run)
 
 
 def encode_expect(instance: int, link: int, gen: int, slots: IntArray) -> bytes:
