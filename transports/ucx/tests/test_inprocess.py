@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from p2pkv.contracts import CancelMode
-from p2pkv.errors import TransferSubmitError
+from p2pkv.errors import PeerRejected, TransferSubmitError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_ucx import wire
 from ucx_helpers import Node, RawProducer, T, settle
@@ -201,6 +201,14 @@ def test_deadline_fails_a_write_nobody_expects(nodes: Make) -> None:
     eid = consumer.t.expect_blocks("p", [5])  # the producer never writes it
     settle([producer, consumer], {producer: {tid}, consumer: {eid}}, "both deadlines")
     assert tid in producer.failed and eid in consumer.failed
+
+
+def test_peers_must_agree_on_endpoint_error_handling(nodes: Make) -> None:
+    safe, fast = nodes(), nodes(endpoint_error_handling=False)
+    with pytest.raises(PeerRejected, match="endpoint_error_handling"):
+        safe.t.add_peer("fast", fast.t.descriptor())
+    with pytest.raises(TransferSubmitError):
+        safe.t.write_blocks("fast", [0], [0])
 
 
 def test_remove_then_close_release_everything(nodes: Make) -> None:

@@ -67,7 +67,7 @@ def test_tags_keep_their_fields_apart(link: int, seq: int, run: int) -> None:
 
 
 def test_descriptor_round_trip() -> None:
-    d = wire.Descriptor(b"\x01\x02address", 12345, 64, 4096, 8)
+    d = wire.Descriptor(b"\x01\x02address", 12345, 64, 4096, 8, False)
     assert wire.decode_descriptor(wire.encode_descriptor(d)) == d
 
 

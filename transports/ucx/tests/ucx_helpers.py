@@ -60,7 +60,7 @@ class RawProducer:
         self.worker = api.UCXWorker(api.UCXContext(feature_flags=(api.Feature.TAG,)))
         self.instance = 424242
         self.descriptor = wire.encode_descriptor(wire.Descriptor(
-            self.worker.address.tobytes(), self.instance, num_blocks, block_len, 64))
+            self.worker.address.tobytes(), self.instance, num_blocks, block_len, 64, True))
         self.ep: Any = None
         self.keep: list[Any] = []
 

@@ -217,7 +217,8 @@ class UcxDataTransport(DataTransport):
         )
         self._instance = secrets.randbits(62) | 1
         self._descriptor = wire.encode_descriptor(wire.Descriptor(
-            address, self._instance, self._num_blocks, self._block_len, self._max_run
+            address, self._instance, self._num_blocks, self._block_len, self._max_run,
+            options.endpoint_error_handling,
         ))
         self._timeout = options.transfer_timeout if options.transfer_timeout > 0 else math.inf
         self._ids = itertools.count(1)
@@ -265,6 +266,12 @@ class UcxDataTransport(DataTransport):
             raise PeerRejected(
                 f"peer {peer_id!r}: block_len {desc.block_len} does not match ours "
                 f"({self._block_len})"
+            )
+        if desc.error_handling != self._opts.endpoint_error_handling:
+            raise PeerRejected(
+                f"peer {peer_id!r}: endpoint_error_handling is {desc.error_handling} there and "
+                f"{self._opts.endpoint_error_handling} here; UCX cannot connect the two modes "
+                f"(set the same data option on every peer)"
             )
         known = self._peers.get(peer_id)
         if known is not None:

@@ -1,7 +1,9 @@
 """What the ``ucx`` transport puts on the wire besides block payload: msgpack, never pickle.
 
 - **Descriptor** (``descriptor()`` → peer's ``add_peer``): our UCX worker address, region
-  shape, a random instance id, and the longest run (in blocks) we accept in one message.
+  shape, a random instance id, the longest run (in blocks) we accept in one message, and
+  whether our endpoints use UCX error handling (both sides must agree: UCX cannot connect
+  endpoints of different modes, it hangs).
 - **NOTICE** messages, consumer → producer (tag kind NOTICE), each naming the consumer by its
   instance id; UCX keeps them in order, and the producer handles them in that order:
 
@@ -58,6 +60,7 @@ class Descriptor:
     num_blocks: int
     block_len: int
     max_run: int
+    error_handling: bool
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ def encode_descriptor(d: Descriptor) -> bytes:
     return _pack({
         "transport": "ucx", "v": WIRE_VERSION, "address": d.address, "instance": d.instance,
         "num_blocks": d.num_blocks, "block_len": d.block_len, "max_run": d.max_run,
+        "error_handling": d.error_handling,
     })
 
 
@@ -112,8 +116,11 @@ def decode_descriptor(data: bytes) -> Descriptor:
         raise ValueError("descriptor has no worker address")
     if not all(_is_positive(n) for n in numbers):
         raise ValueError(f"descriptor needs positive integers, got {numbers!r}")
+    error_handling = obj.get("error_handling")
+    if not isinstance(error_handling, bool):
+        raise ValueError("descriptor does not say whether it uses endpoint error handling")
     instance, num_blocks, block_len, max_run = (int(n) for n in numbers)  # type: ignore[arg-type]
-    return Descriptor(address, instance, num_blocks, block_len, max_run)
+    return Descriptor(address, instance, num_blocks, block_len, max_run, error_handling)
 
 
 def encode_expect(instance: int, link: int, gen: int, slots: IntArray) -> bytes:
