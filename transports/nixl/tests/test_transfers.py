@@ -7,12 +7,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from p2pkv.contracts import EMPTY_POLL, DataSettings
 from p2pkv.errors import TransferSubmitError
 from p2pkv.testing.peers import pattern
 from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
+from p2pkv_nixl.transport import _indexes, _refuse_repeats
 
 BLOCK = 16 * 1024
 
@@ -43,8 +46,8 @@ def test_256_blocks_land_byte_exact_at_scattered_slots(make_local, host, wait_fo
 
 @pytest.fixture(scope="module")
 def producer_and_small_peer(host):
-    """A 64-block producer registered with a 32-block consumer (remote bound != local)."""
-    array = pattern(1, 64 * BLOCK)
+    """A 128-block producer registered with a 32-block consumer (remote bound != local)."""
+    array = pattern(1, 128 * BLOCK)
     transport = NixlDataTransport.create(DataSettings(memoryview(array), BLOCK))
     small = host.data_peer(NixlDataTransport, 32, BLOCK, {})
     transport.add_peer("small", small.descriptor)
@@ -59,13 +62,17 @@ def producer_and_small_peer(host):
         ([0], [32], "remote (peer 'small') block index 32 is outside 0..31"),
         ([0, 1, 2], [0, 40, 1], "block index 40 is outside"),
         ([0], [-1], "block index -1 is outside"),
-        ([64], [0], "local block index 64 is outside 0..63"),
+        ([128], [0], "local block index 128 is outside 0..127"),
         ([-2], [0], "local block index -2"),
         ([0, 1], [0], "2 local but 1 remote"),
         ([0, 1], [5, 5], "block index 5 is written twice"),
         ([0.5], [1], "flat list of integers"),
         ([[0]], [[1]], "flat list of integers"),
         (["0"], [1], "flat list of integers"),
+        (list(range(100)), [*range(99), 32], "remote (peer 'small') block index 32 is outside"),
+        (list(range(100)), [-5, *range(99)], "block index -5 is outside"),
+        ([*range(99), 170], list(range(100)), "local block index 170 is outside"),
+        (list(range(70)), [*range(30), *range(30, 0, -1), *range(10)], "is written twice"),
         (np.array([0.0]), [1], "flat list of integers"),
         ([0], np.zeros((1, 1), dtype=np.int64), "flat list of integers"),
         ([0], [2**40], "remote (peer 'small') block index outside 0..31"),
@@ -167,3 +174,26 @@ def test_re_adding_a_peer_with_a_transfer_in_flight_replaces_it_once_quiescent(
     assert "remove_remote_agent" not in recorder.names()  # the agent is still in use
     after = _blocks(consumer.region_bytes())
     np.testing.assert_array_equal(after[[2, 4]], producer.blocks[[1, 3]])
+
+
+@given(st.lists(st.integers(-(2**40), 2**40), max_size=200), st.integers(1, 2**31 - 1))
+def test_index_check_accepts_exactly_the_in_range_lists(values: list[int], limit: int) -> None:
+    ok = all(0 <= v < limit for v in values)
+    try:
+        checked = _indexes(values, limit)
+    except ValueError:
+        assert not ok
+    else:
+        assert ok and checked.dtype == np.int32 and checked.tolist() == values
+        assert _indexes(np.asarray(values, dtype=np.int64), limit).tolist() == values
+
+
+@given(st.lists(st.integers(0, 99), max_size=150))
+def test_repeated_destinations_are_found(values: list[int]) -> None:
+    remote = _indexes(values, 100)
+    try:
+        _refuse_repeats(remote, values)
+    except ValueError:
+        assert len(set(values)) < len(values)
+    else:
+        assert len(set(values)) == len(values)

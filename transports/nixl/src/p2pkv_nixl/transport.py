@@ -323,18 +323,17 @@ class NixlDataTransport(DataTransport):
                 f"peer {peer_id!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT); add it again with "
                 f"a fresh descriptor"
             )
-        local = _indexes(local_idxs, self._num_blocks, "local")
-        remote = _indexes(remote_idxs, registration.num_blocks, f"remote (peer {peer_id!r})")
+        try:
+            local = _indexes(local_idxs, self._num_blocks)
+        except ValueError as exc:
+            raise TransferSubmitError(f"local block {exc}") from None
+        try:
+            remote = _indexes(remote_idxs, registration.num_blocks)
+            _refuse_repeats(remote, remote_idxs)
+        except ValueError as exc:
+            raise TransferSubmitError(f"remote (peer {peer_id!r}) block {exc}") from None
         if len(local) != len(remote):
             raise TransferSubmitError(f"{len(local)} local but {len(remote)} remote block indexes")
-        if len(remote) > 1:
-            ordered = np.sort(remote)
-            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-            if len(repeated):
-                raise TransferSubmitError(
-                    f"remote (peer {peer_id!r}) block index {int(repeated[0])} is written twice "
-                    f"in one transfer"
-                )
         transfer_id = next(self._ids)
         if len(local) == 0:
             registration.finished[transfer_id] = True
@@ -430,20 +429,28 @@ class NixlDataTransport(DataTransport):
                 del self._owner[transfer_id]
                 continue
             handle = registration.inflight[transfer_id]
-            if mode is CancelMode.IMMEDIATE:
-                self._release(transfer_id, handle)
-            else:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except Exception as exc:
-                    log.debug("nixl: cancel of transfer %d refused: %s", transfer_id, exc)
-                    kept.append(transfer_id)
-                    continue
+            if mode is CancelMode.WAIT and self._still_running(handle):
+                kept.append(transfer_id)  # NIXL cannot stop it: it stays pollable
+                continue
+            self._release(transfer_id, handle)
             del registration.inflight[transfer_id]
             del self._owner[transfer_id]
         for peer_id in touched:
             self._retire_quiescent(peer_id)
         return kept
+
+    def _still_running(self, handle: Any) -> bool:
+        """True while NIXL reports the transfer in progress.
+
+        NIXL cannot stop a posted transfer: releasing the handle of one in progress makes the
+        backend "cancel" it (UCX's request cancel does nothing to a posted RMA write), NIXL
+        reports success, and the write goes on reading our region and landing in the peer's,
+        handle or not. So a wait-cancel keeps every transfer still in progress.
+        """
+        try:
+            return bool(self._agent.check_xfer_state(handle) == "PROC")
+        except Exception:  # an error (remote disconnect included) ends the transfer
+            return False
 
     def _check(self, registration: _Registration) -> None:
         agent = self._agent
@@ -581,33 +588,58 @@ class NixlDataTransport(DataTransport):
             log.warning("nixl: %s failed during cleanup: %s", getattr(call, "__name__", call), exc)
 
 
-def _indexes(idxs: Sequence[int], limit: int, what: str) -> npt.NDArray[np.int32]:
-    """``idxs`` as a contiguous int32 array, every index in ``0..limit-1``; else
-    ``TransferSubmitError`` naming the side and the offending index.
+_SMALL = 64
+"""Up to this many indexes, Python's C builtins (min, max, set) beat numpy's per-call cost."""
+
+
+def _indexes(idxs: Sequence[int], limit: int) -> npt.NDArray[np.int32]:
+    """``idxs`` as a contiguous int32 array with every index in ``0..limit-1``, else
+    ``ValueError`` saying which index is wrong (the caller names the side).
 
     A list goes through ``array.array("i")``: C speed, straight to int32, and it refuses
     floats, strings and nested lists (``np.asarray`` with an int dtype would silently truncate
-    or parse them). An ndarray must already have an integer dtype.
+    or parse them). An ndarray must already have an integer dtype. This is the hot path of
+    ``write_blocks``: at most one numpy reduction, none for short lists.
     """
     if isinstance(idxs, np.ndarray):
         if idxs.ndim != 1 or (idxs.size and idxs.dtype.kind not in "iu"):
-            raise TransferSubmitError(f"{what} block indexes must be a flat list of integers")
-        arr: npt.NDArray[Any] = idxs
+            raise ValueError("indexes must be a flat list of integers")
+        wide = idxs.astype(np.int64, copy=False)
+        if wide.size and int(wide.view(np.uint64).max()) >= limit:  # negatives wrap high
+            _raise_outside(wide.tolist(), limit)
+        return np.ascontiguousarray(wide, dtype=np.int32)
+    try:
+        packed = array.array("i", idxs)
+    except OverflowError:
+        raise ValueError(f"index outside 0..{limit - 1} (beyond int32)") from None
+    except (TypeError, ValueError):
+        raise ValueError("indexes must be a flat list of integers") from None
+    if len(packed) <= _SMALL:
+        if packed and (min(packed) < 0 or max(packed) >= limit):
+            _raise_outside(packed, limit)
+    elif int(np.frombuffer(packed, dtype=np.uint32).max()) >= limit:  # negatives wrap high
+        _raise_outside(packed, limit)
+    return np.frombuffer(packed, dtype=np.int32)
+
+
+def _raise_outside(values: Iterable[int], limit: int) -> None:
+    bad = next(v for v in values if not 0 <= v < limit)
+    raise ValueError(f"index {bad} is outside 0..{limit - 1}")
+
+
+def _refuse_repeats(remote: npt.NDArray[np.int32], given: Sequence[int]) -> None:
+    """``ValueError`` if one destination block appears twice (the bytes landing there would
+    depend on the order the backend happens to use)."""
+    if len(remote) <= _SMALL:
+        values = given if isinstance(given, (list, tuple)) else remote.tolist()
+        if len(set(values)) == len(values):
+            return
     else:
-        try:
-            arr = np.frombuffer(array.array("i", idxs), dtype=np.int32)
-        except OverflowError:
-            raise TransferSubmitError(
-                f"{what} block index outside 0..{limit - 1} (beyond int32)"
-            ) from None
-        except (TypeError, ValueError):
-            raise TransferSubmitError(
-                f"{what} block indexes must be a flat list of integers"
-            ) from None
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int32)
-    low, high = int(arr.min()), int(arr.max())
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise TransferSubmitError(f"{what} block index {bad} is outside 0..{limit - 1}")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+        ordered = np.sort(remote)
+        if not (ordered[1:] == ordered[:-1]).any():
+            return
+    seen: set[int] = set()
+    for value in remote.tolist():
+        if value in seen:
+            raise ValueError(f"index {value} is written twice in one transfer")
+        seen.add(value)
