@@ -65,7 +65,7 @@ def _echo_raw(pipe: Connection, host: str) -> None:
     router.linger = 0
     router.rcvtimeo = int(_IDLE_WAIT * 1000)
     router.bind(f"tcp://{host}:*")
-    pipe.send(router.last_endpoint.decode())
+    pipe.send(router.getsockopt_string(zmq.LAST_ENDPOINT))
     try:
         while True:  # the plainest echo: blocking receive, send back
             try:

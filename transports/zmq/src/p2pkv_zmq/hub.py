@@ -150,7 +150,7 @@ class ZmqHub(ZmqControlTransport):
             router.bind(tcp_url(plan.bind_host, plan.port or "*"))
         except zmq.ZMQError as exc:
             raise self._bind_error(exc) from None
-        endpoint = router.last_endpoint.decode("ascii")
+        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         port = plan.advertise_port or int(endpoint.rsplit(":", 1)[1])
         self._local_address = format_address(plan.advertise_host, port)
         log.info("zmq control transport listening on %s as %s (%s)", endpoint,
