@@ -166,8 +166,9 @@ class ServerRole:
 
     def on_fetch(self, msg: Fetch, peer_num_blocks: int) -> None:
         keys, slots, kv = msg.keys, msg.slots, msg.kv_request_id
+        keyset = set(keys)
         if keys:
-            if len(set(keys)) != len(keys):
+            if len(keyset) != len(keys):
                 raise ProtocolError("fetch.keys: duplicate key")
             if len(set(slots)) != len(slots):
                 raise ProtocolError("fetch.slots: duplicate slot")
@@ -205,8 +206,9 @@ class ServerRole:
             raise ProtocolError(
                 f"fetch.keys: a key is already demanded by round {demand[k].no}"
             )
-        if not req.supply_open:
-            missing = sum(1 for k in keys if k not in supply)
+        held_all = supply.keys() >= keyset
+        if not req.supply_open and not held_all:
+            missing = len(keyset - supply.keys())
             if missing:
                 self._send_done(
                     kv, msg.round, Outcome.DEMAND_UNMET,
@@ -217,10 +219,19 @@ class ServerRole:
         rnd = _Round(msg.round, len(keys))
         req.rounds[msg.round] = rnd
         self.n_rounds += 1
+        supply_job, demand_slot = req.supply_job, req.demand_slot
+        if held_all:  # producer first: everything is here (one C-level pass per map)
+            self._submit(req, rnd, list(map(supply.pop, keys)), slots,
+                         list(map(supply_job.pop, keys)))
+            return
+        if not supply:  # consumer first: everything waits
+            demand.update(dict.fromkeys(keys, rnd))
+            demand_slot.update(zip(keys, slots, strict=True))
+            rnd.waiting = len(keys)
+            return
         local: list[int] = []
         remote: list[int] = []
         jobs: list[_StoreJob] = []
-        supply_job, demand_slot = req.supply_job, req.demand_slot
         for k, dest in zip(keys, slots, strict=True):
             held = supply.pop(k, None)
             if held is None:
@@ -365,8 +376,16 @@ class ServerRole:
             self._maybe_release_job(sj)
             return
         supply, supply_job, demand = req.supply, req.supply_job, req.demand
+        keys = job.keys
+        if not demand and supply.keys().isdisjoint(keys):  # nothing to match: just hold them
+            before = len(supply)
+            supply.update(zip(keys, job.block_ids, strict=True))
+            supply_job.update(dict.fromkeys(keys, sj))
+            sj.remaining -= len(keys) - (len(supply) - before)  # a key twice in one job
+            self._maybe_release_job(sj)
+            return
         matched: dict[_Round, tuple[list[int], list[int], list[_StoreJob]]] = {}
-        for key, slot in zip(job.keys, job.block_ids, strict=True):
+        for key, slot in zip(keys, job.block_ids, strict=True):
             rnd = demand.pop(key, None)
             if rnd is None:
                 if key in supply:
