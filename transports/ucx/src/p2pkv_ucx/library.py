@@ -70,8 +70,8 @@ def load() -> Ucxx:
     global _loaded
     if _loaded is None:
         _loaded = _import()
-    if isinstance(_loaded, TransportUnavailable):
-        raise _loaded
+    if isinstance(_loaded, TransportUnavailable):  # a fresh one: a reraised one keeps growing
+        raise TransportUnavailable(_loaded.transport, _loaded.package, _loaded.cause)
     return _loaded
 
 
