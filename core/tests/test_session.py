@@ -894,3 +894,26 @@ def test_force_quiesce_gives_up_on_transfers_that_never_drain(rig: Rig) -> None:
     rig.take()
     assert len(stuck) == 1 and rig.results == {1: Outcome.SHUTDOWN}
     assert rig.session.state is State.CLOSED
+
+
+def test_a_key_twice_in_one_store_counts_once(rig: Rig) -> None:
+    rig.ready()
+    rig.dir.producer_started("r")
+    rig.feed(Fetch("r", 0, [b"zz"], [9]))  # binds the request; demand for another key
+    rig.store(1, "r", [b"a", b"a", b"b"], [3, 4, 5])
+    rig.feed(Fetch("r", 1, [b"a", b"b"], [0, 1]))
+    (tid,) = rig.data.writes
+    assert rig.data.writes[tid] == ([3, 5], [0, 1])
+    rig.data.finish(tid)
+    rig.tick()
+    assert rig.results == {1: Outcome.DONE}
+
+
+def test_a_fetch_partly_held_writes_the_held_part_and_waits_for_the_rest(rig: Rig) -> None:
+    rig.ready()
+    rig.dir.producer_started("r")
+    rig.store(1, "r", [b"a"], [3])
+    rig.feed(Fetch("r", 0, [b"a", b"b"], [0, 1]))
+    assert list(rig.data.writes.values()) == [([3], [0])]
+    rig.store(2, "r", [b"b"], [4])
+    assert list(rig.data.writes.values())[1] == ([4], [1])
