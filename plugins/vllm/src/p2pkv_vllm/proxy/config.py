@@ -83,7 +83,8 @@ class ProxyTimeouts:
     prefill: float = 120.0
     """The whole prefill leg (queueing, prompt compute, response)."""
     decode: float = 1800.0
-    """The whole decode leg, streamed or not, from request to last byte."""
+    """The decode leg until its response starts. A whole request (both legs, every byte) is
+    bounded by ``prefill + decode + connect``."""
     idle: float = 300.0
     """Longest silence between two reads of an upstream response."""
 
