@@ -49,6 +49,10 @@ __all__ = [
 ]
 
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_SLAVE = 0x80000
+_MNT_DETACH = 2
 _LIFETIME = 900.0  # seconds: a node never outlives this, whatever happens to its parent
 _BUSY_TICK = 0.0002
 _IDLE_WAIT = 0.002
@@ -79,16 +83,26 @@ class Recorded:
 
 
 def enter_netns(name: str) -> None:
-    """Move this process into network namespace ``name`` (what ``ip netns exec`` does for the
-    network; call it before any thread exists, threads inherit it)."""
+    """Move this process into network namespace ``name`` the way ``ip netns exec`` does: join
+    the namespace, then, in a private mount namespace, mount a fresh ``/sys`` so that
+    ``/sys/class/net`` (where UCX finds its devices) shows the namespace's interfaces. Call it
+    before any thread exists (threads inherit it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} (network namespace {name}): {os.strerror(err)}")
+
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+        check(libc.setns(fd, _CLONE_NEWNET), "setns")
     finally:
         os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 class Recorder:

@@ -1,0 +1,131 @@
+"""Scenario 2: the network between two hosts is cut mid-transfer, then restored.
+
+A producer on host A and a consumer on host B (network namespaces joined by a veth pair);
+control over zmq, data over nixl with UCX on TCP across the link. With loads in flight and
+writes posted, host A's link goes down: nothing is sent or received any more, no FIN, no RST,
+only silence. Every consumer job fails within the heartbeat timeout plus a margin, the
+producer's store jobs fail once their writes drained or the drain deadline gave up on them,
+nothing is reported twice. The link comes back: new requests succeed without restarting
+anything.
+
+Known bug (xfail below, see docs/reliability.md "Writes that outlive a partition"): writes
+posted before the cut are still queued in UCX/TCP; when the link returns, TCP delivers them,
+seconds later, into consumer slots the consumer released at PEER_DEAD and has since given to
+new loads. Those loads report DONE with wrong bytes. Nothing in the tier can stop a write NIXL
+has posted; the consumer would have to fence (re-register its region) before reusing slots
+of rounds that died with writes in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from chaos_checks import release_violations
+from chaos_cluster import HEARTBEAT, Cluster, Node, Req, requests, tier_config
+from chaos_netlab import NetLab
+from chaos_node import NodeSpec
+from p2pkv.demo.roles import RoleSetup
+from p2pkv.demo.workload import DemoRequest
+
+BLOCK = 256 * 1024
+MAX_BLOCKS = 12
+MARGIN = 1.5
+DEATH_BOUND = HEARTBEAT["heartbeat_timeout"] + MARGIN
+DRAIN = 3.0
+"""``timeouts.shutdown_drain``: how long a closed session waits for its writes to drain."""
+PAUSE = 0.6
+T = 60.0
+
+
+def host_spec(lab: NetLab, kind: str, side: str, slots: int, *, record: bool = False,
+              timeouts: dict[str, float] | None = None) -> NodeSpec:
+    """A node on host ``side`` ("a" or "b"): bound to that host's address, UCX on its link."""
+    netns, dev, addr = ((lab.a, lab.dev_a, lab.addr_a) if side == "a"
+                        else (lab.b, lab.dev_b, lab.addr_b))
+    config = tier_config(addr, control={"insecure": True},
+                         timeouts={"shutdown_drain": DRAIN, **(timeouts or {})})
+    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), netns=netns,
+                    env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, record=record)
+
+
+def blocks(reqs: list[DemoRequest]) -> int:
+    return sum(r.num_blocks for r in reqs)
+
+
+def live_writes(node: Node) -> set[int]:
+    live: set[int] = set()
+    for e in node.data_log:
+        if e[1] == "write":
+            live.add(e[2])
+        elif e[1] in ("end", "cancel"):
+            live.discard(e[2])
+    return live
+
+
+def all_done(recs: list[Req]) -> bool:
+    return all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs)
+
+
+def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
+    netlab: NetLab,
+) -> None:
+    first = requests(100, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="cut")
+    after = requests(40, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1,
+                     "producer_first": 1}, run_id="cut2", first_index=1000)
+    with Cluster() as c:
+        p, con = c.start(("P", host_spec(netlab, "producer", "a", blocks(first), record=True)),
+                         ("C", host_spec(netlab, "consumer", "b", blocks(first), record=True)))
+        c.flow.hold_stores = True
+        recs = c.flow.admit(first, p, con)
+        c.wait(lambda: len(c.flow.held) == len(first), timeout=T, what="loads submitted")
+        warm = recs[:10]
+        c.flow.release_stores(lambda r: r in warm)
+        c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests", recs=warm)
+
+        con.child.pause()  # the consumer's UCX completes nothing: writes stay in flight
+        try:
+            c.flow.hold_stores = False
+            c.flow.release_stores()
+            c.wait(lambda: live_writes(p), timeout=PAUSE, what="P writing into paused C")
+            stalled = len(live_writes(p))
+            cut_at = time.monotonic()
+            netlab.cut()
+        finally:
+            con.child.resume()
+        open_at_cut = [r for r in recs if not r.loaded]
+        c.wait(lambda: all(r.finished for r in recs), timeout=T,
+               what="every request ended after the cut", recs=recs)
+
+        assert not c.flow.problems(), c.flow.problems()
+        failed = [r for r in open_at_cut if r.load_outcome != "done"]
+        assert failed, "the cut hit no load in flight"
+        late = [(r.describe(), r.loaded[0].done_at - cut_at) for r in failed
+                if r.loaded[0].done_at - cut_at > DEATH_BOUND]
+        assert not late, f"loads failed later than {DEATH_BOUND}s after the cut: {late}"
+        store_fail = [r for r in open_at_cut if r.store_outcome != "done"]
+        store_late = max(r.stored[0][0] - cut_at for r in store_fail) if store_fail else 0.0
+        assert store_late <= DEATH_BOUND + DRAIN, (
+            f"stores failed {store_late:.2f}s after the cut (bound {DEATH_BOUND + DRAIN}s)")
+        violations = release_violations(p.data_log)
+        assert not violations, violations
+        load_late = max(r.loaded[0].done_at - cut_at for r in failed)
+        print(f"\nlink cut with {len(open_at_cut)} loads open and {stalled} write(s) in flight: "
+              f"{len(failed)} loads failed {dict(Counter(r.load_outcome for r in failed))}, "
+              f"last {load_late:.2f}s after the cut; {len(store_fail)} stores failed "
+              f"{dict(Counter(r.store_outcome for r in store_fail))}, last {store_late:.2f}s")
+
+        netlab.restore()
+        restored = c.flow.admit(after, p, con)
+        c.wait(lambda: all(r.finished for r in restored), timeout=T,
+               what="requests after the link came back", recs=restored)
+        assert all(len(r.loaded) == 1 and len(r.stored) <= 1 for r in restored)
+        assert all_done(restored), [r.describe() for r in restored if not all_done([r])]
+        for node in (p, con):
+            assert not c.report(node)["anomalies"], node.name
+        wrong = c.flow.problems(restored)
+        if wrong:
+            pytest.xfail(f"known bug: writes from before the cut landed after the link came "
+                         f"back, into reused slots ({len(wrong)} loads): {wrong[:2]}")
+        assert not c.flow.problems(), c.flow.problems()
