@@ -51,6 +51,29 @@ def test_parse_proto_info_keeps_peer_endpoints() -> None:
     assert summary[1]["protocol"] == "short, multi-frag copy-in"
 
 
+# The one-line title layout of UCX 1.21 (ucxx), with a variant table that is left out.
+PROTO_INFO_121 = """\
+[1] [vm:1:0] +----------------------+--------------------------+
+[1] [vm:1:0] | ctx_0 intra-node cfg#0 | tagged message by ucp_tag_send* |
+[1] [vm:1:0] +----------------------+------------------+--------+
+[1] [vm:1:0] |                    0 | eager short      | tcp/lo |
+[1] [vm:1:0] |           16353..inf | rendezvous fragmented | tcp/lo |
+[1] [vm:1:0] +----------------------+------------------+--------+
+[1] [vm:1:0] | ctx_0 intra-node cfg#0 | tagged message by ucp_tag_send*(multi) |
+[1] [vm:1:0] |              0..8184 | eager short      | tcp/lo |
+"""
+
+
+def test_parse_proto_info_one_line_titles() -> None:
+    rows = parse_proto_info(PROTO_INFO_121)
+    assert len(rows) == 3
+    summary = summarize_lanes(rows)
+    assert [(r["operation"], r["size_range"], r["lanes"]) for r in summary] == [
+        ("tagged send (data)", "0", "tcp/lo"),
+        ("tagged send (data)", "16353..inf", "tcp/lo"),
+    ]
+
+
 def test_port_in_use_is_reported() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

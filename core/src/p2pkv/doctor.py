@@ -94,34 +94,40 @@ _TS = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")
 def parse_proto_info(text: str) -> list[LaneRow]:
     """Parse ``UCX_PROTO_INFO=y`` output into rows (endpoints to self are left out).
 
-    UCX prints one box per (endpoint configuration, operation)::
+    UCX prints one box per (endpoint configuration, operation), in one of two layouts: UCX
+    1.23 (bundled with NIXL)::
 
-        | A intra-node cfg#1                                  |
+        | A intra-node cfg#1                                   |
         | remote memory write by ucp_put* from host memory ... |
-        | Range | Description | Config |
-        | 0..inf | zero-copy  | cma/memory |
+        | Range  | Description | Config     |
+        | 0..inf | zero-copy   | cma/memory |
+
+    and UCX 1.21 (shipped for ucxx)::
+
+        | ctx intra-node cfg#0 | tagged message by ucp_tag_send* ... |
+        |   0..8184 | eager short                                    | tcp/lo |
+        | 16353..inf | (?) rendezvous fragmented copy-in copy-out    | tcp/lo |
     """
     rows: list[LaneRow] = []
-    header: list[str] = []
-    in_body = False
+    titles: list[str] = []
+    endpoint = operation = ""
     for raw in text.splitlines():
         line = _TS.sub("", raw).strip()
         if line.startswith("+"):
             continue
         if not (line.startswith("|") and line.endswith("|")):
-            header, in_body = [], False
+            titles, endpoint, operation = [], "", ""
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 1:
-            if in_body:
-                header, in_body = [], False
-            header.append(cells[0])
-        elif cells[0] == "Range":
-            in_body = True
-        elif in_body and len(header) >= 2 and len(cells) >= 3:
-            endpoint, operation = header[0], header[1]
-            if " self " in f" {endpoint} ":
-                continue
+        if len(cells) == 1:  # a title line of the 1.23 layout
+            if operation:
+                titles, endpoint, operation = [], "", ""
+            titles.append(cells[0])
+        elif len(cells) == 2:  # the one-line title of the 1.21 layout
+            titles, endpoint, operation = [], cells[0], cells[1]
+        elif cells[0] == "Range" and len(titles) >= 2:
+            endpoint, operation = titles[0], titles[1]
+        elif endpoint and operation and len(cells) >= 3 and " self " not in f" {endpoint} ":
             rows.append(LaneRow(endpoint, operation, cells[0], cells[1], cells[2]))
     return rows
 
@@ -218,17 +224,20 @@ def probe_lanes(name: str, environ: Mapping[str, str] | None = None) -> dict[str
 _FAMILIES = (
     ("remote memory write", "RMA write (data)"),
     ("remote memory read", "RMA read (data)"),
-    ("tag", "tagged send (data)"),
+    ("tagged message", "tagged send (data)"),
     ("stream", "stream (data)"),
     ("active message", "active messages (notifications)"),
 )
 
 
 def summarize_lanes(rows: Sequence[LaneRow]) -> list[dict[str, str]]:
-    """Rows per operation family: data operations per size range, active messages merged."""
+    """Rows per operation family: data operations per size range (the plain call's table,
+    not its ``(fast-completion)``/``(multi)`` variants), active messages merged."""
     out: dict[tuple[str, str], dict[str, str]] = {}
     for r in rows:
         family = next((f for key, f in _FAMILIES if key in r.operation), r.operation)
+        if "*(" in r.operation and not family.startswith("active messages"):
+            continue
         if family.startswith("active messages"):
             entry = out.setdefault((family, ""), {
                 "operation": family, "size_range": "all", "protocol": "", "lanes": ""
@@ -437,8 +446,7 @@ def run(args: argparse.Namespace) -> int:
         if not probe["ok"]:
             console.print(f"[red]{name} lane probe failed:[/] {escape(probe['error'])}")
     if host["env"]:
-        console.print("environment in effect (yours, or p2pkv's defaults): "
-                      + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
+        console.print("environment: " + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
     console.print("unset: " + ", ".join(report["env_unset"]))
     console.print(f"NIXL: {escape(report['nixl_install'])}")
     for tip in _advice(report):
