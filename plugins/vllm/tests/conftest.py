@@ -4,8 +4,8 @@ Proxy tests run real servers on loopback (uvicorn, port 0): fake vLLM instances 
 apps that record every request and answer with canned completions or streams) and the proxy
 itself, all on one event loop per test. Every wait is bounded.
 
-vLLM tests (``@pytest.mark.vllm``) are skipped with a reason when vLLM is not importable; the
-``vllm`` nox session installs it.
+vLLM tests (``@pytest.mark.vllm``) skip their whole module with a reason when vLLM is not
+importable (``pytest.importorskip``); the ``vllm`` nox session installs it.
 """
 
 from __future__ import annotations
@@ -27,24 +27,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 T = TypeVar("T")
-
-VLLM_MISSING: str | None
-try:
-    import vllm.v1.kv_offload.tiering.base  # noqa: F401
-except Exception as _exc:  # ImportError, or a broken partial install
-    VLLM_MISSING = f"vLLM is not importable ({type(_exc).__name__}: {_exc}); run `nox -s vllm`"
-else:
-    VLLM_MISSING = None
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if VLLM_MISSING is None:
-        return
-    skip = pytest.mark.skip(reason=VLLM_MISSING)
-    for item in items:
-        if item.get_closest_marker("vllm") is not None:
-            item.add_marker(skip)
-
 
 # -- fake vLLM servers ----------------------------------------------------------------------
 

@@ -72,12 +72,12 @@ def run_config(offloading_spec: Any) -> dict[str, Any]:
     """The parallelism-agnostic run config vLLM uses to namespace offloaded KV (model, dtype,
     block geometry, KV groups): peers whose run configs differ cannot share blocks."""
     config = offloading_spec.config
-    return FileMapper.from_offloading_spec(
+    return dict(FileMapper.from_offloading_spec(
         root_dir="",
         offloading_spec=offloading_spec,
         blocks_per_file=config.cache.blocks_per_chunk,
         parallel_agnostic=True,
-    ).get_run_config()
+    ).get_run_config())
 
 
 class P2PKVTier(SecondaryTierManager):
@@ -143,7 +143,7 @@ class P2PKVTier(SecondaryTierManager):
         log.info(
             "P2PKVTier %s listening on %s (control %s, data %s, dp rank %d, %d chunks x %d B)",
             tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
-            primary_kv_view.shape[0], self.block_size_bytes,
+            len(primary_kv_view), self.block_size_bytes,
         )
 
     # -- requests ----------------------------------------------------------------------------

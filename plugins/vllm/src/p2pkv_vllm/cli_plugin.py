@@ -85,10 +85,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raw["timeouts"] = {**(file_timeouts if isinstance(file_timeouts, dict) else {}),
                            **timeouts}
     if args.api_key_env:
-        key = os.environ.get(args.api_key_env)
-        if not key:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
             raise ConfigError(f"--api-key-env: environment variable {args.api_key_env} is not set")
-        raw["api_key"] = key
+        raw["api_key"] = api_key
     return ProxyConfig.from_mapping(raw, source=args.config or "flags")
 
 
