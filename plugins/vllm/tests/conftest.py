@@ -68,15 +68,20 @@ async def reply(fake: FakeVLLM, seen: Seen, send: Send) -> None:
         await send_json(send, 200, {"object": "list", "data": [{"id": fake.name}]})
         return
     if isinstance(seen.body, dict) and seen.body.get("stream"):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
-        for chunk in fake.stream_chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await start_stream(send, *fake.stream_chunks)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     await send_json(send, 200, {"id": fake.name,
                                 "choices": [{"index": 0, "text": f"{fake.name} ok"}],
                                 "kv_request_id": seen.headers.get("x-request-id")})
+
+
+async def start_stream(send: Send, *chunks: bytes) -> None:
+    """Start a 200 event stream and send ``chunks`` (each its own body message), unfinished."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+    for chunk in chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
 async def send_json(send: Send, status: int, obj: Any) -> None:
@@ -211,6 +216,7 @@ class Kit:
     hang = staticmethod(hang)
     status = staticmethod(status)
     send_json = staticmethod(send_json)
+    start_stream = staticmethod(start_stream)
     sse_chunks = staticmethod(sse_chunks)
     refused_url = staticmethod(refused_url)
 

@@ -328,14 +328,7 @@ def test_stream_is_relayed_chunk_by_chunk_not_buffered(kit: Any) -> None:
     second_chunk_allowed = asyncio.Event()
 
     async def two_phase(fake: Any, seen: Any, send: Any) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b"data: first\n\n", "more_body": True})
+        await kit.start_stream(send, b"data: first\n\n")
         await asyncio.wait_for(second_chunk_allowed.wait(), 10)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
@@ -566,14 +559,7 @@ def test_decoder_stream_breaking_midway_drops_the_client_connection(
     pre = kit.FakeVLLM("pre")
 
     async def break_after_one(fake: Any, seen: Any, send: Any) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+        await kit.start_stream(send, b"data: one\n\n")
         # returning without finishing makes uvicorn drop the connection mid-body
 
     dec = kit.FakeVLLM("dec", break_after_one)
@@ -624,14 +610,7 @@ def test_client_disconnect_mid_stream_cancels_the_decode_leg(
     pre = kit.FakeVLLM("pre")
 
     async def stream_forever(fake: Any, seen: Any, send: Any) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+        await kit.start_stream(send, b"data: one\n\n")
         await kit.hang(fake, seen, send)
 
     dec = kit.FakeVLLM("dec", stream_forever)
@@ -657,13 +636,7 @@ def test_request_deadline_bounds_everything(
     pre = kit.FakeVLLM("pre")
 
     async def headers_then_silence(fake: Any, seen: Any, send: Any) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
+        await kit.start_stream(send)
         await kit.hang(fake, seen, send)
 
     dec = kit.FakeVLLM("dec", headers_then_silence)
