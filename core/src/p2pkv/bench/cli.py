@@ -28,8 +28,9 @@ QUICK = MatrixConfig(
     concurrency=(1, 4),
     reps=2,
     warmup=1,
-    bytes_per_rep=8 * MiB,
-    max_requests=64,
+    bytes_per_rep=4 * MiB,
+    max_requests=16,
+    min_requests_per_inflight=1,
     region_bytes=64 * MiB,
 )
 """``--quick``: every series, two block sizes, two batches; seconds, for CI smoke runs."""

@@ -36,8 +36,12 @@ log = logging.getLogger(__name__)
 class Group(Protocol):
     series: list[SeriesSpec]
 
-    def open(self, block_size: int) -> dict[str, str]:
-        """Open every series' lane for ``block_size``; label -> why it could not open."""
+    def begin_open(self, block_size: int) -> None:
+        """Start opening every series' lane for ``block_size`` (groups open in parallel)."""
+        ...
+
+    def end_open(self) -> dict[str, str]:
+        """Wait for ``begin_open``; label -> why a series could not open."""
         ...
 
     def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult: ...
@@ -66,6 +70,12 @@ class LaneGroup:
         )
         self._lanes: dict[str, Lane] = {}
         self._open_errors: dict[str, str] = {}
+
+    def begin_open(self, block_size: int) -> None:
+        self.open(block_size)
+
+    def end_open(self) -> dict[str, str]:
+        return dict(self._open_errors)
 
     def open(self, block_size: int) -> dict[str, str]:
         self.close()
@@ -136,8 +146,9 @@ def _worker_main(conn: Connection, series: list[SeriesSpec], region_bytes: int) 
 class WorkerGroup:
     """A :class:`LaneGroup` in a worker process of its own.
 
-    The worker is not daemonic (it spawns its target child); it exits when told to or when
-    its pipe closes, and is killed if it does not within ``timeout``."""
+    Construction only starts the process (workers start in parallel); the first call waits
+    for it. The worker is not daemonic (it spawns its target child); it exits when told to
+    or when its pipe closes, and is killed if it does not within ``timeout``."""
 
     def __init__(self, series: Sequence[SeriesSpec], region_bytes: int, timeout: float) -> None:
         self.series = list(series)
@@ -150,7 +161,13 @@ class WorkerGroup:
         )
         self._process.start()
         child.close()
-        self._reply("startup")
+        self._started = False
+        self._pending = ""
+
+    def _ensure_started(self) -> None:
+        if not self._started:
+            self._reply("startup")
+            self._started = True
 
     def _reply(self, what: str) -> Any:
         if not self._conn.poll(self.timeout):
@@ -165,15 +182,22 @@ class WorkerGroup:
             raise RuntimeError(f"bench worker {self._process.name}: {value}")
         return value
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _send(self, op: str, *args: Any) -> None:
+        self._ensure_started()
         try:
             self._conn.send((op, args))
         except (BrokenPipeError, OSError):
             raise RuntimeError(f"bench worker {self._process.name} is gone") from None
+
+    def _call(self, op: str, *args: Any) -> Any:
+        self._send(op, *args)
         return self._reply(f"reply to {op}")
 
-    def open(self, block_size: int) -> dict[str, str]:
-        return dict(self._call("open", block_size))
+    def begin_open(self, block_size: int) -> None:
+        self._send("open", block_size)
+
+    def end_open(self) -> dict[str, str]:
+        return dict(self._reply("reply to open"))
 
     def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult:
         result: CellResult = self._call("measure", label, plan, list(seed))

@@ -37,6 +37,8 @@ class MatrixConfig:
     warmup: int = 1
     bytes_per_rep: int = 256 * MiB
     max_requests: int = 2000
+    min_requests_per_inflight: int = 2
+    """At least this many requests per in-flight slot, however big the requests."""
     region_bytes: int = 1024 * MiB
     transports: tuple[str, ...] | None = None
     """p2pkv data transports to run (None: every available one)."""
@@ -49,7 +51,7 @@ class MatrixConfig:
     def requests_for(self, block_size: int, batch: int, concurrency: int) -> int:
         per_request = block_size * batch
         wanted = math.ceil(self.bytes_per_rep / per_request)
-        return max(2 * concurrency, min(wanted, self.max_requests))
+        return max(self.min_requests_per_inflight * concurrency, min(wanted, self.max_requests))
 
 
 def available_series(
@@ -147,9 +149,16 @@ def run_matrix(
     try:
         for block_size in config.block_sizes:
             open_errors: dict[str, str] = {}
+            begun = []
             for g in groups:
                 try:
-                    open_errors.update(g.open(block_size))
+                    g.begin_open(block_size)
+                    begun.append(g)
+                except Exception as exc:
+                    open_errors.update({s.label: str(exc) for s in g.series})
+            for g in begun:
+                try:
+                    open_errors.update(g.end_open())
                 except Exception as exc:
                     open_errors.update({s.label: str(exc) for s in g.series})
             for batch in config.batches:
