@@ -10,17 +10,24 @@ Link protocol, below the opaque frames of the contract:
 - DEALER -> ROUTER. A DEALER's routing id is ``<our address>#<incarnation>``. Its first
   message is ``["", "open", ref]``: ``ref`` is empty when we dialed on our own, or the
   incarnation of the peer DEALER we answer. Every later message is one frame of payload.
-- ROUTER -> DEALER. Any message means "the connection you dialed with this DEALER is gone";
-  it is how a ``close`` reaches the peer, since a ROUTER cannot drop one peer's TCP
+- ROUTER -> DEALER. ``["paired", rid]``: "I pair your DEALER with mine, ``rid``" (both
+  dialed at once, below). Anything else means "the connection you dialed with this DEALER is
+  gone"; it is how a ``close`` reaches the peer, since a ROUTER cannot drop one peer's TCP
   connection.
 - Accepting: a DEALER that opened fresh is remembered until its first payload frame, then a
   connection is created (dialing back, answering that DEALER) and returned by ``poll`` with
   the frame buffered. An open answering one of our DEALERs completes that connection (or gets
-  "gone" if we retired it). A fresh open while our own dial to that address is still
-  unanswered completes our connection instead (both dialed at once: one connection). An older
-  connection to the same address is left alone: if the peer restarted or re-dialed, it dies
-  by itself (disconnect or "gone"); frames arrive over TCP streams that are not ordered with
-  each other, so arrival order cannot tell old from new.
+  "gone" if we retired it).
+- Both dialed at once: a fresh open while our own dial to that address is unanswered is
+  offered our connection ("paired"); its frames are held until the peer makes the same offer
+  to our DEALER, and then the two dials are one connection on both sides (a side that gets
+  the offer before it saw the peer's open accepts it and offers back once the open arrives).
+  If the peer answers our dial instead (the fresh open was a DEALER it had already closed),
+  the offer lapses, the held frames are dropped and that DEALER gets "gone". So frames never
+  reach a connection the peer does not consider the same one.
+- An older connection to the same address is left alone: if the peer restarted or re-dialed,
+  it dies by itself (disconnect or "gone"); frames arrive over TCP streams that are not
+  ordered with each other, so arrival order cannot tell old from new.
 - Payload from a DEALER that never opened to us (one that reconnected by itself to a
   restarted us) is dropped and answered with "gone", so stale frames never enter a session.
 
@@ -35,6 +42,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -67,6 +75,7 @@ _RCVMORE = zmq.RCVMORE
 _RCVTIMEO = zmq.RCVTIMEO
 _OPEN = b"open"
 _GONE = b"gone"
+_PAIRED = b"paired"
 _ZAP_DOMAIN = b"p2pkv"
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -79,8 +88,20 @@ _MAX_MESSAGES_PER_POLL = 4096
 _SWEEP_INTERVAL = 0.01  # seconds between checks of connection sockets and deadlines
 _SWEEP_MS = 10  # the longest single wait on the ROUTER, so sweeps stay on time
 _MEMORY = 4096  # entries in each bounded memory
+_MAX_HELD_FRAMES = 10_000  # frames held for an offered pairing before giving up on it
 _DEALER_MAX_MSG = 65536  # a DEALER receives only "gone" (and handshake commands, ~200 B)
 _EMPTY: Sequence[ControlConnection] = ()
+
+
+@dataclass(eq=False)
+class _Opened:
+    """A peer DEALER that opened to us and is not part of a connection yet."""
+
+    address: str
+    offered: ZmqConnection | None = None
+    """Our unanswered dial we offered to pair it with (both dialed at once)."""
+    frames: list[bytes] = field(default_factory=list)
+    """Frames held until the peer pairs too."""
 
 
 class ZmqHub(ZmqControlTransport):
@@ -108,7 +129,8 @@ class ZmqHub(ZmqControlTransport):
         self._by_rid: dict[bytes, ZmqConnection] = {}
         self._by_incarnation: dict[bytes, ZmqConnection] = {}
         self._connecting: set[ZmqConnection] = set()
-        self._pending: OrderedDict[bytes, str] = OrderedDict()  # opened rid -> address
+        self._pending: OrderedDict[bytes, _Opened] = OrderedDict()  # DEALERs not yet paired
+        self._owed: dict[bytes, ZmqConnection] = {}  # peer DEALERs owed our "paired"
         self._retired: OrderedDict[bytes, None] = OrderedDict()  # rids and our incarnations
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
         self._new: list[ZmqConnection] = []
@@ -210,7 +232,7 @@ class ZmqHub(ZmqControlTransport):
         answering = self._take_pending(key)
         conn = self._dial(key, address, answering)
         if answering is not None:
-            self._complete(conn, answering)
+            self._confirm(conn, answering)
         return conn
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
@@ -266,7 +288,7 @@ class ZmqHub(ZmqControlTransport):
             # connection) is as silent as one that stops answering PINGs.
             dealer.handshake_ivl = _ms(self._options.heartbeat_timeout)
             dealer.sndhwm = self.max_queued_frames + 1  # + the open message
-            dealer.rcvhwm = 4
+            dealer.rcvhwm = 64  # link messages only
             dealer.maxmsgsize = _DEALER_MAX_MSG
             if self._keys is not None:
                 dealer.curve_serverkey = self._keys.server_public
@@ -289,19 +311,30 @@ class ZmqHub(ZmqControlTransport):
         self._by_address[key] = conn
         self._by_incarnation[incarnation] = conn
         self._connecting.add(conn)
-        self._watch(dealer, partial(self._on_gone_notice, conn))
+        self._watch(dealer, partial(self._on_notice, conn))
         self._watch(monitor, partial(self._on_dealer_event, conn))
         log.debug("dialing %s (%s)", key, "answering" if answering else "fresh")
         return conn
 
-    def _complete(self, conn: ZmqConnection, rid: bytes) -> None:
-        """The peer's DEALER ``rid`` carries the peer's half of ``conn``."""
+    def _confirm(self, conn: ZmqConnection, rid: bytes) -> None:
+        """The peer's DEALER ``rid`` carries the peer's half of ``conn``; frames held for it
+        are delivered, other offers of ``conn`` lapse."""
         conn.remote_rid = rid
         self._by_rid[rid] = conn
+        opened = self._pending.pop(rid, None)
+        if opened is not None:
+            conn.inbox.extend(opened.frames)
+        self._withdraw_offers(conn)
+
+    def _withdraw_offers(self, conn: ZmqConnection) -> None:
+        for rid in [r for r, o in self._pending.items() if o.offered is conn]:
+            del self._pending[rid]
+            _remember(self._retired, rid)
+            self._tell(rid, _GONE)
 
     def _accept(self, rid: bytes, address: str) -> ZmqConnection:
         conn = self._dial(address, address, rid)  # the newest one is what connect returns
-        self._complete(conn, rid)
+        self._confirm(conn, rid)
         self._new.append(conn)
         self.counters["accepted"] += 1
         return conn
@@ -320,12 +353,14 @@ class ZmqHub(ZmqControlTransport):
                     break
         self._connecting.discard(conn)
         _remember(self._retired, conn.incarnation)
+        self._withdraw_offers(conn)
         rid = conn.remote_rid
         if rid is not None:
             del self._by_rid[rid]
+            self._owed.pop(rid, None)
             _remember(self._retired, rid)
             if notify:
-                self._say_gone(rid)
+                self._tell(rid, _GONE)
         dealer, monitor = conn.dealer, conn.monitor
         conn.dealer = conn.monitor = None
         if dealer is not None and monitor is not None:
@@ -337,16 +372,18 @@ class ZmqHub(ZmqControlTransport):
         log.debug("connection to %s ended: %s", conn.key, reason)
 
     def _take_pending(self, address: str) -> bytes | None:
-        for rid, pending_address in reversed(self._pending.items()):  # the newest
-            if pending_address == address:
+        """The newest fresh DEALER of ``address`` that has not sent a frame yet, if any."""
+        for rid, opened in reversed(self._pending.items()):
+            if opened.address == address and opened.offered is None:
                 del self._pending[rid]
                 return rid
         return None
 
-    def _say_gone(self, rid: bytes) -> None:
+    def _tell(self, rid: bytes, *parts: bytes) -> None:
+        """A link message to the peer's DEALER ``rid`` (through our ROUTER)."""
         assert self._router is not None
         try:
-            self._router.send_multipart([rid, _GONE], _NOBLOCK)
+            self._router.send_multipart([rid, *parts], _NOBLOCK)
         except zmq.ZMQError:
             pass  # unroutable or full: the peer's heartbeats and timeouts still end it
 
@@ -408,65 +445,84 @@ class ZmqHub(ZmqControlTransport):
         if rid in self._retired:  # its connection ended; the peer may not know yet
             self._drop(rid, "frames for a connection that has ended", notify=is_open)
             return
-        if rid in self._by_rid:
-            self._drop(rid, "malformed message from a connected peer", notify=False)
+        if rid in self._by_rid:  # an open after the pairing was confirmed is expected
+            if not is_open:
+                self._drop(rid, "malformed message from a connected peer", notify=False)
+            elif (owed := self._owed.pop(rid, None)) is not None:
+                self._tell(rid, _PAIRED, routing_id(self._local_address, owed.incarnation))
             return
         parsed = parse_routing_id(rid)
         if parsed is None or not (is_open or is_payload):
             self._drop(rid, "malformed message (not a p2pkv zmq peer?)", notify=False)
             return
         address, _ = parsed
+        opened = self._pending.get(rid)
         if is_open:
             self._on_open(rid, address, parts[3])
-        elif rid in self._pending:
-            del self._pending[rid]
-            self._accept(rid, address).inbox.append(parts[1])
-        else:
+        elif opened is None:
             self._drop(rid, "frames from a peer connection that never opened to this "
                        "transport (a stale reconnect after a restart?)", notify=True)
+        elif opened.offered is None:
+            del self._pending[rid]
+            self._accept(rid, address).inbox.append(parts[1])
+        elif len(opened.frames) < _MAX_HELD_FRAMES:
+            opened.frames.append(parts[1])  # until the peer pairs too
+        else:
+            del self._pending[rid]
+            _remember(self._retired, rid)
+            self._drop(rid, "too many frames before the peer confirmed the pairing",
+                       notify=True)
 
     def _on_open(self, rid: bytes, address: str, ref: bytes) -> None:
         if ref:  # the peer answers one of our DEALERs
             conn = self._by_incarnation.get(ref)
             if conn is None:
-                self._say_gone(rid)  # we already retired that connection
+                self._tell(rid, _GONE)  # we already retired that connection
             elif conn.remote_rid is None:
                 if conn.key != address:  # matched by incarnation, so still one connection
                     self._log_once(("alias", conn.key, address),
                                    "peer dialed as %s presents itself as %s; dial the address "
                                    "it advertises, or set its 'advertise' option", conn.key,
                                    address)
-                self._complete(conn, rid)
+                self._confirm(conn, rid)
             else:
                 self.retire(conn, "the peer replaced its end of the connection")
-                self._say_gone(rid)
+                self._tell(rid, _GONE)
             return
         conn = self._by_address.get(address)
-        if conn is not None and conn.remote_rid is None:
-            self._complete(conn, rid)  # we dialed each other at once: one connection
-            return
-        # A completed connection to that address stays: if the peer restarted or re-dialed,
-        # it dies on its own (disconnect or "gone"); if this open is a late one from a
-        # connection the peer already closed, our answer to it gets "gone" instead.
-        self._pending[rid] = address
+        if conn is not None and conn.remote_rid is None:  # we dialed each other at once
+            self._pending[rid] = _Opened(address, offered=conn)
+            self._tell(rid, _PAIRED, routing_id(self._local_address, conn.incarnation))
+        else:  # a completed connection to that address stays (see the module docstring)
+            self._pending[rid] = _Opened(address)
         while len(self._pending) > _MEMORY:
             self._pending.popitem(last=False)
 
     def _drop(self, rid: bytes, why: str, *, notify: bool) -> None:
         self.counters["dropped_messages"] += 1
         if notify:
-            self._say_gone(rid)
+            self._tell(rid, _GONE)
         self._log_once(("drop", rid), "dropped a message from %r: %s", rid[:64], why)
 
     # -- events ---------------------------------------------------------------------------
 
-    def _on_gone_notice(self, conn: ZmqConnection) -> None:
-        assert conn.dealer is not None
-        try:
-            conn.dealer.recv_multipart(_NOBLOCK)
-        except zmq.ZMQError:
-            return
-        self.retire(conn, "closed by the peer", notify=False)
+    def _on_notice(self, conn: ZmqConnection) -> None:
+        """A link message from the peer's ROUTER on our DEALER: "paired" or "gone"."""
+        while conn.dealer is not None:
+            try:
+                parts = conn.dealer.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) != 2 or parts[0] != _PAIRED:
+                self.retire(conn, "closed by the peer", notify=False)
+            elif conn.remote_rid is None and parts[1] not in self._retired:
+                offer = self._pending.get(parts[1])
+                self._confirm(conn, parts[1])
+                if offer is None or offer.offered is not conn:
+                    # Pair back once that DEALER's open shows our ROUTER can reach it.
+                    self._owed[parts[1]] = conn
+            elif conn.remote_rid != parts[1]:
+                self._tell(parts[1], _GONE)  # ours is paired otherwise: the offer lapses
 
     def _on_dealer_event(self, conn: ZmqConnection) -> None:
         while conn.monitor is not None:
