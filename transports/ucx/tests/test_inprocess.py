@@ -85,27 +85,53 @@ def test_the_consumer_lands_only_runs_of_a_live_round_and_says_so(nodes: Make) -
     before = consumer.blocks.copy()
     block = np.full((2, consumer.t.block_len), 7, np.uint8)
     cases = [
-        ([(4, 2, expect.gen + 1)], 1),   # a round the consumer is not in
-        ([(6, 2, expect.gen)], 1),       # slots this round does not cover
-        ([(5, 2, expect.gen)], 1),       # straddles the round's end
+        [(4, 2, expect.gen + 1)],               # a round the consumer is not in
+        [(4, 1, expect.gen + 1)],               # the same, one block (SLOT-tagged)
+        [(6, 2, expect.gen)],                   # slots this round does not cover
+        [(5, 2, expect.gen)],                   # straddles the round's end
+        [(5, 1, expect.gen), (6, 1, expect.gen)],  # one good block, one foreign
     ]
-    for seq, (runs, refused) in enumerate(cases):
-        raw.write(expect.link, seq, runs, [block])
-        assert raw.notice(pump) == wire.Verdict(consumer.t._instance, seq, refused)  # type: ignore[attr-defined]
+    for seq, runs in enumerate(cases[:4]):
+        raw.write(expect.link, seq, runs, [block[:n] for _, n, _ in runs])
+        assert raw.notice(pump) == wire.Verdict(consumer.t._instance, seq, 1)  # type: ignore[attr-defined]
     wait_until(lambda: not consumer.t._poisoned or all(r.completed for r in consumer.t._drains),  # type: ignore[attr-defined]
                timeout=T, what="refused payload drained", pumps=[pump, raw.worker.progress])
     consumer.poll("p")
     assert eid not in consumer.done | consumer.failed
     assert (consumer.blocks == before).all(), "refused payload touched the region"
-    good = np.full((2, consumer.t.block_len), 9, np.uint8)
-    sends = raw.write(expect.link, 3, [(4, 2, expect.gen)], [good])
-    assert raw.notice(pump) == wire.Verdict(consumer.t._instance, 3, 0)  # type: ignore[attr-defined]
+    raw.write(expect.link, 4, cases[4], [block[:1], block[:1]])
+    assert raw.notice(pump) == wire.Verdict(consumer.t._instance, 4, 1)  # type: ignore[attr-defined]
+    wait_until(lambda: (consumer.blocks[5] == 7).all(), timeout=T, what="slot 5 to land",
+               pumps=[pump, raw.worker.progress])
+    assert (consumer.blocks[6] == before[6]).all()
+    good = np.full((1, consumer.t.block_len), 9, np.uint8)
+    sends = raw.write(expect.link, 5, [(4, 1, expect.gen)], [good])
+    assert raw.notice(pump) == wire.Verdict(consumer.t._instance, 5, 0)  # type: ignore[attr-defined]
     wait_until(lambda: eid in consumer.done, timeout=T, what="the live round to land",
                pumps=[consumer.poll, raw.worker.progress])
-    assert (consumer.blocks[[4, 5]] == 9).all() and all(r.completed for r in sends)
-    raw.write(expect.link, 4, [(4, 2, expect.gen)], [block])  # the same round again
-    assert raw.notice(pump) == wire.Verdict(consumer.t._instance, 4, 1)  # type: ignore[attr-defined]
-    assert (consumer.blocks[[4, 5]] == 9).all()
+    assert (consumer.blocks[4] == 9).all() and (consumer.blocks[5] == 7).all()
+    assert all(r.completed for r in sends)
+    raw.write(expect.link, 6, [(4, 2, expect.gen)], [block])  # the same round again
+    assert raw.notice(pump) == wire.Verdict(consumer.t._instance, 6, 1)  # type: ignore[attr-defined]
+    assert (consumer.blocks[4] == 9).all()
+
+
+def test_a_coalesced_run_replaces_the_posted_receives(nodes: Make) -> None:
+    consumer = nodes(seed=2)
+    raw = RawProducer(consumer.t.num_blocks, consumer.t.block_len)
+    consumer.t.add_peer("p", raw.descriptor)
+    raw.connect(consumer.t.descriptor())
+    pump = consumer.t.progress
+    eid = consumer.t.expect_blocks("p", [9, 10, 11, 3])
+    expect = raw.notice(pump)
+    payload = np.arange(3 * consumer.t.block_len, dtype=np.uint64).astype(np.uint8)
+    one = np.full((1, consumer.t.block_len), 5, np.uint8)
+    raw.write(expect.link, 0, [(9, 3, expect.gen), (3, 1, expect.gen)],
+              [payload.reshape(3, -1), one])
+    assert raw.notice(pump) == wire.Verdict(consumer.t._instance, 0, 0)  # type: ignore[attr-defined]
+    wait_until(lambda: eid in consumer.done, timeout=T, what="the run and the block",
+               pumps=[consumer.poll, raw.worker.progress])
+    assert (consumer.blocks[9:12].ravel() == payload).all() and (consumer.blocks[3] == 5).all()
 
 
 def test_a_cancelled_round_is_retracted_and_the_next_round_lands(nodes: Make) -> None:

@@ -55,12 +55,22 @@ def test_integer_seconds_are_accepted() -> None:
 @given(st.integers(1, tags.MAX_LINK), st.integers(0, tags.SEQ_MASK),
        st.integers(0, tags.MAX_RUNS - 1))
 def test_tags_keep_their_fields_apart(link: int, seq: int, run: int) -> None:
-    data = tags.data_tag(link, seq, run)
-    assert tags.split(data) == (tags.DATA, link, seq, run)
+    data = tags.run_tag(link, seq, run)
+    assert tags.split(data) == (tags.RUN, link, seq, run)
     assert tags.split(tags.header_tag(link, seq)) == (tags.HEADER, link, seq, 0)
     assert data < 1 << 64
-    assert data & tags.WRITE_MASK == tags.data_tag(link, seq, 0)  # one write, any run
-    assert data & tags.KIND_MASK == tags.kind_tag(tags.DATA)
+    assert data & tags.WRITE_MASK == tags.run_tag(link, seq, 0)  # one write, any run
+    assert data & tags.KIND_MASK == tags.kind_tag(tags.RUN)
+
+
+@given(st.integers(1, tags.MAX_LINK), st.integers(1, 2**32 - 1),
+       st.integers(0, tags.MAX_SLOTS - 1))
+def test_slot_tags_name_link_round_and_slot(link: int, gen: int, slot: int) -> None:
+    tag = tags.slot_tag(link, gen, slot)
+    assert tag & tags.KIND_MASK == tags.kind_tag(tags.SLOT) and tag < 1 << 62
+    assert tags.slot_tag(link, gen, 0) | slot == tag
+    others = {tags.slot_tag(link + 1, gen, slot), tags.slot_tag(link, gen + 1, slot)}
+    assert tag not in others
 
 
 # -- wire ------------------------------------------------------------------------------------

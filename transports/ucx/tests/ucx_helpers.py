@@ -93,7 +93,8 @@ class RawProducer:
 
     def write(self, link: int, seq: int, runs: list[tuple[int, int, int]],
               payload: list[np.ndarray]) -> list[Any]:
-        """Send a HEADER naming ``runs`` (dst start, length, gen) and one DATA per run."""
+        """Send a HEADER naming ``runs`` (dst start, length, gen), then each run's payload
+        (SLOT-tagged for one block, RUN-tagged for more)."""
         from p2pkv_ucx import tags, wire
 
         api, arr = self.lib.api, self.lib.array
@@ -102,6 +103,7 @@ class RawProducer:
             wire.encode_header(self.instance, table[:, 0], table[:, 1], table[:, 2]), np.uint8)
         self.keep += [header, *payload]
         reqs = [self.ep.tag_send(arr(header), api.UCXXTag(tags.header_tag(link, seq)))]
-        for run, data in enumerate(payload):
-            reqs.append(self.ep.tag_send(arr(data), api.UCXXTag(tags.data_tag(link, seq, run))))
+        for run, ((start, n, gen), data) in enumerate(zip(runs, payload, strict=True)):
+            to = tags.slot_tag(link, gen, start) if n == 1 else tags.run_tag(link, seq, run)
+            reqs.append(self.ep.tag_send(arr(data), api.UCXXTag(to)))
         return reqs

@@ -4,19 +4,23 @@ ucxx's Python API has no RMA (no memory map, rkey or put), so a block moves as a
 message that the receiver matches into its slot. The round trip per write:
 
 1. The consumer's tier calls ``expect_blocks(producer, slots)`` when it asks for blocks. We
-   number the expectation (``gen``, a per-peer round), own the slots, and send the producer
-   an EXPECT ``(link, gen, slots)`` over UCX.
+   number the expectation (``gen``, a per-peer round), own the slots, **pre-post one receive
+   per slot** straight into it (tag: producer's link, ``gen``, slot), and send the producer an
+   EXPECT ``(link, gen, slots)`` over UCX.
 2. The producer's ``write_blocks(consumer, src, dst)`` waits (inside the transport, never
    blocking the caller) until an EXPECT covers every ``dst`` slot, takes each slot's ``gen``
    (once: a second write into the same slot waits for a new EXPECT), cuts the write into
    runs contiguous on both sides (:func:`~p2pkv_ucx.runs.plan_runs`), and sends one HEADER
-   naming the runs, then each run's payload straight from its source blocks.
+   naming the runs, then each run's payload straight from its source blocks: a one-block run
+   with the SLOT tag that matches the pre-posted receive, a longer run as one RUN message.
 3. The consumer checks each run of the HEADER against its live expectations (same peer, same
-   ``gen``, slots not yet claimed) and posts a receive directly into the slots (zero copy: the
-   payload moves by rendezvous only once the receive is posted). A run that fails the check is
-   drained into a scratch buffer and never touches the region. The consumer answers every
-   HEADER with a VERDICT (runs refused); the producer reports the write done only when UCX
-   completed every send *and* the consumer refused nothing, so ``done`` means landed.
+   ``gen``, slots not yet claimed). A one-block run needs nothing more (its receive is already
+   posted, and its tag already says peer, round and slot). For a longer run it cancels the
+   run's pre-posted receives (confirmed: they cannot have matched) and posts one receive over
+   the run's slots. A run that fails the check is drained into a scratch buffer and never
+   touches the region. The consumer answers every HEADER with a VERDICT (runs refused); the
+   producer reports the write done only when UCX completed every send *and* the consumer
+   refused nothing, so ``done`` means landed.
 4. An expectation that ends without its data (cancel, deadline, error) sends a RETRACT so the
    producer forgets its round for those slots and a later write for them waits for the next
    EXPECT instead of going out with a dead round.
@@ -79,7 +83,7 @@ __all__ = ["UcxDataTransport"]
 log = logging.getLogger("p2pkv.ucx")
 
 IntArray = npt.NDArray[np.int64]
-_OK, _IN_PROGRESS = 0, 1
+_OK = 0
 _GEN_LIMIT = (1 << 32) - 1
 _INBOX_BATCH = 256
 """Control messages taken from UCX per kind per pump (the rest wait for the next pump)."""
@@ -95,7 +99,7 @@ class _Peer:
     desc: wire.Descriptor
     ep: Any
     link_in: int
-    """Our id for this peer: it tags HEADER and DATA to us with it."""
+    """Our id for this peer: it tags its SLOT, HEADER and RUN messages to us with it."""
     slot_gen: npt.NDArray[np.uint32]
     """Round of the newest unconsumed EXPECT per slot of the peer's region (0 = none)."""
     link_out: int | None = None
@@ -145,21 +149,37 @@ class _Write(_Transfer):
 
 @dataclass(eq=False)
 class _Expect(_Transfer):
+    """``requests`` holds the receives of coalesced runs (their tags in ``run_tags``)."""
+
     gen: int = 0
     slots: IntArray = field(default_factory=lambda: np.empty(0, np.int64))
+    singles: list[Any] = field(default_factory=list)
+    """The receive pre-posted for each slot, in ``slots`` order."""
+    replaced: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    """Singles cancelled because a coalesced run covers their slot."""
+    sfront: int = 0
+    run_tags: list[int] = field(default_factory=list)
     unclaimed: int = 0
+    """Slots no accepted HEADER has named yet (done needs 0: the VERDICT must be sent)."""
     stopping: bool = False
     notice: Any = None
     """The EXPECT send; it reads ``keep`` only, never the region."""
-    writes: list[tuple[int, int]] = field(default_factory=list)
-    """(link, seq) of the producer's writes whose runs we accepted."""
 
     def settle(self) -> bool:
         if self.notice is not None and self.notice.completed:
             if self.notice.status != _OK and self.error is None:
                 self.error = f"EXPECT to the peer failed (UCX status {self.notice.status})"
             self.notice = None
-        return super().settle()
+        singles, replaced = self.singles, self.replaced
+        while self.sfront < len(singles):
+            req = singles[self.sfront]
+            if not replaced[self.sfront]:
+                if not req.completed:
+                    break
+                if req.status != _OK and self.error is None:
+                    self.error = f"UCX status {req.status}"
+            self.sfront += 1
+        return super().settle() and self.sfront == len(singles)
 
 
 class UcxDataTransport(DataTransport):
@@ -191,6 +211,11 @@ class UcxDataTransport(DataTransport):
                 f"region of {region.nbytes} bytes is not a whole number of "
                 f"{settings.block_len}-byte blocks"
             )
+        if settings.num_blocks > tags.MAX_SLOTS:
+            raise ConfigError(
+                f"the ucx transport addresses at most {tags.MAX_SLOTS} blocks, the region has "
+                f"{settings.num_blocks}: use larger blocks"
+            )
         return cls(settings, options, library.load())
 
     def __init__(self, settings: DataSettings, options: UcxOptions, lib: library.Ucxx) -> None:
@@ -212,9 +237,8 @@ class UcxDataTransport(DataTransport):
             address = self._worker.address.tobytes()
         except Exception as exc:
             raise ConfigError(f"UCX refused to start ({type(exc).__name__}: {exc})") from exc
-        self._max_run = (
-            max(1, options.max_message_bytes // self._block_len) if options.coalesce else 1
-        )
+        coalesce = options.coalesce and lib.cancel is not None  # runs replace posted singles
+        self._max_run = max(1, options.max_message_bytes // self._block_len) if coalesce else 1
         self._instance = secrets.randbits(62) | 1
         self._descriptor = wire.encode_descriptor(wire.Descriptor(
             address, self._instance, self._num_blocks, self._block_len, self._max_run,
@@ -230,9 +254,13 @@ class UcxDataTransport(DataTransport):
         self._early: dict[int, list[wire.Notice]] = {}
         self._transfers: dict[int, _Transfer] = {}
         self._slot_owner = np.zeros(self._num_blocks, np.int64)
+        """Id of the expectation owning each slot (0: none)."""
+        self._slot_pos = np.zeros(self._num_blocks, np.int64)
+        """Position of each owned slot in its expectation's ``slots``."""
         self._claimed = np.zeros(self._num_blocks, np.bool_)
         self._inbox: deque[tuple[int, int, Any, npt.NDArray[np.uint8]]] = deque()
-        self._poisoned: dict[tuple[int, int], float] = {}
+        self._poisoned: dict[tuple[int, int], list[float]] = {}
+        """(tag, mask) of refused payload still to drain -> [expiry, messages left (-1: ?)]."""
         self._drains: list[Any] = []
         self._scratch: npt.NDArray[np.uint8] | None = None
         self._orphans: list[_Transfer] = []
@@ -351,19 +379,26 @@ class UcxDataTransport(DataTransport):
         gen = peer.next_gen
         expect = _Expect(
             next(self._ids), peer, time.monotonic() + self._timeout,
-            gen=gen, slots=slots, unclaimed=len(slots),
+            gen=gen, slots=slots, unclaimed=len(slots), replaced=np.zeros(len(slots), np.bool_),
         )
         if len(slots):
+            assert self._blocks is not None
+            recv, array, tag, blocks = peer.ep.tag_recv, self._array, self._tag, self._blocks
+            base = tags.slot_tag(peer.link_in, gen, 0)
             try:
+                for s in slots.tolist():
+                    expect.singles.append(recv(array(blocks[s]), tag(base | s)))
                 expect.notice, expect.keep = self._notify(
                     peer, wire.encode_expect(self._instance, peer.link_in, gen, slots)
                 )
             except Exception as exc:
+                self._unpost(expect)
                 raise TransferSubmitError(
-                    f"peer {peer_id!r}: UCX refused the EXPECT ({type(exc).__name__}: {exc})"
+                    f"peer {peer_id!r}: UCX refused to post ({type(exc).__name__}: {exc})"
                 ) from None
             peer.next_gen = gen % _GEN_LIMIT + 1
             self._slot_owner[slots] = expect.tid
+            self._slot_pos[slots] = np.arange(len(slots))
         self._register(expect)
         return expect.tid
 
@@ -478,11 +513,15 @@ class UcxDataTransport(DataTransport):
         write.seq = seq
         peer.posts[seq] = write
         tag, array, blocks, send = self._tag, self._array, self._blocks, peer.ep.tag_send
+        link = peer.link_out
         try:
-            write.requests.append(send(array(header), tag(tags.header_tag(peer.link_out, seq))))
-            first = tags.data_tag(peer.link_out, seq, 0)
-            for run, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-                write.requests.append(send(array(blocks[s:s + n]), tag(first + run)))
+            write.requests.append(send(array(header), tag(tags.header_tag(link, seq))))
+            first = tags.run_tag(link, seq, 0)
+            for run, (s, d, n, g) in enumerate(zip(
+                starts.tolist(), dsts.tolist(), lengths.tolist(), run_gens.tolist(), strict=True
+            )):
+                to = tags.slot_tag(link, g, d) if n == 1 else first + run
+                write.requests.append(send(array(blocks[s:s + n]), tag(to)))
         except Exception as exc:  # a failed endpoint refuses new sends
             write.error = f"UCX refused a send ({type(exc).__name__}: {exc})"
 
@@ -540,8 +579,9 @@ class UcxDataTransport(DataTransport):
             except ValueError as exc:
                 log.warning("ucx: dropped a malformed %s message: %s",
                             "NOTICE" if kind == tags.NOTICE else "HEADER", exc)
-                if kind == tags.HEADER:
-                    self._refuse(link, seq, _ALL_RUNS, self._by_link.get(link))
+                if kind == tags.HEADER:  # runs we can still name; singles go unmatched
+                    self._poison(tags.run_tag(link, seq, 0), tags.WRITE_MASK, -1)
+                    self._verdict(link, seq, _ALL_RUNS, self._by_link.get(link))
         for peer in unblocked.values():
             if self._peers.get(peer.peer_id) is peer:
                 self._post_deferred(peer)
@@ -585,12 +625,11 @@ class UcxDataTransport(DataTransport):
         blocks = self._blocks
         if peer is None or self._peers.get(peer.peer_id) is not peer or blocks is None:
             # an old link of a peer we re-registered, or one we removed: refuse all of it
-            self._refuse(link, seq, len(header.starts), self._by_instance.get(header.instance))
+            self._refuse(link, seq, header, np.ones(len(header.starts), np.bool_),
+                         self._by_instance.get(header.instance))
             return
         owner, claimed, transfers = self._slot_owner, self._claimed, self._transfers
-        tag, array, recv = self._tag, self._array, peer.ep.tag_recv
-        first = tags.data_tag(link, seq, 0)
-        refused = 0
+        refused = np.zeros(len(header.starts), np.bool_)
         for run, (s, n, gen) in enumerate(zip(
             header.starts.tolist(), header.lengths.tolist(), header.gens.tolist(), strict=True
         )):
@@ -599,25 +638,56 @@ class UcxDataTransport(DataTransport):
             if (
                 not isinstance(t, _Expect) or t.peer is not peer or t.gen != gen or t.stopping
                 or (owner[s:s + n] != t.tid).any() or claimed[s:s + n].any()
+                or (n > 1 and not self._take_run(t, link, seq, run, s, n))
             ):
-                refused += 1
+                refused[run] = True
                 continue
             claimed[s:s + n] = True
             t.unclaimed -= n
-            if not t.writes or t.writes[-1] != (link, seq):
-                t.writes.append((link, seq))
-            try:
-                t.requests.append(recv(array(blocks[s:s + n]), tag(first + run)))
-            except Exception as exc:
-                t.error = f"UCX refused a receive ({type(exc).__name__}: {exc})"
-        self._refuse(link, seq, refused, peer)
+        self._refuse(link, seq, header, refused, peer)
 
-    def _refuse(self, link: int, seq: int, refused: int, sender: _Peer | None) -> None:
+    def _take_run(self, t: _Expect, link: int, seq: int, run: int, start: int, n: int) -> bool:
+        """Swap the pre-posted receives of ``n`` slots for one receive over the whole run.
+
+        False (the run is refused) when one of them has already matched a SLOT message."""
+        assert self._blocks is not None and self._lib.cancel is not None
+        positions = self._slot_pos[start:start + n].tolist()
+        singles = [t.singles[p] for p in positions]
+        if any(req.completed for req in singles):
+            return False
+        for req in singles:
+            self._lib.cancel(req)
+        t.replaced[positions] = [req.completed for req in singles]
+        if not t.replaced[positions].all():  # a single matched meanwhile: the write is broken
+            t.error = "the producer sent a block both alone and in a run"
+            return False
+        tag = tags.run_tag(link, seq, run)
+        try:
+            t.requests.append(t.peer.ep.tag_recv(
+                self._array(self._blocks[start:start + n]), self._tag(tag)
+            ))
+        except Exception as exc:
+            t.error = f"UCX refused a receive ({type(exc).__name__}: {exc})"
+            return False
+        t.run_tags.append(tag)
+        return True
+
+    def _refuse(self, link: int, seq: int, header: wire.Header,
+                refused: npt.NDArray[np.bool_], sender: _Peer | None) -> None:
         """Answer the HEADER of write (link, seq) with a VERDICT; drain what we refused."""
-        if refused:
+        count = int(refused.sum())
+        if count:
             log.info("ucx: discarding %d run(s) of write %d on link %d: no live round wants "
-                     "them", refused, seq, link)
-            self._poison(link, seq)
+                     "them", count, seq, link)
+            for run in np.flatnonzero(refused).tolist():
+                n = int(header.lengths[run])
+                self._poison(
+                    tags.slot_tag(link, int(header.gens[run]), int(header.starts[run]))
+                    if n == 1 else tags.run_tag(link, seq, run)
+                )
+        self._verdict(link, seq, count, sender)
+
+    def _verdict(self, link: int, seq: int, refused: int, sender: _Peer | None) -> None:
         if sender is not None and sender.ep is not None:
             self._send_notice(sender, wire.encode_verdict(self._instance, seq, refused))
 
@@ -632,27 +702,28 @@ class UcxDataTransport(DataTransport):
         data = np.frombuffer(payload, np.uint8)
         return peer.ep.tag_send(self._array(data), self._tag(tags.kind_tag(tags.NOTICE))), data
 
-    def _poison(self, link: int, seq: int) -> None:
-        """Drain every not-yet-received DATA run of write (link, seq) into scratch."""
-        self._poisoned[(link, seq)] = time.monotonic() + min(self._timeout, 300.0)
+    def _poison(self, tag: int, mask: int = (1 << 64) - 1, count: int = 1) -> None:
+        """Drain ``count`` (-1: any number, until expiry) not-yet-received messages matching
+        ``tag``/``mask`` into scratch."""
+        self._poisoned[(tag, mask)] = [time.monotonic() + min(self._timeout, 300.0), count]
 
     def _drain_poisoned(self) -> None:
         if not self._poisoned:
             return
         if self._scratch is None:
             self._scratch = np.empty(self._max_run * self._block_len, np.uint8)
-        now, mask = time.monotonic(), self._mask(tags.WRITE_MASK)
-        for (link, seq), expiry in list(self._poisoned.items()):
-            while True:
-                found = self._worker.tag_probe(
-                    self._tag(tags.data_tag(link, seq, 0)), mask, remove=True
-                )
+        now = time.monotonic()
+        for key, entry in list(self._poisoned.items()):
+            tag, mask = self._tag(key[0]), self._mask(key[1])
+            while entry[1] != 0:
+                found = self._worker.tag_probe(tag, mask, remove=True)
                 if not found.matched:
                     break
                 sink = self._array(self._scratch[: min(found.length, len(self._scratch))])
                 self._drains.append(self._worker.tag_recv_with_handle(sink, found))
-            if now > expiry:
-                del self._poisoned[(link, seq)]
+                entry[1] -= 1
+            if entry[1] == 0 or now > entry[0]:
+                del self._poisoned[key]
 
     def _advance(self, t: _Transfer, now: float) -> bool | None:
         """True done, False failed, None still in flight (never reports a live receive)."""
@@ -678,24 +749,42 @@ class UcxDataTransport(DataTransport):
         return False if t.stopping and finished else None
 
     def _stop(self, t: _Expect, reason: str) -> None:
-        """Cancel the expectation's receives and give back its unclaimed slots (once)."""
+        """Cancel the expectation's receives and give back its unclaimed slots (once).
+
+        Payload the producer already announced for a receive we cancelled will still come:
+        it is drained. A RETRACT tells the producer about slots it has not written yet."""
         if t.stopping:
             return
         t.stopping = True
         t.error = t.error or reason
-        cancel = self._lib.cancel
+        cancel, claimed = self._lib.cancel, self._claimed
         if cancel is not None:
-            for req in t.requests[t.front:]:
+            base = tags.slot_tag(t.peer.link_in, t.gen, 0)
+            for i, (slot, req) in enumerate(zip(t.slots.tolist(), t.singles, strict=True)):
+                if not t.replaced[i] and not req.completed:
+                    cancel(req)
+                    if req.completed and claimed[slot]:
+                        self._poison(base | slot)
+            for tag, req in zip(t.run_tags, t.requests, strict=True):
                 if not req.completed:
                     cancel(req)
-        unclaimed = t.slots[(self._slot_owner[t.slots] == t.tid) & ~self._claimed[t.slots]]
+                    if req.completed:
+                        self._poison(tag)
+        unclaimed = t.slots[(self._slot_owner[t.slots] == t.tid) & ~claimed[t.slots]]
         self._slot_owner[unclaimed] = 0
-        for link, seq in t.writes:  # payload of accepted runs that may still arrive
-            self._poison(link, seq)
         peer = t.peer
         if len(unclaimed) and not self._closing and self._peers.get(peer.peer_id) is peer \
                 and not peer.dead:
             self._send_notice(peer, wire.encode_retract(self._instance, t.gen, unclaimed))
+
+    def _unpost(self, t: _Expect) -> None:
+        """Undo a half-posted expectation (its EXPECT never left: nothing can match)."""
+        cancel = self._lib.cancel
+        for req in t.singles:
+            if cancel is not None and not req.completed:
+                cancel(req)
+        if not all(req.completed for req in t.singles):
+            self._orphans.append(t)
 
     def _stopped(self, t: _Transfer) -> bool:
         """True when nothing of ``t`` can still touch memory we give back by forgetting it."""

@@ -14,8 +14,8 @@
     and were discarded (0: all of it landed).
 
 - **HEADER** (producer → consumer, tag kind HEADER + link + seq): the producer's instance and
-  the runs of one write, each ``(dst_start, length, gen)``; run ``i``'s payload follows as DATA
-  with run number ``i``.
+  the runs of one write, each ``(dst_start, length, gen)``; run ``i``'s payload follows as one
+  SLOT message (one block) or one RUN message with run number ``i``.
 
 Decoders validate types and sizes and raise ``ValueError`` with the reason; integer arrays
 travel as little-endian ``uint32`` bytes.
