@@ -61,6 +61,14 @@ def deep(session: nox.Session) -> None:
     pytest(session, "-m", "hypothesis", HYPOTHESIS_PROFILE="deep")
 
 
+
+@venv_session
+def docs(session: nox.Session) -> None:
+    """Build the docs site with ``mkdocs build --strict`` (any warning fails)."""
+    run(session, "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"),
+        NO_MKDOCS_2_WARNING="1")
+
+
 # -- vLLM adapter (p2pkv-vllm) against the real vLLM tier API --------------------------------
 
 VLLM_VERSION = "0.33.0"
