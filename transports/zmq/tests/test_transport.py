@@ -356,3 +356,21 @@ def test_create_returns_the_zmq_implementation() -> None:
         assert isinstance(t, ZmqHub) and isinstance(t, ZmqControlTransport)
     finally:
         t.close()
+
+
+def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any) -> None:
+    a, b = make_transport(), make_transport()
+    stale = b.connect(a.local_address)
+    stale.send(b"stale")
+    wait_until(lambda: stale not in b._connecting, timeout=T, what="b's handshake",
+               pumps=[pump(b)])  # the open and the frame are on their way to a
+    stale.close()
+    fresh = a.connect(b.local_address)  # a dials b while b's closed dial is still arriving
+    fresh.send(b"hello")
+    accepted: list[Any] = []
+    wait_until(lambda: accepted.extend(b.poll(0.001)) or accepted, timeout=T,
+               what="b to accept a's dial", pumps=[pump(a)])
+    accepted[0].send(b"welcome")
+    got = drain(fresh, 1, a, b)
+    assert got == [b"welcome"], "a frame of the closed dial reached the new connection"
+    assert list(accepted[0].recv()) == [b"hello"]

@@ -136,7 +136,8 @@ class ZmqHub(ZmqControlTransport):
         self._new: list[ZmqConnection] = []
         self._monitor_seq = itertools.count()
         self._closed = False
-        self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0}
+        self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0,
+                         "refused_accepts": 0}
 
     # -- construction ---------------------------------------------------------------------
 
@@ -279,7 +280,10 @@ class ZmqHub(ZmqControlTransport):
     def _dial(self, key: str, shown: str, answering: bytes | None) -> ZmqConnection:
         host, port = parse_address(key)
         incarnation = new_incarnation()
-        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:  # out of sockets (ZMQ_MAX_SOCKETS) or file descriptors
+            raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
         monitor = None
         try:
             self._tune(dealer, ipv6=is_ipv6_literal(host))
@@ -464,7 +468,16 @@ class ZmqHub(ZmqControlTransport):
                        "transport (a stale reconnect after a restart?)", notify=True)
         elif opened.offered is None:
             del self._pending[rid]
-            self._accept(rid, address).inbox.append(parts[1])
+            try:
+                conn = self._accept(rid, address)
+            except ConfigError as exc:  # a flood of connections used up our sockets
+                _remember(self._retired, rid)
+                self.counters["refused_accepts"] += 1
+                self._tell(rid, _GONE)
+                self._log_once(("accept",), "refused connections from peers: %s (a flood of "
+                               "connections? counted in refused_accepts)", exc)
+                return
+            conn.inbox.append(parts[1])
         elif len(opened.frames) < _MAX_HELD_FRAMES:
             opened.frames.append(parts[1])  # until the peer pairs too
         else:
