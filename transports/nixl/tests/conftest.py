@@ -33,9 +33,11 @@ TIMEOUT = 15.0
 class Recorder:
     """Wraps a transport's NIXL agent and records the calls that matter for ordering.
 
-    ``calls`` holds ``(method, detail)`` tuples. With ``refuse_running_release`` set, releasing a
-    transfer handle whose last seen state is not terminal raises, like a backend that cannot
-    cancel a transfer in progress (NIXL's ``NIXL_ERR_REPOST_ACTIVE`` case).
+    ``calls`` holds ``(method, detail)``: the state for ``check_xfer_state``, ``id(handle)``
+    for ``transfer``/``release_xfer_handle``/``initialize_xfer``, the result otherwise.
+    ``state`` maps ``id(handle)`` to the last state NIXL reported. With ``refuse_release`` set,
+    releasing a transfer handle raises (a backend refusing to free it); ``on_check`` runs after
+    every state check.
     """
 
     RECORDED = (
@@ -48,7 +50,7 @@ class Recorder:
         self._agent = agent
         self.calls: list[tuple[str, Any]] = []
         self.state: dict[int, str] = {}
-        self.refuse_running_release = False
+        self.refuse_release = False
         self.on_check: Callable[[], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -57,20 +59,23 @@ class Recorder:
             return target
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if name == "release_xfer_handle":
-                handle = args[0]
-                running = self.state.get(id(handle), "PROC") == "PROC"
-                if self.refuse_running_release and running:
-                    self.calls.append(("release_refused", id(handle)))
-                    raise RuntimeError("NIXL_ERR_REPOST_ACTIVE (simulated)")
+            if name == "release_xfer_handle" and self.refuse_release:
+                self.calls.append(("release_refused", id(args[0])))
+                raise RuntimeError("NIXL_ERR_UNKNOWN (simulated refusal)")
             result = target(*args, **kwargs)
             if name in ("transfer", "check_xfer_state"):
                 self.state[id(args[0])] = result
-                if name == "check_xfer_state" and self.on_check is not None:
-                    self.on_check()
-            detail = id(args[0]) if name in ("transfer", "check_xfer_state",
-                                             "release_xfer_handle") else result
-            self.calls.append((name, result if name == "check_xfer_state" else detail))
+            if name == "check_xfer_state":
+                detail: Any = result
+            elif name in ("transfer", "release_xfer_handle"):
+                detail = id(args[0])
+            elif name == "initialize_xfer":
+                detail = id(result)
+            else:
+                detail = result
+            self.calls.append((name, detail))
+            if name == "check_xfer_state" and self.on_check is not None:
+                self.on_check()
             return result
 
         return call

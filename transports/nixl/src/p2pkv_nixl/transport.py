@@ -16,11 +16,16 @@ or when a transfer's state is checked; every transfer of that peer then fails at
 peer must be added again (with a fresh descriptor: agent names are never reused). An error
 while checking a transfer fails that transfer; it is never left in flight.
 
-Memory safety: a transfer handle is released only once NIXL reports it terminal or accepts a
-cancel (release) of it. ``remove_peer`` and ``close`` wait up to ``drain_timeout`` for the
-rest; what never drains is reported and its resources kept: a peer's descriptor list stays
-prepared, and after ``close`` the agent and region stay registered (held in a module-level list
-so that not even garbage collection frees them under a transfer).
+Memory safety: NIXL cannot stop a posted write. Releasing the handle of one in progress makes
+the UCX backend "cancel" it and report success, but UCX's request cancel does nothing to a
+posted RMA operation: the bytes still move. So a transfer handle is released only once NIXL
+reports the transfer terminal (or its peer dead, or the caller cancels ``IMMEDIATE``), and a
+``WAIT`` cancel keeps every transfer still in progress. ``remove_peer`` and ``close`` poll up
+to ``drain_timeout``; what never drains is reported and its resources kept: a peer's
+descriptor list stays prepared, and after ``close`` the agent and region stay registered (held
+in a module-level list so that not even garbage collection frees them under a transfer). The
+connection warm-up READ is the one exception: it lands in a process-wide scratch buffer that
+is never freed, so it may be dropped at any time.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ _LEAKED: list[object] = []
 """State of transports whose ``close`` could not drain: kept alive for the process lifetime."""
 
 _WARMUP_BYTES = 8
+_SCRATCH = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
+"""Where connection warm-up READs land, in every transport of the process. Never freed: a
+READ that NIXL "cancelled" but UCX still completes can only write here."""
 
 
 class _RemoteAgent:
@@ -124,7 +132,6 @@ class NixlDataTransport(DataTransport):
         self._memory: list[Any] = []
         """NIXL registrations (region, then scratch), deregistered last."""
         base = int(self._array.ctypes.data)
-        self._scratch = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
         try:
             self._memory.append(
                 self._agent.register_memory([(base, self._array.nbytes, 0, "")], "DRAM")
@@ -132,7 +139,7 @@ class NixlDataTransport(DataTransport):
             if self._options.warmup:
                 self._memory.append(
                     self._agent.register_memory(
-                        [(int(self._scratch.ctypes.data), _WARMUP_BYTES, 0, "")], "DRAM"
+                        [(int(_SCRATCH.ctypes.data), _WARMUP_BYTES, 0, "")], "DRAM"
                     )
                 )
             self._local = self._agent.prep_xfer_dlist(
@@ -267,7 +274,7 @@ class NixlDataTransport(DataTransport):
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs([(int(self._scratch.ctypes.data), length, 0)], "DRAM"),
+                self._agent.get_xfer_descs([(int(_SCRATCH.ctypes.data), length, 0)], "DRAM"),
                 self._agent.get_xfer_descs([(remote_base, length, 0)], "DRAM"),
                 registration.remote.name,
             )
@@ -498,8 +505,9 @@ class NixlDataTransport(DataTransport):
             yield from registrations
 
     def _quiesce(self, registrations: Sequence[_Registration]) -> list[int]:
-        """Wait-cancel, then poll up to ``drain_timeout``, every transfer (and warm-up) of
-        ``registrations``; forget what ended. Returns the ids still running."""
+        """Wait-cancel every transfer of ``registrations`` and drop their warm-ups, then poll
+        what still runs up to ``drain_timeout``; forget what ended. Returns the ids still
+        running."""
         for registration in registrations:
             for transfer_id in registration.finished:
                 del self._owner[transfer_id]
@@ -576,7 +584,7 @@ class NixlDataTransport(DataTransport):
         self._released = True
         if self in _LEAKED:
             _LEAKED.remove(self)
-        del self._agent, self._array, self._scratch
+        del self._agent, self._array
         return []
 
     @staticmethod
