@@ -436,7 +436,7 @@ class NixlDataTransport(DataTransport):
                 del self._owner[transfer_id]
                 continue
             handle = registration.inflight[transfer_id]
-            if mode is CancelMode.WAIT and self._still_running(handle):
+            if mode is CancelMode.WAIT and self._still_running(registration, handle):
                 kept.append(transfer_id)  # NIXL cannot stop it: it stays pollable
                 continue
             self._release(transfer_id, handle)
@@ -446,17 +446,14 @@ class NixlDataTransport(DataTransport):
             self._retire_quiescent(peer_id)
         return kept
 
-    def _still_running(self, handle: Any) -> bool:
-        """True while NIXL reports the transfer in progress.
-
-        NIXL cannot stop a posted transfer: releasing the handle of one in progress makes the
-        backend "cancel" it (UCX's request cancel does nothing to a posted RMA write), NIXL
-        reports success, and the write goes on reading our region and landing in the peer's,
-        handle or not. So a wait-cancel keeps every transfer still in progress.
-        """
+    def _still_running(self, registration: _Registration, handle: Any) -> bool:
+        """True while NIXL reports the transfer in progress (it cannot be stopped then, see
+        the module docstring). An error ends it; a disconnect also marks the peer dead."""
         try:
             return bool(self._agent.check_xfer_state(handle) == "PROC")
-        except Exception:  # an error (remote disconnect included) ends the transfer
+        except Exception as exc:
+            if isinstance(exc, self._nixl.remote_disconnect):
+                registration.remote.disconnected = True
             return False
 
     def _check(self, registration: _Registration) -> None:
