@@ -116,7 +116,7 @@ class P2PTier:
             if control is None:
                 control = reg.transport("control", config.control).create(ControlSettings(
                     config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
-                    options=config.control_options,
+                    options=config.control_options, dp_rank=config.dp_rank,
                 ))
         except BaseException:
             if built_data:
