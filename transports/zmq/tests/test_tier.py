@@ -12,6 +12,7 @@ import p2pkv_zmq.plugin as zmq_plugin
 import pytest
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
+from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry
 from p2pkv.testing.waiting import wait_until
 from p2pkv.tier import P2PTier
@@ -119,3 +120,14 @@ def test_producer_gone_fails_the_load_with_peer_dead(pair: tuple[Peer, Peer]) ->
     wait_until(lambda: 1 in consumer.results, timeout=T,
                what="the load to fail", pumps=[tick(consumer)])
     assert consumer.results[1].outcome is Outcome.PEER_DEAD
+
+
+def test_a_tier_on_a_taken_port_names_the_rank_offset(pair: tuple[Peer, Peer]) -> None:
+    producer, _ = pair
+    config = TierConfig.from_dict({"control": "zmq", "data": "memory", "host": "127.0.0.1",
+                                   "port": producer.port - 1}, dp_rank=1)
+    region = bytearray(NUM_BLOCKS * BLOCK_LEN)
+    with pytest.raises(ConfigError) as err:
+        P2PTier(config, memoryview(region), BLOCK_LEN, registry=REGISTRY)
+    text = str(err.value)
+    assert f"port {producer.port} " in text and "rank offset 1" in text and "P2PKV_PORT" in text
