@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-__all__ = ["WaitTimeout", "wait_until"]
+__all__ = ["WaitTimeout", "pumping_in_background", "quietly", "wait_until"]
 
 T = TypeVar("T")
 
@@ -50,3 +50,39 @@ def wait_until(
         if pause:
             _IDLE.wait(pause)
         pause = min(_MAX_PAUSE, pause * 2 or 0.0001)
+
+
+def quietly(fn: Callable[[], object]) -> None:
+    """Teardown: close what a test left open without masking the test's own outcome."""
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+class pumping_in_background:
+    """Call ``pumps`` on a helper thread while the test thread blocks (e.g. in ``close``).
+
+    Meanwhile the helper thread is the only driver of the pumped transports, so the one-driver
+    rule of the contracts holds. The thread stops when the ``with`` block ends.
+    """
+
+    def __init__(self, pumps: Sequence[Callable[[], object]]) -> None:
+        self._pumps = list(pumps)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="p2pkv-pump", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pump in self._pumps:
+                pump()
+            self._stop.wait(0.0005)
+
+    def __enter__(self) -> None:
+        if self._pumps:
+            self._thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)

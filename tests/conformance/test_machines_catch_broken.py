@@ -1,0 +1,55 @@
+"""The kit's state machines catch the deliberately broken transports of ``broken.py`` too
+(and pass the correct loopback ones they derive from)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
+
+pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
+sys.path.insert(0, str(Path(__file__).parent))
+import broken
+from p2pkv_loopback import LoopbackControlTransport, LoopbackDataTransport
+
+# No shrinking: a broken transport fails fast, and the failure itself is the point here.
+FIND = settings(max_examples=60, stateful_step_count=30, deadline=None, derandomize=True,
+                phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow],
+                report_multiple_bugs=False)
+FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediate
+
+DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "SpillsIntoNextBlock",
+               "ReportsTwice", "ReportsCancelled", "CloseNotIdempotent"]
+CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "AcceptsTwice", "AcceptsBeforeFirstFrame",
+                  "CloseInvisible", "SendAfterCloseSilently", "NewConnectionEachConnect"]
+
+
+def machine(base: type, transport: type) -> Any:
+    return type(f"{transport.__name__}Machine", (base,), {"transport": transport, **FAST})
+
+
+@pytest.mark.parametrize(("base", "transport"), [
+    (DataTransportMachine, LoopbackDataTransport),
+    (ControlTransportMachine, LoopbackControlTransport),
+], ids=["data", "control"])
+def test_the_correct_loopback_passes(base: type, transport: type) -> None:
+    run_state_machine_as_test(machine(base, transport), settings=FIND)
+
+
+@pytest.mark.parametrize("variant", DATA_CAUGHT)
+def test_the_data_machine_catches(variant: str) -> None:
+    cls, _ = broken.DATA_VARIANTS[variant]
+    with pytest.raises(Exception):  # noqa: B017 - any failure of the run is a catch
+        run_state_machine_as_test(machine(DataTransportMachine, cls), settings=FIND)
+
+
+@pytest.mark.parametrize("variant", CONTROL_CAUGHT)
+def test_the_control_machine_catches(variant: str) -> None:
+    cls, _ = broken.CONTROL_VARIANTS[variant]
+    with pytest.raises(Exception):  # noqa: B017 - any failure of the run is a catch
+        run_state_machine_as_test(machine(ControlTransportMachine, cls), settings=FIND)
