@@ -140,3 +140,19 @@ def test_plot_without_matplotlib_says_what_to_install(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "--quick", "--plot", "x.png"]) == 2
     assert "pip install 'p2pkv[plot]'" in capsys.readouterr().out
+
+
+def test_control_mode_json(tmp_path: Path) -> None:
+    out = tmp_path / "control.json"
+    assert main(["bench", "--control", "--quick", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    registry = default_registry()
+    if "zmq" in registry.entries("control"):
+        lanes = doc["round_trips"]["lanes"]
+        assert set(lanes) == {"raw-pyzmq", "p2pkv-zmq"}
+        assert all(lane["p50_us"] > 0 for lane in lanes.values())
+    measured = [t for t in doc["tier"] if "skipped" not in t]
+    assert {t["control"] for t in measured} >= {"memory"} & set(registry.entries("control"))
+    for t in measured:
+        assert t["cpu_us_per_request"] > 0
+        assert t["requests"] == 100

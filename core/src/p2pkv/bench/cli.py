@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from p2pkv.bench.hostinfo import describe_host
+from p2pkv.bench.hostinfo import describe_host, environ_restored
 from p2pkv.bench.matrix import KiB, MatrixConfig, MiB, available_series, run_matrix
 from p2pkv.bench.report import geomean_ratios, plot, print_tables
 from p2pkv.bench.runner import CellResult
@@ -32,6 +33,7 @@ QUICK = MatrixConfig(
     max_requests=16,
     min_requests_per_inflight=1,
     region_bytes=64 * MiB,
+    rep_seconds=0.2,
 )
 """``--quick``: every series, two block sizes, two batches; seconds, for CI smoke runs."""
 
@@ -124,6 +126,14 @@ def _config(args: argparse.Namespace) -> MatrixConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every side runs on this host: keep UCX's TCP traffic on loopback unless told otherwise
+    # (the environment of this process is restored on return).
+    with environ_restored():
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     console = Console(stderr=to_stdout)
     if not console.is_terminal:

@@ -2,9 +2,10 @@
 
 Two measurements, in one run:
 
-- **Round trips** of 200-byte frames between two processes: through each installed
-  cross-process control transport (a ``ControlConnection`` ping-pong) and through raw pyzmq
-  (DEALER -> ROUTER echo, the same library without p2pkv). p50/p99 in µs and the ratio.
+- **Round trips** of 200-byte frames between two processes, the ``zmq`` transport against
+  raw pyzmq (DEALER -> ROUTER echo, the same library without p2pkv): the ``zmq``
+  distribution's own benchmark (``p2pkv_zmq.bench.run_control_bench``), p50/p99 in µs,
+  streamed messages per second, and the ratios.
 - **Tier CPU per request**: a producer and a consumer ``P2PTier`` in this process, over each
   control transport with the ``memory`` data transport, run PD requests one at a time
   (consumer first): ``on_new_request``, ``lookup``, ``submit_load``, ``submit_store``, ticks
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -27,15 +27,13 @@ from rich.console import Console
 from rich.table import Table
 
 from p2pkv.addressing import parse_address
+from p2pkv.bench.hostinfo import environ_restored
 from p2pkv.config import TierConfig
-from p2pkv.contracts import ControlConnection, ControlSettings
 from p2pkv.registry import default_registry
-from p2pkv.testing.child import Child
 from p2pkv.types import Job, RequestContext
 
-__all__ = ["pyzmq_round_trips", "run_control", "tier_cost", "transport_round_trips"]
+__all__ = ["run_control", "tier_cost"]
 
-_FRAME = 200
 _BLOCK = 4096
 _DEADLINE = 30.0
 
@@ -44,94 +42,6 @@ def _percentiles(samples_s: Sequence[float]) -> dict[str, float]:
     arr = np.asarray(samples_s) * 1e6
     return {"p50_us": float(np.percentile(arr, 50)), "p99_us": float(np.percentile(arr, 99)),
             "mean_us": float(arr.mean())}
-
-
-# -- round trips ----------------------------------------------------------------------------
-
-
-def _echo_transport(conn: Connection, name: str) -> None:
-    transport = default_registry().transport("control", name).create(
-        ControlSettings(host="127.0.0.1", port=0)
-    )
-    conn.send(transport.local_address)
-    peers: list[ControlConnection] = []
-    try:
-        while not conn.poll(0):
-            peers.extend(transport.poll(0.0005))
-            for peer in peers:
-                for frame in peer.recv():
-                    peer.send(frame)
-    finally:
-        transport.close()
-
-
-def transport_round_trips(name: str, count: int, warmup: int = 100) -> list[float]:
-    """Seconds per round trip of a 200-byte frame through control transport ``name``."""
-    cls = default_registry().transport("control", name)
-    frame = bytes(_FRAME)
-    with Child(_echo_transport, name, name="p2pkv-bench-echo") as child:
-        address = child.recv(_DEADLINE, "the echo address")
-        transport = cls.create(ControlSettings(host="127.0.0.1", port=0))
-        try:
-            link = transport.connect(address)
-            out = []
-            for i in range(warmup + count):
-                t0 = time.perf_counter()
-                link.send(frame)
-                limit = time.monotonic() + _DEADLINE
-                while not link.recv():
-                    transport.poll(0.0005)
-                    if time.monotonic() > limit:
-                        raise TimeoutError(f"{name}: no echo in {_DEADLINE}s")
-                if i >= warmup:
-                    out.append(time.perf_counter() - t0)
-            return out
-        finally:
-            transport.close()
-            child.send("stop")
-
-
-def _echo_pyzmq(conn: Connection) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    conn.send(port)
-    try:
-        while not conn.poll(0):
-            if router.poll(1):
-                router.send_multipart(router.recv_multipart())
-    finally:
-        router.close(0)
-        ctx.term()
-
-
-def pyzmq_round_trips(count: int, warmup: int = 100) -> list[float]:
-    """Seconds per round trip of a 200-byte frame, DEALER -> ROUTER echo, raw pyzmq."""
-    import zmq
-
-    frame = bytes(_FRAME)
-    with Child(_echo_pyzmq, name="p2pkv-bench-zmq-echo") as child:
-        port = child.recv(_DEADLINE, "the echo port")
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        try:
-            out = []
-            for i in range(warmup + count):
-                t0 = time.perf_counter()
-                dealer.send(frame)
-                if not dealer.poll(int(_DEADLINE * 1000)):
-                    raise TimeoutError(f"raw pyzmq: no echo in {_DEADLINE}s")
-                dealer.recv()
-                if i >= warmup:
-                    out.append(time.perf_counter() - t0)
-            return out
-        finally:
-            dealer.close(0)
-            ctx.term()
-            child.send("stop")
 
 
 # -- tier cost ------------------------------------------------------------------------------
@@ -204,25 +114,28 @@ def _until_both(producer: Any, consumer: Any) -> list[Any]:
 # -- the command ----------------------------------------------------------------------------
 
 
+def _round_trips(quick: bool) -> dict[str, Any]:
+    """The zmq transport's own control-plane benchmark, or why it cannot run."""
+    try:
+        from p2pkv_zmq.bench import run_control_bench
+    except ImportError as exc:
+        return {"skipped": f"needs p2pkv-zmq ({exc})"}
+    if quick:
+        return dict(run_control_bench(count=300, rounds=1, warmup=50))
+    return dict(run_control_bench())
+
+
 def run_control(args: argparse.Namespace, console: Console) -> int:
     import json
 
     registry = default_registry()
-    count = 300 if args.quick else 3000
     requests = 100 if args.quick else 1000
-    controls = sorted(n for n, e in registry.entries("control").items()
-                      if e.cls.availability() is None)
-    rtt: dict[str, dict[str, float]] = {}
-    zmq_ok = registry.entries("control").get("zmq") is not None
-    if zmq_ok:
-        rtt["raw pyzmq"] = _percentiles(pyzmq_round_trips(count))
-    for name in controls:
-        if registry.entries("control")[name].cls.capabilities.cross_process:
-            rtt[f"p2pkv {name}"] = _percentiles(transport_round_trips(name, count))
-    if "p2pkv zmq" in rtt and "raw pyzmq" in rtt:
-        rtt["p2pkv zmq"]["ratio_raw_p50"] = rtt["p2pkv zmq"]["p50_us"] / rtt["raw pyzmq"]["p50_us"]
+    with environ_restored():
+        controls = sorted(n for n, e in registry.entries("control").items()
+                          if e.cls.availability() is None)
+    rtt = _round_trips(args.quick)
     tiers = [tier_cost(name, requests, blocks) for name in controls for blocks in (1, 16)]
-    doc = {"frame_bytes": _FRAME, "round_trips": count, "rtt": rtt, "tier": tiers}
+    doc = {"round_trips": rtt, "tier": tiers}
     if args.json:
         text = json.dumps(doc, indent=2, sort_keys=True)
         if args.json == "-":
@@ -231,23 +144,33 @@ def run_control(args: argparse.Namespace, console: Console) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
     if args.json != "-":
-        table = Table(title=f"control-plane round trips, {_FRAME} B frames, two processes",
-                      title_justify="left")
-        for col in ("path", "p50 µs", "p99 µs", "p50 vs raw"):
-            table.add_column(col, justify="right")
-        for label, r in rtt.items():
-            ratio = r.get("ratio_raw_p50")
-            table.add_row(label, f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
-                          f"{ratio:.2f}x" if ratio else "")
-        console.print(table)
-        cost = Table(title="tier control plane per PD request (producer + consumer tiers, "
-                     "memory data)", title_justify="left")
-        for col in ("control", "blocks", "CPU µs/request", "latency p50 µs", "p99 µs"):
-            cost.add_column(col, justify="right")
-        for t in tiers:
-            if "skipped" in t:
-                continue
-            cost.add_row(t["control"], str(t["blocks"]), f"{t['cpu_us_per_request']:.0f}",
-                         f"{t['p50_us']:.0f}", f"{t['p99_us']:.0f}")
-        console.print(cost)
+        _print_control(console, doc)
     return 0
+
+
+def _print_control(console: Console, doc: dict[str, Any]) -> None:
+    rtt = doc["round_trips"]
+    if "skipped" in rtt:
+        console.print(f"round trips not measured: {rtt['skipped']}")
+    else:
+        table = Table(title=f"control-plane round trips, {rtt['frame_bytes']} B frames, two "
+                      f"processes ({rtt['round_trips']} per lane)", title_justify="left")
+        for col in ("lane", "p50 µs", "p99 µs", "msgs/s (streamed)"):
+            table.add_column(col, justify="right")
+        for lane, r in rtt["lanes"].items():
+            table.add_row(lane, f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
+                          f"{r['msgs_per_s']:.0f}")
+        ratio = rtt["ratio"]
+        table.add_row("p2pkv / raw", f"{ratio['p50_us']:.2f}x", f"{ratio['p99_us']:.2f}x",
+                      f"{ratio['msgs_per_s']:.2f}x")
+        console.print(table)
+    cost = Table(title="tier control plane per PD request (producer + consumer tiers in one "
+                 "process, memory data)", title_justify="left")
+    for col in ("control", "blocks", "CPU µs/request", "latency p50 µs", "p99 µs"):
+        cost.add_column(col, justify="right")
+    for t in doc["tier"]:
+        if "skipped" in t:
+            continue
+        cost.add_row(t["control"], str(t["blocks"]), f"{t['cpu_us_per_request']:.0f}",
+                     f"{t['p50_us']:.0f}", f"{t['p99_us']:.0f}")
+    console.print(cost)

@@ -47,6 +47,7 @@ class MatrixConfig:
     contiguous: bool = False
     seed: int = 0
     deadline: float = 60.0
+    rep_seconds: float = 0.5
 
     def requests_for(self, block_size: int, batch: int, concurrency: int) -> int:
         per_request = block_size * batch
@@ -172,6 +173,7 @@ def run_matrix(
                         warmup=config.warmup,
                         contiguous=config.contiguous,
                         deadline=config.deadline,
+                        rep_seconds=config.rep_seconds,
                     )
                     seed = (config.seed, block_size, batch, conc)
                     for spec in series:

@@ -8,8 +8,13 @@ flatter every series). In a repetition request ``r`` writes group ``r % groups``
 submitted once that group's previous request finished and fewer than ``concurrency`` requests
 are in flight. A request's latency runs from its submit to the poll that reports it
 done; a repetition's throughput is its bytes over its wall time. After every repetition
-(warm-up included) the destination slots are checked byte for byte against the source
-blocks' key-derived content and consumed, so the next repetition must write them again.
+(warm-up included) the destination slots it wrote are checked byte for byte against the
+source blocks' key-derived content and consumed, so the next repetition must write them again.
+
+Warm-up repetitions are short (at least 8 requests, 4 per in-flight slot); their median
+latency sizes the timed repetitions: ``requests``, or fewer when that many would take longer
+than ``rep_seconds`` (a slow series would otherwise take minutes per cell), but never fewer
+than two per in-flight slot.
 
 Every repetition is bounded by ``deadline`` seconds (``CellTimeout``); a failed transfer or a
 wrong byte makes the cell's ``error`` non-empty instead of raising.
@@ -17,6 +22,7 @@ wrong byte makes the cell's ``error`` non-empty instead of raising.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,6 +52,9 @@ class CellPlan:
     contiguous: bool = False
     deadline: float = 60.0
     working_set: int = 128 * 1024 * 1024
+    rep_seconds: float = 0.5
+    """Fewer requests than ``requests`` per repetition when the warm-up shows that many
+    would take longer than this (slow series); never fewer than 2 per in-flight slot."""
 
     def groups_within(self, num_blocks: int) -> int:
         """Request-sized slot groups for this cell in a region of ``num_blocks`` (0: too small)."""
@@ -100,10 +109,15 @@ def _pick(rng: np.random.Generator, num_blocks: int, need: int, contiguous: bool
 
 
 def _run_rep(
-    lane: Lane, local: list[list[int]], remote: list[list[int]], plan: CellPlan
+    lane: Lane,
+    local: list[list[int]],
+    remote: list[list[int]],
+    *,
+    requests: int,
+    concurrency: int,
+    deadline: float,
 ) -> tuple[float, np.ndarray, int]:
     """One repetition; returns (wall seconds, latencies in seconds, failed requests)."""
-    requests, concurrency, deadline = plan.requests, plan.concurrency, plan.deadline
     n_groups = len(local)
     busy = [False] * n_groups
     owner: dict[int, tuple[int, float]] = {}  # id -> (group, submit time)
@@ -164,27 +178,40 @@ def measure_cell(lane: Lane, plan: CellPlan, rng: np.random.Generator) -> CellRe
     b = plan.batch
     local = [src[g * b : (g + 1) * b] for g in range(n_groups)]
     remote = [dst[g * b : (g + 1) * b] for g in range(n_groups)]
-    counts = [
-        plan.requests // n_groups + (g < plan.requests % n_groups) for g in range(n_groups)
-    ]
     request_bytes = b * plan.block_size
     latencies: list[np.ndarray] = []
     errors: list[str] = []
-    for rep in range(plan.warmup + plan.reps):
-        lane.prepare_rep(remote, counts)
-        wall, lat, failed = _run_rep(lane, local, remote, plan)
-        bad, recv_failures = lane.verify(dst, seeds)
+
+    def rep(label: str, requests: int) -> tuple[float, np.ndarray]:
+        used = min(requests, n_groups)
+        counts = [requests // used + (g < requests % used) for g in range(used)]
+        lane.prepare_rep(remote[:used], counts)
+        wall, lat, failed = _run_rep(
+            lane, local[:used], remote[:used],
+            requests=requests, concurrency=plan.concurrency, deadline=plan.deadline,
+        )
+        bad, recv_failures = lane.verify(dst[: used * b], seeds[: used * b])
         if failed or bad or recv_failures:
-            errors.append(
-                f"rep {rep}: {failed} failed requests, {len(bad)} wrong blocks, "
-                f"{recv_failures} failed receives"
-            )
+            errors.append(f"{label}: {failed} failed requests, {len(bad)} wrong blocks, "
+                          f"{recv_failures} failed receives")
         else:
-            result.bytes_verified += need * plan.block_size
-        result.bytes_moved += plan.requests * request_bytes
-        if rep >= plan.warmup:
-            result.rep_gbps.append(plan.requests * request_bytes / wall / 1e9)
-            latencies.append(lat)
+            result.bytes_verified += used * request_bytes
+        result.bytes_moved += requests * request_bytes
+        return wall, lat
+
+    timed = plan.requests
+    warm = min(plan.requests, max(8, 4 * plan.concurrency))
+    for i in range(plan.warmup):
+        _, lat = rep(f"warm-up {i}", warm)
+        per_request = float(np.median(lat)) / plan.concurrency
+        if per_request > 0:  # cap a repetition at about rep_seconds for slow series
+            fit = math.ceil(plan.rep_seconds / per_request)
+            timed = max(min(plan.requests, 2 * plan.concurrency), min(plan.requests, fit))
+    result.requests = timed
+    for i in range(plan.reps):
+        wall, lat = rep(f"rep {i}", timed)
+        result.rep_gbps.append(timed * request_bytes / wall / 1e9)
+        latencies.append(lat)
     rates = np.array(result.rep_gbps)
     pooled = np.concatenate(latencies) * 1e6
     result.gbps = float(np.median(rates))

@@ -2,9 +2,10 @@
 
 :class:`TargetState` does the work and is used two ways: in a spawned child (cross-process
 series: :class:`RemoteTarget` drives it over a harness pipe) or in the bench process itself
-(in-process series such as ``memory``: :class:`LocalTarget`). While an endpoint is open the
-child spins on ``progress()``/``poll()`` so one-sided writes into it complete (NIXL without a
-progress thread needs the target to call in), exactly as a serving process's tier tick does.
+(in-process series such as ``memory``: :class:`LocalTarget`). During a repetition the
+target spins on its endpoint's ``progress()``/``poll()`` so one-sided writes into it complete
+(NIXL without a progress thread needs the target to call in), as a serving process's tier
+tick does; between repetitions it sleeps on the pipe.
 
 The harness pipe carries only the parent's own commands (never anything from a p2pkv wire).
 """

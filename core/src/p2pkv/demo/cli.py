@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,6 +20,7 @@ from rich.progress import (
 )
 
 from p2pkv.bench.cli import parse_size
+from p2pkv.bench.hostinfo import environ_restored
 from p2pkv.demo.orchestrator import (
     DemoFailure,
     InlineRole,
@@ -85,6 +88,14 @@ def _single_process(control: str, data: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Both sides are on this host: keep UCX's TCP traffic on loopback unless told otherwise
+    # (for the role processes only; this process's environment is restored on return).
+    with environ_restored():
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         preset = resolve_preset(
@@ -105,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
             run_id=f"demo{time.time_ns() % 10**9}",
         )
     except ConfigError as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     except Exception as exc:  # TransportUnavailable and friends: say what to install
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     mode = "one process (process-local transport)" if inline else "two processes"
     console.print(
@@ -132,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         for role in reversed(roles):  # the consumer (which dialed) says goodbye first
             stats[role.kind], _left = role.stop(timeout=30.0)
     except DemoFailure as exc:
-        console.print(f"[red]demo failed:[/] {exc}")
+        console.print(f"[red]demo failed:[/] {escape(str(exc))}")
         for role in roles:
             role.kill()
         return 1

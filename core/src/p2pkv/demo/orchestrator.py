@@ -210,7 +210,6 @@ class RequestRecord:
     """What happened to one request."""
 
     req: DemoRequest
-    admitted: float = 0.0
     store_submitted: float | None = None
     loaded: Loaded | None = None
     stored: Stored | None = None
@@ -269,7 +268,6 @@ def replay(
     while pending or active:
         while pending and len(active) < inflight and in_use + pending[0].num_blocks <= capacity:
             req = pending.popleft()
-            records[req.index].admitted = time.perf_counter()
             active[req.index] = records[req.index]
             in_use += req.num_blocks
             router.admit(req)

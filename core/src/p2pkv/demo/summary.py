@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from p2pkv.demo.orchestrator import RequestRecord
@@ -85,4 +86,4 @@ def print_summary(console: Console, summary: Mapping[str, Any], title: str) -> N
         table.add_row(what, value)
     console.print(table)
     for index, problems in list(summary["failure_details"].items())[:20]:
-        console.print(f"[red]request {index}:[/] {'; '.join(problems)}")
+        console.print(f"[red]request {index}:[/] {escape('; '.join(problems))}")
