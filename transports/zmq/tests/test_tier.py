@@ -10,10 +10,12 @@ import numpy as np
 import p2pkv_memory.plugin as memory_plugin
 import p2pkv_zmq.plugin as zmq_plugin
 import pytest
+import zmq_peers
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError
-from p2pkv.registry import Registry
+from p2pkv.registry import Registry, default_registry
+from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, Outcome, RequestContext
@@ -131,3 +133,45 @@ def test_a_tier_on_a_taken_port_names_the_rank_offset(pair: tuple[Peer, Peer]) -
         P2PTier(config, memoryview(region), BLOCK_LEN, registry=REGISTRY)
     text = str(err.value)
     assert f"port {producer.port} " in text and "rank offset 1" in text and "P2PKV_PORT" in text
+
+
+def test_pd_request_across_processes_over_zmq_control(tmp_path: Any) -> None:
+    """Producer tier in a child process, consumer here: zmq control, a cross-process data
+    transport (nixl, else ucx), bytes checked."""
+    registry = default_registry()
+    data = next((name for name in ("nixl", "ucx") if name in registry.entries("data")
+                 and registry.entries("data")[name].cls.availability() is None), None)
+    if data is None:
+        pytest.skip("no cross-process data transport installed (p2pkv-nixl or p2pkv-ucx)")
+    seed = 7
+    with Child(zmq_peers.producer_tier, data, NUM_BLOCKS, BLOCK_LEN, seed,
+               name="producer-tier") as child:
+        kind, address = child.recv(60, "the producer's address")
+        assert kind == "address"
+        host, port = parse_address(address)
+        region = bytearray(NUM_BLOCKS * BLOCK_LEN)
+        config = TierConfig.from_dict({"control": "zmq", "data": data, "host": "127.0.0.1",
+                                       "port": 0})
+        consumer = P2PTier(config, memoryview(region), BLOCK_LEN)
+        try:
+            keys = [b"x/%d" % i for i in range(8)]
+            src, dst = list(range(8)), list(range(20, 28))
+            ctx = RequestContext("c", {"remote_prefiller": {
+                "kv_request_id": "x", "remote_host": host, "remote_port": port}})
+            consumer.on_new_request(ctx)
+            consumer.submit_load(Job(1, keys, dst, True, ctx))
+            child.send(("store", 2, "x", keys, src))
+            results: list[JobResult] = []
+            wait_until(lambda: results.extend(consumer.get_finished_jobs()) or results,
+                       timeout=30, what="the load's result", pumps=[lambda: consumer.tick(0.01)])
+            assert results[0].outcome is Outcome.DONE, results
+            assert child.recv(30, "the store's result") == ("result", 2, "done")
+            produced = np.random.default_rng(seed).integers(
+                0, 256, NUM_BLOCKS * BLOCK_LEN, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
+            got = np.frombuffer(region, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
+            assert (got[dst] == produced[src]).all()
+            consumer.on_request_finished(ctx)
+            child.send(("finish", "x"))
+        finally:
+            consumer.shutdown()
+            child.send("stop")

@@ -71,3 +71,43 @@ def sitter(pipe: Connection, port: int, dial: str | None, options: Mapping[str, 
                 if conn.alive:
                     conn.send(b"echo:" + frame)
     t.close()
+
+
+def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, seed: int) -> None:
+    """A producer ``P2PTier`` over ``zmq`` control and ``data``: its region holds
+    ``default_rng(seed)`` bytes; ``("store", job_id, kv, keys, slots)`` offers blocks,
+    ``("finish", kv)`` ends a request. Reports ``("result", job_id, outcome)``."""
+    import numpy as np
+    from p2pkv.config import TierConfig
+    from p2pkv.tier import P2PTier
+    from p2pkv.types import Job, RequestContext
+
+    region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len, np.uint8)
+    config = TierConfig.from_dict({"control": "zmq", "data": data, "host": "127.0.0.1",
+                                   "port": 0})
+    tier = P2PTier(config, memoryview(region), block_len)
+    pipe.send(("address", tier.local_address))
+    contexts: dict[str, RequestContext] = {}
+    deadline = time.monotonic() + _LIFETIME
+    try:
+        while time.monotonic() < deadline:
+            tier.tick(0.001)
+            for r in tier.get_finished_jobs():
+                pipe.send(("result", r.job_id, r.outcome.value))
+            if not pipe.poll(0):
+                continue
+            try:
+                command = pipe.recv()
+            except EOFError:
+                return
+            if command == "stop":
+                return
+            if command[0] == "store":
+                _, job_id, kv, keys, slots = command
+                ctx = contexts[kv] = RequestContext(kv, {"remote_decoder": {"kv_request_id": kv}})
+                tier.on_new_request(ctx)
+                tier.submit_store(Job(job_id, keys, slots, False, ctx))
+            else:
+                tier.on_request_finished(contexts.pop(command[1]))
+    finally:
+        tier.shutdown()
