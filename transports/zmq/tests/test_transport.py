@@ -374,3 +374,29 @@ def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any)
     got = drain(fresh, 1, a, b)
     assert got == [b"welcome"], "a frame of the closed dial reached the new connection"
     assert list(accepted[0].recv()) == [b"hello"]
+
+
+def test_an_accepted_peer_that_stops_listening_is_dead_at_once(make_transport: Any) -> None:
+    a = make_transport()
+    ctx = zmq.Context.instance()
+    home = ctx.socket(zmq.ROUTER)  # stands for the peer's listener; closed before we dial back
+    home.linger = 0
+    home.bind("tcp://127.0.0.1:*")
+    port = home.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    home.close()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.routing_id = f"127.0.0.1:{port}#0123456789abcdef".encode()
+    raw.connect(f"tcp://{a.local_address}")
+    try:
+        raw.send_multipart([b"", b"open", b""])
+        raw.send(b"hi")
+        accepted: list[Any] = []
+        wait_until(lambda: accepted.extend(a.poll(0.001)) or accepted, timeout=T,
+                   what="the inbound connection")
+        # well before connect_timeout (10 s): the dial-back is refused
+        wait_until(lambda: not accepted[0].alive, timeout=T, what="the refused dial-back",
+                   pumps=[pump(a)])
+        assert "no longer listens" in (accepted[0].reason or "")
+    finally:
+        raw.close()

@@ -83,6 +83,7 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _DEALER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+_ANSWERING_EVENTS = _DEALER_EVENTS | zmq.EVENT_CONNECT_RETRIED  # a refused dial-back is fatal
 _ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _MAX_MESSAGES_PER_POLL = 4096
 _SWEEP_INTERVAL = 0.01  # seconds between checks of connection sockets and deadlines
@@ -298,7 +299,11 @@ class ZmqHub(ZmqControlTransport):
                 dealer.curve_serverkey = self._keys.server_public
                 dealer.curve_publickey = self._keys.client_public
                 dealer.curve_secretkey = self._keys.client_secret
-            monitor = self._monitor(dealer, _DEALER_EVENTS)
+            # A peer that just dialed us listens: if dialing it back fails, it is gone. A peer
+            # we dial first may start later, so that dial retries until connect_timeout.
+            monitor = self._monitor(
+                dealer, _DEALER_EVENTS if answering is None else _ANSWERING_EVENTS
+            )
             dealer.connect(tcp_url(host, port))
             ref = b"" if answering is None else answering.rpartition(b"#")[2]
             dealer.send_multipart([b"", _OPEN, ref], _NOBLOCK)
@@ -548,6 +553,8 @@ class ZmqHub(ZmqControlTransport):
                 self._connecting.discard(conn)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.retire(conn, "disconnected (peer closed, crashed or silent)")
+            elif kind == zmq.EVENT_CONNECT_RETRIED:  # only subscribed for dial-backs
+                self.retire(conn, "the peer that dialed us no longer listens")
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # interrupted, not refused
                 self.retire(conn, "disconnected during the handshake")
             elif kind & _HANDSHAKE_FAILED:
