@@ -34,6 +34,7 @@ from p2pkv.protocol import (
     Lookup,
     LookupResp,
     Message,
+    Quiesced,
     TransferDone,
     decode,
     encode,
@@ -270,7 +271,7 @@ def test_rounds_submitted_before_the_handshake_are_sent_once_ready(rig: Rig) -> 
     rig.load(1, "r", [b"a"], [3])
     assert rig.sent() == []
     rig.feed(rig.hello(), HelloAck(7))
-    assert rig.sent() == [HelloAck(99), Fetch("r", 0, [b"a"], [3])]
+    assert rig.sent() == [HelloAck(99), Quiesced(), Fetch("r", 0, [b"a"], [3])]
 
 
 @pytest.mark.parametrize("over, fragment", [
@@ -487,7 +488,7 @@ def test_finish_before_the_handshake_reports_at_once_and_sends_nothing(rig: Rig)
     rig.take()
     assert rig.results == {1: Outcome.REQUEST_FINISHED}
     rig.feed(rig.hello(), HelloAck(7))
-    assert rig.sent() == [HelloAck(99)]
+    assert rig.sent() == [HelloAck(99), Quiesced()]
 
 
 def test_a_failed_load_releases_the_producer_and_marks_the_id(rig: Rig) -> None:

@@ -210,9 +210,11 @@ def probe_until(node: Node, key: bytes, ctx: RequestContext, others: Iterable[No
 
 
 def assert_clean(*nodes: Node) -> None:
-    """No per-request state left (tombstones/timers of finished producers excepted)."""
+    """No per-request state left (tombstones of finished producers, fences and given-up
+    writes, which expire by their deadlines, and their timers excepted)."""
     for n in nodes:
         sizes = n.tier._state_sizes()
-        left = {k: v for k, v in sizes.items() if v and k not in ("tombstones", "timers")}
+        expiring = ("tombstones", "fences", "gave_up_peers")
+        left = {k: v for k, v in sizes.items() if v and k not in (*expiring, "timers")}
         assert not left, f"{n.address}: state left behind: {left}"
-        assert sizes["timers"] == sizes["tombstones"], sizes
+        assert sizes["timers"] == sum(sizes[k] for k in expiring), sizes

@@ -52,6 +52,11 @@ class Timeouts:
     """A producer answers MISS for lookups its hit source has not settled by then."""
     shutdown_drain: float = 5.0
     """Shutdown waits this long for in-flight transfers before giving up on them."""
+    fence: float = 120.0
+    """A consumer's slots whose load ended without the producer confirming that nothing more
+    can land in them (peer dead, abort-ack timeout, protocol error) stay fenced (no new load
+    into them) until that producer says ``quiesced`` or this passes: by then any write still
+    in flight is assumed to have failed (TCP and UCX give up well before)."""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ __all__ = [
     "Lookup",
     "LookupResp",
     "Message",
+    "Quiesced",
     "TransferDone",
     "Unknown",
     "decode",
@@ -49,8 +50,8 @@ __all__ = [
 
 WIRE_MAJOR = 1
 """Bumped only for incompatible changes; peers with another major are rejected."""
-WIRE_MINOR = 0
-"""Bumped for additive changes (new optional fields or message types)."""
+WIRE_MINOR = 1
+"""Bumped for additive changes (new optional fields or message types). 1.1 adds ``quiesced``."""
 
 MAX_REASON_CHARS = 1024
 """Cap on free-text ``reason`` fields."""
@@ -150,13 +151,21 @@ class Bye:
 
 
 @dataclass(frozen=True, slots=True)
+class Quiesced:
+    """Producer -> consumer (wire 1.1), at most once per session: none of my writes into your
+    region posted on an earlier session is in flight any more (or ever will be). The consumer
+    lifts the fences it holds against this peer's address that predate this session."""
+
+
+@dataclass(frozen=True, slots=True)
 class Unknown:
     """A well-formed frame of a message type this side does not know."""
 
     type: str
 
 
-Message = Hello | HelloAck | Fetch | Lookup | LookupResp | TransferDone | Abort | AbortAck | Bye
+Message = (Hello | HelloAck | Fetch | Lookup | LookupResp | TransferDone | Abort | AbortAck | Bye
+           | Quiesced)
 
 _TYPE_NAMES: dict[type, str] = {
     Hello: "hello",
@@ -168,6 +177,7 @@ _TYPE_NAMES: dict[type, str] = {
     Abort: "abort",
     AbortAck: "abort_ack",
     Bye: "bye",
+    Quiesced: "quiesced",
 }
 
 
@@ -393,6 +403,10 @@ def _bye(f: _Fields, limits: Limits) -> Bye:
     return Bye(f.str_("reason", MAX_REASON_CHARS))
 
 
+def _quiesced(f: _Fields, limits: Limits) -> Quiesced:
+    return Quiesced()
+
+
 _DECODERS: dict[str, Callable[[_Fields, Limits], Message]] = {
     "hello": _hello,
     "hello_ack": _hello_ack,
@@ -403,6 +417,7 @@ _DECODERS: dict[str, Callable[[_Fields, Limits], Message]] = {
     "abort": _abort,
     "abort_ack": _abort_ack,
     "bye": _bye,
+    "quiesced": _quiesced,
 }
 
 

@@ -332,6 +332,7 @@ class P2PTier:
                       len(stuck), session.peer, drain)
             self._finalize(session)
         self._closed = True
+        self._env.fences.clear()
         for job_id in self._ledger.open_ids():  # safety net: nothing may stay unanswered
             self._ledger.close(job_id, Outcome.SHUTDOWN, "tier shut down")
         if self._dir.ends:
@@ -361,6 +362,7 @@ class P2PTier:
             submit_failures=c["submit_failures"],
             protocol_errors=c["protocol_errors"],
             handshake_rejections=c["handshake_rejections"],
+            fences=len(self._env.fences),
         )
         return out
 
@@ -372,6 +374,7 @@ class P2PTier:
             ("client_requests", "client_rounds", "expectations", "lookups", "probes",
              "server_requests", "server_rounds", "server_jobs", "supply", "demand",
              "transfers", "serves"), 0)
+        sizes["fences"] = len(self._env.fences)
         for session in [*self._sessions.values(), *self._closing]:
             for k, v in session.state_sizes().items():
                 sizes[k] += v

@@ -7,6 +7,11 @@ nothing can write into its slots any more: the producer said ``transfer_done`` o
 passed, or the session died; with a two-sided data transport the receive posted by
 ``expect_blocks`` must also be terminal.
 
+A round released *without* that confirmation (session died, ack deadline, protocol error) has
+its slots fenced against the producer (:mod:`p2pkv.session.fences`): its result is reported at
+once, but a later round whose slots intersect a fence waits, unsent, until the fence is lifted
+or its own load deadline passes.
+
 When a request is finished (or one of its loads failed) and no round is open, the consumer
 sends one **terminal fetch** (empty keys) so the producer releases what it still pins.
 
@@ -105,6 +110,8 @@ class ClientRole:
         self.next_seq = 0
         self.n_rounds = 0
         self.closing = False
+        self.fenced: dict[int, _Round] = {}
+        """Unsent rounds whose slots are fenced, by job id (sent in this order once lifted)."""
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -194,13 +201,13 @@ class ClientRole:
             outcome, detail = Outcome.DONE, ""
         else:
             outcome, detail = outcome_from_reason(msg.reason), f"producer: {msg.reason}"
-        self._settle(rnd, outcome, detail)
+        self._settle(rnd, outcome, detail, confirmed=True)
 
     def on_abort_ack(self, msg: AbortAck) -> None:
         rnd = self._round(msg.kv_request_id, msg.round, "abort_ack")
         if rnd is None or rnd.phase != _ABORTING:
             return
-        self._settle(rnd, rnd.why, "aborted after " + rnd.why.value)
+        self._settle(rnd, rnd.why, "aborted after " + rnd.why.value, confirmed=True)
 
     def on_lookup_resp(self, msg: LookupResp) -> None:
         if msg.seq >= self.next_seq:
@@ -235,6 +242,16 @@ class ClientRole:
             if rnd.phase == _UNSENT:
                 self._send_round(rnd)
 
+    def retry_fenced(self) -> bool:
+        """Fences were lifted: send the rounds no longer fenced (``FenceWaiter``)."""
+        fenced, self.fenced = self.fenced, {}
+        for rnd in fenced.values():
+            if not self.session.ready:
+                self.unsent.append(rnd)
+            else:
+                self._send_round(rnd)
+        return bool(self.fenced)
+
     # -- internals --------------------------------------------------------------------------
 
     def _round(self, kv: str, no: int, what: str) -> _Round | None:
@@ -247,6 +264,10 @@ class ClientRole:
 
     def _send_round(self, rnd: _Round) -> None:
         env = self.env
+        if env.fences.blocked(rnd.slots):
+            self.fenced[rnd.job_id] = rnd
+            env.fences.wait(self)
+            return
         keys, rnd.keys = rnd.keys, ()
         try:
             xid = env.data.expect_blocks(self.peer, rnd.slots)
@@ -267,7 +288,9 @@ class ClientRole:
         if self.env.observers.enabled:
             self.env.observers.timeout(kind="load", kv_request_id=rnd.req.kv, peer=self.peer)
         if rnd.phase == _UNSENT:
-            self._complete(rnd, Outcome.LOAD_TIMEOUT, "never sent: handshake not complete")
+            why = ("its slots are fenced against a write of an earlier load"
+                   if rnd.job_id in self.fenced else "handshake not complete")
+            self._complete(rnd, Outcome.LOAD_TIMEOUT, "never sent: " + why)
         elif rnd.phase == _ACTIVE:
             self._abort(rnd, Outcome.LOAD_TIMEOUT)
 
@@ -290,9 +313,16 @@ class ClientRole:
                      f"no abort_ack within {self.env.timeouts.abort_ack}s after "
                      f"{rnd.why.value}", force=True)
 
-    def _settle(self, rnd: _Round, outcome: Outcome, detail: str, *, force: bool = False) -> None:
-        """The producer side of the round is over; finish once our receive is terminal too."""
+    def _settle(self, rnd: _Round, outcome: Outcome, detail: str, *, force: bool = False,
+                confirmed: bool = False) -> None:
+        """The producer side of the round is over; finish once our receive is terminal too.
+
+        Unless the producer ``confirmed`` that none of its writes for the round is live, the
+        slots of a round whose fetch went out are fenced against it (not at shutdown)."""
         env = self.env
+        if (not confirmed and rnd.phase in (_ACTIVE, _ABORTING)
+                and outcome is not Outcome.SHUTDOWN):
+            env.fences.fence(self.peer, rnd.req.kv, rnd.slots)
         env.deadlines.cancel(rnd.timer)
         rnd.timer = None
         rnd.result = (outcome, detail)
@@ -338,6 +368,7 @@ class ClientRole:
         rnd.timer = None
         rnd.keys = ()
         rnd.phase = _DONE
+        self.fenced.pop(rnd.job_id, None)
         self._forget_xid(rnd)
         req = rnd.req
         del req.rounds[rnd.no]
@@ -402,6 +433,7 @@ class ClientRole:
                 env.host.mark_failed(req.kv)
         self.reqs = {kv: r for kv, r in self.reqs.items() if r.rounds}
         self.unsent = []
+        self.fenced.clear()
 
     def force_quiesce(self) -> list[int]:
         """Give up on receives that never drained after ``close``; returns their ids."""

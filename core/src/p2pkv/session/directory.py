@@ -11,6 +11,10 @@
 * **Failed consumer ids**: lookups answer MISS until the consumer request finishes.
 * Lookup handles whose ``LocalHitSource.end`` is owed, and which session registered each data
   peer (only that session may remove it).
+* **Quiescence owed** (producer side of fences, docs/protocol.md §5.1): per peer address, the
+  READY session that owes the peer a ``quiesced``, the closed sessions whose writes to it are
+  still draining, and the deadline until which writes we gave up on (force-cancelled without
+  confirmation) still count as live. ``quiesced`` goes out once neither remains.
 
 Threading: driver thread only.
 """
@@ -21,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from p2pkv.config import Timeouts
+from p2pkv.protocol import Quiesced
 from p2pkv.registry import Observers
 from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.env import Claim
@@ -53,6 +58,9 @@ class Directory:
         self.ends: list[object] = []
         self.data_owner: dict[str, Session] = {}
         self.source_seen = False
+        self.owed: dict[str, Session] = {}
+        self.draining: dict[str, set[Session]] = {}
+        self.gave_up: dict[str, Timer] = {}
 
     # -- SessionHost ------------------------------------------------------------------------
 
@@ -101,6 +109,44 @@ class Directory:
 
     def data_peer_added(self, peer: str, session: Session) -> None:
         self.data_owner[peer] = session
+
+    def session_ready(self, session: Session) -> None:
+        hello = session.peer_hello
+        if hello is not None and hello.wire[1] >= 1:
+            self.owed[session.peer] = session
+            self._maybe_quiesced(session.peer)
+
+    def session_closed(self, session: Session, *, draining: bool) -> None:
+        peer = session.peer
+        if self.owed.get(peer) is session:
+            del self.owed[peer]
+        if draining:
+            self.draining.setdefault(peer, set()).add(session)
+
+    def writes_drained(self, session: Session, *, gave_up: bool) -> None:
+        peer = session.peer
+        sessions = self.draining.get(peer)
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self.draining[peer]
+        if gave_up:
+            self._deadlines.cancel(self.gave_up.pop(peer, None))
+            self.gave_up[peer] = self._deadlines.at(
+                self._clock() + self._timeouts.fence, self._gave_up_expired, peer
+            )
+        self._maybe_quiesced(peer)
+
+    def _gave_up_expired(self, peer: str) -> None:
+        del self.gave_up[peer]
+        self._maybe_quiesced(peer)
+
+    def _maybe_quiesced(self, peer: str) -> None:
+        session = self.owed.get(peer)
+        if session is None or peer in self.draining or peer in self.gave_up:
+            return
+        del self.owed[peer]
+        session.send(Quiesced())
 
     # -- producer requests ------------------------------------------------------------------
 
@@ -169,4 +215,7 @@ class Directory:
             "bindings": len(self.bindings),
             "failed_ids": len(self.failed),
             "deferred_ends": len(self.ends),
+            "quiesced_owed": len(self.owed),
+            "draining_peers": len(self.draining),
+            "gave_up_peers": len(self.gave_up),
         }

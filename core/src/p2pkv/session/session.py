@@ -35,6 +35,7 @@ from p2pkv.protocol import (
     Lookup,
     LookupResp,
     Message,
+    Quiesced,
     TransferDone,
     Unknown,
     decode,
@@ -86,6 +87,9 @@ class Session:
         self.doomed: Doom | None = None
         self.internal_errors = 0
         self.timer: Timer | None = None
+        self.fence_floor = env.fences.next_id
+        """Fences created before this session; a ``quiesced`` on it lifts those of the peer."""
+        self.got_quiesced = False
         self.client = ClientRole(env, self)
         self.server = ServerRole(env, self)
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -95,6 +99,7 @@ class Session:
             AbortAck: self.client.on_abort_ack,
             Lookup: self.server.on_lookup,
             LookupResp: self.client.on_lookup_resp,
+            Quiesced: self._on_quiesced,
         }
         """Handlers of the messages that need a READY session."""
 
@@ -154,6 +159,7 @@ class Session:
             env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)
+        env.host.session_closed(self, draining=bool(self.server.transfers))
         if self.quiescent:
             self.state = State.CLOSED
 
@@ -161,6 +167,8 @@ class Session:
         """Give up on what never drained; returns the undrained ids (for the log)."""
         reason = "data plane did not drain in time"
         stuck = self.server.force_quiesce(Outcome.PEER_DEAD, reason)
+        if stuck:
+            self.env.host.writes_drained(self, gave_up=True)
         stuck += self.client.force_quiesce()
         self.state = State.CLOSED
         return stuck
@@ -169,6 +177,8 @@ class Session:
         """A transfer or receive of this session terminated."""
         if tid in self.server.transfers:
             self.server.on_transfer(tid, ok)
+            if self.state is State.CLOSING and not self.server.transfers:
+                self.env.host.writes_drained(self, gave_up=False)
         elif tid in self.client.xids:
             self.client.on_xid(tid, ok)
         if self.state is State.CLOSING and self.quiescent:
@@ -247,6 +257,18 @@ class Session:
             raise ProtocolError(f"{message_type(msg)}: received before the handshake completed")
         else:
             self._handlers[type(msg)](msg)
+
+    def _on_quiesced(self, msg: Quiesced) -> None:
+        assert self.peer_hello is not None
+        if self.peer_hello.wire[1] < 1:
+            raise ProtocolError(f"quiesced: not part of wire {self.peer_hello.wire[0]}."
+                                f"{self.peer_hello.wire[1]}, which the peer announced")
+        if self.got_quiesced:
+            raise ProtocolError("quiesced: sent twice on one session")
+        self.got_quiesced = True
+        lifted = self.env.fences.lift_before(self.peer, self.fence_floor)
+        if lifted:
+            log.info("%s confirmed quiescence: %d fence(s) lifted", self.peer, lifted)
 
     def _on_fetch(self, msg: Fetch) -> None:
         assert self.peer_hello is not None
@@ -331,6 +353,7 @@ class Session:
         log.debug("session with %s ready", self.peer)
         if env.observers.enabled:
             env.observers.session_opened(peer=self.peer, local=env.local.address)
+        env.host.session_ready(self)
         self.client.on_ready()
 
     def _handshake_expired(self, _: object) -> None:
