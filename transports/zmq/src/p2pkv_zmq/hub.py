@@ -31,6 +31,13 @@ Link protocol, below the opaque frames of the contract:
 - Payload from a DEALER that never opened to us (one that reconnected by itself to a
   restarted us) is dropped and answered with "gone", so stale frames never enter a session.
 
+Liveness: a connection dies when its DEALER disconnects (the peer closed, crashed, or missed
+heartbeats), fails or stalls its handshake, gets "gone", or has not connected within
+``connect_timeout``; a dial-back to a peer that just dialed us dies at its first refused
+attempt (the peer is gone). ``poll`` waits on the ROUTER only; the other sockets and the
+deadlines are swept every ``_SWEEP_INTERVAL`` (10 ms), so a death shows within that of libzmq
+reporting it.
+
 Memories of retired ids, pending opens and logged refusals are bounded (oldest forgotten).
 """
 
