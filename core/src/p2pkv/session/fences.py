@@ -34,7 +34,7 @@ from p2pkv.config import Timeouts
 from p2pkv.registry import Observers
 from p2pkv.session.deadlines import Deadlines, Timer
 
-__all__ = ["Fences", "FenceWaiter"]
+__all__ = ["FenceWaiter", "Fences"]
 
 log = logging.getLogger(__name__)
 
