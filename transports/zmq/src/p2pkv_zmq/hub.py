@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -248,14 +247,17 @@ class ZmqHub(ZmqControlTransport):
         """Frames (the hot path) are waited for with a plain receive on the ROUTER; the other
         sockets (connection monitors, "gone" notices, ZAP, the ROUTER's monitor) and connect
         deadlines are swept every ``_SWEEP_INTERVAL``, so a poll costs the same with one peer
-        or hundreds, and about what a raw pyzmq receive costs."""
+        or hundreds, and about what a raw pyzmq receive costs. libzmq waits in whole
+        milliseconds: a wait that has less than one left ends without waiting (never more
+        than ``timeout``)."""
         if self._closed:
             return _EMPTY
         now = time.monotonic()
         deadline = now + timeout
         while True:
             swept = now >= self._next_sweep and self._sweep(now)
-            if self._read_router(deadline - now) or swept:
+            wait_ms = min(int((deadline - now) * 1000), _SWEEP_MS)
+            if self._read_router(wait_ms) or swept or wait_ms <= 0:
                 break
             now = time.monotonic()
             if now >= deadline:
@@ -405,8 +407,8 @@ class ZmqHub(ZmqControlTransport):
 
     # -- inbound --------------------------------------------------------------------------
 
-    def _read_router(self, wait: float) -> bool:
-        """Receive what the ROUTER holds, waiting up to ``wait`` s for the first message;
+    def _read_router(self, wait_ms: int) -> bool:
+        """Receive what the ROUTER holds, waiting up to ``wait_ms`` for the first message;
         True if anything came.
 
         Costs are pyzmq's, per call: a blocking receive with a timeout for the wait; after the
@@ -416,11 +418,10 @@ class ZmqHub(ZmqControlTransport):
         router = self._router
         assert router is not None
         recv, more = router.recv, self._router_ready.poll
-        if wait > 0:
-            ms = min(math.ceil(wait * 1000), _SWEEP_MS)  # stable, so rarely re-set
-            if ms != self._rcvtimeo:
-                router.setsockopt(_RCVTIMEO, ms)
-                self._rcvtimeo = ms
+        if wait_ms > 0:
+            if wait_ms != self._rcvtimeo:  # mostly _SWEEP_MS, so rarely re-set
+                router.setsockopt(_RCVTIMEO, wait_ms)
+                self._rcvtimeo = wait_ms
             try:
                 rid = recv()
             except zmq.Again:
