@@ -18,7 +18,7 @@ import broken
 from p2pkv_loopback import LoopbackControlTransport, LoopbackDataTransport
 
 # No shrinking: a broken transport fails fast, and the failure itself is the point here.
-FIND = settings(max_examples=60, stateful_step_count=30, deadline=None, derandomize=True,
+FIND = settings(max_examples=40, stateful_step_count=25, deadline=None, derandomize=True,
                 phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow],
                 report_multiple_bugs=False)
 FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediate

@@ -38,7 +38,9 @@ class TestZmqControl(ControlTransportSuite):
 
 class TestNixlData(DataTransportSuite):
     transport_name = "nixl"
+    options = {"drain_timeout": 1.0}  # bounds the dead-peer tests
 
 
 class TestUcxData(DataTransportSuite):
     transport_name = "ucx"
+    options = {"drain_timeout": 1.0}
