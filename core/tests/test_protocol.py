@@ -23,6 +23,7 @@ from p2pkv.protocol import (
     Lookup,
     LookupResp,
     Message,
+    Quiesced,
     TransferDone,
     Unknown,
     decode,
@@ -65,6 +66,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Abort, kv_request_id=rid, round=u64),
     st.builds(AbortAck, kv_request_id=rid, round=u64),
     st.builds(Bye, reason=text),
+    st.just(Quiesced()),
 )
 
 
@@ -216,6 +218,13 @@ def test_frame_level_errors() -> None:
         decode(msgpack.packb({1: 2}), LIMITS)  # map keys must be strings
     with pytest.raises(ProtocolError, match="not a valid msgpack"):
         decode(msgpack.packb(msgpack.ExtType(1, b"x")), LIMITS)  # no ext types
+
+
+def test_quiesced_has_no_fields_and_ignores_unknown_ones() -> None:
+    assert encode(Quiesced()) == _frame("quiesced")
+    assert message_type(Quiesced()) == "quiesced"
+    assert decode(_frame("quiesced", epochs=[1, 2]), LIMITS) == Quiesced()
+    assert (WIRE_MAJOR, WIRE_MINOR) == (1, 1)
 
 
 def test_unknown_types_decode_to_unknown() -> None:

@@ -308,7 +308,7 @@ def test_data_transport_refusing_the_descriptor_rejects_the_peer(rig: Rig) -> No
 
 @pytest.mark.parametrize("msg", [
     Fetch("r", 0, [b"a"], [0]), Lookup(0, "r", [b"a"]), Abort("r", 0), AbortAck("r", 0),
-    TransferDone("r", 0, True), LookupResp(0, [True]),
+    TransferDone("r", 0, True), LookupResp(0, [True]), Quiesced(),
 ])
 def test_messages_before_the_handshake_are_protocol_errors(rig: Rig, msg: Message) -> None:
     rig.feed(rig.hello(), msg)  # peer hello seen, but our hello not acked yet
@@ -464,6 +464,81 @@ def test_transfer_done_racing_a_timeout_abort_keeps_its_success(rig: Rig) -> Non
     rig.feed(TransferDone("r", 0, True), AbortAck("r", 0))
     rig.take()
     assert rig.results == {1: Outcome.DONE}
+
+
+# -- fences (docs/protocol.md §5.1) ------------------------------------------------------------
+
+
+def _fenced(rig: Rig) -> list[tuple[str, str, list[int]]]:
+    return [(f.peer, f.kv, f.slots.tolist()) for f in rig.env.fences.live.values()]
+
+
+@pytest.mark.parametrize("end", ["peer_dead", "protocol_error", "abort_ack_timeout",
+                                 "aborting_then_dead"])
+def test_rounds_released_without_the_producers_word_fence_their_slots(rig: Rig,
+                                                                     end: str) -> None:
+    rig.ready()
+    rig.load(1, "r", [b"a", b"b"], [3, 4])
+    rig.load(2, "r", [b"c"], [5])
+    rig.feed(TransferDone("r", 1, True))
+    if end == "peer_dead":
+        rig.session.close(Outcome.PEER_DEAD, "connection lost")
+    elif end == "protocol_error":
+        rig.feed(TransferDone("r", 9, True))
+        rig.session.close(rig.doom().outcome, rig.doom().reason)
+    elif end == "abort_ack_timeout":
+        rig.tick(30.1)
+        rig.tick(10.1)
+    else:
+        rig.tick(30.1)
+        rig.session.close(Outcome.PEER_DEAD, "connection lost")
+    rig.take()
+    assert rig.results[2] is Outcome.DONE and not rig.results[1].success
+    assert _fenced(rig) == [(PEER, "r", [3, 4])]
+
+
+@pytest.mark.parametrize("end", ["done", "failed", "abort_ack", "unsent", "shutdown"])
+def test_rounds_the_producer_confirmed_or_never_saw_fence_nothing(rig: Rig, end: str) -> None:
+    if end == "unsent":
+        rig.load(1, "r", [b"a"], [3])
+        rig.session.close(Outcome.PEER_DEAD, "handshake never completed")
+    else:
+        rig.ready()
+        rig.load(1, "r", [b"a"], [3])
+        if end == "done":
+            rig.feed(TransferDone("r", 0, True))
+        elif end == "failed":
+            rig.feed(TransferDone("r", 0, False, "transfer_failed: x"))
+        elif end == "abort_ack":
+            rig.tick(30.1)
+            rig.feed(AbortAck("r", 0))
+        else:
+            rig.session.close(Outcome.SHUTDOWN, "shutdown")
+    rig.take()
+    assert 1 in rig.results and _fenced(rig) == []
+
+
+def test_a_fenced_round_waits_unsent_and_goes_out_once_lifted(rig: Rig) -> None:
+    rig.env.fences.fence(PEER, "old", [3])  # by an earlier session with the peer
+    rig.env.deadlines.cancel(rig.session.timer)
+    rig.session = Session(rig.env, PEER, rig.conn)
+    rig.session.start()
+    rig.ready()
+    rig.load(1, "r", [b"a", b"b"], [2, 3])
+    rig.load(2, "r", [b"c"], [4])
+    assert rig.sent() == [Fetch("r", 1, [b"c"], [4])]
+    assert rig.feed(Quiesced()) is None
+    assert rig.sent() == [Fetch("r", 0, [b"a", b"b"], [2, 3])]
+    assert rig.env.fences.live == {}
+
+
+def test_quiesced_lifts_only_fences_older_than_its_session(rig: Rig) -> None:
+    rig.ready()
+    rig.env.fences.fence(PEER, "young", [3])  # e.g. an abort_ack_timeout on this session
+    rig.feed(Quiesced())
+    assert _fenced(rig) == [(PEER, "young", [3])]
+    rig.feed(Quiesced())
+    assert "quiesced: sent twice" in rig.doom().reason
 
 
 def test_finish_mid_load_reports_request_finished_after_the_ack(rig: Rig) -> None:
