@@ -16,6 +16,20 @@ T = 10.0  # generous: children start on a busy 2-core machine
 DEATH_MARGIN = 2.0  # seconds beyond the heartbeat timeout for death to show
 
 
+def accept_one(p: Any) -> Any:
+    accepted: list[Any] = []
+    wait_until(lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T,
+               what="the child's connection")
+    assert len(accepted) == 1
+    return accepted[0]
+
+
+def echo(p: Any, conn: Any, word: bytes) -> None:
+    conn.send(word)
+    wait_until(lambda: b"echo:" + word in conn.recv(), timeout=T, what="the echo",
+               pumps=[lambda: p.poll(0.01)])
+
+
 def address_of(child: Child) -> str:
     kind, address = child.recv(T, "its address")
     assert kind == "address"
@@ -76,31 +90,21 @@ def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(make_transpor
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-1") as first:
         address = address_of(first)
         port = int(address.rsplit(":", 1)[1])
-        accepted: list[Any] = []
-        wait_until(lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T,
-                   what="the child's connection")
-        old = accepted[0]
+        old = accept_one(p)
         assert old.peer_address == address and list(old.recv()) == [b"hello"]
         assert p.connect(address) is old
-        old.send(b"ping")
-        wait_until(lambda: b"echo:ping" in old.recv(), timeout=T, what="the echo",
-                   pumps=[lambda: p.poll(0.01)])
+        echo(p, old, b"ping")
         first.kill()
         wait_until(lambda: not old.alive, timeout=FAST["heartbeat_timeout"] + DEATH_MARGIN,
                    what="alive False after SIGKILL", pumps=[lambda: p.poll(0.01)])
     with Child(zmq_peers.sitter, port, p.local_address, FAST, name="sitter-2") as second:
         assert address_of(second) == address
-        accepted.clear()
-        wait_until(lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T,
-                   what="the restarted child's connection")
-        new = accepted[0]
+        new = accept_one(p)
         assert new is not old and new.alive and new.peer_address == address
         assert list(new.recv()) == [b"hello"]
         assert list(old.recv()) == [], "the restarted peer's frames must not reach the old one"
         assert p.connect(address) is new
-        new.send(b"again")
-        wait_until(lambda: b"echo:again" in new.recv(), timeout=T, what="the echo",
-                   pumps=[lambda: p.poll(0.01)])
+        echo(p, new, b"again")
         second.send("stop")
 
 
@@ -108,9 +112,7 @@ def test_dialed_peer_sigkill_is_detected(make_transport: Any) -> None:
     p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, None, FAST, name="sitter-dialed") as child:
         conn = p.connect(address_of(child))
-        conn.send(b"ping")
-        wait_until(lambda: b"echo:ping" in conn.recv(), timeout=T, what="the echo",
-                   pumps=[lambda: p.poll(0.01)])
+        echo(p, conn, b"ping")
         child.kill()
         wait_until(lambda: not conn.alive, timeout=FAST["heartbeat_timeout"] + DEATH_MARGIN,
                    what="alive False after SIGKILL", pumps=[lambda: p.poll(0.01)])
@@ -119,13 +121,8 @@ def test_dialed_peer_sigkill_is_detected(make_transport: Any) -> None:
 def test_silent_peer_is_detected_by_heartbeats(make_transport: Any) -> None:
     p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-frozen") as child:
-        accepted: list[Any] = []
-        wait_until(lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T,
-                   what="the child's connection")
-        conn = accepted[0]
-        conn.send(b"ping")  # after the echo, both directions are established
-        wait_until(lambda: b"echo:ping" in conn.recv(), timeout=T, what="the echo",
-                   pumps=[lambda: p.poll(0.01)])
+        conn = accept_one(p)
+        echo(p, conn, b"ping")  # after the echo, both directions are established
         child.pause()  # SIGSTOP: sockets stay open, nothing answers
         try:
             wait_until(lambda: not conn.alive,

@@ -31,6 +31,14 @@ def accept_one(listener: Any, *others: Any) -> Any:
     return got[0]
 
 
+def connected(make_transport: Any) -> tuple[Any, Any, Any, Any]:
+    """Two transports ``a``, ``b``; a's connection to b after one frame ``x``; b's side."""
+    a, b = make_transport(), make_transport()
+    out = a.connect(b.local_address)
+    out.send(b"x")
+    return a, b, out, accept_one(b, a)
+
+
 def drain(conn: Any, count: int, *transports: Any) -> list[bytes]:
     got: list[bytes] = []
     wait_until(lambda: got.extend(conn.recv()) or len(got) >= count, timeout=T,
@@ -226,10 +234,7 @@ def test_unreachable_peer_dies_after_connect_timeout(make_transport: Any) -> Non
 
 
 def test_close_is_idempotent_and_visible_to_the_peer(make_transport: Any) -> None:
-    a, b = make_transport(), make_transport()
-    out = a.connect(b.local_address)
-    out.send(b"x")
-    inbound = accept_one(b, a)
+    a, b, out, inbound = connected(make_transport)
     out.close()
     out.close()
     assert not out.alive
@@ -241,10 +246,8 @@ def test_close_is_idempotent_and_visible_to_the_peer(make_transport: Any) -> Non
 
 
 def test_accepted_side_close_is_visible_to_the_dialer(make_transport: Any) -> None:
-    a, b = make_transport(), make_transport()
-    out = a.connect(b.local_address)
-    out.send(b"x")
-    accept_one(b, a).close()
+    a, b, out, inbound = connected(make_transport)
+    inbound.close()
     wait_until(lambda: not out.alive, timeout=T, what="the dialer to see the close",
                pumps=[pump(a, b)])
     fresh = a.connect(b.local_address)
@@ -254,10 +257,7 @@ def test_accepted_side_close_is_visible_to_the_dialer(make_transport: Any) -> No
 
 
 def test_transport_close_is_visible_and_idempotent(make_transport: Any) -> None:
-    a, b = make_transport(), make_transport()
-    out = a.connect(b.local_address)
-    out.send(b"x")
-    inbound = accept_one(b, a)
+    a, b, out, inbound = connected(make_transport)
     b.close()
     b.close()
     assert not inbound.alive
