@@ -61,6 +61,15 @@ def deep(session: nox.Session) -> None:
     pytest(session, "-m", "hypothesis", HYPOTHESIS_PROFILE="deep")
 
 
+@venv_session
+def conformance(session: nox.Session) -> None:
+    """The conformance kit (``p2pkv.testing``) over every installed transport: suites, state
+    machines, the broken transports it must catch, and the example plugin by subclass and by
+    ``--p2pkv-transport``. ``nox -s conformance -- -k nixl`` narrows it as usual."""
+    kit_tests = sorted(str(p) for p in ROOT.glob("core/tests/test_conformance_*.py"))
+    pytest(session, "tests/conformance", "tests/example_plugin/tests", *kit_tests)
+
+
 
 @venv_session
 def docs(session: nox.Session) -> None:
