@@ -11,6 +11,11 @@ restarts). Invariants, checked after every step:
   holds its old bytes or ``k``'s bytes; the source half of every region never changes; a slot
   released by a result that promises quiescence (``transfer_done``/``abort_ack`` seen) never
   changes afterwards;
+* like an engine, the model reuses every slot as soon as its load has a result, also after
+  PEER_DEAD or ABORT_ACK_TIMEOUT, while the producer's write into it may still be in flight
+  (the memory data transport completes writes polls later, and with ``wait_cancel_refuses``
+  a dead session's writes keep landing): a load reported DONE must still hold exactly its own
+  bytes then and ever after (the tier fences such slots until the producer confirms);
 * at the end, once every request finished, faults healed and the tiers polled to quiescence
   (clock past every deadline), no per-request state remains and every job has its result.
 
@@ -121,12 +126,15 @@ class TierMachine(RuleBasedStateMachine):
         self.reqs: list[Req] = []
         self.retired: list[Any] = []
 
-    @initialize(completion_polls=st.integers(0, 2), refuse=st.booleans(),
-                seed=st.integers(0, 2**16))
-    def start(self, completion_polls: int, refuse: bool, seed: int) -> None:
+    @initialize(completion_polls=st.lists(st.sampled_from([0, 1, 2, 12]), min_size=3,
+                                          max_size=3),
+                refuse=st.booleans(), seed=st.integers(0, 2**16))
+    def start(self, completion_polls: list[int], refuse: bool, seed: int) -> None:
+        """Per node: how many polls its writes take (a slow node's writes outlive a cut and
+        land after a fast node served the same slots again)."""
         self.faults = FaultInjector(seed=seed)
-        self.data_options = {"completion_polls": completion_polls,
-                             "wait_cancel_refuses": refuse}
+        self.data_options = [{"completion_polls": n, "wait_cancel_refuses": refuse}
+                             for n in completion_polls]
         for i in range(self.N_NODES):
             self.nodes.append(self._node(i, port=0))
             self.sources.append(Source(self, i))
@@ -136,7 +144,7 @@ class TierMachine(RuleBasedStateMachine):
 
     def _node(self, i: int, port: int) -> Any:
         return self.harness.Node(self.clock, faults=self.faults, num_blocks=NUM_BLOCKS,
-                                 block_len=BLOCK_LEN, data_options=self.data_options,
+                                 block_len=BLOCK_LEN, data_options=self.data_options[i],
                                  seed=1000 * i + len(self.retired), port=port)
 
     # -- requests ---------------------------------------------------------------------------
@@ -208,8 +216,12 @@ class TierMachine(RuleBasedStateMachine):
             return
         slots = sorted(free)[: len(chunk)]
         free.difference_update(slots)
-        for s in slots:
+        taint = self.taint[req.cons]
+        for s, k in zip(slots, chunk, strict=True):
             self.quiet[req.cons].pop(s, None)
+            if s in taint:  # an earlier producer's write may still land here, and now ours
+                keys, snap = taint[s]
+                taint[s] = ({*keys, k}, snap)
         req.loaded.update(chunk)
         job_id = next(self.ids)
         self.loads[job_id] = LoadRec(req.cons, req, chunk, slots, c.blocks[slots].copy())
@@ -258,20 +270,23 @@ class TierMachine(RuleBasedStateMachine):
                 continue
             blocks = self.nodes[i].blocks
             prod = self.nodes[rec.req.prod].blocks
+            taint = self.taint[i]
             for j, (k, s) in enumerate(zip(rec.keys, rec.slots, strict=True)):
                 want = prod[rec.req.src[k]]
                 now = blocks[s]
                 if r.outcome is Outcome.DONE:
                     assert (now == want).all(), f"job {r.job_id}: slot {s} lacks {k!r}"
                 else:
-                    assert (now == want).all() or (now == rec.before[j]).all(), (
+                    assert ((now == want).all() or (now == rec.before[j]).all()
+                            or self._holds_one_of(now, taint.get(s, (set(),))[0])), (
                         f"job {r.job_id} ({r.outcome}): slot {s} holds foreign bytes")
-                if r.outcome in QUIET:
+                self.free[i].add(s)  # reused at once, whatever the outcome
+                if r.outcome is Outcome.DONE or (r.outcome in QUIET and s not in taint):
                     self.quiet[i][s] = now.copy()
-                    self.free[i].add(s)
-                else:  # the producer may still write k there; nothing else may land
-                    keys, _ = self.taint[i].get(s, (set(), now))
-                    self.taint[i][s] = ({*keys, k}, now.copy())
+                    taint.pop(s, None)
+                else:  # the producer (or an earlier one) may still write there
+                    keys, _ = taint.get(s, (set(), now))
+                    taint[s] = ({*keys, k}, now.copy())
 
     # -- faults -----------------------------------------------------------------------------
 
@@ -327,8 +342,11 @@ class TierMachine(RuleBasedStateMachine):
                 assert (node.blocks[s] == snap).all(), f"node {i}: released slot {s} changed"
             for s, (ks, snap) in self.taint[i].items():
                 now = node.blocks[s]
-                ok = (now == snap).all() or any((now == self._key_bytes(k)).all() for k in ks)
+                ok = (now == snap).all() or self._holds_one_of(now, ks)
                 assert ok, f"node {i}: slot {s} holds bytes of no key demanded into it"
+
+    def _holds_one_of(self, block: Any, keys: set[bytes]) -> bool:
+        return any((block == self._key_bytes(k)).all() for k in keys)
 
     def _source_of(self, i: int) -> Any:
         if not hasattr(self, "_sources"):
