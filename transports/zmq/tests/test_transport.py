@@ -400,3 +400,10 @@ def test_an_accepted_peer_that_stops_listening_is_dead_at_once(make_transport: A
         assert "no longer listens" in (accepted[0].reason or "")
     finally:
         raw.close()
+
+
+def test_the_default_host_localhost_binds_and_is_dialable(make_transport: Any) -> None:
+    a, b = make_transport("localhost"), make_transport("LOCALHOST")
+    assert a.local_address.startswith("localhost:")
+    a.connect(b.local_address).send(b"by name")
+    assert list(accept_one(b, a).recv()) == [b"by name"]
