@@ -1,6 +1,16 @@
 """The p2pkv conformance kit and test helpers for transport authors.
 
-See ``docs/plugin-authors.md``. Submodules: ``child`` (run the remote side of a test in a
-child process), ``suites`` (pytest suites to subclass), ``stateful`` (hypothesis state
-machines), ``strategies`` (valid and hostile protocol messages and frames).
+See ``docs/plugin-authors.md``. Submodules:
+
+``suites``        pytest suites to subclass: ``ControlTransportSuite``, ``DataTransportSuite``
+``stateful``      hypothesis state machines per contract: ``ControlTransportMachine``,
+                  ``DataTransportMachine``
+``tier_machine``  ``TierMachine``: whole tiers over any (control, data) transport pair
+``strategies``    hypothesis strategies for frames and protocol messages, valid and hostile
+``peers``         the other side of a test, in this process or in a child (``PeerHost``)
+``child``         run a function in a spawned child with bounded waits (``Child``)
+``polllog``       ``PollLog``: checks every ``DataTransport.poll`` against the reporting rules
+``waiting``       ``wait_until`` and other bounded-wait helpers
+``pytest_plugin`` ``pytest --p2pkv-transport NAME``: the suites over an installed transport
+``by_name``       the test module that route collects
 """
