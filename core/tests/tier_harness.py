@@ -13,31 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import p2pkv_memory.plugin as memory_plugin
-from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings
 from p2pkv.protocol import WIRE_MAJOR, WIRE_MINOR, Hello, decode, encode
 from p2pkv.registry import Registry
-from p2pkv.tier import P2PTier
-from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
+from p2pkv.testing.tier_machine import FakeClock, TierNode
+from p2pkv.types import LookupResult, RequestContext
 from p2pkv_memory.control import MemoryControlTransport
 from p2pkv_memory.data import MemoryDataTransport
 from p2pkv_memory.faults import FaultInjector
 
 REGISTRY = Registry.from_plugins([("memory", memory_plugin)])
-
-
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def config(**overrides: Any) -> TierConfig:
@@ -46,79 +33,18 @@ def config(**overrides: Any) -> TierConfig:
     return TierConfig.from_dict(d)
 
 
-class Node:
-    """One tier, its region and the results it reported."""
+class Node(TierNode):
+    """One tier over the memory transports (optionally fault-injected), its region and the
+    results it reported (see :class:`p2pkv.testing.tier_machine.TierNode`)."""
 
     def __init__(self, clock: FakeClock, *, faults: FaultInjector | None = None,
                  num_blocks: int = 64, block_len: int = 16,
                  data_options: Mapping[str, Any] | None = None, seed: int = 0,
                  port: int = 0, **config_overrides: Any) -> None:
-        self.clock = clock
-        self.region = bytearray(num_blocks * block_len)
-        self.blocks = np.frombuffer(self.region, dtype=np.uint8).reshape(num_blocks, block_len)
-        self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
-        cfg = config(**config_overrides)
-        ctl: Any = MemoryControlTransport.create(
-            ControlSettings("127.0.0.1", port, max_frame_bytes=cfg.limits.max_frame_bytes)
-        )
-        data: Any = MemoryDataTransport.create(
-            DataSettings(memoryview(self.region), block_len, dict(data_options or {}))
-        )
-        if faults is not None:
-            ctl = faults.control(ctl)
-            data = faults.data(data, local=ctl.local_address)
-        self.control, self.data = ctl, data
-        self.tier = P2PTier(cfg, memoryview(self.region), block_len, registry=REGISTRY,
-                            clock=clock, control=ctl, data=data)
-        self.address = self.tier.local_address
-        self.host, self.port = parse_address(self.address)
-        self.results: dict[int, JobResult] = {}
-        self.submitted: set[int] = set()
-        self.closed = False
-
-    # -- requests ---------------------------------------------------------------------------
-
-    @staticmethod
-    def producer_ctx(kv: str) -> RequestContext:
-        return RequestContext(f"prod-{kv}", {"remote_decoder": {"kv_request_id": kv}})
-
-    def consumer_ctx(self, kv: str, source: Node, *, probe: bool = False) -> RequestContext:
-        key = "remote_kv_source" if probe else "remote_prefiller"
-        return RequestContext(f"cons-{kv}", {key: {
-            "kv_request_id": kv, "remote_host": source.host, "remote_port": source.port,
-        }})
-
-    def store(self, job_id: int, keys: list[bytes], slots: list[int],
-              ctx: RequestContext) -> None:
-        self.submitted.add(job_id)
-        self.tier.submit_store(Job(job_id, keys, slots, False, ctx))
-
-    def load(self, job_id: int, keys: list[bytes], slots: list[int],
-             ctx: RequestContext) -> None:
-        self.submitted.add(job_id)
-        self.tier.submit_load(Job(job_id, keys, slots, True, ctx))
-
-    # -- results ----------------------------------------------------------------------------
-
-    def collect(self) -> list[JobResult]:
-        got = self.tier.get_finished_jobs()
-        self.record(got)
-        return got
-
-    def record(self, got: Iterable[JobResult]) -> None:
-        for r in got:
-            assert r.job_id not in self.results, f"job {r.job_id} reported twice: {r}"
-            assert r.job_id in self.submitted, f"result for unknown job {r.job_id}: {r}"
-            self.results[r.job_id] = r
-
-    def outcome(self, job_id: int) -> Outcome | None:
-        r = self.results.get(job_id)
-        return None if r is None else r.outcome
-
-    def shutdown(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.record(self.tier.shutdown())
+        super().__init__(clock, control=MemoryControlTransport, data=MemoryDataTransport,
+                         data_options=data_options, faults=faults, num_blocks=num_blocks,
+                         block_len=block_len, seed=seed, port=port, registry=REGISTRY,
+                         **config_overrides)
 
 
 class Cluster:

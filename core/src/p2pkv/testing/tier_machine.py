@@ -241,7 +241,7 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.faults: Any = None
-        self.node_data_options: Mapping[str, Any] = dict(self.data_options)
+        self.node_data_options: list[Mapping[str, Any]] = []
         self.ids = itertools.count(1)
         self.kvs = itertools.count(1)
         self.nodes: list[Any] = []
@@ -253,9 +253,10 @@ class TierMachine(RuleBasedStateMachine):
         self.reqs: list[Req] = []
         self.retired: list[Any] = []
 
-    def draw_data_options(self, data: st.DataObject) -> Mapping[str, Any]:
-        """The data options of this run's nodes; override to vary them per example."""
-        return dict(self.data_options)
+    def draw_data_options(self, data: st.DataObject) -> list[Mapping[str, Any]]:
+        """The data options of each node of this run (a restarted node keeps its own);
+        override to vary them per example and per node."""
+        return [dict(self.data_options)] * self.N_NODES
 
     @initialize(seed=st.integers(0, 2**16), data=st.data())
     def start(self, seed: int, data: st.DataObject) -> None:
@@ -282,7 +283,7 @@ class TierMachine(RuleBasedStateMachine):
             raise TypeError(f"{type(self).__name__}: set control_transport and data_transport")
         return TierNode(self.clock, control=control, data=data,
                         control_options=self.control_options,
-                        data_options=self.node_data_options, faults=self.faults,
+                        data_options=self.node_data_options[i], faults=self.faults,
                         num_blocks=self.num_blocks, block_len=self.block_len,
                         seed=1000 * i + len(self.retired), port=port)
 
