@@ -56,7 +56,9 @@ def test_ucx_lanes_reports_a_failing_setup(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_measure_raw_and_transport_side_by_side_with_verified_bytes() -> None:
-    times = measure({"raw": RawNixl, "p2pkv": NixlDataTransport}, 4096, 32, 3, 1)
-    assert set(times) == {"raw", "p2pkv"}
+    cpu: dict[str, list[float]] = {}
+    times = measure({"raw": RawNixl, "p2pkv": NixlDataTransport}, 4096, 32, 3, 1, cpu=cpu)
+    assert set(times) == set(cpu) == {"raw", "p2pkv"}
     assert all(len(v) == 3 and min(v) > 0 for v in times.values())
+    assert all(len(v) == 3 for v in cpu.values())
     assert len(run_memcpy(4096, 32, 2, 1)) == 2
