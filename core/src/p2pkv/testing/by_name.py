@@ -31,6 +31,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         kinds = installed or {"control", "data"}  # not installed: fail with the registry's hint
         if wanted in (kind, "both") and kind in kinds:
             names.append(name)
+    if not names:
+        skip = pytest.mark.skip(reason=f"no {kind} transport among --p2pkv-transport names")
+        metafunc.parametrize("p2pkv_transport_name", [pytest.param("", marks=skip)],
+                             scope="class", ids=["none"])
+        return
     metafunc.parametrize("p2pkv_transport_name", names, scope="class")
 
 
