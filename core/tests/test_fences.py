@@ -20,6 +20,10 @@ from p2pkv.types import Outcome
 from p2pkv_memory.faults import FaultInjector
 
 SLOW = {"completion_polls": 8, "wait_cancel_refuses": True}
+LATE = {"completion_polls": 60, "wait_cancel_refuses": True}
+"""Writes that outlive the producer's drain deadline (5 s) and then land."""
+STUCK = {"completion_polls": 10_000, "wait_cancel_refuses": True}
+"""Writes that never end within a test."""
 
 
 @pytest.fixture
@@ -32,10 +36,10 @@ class Cut:
     of ``c`` from ``p`` into slots 0 and 1 whose write is in flight when the link is cut."""
 
     def __init__(self, h: Any, cluster: Any, *, p_options: dict[str, Any] | None = None,
-                 **c_config: Any) -> None:
+                 p_config: dict[str, Any] | None = None, **c_config: Any) -> None:
         self.h, self.cluster = h, cluster
         self.faults = FaultInjector(seed=3)
-        self.p = cluster(faults=self.faults, data_options=p_options or SLOW)
+        self.p = cluster(faults=self.faults, data_options=p_options or SLOW, **(p_config or {}))
         self.c = cluster(faults=self.faults, **c_config)
         self.q = cluster(faults=self.faults)
         p, c = self.p, self.c
@@ -66,6 +70,15 @@ class Cut:
 
     def write_landed(self) -> bool:
         return self.p.tier.stats()["in_flight_transfers"] == 0
+
+    def retiring(self) -> int:
+        """Writes of ``p`` given up at a drain deadline and still live."""
+        return int(self.p.tier.stats()["retiring_writes"])
+
+    def give_up(self) -> None:
+        """Let ``p``'s drain deadline (5 s) pass with the old write still live."""
+        self.h.advance(self.cluster.clock, [self.p, self.c, self.q], 5.5)
+        assert self.write_landed() and self.retiring() == 1
 
     def reconnect(self) -> None:
         """Heal, and give ``c`` a reason to dial ``p`` again."""
@@ -137,15 +150,90 @@ def test_a_restarted_producer_lifts_the_fence_at_once(h: Any, cluster: Any) -> N
     assert cut.c.outcome(3) is Outcome.DONE
 
 
-def test_a_producer_that_gave_up_on_a_write_does_not_claim_quiescence(
+def test_a_write_given_up_at_the_drain_deadline_is_polled_until_it_ends_then_quiesced(
         h: Any, cluster: Any) -> None:
-    cut = Cut(h, cluster, p_options={"completion_polls": 10_000, "wait_cancel_refuses": True})
-    h.advance(cluster.clock, [cut.p, cut.c], 5.5)  # shutdown_drain: force-cancelled, unconfirmed
-    assert cut.write_landed() and cut.p.tier._dir.gave_up
+    cut = Cut(h, cluster, p_options=LATE)
+    p, c = cut.p, cut.c
+    cut.load_from_q(3, "s", [1])  # fenced against p
+    cut.give_up()
+    assert p.outcome(1) is Outcome.PEER_DEAD  # the store job still fails at the drain deadline
+    assert c.address in p.tier._dir.data_owner  # the data peer is kept under the live write
     cut.reconnect()
-    assert len(cut.c.tier._env.fences) == 1
-    h.advance(cluster.clock, [cut.p, cut.c], 120)
-    assert not cut.c.tier._env.fences.live
+    c.load(5, [b"a2"], [5], c.consumer_ctx("again", p))  # new writes over the re-added peer
+    p.tier.on_new_request(p.producer_ctx("again"))
+    p.store(6, [b"a2"], [12], p.producer_ctx("again"))
+    cut.pump(4)
+    assert cut.retiring() == 1 and len(c.tier._env.fences) == 1 and 3 not in c.results
+    h.pump_until([p, c, cut.q], lambda: not cut.retiring(), rounds=80)
+    cut.pump(4)
+    assert not c.tier._env.fences.live  # p said quiesced once its old write ended
+    assert c.outcome(3) is Outcome.DONE and (c.blocks[1] == cut.q_bytes(1)[0]).all()
+    h.pump_until([p, c], lambda: 5 in c.results and 6 in p.results, rounds=80)
+    assert c.outcome(5) is Outcome.DONE and p.outcome(6) is Outcome.DONE
+    assert cluster.clock() < 1000 + 30  # long before the fence deadline (120 s)
+    assert p.tier._dir.data_owner[c.address] is p.tier._sessions[c.address]
+    assert p.tier._state_sizes()["gave_up_peers"] == 0
+
+
+def test_the_data_peer_is_removed_only_once_the_given_up_write_ended(
+        h: Any, cluster: Any) -> None:
+    cut = Cut(h, cluster, p_options=LATE)
+    p = cut.p
+    removed: list[tuple[str, int]] = []
+    remove_peer = p.data.remove_peer
+
+    def spy(peer: str) -> list[int]:
+        removed.append((peer, cut.retiring()))
+        left: list[int] = remove_peer(peer)
+        return left
+
+    p.data.remove_peer = spy
+    cut.give_up()
+    assert not removed
+    h.pump_until([p, cut.c], lambda: not cut.retiring(), rounds=80)
+    assert removed == [(cut.c.address, 0)] and not p.tier._dir.data_owner
+    assert p.tier._state_sizes()["gave_up_peers"] == 0
+
+
+def test_a_given_up_write_still_live_at_the_fence_deadline_is_no_longer_waited_for(
+        h: Any, cluster: Any, caplog: Any) -> None:
+    cut = Cut(h, cluster, p_options=STUCK)
+    cut.give_up()
+    cut.reconnect()
+    assert len(cut.c.tier._env.fences) == 1 and cut.p.tier._dir.owed  # no quiesced yet
+    with caplog.at_level(logging.WARNING, logger="p2pkv.session.retiring"):
+        h.advance(cluster.clock, [cut.p, cut.c], 120)
+        h.advance(cluster.clock, [cut.p, cut.c], 60)
+    lines = [r.getMessage() for r in caplog.records if r.name == "p2pkv.session.retiring"]
+    assert len(lines) == 1 and "1 write(s)" in lines[0] and cut.c.address in lines[0]
+    assert not cut.c.tier._env.fences.live and not cut.p.tier._dir.owed
+    assert not cut.retiring()
+
+
+def test_shutdown_waits_for_given_up_writes_within_its_drain_bound(
+        h: Any, cluster: Any, caplog: Any) -> None:
+    cut = Cut(h, cluster, p_options=LATE, p_config={"timeouts": {"shutdown_drain": 2.0}})
+    h.advance(cluster.clock, [cut.p, cut.c], 2.5)
+    assert cut.retiring() == 1
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="p2pkv.tier"):
+        cut.p.shutdown()
+    assert not [r for r in caplog.records if r.name == "p2pkv.tier"]  # drained: nothing kept
+    assert (cut.c.blocks[[0, 1]] == cut.stale).all()
+
+
+def test_shutdown_is_bounded_and_keeps_memory_under_a_given_up_write(
+        h: Any, cluster: Any, caplog: Any) -> None:
+    cut = Cut(h, cluster, p_options=STUCK, p_config={"timeouts": {"shutdown_drain": 0.2}})
+    h.advance(cluster.clock, [cut.p, cut.c], 0.5)
+    assert cut.retiring() == 1
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="p2pkv.tier"):
+        cut.p.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.name == "p2pkv.tier"]
+    assert any("given up earlier are still live: [1]" in m for m in lines), lines
+    assert any("kept its region registered" in m for m in lines), lines
+    assert not cut.retiring() and len(cut.p.tier._deadlines) == 0
 
 
 def test_another_peer_cannot_lift_a_fence_against_the_producer(h: Any, cluster: Any) -> None:

@@ -32,6 +32,7 @@ from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.directory import Directory
 from p2pkv.session.env import LocalIdentity, SessionEnv
 from p2pkv.session.ledger import JobLedger
+from p2pkv.session.retiring import RetiringWrites
 from p2pkv.session.session import Session, State
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
@@ -128,7 +129,10 @@ class P2PTier:
         self._observers = observers
         self._deadlines = Deadlines()
         self._ledger = JobLedger(clock, observers)
-        self._dir = Directory(self._ledger, self._deadlines, clock, config.timeouts, observers)
+        self._retiring = RetiringWrites(self._deadlines, clock, config.timeouts,
+                                        self._writes_retired)
+        self._dir = Directory(self._ledger, self._deadlines, clock, config.timeouts, observers,
+                              self._retiring)
         self._env = SessionEnv(
             data=data, ledger=self._ledger, deadlines=self._deadlines, clock=clock,
             observers=observers, timeouts=config.timeouts, limits=config.limits,
@@ -315,14 +319,13 @@ class P2PTier:
             self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         drain = self._config.timeouts.shutdown_drain
         start, wall = self._clock(), time.monotonic()
-        owners = self._env.owners
-        while self._closing:
+        while self._closing or self._retiring:
             self._data.progress()
             done, failed = self._data.poll(None)
-            self._route(done, failed, owners)
+            self._route(done, failed)
             for session in [s for s in self._closing if s.state is State.CLOSED]:
                 self._finalize(session)
-            if not self._closing or max(self._clock() - start, time.monotonic() - wall) >= drain:
+            if max(self._clock() - start, time.monotonic() - wall) >= drain:
                 break
             for conn in self._control.poll(0.001):
                 conn.close()
@@ -331,6 +334,9 @@ class P2PTier:
             log.error("shutdown: %d transfer(s) with %s did not drain within %.1fs",
                       len(stuck), session.peer, drain)
             self._finalize(session)
+        for peer, tids in self._retiring.clear().items():
+            log.error("shutdown: %d write(s) to %s given up earlier are still live: %s",
+                      len(tids), peer, tids[:16])
         self._closed = True
         self._env.fences.clear()
         for job_id in self._ledger.open_ids():  # safety net: nothing may stay unanswered
@@ -355,6 +361,7 @@ class P2PTier:
             sessions_ready=sum(1 for s in self._sessions.values() if s.ready),
             sessions_closing=len(self._closing),
             in_flight_transfers=self._in_flight(),
+            retiring_writes=len(self._retiring),
             parked_stores=self._dir.parked_count,
             blocks_sent=c["blocks_sent"],
             bytes_sent=c["blocks_sent"] * self._block_len,
@@ -379,6 +386,7 @@ class P2PTier:
             for k, v in session.state_sizes().items():
                 sizes[k] += v
         sizes.update(self._dir.state_sizes())
+        sizes.update(self._retiring.state_sizes())
         sizes.update(
             jobs_open=self._ledger.pending, results_waiting=self._ledger.undelivered,
             owners=len(self._env.owners), timers=len(self._deadlines),
@@ -531,43 +539,59 @@ class P2PTier:
     def _drain_expired(self, session: Session) -> None:
         self._closing[session] = None
         stuck = session.force_quiesce()
-        log.error("session %s: %d transfer(s) did not drain within %.1fs after close",
-                  session.peer, len(stuck), self._config.timeouts.shutdown_drain)
+        log.error("session %s: %d transfer(s) did not drain within %.1fs after close; their "
+                  "jobs fail, their writes are polled on until they end", session.peer,
+                  len(stuck), self._config.timeouts.shutdown_drain)
         self._finalize(session)
 
     def _finalize(self, session: Session) -> None:
-        """``session`` is closed and quiescent: release its data peer if it owns it."""
+        """``session`` is closed and quiescent (or gave up): release its data peer if it is
+        the registering one and nothing retires there."""
         self._deadlines.cancel(self._closing.pop(session, None))
-        if self._dir.data_owner.get(session.peer) is session:
-            del self._dir.data_owner[session.peer]
-            undrained = self._data.remove_peer(session.peer)
-            if undrained:
-                log.error("data peer %s removed with %d transfer(s) undrained: %s",
-                          session.peer, len(undrained), undrained[:16])
+        self._release_data_peer(session.peer)
+
+    def _writes_retired(self, peer: str) -> None:
+        """No given-up write to ``peer`` is waited for any more."""
+        self._dir.maybe_quiesced(peer)
+        self._release_data_peer(peer)
+
+    def _release_data_peer(self, peer: str) -> None:
+        """Remove the data peer once its registering session is finalized and no write to it
+        retires (the transport would otherwise block draining it, and keep it anyway)."""
+        owner = self._dir.data_owner.get(peer)
+        if (owner is None or owner.state is not State.CLOSED or owner in self._closing
+                or self._retiring.live(peer) or self._closed):
+            return
+        del self._dir.data_owner[peer]
+        undrained = self._data.remove_peer(peer)
+        if undrained:
+            log.error("data peer %s removed with %d transfer(s) undrained: %s",
+                      peer, len(undrained), undrained[:16])
 
     def _data_tick(self) -> None:
         data = self._data
         data.progress()
-        owners = self._env.owners
-        if not owners:
+        owners, retiring = self._env.owners, self._retiring
+        if not owners and not retiring:
             return
         peers = {s.peer for s in self._sessions.values() if not s.quiescent}
         peers.update(s.peer for s in self._closing if not s.quiescent)
+        peers.update(retiring.peers())
         for peer in peers:
             done, failed = data.poll(peer)
             if done or failed:
-                self._route(done, failed, owners)
+                self._route(done, failed)
 
-    @staticmethod
-    def _route(done: Sequence[int], failed: Sequence[int], owners: dict[int, Session]) -> None:
-        for tid in done:
-            owner = owners.pop(tid, None)
-            if owner is not None:
-                owner.on_data(tid, True)
-        for tid in failed:
-            owner = owners.pop(tid, None)
-            if owner is not None:
-                owner.on_data(tid, False)
+    def _route(self, done: Sequence[int], failed: Sequence[int]) -> None:
+        """Hand terminal ids to their sessions; the rest may be retiring writes."""
+        owners, retiring = self._env.owners, self._retiring
+        for ok, tids in ((True, done), (False, failed)):
+            for tid in tids:
+                owner = owners.pop(tid, None)
+                if owner is not None:
+                    owner.on_data(tid, ok)
+                elif retiring:
+                    retiring.ended(tid)
 
     def _in_flight(self) -> int:
         return sum(len(s.server.transfers) for s in [*self._sessions.values(), *self._closing])

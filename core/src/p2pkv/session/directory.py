@@ -12,9 +12,10 @@
 * Lookup handles whose ``LocalHitSource.end`` is owed, and which session registered each data
   peer (only that session may remove it).
 * **Quiescence owed** (producer side of fences, docs/protocol.md §5.1): per peer address, the
-  READY session that owes the peer a ``quiesced``, the closed sessions whose writes to it are
-  still draining, and the deadline until which writes we gave up on (force-cancelled without
-  confirmation) still count as live. ``quiesced`` goes out once neither remains.
+  READY session that owes the peer a ``quiesced``, and the closed sessions whose writes to it
+  are still draining. Writes given up at a drain deadline move to the
+  :class:`~p2pkv.session.retiring.RetiringWrites` (shared with the tier, which polls them).
+  ``quiesced`` goes out once neither holds a live write to the peer.
 
 Threading: driver thread only.
 """
@@ -30,10 +31,11 @@ from p2pkv.registry import Observers
 from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.env import Claim
 from p2pkv.session.ledger import JobLedger
+from p2pkv.session.retiring import RetiringWrites
 from p2pkv.types import Job, Outcome
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from p2pkv.session.session import Session
 
@@ -44,12 +46,13 @@ log = logging.getLogger(__name__)
 
 class Directory:
     def __init__(self, ledger: JobLedger, deadlines: Deadlines, clock: Callable[[], float],
-                 timeouts: Timeouts, observers: Observers) -> None:
+                 timeouts: Timeouts, observers: Observers, retiring: RetiringWrites) -> None:
         self._ledger = ledger
         self._deadlines = deadlines
         self._clock = clock
         self._timeouts = timeouts
         self._observers = observers
+        self._retiring = retiring
         self.producers: set[str] = set()
         self.tombstones: dict[str, Timer] = {}
         self.parked: dict[str, list[tuple[Job, Timer]]] = {}
@@ -60,7 +63,6 @@ class Directory:
         self.source_seen = False
         self.owed: dict[str, Session] = {}
         self.draining: dict[str, set[Session]] = {}
-        self.gave_up: dict[str, Timer] = {}
 
     # -- SessionHost ------------------------------------------------------------------------
 
@@ -114,7 +116,7 @@ class Directory:
         hello = session.peer_hello
         if hello is not None and hello.wire[1] >= 1:
             self.owed[session.peer] = session
-            self._maybe_quiesced(session.peer)
+            self.maybe_quiesced(session.peer)
 
     def session_closed(self, session: Session, *, draining: bool) -> None:
         peer = session.peer
@@ -123,27 +125,21 @@ class Directory:
         if draining:
             self.draining.setdefault(peer, set()).add(session)
 
-    def writes_drained(self, session: Session, *, gave_up: bool) -> None:
+    def writes_drained(self, session: Session, given_up: Sequence[int]) -> None:
         peer = session.peer
         sessions = self.draining.get(peer)
         if sessions is not None:
             sessions.discard(session)
             if not sessions:
                 del self.draining[peer]
-        if gave_up:
-            self._deadlines.cancel(self.gave_up.pop(peer, None))
-            self.gave_up[peer] = self._deadlines.at(
-                self._clock() + self._timeouts.fence, self._gave_up_expired, peer
-            )
-        self._maybe_quiesced(peer)
+        self._retiring.add(peer, given_up)
+        self.maybe_quiesced(peer)
 
-    def _gave_up_expired(self, peer: str) -> None:
-        del self.gave_up[peer]
-        self._maybe_quiesced(peer)
-
-    def _maybe_quiesced(self, peer: str) -> None:
+    def maybe_quiesced(self, peer: str) -> None:
+        """Send the ``quiesced`` owed to ``peer`` if no write to it from an older session is
+        live any more."""
         session = self.owed.get(peer)
-        if session is None or peer in self.draining or peer in self.gave_up:
+        if session is None or peer in self.draining or self._retiring.live(peer):
             return
         del self.owed[peer]
         session.send(Quiesced())
@@ -217,5 +213,4 @@ class Directory:
             "deferred_ends": len(self.ends),
             "quiesced_owed": len(self.owed),
             "draining_peers": len(self.draining),
-            "gave_up_peers": len(self.gave_up),
         }

@@ -95,9 +95,10 @@ class SessionHost(Protocol):
         """``session`` closed; ``draining``: writes of it to its peer are still in flight."""
         ...
 
-    def writes_drained(self, session: Session, *, gave_up: bool) -> None:
-        """The writes of closed ``session`` are terminal, or (``gave_up``) were force-cancelled
-        unconfirmed: then they count as live until ``timeouts.fence`` has passed."""
+    def writes_drained(self, session: Session, given_up: Sequence[int]) -> None:
+        """The writes of closed ``session`` are terminal, except ``given_up``: ids still live
+        at the drain deadline (never cancelled). Those are polled on and count as live until
+        they end or ``timeouts.fence`` has passed."""
         ...
 
 

@@ -640,13 +640,13 @@ class ServerRole:
             for tid in [t for t in self.transfers if t not in still]:
                 self._cancelled(tid, outcome, reason)
 
-    def force_quiesce(self, outcome: Outcome, reason: str) -> list[int]:
-        """Give up on transfers that never drained after ``close``; returns their ids."""
+    def give_up(self, outcome: Outcome, reason: str) -> list[int]:
+        """Stop waiting for transfers that never drained after ``close``: their store jobs get
+        their results now. Returns the ids, still live in the data transport: they are not
+        cancelled (a posted write cannot be recalled; its handle must outlive it)."""
         tids = list(self.transfers)
-        if tids:
-            self.env.data.cancel(tids, CancelMode.IMMEDIATE)
-            for tid in tids:
-                self._cancelled(tid, outcome, reason)
+        for tid in tids:
+            self._cancelled(tid, outcome, reason)
         return tids
 
     @property

@@ -9,7 +9,8 @@ A session never closes itself in the middle of a call: a fatal condition (protoc
 rejected hello, failed send, handshake timeout, peer's bye) *dooms* it, and the tier closes
 doomed sessions at safe points of its tick. Closing fails every job of the session with one
 outcome, wait-cancels its transfers and stays ``CLOSING`` until the data plane confirms
-quiescence (or the drain deadline passes); only then may the tier remove the data peer.
+quiescence or the drain deadline passes (writes still live then retire: the tier keeps
+polling them); the tier removes the data peer once nothing of it is live.
 
 Threading: driver thread only.
 """
@@ -164,11 +165,12 @@ class Session:
             self.state = State.CLOSED
 
     def force_quiesce(self) -> list[int]:
-        """Give up on what never drained; returns the undrained ids (for the log)."""
+        """Give up on what never drained; returns the undrained ids (for the log). Writes
+        given up are not cancelled: they go on as retiring writes of the peer (§4.4)."""
         reason = "data plane did not drain in time"
-        stuck = self.server.force_quiesce(Outcome.PEER_DEAD, reason)
+        stuck = self.server.give_up(Outcome.PEER_DEAD, reason)
         if stuck:
-            self.env.host.writes_drained(self, gave_up=True)
+            self.env.host.writes_drained(self, stuck)
         stuck += self.client.force_quiesce()
         self.state = State.CLOSED
         return stuck
@@ -178,7 +180,7 @@ class Session:
         if tid in self.server.transfers:
             self.server.on_transfer(tid, ok)
             if self.state is State.CLOSING and not self.server.transfers:
-                self.env.host.writes_drained(self, gave_up=False)
+                self.env.host.writes_drained(self, ())
         elif tid in self.client.xids:
             self.client.on_xid(tid, ok)
         if self.state is State.CLOSING and self.quiescent:
