@@ -169,11 +169,6 @@ class ZmqHub(ZmqControlTransport):
         router = self._router = self._ctx.socket(zmq.ROUTER)
         self._tune(router, ipv6=plan.ipv6)
         router.maxmsgsize = self.max_frame_bytes
-        # A connection presenting the routing id of one still attached takes it over. Without
-        # this, libzmq parks such a connection unread and never frees what it sends: any
-        # client could grow our memory without bound by reusing one id (chaos suite, hostile
-        # peer), and a DEALER reconnecting before its old pipe died would be ignored.
-        router.router_handover = True
         if keys is not None:
             router.curve_server = True
             router.curve_secretkey = keys.server_secret
