@@ -17,7 +17,8 @@ class's declared :class:`~p2pkv.contracts.Capabilities` and skip, with the reaso
 not claim; a transport whose ``availability()`` reports a missing library is skipped as a
 whole.
 
-Knobs (class attributes; the fixtures of the same purpose may be overridden instead):
+Knobs (class attributes; ``transport_class`` and ``transport_options`` are also fixtures,
+which a subclass may override instead):
 
 ``transport``            the class under test (or override the ``transport_class`` fixture)
 ``transport_name``       instead of ``transport``: an installed transport, by registry name
