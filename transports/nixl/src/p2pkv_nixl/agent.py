@@ -6,6 +6,8 @@ Everything here runs once per transport, on the constructing thread.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,11 +15,14 @@ import numpy.typing as npt
 from p2pkv.contracts import DataSettings
 from p2pkv.errors import ConfigError
 
-from p2pkv_nixl.descriptor import MAX_BLOCKS
+from p2pkv_nixl import library
+from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
 from p2pkv_nixl.library import Nixl
 from p2pkv_nixl.options import NixlOptions
 
-__all__ = ["LOCAL", "block_dlist", "open_agent", "region_array"]
+__all__ = [
+    "LOCAL", "LocalRegion", "block_dlist", "open_agent", "region_array", "register_region",
+]
 
 LOCAL = "NIXL_INIT_AGENT"
 """``prep_xfer_dlist`` name for a local (initiator-side) descriptor list."""
@@ -52,7 +57,9 @@ def open_agent(nixl: Nixl, options: NixlOptions) -> tuple[Any, str]:
     """A new agent named by a fresh uuid, with ``options.backends`` created.
 
     ``ConfigError`` if a backend is not available or fails to start (e.g. ``UCX_TLS=shm`` or
-    ``cma`` alone: UCX finds no transport for active messages)."""
+    ``cma`` alone: UCX finds no transport for active messages). Applies the UCX environment
+    defaults first (UCX reads them when the backend starts)."""
+    library.apply_ucx_defaults()
     name = f"p2pkv-{uuid.uuid4()}"
     config = nixl.config_cls(
         enable_prog_thread=options.enable_prog_thread,
@@ -79,3 +86,47 @@ def open_agent(nixl: Nixl, options: NixlOptions) -> tuple[Any, str]:
                 f"'cma' alone fail) and nixl data option 'backend_params'"
             ) from exc
     return agent, name
+
+
+@dataclass(frozen=True)
+class LocalRegion:
+    """What registering a block region with an agent produced."""
+
+    registrations: list[Any]
+    """NIXL registrations: the region first, then the extra buffers (deregister in reverse)."""
+    dlist: Any
+    """The region's prepared local descriptor list (one entry per block)."""
+    descriptor: bytes
+    """Our encoded :class:`RegionDescriptor`, for peers."""
+
+
+def register_region(
+    agent: Any,
+    agent_name: str,
+    array: npt.NDArray[np.uint8],
+    block_len: int,
+    extra: Sequence[npt.NDArray[np.uint8]] = (),
+) -> LocalRegion:
+    """Register ``array`` (and ``extra`` buffers) as DRAM, prepare its block list and take the
+    agent metadata (after registering: it carries the remote keys). ``ConfigError`` on failure,
+    with whatever was registered deregistered again."""
+    base, num_blocks = int(array.ctypes.data), array.size // block_len
+    registrations: list[Any] = []
+    try:
+        for buffer in (array, *extra):
+            registrations.append(
+                agent.register_memory([(int(buffer.ctypes.data), buffer.nbytes, 0, "")], "DRAM")
+            )
+        dlist = agent.prep_xfer_dlist(LOCAL, block_dlist(base, num_blocks, block_len), "DRAM")
+        metadata = agent.get_agent_metadata()
+    except Exception as exc:
+        for registration in reversed(registrations):
+            try:
+                agent.deregister_memory(registration)
+            except Exception:
+                pass  # already failing; the agent goes with this transport
+        raise ConfigError(
+            f"NIXL could not register the region: {type(exc).__name__}: {exc}"
+        ) from exc
+    descriptor = RegionDescriptor(agent_name, metadata, base, num_blocks, block_len).encode()
+    return LocalRegion(registrations, dlist, descriptor)

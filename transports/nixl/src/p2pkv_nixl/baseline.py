@@ -40,7 +40,7 @@ from p2pkv.errors import TransferSubmitError, TransportUnavailable
 from p2pkv.testing.child import Child
 
 from p2pkv_nixl import library
-from p2pkv_nixl.agent import LOCAL, block_dlist, open_agent, region_array
+from p2pkv_nixl.agent import block_dlist, open_agent, region_array, register_region
 from p2pkv_nixl.descriptor import RegionDescriptor
 from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.transport import NixlDataTransport
@@ -71,21 +71,11 @@ class RawNixl:
         return cls(settings)
 
     def __init__(self, settings: DataSettings) -> None:
-        nixl = library.load()
-        library.apply_ucx_defaults()
         self._array = region_array(settings)
-        self._agent, name = open_agent(nixl, NixlOptions())
-        base, block_len = int(self._array.ctypes.data), settings.block_len
-        num_blocks = self._array.size // block_len
-        self._registration = self._agent.register_memory(
-            [(base, self._array.nbytes, 0, "")], "DRAM"
-        )
-        self._local = self._agent.prep_xfer_dlist(
-            LOCAL, block_dlist(base, num_blocks, block_len), "DRAM"
-        )
-        self._descriptor = RegionDescriptor(
-            name, self._agent.get_agent_metadata(), base, num_blocks, block_len
-        ).encode()
+        self._agent, name = open_agent(library.load(), NixlOptions())
+        region = register_region(self._agent, name, self._array, settings.block_len)
+        self._registrations, self._local = region.registrations, region.dlist
+        self._descriptor = region.descriptor
         self._peers: dict[str, tuple[Any, Any]] = {}
         self._inflight: dict[int, tuple[str, Any]] = {}
         self._ids = itertools.count(1)
@@ -146,7 +136,8 @@ class RawNixl:
             self._agent.remove_remote_agent(name)
         self._peers.clear()
         self._local.release()
-        self._agent.deregister_memory(self._registration)
+        for registration in self._registrations:
+            self._agent.deregister_memory(registration)
         return []
 
 

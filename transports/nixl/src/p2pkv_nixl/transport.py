@@ -47,10 +47,10 @@ from p2pkv.contracts import (
     DataTransport,
     PollResult,
 )
-from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError, TransportUnavailable
+from p2pkv.errors import PeerRejected, TransferSubmitError, TransportUnavailable
 
 from p2pkv_nixl import library
-from p2pkv_nixl.agent import LOCAL, block_dlist, open_agent, region_array
+from p2pkv_nixl.agent import block_dlist, open_agent, region_array, register_region
 from p2pkv_nixl.descriptor import RegionDescriptor
 from p2pkv_nixl.options import NixlOptions
 
@@ -127,37 +127,15 @@ class NixlDataTransport(DataTransport):
         self._block_len = settings.block_len
         self._num_blocks = self._array.size // settings.block_len
         self._nixl = library.load()
-        library.apply_ucx_defaults()
         self._agent, self._agent_name = open_agent(self._nixl, self._options)
-        self._memory: list[Any] = []
+        region = register_region(
+            self._agent, self._agent_name, self._array, self._block_len,
+            extra=(_SCRATCH,) if self._options.warmup else (),
+        )
+        self._memory = region.registrations
         """NIXL registrations (region, then scratch), deregistered last."""
-        base = int(self._array.ctypes.data)
-        try:
-            self._memory.append(
-                self._agent.register_memory([(base, self._array.nbytes, 0, "")], "DRAM")
-            )
-            if self._options.warmup:
-                self._memory.append(
-                    self._agent.register_memory(
-                        [(int(_SCRATCH.ctypes.data), _WARMUP_BYTES, 0, "")], "DRAM"
-                    )
-                )
-            self._local = self._agent.prep_xfer_dlist(
-                LOCAL, block_dlist(base, self._num_blocks, self._block_len), "DRAM"
-            )
-            self._descriptor = RegionDescriptor(
-                self._agent_name,
-                self._agent.get_agent_metadata(),
-                base,
-                self._num_blocks,
-                self._block_len,
-            ).encode()
-        except Exception as exc:
-            for registration in reversed(self._memory):
-                self._quietly(self._agent.deregister_memory, registration)
-            raise ConfigError(
-                f"NIXL could not register the region: {type(exc).__name__}: {exc}"
-            ) from exc
+        self._local = region.dlist
+        self._descriptor = region.descriptor
         self._agents: dict[str, _RemoteAgent] = {}
         self._current: dict[str, _Registration] = {}
         self._by_peer: dict[str, list[_Registration]] = {}
