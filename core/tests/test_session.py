@@ -43,6 +43,7 @@ from p2pkv.registry import Observers
 from p2pkv.session import Deadlines, JobLedger, LocalIdentity, Session, SessionEnv, State
 from p2pkv.session.client import outcome_from_reason
 from p2pkv.session.directory import Directory
+from p2pkv.session.retiring import RetiringWrites
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
 
 PEER = "peer:1"
@@ -171,7 +172,11 @@ class Rig:
         self.deadlines = Deadlines()
         self.ledger = JobLedger(self.clock, Observers())
         self.timeouts = Timeouts()
-        self.dir = Directory(self.ledger, self.deadlines, self.clock, self.timeouts, Observers())
+        self.quiet: list[tuple[str, bool]] = []
+        self.retiring = RetiringWrites(self.deadlines, self.clock, self.timeouts,
+                                       lambda peer, drained: self.quiet.append((peer, drained)))
+        self.dir = Directory(self.ledger, self.deadlines, self.clock, self.timeouts, Observers(),
+                             self.retiring)
         ident = {"address": "me:1", "epoch": 7, "descriptor": b"ours", "num_blocks": 64,
                  "block_len": 16, "fingerprint": "", "hash_seed": ""}
         ident.update(local)
@@ -970,6 +975,11 @@ def test_force_quiesce_gives_up_on_transfers_that_never_drain(rig: Rig) -> None:
     rig.take()
     assert len(stuck) == 1 and rig.results == {1: Outcome.SHUTDOWN}
     assert rig.session.state is State.CLOSED
+    assert all(mode is CancelMode.WAIT for _, mode in rig.data.cancels)  # never released
+    assert rig.retiring.live(PEER) and len(rig.retiring) == 1 and not rig.env.owners
+    rig.retiring.ended(stuck[0])
+    assert rig.quiet == [(PEER, True)] and not rig.retiring.live(PEER)
+    assert len(rig.deadlines) == 0
 
 
 def test_a_key_twice_in_one_store_counts_once(rig: Rig) -> None:

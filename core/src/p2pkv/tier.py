@@ -550,10 +550,13 @@ class P2PTier:
         self._deadlines.cancel(self._closing.pop(session, None))
         self._release_data_peer(session.peer)
 
-    def _writes_retired(self, peer: str) -> None:
-        """No given-up write to ``peer`` is waited for any more."""
+    def _writes_retired(self, peer: str, drained: bool) -> None:
+        """No given-up write to ``peer`` is waited for any more. If some are still live
+        (``timeouts.fence`` passed), the data peer stays registered: removing it would only
+        block this thread for the transport's drain deadline and keep it all the same."""
         self._dir.maybe_quiesced(peer)
-        self._release_data_peer(peer)
+        if drained:
+            self._release_data_peer(peer)
 
     def _release_data_peer(self, peer: str) -> None:
         """Remove the data peer once its registering session is finalized and no write to it

@@ -10,7 +10,8 @@ peer has retiring writes, no ``quiesced`` is sent to it and its data peer is not
 
 A peer's writes are waited for until ``timeouts.fence`` after the latest give-up for that
 peer; then (the consumer's fences lift at about the same time) the rest is forgotten with one
-warning. Either way ``on_quiet(peer)`` is called once the peer has nothing retiring.
+warning. Either way ``on_quiet(peer, drained)`` is called once the peer has nothing retiring
+(``drained``: every write ended).
 
 Re-adding the peer (a new session after reconnect) is safe while writes retire: every data
 transport keeps the transfers of a replaced registration pollable under the same peer id
@@ -36,7 +37,7 @@ class RetiringWrites:
     """Given-up writes per peer address (see the module docstring)."""
 
     def __init__(self, deadlines: Deadlines, clock: Callable[[], float], timeouts: Timeouts,
-                 on_quiet: Callable[[str], None]) -> None:
+                 on_quiet: Callable[[str, bool], None]) -> None:
         self._deadlines = deadlines
         self._clock = clock
         self._timeouts = timeouts
@@ -67,15 +68,16 @@ class RetiringWrites:
         if not tids:
             log.info("every write to %s given up at a drain deadline has ended", peer)
             self._forget(peer)
-            self._on_quiet(peer)
+            self._on_quiet(peer, True)
 
     def _expired(self, peer: str) -> None:
         del self._timers[peer]
         log.warning("%d write(s) to %s given up at a drain deadline are still live after "
-                    "%.0fs; no longer waiting for them (the consumer's fences lift too)",
+                    "%.0fs; no longer waiting for them (the consumer's fences lift too); the "
+                    "data peer stays registered under them",
                     len(self._by_peer[peer]), peer, self._timeouts.fence)
         self._forget(peer)
-        self._on_quiet(peer)
+        self._on_quiet(peer, False)
 
     def _forget(self, peer: str) -> None:
         for tid in self._by_peer.pop(peer):
