@@ -52,10 +52,7 @@ def test_data_machine(name: str) -> None:
 
 @pytest.mark.hypothesis
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=False, reason="p2pkv-memory announces an inbound connection before its first frame"
-    )) if name == "memory" else name
-    for name in sorted(CONTROL)
+    name for name in sorted(CONTROL)
 ])
 def test_control_machine(name: str) -> None:
     attrs, examples = CONTROL[name]

@@ -27,8 +27,17 @@ def make() -> Iterator[Any]:
         t.close()
 
 
-def accept_one(t: MemoryControlTransport) -> ControlConnection:
+def accept_one(t: MemoryControlTransport, dialed: ControlConnection | None = None) -> ControlConnection:
+    """Poll ``t`` for its one new inbound connection.
+
+    With ``dialed`` (the dialer's end), first send an opening frame on it: an inbound
+    connection is announced only with its first frame, which this drains.
+    """
+    if dialed is not None:
+        dialed.send(b"open")
     (conn,) = t.poll()
+    if dialed is not None:
+        assert list(conn.recv()) == [b"open"]
     return conn
 
 
@@ -95,7 +104,9 @@ def test_frames_arrive_in_order_and_inbound_is_accepted_once_with_frames(make: A
 def test_recv_returns_only_what_poll_moved(make: Any) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
+    conn.send(b"a")
     peer = accept_one(b)
+    assert list(peer.recv()) == [b"a"]
     conn.send(b"x")
     assert list(peer.recv()) == []
     b.poll()
@@ -158,7 +169,7 @@ def test_dial_to_nobody_dies_after_connect_timeout(make: Any) -> None:
 def test_close_is_seen_by_peer_after_pending_frames(make: Any) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
-    peer = accept_one(b)
+    peer = accept_one(b, conn)
     conn.send(b"bye")
     conn.close()
     conn.close()  # idempotent
@@ -176,7 +187,7 @@ def test_close_is_seen_by_peer_after_pending_frames(make: Any) -> None:
 def test_transport_close_kills_connections_on_both_sides(make: Any) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
-    peer = accept_one(b)
+    peer = accept_one(b, conn)
     b.close()
     b.close()
     assert not peer.alive
@@ -188,7 +199,7 @@ def test_transport_close_kills_connections_on_both_sides(make: Any) -> None:
 def test_reconnect_after_close_replaces_dead_connection(make: Any) -> None:
     a, b = make(), make()
     old = a.connect(b.local_address)
-    old_peer = accept_one(b)
+    old_peer = accept_one(b, old)
     old.close()
     new = a.connect(b.local_address)
     assert new is not old and new.alive

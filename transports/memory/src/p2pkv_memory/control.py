@@ -204,14 +204,18 @@ class MemoryControlTransport(ControlTransport):
             while not self._closed:
                 moved = self._progress()
                 remaining = deadline - time.monotonic()
-                if moved or self._accepted or remaining <= 0:
+                if moved or remaining <= 0:
                     break
                 _HUB.cond.wait(remaining)
-            accepted = [c for c in self._accepted if not c.announced]
-            self._accepted = []
-            for conn in accepted:
-                conn.announced = True
-            return accepted
+            # An inbound connection is announced once, with its first frames buffered (or
+            # dead): one that has not sent anything yet waits for a later poll.
+            self._accepted = [c for c in self._accepted if not c.announced]
+            ready = [c for c in self._accepted if c.inbox or not c.alive]
+            if ready:
+                self._accepted = [c for c in self._accepted if not (c.inbox or not c.alive)]
+                for conn in ready:
+                    conn.announced = True
+            return ready
 
     def close(self) -> None:
         with _HUB.cond:

@@ -94,6 +94,7 @@ class MemoryDataTransport(DataTransport):
         self._wait_cancel_refuses: bool = opts["wait_cancel_refuses"]
         self._drain_polls: int = opts["drain_polls"]
         self._blocks = _region_view(settings)
+        self._num_blocks, self._block_len = (int(n) for n in self._blocks.shape)
         self._region_id = uuid.uuid4().hex
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[int, _Transfer] = {}
@@ -109,11 +110,11 @@ class MemoryDataTransport(DataTransport):
 
     @property
     def num_blocks(self) -> int:
-        return int(self._blocks.shape[0])
+        return self._num_blocks
 
     @property
     def block_len(self) -> int:
-        return int(self._blocks.shape[1])
+        return self._block_len
 
     def descriptor(self) -> bytes:
         packed: bytes = msgpack.packb(
@@ -232,6 +233,7 @@ class MemoryDataTransport(DataTransport):
         self._peers.clear()
         with _REGIONS_LOCK:
             _REGIONS.pop(self._region_id, None)
+        self._blocks = np.empty((0, self._block_len), np.uint8)  # the caller's region is theirs again
         return []
 
     # -- internals ------------------------------------------------------------------------
