@@ -51,9 +51,7 @@ def test_data_machine(name: str) -> None:
 
 
 @pytest.mark.hypothesis
-@pytest.mark.parametrize("name", [
-    name for name in sorted(CONTROL)
-])
+@pytest.mark.parametrize("name", sorted(CONTROL))
 def test_control_machine(name: str) -> None:
     attrs, examples = CONTROL[name]
     machine: Any = type(f"{name}ControlMachine", (ControlTransportMachine,),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
 
+
 class TestMemoryControl(ControlTransportSuite):
     transport_name = "memory"
 

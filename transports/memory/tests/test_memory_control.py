@@ -27,7 +27,9 @@ def make() -> Iterator[Any]:
         t.close()
 
 
-def accept_one(t: MemoryControlTransport, dialed: ControlConnection | None = None) -> ControlConnection:
+def accept_one(
+    t: MemoryControlTransport, dialed: ControlConnection | None = None
+) -> ControlConnection:
     """Poll ``t`` for its one new inbound connection.
 
     With ``dialed`` (the dialer's end), first send an opening frame on it: an inbound

@@ -233,7 +233,8 @@ class MemoryDataTransport(DataTransport):
         self._peers.clear()
         with _REGIONS_LOCK:
             _REGIONS.pop(self._region_id, None)
-        self._blocks = np.empty((0, self._block_len), np.uint8)  # the caller's region is theirs again
+        # the caller's region is theirs again: keep no view of it
+        self._blocks = np.empty((0, self._block_len), np.uint8)
         return []
 
     # -- internals ------------------------------------------------------------------------
