@@ -210,27 +210,29 @@ def test_a_given_up_write_still_live_at_the_fence_deadline_is_no_longer_waited_f
     assert not cut.retiring()
 
 
-def test_shutdown_waits_for_given_up_writes_within_its_drain_bound(
-        h: Any, cluster: Any, caplog: Any) -> None:
-    cut = Cut(h, cluster, p_options=LATE, p_config={"timeouts": {"shutdown_drain": 2.0}})
-    h.advance(cluster.clock, [cut.p, cut.c], 2.5)
+def shut_down_retiring(h: Any, cluster: Any, caplog: Any, options: dict[str, Any],
+                       drain: float) -> tuple[Cut, list[str]]:
+    """Shut ``p`` down with a write given up at its drain deadline still live; returns the
+    tier's error lines of the shutdown."""
+    cut = Cut(h, cluster, p_options=options, p_config={"timeouts": {"shutdown_drain": drain}})
+    h.advance(cluster.clock, [cut.p, cut.c], drain + 0.5)
     assert cut.retiring() == 1
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="p2pkv.tier"):
         cut.p.shutdown()
-    assert not [r for r in caplog.records if r.name == "p2pkv.tier"]  # drained: nothing kept
+    return cut, [r.getMessage() for r in caplog.records if r.name == "p2pkv.tier"]
+
+
+def test_shutdown_waits_for_given_up_writes_within_its_drain_bound(
+        h: Any, cluster: Any, caplog: Any) -> None:
+    cut, lines = shut_down_retiring(h, cluster, caplog, LATE, 2.0)
+    assert not lines  # drained: nothing kept registered
     assert (cut.c.blocks[[0, 1]] == cut.stale).all()
 
 
 def test_shutdown_is_bounded_and_keeps_memory_under_a_given_up_write(
         h: Any, cluster: Any, caplog: Any) -> None:
-    cut = Cut(h, cluster, p_options=STUCK, p_config={"timeouts": {"shutdown_drain": 0.2}})
-    h.advance(cluster.clock, [cut.p, cut.c], 0.5)
-    assert cut.retiring() == 1
-    caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="p2pkv.tier"):
-        cut.p.shutdown()
-    lines = [r.getMessage() for r in caplog.records if r.name == "p2pkv.tier"]
+    cut, lines = shut_down_retiring(h, cluster, caplog, STUCK, 0.2)
     assert any("given up earlier are still live: [1]" in m for m in lines), lines
     assert any("kept its region registered" in m for m in lines), lines
     assert not cut.retiring() and len(cut.p.tier._deadlines) == 0
