@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.errors import TransportUnavailable
+from p2pkv.optional import OptionalLibrary
 
 __all__ = [
     "LEAN_INSTALL",
@@ -58,8 +59,6 @@ class Nixl:
     """``nixl._bindings.nixlRemoteDisconnectError`` (a dead peer, raised at submit or check)."""
     version: str
 
-
-_loaded: Nixl | TransportUnavailable | None = None
 
 
 def apply_ucx_defaults(environ: Any = None) -> None:
@@ -106,21 +105,6 @@ def _version() -> str:
         return "?"
 
 
-def load() -> Nixl:
-    """The NIXL API, importing it on first use; raises ``TransportUnavailable``."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _import()
-    if isinstance(_loaded, TransportUnavailable):
-        # a fresh instance each time: re-raising one object would grow its traceback
-        raise TransportUnavailable(_loaded.transport, _loaded.package, _loaded.cause)
-    return _loaded
-
-
-def problem() -> TransportUnavailable | None:
-    """Why NIXL cannot be used here, or None. Never raises."""
-    try:
-        load()
-    except TransportUnavailable as exc:
-        return exc
-    return None
+_LIBRARY = OptionalLibrary(_import)
+load = _LIBRARY.load
+problem = _LIBRARY.problem

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.errors import TransportUnavailable
+from p2pkv.optional import OptionalLibrary
 
 __all__ = ["LEAN_INSTALL", "Ucxx", "load", "problem"]
 
@@ -62,26 +63,7 @@ class Ucxx:
     version: str
 
 
-_loaded: Ucxx | TransportUnavailable | None = None
 
-
-def load() -> Ucxx:
-    """Import ucxx (once per process) or raise ``TransportUnavailable`` naming the package."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _import()
-    if isinstance(_loaded, TransportUnavailable):  # a fresh one: a reraised one keeps growing
-        raise TransportUnavailable(_loaded.transport, _loaded.package, _loaded.cause)
-    return _loaded
-
-
-def problem() -> TransportUnavailable | None:
-    """Why the transport cannot be used here, or None. Never raises."""
-    try:
-        load()
-    except TransportUnavailable as exc:
-        return exc
-    return None
 
 
 def _import() -> Ucxx | TransportUnavailable:
@@ -117,3 +99,8 @@ def _cancel_function() -> Callable[[Any], None] | None:
         symbol(request.ucxx_ptr)
 
     return cancel
+
+
+_LIBRARY = OptionalLibrary(_import)
+load = _LIBRARY.load
+problem = _LIBRARY.problem
