@@ -44,7 +44,7 @@ def curve(keydir: Path, client: str) -> dict[str, Any]:
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "p2pkv_zmq" and "refused" in r.getMessage()]
+            if r.name.startswith("p2pkv.zmq") and "refused" in r.getMessage()]
 
 
 def test_keys_command_writes_a_usable_pair(
@@ -114,7 +114,7 @@ def test_unauthenticated_peer_delivers_nothing(
 def test_refusal_is_logged_once_per_peer_not_per_attempt(
     make_transport: Any, keydir: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pkv_zmq")
+    caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     server = make_transport(options=curve(keydir, "alice"))
     public, secret = zmq.auth.load_certificate(str(keydir / "mallory.key_secret"))
     ctx = zmq.Context.instance()
@@ -150,7 +150,7 @@ def test_non_loopback_bind_without_keys_is_refused_before_binding(make_transport
 def test_insecure_is_allowed_and_warned_at_every_start(
     make_transport: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pkv_zmq")
+    caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     for _ in range(2):
         make_transport("0.0.0.0", advertise="127.0.0.1", insecure=True)
     warnings = [r for r in caplog.records if "insecure: true" in r.getMessage()]

@@ -16,11 +16,11 @@ thread or its tier-poll thread, never concurrently; ``P2PTier`` needs exactly th
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from p2pkv.errors import ConfigError
+from p2pkv.logs import module_logger
 from p2pkv.tier import P2PTier
 from p2pkv.types import LookupResult
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
@@ -55,7 +55,7 @@ from p2pkv_vllm.metrics import StatsReporter, metric_definitions
 
 __all__ = ["P2PKVTier"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 _TO_VLLM = {
     LookupResult.HIT: VllmLookupResult.HIT,

@@ -30,7 +30,6 @@ Threading: transports may live on different threads; one hub lock guards all sha
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections import deque
@@ -45,12 +44,13 @@ from p2pkv.contracts import (
     ControlTransport,
 )
 from p2pkv.errors import ConfigError, ConnectionClosed, ProtocolError, SendQueueFull
+from p2pkv.logs import module_logger
 
 from p2pkv_memory.options import read_options
 
 __all__ = ["MEM_SCHEME", "MemoryConnection", "MemoryControlTransport"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 MEM_SCHEME = "mem://"
 _FIRST_FAKE_PORT = 20000

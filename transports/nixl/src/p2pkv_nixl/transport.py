@@ -48,6 +48,7 @@ from p2pkv.contracts import (
     PollResult,
 )
 from p2pkv.errors import PeerRejected, TransferSubmitError, TransportUnavailable
+from p2pkv.logs import module_logger
 
 from p2pkv_nixl import library
 from p2pkv_nixl.agent import block_dlist, open_agent, region_array, register_region
@@ -56,7 +57,7 @@ from p2pkv_nixl.options import NixlOptions
 
 __all__ = ["NixlDataTransport"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 _LEAKED: list[object] = []
 """State of transports whose ``close`` could not drain: kept alive for the process lifetime."""

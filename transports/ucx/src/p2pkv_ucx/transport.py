@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import logging
 import math
 import secrets
 import time
@@ -73,6 +72,7 @@ from p2pkv.errors import (
     TransferSubmitError,
     TransportUnavailable,
 )
+from p2pkv.logs import module_logger
 
 from p2pkv_ucx import library, tags, wire
 from p2pkv_ucx.options import UcxOptions
@@ -80,7 +80,7 @@ from p2pkv_ucx.runs import plan_runs
 
 __all__ = ["UcxDataTransport"]
 
-log = logging.getLogger("p2pkv.ucx")
+log = module_logger(__name__)
 
 IntArray = npt.NDArray[np.int64]
 _OK = 0

@@ -44,7 +44,6 @@ Memories of retired ids, pending opens and logged refusals are bounded (oldest f
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -56,6 +55,7 @@ import zmq
 from p2pkv.addressing import format_address, parse_address
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ConfigError, ConnectionClosed
+from p2pkv.logs import module_logger
 from zmq.utils.monitor import parse_monitor_message
 
 from p2pkv_zmq.connection import ZmqConnection
@@ -74,7 +74,7 @@ from p2pkv_zmq.zap import ZapHandler
 
 __all__ = ["ZmqHub"]
 
-log = logging.getLogger("p2pkv_zmq")
+log = module_logger(__name__)
 
 _NOBLOCK = zmq.NOBLOCK
 _RCVMORE = zmq.RCVMORE

@@ -10,7 +10,6 @@ Error messages never include key text.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from pathlib import Path
@@ -18,12 +17,13 @@ from typing import Literal
 
 import zmq
 from p2pkv.errors import ConfigError
+from p2pkv.logs import module_logger
 from zmq.utils import z85
 
 __all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "public_of", "read_key", "read_key_list",
            "write_key_pair"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"

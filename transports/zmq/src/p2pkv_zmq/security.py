@@ -14,17 +14,17 @@ is on its allow-list. Traffic is encrypted both ways.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from p2pkv.addressing import is_loopback_host
 from p2pkv.errors import ConfigError
+from p2pkv.logs import module_logger
 
 from p2pkv_zmq.options import ZmqOptions
 
 __all__ = ["CurveKeys", "curve_keys"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 _REQUIRED = ("server_secret_key", "client_secret_key", "allowed_client_keys")
 

@@ -14,7 +14,7 @@ Failure contract:
   connections so vLLM aborts those requests;
 - every request is bounded by ``prefill + decode + connect`` seconds in all.
 
-One access-log record (JSON, logger ``p2pkv_vllm.proxy.access``) per generate request.
+One access-log record (JSON, logger ``p2pkv.vllm.proxy.access``) per generate request.
 Threading: everything runs on one event loop.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
+from p2pkv.logs import module_logger
 
 from p2pkv_vllm.proxy.config import (
     Decoder,
@@ -58,7 +59,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-ACCESS_LOGGER = "p2pkv_vllm.proxy.access"
+ACCESS_LOGGER = "p2pkv.vllm.proxy.access"
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 KV_REQUEST_ID_HEADER = b"x-kv-request-id"
 _DROPPED_RESPONSE_HEADERS = frozenset(
@@ -68,7 +69,7 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
     }
 )
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 
