@@ -44,6 +44,7 @@ Memories of retired ids, pending opens and logged refusals are bounded (oldest f
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -460,7 +461,9 @@ class ZmqHub(ZmqControlTransport):
         is_open = len(parts) == 4 and parts[1] == b"" and parts[2] == _OPEN
         is_payload = len(parts) == 2
         if rid in self._retired:  # its connection ended; the peer may not know yet
-            self._drop(rid, "frames for a connection that has ended", notify=is_open)
+            # Normal at every close (frames in flight cross our close): not worth a warning.
+            self._drop(rid, "frames for a connection that has ended", notify=is_open,
+                       level=logging.DEBUG)
             return
         if rid in self._by_rid:  # an open after the pairing was confirmed is expected
             if not is_open:
@@ -524,11 +527,11 @@ class ZmqHub(ZmqControlTransport):
         while len(self._pending) > _MEMORY:
             self._pending.popitem(last=False)
 
-    def _drop(self, rid: bytes, why: str, *, notify: bool) -> None:
+    def _drop(self, rid: bytes, why: str, *, notify: bool, level: int = logging.WARNING) -> None:
         self.counters["dropped_messages"] += 1
         if notify:
             self._tell(rid, _GONE)
-        self._log_once(("drop", rid), "dropped a message from %r: %s", rid[:64], why)
+        self._log_once(("drop", rid), "dropped a message from %r: %s", rid[:64], why, level=level)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -613,12 +616,14 @@ class ZmqHub(ZmqControlTransport):
             self.retire(conn, f"not connected within connect_timeout "
                               f"({self._options.connect_timeout} s)")
 
-    def _log_once(self, key: Hashable, msg: str, *args: object) -> None:
-        """Warn once per ``key`` (per peer, never per frame or per reconnect attempt)."""
+    def _log_once(
+        self, key: Hashable, msg: str, *args: object, level: int = logging.WARNING
+    ) -> None:
+        """Log once per ``key`` (per peer, never per frame or per reconnect attempt)."""
         if key in self._logged:
             return
         _remember(self._logged, key)
-        log.warning(msg, *args)
+        log.log(level, msg, *args)
 
 
 def _ms(seconds: float) -> int:
