@@ -34,13 +34,15 @@ HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl
 
 def tier_config(host: str = "127.0.0.1", *, port: int = 0,
                 timeouts: dict[str, float] | None = None, control: dict[str, Any] | None = None,
-                data: dict[str, Any] | None = None) -> dict[str, Any]:
+                data: dict[str, Any] | None = None,
+                limits: dict[str, int] | None = None) -> dict[str, Any]:
     """A zmq + nixl tier config with short heartbeats (ephemeral port unless given)."""
     return {
         "control": "zmq", "data": "nixl", "host": host, "port": port,
         "control_options": {**HEARTBEAT, **(control or {})},
         "data_options": {"drain_timeout": 2.0, **(data or {})},
         "timeouts": {"shutdown_drain": 3.0, **(timeouts or {})},
+        "limits": dict(limits or {}),
     }
 
 
@@ -348,6 +350,10 @@ class Cluster:
     def report(self, node: Node, timeout: float = 10.0) -> dict[str, Any]:
         rep: dict[str, Any] = self.reply(node, ("report",), "report", timeout)
         return rep
+
+    def live_rss(self, node: Node, timeout: float = 10.0) -> int:
+        """The node's RSS after GC and ``malloc_trim`` (``chaos_node.live_rss``)."""
+        return int(self.reply(node, ("memory",), "memory", timeout))
 
     def stop(self, node: Node, timeout: float = 30.0) -> dict[str, Any]:
         """Shut the node's tier down (its leftovers arrive as ordinary events) and end it."""

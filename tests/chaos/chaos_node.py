@@ -18,16 +18,17 @@ Timestamps are ``time.monotonic()``: one clock for every process on the host, so
 different nodes can be compared.
 
 Pipe protocol (harness traffic only, never anything from a p2pkv wire). Parent -> node: a role
-command tuple (``("load", req, target)``...), ``("batch", [cmd, ...])``, ``("report",)`` or
-``("stop",)``. Node -> parent: ``("ready", address, pid)``, ``("fatal", text)``,
+command tuple (``("load", req, target)``...), ``("batch", [cmd, ...])``, ``("report",)``,
+``("memory",)`` or ``("stop",)``. Node -> parent: ``("ready", address, pid)``, ``("fatal", text)``,
 ``("events", t, [event, ...])`` (the roles' typed events, plus :class:`Recorded` entries when
 recording),
-``("report", t, dict)`` and, last, ``("stopped", t, dict)``.
+``("report", t, dict)``, ``("memory", t, live_rss)`` and, last, ``("stopped", t, dict)``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
 from p2pkv.config import TierConfig
 from p2pkv.contracts import CancelMode, ControlSettings, DataSettings, DataTransport, PollResult
 from p2pkv.demo.roles import ConsumerRole, ProducerRole, RoleSetup
@@ -283,6 +285,17 @@ def report(role: ChaosProducer | ChaosConsumer) -> dict[str, Any]:
     }
 
 
+def live_rss() -> int:
+    """RSS after a garbage collection and ``malloc_trim``: memory actually in use, without
+    what the allocator keeps cached after a burst (the number a leak check compares)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc: the plain RSS
+        pass
+    return int(psutil.Process().memory_info().rss)
+
+
 def node_main(conn: Connection, spec: NodeSpec) -> None:
     """Child entry (run through ``p2pkv.testing.child.Child``): build the role, then run engine
     steps and answer the parent until told to stop or the pipe closes."""
@@ -315,6 +328,8 @@ def node_main(conn: Connection, spec: NodeSpec) -> None:
                     return
                 if op == "report":
                     conn.send(("report", time.monotonic(), report(role)))
+                elif op == "memory":
+                    conn.send(("memory", time.monotonic(), live_rss()))
                 elif op == "batch":
                     for sub in cmd[1]:
                         events.extend(role.handle(sub))

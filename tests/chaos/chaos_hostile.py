@@ -1,0 +1,126 @@
+"""A hostile peer made of raw pyzmq sockets (no p2pkv transport): it speaks just enough of
+the zmq link protocol (``p2pkv_zmq.hub``: a DEALER whose routing id is
+``<host:port>#<16 hex>``, an ``["", "open", ref]`` message, then one frame per message) to
+reach a tier's session layer, and everything else a broken or malicious program could send.
+
+Frames come from the conformance kit's strategies (``p2pkv.testing.strategies``): hostile
+frames, and valid messages sent where they are not allowed (before the handshake), plus
+plain random bytes.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+__all__ = ["HostileClient", "draw"]
+
+_WINDOW = 64  # hostile sockets open at once (older ones are closed, lingering to flush)
+_LINGER_MS = 500
+_MAX_SOCKETS = 8192
+
+
+def draw(strategy: st.SearchStrategy[bytes], n: int, seed: int) -> list[bytes]:
+    """``n`` examples of ``strategy`` (reproducible for ``seed``)."""
+    out: list[bytes] = []
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(frame: bytes) -> None:
+        out.append(frame)
+
+    collect()
+    return out
+
+
+class HostileClient:
+    """Sends hostile traffic at ``target`` (``host:port``); counts every frame it sent.
+
+    Each hostile link presents a fresh address on ``claim_host`` (where the tier dials back;
+    nothing listens there), so every session is new to the tier.
+    """
+
+    def __init__(self, target: str, claim_host: str = "127.0.0.1", seed: int = 0) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        self.ctx.max_sockets = _MAX_SOCKETS  # closed sockets linger while they flush
+        self.url = f"tcp://{target}"
+        self.claim_host = claim_host
+        self.rng = random.Random(seed)
+        self.frames_sent = 0
+        self.sessions = 0
+        self._open: deque[zmq.Socket[bytes]] = deque()
+
+    def _socket(self, routing_id: bytes | None) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        sock.linger = _LINGER_MS
+        sock.sndhwm = 0  # never drop: every frame counted goes out
+        if routing_id is not None:
+            sock.routing_id = routing_id
+        sock.connect(self.url)
+        self._open.append(sock)
+        while len(self._open) > _WINDOW:
+            self._open.popleft().close()
+        return sock
+
+    def _claim(self) -> str:
+        return f"{self.claim_host}:{self.rng.randint(20000, 60000)}"
+
+    def _rid(self) -> bytes:
+        return f"{self._claim()}#{secrets.token_hex(8)}".encode()
+
+    def session(self, frames: Sequence[bytes]) -> None:
+        """Open a link like a p2pkv peer, then send ``frames`` as session frames."""
+        sock = self._socket(self._rid())
+        sock.send_multipart([b"", b"open", b""])
+        for frame in frames:
+            sock.send(frame)
+        self.frames_sent += len(frames)
+        self.sessions += 1
+
+    def unopened(self, frames: Sequence[bytes]) -> None:
+        """Session frames from a well-formed identity that never opened a link."""
+        sock = self._socket(self._rid())
+        for frame in frames:
+            sock.send(frame)
+        self.frames_sent += len(frames)
+
+    def garbage(self, count: int, routing_id: bytes | None = None) -> None:
+        """Messages of 1..5 random parts from a random (often malformed, never reused) identity
+        or ``routing_id``, including fake opens and answers to connections that never
+        existed."""
+        rid = routing_id or self.rng.choice([
+            None, secrets.token_bytes(self.rng.randint(1, 255)), self._rid(),
+            f"{self._claim()}#{secrets.token_hex(3)}".encode(),
+            b"not-an-address#" + secrets.token_hex(8).encode(),
+        ])
+        sock = self._socket(rid)
+        for _ in range(count):
+            shape = self.rng.randrange(4)
+            if shape == 0:
+                parts = [b"", b"open", secrets.token_bytes(self.rng.randint(0, 40))]
+            elif shape == 1:
+                parts = [b"", secrets.token_bytes(self.rng.randint(0, 8))]
+            else:
+                parts = [secrets.token_bytes(self.rng.randint(0, 300))
+                         for _ in range(self.rng.randint(1, 5))]
+            sock.send_multipart(parts)
+            self.frames_sent += len(parts)
+
+    def oversized(self, nbytes: int) -> None:
+        """One session frame larger than the tier accepts (its TCP connection gets dropped)."""
+        self.session([b"\x00" * nbytes])
+
+    def close(self) -> None:
+        for sock in self._open:
+            sock.close(linger=_LINGER_MS)
+        self._open.clear()
+        self.ctx.term()
