@@ -14,13 +14,14 @@ import random
 import secrets
 from collections import deque
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 
 import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-__all__ = ["HostileClient", "draw"]
+__all__ = ["HostileClient", "draw", "intruder_main"]
 
 _WINDOW = 64  # hostile sockets open at once (older ones are closed, lingering to flush)
 _LINGER_MS = 500
@@ -124,3 +125,40 @@ class HostileClient:
             sock.close(linger=_LINGER_MS)
         self._open.clear()
         self.ctx.term()
+
+
+def intruder_main(conn: Connection, netns: str | None, target: str, claim: str,
+                  curve: tuple[bytes, bytes, bytes] | None, frames: list[bytes],
+                  timeout: float) -> None:
+    """Child entry (``p2pkv.testing.child.Child``): from ``netns``, dial ``target`` like a p2pkv
+    peer (open, then ``frames``), with CURVE keys ``(server_public, public, secret)`` or none.
+    Reports ``("refused", event_names)`` once the security handshake failed, or
+    ``("connected", [])`` if it succeeded; nothing waits longer than ``timeout``."""
+    if netns is not None:
+        from chaos_node import enter_netns
+        enter_netns(netns)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.routing_id = f"{claim}#{secrets.token_hex(8)}".encode()
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+    failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(f"tcp://{target}")
+    sock.send_multipart([b"", b"open", b""])
+    for frame in frames:
+        sock.send(frame)
+    seen: list[str] = []
+    outcome = "timeout"
+    if monitor.poll(int(timeout * 1000)):
+        from zmq.utils.monitor import parse_monitor_message
+        event = parse_monitor_message(monitor.recv_multipart())
+        seen.append(str(zmq.Event(event["event"]).name))
+        outcome = "connected" if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    conn.send((outcome, seen))
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
+    ctx.term()
