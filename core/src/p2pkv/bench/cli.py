@@ -179,11 +179,16 @@ def _run(args: argparse.Namespace) -> int:
     ) as progress:
         task = progress.add_task("bench", total=total)
 
+        done = [0]
+
         def on_cell(r: CellResult) -> None:
-            progress.update(
-                task, advance=1,
-                description=f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}",
-            )
+            what = f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}"
+            progress.update(task, advance=1, description=what)
+            done[0] += 1
+            quiet_bar = not console.is_terminal  # no live bar: a line now and then instead
+            if quiet_bar and (done[0] % 20 == 0 or done[0] == total):
+                console.print(f"{done[0]}/{total} cells, last: {what}, "
+                              f"{time.time() - started:.0f} s")
 
         results = run_matrix(config, series, on_cell)
     elapsed = time.time() - started

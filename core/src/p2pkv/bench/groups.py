@@ -15,14 +15,14 @@ called synchronously with deadlines. The worker pipe carries only the bench's ow
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from p2pkv.bench.endpoints import SeriesSpec
+from p2pkv.bench.harness import Helper, serve
 from p2pkv.bench.lanes import EndpointLane, Lane, MemcpyLane
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.bench.target import LocalTarget, RemoteTarget, page_in
@@ -126,19 +126,8 @@ def _worker_main(conn: Connection, series: list[SeriesSpec], region_bytes: int) 
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ok", None))
     try:
-        while True:
-            try:
-                op, args = conn.recv()
-            except EOFError:
-                return
-            if op == "exit":
-                return
-            try:
-                conn.send(("ok", getattr(group, op)(*args)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        serve(conn, {"open": group.open, "measure": group.measure, "close": group.close})
     finally:
         group.shutdown()
 
@@ -152,67 +141,22 @@ class WorkerGroup:
 
     def __init__(self, series: Sequence[SeriesSpec], region_bytes: int, timeout: float) -> None:
         self.series = list(series)
-        self.timeout = timeout
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
         name = "p2pkv-bench-" + "-".join(sorted({s.transport for s in series}))
-        self._process = ctx.Process(
-            target=_worker_main, args=(child, self.series, region_bytes), name=name
-        )
-        self._process.start()
-        child.close()
-        self._started = False
-        self._pending = ""
-
-    def _ensure_started(self) -> None:
-        if not self._started:
-            self._reply("startup")
-            self._started = True
-
-    def _reply(self, what: str) -> Any:
-        if not self._conn.poll(self.timeout):
-            raise TimeoutError(f"bench worker {self._process.name} sent no {what} in "
-                               f"{self.timeout}s")
-        try:
-            status, value = self._conn.recv()
-        except EOFError:
-            raise RuntimeError(f"bench worker {self._process.name} died "
-                               f"(exit {self._process.exitcode})") from None
-        if status != "ok":
-            raise RuntimeError(f"bench worker {self._process.name}: {value}")
-        return value
-
-    def _send(self, op: str, *args: Any) -> None:
-        self._ensure_started()
-        try:
-            self._conn.send((op, args))
-        except (BrokenPipeError, OSError):
-            raise RuntimeError(f"bench worker {self._process.name} is gone") from None
-
-    def _call(self, op: str, *args: Any) -> Any:
-        self._send(op, *args)
-        return self._reply(f"reply to {op}")
+        self._helper = Helper(_worker_main, (self.series, region_bytes), name=name,
+                              daemon=False, timeout=timeout)
 
     def begin_open(self, block_size: int) -> None:
-        self._send("open", block_size)
+        self._helper.send("open", block_size)
 
     def end_open(self) -> dict[str, str]:
-        return dict(self._reply("reply to open"))
+        return dict(self._helper.reply("reply to open"))
 
     def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult:
-        result: CellResult = self._call("measure", label, plan, list(seed))
+        result: CellResult = self._helper.call("measure", label, plan, list(seed))
         return result
 
     def close(self) -> None:
-        self._call("close")
+        self._helper.call("close")
 
     def shutdown(self) -> None:
-        try:
-            self._conn.send(("exit", ()))
-        except (BrokenPipeError, OSError):
-            pass
-        self._process.join(self.timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(10)
-        self._conn.close()
+        self._helper.stop()

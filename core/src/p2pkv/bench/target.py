@@ -13,16 +13,16 @@ The harness pipe carries only the parent's own commands (never anything from a p
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from p2pkv.bench.endpoints import SeriesSpec, make_endpoint
+from p2pkv.bench.harness import Helper, serve
 from p2pkv.demo.content import BlockRegion
 from p2pkv.registry import default_registry
-from p2pkv.testing.child import Child
 
 __all__ = ["INITIATOR", "TARGET", "LocalTarget", "RemoteTarget", "TargetState", "page_in"]
 
@@ -170,83 +170,50 @@ class TargetState:
 
 
 def _serve(conn: Connection, region_bytes: int) -> None:
-    """Child entry: execute commands, pump the endpoint while idle."""
+    """Child entry: execute commands, pump the active endpoint between them."""
     state = TargetState(region_bytes)
-    handlers: dict[str, Callable[..., Any]] = {
-        "open": state.open,
-        "add_peer": state.add_peer,
-        "expect": state.expect,
-        "verify": state.verify,
-        "close": state.close,
-    }
-    conn.send(("ok", None))
+
+    def idle() -> bool:
+        state.pump()
+        return state.active
+
     try:
-        while True:
-            if not conn.poll(0 if state.active else 0.05):
-                state.pump()
-                continue
-            try:
-                op, args = conn.recv()
-            except EOFError:
-                return
-            if op == "exit":
-                return
-            try:
-                conn.send(("ok", handlers[op](*args)))
-            except Exception as exc:  # reported to the parent, which raises it
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        serve(conn, {"open": state.open, "add_peer": state.add_peer, "expect": state.expect,
+                     "verify": state.verify, "close": state.close}, idle)
     finally:
         state.close()
-
-
-class TargetError(RuntimeError):
-    """The target side refused a command (message from the child)."""
 
 
 class RemoteTarget:
     """A :class:`TargetState` in a spawned child, called synchronously with deadlines."""
 
     def __init__(self, region_bytes: int, timeout: float = 60.0) -> None:
-        self.timeout = timeout
-        self._child = Child(_serve, region_bytes, name="p2pkv-bench-target").start()
-        self._call_reply(self._child.recv(timeout, "startup"))
-
-    def _call_reply(self, reply: tuple[str, Any]) -> Any:
-        status, value = reply
-        if status != "ok":
-            raise TargetError(str(value))
-        return value
-
-    def call(self, op: str, *args: Any) -> Any:
-        return self._call_reply(self._child.request((op, args), self.timeout, f"reply to {op}"))
+        self._helper = Helper(_serve, (region_bytes,), name="p2pkv-bench-target", daemon=True,
+                              timeout=timeout)
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
-        return bytes(self.call("open", spec, block_len))
+        return bytes(self._helper.call("open", spec, block_len))
 
     def add_peer(self, label: str, descriptor: bytes) -> None:
-        self.call("add_peer", label, descriptor)
+        self._helper.call("add_peer", label, descriptor)
 
     def expect(self, label: str, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        self.call("expect", label, [list(g) for g in groups], list(counts))
+        self._helper.call("expect", label, [list(g) for g in groups], list(counts))
 
     def verify(
         self, label: str, slots: Sequence[int], seeds: Sequence[int]
     ) -> tuple[list[int], int]:
-        bad, failures = self.call("verify", label, list(slots), list(seeds))
+        bad, failures = self._helper.call("verify", label, list(slots), list(seeds))
         return list(bad), int(failures)
 
     def close_endpoint(self, label: str) -> list[int]:
-        return list(self.call("close", label))
+        return list(self._helper.call("close", label))
 
     def pump(self) -> None:
         """The child pumps itself."""
 
     def shutdown(self) -> None:
-        try:
-            self._child.send(("exit", ()))
-        except OSError:
-            pass
-        self._child.stop()
+        self._helper.stop()
 
 
 class LocalTarget:

@@ -1,0 +1,106 @@
+"""Synchronous commands to the bench's helper processes, over a ``multiprocessing`` pipe.
+
+The pipe carries only the bench's own ``(op, args)`` tuples and ``("ok" | "error", value)``
+replies between processes it spawned itself; never anything from a p2pkv wire.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["Helper", "HelperError", "serve"]
+
+
+class HelperError(RuntimeError):
+    """A helper process refused a command, died, or did not answer in time."""
+
+
+def serve(
+    conn: Connection,
+    handlers: Mapping[str, Callable[..., Any]],
+    idle: Callable[[], bool] | None = None,
+) -> None:
+    """Answer commands until ``("exit", ())`` or a closed pipe.
+
+    Between commands ``idle()`` runs (if given); it returns True while it has work, and then
+    the pipe is checked without waiting, else with a 50 ms wait. A handler's exception is
+    sent back as an error reply; the loop goes on."""
+    conn.send(("ok", None))
+    while True:
+        if idle is not None and not conn.poll(0 if idle() else 0.05):
+            continue
+        try:
+            op, args = conn.recv()
+        except EOFError:
+            return
+        if op == "exit":
+            return
+        try:
+            conn.send(("ok", handlers[op](*args)))
+        except Exception as exc:  # the caller raises it as HelperError
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class Helper:
+    """A spawned process running ``target(conn, *args)`` (which calls :func:`serve`).
+
+    Every wait is bounded by ``timeout``. ``daemon`` helpers die with this process; a helper
+    that spawns processes itself must not be daemonic."""
+
+    def __init__(
+        self, target: Callable[..., None], args: tuple[Any, ...], *, name: str, daemon: bool,
+        timeout: float,
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.name = name
+        self.timeout = timeout
+        self.process = ctx.Process(
+            target=target, args=(child, *args), name=name, daemon=daemon
+        )
+        self.process.start()
+        child.close()
+        self._started = False
+
+    def _state(self) -> str:
+        code = self.process.exitcode
+        return "running" if code is None else f"exit code {code}"
+
+    def send(self, op: str, *args: Any) -> None:
+        if not self._started:  # the first reply says the helper is up
+            self.reply("startup")
+            self._started = True
+        try:
+            self.conn.send((op, args))
+        except (BrokenPipeError, OSError):
+            raise HelperError(f"{self.name} is gone ({self._state()})") from None
+
+    def reply(self, what: str) -> Any:
+        if not self.conn.poll(self.timeout):
+            raise HelperError(f"{self.name} ({self._state()}) sent no {what} in {self.timeout}s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise HelperError(f"{self.name} died ({self._state()})") from None
+        if status != "ok":
+            raise HelperError(f"{self.name}: {value}")
+        return value
+
+    def call(self, op: str, *args: Any) -> Any:
+        self.send(op, *args)
+        return self.reply(f"reply to {op}")
+
+    def stop(self) -> None:
+        """Ask it to exit, then kill it if it has not within ``timeout``."""
+        try:
+            self.conn.send(("exit", ()))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(self.timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.conn.close()
