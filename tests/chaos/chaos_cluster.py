@@ -22,7 +22,8 @@ from p2pkv.demo.workload import DemoRequest, PromptDistribution, make_stream
 from p2pkv.testing.child import Child
 
 __all__ = [
-    "HEARTBEAT", "Cluster", "Flow", "Node", "Outstanding", "Usage", "requests", "tier_config",
+    "HEARTBEAT", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage", "requests",
+    "tier_config",
 ]
 
 START_TIMEOUT = 60.0  # a node loads NIXL/UCX on a busy 2-core machine
@@ -265,6 +266,43 @@ class Flow:
                     out.append(f"loaded {ev.blocks} blocks, expected {r.req.hits}: "
                                f"{r.describe()}")
         return out
+
+
+class Stream:
+    """Keeps up to ``window`` of ``reqs`` in flight between ``producer`` and ``consumer``,
+    admitting more (in one pipe message per node) as earlier ones finish."""
+
+    def __init__(self, cluster: Cluster, reqs: Iterable[DemoRequest], producer: Node,
+                 consumer: Node, window: int) -> None:
+        self.cluster = cluster
+        self.pending = list(reqs)[::-1]  # popped from the end: first request first
+        self.producer = producer
+        self.consumer = consumer
+        self.window = window
+        self.active: list[Req] = []
+        self.admitted: list[Req] = []
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """Route events (waiting at most ``timeout``), top the window up; True when every
+        request finished."""
+        self.cluster.pump(timeout)
+        self.active = [r for r in self.active if not r.finished]
+        room = min(self.window - len(self.active), len(self.pending))
+        if room > 0:
+            batch = [self.pending.pop() for _ in range(room)]
+            recs = self.cluster.flow.admit(batch, self.producer, self.consumer)
+            self.active.extend(recs)
+            self.admitted.extend(recs)
+        return not self.pending and not self.active
+
+    @property
+    def finished(self) -> int:
+        return len(self.admitted) - len(self.active)
+
+    def run(self, timeout: float, what: str) -> None:
+        """Step until every request finished; ``Outstanding`` after ``timeout`` seconds."""
+        self.cluster.wait(lambda: self.step(0.01), timeout=timeout, what=what,
+                          recs=self.active)
 
 
 class Cluster:

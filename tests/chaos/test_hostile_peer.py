@@ -15,7 +15,7 @@ import re
 import time
 
 import pytest
-from chaos_cluster import Cluster, Req, requests, tier_config
+from chaos_cluster import Cluster, Stream, requests, tier_config
 from chaos_hostile import HostileClient, draw
 from chaos_node import NodeSpec
 from p2pkv.config import Limits
@@ -48,24 +48,11 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
     with Cluster() as c:
         p, con = c.start(("P", producer),
                          ("C", NodeSpec("consumer", RoleSetup(tier_config(), BLOCK, slots))))
-        pending = list(reqs)
-        active: list[Req] = []
-
-        def finished() -> int:
-            return sum(r.finished for r in c.flow.reqs.values())
-
-        def keep_real_traffic() -> int:
-            """Route the real peers' events and top the window up; returns requests done."""
-            c.pump(0)
-            active[:] = [r for r in active if not r.finished]
-            while pending and len(active) < WINDOW:
-                active.extend(c.flow.admit([pending.pop(0)], p, con))
-            return finished()
-
-        c.wait(lambda: keep_real_traffic() >= 2 * WINDOW, timeout=T,
+        real = Stream(c, reqs, p, con, WINDOW)
+        c.wait(lambda: real.step() or real.finished >= 2 * WINDOW, timeout=T,
                what="real traffic warmed up")
         rss_before = c.live_rss(p)
-        done_before = finished()
+        done_before = real.finished
 
         hostile = HostileClient(p.address, seed=3)
         rng = hostile.rng
@@ -84,20 +71,19 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
                     hostile.garbage(rng.randint(1, 60))
                 else:
                     hostile.oversized(FRAME_CAP + 1)
-                keep_real_traffic()
+                real.step()
                 assert p.alive and not p.fatal, f"producer died: {p.fatal}"
                 peak = max(peak, p.usage().rss) if hostile.sessions % 64 == 0 else peak
         finally:
             hostile.close()
         flood_s = time.monotonic() - started
-        done_during = finished() - done_before
+        done_during = real.finished - done_before
 
-        pending.clear()  # no new real requests: let the admitted ones finish
-        c.wait(lambda: keep_real_traffic() == len(c.flow.reqs), timeout=T,
-               what="the real requests")
-        real = list(c.flow.reqs.values())
-        assert all(r.load_outcome == "done" and r.store_outcome == "done" for r in real), [
-            r.describe() for r in real if r.load_outcome != "done"][:5]
+        real.pending.clear()  # no new real requests: let the admitted ones finish
+        real.run(T, "the real requests")
+        recs = real.admitted
+        assert all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs), [
+            r.describe() for r in recs if r.load_outcome != "done"][:5]
         assert not c.flow.problems(), c.flow.problems()[:5]
         assert done_during > 0, "no real request completed during the flood"
 
@@ -119,7 +105,7 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
               f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
               f"errors, {stats['handshake_rejections']} rejected handshakes, "
               f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "
-              f"completed during the flood, {len(real)} in all, all verified; producer live "
+              f"completed during the flood, {len(recs)} in all, all verified; producer live "
               f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB (peak RSS {peak >> 20} MiB), "
               f"{hub['refused_accepts']} connections refused while out of sockets")
 
