@@ -133,10 +133,15 @@ def plot(results: Sequence[CellResult], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     batches = sorted({r.batch for r in results})
+    cols = min(3, len(batches))
+    rows = math.ceil(len(batches) / cols)
     fig, axes = plt.subplots(
-        1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False, sharey=True
+        rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharey=True
     )
-    for ax, batch in zip(axes[0], batches, strict=True):
+    flat = list(axes.flat)
+    for ax in flat[len(batches):]:
+        ax.set_visible(False)
+    for ax, batch in zip(flat, batches, strict=False):
         for label in series_order(results):
             pts = sorted(
                 (r.block_size, r.gbps, r.gbps_min, r.gbps_max)
@@ -159,8 +164,9 @@ def plot(results: Sequence[CellResult], path: str, title: str) -> None:
         ax.set_xlabel("block size")
         ax.set_title(f"{batch} block(s) per request")
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("GB/s")
-    axes[0][-1].legend(fontsize="small")
+    for row in axes:
+        row[0].set_ylabel("GB/s")
+    flat[0].legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
