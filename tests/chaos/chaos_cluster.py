@@ -22,8 +22,8 @@ from p2pkv.demo.workload import DemoRequest, PromptDistribution, make_stream
 from p2pkv.testing.child import Child
 
 __all__ = [
-    "HEARTBEAT", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage", "requests",
-    "tier_config",
+    "HEARTBEAT", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage", "all_done",
+    "live_writes", "not_done", "region_blocks", "requests", "stall_writes", "tier_config",
 ]
 
 START_TIMEOUT = 60.0  # a node loads NIXL/UCX on a busy 2-core machine
@@ -393,9 +393,18 @@ class Cluster:
         """The node's RSS after GC and ``malloc_trim`` (``chaos_node.live_rss``)."""
         return int(self.reply(node, ("memory",), "memory", timeout))
 
-    def stop(self, node: Node, timeout: float = 30.0) -> dict[str, Any]:
-        """Shut the node's tier down (its leftovers arrive as ordinary events) and end it."""
-        rep: dict[str, Any] = self.reply(node, ("stop",), "stopped", timeout)
+    def stop(self, node: Node, timeout: float = 30.0,
+             on_stopping: Callable[[], object] = lambda: None) -> dict[str, Any]:
+        """Shut the node's tier down (its leftovers arrive as ordinary events) and end it.
+        ``on_stopping`` runs as soon as the node says its shutdown is starting."""
+        self.reply(node, ("stop",), "stopping", timeout)
+        on_stopping()
+        self.wait(lambda: any(r[0] == "stopped" for r in node.replies) or not node.alive,
+                  timeout=timeout, what=f"{node.name} shutting down")
+        stopped = [r for r in node.replies if r[0] == "stopped"]
+        if not stopped:
+            raise AssertionError(f"{node.name} died while shutting down{self._fatal()}")
+        rep: dict[str, Any] = stopped[0][2]
         node.child.process.join(timeout)
         node.gone_at = node.gone_at or time.monotonic()
         return rep
@@ -421,3 +430,44 @@ class Cluster:
         return reports
 
 
+
+
+def region_blocks(reqs: Iterable[DemoRequest]) -> int:
+    """Slots a region needs to hold all of ``reqs`` at once."""
+    return sum(r.num_blocks for r in reqs)
+
+
+def all_done(recs: Iterable[Req]) -> bool:
+    """Every load and every store (symmetric requests: no store half) ended DONE."""
+    return all(r.load_outcome == "done" and (r.req.order == "symmetric"
+               or r.store_outcome == "done") for r in recs)
+
+
+def not_done(recs: Iterable[Req]) -> list[str]:
+    return [r.describe() for r in recs if not all_done([r])]
+
+
+def live_writes(node: Node, to: str | None = None) -> set[int]:
+    """Writes a recording ``node`` reported posted (to ``to``) and not yet ended."""
+    live: set[int] = set()
+    for e in node.data_log:
+        if e[1] == "write" and (to is None or e[3] == to):
+            live.add(e[2])
+        elif e[1] in ("end", "cancel"):
+            live.discard(e[2])
+    return live
+
+
+def stall_writes(c: Cluster, writer: Node, target: Node, release: Iterable[Req],
+                 timeout: float) -> set[int]:
+    """Pause ``target``, release the held stores of ``release``, and return once the
+    (recording) ``writer`` reports writes into ``target`` in flight. With UCX on TCP a write
+    needs its target's progress to complete, so they stay in flight until the caller resumes
+    (or kills) ``target``; keep ``timeout`` below the heartbeat timeout."""
+    target.child.pause()
+    wanted = {id(r) for r in release}
+    c.flow.hold_stores = False
+    c.flow.release_stores(lambda r: id(r) in wanted)
+    c.wait(lambda: live_writes(writer, target.address), timeout=timeout,
+           what=f"{writer.name} writing into paused {target.name}")
+    return live_writes(writer, target.address)

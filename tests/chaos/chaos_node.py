@@ -22,7 +22,8 @@ command tuple (``("load", req, target)``...), ``("batch", [cmd, ...])``, ``("rep
 ``("memory",)`` or ``("stop",)``. Node -> parent: ``("ready", address, pid)``, ``("fatal", text)``,
 ``("events", t, [event, ...])`` (the roles' typed events, plus :class:`Recorded` entries when
 recording),
-``("report", t, dict)``, ``("memory", t, live_rss)`` and, last, ``("stopped", t, dict)``.
+``("report", t, dict)``, ``("memory", t, live_rss)`` and, on ``stop``, ``("stopping", t, None)``
+just before the tier's shutdown starts, then ``("stopped", t, dict)`` last.
 """
 
 from __future__ import annotations
@@ -321,6 +322,7 @@ def node_main(conn: Connection, spec: NodeSpec) -> None:
                 cmd = conn.recv()
                 op = cmd[0]
                 if op == "stop":
+                    conn.send(("stopping", time.monotonic(), None))
                     role.shutdown()
                     events.extend(role.step())  # the leftovers, through the role like any result
                     _send_events(conn, events, recorder)

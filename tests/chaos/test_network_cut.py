@@ -23,11 +23,18 @@ from collections import Counter
 
 import pytest
 from chaos_checks import release_violations
-from chaos_cluster import HEARTBEAT, Cluster, Node, Req, requests, tier_config
+from chaos_cluster import (
+    HEARTBEAT,
+    Cluster,
+    all_done,
+    region_blocks,
+    requests,
+    stall_writes,
+    tier_config,
+)
 from chaos_netlab import NetLab
 from chaos_node import NodeSpec
 from p2pkv.demo.roles import RoleSetup
-from p2pkv.demo.workload import DemoRequest
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12
@@ -50,33 +57,16 @@ def host_spec(lab: NetLab, kind: str, side: str, slots: int, *, record: bool = F
                     env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, record=record)
 
 
-def blocks(reqs: list[DemoRequest]) -> int:
-    return sum(r.num_blocks for r in reqs)
-
-
-def live_writes(node: Node) -> set[int]:
-    live: set[int] = set()
-    for e in node.data_log:
-        if e[1] == "write":
-            live.add(e[2])
-        elif e[1] in ("end", "cancel"):
-            live.discard(e[2])
-    return live
-
-
-def all_done(recs: list[Req]) -> bool:
-    return all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs)
-
-
 def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
     netlab: NetLab,
 ) -> None:
     first = requests(100, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="cut")
     after = requests(40, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1,
                      "producer_first": 1}, run_id="cut2", first_index=1000)
+    slots = region_blocks(first)
     with Cluster() as c:
-        p, con = c.start(("P", host_spec(netlab, "producer", "a", blocks(first), record=True)),
-                         ("C", host_spec(netlab, "consumer", "b", blocks(first), record=True)))
+        p, con = c.start(("P", host_spec(netlab, "producer", "a", slots, record=True)),
+                         ("C", host_spec(netlab, "consumer", "b", slots, record=True)))
         c.flow.hold_stores = True
         recs = c.flow.admit(first, p, con)
         c.wait(lambda: len(c.flow.held) == len(first), timeout=T, what="loads submitted")
@@ -84,12 +74,8 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
         c.flow.release_stores(lambda r: r in warm)
         c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests", recs=warm)
 
-        con.child.pause()  # the consumer's UCX completes nothing: writes stay in flight
         try:
-            c.flow.hold_stores = False
-            c.flow.release_stores()
-            c.wait(lambda: live_writes(p), timeout=PAUSE, what="P writing into paused C")
-            stalled = len(live_writes(p))
+            stalled = len(stall_writes(c, p, con, recs[10:], PAUSE))
             cut_at = time.monotonic()
             netlab.cut()
         finally:

@@ -20,11 +20,18 @@ from __future__ import annotations
 from collections import Counter
 
 from chaos_checks import release_violations
-from chaos_cluster import Cluster, Node, Req, requests, tier_config
+from chaos_cluster import (
+    Cluster,
+    all_done,
+    not_done,
+    region_blocks,
+    requests,
+    stall_writes,
+    tier_config,
+)
 from chaos_node import NodeSpec
 from p2pkv.addressing import parse_address
 from p2pkv.demo.roles import RoleSetup
-from p2pkv.demo.workload import DemoRequest
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12
@@ -48,47 +55,12 @@ def spec(kind: str, slots: int, *, port: int = 0, record: bool = False) -> NodeS
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=TCP, record=record)
 
 
-def blocks(reqs: list[DemoRequest]) -> int:
-    return sum(r.num_blocks for r in reqs)
-
-
-def live_writes(node: Node, to: str | None = None) -> set[int]:
-    """Writes ``node`` reported posted (to ``to``) and not yet ended."""
-    live: set[int] = set()
-    for e in node.data_log:
-        if e[1] == "write" and (to is None or e[3] == to):
-            live.add(e[2])
-        elif e[1] in ("end", "cancel"):
-            live.discard(e[2])
-    return live
-
-
-def all_done(recs: list[Req]) -> bool:
-    return all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs)
-
-
-def not_done(recs: list[Req]) -> list[str]:
-    return [r.describe() for r in recs if r.load_outcome != "done" or r.store_outcome != "done"]
-
-
-def stall_writes(c: Cluster, writer: Node, target: Node, release: list[Req]) -> set[int]:
-    """Pause ``target``, release the stores of ``release``, and return once ``writer`` reports
-    writes into ``target`` in flight (the caller resumes or kills ``target``)."""
-    target.child.pause()
-    wanted = {id(r) for r in release}
-    c.flow.hold_stores = False
-    c.flow.release_stores(lambda r: id(r) in wanted)
-    c.wait(lambda: live_writes(writer, target.address), timeout=PAUSE,
-           what=f"{writer.name} writing into paused {target.name}")
-    return live_writes(writer, target.address)
-
-
 def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves() -> None:
     reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-p")
     with Cluster() as c:
-        a, b, con = c.start(("A", spec("producer", blocks(reqs[:100]), record=True)),
-                            ("B", spec("producer", blocks(reqs[100:]))),
-                            ("C", spec("consumer", blocks(reqs))))
+        a, b, con = c.start(("A", spec("producer", region_blocks(reqs[:100]), record=True)),
+                            ("B", spec("producer", region_blocks(reqs[100:]))),
+                            ("C", spec("consumer", region_blocks(reqs))))
         c.flow.hold_stores = True
         of_a = c.flow.admit(reqs[:100], a, con)
         of_b = c.flow.admit(reqs[100:], b, con)
@@ -98,7 +70,7 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
         c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests of A and of B")
 
         try:
-            stalled = stall_writes(c, a, con, [r for r in of_a + of_b if r not in warm])
+            stalled = stall_writes(c, a, con, [r for r in of_a + of_b if r not in warm], PAUSE)
             open_at_kill = [r for r in of_a if not r.loaded]
             killed_at = a.kill()
         finally:
@@ -137,9 +109,9 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
 def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slots() -> None:
     reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-c")
     with Cluster() as c:
-        p, c1, c2 = c.start(("P", spec("producer", blocks(reqs), record=True)),
-                            ("C1", spec("consumer", blocks(reqs[:100]))),
-                            ("C2", spec("consumer", blocks(reqs[100:]))))
+        p, c1, c2 = c.start(("P", spec("producer", region_blocks(reqs), record=True)),
+                            ("C1", spec("consumer", region_blocks(reqs[:100]))),
+                            ("C2", spec("consumer", region_blocks(reqs[100:]))))
         c.flow.hold_stores = True
         of_c1 = c.flow.admit(reqs[:100], p, c1)
         of_c2 = c.flow.admit(reqs[100:], p, c2)
@@ -150,7 +122,7 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
 
         later = of_c1[-20:]  # stored only after the kill: an engine keeps prefilling
         stalled = stall_writes(c, p, c1, [r for r in of_c1 + of_c2
-                                          if r not in warm and r not in later])
+                                          if r not in warm and r not in later], PAUSE)
         killed_at = c1.kill()
         c.flow.release_stores()  # ``later``
         c.wait(lambda: all(r.stored for r in of_c1) and all(r.finished for r in of_c2),

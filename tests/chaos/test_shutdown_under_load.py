@@ -1,0 +1,137 @@
+"""Scenario 6: shutting either side down with transfers in flight.
+
+Writes are held in flight deterministically (UCX on TCP, the target paused while they are
+posted), then one side's tier is shut down. Nothing crashes, every job of both sides resolves
+exactly once, and the order of events is checked on the recordings of both data transports:
+
+- the shutting-down side's own writes end before their store jobs are answered and before the
+  region is deregistered, which happens only once nothing is in flight (``close`` drains
+  everything: the region is really released);
+- across the two processes: the consumer hands a load's slots back, or deregisters its region,
+  only when no write of the producer into them is live.
+
+The cross-process rule does not hold today (xfail, see docs/reliability.md "Shutdown"): a
+producer shutting down says ``bye`` before its writes drained, and the consumer fails its loads
+on that bye; a consumer shutting down fails its loads and deregisters its region without
+waiting for the producer to confirm that its writes stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from chaos_checks import inbound_violations, release_violations
+from chaos_cluster import (
+    Cluster,
+    Node,
+    Req,
+    all_done,
+    requests,
+    stall_writes,
+    tier_config,
+)
+from chaos_node import NodeSpec
+from p2pkv.demo.roles import RoleSetup
+
+BLOCK = 256 * 1024
+MAX_BLOCKS = 12
+DRAIN = 3.0
+"""``timeouts.shutdown_drain``."""
+NIXL_DRAIN = 2.0
+"""The nixl transport's ``drain_timeout`` (``remove_peer``/``close``)."""
+STOP_BOUND = DRAIN + NIXL_DRAIN + 5.0
+PAUSE = 0.8
+T = 60.0
+
+
+def spec(kind: str, slots: int) -> NodeSpec:
+    config = tier_config(timeouts={"shutdown_drain": DRAIN},
+                         data={"drain_timeout": NIXL_DRAIN})
+    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env={"UCX_TLS": "tcp"}, record=True)
+
+
+def loaded_with_writes_in_flight(c: Cluster, p: Node, con: Node) -> tuple[list[Req], int]:
+    """60 consumer-first requests, 10 done, the rest with the producer's writes held in flight
+    into the (paused) consumer; returns the records and how many writes are in flight."""
+    reqs = requests(60, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="shut")
+    c.flow.hold_stores = True
+    recs = c.flow.admit(reqs, p, con)
+    c.wait(lambda: len(c.flow.held) == len(recs), timeout=T, what="loads submitted")
+    c.flow.release_stores(lambda r: r in recs[:10])
+    c.wait(lambda: all_done(recs[:10]), timeout=T, what="the first 10 requests")
+    return recs, len(stall_writes(c, p, con, recs[10:], PAUSE))
+
+
+def check_all_resolved(recs: list[Req]) -> None:
+    for r in recs:
+        assert len(r.loaded) == 1 and len(r.stored) == 1, r.describe()
+
+
+def known_cross_process_bug(violations: list[str], side: str) -> None:
+    if violations:
+        pytest.xfail(f"known bug ({side} shutting down): {len(violations)} slot release(s) or "
+                     f"deregistration(s) while the producer's writes were live: "
+                     f"{violations[:2]}")
+
+
+def test_producer_shutdown_with_writes_in_flight() -> None:
+    with Cluster() as c:
+        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS)),
+                         ("C", spec("consumer", 60 * MAX_BLOCKS)))
+        recs, stalled = loaded_with_writes_in_flight(c, p, con)
+        try:
+            asked = time.monotonic()
+            report = c.stop(p, timeout=STOP_BOUND, on_stopping=con.child.resume)
+            took = time.monotonic() - asked
+        finally:
+            con.child.resume()
+        c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T,
+               what="every load and store resolved", recs=recs)
+
+        check_all_resolved(recs)
+        assert not c.flow.problems(recs), c.flow.problems(recs)
+        assert not report["anomalies"] and not report["unanswered"], report
+        assert took < STOP_BOUND, took
+        violations = release_violations(p.data_log)
+        assert not violations, violations
+        assert any(e[1] == "close" and e[2] == [] for e in p.data_log), "region not released"
+        print(f"\nproducer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
+              f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
+              f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
+              f"before their slots and its region were released")
+        known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address),
+                                "producer")
+
+
+def test_consumer_shutdown_with_writes_in_flight() -> None:
+    with Cluster() as c:
+        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS)),
+                         ("C", spec("consumer", 60 * MAX_BLOCKS)))
+        recs, stalled = loaded_with_writes_in_flight(c, p, con)
+        p.child.pause()  # the producer's writes stay in flight while the consumer shuts down
+        try:
+            con.child.resume()
+            asked = time.monotonic()
+            report = c.stop(con, timeout=STOP_BOUND, on_stopping=p.child.resume)
+            took = time.monotonic() - asked
+        finally:
+            p.child.resume()
+            con.child.resume()
+        c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T,
+               what="every load and store resolved", recs=recs)
+
+        check_all_resolved(recs)
+        assert not c.flow.problems(recs), c.flow.problems(recs)
+        assert not report["anomalies"] and not report["unanswered"], report
+        assert took < STOP_BOUND, took
+        for node in (p, con):
+            violations = release_violations(node.data_log)
+            assert not violations, (node.name, violations)
+        assert not c.report(p)["anomalies"]
+        print(f"\nconsumer shut down with {stalled} producer write(s) into it in flight in "
+              f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
+              f"{dict(Counter(r.store_outcome for r in recs[10:]))}")
+        known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address),
+                                "consumer")
