@@ -181,6 +181,8 @@ class Flow:
         self.hold_stores = False
         """Keep the store half of consumer-first requests until ``release_stores``."""
         self.held: list[Req] = []
+        self.hold_loads = False
+        """Never send the load half of producer-first requests (a consumer that never asks)."""
 
     def admit(self, reqs: Iterable[DemoRequest], producer: Node, consumer: Node) -> list[Req]:
         """Start requests (one pipe message per node)."""
@@ -233,7 +235,8 @@ class Flow:
                 else:
                     self._send(rec, rec.producer, ("store", req))
             elif node is rec.producer and req.order == "producer_first":
-                self._send(rec, rec.consumer, ("load", req, rec.producer.address))
+                if not self.hold_loads:
+                    self._send(rec, rec.consumer, ("load", req, rec.producer.address))
             elif node is rec.producer and req.order == "symmetric":
                 self._send(rec, rec.consumer, ("probe", req, rec.producer.address))
         elif isinstance(ev, Stored):

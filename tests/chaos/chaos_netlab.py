@@ -3,8 +3,9 @@
 Everything lives inside the two namespaces (the veth ends, their addresses ``10.123.N.1`` and
 ``10.123.N.2``, the qdiscs), so nothing touches the machine's own network. Nodes enter a
 namespace with ``chaos_node.enter_netns``. ``cut()`` takes host A's link down (both sides go
-silent: no FIN, no RST, exactly like a pulled cable), ``restore()`` brings it back, and
-``shape()`` adds ``tc netem`` delay and loss on both ends.
+silent: no FIN, no RST, exactly like a pulled cable), ``restore()`` brings it back,
+``shape()`` adds ``tc netem`` delay and loss on both ends and ``limit_rate()`` a ``tc tbf``
+bandwidth limit.
 """
 
 from __future__ import annotations
@@ -89,10 +90,18 @@ class NetLab:
 
     def shape(self, delay_ms: float, loss_pct: float) -> None:
         """``tc netem`` on both ends: every packet delayed ``delay_ms``, ``loss_pct`` % lost,
-        in each direction."""
+        in each direction. ``NetLabUnavailable`` if the kernel has no netem."""
+        self._qdisc("netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%")
+
+    def limit_rate(self, mbit: float) -> None:
+        """``tc tbf`` on both ends: each direction carries at most ``mbit`` Mbit/s (packets
+        queue, then drop, beyond it)."""
+        self._qdisc("tbf", "rate", f"{mbit}mbit", "burst", "32kbit", "latency", "400ms")
+
+    def _qdisc(self, *spec: str) -> None:
         for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
             cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
-                   "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%"]
+                   *spec]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT)
             if done.returncode:
                 raise NetLabUnavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
