@@ -19,17 +19,13 @@ _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
-"""Short heartbeats so silence shows within about a second. Only for tests of liveness: a
-process starved of CPU for longer than the timeout (a loaded CI box) looks dead too."""
-
 MakeTransport = Callable[..., Any]
 
 
 @pytest.fixture
 def make_transport() -> Iterator[MakeTransport]:
     """``make_transport(host="127.0.0.1", port=0, max_frame_bytes=..., **options)``; the
-    transport's default options unless given (pass ``options=FAST`` for quick liveness)."""
+    transport's default options unless given (``options=zmq_peers.FAST`` for quick liveness)."""
     made: list[Any] = []
 
     def make(host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = 1 << 20,

@@ -9,8 +9,7 @@ import zmq_peers
 from p2pkv.errors import SendQueueFull
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
-
-from conftest import FAST
+from zmq_peers import FAST
 
 T = 10.0  # generous: children start on a busy 2-core machine
 DEATH_MARGIN = 2.0  # seconds beyond the heartbeat timeout for death to show

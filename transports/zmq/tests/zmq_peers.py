@@ -16,6 +16,10 @@ from p2pkv.contracts import ControlSettings
 from p2pkv.errors import SendQueueFull
 from p2pkv_zmq import ZmqControlTransport
 
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
+"""Short heartbeats so silence shows within about a second. Only for tests of liveness: a
+process starved of CPU for longer than the timeout (a loaded CI box) looks dead too."""
+
 _LIFETIME = 120.0  # seconds; a child never outlives this
 
 
