@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Write", "inbound_violations", "release_violations", "writes"]
+__all__ = ["Write", "inbound_violations", "overlapping_writes", "release_violations", "writes"]
 
 Entry = tuple[Any, ...]
 
@@ -55,26 +55,27 @@ def writes(log: Sequence[Entry]) -> list[Write]:
     return list(out.values())
 
 
-def release_violations(log: Sequence[Entry]) -> list[str]:
+def release_violations(log: Sequence[Entry], give_up_after: float = math.inf) -> list[str]:
     """Breaks of the rules in the module docstring within one node's log."""
     found: list[str] = []
-    live: dict[int, tuple[str, frozenset[int]]] = {}
+    live: dict[int, tuple[str, frozenset[int], float]] = {}
     for e in log:
         op = e[1]
         if op == "write":
-            live[e[2]] = (e[3], frozenset(e[4]))
+            live[e[2]] = (e[3], frozenset(e[4]), e[0])
         elif op in ("end", "cancel"):
             live.pop(e[2], None)
         elif op == "result":
-            _, _, job_id, outcome, slots, is_load = e
+            t, _, job_id, outcome, slots, is_load = e
             if slots and not is_load:
-                busy = sorted(tid for tid, (_, s) in live.items() if s & set(slots))
+                busy = sorted(tid for tid, (_, s, posted) in live.items()
+                              if s & set(slots) and t - posted < give_up_after)
                 if busy:
                     found.append(f"store job {job_id} answered {outcome} while write(s) {busy} "
                                  f"reading its slots were live")
         elif op == "remove_peer":
             peer, undrained = e[2], e[3]
-            busy = sorted(tid for tid, (p, _) in live.items() if p == peer)
+            busy = sorted(tid for tid, (p, _, _) in live.items() if p == peer)
             if busy:
                 found.append(f"remove_peer({peer}) called with write(s) {busy} live")
             for tid in busy:
@@ -107,4 +108,16 @@ def inbound_violations(producer_log: Sequence[Entry], consumer_log: Sequence[Ent
                 if w.ended > t:
                     found.append(f"consumer deregistered its region at {t:.6f} while producer "
                                  f"write {w.tid} was live ({w.posted:.6f}..{w.ended:.6f})")
+    return found
+
+
+def overlapping_writes(log: Sequence[Entry]) -> list[str]:
+    """Writes posted into a peer's slot while an earlier write into that slot was live."""
+    found: list[str] = []
+    for w in (ws := writes(log)):
+        older = [o.tid for o in ws if o.peer == w.peer and o.tid != w.tid
+                 and o.posted <= w.posted < o.ended and o.remote & w.remote]
+        if older:
+            found.append(f"write {w.tid} to {w.peer} posted at {w.posted:.6f} into slots that "
+                         f"write(s) {older} were still writing")
     return found

@@ -126,7 +126,7 @@ def test_curve_admits_the_allowed_peer_and_no_frame_or_write_from_anyone_else(
         hub0, hub1 = before["control"], after["control"]
         assert hub1["dropped_messages"] == hub0["dropped_messages"] == 0, hub1
         assert hub1["accepted"] == hub0["accepted"], (hub0, hub1)
-        assert hub1["refused_handshakes"] >= len(intruders), hub1
+        assert hub1["refused_handshakes"] > hub0["refused_handshakes"], (hub0, hub1)
         stats = after["stats"]
         assert stats["protocol_errors"] == 0 and stats["handshake_rejections"] == 0, stats
         assert stats["sessions"] == 1, stats

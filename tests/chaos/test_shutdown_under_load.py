@@ -7,13 +7,14 @@ exactly once, and the order of events is checked on the recordings of both data 
 - the shutting-down side's own writes end before their store jobs are answered and before the
   region is deregistered, which happens only once nothing is in flight (``close`` drains
   everything: the region is really released);
-- across the two processes: the consumer hands a load's slots back, or deregisters its region,
-  only when no write of the producer into them is live.
+- across the two processes (docs/protocol.md §5.1, §10): a consumer whose loads end while the
+  producer's writes into them are still live (the producer's ``bye`` comes before its writes
+  drained) fences those slots against that producer; and a consumer shutting down deregisters
+  its region only when no write of the producer into it is live.
 
-The cross-process rule does not hold today (xfail, see docs/reliability.md "Shutdown"): a
-producer shutting down says ``bye`` before its writes drained, and the consumer fails its loads
-on that bye; a consumer shutting down fails its loads and deregisters its region without
-waiting for the producer to confirm that its writes stopped.
+That last rule does not hold today (xfail, see docs/reliability.md "Shutdown"): a consumer
+shutting down fails its loads and deregisters its region without waiting for the producer to
+confirm that its writes stopped.
 """
 
 from __future__ import annotations
@@ -69,10 +70,10 @@ def check_all_resolved(recs: list[Req]) -> None:
         assert len(r.loaded) == 1 and len(r.stored) == 1, r.describe()
 
 
-def known_cross_process_bug(violations: list[str], side: str) -> None:
+def known_cross_process_bug(violations: list[str]) -> None:
     if violations:
-        pytest.xfail(f"known bug ({side} shutting down): {len(violations)} slot release(s) or "
-                     f"deregistration(s) while the producer's writes were live: "
+        pytest.xfail(f"known bug (consumer shutting down): {len(violations)} slot release(s) "
+                     f"or deregistration(s) while the producer's writes were live: "
                      f"{violations[:2]}")
 
 
@@ -97,12 +98,14 @@ def test_producer_shutdown_with_writes_in_flight() -> None:
         violations = release_violations(p.data_log)
         assert not violations, violations
         assert any(e[1] == "close" and e[2] == [] for e in p.data_log), "region not released"
+        early = inbound_violations(p.data_log, con.data_log, con.address)
+        fences = c.report(con)["state_sizes"]["fences"]
+        assert fences or not early, f"loads ended under live writes, no fence: {early[:3]}"
         print(f"\nproducer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
               f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
               f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
-              f"before their slots and its region were released")
-        known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address),
-                                "producer")
+              f"before their slots and its region were released; {len(early)} consumer "
+              f"load(s) ended while a write into them was live: {fences} fence(s) hold them")
 
 
 def test_consumer_shutdown_with_writes_in_flight() -> None:
@@ -133,5 +136,4 @@ def test_consumer_shutdown_with_writes_in_flight() -> None:
         print(f"\nconsumer shut down with {stalled} producer write(s) into it in flight in "
               f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
               f"{dict(Counter(r.store_outcome for r in recs[10:]))}")
-        known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address),
-                                "consumer")
+        known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address))
