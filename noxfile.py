@@ -70,6 +70,15 @@ def conformance(session: nox.Session) -> None:
     pytest(session, "tests/conformance", "tests/example_plugin/tests", *kit_tests)
 
 
+@venv_session
+def chaos(session: nox.Session) -> None:
+    """The reliability and security suite (``tests/chaos``, marker ``chaos``): peers killed
+    mid-transfer, network cuts and slow links between namespaced hosts, hostile floods, CURVE,
+    soak, shutdown under load. A plain ``pytest`` run deselects it. The namespace scenarios
+    need root and ``ip`` (iproute2); without them they skip, saying why."""
+    pytest(session, "-m", "chaos", "-rsxX", "tests/chaos")
+
+
 
 @venv_session
 def docs(session: nox.Session) -> None:
