@@ -61,15 +61,21 @@ BLOCKS = _blocks()
 
 
 def _commands(code: str) -> list[list[str]]:
-    cmds = []
+    """Shell commands of a block: continuation lines joined, quotes may span lines."""
+    cmds: list[list[str]] = []
+    pending = ""
     for raw in code.replace("\\\n", " ").splitlines():
-        line = raw.split("  #", 1)[0].strip()
-        if not line or line.startswith("#"):
+        pending = f"{pending}\n{raw}" if pending else raw.removeprefix("$ ")
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
             continue
-        line = line.removeprefix("$ ")
+        line, pending = pending, ""
         for part in re.split(r"\s*(?:&&|\|\||;)\s*", line):
-            if part:
-                cmds.append(shlex.split(part, comments=True))
+            argv = shlex.split(part, comments=True)
+            if argv:
+                cmds.append(argv)
+    assert not pending, f"unterminated quote in: {pending[:80]!r}"
     return cmds
 
 

@@ -20,6 +20,10 @@ import pytest
 
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
 
+# The module fixture runs every broken variant through the suites in one pytest subprocess
+# (bounded by its own 600 s timeout); the first test pays for it.
+pytestmark = pytest.mark.timeout(660)
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import broken  # noqa: E402
@@ -60,7 +64,8 @@ def run_suites(tmp: Path, source: str) -> Outcomes:
     env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "test_suite_run.py", "-q", "-p", "no:cacheprovider",
-         "-o", "addopts=", "--tb=no", f"--junitxml={report}", "--rootdir", str(tmp)],
+         "-o", "addopts=", "--tb=no", "--timeout=60", f"--junitxml={report}",
+         "--rootdir", str(tmp)],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert report.exists(), f"the suite run produced no report:\n{proc.stdout}\n{proc.stderr}"
