@@ -182,14 +182,18 @@ def _replay_with_display(
         disable=args.quiet,
     ) as bar:
         task = bar.add_task("demo", total=len(stream), gb=0.0, rate=0.0, failed=0)
-        last = [0.0]
+        first, last = [0.0], [0.0]
 
         def show(p: ReplayProgress) -> None:
             now = time.monotonic()
-            if now - last[0] < 0.1 and p.done < len(stream):
+            first[0] = first[0] or now
+            finished = p.done == len(stream)
+            if now - last[0] < 0.1 and not finished:
                 return
             last[0] = now
-            bar.update(task, completed=p.done, gb=p.bytes_moved / 1e9, rate=p.rate(now),
+            # the last second's rate while running; the whole run's once finished
+            rate = p.bytes_moved / max(now - first[0], 1e-9) / 1e9 if finished else p.rate(now)
+            bar.update(task, completed=p.done, gb=p.bytes_moved / 1e9, rate=rate,
                        failed=p.failed)
 
         return replay(
