@@ -66,7 +66,8 @@ class RawUcxxBaseline:
         api = lib.api
         self._error_handling = UcxOptions.from_mapping(settings.options).endpoint_error_handling
         self._api, self._array, self._tag = api, lib.array, api.UCXXTag
-        self._ctx: Any = api.UCXContext(feature_flags=(api.Feature.TAG,))
+        with library.ucx_environment(lib.env):
+            self._ctx: Any = api.UCXContext(feature_flags=(api.Feature.TAG,))
         self._worker: Any = api.UCXWorker(self._ctx)
         self._blocks = np.frombuffer(settings.region, np.uint8).reshape(-1, settings.block_len)
         self._eps: dict[str, Any] = {}

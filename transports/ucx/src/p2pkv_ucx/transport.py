@@ -232,7 +232,10 @@ class UcxDataTransport(DataTransport):
         ).reshape(self._num_blocks, self._block_len)
         config = {k.removeprefix("UCX_"): v for k, v in options.ucx_config.items()}
         try:
-            self._ctx: Any = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
+            with library.ucx_environment(lib.env):
+                self._ctx: Any = api.UCXContext(
+                    config_dict=config, feature_flags=(api.Feature.TAG,)
+                )
             self._worker: Any = api.UCXWorker(self._ctx)
             address = self._worker.address.tobytes()
         except Exception as exc:
