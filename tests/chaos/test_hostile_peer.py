@@ -11,11 +11,12 @@ the producer's memory stays bounded.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
 import pytest
-from chaos_cluster import Cluster, Stream, requests, tier_config
+from chaos_cluster import Cluster, Outstanding, Stream, requests, tier_config
 from chaos_hostile import HostileClient, draw
 from chaos_node import NodeSpec
 from p2pkv.config import Limits
@@ -29,9 +30,14 @@ FRAME_CAP = 1 << 20
 TARGET_FRAMES = 100_000
 WINDOW = 16
 """Real requests kept in flight during the flood."""
+PATIENT = {"heartbeat_timeout": 5.0, "heartbeat_ttl": 5.0}
+"""Heartbeats of the real peers. The suite's one-second timeout is too tight here: the flood
+keeps the producer's zmq I/O thread busy enough that a PONG can wait over a second on a
+loaded 2-core machine, and the real session would be dropped (docs/security.md, floods)."""
 RSS_GROWTH = 32 << 20
-"""Most the producer's live memory (RSS after GC and ``malloc_trim``) may grow over the
-flood: bounded memories of the link layer filling up, nothing per session or per frame."""
+"""How far above its level before the flood the producer's live memory (RSS after GC and
+``malloc_trim``) may stay once the hostile connections are gone: the link layer's bounded
+memories filled up, heap fragmentation; nothing per session or per frame."""
 T = 60.0
 
 
@@ -44,10 +50,12 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
                     "producer_first": 1}, run_id="hostile")
     slots = WINDOW * MAX_BLOCKS * 2
     producer = NodeSpec("producer", RoleSetup(
-        tier_config(limits={"max_frame_bytes": FRAME_CAP}), BLOCK, slots), log_path=str(log))
+        tier_config(limits={"max_frame_bytes": FRAME_CAP}, control=PATIENT), BLOCK, slots),
+        log_path=str(log))
+    consumer = NodeSpec("consumer", RoleSetup(tier_config(control=PATIENT), BLOCK, slots),
+                        log_path=str(tmp_path / "consumer.log"))
     with Cluster() as c:
-        p, con = c.start(("P", producer),
-                         ("C", NodeSpec("consumer", RoleSetup(tier_config(), BLOCK, slots))))
+        p, con = c.start(("P", producer), ("C", consumer))
         real = Stream(c, reqs, p, con, WINDOW)
         c.wait(lambda: real.step() or real.finished >= 2 * WINDOW, timeout=T,
                what="real traffic warmed up")
@@ -92,21 +100,33 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
             return rep["stats"]["sessions"] == 1 and rep["control"]["connections"] <= 1
         c.wait(hostile_gone, timeout=T, what="hostile sessions and connections closed")
         report = c.report(p)
-        rss_after = c.live_rss(p)
-        assert rss_after - rss_before < RSS_GROWTH, (rss_before, rss_after)
+        seen: list[int] = []
+
+        def settled() -> bool:
+            seen.append(c.live_rss(p))
+            return seen[-1] - rss_before < RSS_GROWTH
+
+        with contextlib.suppress(Outstanding):  # libzmq frees closed pipes asynchronously
+            c.wait(settled, timeout=15.0, what="live memory back near its pre-flood level")
+        rss_after = seen[-1]
+        assert rss_after - rss_before < RSS_GROWTH, (rss_before, seen)
         assert not report["anomalies"], report["anomalies"]
         stats, hub = report["stats"], report["control"]
         text = log.read_text()
-        closed = len(re.findall(r"protocol error from 127\.0\.0\.1:\d+: .+; closing the session",
-                                text))
-        assert closed > hostile.sessions // 2, (closed, hostile.sessions)
-        assert re.search(r"session with 127\.0\.0\.1:\d+ closed: protocol error: ", text)
+        closed = re.findall(r"session with 127\.0\.0\.1:\d+ closed: (.+)", text)
+        errors = re.findall(r"protocol error from 127\.0\.0\.1:\d+: .+; closing the session", text)
+        # Every hostile connection the producer accepted became a session (or more: a second
+        # hello with another epoch restarts it), and each was closed with its reason logged;
+        # only the real consumer's stays open.
+        assert len(closed) >= hub["accepted"] - 1, (len(closed), hub)
+        assert len(errors) == stats["protocol_errors"] > 0, (len(errors), stats)
         print(f"\nhostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
               f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
               f"errors, {stats['handshake_rejections']} rejected handshakes, "
               f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "
               f"completed during the flood, {len(recs)} in all, all verified; producer live "
-              f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB (peak RSS {peak >> 20} MiB), "
+              f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB "
+              f"(peak RSS {peak >> 20} MiB), "
               f"{hub['refused_accepts']} connections refused while out of sockets")
 
 
