@@ -87,6 +87,14 @@ class HostileClient:
         self.frames_sent += len(frames)
         self.sessions += 1
 
+    def impersonate(self, address: str, frames: Sequence[bytes]) -> None:
+        """Open a link presenting ``address`` (a live peer's), then send ``frames``."""
+        sock = self._socket(f"{address}#{secrets.token_hex(8)}".encode())
+        sock.send_multipart([b"", b"open", b""])
+        for frame in frames:
+            sock.send(frame)
+        self.frames_sent += len(frames)
+
     def unopened(self, frames: Sequence[bytes]) -> None:
         """Session frames from a well-formed identity that never opened a link."""
         sock = self._socket(self._rid())

@@ -153,3 +153,32 @@ def test_reused_routing_id_flood_keeps_memory_bounded() -> None:
         after = c.live_rss(p)
         assert p.alive and not p.fatal
         assert after - before < RSS_GROWTH, f"live RSS {before >> 20} -> {after >> 20} MiB"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "a new inbound connection claiming a peer's address replaces that peer's live session "
+    "before proving anything (docs/protocol.md §4.1 item 6): one frame from anyone who can "
+    "reach the port (with CURVE: any allowed key) fails the real peer's in-flight jobs. "
+    "See docs/security.md."))
+def test_claiming_a_live_peers_address_does_not_disrupt_it() -> None:
+    reqs = requests(400, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1,
+                    "producer_first": 1}, run_id="impostor")
+    slots = WINDOW * MAX_BLOCKS * 2
+    with Cluster() as c:
+        p, con = c.start(("P", NodeSpec("producer", RoleSetup(tier_config(), BLOCK, slots))),
+                         ("C", NodeSpec("consumer", RoleSetup(tier_config(), BLOCK, slots))))
+        real = Stream(c, reqs, p, con, WINDOW)
+        c.wait(lambda: real.step() or real.finished >= 2 * WINDOW, timeout=T,
+               what="real traffic warmed up")
+        impostor = HostileClient(p.address, seed=5)
+        try:
+            impostor.impersonate(con.address, [b"\x80"])
+            c.wait(lambda: real.step() or real.finished >= 4 * WINDOW, timeout=T,
+                   what="more real requests after the impostor's frame")
+            real.pending.clear()
+            c.wait(lambda: (real.step(), all(r.loaded for r in real.admitted))[1], timeout=T,
+                   what="every admitted real load ended", recs=real.active)
+        finally:
+            impostor.close()
+        failed = [r.describe() for r in real.admitted if r.load_outcome != "done"]
+        assert not failed, f"{len(failed)} real loads failed: {failed[:3]}"
