@@ -22,11 +22,20 @@ from p2pkv.demo.workload import DemoRequest, PromptDistribution, make_stream
 from p2pkv.testing.child import Child
 
 __all__ = [
-    "HEARTBEAT", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage", "all_done",
-    "live_writes", "not_done", "region_blocks", "requests", "stall_writes", "tier_config",
+    "HEARTBEAT", "MEASUREMENTS", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage",
+    "all_done", "live_writes", "measured", "not_done", "region_blocks", "requests",
+    "stall_writes", "tier_config",
 ]
 
 START_TIMEOUT = 60.0  # a node loads NIXL/UCX on a busy 2-core machine
+
+MEASUREMENTS: list[str] = []
+"""What the scenarios measured (timings, counts), printed in pytest's terminal summary."""
+
+
+def measured(line: str) -> None:
+    """Record one line of measurements for the terminal summary."""
+    MEASUREMENTS.append(line)
 
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0,
              "connect_timeout": 2.0}

@@ -54,3 +54,12 @@ def netlab() -> Iterator[NetLab]:
         yield lab
     finally:
         lab.remove()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from chaos_cluster import MEASUREMENTS
+
+    if MEASUREMENTS:
+        terminalreporter.section("chaos measurements")
+        for line in MEASUREMENTS:
+            terminalreporter.write_line(line)

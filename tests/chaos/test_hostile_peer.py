@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from chaos_cluster import Cluster, Outstanding, Stream, requests, tier_config
+from chaos_cluster import Cluster, Outstanding, Stream, measured, requests, tier_config
 from chaos_hostile import HostileClient, draw
 from chaos_node import NodeSpec
 from p2pkv.config import Limits
@@ -120,7 +120,7 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
         # only the real consumer's stays open.
         assert len(closed) >= hub["accepted"] - 1, (len(closed), hub)
         assert len(errors) >= stats["protocol_errors"] > 0, (len(errors), stats)  # late frames
-        print(f"\nhostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
+        measured(f"hostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
               f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
               f"errors, {stats['handshake_rejections']} rejected handshakes, "
               f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "

@@ -25,6 +25,7 @@ from chaos_cluster import (
     HEARTBEAT,
     Cluster,
     all_done,
+    measured,
     region_blocks,
     requests,
     stall_writes,
@@ -95,7 +96,7 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
         violations = release_violations(p.data_log, give_up_after=DRAIN)
         assert not violations, violations
         load_late = max(r.loaded[0].done_at - cut_at for r in failed)
-        print(f"\nlink cut with {len(open_at_cut)} loads open and {stalled} write(s) in flight: "
+        measured(f"link cut with {len(open_at_cut)} loads open and {stalled} write(s) in flight: "
               f"{len(failed)} loads failed {dict(Counter(r.load_outcome for r in failed))}, "
               f"last {load_late:.2f}s after the cut; {len(store_fail)} stores failed "
               f"{dict(Counter(r.store_outcome for r in store_fail))}, last {store_late:.2f}s")
@@ -112,5 +113,5 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
         assert not c.flow.problems(), c.flow.problems()
         assert not overlapping_writes(p.data_log), overlapping_writes(p.data_log)
         last = max(r.loaded[0].done_at for r in restored) - restored_at
-        print(f"link restored: {len(restored)} new requests done with verified bytes, the "
+        measured(f"link restored: {len(restored)} new requests done with verified bytes, the "
               f"last {last:.2f}s after the restore")

@@ -29,6 +29,7 @@ from chaos_cluster import (
     Node,
     Req,
     all_done,
+    measured,
     requests,
     stall_writes,
     tier_config,
@@ -101,7 +102,7 @@ def test_producer_shutdown_with_writes_in_flight() -> None:
         early = inbound_violations(p.data_log, con.data_log, con.address)
         fences = c.report(con)["state_sizes"]["fences"]
         assert fences or not early, f"loads ended under live writes, no fence: {early[:3]}"
-        print(f"\nproducer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
+        measured(f"producer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
               f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
               f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
               f"before their slots and its region were released; {len(early)} consumer "
@@ -133,7 +134,7 @@ def test_consumer_shutdown_with_writes_in_flight() -> None:
             violations = release_violations(node.data_log)
             assert not violations, (node.name, violations)
         assert not c.report(p)["anomalies"]
-        print(f"\nconsumer shut down with {stalled} producer write(s) into it in flight in "
+        measured(f"consumer shut down with {stalled} producer write(s) into it in flight in "
               f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
               f"{dict(Counter(r.store_outcome for r in recs[10:]))}")
         known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address))

@@ -17,7 +17,7 @@ import shutil
 from collections import Counter
 
 import pytest
-from chaos_cluster import Cluster, Stream, all_done, not_done, requests, tier_config
+from chaos_cluster import Cluster, Stream, all_done, measured, not_done, requests, tier_config
 from chaos_netlab import NetLab, NetLabUnavailable
 from chaos_node import NodeSpec
 from p2pkv.demo.roles import RoleSetup
@@ -91,7 +91,7 @@ def test_requests_complete_and_timeouts_fire_as_configured_over_a_slow_link(
             rep = c.report(node)
             assert not rep["anomalies"], (node.name, rep["anomalies"])
             assert rep["stats"]["sessions"] == 1 and not rep["stats"].get("jobs_peer_dead"), rep
-        print(f"\n{shaping}: {len(reqs)} requests "
+        measured(f"{shaping}: {len(reqs)} requests "
               f"{dict(Counter(r.req.order for r in stream.admitted))} done, load latency p50 "
               f"{latency[len(latency) // 2] * 1000:.0f} ms, max {latency[-1] * 1000:.0f} ms, no "
               f"session lost; load timeout {LOAD}s fired after "

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 import pytest
-from chaos_cluster import Cluster, Stream, requests, tier_config
+from chaos_cluster import Cluster, Stream, measured, requests, tier_config
 from chaos_node import NodeSpec
 from p2pkv.demo.roles import RoleSetup
 
@@ -67,7 +67,7 @@ def test_soak_20000_requests_exactly_once_verified_with_bounded_resources() -> N
             assert use1.threads - use0.threads <= THREAD_GROWTH, (node.name, use0, use1)
         orders = Counter(r.req.order for r in recs)
         blocks = sum(r.loaded[0].blocks for r in recs)
-        print(f"\nsoak: {COUNT} requests {dict(orders)}, {blocks} blocks verified; "
+        measured(f"soak: {COUNT} requests {dict(orders)}, {blocks} blocks verified; "
               f"{COUNT - WARMUP} after warm-up in {elapsed:.1f}s "
               f"({(COUNT - WARMUP) / elapsed:.0f}/s); growth (live RSS bytes, fds, threads): "
               f"{growth}; no per-request state left")
