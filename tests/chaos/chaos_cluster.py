@@ -44,11 +44,12 @@ HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl
 
 def tier_config(host: str = "127.0.0.1", *, port: int = 0,
                 timeouts: dict[str, float] | None = None, control: dict[str, Any] | None = None,
-                data: dict[str, Any] | None = None,
-                limits: dict[str, int] | None = None) -> dict[str, Any]:
-    """A zmq + nixl tier config with short heartbeats (ephemeral port unless given)."""
+                data: dict[str, Any] | None = None, limits: dict[str, int] | None = None,
+                data_transport: str = "nixl") -> dict[str, Any]:
+    """A zmq + nixl (or ``data_transport``) tier config with short heartbeats (ephemeral port
+    unless given)."""
     return {
-        "control": "zmq", "data": "nixl", "host": host, "port": port,
+        "control": "zmq", "data": data_transport, "host": host, "port": port,
         "control_options": {**HEARTBEAT, **(control or {})},
         "data_options": {"drain_timeout": 2.0, **(data or {})},
         "timeouts": {"shutdown_drain": 3.0, **(timeouts or {})},

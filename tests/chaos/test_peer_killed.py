@@ -1,4 +1,5 @@
-"""Scenario 1: a peer is SIGKILLed mid-transfer (zmq control + nixl data, separate processes).
+"""Scenario 1: a peer is SIGKILLed mid-transfer (zmq control; nixl and ucx data, each when
+installed; every peer in its own process).
 
 - Producer killed: a consumer has 200 loads in flight, half from producer A and half from
   producer B. A is killed while its writes are in flight. Every load of A without a result
@@ -10,7 +11,7 @@
   unbound-store timeout), never while a write reading their slots is live; C2's requests all
   succeed.
 
-"In flight" is made certain, not hoped for: writes go over TCP (``UCX_TLS=tcp``, as between
+"In flight" is made certain, not hoped for: writes go over TCP (UCX's ``TLS=tcp``, as between
 hosts), where a write needs its target's progress to complete, and the target is paused
 (SIGSTOP, well under the heartbeat timeout) while the producer posts them. The kill lands
 once the producer has reported writes posted and not ended.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from chaos_checks import release_violations
 from chaos_cluster import (
     Cluster,
@@ -34,10 +36,16 @@ from chaos_cluster import (
 from chaos_node import NodeSpec
 from p2pkv.addressing import parse_address
 from p2pkv.demo.roles import RoleSetup
+from p2pkv.errors import ConfigError
+from p2pkv.registry import default_registry
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12
-TCP = {"UCX_TLS": "tcp"}
+DATA = {
+    "nixl": ({}, {"UCX_TLS": "tcp"}),
+    "ucx": ({"ucx_config": {"TLS": "tcp"}}, {}),
+}
+"""Per data transport: ``data_options`` and environment putting its writes on TCP."""
 HEARTBEAT_TIMEOUT = 2.0
 """Seconds of silence before a connection is dead. Longer than the suite's usual second:
 the target stays paused (silent) while the producer posts writes into it, on a busy machine."""
@@ -50,19 +58,38 @@ PAUSE = 1.2
 T = 60.0
 
 
-def spec(kind: str, slots: int, *, port: int = 0, record: bool = False) -> NodeSpec:
-    config = tier_config(port=port, timeouts={"unbound_store": UNBOUND},
+@pytest.fixture(params=sorted(DATA))
+def data(request: pytest.FixtureRequest) -> str:
+    """The data transport under test (both, when installed)."""
+    name: str = request.param
+    try:
+        problem = default_registry().transport("data", name).availability()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    if problem is not None:
+        pytest.skip(str(problem))
+    return name
+
+
+def spec(kind: str, slots: int, data: str, *, port: int = 0,
+         record: bool = False) -> NodeSpec:
+    options, env = DATA[data]
+    config = tier_config(port=port, timeouts={"unbound_store": UNBOUND}, data=options,
+                         data_transport=data,
                          control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
                                   "heartbeat_ttl": HEARTBEAT_TIMEOUT})
-    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=TCP, record=record)
+    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=env, record=record)
 
 
-def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves() -> None:
+def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
+    data: str,
+) -> None:
     reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-p")
     with Cluster() as c:
-        a, b, con = c.start(("A", spec("producer", region_blocks(reqs[:100]), record=True)),
-                            ("B", spec("producer", region_blocks(reqs[100:]))),
-                            ("C", spec("consumer", region_blocks(reqs))))
+        a, b, con = c.start(
+            ("A", spec("producer", region_blocks(reqs[:100]), data, record=True)),
+            ("B", spec("producer", region_blocks(reqs[100:]), data)),
+            ("C", spec("consumer", region_blocks(reqs), data)))
         c.flow.hold_stores = True
         of_a = c.flow.admit(reqs[:100], a, con)
         of_b = c.flow.admit(reqs[100:], b, con)
@@ -95,7 +122,7 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
               f"producer's 100 requests all done")
 
         port = parse_address(a.address)[1]
-        (a2,) = c.start(("A2", spec("producer", 50 * MAX_BLOCKS, port=port)))
+        (a2,) = c.start(("A2", spec("producer", 50 * MAX_BLOCKS, data, port=port)))
         assert a2.address == a.address
         again = c.flow.admit(requests(50, max_blocks=MAX_BLOCKS, orders={
             "consumer_first": 1, "producer_first": 1}, run_id="kill-p2", first_index=1000),
@@ -108,12 +135,14 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
             assert not c.report(node)["anomalies"], node.name
 
 
-def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slots() -> None:
+def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slots(
+    data: str,
+) -> None:
     reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-c")
     with Cluster() as c:
-        p, c1, c2 = c.start(("P", spec("producer", region_blocks(reqs), record=True)),
-                            ("C1", spec("consumer", region_blocks(reqs[:100]))),
-                            ("C2", spec("consumer", region_blocks(reqs[100:]))))
+        p, c1, c2 = c.start(("P", spec("producer", region_blocks(reqs), data, record=True)),
+                            ("C1", spec("consumer", region_blocks(reqs[:100]), data)),
+                            ("C2", spec("consumer", region_blocks(reqs[100:]), data)))
         c.flow.hold_stores = True
         of_c1 = c.flow.admit(reqs[:100], p, c1)
         of_c2 = c.flow.admit(reqs[100:], p, c2)
