@@ -55,13 +55,17 @@ SUITE_RUN = textwrap.dedent(
 
 Outcomes = dict[str, dict[str, str]]
 
+_ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "UCX_NET_DEVICES", "VIRTUAL_ENV")
+_last_run_output: list[str] = []
+
 
 def run_suites(tmp: Path, source: str) -> Outcomes:
     """Run ``source`` as a test module in a pytest subprocess; class -> test -> outcome."""
     (tmp / "test_suite_run.py").write_text(source)
     report = tmp / "report.xml"
-    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
+    # A clean environment: nothing earlier tests of this session set may reach the run.
+    env = {k: v for k, v in os.environ.items() if k in _ENV_KEPT}
+    env["PYTHONPATH"] = str(HERE)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "test_suite_run.py", "-q", "-p", "no:cacheprovider",
          "-o", "addopts=", "--tb=no", "--timeout=60", f"--junitxml={report}",
@@ -69,6 +73,7 @@ def run_suites(tmp: Path, source: str) -> Outcomes:
         cwd=tmp, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert report.exists(), f"the suite run produced no report:\n{proc.stdout}\n{proc.stderr}"
+    _last_run_output[:] = [proc.stdout[-4000:], proc.stderr[-4000:]]
     outcomes: Outcomes = {}
     for case in ET.parse(report).iter("testcase"):
         cls = case.get("classname", "").rsplit(".", 1)[-1]
@@ -104,6 +109,10 @@ VARIANTS = {**broken.DATA_VARIANTS, **broken.CONTROL_VARIANTS}
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_the_kit_catches(outcomes: Outcomes, variant: str) -> None:
     _, expected = VARIANTS[variant]
+    assert f"Test{variant}" in outcomes, (
+        f"the suite run reported nothing for Test{variant}; its output ended with:\n"
+        + "\n".join(_last_run_output)
+    )
     results = outcomes[f"Test{variant}"]
     caught = [t for t in expected if results.get(t) == "failed"]
     assert caught, (
