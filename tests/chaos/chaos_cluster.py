@@ -23,7 +23,7 @@ from p2pkv.testing.child import Child
 
 __all__ = [
     "HEARTBEAT", "MEASUREMENTS", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage",
-    "all_done", "live_writes", "measured", "not_done", "region_blocks", "requests",
+    "admit_held", "all_done", "live_writes", "measured", "not_done", "region_blocks", "requests",
     "stall_writes", "tier_config",
 ]
 
@@ -469,6 +469,24 @@ def live_writes(node: Node, to: str | None = None) -> set[int]:
         elif e[1] in ("end", "cancel"):
             live.discard(e[2])
     return live
+
+
+def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, Node]], *,
+               warm: int, timeout: float) -> list[list[Req]]:
+    """Admit consumer-first requests (one group per producer/consumer pair) with their store
+    halves held until every load is submitted, then release the first ``warm`` of each group and
+    wait until those are done: sessions up, data endpoints wired. The rest stay held (for
+    ``stall_writes`` or ``Flow.release_stores``). Returns each group's records."""
+    c.flow.hold_stores = True
+    recs = [c.flow.admit(reqs, producer, consumer) for reqs, producer, consumer in groups]
+    total = sum(len(r) for r in recs)
+    c.wait(lambda: len(c.flow.held) >= total, timeout=timeout, what=f"{total} loads submitted")
+    first = [r for group in recs for r in group[:warm]]
+    chosen = {id(r) for r in first}
+    c.flow.release_stores(lambda r: id(r) in chosen)
+    c.wait(lambda: all_done(first), timeout=timeout,
+           what=f"the first {warm} requests of each group", recs=first)
+    return recs
 
 
 def stall_writes(c: Cluster, writer: Node, target: Node, release: Iterable[Req],

@@ -133,6 +133,6 @@ def test_curve_admits_the_allowed_peer_and_no_frame_or_write_from_anyone_else(
         targets = {e[3] for e in p.data_log if e[1] == "write"}
         assert targets == {alice.address}, targets
         measured(f"CURVE on {netlab.addr_a}: alice's 40 requests done; intruders "
-              f"{ {k: v[1] for k, v in outcomes.items()} } and a tier with mallory's key "
-              f"(loads: peer_dead) got no frame through: {hub1['refused_handshakes']} "
-              f"handshakes refused, 0 link messages, 0 protocol errors, writes only to alice")
+                 f"{ {k: v[1] for k, v in outcomes.items()} } and a tier with mallory's key "
+                 f"(loads: peer_dead) got no frame through: {hub1['refused_handshakes']} "
+                 f"handshakes refused, 0 link messages, 0 protocol errors, writes only to alice")

@@ -121,13 +121,13 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
         assert len(closed) >= hub["accepted"] - 1, (len(closed), hub)
         assert len(errors) >= stats["protocol_errors"] > 0, (len(errors), stats)  # late frames
         measured(f"hostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
-              f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
-              f"errors, {stats['handshake_rejections']} rejected handshakes, "
-              f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "
-              f"completed during the flood, {len(recs)} in all, all verified; producer live "
-              f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB "
-              f"(peak RSS {peak >> 20} MiB), "
-              f"{hub['refused_accepts']} connections refused while out of sockets")
+                 f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
+                 f"errors, {stats['handshake_rejections']} rejected handshakes, "
+                 f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "
+                 f"completed during the flood, {len(recs)} in all, all verified; producer live "
+                 f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB "
+                 f"(peak RSS {peak >> 20} MiB), "
+                 f"{hub['refused_accepts']} connections refused while out of sockets")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(

@@ -24,6 +24,7 @@ from chaos_checks import overlapping_writes, release_violations
 from chaos_cluster import (
     HEARTBEAT,
     Cluster,
+    admit_held,
     all_done,
     measured,
     region_blocks,
@@ -66,12 +67,7 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
     with Cluster() as c:
         p, con = c.start(("P", host_spec(netlab, "producer", "a", slots, record=True)),
                          ("C", host_spec(netlab, "consumer", "b", slots, record=True)))
-        c.flow.hold_stores = True
-        recs = c.flow.admit(first, p, con)
-        c.wait(lambda: len(c.flow.held) == len(first), timeout=T, what="loads submitted")
-        warm = recs[:10]
-        c.flow.release_stores(lambda r: r in warm)
-        c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests", recs=warm)
+        (recs,) = admit_held(c, [(first, p, con)], warm=10, timeout=T)
 
         try:
             stalled = len(stall_writes(c, p, con, recs[10:], PAUSE))
@@ -97,9 +93,9 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
         assert not violations, violations
         load_late = max(r.loaded[0].done_at - cut_at for r in failed)
         measured(f"link cut with {len(open_at_cut)} loads open and {stalled} write(s) in flight: "
-              f"{len(failed)} loads failed {dict(Counter(r.load_outcome for r in failed))}, "
-              f"last {load_late:.2f}s after the cut; {len(store_fail)} stores failed "
-              f"{dict(Counter(r.store_outcome for r in store_fail))}, last {store_late:.2f}s")
+                 f"{len(failed)} loads failed {dict(Counter(r.load_outcome for r in failed))}, "
+                 f"last {load_late:.2f}s after the cut; {len(store_fail)} stores failed "
+                 f"{dict(Counter(r.store_outcome for r in store_fail))}, last {store_late:.2f}s")
 
         netlab.restore()
         restored_at = time.monotonic()
@@ -114,4 +110,4 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_restored_link_serves(
         assert not overlapping_writes(p.data_log), overlapping_writes(p.data_log)
         last = max(r.loaded[0].done_at for r in restored) - restored_at
         measured(f"link restored: {len(restored)} new requests done with verified bytes, the "
-              f"last {last:.2f}s after the restore")
+                 f"last {last:.2f}s after the restore")

@@ -25,6 +25,7 @@ import pytest
 from chaos_checks import release_violations
 from chaos_cluster import (
     Cluster,
+    admit_held,
     all_done,
     measured,
     not_done,
@@ -90,13 +91,9 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
             ("A", spec("producer", region_blocks(reqs[:100]), data, record=True)),
             ("B", spec("producer", region_blocks(reqs[100:]), data)),
             ("C", spec("consumer", region_blocks(reqs), data)))
-        c.flow.hold_stores = True
-        of_a = c.flow.admit(reqs[:100], a, con)
-        of_b = c.flow.admit(reqs[100:], b, con)
-        c.wait(lambda: len(c.flow.held) == 200, timeout=T, what="200 loads submitted")
+        of_a, of_b = admit_held(c, [(reqs[:100], a, con), (reqs[100:], b, con)], warm=10,
+                                timeout=T)
         warm = of_a[:10] + of_b[:10]
-        c.flow.release_stores(lambda r: r in warm)
-        c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests of A and of B")
 
         try:
             stalled = stall_writes(c, a, con, [r for r in of_a + of_b if r not in warm], PAUSE)
@@ -116,10 +113,10 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
         assert all_done(of_b), not_done(of_b)
         worst = max(r.loaded[0].done_at - killed_at for r in failed)
         measured(f"producer killed with {len(open_at_kill)} of its 100 loads open and "
-              f"{len(stalled)} write(s) in flight: {len(failed)} failed "
-              f"{dict(Counter(r.load_outcome for r in failed))}, the last "
-              f"{worst * 1000:.0f} ms after the kill (bound {DEATH_BOUND}s); the other "
-              f"producer's 100 requests all done")
+                 f"{len(stalled)} write(s) in flight: {len(failed)} failed "
+                 f"{dict(Counter(r.load_outcome for r in failed))}, the last "
+                 f"{worst * 1000:.0f} ms after the kill (bound {DEATH_BOUND}s); the other "
+                 f"producer's 100 requests all done")
 
         port = parse_address(a.address)[1]
         (a2,) = c.start(("A2", spec("producer", 50 * MAX_BLOCKS, data, port=port)))
@@ -143,13 +140,9 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
         p, c1, c2 = c.start(("P", spec("producer", region_blocks(reqs), data, record=True)),
                             ("C1", spec("consumer", region_blocks(reqs[:100]), data)),
                             ("C2", spec("consumer", region_blocks(reqs[100:]), data)))
-        c.flow.hold_stores = True
-        of_c1 = c.flow.admit(reqs[:100], p, c1)
-        of_c2 = c.flow.admit(reqs[100:], p, c2)
-        c.wait(lambda: len(c.flow.held) == 200, timeout=T, what="200 loads submitted")
+        of_c1, of_c2 = admit_held(c, [(reqs[:100], p, c1), (reqs[100:], p, c2)], warm=10,
+                                  timeout=T)
         warm = of_c1[:10] + of_c2[:10]
-        c.flow.release_stores(lambda r: r in warm)
-        c.wait(lambda: all_done(warm), timeout=T, what="the first 10 requests of each consumer")
 
         later = of_c1[-20:]  # stored only after the kill: an engine keeps prefilling
         stalled = stall_writes(c, p, c1, [r for r in of_c1 + of_c2
@@ -181,6 +174,6 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
             o = r.store_outcome or ""
             timing[o] = max(timing[o], r.stored[0][0] - killed_at)
         measured(f"consumer killed with {len(stalled)} write(s) into it in flight: "
-              f"{len(failed)} store job(s) failed {dict(Counter(r.store_outcome for r in failed))}"
-              f"; last of each kind after "
-              f"{ {k: round(v, 2) for k, v in timing.items()} } s; other consumer all done")
+                 f"{len(failed)} store job(s) failed "
+                 f"{dict(Counter(r.store_outcome for r in failed))}; last of each kind after "
+                 f"{ {k: round(v, 2) for k, v in timing.items()} } s; other consumer all done")

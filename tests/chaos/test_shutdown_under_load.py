@@ -28,7 +28,7 @@ from chaos_cluster import (
     Cluster,
     Node,
     Req,
-    all_done,
+    admit_held,
     measured,
     requests,
     stall_writes,
@@ -58,17 +58,30 @@ def loaded_with_writes_in_flight(c: Cluster, p: Node, con: Node) -> tuple[list[R
     """60 consumer-first requests, 10 done, the rest with the producer's writes held in flight
     into the (paused) consumer; returns the records and how many writes are in flight."""
     reqs = requests(60, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="shut")
-    c.flow.hold_stores = True
-    recs = c.flow.admit(reqs, p, con)
-    c.wait(lambda: len(c.flow.held) == len(recs), timeout=T, what="loads submitted")
-    c.flow.release_stores(lambda r: r in recs[:10])
-    c.wait(lambda: all_done(recs[:10]), timeout=T, what="the first 10 requests")
+    (recs,) = admit_held(c, [(reqs, p, con)], warm=10, timeout=T)
     return recs, len(stall_writes(c, p, con, recs[10:], PAUSE))
 
 
-def check_all_resolved(recs: list[Req]) -> None:
+def stop_under_load(c: Cluster, stopping: Node, paused: Node, recs: list[Req]) -> float:
+    """Shut ``stopping``'s tier down, resuming ``paused`` as soon as that shutdown starts (so
+    the held writes are still in flight when it begins); then wait until every job of both
+    sides resolved, and check each exactly once, bytes verified, nothing left unanswered.
+    Returns how long the shutdown took."""
+    try:
+        asked = time.monotonic()
+        report = c.stop(stopping, timeout=STOP_BOUND, on_stopping=paused.child.resume)
+        took = time.monotonic() - asked
+    finally:
+        for node in c.nodes:
+            node.child.resume()
+    c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T,
+           what="every load and store resolved", recs=recs)
     for r in recs:
         assert len(r.loaded) == 1 and len(r.stored) == 1, r.describe()
+    assert not c.flow.problems(recs), c.flow.problems(recs)
+    assert not report["anomalies"] and not report["unanswered"], report
+    assert took < STOP_BOUND, took
+    return took
 
 
 def known_cross_process_bug(violations: list[str]) -> None:
@@ -83,19 +96,7 @@ def test_producer_shutdown_with_writes_in_flight() -> None:
         p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS)),
                          ("C", spec("consumer", 60 * MAX_BLOCKS)))
         recs, stalled = loaded_with_writes_in_flight(c, p, con)
-        try:
-            asked = time.monotonic()
-            report = c.stop(p, timeout=STOP_BOUND, on_stopping=con.child.resume)
-            took = time.monotonic() - asked
-        finally:
-            con.child.resume()
-        c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T,
-               what="every load and store resolved", recs=recs)
-
-        check_all_resolved(recs)
-        assert not c.flow.problems(recs), c.flow.problems(recs)
-        assert not report["anomalies"] and not report["unanswered"], report
-        assert took < STOP_BOUND, took
+        took = stop_under_load(c, p, con, recs)
         violations = release_violations(p.data_log)
         assert not violations, violations
         assert any(e[1] == "close" and e[2] == [] for e in p.data_log), "region not released"
@@ -103,10 +104,10 @@ def test_producer_shutdown_with_writes_in_flight() -> None:
         fences = c.report(con)["state_sizes"]["fences"]
         assert fences or not early, f"loads ended under live writes, no fence: {early[:3]}"
         measured(f"producer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
-              f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
-              f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
-              f"before their slots and its region were released; {len(early)} consumer "
-              f"load(s) ended while a write into them was live: {fences} fence(s) hold them")
+                 f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
+                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
+                 f"before their slots and its region were released; {len(early)} consumer "
+                 f"load(s) ended while a write into them was live: {fences} fence(s) hold them")
 
 
 def test_consumer_shutdown_with_writes_in_flight() -> None:
@@ -115,26 +116,13 @@ def test_consumer_shutdown_with_writes_in_flight() -> None:
                          ("C", spec("consumer", 60 * MAX_BLOCKS)))
         recs, stalled = loaded_with_writes_in_flight(c, p, con)
         p.child.pause()  # the producer's writes stay in flight while the consumer shuts down
-        try:
-            con.child.resume()
-            asked = time.monotonic()
-            report = c.stop(con, timeout=STOP_BOUND, on_stopping=p.child.resume)
-            took = time.monotonic() - asked
-        finally:
-            p.child.resume()
-            con.child.resume()
-        c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T,
-               what="every load and store resolved", recs=recs)
-
-        check_all_resolved(recs)
-        assert not c.flow.problems(recs), c.flow.problems(recs)
-        assert not report["anomalies"] and not report["unanswered"], report
-        assert took < STOP_BOUND, took
+        con.child.resume()
+        took = stop_under_load(c, con, p, recs)
         for node in (p, con):
             violations = release_violations(node.data_log)
             assert not violations, (node.name, violations)
         assert not c.report(p)["anomalies"]
         measured(f"consumer shut down with {stalled} producer write(s) into it in flight in "
-              f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
-              f"{dict(Counter(r.store_outcome for r in recs[10:]))}")
+                 f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
+                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}")
         known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address))

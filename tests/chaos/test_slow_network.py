@@ -92,8 +92,8 @@ def test_requests_complete_and_timeouts_fire_as_configured_over_a_slow_link(
             assert not rep["anomalies"], (node.name, rep["anomalies"])
             assert rep["stats"]["sessions"] == 1 and not rep["stats"].get("jobs_peer_dead"), rep
         measured(f"{shaping}: {len(reqs)} requests "
-              f"{dict(Counter(r.req.order for r in stream.admitted))} done, load latency p50 "
-              f"{latency[len(latency) // 2] * 1000:.0f} ms, max {latency[-1] * 1000:.0f} ms, no "
-              f"session lost; load timeout {LOAD}s fired after "
-              f"{[round(s, 2) for s in load_s]} s, unbound-store timeout {UNBOUND}s after "
-              f"{[round(s, 2) for s in store_s]} s")
+                 f"{dict(Counter(r.req.order for r in stream.admitted))} done, load latency p50 "
+                 f"{latency[len(latency) // 2] * 1000:.0f} ms, max {latency[-1] * 1000:.0f} ms, no "
+                 f"session lost; load timeout {LOAD}s fired after "
+                 f"{[round(s, 2) for s in load_s]} s, unbound-store timeout {UNBOUND}s after "
+                 f"{[round(s, 2) for s in store_s]} s")

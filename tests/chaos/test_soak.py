@@ -68,6 +68,6 @@ def test_soak_20000_requests_exactly_once_verified_with_bounded_resources() -> N
         orders = Counter(r.req.order for r in recs)
         blocks = sum(r.loaded[0].blocks for r in recs)
         measured(f"soak: {COUNT} requests {dict(orders)}, {blocks} blocks verified; "
-              f"{COUNT - WARMUP} after warm-up in {elapsed:.1f}s "
-              f"({(COUNT - WARMUP) / elapsed:.0f}/s); growth (live RSS bytes, fds, threads): "
-              f"{growth}; no per-request state left")
+                 f"{COUNT - WARMUP} after warm-up in {elapsed:.1f}s "
+                 f"({(COUNT - WARMUP) / elapsed:.0f}/s); growth (live RSS bytes, fds, threads): "
+                 f"{growth}; no per-request state left")
