@@ -112,7 +112,7 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
         assert not late, f"loads failed later than {DEATH_BOUND}s after the kill: {late}"
         assert all_done(of_b), not_done(of_b)
         worst = max(r.loaded[0].done_at - killed_at for r in failed)
-        measured(f"producer killed with {len(open_at_kill)} of its 100 loads open and "
+        measured(f"[{data}] producer killed with {len(open_at_kill)} of its 100 loads open and "
                  f"{len(stalled)} write(s) in flight: {len(failed)} failed "
                  f"{dict(Counter(r.load_outcome for r in failed))}, the last "
                  f"{worst * 1000:.0f} ms after the kill (bound {DEATH_BOUND}s); the other "
@@ -173,7 +173,7 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
         for r in failed:
             o = r.store_outcome or ""
             timing[o] = max(timing[o], r.stored[0][0] - killed_at)
-        measured(f"consumer killed with {len(stalled)} write(s) into it in flight: "
+        measured(f"[{data}] consumer killed with {len(stalled)} write(s) into it in flight: "
                  f"{len(failed)} store job(s) failed "
                  f"{dict(Counter(r.store_outcome for r in failed))}; last of each kind after "
                  f"{ {k: round(v, 2) for k, v in timing.items()} } s; other consumer all done")
