@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 from typing import Any
 
 from p2pkv import config
@@ -21,7 +22,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

@@ -111,7 +111,7 @@ def p2pkv_transfer_finished(
 
 
 @hookspec
-def p2pkv_job_finished(  # noqa: PLR0917 - pluggy passes hook arguments by keyword
+def p2pkv_job_finished(
     job_id: int, is_load: bool, outcome: str, kv_request_id: str, peer: str, seconds: float
 ) -> None:
     """An engine job got its single result (``outcome`` is an ``Outcome`` value)."""
