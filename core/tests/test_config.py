@@ -100,7 +100,6 @@ def test_full_config() -> None:
     assert cfg.timeouts.handshake == 0.5
     assert cfg.limits.max_keys_per_message == 10
     assert (cfg.fingerprint, cfg.hash_seed) == ("abc", "seed")
-    assert cfg.with_overrides(host="h").host == "h"
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from p2pkv.addressing import format_address
@@ -128,9 +128,6 @@ class TierConfig:
     @property
     def address(self) -> str:
         return format_address(self.host, self.port)
-
-    def with_overrides(self, **changes: Any) -> TierConfig:
-        return replace(self, **changes)
 
     @classmethod
     def from_dict(
