@@ -7,14 +7,10 @@ exactly once, and the order of events is checked on the recordings of both data 
 - the shutting-down side's own writes end before their store jobs are answered and before the
   region is deregistered, which happens only once nothing is in flight (``close`` drains
   everything: the region is really released);
-- across the two processes (docs/protocol.md §5.1, §10): a consumer whose loads end while the
-  producer's writes into them are still live (the producer's ``bye`` comes before its writes
-  drained) fences those slots against that producer; and a consumer shutting down deregisters
-  its region only when no write of the producer into it is live.
-
-That last rule does not hold today (xfail, see docs/reliability.md "Shutdown"): a consumer
-shutting down fails its loads and deregisters its region without waiting for the producer to
-confirm that its writes stopped.
+- across the two processes (docs/protocol.md §10, shutdown winds sessions down first): a
+  producer shutting down fails the consumer's loads only once its writes into them ended (no
+  load ends under a live write, so no fence is needed); and a consumer shutting down
+  deregisters its region only when no write of the producer into it is live.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import pytest
 from chaos_checks import inbound_violations, release_violations
 from chaos_cluster import (
     Cluster,
@@ -84,13 +79,6 @@ def stop_under_load(c: Cluster, stopping: Node, paused: Node, recs: list[Req]) -
     return took
 
 
-def known_cross_process_bug(violations: list[str]) -> None:
-    if violations:
-        pytest.xfail(f"known bug (consumer shutting down): {len(violations)} slot release(s) "
-                     f"or deregistration(s) while the producer's writes were live: "
-                     f"{violations[:2]}")
-
-
 def test_producer_shutdown_with_writes_in_flight() -> None:
     with Cluster() as c:
         p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS)),
@@ -101,13 +89,11 @@ def test_producer_shutdown_with_writes_in_flight() -> None:
         assert not violations, violations
         assert any(e[1] == "close" and e[2] == [] for e in p.data_log), "region not released"
         early = inbound_violations(p.data_log, con.data_log, con.address)
-        fences = c.report(con)["state_sizes"]["fences"]
-        assert fences or not early, f"loads ended under live writes, no fence: {early[:3]}"
+        assert not early, f"consumer loads ended under live writes: {early[:3]}"
         measured(f"producer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
                  f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
                  f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
-                 f"before their slots and its region were released; {len(early)} consumer "
-                 f"load(s) ended while a write into them was live: {fences} fence(s) hold them")
+                 f"before their slots, the consumer's loads and its region were released")
 
 
 def test_consumer_shutdown_with_writes_in_flight() -> None:
@@ -122,7 +108,9 @@ def test_consumer_shutdown_with_writes_in_flight() -> None:
             violations = release_violations(node.data_log)
             assert not violations, (node.name, violations)
         assert not c.report(p)["anomalies"]
+        early = inbound_violations(p.data_log, con.data_log, con.address)
+        assert not early, f"consumer released slots or its region under live writes: {early[:3]}"
         measured(f"consumer shut down with {stalled} producer write(s) into it in flight in "
                  f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
-                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}")
-        known_cross_process_bug(inbound_violations(p.data_log, con.data_log, con.address))
+                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its region was released "
+                 "after every write into it ended")

@@ -41,6 +41,8 @@ __all__ = ["LocalHitSource", "P2PTier"]
 log = logging.getLogger(__name__)
 
 _DRAIN_WARN_S = 5.0
+_NEWCOMER_MAX_FRAMES = 4
+"""Frames a held newcomer may send: a conforming peer sends its hello and waits for ours."""
 
 
 class LocalHitSource(Protocol):
@@ -67,6 +69,17 @@ class LocalHitSource(Protocol):
         """The remote request is over; release what ``begin`` took."""
         ...
 
+
+
+class _Newcomer:
+    """A new inbound connection claiming the address of a live session, held unserved."""
+
+    __slots__ = ("conn", "frames", "timer")
+
+    def __init__(self, conn: ControlConnection, timer: Timer) -> None:
+        self.conn = conn
+        self.frames: list[bytes] = []
+        self.timer = timer
 
 
 class P2PTier:
@@ -145,6 +158,9 @@ class P2PTier:
         )
         self._sessions: dict[str, Session] = {}
         self._closing: dict[Session, Timer | None] = {}
+        self._newcomers: dict[str, _Newcomer] = {}
+        """New connections claiming a live session's address, by address (§4.1 item 6)."""
+        self._stopping = False
         self._closed = False
 
     @property
@@ -235,12 +251,10 @@ class P2PTier:
             self._accept(conn)
         for session in list(self._sessions.values()):
             if session.state is State.HANDSHAKE or session.state is State.READY:
-                rest = session.receive()
-                current = session
-                while rest is not None:
-                    current = self._restart(current, rest)
-                    rest = current.receive(rest)
+                self._receive(session)
         self._reap()
+        if self._newcomers:
+            self._serve_newcomers()
         self._data_tick()
         self._deadlines.fire_due(self._clock())
         self._reap()
@@ -283,8 +297,10 @@ class P2PTier:
                 session.server.serve(source)
 
     def has_pending_work(self) -> bool:
-        """True while any job, transfer, parked store, probe or handshake is outstanding."""
-        if self._ledger.pending or self._ledger.undelivered or self._closing or self._dir.ends:
+        """True while any job, transfer, parked store, probe, handshake or held newcomer is
+        outstanding."""
+        if (self._ledger.pending or self._ledger.undelivered or self._closing or self._dir.ends
+                or self._newcomers):
             return True
         return any(s.busy for s in self._sessions.values())
 
@@ -309,24 +325,42 @@ class P2PTier:
                             self._ledger.pending, elapsed)
 
     def shutdown(self) -> list[JobResult]:
-        """Fail what is left, wait for the data plane to go quiescent, close transports.
+        """Wind every session down, close them, wait for the data plane to go quiescent,
+        close transports; everything bounded by ``timeouts.shutdown_drain`` (docs/protocol.md
+        §10).
 
-        Returns the results not yet handed over (every job still gets exactly one)."""
+        Winding down ends both roles' work with the peer's confirmation: our loads are
+        aborted and end when the producer confirms that none of its writes into their slots
+        is live; our writes are wait-cancelled and their rounds fail once they ended. Only
+        then is ``bye`` said and, at the end, the region deregistered. Returns the results not
+        yet handed over (every job still gets exactly one)."""
         if self._closed:
             return self._ledger.take()
-        self._dir.fail_parked(Outcome.SHUTDOWN, "tier shut down")
-        for session in list(self._sessions.values()):
-            self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         drain = self._config.timeouts.shutdown_drain
         start, wall = self._clock(), time.monotonic()
-        while self._closing or self._retiring:
+
+        def expired() -> bool:
+            return max(self._clock() - start, time.monotonic() - wall) >= drain
+
+        self._stopping = True
+        self._drop_newcomers()
+        self._dir.fail_parked(Outcome.SHUTDOWN, "tier shut down")
+        for session in self._sessions.values():
+            session.wind_down()
+        while any(not s.wound_down for s in self._sessions.values()) and not expired():
+            self.tick(0.001)
+        for session in list(self._sessions.values()):
+            if session.client.unconfirmed:
+                log.error("shutdown: %d load(s) from %s not confirmed within %.1fs: the "
+                          "producer may still write into their slots after the region is "
+                          "released", session.client.unconfirmed, session.peer, drain)
+            self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
+        while (self._closing or self._retiring) and not expired():
             self._data.progress()
             done, failed = self._data.poll(None)
             self._route(done, failed)
             for session in [s for s in self._closing if s.state is State.CLOSED]:
                 self._finalize(session)
-            if max(self._clock() - start, time.monotonic() - wall) >= drain:
-                break
             for conn in self._control.poll(0.001):
                 conn.close()
         for session in list(self._closing):
@@ -390,7 +424,7 @@ class P2PTier:
         sizes.update(
             jobs_open=self._ledger.pending, results_waiting=self._ledger.undelivered,
             owners=len(self._env.owners), timers=len(self._deadlines),
-            sessions_closing=len(self._closing),
+            sessions_closing=len(self._closing), newcomers=len(self._newcomers),
         )
         return sizes
 
@@ -479,11 +513,9 @@ class P2PTier:
         if session is not None:
             if session.usable:
                 return session
-            doom = session.doomed
-            if doom is not None:
-                self._close(session, doom.outcome, doom.reason, bye=doom.bye)
-            else:
-                self._close(session, Outcome.PEER_DEAD, f"connection to {peer} lost")
+            self._close_unusable(session)
+        if peer in self._newcomers:
+            return self._promote(peer)
         try:
             conn = self._control.connect(peer)
         except Exception as exc:
@@ -491,21 +523,100 @@ class P2PTier:
             return None
         return self._new_session(peer, conn)
 
+    def _close_unusable(self, session: Session) -> None:
+        doom = session.doomed
+        if doom is not None:
+            self._close(session, doom.outcome, doom.reason, bye=doom.bye)
+        else:
+            self._close(session, Outcome.PEER_DEAD, f"connection to {session.peer} lost")
+
     def _new_session(self, peer: str, conn: ControlConnection) -> Session:
         session = Session(self._env, peer, conn)
         self._sessions[peer] = session
         session.start()
         return session
 
+    def _receive(self, session: Session, frames: list[bytes] | None = None) -> None:
+        """Hand ``session`` its frames (``frames``, else what its connection holds); a peer
+        restart found among them moves the rest to a fresh session."""
+        rest = session.receive(frames)
+        while rest is not None:
+            session = self._restart(session, rest)
+            rest = session.receive(rest)
+
     def _accept(self, conn: ControlConnection) -> None:
+        """A new inbound connection. One claiming the address of a usable session does not
+        replace it (anyone reaching the port could claim any address): it is held, unserved,
+        until that session's connection ends -- a restarted peer's old connection ends by
+        itself -- or ``timeouts.handshake`` passes (docs/protocol.md §4.1 item 6)."""
         peer = conn.peer_address
+        if self._stopping:
+            conn.close()
+            return
         old = self._sessions.get(peer)
         if old is not None:
             if old.conn is conn:
                 return
-            self._close(old, Outcome.PEER_DEAD, f"{peer} opened a new connection",
-                        close_conn=True)
+            if old.usable:
+                self._hold(peer, conn)
+                return
+            self._close_unusable(old)
         self._new_session(peer, conn)
+
+    def _hold(self, peer: str, conn: ControlConnection) -> None:
+        previous = self._newcomers.pop(peer, None)
+        if previous is not None:
+            self._drop_newcomer(peer, previous, "a newer connection claims the same address")
+        wait = self._config.timeouts.handshake
+        log.warning("a new connection claims the address of live peer %s; it is held until "
+                    "that peer's connection ends (at most %.1fs)", peer, wait)
+        timer = self._deadlines.at(self._clock() + wait, self._newcomer_expired, peer)
+        self._newcomers[peer] = _Newcomer(conn, timer)
+
+    def _serve_newcomers(self) -> None:
+        """Read held newcomers (a few frames at most) and start the session of each whose
+        address has no usable session any more."""
+        for peer, newcomer in list(self._newcomers.items()):
+            conn = newcomer.conn
+            if not conn.alive:
+                self._drop_newcomer(peer, newcomer, "its connection ended", level=logging.INFO)
+                continue
+            newcomer.frames += conn.recv()
+            if len(newcomer.frames) > _NEWCOMER_MAX_FRAMES:
+                self._drop_newcomer(peer, newcomer, f"it sent {len(newcomer.frames)} frames "
+                                    "before its session could start")
+                continue
+            old = self._sessions.get(peer)
+            if old is None or not old.usable:
+                self._promote(peer)
+
+    def _promote(self, peer: str) -> Session:
+        """Start the held newcomer's session, the old one (unusable or gone) closed first."""
+        newcomer = self._newcomers.pop(peer)
+        self._deadlines.cancel(newcomer.timer)
+        old = self._sessions.get(peer)
+        if old is not None:
+            self._close_unusable(old)
+        log.info("the held connection from %s takes over: its previous connection ended", peer)
+        session = self._new_session(peer, newcomer.conn)
+        self._receive(session, newcomer.frames)
+        return session
+
+    def _newcomer_expired(self, peer: str) -> None:
+        wait = self._config.timeouts.handshake
+        self._drop_newcomer(peer, self._newcomers[peer], "the live session with that address "
+                            f"did not end within {wait}s (an impostor?)")
+
+    def _drop_newcomer(self, peer: str, newcomer: _Newcomer, why: str, *,
+                       level: int = logging.WARNING) -> None:
+        self._newcomers.pop(peer, None)
+        self._deadlines.cancel(newcomer.timer)
+        newcomer.conn.close()
+        log.log(level, "closed a held connection claiming address %s: %s", peer, why)
+
+    def _drop_newcomers(self) -> None:
+        for peer, newcomer in list(self._newcomers.items()):
+            self._drop_newcomer(peer, newcomer, "tier shut down", level=logging.INFO)
 
     def _restart(self, old: Session, frames: list[bytes]) -> Session:
         """``old``'s peer restarted (new epoch): fail the old incarnation, start afresh on the
@@ -516,11 +627,8 @@ class P2PTier:
 
     def _reap(self) -> None:
         for session in list(self._sessions.values()):
-            doom = session.doomed
-            if doom is not None:
-                self._close(session, doom.outcome, doom.reason, bye=doom.bye)
-            elif not session.conn.alive:
-                self._close(session, Outcome.PEER_DEAD, f"connection to {session.peer} lost")
+            if session.doomed is not None or not session.conn.alive:
+                self._close_unusable(session)
         for session in [s for s in self._closing if s.state is State.CLOSED]:
             self._finalize(session)
 

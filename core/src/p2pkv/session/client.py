@@ -15,6 +15,10 @@ or its own load deadline passes.
 When a request is finished (or one of its loads failed) and no round is open, the consumer
 sends one **terminal fetch** (empty keys) so the producer releases what it still pins.
 
+At shutdown (``wind_down``) every round the producer may be writing into is aborted like a
+finished request's: its result (``shutdown``) comes with the producer's confirmation, so the
+tier releases its region only once no write into it is live (docs/protocol.md §10).
+
 Threading: driver thread only.
 """
 
@@ -44,6 +48,11 @@ _UNSENT, _ACTIVE, _ABORTING, _SETTLING, _DONE = 0, 1, 2, 3, 4
 _PENDING, _INFLIGHT, _MISS, _HIT = 0, 1, 2, 3
 
 _FAILURES = frozenset(o for o in Outcome if not o.success)
+_ABORTED_BY_US = {
+    Outcome.REQUEST_FINISHED: "request finished during the load",
+    Outcome.SHUTDOWN: "tier shut down during the load",
+}
+"""Abort reasons whose round ends with that outcome even if the producer completed it."""
 
 
 def outcome_from_reason(reason: str) -> Outcome:
@@ -69,7 +78,7 @@ class _Round:
         self.slots = job.block_ids
         self.phase = _UNSENT
         self.why = Outcome.LOAD_TIMEOUT
-        """Why an abort was sent (LOAD_TIMEOUT or REQUEST_FINISHED)."""
+        """Why an abort was sent (LOAD_TIMEOUT, REQUEST_FINISHED or SHUTDOWN)."""
         self.xid: int | None = None
         """Outstanding ``expect_blocks`` id (two-sided transports)."""
         self.xid_failed = False
@@ -143,12 +152,23 @@ class ClientRole:
             return
         req.finished = True
         self._drop_probes(req)
+        self._end_rounds(req, Outcome.REQUEST_FINISHED, "request finished before sending")
+        self._maybe_release(req)
+
+    def wind_down(self) -> None:
+        """The tier is shutting down: fail unsent rounds now, abort the others (their results
+        come as SHUTDOWN once the producer confirms, or at the session's close)."""
+        for req in list(self.reqs.values()):
+            self._drop_probes(req)
+            self._end_rounds(req, Outcome.SHUTDOWN, "tier shut down before sending")
+        self.unsent = []
+
+    def _end_rounds(self, req: _Req, why: Outcome, unsent_detail: str) -> None:
         for rnd in list(req.rounds.values()):
             if rnd.phase == _UNSENT:
-                self._complete(rnd, Outcome.REQUEST_FINISHED, "request finished before sending")
+                self._complete(rnd, why, unsent_detail)
             elif rnd.phase == _ACTIVE:
-                self._abort(rnd, Outcome.REQUEST_FINISHED)
-        self._maybe_release(req)
+                self._abort(rnd, why)
 
     def probe(self, kv: str, key: bytes) -> LookupResult:
         """Symmetric lookup: RETRY until the batched probe is answered, then HIT/MISS."""
@@ -195,8 +215,8 @@ class ClientRole:
         rnd = self._round(msg.kv_request_id, msg.round, "transfer_done")
         if rnd is None or rnd.phase not in (_ACTIVE, _ABORTING):
             return
-        if rnd.phase == _ABORTING and rnd.why is Outcome.REQUEST_FINISHED:
-            outcome, detail = Outcome.REQUEST_FINISHED, "request finished during the load"
+        if rnd.phase == _ABORTING and rnd.why in _ABORTED_BY_US:
+            outcome, detail = rnd.why, _ABORTED_BY_US[rnd.why]
         elif msg.success:
             outcome, detail = Outcome.DONE, ""
         else:
@@ -445,6 +465,12 @@ class ClientRole:
     @property
     def busy(self) -> bool:
         return bool(self.n_rounds or self.lookups or self.probing)
+
+    @property
+    def unconfirmed(self) -> int:
+        """Rounds whose fetch went out and whose producer side is not over yet."""
+        return sum(1 for req in self.reqs.values() for rnd in req.rounds.values()
+                   if rnd.phase in (_ACTIVE, _ABORTING))
 
     def state_sizes(self) -> dict[str, int]:
         return {

@@ -14,6 +14,9 @@ Invariants (docs/protocol.md, "Producer"):
   unpins the source slots on that result).
 * A round fails fast with ``demand_unmet`` when it demands a key that cannot come any more
   (the local producer request finished, or the request is lookup-served only).
+* At shutdown (``wind_down``) every open round fails (``peer_dead``) once its writes are
+  over, and later fetches fail at once: the consumer learns that no write of ours is live
+  before we say ``bye`` (docs/protocol.md §10).
 
 Threading: driver thread only.
 """
@@ -136,6 +139,7 @@ class ServerRole:
         self.serves: dict[int, _Serve] = {}
         self.last_lookup_seq = -1
         self.closing = False
+        self.winding_down = False
         self.n_rounds = 0
         """Open fetch rounds over all requests (kept as a counter: ``busy`` is hot)."""
 
@@ -162,6 +166,22 @@ class ServerRole:
                 )
         self._maybe_drop(req)
 
+    def wind_down(self) -> None:
+        """The tier is shutting down: stop every write (wait-cancel), fail every store job
+        (SHUTDOWN) and round (``peer_dead`` for the consumer) as their writes end, refuse
+        later fetches and lookups."""
+        self.winding_down = True
+        detail = "the producer is shutting down"
+        for req in list(self.reqs.values()):
+            req.supply_open = False
+            for rnd in list(req.rounds.values()):
+                if not rnd.aborting:
+                    self._fail_round(req, rnd, Outcome.PEER_DEAD, detail)  # as the peer sees it
+                    self._stop_writes(req, rnd, Outcome.SHUTDOWN, detail)
+                    self._maybe_finish_round(req, rnd)
+            for sj in list(req.jobs):
+                self._fail_job(sj, Outcome.SHUTDOWN, detail)
+
     # -- messages ---------------------------------------------------------------------------
 
     def on_fetch(self, msg: Fetch, peer_num_blocks: int) -> None:
@@ -178,6 +198,9 @@ class ServerRole:
                     f"fetch.slots: slot {top} is outside the consumer's region "
                     f"0..{peer_num_blocks - 1}"
                 )
+            if self.winding_down:
+                self._send_done(kv, msg.round, Outcome.PEER_DEAD, "the producer is shutting down")
+                return
         req = self.reqs.get(kv)
         if req is None:
             if not keys:
@@ -260,7 +283,7 @@ class ServerRole:
                 f"lookup.seq: {msg.seq} is not above the previous lookup {self.last_lookup_seq}"
             )
         self.last_lookup_seq = msg.seq
-        if not self.env.host.has_hit_source:
+        if not self.env.host.has_hit_source or self.winding_down:
             self.session.send(LookupResp(msg.seq, [False] * len(msg.keys)))
             return
         serve = _Serve(msg.seq, msg.kv_request_id, msg.keys)
@@ -513,17 +536,22 @@ class ServerRole:
     def _abort_round(self, req: _Req, rnd: _Round, *, silent: bool) -> None:
         rnd.aborting = True
         rnd.silent = silent
+        self._stop_writes(req, rnd, Outcome.ABORTED, "the consumer aborted the round")
+        if rnd.inflight:
+            env = self.env
+            rnd.timer = env.deadlines.at(
+                env.clock() + env.timeouts.abort_drain, self._abort_drain_expired, (req, rnd)
+            )
+        self._maybe_finish_round(req, rnd)
+
+    def _stop_writes(self, req: _Req, rnd: _Round, outcome: Outcome, detail: str) -> None:
+        """Stop ``rnd``'s waiting demand and wait-cancel its writes; those confirmed stopped
+        end now with ``outcome``, the rest end when the data transport reports them."""
         self._drop_waiting(req, rnd)
         if rnd.tids:
-            env = self.env
-            still = set(env.data.cancel(list(rnd.tids), CancelMode.WAIT))
+            still = set(self.env.data.cancel(list(rnd.tids), CancelMode.WAIT))
             for tid in [t for t in rnd.tids if t not in still]:
-                self._cancelled(tid, Outcome.ABORTED, "the consumer aborted the round")
-            if rnd.inflight:
-                rnd.timer = env.deadlines.at(
-                    env.clock() + env.timeouts.abort_drain, self._abort_drain_expired, (req, rnd)
-                )
-        self._maybe_finish_round(req, rnd)
+                self._cancelled(tid, outcome, detail)
 
     def _abort_drain_expired(self, arg: tuple[_Req, _Round]) -> None:
         req, rnd = arg

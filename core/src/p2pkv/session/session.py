@@ -137,6 +137,17 @@ class Session:
     def busy(self) -> bool:
         return (self.state is not State.READY or self.server.busy or self.client.busy)
 
+    def wind_down(self) -> None:
+        """The tier is shutting down: end both roles' work with the peer's confirmation that
+        no write between us is live (§10); the tier closes the session once ``wound_down``."""
+        self.client.wind_down()
+        self.server.wind_down()
+
+    @property
+    def wound_down(self) -> bool:
+        """No load round, fetch round or write of this session is open any more."""
+        return not (self.client.n_rounds or self.server.n_rounds or self.server.transfers)
+
     def doom(self, outcome: Outcome, reason: str, bye: str | None) -> None:
         """Mark the session for closing at the tier's next safe point (first reason wins)."""
         if self.doomed is None and self.state in (State.HANDSHAKE, State.READY):
