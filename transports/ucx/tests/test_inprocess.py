@@ -229,6 +229,45 @@ def test_deadline_fails_a_write_nobody_expects(nodes: Make) -> None:
     assert tid in producer.failed and eid in consumer.failed
 
 
+def test_a_write_lands_among_many_pending_rounds_and_leaves_the_others_pending(
+    nodes: Make,
+) -> None:
+    """Rounds nobody has written to are not looked at by ``poll`` (only watched transfers
+    are); they must still be there, whole, for a write that comes later."""
+    producer, consumer = _pair(nodes, num_blocks=64)
+    rounds = {slot: consumer.t.expect_blocks("p", [slot]) for slot in range(64)}
+    tid = producer.t.write_blocks("c", [5], [40])
+    settle([producer, consumer], {producer: {tid}, consumer: {rounds[40]}}, "the one write")
+    assert tid in producer.done and rounds[40] in consumer.done
+    assert (consumer.blocks[40] == producer.blocks[5]).all()
+    for _ in range(20):
+        producer.poll()
+        consumer.poll()
+    pending = {r for slot, r in rounds.items() if slot != 40}
+    assert not pending & (consumer.done | consumer.failed)
+    later = producer.t.write_blocks("c", [6, 7], [63, 0])
+    settle([producer, consumer], {producer: {later}, consumer: {rounds[63], rounds[0]}},
+           "a later write into two of the pending rounds")
+    assert later in producer.done and {rounds[63], rounds[0]} <= consumer.done
+    assert (consumer.blocks[[63, 0]] == producer.blocks[[6, 7]]).all()
+
+
+def test_unwritten_rounds_fail_at_their_deadline_reported_to_their_own_peer(
+    nodes: Make,
+) -> None:
+    p, consumer, q = nodes(seed=1), nodes(seed=2, transfer_timeout=0.3), nodes(seed=3)
+    p.link("c", consumer, back_as="p")
+    q.link("c", consumer, back_as="q")
+    from_p = {consumer.t.expect_blocks("p", [slot]) for slot in range(8)}
+    from_q = {consumer.t.expect_blocks("q", [slot]) for slot in range(8, 16)}
+    wait_until(lambda: from_p <= consumer.failed, timeout=T, what="p's rounds to expire",
+               pumps=[lambda: consumer.poll("p"), p.t.progress, q.t.progress])
+    assert not from_q & (consumer.done | consumer.failed), "poll('p') reports only p's"
+    assert not from_p & consumer.done
+    wait_until(lambda: from_q <= consumer.failed, timeout=T, what="q's rounds to expire",
+               pumps=[lambda: consumer.poll("q"), p.t.progress, q.t.progress])
+
+
 def test_peers_must_agree_on_endpoint_error_handling(nodes: Make) -> None:
     safe, fast = nodes(), nodes(endpoint_error_handling=False)
     with pytest.raises(PeerRejected, match="endpoint_error_handling"):

@@ -20,7 +20,7 @@ def plan_runs(
     exceeds ``max_run`` blocks (``max_run == 1`` sends one message per block).
     """
     n = len(src)
-    if max_run <= 1 or n == 0:
+    if max_run <= 1 or n <= 1:  # nothing to coalesce (and the hot single-block case)
         return src, dst, np.ones(n, np.int64), gens
     breaks = (np.diff(src) != 1) | (np.diff(dst) != 1) | (np.diff(gens) != 0)
     firsts = np.flatnonzero(np.concatenate(([True], breaks)))

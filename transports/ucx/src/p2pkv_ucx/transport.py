@@ -37,6 +37,16 @@ Threading and progress: no progress thread. ``poll``/``progress`` call ``worker.
 on the caller's (driver) thread; ucxx never calls back into Python here. Nothing blocks
 except ``remove_peer`` and ``close``, which progress for at most ``drain_timeout``.
 
+Cost of a poll: it looks only at *watched* transfers, the ones something can have happened
+to: posted writes, expectations a HEADER has named (or that are stopping), transfers whose
+peer failed, and transfers past their deadline (found from the oldest, since transfers are
+registered in deadline order). An expectation nobody has written to yet, or a write still
+waiting for its EXPECT, costs a poll nothing however many are outstanding (a consumer that
+pre-posts thousands of rounds would otherwise pay microseconds per round per poll, which
+became milliseconds of latency per block). Such an expectation learns of a receive failing
+without a HEADER (only a dead endpoint does that, which fails the peer) from the peer's
+failure or at its deadline.
+
 Memory safety: a receive is the only request that writes our region; it is terminal only
 when UCX says so (completed, failed, or confirmed cancelled). Sends only read our memory, so
 a send UCX cannot finish (a vanished peer without endpoint error handling) is failed at its
@@ -256,6 +266,9 @@ class UcxDataTransport(DataTransport):
         self._by_instance: dict[int, _Peer] = {}
         self._early: dict[int, list[wire.Notice]] = {}
         self._transfers: dict[int, _Transfer] = {}
+        """Every live transfer, in registration order (= deadline order, see ``_expire``)."""
+        self._watched: dict[int, _Transfer] = {}
+        """Transfers ``poll`` advances (see the module docstring); a subset of ``_transfers``."""
         self._slot_owner = np.zeros(self._num_blocks, np.int64)
         """Id of the expectation owning each slot (0: none)."""
         self._slot_pos = np.zeros(self._num_blocks, np.int64)
@@ -357,12 +370,13 @@ class UcxDataTransport(DataTransport):
             )
         if len(dst) > tags.MAX_RUNS:
             raise TransferSubmitError(f"at most {tags.MAX_RUNS} blocks per write")
-        if len(np.unique(dst)) != len(dst):
+        if _has_duplicates(dst):
             raise TransferSubmitError("a remote block index appears twice in one write")
         write = _Write(next(self._ids), peer, time.monotonic() + self._timeout, src=src, dst=dst)
         self._register(write)
         if len(dst) == 0:
             write.posted = write.accepted = True
+            self._watch(write)
         else:
             peer.deferred.append(write)
             self._pump()  # take EXPECTs and RETRACTs that already arrived first
@@ -372,7 +386,7 @@ class UcxDataTransport(DataTransport):
     def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
         peer = self._active(peer_id)
         slots = _indexes(local_idxs, self._num_blocks, "local")
-        if len(np.unique(slots)) != len(slots):
+        if _has_duplicates(slots):
             raise TransferSubmitError("a local block index appears twice in one expectation")
         busy = slots[self._slot_owner[slots] != 0]
         if len(busy):
@@ -403,6 +417,8 @@ class UcxDataTransport(DataTransport):
             self._slot_owner[slots] = expect.tid
             self._slot_pos[slots] = np.arange(len(slots))
         self._register(expect)
+        if not len(slots):
+            self._watch(expect)
         return expect.tid
 
     # -- progress and completion ------------------------------------------------------------
@@ -415,14 +431,15 @@ class UcxDataTransport(DataTransport):
         if self._closed:
             return EMPTY_POLL
         self._pump()
+        now = time.monotonic()
+        self._expire(now)
         if peer_id is None:
-            scope = list(self._transfers.values())
+            scope = list(self._watched.values())
         else:
             peers = [*self._retired.get(peer_id, ()), self._peers.get(peer_id)]
-            scope = [t for p in peers if p is not None for t in p.transfers.values()]
+            scope = [t for t in self._watched.values() if any(t.peer is p for p in peers)]
         if not scope:
             return EMPTY_POLL
-        now = time.monotonic()
         done: list[int] = []
         failed: list[int] = []
         for t in scope:
@@ -482,6 +499,19 @@ class UcxDataTransport(DataTransport):
         self._transfers[t.tid] = t
         t.peer.transfers[t.tid] = t
 
+    def _watch(self, t: _Transfer) -> None:
+        """Have ``poll`` advance ``t`` until it is forgotten."""
+        self._watched[t.tid] = t
+
+    def _expire(self, now: float) -> None:
+        """Watch every transfer past its deadline. Transfers are registered in deadline order
+        (one timeout for all) and only watched ones get an earlier deadline (``_drain``), so
+        the scan stops at the first unexpired one: O(1) per poll plus what expired."""
+        for t in self._transfers.values():
+            if t.deadline >= now:
+                return
+            self._watched[t.tid] = t
+
     def _post_deferred(self, peer: _Peer) -> None:
         """Post the peer's waiting writes whose slots all have an unconsumed EXPECT round.
 
@@ -515,6 +545,7 @@ class UcxDataTransport(DataTransport):
         write.posted = True
         write.seq = seq
         peer.posts[seq] = write
+        self._watch(write)
         tag, array, blocks, send = self._tag, self._array, self._blocks, peer.ep.tag_send
         link = peer.link_out
         try:
@@ -542,6 +573,7 @@ class UcxDataTransport(DataTransport):
         for peer in self._peers.values():
             if peer.transfers and not peer.dead and not peer.ep.alive:
                 peer.dead = True
+                self._watched.update(peer.transfers)
         if self._orphans:
             self._prune_orphans()
         if self._drains:
@@ -638,6 +670,8 @@ class UcxDataTransport(DataTransport):
         )):
             fits = 0 < n <= self._max_run and s + n <= len(owner)
             t = transfers.get(int(owner[s])) if fits else None
+            if isinstance(t, _Expect) and t.peer is peer:
+                self._watch(t)  # claimed now, or broken by _take_run
             if (
                 not isinstance(t, _Expect) or t.peer is not peer or t.gen != gen or t.stopping
                 or (owner[s:s + n] != t.tid).any() or claimed[s:s + n].any()
@@ -760,6 +794,7 @@ class UcxDataTransport(DataTransport):
             return
         t.stopping = True
         t.error = t.error or reason
+        self._watch(t)
         cancel, claimed = self._lib.cancel, self._claimed
         if cancel is not None:
             base = tags.slot_tag(t.peer.link_in, t.gen, 0)
@@ -798,6 +833,7 @@ class UcxDataTransport(DataTransport):
 
     def _forget(self, t: _Transfer) -> None:
         del self._transfers[t.tid]
+        self._watched.pop(t.tid, None)
         del t.peer.transfers[t.tid]
         if isinstance(t, _Write):
             if not t.posted and t in t.peer.deferred:
@@ -838,7 +874,9 @@ class UcxDataTransport(DataTransport):
             if time.monotonic() >= deadline:
                 break
         for tid in kept:
-            self._transfers[tid].deadline = min(self._transfers[tid].deadline, deadline)
+            t = self._transfers[tid]
+            t.deadline = min(t.deadline, deadline)
+            self._watch(t)  # out of deadline order now
         return sorted(kept)
 
     def _release(self, peer: _Peer) -> None:
@@ -877,6 +915,7 @@ class UcxDataTransport(DataTransport):
         self._orphans.clear()
         self._loose.clear()
         self._transfers.clear()
+        self._watched.clear()
         self._scratch = None
         self._blocks = None
         self._worker = None
@@ -896,6 +935,10 @@ def _indexes(values: Sequence[int], bound: int, what: str) -> IntArray:
             f"{what} block index {int(arr[bad][0])} is outside 0..{bound - 1}"
         )
     return arr
+
+
+def _has_duplicates(arr: IntArray) -> bool:
+    return len(arr) > 1 and len(np.unique(arr)) != len(arr)
 
 
 def _leak(obj: object) -> None:
