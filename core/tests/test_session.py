@@ -829,16 +829,20 @@ def test_abort_cancelled_transfer_fails_its_store_with_aborted(rig: Rig) -> None
     assert rig.sent() == [AbortAck("r", 0)] and rig.results == {1: Outcome.ABORTED}
 
 
-def test_abort_drain_deadline_forces_the_cancel_and_acks(rig: Rig) -> None:
+def test_abort_drain_deadline_closes_the_session_instead_of_acking(rig: Rig) -> None:
+    """An ack would tell the consumer a live write is over: the session is doomed instead."""
     rig.ready()
     rig.dir.producer_started("r")
     rig.store(1, "r", [b"a"], [3])
     rig.data.refuse_wait = True
     rig.feed(Fetch("r", 0, [b"a"], [0]), Abort("r", 0))
     rig.tick(10.1)
-    assert rig.sent() == [AbortAck("r", 0)]
-    assert rig.data.cancels[-1][1] is CancelMode.IMMEDIATE
-    assert rig.results == {1: Outcome.ABORTED}
+    assert rig.sent() == []
+    assert all(mode is CancelMode.WAIT for _, mode in rig.data.cancels)
+    doom = rig.session.doomed
+    assert doom is not None and doom.outcome is Outcome.TRANSFER_FAILED
+    assert doom.bye is not None and doom.bye.startswith("transfer_failed: 1 write(s)")
+    assert rig.results == {}  # its block is still being read
 
 
 def test_store_timeout_waits_for_its_blocks_in_flight_and_reports_once(rig: Rig) -> None:

@@ -43,7 +43,8 @@ class Timeouts:
     abort_ack: float = 10.0
     """An aborted load with no abort-ack by then fails anyway."""
     abort_drain: float = 10.0
-    """A producer draining an abort force-cancels after this."""
+    """A producer whose aborted round still has writes live after this closes the session
+    (an ``abort_ack`` would promise they are over); the writes retire."""
     store: float = 30.0
     """A store bound to a consumer but not finished by then fails."""
     unbound_store: float = 60.0

@@ -554,20 +554,19 @@ class ServerRole:
                 self._cancelled(tid, outcome, detail)
 
     def _abort_drain_expired(self, arg: tuple[_Req, _Round]) -> None:
+        """Writes of an aborted round are still live after ``abort_drain``. Acking would
+        promise the consumer they are over, and no cancel can recall a posted write: the
+        session closes instead (the writes retire, the consumer fences their slots, §5.1)."""
         req, rnd = arg
         rnd.timer = None
         env = self.env
-        log.warning(
-            "peer %s: %d transfer(s) of aborted round %d of %r did not drain within %.1fs; "
-            "force-cancelling", self.peer, len(rnd.tids), rnd.no, req.kv, env.timeouts.abort_drain,
-        )
+        reason = (f"{len(rnd.tids)} write(s) of aborted round {rnd.no} of {req.kv!r} did not "
+                  f"drain within {env.timeouts.abort_drain}s")
+        log.warning("peer %s: %s; closing the session", self.peer, reason)
         if env.observers.enabled:
             env.observers.timeout(kind="abort_drain", kv_request_id=req.kv, peer=self.peer)
-        tids = list(rnd.tids)
-        env.data.cancel(tids, CancelMode.IMMEDIATE)
-        for tid in tids:
-            self._cancelled(tid, Outcome.ABORTED, "abort drain deadline passed")
-        self._maybe_finish_round(req, rnd)
+        self.session.doom(Outcome.TRANSFER_FAILED, reason,
+                          f"{Outcome.TRANSFER_FAILED.value}: {reason}")
 
     def _release(self, req: _Req) -> None:
         """Terminal fetch: the consumer is done with ``req``; release everything."""
