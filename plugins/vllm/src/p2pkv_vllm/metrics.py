@@ -33,7 +33,7 @@ COUNTERS: Mapping[str, str] = {
 }
 GAUGES: Mapping[str, str] = {
     "jobs_pending": "Tier jobs (loads and stores) without a result yet.",
-    "sessions": "Peer sessions, in any state.",
+    "sessions": "Peer sessions handshaking or ready (closing ones are sessions_closing).",
     "sessions_ready": "Peer sessions past their handshake.",
     "sessions_closing": "Peer sessions waiting for their transfers to drain.",
     "in_flight_transfers": "Data transfers submitted and not finished.",
