@@ -23,9 +23,16 @@ reports the transfer terminal (or its peer dead, or the caller cancels ``IMMEDIA
 ``WAIT`` cancel keeps every transfer still in progress. ``remove_peer`` and ``close`` poll up
 to ``drain_timeout``; what never drains is reported and its resources kept: a peer's
 descriptor list stays prepared, and after ``close`` the agent and region stay registered (held
-in a module-level list so that not even garbage collection frees them under a transfer). The
-connection warm-up READ is the one exception: it lands in a process-wide scratch buffer that
-is never freed, so it may be dropped at any time.
+in a module-level list so that not even garbage collection frees them under a transfer). Such
+a leaked transport is drained further by the ``progress`` of any open transport on the same
+thread, and released once nothing runs. A clean ``close`` destroys the agent, so its peers see
+a disconnect rather than a silent endpoint.
+
+The connection warm-up READ (``add_peer``) follows the same rule: it lands in the transport's
+scratch buffer, which stays registered and referenced while any warm-up may still run. A
+warm-up takes an id from the transfer id sequence; ``poll`` never reports it and ``cancel``
+ignores it, but ``remove_peer``/``close`` drain it like a transfer and return its id if it
+never ended.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import array
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -59,13 +67,12 @@ __all__ = ["NixlDataTransport"]
 
 log = module_logger(__name__)
 
-_LEAKED: list[object] = []
-"""State of transports whose ``close`` could not drain: kept alive for the process lifetime."""
+_LEAKED: list[NixlDataTransport] = []
+"""Transports whose ``close`` could not drain: kept alive until they drain (see ``progress``),
+else for the process lifetime."""
 
 _WARMUP_BYTES = 8
-_SCRATCH = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
-"""Where connection warm-up READs land, in every transport of the process. Never freed: a
-READ that NIXL "cancelled" but UCX still completes can only write here."""
+"""Size of a connection warm-up READ (and of the scratch buffer it lands in)."""
 
 
 class _RemoteAgent:
@@ -87,7 +94,9 @@ class _Registration:
     running stays in its peer's list until it is quiescent; its ids stay pollable.
     """
 
-    __slots__ = ("dlist", "finished", "inflight", "num_blocks", "peer_id", "remote", "warmup")
+    __slots__ = (
+        "dlist", "finished", "inflight", "num_blocks", "peer_id", "remote", "warmup", "warmup_id",
+    )
 
     def __init__(self, peer_id: str, remote: _RemoteAgent, dlist: Any, num_blocks: int) -> None:
         self.peer_id = peer_id
@@ -99,7 +108,9 @@ class _Registration:
         self.finished: dict[int, bool] = {}
         """id -> success, terminal (handle released) and not yet reported."""
         self.warmup: Any = None
-        """The connection warm-up READ's handle while it runs."""
+        """The connection warm-up READ's handle until it ended and was released."""
+        self.warmup_id = 0
+        """The warm-up's id (reported only by a ``remove_peer``/``close`` it outlives)."""
 
     @property
     def quiescent(self) -> bool:
@@ -129,9 +140,11 @@ class NixlDataTransport(DataTransport):
         self._num_blocks = self._array.size // settings.block_len
         self._nixl = library.load()
         self._agent, self._agent_name = open_agent(self._nixl, self._options)
+        self._scratch = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
+        """Where warm-up READs land; registered, and kept, exactly as long as the region."""
         region = register_region(
             self._agent, self._agent_name, self._array, self._block_len,
-            extra=(_SCRATCH,) if self._options.warmup else (),
+            extra=(self._scratch,) if self._options.warmup else (),
         )
         self._memory = region.registrations
         """NIXL registrations (region, then scratch), deregistered last."""
@@ -146,6 +159,8 @@ class NixlDataTransport(DataTransport):
         """Handles whose release NIXL refused after they ended: never freed under them."""
         self._ids = itertools.count(1)
         self._closed = False
+        self._closing_thread = 0
+        """``threading.get_ident()`` of the ``close`` that left this transport undrained."""
         self._released = False
         self._progress_failed = False
 
@@ -248,12 +263,13 @@ class NixlDataTransport(DataTransport):
 
     def _start_warmup(self, registration: _Registration, remote_base: int) -> None:
         """Post an 8-byte READ from the peer's region into our scratch: it wires the
-        connection up while both sides progress, and touches neither region's contents."""
+        connection up while both sides progress, and touches neither region's contents.
+        Like a write, it is released only once NIXL reports it ended."""
         length = min(_WARMUP_BYTES, self._block_len)
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs([(int(_SCRATCH.ctypes.data), length, 0)], "DRAM"),
+                self._agent.get_xfer_descs([(int(self._scratch.ctypes.data), length, 0)], "DRAM"),
                 self._agent.get_xfer_descs([(remote_base, length, 0)], "DRAM"),
                 registration.remote.name,
             )
@@ -261,6 +277,7 @@ class NixlDataTransport(DataTransport):
             log.warning("nixl: connection warm-up to %s not posted: %s", registration.peer_id, exc)
             return
         registration.warmup = handle
+        registration.warmup_id = next(self._ids)
         self._warming.append(registration)
         try:
             state = self._agent.transfer(handle)
@@ -271,14 +288,20 @@ class NixlDataTransport(DataTransport):
             self._warmup_ended(registration, None)
 
     def _check_warmups(self) -> None:
+        """End the warm-ups NIXL reports terminal; a replaced or removed registration that is
+        idle then goes at once (nothing else may poll its peer again)."""
         for registration in list(self._warming):
             try:
                 state = self._agent.check_xfer_state(registration.warmup)
             except Exception as exc:
                 self._warmup_ended(registration, exc)
-                continue
-            if state != "PROC":
+            else:
+                if state == "PROC":
+                    continue
                 self._warmup_ended(registration, None)
+            if (registration.quiescent and not registration.finished
+                    and self._current.get(registration.peer_id) is not registration):
+                self._retire_quiescent(registration.peer_id)
 
     def _warmup_ended(self, registration: _Registration, exc: BaseException | None) -> None:
         if isinstance(exc, self._nixl.remote_disconnect):
@@ -356,9 +379,19 @@ class NixlDataTransport(DataTransport):
 
     def progress(self) -> None:
         """Drive NIXL's worker: ``get_new_notifs`` is the cheapest call that progresses it
-        (a few microseconds; we send no notifications, so it returns nothing we keep)."""
+        (a few microseconds; we send no notifications, so it returns nothing we keep).
+
+        An open transport also takes one drain step for each transport that a ``close`` on
+        this same thread left undrained (NIXL calls stay on the thread that used the agent):
+        what it still runs may need a peer in this process, and a peer that keeps polling ends
+        it, so the leaked transport is then released after all, and its peers see it go."""
         if self._released:
             return
+        if _LEAKED and not self._closed:
+            thread = threading.get_ident()
+            for leaked in list(_LEAKED):
+                if leaked._closing_thread == thread:
+                    leaked._drain_step()
         try:
             self._agent.get_new_notifs()
         except Exception as exc:  # a tick must survive a backend hiccup; transfers report theirs
@@ -481,33 +514,44 @@ class NixlDataTransport(DataTransport):
             yield from registrations
 
     def _quiesce(self, registrations: Sequence[_Registration]) -> list[int]:
-        """Wait-cancel every transfer of ``registrations`` and drop their warm-ups, then poll
-        what still runs up to ``drain_timeout``; forget what ended. Returns the ids still
-        running."""
+        """Wait-cancel every transfer of ``registrations``, then poll what still runs (warm-ups
+        included) up to ``drain_timeout``; forget what ended. Returns the ids still running."""
         for registration in registrations:
             for transfer_id in registration.finished:
                 del self._owner[transfer_id]
             registration.finished.clear()
         ids = [t for registration in registrations for t in registration.inflight]
         self.cancel(ids, CancelMode.WAIT)
-        for registration in registrations:
-            if registration.warmup is not None:
-                self._warmup_ended(registration, None)
         deadline = time.monotonic() + self._options.drain_timeout
         while any(not r.quiescent for r in registrations) and time.monotonic() < deadline:
-            self.progress()
-            for registration in registrations:
-                self._check(registration)
-                for transfer_id in registration.finished:
-                    del self._owner[transfer_id]
-                registration.finished.clear()
-        undrained = sorted(t for registration in registrations for t in registration.inflight)
-        if undrained or any(not r.quiescent for r in registrations):
+            self._settle(registrations)
+        undrained = sorted(
+            [t for registration in registrations for t in registration.inflight]
+            + [r.warmup_id for r in registrations if r.warmup is not None]
+        )
+        if undrained:
             log.error(
                 "nixl: %d transfer(s) still running after %.1fs drain (%s); their memory stays "
                 "registered", len(undrained), self._options.drain_timeout, undrained,
             )
         return undrained
+
+    def _settle(self, registrations: Sequence[_Registration]) -> None:
+        """Progress once, then forget the transfers of ``registrations`` that ended."""
+        self.progress()
+        for registration in registrations:
+            self._check(registration)
+            for transfer_id in registration.finished:
+                del self._owner[transfer_id]
+            registration.finished.clear()
+
+    def _drain_step(self) -> None:
+        """One non-blocking drain pass of a leaked transport; finishes its ``close`` once
+        nothing runs any more."""
+        registrations = list(self._all_registrations())
+        self._settle(registrations)
+        if all(r.quiescent for r in registrations):
+            self.close()
 
     def _retire_quiescent(self, peer_id: str) -> None:
         """Release the registrations of ``peer_id`` that are replaced or removed and idle."""
@@ -547,6 +591,7 @@ class NixlDataTransport(DataTransport):
             not r.quiescent for r in self._all_registrations()
         ):
             leftover = sorted({*undrained, *self._zombies})
+            self._closing_thread = threading.get_ident()
             if self not in _LEAKED:
                 _LEAKED.append(self)
             return leftover
@@ -560,7 +605,9 @@ class NixlDataTransport(DataTransport):
         self._released = True
         if self in _LEAKED:
             _LEAKED.remove(self)
-        del self._agent, self._array
+        # Every NIXL handle object holds the agent: with the last one gone, the agent and its
+        # UCX worker are destroyed, so peers see a disconnect instead of a silent endpoint.
+        del self._agent, self._local, self._array, self._scratch
         return []
 
     @staticmethod
