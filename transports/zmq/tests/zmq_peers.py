@@ -15,6 +15,7 @@ from typing import Any
 from p2pkv.contracts import ControlSettings
 from p2pkv.errors import SendQueueFull
 from p2pkv_zmq import ZmqControlTransport
+from p2pkv_zmq.hub import ZmqHub
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
 """Short heartbeats so silence shows within about a second. Only for tests of liveness: a
@@ -115,3 +116,24 @@ def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, 
                 tier.on_request_finished(contexts.pop(command[1]))
     finally:
         tier.shutdown()
+
+
+def busy_listener(pipe: Connection, options: Mapping[str, Any], busy: float) -> None:
+    """Listen; on ``"busy"`` leave the transport unpolled for ``busy`` seconds (the application
+    is busy elsewhere; libzmq's I/O thread and its timers run on), then poll until told to stop,
+    reporting ``("served", dropped_messages)`` whenever that counter grows."""
+    t = ZmqControlTransport.create(ControlSettings("127.0.0.1", 0, options=options))
+    assert isinstance(t, ZmqHub)
+    pipe.send(("address", t.local_address))
+    deadline = time.monotonic() + _LIFETIME
+    if not pipe.poll(_LIFETIME) or pipe.recv() != "busy":
+        return
+    pipe.poll(busy)  # nothing is sent meanwhile: a bounded stretch with the hub unpolled
+    reported = 0
+    while not _told_to_stop(pipe) and time.monotonic() < deadline:
+        t.poll(0.01)
+        dropped = t.stats()["dropped_messages"]
+        if dropped > reported:
+            reported = dropped
+            pipe.send(("served", dropped))
+    t.close()

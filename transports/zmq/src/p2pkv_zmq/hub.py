@@ -38,6 +38,20 @@ attempt (the peer is gone). ``poll`` waits on the ROUTER only; the other sockets
 deadlines are swept every ``_SWEEP_INTERVAL`` (10 ms), so a death shows within that of libzmq
 reporting it.
 
+Only DEALERs send ZMTP heartbeats: the ROUTER answers PINGs, and libzmq drops an inbound TCP
+connection that stays silent past the TTL its peer's PINGs carry. The ROUTER runs no heartbeat
+timer of its own: in libzmq 4.3.5 that timer fires on a connection whose input stopped (pipe
+full, or handed over) after its peer hung up, and aborts the process (``!_io_error``,
+stream_engine_base.cpp:310), so any client could kill us by overfilling its pipe and
+resetting. ``ROUTER_HANDOVER`` is on: without it, a connection presenting a routing id that is
+already attached is parked and all it sends is kept until the ROUTER closes (a memory leak
+anyone who reaches the port can grow). With it the newest connection takes the id over. Ours
+are unique per DEALER (64 random bits), so only someone who reads the link in clear text (no
+CURVE) could take a live one over; the peer whose link was taken gets no PONG once it sends a
+frame into it, and drops it within ``heartbeat_timeout``. libzmq still keeps a taken-over
+connection's engine and socket until the ROUTER closes when data reached it after the takeover
+(about 40 KB and one file descriptor each).
+
 Memories of retired ids, pending opens and logged refusals are bounded (oldest forgotten).
 """
 
@@ -169,6 +183,7 @@ class ZmqHub(ZmqControlTransport):
             self._watch(self._zap.socket, self._zap.serve)
         router = self._router = self._ctx.socket(zmq.ROUTER)
         self._tune(router, ipv6=plan.ipv6)
+        router.router_handover = 1
         router.maxmsgsize = self.max_frame_bytes
         if keys is not None:
             router.curve_server = True
@@ -203,12 +218,8 @@ class ZmqHub(ZmqControlTransport):
         )
 
     def _tune(self, sock: zmq.Socket[bytes], *, ipv6: bool) -> None:
-        opts = self._options
         sock.linger = 0
         sock.ipv6 = ipv6
-        sock.heartbeat_ivl = _ms(opts.heartbeat_interval)
-        sock.heartbeat_timeout = _ms(opts.heartbeat_timeout)
-        sock.heartbeat_ttl = _ms(opts.heartbeat_ttl)
 
     def _monitor(self, sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
         # A fresh endpoint every time: libzmq frees inproc names asynchronously.
@@ -298,6 +309,10 @@ class ZmqHub(ZmqControlTransport):
         monitor = None
         try:
             self._tune(dealer, ipv6=is_ipv6_literal(host))
+            opts = self._options
+            dealer.heartbeat_ivl = _ms(opts.heartbeat_interval)
+            dealer.heartbeat_timeout = _ms(opts.heartbeat_timeout)
+            dealer.heartbeat_ttl = _ms(opts.heartbeat_ttl)
             dealer.routing_id = routing_id(self._local_address, incarnation)
             # A peer that stalls the handshake (frozen right after accepting the TCP
             # connection) is as silent as one that stops answering PINGs.

@@ -16,9 +16,10 @@ Model (what callers and tests rely on):
 - An inbound peer is accepted on its first frame and returned once by ``poll`` with that frame
   buffered. Two peers dialing each other at once end up with one connection on each side.
 - ``send`` never blocks: ``max_queued_frames`` per connection, then ``SendQueueFull``.
-- Liveness: ZMTP heartbeats on every socket; a disconnect, a failed handshake, no handshake
-  within ``connect_timeout``, or the peer closing its end makes ``alive`` False on our next
-  ``poll``. A restarted peer or a re-dialed connection is a fresh connection, never a
+- Liveness: ZMTP heartbeats on every dialing socket (the listener only answers them and
+  drops an inbound link silent past the peer's TTL); a disconnect, a failed handshake, no
+  handshake within ``connect_timeout``, or the peer closing its end makes ``alive`` False on
+  our next ``poll``. A restarted peer or a re-dialed connection is a fresh connection, never a
   continuation of the old one.
 - Threading: no threads of our own; every socket is used only by the thread calling the
   transport (one at a time, as the contracts require). libzmq's I/O thread does the network

@@ -1,0 +1,64 @@
+"""Abuse of the listener's libzmq ROUTER itself (below the link protocol): a client that reuses
+a live routing id, and one that overfills its inbound pipe and hangs up. Each once leaked
+memory or aborted the process inside libzmq 4.3.5 (see ``p2pkv_zmq.hub``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+import zmq_peers
+from p2pkv.testing.child import Child
+from p2pkv.testing.waiting import wait_until
+
+T = 10.0
+ROUTER_RCVHWM = 1000
+"""libzmq's default receive high-water mark, which the listener keeps."""
+
+
+def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], target: str, rid: bytes) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = 0
+    sock.routing_id = rid
+    sock.connect(f"tcp://{target}")
+    return sock
+
+
+def test_a_connection_reusing_a_live_routing_id_takes_it_over(make_transport: Any) -> None:
+    """Without ``ROUTER_HANDOVER`` libzmq parks the second connection and keeps what it sends
+    until the listener closes: its message would never be read (and never freed)."""
+    t = make_transport()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        first = _dealer(ctx, t.local_address, b"reused-id")
+        first.send(b"first")
+        wait_until(lambda: t.stats()["dropped_messages"] >= 1, timeout=T,
+                   what="the first connection's message", pumps=[lambda: t.poll(0.001)])
+        second = _dealer(ctx, t.local_address, b"reused-id")  # the first one is still live
+        second.send(b"second")
+        wait_until(lambda: t.stats()["dropped_messages"] >= 2, timeout=T,
+                   what="the message of the connection that reused the live routing id",
+                   pumps=[lambda: t.poll(0.001)])
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_client_overfilling_the_listener_then_hanging_up_cannot_abort_it() -> None:
+    """3x the ROUTER's high-water mark, then close, while the application does not poll for
+    ten heartbeat intervals. With heartbeats on the ROUTER, libzmq 4.3.5 aborts there
+    (``!_io_error``, stream_engine_base.cpp:310); the listener must survive and serve on."""
+    options = {"heartbeat_interval": 0.05, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
+    with Child(zmq_peers.busy_listener, options, 0.5, name="busy-listener") as child:
+        kind, address = child.recv(T, "the listener's address")
+        assert kind == "address"
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        flooder = _dealer(ctx, address, b"overfill")
+        for i in range(3 * ROUTER_RCVHWM):
+            flooder.send(b"%d" % i)
+        flooder.close(linger=int(T * 1000))  # everything handed to TCP, then hang up
+        ctx.term()
+        child.send("busy")
+        kind, dropped = child.recv(T, "the listener serving after the flood")
+        assert kind == "served" and dropped > 0
+        assert child.process.is_alive(), f"listener died (exit {child.process.exitcode})"
