@@ -260,7 +260,9 @@ class DataTransport(_Transport):
     def remove_peer(self, peer_id: str) -> list[int]:
         """Forget a peer. Transfers of the peer still running are wait-cancelled and polled up
         to the transport's drain deadline; ids that could not be drained are returned and the
-        peer's resources are kept (never released under a live transfer)."""
+        peer's resources are kept (never released under a live transfer). Returned ids may
+        include the transport's own internal transfers (a connection warm-up), which no caller
+        received; never an id ``poll`` already reported."""
 
     @abstractmethod
     def write_blocks(
@@ -316,6 +318,7 @@ class DataTransport(_Transport):
         """Release peers and deregister the region; idempotent.
 
         Every transfer still in flight is wait-cancelled and polled up to the drain deadline
-        first. Ids that never drained are returned, and then the region stays registered
-        (leaked on purpose rather than freed under DMA).
+        first. Ids that never drained are returned (internal ones included, as for
+        ``remove_peer``), and then the region stays registered (leaked on purpose rather than
+        freed under DMA).
         """

@@ -78,6 +78,19 @@ class PollLog:
         self.failed.update(failed)
         return PollResult(done, failed)
 
+    def undrained(self, ids: Iterable[int], what: str, peer_id: str | None = None) -> set[int]:
+        """Check the ids ``what`` (``remove_peer``/``close``) returned as undrained: each is a
+        transfer of ours still pending (of ``peer_id`` when given), or an internal one of the
+        transport that no caller received (a connection warm-up); never one already reported
+        or forgotten. Returns them as a set."""
+        left = set(ids)
+        ended = left & (self.done | self.failed | self.forgotten)
+        assert not ended, f"{self.name}: {what} returned ids that had ended: {sorted(ended)}"
+        if peer_id is not None:
+            other = sorted(t for t in left if self.peer_of.get(t, peer_id) != peer_id)
+            assert not other, f"{self.name}: {what} returned other peers' ids: {other}"
+        return left
+
     def cancel(self, ids: Sequence[int], mode: CancelMode) -> list[int]:
         """Cancel through the transport and record what it forgot."""
         assert self._cancel is not None, "PollLog built without cancel_fn"
