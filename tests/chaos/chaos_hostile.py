@@ -124,6 +124,14 @@ class HostileClient:
             sock.send_multipart(parts)
             self.frames_sent += len(parts)
 
+    def late(self, frame: bytes) -> None:
+        """Send ``frame`` on the hostile socket opened before the newest (still open, in the
+        window): with a reused routing id, on the connection the newest one took it over from.
+        Nothing before the second socket."""
+        if len(self._open) >= 2:
+            self._open[-2].send(frame)
+            self.frames_sent += 1
+
     def oversized(self, nbytes: int) -> None:
         """One session frame larger than the tier accepts (its TCP connection gets dropped)."""
         self.session([b"\x00" * nbytes])
