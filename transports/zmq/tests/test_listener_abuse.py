@@ -1,9 +1,12 @@
 """Abuse of the listener's libzmq ROUTER itself (below the link protocol): a client that reuses
-a live routing id, and one that overfills its inbound pipe and hangs up. Each once leaked
+a live routing id, one that overfills its inbound pipe and hangs up, and clients that squat
+the routing ids the ROUTER would generate. Each once leaked
 memory or aborted the process inside libzmq 4.3.5 (see ``p2pkv_zmq.hub``)."""
 
 from __future__ import annotations
 
+import ctypes
+import struct
 from typing import Any
 
 import zmq
@@ -20,7 +23,8 @@ def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], target: str, rid: bytes) -> zmq
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.sndhwm = 0
-    sock.routing_id = rid
+    if rid:  # else the ROUTER generates one
+        sock.routing_id = rid
     sock.connect(f"tcp://{target}")
     return sock
 
@@ -62,3 +66,43 @@ def test_a_client_overfilling_the_listener_then_hanging_up_cannot_abort_it() -> 
         kind, dropped = child.recv(T, "the listener serving after the flood")
         assert kind == "served" and dropped > 0
         assert child.process.is_alive(), f"listener died (exit {child.process.exitcode})"
+
+
+def _unseeded_rand_starts(draws: int) -> set[int]:
+    """The values libzmq 4.3.5 may start a ROUTER's generated routing ids from when the C
+    library's ``rand()`` was never seeded (seed 1, the same in every process): one per number
+    of ``rand()`` calls made before the ROUTER was created."""
+    libc = ctypes.CDLL(None)
+    libc.rand.restype = ctypes.c_int
+    libc.srand(1)
+    r = [libc.rand() for _ in range(draws + 1)]
+    return {(r[j] | (r[j + 1] << 31)) & 0xFFFFFFFF for j in range(draws)}
+
+
+def test_squatting_the_ids_the_listener_would_generate_cannot_abort_it() -> None:
+    """libzmq files a client that announces no routing id under a generated one, ``\\x00`` and
+    a counter started from ``rand()``, without checking that a client already announced it:
+    the collision aborts the process (socket_base.cpp:2113). Clients squat the ids an unseeded
+    ``rand()`` would give, then two connect without an id; the listener must serve on."""
+    with Child(zmq_peers.busy_listener, {}, 0.0, name="squatted-listener") as child:
+        kind, address = child.recv(T, "the listener's address")
+        assert kind == "address"
+        child.send("busy")
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            socks = [_dealer(ctx, address, b"\x00" + struct.pack(">I", (s + k) & 0xFFFFFFFF))
+                     for s in _unseeded_rand_starts(32) for k in range(2)]
+            socks += [_dealer(ctx, address, b"") for _ in range(2)]
+            for sock in socks:
+                sock.send(b"x")
+            dropped = 0
+            while dropped < len(socks):
+                try:
+                    kind, dropped = child.recv(T, "the listener reading every client's frame")
+                except EOFError:
+                    child.process.join(T)
+                    raise AssertionError(
+                        f"listener died (exit {child.process.exitcode})") from None
+                assert kind == "served"
+        finally:
+            ctx.destroy(linger=0)

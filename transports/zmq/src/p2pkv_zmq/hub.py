@@ -52,13 +52,22 @@ frame into it, and drops it within ``heartbeat_timeout``. libzmq still keeps a t
 connection's engine and socket until the ROUTER closes when data reached it after the takeover
 (about 40 KB and one file descriptor each).
 
+A client that announces no routing id is filed under one the ROUTER generates: ``\x00`` and a
+counter started from the C library's ``rand()``, never checked against ids clients announced
+themselves. Unseeded, ``rand()`` gives the same values in every process, so a client could
+announce the next generated id and, once an id-less client connects, make libzmq abort on the
+collision (socket_base.cpp:2113). ``rand()`` is therefore seeded with a secret right before
+each ROUTER is created: guessing the counter's start is then a 1-in-2^32 shot per squatted id.
+
 Memories of retired ids, pending opens and logged refusals are bounded (oldest forgotten).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -181,6 +190,7 @@ class ZmqHub(ZmqControlTransport):
         if keys is not None:  # before the listener exists, or libzmq admits everyone
             self._zap = ZapHandler(self._ctx, keys.allowed, self._on_zap_refusal)
             self._watch(self._zap.socket, self._zap.serve)
+        _seed_c_rand()
         router = self._router = self._ctx.socket(zmq.ROUTER)
         self._tune(router, ipv6=plan.ipv6)
         router.router_handover = 1
@@ -639,6 +649,16 @@ class ZmqHub(ZmqControlTransport):
             return
         _remember(self._logged, key)
         log.log(level, msg, *args)
+
+
+def _seed_c_rand() -> None:
+    """Seed the C library's ``rand()``, where libzmq starts a new ROUTER's generated routing
+    ids (see the module docstring). Best effort: without a C library to call, logged."""
+    try:
+        ctypes.CDLL(None).srand(secrets.randbits(32))
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot seed rand() (%s): the listener's generated routing ids stay "
+                    "predictable", exc)
 
 
 def _ms(seconds: float) -> int:
