@@ -43,9 +43,9 @@ peer failed, and transfers past their deadline (found from the oldest, since tra
 registered in deadline order). An expectation nobody has written to yet, or a write still
 waiting for its EXPECT, costs a poll nothing however many are outstanding (a consumer that
 pre-posts thousands of rounds would otherwise pay microseconds per round per poll, which
-became milliseconds of latency per block). Such an expectation learns of a receive failing
-without a HEADER (only a dead endpoint does that, which fails the peer) from the peer's
-failure or at its deadline.
+became milliseconds of latency per block). Such an expectation notices a receive failing
+before any HEADER named it only through its peer (a failed endpoint marks the peer dead,
+which watches all its transfers) or at its deadline; the protocol fails receives no other way.
 
 Memory safety: a receive is the only request that writes our region; it is terminal only
 when UCX says so (completed, failed, or confirmed cancelled). Sends only read our memory, so
