@@ -423,9 +423,8 @@ class ZmqHub(ZmqControlTransport):
             monitor.close(0)
             if notify:
                 target = b"" if link is None else link.rpartition(b"#")[2]
-                if link is not None:
+                if self._send_link(push, conn.link, _GONE, target) and link is not None:
                     _remember(self._told, link)
-                self._send_link(push, conn.link, _GONE, target)
                 push.close(_NOTICE_LINGER_MS)
             else:
                 push.close(0)
@@ -441,25 +440,28 @@ class ZmqHub(ZmqControlTransport):
 
     # -- outbound link messages -----------------------------------------------------------
 
-    def _send_link(self, push: zmq.Socket[bytes], link: bytes, verb: bytes, arg: bytes) -> None:
-        """``[link, "", verb, arg]`` on ``push``, never blocking."""
+    def _send_link(self, push: zmq.Socket[bytes], link: bytes, verb: bytes, arg: bytes) -> bool:
+        """``[link, "", verb, arg]`` on ``push``, never blocking; False if it did not fit (the
+        peer's heartbeats, timeouts and later frames still end what it was about)."""
         try:
             push.send_multipart([link, b"", verb, arg], _NOBLOCK)
         except zmq.ZMQError:
-            pass  # full: the peer's heartbeats, timeouts and later frames still end it
+            return False
+        return True
 
     def _tell_gone(self, link: bytes, via: ZmqConnection | None = None) -> None:
         """Tell the peer PUSH ``link`` (a valid link id) that its connection is gone, once:
         over ``via`` or our connection to its address, else over a notice PUSH (rate-limited;
-        skipped, and logged once, beyond the rate)."""
+        skipped, and logged once, beyond the rate). Only a message that went out counts as
+        told, so the link's next frame tries again."""
         if link in self._told:
             return
-        _remember(self._told, link)
         address, incarnation = link.rsplit(b"#", 1)
         key = address.decode("ascii")
         conn = via if via is not None else self._by_address.get(key)
         if conn is not None and conn.out is not None:
-            self._send_link(conn.out, conn.link, _GONE, incarnation)
+            if self._send_link(conn.out, conn.link, _GONE, incarnation):
+                _remember(self._told, link)
             return
         now = time.monotonic()
         tokens = min(_NOTICE_RATE, self._notice_tokens + (now - self._notice_stamp) * _NOTICE_RATE)
@@ -477,10 +479,11 @@ class ZmqHub(ZmqControlTransport):
             return  # out of sockets: the peer's own timeouts end its connection
         try:
             push.connect(tcp_url(*parse_address(key)))
-            self._send_link(push, link_id(self._local_address, new_incarnation()), _GONE,
-                            incarnation)
+            if self._send_link(push, link_id(self._local_address, new_incarnation()), _GONE,
+                               incarnation):
+                _remember(self._told, link)
         except zmq.ZMQError:
-            pass
+            pass  # an address libzmq cannot dial: nobody there to tell
         push.close(_NOTICE_LINGER_MS)
 
     # -- inbound --------------------------------------------------------------------------
