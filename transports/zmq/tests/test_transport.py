@@ -315,19 +315,25 @@ def test_reconnecting_over_a_dead_connection_replaces_it(make_transport: Any) ->
 def test_stale_frames_without_open_are_dropped_and_answered_gone(make_transport: Any) -> None:
     a = make_transport()
     ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
+    home = ctx.socket(zmq.PULL)  # the stale dialer's own listener, where "gone" must arrive
+    home.linger = 0
+    home.bind("tcp://127.0.0.1:*")
+    port = home.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    raw = ctx.socket(zmq.PUSH)
     raw.linger = 0
-    raw.routing_id = b"127.0.0.1:9#0123456789abcdef"
     raw.connect(f"tcp://{a.local_address}")
     try:
-        raw.send(b"a frame from a previous life")
+        raw.send_multipart([f"127.0.0.1:{port}#0123456789abcdef".encode(),
+                            b"a frame from a previous life"])
         wait_until(lambda: a.stats()["dropped_messages"] >= 1, timeout=T,
                    what="the stale frame to be dropped", pumps=[pump(a)])
-        assert raw.poll(int(T * 1000)), "the stale dialer must be told its connection is gone"
-        assert raw.recv() == b"gone"
+        assert home.poll(int(T * 1000)), "the stale dialer must be told its connection is gone"
+        notice = home.recv_multipart()
+        assert notice[1:] == [b"", b"gone", b"0123456789abcdef"], notice
         assert a.poll(0.01) == ()
     finally:
         raw.close()
+        home.close()
 
 
 def test_monitor_endpoints_never_collide(make_transport: Any) -> None:
@@ -379,18 +385,18 @@ def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any)
 def test_an_accepted_peer_that_stops_listening_is_dead_at_once(make_transport: Any) -> None:
     a = make_transport()
     ctx = zmq.Context.instance()
-    home = ctx.socket(zmq.ROUTER)  # stands for the peer's listener; closed before we dial back
+    home = ctx.socket(zmq.PULL)  # stands for the peer's listener; closed before we dial back
     home.linger = 0
     home.bind("tcp://127.0.0.1:*")
     port = home.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     home.close()
-    raw = ctx.socket(zmq.DEALER)
+    raw = ctx.socket(zmq.PUSH)
     raw.linger = 0
-    raw.routing_id = f"127.0.0.1:{port}#0123456789abcdef".encode()
+    link = f"127.0.0.1:{port}#0123456789abcdef".encode()
     raw.connect(f"tcp://{a.local_address}")
     try:
-        raw.send_multipart([b"", b"open", b""])
-        raw.send(b"hi")
+        raw.send_multipart([link, b"", b"open", b""])
+        raw.send_multipart([link, b"hi"])
         accepted: list[Any] = []
         wait_until(lambda: accepted.extend(a.poll(0.001)) or accepted, timeout=T,
                    what="the inbound connection")

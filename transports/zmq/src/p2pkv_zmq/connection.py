@@ -1,4 +1,4 @@
-"""One logical connection to a peer: our DEALER out, the peer's frames in (via our ROUTER).
+"""One logical connection to a peer: our PUSH socket out, the peer's frames in (via our PULL).
 
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
 fills ``inbox`` and retires the connection (``reason`` set, sockets released); the connection
@@ -20,15 +20,17 @@ if TYPE_CHECKING:
 __all__ = ["ZmqConnection"]
 
 _NOBLOCK = zmq.NOBLOCK
+_NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
 _EMPTY: Sequence[bytes] = ()
 
 
 class ZmqConnection(ControlConnection):
     """A connection of a :class:`~p2pkv_zmq.hub.ZmqHub`; created by ``connect`` or ``poll``.
 
-    ``key`` is the peer's canonical address, ``incarnation`` our DEALER's, ``remote_rid`` the
-    routing id of the peer's DEALER once known. ``reason`` is None while alive, then says why
-    the connection ended; frames received before that stay readable through ``recv``.
+    ``key`` is the peer's canonical address, ``incarnation`` our PUSH socket's and ``link`` its
+    link id (the first frame of everything it sends), ``remote_link`` the link id of the
+    peer's PUSH once known. ``reason`` is None while alive, then says why the connection
+    ended; frames received before that stay readable through ``recv``.
     """
 
     def __init__(
@@ -37,18 +39,20 @@ class ZmqConnection(ControlConnection):
         *,
         shown_address: str,
         key: str,
-        dealer: zmq.Socket[bytes],
+        out: zmq.Socket[bytes],
         monitor: zmq.Socket[bytes],
         incarnation: bytes,
+        link: bytes,
         deadline: float,
     ) -> None:
         self._hub = hub
         self._shown_address = shown_address
         self.key = key
-        self.dealer: zmq.Socket[bytes] | None = dealer
+        self.out: zmq.Socket[bytes] | None = out
         self.monitor: zmq.Socket[bytes] | None = monitor
         self.incarnation = incarnation
-        self.remote_rid: bytes | None = None
+        self.link = link
+        self.remote_link: bytes | None = None
         self.inbox: list[bytes] = []
         self.deadline = deadline
         self.reason: str | None = None
@@ -69,9 +73,11 @@ class ZmqConnection(ControlConnection):
             raise ProtocolError(
                 f"frame of {len(frame)} bytes exceeds max_frame_bytes {self._max_frame}"
             )
-        assert self.dealer is not None  # released only together with setting reason
+        out = self.out
+        assert out is not None  # released only together with setting reason
         try:
-            self.dealer.send(frame, _NOBLOCK)
+            out.send(self.link, _NOBLOCK_MORE)  # the only part that can find the queue full
+            out.send(frame, _NOBLOCK)
         except zmq.Again:
             raise SendQueueFull(
                 f"send queue to {self._shown_address} is full "

@@ -1,73 +1,78 @@
 """The sockets of one ``zmq`` control transport and the small link protocol between peers.
 
 Sockets (all in the transport's own ``zmq.Context``, all used only from the driver thread):
-one ROUTER bound at our address (every peer's frames come in here), one DEALER per connection
-dialing the peer's ROUTER (our frames go out there), one monitor PAIR per DEALER and one for
-the ROUTER (``inproc://p2pkv-monitor-<n>``, never reused), and the ZAP handler with CURVE.
+one PULL bound at our address (every peer's frames come in here), one PUSH per connection
+dialing the peer's PULL (our frames go out there), one monitor PAIR per PUSH and one for the
+PULL (``inproc://p2pkv-monitor-<n>``, never reused), the ZAP handler with CURVE, and short-lived
+notice PUSH sockets (below). No socket of ours is a ROUTER: libzmq 4.3.5 files a ROUTER's
+inbound connections under the routing id each client announces, and a client reusing or
+squatting ids made it keep dead connections or abort. A PULL has no ids at all.
 
-Link protocol, below the opaque frames of the contract:
+Link protocol, below the opaque frames of the contract. Every message a PUSH sends starts with
+its link id ``<our address>#<incarnation>`` (:mod:`p2pkv_zmq.identity`), since a PULL does not
+say which connection a message came from; the receiver knows links by that id and its own
+connections by their incarnation. Message shapes on the PULL:
 
-- DEALER -> ROUTER. A DEALER's routing id is ``<our address>#<incarnation>``. Its first
-  message is ``["", "open", ref]``: ``ref`` is empty when we dialed on our own, or the
-  incarnation of the peer DEALER we answer. Every later message is one frame of payload.
-- ROUTER -> DEALER. ``["paired", rid]``: "I pair your DEALER with mine, ``rid``" (both
-  dialed at once, below). Anything else means "the connection you dialed with this DEALER is
-  gone"; it is how a ``close`` reaches the peer, since a ROUTER cannot drop one peer's TCP
-  connection.
-- Accepting: a DEALER that opened fresh is remembered until its first payload frame, then a
-  connection is created (dialing back, answering that DEALER) and returned by ``poll`` with
-  the frame buffered. An open answering one of our DEALERs completes that connection (or gets
+- ``[link, frame]``: one frame of payload on the sender's connection.
+- ``[link, "", "open", ref]``: the first message of a PUSH; ``ref`` is empty when it dialed on
+  its own, or the incarnation of the receiver's PUSH it answers.
+- ``[link, "", "paired", inc]``: "I pair my PUSH ``link`` with yours of incarnation ``inc``"
+  (both dialed at once, below). Sent on the offered PUSH itself, so it follows its open.
+- ``[link, "", "gone", inc]``: "your connection whose PUSH has incarnation ``inc`` is gone";
+  with ``inc`` empty: "my PUSH ``link`` is closed" (a connection closed before it was paired).
+- anything else (one part, other shapes, a first frame that is not a canonical link id) is
+  malformed: dropped, counted in ``dropped_messages``, logged once per sender id.
+
+``paired`` and ``gone`` are obeyed from any sender that names an incarnation of ours: the
+64-bit incarnation (random, sent only to the peer it was dialed to, encrypted under CURVE) is
+what authenticates them, as it did when they came back on our own dialing socket.
+
+- Accepting: a PUSH that opened fresh is remembered until its first payload frame, then a
+  connection is created (dialing back, answering that PUSH) and returned by ``poll`` with the
+  frame buffered. An open answering one of our PUSHes completes that connection (or is told
   "gone" if we retired it).
 - Both dialed at once: a fresh open while our own dial to that address is unanswered is
-  offered our connection ("paired"); its frames are held until the peer makes the same offer
-  to our DEALER, and then the two dials are one connection on both sides (a side that gets
-  the offer before it saw the peer's open accepts it and offers back once the open arrives).
-  If the peer answers our dial instead (the fresh open was a DEALER it had already closed),
-  the offer lapses, the held frames are dropped and that DEALER gets "gone". So frames never
-  reach a connection the peer does not consider the same one.
+  offered our connection ("paired" on our PUSH); its frames are held until the peer makes the
+  same offer, and then the two dials are one connection on both sides (a side that gets the
+  offer without having offered, e.g. it keyed our address under another spelling, accepts it
+  and offers back at once). If the peer answers our dial instead (the fresh open was a PUSH it
+  had already closed), the offer lapses, the held frames are dropped and that PUSH is told
+  "gone". So frames never reach a connection the peer does not consider the same one.
 - An older connection to the same address is left alone: if the peer restarted or re-dialed,
   it dies by itself (disconnect or "gone"); frames arrive over TCP streams that are not
   ordered with each other, so arrival order cannot tell old from new.
-- Payload from a DEALER that never opened to us (one that reconnected by itself to a
-  restarted us) is dropped and answered with "gone", so stale frames never enter a session.
+- Payload or an open from a PUSH whose connection ended, or one that never opened to us (a
+  PUSH that reconnected by itself to a restarted us), is dropped and its sender told "gone",
+  so stale frames never enter a session.
 
-Liveness: a connection dies when its DEALER disconnects (the peer closed, crashed, or missed
-heartbeats), fails or stalls its handshake, gets "gone", or has not connected within
-``connect_timeout``; a dial-back to a peer that just dialed us dies at its first refused
-attempt (the peer is gone). ``poll`` waits on the ROUTER only; the other sockets and the
-deadlines are swept every ``_SWEEP_INTERVAL`` (10 ms), so a death shows within that of libzmq
-reporting it.
+Telling a peer link "gone" goes over a PUSH of ours to that address when one exists, else over
+a notice PUSH dialed for that one message (``LINGER`` ``_NOTICE_LINGER_MS``, then libzmq drops
+it). Notices are rate-limited (``_NOTICE_RATE`` per second, bursts of as many) and each link
+is told at most once (a bounded memory); a message that fails validation never makes us dial.
+Our own close sends "gone" on the connection's PUSH, which lingers as long to deliver it.
 
-Only DEALERs send ZMTP heartbeats: the ROUTER answers PINGs, and libzmq drops an inbound TCP
-connection that stays silent past the TTL its peer's PINGs carry. The ROUTER runs no heartbeat
-timer of its own: in libzmq 4.3.5 that timer fires on a connection whose input stopped (pipe
-full, or handed over) after its peer hung up, and aborts the process (``!_io_error``,
+Liveness: a connection dies when its PUSH disconnects (the peer closed its listener, crashed,
+or missed heartbeats; the peer's half is then told "gone" as above), fails or stalls its
+handshake, gets "gone", or has not connected within ``connect_timeout``; a dial-back to a peer
+that just dialed us dies at its first refused attempt (the peer is gone). ``poll`` waits on
+the PULL only; the monitors, ZAP and the deadlines are swept every ``_SWEEP_INTERVAL``
+(10 ms), so a death shows within that of libzmq reporting it.
+
+Only PUSH sockets send ZMTP heartbeats: the PULL answers PINGs, and libzmq drops an inbound TCP
+connection that stays silent past the TTL its peer's PINGs carry. The listener runs no
+heartbeat timer of its own: in libzmq 4.3.5 that timer fires on a connection whose input
+stopped (pipe full) after its peer hung up, and aborts the process (``!_io_error``,
 stream_engine_base.cpp:310), so any client could kill us by overfilling its pipe and
-resetting. ``ROUTER_HANDOVER`` is on: without it, a connection presenting a routing id that is
-already attached is parked and all it sends is kept until the ROUTER closes (a memory leak
-anyone who reaches the port can grow). With it the newest connection takes the id over. Ours
-are unique per DEALER (64 random bits), so only someone who reads the link in clear text (no
-CURVE) could take a live one over; the peer whose link was taken gets no PONG once it sends a
-frame into it, and drops it within ``heartbeat_timeout``. libzmq still keeps a taken-over
-connection's engine and socket until the ROUTER closes when data reached it after the takeover
-(about 40 KB and one file descriptor each).
+resetting.
 
-A client that announces no routing id is filed under one the ROUTER generates: ``\x00`` and a
-counter started from the C library's ``rand()``, never checked against ids clients announced
-themselves. Unseeded, ``rand()`` gives the same values in every process, so a client could
-announce the next generated id and, once an id-less client connects, make libzmq abort on the
-collision (socket_base.cpp:2113). ``rand()`` is therefore seeded with a secret right before
-each ROUTER is created: guessing the counter's start is then a 1-in-2^32 shot per squatted id.
-
-Memories of retired ids, pending opens and logged refusals are bounded (oldest forgotten).
+Memories of retired ids, pending opens, told links and logged refusals are bounded (oldest
+forgotten).
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -84,11 +89,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2pkv_zmq.connection import ZmqConnection
 from p2pkv_zmq.identity import (
+    MAX_LINK_ID_BYTES,
     canonical_address,
     is_ipv6_literal,
+    link_id,
     new_incarnation,
-    parse_routing_id,
-    routing_id,
+    parse_link_id,
     tcp_url,
 )
 from p2pkv_zmq.options import ZmqOptions
@@ -112,21 +118,22 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_DEALER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-_ANSWERING_EVENTS = _DEALER_EVENTS | zmq.EVENT_CONNECT_RETRIED  # a refused dial-back is fatal
-_ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+_ANSWERING_EVENTS = _LINK_EVENTS | zmq.EVENT_CONNECT_RETRIED  # a refused dial-back is fatal
+_LISTENER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _MAX_MESSAGES_PER_POLL = 4096
 _SWEEP_INTERVAL = 0.01  # seconds between checks of connection sockets and deadlines
-_SWEEP_MS = 10  # the longest single wait on the ROUTER, so sweeps stay on time
+_SWEEP_MS = 10  # the longest single wait on the PULL, so sweeps stay on time
 _MEMORY = 4096  # entries in each bounded memory
 _MAX_HELD_FRAMES = 10_000  # frames held for an offered pairing before giving up on it
-_DEALER_MAX_MSG = 65536  # a DEALER receives only "gone" (and handshake commands, ~200 B)
+_NOTICE_RATE = 20.0  # notice dials per second (and the largest burst)
+_NOTICE_LINGER_MS = 500  # how long a closed PUSH keeps trying to deliver its last message
 _EMPTY: Sequence[ControlConnection] = ()
 
 
 @dataclass(eq=False)
 class _Opened:
-    """A peer DEALER that opened to us and is not part of a connection yet."""
+    """A peer PUSH that opened to us and is not part of a connection yet."""
 
     address: str
     offered: ZmqConnection | None = None
@@ -147,22 +154,24 @@ class ZmqHub(ZmqControlTransport):
         self._options = options
         self._keys = keys
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
-        self._sweeper = zmq.Poller()  # every socket but the ROUTER, checked periodically
-        self._rcvtimeo = -1  # the ROUTER's current receive timeout (ms)
-        self._router_ready = zmq.Poller()  # the ROUTER alone: "is a message waiting?"
+        self._sweeper = zmq.Poller()  # every socket but the PULL, checked periodically
+        self._rcvtimeo = -1  # the PULL's current receive timeout (ms)
+        self._listener_ready = zmq.Poller()  # the PULL alone: "is a message waiting?"
         self._handlers: dict[zmq.Socket[bytes], Callable[[], None]] = {}
         self._next_sweep = 0.0
-        self._router: zmq.Socket[bytes] | None = None
-        self._router_monitor: zmq.Socket[bytes] | None = None
+        self._listener: zmq.Socket[bytes] | None = None
+        self._listener_monitor: zmq.Socket[bytes] | None = None
         self._zap: ZapHandler | None = None
         self._local_address = ""
         self._by_address: dict[str, ZmqConnection] = {}
-        self._by_rid: dict[bytes, ZmqConnection] = {}
+        self._by_link: dict[bytes, ZmqConnection] = {}  # the peer's PUSH -> our connection
         self._by_incarnation: dict[bytes, ZmqConnection] = {}
         self._connecting: set[ZmqConnection] = set()
-        self._pending: OrderedDict[bytes, _Opened] = OrderedDict()  # DEALERs not yet paired
-        self._owed: dict[bytes, ZmqConnection] = {}  # peer DEALERs owed our "paired"
-        self._retired: OrderedDict[bytes, None] = OrderedDict()  # rids and our incarnations
+        self._pending: OrderedDict[bytes, _Opened] = OrderedDict()  # peer PUSHes not paired
+        self._retired: OrderedDict[bytes, None] = OrderedDict()  # links and our incarnations
+        self._told: OrderedDict[bytes, None] = OrderedDict()  # peer links told "gone"
+        self._notice_tokens = _NOTICE_RATE
+        self._notice_stamp = time.monotonic()
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
         self._new: list[ZmqConnection] = []
         self._monitor_seq = itertools.count()
@@ -190,23 +199,21 @@ class ZmqHub(ZmqControlTransport):
         if keys is not None:  # before the listener exists, or libzmq admits everyone
             self._zap = ZapHandler(self._ctx, keys.allowed, self._on_zap_refusal)
             self._watch(self._zap.socket, self._zap.serve)
-        _seed_c_rand()
-        router = self._router = self._ctx.socket(zmq.ROUTER)
-        self._tune(router, ipv6=plan.ipv6)
-        router.router_handover = 1
-        router.maxmsgsize = self.max_frame_bytes
+        listener = self._listener = self._ctx.socket(zmq.PULL)
+        self._tune(listener, ipv6=plan.ipv6)
+        listener.maxmsgsize = self.max_frame_bytes
         if keys is not None:
-            router.curve_server = True
-            router.curve_secretkey = keys.server_secret
-            router.zap_domain = _ZAP_DOMAIN
-        self._router_ready.register(router, zmq.POLLIN)
-        self._router_monitor = self._monitor(router, _ROUTER_EVENTS)
-        self._watch(self._router_monitor, self._on_router_event)
+            listener.curve_server = True
+            listener.curve_secretkey = keys.server_secret
+            listener.zap_domain = _ZAP_DOMAIN
+        self._listener_ready.register(listener, zmq.POLLIN)
+        self._listener_monitor = self._monitor(listener, _LISTENER_EVENTS)
+        self._watch(self._listener_monitor, self._on_listener_event)
         try:
-            router.bind(tcp_url(plan.bind_host, plan.port or "*"))
+            listener.bind(tcp_url(plan.bind_host, plan.port or "*"))
         except zmq.ZMQError as exc:
             raise self._bind_error(exc) from None
-        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = listener.getsockopt_string(zmq.LAST_ENDPOINT)
         port = plan.advertise_port or int(endpoint.rsplit(":", 1)[1])
         self._local_address = format_address(plan.advertise_host, port)
         log.info("zmq control transport listening on %s as %s (%s)", endpoint,
@@ -230,6 +237,20 @@ class ZmqHub(ZmqControlTransport):
     def _tune(self, sock: zmq.Socket[bytes], *, ipv6: bool) -> None:
         sock.linger = 0
         sock.ipv6 = ipv6
+
+    def _push(self, key: str) -> zmq.Socket[bytes]:
+        """A PUSH socket for ``key``, CURVE client if we have keys; not connected yet.
+        ``ConfigError`` when libzmq has no socket left (ZMQ_MAX_SOCKETS or descriptors)."""
+        try:
+            push: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
+        self._tune(push, ipv6=is_ipv6_literal(parse_address(key)[0]))
+        if self._keys is not None:
+            push.curve_serverkey = self._keys.server_public
+            push.curve_publickey = self._keys.client_public
+            push.curve_secretkey = self._keys.client_secret
+        return push
 
     def _monitor(self, sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
         # A fresh endpoint every time: libzmq frees inproc names asynchronously.
@@ -266,12 +287,11 @@ class ZmqHub(ZmqControlTransport):
         return conn
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        """Frames (the hot path) are waited for with a plain receive on the ROUTER; the other
-        sockets (connection monitors, "gone" notices, ZAP, the ROUTER's monitor) and connect
-        deadlines are swept every ``_SWEEP_INTERVAL``, so a poll costs the same with one peer
-        or hundreds, and about what a raw pyzmq receive costs. libzmq waits in whole
-        milliseconds: a wait that has less than one left ends without waiting (never more
-        than ``timeout``)."""
+        """Frames (the hot path) are waited for with a plain receive on the PULL; the other
+        sockets (connection monitors, ZAP, the PULL's monitor) and connect deadlines are swept
+        every ``_SWEEP_INTERVAL``, so a poll costs the same with one peer or hundreds, and
+        about what a raw pyzmq receive costs. libzmq waits in whole milliseconds: a wait that
+        has less than one left ends without waiting (never more than ``timeout``)."""
         if self._closed:
             return _EMPTY
         now = time.monotonic()
@@ -279,7 +299,7 @@ class ZmqHub(ZmqControlTransport):
         while True:
             swept = now >= self._next_sweep and self._sweep(now)
             wait_ms = min(int((deadline - now) * 1000), _SWEEP_MS)
-            if self._read_router(wait_ms) or swept or wait_ms <= 0:
+            if self._read_listener(wait_ms) or swept or wait_ms <= 0:
                 break
             now = time.monotonic()
             if now >= deadline:
@@ -291,16 +311,18 @@ class ZmqHub(ZmqControlTransport):
         return new
 
     def close(self) -> None:
+        """Close every socket. Blocks at most ``_NOTICE_LINGER_MS`` for "gone" notices still
+        undelivered (libzmq's context termination waits for lingering sockets)."""
         if self._closed:
             return
         self._closed = True
         for conn in list(self._by_incarnation.values()):
             self.retire(conn, "transport closed", notify=False)
-        for sock in (self._router_monitor, self._zap.socket if self._zap else None):
+        for sock in (self._listener_monitor, self._zap.socket if self._zap else None):
             if sock is not None:
                 sock.close(0)
-        if self._router is not None:
-            self._router.close(0)
+        if self._listener is not None:
+            self._listener.close(0)
         self._ctx.term()
 
     def stats(self) -> dict[str, int]:
@@ -312,79 +334,70 @@ class ZmqHub(ZmqControlTransport):
     def _dial(self, key: str, shown: str, answering: bytes | None) -> ZmqConnection:
         host, port = parse_address(key)
         incarnation = new_incarnation()
-        try:
-            dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        except zmq.ZMQError as exc:  # out of sockets (ZMQ_MAX_SOCKETS) or file descriptors
-            raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
+        link = link_id(self._local_address, incarnation)
+        push = self._push(key)
         monitor = None
         try:
-            self._tune(dealer, ipv6=is_ipv6_literal(host))
             opts = self._options
-            dealer.heartbeat_ivl = _ms(opts.heartbeat_interval)
-            dealer.heartbeat_timeout = _ms(opts.heartbeat_timeout)
-            dealer.heartbeat_ttl = _ms(opts.heartbeat_ttl)
-            dealer.routing_id = routing_id(self._local_address, incarnation)
+            push.heartbeat_ivl = _ms(opts.heartbeat_interval)
+            push.heartbeat_timeout = _ms(opts.heartbeat_timeout)
+            push.heartbeat_ttl = _ms(opts.heartbeat_ttl)
             # A peer that stalls the handshake (frozen right after accepting the TCP
             # connection) is as silent as one that stops answering PINGs.
-            dealer.handshake_ivl = _ms(self._options.heartbeat_timeout)
-            dealer.sndhwm = self.max_queued_frames + 1  # + the open message
-            dealer.rcvhwm = 64  # link messages only
-            dealer.maxmsgsize = _DEALER_MAX_MSG
-            if self._keys is not None:
-                dealer.curve_serverkey = self._keys.server_public
-                dealer.curve_publickey = self._keys.client_public
-                dealer.curve_secretkey = self._keys.client_secret
+            push.handshake_ivl = _ms(opts.heartbeat_timeout)
+            push.sndhwm = self.max_queued_frames + 1  # + the open message
             # A peer that just dialed us listens: if dialing it back fails, it is gone. A peer
             # we dial first may start later, so that dial retries until connect_timeout.
             monitor = self._monitor(
-                dealer, _DEALER_EVENTS if answering is None else _ANSWERING_EVENTS
+                push, _LINK_EVENTS if answering is None else _ANSWERING_EVENTS
             )
-            dealer.connect(tcp_url(host, port))
+            push.connect(tcp_url(host, port))
             ref = b"" if answering is None else answering.rpartition(b"#")[2]
-            dealer.send_multipart([b"", _OPEN, ref], _NOBLOCK)
+            push.send_multipart([link, b"", _OPEN, ref], _NOBLOCK)
         except zmq.ZMQError as exc:
             if monitor is not None:
                 monitor.close(0)
-            dealer.close(0)
+            push.close(0)
             raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
         deadline = time.monotonic() + self._options.connect_timeout
         conn = ZmqConnection(
-            self, shown_address=shown, key=key, dealer=dealer, monitor=monitor,
-            incarnation=incarnation, deadline=deadline,
+            self, shown_address=shown, key=key, out=push, monitor=monitor,
+            incarnation=incarnation, link=link, deadline=deadline,
         )
         self._by_address[key] = conn
         self._by_incarnation[incarnation] = conn
         self._connecting.add(conn)
-        self._watch(dealer, partial(self._on_notice, conn))
-        self._watch(monitor, partial(self._on_dealer_event, conn))
+        self._watch(monitor, partial(self._on_link_event, conn))
         log.debug("dialing %s (%s)", key, "answering" if answering else "fresh")
         return conn
 
-    def _confirm(self, conn: ZmqConnection, rid: bytes) -> None:
-        """The peer's DEALER ``rid`` carries the peer's half of ``conn``; frames held for it
+    def _confirm(self, conn: ZmqConnection, link: bytes) -> None:
+        """The peer's PUSH ``link`` carries the peer's half of ``conn``; frames held for it
         are delivered, other offers of ``conn`` lapse."""
-        conn.remote_rid = rid
-        self._by_rid[rid] = conn
-        opened = self._pending.pop(rid, None)
+        conn.remote_link = link
+        self._by_link[link] = conn
+        opened = self._pending.pop(link, None)
         if opened is not None:
             conn.inbox.extend(opened.frames)
         self._withdraw_offers(conn)
 
     def _withdraw_offers(self, conn: ZmqConnection) -> None:
-        for rid in [r for r, o in self._pending.items() if o.offered is conn]:
-            del self._pending[rid]
-            _remember(self._retired, rid)
-            self._tell(rid, _GONE)
+        for link in [k for k, o in self._pending.items() if o.offered is conn]:
+            del self._pending[link]
+            _remember(self._retired, link)
+            self._tell_gone(link, via=conn)
 
-    def _accept(self, rid: bytes, address: str) -> ZmqConnection:
-        conn = self._dial(address, address, rid)  # the newest one is what connect returns
-        self._confirm(conn, rid)
+    def _accept(self, link: bytes, address: str) -> ZmqConnection:
+        conn = self._dial(address, address, link)  # the newest one is what connect returns
+        self._confirm(conn, link)
         self._new.append(conn)
         self.counters["accepted"] += 1
         return conn
 
     def retire(self, conn: ZmqConnection, reason: str, *, notify: bool = True) -> None:
-        """End ``conn`` (idempotent): forget its ids, tell the peer, release its sockets."""
+        """End ``conn`` (idempotent): forget its ids, release its sockets. ``notify``: tell
+        the peer on the connection's own PUSH (which lingers to deliver it); for a PUSH that
+        can no longer reach the peer, callers tell its half with ``_tell_gone`` instead."""
         if conn.reason is not None:
             return
         conn.reason = reason
@@ -398,123 +411,173 @@ class ZmqHub(ZmqControlTransport):
         self._connecting.discard(conn)
         _remember(self._retired, conn.incarnation)
         self._withdraw_offers(conn)
-        rid = conn.remote_rid
-        if rid is not None:
-            del self._by_rid[rid]
-            self._owed.pop(rid, None)
-            _remember(self._retired, rid)
-            if notify:
-                self._tell(rid, _GONE)
-        dealer, monitor = conn.dealer, conn.monitor
-        conn.dealer = conn.monitor = None
-        if dealer is not None and monitor is not None:
-            self._unwatch(dealer)
+        link = conn.remote_link
+        if link is not None:
+            del self._by_link[link]
+            _remember(self._retired, link)
+        push, monitor = conn.out, conn.monitor
+        conn.out = conn.monitor = None
+        if push is not None and monitor is not None:
             self._unwatch(monitor)
-            dealer.disable_monitor()
-            dealer.close(0)
+            push.disable_monitor()
             monitor.close(0)
+            if notify:
+                target = b"" if link is None else link.rpartition(b"#")[2]
+                if self._send_link(push, conn.link, _GONE, target) and link is not None:
+                    _remember(self._told, link)
+                push.close(_NOTICE_LINGER_MS)
+            else:
+                push.close(0)
         log.debug("connection to %s ended: %s", conn.key, reason)
 
     def _take_pending(self, address: str) -> bytes | None:
-        """The newest fresh DEALER of ``address`` that has not sent a frame yet, if any."""
-        for rid, opened in reversed(self._pending.items()):
+        """The newest fresh PUSH of ``address`` that has not sent a frame yet, if any."""
+        for link, opened in reversed(self._pending.items()):
             if opened.address == address and opened.offered is None:
-                del self._pending[rid]
-                return rid
+                del self._pending[link]
+                return link
         return None
 
-    def _tell(self, rid: bytes, *parts: bytes) -> None:
-        """A link message to the peer's DEALER ``rid`` (through our ROUTER)."""
-        assert self._router is not None
+    # -- outbound link messages -----------------------------------------------------------
+
+    def _send_link(self, push: zmq.Socket[bytes], link: bytes, verb: bytes, arg: bytes) -> bool:
+        """``[link, "", verb, arg]`` on ``push``, never blocking; False if it did not fit (the
+        peer's heartbeats, timeouts and later frames still end what it was about)."""
         try:
-            self._router.send_multipart([rid, *parts], _NOBLOCK)
+            push.send_multipart([link, b"", verb, arg], _NOBLOCK)
         except zmq.ZMQError:
-            pass  # unroutable or full: the peer's heartbeats and timeouts still end it
+            return False
+        return True
+
+    def _tell_gone(self, link: bytes, via: ZmqConnection | None = None) -> None:
+        """Tell the peer PUSH ``link`` (a valid link id) that its connection is gone, once:
+        over ``via`` or our connection to its address, else over a notice PUSH (rate-limited;
+        skipped, and logged once, beyond the rate). Only a message that went out counts as
+        told, so the link's next frame tries again."""
+        if link in self._told:
+            return
+        address, incarnation = link.rsplit(b"#", 1)
+        key = address.decode("ascii")
+        conn = via if via is not None else self._by_address.get(key)
+        if conn is not None and conn.out is not None:
+            if self._send_link(conn.out, conn.link, _GONE, incarnation):
+                _remember(self._told, link)
+            return
+        now = time.monotonic()
+        tokens = min(_NOTICE_RATE, self._notice_tokens + (now - self._notice_stamp) * _NOTICE_RATE)
+        self._notice_stamp = now
+        if tokens < 1.0:
+            self._notice_tokens = tokens
+            self._log_once(("notice-rate",), "not telling every stale peer connection it is "
+                           "gone: more than %s notices a second (a flood of stale frames?)",
+                           _NOTICE_RATE)
+            return
+        self._notice_tokens = tokens - 1.0
+        try:
+            push = self._push(key)
+        except ConfigError:
+            return  # out of sockets: the peer's own timeouts end its connection
+        try:
+            push.connect(tcp_url(*parse_address(key)))
+            if self._send_link(push, link_id(self._local_address, new_incarnation()), _GONE,
+                               incarnation):
+                _remember(self._told, link)
+        except zmq.ZMQError:
+            pass  # an address libzmq cannot dial: nobody there to tell
+        push.close(_NOTICE_LINGER_MS)
 
     # -- inbound --------------------------------------------------------------------------
 
-    def _read_router(self, wait_ms: int) -> bool:
-        """Receive what the ROUTER holds, waiting up to ``wait_ms`` for the first message;
+    def _read_listener(self, wait_ms: int) -> bool:
+        """Receive what the PULL holds, waiting up to ``wait_ms`` for the first message;
         True if anything came.
 
         Costs are pyzmq's, per call: a blocking receive with a timeout for the wait; after the
         first message a one-socket zero-timeout poll asks for more (cheapest when there is
         none: a ``zmq.Again`` costs about 2.5x that), and a burst is drained until one
         ``zmq.Again`` (cheaper than a poll per message)."""
-        router = self._router
-        assert router is not None
-        recv, more = router.recv, self._router_ready.poll
+        listener = self._listener
+        assert listener is not None
+        recv, more = listener.recv, self._listener_ready.poll
         if wait_ms > 0:
             if wait_ms != self._rcvtimeo:  # mostly _SWEEP_MS, so rarely re-set
-                router.setsockopt(_RCVTIMEO, wait_ms)
+                listener.setsockopt(_RCVTIMEO, wait_ms)
                 self._rcvtimeo = wait_ms
             try:
-                rid = recv()
+                link = recv()
             except zmq.Again:
                 return False
         elif more(0):
-            rid = recv(_NOBLOCK)
+            link = recv(_NOBLOCK)
         else:
             return False
-        by_rid, option = self._by_rid, router.getsockopt
+        by_link, option = self._by_link, listener.getsockopt
         count = 1
         while True:
-            first = recv(_NOBLOCK)  # a ROUTER message is a routing id and at least one part
-            if option(_RCVMORE):
-                self._on_unrouted([rid, first, *router.recv_multipart(_NOBLOCK)])
+            if not option(_RCVMORE):  # one part: no link id before it
+                self._drop(link, "a message of one part (not a p2pkv zmq peer?)", notify=None)
             else:
-                conn = by_rid.get(rid)
-                if conn is not None:
-                    conn.inbox.append(first)
+                first = recv(_NOBLOCK)
+                if option(_RCVMORE):
+                    self._on_unrouted([link, first, *listener.recv_multipart(_NOBLOCK)])
                 else:
-                    self._on_unrouted([rid, first])
+                    conn = by_link.get(link)
+                    if conn is not None:
+                        conn.inbox.append(first)
+                    else:
+                        self._on_unrouted([link, first])
             if count == _MAX_MESSAGES_PER_POLL:  # fairness: the rest waits for the next poll
                 return True
             if count == 1:
                 if not more(0):
                     return True
-                rid = recv(_NOBLOCK)
+                link = recv(_NOBLOCK)
             else:
                 try:
-                    rid = recv(_NOBLOCK)
+                    link = recv(_NOBLOCK)
                 except zmq.Again:
                     return True
             count += 1
 
     def _on_unrouted(self, parts: list[bytes]) -> None:
-        rid = parts[0]
-        is_open = len(parts) == 4 and parts[1] == b"" and parts[2] == _OPEN
+        """A message that is not payload of a paired connection."""
+        link = parts[0]
         is_payload = len(parts) == 2
-        if rid in self._retired:  # its connection ended; the peer may not know yet
+        verb = parts[2] if len(parts) == 4 and parts[1] == b"" else None
+        if verb not in (None, _OPEN, _PAIRED, _GONE) or (verb is None and not is_payload):
+            self._drop(link, "malformed message (not a p2pkv zmq peer?)", notify=None)
+            return
+        parsed = parse_link_id(link)
+        if parsed is None:
+            self._drop(link, "malformed link id (not a p2pkv zmq peer?)", notify=None)
+            return
+        if verb in (_PAIRED, _GONE):
+            self._on_notice(link, verb, parts[3])
+            return
+        if link in self._retired:  # its connection ended; the peer may not know yet
             # Normal at every close (frames in flight cross our close): not worth a warning.
-            self._drop(rid, "frames for a connection that has ended", notify=is_open,
+            self._drop(link, "frames for a connection that has ended", notify=link,
                        level=logging.DEBUG)
             return
-        if rid in self._by_rid:  # an open after the pairing was confirmed is expected
-            if not is_open:
-                self._drop(rid, "malformed message from a connected peer", notify=False)
-            elif (owed := self._owed.pop(rid, None)) is not None:
-                self._tell(rid, _PAIRED, routing_id(self._local_address, owed.incarnation))
-            return
-        parsed = parse_routing_id(rid)
-        if parsed is None or not (is_open or is_payload):
-            self._drop(rid, "malformed message (not a p2pkv zmq peer?)", notify=False)
+        if link in self._by_link:  # the open of an answered PUSH came after its pairing
+            if verb is None:
+                self._drop(link, "malformed message from a connected peer", notify=None)
             return
         address, _ = parsed
-        opened = self._pending.get(rid)
-        if is_open:
-            self._on_open(rid, address, parts[3])
+        opened = self._pending.get(link)
+        if verb == _OPEN:
+            self._on_open(link, address, parts[3])
         elif opened is None:
-            self._drop(rid, "frames from a peer connection that never opened to this "
-                       "transport (a stale reconnect after a restart?)", notify=True)
+            self._drop(link, "frames from a peer connection that never opened to this "
+                       "transport (a stale reconnect after a restart?)", notify=link)
         elif opened.offered is None:
-            del self._pending[rid]
+            del self._pending[link]
             try:
-                conn = self._accept(rid, address)
+                conn = self._accept(link, address)
             except ConfigError as exc:  # a flood of connections used up our sockets
-                _remember(self._retired, rid)
+                _remember(self._retired, link)
                 self.counters["refused_accepts"] += 1
-                self._tell(rid, _GONE)
+                self._tell_gone(link)
                 self._log_once(("accept",), "refused connections from peers: %s (a flood of "
                                "connections? counted in refused_accepts)", exc)
                 return
@@ -522,63 +585,84 @@ class ZmqHub(ZmqControlTransport):
         elif len(opened.frames) < _MAX_HELD_FRAMES:
             opened.frames.append(parts[1])  # until the peer pairs too
         else:
-            del self._pending[rid]
-            _remember(self._retired, rid)
-            self._drop(rid, "too many frames before the peer confirmed the pairing",
-                       notify=True)
+            del self._pending[link]
+            _remember(self._retired, link)
+            self._drop(link, "too many frames before the peer confirmed the pairing",
+                       notify=link)
 
-    def _on_open(self, rid: bytes, address: str, ref: bytes) -> None:
-        if ref:  # the peer answers one of our DEALERs
+    def _on_open(self, link: bytes, address: str, ref: bytes) -> None:
+        if ref:  # the peer answers one of our PUSHes
             conn = self._by_incarnation.get(ref)
             if conn is None:
-                self._tell(rid, _GONE)  # we already retired that connection
-            elif conn.remote_rid is None:
+                self._tell_gone(link)  # we already retired that connection
+            elif conn.remote_link is None:
                 if conn.key != address:  # matched by incarnation, so still one connection
                     self._log_once(("alias", conn.key, address),
                                    "peer dialed as %s presents itself as %s; dial the address "
                                    "it advertises, or set its 'advertise' option", conn.key,
                                    address)
-                self._confirm(conn, rid)
+                self._confirm(conn, link)
             else:
+                self._tell_gone(link, via=conn)
                 self.retire(conn, "the peer replaced its end of the connection")
-                self._tell(rid, _GONE)
             return
         conn = self._by_address.get(address)
-        if conn is not None and conn.remote_rid is None:  # we dialed each other at once
-            self._pending[rid] = _Opened(address, offered=conn)
-            self._tell(rid, _PAIRED, routing_id(self._local_address, conn.incarnation))
+        if conn is not None and conn.remote_link is None and conn.out is not None:
+            self._pending[link] = _Opened(address, offered=conn)  # we dialed each other at once
+            self._send_link(conn.out, conn.link, _PAIRED, link.rpartition(b"#")[2])
         else:  # a completed connection to that address stays (see the module docstring)
-            self._pending[rid] = _Opened(address)
+            self._pending[link] = _Opened(address)
         while len(self._pending) > _MEMORY:
             self._pending.popitem(last=False)
 
-    def _drop(self, rid: bytes, why: str, *, notify: bool, level: int = logging.WARNING) -> None:
+    def _on_notice(self, link: bytes, verb: bytes, incarnation: bytes) -> None:
+        """``paired`` or ``gone`` from the peer PUSH ``link`` (a valid link id)."""
+        if not incarnation:  # "gone": the sender's own PUSH closed before it was paired
+            if verb == _GONE:
+                self._pending.pop(link, None)
+                _remember(self._retired, link)
+                _remember(self._told, link)
+                conn = self._by_link.get(link)
+                if conn is not None:
+                    self.retire(conn, "closed by the peer", notify=False)
+            else:
+                self._drop(link, "malformed pairing (no incarnation)", notify=None)
+            return
+        conn = self._by_incarnation.get(incarnation)
+        if conn is None:
+            if incarnation not in self._retired:
+                self._drop(link, "a link message for a connection this transport never had",
+                           notify=None)
+            return
+        if verb == _GONE:
+            if conn.remote_link is not None:
+                _remember(self._told, conn.remote_link)  # it knows
+            self.retire(conn, "closed by the peer", notify=False)
+        elif link in self._by_link:
+            pass  # paired with another connection of ours: the offer lapses by itself
+        elif conn.remote_link is None and link not in self._retired:
+            offer = self._pending.get(link)
+            self._confirm(conn, link)
+            if (offer is None or offer.offered is not conn) and conn.out is not None:
+                # We had not offered ours (its open came first on this stream): pair back.
+                self._send_link(conn.out, conn.link, _PAIRED, link.rpartition(b"#")[2])
+        elif conn.remote_link != link:
+            self._tell_gone(link, via=conn)  # ours is paired otherwise: the offer lapses
+
+    def _drop(
+        self, link: bytes, why: str, *, notify: bytes | None, level: int = logging.WARNING
+    ) -> None:
+        """Count and log (once per sender id) a dropped message; ``notify``: a valid link id
+        to tell "gone"."""
         self.counters["dropped_messages"] += 1
-        if notify:
-            self._tell(rid, _GONE)
-        self._log_once(("drop", rid), "dropped a message from %r: %s", rid[:64], why, level=level)
+        if notify is not None:
+            self._tell_gone(notify)
+        self._log_once(("drop", link[:MAX_LINK_ID_BYTES]), "dropped a message from %r: %s",
+                       link[:64], why, level=level)
 
     # -- events ---------------------------------------------------------------------------
 
-    def _on_notice(self, conn: ZmqConnection) -> None:
-        """A link message from the peer's ROUTER on our DEALER: "paired" or "gone"."""
-        while conn.dealer is not None:
-            try:
-                parts = conn.dealer.recv_multipart(_NOBLOCK)
-            except zmq.Again:
-                return
-            if len(parts) != 2 or parts[0] != _PAIRED:
-                self.retire(conn, "closed by the peer", notify=False)
-            elif conn.remote_rid is None and parts[1] not in self._retired:
-                offer = self._pending.get(parts[1])
-                self._confirm(conn, parts[1])
-                if offer is None or offer.offered is not conn:
-                    # Pair back once that DEALER's open shows our ROUTER can reach it.
-                    self._owed[parts[1]] = conn
-            elif conn.remote_rid != parts[1]:
-                self._tell(parts[1], _GONE)  # ours is paired otherwise: the offer lapses
-
-    def _on_dealer_event(self, conn: ZmqConnection) -> None:
+    def _on_link_event(self, conn: ZmqConnection) -> None:
         while conn.monitor is not None:
             try:
                 event = parse_monitor_message(conn.monitor.recv_multipart(_NOBLOCK))
@@ -588,22 +672,25 @@ class ZmqHub(ZmqControlTransport):
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connecting.discard(conn)
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.retire(conn, "disconnected (peer closed, crashed or silent)")
+                link = conn.remote_link
+                self.retire(conn, "disconnected (peer closed, crashed or silent)", notify=False)
+                if link is not None:  # its half may live on (say, it refused our frame size)
+                    self._tell_gone(link)
             elif kind == zmq.EVENT_CONNECT_RETRIED:  # only subscribed for dial-backs
-                self.retire(conn, "the peer that dialed us no longer listens")
+                self.retire(conn, "the peer that dialed us no longer listens", notify=False)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # interrupted, not refused
-                self.retire(conn, "disconnected during the handshake")
+                self.retire(conn, "disconnected during the handshake", notify=False)
             elif kind & _HANDSHAKE_FAILED:
                 reason = _handshake_failure(kind, event["value"])
                 self._log_once(("dial", conn.key, kind), "connection to %s refused: %s",
                                conn.key, reason)
-                self.retire(conn, f"handshake failed: {reason}")
+                self.retire(conn, f"handshake failed: {reason}", notify=False)
 
-    def _on_router_event(self) -> None:
-        assert self._router_monitor is not None
+    def _on_listener_event(self) -> None:
+        assert self._listener_monitor is not None
         while True:
             try:
-                event = parse_monitor_message(self._router_monitor.recv_multipart(_NOBLOCK))
+                event = parse_monitor_message(self._listener_monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
             # libzmq names our listening endpoint here, not the peer: log once per cause.
@@ -622,7 +709,7 @@ class ZmqHub(ZmqControlTransport):
                        "allowed_client_keys", host, client)
 
     def _sweep(self, now: float) -> bool:
-        """Handle every connection socket with something to read; True if any had."""
+        """Handle every watched socket with something to read; True if any had."""
         self._next_sweep = now + _SWEEP_INTERVAL
         ready = self._sweeper.poll(0)
         for sock, _ in ready:
@@ -639,7 +726,7 @@ class ZmqHub(ZmqControlTransport):
                            "peer %s did not complete a connection within connect_timeout %ss",
                            conn.key, self._options.connect_timeout)
             self.retire(conn, f"not connected within connect_timeout "
-                              f"({self._options.connect_timeout} s)")
+                              f"({self._options.connect_timeout} s)", notify=False)
 
     def _log_once(
         self, key: Hashable, msg: str, *args: object, level: int = logging.WARNING
@@ -649,16 +736,6 @@ class ZmqHub(ZmqControlTransport):
             return
         _remember(self._logged, key)
         log.log(level, msg, *args)
-
-
-def _seed_c_rand() -> None:
-    """Seed the C library's ``rand()``, where libzmq starts a new ROUTER's generated routing
-    ids (see the module docstring). Best effort: without a C library to call, logged."""
-    try:
-        ctypes.CDLL(None).srand(secrets.randbits(32))
-    except (OSError, AttributeError) as exc:
-        log.warning("cannot seed rand() (%s): the listener's generated routing ids stay "
-                    "predictable", exc)
 
 
 def _ms(seconds: float) -> int:

@@ -1,10 +1,13 @@
-"""Peer addresses, ``tcp://`` URLs and the routing ids our dialing sockets present.
+"""Peer addresses, ``tcp://`` URLs and the link ids our dialing sockets present.
 
 A peer is known by one canonical ``host:port`` string (host lower-cased, IPv6 literals
 compressed and bracketed), so ``[0:0::1]:5710`` and ``[::1]:5710`` are one peer. Every dialing
-socket presents the routing id ``<canonical address>#<incarnation>``: the address is exactly
-what others dial to reach its owner, and the incarnation (16 random hex digits, new for every
-dialing socket) tells a restarted peer, or a re-dialed connection, from the old one.
+socket has the link id ``<canonical address>#<incarnation>``, sent as the first frame of each
+message (the listener is a PULL socket, which does not say who sent a message): the address is
+exactly what others dial to reach its owner, and the incarnation (16 random hex digits, 64
+bits, new for every dialing socket) tells a restarted peer, or a re-dialed connection, from
+the old one. Incarnations are the only secret of the link protocol: a ``paired`` or ``gone``
+naming one is obeyed from any sender (see :mod:`p2pkv_zmq.hub`).
 
 Pure Python: importing this module never imports zmq.
 """
@@ -18,19 +21,19 @@ from p2pkv.addressing import format_address, parse_address
 from p2pkv.errors import ConfigError
 
 __all__ = [
-    "MAX_ROUTING_ID_BYTES",
+    "MAX_LINK_ID_BYTES",
     "WILDCARD_HOSTS",
     "canonical_address",
     "canonical_host",
     "is_ipv6_literal",
+    "link_id",
     "new_incarnation",
-    "parse_routing_id",
-    "routing_id",
+    "parse_link_id",
     "tcp_url",
 ]
 
-MAX_ROUTING_ID_BYTES = 255
-"""libzmq's limit on a routing id."""
+MAX_LINK_ID_BYTES = 255
+"""The longest link id we send or accept (longer first frames are refused unparsed)."""
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::"})
 """Hosts that bind every interface; nobody can dial them, so they need ``advertise``."""
@@ -75,16 +78,18 @@ def new_incarnation() -> bytes:
     return secrets.token_hex(_INCARNATION_HEX // 2).encode("ascii")
 
 
-def routing_id(address: str, incarnation: bytes) -> bytes:
+def link_id(address: str, incarnation: bytes) -> bytes:
     return address.encode("ascii") + _SEPARATOR + incarnation
 
 
-def parse_routing_id(rid: bytes) -> tuple[str, bytes] | None:
-    """``(canonical address, incarnation)`` of a routing id, or None if it is not one of ours.
+def parse_link_id(lid: bytes) -> tuple[str, bytes] | None:
+    """``(canonical address, incarnation)`` of a link id, or None if it is not one of ours.
 
     Only canonical addresses are accepted, so one peer can never appear under two spellings.
     """
-    address_part, sep, incarnation = rid.rpartition(_SEPARATOR)
+    if len(lid) > MAX_LINK_ID_BYTES:
+        return None
+    address_part, sep, incarnation = lid.rpartition(_SEPARATOR)
     if not sep or len(incarnation) != _INCARNATION_HEX:
         return None
     if incarnation.strip(b"0123456789abcdef"):

@@ -10,9 +10,10 @@ Model (what callers and tests rely on):
 - Addresses are ``host:port`` / ``[v6]:port``. ``local_address`` is the advertised address
   (``advertise`` option, else ``host``) with the bound port; it is the identity we present,
   so peers must dial exactly it. Wildcard hosts need ``advertise``.
-- One ROUTER listens; every connection dials the peer with its own DEALER, which presents
-  ``<our address>#<incarnation>``. Frames go out on our DEALER and come in on our ROUTER, so
-  each direction is one TCP stream and frames arrive in order, each once.
+- One PULL socket listens; every connection dials the peer with its own PUSH socket, whose
+  messages start with its link id ``<our address>#<incarnation>``. Frames go out on our PUSH
+  and come in on our PULL, so each direction is one TCP stream and frames arrive in order,
+  each once. No socket of ours files peers under ids they choose (no ROUTER).
 - An inbound peer is accepted on its first frame and returned once by ``poll`` with that frame
   buffered. Two peers dialing each other at once end up with one connection on each side.
 - ``send`` never blocks: ``max_queued_frames`` per connection, then ``SendQueueFull``.
@@ -37,7 +38,7 @@ from p2pkv.contracts import Capabilities, ControlSettings, ControlTransport
 from p2pkv.errors import ConfigError, TransportUnavailable
 
 from p2pkv_zmq.identity import (
-    MAX_ROUTING_ID_BYTES,
+    MAX_LINK_ID_BYTES,
     WILDCARD_HOSTS,
     canonical_host,
     is_ipv6_literal,
@@ -128,8 +129,8 @@ def plan_listener(settings: ControlSettings, options: ZmqOptions) -> ListenPlan:
     else:
         advertise_host, advertise_port = bind_host, None
     longest = format_address(advertise_host, 65535)
-    if len(longest.encode("utf-8")) + 17 > MAX_ROUTING_ID_BYTES:
-        raise ConfigError(f"advertised host {advertise_host!r} is too long for a ZMQ routing id")
+    if len(longest.encode("utf-8")) + 17 > MAX_LINK_ID_BYTES:
+        raise ConfigError(f"advertised host {advertise_host!r} is too long for a zmq link id")
     if not advertise_host.isascii():
         raise ConfigError(f"advertised host {advertise_host!r} must be ASCII (use the IDNA form)")
     return ListenPlan(bind_host, settings.port, advertise_host, advertise_port, settings.dp_rank)
