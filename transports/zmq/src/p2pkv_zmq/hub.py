@@ -353,7 +353,11 @@ class ZmqHub(ZmqControlTransport):
             )
             push.connect(tcp_url(host, port))
             ref = b"" if answering is None else answering.rpartition(b"#")[2]
-            push.send_multipart([link, b"", _OPEN, ref], _NOBLOCK)
+            try:
+                push.send_multipart([link, b"", _OPEN, ref], _NOBLOCK)
+                refused = False
+            except zmq.Again:  # no pipe to the peer any more (seen once in CI, intruder test)
+                refused = True
         except zmq.ZMQError as exc:
             if monitor is not None:
                 monitor.close(0)
@@ -369,6 +373,9 @@ class ZmqHub(ZmqControlTransport):
         self._connecting.add(conn)
         self._watch(monitor, partial(self._on_link_event, conn))
         log.debug("dialing %s (%s)", key, "answering" if answering else "fresh")
+        if refused:
+            self.retire(conn, "could not open the link: libzmq had no pipe to the peer right "
+                        "after connecting (handshake refused?)", notify=False)
         return conn
 
     def _confirm(self, conn: ZmqConnection, link: bytes) -> None:
