@@ -350,10 +350,11 @@ class P2PTier:
         while any(not s.wound_down for s in self._sessions.values()) and not expired():
             self.tick(0.001)
         for session in list(self._sessions.values()):
-            if session.client.unconfirmed:
+            unconfirmed = session.client.unconfirmed
+            if unconfirmed:
                 log.error("shutdown: %d load(s) from %s not confirmed within %.1fs: the "
                           "producer may still write into their slots after the region is "
-                          "released", session.client.unconfirmed, session.peer, drain)
+                          "released", unconfirmed, session.peer, drain)
             self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         while (self._closing or self._retiring) and not expired():
             self._data.progress()

@@ -249,10 +249,9 @@ class DataTransportMachine(RuleBasedStateMachine):
         indexes = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=8),
                             label="cancel")
         pending = self._pending()
-        chosen = list({id(t): t for t in (pending[i % len(pending)] for i in indexes)}.values()
-                      ) if pending else []
-        if not chosen:
+        if not pending:
             return
+        chosen = list({id(t): t for t in (pending[i % len(pending)] for i in indexes)}.values())
         kept = set(self.log.cancel([t.tid for t in chosen], CancelMode.WAIT))
         for t in chosen:
             if t.tid in kept:
