@@ -6,6 +6,12 @@ namespace with ``chaos_node.enter_netns``. ``cut()`` takes host A's link down (b
 silent: no FIN, no RST, exactly like a pulled cable), ``restore()`` brings it back,
 ``shape()`` adds ``tc netem`` delay and loss on both ends and ``limit_rate()`` a ``tc tbf``
 bandwidth limit.
+
+Every call that changes a link (creation, ``restore()``, a qdisc) returns only once both ends
+are usable again: operstate ``up`` with a carrier, the address in place, and the other end
+answering a TCP dial (a refusal counts as an answer). Replacing a root qdisc briefly takes a
+veth out of service, and UCX refuses a device in that state ("network device ... is not
+available"); a node started inside that window would fail for no fault of the code under test.
 """
 
 from __future__ import annotations
@@ -14,12 +20,23 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 __all__ = ["NetLab", "NetLabUnavailable", "netlab_problem"]
 
 _SEQ = itertools.count()
 _CMD_TIMEOUT = 20.0
+_USABLE_TIMEOUT = 20.0
+"""How long a changed link may take to carry traffic again before the test fails."""
+_DIAL_PROBE = (
+    "import errno, socket, sys\n"
+    "s = socket.socket(); s.settimeout(0.5)\n"
+    "code = s.connect_ex((sys.argv[1], 9))\n"
+    "sys.exit(0 if code in (0, errno.ECONNREFUSED) else 1)\n"
+)
+"""Dial the discard port: connected or refused means the far end answered."""
 
 
 class NetLabUnavailable(RuntimeError):
@@ -40,6 +57,10 @@ def _ip(*args: str, netns: str | None = None) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT)
     if done.returncode:
         raise NetLabUnavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+def _out(*cmd: str) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT).stdout
 
 
 @dataclass
@@ -79,6 +100,7 @@ class NetLab:
             _ip("addr", "add", f"{addr}/24", "dev", dev, netns=ns)
             _ip("link", "set", "lo", "up", netns=ns)
             _ip("link", "set", dev, "up", netns=ns)
+        self.wait_usable()
 
     def cut(self) -> None:
         """Pull the cable: host A's end goes down (nothing is sent, nothing arrives)."""
@@ -87,6 +109,7 @@ class NetLab:
     def restore(self) -> None:
         """Plug it back in (addresses survive a link going down; the route comes back)."""
         _ip("link", "set", self.dev_a, "up", netns=self.a)
+        self.wait_usable()
 
     def shape(self, delay_ms: float, loss_pct: float) -> None:
         """``tc netem`` on both ends: every packet delayed ``delay_ms``, ``loss_pct`` % lost,
@@ -105,6 +128,35 @@ class NetLab:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT)
             if done.returncode:
                 raise NetLabUnavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+        self.wait_usable()
+
+    def wait_usable(self, timeout: float = _USABLE_TIMEOUT) -> None:
+        """Return once both ends carry traffic (see the module docstring); ``AssertionError``
+        naming what was still wrong after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            problem = self._unusable()
+            if problem is None:
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"the test link is still unusable after {timeout}s: "
+                                     f"{problem}")
+            time.sleep(0.05)  # polling the kernel's link state; bounded by the deadline
+
+    def _unusable(self) -> str | None:
+        ends = ((self.a, self.dev_a, self.addr_a, self.addr_b),
+                (self.b, self.dev_b, self.addr_b, self.addr_a))
+        for ns, dev, addr, other in ends:
+            link = _out("ip", "-n", ns, "-o", "link", "show", "dev", dev)
+            if "state UP" not in link or "LOWER_UP" not in link:
+                return f"{ns}/{dev}: {link.strip() or 'missing'}"
+            if f"inet {addr}/" not in _out("ip", "-n", ns, "-o", "-4", "addr", "show", "dev", dev):
+                return f"{ns}/{dev} has no address {addr} yet"
+            probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _DIAL_PROBE,
+                                    other], capture_output=True, timeout=_CMD_TIMEOUT)
+            if probe.returncode:
+                return f"{other} does not answer from {ns}"
+        return None
 
     def remove(self) -> None:
         """Delete both namespaces (their veth ends and qdiscs go with them); idempotent."""
