@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from p2pkv.config import TierConfig
-from p2pkv.errors import ConfigError
+from p2pkv.errors import ConcurrentCall, ConfigError
 from p2pkv.hookspecs import hookimpl
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
@@ -665,3 +666,90 @@ def test_a_hello_with_a_new_epoch_on_a_live_connection_restarts_the_session(
         c.load(2, [b"b"], [1], RequestContext("c2", {"remote_prefiller": {
             "kv_request_id": "q", "remote_host": host, "remote_port": port}}))
         assert peer.send() == [Fetch("q", 0, [b"b"], [1])]  # the new session works
+
+
+# -- engine misuse that must not crash the engine or the session -------------------------------
+
+
+def test_numpy_integer_block_ids_in_a_list_are_accepted(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
+    pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
+    p.store(1, h.keys("r", 2), [np.int64(5), np.int32(6)], pctx)
+    c.load(2, h.keys("r", 2), [np.int64(1), np.uint16(2)], cctx)
+    h.pump_until([p, c], lambda: 1 in p.results and 2 in c.results)
+    assert c.outcome(2) is Outcome.DONE and (c.blocks[1:3] == p.blocks[5:7]).all()
+
+
+@pytest.mark.parametrize("ids, match", [([True], "not an integer"), ([1.0], "not an integer")])
+def test_block_ids_that_are_not_integers_raise(h: Any, cluster: Any, ids: list[Any],
+                                               match: str) -> None:
+    p, c = pd_pair(cluster)
+    with pytest.raises(ValueError, match=match):
+        c.tier.submit_load(Job(1, [b"a"], ids, True, c.consumer_ctx("r", p)))
+
+
+@pytest.mark.parametrize("limits, fragment", [
+    ({"max_keys_per_message": 8}, "16 blocks exceed limits.max_keys_per_message=8"),
+    ({"max_frame_bytes": 600}, "would exceed limits.max_frame_bytes=600"),
+])
+def test_a_job_over_the_limits_fails_and_the_engine_call_returns(
+        h: Any, cluster: Any, limits: dict[str, int], fragment: str) -> None:
+    p, c = pd_pair(cluster, limits=limits)
+    ks = h.keys("r", 16)
+    c.load(1, ks, list(range(16)), c.consumer_ctx("r", p))
+    if "max_keys_per_message" in limits:
+        p.store(2, ks, list(range(16)), p.producer_ctx("r"))
+    h.pump([p, c], 2)
+    assert c.outcome(1) is Outcome.SUBMIT_FAILED and fragment in c.results[1].detail
+    if "max_keys_per_message" in limits:
+        assert p.outcome(2) is Outcome.SUBMIT_FAILED and fragment in p.results[2].detail
+
+
+def test_two_loads_of_the_same_keys_fail_only_the_second_job(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
+    cctx = c.consumer_ctx("dup", p)
+    ks = h.keys("dup", 4)
+    c.load(1, ks, [0, 1, 2, 3], cctx)
+    c.load(2, ks[2:], [8, 9], cctx)
+    others = [f"r{i}" for i in range(20)]
+    for i, kv in enumerate(others):
+        c.load(100 + i, h.keys(kv, 2), [20 + 2 * i, 21 + 2 * i], c.consumer_ctx(kv, p))
+    h.pump([p, c], 2)
+    assert c.outcome(2) is Outcome.REQUEST_CONFLICT
+    assert "2 of its blocks are already being loaded for request 'dup' by job 1" in \
+        c.results[2].detail
+    p.store(3, ks, [0, 1, 2, 3], p.producer_ctx("dup"))
+    for i, kv in enumerate(others):
+        p.store(200 + i, h.keys(kv, 2), [10 + i, 40 + i], p.producer_ctx(kv))
+    h.pump_until([p, c], lambda: len(c.results) == 22 and len(p.results) == 21)
+    assert c.outcome(1) is Outcome.DONE and (c.blocks[0:4] == p.blocks[0:4]).all()
+    assert all(c.outcome(100 + i) is Outcome.DONE for i in range(20))
+    assert c.tier.stats()["sessions"] == 1
+
+
+def test_a_second_thread_inside_the_tier_gets_a_clear_error(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
+    seen: list[BaseException] = []
+    c.load(1, [b"a"], [0], c.consumer_ctx("r", p))
+    guard = p.tier._guard
+    guard.enter("serve_lookups")  # as if another thread were inside
+    try:
+        worker = threading.Thread(target=lambda: _capture(seen, p.tier.get_finished_jobs))
+        worker.start()
+        worker.join(10)
+    finally:
+        guard.exit()
+    assert len(seen) == 1 and isinstance(seen[0], ConcurrentCall)
+    assert "P2PTier.get_finished_jobs called from thread" in str(seen[0])
+    assert "inside P2PTier.serve_lookups" in str(seen[0])
+    worker = threading.Thread(target=p.tier.get_finished_jobs)  # handed over: allowed
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()
+
+
+def _capture(seen: list[BaseException], call: Any) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        seen.append(exc)

@@ -7,6 +7,7 @@ catch one base class. Transports map their library's exceptions onto these in on
 from __future__ import annotations
 
 __all__ = [
+    "ConcurrentCall",
     "ConfigError",
     "ConnectionClosed",
     "P2PKVError",
@@ -53,6 +54,11 @@ class PeerRejected(P2PKVError):
 
 class TransferSubmitError(P2PKVError):
     """A data transfer could not be submitted; nothing was posted for it."""
+
+
+class ConcurrentCall(P2PKVError, RuntimeError):
+    """A second thread called into an object that admits one driver thread at a time while
+    the first was still inside; nothing was done for the second call."""
 
 
 class ConnectionClosed(P2PKVError):

@@ -5,13 +5,17 @@ see :mod:`p2pkv.session`), the job ledger (exactly one result per job) and one d
 Everything is driven by ``tick`` (called from ``get_finished_jobs``, ``drain_jobs`` and by
 adapters that want to progress I/O between steps); no thread of its own.
 
-Threading: every method is called from one driver thread (the engine's scheduler). Nothing
-here blocks except ``drain_jobs`` and ``shutdown``, which are bounded by deadlines.
+Threading: one caller at a time. The engine may call from different threads (vLLM's
+scheduler and tier-poll threads, under one lock), but never two at once: a public method
+entered while another thread is inside raises ``ConcurrentCall`` and does nothing
+(:mod:`p2pkv.driver`). Nothing here blocks except ``drain_jobs`` and ``shutdown``, which are
+bounded by deadlines.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +29,7 @@ from p2pkv.contracts import (
     DataSettings,
     DataTransport,
 )
+from p2pkv.driver import DriverGuard, driver_call
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
 from p2pkv.routing import ConsumerRoute, Routing, parse_routing
@@ -41,6 +46,7 @@ __all__ = ["LocalHitSource", "P2PTier"]
 log = logging.getLogger(__name__)
 
 _DRAIN_WARN_S = 5.0
+_INT_TYPES = frozenset({int})
 _NEWCOMER_MAX_FRAMES = 4
 """Frames a held newcomer may send: a conforming peer sends its hello and waits for ours."""
 
@@ -111,6 +117,7 @@ class P2PTier:
                 f"region of {region.nbytes} bytes is not a positive multiple of "
                 f"block_len {block_len}"
             )
+        self._guard = DriverGuard("P2PTier")
         self._config = config
         self._clock = clock
         self._num_blocks = region.nbytes // block_len
@@ -170,6 +177,7 @@ class P2PTier:
 
     # -- engine API -------------------------------------------------------------------------
 
+    @driver_call
     def on_new_request(self, ctx: RequestContext) -> bool:
         """Parse routing; a consumer starts connecting to its producer now.
 
@@ -191,6 +199,7 @@ class P2PTier:
             return True
         return False
 
+    @driver_call
     def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
         """PD consumer: HIT at once. Symmetric consumer: RETRY until the batched probe sent at
         ``on_schedule_end`` is answered, then HIT/MISS. No consumer routing, or a failed
@@ -205,6 +214,7 @@ class P2PTier:
             return LookupResult.MISS
         return session.client.probe(consumer.kv_request_id, key)
 
+    @driver_call
     def submit_store(self, job: Job) -> None:
         """Offer blocks to the consumer named by the request's producer routing. Non-blocking."""
         admitted = self._admit(job, load=False)
@@ -221,6 +231,7 @@ class P2PTier:
         else:
             d.park(kv, job)
 
+    @driver_call
     def submit_load(self, job: Job) -> None:
         """Ask the producer to write ``job.keys`` into our slots ``job.block_ids``."""
         admitted = self._admit(job, load=True)
@@ -238,11 +249,13 @@ class P2PTier:
             return
         session.client.submit(job, kv)
 
+    @driver_call
     def get_finished_jobs(self) -> list[JobResult]:
         """Run one tick of I/O and hand over every result produced since the last call."""
         self.tick()
         return self._ledger.take()
 
+    @driver_call
     def tick(self, timeout: float = 0.0) -> None:
         """One tick of control and data I/O (waits at most ``timeout`` for control I/O)."""
         if self._closed:
@@ -259,6 +272,7 @@ class P2PTier:
         self._deadlines.fire_due(self._clock())
         self._reap()
 
+    @driver_call
     def on_request_finished(self, ctx: RequestContext) -> None:
         """No more submits for this request; in-flight jobs still get their results."""
         routing = self._routing(ctx)
@@ -273,6 +287,7 @@ class P2PTier:
             if session is not None:
                 session.server.producer_finished(producer.kv_request_id)
 
+    @driver_call
     def on_schedule_end(self) -> None:
         """Once per engine step: flush batched lookups, report gauges."""
         for session in self._sessions.values():
@@ -284,6 +299,7 @@ class P2PTier:
                 sessions=len(self._sessions),
             )
 
+    @driver_call
     def serve_lookups(self, source: LocalHitSource) -> None:
         """Answer pending symmetric lookups from ``source`` (valid only during this call)."""
         self._dir.source_seen = True
@@ -296,6 +312,7 @@ class P2PTier:
             if session.ready:
                 session.server.serve(source)
 
+    @driver_call
     def has_pending_work(self) -> bool:
         """True while any job, transfer, parked store, probe, handshake or held newcomer is
         outstanding."""
@@ -304,6 +321,7 @@ class P2PTier:
             return True
         return any(s.busy for s in self._sessions.values())
 
+    @driver_call
     def drain_jobs(self, timeout: float | None = None) -> None:
         """Tick until every submitted job has a result (never aborts anything)."""
         t = self._config.timeouts
@@ -324,6 +342,7 @@ class P2PTier:
                 log.warning("drain_jobs: still waiting for %d job(s) after %.0fs",
                             self._ledger.pending, elapsed)
 
+    @driver_call
     def shutdown(self) -> list[JobResult]:
         """Wind every session down, close them, wait for the data plane to go quiescent,
         close transports; everything bounded by ``timeouts.shutdown_drain`` (docs/protocol.md
@@ -386,6 +405,7 @@ class P2PTier:
                       "never drained: %s", len(undrained), undrained[:16])
         return self._ledger.take()
 
+    @driver_call
     def stats(self) -> dict[str, int]:
         """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers)."""
         c = self._env.counters
@@ -450,10 +470,14 @@ class P2PTier:
         if self._refuse(job, routing, route is None):
             return None
         assert route is not None
-        job = self._checked(job, load=load)
+        checked = self._checked(job, load=load)
         peer = route.peer if isinstance(route, ConsumerRoute) else ""
         self._ledger.open(job.job_id, load, route.kv_request_id, peer)
-        return job, route.kv_request_id, peer
+        if isinstance(checked, str):
+            log.warning("job %d of %r failed: %s", job.job_id, route.kv_request_id, checked)
+            self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED, checked)
+            return None
+        return checked, route.kv_request_id, peer
 
     def _refuse(self, job: Job, routing: Routing, no_route: bool) -> bool:
         """Answer jobs that cannot go anywhere at once; True if ``job`` got its result."""
@@ -474,23 +498,18 @@ class P2PTier:
         self._ledger.close(job.job_id, outcome, detail)
         return True
 
-    def _checked(self, job: Job, *, load: bool) -> Job:
-        """Validate a job from the engine; a normalised copy (block ids as a list of ints)."""
+    def _checked(self, job: Job, *, load: bool) -> Job | str:
+        """Validate a job from the engine: a normalised copy (block ids as a list of ints), or
+        why it exceeds the configured ``limits`` (the job then fails; the engine goes on).
+
+        A malformed job (an engine bug: mismatched lengths, a slot outside the region, keys
+        that are not bytes, duplicates in one load) raises ``ValueError`` and records nothing.
+        """
         keys, ids = job.keys, job.block_ids
         if len(keys) != len(ids):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(ids)} block ids")
-        limits = self._config.limits
-        if len(keys) > limits.max_keys_per_message:
-            raise ValueError(f"job {job.job_id}: {len(keys)} blocks exceeds "
-                             f"limits.max_keys_per_message={limits.max_keys_per_message}")
-        tolist = getattr(ids, "tolist", None)
-        slots: list[int] = tolist() if tolist is not None else list(ids)
-        if slots and (set(map(type, slots)) != {int} or min(slots) < 0
-                      or max(slots) >= self._num_blocks):
-            bad = next(s for s in slots if type(s) is not int or not 0 <= s < self._num_blocks)
-            raise ValueError(f"job {job.job_id}: block id {bad!r} is not a slot in "
-                             f"0..{self._num_blocks - 1}")
-        cap = limits.max_key_bytes
+        slots = _slot_list(job.job_id, ids, self._num_blocks)
+        cap = self._config.limits.max_key_bytes
         if set(map(type, keys)) != {bytes}:
             bad_key = next(k for k in keys if type(k) is not bytes)
             raise ValueError(f"job {job.job_id}: keys must be bytes, got {bad_key!r:.60}")
@@ -502,11 +521,24 @@ class P2PTier:
                 raise ValueError(f"job {job.job_id}: duplicate keys in one load")
             if len(set(slots)) != len(slots):
                 raise ValueError(f"job {job.job_id}: duplicate block ids in one load")
-            if sum(lens) + 16 * len(keys) + 512 > limits.max_frame_bytes:
-                raise ValueError(f"job {job.job_id}: a fetch for it would exceed "
-                                 f"limits.max_frame_bytes={limits.max_frame_bytes}")
+        over = self._over_limits(len(keys), sum(lens), load=load)
+        if over:
+            return over
         key_list = keys if type(keys) is list else list(keys)
         return Job(job.job_id, key_list, slots, job.is_load, job.ctx)
+
+    def _over_limits(self, nkeys: int, key_bytes: int, *, load: bool) -> str:
+        """Why a job of ``nkeys`` keys (``key_bytes`` in all) cannot travel under the
+        configured limits, or ``""``."""
+        limits = self._config.limits
+        if nkeys > limits.max_keys_per_message:
+            return (f"{nkeys} blocks exceed limits.max_keys_per_message="
+                    f"{limits.max_keys_per_message}; raise it to at least {nkeys} (on both "
+                    f"peers) or use larger blocks")
+        if load and key_bytes + 16 * nkeys + 512 > limits.max_frame_bytes:
+            return (f"a fetch for {nkeys} blocks would exceed limits.max_frame_bytes="
+                    f"{limits.max_frame_bytes}; raise it (on both peers)")
+        return ""
 
     def _session_for(self, peer: str) -> Session | None:
         """The usable session to ``peer``, connecting if needed; None if we cannot dial it."""
@@ -707,3 +739,31 @@ class P2PTier:
 
     def _in_flight(self) -> int:
         return sum(len(s.server.transfers) for s in [*self._sessions.values(), *self._closing])
+
+
+def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int) -> list[int]:
+    """``ids`` as a list of Python ints within ``0..num_blocks-1``; numpy arrays and numpy
+    integers (anything ``operator.index`` takes) are accepted like ints; bools and floats
+    raise ``ValueError``."""
+    tolist = getattr(ids, "tolist", None)
+    slots: list[int] = tolist() if tolist is not None else list(ids)
+    if not slots:
+        return slots
+    if set(map(type, slots)) != _INT_TYPES:
+        bad = next((s for s in slots if isinstance(s, bool) or not _is_index(s)), None)
+        if bad is not None:
+            raise ValueError(f"job {job_id}: block id {bad!r} is not an integer")
+        slots = list(map(operator.index, slots))
+    if min(slots) < 0 or max(slots) >= num_blocks:
+        bad = next(s for s in slots if not 0 <= s < num_blocks)
+        raise ValueError(f"job {job_id}: block id {bad!r} is not a slot in "
+                         f"0..{num_blocks - 1}")
+    return slots
+
+
+def _is_index(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

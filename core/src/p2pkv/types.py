@@ -41,6 +41,9 @@ class Outcome(str, enum.Enum):
     PEER_DEAD = "peer_dead"
     PEER_REJECTED = "peer_rejected"
     PROTOCOL_ERROR = "protocol_error"
+    REQUEST_CONFLICT = "request_conflict"
+    """The job conflicts with another open job of the same request (the same keys loaded
+    twice at once, or a load after the request was ended); only this job fails."""
     SHUTDOWN = "shutdown"
 
     @property

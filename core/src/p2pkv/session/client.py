@@ -74,7 +74,6 @@ class _Round:
         self.no = no
         self.job_id = job.job_id
         self.keys: Sequence[bytes] = job.keys
-        """The job's keys until the fetch is sent (then dropped)."""
         self.slots = job.block_ids
         self.phase = _UNSENT
         self.why = Outcome.LOAD_TIMEOUT
@@ -87,13 +86,15 @@ class _Round:
 
 
 class _Req:
-    __slots__ = ("contacted", "failed", "finished", "kv", "next_round", "probes", "released",
-                 "rounds", "unsent_keys")
+    __slots__ = ("contacted", "failed", "finished", "kv", "next_round", "open_keys", "probes",
+                 "released", "rounds", "unsent_keys")
 
     def __init__(self, kv: str) -> None:
         self.kv = kv
         self.next_round = 0
         self.rounds: dict[int, _Round] = {}
+        self.open_keys: set[bytes] = set()
+        """Keys of the open rounds: a load may not ask for one again (request conflict)."""
         self.contacted = False
         """A fetch or lookup for this request was sent to the peer."""
         self.finished = False
@@ -134,6 +135,11 @@ class ClientRole:
         req = self.reqs.get(kv)
         if req is None:
             req = self.reqs[kv] = _Req(kv)
+        conflict = self._conflict(req, job)
+        if conflict:
+            self.env.ledger.close(job.job_id, Outcome.REQUEST_CONFLICT, conflict)
+            return
+        req.open_keys.update(job.keys)
         rnd = _Round(req, req.next_round, job)
         req.next_round += 1
         req.rounds[rnd.no] = rnd
@@ -144,6 +150,19 @@ class ClientRole:
             self._send_round(rnd)
         else:
             self.unsent.append(rnd)
+
+    @staticmethod
+    def _conflict(req: _Req, job: Job) -> str:
+        """Why ``job`` cannot be a new round of ``req`` (only this job fails), or ``""``."""
+        if req.released:
+            return (f"request {req.kv!r} was already ended with its producer (finished or an "
+                    f"earlier load failed); a new load needs a new kv_request_id")
+        if req.open_keys and not req.open_keys.isdisjoint(job.keys):
+            wanted = set(job.keys)
+            busy = next(r for r in req.rounds.values() if not wanted.isdisjoint(r.keys))
+            return (f"{len(req.open_keys.intersection(job.keys))} of its blocks are already "
+                    f"being loaded for request {req.kv!r} by job {busy.job_id}")
+        return ""
 
     def finish(self, kv: str) -> None:
         """The engine finished ``kv``: abort open rounds (results come as REQUEST_FINISHED)."""
@@ -288,7 +307,7 @@ class ClientRole:
             self.fenced[rnd.job_id] = rnd
             env.fences.wait(self)
             return
-        keys, rnd.keys = rnd.keys, ()
+        keys = rnd.keys
         try:
             xid = env.data.expect_blocks(self.peer, rnd.slots)
         except Exception as exc:
@@ -386,12 +405,12 @@ class ClientRole:
         env = self.env
         env.deadlines.cancel(rnd.timer)
         rnd.timer = None
-        rnd.keys = ()
         rnd.phase = _DONE
         self.fenced.pop(rnd.job_id, None)
         self._forget_xid(rnd)
         req = rnd.req
         del req.rounds[rnd.no]
+        req.open_keys.difference_update(rnd.keys)
         self.n_rounds -= 1
         env.ledger.close(rnd.job_id, outcome, detail)
         if not outcome.success and not req.finished and not req.failed:

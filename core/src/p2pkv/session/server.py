@@ -221,14 +221,13 @@ class ServerRole:
         if not keys:
             self._release(req)
             return
-        if req.released:
-            raise ProtocolError(f"fetch.round: {kv!r} was already ended by a terminal fetch")
+        conflict = self._conflict(req, keys)
+        if conflict:  # a request-level conflict fails that round, not the session
+            log.warning("peer %s: round %d of %r refused: %s", self.peer, msg.round, kv,
+                        conflict)
+            self._send_done(kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
+            return
         demand, supply = req.demand, req.supply
-        if demand and not demand.keys().isdisjoint(keys):
-            k = next(k for k in keys if k in demand)
-            raise ProtocolError(
-                f"fetch.keys: a key is already demanded by round {demand[k].no}"
-            )
         held_all = supply.keys() >= keyset
         if not req.supply_open and not held_all:
             missing = len(keyset - supply.keys())
@@ -267,6 +266,17 @@ class ServerRole:
                 jobs.append(supply_job.pop(k))
         if local:
             self._submit(req, rnd, local, remote, jobs)
+
+    @staticmethod
+    def _conflict(req: _Req, keys: list[bytes]) -> str:
+        """Why a new round of ``req`` asking for ``keys`` cannot be served, or ``""``."""
+        if req.released:
+            return f"{req.kv!r} was already ended by a terminal fetch"
+        demand = req.demand
+        if demand and not demand.keys().isdisjoint(keys):
+            k = next(k for k in keys if k in demand)
+            return f"a key is already demanded by round {demand[k].no} of {req.kv!r}"
+        return ""
 
     def on_abort(self, msg: Abort) -> None:
         req = self.reqs.get(msg.kv_request_id)
