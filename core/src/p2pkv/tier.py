@@ -30,7 +30,8 @@ from p2pkv.contracts import (
     DataTransport,
 )
 from p2pkv.driver import DriverGuard, driver_call
-from p2pkv.errors import ConfigError
+from p2pkv.errors import ConfigError, ProtocolError
+from p2pkv.protocol import Hello, decode
 from p2pkv.registry import Registry, default_registry
 from p2pkv.routing import ConsumerRoute, Routing, parse_routing
 from p2pkv.session.deadlines import Deadlines, Timer
@@ -620,8 +621,28 @@ class P2PTier:
                                     "before its session could start")
                 continue
             old = self._sessions.get(peer)
+            if old is not None and old.usable and self._redials(old, newcomer.frames):
+                self._close(old, Outcome.PEER_DEAD,
+                            f"{peer} dialled again with the same epoch: it had given this "
+                            f"session up (paused or cut off for longer than its timeouts?)")
             if old is None or not old.usable:
                 self._promote(peer)
+
+    def _redials(self, old: Session, frames: list[bytes]) -> bool:
+        """The held newcomer is ``old``'s peer itself, re-dialling: its hello carries the
+        epoch of ``old``'s peer. A tier keeps one session per peer, so that peer has given
+        ``old`` up (it paused or was cut off past a timeout and resumed, while our side of
+        the connection still looks alive). The 64-bit epoch is random per incarnation and
+        sent only to its peer (under CURVE, encrypted): a claimant that is not that peer
+        cannot show it."""
+        known = old.peer_hello
+        if known is None or not frames:
+            return False
+        try:
+            hello = decode(frames[0], self._config.limits)
+        except ProtocolError:
+            return False  # its session will say why, if it ever starts
+        return isinstance(hello, Hello) and hello.epoch == known.epoch
 
     def _promote(self, peer: str) -> Session:
         """Start the held newcomer's session, the old one (unusable or gone) closed first."""

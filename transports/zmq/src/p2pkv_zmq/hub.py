@@ -48,7 +48,9 @@ what authenticates them, as it did when they came back on our own dialing socket
 Telling a peer link "gone" goes over a PUSH of ours to that address when one exists, else over
 a notice PUSH dialed for that one message (``LINGER`` ``_NOTICE_LINGER_MS``, then libzmq drops
 it). Notices are rate-limited (``_NOTICE_RATE`` per second, bursts of as many) and each link
-is told at most once (a bounded memory); a message that fails validation never makes us dial.
+is told at most once per ``_RETELL_INTERVAL`` (a bounded memory): a "gone" that went out can
+still be lost (queued to a peer paused past the heartbeat timeout), and a link that keeps
+sending after it was told is told again. A message that fails validation never makes us dial.
 Our own close sends "gone" on the connection's PUSH, which lingers as long to deliver it.
 
 Liveness: a connection dies when its PUSH disconnects (the peer closed its listener, crashed,
@@ -128,6 +130,11 @@ _MEMORY = 4096  # entries in each bounded memory
 _MAX_HELD_FRAMES = 10_000  # frames held for an offered pairing before giving up on it
 _NOTICE_RATE = 20.0  # notice dials per second (and the largest burst)
 _NOTICE_LINGER_MS = 500  # how long a closed PUSH keeps trying to deliver its last message
+_RETELL_INTERVAL = 1.0
+"""Seconds before a peer link that keeps sending after it was told "gone" is told again. A
+"gone" that went out may still be lost: one queued to a peer paused past the heartbeat
+timeout is dropped with the dead TCP connection, and the resumed peer would otherwise keep
+its stale connection (and session) forever."""
 _EMPTY: Sequence[ControlConnection] = ()
 
 
@@ -169,7 +176,9 @@ class ZmqHub(ZmqControlTransport):
         self._connecting: set[ZmqConnection] = set()
         self._pending: OrderedDict[bytes, _Opened] = OrderedDict()  # peer PUSHes not paired
         self._retired: OrderedDict[bytes, None] = OrderedDict()  # links and our incarnations
-        self._told: OrderedDict[bytes, None] = OrderedDict()  # peer links told "gone"
+        self._told: OrderedDict[bytes, float] = OrderedDict()
+        """Peer links told "gone", with when (monotonic): told again only after
+        ``_RETELL_INTERVAL`` if they keep sending (the first notice may have been lost)."""
         self._notice_tokens = _NOTICE_RATE
         self._notice_stamp = time.monotonic()
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
@@ -431,7 +440,7 @@ class ZmqHub(ZmqControlTransport):
             if notify:
                 target = b"" if link is None else link.rpartition(b"#")[2]
                 if self._send_link(push, conn.link, _GONE, target) and link is not None:
-                    _remember(self._told, link)
+                    self._mark_told(link)
                 push.close(_NOTICE_LINGER_MS)
             else:
                 push.close(0)
@@ -461,14 +470,15 @@ class ZmqHub(ZmqControlTransport):
         over ``via`` or our connection to its address, else over a notice PUSH (rate-limited;
         skipped, and logged once, beyond the rate). Only a message that went out counts as
         told, so the link's next frame tries again."""
-        if link in self._told:
+        told = self._told.get(link)
+        if told is not None and time.monotonic() - told < _RETELL_INTERVAL:
             return
         address, incarnation = link.rsplit(b"#", 1)
         key = address.decode("ascii")
         conn = via if via is not None else self._by_address.get(key)
         if conn is not None and conn.out is not None:
             if self._send_link(conn.out, conn.link, _GONE, incarnation):
-                _remember(self._told, link)
+                self._mark_told(link)
             return
         now = time.monotonic()
         tokens = min(_NOTICE_RATE, self._notice_tokens + (now - self._notice_stamp) * _NOTICE_RATE)
@@ -488,10 +498,18 @@ class ZmqHub(ZmqControlTransport):
             push.connect(tcp_url(*parse_address(key)))
             if self._send_link(push, link_id(self._local_address, new_incarnation()), _GONE,
                                incarnation):
-                _remember(self._told, link)
+                self._mark_told(link)
         except zmq.ZMQError:
             pass  # an address libzmq cannot dial: nobody there to tell
         push.close(_NOTICE_LINGER_MS)
+
+    def _mark_told(self, link: bytes) -> None:
+        """``link`` was told "gone" just now (the message went out; delivery is not known: a
+        peer that was paused may never get it, and is told again if it keeps sending)."""
+        self._told[link] = time.monotonic()
+        self._told.move_to_end(link)
+        if len(self._told) > _MEMORY:
+            self._told.popitem(last=False)
 
     # -- inbound --------------------------------------------------------------------------
 
@@ -628,7 +646,7 @@ class ZmqHub(ZmqControlTransport):
             if verb == _GONE:
                 self._pending.pop(link, None)
                 _remember(self._retired, link)
-                _remember(self._told, link)
+                self._mark_told(link)
                 conn = self._by_link.get(link)
                 if conn is not None:
                     self.retire(conn, "closed by the peer", notify=False)
@@ -643,7 +661,7 @@ class ZmqHub(ZmqControlTransport):
             return
         if verb == _GONE:
             if conn.remote_link is not None:
-                _remember(self._told, conn.remote_link)  # it knows
+                self._mark_told(conn.remote_link)  # it knows
             self.retire(conn, "closed by the peer", notify=False)
         elif link in self._by_link:
             pass  # paired with another connection of ours: the offer lapses by itself
