@@ -82,7 +82,7 @@ def test_demo_fails_on_a_wrong_byte(
 
 def test_demo_names_the_package_of_a_missing_transport(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--data", "no-such-transport", "--quiet"]) == 2
-    assert "unknown data transport 'no-such-transport'" in capsys.readouterr().out
+    assert "unknown data transport 'no-such-transport'" in capsys.readouterr().err
 
 
 # -- presets, workload, content ------------------------------------------------------------

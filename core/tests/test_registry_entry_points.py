@@ -85,8 +85,8 @@ def test_disable_plugins_blocks_named_plugins(probe: Any) -> None:
     assert "memory" not in result["data"] and "memory" not in result["control"]
     assert {f[0] for f in result["failures"]} == {"fixture_oldapi"}
     message = result["lookups"]["data:memory"]
-    assert "unknown data transport 'memory'" in message
-    assert "p2pkv-memory: pip install p2pkv-memory" in message
+    assert "data transport 'memory' is disabled" in message
+    assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'memory'" in message
 
 
 def test_unknown_name_suggests_the_closest(probe: Any) -> None:

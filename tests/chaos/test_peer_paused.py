@@ -53,7 +53,7 @@ def probe_until_served(c: Cluster, p: Node, con: Node, first_index: int,
                           run_id=f"probe{len(probes)}", first_index=first_index + len(probes))
         (rec,) = c.flow.admit([req], p, con)
         probes.append(rec)
-        c.wait(lambda: bool(rec.loaded), timeout=T, what="a probe's load", recs=[rec])
+        c.wait(lambda r=rec: bool(r.loaded), timeout=T, what="a probe's load", recs=[rec])
         if rec.load_outcome == "done":
             return rec.loaded[0].done_at, probes
     raise AssertionError(f"no request succeeded within {timeout}s of the resume: "
@@ -111,8 +111,10 @@ def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(paused: str
         slow = [r.describe() for r in probes[:-1]
                 if r.loaded[0].done_at - r.loaded[0].submitted_at > FAST_FAILURE]
         assert not slow, f"probes on a stale session failed slowly: {slow}"
+        failed_in = [round(r.loaded[0].done_at - r.loaded[0].submitted_at, 3)
+                     for r in probes[:-1]]
         measured(f"{paused} paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s): jobs "
                  f"from before the pause {dict(Counter(r.load_outcome for r in recs))}; first "
                  f"new request done {recovery:.2f}s after the resume ({len(probes)} probe(s), "
-                 f"earlier ones failed in {[round(r.loaded[0].done_at - r.loaded[0].submitted_at, 3) for r in probes[:-1]]} s); "
+                 f"earlier ones failed in {failed_in} s); "
                  f"20 more all done")

@@ -6,10 +6,12 @@ import argparse
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from p2pkv.cli import make_console, print_json
 from p2pkv.contracts import TransportKind
-from p2pkv.registry import Registry, default_registry
+from p2pkv.registry import DISABLE_ENV, TEST_PLUGINS_ENV, Registry, default_registry
 
 __all__ = ["add_parser", "plugin_report", "print_report"]
 
@@ -39,8 +41,17 @@ def plugin_report(registry: Registry) -> dict[str, Any]:
                 }
             )
     missing = [
-        {"name": name, "kind": kind, "distribution": dist, "install": f"pip install {dist}"}
+        {"name": name, "kind": kind, "distribution": dist, "install": f"pip install {dist}",
+         "disabled": dist in registry.disabled.values(), "fix": registry.install_hint(dist)}
         for kind, name, dist in registry.missing_known()
+    ]
+    skipped = [
+        {"plugin": name, "distribution": dist, "reason": f"disabled by {DISABLE_ENV}"}
+        for name, dist in sorted(registry.disabled.items())
+    ] + [
+        {"plugin": name, "distribution": dist,
+         "reason": f"test-only, hidden ({TEST_PLUGINS_ENV}=1 loads it)"}
+        for name, dist in sorted(registry.hidden.items())
     ]
     failures = [
         {"plugin": f.plugin, "distribution": f.distribution, "reason": f.reason}
@@ -50,18 +61,16 @@ def plugin_report(registry: Registry) -> dict[str, Any]:
         {"kind": kind, "name": name, "distributions": dists}
         for (kind, name), dists in sorted(registry.conflicts.items())
     ]
-    return {"transports": rows, "not_installed": missing, "failed_plugins": failures,
-            "conflicts": conflicts}
+    return {"transports": rows, "not_installed": missing, "skipped_plugins": skipped,
+            "failed_plugins": failures, "conflicts": conflicts}
 
 
 def run(args: argparse.Namespace) -> int:
     report = plugin_report(default_registry())
     if args.json:
-        from p2pkv.cli import print_json
-
         print_json(report)
         return 0
-    print_report(Console(), report)
+    print_report(make_console(), report)
     return 0
 
 
@@ -72,16 +81,20 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         table.add_column(col)
     for row in report["transports"]:
         caps = ", ".join(k for k, v in row["capabilities"].items() if v is True)
-        status = (
-            "[green]available[/]" if row["available"] else f"[red]unavailable[/]: {row['reason']}"
-        )
+        status = ("[green]available[/]" if row["available"]
+                  else f"[red]unavailable[/]: {escape(row['reason'])}")
         table.add_row(row["name"], row["kind"], row["distribution"], row["version"], status, caps)
     for row in report["not_installed"]:
-        table.add_row(row["name"], row["kind"], row["distribution"], "-",
-                      f"[yellow]not installed[/]: {row['install']}", "")
+        state = (f"[yellow]disabled[/] by {DISABLE_ENV}" if row["disabled"]
+                 else f"[yellow]not installed[/]: {escape(row['fix'])}")
+        table.add_row(row["name"], row["kind"], row["distribution"], "-", state, "")
     console.print(table)
+    for p in report["skipped_plugins"]:
+        console.print(f"[yellow]plugin {p['plugin']} ({p['distribution']}) not loaded:[/] "
+                      f"{escape(p['reason'])}")
     for f in report["failed_plugins"]:
-        console.print(f"[red]plugin {f['plugin']} ({f['distribution']}) failed:[/] {f['reason']}")
+        console.print(f"[red]plugin {f['plugin']} ({f['distribution']}) failed:[/] "
+                      f"{escape(f['reason'])}")
     for c in report["conflicts"]:
         console.print(f"[red]{c['kind']} transport {c['name']!r} refused: claimed by "
                       f"{' and '.join(c['distributions'])}[/]")

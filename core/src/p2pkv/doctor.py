@@ -1,9 +1,12 @@
 """``p2pkv doctor``: what an operator needs when something is slow or fails.
 
 Sections: versions; installed transports and why others are unavailable (the ``p2pkv
-plugins`` report); which UCX lanes each UCX-based data transport picks on this host; the
-environment variables that change lanes and ports; whether the configured control ports are
-free; how NIXL is installed.
+plugins`` report); where a tier would listen, per engine (standalone p2pkv reads
+``P2PKV_HOST``/``P2PKV_PORT``; under vLLM, when ``p2pkv-vllm`` is installed, its
+``VLLM_P2P_SIDE_CHANNEL_HOST``/``_PORT`` come first), whether those ports are free, and
+whether ``PYTHONHASHSEED`` is set (vLLM's block hashes depend on it across instances; its
+value is never shown); which UCX lanes each UCX-based data transport picks on this host; the
+environment variables that change lanes and ports; how NIXL is installed.
 
 Lanes are read from UCX itself: a subprocess with ``UCX_PROTO_INFO=y`` builds two endpoints of
 the transport in one process, moves one small and one large block between them, and UCX
@@ -34,8 +37,9 @@ from rich.table import Table
 
 from p2pkv import __version__
 from p2pkv.bench.hostinfo import RELEVANT_ENV, describe_host, environ_restored
+from p2pkv.cli import make_console, print_json
 from p2pkv.cli_plugins import plugin_report, print_report
-from p2pkv.config import TierConfig
+from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
 from p2pkv.registry import default_registry
 
@@ -43,6 +47,7 @@ __all__ = [
     "LaneRow",
     "add_parser",
     "check_ports",
+    "listeners",
     "nixl_install_note",
     "parse_proto_info",
     "probe_lanes",
@@ -65,7 +70,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--config", metavar="JSON",
                    help="tier config (JSON text or @file) whose ports to check")
-    p.add_argument("--dp-size", type=int, default=1,
+    p.add_argument("--dp-size", type=_positive_int, default=1,
                    help="data-parallel ranks on this host: check base port .. base+N-1")
     p.add_argument("--no-probe", action="store_true",
                    help="skip the UCX lane probe (it starts a subprocess for a few seconds)")
@@ -344,26 +349,95 @@ def nixl_install_note() -> str:
 # -- the command ----------------------------------------------------------------------------
 
 
-def _tier_config(text: str | None) -> TierConfig:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _config_dict(text: str | None) -> dict[str, Any]:
+    """The ``--config`` value (JSON text, or ``@file`` holding it) as a dict; ``ConfigError``
+    naming the option and the file when it cannot be read or parsed."""
     if not text:
-        return TierConfig.from_dict({})
+        return {}
     if text.startswith("@"):
-        with open(text[1:], encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(text[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ConfigError(f"--config {text}: cannot read {text[1:]!r}: "
+                              f"{exc.strerror or exc}") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--config is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError("--config must be a JSON object (a tier config)")
-    return TierConfig.from_dict(raw)
+    return raw
+
+
+_ENGINE_ENV = {"vLLM": "p2pkv_vllm.bridge"}
+"""Engine adapters installed here whose module names the host/port variables they read first
+(``HOST_ENV``, ``PORT_ENV``): vLLM's ``VLLM_P2P_SIDE_CHANNEL_*`` beat ``P2PKV_*``."""
+
+
+def _engines() -> list[tuple[str, Sequence[str], Sequence[str]]]:
+    """(who, host variables, port variables) for each way a tier may start on this host."""
+    engines: list[tuple[str, Sequence[str], Sequence[str]]] = [("p2pkv", HOST_ENV, PORT_ENV)]
+    for engine, module_name in _ENGINE_ENV.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        engines.append((engine, module.HOST_ENV, module.PORT_ENV))
+    return engines
+
+
+def _source(raw: Mapping[str, Any], key: str, names: Sequence[str]) -> tuple[str, str]:
+    """Which input sets ``key``, and what to change to move it: the --config key, else the
+    first variable set (the one ``TierConfig.from_dict`` reads), else the default (changed
+    through the first variable)."""
+    if key in raw:
+        return f"--config key {key!r}", f"the --config key {key!r}"
+    name = next((n for n in names if os.environ.get(n)), None)
+    if name is None:
+        return "default", names[0]
+    return f"{name}={os.environ[name]}", name
+
+
+def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
+    """Where a tier built from ``raw`` would listen, per engine: host, the ports of DP ranks
+    0..dp_size-1, which key or variable set each, and what to change to move the port.
+    Engines that resolve alike are merged. Raises ``ConfigError`` (naming ``--dp-size`` when
+    it matters) for an invalid config or a last rank's port outside 1..65535."""
+    found: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for engine, host_env, port_env in _engines():
+        try:
+            cfg = TierConfig.from_dict(raw, dp_rank=dp_size - 1, host_env=host_env,
+                                       port_env=port_env)
+        except ConfigError as exc:
+            ranks = f" (--dp-size {dp_size}: lower the base port or the DP size)"
+            raise ConfigError(f"{exc}{ranks if dp_size > 1 else ''}") from None
+        ports = tuple(cfg.base_port + r for r in range(dp_size)) if cfg.base_port else (0,)
+        host_from, _ = _source(raw, "host", host_env)
+        port_from, port_change = _source(raw, "port", port_env)
+        entry = found.setdefault((cfg.host, ports, host_from, port_from), {
+            "engines": [], "host": cfg.host, "ports": list(ports), "host_from": host_from,
+            "port_from": port_from, "port_change": port_change, "control": cfg.control,
+            "data": cfg.data,
+        })
+        entry["engines"].append(engine)
+    return list(found.values())
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``p2pkv doctor`` shows, as plain data."""
+    """Everything ``p2pkv doctor`` shows, as plain data; ``ConfigError`` for bad options."""
     registry = default_registry()
-    config = _tier_config(args.config)
-    ports = [config.port + rank for rank in range(max(1, args.dp_size))] if config.port else [0]
+    listen = listeners(_config_dict(args.config), args.dp_size)
     lanes: dict[str, Any] = {}
     if not args.no_probe:
         for name in UCX_TRANSPORTS:
@@ -374,13 +448,19 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                 lanes[name] = transport_lanes(name)
     with environ_restored():  # availability() may import libraries that set UCX_* vars
         plugins = plugin_report(registry)
+    ports = [
+        {**result, "engines": where["engines"], "change": where["port_change"]}
+        for where in listen
+        for result in check_ports(where["host"], where["ports"])
+    ]
+    seed = os.environ.get("PYTHONHASHSEED", "")
     return {
         "p2pkv": __version__,
         "host": describe_host(),
         "plugins": plugins,
-        "config": {"control": config.control, "data": config.data, "host": config.host,
-                   "port": config.port},
-        "ports": check_ports(config.host, ports),
+        "listeners": listen,
+        "ports": ports,
+        "python_hash_seed": "random" if seed == "random" else "set" if seed else "unset",
         "ucx_lanes": lanes,
         "env_unset": [k for k in RELEVANT_ENV if k not in os.environ],
         "nixl_install": nixl_install_note(),
@@ -416,30 +496,51 @@ def _advice(report: Mapping[str, Any]) -> list[str]:
     return tips
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        report = collect(args)
-    except ConfigError as exc:
-        Console(stderr=True).print(f"[red]{exc}[/]")
-        return 2
-    if args.json:
-        from p2pkv.cli import print_json
+def _hints(report: Mapping[str, Any]) -> list[str]:
+    """Advice on ports and engines: what to change for a taken port, and PYTHONHASHSEED
+    when a vLLM tier may start here (vLLM's block hashes depend on it across instances)."""
+    tips = [
+        f"{p['host']}:{p['port']} ({', '.join(p['engines'])}) is taken: choose a free base "
+        f"port with {p['change']}."
+        for p in report["ports"] if not p["free"]
+    ]
+    vllm = any("vLLM" in where["engines"] for where in report["listeners"])
+    if vllm and report["python_hash_seed"] != "set":
+        tips.append("PYTHONHASHSEED is " + report["python_hash_seed"] + ": with a "
+                    "non-cryptographic prefix_caching_hash_algo vLLM then seeds block hashes "
+                    "per process and no two instances ever match each other's blocks; set "
+                    "PYTHONHASHSEED to one value on every instance.")
+    return tips
 
+
+def _print_listeners(console: Console, report: Mapping[str, Any]) -> None:
+    for where in report["listeners"]:
+        console.print(
+            f"tier ({', '.join(where['engines'])}): control={where['control']} "
+            f"data={where['data']} host {where['host']} ({where['host_from']}), "
+            f"base port {where['ports'][0]} ({where['port_from']})"
+        )
+    for p in report["ports"]:
+        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {escape(p['detail'])}"
+        console.print(f"  port {p['host']}:{p['port']}: {state}")
+    console.print(f"PYTHONHASHSEED: {report['python_hash_seed']}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print (or ``--json``) the report; 1 when a port a tier would bind is taken, else 0.
+    Bad options raise ``ConfigError`` (the CLI prints one line and exits 2)."""
+    report = collect(args)
+    if args.json:
         print_json(report)
         return 0
-    console = Console()
+    console = make_console()
     host = report["host"]
     console.rule(f"p2pkv {report['p2pkv']} doctor")
     console.print(f"host: {host['cpu']}, {host['cores']} cores, {host['memory_gib']} GiB, "
                   f"kernel {host['kernel']}, Python {host['python']}")
     console.print("libraries: " + ", ".join(f"{k} {v}" for k, v in host["libraries"].items()))
     print_report(console, report["plugins"])
-    cfg = report["config"]
-    console.print(f"tier config: control={cfg['control']} data={cfg['data']} "
-                  f"listen={cfg['host']}:{cfg['port']}")
-    for p in report["ports"]:
-        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {escape(p['detail'])}"
-        console.print(f"  port {p['host']}:{p['port']}: {state}")
+    _print_listeners(console, report)
     for name, probe in report["ucx_lanes"].items():
         if probe["lanes"]:
             console.print(_lane_table(name, probe))
@@ -449,7 +550,6 @@ def run(args: argparse.Namespace) -> int:
         console.print("environment: " + ", ".join(f"{k}={v}" for k, v in host["env"].items()))
     console.print("unset: " + ", ".join(report["env_unset"]))
     console.print(f"NIXL: {escape(report['nixl_install'])}")
-    for tip in _advice(report):
+    for tip in [*_advice(report), *_hints(report)]:
         console.print(f"[yellow]hint:[/] {escape(tip)}")
-    bad_ports = [p for p in report["ports"] if not p["free"]]
-    return 1 if bad_ports else 0
+    return 1 if any(not p["free"] for p in report["ports"]) else 0

@@ -5,7 +5,12 @@ name, and calls observers through :attr:`Registry.observers`. Built-in transport
 the same ``p2pkv`` entry-point group as third-party ones.
 
 Environment: ``P2PKV_DISABLE_PLUGINS=a,b`` blocks the named entry points;
-``P2PKV_TRACE_HOOKS=1`` logs every hook call with its arguments.
+``P2PKV_TRACE_HOOKS=1`` logs every hook call with its arguments (at INFO on the
+``p2pkv.hooks`` logger, which it lowers to INFO if needed, so the calls show without
+``--log-level INFO``). A plugin module that sets ``P2PKV_TEST_ONLY = True`` (a test fixture,
+such as the example plugin ``p2pkv-example-loopback``) is hidden unless
+``P2PKV_TEST_PLUGINS=1`` is set or the process runs under pytest (``PYTEST_VERSION`` is set),
+so fixtures never show up in what a user runs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from p2pkv.contracts import ControlTransport, DataTransport, TransportKind
 from p2pkv.errors import ConfigError
 
 __all__ = [
+    "DISABLE_ENV",
     "KNOWN_TRANSPORTS",
+    "TEST_PLUGINS_ENV",
     "Observers",
     "PluginFailure",
     "Registry",
@@ -34,6 +41,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+DISABLE_ENV = "P2PKV_DISABLE_PLUGINS"
+"""Comma-separated entry-point names not to load."""
+TEST_PLUGINS_ENV = "P2PKV_TEST_PLUGINS"
+"""``1``: load plugins marked ``P2PKV_TEST_ONLY`` (pytest runs load them anyway)."""
 
 KNOWN_TRANSPORTS: Mapping[tuple[TransportKind, str], str] = {
     ("control", "zmq"): "p2pkv-zmq",
@@ -126,29 +138,39 @@ class Registry:
     conflicts: dict[tuple[TransportKind, str], list[str]] = field(default_factory=dict)
     plugins: dict[str, str] = field(default_factory=dict)
     """plugin name -> distribution."""
+    disabled: dict[str, str] = field(default_factory=dict)
+    """plugin name -> distribution, for entry points blocked by ``P2PKV_DISABLE_PLUGINS``."""
+    hidden: dict[str, str] = field(default_factory=dict)
+    """plugin name -> distribution, for test-only plugins not loaded (see the module doc)."""
     observers: Observers = field(default_factory=Observers)
 
     @classmethod
     def load(cls, *, environ: Mapping[str, str] | None = None) -> Registry:
-        """Load every ``p2pkv`` entry point not blocked by ``P2PKV_DISABLE_PLUGINS``.
+        """Load every ``p2pkv`` entry point not blocked by ``P2PKV_DISABLE_PLUGINS`` (recorded
+        in ``disabled``) and not test-only (recorded in ``hidden``, see the module doc).
 
         A plugin that fails to import or declares another plugin API is recorded in
         ``failures`` and skipped; the others still load.
         """
         env = os.environ if environ is None else environ
-        blocked = {n.strip() for n in env.get("P2PKV_DISABLE_PLUGINS", "").split(",") if n.strip()}
+        blocked = {n.strip() for n in env.get(DISABLE_ENV, "").split(",") if n.strip()}
+        with_tests = env.get(TEST_PLUGINS_ENV, "") == "1" or "PYTEST_VERSION" in env
         reg = cls(pm=_new_manager(env))
         for ep in md.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist.name if ep.dist is not None else "?"
             version = ep.dist.version if ep.dist is not None else "?"
             if ep.name in blocked:
                 reg.pm.set_blocked(ep.name)
-                log.info("plugin %s (%s) blocked by P2PKV_DISABLE_PLUGINS", ep.name, dist)
+                reg.disabled[ep.name] = dist
+                log.info("plugin %s (%s) blocked by %s", ep.name, dist, DISABLE_ENV)
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken plugin must not take the others down
                 reg._fail(ep.name, dist, f"import failed: {type(exc).__name__}: {exc}")
+                continue
+            if getattr(plugin, "P2PKV_TEST_ONLY", False) is True and not with_tests:
+                reg.hidden[ep.name] = dist
                 continue
             reg._add(plugin, ep.name, dist, version)
         reg._finish()
@@ -241,15 +263,27 @@ class Registry:
                 f"{kind} transport {name!r} is provided by more than one distribution ({dists}); "
                 f"uninstall one or block it with P2PKV_DISABLE_PLUGINS"
             )
+        dist = KNOWN_TRANSPORTS.get((kind, name))
+        if dist is not None and dist in self.disabled.values():
+            raise ConfigError(f"{kind} transport {name!r} is disabled: {self.install_hint(dist)}")
         installed = sorted(table)
         msg = f"unknown {kind} transport {name!r}; installed: {', '.join(installed) or 'none'}"
         close = difflib.get_close_matches(name, installed, n=1)
         if close:
             msg += f"; did you mean {close[0]!r}?"
-        dist = KNOWN_TRANSPORTS.get((kind, name))
         if dist is not None:
-            msg += f"; {name!r} is provided by {dist}: pip install {dist}"
+            msg += f"; {name!r} is provided by {dist}: {self.install_hint(dist)}"
         raise ConfigError(msg)
+
+    def install_hint(self, dist: str) -> str:
+        """How to get distribution ``dist``'s plugins loaded here: take its entry points out of
+        ``P2PKV_DISABLE_PLUGINS`` if that blocked them, else ``pip install`` it."""
+        blocked = sorted(name for name, d in self.disabled.items() if d == dist)
+        if blocked:
+            names = " and ".join(repr(n) for n in blocked)
+            return (f"{dist} is installed but {DISABLE_ENV} blocks it; remove {names} from "
+                    "that variable")
+        return f"pip install {dist}"
 
     def entries(self, kind: TransportKind) -> dict[str, TransportEntry]:
         return dict(self.control if kind == "control" else self.data)
@@ -306,6 +340,7 @@ def _new_manager(env: Mapping[str, str]) -> pluggy.PluginManager:
     pm.add_hookspecs(hookspecs)
     if env.get("P2PKV_TRACE_HOOKS", "") not in ("", "0"):
         trace = logging.getLogger("p2pkv.hooks")
+        trace.setLevel(min(trace.getEffectiveLevel(), logging.INFO))
 
         def before(hook_name: str, impls: Any, kwargs: Mapping[str, Any]) -> None:
             trace.info("hook %s(%s)", hook_name, ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))

@@ -14,12 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.hostinfo import describe_host, environ_restored
 from p2pkv.bench.matrix import KiB, MatrixConfig, MiB, available_series, run_matrix
 from p2pkv.bench.report import geomean_ratios, plot, print_tables
 from p2pkv.bench.runner import CellResult
+from p2pkv.cli import check_output_path, make_console, usable_transport
 from p2pkv.errors import ConfigError
-from p2pkv.registry import default_registry
+from p2pkv.registry import Registry, default_registry
 
 __all__ = ["QUICK", "add_parser", "parse_size", "run"]
 
@@ -126,6 +128,8 @@ def _config(args: argparse.Namespace) -> MatrixConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the matrix (or ``--control``); 1 if a cell failed. Bad options raise
+    ``ConfigError``/``TransportUnavailable`` before anything is measured."""
     # Every side runs on this host: keep UCX's TCP traffic on loopback unless told otherwise
     # (the environment of this process is restored on return).
     with environ_restored():
@@ -133,64 +137,45 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
 
 
-def _run(args: argparse.Namespace) -> int:
-    to_stdout = args.json == "-"
-    console = Console(stderr=to_stdout)
-    if not console.is_terminal:
-        console = Console(stderr=to_stdout, width=200)
+def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig | None:
+    """Refuse, before anything runs, what would fail later: an output path that cannot be
+    written, ``--plot`` without matplotlib, and a data transport named in ``--transports``
+    that is unknown or cannot run here (``ConfigError``/``TransportUnavailable``). Returns the
+    matrix config (None for ``--control``)."""
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and path != "-":
+            check_output_path(option, path)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            console.print("[red]--plot needs matplotlib:[/] " + escape("pip install 'p2pkv[plot]'"))
-            return 2
+            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv[plot]'") from None
     if args.control:
+        return None
+    config = _config(args)
+    for name in config.transports or ():
+        usable_transport(registry, "data", name)
+    return config
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Results (tables) on stdout, unless stdout carries the JSON; progress and notes on stderr.
+    to_stdout = args.json == "-"
+    console = make_console(stderr=to_stdout)
+    notes = make_console(stderr=True)
+    registry = default_registry()
+    config = _check_options(args, registry)
+    if config is None:
         from p2pkv.bench.control import run_control
 
         return run_control(args, console)
-    try:
-        config = _config(args)
-    except ConfigError as exc:
-        console.print(f"[red]{escape(str(exc))}[/]")
-        return 2
-    registry = default_registry()
     series, unavailable = available_series(registry, config)
     for label, why in unavailable.items():
-        console.print(f"[yellow]{label} not measured:[/] {escape(why)}")
+        notes.print(f"[yellow]{escape(label)} not measured:[/] {escape(why)}")
     if not series:
-        console.print("[red]nothing to measure[/]")
-        return 2
-    total = sum(
-        1
-        for _ in config.block_sizes
-        for _ in config.batches
-        for c in config.concurrency
-        for s in series
-        if not (s.impl == "memcpy" and c != 1)
-    )
+        raise ConfigError("nothing to measure: every series is unavailable or switched off")
     started = time.time()
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("bench", total=total)
-
-        done = [0]
-
-        def on_cell(r: CellResult) -> None:
-            what = f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}"
-            progress.update(task, advance=1, description=what)
-            done[0] += 1
-            quiet_bar = not console.is_terminal  # no live bar: a line now and then instead
-            if quiet_bar and (done[0] % 20 == 0 or done[0] == total):
-                console.print(f"{done[0]}/{total} cells, last: {what}, "
-                              f"{time.time() - started:.0f} s")
-
-        results = run_matrix(config, series, on_cell)
+    results = _measure(notes, config, series)
     elapsed = time.time() - started
     doc = {
         "host": describe_host(),
@@ -213,6 +198,40 @@ def _run(args: argparse.Namespace) -> int:
                 f.write(text + "\n")
     if args.plot:
         plot(results, args.plot, title)
-        console.print(f"plot written to {args.plot}")
+        notes.print(f"plot written to {escape(args.plot)}")
     failed = [r for r in results if r.error]
     return 1 if failed else 0
+
+
+def _measure(notes: Console, config: MatrixConfig, series: list[SeriesSpec]) -> list[CellResult]:
+    """Run the matrix with a progress bar on ``notes`` (stderr), or, when that is not a
+    terminal, a progress line every 20 cells."""
+    total = sum(
+        1
+        for _ in config.block_sizes
+        for _ in config.batches
+        for c in config.concurrency
+        for s in series
+        if not (s.impl == "memcpy" and c != 1)
+    )
+    started = time.time()
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=notes,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("bench", total=total)
+        done = [0]
+
+        def on_cell(r: CellResult) -> None:
+            what = f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}"
+            progress.update(task, advance=1, description=escape(what))
+            done[0] += 1
+            if not notes.is_terminal and (done[0] % 20 == 0 or done[0] == total):
+                notes.print(f"{done[0]}/{total} cells, last: {escape(what)}, "
+                            f"{time.time() - started:.0f} s")
+
+        return run_matrix(config, series, on_cell)

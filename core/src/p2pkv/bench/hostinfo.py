@@ -23,10 +23,14 @@ RELEVANT_ENV = (
     "NIXL_PLUGIN_DIR",
     "P2PKV_HOST",
     "P2PKV_PORT",
+    "VLLM_P2P_SIDE_CHANNEL_HOST",
+    "VLLM_P2P_SIDE_CHANNEL_PORT",
     "P2PKV_DISABLE_PLUGINS",
+    "P2PKV_TEST_PLUGINS",
     "P2PKV_TRACE_HOOKS",
 )
-"""Environment variables that change which lane or port p2pkv uses."""
+"""Environment variables that change which lane, port or plugins p2pkv uses (under vLLM the
+``VLLM_P2P_SIDE_CHANNEL_*`` ones beat ``P2PKV_HOST``/``P2PKV_PORT``)."""
 
 _LIBRARIES = (
     "p2pkv",

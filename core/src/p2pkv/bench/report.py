@@ -65,47 +65,66 @@ def _ratio(value: float | None) -> str:
     return f"[{color}]{value:.2f}[/]"
 
 
+def _groups(order: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The series of one table each: per transport its raw baseline and p2pkv series, next
+    to memcpy (the reference every table repeats); memcpy alone when nothing else ran."""
+    transports = [s.removeprefix("p2pkv ").removeprefix("raw ") for s in order if s != "memcpy"]
+    groups = [
+        (t, [s for s in order if s in ("memcpy", f"raw {t}", f"p2pkv {t}")])
+        for t in dict.fromkeys(transports)
+    ]
+    return groups or [("memcpy", list(order))]
+
+
+def _throughput_table(
+    title: str, labels: Sequence[str], index: dict[tuple[Any, ...], CellResult],
+    cells: Sequence[tuple[int, int, int]],
+) -> Table:
+    """GB/s per series of one transport, then p2pkv's ratios to raw and to memcpy."""
+    p2pkv = next((s for s in labels if s.startswith("p2pkv ")), None)
+    ratios = [(attr, col) for attr, col, base in (("ratio_raw", "/raw", "raw "),
+                                                  ("ratio_memcpy", "/memcpy", "memcpy"))
+              if p2pkv and any(s.startswith(base) for s in labels)]
+    table = Table(title=title, title_justify="left")
+    for col in ("block", "batch", "conc", *labels, *(f"p2pkv\n{c}" for _, c in ratios)):
+        table.add_column(col, justify="right")
+    for block, batch, conc in cells:
+        found = {s: index.get((s, block, batch, conc)) for s in labels}
+        own = found.get(p2pkv or "")
+        table.add_row(format_size(block), str(batch), str(conc),
+                      *(_rate(found[s]) for s in labels),
+                      *(_ratio(getattr(own, attr) if own else None) for attr, _ in ratios))
+    return table
+
+
+def _latency_table(
+    title: str, labels: Sequence[str], index: dict[tuple[Any, ...], CellResult],
+    cells: Sequence[tuple[int, int, int]],
+) -> Table:
+    """Per-request p50 / p99 µs of each series but memcpy."""
+    table = Table(title=title, title_justify="left")
+    for col in ("block", "batch", "conc", *labels):
+        table.add_column(col, justify="right")
+    for block, batch, conc in cells:
+        rows = [index.get((s, block, batch, conc)) for s in labels]
+        table.add_row(format_size(block), str(batch), str(conc), *(
+            f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r and r.gbps else "" for r in rows
+        ))
+    return table
+
+
 def print_tables(console: Console, results: Sequence[CellResult], title: str) -> None:
-    """Throughput table (GB/s, ratios) and per-request latency table (p50/p99 µs)."""
-    order = series_order(results)
-    p2pkv = [s for s in order if s.startswith("p2pkv ")]
-    has_raw = {s for s in p2pkv if f"raw {s.removeprefix('p2pkv ')}" in order}
+    """Per transport, a throughput table (GB/s, ratios to raw and memcpy) and a per-request
+    latency table (p50/p99 µs): at most eight columns each, so they fit 100 columns."""
     index = {(r.series, r.block_size, r.batch, r.concurrency): r for r in results}
     cells = sorted({(r.block_size, r.batch, r.concurrency) for r in results})
-    thr = Table(title=f"{title}: GB/s (1e9 B/s), median of repetitions ±half-range",
-                title_justify="left")
-    lat = Table(title="per-request latency p50 / p99 (µs)", title_justify="left")
-    for t in (thr, lat):
-        for col in ("block", "batch", "conc"):
-            t.add_column(col, justify="right")
-    for label in order:
-        thr.add_column(label, justify="right")
-    for label in p2pkv:
-        short = label.removeprefix("p2pkv ")
-        if label in has_raw:
-            thr.add_column(f"{short}\n/raw", justify="right")
-        if "memcpy" in order:
-            thr.add_column(f"{short}\n/memcpy", justify="right")
-    for label in order:
-        if label != "memcpy":
-            lat.add_column(label, justify="right")
-    for block, batch, conc in cells:
-        head = (format_size(block), str(batch), str(conc))
-        found = {s: index.get((s, block, batch, conc)) for s in order}
-        ratios = []
-        for label in p2pkv:
-            r = found[label]
-            if label in has_raw:
-                ratios.append(_ratio(r.ratio_raw if r else None))
-            if "memcpy" in order:
-                ratios.append(_ratio(r.ratio_memcpy if r else None))
-        thr.add_row(*head, *(_rate(found[s]) for s in order), *ratios)
-        lat.add_row(*head, *(
-            f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r and r.gbps else ""
-            for s, r in found.items() if s != "memcpy"
-        ))
-    console.print(thr)
-    console.print(lat)
+    console.print(f"{title}: GB/s = 1e9 B/s, median of the repetitions ±half their range")
+    for transport, labels in _groups(series_order(results)):
+        console.print(_throughput_table(f"{transport}: GB/s", labels, index, cells))
+        timed = [s for s in labels if s != "memcpy"]
+        if timed:
+            console.print(_latency_table(
+                f"{transport}: per-request latency p50 / p99 (µs)", timed, index, cells))
     for label, g in geomean_ratios(results).items():
         parts = []
         if "ratio_raw" in g:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -21,6 +21,7 @@ from rich.progress import (
 
 from p2pkv.bench.cli import parse_size
 from p2pkv.bench.hostinfo import environ_restored
+from p2pkv.cli import check_output_path, make_console, print_error, usable_transport
 from p2pkv.demo.orchestrator import (
     DemoFailure,
     InlineRole,
@@ -29,7 +30,7 @@ from p2pkv.demo.orchestrator import (
     replay,
 )
 from p2pkv.demo.orchestrator import Progress as ReplayProgress
-from p2pkv.demo.presets import PRESETS, resolve_preset
+from p2pkv.demo.presets import PRESETS, ModelPreset, resolve_preset
 from p2pkv.demo.roles import RoleSetup
 from p2pkv.demo.summary import print_summary, summarize
 from p2pkv.demo.workload import PromptDistribution, make_stream, parse_orders
@@ -75,19 +76,18 @@ def add_parser(sub: Any) -> None:
 
 
 def _single_process(control: str, data: str) -> bool:
-    """True when a chosen transport cannot cross processes (both tiers then share one)."""
+    """True when a chosen transport cannot cross processes (both tiers then share one).
+
+    Raises ``ConfigError``/``TransportUnavailable`` for a transport that cannot run here."""
     registry = default_registry()
-    for kind, name in (("control", control), ("data", data)):
-        cls = registry.transport(kind, name)  # type: ignore[arg-type]
-        problem = cls.availability()
-        if problem is not None:
-            raise problem
-        if not cls.capabilities.cross_process:
-            return True
-    return False
+    control_cls = usable_transport(registry, "control", control)
+    data_cls = usable_transport(registry, "data", data)
+    return not (control_cls.capabilities.cross_process and data_cls.capabilities.cross_process)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Replay the stream; 0 when every request moved verified bytes, 1 otherwise. A bad
+    option raises ``ConfigError``/``TransportUnavailable`` before any process starts."""
     # Both sides are on this host: keep UCX's TCP traffic on loopback unless told otherwise
     # (for the role processes only; this process's environment is restored on return).
     with environ_restored():
@@ -95,41 +95,46 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
 
 
+def _plan(
+    args: argparse.Namespace,
+) -> tuple[ModelPreset, PromptDistribution, dict[str, float], int]:
+    """Validate the options: (preset, prompt distribution, orders, slots per side)."""
+    if args.json:
+        check_output_path("--json", args.json)
+    preset = resolve_preset(
+        args.preset, block_bytes=args.block_bytes, tokens_per_block=args.tokens_per_block
+    )
+    dist = PromptDistribution.parse(args.prompt_dist)
+    orders = parse_orders(args.orders)
+    if args.inflight <= 0:
+        raise ConfigError(f"--inflight must be > 0, got {args.inflight}")
+    capacity = args.region // preset.block_bytes
+    if capacity < 1:
+        raise ConfigError(f"--region {args.region} B holds no {preset.block_bytes} B block")
+    return preset, dist, orders, capacity
+
+
 def _run(args: argparse.Namespace) -> int:
-    console = Console()
-    try:
-        preset = resolve_preset(
-            args.preset, block_bytes=args.block_bytes, tokens_per_block=args.tokens_per_block
-        )
-        dist = PromptDistribution.parse(args.prompt_dist)
-        orders = parse_orders(args.orders)
-        if args.inflight <= 0:
-            raise ConfigError(f"--inflight must be > 0, got {args.inflight}")
-        capacity = args.region // preset.block_bytes
-        max_blocks = min(max(args.max_tokens // preset.tokens_per_block, 1), capacity)
-        if max_blocks < 1:
-            raise ConfigError(f"--region {args.region} B holds no {preset.block_bytes} B block")
-        inline = _single_process(args.control, args.data)
-        stream = make_stream(
-            args.requests, dist, tokens_per_block=preset.tokens_per_block,
-            max_blocks=max_blocks, orders=orders, seed=args.seed,
-            run_id=f"demo{time.time_ns() % 10**9}",
-        )
-    except ConfigError as exc:
-        console.print(f"[red]{escape(str(exc))}[/]")
-        return 2
-    except Exception as exc:  # TransportUnavailable and friends: say what to install
-        console.print(f"[red]{escape(str(exc))}[/]")
-        return 2
+    preset, dist, orders, capacity = _plan(args)
+    inline = _single_process(args.control, args.data)
+    stream = make_stream(
+        args.requests, dist, tokens_per_block=preset.tokens_per_block,
+        max_blocks=min(max(args.max_tokens // preset.tokens_per_block, 1), capacity),
+        orders=orders, seed=args.seed, run_id=f"demo{time.time_ns() % 10**9}",
+    )
+    console = make_console()
     mode = "one process (process-local transport)" if inline else "two processes"
     console.print(
         f"p2pkv demo: {preset.name} blocks of {preset.formula()}; "
-        f"control [bold]{args.control}[/], data [bold]{args.data}[/], {mode}; "
+        f"control [bold]{escape(args.control)}[/], data [bold]{escape(args.data)}[/], {mode}; "
         f"{args.requests} requests, prompts {dist}, {capacity} slots per side"
     )
     tier_config = {"control": args.control, "data": args.data, "host": args.host, "port": 0}
+    log_level = logging.getLogger("p2pkv").getEffectiveLevel()
     setups = [
-        RoleSetup(tier_config, preset.block_bytes, capacity, seed=args.seed + i) for i in (0, 1)
+        RoleSetup(tier_config, preset.block_bytes, capacity, seed=args.seed + i,
+                  log_level=log_level)
+        for i in (0, 1)
     ]
     kind: Callable[[str, RoleSetup], RoleHandle] = InlineRole if inline else ProcessRole
     roles: list[RoleHandle] = []
@@ -137,13 +142,13 @@ def _run(args: argparse.Namespace) -> int:
         roles.append(kind("producer", setups[0]))
         roles.append(kind("consumer", setups[1]))
         records, wall = _replay_with_display(
-            console, roles, stream, block_len=preset.block_bytes, capacity=capacity, args=args
+            roles, stream, block_len=preset.block_bytes, capacity=capacity, args=args
         )
         stats = {}
         for role in reversed(roles):  # the consumer (which dialed) says goodbye first
             stats[role.kind], _left = role.stop(timeout=30.0)
     except DemoFailure as exc:
-        console.print(f"[red]demo failed:[/] {escape(str(exc))}")
+        print_error("p2pkv demo", f"failed: {exc}")
         for role in roles:
             role.kill()
         return 1
@@ -162,7 +167,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _replay_with_display(
-    console: Console,
     roles: list[RoleHandle],
     stream: list[Any],
     *,
@@ -178,7 +182,7 @@ def _replay_with_display(
         TextColumn("{task.fields[rate]:6.2f} GB/s"),
         TextColumn("{task.fields[failed]} failed"),
         TimeElapsedColumn(),
-        console=console,
+        console=make_console(stderr=True),
         disable=args.quiet,
     ) as bar:
         task = bar.add_task("demo", total=len(stream), gb=0.0, rate=0.0, failed=0)

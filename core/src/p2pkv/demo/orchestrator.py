@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from p2pkv.addressing import parse_address
+from p2pkv.addressing import format_address, parse_address
+from p2pkv.cli import configure_logging
 from p2pkv.demo.roles import (
     ConsumerRole,
     Event,
@@ -80,7 +81,9 @@ def _make_role(kind: str, setup: RoleSetup) -> ProducerRole | ConsumerRole:
 
 
 def _role_main(conn: Connection, kind: str, setup: RoleSetup) -> None:
-    """Child entry: build the role, then run engine steps until told to stop."""
+    """Child entry: build the role, then run engine steps until told to stop. Logging is
+    configured first, at the parent's level (a spawned process inherits none of it)."""
+    configure_logging(setup.log_level)
     try:
         role = _make_role(kind, setup)
     except Exception as exc:
@@ -328,8 +331,7 @@ class _Router:
         self.producer = producer
         self.consumer = consumer
         self.block_len = block_len
-        host, port = parse_address(producer.address)
-        self.target = f"{host}:{port}"
+        self.target = format_address(*parse_address(producer.address))
         self.progress = Progress()
 
     def admit(self, req: DemoRequest) -> None:

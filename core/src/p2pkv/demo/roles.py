@@ -19,6 +19,7 @@ single-threaded and never blocks longer than ``idle_wait``.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class RoleSetup:
     block_len: int
     num_slots: int
     seed: int = 0
+    log_level: int = logging.WARNING
+    """Log level of a role process (the orchestrator passes its own)."""
 
 
 class _Engine:

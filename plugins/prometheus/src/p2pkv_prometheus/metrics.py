@@ -2,6 +2,9 @@
 
 Label values are bounded: ``outcome`` is an ``Outcome`` value, ``reason`` keeps only the first
 word of a free-text reason, ``kind`` is a timeout kind. No per-request or per-peer labels.
+Quantities the vLLM adapter also reports carry the same words in their names
+(``bytes_sent``, ``in_flight_transfers``, ``parked_stores``, ``sessions``, ...). Every metric
+is listed, with type, labels and meaning, in docs/observability.md (a test checks it).
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ class Metrics:
             registry=registry,
         )
         self.job_seconds = Histogram(
-            "p2pkv_job_duration_seconds", "Time from submit to result of an engine job.", ["kind"],
+            "p2pkv_job_duration_seconds",
+            "Time from submit to result of an engine job (a store's includes waiting for its "
+            "consumer).", ["kind"],
             buckets=_LATENCY_BUCKETS, registry=registry,
         )
         self.transfers = Counter(
             "p2pkv_transfers", "Data transfers finished, by result.", ["result"], registry=registry
         )
-        self.transferred_bytes = Counter(
-            "p2pkv_transferred_bytes", "Bytes written to peers by successful transfers.",
+        self.bytes_sent = Counter(
+            "p2pkv_bytes_sent", "Bytes written to peers by successful transfers.",
             registry=registry,
         )
         self.transfer_seconds = Histogram(
@@ -54,8 +59,8 @@ class Metrics:
         self.timeouts = Counter(
             "p2pkv_timeouts", "Deadlines that fired, by kind.", ["kind"], registry=registry
         )
-        self.inflight = Gauge(
-            "p2pkv_inflight_transfers", "Data transfers in flight.", registry=registry,
+        self.in_flight = Gauge(
+            "p2pkv_in_flight_transfers", "Data transfers in flight.", registry=registry,
             multiprocess_mode="livesum",
         )
         self.parked = Gauge(

@@ -54,7 +54,7 @@ def p2pkv_transfer_finished(
     m = metrics()
     m.transfers.labels(result="ok" if success else "failed").inc()
     if success:
-        m.transferred_bytes.inc(nbytes)
+        m.bytes_sent.inc(nbytes)
     m.transfer_seconds.observe(seconds)
 
 
@@ -76,6 +76,6 @@ def p2pkv_timeout(kind: str, kv_request_id: str, peer: str) -> None:
 @hookimpl
 def p2pkv_tier_state(in_flight_transfers: int, parked_stores: int, sessions: int) -> None:
     m = metrics()
-    m.inflight.set(in_flight_transfers)
+    m.in_flight.set(in_flight_transfers)
     m.parked.set(parked_stores)
     m.sessions.set(sessions)

@@ -3,21 +3,24 @@
 vLLM asks each tier for the observations since its previous ``get_stats`` call and sums
 counters itself, so cumulative tier counters are reported as deltas; gauges as snapshots.
 Job outcomes become one counter labelled by ``outcome`` (a bounded set: ``p2pkv.Outcome``).
+
+The metric names (``JOBS``, ``PREFIX`` + the keys of ``COUNTERS``/``GAUGES``, which are
+``P2PTier.stats()`` keys) import without vLLM, so the docs check can list them; vLLM's
+classes load when the definitions or a report are built. Names shared with
+``p2pkv-prometheus`` use the same words there (``bytes_sent``, ``in_flight_transfers``, ...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2pkv.types import Outcome
-from vllm.v1.kv_offload.base import (
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
-    OffloadingMetricMetadata,
-)
 
-__all__ = ["StatsReporter", "metric_definitions"]
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata
+
+__all__ = ["COUNTERS", "GAUGES", "JOBS", "PREFIX", "StatsReporter", "metric_definitions"]
 
 PREFIX = "vllm:kv_offload_p2pkv_"
 JOBS = f"{PREFIX}jobs"
@@ -42,6 +45,9 @@ GAUGES: Mapping[str, str] = {
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """Every metric the tier reports, by full name (needs vLLM)."""
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+
     defs: dict[str, OffloadingMetricMetadata] = {
         JOBS: OffloadingCounterMetadata(
             documentation="P2P tier jobs (loads and stores) finished, by outcome.",

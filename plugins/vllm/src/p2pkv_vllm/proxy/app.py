@@ -225,7 +225,7 @@ class ProxyApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        allowed = {"/health": "GET", "/v1/models": "GET"}.get(
+        allowed = {"/health": "GET", "/ready": "GET", "/v1/models": "GET"}.get(
             path, "POST" if path in GENERATE_PATHS else None
         )
         record = AccessRecord(new_kv_request_id(), method, path, self.config.mode.value)
@@ -236,6 +236,8 @@ class ProxyApp:
             await exchange.error(405, f"{path} takes {allowed}", kind="method_not_allowed")
         elif path == "/health":
             await exchange.json(200, {"status": "ok", "mode": self.config.mode.value})
+        elif path == "/ready":
+            await self._ready(exchange)
         elif path == "/v1/models":
             await self._models(scope, exchange)
         else:
@@ -250,6 +252,41 @@ class ProxyApp:
                 await self.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    # -- /ready ------------------------------------------------------------------------------
+
+    async def _ready(self, exchange: _Exchange) -> None:
+        """Probe every upstream's ``GET /health`` at once (each bounded by the connect timeout).
+
+        200 ``ready`` when all answer 2xx; 200 ``degraded`` when some do not but every pool
+        (prefillers, decoders) still has a live instance; 503 ``unready`` when a pool has none.
+        The body lists every upstream's state and names the dead ones with the reason.
+        """
+        pools = {"prefillers": [u.url for u in self.config.prefillers],
+                 "decoders": [u.url for u in self.config.decoders]}
+        urls = [url for members in pools.values() for url in members]
+        problems = dict(zip(urls, await asyncio.gather(*map(self._probe_health, urls)),
+                            strict=True))
+        dead = {url: why for url, why in problems.items() if why}
+        empty = [pool for pool, members in pools.items() if all(problems[u] for u in members)]
+        status = "unready" if empty else "degraded" if dead else "ready"
+        await exchange.json(503 if empty else 200, {
+            "status": status, "mode": self.config.mode.value, "dead": dead,
+            "no_live_instance": empty,
+            **{pool: {url: problems[url] or "ok" for url in members}
+               for pool, members in pools.items()},
+        })
+
+    async def _probe_health(self, url: str) -> str:
+        """Why ``url`` is not healthy ("" when its ``/health`` answered 2xx in time)."""
+        timeout = self.config.timeouts.connect
+        try:
+            reply = await asyncio.wait_for(self._fetch("GET", f"{url}/health"), timeout)
+        except asyncio.TimeoutError:
+            return f"no /health answer in {timeout:g}s"
+        except aiohttp.ClientError as exc:
+            return f"unreachable: {_describe(exc)}"
+        return "" if 200 <= reply.status < 300 else f"/health answered {reply.status}"
 
     # -- /v1/models --------------------------------------------------------------------------
 

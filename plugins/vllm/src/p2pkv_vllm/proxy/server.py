@@ -8,6 +8,7 @@ import socket
 import sys
 
 import uvicorn
+from p2pkv.errors import ConfigError
 
 from p2pkv_vllm.proxy.app import ACCESS_LOGGER, ProxyApp
 from p2pkv_vllm.proxy.config import ProxyConfig
@@ -16,7 +17,11 @@ __all__ = ["bind", "build_server", "run"]
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (0 = ephemeral; read it back from the socket)."""
+    """A listening TCP socket on ``host:port`` (0 = ephemeral; read it back from the socket).
+
+    Raises ``ConfigError`` for a port outside 0..65535, ``OSError`` when the bind fails."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: a listen port must be 0..65535 (0 = any free port)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must be IPPROTO_TCP (not 0): asyncio only disables Nagle on accepted sockets whose
     # proto says TCP, and with Nagle on every small streamed chunk can stall ~40 ms.
@@ -44,7 +49,9 @@ def build_server(app: object, *, log_level: str = "warning") -> uvicorn.Server:
 
 
 def run(config: ProxyConfig, host: str, port: int, *, log_level: str, access_log: bool) -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code."""
+    """Serve until SIGINT/SIGTERM; returns the exit code. A config the app refuses (e.g. an
+    unknown selection policy) raises ``ConfigError`` before anything is bound or printed."""
+    app = ProxyApp(config)
     if access_log:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -61,7 +68,7 @@ def run(config: ProxyConfig, host: str, port: int, *, log_level: str, access_log
         file=sys.stderr,
         flush=True,
     )
-    server = build_server(ProxyApp(config), log_level=log_level)
+    server = build_server(app, log_level=log_level)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
