@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from p2pkv.bench.cli import parse_size
 from p2pkv.bench.lanes import MemcpyLane
-from p2pkv.bench.report import geomean_ratios, plot
+from p2pkv.bench.report import figure, geomean_ratios, plot
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.cli import main
 from p2pkv.registry import default_registry
@@ -131,6 +131,51 @@ def test_plot(quick_doc: dict, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
     plot([CellResult(**row) for row in quick_doc["rows"]], str(out), "quick")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _synthetic_results() -> list[CellResult]:
+    """memcpy far above two ucx series near 0.05 GB/s, 2 batches x 2 concurrencies."""
+    rows = []
+    for block in (64 << 10, 1 << 20):
+        for batch in (1, 16):
+            for conc in (1, 4):
+                for series, impl, gbps in (("memcpy", "memcpy", 20.0),
+                                           ("raw ucx", "raw", 0.06), ("p2pkv ucx", "p2pkv", 0.04)):
+                    if impl == "memcpy" and conc != 1:
+                        continue  # as the matrix runs it
+                    rate = gbps * conc * (1 + block / (1 << 20))
+                    rows.append(CellResult(series, impl, "ucx" if impl != "memcpy" else "memcpy",
+                                           block, batch, conc, gbps=rate, gbps_min=rate * 0.9,
+                                           gbps_max=rate * 1.1))
+    return rows
+
+
+def test_plot_shows_every_concurrency_on_log_axes_with_the_legend_outside(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    fig = figure(_synthetic_results(), "synthetic")
+    axes = fig.axes
+    assert sorted(ax.get_title() for ax in axes) == sorted(
+        f"batch {b}, concurrency {c}" for b in (1, 16) for c in (1, 4))
+    assert {ax.get_yscale() for ax in axes} == {"log"}
+    for ax in axes:  # memcpy (run at concurrency 1) is the reference in every panel
+        assert ax.get_legend_handles_labels()[1] == ["memcpy", "raw ucx", "p2pkv ucx"]
+        assert ax.get_legend() is None
+        low, high = ax.get_ylim()
+        ys = [y for series in ax.containers for y in series[0].get_ydata()]
+        assert low < min(ys) and max(ys) < high
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["memcpy", "raw ucx", "p2pkv ucx"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in axes)
+    assert "every concurrency" in " ".join(t.get_text() for t in fig.texts)
+    pytest.importorskip("matplotlib.pyplot").close(fig)
+    out = tmp_path / "bench.png"
+    plot(_synthetic_results(), str(out), "synthetic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

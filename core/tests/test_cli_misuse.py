@@ -93,6 +93,15 @@ ROWS = {
     "demo emoji code in the input": Misuse(
         ("demo", "--prompt-dist", "lognormal:abc:0.6"), ("'lognormal:abc:0.6'", "fixed:N")),
     "demo bad preset": Misuse(("demo", "--preset", "gpt-17"), ("--preset", "'gpt-17'")),
+    "demo metrics neither a port nor dump": Misuse(
+        ("demo", "--metrics", "scrape"), ("--metrics", "'scrape'", "'dump'")),
+    "demo metrics port out of range": Misuse(
+        ("demo", "--metrics", "70000"), ("--metrics", "'70000'", "0..65535")),
+    "demo metrics with the prometheus plugin disabled": Misuse(
+        ("demo", "--metrics", "dump", "--control", "memory", "--data", "memory"),
+        ("--metrics needs the p2pkv-prometheus plugin", "P2PKV_DISABLE_PLUGINS",
+         "remove 'prometheus'"),
+        env={"P2PKV_DISABLE_PLUGINS": "prometheus"}, needs=("p2pkv_prometheus",)),
     "log level unknown before the command": Misuse(
         ("--log-level", "LOUD", "plugins"), ("--log-level", "'LOUD'", "DEBUG")),
     "log level unknown after the command": Misuse(

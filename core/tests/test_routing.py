@@ -77,3 +77,16 @@ def test_refusals_give_no_route_and_log_the_reason(params: dict[str, Any], reaso
 
 def test_non_mapping_params_are_refused() -> None:
     assert parse_routing(["x"]).invalid  # type: ignore[arg-type]
+
+
+def test_a_misspelt_routing_key_is_logged_once_naming_the_key_it_resembles(
+        caplog: pytest.LogCaptureFixture) -> None:
+    params = {"remote_prefill": {"kv_request_id": "r", "remote_host": "h", "remote_port": 1},
+              "do_remote_decode": True}
+    with caplog.at_level(logging.WARNING, logger="p2pkv.routing"):
+        assert parse_routing(params, req_id="a") is NO_ROUTING
+        assert parse_routing(params, req_id="b") is NO_ROUTING
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["request a: kv_transfer_params key 'remote_prefill' is not a p2pkv "
+                     "routing key (ignored); did you mean 'remote_prefiller'? (logged once "
+                     "per key)"]

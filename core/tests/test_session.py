@@ -577,7 +577,7 @@ def test_a_failed_load_releases_the_producer_and_marks_the_id(rig: Rig) -> None:
     rig.sent()
     rig.feed(TransferDone("r", 0, False, "transfer_failed: x"))
     assert rig.sent() == [Fetch("r", 1, [], [])]
-    assert rig.dir.failed == {"r"}
+    assert set(rig.dir.failed) == {"r"}
 
 
 def test_symmetric_probes_batch_per_request_and_resolve(rig: Rig) -> None:
@@ -678,7 +678,7 @@ def test_closing_fails_loads_and_marks_ids(rig: Rig) -> None:
     rig.session.client.open_request("idle")
     rig.session.close(Outcome.PEER_DEAD, "gone")
     rig.take()
-    assert rig.results == {1: Outcome.PEER_DEAD} and rig.dir.failed == {"r", "idle"}
+    assert rig.results == {1: Outcome.PEER_DEAD} and set(rig.dir.failed) == {"r", "idle"}
     assert rig.session.state is State.CLOSED
 
 
@@ -1018,3 +1018,18 @@ def test_a_fetch_partly_held_writes_the_held_part_and_waits_for_the_rest(rig: Ri
     assert list(rig.data.writes.values()) == [([3], [0])]
     rig.store(2, "r", [b"b"], [4])
     assert list(rig.data.writes.values())[1] == ([4], [1])
+
+
+def test_a_round_its_consumer_gave_up_does_not_hold_demand_forever(rig: Rig) -> None:
+    """A fetch whose abort was lost (or arrived first, reordered) for blocks that never come:
+    the producer ends the round once the consumer's load and abort deadlines have passed."""
+    rig.ready()
+    rig.feed(Fetch("r", 0, [b"a", b"b"], [0, 1]))
+    t = rig.env.timeouts
+    rig.tick(t.load + 2 * t.abort_ack - 0.1)
+    assert rig.sent() == [] and rig.session.server.reqs
+    rig.tick(0.2)
+    (done,) = rig.sent()
+    assert isinstance(done, TransferDone) and not done.success
+    assert done.reason.startswith("load_timeout:") and "2 block(s) never stored" in done.reason
+    assert rig.session.server.state_sizes()["demand"] == 0 and rig.doom() is None

@@ -101,7 +101,13 @@ class ControlSettings:
     the transport-specific part of the tier config (``control_options``); unknown keys must be
     refused with ``ConfigError`` naming the key. ``dp_rank`` is the data-parallel rank already
     added to ``port`` (``TierConfig.dp_rank``); transports use it only to explain errors (a
-    port in use names the base port, the rank offset and ``P2PKV_PORT``).
+    port in use names the base port, the rank offset and ``port_setting``).
+    ``host_setting``/``port_setting`` say how the operator changes the host and base port
+    in this deployment (the variable in force: ``VLLM_P2P_SIDE_CHANNEL_PORT`` under vLLM,
+    ``P2PKV_PORT`` standalone, or the tier config key); errors about them must use these.
+    ``handshake_timeout`` is the tier's ``timeouts.handshake``: transports that run a
+    handshake of their own (and close inbound connections that never complete one) bound it
+    with this unless an option of theirs says otherwise.
     """
 
     host: str
@@ -109,6 +115,9 @@ class ControlSettings:
     max_frame_bytes: int = 64 * 1024 * 1024
     options: Mapping[str, Any] = field(default_factory=dict)
     dp_rank: int = 0
+    handshake_timeout: float = 10.0
+    host_setting: str = "the tier config key 'host' or the environment variable P2PKV_HOST"
+    port_setting: str = "the tier config key 'port' or the environment variable P2PKV_PORT"
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,11 @@ class ControlConnection(ABC):
     connection dies. The transport owns liveness: a peer that closes, crashes or stops
     answering makes ``alive`` False within the transport's configured timeout.
     """
+
+    close_reason: str | None = None
+    """Why the connection ended, once it has, in words an operator acts on ("connection
+    refused", "no such host", "security handshake failed: ..."); None while alive, or when
+    the transport cannot tell. The core puts it into the detail of the jobs that fail."""
 
     @property
     @abstractmethod

@@ -14,14 +14,16 @@ Keys (legacy names in brackets, accepted the same way):
 
 Consumer dicts need ``kv_request_id`` (non-empty string), ``remote_host`` (non-empty string)
 and ``remote_port`` (integer 1..65535, or its decimal string). Other keys inside a dict and
-other top-level keys are ignored. The only legal multi-key combination is ``remote_decoder`` +
-``remote_kv_source``; any other combination (including a key together with its own legacy
-name) is refused. A refused or malformed routing gives no route and a logged reason; it never
-raises.
+other top-level keys are ignored; one that looks like a misspelt routing key
+(``remote_prefill`` for ``remote_prefiller``) is logged once per key, naming the key it
+resembles. The only legal multi-key combination is ``remote_decoder`` + ``remote_kv_source``;
+any other combination (including a key together with its own legacy name) is refused. A
+refused or malformed routing gives no route and a logged reason; it never raises.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +38,15 @@ log = logging.getLogger(__name__)
 _PD_CONSUMER = ("remote_prefiller", "prefill")
 _SYM_CONSUMER = ("remote_kv_source", "p2p")
 _PRODUCER = ("remote_decoder", "decode")
+_ROUTING_KEYS = (*_PD_CONSUMER, *_SYM_CONSUMER, *_PRODUCER)
+_OTHER_CONNECTORS_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
+                          "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
+                          "remote_dp_size", "remote_tp_size", "tp_size")
+"""Keys other KV connectors of vLLM put in ``kv_transfer_params`` (NixlConnector and the
+like): never a misspelling of ours, however close."""
+_SEEN_KEYS: dict[str, str] = dict.fromkeys(_OTHER_CONNECTORS_KEYS, "")
+"""Top-level keys already judged: the routing key each resembles ("" for none). Bounded."""
+_SEEN_CAP = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,7 @@ def parse_routing(
     try:
         if not isinstance(params, Mapping):
             raise _Refused(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
+        _warn_misspelt(params, req_id)
         pd = _pick(params, _PD_CONSUMER)
         sym = _pick(params, _SYM_CONSUMER)
         prod = _pick(params, _PRODUCER)
@@ -104,6 +116,21 @@ def parse_routing(
     if consumer is None and producer is None:
         return NO_ROUTING
     return Routing(consumer, producer)
+
+
+def _warn_misspelt(params: Mapping[str, Any], req_id: str) -> None:
+    """Log, once per key, a top-level key that resembles a routing key but is none."""
+    for key in params:
+        if key in _ROUTING_KEYS or not isinstance(key, str) or key in _SEEN_KEYS:
+            continue
+        if len(_SEEN_KEYS) >= _SEEN_CAP:
+            return
+        close = difflib.get_close_matches(key, _ROUTING_KEYS, n=1, cutoff=0.8)
+        _SEEN_KEYS[key] = close[0] if close else ""
+        if close:
+            log.warning("request %s: kv_transfer_params key %r is not a p2pkv routing key "
+                        "(ignored); did you mean %r? (logged once per key)", req_id or "?",
+                        key, close[0])
 
 
 def _pick(params: Mapping[str, Any], names: tuple[str, str]) -> tuple[str, Any] | None:

@@ -139,6 +139,8 @@ class P2PTier:
                 control = reg.transport("control", config.control).create(ControlSettings(
                     config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
                     options=config.control_options, dp_rank=config.dp_rank,
+                    handshake_timeout=config.timeouts.handshake,
+                    host_setting=config.host_setting, port_setting=config.port_setting,
                 ))
         except BaseException:
             if built_data:
@@ -191,8 +193,8 @@ class P2PTier:
         consumer = routing.consumer
         if consumer is not None:
             session = self._session_for(consumer.peer)
-            if session is None:
-                self._dir.failed.add(consumer.kv_request_id)
+            if isinstance(session, str):
+                self._dir.mark_failed(consumer.kv_request_id, session)
             else:
                 session.client.open_request(consumer.kv_request_id)
         if routing.producer is not None:
@@ -211,7 +213,7 @@ class P2PTier:
         if not consumer.probe:
             return LookupResult.HIT
         session = self._session_for(consumer.peer)
-        if session is None:
+        if isinstance(session, str):
             return LookupResult.MISS
         return session.client.probe(consumer.kv_request_id, key)
 
@@ -239,14 +241,16 @@ class P2PTier:
         if admitted is None:
             return
         job, kv, peer = admitted
-        if kv in self._dir.failed:
+        failed = self._dir.failed.get(kv)
+        if failed is not None:
             self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
-                               f"an earlier load of {kv!r} failed")
+                               f"request {kv!r} already failed ({failed}); its loads cannot "
+                               f"succeed any more")
             return
         session = self._session_for(peer)
-        if session is None:
-            self._dir.failed.add(kv)
-            self._ledger.close(job.job_id, Outcome.PEER_DEAD, f"cannot connect to {peer}")
+        if isinstance(session, str):
+            self._dir.mark_failed(kv, f"{Outcome.PEER_DEAD.value}: {session}")
+            self._ledger.close(job.job_id, Outcome.PEER_DEAD, session)
             return
         session.client.submit(job, kv)
 
@@ -279,7 +283,7 @@ class P2PTier:
         routing = self._routing(ctx)
         consumer, producer = routing.consumer, routing.producer
         if consumer is not None:
-            self._dir.failed.discard(consumer.kv_request_id)
+            self._dir.failed.pop(consumer.kv_request_id, None)
             session = self._sessions.get(consumer.peer)
             if session is not None:
                 session.client.finish(consumer.kv_request_id)
@@ -541,8 +545,9 @@ class P2PTier:
                     f"{limits.max_frame_bytes}; raise it (on both peers)")
         return ""
 
-    def _session_for(self, peer: str) -> Session | None:
-        """The usable session to ``peer``, connecting if needed; None if we cannot dial it."""
+    def _session_for(self, peer: str) -> Session | str:
+        """The usable session to ``peer``, connecting if needed; why not, if we cannot dial
+        it."""
         session = self._sessions.get(peer)
         if session is not None:
             if session.usable:
@@ -553,8 +558,9 @@ class P2PTier:
         try:
             conn = self._control.connect(peer)
         except Exception as exc:
-            log.warning("cannot connect to %s: %s", peer, exc)
-            return None
+            why = f"cannot connect to {peer}: {exc}"
+            log.warning("%s", why)
+            return why
         return self._new_session(peer, conn)
 
     def _close_unusable(self, session: Session) -> None:
@@ -562,7 +568,9 @@ class P2PTier:
         if doom is not None:
             self._close(session, doom.outcome, doom.reason, bye=doom.bye)
         else:
-            self._close(session, Outcome.PEER_DEAD, f"connection to {session.peer} lost")
+            why = session.conn.close_reason
+            self._close(session, Outcome.PEER_DEAD, f"connection to {session.peer} failed: {why}"
+                        if why else f"connection to {session.peer} lost")
 
     def _new_session(self, peer: str, conn: ControlConnection) -> Session:
         session = Session(self._env, peer, conn)

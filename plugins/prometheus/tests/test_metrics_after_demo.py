@@ -2,7 +2,8 @@
 
 The demo's producer and consumer run in their own processes with the plugin loaded through
 its entry point; ``PROMETHEUS_MULTIPROC_DIR`` makes them write their samples where this test
-aggregates them with ``MultiProcessCollector`` (the multi-process deployment mode).
+aggregates them with ``MultiProcessCollector`` (the multi-process deployment mode). Both have
+exited when the test collects: their counters and histograms count, their gauges are gone.
 """
 
 from __future__ import annotations
@@ -64,3 +65,6 @@ def test_metrics_match_a_demo_run(tmp_path: Path) -> None:
     assert _total(samples, "p2pkv_job_duration_seconds_count", kind="load") == (
         stats["consumer"]["jobs_done"]
     )
+    gauges = {"p2pkv_sessions", "p2pkv_in_flight_transfers", "p2pkv_parked_stores"}
+    assert not gauges & {name for name, _ in samples}, "gauges of exited processes remain"
+    assert not list(metrics_dir.glob("gauge_*.db"))

@@ -88,6 +88,7 @@ def vllm_metrics() -> dict[str, str]:
     metrics = pytest.importorskip("p2pkv_vllm.metrics")
     return {
         metrics.JOBS: "counter",
+        metrics.JOB_SECONDS: "histogram",
         **{metrics.PREFIX + name: "counter" for name in metrics.COUNTERS},
         **{metrics.PREFIX + name: "gauge" for name in metrics.GAUGES},
     }

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import zmq.auth
 from p2pkv.cli import main as p2pkv_main
 from p2pkv.errors import ConfigError
 from p2pkv.testing.waiting import wait_until
+from p2pkv_zmq.dialing import DIAL_BACKOFF
 
 T = 5.0
 
@@ -108,7 +110,7 @@ def test_unauthenticated_peer_delivers_nothing(
         accepted.extend(server.poll(0.005))
     assert accepted == [], "an unauthenticated peer delivered a frame"
     assert not conn.alive
-    reason = conn.reason or ""
+    reason = conn.close_reason or ""
     assert any(why in reason for why in ("handshake failed", "disconnected",
                                         "could not open the link")), reason
 
@@ -191,3 +193,32 @@ def test_curve_option_errors_are_clear_and_never_echo_keys(
     empty.mkdir()
     with pytest.raises(ConfigError, match=r"no \*\.key files"):
         make_transport(options={**full, "allowed_client_keys": [str(empty)]})
+
+
+@pytest.mark.parametrize("mismatch", ["different server key pair", "keys on the listener only",
+                                      "keys on the dialer only", "client key not allowed"])
+def test_a_curve_mismatch_is_named_on_the_dialing_side(
+    make_transport: Any, keydir: Path, mismatch: str,
+) -> None:
+    """The dialer's connection dies fast with a reason naming the security mismatch, not a
+    bare disconnect (the listener alone used to say why)."""
+    listener_options, dialer_options = curve(keydir, "alice"), curve(keydir, "alice")
+    if mismatch == "different server key pair":
+        dialer_options["server_public_key"] = str(keydir / "mallory.key")
+    elif mismatch == "keys on the listener only":
+        dialer_options = {}
+    elif mismatch == "keys on the dialer only":
+        listener_options = {}
+    else:
+        dialer_options = curve(keydir, "mallory")
+    listener = make_transport(options=listener_options)
+    dialer = make_transport(options=dialer_options)
+    conn = dialer.connect(listener.local_address)
+    wait_until(lambda: not conn.alive, timeout=T, what="the mismatched dial to die",
+               pumps=[pump(dialer, listener)])
+    died = time.monotonic()
+    reason = conn.close_reason or ""
+    assert "security" in reason and listener.local_address in reason, reason
+    again = dialer.connect(listener.local_address)
+    if time.monotonic() - died < DIAL_BACKOFF / 2:  # else the backoff may be over: a new dial
+        assert not again.alive and "security" in (again.close_reason or ""), "not remembered"

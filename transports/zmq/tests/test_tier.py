@@ -132,7 +132,25 @@ def test_a_tier_on_a_taken_port_names_the_rank_offset(pair: tuple[Peer, Peer]) -
     with pytest.raises(ConfigError) as err:
         P2PTier(config, memoryview(region), BLOCK_LEN, registry=REGISTRY)
     text = str(err.value)
-    assert f"port {producer.port} " in text and "rank offset 1" in text and "P2PKV_PORT" in text
+    assert f"port {producer.port} " in text and "rank offset 1" in text
+    assert text.endswith("choose another base port with the tier config key 'port'")
+
+
+def test_a_taken_port_set_by_vllms_variable_names_that_variable(
+        pair: tuple[Peer, Peer]) -> None:
+    """Under vLLM, VLLM_P2P_SIDE_CHANNEL_PORT overrides P2PKV_PORT: the hint names the one in
+    force, not one whose change would do nothing."""
+    producer, _ = pair
+    env = {"VLLM_P2P_SIDE_CHANNEL_PORT": str(producer.port), "P2PKV_PORT": "7000"}
+    config = TierConfig.from_dict({"control": "zmq", "data": "memory", "host": "127.0.0.1"},
+                                  environ=env,
+                                  port_env=("VLLM_P2P_SIDE_CHANNEL_PORT", "P2PKV_PORT"))
+    region = bytearray(NUM_BLOCKS * BLOCK_LEN)
+    with pytest.raises(ConfigError) as err:
+        P2PTier(config, memoryview(region), BLOCK_LEN, registry=REGISTRY)
+    text = str(err.value)
+    assert "environment variable VLLM_P2P_SIDE_CHANNEL_PORT (it set this port" in text
+    assert "P2PKV_PORT" not in text
 
 
 def test_pd_request_across_processes_over_zmq_control(tmp_path: Any) -> None:

@@ -403,7 +403,7 @@ def test_an_accepted_peer_that_stops_listening_is_dead_at_once(make_transport: A
         # well before connect_timeout (10 s): the dial-back is refused
         wait_until(lambda: not accepted[0].alive, timeout=T, what="the refused dial-back",
                    pumps=[pump(a)])
-        assert "no longer listens" in (accepted[0].reason or "")
+        assert "no longer listens" in (accepted[0].close_reason or "")
     finally:
         raw.close()
 

@@ -7,6 +7,7 @@ bounded by a deadline, so a lost parent never leaves a child spinning.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
@@ -29,6 +30,26 @@ def _told_to_stop(pipe: Connection) -> bool:
         return bool(pipe.poll(0)) and pipe.recv() == "stop"
     except (EOFError, OSError):
         return True
+
+
+def _serve_requests(pipe: Connection, t: Any) -> bool:
+    """Answer every pending ``"resources"`` request with ``("resources", open descriptors,
+    resident bytes, t.stats())`` of this process; True once told to stop (or orphaned)."""
+    while True:
+        try:
+            if not pipe.poll(0):
+                return False
+            command = pipe.recv()
+        except (EOFError, OSError):
+            return True
+        if command != "resources":
+            return command == "stop"
+        pipe.send(("resources", len(os.listdir("/proc/self/fd")), _resident_bytes(), t.stats()))
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def streamer(
@@ -61,7 +82,7 @@ def streamer(
 
 def sitter(pipe: Connection, port: int, dial: str | None, options: Mapping[str, Any]) -> None:
     """Listen on ``port`` (0: ephemeral); if ``dial``, connect there and send ``hello``.
-    Echo every frame received on any connection back on it."""
+    Echo every frame received on any connection back on it; answer ``"resources"``."""
     t = ZmqControlTransport.create(ControlSettings("127.0.0.1", port, options=options))
     pipe.send(("address", t.local_address))
     conns: list[Any] = []
@@ -69,7 +90,7 @@ def sitter(pipe: Connection, port: int, dial: str | None, options: Mapping[str, 
         conns.append(t.connect(dial))
         conns[0].send(b"hello")
     deadline = time.monotonic() + _LIFETIME
-    while not _told_to_stop(pipe) and time.monotonic() < deadline:
+    while not _serve_requests(pipe, t) and time.monotonic() < deadline:
         conns.extend(t.poll(0.01))
         for conn in conns:
             for frame in conn.recv():
@@ -78,10 +99,12 @@ def sitter(pipe: Connection, port: int, dial: str | None, options: Mapping[str, 
     t.close()
 
 
-def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, seed: int) -> None:
-    """A producer ``P2PTier`` over ``zmq`` control and ``data``: its region holds
-    ``default_rng(seed)`` bytes; ``("store", job_id, kv, keys, slots)`` offers blocks,
-    ``("finish", kv)`` ends a request. Reports ``("result", job_id, outcome)``."""
+def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, seed: int,
+                  control_options: Mapping[str, Any] | None = None) -> None:
+    """A producer ``P2PTier`` over ``zmq`` control (with ``control_options``) and ``data``:
+    its region holds ``default_rng(seed)`` bytes; ``("store", job_id, kv, keys, slots)``
+    offers blocks, ``("finish", kv)`` ends a request. Reports ``("result", job_id,
+    outcome)``."""
     import numpy as np
     from p2pkv.config import TierConfig
     from p2pkv.tier import P2PTier
@@ -89,7 +112,7 @@ def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, 
 
     region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len, np.uint8)
     config = TierConfig.from_dict({"control": "zmq", "data": data, "host": "127.0.0.1",
-                                   "port": 0})
+                                   "port": 0, "control_options": dict(control_options or {})})
     tier = P2PTier(config, memoryview(region), block_len)
     pipe.send(("address", tier.local_address))
     contexts: dict[str, RequestContext] = {}

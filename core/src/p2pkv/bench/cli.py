@@ -97,7 +97,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write results as JSON to PATH ('-' or no value: stdout)")
     p.add_argument("--plot", metavar="PATH.png",
-                   help="throughput vs block size per series (needs p2pkv[plot])")
+                   help="GB/s vs block size per series, log scale, a panel per batch and "
+                   "concurrency (needs p2pkv[plot])")
     p.add_argument("--control", action="store_true",
                    help="control plane: round trips vs raw pyzmq, CPU per request")
     p.set_defaults(func=run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from rich.table import Table
 
 from p2pkv.bench.runner import CellResult
 
-__all__ = ["format_size", "geomean_ratios", "plot", "print_tables", "series_order"]
+__all__ = ["figure", "format_size", "geomean_ratios", "plot", "print_tables", "series_order"]
 
 
 def format_size(n: int) -> str:
@@ -142,51 +143,82 @@ def print_tables(console: Console, results: Sequence[CellResult], title: str) ->
 
 
 def plot(results: Sequence[CellResult], path: str, title: str) -> None:
-    """Throughput vs block size per series, one panel per batch (concurrency 1), memcpy dashed.
+    """Write :func:`figure` of ``results`` to ``path`` as a PNG.
 
     Needs matplotlib (``pip install 'p2pkv[plot]'``); raises ``ImportError`` otherwise.
     """
+    fig = figure(results, title)  # selects the Agg backend before pyplot loads
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(results: Sequence[CellResult], title: str) -> Any:
+    """Throughput vs block size, one panel per cell shape: a row per concurrency and a
+    column per batch, so every concurrency measured is shown. The GB/s axis is logarithmic
+    and shared, so slow and fast series both stay readable and comparable across panels;
+    memcpy (measured at concurrency 1 only) is the dashed reference in every panel; one
+    legend for all panels sits below them. Uses matplotlib's Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     batches = sorted({r.batch for r in results})
-    cols = min(3, len(batches))
-    rows = math.ceil(len(batches) / cols)
+    concs = sorted({r.concurrency for r in results if r.impl != "memcpy"}) or [1]
     fig, axes = plt.subplots(
-        rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharey=True
+        len(concs), len(batches), figsize=(1.0 + 3.4 * len(batches), 1.4 + 2.8 * len(concs)),
+        squeeze=False, sharex=True, sharey=True, layout="constrained",
     )
-    flat = list(axes.flat)
-    for ax in flat[len(batches):]:
-        ax.set_visible(False)
-    for ax, batch in zip(flat, batches, strict=False):
-        for label in series_order(results):
-            pts = sorted(
-                (r.block_size, r.gbps, r.gbps_min, r.gbps_max)
-                for r in results
-                if r.series == label and r.batch == batch and r.concurrency == 1 and r.gbps > 0
-            )
-            if not pts:
-                continue
-            xs = [p[0] / 1024 for p in pts]
-            ys = [p[1] for p in pts]
-            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
-            style: dict[str, Any] = (
-                {"color": "black", "linestyle": "--"} if label == "memcpy" else {"marker": "o"}
-            )
-            ax.errorbar(xs, ys, yerr=err, label=label, capsize=2, **style)
-        sizes = sorted({r.block_size for r in results})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([b / 1024 for b in sizes], [format_size(b) for b in sizes])
-        ax.minorticks_off()
+    sizes = sorted({r.block_size for r in results})
+    for row, conc in zip(axes, concs, strict=True):
+        for ax, batch in zip(row, batches, strict=True):
+            _panel(ax, results, batch, conc)
+            ax.set_title(f"batch {batch}, concurrency {conc}", fontsize="medium")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.set_xticks([b / 1024 for b in sizes], [format_size(b) for b in sizes],
+                          fontsize="small")
+            ax.minorticks_off()
+            ax.margins(x=0.12)  # end ticks of neighbouring panels stay apart
+            ax.grid(True, which="major", alpha=0.3)
+        row[0].set_ylabel("GB/s (log scale)")
+    for ax in axes[-1]:
         ax.set_xlabel("block size")
-        ax.set_title(f"{batch} block(s) per request")
-        ax.grid(True, alpha=0.3)
-    for row in axes:
-        row[0].set_ylabel("GB/s")
-    flat[0].legend(fontsize="small")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    handles: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    order = [label for label in series_order(results) if label in handles]
+    per_row = max(1, min(len(order), int(fig.get_figwidth() / 1.9)))  # entries fit the width
+    fig.legend([handles[label] for label in order], order, loc="outside lower center",
+               ncols=per_row, frameon=False)
+    note = ("every concurrency measured, one row each (concurrency = requests in flight, "
+            "batch = blocks per request); memcpy, measured at concurrency 1 only, is the "
+            "dashed reference in every panel")
+    width = int(fig.get_figwidth() * 13)
+    fig.suptitle(f"{title}\n{textwrap.fill(note, width)}", fontsize="medium")
+    return fig
+
+
+def _panel(ax: Any, results: Sequence[CellResult], batch: int, conc: int) -> None:
+    """One panel: each series' median GB/s per block size with its min..max as error bars."""
+    for label in series_order(results):
+        pts = sorted(
+            (r.block_size, r.gbps, r.gbps_min, r.gbps_max)
+            for r in results
+            if r.series == label and r.batch == batch and r.gbps > 0
+            and r.concurrency == (1 if r.impl == "memcpy" else conc)
+        )
+        if not pts:
+            continue
+        err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+        style: dict[str, Any] = (
+            {"color": "black", "linestyle": "--"} if label == "memcpy" else {"marker": "o"}
+        )
+        ax.errorbar([p[0] / 1024 for p in pts], [p[1] for p in pts], yerr=err, label=label,
+                    capsize=2, **style)

@@ -22,10 +22,12 @@ from rich.progress import (
 from p2pkv.bench.cli import parse_size
 from p2pkv.bench.hostinfo import environ_restored
 from p2pkv.cli import check_output_path, make_console, print_error, usable_transport
+from p2pkv.demo.metrics import DUMP, PLUGIN, DemoMetrics, metrics_option
 from p2pkv.demo.orchestrator import (
     DemoFailure,
     InlineRole,
     ProcessRole,
+    RequestRecord,
     RoleHandle,
     replay,
 )
@@ -71,6 +73,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many s")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    p.add_argument("--metrics", metavar="PORT|dump", type=metrics_option,
+                   help=f"the run's Prometheus metrics (needs {PLUGIN}): PORT serves "
+                   f"http://HOST:PORT/metrics while the demo runs (0 picks a free port, "
+                   f"printed on stderr); {DUMP!r} prints them on stdout at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -117,6 +123,24 @@ def _plan(
 def _run(args: argparse.Namespace) -> int:
     preset, dist, orders, capacity = _plan(args)
     inline = _single_process(args.control, args.data)
+    with DemoMetrics(args.metrics, host=args.host, inline=inline) as metrics:
+        code = _demo(args, preset, dist, orders, capacity, inline=inline, metrics=metrics)
+        metrics.print_dump()
+    return code
+
+
+def _demo(
+    args: argparse.Namespace,
+    preset: ModelPreset,
+    dist: PromptDistribution,
+    orders: dict[str, float],
+    capacity: int,
+    *,
+    inline: bool,
+    metrics: DemoMetrics,
+) -> int:
+    """Announce the run, replay it and report it: 0 when every request moved verified
+    bytes, 1 otherwise."""
     stream = make_stream(
         args.requests, dist, tokens_per_block=preset.tokens_per_block,
         max_blocks=min(max(args.max_tokens // preset.tokens_per_block, 1), capacity),
@@ -129,6 +153,8 @@ def _run(args: argparse.Namespace) -> int:
         f"control [bold]{escape(args.control)}[/], data [bold]{escape(args.data)}[/], {mode}; "
         f"{args.requests} requests, prompts {dist}, {capacity} slots per side"
     )
+    if metrics.url:
+        make_console(stderr=True).print(f"metrics at {escape(metrics.url)} while the demo runs")
     tier_config = {"control": args.control, "data": args.data, "host": args.host, "port": 0}
     log_level = logging.getLogger("p2pkv").getEffectiveLevel()
     setups = [
@@ -136,28 +162,54 @@ def _run(args: argparse.Namespace) -> int:
                   log_level=log_level)
         for i in (0, 1)
     ]
-    kind: Callable[[str, RoleSetup], RoleHandle] = InlineRole if inline else ProcessRole
-    roles: list[RoleHandle] = []
-    try:
-        roles.append(kind("producer", setups[0]))
-        roles.append(kind("consumer", setups[1]))
-        records, wall = _replay_with_display(
-            roles, stream, block_len=preset.block_bytes, capacity=capacity, args=args
-        )
-        stats = {}
-        for role in reversed(roles):  # the consumer (which dialed) says goodbye first
-            stats[role.kind], _left = role.stop(timeout=30.0)
-    except DemoFailure as exc:
-        print_error("p2pkv demo", f"failed: {exc}")
-        for role in roles:
-            role.kill()
+    played = _play(InlineRole if inline else ProcessRole, setups, stream, args,
+                   block_len=preset.block_bytes, capacity=capacity, metrics=metrics)
+    if played is None:
         return 1
+    records, wall, stats = played
     summary = summarize(records, wall, preset.block_bytes, stats)
     summary.update({
         "preset": preset.name, "formula": preset.formula(), "control": args.control,
         "data": args.data, "processes": 1 if inline else 2, "prompt_dist": str(dist),
         "orders": orders, "inflight": args.inflight, "slots_per_side": capacity,
     })
+    return _report(console, summary, args)
+
+
+def _play(
+    kind: Callable[[str, RoleSetup], RoleHandle],
+    setups: list[RoleSetup],
+    stream: list[Any],
+    args: argparse.Namespace,
+    *,
+    block_len: int,
+    capacity: int,
+    metrics: DemoMetrics,
+) -> tuple[list[RequestRecord], float, dict[str, Any]] | None:
+    """Start both roles, replay the stream, stop them: (records, wall time, stats per role),
+    or None after printing why the run failed (the roles are killed then)."""
+    roles: list[RoleHandle] = []
+    try:
+        roles.append(kind("producer", setups[0]))
+        roles.append(kind("consumer", setups[1]))
+        records, wall = _replay_with_display(
+            roles, stream, block_len=block_len, capacity=capacity, args=args
+        )
+        stats = {}
+        for role in reversed(roles):  # the consumer (which dialed) says goodbye first
+            stats[role.kind], _left = role.stop(timeout=30.0)
+        return records, wall, stats
+    except DemoFailure as exc:
+        print_error("p2pkv demo", f"failed: {exc}")
+        for role in roles:
+            role.kill()
+        return None
+    finally:
+        metrics.forget(role.pid for role in roles)
+
+
+def _report(console: Any, summary: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print (and with ``--json`` write) the summary; 0 when nothing failed or mismatched."""
     print_summary(console, summary, f"p2pkv demo: {args.control} control + {args.data} data")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -119,6 +119,8 @@ class RoleHandle(ABC):
 
     kind: str
     address: str = ""
+    pid: int | None = None
+    """The role's process id, None for a role in this process."""
 
     @abstractmethod
     def send(self, cmd: tuple[Any, ...]) -> None: ...
@@ -146,6 +148,7 @@ class ProcessRole(RoleHandle):
             target=_role_main, args=(child, kind, setup), name=f"p2pkv-demo-{kind}", daemon=True
         )
         self.process.start()
+        self.pid = self.process.pid
         child.close()
 
     def send(self, cmd: tuple[Any, ...]) -> None:

@@ -415,7 +415,7 @@ class ClientRole:
         env.ledger.close(rnd.job_id, outcome, detail)
         if not outcome.success and not req.finished and not req.failed:
             req.failed = True
-            env.host.mark_failed(req.kv)
+            env.host.mark_failed(req.kv, f"{outcome.value}: {detail}")
         self._maybe_release(req)
 
     def _maybe_release(self, req: _Req) -> None:
@@ -469,7 +469,7 @@ class ClientRole:
                 self._settle(rnd, outcome, reason)
             if not req.finished and not req.failed:
                 req.failed = True
-                env.host.mark_failed(req.kv)
+                env.host.mark_failed(req.kv, f"{outcome.value}: {reason}")
         self.reqs = {kv: r for kv, r in self.reqs.items() if r.rounds}
         self.unsent = []
         self.fenced.clear()

@@ -57,7 +57,9 @@ class Directory:
         self.tombstones: dict[str, Timer] = {}
         self.parked: dict[str, list[tuple[Job, Timer]]] = {}
         self.bindings: dict[str, Session] = {}
-        self.failed: set[str] = set()
+        self.failed: dict[str, str] = {}
+        """Consumer ``kv_request_id``s that cannot load any more, with why (the first
+        failure: later loads of the id fail at once, naming it)."""
         self.ends: list[object] = []
         self.data_owner: dict[str, Session] = {}
         self.source_seen = False
@@ -100,8 +102,8 @@ class Directory:
         if kv_request_id in self.tombstones:
             self._tombstone(kv_request_id)  # counts from when the last state went away
 
-    def mark_failed(self, kv_request_id: str) -> None:
-        self.failed.add(kv_request_id)
+    def mark_failed(self, kv_request_id: str, why: str) -> None:
+        self.failed.setdefault(kv_request_id, why)
 
     def open_pinned(self, job: Job, kv_request_id: str, peer: str) -> None:
         self._ledger.open(job.job_id, False, kv_request_id, peer)

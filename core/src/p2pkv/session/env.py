@@ -70,8 +70,9 @@ class SessionHost(Protocol):
         """``session`` holds no more producer state for ``kv_request_id``."""
         ...
 
-    def mark_failed(self, kv_request_id: str) -> None:
-        """A consumer load of this (unfinished) request failed: lookups answer MISS."""
+    def mark_failed(self, kv_request_id: str, why: str) -> None:
+        """A consumer load of this (unfinished) request failed (``why``: outcome and detail):
+        lookups answer MISS, later loads fail at once naming ``why``."""
         ...
 
     def open_pinned(self, job: Job, kv_request_id: str, peer: str) -> None:

@@ -14,6 +14,9 @@ Invariants (docs/protocol.md, "Producer"):
   unpins the source slots on that result).
 * A round fails fast with ``demand_unmet`` when it demands a key that cannot come any more
   (the local producer request finished, or the request is lookup-served only).
+* A round still open ``timeouts.load + 2 * timeouts.abort_ack`` after its fetch (its consumer
+  has given it up; only a lost or reordered abort leaves it open) fails ``load_timeout``:
+  demand is never held forever.
 * At shutdown (``wind_down``) every open round fails (``peer_dead``) once its writes are
   over, and later fetches fail at once: the consumer learns that no write of ours is live
   before we say ``bye`` (docs/protocol.md §10).
@@ -41,6 +44,13 @@ if TYPE_CHECKING:
 __all__ = ["ServerRole"]
 
 log = logging.getLogger(__name__)
+
+
+def _round_lifetime(env: SessionEnv) -> float:
+    """How long a fetch round may stay open: the consumer's load deadline and its abort-ack
+    window (both counted from before the fetch arrived here), plus one more window of margin
+    so the consumer's own deadline always fires first."""
+    return env.timeouts.load + 2 * env.timeouts.abort_ack
 
 
 class _StoreJob:
@@ -241,6 +251,9 @@ class ServerRole:
         rnd = _Round(msg.round, len(keys))
         req.rounds[msg.round] = rnd
         self.n_rounds += 1
+        env = self.env
+        rnd.timer = env.deadlines.at(env.clock() + _round_lifetime(env),
+                                     self._round_expired, (req, rnd))
         supply_job, demand_slot = req.supply_job, req.demand_slot
         if held_all:  # producer first: everything is here (one C-level pass per map)
             self._submit(req, rnd, list(map(supply.pop, keys)), slots,
@@ -547,8 +560,10 @@ class ServerRole:
         rnd.aborting = True
         rnd.silent = silent
         self._stop_writes(req, rnd, Outcome.ABORTED, "the consumer aborted the round")
+        env = self.env
+        env.deadlines.cancel(rnd.timer)  # the round's expiry: the consumer ended it
+        rnd.timer = None
         if rnd.inflight:
-            env = self.env
             rnd.timer = env.deadlines.at(
                 env.clock() + env.timeouts.abort_drain, self._abort_drain_expired, (req, rnd)
             )
@@ -562,6 +577,22 @@ class ServerRole:
             still = set(self.env.data.cancel(list(rnd.tids), CancelMode.WAIT))
             for tid in [t for t in rnd.tids if t not in still]:
                 self._cancelled(tid, outcome, detail)
+
+    def _round_expired(self, arg: tuple[_Req, _Round]) -> None:
+        """The consumer's load deadline and its abort window have passed and the round is
+        still open (blocks never supplied; its abort was lost or came first, reordered): the
+        consumer has given it up, so it ends now instead of holding demand forever. Writes
+        still in flight end it when they are over."""
+        req, rnd = arg
+        rnd.timer = None
+        if req.rounds.get(rnd.no) is not rnd or rnd.aborting:
+            return
+        env = self.env
+        if env.observers.enabled:
+            env.observers.timeout(kind="round", kv_request_id=req.kv, peer=self.peer)
+        self._fail_round(req, rnd, Outcome.LOAD_TIMEOUT,
+                         f"open {_round_lifetime(env)}s, past the consumer's load and abort "
+                         f"deadlines, with {rnd.waiting} block(s) never stored")
 
     def _abort_drain_expired(self, arg: tuple[_Req, _Round]) -> None:
         """Writes of an aborted round are still live after ``abort_drain``. Acking would

@@ -49,7 +49,7 @@ from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, ControlTransport, DataSettings, DataTransport
 from p2pkv.registry import Registry
-from p2pkv.testing.waiting import wait_until
+from p2pkv.testing.waiting import WaitTimeout, wait_until
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
@@ -529,8 +529,15 @@ class TierMachine(RuleBasedStateMachine):
             return all(not n.tier.has_pending_work() and n.submitted <= set(n.results)
                        for n in self.nodes)
 
-        wait_until(quiet, timeout=self.settle_timeout, what="every tier to go quiet",
-                   pumps=[lambda: self.clock.advance(35), lambda: self.pump(1)])
+        try:
+            wait_until(quiet, timeout=self.settle_timeout, what="every tier to go quiet",
+                       pumps=[lambda: self.clock.advance(35), lambda: self.pump(1)])
+        except WaitTimeout as exc:
+            left = {n.address: ({k: v for k, v in n.tier._state_sizes().items() if v},
+                                sorted(n.submitted - set(n.results)))
+                    for n in self.nodes}
+            raise AssertionError(f"{exc}; per node (state left, jobs without a result): "
+                                 f"{left}") from None
         for node in self.nodes:
             missing = node.submitted - set(node.results)
             assert not missing, f"{node.address}: jobs without a result: {sorted(missing)}"

@@ -1,12 +1,14 @@
 """p2pkv plugin: observer hooks -> Prometheus metrics.
 
 Hooks run on the tier's driver thread; each does a few counter updates and nothing else.
+In multi-process mode a process's gauges go away when it exits (``liveness``).
 """
 
 from __future__ import annotations
 
 from p2pkv.hookspecs import hookimpl
 
+from p2pkv_prometheus.liveness import watch_exit
 from p2pkv_prometheus.metrics import Metrics
 
 P2PKV_PLUGIN_API = 1
@@ -76,6 +78,7 @@ def p2pkv_timeout(kind: str, kv_request_id: str, peer: str) -> None:
 @hookimpl
 def p2pkv_tier_state(in_flight_transfers: int, parked_stores: int, sessions: int) -> None:
     m = metrics()
+    watch_exit()
     m.in_flight.set(in_flight_transfers)
     m.parked.set(parked_stores)
     m.sessions.set(sessions)

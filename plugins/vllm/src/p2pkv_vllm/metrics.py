@@ -3,27 +3,53 @@
 vLLM asks each tier for the observations since its previous ``get_stats`` call and sums
 counters itself, so cumulative tier counters are reported as deltas; gauges as snapshots.
 Job outcomes become one counter labelled by ``outcome`` (a bounded set: ``p2pkv.Outcome``).
+Job latencies (submit to result, as vLLM sees them) are one histogram labelled by ``kind``
+(``load``/``store``) and ``outcome``: the adapter tells the reporter when it submitted a job
+(``job_submitted``) and what ``get_finished_jobs`` returned (``jobs_finished``), and each
+report carries the durations of the jobs finished since the previous one.
 
-The metric names (``JOBS``, ``PREFIX`` + the keys of ``COUNTERS``/``GAUGES``, which are
-``P2PTier.stats()`` keys) import without vLLM, so the docs check can list them; vLLM's
-classes load when the definitions or a report are built. Names shared with
-``p2pkv-prometheus`` use the same words there (``bytes_sent``, ``in_flight_transfers``, ...).
+The metric names (``JOBS``, ``JOB_SECONDS``, ``PREFIX`` + the keys of ``COUNTERS``/``GAUGES``,
+which are ``P2PTier.stats()`` keys) import without vLLM, so the docs check can list them;
+vLLM's classes load when the definitions or a report are built, and :meth:`StatsReporter.fill`
+writes into any :class:`StatsPayload` (tests use it without vLLM). Names shared with
+``p2pkv-prometheus`` use the same words there (``bytes_sent``, ``in_flight_transfers``,
+``job_duration_seconds``, ...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from p2pkv.types import Outcome
+from p2pkv.types import JobResult, Outcome
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 
-__all__ = ["COUNTERS", "GAUGES", "JOBS", "PREFIX", "StatsReporter", "metric_definitions"]
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "JOBS",
+    "JOB_SECONDS",
+    "JOB_SECONDS_BUCKETS",
+    "MAX_UNREPORTED_DURATIONS",
+    "PREFIX",
+    "StatsPayload",
+    "StatsReporter",
+    "metric_definitions",
+]
 
 PREFIX = "vllm:kv_offload_p2pkv_"
 JOBS = f"{PREFIX}jobs"
+JOB_SECONDS = f"{PREFIX}job_duration_seconds"
+JOB_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+)
+"""Upper bounds in seconds, the same as ``p2pkv_job_duration_seconds`` (p2pkv-prometheus)."""
+MAX_UNREPORTED_DURATIONS = 10_000
+"""Job durations kept for the next report; when vLLM does not ask for stats, older ones go."""
 _JOB_STAT = "jobs_"
 
 COUNTERS: Mapping[str, str] = {
@@ -46,13 +72,23 @@ GAUGES: Mapping[str, str] = {
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric the tier reports, by full name (needs vLLM)."""
-    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+    )
 
     defs: dict[str, OffloadingMetricMetadata] = {
         JOBS: OffloadingCounterMetadata(
             documentation="P2P tier jobs (loads and stores) finished, by outcome.",
             labelnames=("outcome",),
-        )
+        ),
+        JOB_SECONDS: OffloadingHistogramMetadata(
+            documentation="Submit to result of a P2P tier job, by kind and outcome (a "
+            "store's includes waiting for its consumer).",
+            labelnames=("kind", "outcome"),
+            buckets=JOB_SECONDS_BUCKETS,
+        ),
     }
     for name, doc in COUNTERS.items():
         defs[PREFIX + name] = OffloadingCounterMetadata(documentation=doc)
@@ -61,11 +97,51 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return defs
 
 
-class StatsReporter:
-    """Turns successive ``P2PTier.stats()`` snapshots into vLLM stats payloads."""
+class StatsPayload(Protocol):
+    """What a report is written into: vLLM's ``OffloadingConnectorStats`` has these."""
 
-    def __init__(self) -> None:
+    def increase_counter(
+        self, counter_name: str, counter_increase_value: int | float = 1,
+        labelvalues: tuple[str, ...] = (),
+    ) -> None: ...
+
+    def set_gauge(
+        self, gauge_name: str, gauge_value: int | float, labelvalues: tuple[str, ...] = ()
+    ) -> None: ...
+
+    def observe_histogram(
+        self, histogram_name: str, histogram_value: int | float,
+        labelvalues: tuple[str, ...] = (),
+    ) -> None: ...
+
+
+class StatsReporter:
+    """Turns successive ``P2PTier.stats()`` snapshots and job timings into vLLM stats payloads.
+
+    ``clock`` (seconds, monotonic) times the jobs; tests pass their own."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._last: dict[str, int] = {}
+        self._clock = clock
+        self._started: dict[int, tuple[str, float]] = {}
+        """Job id -> (kind, submit time) of jobs without a result yet."""
+        self._durations: deque[tuple[str, str, float]] = deque(maxlen=MAX_UNREPORTED_DURATIONS)
+        """(kind, outcome, seconds) of jobs finished since the previous report."""
+
+    def job_submitted(self, job_id: int, *, is_load: bool) -> None:
+        """Start timing job ``job_id``: call it once ``P2PTier.submit_load``/``submit_store``
+        accepted the job (one that raised gets no result, so it is never timed)."""
+        self._started[job_id] = ("load" if is_load else "store", self._clock())
+
+    def jobs_finished(self, results: Iterable[JobResult]) -> None:
+        """Stop timing the jobs of ``results`` (what ``P2PTier.get_finished_jobs`` returned);
+        the next report observes their durations. Jobs never submitted here are skipped."""
+        now = self._clock()
+        for result in results:
+            started = self._started.pop(result.job_id, None)
+            if started is not None:
+                kind, at = started
+                self._durations.append((kind, result.outcome.value, now - at))
 
     def report(self, stats: Mapping[str, int]) -> Any:
         """An ``OffloadingConnectorStats`` with the changes since the previous call."""
@@ -74,6 +150,12 @@ class StatsReporter:
         )
 
         payload = OffloadingConnectorStats()
+        self.fill(payload, stats)
+        return payload
+
+    def fill(self, payload: StatsPayload, stats: Mapping[str, int]) -> None:
+        """Write into ``payload`` the changes since the previous call: counter deltas (zero
+        ones left out), gauge snapshots, and one observation per job finished since."""
         for outcome in Outcome:
             delta = self._delta(_JOB_STAT + outcome.value, stats)
             if delta:
@@ -85,7 +167,9 @@ class StatsReporter:
         for name in GAUGES:
             if name in stats:
                 payload.set_gauge(PREFIX + name, stats[name])
-        return payload
+        while self._durations:
+            kind, outcome_value, seconds = self._durations.popleft()
+            payload.observe_histogram(JOB_SECONDS, seconds, (kind, outcome_value))
 
     def _delta(self, name: str, stats: Mapping[str, int]) -> int:
         value = stats.get(name, 0)

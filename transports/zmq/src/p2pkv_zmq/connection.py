@@ -1,8 +1,8 @@
 """One logical connection to a peer: our PUSH socket out, the peer's frames in (via our PULL).
 
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
-fills ``inbox`` and retires the connection (``reason`` set, sockets released); the connection
-never does I/O except ``send``.
+fills ``inbox`` and retires the connection (``close_reason`` set, sockets released); the
+connection never does I/O except ``send``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ class ZmqConnection(ControlConnection):
 
     ``key`` is the peer's canonical address, ``incarnation`` our PUSH socket's and ``link`` its
     link id (the first frame of everything it sends), ``remote_link`` the link id of the
-    peer's PUSH once known. ``reason`` is None while alive, then says why the connection
-    ended; frames received before that stay readable through ``recv``.
+    peer's PUSH once known. ``close_reason`` is None while alive, then says why the
+    connection ended (set by the hub only; the core puts it into a failed job's detail):
+    "connection refused: ...", "no such host ...", "security handshake failed: ...",
+    "closed by the peer", and so on. Frames received before that stay readable with ``recv``.
     """
 
     def __init__(
@@ -39,8 +41,8 @@ class ZmqConnection(ControlConnection):
         *,
         shown_address: str,
         key: str,
-        out: zmq.Socket[bytes],
-        monitor: zmq.Socket[bytes],
+        out: zmq.Socket[bytes] | None,
+        monitor: zmq.Socket[bytes] | None,
         incarnation: bytes,
         link: bytes,
         deadline: float,
@@ -55,8 +57,17 @@ class ZmqConnection(ControlConnection):
         self.remote_link: bytes | None = None
         self.inbox: list[bytes] = []
         self.deadline = deadline
-        self.reason: str | None = None
+        self.close_reason: str | None = None
         self._max_frame = hub.max_frame_bytes
+
+    @classmethod
+    def failed(cls, hub: ZmqHub, *, shown_address: str, key: str, reason: str) -> ZmqConnection:
+        """A connection that is dead from the start (a dial that could not begin): no
+        sockets, not registered with the hub, ``close_reason`` says why."""
+        conn = cls(hub, shown_address=shown_address, key=key, out=None, monitor=None,
+                   incarnation=b"", link=b"", deadline=0.0)
+        conn.close_reason = reason
+        return conn
 
     @property
     def peer_address(self) -> str:
@@ -64,17 +75,19 @@ class ZmqConnection(ControlConnection):
 
     @property
     def alive(self) -> bool:
-        return self.reason is None
+        return self.close_reason is None
 
     def send(self, frame: bytes) -> None:
-        if self.reason is not None:
-            raise ConnectionClosed(f"connection to {self._shown_address} is gone: {self.reason}")
+        if self.close_reason is not None:
+            raise ConnectionClosed(
+                f"connection to {self._shown_address} is gone: {self.close_reason}"
+            )
         if len(frame) > self._max_frame:
             raise ProtocolError(
                 f"frame of {len(frame)} bytes exceeds max_frame_bytes {self._max_frame}"
             )
         out = self.out
-        assert out is not None  # released only together with setting reason
+        assert out is not None  # released only together with setting close_reason
         try:
             out.send(self.link, _NOBLOCK_MORE)  # the only part that can find the queue full
             out.send(frame, _NOBLOCK)
@@ -97,5 +110,5 @@ class ZmqConnection(ControlConnection):
         self._hub.retire(self, "closed locally")
 
     def __repr__(self) -> str:
-        state = "alive" if self.reason is None else self.reason
+        state = "alive" if self.close_reason is None else self.close_reason
         return f"<ZmqConnection {self._shown_address} {state}>"

@@ -54,11 +54,14 @@ sending after it was told is told again. A message that fails validation never m
 Our own close sends "gone" on the connection's PUSH, which lingers as long to deliver it.
 
 Liveness: a connection dies when its PUSH disconnects (the peer closed its listener, crashed,
-or missed heartbeats; the peer's half is then told "gone" as above), fails or stalls its
-handshake, gets "gone", or has not connected within ``connect_timeout``; a dial-back to a peer
-that just dialed us dies at its first refused attempt (the peer is gone). ``poll`` waits on
-the PULL only; the monitors, ZAP and the deadlines are swept every ``_SWEEP_INTERVAL``
-(10 ms), so a death shows within that of libzmq reporting it.
+or missed heartbeats; the peer's half is then told "gone" as above), gets "gone", or its dial
+fails: the first refused TCP connect (libzmq retries; we do not: nothing listens, or a peer
+that just dialed us is gone), a failed handshake (named: a CURVE mismatch, a key the peer does
+not allow), one not done within ``handshake_timeout``, or no connection within
+``connect_timeout``. A failed dial is remembered for ``DIAL_BACKOFF`` and a host name that does
+not resolve fails at ``connect`` (:mod:`p2pkv_zmq.dialing`). ``poll`` waits on the PULL only;
+the monitors, ZAP and the deadlines are swept every ``_SWEEP_INTERVAL`` (10 ms), so a death
+shows within that of libzmq reporting it; ``close_reason`` says why.
 
 Only PUSH sockets send ZMTP heartbeats: the PULL answers PINGs, and libzmq drops an inbound TCP
 connection that stays silent past the TTL its peer's PINGs carry. The listener runs no
@@ -66,6 +69,14 @@ heartbeat timer of its own: in libzmq 4.3.5 that timer fires on a connection who
 stopped (pipe full) after its peer hung up, and aborts the process (``!_io_error``,
 stream_engine_base.cpp:310), so any client could kill us by overfilling its pipe and
 resetting.
+
+Hostile bytes on the listening port: the PULL has a ZAP domain even without CURVE (libzmq then
+refuses ZMTP 1.0/2.0 peers, which any stray bytes pass for, at once) and
+``ZMQ_HANDSHAKE_IVL`` = ``handshake_timeout`` (a greeting or handshake cut short is closed by
+libzmq); a connection past its handshake that sends no well-formed link message within the
+same time is shut down by the gate (:mod:`p2pkv_zmq.gate`). Warnings are logged once per key
+and rate-limited in all (``_LOG_BURST`` per ``_LOG_WINDOW``, then a summary line), so
+hostile input cannot flood the log.
 
 Memories of retired ids, pending opens, told links and logged refusals are bounded (oldest
 forgotten).
@@ -90,6 +101,15 @@ from p2pkv.logs import module_logger
 from zmq.utils.monitor import parse_monitor_message
 
 from p2pkv_zmq.connection import ZmqConnection
+from p2pkv_zmq.dialing import (
+    DialFailed,
+    DialFailures,
+    handshake_reason,
+    protocol_failure,
+    refused_reason,
+    resolve,
+)
+from p2pkv_zmq.gate import InboundGate
 from p2pkv_zmq.identity import (
     MAX_LINK_ID_BYTES,
     canonical_address,
@@ -100,6 +120,7 @@ from p2pkv_zmq.identity import (
     tcp_url,
 )
 from p2pkv_zmq.options import ZmqOptions
+from p2pkv_zmq.ratelimit import LogLimiter, TokenBucket
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.transport import ListenPlan, ZmqControlTransport
 from p2pkv_zmq.zap import ZapHandler
@@ -120,9 +141,15 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-_ANSWERING_EVENTS = _LINK_EVENTS | zmq.EVENT_CONNECT_RETRIED  # a refused dial-back is fatal
-_LISTENER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_LINK_EVENTS = (  # a refused TCP connect (CONNECT_RETRIED) is fatal: fail fast, say why
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+    | _HANDSHAKE_FAILED
+)
+_LISTENER_EVENTS = (
+    zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # for the gate
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+_SRCFD = zmq.SRCFD
 _MAX_MESSAGES_PER_POLL = 4096
 _SWEEP_INTERVAL = 0.01  # seconds between checks of connection sockets and deadlines
 _SWEEP_MS = 10  # the longest single wait on the PULL, so sweeps stay on time
@@ -130,6 +157,8 @@ _MEMORY = 4096  # entries in each bounded memory
 _MAX_HELD_FRAMES = 10_000  # frames held for an offered pairing before giving up on it
 _NOTICE_RATE = 20.0  # notice dials per second (and the largest burst)
 _NOTICE_LINGER_MS = 500  # how long a closed PUSH keeps trying to deliver its last message
+_LOG_BURST = 20  # warnings logged at once, and per _LOG_WINDOW on average ...
+_LOG_WINDOW = 10.0  # ... beyond that, one "suppressed K" line per this many seconds
 _RETELL_INTERVAL = 1.0
 """Seconds before a peer link that keeps sending after it was told "gone" is told again. A
 "gone" that went out may still be lost: one queued to a peer paused past the heartbeat
@@ -179,14 +208,17 @@ class ZmqHub(ZmqControlTransport):
         self._told: OrderedDict[bytes, float] = OrderedDict()
         """Peer links told "gone", with when (monotonic): told again only after
         ``_RETELL_INTERVAL`` if they keep sending (the first notice may have been lost)."""
-        self._notice_tokens = _NOTICE_RATE
-        self._notice_stamp = time.monotonic()
+        now = time.monotonic()
+        self._notices = TokenBucket(_NOTICE_RATE, _NOTICE_RATE, now)
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
+        self._log_limit = LogLimiter(log, _LOG_BURST, _LOG_WINDOW, now)
+        self._gate = InboundGate(options.handshake_timeout, self._on_gate_close)
+        self._dial_failures = DialFailures()
         self._new: list[ZmqConnection] = []
         self._monitor_seq = itertools.count()
         self._closed = False
         self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0,
-                         "refused_accepts": 0}
+                         "refused_accepts": 0, "inbound_timeouts": 0}
 
     # -- construction ---------------------------------------------------------------------
 
@@ -211,10 +243,14 @@ class ZmqHub(ZmqControlTransport):
         listener = self._listener = self._ctx.socket(zmq.PULL)
         self._tune(listener, ipv6=plan.ipv6)
         listener.maxmsgsize = self.max_frame_bytes
+        listener.handshake_ivl = _ms(self._options.handshake_timeout)
+        # With a ZAP domain libzmq refuses ZMTP 1.0/2.0 peers at once, whose "greeting" any
+        # stray bytes pass for; without CURVE no ZAP handler is bound and NULL peers are
+        # admitted without asking one.
+        listener.zap_domain = _ZAP_DOMAIN
         if keys is not None:
             listener.curve_server = True
             listener.curve_secretkey = keys.server_secret
-            listener.zap_domain = _ZAP_DOMAIN
         self._listener_ready.register(listener, zmq.POLLIN)
         self._listener_monitor = self._monitor(listener, _LISTENER_EVENTS)
         self._watch(self._listener_monitor, self._on_listener_event)
@@ -236,12 +272,9 @@ class ZmqHub(ZmqControlTransport):
                 f"zmq control port {plan.port} is already in use on {plan.bind_host} "
                 f"(port = base port {plan.port - plan.dp_rank} + data-parallel rank offset "
                 f"{plan.dp_rank}); stop the process holding it, or choose another base port "
-                "with the environment variable P2PKV_PORT or the tier config key 'port'"
+                f"with {plan.port_setting}"
             )
-        return ConfigError(
-            f"cannot listen on {where}: {exc.strerror}; check the tier config key 'host' "
-            "(or P2PKV_HOST)"
-        )
+        return ConfigError(f"cannot listen on {where}: {exc.strerror}; check {plan.host_setting}")
 
     def _tune(self, sock: zmq.Socket[bytes], *, ipv6: bool) -> None:
         sock.linger = 0
@@ -283,17 +316,35 @@ class ZmqHub(ZmqControlTransport):
         return self._local_address
 
     def connect(self, address: str) -> ControlConnection:
+        """The live connection to ``address``, else a new dial. A peer that dialed us is
+        dialed back at once. Otherwise a host name is resolved here, once (blocking for the
+        system resolver; IP literals skip it), and an address whose dial failed within
+        ``DIAL_BACKOFF`` (1 s), or whose name does not resolve, gets a dead connection at once:
+        ``close_reason`` says why ("no such host ...", "connection refused: ..."). A dial that
+        fails later (refused, a failed or stalled handshake, ``connect_timeout``) dies on the
+        poll that sees it, with its reason, and is remembered as well."""
         if self._closed:
             raise ConnectionClosed("the zmq control transport is closed")
         key = canonical_address(address)
         conn = self._by_address.get(key)
         if conn is not None:
             return conn
-        answering = self._take_pending(key)
-        conn = self._dial(key, address, answering)
+        answering = self._take_pending(key)  # the peer dialed us: it listens, dial it back
         if answering is not None:
+            conn = self._dial(key, address, answering, tcp_url(*parse_address(key)))
             self._confirm(conn, answering)
-        return conn
+            return conn
+        host, port = parse_address(key)
+        now = time.monotonic()
+        reason = self._dial_failures.recent(key, now)
+        if reason is None:
+            try:
+                return self._dial(key, address, None, tcp_url(resolve(host), port))
+            except DialFailed as exc:
+                reason = str(exc)
+                self._dial_failures.record(key, reason, now)
+                self._log_once(("dial", key, reason), "cannot dial %s: %s", key, reason)
+        return ZmqConnection.failed(self, shown_address=address, key=key, reason=reason)
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         """Frames (the hot path) are waited for with a plain receive on the PULL; the other
@@ -340,8 +391,9 @@ class ZmqHub(ZmqControlTransport):
 
     # -- connections ----------------------------------------------------------------------
 
-    def _dial(self, key: str, shown: str, answering: bytes | None) -> ZmqConnection:
-        host, port = parse_address(key)
+    def _dial(self, key: str, shown: str, answering: bytes | None, url: str) -> ZmqConnection:
+        """A new connection to ``key`` dialing ``url`` (``answering``: the peer's fresh PUSH
+        it answers). ``ConfigError`` when libzmq refuses the dial."""
         incarnation = new_incarnation()
         link = link_id(self._local_address, incarnation)
         push = self._push(key)
@@ -351,16 +403,10 @@ class ZmqHub(ZmqControlTransport):
             push.heartbeat_ivl = _ms(opts.heartbeat_interval)
             push.heartbeat_timeout = _ms(opts.heartbeat_timeout)
             push.heartbeat_ttl = _ms(opts.heartbeat_ttl)
-            # A peer that stalls the handshake (frozen right after accepting the TCP
-            # connection) is as silent as one that stops answering PINGs.
-            push.handshake_ivl = _ms(opts.heartbeat_timeout)
+            push.handshake_ivl = _ms(opts.handshake_timeout)
             push.sndhwm = self.max_queued_frames + 1  # + the open message
-            # A peer that just dialed us listens: if dialing it back fails, it is gone. A peer
-            # we dial first may start later, so that dial retries until connect_timeout.
-            monitor = self._monitor(
-                push, _LINK_EVENTS if answering is None else _ANSWERING_EVENTS
-            )
-            push.connect(tcp_url(host, port))
+            monitor = self._monitor(push, _LINK_EVENTS)
+            push.connect(url)
             ref = b"" if answering is None else answering.rpartition(b"#")[2]
             try:
                 push.send_multipart([link, b"", _OPEN, ref], _NOBLOCK)
@@ -404,7 +450,8 @@ class ZmqHub(ZmqControlTransport):
             self._tell_gone(link, via=conn)
 
     def _accept(self, link: bytes, address: str) -> ZmqConnection:
-        conn = self._dial(address, address, link)  # the newest one is what connect returns
+        # The newest one is what connect returns.
+        conn = self._dial(address, address, link, tcp_url(*parse_address(address)))
         self._confirm(conn, link)
         self._new.append(conn)
         self.counters["accepted"] += 1
@@ -414,9 +461,9 @@ class ZmqHub(ZmqControlTransport):
         """End ``conn`` (idempotent): forget its ids, release its sockets. ``notify``: tell
         the peer on the connection's own PUSH (which lingers to deliver it); for a PUSH that
         can no longer reach the peer, callers tell its half with ``_tell_gone`` instead."""
-        if conn.reason is not None:
+        if conn.close_reason is not None:
             return
-        conn.reason = reason
+        conn.close_reason = reason
         del self._by_incarnation[conn.incarnation]
         if self._by_address.get(conn.key) is conn:
             del self._by_address[conn.key]
@@ -480,16 +527,11 @@ class ZmqHub(ZmqControlTransport):
             if self._send_link(conn.out, conn.link, _GONE, incarnation):
                 self._mark_told(link)
             return
-        now = time.monotonic()
-        tokens = min(_NOTICE_RATE, self._notice_tokens + (now - self._notice_stamp) * _NOTICE_RATE)
-        self._notice_stamp = now
-        if tokens < 1.0:
-            self._notice_tokens = tokens
+        if not self._notices.take(time.monotonic()):
             self._log_once(("notice-rate",), "not telling every stale peer connection it is "
                            "gone: more than %s notices a second (a flood of stale frames?)",
                            _NOTICE_RATE)
             return
-        self._notice_tokens = tokens - 1.0
         try:
             push = self._push(key)
         except ConfigError:
@@ -544,7 +586,7 @@ class ZmqHub(ZmqControlTransport):
             else:
                 first = recv(_NOBLOCK)
                 if option(_RCVMORE):
-                    self._on_unrouted([link, first, *listener.recv_multipart(_NOBLOCK)])
+                    self._on_link_message(link, first)
                 else:
                     conn = by_link.get(link)
                     if conn is not None:
@@ -564,8 +606,18 @@ class ZmqHub(ZmqControlTransport):
                     return True
             count += 1
 
-    def _on_unrouted(self, parts: list[bytes]) -> None:
-        """A message that is not payload of a paired connection."""
+    def _on_link_message(self, link: bytes, first: bytes) -> None:
+        """A message of three parts or more, the rest still to read: link messages (rare).
+        Read as frames, which name the TCP connection they came over (``ZMQ_SRCFD``)."""
+        assert self._listener is not None
+        rest = self._listener.recv_multipart(_NOBLOCK, copy=False)
+        self._on_unrouted([link, first, *(frame.bytes for frame in rest)],
+                          fd=rest[-1].get(_SRCFD))
+
+    def _on_unrouted(self, parts: list[bytes], fd: int | None = None) -> None:
+        """A message that is not payload of a paired connection; ``fd``: the descriptor of
+        the TCP connection a link message came over, which a well-formed one proves to the
+        gate (every dialing socket of a p2pkv peer starts with one: open, paired, gone)."""
         link = parts[0]
         is_payload = len(parts) == 2
         verb = parts[2] if len(parts) == 4 and parts[1] == b"" else None
@@ -576,6 +628,8 @@ class ZmqHub(ZmqControlTransport):
         if parsed is None:
             self._drop(link, "malformed link id (not a p2pkv zmq peer?)", notify=None)
             return
+        if fd is not None:
+            self._admit(fd)
         if verb in (_PAIRED, _GONE):
             self._on_notice(link, verb, parts[3])
             return
@@ -696,36 +750,61 @@ class ZmqHub(ZmqControlTransport):
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connecting.discard(conn)
-            elif kind == zmq.EVENT_DISCONNECTED:
+            elif kind == zmq.EVENT_DISCONNECTED:  # after the handshake (a failure comes first)
                 link = conn.remote_link
                 self.retire(conn, "disconnected (peer closed, crashed or silent)", notify=False)
                 if link is not None:  # its half may live on (say, it refused our frame size)
                     self._tell_gone(link)
-            elif kind == zmq.EVENT_CONNECT_RETRIED:  # only subscribed for dial-backs
-                self.retire(conn, "the peer that dialed us no longer listens", notify=False)
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # interrupted, not refused
-                self.retire(conn, "disconnected during the handshake", notify=False)
+            elif kind == zmq.EVENT_CONNECT_RETRIED:  # the TCP connect failed
+                dialed_us = conn.remote_link is not None
+                self._dial_failed(conn, refused_reason(conn.key, dialed_us=dialed_us))
             elif kind & _HANDSHAKE_FAILED:
-                reason = _handshake_failure(kind, event["value"])
-                self._log_once(("dial", conn.key, kind), "connection to %s refused: %s",
-                               conn.key, reason)
-                self.retire(conn, f"handshake failed: {reason}", notify=False)
+                self._dial_failed(conn, handshake_reason(
+                    conn.key, kind, int(event["value"]), curve=self._keys is not None,
+                    timeout=self._options.handshake_timeout))
+
+    def _dial_failed(self, conn: ZmqConnection, reason: str) -> None:
+        """``conn`` died before its handshake completed: retired with ``reason``, which the
+        next dials to its address get at once for ``DIAL_BACKOFF``; logged once per address
+        and cause."""
+        self._dial_failures.record(conn.key, reason, time.monotonic())
+        self._log_once(("dial", conn.key, reason), "connection to %s failed: %s", conn.key,
+                       reason)
+        self.retire(conn, reason, notify=False)
 
     def _on_listener_event(self) -> None:
+        """Drain the listener's monitor: accepted and ended TCP connections (by descriptor)
+        for the gate, refused handshakes for the counters and the log."""
         assert self._listener_monitor is not None
         while True:
             try:
                 event = parse_monitor_message(self._listener_monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
-            # libzmq names our listening endpoint here, not the peer: log once per cause.
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._gate.accepted(value, time.monotonic())
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._gate.ended(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # stalled, or the client left
                 log.debug("an inbound connection ended during its handshake")
-                continue
-            self.counters["refused_handshakes"] += 1
-            reason = _handshake_failure(event["event"], event["value"])
-            self._log_once(("listen", event["event"], event["value"]),
-                           "refused an inbound connection: %s", reason)
+            else:  # libzmq names our listening endpoint here, not the peer: once per cause
+                self.counters["refused_handshakes"] += 1
+                self._log_once(("listen", value), "refused an inbound connection: security "
+                               "handshake failed: %s", protocol_failure(value))
+
+    def _admit(self, fd: int) -> None:
+        """A well-formed link message came over the inbound TCP connection ``fd``. libzmq
+        reported its accept before reading from it, so the monitor is drained first: the gate
+        then knows the connection, and lets it be."""
+        self._on_listener_event()
+        self._gate.admit(fd)
+
+    def _on_gate_close(self, peer: str) -> None:
+        self.counters["inbound_timeouts"] += 1
+        self._log_once(("gate", peer.rpartition(":")[0]), "closed an inbound connection from "
+                       "%s: no well-formed p2pkv message within handshake_timeout %g s (not a "
+                       "p2pkv zmq peer?)", peer, self._gate.timeout)
 
     def _on_zap_refusal(self, host: str, client: str) -> None:
         self.counters["refused_handshakes"] += 1
@@ -734,7 +813,11 @@ class ZmqHub(ZmqControlTransport):
                        "allowed_client_keys", host, client)
 
     def _sweep(self, now: float) -> bool:
-        """Handle every watched socket with something to read; True if any had."""
+        """Handle every watched socket with something to read, then the deadlines; True if
+        any socket had something. The gate closes a connection only once it was due at the
+        previous sweep: a read of the PULL came after its deadline, so a first message
+        waiting there (say after a long pause between polls) admits it first."""
+        previous = self._next_sweep - _SWEEP_INTERVAL
         self._next_sweep = now + _SWEEP_INTERVAL
         ready = self._sweeper.poll(0)
         for sock, _ in ready:
@@ -743,24 +826,28 @@ class ZmqHub(ZmqControlTransport):
                 handler()
         if self._connecting:
             self._expire_connects(now)
+        if self._gate.pending:
+            self._gate.expire(previous)
+        self._log_limit.flush(now)
         return bool(ready)
 
     def _expire_connects(self, now: float) -> None:
+        timeout = self._options.connect_timeout
         for conn in [c for c in self._connecting if c.deadline <= now]:
-            self._log_once(("unreachable", conn.key),
-                           "peer %s did not complete a connection within connect_timeout %ss",
-                           conn.key, self._options.connect_timeout)
-            self.retire(conn, f"not connected within connect_timeout "
-                              f"({self._options.connect_timeout} s)", notify=False)
+            self._dial_failed(conn, f"not connected within connect_timeout ({timeout:g} s): "
+                              f"no answer from {conn.key}")
 
     def _log_once(
         self, key: Hashable, msg: str, *args: object, level: int = logging.WARNING
     ) -> None:
-        """Log once per ``key`` (per peer, never per frame or per reconnect attempt)."""
+        """Log once per ``key`` (per peer or cause, never per frame or reconnect attempt),
+        and at most ``_LOG_BURST`` lines per ``_LOG_WINDOW`` in all, the rest counted in one
+        summary line: keys a hostile peer chooses (link ids, claimed addresses, its host)
+        cannot flood the log."""
         if key in self._logged:
             return
         _remember(self._logged, key)
-        log.log(level, msg, *args)
+        self._log_limit.log(time.monotonic(), level, msg, *args)
 
 
 def _ms(seconds: float) -> int:
@@ -772,9 +859,3 @@ def _remember(memory: OrderedDict[Any, None], key: Hashable) -> None:
     if len(memory) > _MEMORY:
         memory.popitem(last=False)
 
-
-def _handshake_failure(kind: int, value: int) -> str:
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return f"authentication refused (ZAP status {value}): our client key is not allowed there"
-    return (f"security handshake failed (ZMTP protocol error {value:#x}); both sides must use "
-            "the same security mode (CURVE or none) and server key")

@@ -11,8 +11,13 @@ option                   type       default     meaning
                                                 Logged as a warning at every start.
 ``heartbeat_interval``   seconds    2.0         ZMTP PING interval (``ZMQ_HEARTBEAT_IVL``).
 ``heartbeat_timeout``    seconds    10.0        No traffic this long after a PING: the
-                                                connection is dead (``ZMQ_HEARTBEAT_TIMEOUT``);
-                                                also bounds a dialed connection's handshake.
+                                                connection is dead (``ZMQ_HEARTBEAT_TIMEOUT``).
+``handshake_timeout``    seconds    10.0        Bounds every ZMTP handshake, ours and our
+                                                listener's (``ZMQ_HANDSHAKE_IVL``), and how
+                                                long an inbound connection may take to send a
+                                                well-formed first message before it is
+                                                closed. Default: the tier's
+                                                ``timeouts.handshake``.
 ``heartbeat_ttl``        seconds    10.0        Tells the peer to drop us after this much
                                                 silence (``ZMQ_HEARTBEAT_TTL``; 0.1..6553).
 ``connect_timeout``      seconds    10.0        A dialed peer that has not completed the
@@ -65,6 +70,7 @@ class ZmqOptions:
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
     heartbeat_ttl: float = 10.0
+    handshake_timeout: float = 10.0
     connect_timeout: float = 10.0
     max_queued_frames: int = 1000
     server_secret_key: str | None = None
@@ -77,7 +83,8 @@ class ZmqOptions:
         return any(getattr(self, name) for name in CURVE_OPTIONS)
 
 
-_SECONDS = ("heartbeat_interval", "heartbeat_timeout", "heartbeat_ttl", "connect_timeout")
+_SECONDS = ("heartbeat_interval", "heartbeat_timeout", "heartbeat_ttl", "handshake_timeout",
+            "connect_timeout")
 _STRINGS = ("advertise", "server_secret_key", "server_public_key", "client_secret_key")
 
 

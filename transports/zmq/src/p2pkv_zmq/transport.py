@@ -18,10 +18,14 @@ Model (what callers and tests rely on):
   buffered. Two peers dialing each other at once end up with one connection on each side.
 - ``send`` never blocks: ``max_queued_frames`` per connection, then ``SendQueueFull``.
 - Liveness: ZMTP heartbeats on every dialing socket (the listener only answers them and
-  drops an inbound link silent past the peer's TTL); a disconnect, a failed handshake, no
-  handshake within ``connect_timeout``, or the peer closing its end makes ``alive`` False on
-  our next ``poll``. A restarted peer or a re-dialed connection is a fresh connection, never a
-  continuation of the old one.
+  drops an inbound link silent past the peer's TTL); a disconnect, a refused dial, a failed
+  handshake or none within ``handshake_timeout``, no connection within ``connect_timeout``,
+  or the peer closing its end makes ``alive`` False on our next ``poll``, and
+  ``ZmqConnection.close_reason`` says which. An unresolvable host, or an address whose dial
+  failed within the last second, is dead at ``connect``. A restarted peer or a re-dialed
+  connection is a fresh connection, never a continuation of the old one.
+- Listener: connections that are not p2pkv peers (stray bytes, a cut handshake, no
+  well-formed first message within ``handshake_timeout``) are closed.
 - Threading: no threads of our own; every socket is used only by the thread calling the
   transport (one at a time, as the contracts require). libzmq's I/O thread does the network
   work, so heartbeats are answered even between polls. A CURVE handshake waits for our next
@@ -86,7 +90,8 @@ class ZmqControlTransport(ControlTransport):
         from p2pkv_zmq.options import read_options
         from p2pkv_zmq.security import curve_keys
 
-        options = read_options(settings.options)
+        options = read_options({"handshake_timeout": settings.handshake_timeout,
+                                **settings.options})
         plan = plan_listener(settings, options)
         keys = curve_keys(plan.bind_host, options, curve_supported=bool(zmq.has("curve")))
         return ZmqHub.open(plan, options, keys, settings.max_frame_bytes)
@@ -103,6 +108,10 @@ class ListenPlan:
     advertise_port: int | None
     """None: advertise the bound port."""
     dp_rank: int
+    host_setting: str = "the tier config key 'host'"
+    """How the operator changes the host (``ControlSettings.host_setting``)."""
+    port_setting: str = "the tier config key 'port'"
+    """How the operator changes the base port (``ControlSettings.port_setting``)."""
 
     @property
     def ipv6(self) -> bool:
@@ -133,7 +142,8 @@ def plan_listener(settings: ControlSettings, options: ZmqOptions) -> ListenPlan:
         raise ConfigError(f"advertised host {advertise_host!r} is too long for a zmq link id")
     if not advertise_host.isascii():
         raise ConfigError(f"advertised host {advertise_host!r} must be ASCII (use the IDNA form)")
-    return ListenPlan(bind_host, settings.port, advertise_host, advertise_port, settings.dp_rank)
+    return ListenPlan(bind_host, settings.port, advertise_host, advertise_port, settings.dp_rank,
+                      settings.host_setting, settings.port_setting)
 
 
 def _split_advertise(value: str) -> tuple[str, int | None]:

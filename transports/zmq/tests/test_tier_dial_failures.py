@@ -1,0 +1,116 @@
+"""A consumer tier whose producer cannot be reached learns why in milliseconds, on every load.
+
+Nothing listening (refused), a host name that does not resolve, and a CURVE mismatch with a
+producer in another process: each load fails ``peer_dead`` fast, its detail naming the cause,
+and loads in a row to a failing address do not each wait out a handshake (the zmq transport
+remembers a failed dial for ``DIAL_BACKOFF``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq_peers
+from p2pkv.cli import main as p2pkv_main
+from p2pkv.config import TierConfig
+from p2pkv.testing.child import Child
+from p2pkv.testing.waiting import wait_until
+from p2pkv.tier import P2PTier
+from p2pkv.types import Job, JobResult, Outcome, RequestContext
+
+NUM_BLOCKS, BLOCK_LEN = 16, 256
+FAST = 1.0
+"""A load to an unreachable producer fails within this (seconds)."""
+
+
+class Consumer:
+    def __init__(self, control_options: dict[str, Any] | None = None) -> None:
+        self.region = np.zeros(NUM_BLOCKS * BLOCK_LEN, np.uint8)
+        config = TierConfig.from_dict({"control": "zmq", "data": "memory", "host": "127.0.0.1",
+                                       "port": 0, "control_options": control_options or {}})
+        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN)
+        self.results: dict[int, JobResult] = {}
+
+    def load_from(self, job_id: int, host: str, port: int) -> JobResult:
+        """One load of ``kv{job_id}`` from ``host:port``; its result."""
+        kv = f"kv{job_id}"
+        ctx = RequestContext(kv, {"remote_prefiller": {
+            "kv_request_id": kv, "remote_host": host, "remote_port": port}})
+        self.tier.on_new_request(ctx)
+        self.tier.submit_load(Job(job_id, [b"%s/0" % kv.encode()], [0], True, ctx))
+        wait_until(lambda: job_id in self.results, timeout=30, what=f"load {job_id}'s result",
+                   pumps=[self.collect])
+        self.tier.on_request_finished(ctx)
+        return self.results[job_id]
+
+    def collect(self) -> None:
+        for r in self.tier.get_finished_jobs():
+            assert r.job_id not in self.results, f"job {r.job_id} reported twice"
+            self.results[r.job_id] = r
+
+
+@pytest.fixture
+def consumer() -> Iterator[Consumer]:
+    c = Consumer()
+    yield c
+    c.tier.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_loads_to_a_refused_port_fail_fast_saying_refused(consumer: Consumer) -> None:
+    port = free_port()  # closed again: nothing listens there
+    start = time.monotonic()
+    first = consumer.load_from(1, "127.0.0.1", port)
+    took = time.monotonic() - start
+    assert first.outcome is Outcome.PEER_DEAD and "refused" in first.detail, first
+    assert took < FAST, f"first load took {took:.2f}s"
+    start = time.monotonic()
+    later = [consumer.load_from(2 + i, "127.0.0.1", port) for i in range(20)]
+    took = time.monotonic() - start
+    assert all(r.outcome is Outcome.PEER_DEAD and "refused" in r.detail for r in later), later
+    assert took < 2 * FAST, f"20 loads in a row took {took:.2f}s"
+
+
+def test_a_load_from_an_unresolvable_host_fails_fast_saying_so(consumer: Consumer) -> None:
+    start = time.monotonic()
+    result = consumer.load_from(1, "no-such-host.invalid", 5710)
+    assert time.monotonic() - start < FAST
+    assert result.outcome is Outcome.PEER_DEAD and "no such host" in result.detail, result
+
+
+def test_a_curve_mismatch_fails_the_consumers_load_naming_it(tmp_path: Path) -> None:
+    for name in ("server", "other", "alice"):
+        assert p2pkv_main(["keys", "--dir", str(tmp_path), "--name", name]) == 0
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "alice.key").write_bytes((tmp_path / "alice.key").read_bytes())
+    server = {"server_secret_key": str(tmp_path / "server.key_secret"),
+              "client_secret_key": str(tmp_path / "alice.key_secret"),
+              "allowed_client_keys": [str(allowed)]}
+    with Child(zmq_peers.producer_tier, "memory", NUM_BLOCKS, BLOCK_LEN, 1, server,
+               name="curve-producer") as child:
+        kind, address = child.recv(60, "the producer's address")
+        assert kind == "address"
+        host, _, port = address.rpartition(":")
+        # Same allowed client key, but the server key pair it expects is another one.
+        consumer = Consumer({**server, "server_secret_key": str(tmp_path / "other.key_secret")})
+        try:
+            start = time.monotonic()
+            result = consumer.load_from(1, host, int(port))
+            took = time.monotonic() - start
+        finally:
+            consumer.tier.shutdown()
+        child.send("stop")
+    assert result.outcome is Outcome.PEER_DEAD, result
+    assert "security handshake failed" in result.detail, result
+    assert took < FAST, f"took {took:.2f}s"
