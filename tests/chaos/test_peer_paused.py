@@ -7,7 +7,8 @@ sessions of its own — new requests between the two must succeed again by thems
 about one handshake, with no manual action. Every job submitted before the pause still ends
 exactly once.
 
-zmq control, nixl data (UCX's default lanes on one host), every peer in its own process.
+zmq control; nixl and ucx data (each when installed, on the library's default lanes on one
+host); every peer in its own process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 from chaos_cluster import Cluster, Node, Req, all_done, measured, not_done, requests, tier_config
 from chaos_node import NodeSpec
 from p2pkv.demo.roles import RoleSetup
+from p2pkv.errors import ConfigError
+from p2pkv.registry import default_registry
 
 BLOCK = 64 * 1024
 MAX_BLOCKS = 8
@@ -35,10 +38,24 @@ fast: the other side's transport answers its first frame with "gone"."""
 T = 60.0
 
 
-def spec(kind: str, slots: int) -> NodeSpec:
+@pytest.fixture(params=["nixl", "ucx"])
+def data(request: pytest.FixtureRequest) -> str:
+    """The data transport under test (each, when installed)."""
+    name: str = request.param
+    try:
+        problem = default_registry().transport("data", name).availability()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    if problem is not None:
+        pytest.skip(str(problem))
+    return name
+
+
+def spec(kind: str, slots: int, data: str) -> NodeSpec:
     config = tier_config(timeouts={"unbound_store": 2 * PAUSE, "handshake": 10.0},
                          control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
-                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT})
+                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT},
+                         data_transport=data)
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots))
 
 
@@ -61,13 +78,15 @@ def probe_until_served(c: Cluster, p: Node, con: Node, first_index: int,
 
 
 @pytest.mark.parametrize("paused", ["producer", "consumer"])
-def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(paused: str) -> None:
+def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(paused: str,
+                                                                     data: str) -> None:
     warm = requests(10, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="warm")
     held = requests(20, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="held",
                     first_index=100)
     slots = 200 * MAX_BLOCKS
     with Cluster() as c:
-        p, con = c.start(("P", spec("producer", slots)), ("C", spec("consumer", slots)))
+        p, con = c.start(("P", spec("producer", slots, data)),
+                         ("C", spec("consumer", slots, data)))
         c.flow.admit(warm, p, con)
         c.wait(lambda: all(r.finished for r in c.flow.reqs.values()), timeout=T,
                what="warm-up requests")
@@ -113,7 +132,7 @@ def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(paused: str
         assert not slow, f"probes on a stale session failed slowly: {slow}"
         failed_in = [round(r.loaded[0].done_at - r.loaded[0].submitted_at, 3)
                      for r in probes[:-1]]
-        measured(f"{paused} paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s): jobs "
+        measured(f"[{data}] {paused} paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s): jobs "
                  f"from before the pause {dict(Counter(r.load_outcome for r in recs))}; first "
                  f"new request done {recovery:.2f}s after the resume ({len(probes)} probe(s), "
                  f"earlier ones failed in {failed_in} s); "
