@@ -132,8 +132,8 @@ def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(paused: str
         assert not slow, f"probes on a stale session failed slowly: {slow}"
         failed_in = [round(r.loaded[0].done_at - r.loaded[0].submitted_at, 3)
                      for r in probes[:-1]]
-        measured(f"[{data}] {paused} paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s): jobs "
-                 f"from before the pause {dict(Counter(r.load_outcome for r in recs))}; first "
+        measured(f"[{data}] {paused} paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s): "
+                 f"jobs from before the pause {dict(Counter(r.load_outcome for r in recs))}; first "
                  f"new request done {recovery:.2f}s after the resume ({len(probes)} probe(s), "
                  f"earlier ones failed in {failed_in} s); "
                  f"20 more all done")
