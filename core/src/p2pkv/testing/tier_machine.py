@@ -3,7 +3,9 @@
 
 Hypothesis drives two or three tiers through random interleavings of new requests (PD and
 symmetric), stores, loads in several rounds, request finishes, jumps of a fake clock past every
-timeout, and faults (a killed session connection, a node restart; with ``faults_enabled`` also
+timeout, and faults (a killed session connection, a node restart, a node **frozen** — not
+ticked for a number of engine steps while the others' steps and the shared clock go on, as a
+SIGSTOPped or stalled peer that then resumes with stale state; with ``faults_enabled`` also
 dropped, delayed, duplicated and reordered frames, failed submits and completions, and
 partitions, injected by ``p2pkv_memory``'s ``FaultInjector`` around the real transports).
 Invariants, checked after every step:
@@ -252,6 +254,8 @@ class TierMachine(RuleBasedStateMachine):
         self.taint: list[dict[int, tuple[set[bytes], np.ndarray]]] = []
         self.reqs: list[Req] = []
         self.retired: list[Any] = []
+        self.frozen: dict[int, int] = {}
+        """Node -> engine steps it still misses (the ``freeze`` fault)."""
 
     def draw_data_options(self, data: st.DataObject) -> list[Mapping[str, Any]]:
         """The data options of each node of this run (a restarted node keeps its own);
@@ -397,7 +401,11 @@ class TierMachine(RuleBasedStateMachine):
         self.pump(2)
 
     def _tick(self, i: int) -> None:
-        """One engine step of node ``i``."""
+        """One engine step of node ``i`` (a frozen node misses it: its step count drops)."""
+        missed = self.frozen.get(i)
+        if missed:
+            self.frozen[i] = missed - 1
+            return
         node = self.nodes[i]
         node.tier.serve_lookups(self.sources[i])
         self._results(i, node.collect())
@@ -430,14 +438,18 @@ class TierMachine(RuleBasedStateMachine):
 
     # -- faults -----------------------------------------------------------------------------
 
-    @rule(kind=st.sampled_from([*_INJECTED, "kill", "partition", "heal", "restart"]),
+    @rule(kind=st.sampled_from([*_INJECTED, "kill", "partition", "heal", "restart", "freeze"]),
           node=st.integers(0, 2), other=st.integers(0, 2), count=st.integers(1, 2),
           polls=st.integers(1, 3))
     def fault(self, kind: str, node: int, other: int, count: int, polls: int) -> None:
-        """Injected faults need ``faults_enabled``; kill (a session's connection is closed)
-        and restart (a node shuts down and comes back on its port) work on any transport."""
+        """Injected faults need ``faults_enabled``; kill (a session's connection is closed),
+        restart (a node shuts down and comes back on its port) and freeze (the node misses
+        ``8 * polls`` engine steps; with ``advance`` between them the clock runs past its
+        peers' timeouts meanwhile) work on any transport."""
         a, b = self.nodes[node % self.N_NODES], self.nodes[other % self.N_NODES]
-        if kind in _INJECTED:
+        if kind == "freeze":
+            self.frozen[node % self.N_NODES] = 8 * polls
+        elif kind in _INJECTED:
             if self.faults is not None:
                 from p2pkv_memory.faults import Fault
 
@@ -458,6 +470,7 @@ class TierMachine(RuleBasedStateMachine):
             self.restart(node % self.N_NODES)
 
     def heal(self) -> None:
+        self.frozen.clear()
         if self.faults is None:
             return
         for a in self.nodes:
