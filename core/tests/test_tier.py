@@ -753,3 +753,17 @@ def _capture(seen: list[BaseException], call: Any) -> None:
         call()
     except BaseException as exc:
         seen.append(exc)
+
+
+def test_a_load_that_cannot_dial_names_the_real_cause(h: Any, cluster: Any) -> None:
+    """Memory control across processes (both at the same address): the dial fails at
+    ``on_new_request``; the load's detail says why instead of blaming an earlier load."""
+    c = cluster()
+    ctx = RequestContext("r1", {"remote_prefiller": {
+        "kv_request_id": "r1", "remote_host": c.host, "remote_port": c.port}})
+    c.tier.on_new_request(ctx)
+    c.load(1, [b"a"], [0], ctx)
+    c.collect()
+    assert c.outcome(1) is Outcome.SUBMIT_FAILED
+    assert "cannot connect to itself" in c.results[1].detail
+    assert "use a network control transport such as zmq" in c.results[1].detail

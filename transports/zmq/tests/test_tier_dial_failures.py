@@ -114,3 +114,37 @@ def test_a_curve_mismatch_fails_the_consumers_load_naming_it(tmp_path: Path) -> 
     assert result.outcome is Outcome.PEER_DEAD, result
     assert "security handshake failed" in result.detail, result
     assert took < FAST, f"took {took:.2f}s"
+
+
+def test_a_load_from_an_http_server_fails_fast_saying_it_is_no_p2pkv_peer(
+        consumer: Consumer) -> None:
+    """A wrong ``remote_port`` that points at an HTTP server (a proxy's, say)."""
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def answer() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        result = consumer.load_from(1, "127.0.0.1", port)
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+    assert result.outcome is Outcome.PEER_DEAD, result
+    assert "handshake" in result.detail, result
+    assert took < FAST, f"took {took:.2f}s: {result.detail}"

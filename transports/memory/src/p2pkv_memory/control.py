@@ -184,7 +184,10 @@ class MemoryControlTransport(ControlTransport):
         elif address == MEM_SCHEME:
             raise ConfigError(f"malformed memory address {address!r}: empty name")
         if address == self._address:
-            raise ConfigError(f"memory transport {address} cannot connect to itself")
+            raise ConfigError(
+                f"memory transport {address} cannot connect to itself (the memory transport "
+                f"is process-local: a peer in another process with the same address is "
+                f"unreachable; use a network control transport such as zmq)")
         with _HUB.cond:
             if self._closed:
                 raise ConnectionClosed(f"transport {self._address} is closed")
