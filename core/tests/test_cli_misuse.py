@@ -180,3 +180,14 @@ def test_trace_hooks_print_at_the_default_log_level() -> None:
                "--preset", "tiny", "--quiet", P2PKV_TRACE_HOOKS="1")
     assert proc.returncode == 0, proc.stderr
     assert "p2pkv.hooks: hook p2pkv_job_finished(" in proc.stderr
+
+
+def test_doctor_accepts_a_vllm_secondary_tiers_entry(tmp_path: Path) -> None:
+    """What an operator pastes from --kv-transfer-config: ``type`` and ``module_path`` are
+    the engine's keys, not refused as unknown tier keys."""
+    entry = tmp_path / "entry.json"
+    entry.write_text('{"type": "P2PKVTier", "module_path": "p2pkv_vllm", "control": "zmq", '
+                     '"data": "memory", "port": 0}')
+    done = cli("doctor", "--config", f"@{entry}", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "module_path" not in done.stderr

