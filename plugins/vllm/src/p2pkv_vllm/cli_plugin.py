@@ -55,8 +55,14 @@ def p2pkv_cli_commands(subparsers: Any) -> None:
                    help="leg order (default prefiller-first)")
     p.add_argument("--on-prefill-failure", choices=[f.value for f in PrefillFailure],
                    help="decode without remote KV (recompute, default) or answer 502 (fail)")
-    p.add_argument("--policy", help="slot selection: round-robin (default), least-inflight, or "
-                                    "module:factory")
+    p.add_argument("--policy", help="slot selection: round-robin (default), least-inflight, "
+                                    "prefix-aware, kv-indexer, or module:factory "
+                                    "(docs/prefix-routing.md)")
+    p.add_argument("--min-cached-tokens-delta", type=int, metavar="TOKENS",
+                   help="prefix policies: name a remote_kv_source only when it holds at least "
+                        "this many more prompt tokens than the chosen prefiller (default 256)")
+    p.add_argument("--indexer-url", metavar="URL",
+                   help="kv-indexer policy: the external indexer (Mooncake RFC #1403 HTTP API)")
     for flag, name in _TIMEOUT_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, metavar="SECONDS",
                        help=f"{name} timeout (default {getattr(ProxyTimeouts(), name):g}s)")
@@ -78,18 +84,23 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     for key in ("mode", "on_prefill_failure", "policy", "max_connections"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
-    timeouts = {name: getattr(args, flag) for flag, name in _TIMEOUT_FLAGS.items()
-                if getattr(args, flag) is not None}
-    if timeouts:
-        file_timeouts = raw.get("timeouts", {})
-        raw["timeouts"] = {**(file_timeouts if isinstance(file_timeouts, dict) else {}),
-                           **timeouts}
+    _overlay(raw, "prefix_routing", {key: getattr(args, key) for key in (
+        "min_cached_tokens_delta", "indexer_url") if getattr(args, key) is not None})
+    _overlay(raw, "timeouts", {name: getattr(args, flag) for flag, name in _TIMEOUT_FLAGS.items()
+                               if getattr(args, flag) is not None})
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise ConfigError(f"--api-key-env: environment variable {args.api_key_env} is not set")
         raw["api_key"] = api_key
     return ProxyConfig.from_mapping(raw, source=args.config or "flags")
+
+
+def _overlay(raw: dict[str, Any], table: str, flags: dict[str, Any]) -> None:
+    """Flags given for keys of the config table ``table`` win over the file's values."""
+    if flags:
+        from_file = raw.get(table, {})
+        raw[table] = {**(from_file if isinstance(from_file, dict) else {}), **flags}
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -14,8 +14,10 @@ Failure contract:
   connections so vLLM aborts those requests;
 - every request is bounded by ``prefill + decode + connect`` seconds in all.
 
-One access-log record (JSON, logger ``p2pkv.vllm.proxy.access``) per generate request.
-Threading: everything runs on one event loop.
+One access-log record (JSON, logger ``p2pkv.vllm.proxy.access``) per generate request; with a
+prefix policy it names the ``source`` peer and the matched tokens (see ``prefix_routing``).
+Threading: everything runs on one event loop, except the KV-event feed threads of the
+``prefix-aware`` policy, which only write the (locked) prefix index.
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ from typing import Any
 import aiohttp
 from p2pkv.logs import module_logger
 
+from p2pkv_vllm.indexer_client import IndexerClient
+from p2pkv_vllm.prefix_index import PrefixIndex
 from p2pkv_vllm.proxy.config import (
+    PREFIX_POLICIES,
     Decoder,
     Mode,
     Prefiller,
     PrefillFailure,
     ProxyConfig,
 )
+from p2pkv_vllm.proxy.kv_feed import KVEventFeeds
 from p2pkv_vllm.proxy.legs import (
     FORWARDED_HEADERS,
     consumer_params,
@@ -49,8 +55,16 @@ from p2pkv_vllm.proxy.legs import (
     prefill_body,
     producer_params,
     source_params,
+    with_kv_source,
 )
-from p2pkv_vllm.proxy.selection import Slot, make_policy, slots_of
+from p2pkv_vllm.proxy.prefix_routing import (
+    PrefixDecision,
+    PrefixRouter,
+    indexer_matcher,
+    local_matcher,
+)
+from p2pkv_vllm.proxy.prompt_tokens import PromptTokens
+from p2pkv_vllm.proxy.selection import Slot, make_policy, slot_name, slots_of
 
 __all__ = ["ACCESS_LOGGER", "ProxyApp"]
 
@@ -116,6 +130,13 @@ class AccessRecord:
     decoder: str = ""
     prefill: str = "skipped"
     prefill_ms: float = 0.0
+    source: str = ""
+    """The ``remote_kv_source`` peer the prefill leg was sent to pull from (prefix policies)."""
+    matched_tokens: int = 0
+    """Cached prefix tokens of the chosen prefiller, as the prefix lookup saw it."""
+    source_tokens: int = 0
+    prefix_lookup: str = ""
+    """Prefix policies: ``hit``, ``miss``, ``no_tokens`` or ``timeout``; else empty."""
     status: int = 0
     bytes: int = 0
     outcome: str = "ok"
@@ -187,12 +208,48 @@ class ProxyApp:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self._prefillers = make_policy(config.policy, slots_of(config.prefillers))
-        self._decoders = make_policy(config.policy, slots_of(config.decoders))
+        prefix = config.policy in PREFIX_POLICIES
+        base = "round-robin" if prefix else config.policy
+        self._prefillers = make_policy(base, slots_of(config.prefillers))
+        self._decoders = make_policy(base, slots_of(config.decoders))
+        self.prefix_index: PrefixIndex | None = None
+        self._feeds: KVEventFeeds | None = None
+        self.prefix_router = self._prefix_router() if prefix else None
         self._model_sources = itertools.cycle(config.decoders)
         self._session: aiohttp.ClientSession | None = None
         t = config.timeouts
         self._deadline = t.prefill + t.decode + t.connect
+
+    def _prefix_router(self) -> PrefixRouter:
+        settings = self.config.prefix_routing
+        upstreams: tuple[Prefiller | Decoder, ...] = (*self.config.prefillers,
+                                                      *self.config.decoders)
+        tokens = PromptTokens(self._post_json, [u.url for u in upstreams])
+        if self.config.policy == "kv-indexer":
+            assert settings.indexer_url is not None and settings.block_size is not None
+            client = IndexerClient(self._post_json, settings.indexer_url,
+                                   block_size=settings.block_size,
+                                   tenant=settings.indexer_tenant)
+            return PrefixRouter(self.config, indexer_matcher(client, self.config), tokens)
+        self.prefix_index = PrefixIndex(block_size=settings.block_size,
+                                        max_blocks=settings.max_blocks_per_instance)
+        self._feeds = KVEventFeeds(self.prefix_index, upstreams)
+        return PrefixRouter(self.config, local_matcher(self.prefix_index), tokens)
+
+    def start(self) -> None:
+        """Start the KV-event feeds (``prefix-aware``); the ASGI lifespan startup calls it."""
+        if self._feeds is not None:
+            self._feeds.start()
+
+    async def _post_json(self, url: str, payload: Any) -> tuple[int, bytes]:
+        timeout = self.config.prefix_routing.lookup_timeout
+        try:
+            reply = await asyncio.wait_for(
+                self._fetch("POST", url, data=json.dumps(payload).encode(),
+                            headers={"content-type": "application/json"}), timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return 0, b""
+        return reply.status, reply.body
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -214,6 +271,9 @@ class ProxyApp:
             return _Reply(response.status, _response_headers(response.raw_headers), body)
 
     async def aclose(self) -> None:
+        if self._feeds is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._feeds.stop)
+            self._feeds = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -225,7 +285,8 @@ class ProxyApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        allowed = {"/health": "GET", "/ready": "GET", "/v1/models": "GET"}.get(
+        allowed = {"/health": "GET", "/ready": "GET", "/v1/models": "GET",
+                   "/prefix-index": "GET", "/prefix-index/match": "POST"}.get(
             path, "POST" if path in GENERATE_PATHS else None
         )
         record = AccessRecord(new_kv_request_id(), method, path, self.config.mode.value)
@@ -240,6 +301,8 @@ class ProxyApp:
             await self._ready(exchange)
         elif path == "/v1/models":
             await self._models(scope, exchange)
+        elif path.startswith("/prefix-index"):
+            await self._prefix_status(receive, exchange, match=path.endswith("/match"))
         else:
             await self._generate(scope, receive, exchange)
 
@@ -247,6 +310,7 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                self.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()
@@ -272,7 +336,7 @@ class ProxyApp:
         status = "unready" if empty else "degraded" if dead else "ready"
         await exchange.json(503 if empty else 200, {
             "status": status, "mode": self.config.mode.value, "dead": dead,
-            "no_live_instance": empty,
+            "no_live_instance": empty, **self._prefix_refusals(),
             **{pool: {url: problems[url] or "ok" for url in members}
                for pool, members in pools.items()},
         })
@@ -287,6 +351,43 @@ class ProxyApp:
         except aiohttp.ClientError as exc:
             return f"unreachable: {_describe(exc)}"
         return "" if 200 <= reply.status < 300 else f"/health answered {reply.status}"
+
+    # -- /prefix-index ----------------------------------------------------------------------
+
+    def _prefix_refusals(self) -> dict[str, Any]:
+        """``/ready``'s ``prefix_index_refused`` (slot -> why), with the in-process index."""
+        if self.prefix_index is None:
+            return {}
+        return {"prefix_index_refused": {name: s.refused for name, s in
+                                         self.prefix_index.status().items() if s.refused}}
+
+    async def _prefix_status(self, receive: Receive, exchange: _Exchange, *, match: bool) -> None:
+        """``GET /prefix-index``: policy, counters, per-rank index and feed state.
+        ``POST /prefix-index/match``: what the policy would match for a body (``token_ids``,
+        or a generate body and its ``path``), without routing anything."""
+        router = self.prefix_router
+        if router is None:
+            await exchange.error(404, f"policy {self.config.policy} keeps no prefix index",
+                                 kind="not_found")
+            return
+        if not match:
+            index = self.prefix_index
+            await exchange.json(200, {
+                "policy": self.config.policy, "decisions": dict(router.counters),
+                "block_size": index.block_size if index else self.config.prefix_routing.block_size,
+                "instances": {n: asdict(s) for n, s in (index.status() if index else {}).items()},
+                "feeds": self._feeds.stats() if self._feeds else {},
+            })
+            return
+        raw = await asyncio.wait_for(_read_body(receive, self.config.max_body_bytes),
+                                     self.config.timeouts.idle)
+        body = _json_object(raw or b"") or {}
+        token_ids = body.get("token_ids")
+        path = str(body.pop("path", "/v1/completions"))
+        query = {**body, "prompt": token_ids} if isinstance(token_ids, list) else body
+        tokens = await router.tokens.of(path, query)
+        await exchange.json(200, {"prompt_tokens": len(tokens or ()),
+                                  "matches": await router.matches(tokens or [], query)})
 
     # -- /v1/models --------------------------------------------------------------------------
 
@@ -382,17 +483,16 @@ class ProxyApp:
 
     async def _route(self, call: _Call) -> None:
         record = call.record
-        decoder = self._decoders.choose()
-        prefiller = self._prefillers.choose()
-        record.decoder = _slot_name(decoder)
-        record.prefiller = _slot_name(prefiller)
+        decision = await self._choose(call)
+        prefiller, decoder = decision.prefiller, decision.decoder
         try:
             if self.config.mode is Mode.DECODER_FIRST:
-                await self._decoder_first(call, prefiller, decoder)
+                await self._decoder_first(call, decision)
                 return
             producer = None if self.config.mode is Mode.SYMMETRIC else producer_params(
                 record.kv_request_id)
-            outcome = await self._prefill(call, prefiller, producer)
+            outcome = await self._prefill(
+                call, prefiller, with_kv_source(producer, record.kv_request_id, decision.source))
             if outcome.ok:
                 params = (source_params if self.config.mode is Mode.SYMMETRIC
                           else consumer_params)(record.kv_request_id, prefiller)
@@ -404,15 +504,31 @@ class ProxyApp:
         finally:
             self._decoders.release(decoder)
 
-    async def _decoder_first(
-        self, call: _Call, prefiller: Slot[Prefiller], decoder: Slot[Decoder]
-    ) -> None:
+    async def _choose(self, call: _Call) -> PrefixDecision:
+        """The slots of both legs (and a source peer with a prefix policy), logged."""
+        record = call.record
+        if self.prefix_router is None:
+            decoder = self._decoders.choose()
+            decision = PrefixDecision(prefiller=self._prefillers.choose(), decoder=decoder)
+        else:
+            decision = await self.prefix_router.decide(record.path, call.body)
+            record.prefix_lookup = decision.lookup
+            record.matched_tokens = decision.matched_tokens
+            record.source_tokens = decision.source_tokens
+            record.source = decision.source.name if decision.source else ""
+        record.decoder = slot_name(decision.decoder)
+        record.prefiller = slot_name(decision.prefiller)
+        return decision
+
+    async def _decoder_first(self, call: _Call, decision: PrefixDecision) -> None:
         kv_id = call.record.kv_request_id
+        prefiller, decoder = decision.prefiller, decision.decoder
         decode = asyncio.ensure_future(
             self._open_decode(call, decoder, consumer_params(kv_id, prefiller))
         )
         try:
-            outcome = await self._prefill(call, prefiller, producer_params(kv_id))
+            outcome = await self._prefill(
+                call, prefiller, with_kv_source(producer_params(kv_id), kv_id, decision.source))
             if outcome.ok:
                 response = await decode
             else:
@@ -459,7 +575,7 @@ class ProxyApp:
         record.prefill = "ok" if outcome.ok else f"failed: {outcome.reason}"
         if not outcome.ok:
             log.warning("prefill leg %s to %s failed: %s (on_prefill_failure=%s)",
-                        record.kv_request_id, _slot_name(slot), outcome.reason,
+                        record.kv_request_id, slot_name(slot), outcome.reason,
                         self.config.on_prefill_failure.value)
         return outcome
 
@@ -579,10 +695,6 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
 def _response_headers(raw: Any) -> list[tuple[bytes, bytes]]:
     """Upstream response headers minus hop-by-hop ones (and date/server: ours are sent)."""
     return [(k.lower(), v) for k, v in raw if k.lower() not in _DROPPED_RESPONSE_HEADERS]
-
-
-def _slot_name(slot: Slot[Any]) -> str:
-    return f"{slot.upstream.url}#dp{slot.dp_rank}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "Mode",
     "PrefillFailure",
     "Prefiller",
+    "PrefixRouting",
     "ProxyConfig",
     "ProxyTimeouts",
     "load_config_file",
@@ -64,14 +65,58 @@ class Prefiller:
     p2p_host: str
     p2p_port: int = DEFAULT_PORT
     dp_size: int = 1
+    kv_events: str | None = None
+    """vLLM's KV-event PUB endpoint (``tcp://host:port``, DP rank r on ``port + r``)."""
+    kv_replay: str | None = None
+    """vLLM's KV-event replay ROUTER endpoint, same DP rule."""
+
+    @property
+    def p2p_address(self) -> tuple[str, int]:
+        """Where DP rank 0's P2P tier listens (rank r: port + r)."""
+        return self.p2p_host, self.p2p_port
 
 
 @dataclass(frozen=True)
 class Decoder:
-    """A decode instance: its HTTP URL and data-parallel size."""
+    """A decode instance: its HTTP URL and data-parallel size.
+
+    ``p2p_host``/``p2p_port`` are optional: with them the decoder can be named as a
+    ``remote_kv_source`` by prefix-aware routing."""
 
     url: str
     dp_size: int = 1
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    p2p_host: str | None = None
+    p2p_port: int = DEFAULT_PORT
+
+    @property
+    def p2p_address(self) -> tuple[str, int] | None:
+        return None if self.p2p_host is None else (self.p2p_host, self.p2p_port)
+
+
+PREFIX_POLICIES = ("prefix-aware", "kv-indexer")
+"""Policies that route by cached prefix: from the proxy's own index of the instances' KV
+events, or from an external indexer speaking Mooncake RFC #1403's HTTP API."""
+
+
+@dataclass(frozen=True)
+class PrefixRouting:
+    """Settings of the prefix policies (``policy = "prefix-aware"`` or ``"kv-indexer"``)."""
+
+    min_cached_tokens_delta: int = 256
+    """Name a ``remote_kv_source`` only when its cached prefix is at least this many tokens
+    longer than the chosen prefiller's."""
+    block_size: int | None = None
+    """The instances' KV block size; default: learnt from the first event."""
+    max_blocks_per_instance: int = 131_072
+    """LRU cap of the in-process index, per instance and DP rank."""
+    lookup_timeout: float = 1.0
+    """Bound on finding the prompt's tokens and matches; past it the request is routed
+    round-robin (logged as ``prefix_lookup: timeout``)."""
+    indexer_url: str | None = None
+    """Base URL of the external indexer (``kv-indexer`` policy)."""
+    indexer_tenant: str = "default"
 
 
 @dataclass(frozen=True)
@@ -96,7 +141,9 @@ class ProxyConfig:
     mode: Mode = Mode.PREFILLER_FIRST
     on_prefill_failure: PrefillFailure = PrefillFailure.RECOMPUTE
     policy: str = "round-robin"
-    """Slot selection policy: a built-in name or ``module:factory`` (see ``selection``)."""
+    """Slot selection policy: a built-in name, a prefix policy (``PREFIX_POLICIES``) or
+    ``module:factory`` (see ``selection``)."""
+    prefix_routing: PrefixRouting = field(default_factory=PrefixRouting)
     timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     max_connections: int = 1024
     """Pooled upstream connections (all upstreams together)."""
@@ -115,6 +162,15 @@ class ProxyConfig:
             )
         if self.max_connections < 1 or self.max_body_bytes < 1:
             raise ConfigError("max_connections and max_body_bytes must be >= 1")
+        with_events = [u for u in self.prefillers if u.kv_events] + [
+            u for u in self.decoders if u.kv_events]
+        if self.policy == "prefix-aware" and not with_events:
+            raise ConfigError("policy prefix-aware needs kv_events=tcp://HOST:PORT on at least "
+                              "one --prefiller or --decoder (vLLM's --kv-events-config endpoint)")
+        if self.policy == "kv-indexer" and not (self.prefix_routing.indexer_url
+                                                and self.prefix_routing.block_size):
+            raise ConfigError("policy kv-indexer needs prefix_routing.indexer_url and "
+                              "prefix_routing.block_size (the indexer's /query takes it)")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], *, source: str = "config") -> ProxyConfig:
@@ -137,6 +193,9 @@ class ProxyConfig:
             )
         if "timeouts" in raw:
             values["timeouts"] = timeouts_from(raw["timeouts"], f"{source}: timeouts")
+        if "prefix_routing" in raw:
+            values["prefix_routing"] = prefix_routing_from(
+                raw["prefix_routing"], f"{source}: prefix_routing")
         for key in ("max_connections", "max_body_bytes"):
             if key in raw:
                 values[key] = _positive_int(raw[key], f"{source}: {key}")
@@ -155,13 +214,13 @@ def parse_prefiller(spec: str, *, environ: Mapping[str, str] | None = None) -> P
     ``p2p_host`` defaults to the URL's host, ``p2p_port`` to ``$VLLM_P2P_SIDE_CHANNEL_PORT``
     or 5710 (the tier's own default), ``dp_size`` to 1.
     """
-    url, opts = _split_spec(spec, ("p2p_host", "p2p_port", "dp_size"), "--prefiller")
+    url, opts = _split_spec(spec, _PREFILLER_KEYS[1:], "--prefiller")
     return _prefiller_from({"url": url, **opts}, f"--prefiller {spec!r}", environ=environ)
 
 
 def parse_decoder(spec: str) -> Decoder:
-    """``URL[,dp_size=N]``."""
-    url, opts = _split_spec(spec, ("dp_size",), "--decoder")
+    """``URL[,dp_size=N][,kv_events=E][,kv_replay=E][,p2p_host=H][,p2p_port=P]``."""
+    url, opts = _split_spec(spec, _DECODER_KEYS[1:], "--decoder")
     return _decoder_from({"url": url, **opts}, f"--decoder {spec!r}")
 
 
@@ -205,6 +264,27 @@ def timeouts_from(raw: Any, source: str) -> ProxyTimeouts:
     return ProxyTimeouts(**values)
 
 
+def prefix_routing_from(raw: Any, source: str) -> PrefixRouting:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source} must be a table/object")
+    _only(raw, sorted(f.name for f in fields(PrefixRouting)), source)
+    values: dict[str, Any] = {}
+    for key in ("min_cached_tokens_delta", "block_size", "max_blocks_per_instance"):
+        if key in raw:
+            minimum = 0 if key == "min_cached_tokens_delta" else 1
+            values[key] = _int_at_least(raw[key], minimum, f"{source}.{key}")
+    if "lookup_timeout" in raw:
+        values["lookup_timeout"] = timeouts_from(
+            {"connect": raw["lookup_timeout"]}, f"{source}.lookup_timeout").connect
+    if "indexer_url" in raw:
+        values["indexer_url"] = _url(raw["indexer_url"], f"{source}.indexer_url")
+    if "indexer_tenant" in raw:
+        if not isinstance(raw["indexer_tenant"], str):
+            raise ConfigError(f"{source}.indexer_tenant must be a string")
+        values["indexer_tenant"] = raw["indexer_tenant"]
+    return PrefixRouting(**values)
+
+
 def _split_spec(spec: str, allowed: Sequence[str], flag: str) -> tuple[str, dict[str, str]]:
     url, *rest = (part.strip() for part in spec.split(","))
     opts: dict[str, str] = {}
@@ -237,7 +317,7 @@ def _prefiller_from(
 ) -> Prefiller:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source} must be a table/object with at least 'url'")
-    _only(raw, ("url", "p2p_host", "p2p_port", "dp_size"), source)
+    _only(raw, _PREFILLER_KEYS, source)
     url = _url(raw.get("url"), source)
     host = raw.get("p2p_host") or urlsplit(url).hostname
     if not isinstance(host, str):
@@ -249,17 +329,41 @@ def _prefiller_from(
     dp_size = _positive_int(raw.get("dp_size", 1), f"{source}: dp_size")
     if port + dp_size - 1 > 65535:
         raise ConfigError(f"{source}: p2p_port {port} + dp_size {dp_size} exceeds 65535")
-    return Prefiller(url=url, p2p_host=host.strip("[]"), p2p_port=port, dp_size=dp_size)
+    return Prefiller(url=url, p2p_host=host.strip("[]"), p2p_port=port, dp_size=dp_size,
+                     **_kv_event_endpoints(raw, source))
 
 
 def _decoder_from(raw: Any, source: str) -> Decoder:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source} must be a table/object with at least 'url'")
-    _only(raw, ("url", "dp_size"), source)
+    _only(raw, _DECODER_KEYS, source)
+    host = raw.get("p2p_host")
+    if host is not None and not isinstance(host, str):
+        raise ConfigError(f"{source}: p2p_host must be a string, got {host!r}")
     return Decoder(
         url=_url(raw.get("url"), source),
         dp_size=_positive_int(raw.get("dp_size", 1), f"{source}: dp_size"),
+        p2p_host=host.strip("[]") if host else None,
+        p2p_port=_positive_int(raw.get("p2p_port", DEFAULT_PORT), f"{source}: p2p_port"),
+        **_kv_event_endpoints(raw, source),
     )
+
+
+_PREFILLER_KEYS = ("url", "p2p_host", "p2p_port", "dp_size", "kv_events", "kv_replay")
+_DECODER_KEYS = ("url", "dp_size", "kv_events", "kv_replay", "p2p_host", "p2p_port")
+
+
+def _kv_event_endpoints(raw: Mapping[str, Any], source: str) -> dict[str, str | None]:
+    """``kv_events``/``kv_replay``: ``tcp://host:port`` the proxy connects to."""
+    out: dict[str, str | None] = {}
+    for key in ("kv_events", "kv_replay"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, str) or not value.startswith("tcp://")
+                                  or "*" in value or not value.rpartition(":")[2].isdigit()):
+            raise ConfigError(f"{source}: {key} {value!r} must be tcp://HOST:PORT (the host "
+                              "the engine publishes on; the proxy connects)")
+        out[key] = value
+    return out
 
 
 def _only(raw: Mapping[str, Any], allowed: Sequence[str], source: str) -> None:
@@ -269,13 +373,17 @@ def _only(raw: Mapping[str, Any], allowed: Sequence[str], source: str) -> None:
 
 
 def _positive_int(value: Any, source: str) -> int:
+    return _int_at_least(value, 1, source)
+
+
+def _int_at_least(value: Any, minimum: int, source: str) -> int:
     if isinstance(value, str):
         try:
             value = int(value)
         except ValueError:
             raise ConfigError(f"{source} must be an integer, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source} must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{source} must be an integer >= {minimum}, got {value!r}")
     return value
 
 

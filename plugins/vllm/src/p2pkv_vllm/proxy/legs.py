@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from p2pkv_vllm.proxy.config import Prefiller
@@ -17,6 +18,7 @@ from p2pkv_vllm.proxy.selection import Slot
 __all__ = [
     "DP_RANK_HEADER",
     "FORWARDED_HEADERS",
+    "P2PPeer",
     "consumer_params",
     "decode_body",
     "leg_headers",
@@ -24,6 +26,7 @@ __all__ = [
     "prefill_body",
     "producer_params",
     "source_params",
+    "with_kv_source",
 ]
 
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -56,12 +59,32 @@ def producer_params(kv_request_id: str) -> dict[str, Any]:
     return {"remote_decoder": {"kv_request_id": kv_request_id}}
 
 
+@dataclass(frozen=True)
+class P2PPeer:
+    """One DP rank's P2P tier: ``name`` (its slot name, for logs), host and (rank) port."""
+
+    name: str
+    host: str
+    port: int
+
+
 def _source(kv_request_id: str, slot: Slot[Prefiller]) -> dict[str, Any]:
-    return {
-        "kv_request_id": kv_request_id,
-        "remote_host": slot.upstream.p2p_host,
-        "remote_port": slot.upstream.p2p_port + slot.dp_rank,
-    }
+    return _peer(kv_request_id, slot.upstream.p2p_host, slot.upstream.p2p_port + slot.dp_rank)
+
+
+def _peer(kv_request_id: str, host: str, port: int) -> dict[str, Any]:
+    return {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": port}
+
+
+def with_kv_source(
+    params: Mapping[str, Any] | None, kv_request_id: str, peer: P2PPeer | None
+) -> dict[str, Any] | None:
+    """``params`` plus ``remote_kv_source`` naming ``peer`` (unchanged when ``peer`` is None).
+
+    Legal alone or next to ``remote_decoder`` (a prefill leg pulling a cached prefix)."""
+    if peer is None:
+        return None if params is None else dict(params)
+    return {**(params or {}), "remote_kv_source": _peer(kv_request_id, peer.host, peer.port)}
 
 
 def consumer_params(kv_request_id: str, prefiller: Slot[Prefiller]) -> dict[str, Any]:

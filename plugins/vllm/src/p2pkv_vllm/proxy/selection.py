@@ -13,11 +13,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["LeastInFlight", "RoundRobin", "SelectionPolicy", "Slot", "make_policy", "slots_of"]
+__all__ = [
+    "LeastInFlight", "RoundRobin", "SelectionPolicy", "Slot", "make_policy", "slot_name",
+    "slots_of",
+]
 
 U = TypeVar("U")
 
@@ -26,6 +29,11 @@ U = TypeVar("U")
 class Slot(Generic[U]):
     upstream: U
     dp_rank: int
+
+
+def slot_name(slot: Slot[Any]) -> str:
+    """``URL#dp<rank>``: how logs, the access log and the prefix index name a slot."""
+    return f"{slot.upstream.url}#dp{slot.dp_rank}"
 
 
 class SelectionPolicy(Protocol[U]):
