@@ -1,6 +1,6 @@
 """A consumer tier whose producer cannot be reached learns why in milliseconds, on every load.
 
-Nothing listening (refused), a host name that does not resolve, and a CURVE mismatch with a
+Nothing listening (refused: a producer process that has exited), a host name that does not resolve, and a CURVE mismatch with a
 producer in another process: each load fails ``peer_dead`` fast, its detail naming the cause,
 and loads in a row to a failing address do not each wait out a handshake (the zmq transport
 remembers a failed dial for ``DIAL_BACKOFF``)."""
@@ -61,21 +61,29 @@ def consumer() -> Iterator[Consumer]:
     c.tier.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def stopped_producer_address() -> tuple[str, int]:
+    """The address of a producer tier that ran in another process and has exited: its port
+    now refuses connections (a prefiller that died, or a wrong ``remote_port``)."""
+    with Child(zmq_peers.producer_tier, "memory", NUM_BLOCKS, BLOCK_LEN, 1,
+               name="gone-producer") as child:
+        kind, address = child.recv(60, "the producer's address")
+        assert kind == "address"
+        child.send("stop")
+        child.process.join(30)
+        assert child.process.exitcode == 0, child.process.exitcode
+    host, _, port = address.rpartition(":")
+    return host, int(port)
 
 
 def test_loads_to_a_refused_port_fail_fast_saying_refused(consumer: Consumer) -> None:
-    port = free_port()  # closed again: nothing listens there
+    host, port = stopped_producer_address()
     start = time.monotonic()
-    first = consumer.load_from(1, "127.0.0.1", port)
+    first = consumer.load_from(1, host, port)
     took = time.monotonic() - start
     assert first.outcome is Outcome.PEER_DEAD and "refused" in first.detail, first
     assert took < FAST, f"first load took {took:.2f}s"
     start = time.monotonic()
-    later = [consumer.load_from(2 + i, "127.0.0.1", port) for i in range(20)]
+    later = [consumer.load_from(2 + i, host, port) for i in range(20)]
     took = time.monotonic() - start
     assert all(r.outcome is Outcome.PEER_DEAD and "refused" in r.detail for r in later), later
     assert took < 2 * FAST, f"20 loads in a row took {took:.2f}s"
