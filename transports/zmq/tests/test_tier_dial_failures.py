@@ -1,9 +1,10 @@
 """A consumer tier whose producer cannot be reached learns why in milliseconds, on every load.
 
-Nothing listening (refused: a producer process that has exited), a host name that does not resolve, and a CURVE mismatch with a
-producer in another process: each load fails ``peer_dead`` fast, its detail naming the cause,
-and loads in a row to a failing address do not each wait out a handshake (the zmq transport
-remembers a failed dial for ``DIAL_BACKOFF``)."""
+Nothing listening (refused: a producer process that has exited), a host name that does not
+resolve, a CURVE mismatch with a producer in another process, and an HTTP server at the
+address: each load fails ``peer_dead`` fast, its detail naming the cause, and loads in a row
+to a failing address do not each wait out a handshake (the zmq transport remembers a failed
+dial for ``DIAL_BACKOFF``)."""
 
 from __future__ import annotations
 
