@@ -35,11 +35,19 @@ P2PKV_TIER = {
 """The tier entry the tests run (plus a ``port``)."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port nobody listens on now (bound to port 0 and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nobody listens on now (bound to port 0 and released), never one this process
+    handed out before: an engine started later must not find it taken by a sibling's."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -31,6 +31,22 @@ from p2pkv_vllm.kv_subscriber import Batch, KVEventSubscriber, Reset, Update
 WAIT = 10.0
 
 
+def _bind(sock: zmq.Socket[bytes], port: int) -> str:
+    """Bind ``sock`` on 127.0.0.1:``port`` (0: any); the endpoint. A given port is retried,
+    bounded: a socket closed on it just before (a publisher restart) is released by libzmq's
+    I/O thread asynchronously."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or not port or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)  # polling for the port's release; bounded by the deadline
+            continue
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 class VLLMStylePublisher:
     """PUB + replay ROUTER on 127.0.0.1; the ROUTER is served by its own thread."""
 
@@ -38,11 +54,9 @@ class VLLMStylePublisher:
                  replay_port: int = 0) -> None:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.bind(f"tcp://127.0.0.1:{pub_port}")
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = _bind(self._pub, pub_port)
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.bind(f"tcp://127.0.0.1:{replay_port}")
-        self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = _bind(self._router, replay_port)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._seq = 0

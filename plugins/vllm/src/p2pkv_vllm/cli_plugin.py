@@ -63,6 +63,10 @@ def p2pkv_cli_commands(subparsers: Any) -> None:
                         "this many more prompt tokens than the chosen prefiller (default 256)")
     p.add_argument("--indexer-url", metavar="URL",
                    help="kv-indexer policy: the external indexer (Mooncake RFC #1403 HTTP API)")
+    p.add_argument("--warm-pairs", action="store_true", default=None,
+                   help="at startup, open the P2P session of every instance pair with one tiny "
+                        "PD request each, so the first user request between two instances "
+                        "does not pay the session setup (docs/prefix-routing.md)")
     for flag, name in _TIMEOUT_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, metavar="SECONDS",
                        help=f"{name} timeout (default {getattr(ProxyTimeouts(), name):g}s)")
@@ -81,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raw["prefillers"] = [asdict(parse_prefiller(spec)) for spec in args.prefiller]
     if args.decoder:
         raw["decoders"] = [asdict(parse_decoder(spec)) for spec in args.decoder]
-    for key in ("mode", "on_prefill_failure", "policy", "max_connections"):
+    for key in ("mode", "on_prefill_failure", "policy", "max_connections", "warm_pairs"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
     _overlay(raw, "prefix_routing", {key: getattr(args, key) for key in (

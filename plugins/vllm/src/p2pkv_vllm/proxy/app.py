@@ -65,6 +65,7 @@ from p2pkv_vllm.proxy.prefix_routing import (
 )
 from p2pkv_vllm.proxy.prompt_tokens import PromptTokens
 from p2pkv_vllm.proxy.selection import Slot, make_policy, slot_name, slots_of
+from p2pkv_vllm.proxy.warm_pairs import PairWarmer
 
 __all__ = ["ACCESS_LOGGER", "ProxyApp"]
 
@@ -217,6 +218,8 @@ class ProxyApp:
         self.prefix_router = self._prefix_router() if prefix else None
         self._model_sources = itertools.cycle(config.decoders)
         self._session: aiohttp.ClientSession | None = None
+        self.warmer = PairWarmer(config, self._call) if config.warm_pairs else None
+        self._warming: asyncio.Future[None] | None = None
         t = config.timeouts
         self._deadline = t.prefill + t.decode + t.connect
 
@@ -237,9 +240,22 @@ class ProxyApp:
         return PrefixRouter(self.config, local_matcher(self.prefix_index), tokens)
 
     def start(self) -> None:
-        """Start the KV-event feeds (``prefix-aware``); the ASGI lifespan startup calls it."""
+        """Start the KV-event feeds (``prefix-aware``) and the pair warm-up (``warm_pairs``,
+        a background task); the ASGI lifespan startup calls it, on the serving loop."""
         if self._feeds is not None:
             self._feeds.start()
+        if self.warmer is not None:
+            self._warming = asyncio.ensure_future(self.warmer.run())
+
+    async def _call(self, method: str, url: str, payload: Any,
+                    headers: Any) -> tuple[int, bytes]:
+        """One upstream call for the warm-up; transport failures raise ``OSError``."""
+        data = None if payload is None else json.dumps(payload).encode()
+        try:
+            reply = await self._fetch(method, url, data=data, headers=dict(headers))
+        except aiohttp.ClientError as exc:
+            raise OSError(_describe(exc)) from None
+        return reply.status, reply.body
 
     async def _post_json(self, url: str, payload: Any) -> tuple[int, bytes]:
         timeout = self.config.prefix_routing.lookup_timeout
@@ -271,6 +287,9 @@ class ProxyApp:
             return _Reply(response.status, _response_headers(response.raw_headers), body)
 
     async def aclose(self) -> None:
+        if self._warming is not None:
+            await _cancel(self._warming)
+            self._warming = None
         if self._feeds is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._feeds.stop)
             self._feeds = None
@@ -324,7 +343,8 @@ class ProxyApp:
 
         200 ``ready`` when all answer 2xx; 200 ``degraded`` when some do not but every pool
         (prefillers, decoders) still has a live instance; 503 ``unready`` when a pool has none.
-        The body lists every upstream's state and names the dead ones with the reason.
+        The body lists every upstream's state and names the dead ones with the reason; with
+        ``warm_pairs``, each pair's warm-up state (``warm_pairs``; it never affects status).
         """
         pools = {"prefillers": [u.url for u in self.config.prefillers],
                  "decoders": [u.url for u in self.config.decoders]}
@@ -337,6 +357,7 @@ class ProxyApp:
         await exchange.json(503 if empty else 200, {
             "status": status, "mode": self.config.mode.value, "dead": dead,
             "no_live_instance": empty, **self._prefix_refusals(),
+            **({"warm_pairs": self.warmer.status()} if self.warmer else {}),
             **{pool: {url: problems[url] or "ok" for url in members}
                for pool, members in pools.items()},
         })

@@ -150,6 +150,11 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     api_key: str | None = None
     """Sent as ``Authorization: Bearer`` to upstreams when the client sent no auth header."""
+    warm_pairs: bool = False
+    """At startup, open the P2P session of every pair of instances with one tiny PD
+    request each (see ``warm_pairs``), so no user request pays the first-pull setup."""
+    warm_pairs_wait: float = 600.0
+    """Seconds the warm-up waits in all for the instances to answer ``/health``."""
 
     def __post_init__(self) -> None:
         if not self.prefillers:
@@ -199,6 +204,12 @@ class ProxyConfig:
         for key in ("max_connections", "max_body_bytes"):
             if key in raw:
                 values[key] = _positive_int(raw[key], f"{source}: {key}")
+        if "warm_pairs" in raw and not isinstance(raw["warm_pairs"], bool):
+            raise ConfigError(f"{source}: warm_pairs must be true or false, "
+                              f"got {raw['warm_pairs']!r}")
+        if "warm_pairs_wait" in raw:
+            values["warm_pairs_wait"] = timeouts_from(
+                {"connect": raw["warm_pairs_wait"]}, f"{source}: warm_pairs_wait").connect
         for key in ("policy", "api_key"):
             if key in raw and not isinstance(raw[key], str):
                 raise ConfigError(f"{source}: {key} must be a string, got {raw[key]!r}")

@@ -3,7 +3,11 @@
 One daemon thread per (instance, DP rank) that has ``kv_events``: it owns one
 :class:`~p2pkv_vllm.kv_subscriber.KVEventSubscriber` (the subscriber's one owner thread) and
 applies every update to the index (the index locks). A publisher restart makes the index
-forget that rank. :meth:`KVEventFeeds.stop` sets a flag each thread checks at least every
+forget that rank. Placeholder ``BlockStored`` events are dropped before the index sees them:
+vLLM's OffloadingConnector publishes them (``block_size`` 0, no ``token_ids``) for offloaded
+blocks it kept no metadata for; they name no tokens, so nothing can be matched against them,
+and taken at face value their ``block_size`` 0 would get the instance refused.
+:meth:`KVEventFeeds.stop` sets a flag each thread checks at least every
 ``POLL_INTERVAL`` seconds, then joins them, bounded.
 """
 
@@ -14,13 +18,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from p2pkv_vllm.kv_events import endpoint_for_rank
+import msgspec
+
+from p2pkv_vllm.kv_events import BlockStored, KVEventBatch, endpoint_for_rank
 from p2pkv_vllm.kv_subscriber import Batch, KVEventSubscriber, SubscriberStats
 from p2pkv_vllm.prefix_index import PrefixIndex
 from p2pkv_vllm.proxy.config import Decoder, Prefiller
 from p2pkv_vllm.proxy.selection import Slot, slot_name
 
-__all__ = ["POLL_INTERVAL", "KVEventFeeds"]
+__all__ = ["POLL_INTERVAL", "KVEventFeeds", "without_placeholders"]
 
 POLL_INTERVAL = 0.2
 
@@ -64,8 +70,17 @@ class KVEventFeeds:
             while not self._stop.is_set():
                 for update in sub.poll(POLL_INTERVAL):
                     if isinstance(update, Batch):
-                        self._index.apply(name, update.batch)
+                        self._index.apply(name, without_placeholders(update.batch))
                     else:
                         self._index.forget(name)
         finally:
             sub.close()
+
+
+def without_placeholders(batch: KVEventBatch) -> KVEventBatch:
+    """``batch`` minus its placeholder ``BlockStored`` events (``block_size`` 0 and no
+    ``token_ids``); the same object when it has none."""
+    kept = [e for e in batch.events
+            if not (isinstance(e, BlockStored) and e.block_size == 0 and not e.token_ids)]
+    return batch if len(kept) == len(batch.events) else msgspec.structs.replace(batch,
+                                                                                 events=kept)

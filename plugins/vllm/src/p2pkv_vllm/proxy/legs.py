@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pkv_vllm.proxy.config import Prefiller
-from p2pkv_vllm.proxy.selection import Slot
+from p2pkv_vllm.proxy.selection import Slot, slot_name
 
 __all__ = [
     "DP_RANK_HEADER",
@@ -23,8 +23,10 @@ __all__ = [
     "decode_body",
     "leg_headers",
     "new_kv_request_id",
+    "p2p_peer",
     "prefill_body",
     "producer_params",
+    "pull_params",
     "source_params",
     "with_kv_source",
 ]
@@ -66,6 +68,18 @@ class P2PPeer:
     name: str
     host: str
     port: int
+
+
+def p2p_peer(slot: Slot[Any]) -> P2PPeer | None:
+    """The P2P tier of ``slot`` (its upstream's ``p2p_address``, port + DP rank), or None
+    when the upstream has no P2P address (a decoder without ``p2p_host``)."""
+    addr = slot.upstream.p2p_address
+    return None if addr is None else P2PPeer(slot_name(slot), addr[0], addr[1] + slot.dp_rank)
+
+
+def pull_params(kv_request_id: str, peer: P2PPeer) -> dict[str, Any]:
+    """A PD consumer's routing: pull every prompt block from ``peer`` (any P2P peer)."""
+    return {"remote_prefiller": _peer(kv_request_id, peer.host, peer.port)}
 
 
 def _source(kv_request_id: str, slot: Slot[Prefiller]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any, Generic, TypeVar
 from p2pkv_vllm.indexer_client import IndexerClient
 from p2pkv_vllm.prefix_index import PrefixIndex
 from p2pkv_vllm.proxy.config import Decoder, Prefiller, ProxyConfig
-from p2pkv_vllm.proxy.legs import P2PPeer
+from p2pkv_vllm.proxy.legs import P2PPeer, p2p_peer
 from p2pkv_vllm.proxy.prompt_tokens import PromptTokens
 from p2pkv_vllm.proxy.selection import Slot, slot_name, slots_of
 
@@ -102,10 +102,7 @@ class PrefixRouter:
         self._decoders = _Pool(slots_of(config.decoders))
         slots: list[Slot[Prefiller] | Slot[Decoder]] = [*self._prefillers.slots,
                                                           *self._decoders.slots]
-        self._peers = [
-            P2PPeer(slot_name(slot), addr[0], addr[1] + slot.dp_rank)
-            for slot in slots if (addr := slot.upstream.p2p_address) is not None
-        ]
+        self._peers = [peer for slot in slots if (peer := p2p_peer(slot)) is not None]
         self.counters: Counter[str] = Counter()
         """decisions, with_source, lookup_<outcome>, matched_tokens, source_tokens."""
 
