@@ -94,8 +94,13 @@ def vllm_metrics() -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("registered", [prometheus_metrics, vllm_metrics],
-                         ids=["p2pkv-prometheus", "vllm-adapter"])
+def proxy_metrics() -> dict[str, str]:
+    metrics = pytest.importorskip("p2pkv_vllm.proxy.decision_metrics")
+    return dict.fromkeys(metrics.METRICS, "counter")
+
+
+@pytest.mark.parametrize("registered", [prometheus_metrics, vllm_metrics, proxy_metrics],
+                         ids=["p2pkv-prometheus", "vllm-adapter", "proxy"])
 def test_every_registered_metric_is_documented_with_its_type(
     registered: Callable[[], dict[str, str]],
 ) -> None:
@@ -111,7 +116,7 @@ def test_no_stale_metric_names_are_documented() -> None:
     registered = prometheus_metrics()
     families = ["p2pkv_"]
     if importlib.util.find_spec("p2pkv_vllm") is not None:
-        registered |= vllm_metrics()
+        registered |= vllm_metrics() | proxy_metrics()
         families.append("vllm:kv_offload_p2pkv_")
     stale = sorted(n for n in documented()
                    if n.startswith(tuple(families)) and n not in registered)

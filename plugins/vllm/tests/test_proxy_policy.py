@@ -198,6 +198,9 @@ def test_proxy_routes_by_prefix_and_names_the_holder_as_source(
                 assert r.status == 200
             async with client.get("/prefix-index") as r:
                 status = await r.json()
+            async with client.get("/metrics") as r:
+                assert r.content_type == "text/plain"
+                metrics = await r.text()
         first, second = pre.generate_requests()
         kv_id = first.headers["x-request-id"]
         assert first.kv_params["remote_kv_source"] == {
@@ -209,6 +212,13 @@ def test_proxy_routes_by_prefix_and_names_the_holder_as_source(
                 for x in records] == [(f"{d_url}#dp0", 16, 0, "hit"), ("", 0, 0, "miss")]
         assert status["decisions"]["with_source"] == 1
         assert status["instances"][f"{d_url}#dp0"]["blocks"] == 4
+        samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines()
+                       if not line.startswith("#"))
+        assert samples["p2pkv_proxy_prefix_decisions_total"] == "2"
+        assert samples["p2pkv_proxy_prefix_decisions_with_source_total"] == "1"
+        assert samples['p2pkv_proxy_prefix_lookups_total{outcome="hit"}'] == "1"
+        assert samples['p2pkv_proxy_prefix_lookups_total{outcome="miss"}'] == "1"
+        assert samples["p2pkv_proxy_prefix_source_tokens_total"] == "16"
 
     try:
         kit.run(main)

@@ -37,6 +37,7 @@ from p2pkv.logs import module_logger
 
 from p2pkv_vllm.indexer_client import IndexerClient
 from p2pkv_vllm.prefix_index import PrefixIndex
+from p2pkv_vllm.proxy import decision_metrics
 from p2pkv_vllm.proxy.config import (
     PREFIX_POLICIES,
     Decoder,
@@ -172,8 +173,14 @@ class _Exchange:
         await self.end()
 
     async def json(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        await self.start(status, [(b"content-type", b"application/json"),
+        await self._whole(status, json.dumps(payload).encode(), b"application/json")
+
+    async def text(self, status: int, text: str) -> None:
+        """A Prometheus text-format body (``GET /metrics``)."""
+        await self._whole(status, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
+
+    async def _whole(self, status: int, data: bytes, content_type: bytes) -> None:
+        await self.start(status, [(b"content-type", content_type),
                                   (b"content-length", str(len(data)).encode())])
         await self.body(data)
         await self.end()
@@ -304,7 +311,7 @@ class ProxyApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        allowed = {"/health": "GET", "/ready": "GET", "/v1/models": "GET",
+        allowed = {"/health": "GET", "/ready": "GET", "/v1/models": "GET", "/metrics": "GET",
                    "/prefix-index": "GET", "/prefix-index/match": "POST"}.get(
             path, "POST" if path in GENERATE_PATHS else None
         )
@@ -320,6 +327,9 @@ class ProxyApp:
             await self._ready(exchange)
         elif path == "/v1/models":
             await self._models(scope, exchange)
+        elif path == "/metrics":
+            await exchange.text(200, decision_metrics.render(
+                self.prefix_router.counters if self.prefix_router is not None else {}))
         elif path.startswith("/prefix-index"):
             await self._prefix_status(receive, exchange, match=path.endswith("/match"))
         else:
