@@ -289,3 +289,17 @@ def test_remove_then_close_release_everything(nodes: Make) -> None:
     with pytest.raises(TransferSubmitError, match="closed"):
         producer.t.write_blocks("c", [0], [0])
     assert list(consumer.t.poll()) == [[], []] or not any(consumer.t.poll())
+
+
+def test_re_adding_a_peer_behind_a_failed_endpoint_makes_a_fresh_one(nodes: Make) -> None:
+    """A consumer paused past UCX's keepalive comes back with the same worker address: the new
+    session's add_peer must not keep the dead endpoint (every write would fail forever)."""
+    producer, consumer = _pair(nodes)
+    old = producer.t._peers["c"]  # type: ignore[attr-defined]
+    old.dead = True  # as the progress loop marks it when the endpoint errors
+    with pytest.raises(TransferSubmitError, match="unreachable"):
+        producer.t.write_blocks("c", [1], [2])
+    producer.link("c", consumer, back_as="p")  # the new session registers it again
+    assert producer.t._peers["c"] is not old  # type: ignore[attr-defined]
+    _move(producer, consumer, [1], [2])
+    assert (consumer.blocks[2] == producer.blocks[1]).all()

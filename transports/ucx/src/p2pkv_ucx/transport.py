@@ -319,8 +319,10 @@ class UcxDataTransport(DataTransport):
             )
         known = self._peers.get(peer_id)
         if known is not None:
-            if known.desc == desc:
+            if known.desc == desc and not known.dead and known.ep.alive:
                 return
+            # Another incarnation, or the same one behind a failed endpoint (it was paused or
+            # cut off past UCX's keepalive and came back): a fresh endpoint, never the dead one.
             self.remove_peer(peer_id)
         link = next(self._links)
         if link > tags.MAX_LINK:
