@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,6 +75,9 @@ def pair() -> Iterator[tuple[Child, Child, dict[int, tuple[str, int]]]]:
             if child.process.is_alive():
                 kind, leftovers = child.request(("shutdown",), WAIT, "shutdown")
                 assert (kind, leftovers) == ("down", [])  # no shm left mapped
+            else:  # killed: its offload regions stay in /dev/shm unless removed
+                for path in Path("/dev/shm").glob(f"vllm_offload_p2pkv-test-{child.pid}-*"):
+                    path.unlink(missing_ok=True)
 
 
 def stats(child: Child, name: str) -> dict[str, Any]:
