@@ -21,8 +21,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
+
+from p2pkv.testing.waiting import WaitTimeout, wait_until
 
 __all__ = ["NetLab", "NetLabUnavailable", "netlab_problem"]
 
@@ -133,15 +134,16 @@ class NetLab:
     def wait_usable(self, timeout: float = _USABLE_TIMEOUT) -> None:
         """Return once both ends carry traffic (see the module docstring); ``AssertionError``
         naming what was still wrong after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            problem = self._unusable()
-            if problem is None:
-                return
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"the test link is still unusable after {timeout}s: "
-                                     f"{problem}")
-            time.sleep(0.05)  # polling the kernel's link state; bounded by the deadline
+        problem: list[str | None] = [None]
+
+        def usable() -> bool:
+            problem[0] = self._unusable()
+            return problem[0] is None
+
+        try:
+            wait_until(usable, timeout=timeout, what="both ends of the test link to carry traffic")
+        except WaitTimeout as exc:
+            raise AssertionError(f"{exc}; still: {problem[0]}") from None
 
     def _unusable(self) -> str | None:
         ends = ((self.a, self.dev_a, self.addr_a, self.addr_b),

@@ -40,6 +40,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+@pytest.fixture(params=["nixl", "ucx"])
+def data(request: pytest.FixtureRequest) -> str:
+    """The cross-process data transport under test: each of nixl and ucx, skipped (saying
+    why) when it is not installed or its library is missing."""
+    from p2pkv.errors import ConfigError
+    from p2pkv.registry import default_registry
+
+    name: str = request.param
+    try:
+        problem = default_registry().transport("data", name).availability()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    if problem is not None:
+        pytest.skip(str(problem))
+    return name
+
+
 @pytest.fixture
 def netlab() -> Iterator[NetLab]:
     """Two namespaced hosts joined by a veth pair; removed afterwards, even on failure."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 from chaos_checks import release_violations
 from chaos_cluster import (
     Cluster,
@@ -37,8 +36,6 @@ from chaos_cluster import (
 from chaos_node import NodeSpec
 from p2pkv.addressing import parse_address
 from p2pkv.demo.roles import RoleSetup
-from p2pkv.errors import ConfigError
-from p2pkv.registry import default_registry
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12
@@ -57,19 +54,6 @@ UNBOUND = 3.0
 PAUSE = 1.2
 """Longest a target stays paused (below the heartbeat timeout: its other sessions live on)."""
 T = 60.0
-
-
-@pytest.fixture(params=sorted(DATA))
-def data(request: pytest.FixtureRequest) -> str:
-    """The data transport under test (both, when installed)."""
-    name: str = request.param
-    try:
-        problem = default_registry().transport("data", name).availability()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    if problem is not None:
-        pytest.skip(str(problem))
-    return name
 
 
 def spec(kind: str, slots: int, data: str, *, port: int = 0,

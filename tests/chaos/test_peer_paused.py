@@ -20,8 +20,6 @@ import pytest
 from chaos_cluster import Cluster, Node, Req, all_done, measured, not_done, requests, tier_config
 from chaos_node import NodeSpec
 from p2pkv.demo.roles import RoleSetup
-from p2pkv.errors import ConfigError
-from p2pkv.registry import default_registry
 
 BLOCK = 64 * 1024
 MAX_BLOCKS = 8
@@ -36,19 +34,6 @@ FAST_FAILURE = 1.0
 """A probe sent on a session only the resumed peer still thought alive fails at least this
 fast: the other side's transport answers its first frame with "gone"."""
 T = 60.0
-
-
-@pytest.fixture(params=["nixl", "ucx"])
-def data(request: pytest.FixtureRequest) -> str:
-    """The data transport under test (each, when installed)."""
-    name: str = request.param
-    try:
-        problem = default_registry().transport("data", name).availability()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    if problem is not None:
-        pytest.skip(str(problem))
-    return name
 
 
 def spec(kind: str, slots: int, data: str) -> NodeSpec:

@@ -93,6 +93,15 @@ _TOP_KEYS = (
 )
 
 
+def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
+    """How to change ``key`` given where its value came from (``source``)."""
+    if source.startswith("environment variable"):
+        return f"the {source} (it set this {key}; the tier config key {key!r} overrides it)"
+    if source == "default":
+        return f"the tier config key {key!r} or the environment variable {env_names[0]}"
+    return f"the tier config key {key!r}"
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """A validated tier config. Build it with :meth:`from_dict`."""
@@ -120,9 +129,9 @@ class TierConfig:
     """Model/run fingerprint; peers with different non-empty fingerprints are rejected."""
     hash_seed: str = ""
     """Block-hash seed; peers with a different seed are rejected at handshake."""
-    host_setting: str = "the tier config key 'host' or the environment variable P2PKV_HOST"
+    host_setting: str = _setting("host", "default", HOST_ENV)
     """How an operator changes ``host`` here (derived, not a key): the variable in force."""
-    port_setting: str = "the tier config key 'port' or the environment variable P2PKV_PORT"
+    port_setting: str = _setting("port", "default", PORT_ENV)
     """How an operator changes the base port here (derived, not a key): under vLLM it names
     ``VLLM_P2P_SIDE_CHANNEL_PORT``, which overrides ``P2PKV_PORT``."""
 
@@ -203,14 +212,6 @@ class TierConfig:
             port_setting=_setting("port", port_source, port_env),
         )
 
-
-def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
-    """How to change ``key`` given where its value came from (``source``)."""
-    if source.startswith("environment variable"):
-        return f"the {source} (it set this {key}; the tier config key {key!r} overrides it)"
-    if source == "default":
-        return f"the tier config key {key!r} or the environment variable {env_names[0]}"
-    return f"the tier config key {key!r}"
 
 
 def config_fingerprint(fields_: Mapping[str, Any]) -> str:

@@ -526,21 +526,22 @@ class P2PTier:
                 raise ValueError(f"job {job.job_id}: duplicate keys in one load")
             if len(set(slots)) != len(slots):
                 raise ValueError(f"job {job.job_id}: duplicate block ids in one load")
-        over = self._over_limits(len(keys), sum(lens), load=load)
+        over = self._over_limits(lens, load=load)
         if over:
             return over
         key_list = keys if type(keys) is list else list(keys)
         return Job(job.job_id, key_list, slots, job.is_load, job.ctx)
 
-    def _over_limits(self, nkeys: int, key_bytes: int, *, load: bool) -> str:
-        """Why a job of ``nkeys`` keys (``key_bytes`` in all) cannot travel under the
-        configured limits, or ``""``."""
+    def _over_limits(self, key_lens: list[int], *, load: bool) -> str:
+        """Why a job whose keys have lengths ``key_lens`` cannot travel under the configured
+        limits, or ``""``."""
         limits = self._config.limits
+        nkeys = len(key_lens)
         if nkeys > limits.max_keys_per_message:
             return (f"{nkeys} blocks exceed limits.max_keys_per_message="
                     f"{limits.max_keys_per_message}; raise it to at least {nkeys} (on both "
                     f"peers) or use larger blocks")
-        if load and key_bytes + 16 * nkeys + 512 > limits.max_frame_bytes:
+        if load and sum(key_lens) + 16 * nkeys + 512 > limits.max_frame_bytes:
             return (f"a fetch for {nkeys} blocks would exceed limits.max_frame_bytes="
                     f"{limits.max_frame_bytes}; raise it (on both peers)")
         return ""

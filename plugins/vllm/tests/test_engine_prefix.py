@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from p2pkv.testing.waiting import WaitTimeout, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s engine)")
@@ -204,14 +205,17 @@ def complete(base: str, model: str, tokens: list[int], max_tokens: int = MAX_TOK
 def access_record(log: Path, kv_request_id: str) -> dict[str, Any]:
     """The proxy's access-log record of one request (one JSON line, written right after
     the response ends: polled, at most ``WAIT`` seconds)."""
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
+    def record() -> dict[str, Any] | None:
         for line in log.read_text().splitlines():
             if line.startswith("{") and kv_request_id in line:
-                record: dict[str, Any] = json.loads(line)
-                return record
-        time.sleep(0.05)  # a bounded poll of a file another process appends to
-    raise AssertionError(f"no access record for {kv_request_id} in:\n{log.read_text()[-4000:]}")
+                found: dict[str, Any] = json.loads(line)
+                return found
+        return None
+
+    try:
+        return wait_until(record, timeout=WAIT, what=f"the access record of {kv_request_id}")
+    except WaitTimeout as exc:
+        raise AssertionError(f"{exc}; the log:\n{log.read_text()[-4000:]}") from None
 
 
 def pd_pull(producer: Server, consumer: Server, model: str, tokens: list[int]) -> float:

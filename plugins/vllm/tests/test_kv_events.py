@@ -16,6 +16,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 import zmq
+from p2pkv.testing.waiting import wait_until
 from p2pkv_vllm.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -35,16 +36,18 @@ def _bind(sock: zmq.Socket[bytes], port: int) -> str:
     """Bind ``sock`` on 127.0.0.1:``port`` (0: any); the endpoint. A given port is retried,
     bounded: a socket closed on it just before (a publisher restart) is released by libzmq's
     I/O thread asynchronously."""
-    deadline = time.monotonic() + WAIT
-    while True:
+
+    def bound() -> bool:
         try:
             sock.bind(f"tcp://127.0.0.1:{port}")
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or not port or time.monotonic() > deadline:
+            if exc.errno != zmq.EADDRINUSE or not port:
                 raise
-            time.sleep(0.01)  # polling for the port's release; bounded by the deadline
-            continue
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return False
+        return True
+
+    wait_until(bound, timeout=WAIT, what=f"port {port} to be released")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 class VLLMStylePublisher:

@@ -487,7 +487,7 @@ class ZmqHub(ZmqControlTransport):
             if notify:
                 target = b"" if link is None else link.rpartition(b"#")[2]
                 if self._send_link(push, conn.link, _GONE, target) and link is not None:
-                    self._mark_told(link)
+                    _remember(self._told, link, time.monotonic())
                 push.close(_NOTICE_LINGER_MS)
             else:
                 push.close(0)
@@ -525,7 +525,7 @@ class ZmqHub(ZmqControlTransport):
         conn = via if via is not None else self._by_address.get(key)
         if conn is not None and conn.out is not None:
             if self._send_link(conn.out, conn.link, _GONE, incarnation):
-                self._mark_told(link)
+                _remember(self._told, link, time.monotonic())
             return
         if not self._notices.take(time.monotonic()):
             self._log_once(("notice-rate",), "not telling every stale peer connection it is "
@@ -540,18 +540,10 @@ class ZmqHub(ZmqControlTransport):
             push.connect(tcp_url(*parse_address(key)))
             if self._send_link(push, link_id(self._local_address, new_incarnation()), _GONE,
                                incarnation):
-                self._mark_told(link)
+                _remember(self._told, link, time.monotonic())
         except zmq.ZMQError:
             pass  # an address libzmq cannot dial: nobody there to tell
         push.close(_NOTICE_LINGER_MS)
-
-    def _mark_told(self, link: bytes) -> None:
-        """``link`` was told "gone" just now (the message went out; delivery is not known: a
-        peer that was paused may never get it, and is told again if it keeps sending)."""
-        self._told[link] = time.monotonic()
-        self._told.move_to_end(link)
-        if len(self._told) > _MEMORY:
-            self._told.popitem(last=False)
 
     # -- inbound --------------------------------------------------------------------------
 
@@ -700,7 +692,7 @@ class ZmqHub(ZmqControlTransport):
             if verb == _GONE:
                 self._pending.pop(link, None)
                 _remember(self._retired, link)
-                self._mark_told(link)
+                _remember(self._told, link, time.monotonic())
                 conn = self._by_link.get(link)
                 if conn is not None:
                     self.retire(conn, "closed by the peer", notify=False)
@@ -715,7 +707,7 @@ class ZmqHub(ZmqControlTransport):
             return
         if verb == _GONE:
             if conn.remote_link is not None:
-                self._mark_told(conn.remote_link)  # it knows
+                _remember(self._told, conn.remote_link, time.monotonic())  # it knows
             self.retire(conn, "closed by the peer", notify=False)
         elif link in self._by_link:
             pass  # paired with another connection of ours: the offer lapses by itself
@@ -854,8 +846,11 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _remember(memory: OrderedDict[Any, None], key: Hashable) -> None:
-    memory[key] = None
+def _remember(memory: OrderedDict[Any, Any], key: Hashable, value: Any = None) -> None:
+    """Record ``key`` (with ``value``) in a bounded memory, newest last; the oldest entry
+    goes once it holds more than ``_MEMORY``."""
+    memory[key] = value
+    memory.move_to_end(key)
     if len(memory) > _MEMORY:
         memory.popitem(last=False)
 

@@ -108,9 +108,9 @@ class ListenPlan:
     advertise_port: int | None
     """None: advertise the bound port."""
     dp_rank: int
-    host_setting: str = "the tier config key 'host'"
+    host_setting: str
     """How the operator changes the host (``ControlSettings.host_setting``)."""
-    port_setting: str = "the tier config key 'port'"
+    port_setting: str
     """How the operator changes the base port (``ControlSettings.port_setting``)."""
 
     @property
