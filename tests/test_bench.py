@@ -6,18 +6,28 @@ and verification.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
+import types
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 from p2pkv.bench.cli import parse_size
-from p2pkv.bench.lanes import MemcpyLane
+from p2pkv.bench.endpoints import SeriesSpec, make_endpoint
+from p2pkv.bench.lanes import EndpointLane, MemcpyLane
 from p2pkv.bench.report import figure, geomean_ratios, plot
-from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
+from p2pkv.bench.runner import CellPlan, CellResult, CellTimeout, measure_cell
+from p2pkv.bench.target import LocalTarget
 from p2pkv.cli import main
-from p2pkv.registry import default_registry
+from p2pkv.contracts import DataSettings, PollResult
+from p2pkv.errors import ConfigError
+from p2pkv.hookspecs import PLUGIN_API_VERSION, hookimpl
+from p2pkv.registry import Registry, default_registry
 
 ROW_KEYS = {
     "series", "impl", "transport", "block_size", "batch", "concurrency", "requests", "reps",
@@ -78,7 +88,7 @@ def test_series_cover_baselines_and_installed_transports(quick_doc: dict) -> Non
 def test_memcpy_lane_detects_a_wrong_byte() -> None:
     src = np.zeros(64 * 1024, np.uint8)
     dst = np.zeros(64 * 1024, np.uint8)
-    lane = MemcpyLane(src, dst)
+    lane = MemcpyLane(dst, src)
     lane.open(4096)
     plan = CellPlan(block_size=4096, batch=4, concurrency=1, requests=3, reps=1, warmup=0)
     good = measure_cell(lane, plan, np.random.default_rng(0))
@@ -87,14 +97,133 @@ def test_memcpy_lane_detects_a_wrong_byte() -> None:
     class Corrupting(MemcpyLane):
         def submit(self, local: list[int], remote: list[int]) -> int:
             tid = super().submit(local, remote)
-            self._dest.words[remote[0], 5] ^= np.uint64(1)
+            self.dest.words[local[0], 5] ^= np.uint64(1)
             return tid
 
-    bad_lane = Corrupting(src, dst)
+    bad_lane = Corrupting(dst, src)
     bad_lane.open(4096)
     bad = measure_cell(bad_lane, plan, np.random.default_rng(0))
     assert not bad.verified
     assert "wrong blocks" in bad.error
+
+
+class ServedReads:
+    """A two-sided raw baseline in one process: a read lands only when the *source*
+    endpoint's ``progress()`` serves it (as a tagged send would), so a bench whose target
+    does not progress during the repetition never finishes a request."""
+
+    name = "served"
+    _regions: ClassVar[dict[str, ServedReads]] = {}
+    _ids = itertools.count(1)
+
+    @classmethod
+    def create(cls, settings: DataSettings) -> ServedReads:
+        return cls(settings)
+
+    def __init__(self, settings: DataSettings) -> None:
+        raw = np.frombuffer(settings.region, np.uint8)
+        self.blocks = raw.reshape(-1, settings.block_len)
+        self.key = uuid.uuid4().hex
+        self._regions[self.key] = self
+        self.peers: dict[str, str] = {}
+        self.to_serve: list[tuple[ServedReads, int, list[int], list[int]]] = []
+        self.done: list[int] = []
+        self.served = 0
+
+    def descriptor(self) -> bytes:
+        return self.key.encode()
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        self.peers[peer_id] = descriptor.decode()
+
+    def read_blocks(self, peer_id: str, local: Sequence[int], remote: Sequence[int]) -> int:
+        tid = next(self._ids)
+        self._regions[self.peers[peer_id]].to_serve.append((self, tid, list(local), list(remote)))
+        return tid
+
+    def progress(self) -> None:
+        for reader, tid, local, remote in self.to_serve:
+            reader.blocks[local] = self.blocks[remote]
+            reader.done.append(tid)
+            self.served += 1
+        self.to_serve.clear()
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        done, self.done = self.done, []
+        return PollResult(done, ())
+
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        ended = set(transfer_ids)
+        for source in self._regions.values():
+            source.to_serve = [r for r in source.to_serve if r[0] is not self or r[1] not in ended]
+
+    def close(self) -> list[int]:
+        self._regions.pop(self.key, None)
+        return []
+
+
+def _registry_with(*baselines: type[Any]) -> Registry:
+    plugin = types.ModuleType("bench_test_plugin")
+    plugin.P2PKV_PLUGIN_API = PLUGIN_API_VERSION  # type: ignore[attr-defined]
+    plugin.p2pkv_bench_baselines = hookimpl(lambda: list(baselines))  # type: ignore[attr-defined]
+    return Registry.from_plugins([("bench-test", plugin)])
+
+
+def test_reads_of_a_two_sided_baseline_are_served_by_the_progressing_target() -> None:
+    registry = _registry_with(ServedReads)
+    spec = SeriesSpec("raw", "served", cross_process=False)
+    target = LocalTarget(256 * 1024, registry)
+    lane = EndpointLane(spec, registry, np.zeros(256 * 1024, np.uint8), target)
+    lane.open(4096)
+    try:
+        plan = CellPlan(block_size=4096, batch=4, concurrency=2, requests=12, reps=2,
+                        deadline=5.0, working_set=64 * 1024)
+        result = measure_cell(lane, plan, np.random.default_rng(0))
+        assert result.error == "" and result.verified
+        assert result.bytes_verified > 0
+        source = target.state._sources[spec.label].endpoint  # the target served every read
+        assert source.served == result.bytes_moved // (4 * 4096)
+    finally:
+        lane.close()
+        target.shutdown()
+
+
+def test_reads_the_target_never_serves_time_out_and_are_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = _registry_with(ServedReads)
+    spec = SeriesSpec("raw", "served", cross_process=False)
+    target = LocalTarget(64 * 1024, registry)
+    monkeypatch.setattr(target.state, "pump", lambda: None)  # a source side that stalls
+    lane = EndpointLane(spec, registry, np.zeros(64 * 1024, np.uint8), target)
+    lane.open(4096)
+    try:
+        plan = CellPlan(block_size=4096, batch=2, concurrency=2, requests=4, reps=1,
+                        deadline=0.2)
+        with pytest.raises(CellTimeout):
+            measure_cell(lane, plan, np.random.default_rng(0))
+        assert target.state._sources[spec.label].endpoint.to_serve == []
+        assert not target.state.active  # the repetition ended: the target stopped pumping
+    finally:
+        lane.close()
+        target.shutdown()
+
+
+def test_a_baseline_without_read_blocks_is_refused() -> None:
+    class WritesOnly:
+        name = "legacy"
+
+        @classmethod
+        def create(cls, settings: DataSettings) -> WritesOnly:
+            return cls()
+
+        def write_blocks(self, peer_id: str, local: Sequence[int], remote: Sequence[int]) -> int:
+            return 1
+
+    region = np.zeros(8192, np.uint8)
+    spec = SeriesSpec("raw", "legacy", cross_process=False)
+    with pytest.raises(ConfigError, match="read_blocks"):
+        make_endpoint(spec, _registry_with(WritesOnly), region.data, 4096)
 
 
 def test_cell_too_big_for_the_region_is_skipped() -> None:

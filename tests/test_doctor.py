@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 import socket
 
+import p2pkv.doctor as doctor
 import pytest
 from p2pkv.cli import main
-from p2pkv.doctor import check_ports, nixl_install_note, parse_proto_info, summarize_lanes
+from p2pkv.doctor import (
+    _probe_child,
+    check_ports,
+    nixl_install_note,
+    parse_proto_info,
+    summarize_lanes,
+)
 from p2pkv.registry import default_registry
 
 # Two boxes as UCX_PROTO_INFO=y prints them (timestamps and padding as UCX writes them).
@@ -72,6 +79,22 @@ def test_parse_proto_info_one_line_titles() -> None:
         ("tagged send (data)", "0", "tcp/lo"),
         ("tagged send (data)", "16353..inf", "tcp/lo"),
     ]
+
+
+def test_lane_probe_reads_one_block_and_checks_its_bytes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "memory" not in default_registry().entries("data"):
+        pytest.skip("the memory data transport is not installed")
+    _probe_child("memory")  # the probe body, in this process, over the in-process transport
+    assert capsys.readouterr().out.strip() == "PROBE-OK"
+
+    def lands_nothing(src: object, dst: object, timeout: float) -> None:
+        """A read reported done whose bytes never landed."""
+
+    monkeypatch.setattr(doctor, "_probe_read", lands_nothing)
+    _probe_child("memory")
+    assert "bytes differ" in capsys.readouterr().out
 
 
 def test_port_in_use_is_reported() -> None:

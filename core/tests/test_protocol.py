@@ -14,63 +14,23 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol import (
     WIRE_MAJOR,
     WIRE_MINOR,
-    Abort,
-    AbortAck,
-    Bye,
     Fetch,
-    Hello,
-    HelloAck,
-    Lookup,
-    LookupResp,
     Message,
-    Quiesced,
-    TransferDone,
+    Ready,
+    Release,
     Unknown,
     decode,
     encode,
     message_type,
 )
+from p2pkv.testing.strategies import messages
 
 LIMITS = Limits()
 SMALL = Limits(max_frame_bytes=4096, max_keys_per_message=4, max_key_bytes=8,
                max_request_id_chars=5, max_descriptor_bytes=16)
 
-u64 = st.integers(0, 2**64 - 1)
-rid = st.text(min_size=1, max_size=20)
-key = st.binary(min_size=1, max_size=40)
-text = st.text(max_size=30)
 
-
-@st.composite
-def fetches(draw: Any) -> Fetch:
-    ks = draw(st.lists(key, max_size=10, unique=True))
-    slots = draw(st.lists(st.integers(0, 2**31), min_size=len(ks), max_size=len(ks)))
-    return Fetch(draw(rid), draw(u64), ks, slots)
-
-
-@st.composite
-def lookup_resps(draw: Any) -> LookupResp:
-    return LookupResp(draw(u64), draw(st.lists(st.booleans(), max_size=10)))
-
-
-messages: st.SearchStrategy[Message] = st.one_of(
-    st.builds(Hello, wire=st.tuples(st.integers(0, 9), st.integers(0, 9)), epoch=u64,
-              address=st.text(min_size=1, max_size=30), descriptor=st.binary(max_size=64),
-              num_blocks=st.integers(1, 2**40), block_len=st.integers(1, 2**30),
-              fingerprint=text, hash_seed=text),
-    st.builds(HelloAck, epoch=u64),
-    fetches(),
-    st.builds(Lookup, seq=u64, kv_request_id=rid, keys=st.lists(key, min_size=1, max_size=10)),
-    lookup_resps(),
-    st.builds(TransferDone, kv_request_id=rid, round=u64, success=st.booleans(), reason=text),
-    st.builds(Abort, kv_request_id=rid, round=u64),
-    st.builds(AbortAck, kv_request_id=rid, round=u64),
-    st.builds(Bye, reason=text),
-    st.just(Quiesced()),
-)
-
-
-@given(messages)
+@given(messages())
 def test_every_message_round_trips(msg: Message) -> None:
     assert decode(encode(msg), LIMITS) == msg
 
@@ -84,7 +44,8 @@ def test_hostile_bytes_raise_only_protocol_errors(frame: bytes) -> None:
 
 
 @given(st.dictionaries(st.sampled_from(["type", "kv_request_id", "round", "keys", "slots",
-                                         "epoch", "seq", "hits", "success", "reason", "wire"]),
+                                         "pos", "read", "epoch", "seq", "hits", "reason",
+                                         "wire"]),
                        st.one_of(st.none(), st.integers(-3, 3), st.text(max_size=3),
                                  st.binary(max_size=3), st.booleans(),
                                  st.lists(st.integers(0, 3), max_size=3)),
@@ -97,14 +58,15 @@ def test_hostile_maps_raise_only_protocol_errors(d: dict[str, Any]) -> None:
 
 
 def test_keys_stay_bytes_and_slots_stay_ints() -> None:
-    msg = decode(encode(Fetch("r", 0, [b"\x00\xffk"], [7])), LIMITS)
-    assert isinstance(msg, Fetch)
-    assert type(msg.keys[0]) is bytes and type(msg.slots[0]) is int
+    msg = decode(encode(Fetch("r", 0, [b"\x00\xffk"])), LIMITS)
+    assert isinstance(msg, Fetch) and type(msg.keys[0]) is bytes
+    ready = decode(encode(Ready("r", 0, [0], [7])), LIMITS)
+    assert isinstance(ready, Ready) and type(ready.slots[0]) is int
 
 
 def test_message_type_names() -> None:
-    assert message_type(Fetch("r", 0, [], [])) == "fetch"
-    assert message_type(AbortAck("r", 1)) == "abort_ack"
+    assert message_type(Fetch("r", 0, [])) == "fetch"
+    assert message_type(Release("r", 1, True)) == "release"
     assert message_type(Unknown("future")) == "future"
 
 
@@ -118,18 +80,18 @@ def _valid(kind: str) -> dict[str, Any]:
                   "descriptor": b"d", "num_blocks": 4, "block_len": 8, "fingerprint": "",
                   "hash_seed": ""},
         "hello_ack": {"epoch": 1},
-        "fetch": {"kv_request_id": "r", "round": 0, "keys": [b"k"], "slots": [0]},
+        "fetch": {"kv_request_id": "r", "round": 0, "keys": [b"k"]},
+        "ready": {"kv_request_id": "r", "round": 0, "pos": [0], "slots": [3]},
+        "release": {"kv_request_id": "r", "round": 0, "read": True},
+        "round_failed": {"kv_request_id": "r", "round": 0, "reason": "demand_unmet: x"},
         "lookup": {"seq": 0, "kv_request_id": "r", "keys": [b"k"]},
         "lookup_resp": {"seq": 0, "hits": [True]},
-        "transfer_done": {"kv_request_id": "r", "round": 0, "success": True, "reason": ""},
-        "abort": {"kv_request_id": "r", "round": 0},
-        "abort_ack": {"kv_request_id": "r", "round": 0},
         "bye": {"reason": "x"},
     }[kind]
 
 
-@pytest.mark.parametrize("kind", ["hello", "hello_ack", "fetch", "lookup", "lookup_resp",
-                                  "transfer_done", "abort", "abort_ack", "bye"])
+@pytest.mark.parametrize("kind", ["hello", "hello_ack", "fetch", "ready", "release",
+                                  "round_failed", "lookup", "lookup_resp", "bye"])
 def test_valid_templates_decode_and_unknown_fields_are_ignored(kind: str) -> None:
     decoded = decode(_frame(kind, **_valid(kind), future_field=[1, 2]), LIMITS)
     assert message_type(decoded) == kind
@@ -159,18 +121,21 @@ BAD: list[tuple[str, str, Any, str]] = [
     ("fetch", "keys", "k", "fetch.keys: expected a list"),
     ("fetch", "keys", ["k"], "fetch.keys[0]: expected bytes, got str"),
     ("fetch", "keys", [b""], "fetch.keys[0]: key of 0 bytes"),
-    ("fetch", "slots", [0, 1], "fetch.slots: 2 slots for 1 keys"),
-    ("fetch", "slots", [-1], "fetch.slots[0]: expected a non-negative integer"),
-    ("fetch", "slots", [True], "fetch.slots[0]: expected a non-negative integer"),
+    ("ready", "pos", [], "ready.pos: must not be empty"),
+    ("ready", "pos", [-1], "ready.pos[0]: expected an integer in 0.."),
+    ("ready", "pos", [True], "ready.pos[0]: expected an integer in 0.."),
+    ("ready", "slots", [0, 1], "ready.slots: 2 slots for 1 positions"),
+    ("ready", "slots", [2**32], "ready.slots[0]: expected an integer in 0.."),
+    ("ready", "round", "0", "ready.round: expected an integer"),
+    ("release", "read", 1, "release.read: expected a boolean, got int"),
+    ("release", "kv_request_id", 0, "release.kv_request_id: expected a string"),
     ("lookup", "seq", None, "lookup.seq: expected an integer, got NoneType"),
     ("lookup", "keys", [], "lookup.keys: must not be empty"),
     ("lookup_resp", "hits", [1], "lookup_resp.hits[0]: expected a boolean, got int"),
     ("lookup_resp", "hits", "yes", "lookup_resp.hits: expected a list"),
-    ("transfer_done", "success", 1, "transfer_done.success: expected a boolean, got int"),
-    ("transfer_done", "reason", 3, "transfer_done.reason: expected a string"),
-    ("transfer_done", "reason", "x" * 1025, "transfer_done.reason: 1025 characters exceeds"),
-    ("abort", "round", "0", "abort.round: expected an integer"),
-    ("abort_ack", "kv_request_id", 0, "abort_ack.kv_request_id: expected a string"),
+    ("round_failed", "reason", 3, "round_failed.reason: expected a string"),
+    ("round_failed", "reason", "", "round_failed.reason: must not be empty"),
+    ("round_failed", "reason", "x" * 1025, "round_failed.reason: 1025 characters exceeds"),
     ("bye", "reason", "<missing>", "bye.reason: missing"),
 ]
 
@@ -195,12 +160,11 @@ def test_every_validation_error_names_the_field(kind: str, field: str, value: An
     ("fetch", "kv_request_id", "abcdef", "fetch.kv_request_id: 6 characters exceeds"),
     ("hello", "descriptor", b"x" * 17, "hello.descriptor: 17 bytes exceeds the cap of 16"),
     ("lookup_resp", "hits", [True] * 5, "lookup_resp.hits: 5 entries exceeds"),
+    ("ready", "pos", [0] * 5, "ready.pos: 5 entries exceeds"),
 ])
 def test_caps_from_limits(kind: str, field: str, value: Any, expected: str) -> None:
     body = _valid(kind)
     body[field] = value
-    if field == "keys" and kind == "fetch":
-        body["slots"] = list(range(len(value)))
     with pytest.raises(ProtocolError, match=expected.replace("[", r"\[").replace("]", r"\]")):
         decode(_frame(kind, **body), SMALL)
 
@@ -220,11 +184,11 @@ def test_frame_level_errors() -> None:
         decode(msgpack.packb(msgpack.ExtType(1, b"x")), LIMITS)  # no ext types
 
 
-def test_quiesced_has_no_fields_and_ignores_unknown_ones() -> None:
-    assert encode(Quiesced()) == _frame("quiesced")
-    assert message_type(Quiesced()) == "quiesced"
-    assert decode(_frame("quiesced", epochs=[1, 2]), LIMITS) == Quiesced()
-    assert (WIRE_MAJOR, WIRE_MINOR) == (1, 1)
+def test_wire_2_dropped_the_push_messages() -> None:
+    """Wire 2.0: the consumer reads; the push-era messages are unknown types now."""
+    assert (WIRE_MAJOR, WIRE_MINOR) == (2, 0)
+    for old in ("abort", "abort_ack", "quiesced", "transfer_done"):
+        assert decode(_frame(old, kv_request_id="r", round=0), LIMITS) == Unknown(old)
 
 
 def test_unknown_types_decode_to_unknown() -> None:

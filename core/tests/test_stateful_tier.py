@@ -4,13 +4,11 @@ The machine is the conformance kit's transport-parameterised
 :class:`p2pkv.testing.tier_machine.TierMachine` (its docstring lists the rules and the
 invariants; ``tests/conformance`` runs the same machine over zmq + nixl and zmq + ucx). Here it
 runs over the memory transports wrapped by ``FaultInjector`` (dropped, delayed, duplicated and
-reordered frames, failed submits and completions, killed connections, partitions, restarts),
-with per-node write latencies: like an engine, the model reuses every slot as soon as its load
-has a result, also after PEER_DEAD or ABORT_ACK_TIMEOUT, while the producer's write into it may
-still be in flight (the memory data transport completes writes polls later, and with
-``wait_cancel_refuses`` a dead session's writes keep landing): a load reported DONE must still
-hold exactly its own bytes then and ever after (the tier fences such slots until the producer
-confirms).
+reordered frames, failed submits and completions, killed connections, partitions, restarts,
+frozen nodes), with per-node read latencies: like an engine, the model reuses every slot as
+soon as its load has a result, whatever the outcome, and a slot must never change after its
+result (the consumer owns every write into its region: its reads are cancelled, finally,
+before any failure is reported).
 """
 
 from __future__ import annotations
@@ -38,12 +36,11 @@ class MemoryTiers(TierMachine):
     block_len = 8
 
     def draw_data_options(self, data: st.DataObject) -> list[Mapping[str, Any]]:
-        """Per node: how many polls its writes take (a slow node's writes outlive a cut and
-        land after a fast node served the same slots again)."""
+        """Per node: how many polls its reads take (a slow node's reads outlive a cut, a
+        freeze or a load deadline, and must then never land)."""
         polls = data.draw(st.lists(st.sampled_from([0, 1, 2, 12]), min_size=self.N_NODES,
                                    max_size=self.N_NODES), label="completion_polls")
-        refuse = data.draw(st.booleans(), label="wait_cancel_refuses")
-        return [{"completion_polls": n, "wait_cancel_refuses": refuse} for n in polls]
+        return [{"completion_polls": n} for n in polls]
 
 
 class TwoTiers(MemoryTiers):

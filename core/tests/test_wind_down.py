@@ -1,9 +1,10 @@
 """Shutdown winds sessions down before closing them (docs/protocol.md §10).
 
-A tier shutting down aborts its loads and waits for the producer's confirmation, and stops
-its writes and fails their rounds once they ended, all before ``bye``; its region is
-deregistered only after that. One thread drives both tiers: the shutting-down tier's data
-``progress()`` ticks the other one, so the peer answers while ``shutdown`` runs.
+A consumer shutting down cancels its reads (final) before anything else, so its region is
+deregistered with no read into it live; a producer shutting down fails its peers' rounds and
+keeps the blocks it offered pinned until the consumer released them (bounded by the drain
+budget). One thread drives both tiers: the shutting-down tier's data ``progress()`` ticks the
+other one, so the peer answers while ``shutdown`` runs.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def h(tier_harness: Any) -> Any:
 
 
 class Watched:
-    """A node's data transport, logging ``(name, "ended", id)`` and ``(name, "close")`` into a
-    shared list and running ``on_progress`` after each ``progress()``."""
+    """A node's data transport, logging ``(name, "cancel"|"ended", id)`` and
+    ``(name, "close")`` into a shared list and running ``on_progress`` after each
+    ``progress()``."""
 
     def __init__(self, node: Any, name: str, events: list[tuple[Any, ...]],
                  on_progress: Callable[[], object] | None = None) -> None:
@@ -42,62 +44,66 @@ class Watched:
         self.events.extend((self.name, "ended", t) for t in [*res.done, *res.failed])
         return res
 
+    def cancel(self, ids: Any) -> None:
+        self.events.extend((self.name, "cancel", t) for t in ids)
+        self.inner.cancel(ids)
+
     def close(self) -> list[int]:
         self.events.append((self.name, "close"))
         return list(self.inner.close())
 
 
-SLOW_WRITES = {"completion_polls": 8, "wait_cancel_refuses": True}
-"""Writes stay in flight for 8 polls and a wait-cancel cannot stop them."""
+SLOW_READS = {"completion_polls": 8}
+"""Reads stay in flight for 8 polls."""
 
 
-def write_in_flight(h: Any, p: Any, c: Any) -> None:
-    """Consumer-first request ``r``: load 1 into slots 0-1, then store 2 whose write is held."""
+def read_in_flight(h: Any, p: Any, c: Any) -> None:
+    """Consumer-first request ``r``: load 1 into slots 0-1, then store 2; the consumer's read
+    of it is in flight."""
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.load(1, h.keys("r", 2), [0, 1], cctx)
     h.pump_until([p, c], lambda: p.tier._state_sizes()["demand"] == 2)
     p.store(2, h.keys("r", 2), [4, 5], pctx)
     p.tier.tick()
-    assert p.tier.stats()["in_flight_transfers"] == 1
+    c.tier.tick()
+    assert c.tier.stats()["in_flight_transfers"] == 1
 
 
-def writes_ended_before_close(events: list[tuple[Any, ...]], writer: str, closer: str) -> bool:
-    """Every write ``writer`` made had ended when ``closer`` closed its data transport."""
-    ended = [i for i, e in enumerate(events) if e[:2] == (writer, "ended")]
-    return bool(ended) and ended[-1] < events.index((closer, "close"))
-
-
-def test_consumer_releases_its_region_only_after_the_producer_confirms(
-        h: Any, cluster: Any) -> None:
-    p, c = cluster(data_options=SLOW_WRITES), cluster()
+def test_consumer_cancels_its_reads_before_releasing_its_region(h: Any, cluster: Any) -> None:
+    p, c = cluster(), cluster(data_options=SLOW_READS)
     events: list[tuple[Any, ...]] = []
-    Watched(p, "P", events)
     Watched(c, "C", events, on_progress=p.collect)
-    write_in_flight(h, p, c)
+    read_in_flight(h, p, c)
+    before = c.blocks[0:2].copy()
     c.shutdown()
-    assert writes_ended_before_close(events, "P", "C"), events
+    kinds = [e[1] for e in events]
+    assert "cancel" in kinds and kinds.index("cancel") < kinds.index("close"), events
+    assert "ended" not in kinds  # a cancelled read is never reported
     assert c.outcome(1) is Outcome.SHUTDOWN
+    assert (c.blocks[0:2] == before).all()
     h.pump_until([p], lambda: 2 in p.results)
+    assert p.outcome(2) is Outcome.ABORTED  # released unread
 
 
-def test_producer_confirms_before_bye_so_the_consumer_fences_nothing(
+def test_producer_keeps_its_pins_until_the_consumer_released_them(
         h: Any, cluster: Any) -> None:
-    p, c = cluster(data_options=SLOW_WRITES), cluster()
+    p, c = cluster(), cluster(data_options=SLOW_READS)
     events: list[tuple[Any, ...]] = []
+    Watched(c, "C", events)
     Watched(p, "P", events, on_progress=c.collect)
-    write_in_flight(h, p, c)
+    read_in_flight(h, p, c)
     p.shutdown()
-    h.pump_until([c], lambda: 1 in c.results)
-    assert c.outcome(1) is Outcome.PEER_DEAD
+    assert 1 in c.results and c.outcome(1) is Outcome.PEER_DEAD
     assert "the producer is shutting down" in c.results[1].detail
-    assert c.tier.stats()["fences"] == 0  # confirmed: no slot is held against the producer
-    assert p.outcome(2) is Outcome.SHUTDOWN
-    assert writes_ended_before_close(events, "P", "P"), events
+    assert p.outcome(2) is Outcome.ABORTED  # its pin ended with the consumer's release
+    kinds = [e[:2] for e in events]
+    assert kinds.index(("C", "cancel")) < kinds.index(("P", "close")), events
+    assert p.tier._state_sizes()["pins"] == 0
 
 
 def test_a_fetch_during_wind_down_fails_at_once(h: Any, cluster: Any) -> None:
-    p, c, late = cluster(data_options=SLOW_WRITES), cluster(), cluster()
+    p, c, late = cluster(), cluster(data_options=SLOW_READS), cluster()
     pctx0, lctx0 = p.producer_ctx("r0"), late.consumer_ctx("r0", p)
     p.store(10, h.keys("r0", 1), [8], pctx0)
     late.load(11, h.keys("r0", 1), [8], lctx0)
@@ -109,10 +115,9 @@ def test_a_fetch_during_wind_down_fails_at_once(h: Any, cluster: Any) -> None:
             stopping.append(True)
             late.load(12, h.keys("q", 1), [3], late.consumer_ctx("q", p))
         late.collect()
-        c.collect()
 
     Watched(p, "P", [], on_progress=late_asks)
-    write_in_flight(h, p, c)
+    read_in_flight(h, p, c)
     stopping.append(True)
     p.shutdown()
     h.pump_until([late], lambda: 12 in late.results)

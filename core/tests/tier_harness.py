@@ -136,11 +136,11 @@ def probe_until(node: Node, key: bytes, ctx: RequestContext, others: Iterable[No
 
 
 def assert_clean(*nodes: Node) -> None:
-    """No per-request state left (tombstones of finished producers, fences and given-up
-    writes, which expire by their deadlines, and their timers excepted)."""
+    """No per-request state left (tombstones of finished producers, which expire by their
+    deadline, and their timers excepted)."""
     for n in nodes:
         sizes = n.tier._state_sizes()
-        expiring = ("tombstones", "fences", "gave_up_peers")
+        expiring = ("tombstones",)
         left = {k: v for k, v in sizes.items() if v and k not in (*expiring, "timers")}
         assert not left, f"{n.address}: state left behind: {left}"
         assert sizes["timers"] == sum(sizes[k] for k in expiring), sizes

@@ -39,12 +39,13 @@ class Timeouts:
     handshake: float = 10.0
     """A connected peer must complete the hello exchange within this."""
     load: float = 30.0
-    """A load with no transfer-done by then is aborted."""
-    abort_ack: float = 10.0
-    """An aborted load with no abort-ack by then fails anyway."""
-    abort_drain: float = 10.0
-    """A producer whose aborted round still has writes live after this closes the session
-    (an ``abort_ack`` would promise they are over); the writes retire."""
+    """A load whose blocks have not all arrived by then fails ``load_timeout`` (its reads are
+    cancelled first, finally: the slots are free again the moment the result is out)."""
+    lease_margin: float = 10.0
+    """The producer pins a round's source blocks for the lease, ``load + lease_margin``, from
+    each ``ready`` (or until the consumer's ``release``). The consumer accepts a read only if
+    it completed within the lease of the moment it *sent* the fetch, on its own clock; with
+    the lease above ``load`` that rejects only a consumer that was itself paused past it."""
     store: float = 30.0
     """A store bound to a consumer but not finished by then fails."""
     unbound_store: float = 60.0
@@ -52,12 +53,13 @@ class Timeouts:
     lookup: float = 5.0
     """A producer answers MISS for lookups its hit source has not settled by then."""
     shutdown_drain: float = 5.0
-    """Shutdown waits this long for in-flight transfers before giving up on them."""
-    fence: float = 120.0
-    """A consumer's slots whose load ended without the producer confirming that nothing more
-    can land in them (peer dead, abort-ack timeout, protocol error) stay fenced (no new load
-    into them) until that producer says ``quiesced`` or this passes: by then any write still
-    in flight is assumed to have failed (TCP and UCX give up well before)."""
+    """Shutdown waits this long for sessions to wind down (consumers' releases, internal
+    transfers of the data transport) before closing them anyway."""
+
+    @property
+    def lease(self) -> float:
+        """How long a ``ready`` pins the producer's source blocks (``load + lease_margin``)."""
+        return self.load + self.lease_margin
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ missing without constructing it.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from p2pkv.errors import TransportUnavailable
 
 __all__ = [
     "EMPTY_POLL",
-    "CancelMode",
     "Capabilities",
     "ControlConnection",
     "ControlSettings",
@@ -37,30 +35,18 @@ __all__ = [
 TransportKind = Literal["control", "data"]
 
 
-class CancelMode(str, enum.Enum):
-    """How ``DataTransport.cancel`` treats transfers.
-
-    ``IMMEDIATE`` forgets the transfers at once; only for transfers known to be dead (the
-    backend no longer touches their memory). ``WAIT`` asks the backend to stop and keeps every
-    transfer it cannot confirm stopped; those ids are returned and stay pollable.
-    """
-
-    IMMEDIATE = "immediate"
-    WAIT = "wait"
-
-
 @dataclass(frozen=True)
 class Capabilities:
     """What a transport claims to support; the conformance kit and ``p2pkv plugins`` read it.
 
-    ``two_sided`` marks data transports that need the receiver to post buffers first (see
-    ``DataTransport.expect_blocks``). ``heartbeats`` marks control transports that detect a
-    silent peer on their own (not only a closed socket).
+    ``two_sided`` marks data transports whose reads need the *source* side's transport to take
+    part (it serves them from ``progress``/``poll``: tagged sends), as opposed to one-sided
+    RDMA-style reads the source's library serves alone. ``heartbeats`` marks control
+    transports that detect a silent peer on their own (not only a closed socket).
     """
 
     cross_process: bool
     cross_host: bool
-    wait_cancel: bool = True
     memory_kinds: frozenset[str] = frozenset({"DRAM"})
     auth: bool = False
     heartbeats: bool = False
@@ -70,7 +56,6 @@ class Capabilities:
         return {
             "cross_process": self.cross_process,
             "cross_host": self.cross_host,
-            "wait_cancel": self.wait_cancel,
             "memory_kinds": sorted(self.memory_kinds),
             "auth": self.auth,
             "heartbeats": self.heartbeats,
@@ -235,14 +220,30 @@ class ControlTransport(_Transport):
 
 
 class DataTransport(_Transport):
-    """Moves whole blocks from our registered region into a peer's registered region.
+    """Moves whole blocks of a peer's registered region into ours, posted by us.
 
-    Ids: ``write_blocks`` and ``expect_blocks`` return transfer ids unique for the transport's
-    lifetime; each reaches exactly one terminal state, reported once by ``poll``.
+    **The consumer owns every write into its region** (DESIGN.md §1): the only transfers that
+    land in our region are the reads *we* post with ``read_blocks``. A peer's transport never
+    writes into our region on its own; at most it serves our reads (two-sided transports send
+    what we asked for, into receives we posted).
 
-    Progress: ``poll`` must also progress *inbound* work (one-sided transports without a
-    progress thread need the target to keep calling in, or the initiator's writes never
-    finish). Callers therefore poll every tick, even with nothing of their own in flight.
+    **A cancelled read is final.** When ``cancel``, ``remove_peer`` or ``close`` returns, no
+    byte of the reads they ended can land in our region any more, whatever the peer does later
+    (paused, partitioned, resumed with stale state). A transport whose library cannot stop a
+    posted transfer makes it so by other means: it reads through a staging area of its own and
+    copies into our blocks only after a valid completion, or it tears the endpoint down and
+    waits for the error. Ended ids are forgotten: never reported by ``poll``.
+
+    Ids: ``read_blocks`` returns transfer ids unique for the transport's lifetime; each
+    reaches exactly one terminal state, reported once by ``poll`` (unless cancelled first).
+
+    Progress: ``poll`` and ``progress`` must also progress *inbound* work: reads a peer posted
+    against our region (a two-sided transport serves them here; a one-sided one may need the
+    source to keep calling in). Callers therefore poll every tick, even with nothing of their
+    own in flight.
+
+    Source blocks: the transport never decides how long a peer's source blocks stay valid;
+    the session protocol does (the producer pins them under a lease, docs/protocol.md §5).
     """
 
     kind: ClassVar[TransportKind] = "data"
@@ -262,77 +263,68 @@ class DataTransport(_Transport):
 
     @abstractmethod
     def descriptor(self) -> bytes:
-        """Opaque bytes a peer passes to its ``add_peer`` to be able to write into our region."""
+        """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
 
     @abstractmethod
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         """Register a peer's region. Raises ``PeerRejected`` (with the reason) when the
         descriptor is malformed or the region shape does not match ours. Re-adding a known
-        peer replaces it once its transfers are quiescent."""
+        peer replaces it: reads of the old registration are ended first (as ``cancel``)."""
 
     @abstractmethod
     def remove_peer(self, peer_id: str) -> list[int]:
-        """Forget a peer. Transfers of the peer still running are wait-cancelled and polled up
-        to the transport's drain deadline; ids that could not be drained are returned and the
-        peer's resources are kept (never released under a live transfer). Returned ids may
-        include the transport's own internal transfers (a connection warm-up), which no caller
-        received; never an id ``poll`` already reported."""
+        """Forget a peer. Its reads into our region end first, finally (as ``cancel``); they
+        are never reported. Returns the ids of the transport's *internal* transfers with that
+        peer (serving its reads of our region, a warm-up) that did not drain within the
+        transport's drain deadline; their resources are kept (never released under a live
+        transfer). Never a read id, never an id ``poll`` already reported."""
 
     @abstractmethod
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
-        """Start copying local block ``local_idxs[i]`` into the peer's block ``remote_idxs[i]``.
+        """Start copying the peer's block ``remote_idxs[i]`` into our block ``local_idxs[i]``.
 
-        Non-blocking. Both lists are bounds-checked (local against ours, remote against the
-        peer's advertised ``num_blocks``) before anything is posted. Raises
-        ``TransferSubmitError`` on any failure (unknown peer, bad index, backend refusal);
-        never returns a sentinel. Our source blocks must stay untouched until the id is done.
+        Non-blocking. Both lists are checked before anything is posted: equal lengths, not
+        empty, ``local_idxs`` within ours and without duplicates, ``remote_idxs`` within the
+        peer's advertised ``num_blocks``. Indexes may be any integers (``int``, numpy integers,
+        or a 1-D integer array). Raises ``TransferSubmitError`` on any failure (unknown peer,
+        bad index, backend refusal, closed transport); never returns a sentinel. Our
+        destination blocks must not be touched by the caller until the id is reported or
+        cancelled.
         """
-
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
-        """Announce that ``peer_id`` will write into our blocks ``local_idxs``.
-
-        One-sided transports (NIXL-style writes) return None and do nothing. Two-sided
-        transports (tagged send/receive) post receives into those slots and return a transfer
-        id that completes, in ``poll(peer_id)``, when every block has landed; the core does not
-        trust a load until that id is done. Raises ``TransferSubmitError`` like
-        ``write_blocks``.
-        """
-        return None
 
     def progress(self) -> None:
         """Progress inbound and outbound I/O without reporting or forgetting anything.
 
-        The tier calls this every tick (even with no session), so a peer's one-sided writes
-        into our region complete. Must not block. Default: nothing to do.
+        The tier calls this every tick (even with no session), so peers' reads of our region
+        are served. Must not block. Default: nothing to do.
         """
         return None
 
     @abstractmethod
     def poll(self, peer_id: str | None = None) -> PollResult:
-        """Progress all I/O; report and forget terminal transfers of ``peer_id``.
+        """Progress all I/O; report and forget terminal reads of ``peer_id``.
 
-        With ``peer_id``, only that peer's transfers are examined and drained (other peers'
+        With ``peer_id``, only that peer's reads are examined and drained (other peers'
         completions stay for their own poll). ``None`` drains every peer (shutdown only).
-        An error while checking a transfer fails that transfer; it is never left in flight.
+        ``done`` means every byte of the read is in our blocks; an error while checking a read
+        fails it, it is never left in flight.
         """
 
     @abstractmethod
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
-        """Cancel transfers; unknown ids are ignored.
-
-        ``WAIT``: returns the ids the backend could not confirm stopped; they stay in flight
-        and will be reported by ``poll``. Ids it did stop are forgotten (never reported).
-        ``IMMEDIATE``: forgets every id and returns ``[]``.
-        """
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        """End reads, finally: on return none of their bytes can land in our region any more,
+        and they are never reported. Unknown or already reported ids are ignored. Never
+        blocks longer than the transport's drain deadline; a transport that cannot end a read
+        in that time keeps its bytes out of our blocks by other means (staging) instead."""
 
     @abstractmethod
     def close(self) -> list[int]:
-        """Release peers and deregister the region; idempotent.
+        """End every read (as ``cancel``), release peers and deregister the region; idempotent.
 
-        Every transfer still in flight is wait-cancelled and polled up to the drain deadline
-        first. Ids that never drained are returned (internal ones included, as for
+        Internal transfers still live after the drain deadline are returned (as for
         ``remove_peer``), and then the region stays registered (leaked on purpose rather than
-        freed under DMA).
+        freed under DMA). Any other call after ``close`` raises (``TransferSubmitError`` for
+        ``read_blocks``) or returns nothing.
         """

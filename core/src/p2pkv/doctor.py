@@ -9,8 +9,8 @@ value is never shown); which UCX lanes each UCX-based data transport picks on th
 environment variables that change lanes and ports; how NIXL is installed.
 
 Lanes are read from UCX itself: a subprocess with ``UCX_PROTO_INFO=y`` builds two endpoints of
-the transport in one process, moves one small and one large block between them, and UCX
-prints the protocol it selected per operation and size range; we parse those tables. Two
+the transport in one process, one reads a 1 MiB block from the other (and checks its bytes),
+and UCX prints the protocol it selected per operation and size range; we parse those tables. Two
 endpoints in one process talk through UCX's intra-node path, the one two serving processes on
 one host use as well. A transport whose descriptor reports it does not use UCX shows nothing.
 """
@@ -137,11 +137,30 @@ def parse_proto_info(text: str) -> list[LaneRow]:
     return rows
 
 
-def _probe_child(name: str) -> None:
-    """Subprocess body: two endpoints of data transport ``name`` in this process, one 1 MiB
-    block written from one to the other. Prints ``PROBE-OK`` or ``PROBE-FAIL <why>``."""
+def _probe_read(src: Any, dst: Any, timeout: float) -> None:
+    """``dst`` reads ``src``'s block 0 into its block 1, both sides progressed (a two-sided
+    transport serves the read from the source's ``progress``/``poll``) until it is reported
+    done; raises if it fails or is not done within ``timeout`` seconds."""
     import time
 
+    tid = dst.read_blocks("src", [1], [0])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        src.progress()
+        src.poll("dst")
+        dst.progress()
+        done, failed = dst.poll("src")
+        if tid in failed:
+            raise RuntimeError("probe read failed")
+        if tid in done:
+            return
+    raise TimeoutError(f"probe read did not finish in {timeout:.0f} s")
+
+
+def _probe_child(name: str) -> None:
+    """Subprocess body: two endpoints of data transport ``name`` in this process, one 1 MiB
+    block read by one from the other and compared byte for byte. Prints ``PROBE-OK`` or
+    ``PROBE-FAIL <why>``."""
     import numpy as np
 
     from p2pkv.contracts import DataSettings
@@ -149,24 +168,15 @@ def _probe_child(name: str) -> None:
     try:
         cls = default_registry().transport("data", name)
         bufs = [np.zeros(_PROBE_BLOCK * 2, np.uint8) for _ in range(2)]
+        bufs[0][:_PROBE_BLOCK] = np.arange(_PROBE_BLOCK) % 251 + 1  # no zero byte
         src, dst = (cls.create(DataSettings(b.data, _PROBE_BLOCK, {})) for b in bufs)
         src.add_peer("dst", dst.descriptor())
         dst.add_peer("src", src.descriptor())
-        expect = dst.expect_blocks("src", [1])
-        tid = src.write_blocks("dst", [0], [1])
-        pending = {("src", tid)} | ({("dst", expect)} if expect is not None else set())
-        deadline = time.monotonic() + 20
-        while pending and time.monotonic() < deadline:
-            for side, ep, peer in (("src", src, "dst"), ("dst", dst, "src")):
-                ep.progress()
-                done, failed = ep.poll(peer)
-                if failed:
-                    raise RuntimeError(f"{side} transfer failed")
-                pending -= {(side, t) for t in done}
-        if pending:
-            raise TimeoutError("probe transfer did not finish in 20 s")
-        src.close()
+        _probe_read(src, dst, 20.0)
+        if not np.array_equal(bufs[1][_PROBE_BLOCK:], bufs[0][:_PROBE_BLOCK]):
+            raise RuntimeError("probe read reported done but the block's bytes differ")
         dst.close()
+        src.close()
     except Exception as exc:
         print(f"PROBE-FAIL {type(exc).__name__}: {exc}", flush=True)
         return

@@ -12,8 +12,8 @@ a message type this side does not know decodes to :class:`Unknown` and the sessi
 ``hello`` carries the wire version; a peer with another major version is rejected during the
 handshake.
 
-Hot path: ``fetch`` keys and slots stay plain lists (no per-block objects are created beyond
-what msgpack builds); validation is one pass over each list.
+Hot path: ``fetch`` keys and ``ready`` positions/slots stay plain lists (no per-block
+objects are created beyond what msgpack builds); validation is one pass over each list.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ __all__ = [
     "MAX_REASON_CHARS",
     "WIRE_MAJOR",
     "WIRE_MINOR",
-    "Abort",
-    "AbortAck",
     "Bye",
     "Fetch",
     "Hello",
@@ -40,18 +38,20 @@ __all__ = [
     "Lookup",
     "LookupResp",
     "Message",
-    "Quiesced",
-    "TransferDone",
+    "Ready",
+    "Release",
+    "RoundFailed",
     "Unknown",
     "decode",
     "encode",
     "message_type",
 ]
 
-WIRE_MAJOR = 1
-"""Bumped only for incompatible changes; peers with another major are rejected."""
-WIRE_MINOR = 1
-"""Bumped for additive changes (new optional fields or message types). 1.1 adds ``quiesced``."""
+WIRE_MAJOR = 2
+"""Bumped only for incompatible changes; peers with another major are rejected. 2.0: the
+consumer reads (``ready``/``release``); producers no longer write into consumers' regions."""
+WIRE_MINOR = 0
+"""Bumped for additive changes (new optional fields or message types)."""
 
 MAX_REASON_CHARS = 1024
 """Cap on free-text ``reason`` fields."""
@@ -59,6 +59,7 @@ MAX_ADDRESS_CHARS = 1024
 MAX_TAG_CHARS = 256
 """Cap on ``fingerprint`` and ``hash_seed``."""
 _U64 = 1 << 64
+_U32 = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +88,42 @@ class HelloAck:
 
 @dataclass(frozen=True, slots=True)
 class Fetch:
-    """Consumer -> producer: write ``keys[i]`` into my slot ``slots[i]``.
+    """Consumer -> producer: I want ``keys`` (round ``round`` of ``kv_request_id``).
 
     ``round`` numbers the loads of one ``kv_request_id`` on one session (0, 1, ...; each
-    completes independently). Empty ``keys`` is the terminal fetch: the consumer is done with
-    the request, the producer releases everything it holds for it and answers nothing.
+    completes independently). The consumer's lease clock for the round starts when it sends
+    this. Empty ``keys`` is the terminal fetch: the consumer is done with the request, the
+    producer releases everything it holds for it and answers nothing.
     """
 
     kv_request_id: str
     round: int
     keys: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Producer -> consumer: key ``keys[pos[i]]`` of the round is in my slot ``slots[i]``,
+    pinned from now for the lease (``timeouts.lease``) or until the round's ``release``.
+
+    A round gets one or more ``ready`` (supply may arrive in parts); together they name each
+    key of the round exactly once.
+    """
+
+    kv_request_id: str
+    round: int
+    pos: list[int]
     slots: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Consumer -> producer: I am done with round ``round``; unpin its slots. ``read``: every
+    block of it arrived within the lease (the store jobs are delivered)."""
+
+    kv_request_id: str
+    round: int
+    read: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,29 +144,14 @@ class LookupResp:
 
 
 @dataclass(frozen=True, slots=True)
-class TransferDone:
-    """Producer -> consumer: round ``round`` is over and nothing of it is in flight any more."""
+class RoundFailed:
+    """Producer -> consumer: round ``round`` cannot be served (``reason`` starts with the
+    ``Outcome`` value: demand unmet, request conflict, shutdown); nothing of it stays pinned
+    and no ``ready`` for it follows."""
 
     kv_request_id: str
     round: int
-    success: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Consumer -> producer: stop round ``round``; answer with an ``AbortAck`` once drained."""
-
-    kv_request_id: str
-    round: int
-
-
-@dataclass(frozen=True, slots=True)
-class AbortAck:
-    """Producer -> consumer: nothing of round ``round`` is (or will be) in flight."""
-
-    kv_request_id: str
-    round: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,33 +162,24 @@ class Bye:
 
 
 @dataclass(frozen=True, slots=True)
-class Quiesced:
-    """Producer -> consumer (wire 1.1), at most once per session: none of my writes into your
-    region posted on an earlier session is in flight any more (or ever will be). The consumer
-    lifts the fences it holds against this peer's address that predate this session."""
-
-
-@dataclass(frozen=True, slots=True)
 class Unknown:
     """A well-formed frame of a message type this side does not know."""
 
     type: str
 
 
-Message = (Hello | HelloAck | Fetch | Lookup | LookupResp | TransferDone | Abort | AbortAck | Bye
-           | Quiesced)
+Message = Hello | HelloAck | Fetch | Ready | Release | RoundFailed | Lookup | LookupResp | Bye
 
 _TYPE_NAMES: dict[type, str] = {
     Hello: "hello",
     HelloAck: "hello_ack",
     Fetch: "fetch",
+    Ready: "ready",
+    Release: "release",
+    RoundFailed: "round_failed",
     Lookup: "lookup",
     LookupResp: "lookup_resp",
-    TransferDone: "transfer_done",
-    Abort: "abort",
-    AbortAck: "abort_ack",
     Bye: "bye",
-    Quiesced: "quiesced",
 }
 
 
@@ -201,16 +203,15 @@ def encode(msg: Message) -> bytes:
             "kv_request_id": msg.kv_request_id,
             "round": msg.round,
             "keys": msg.keys,
-            "slots": msg.slots,
         }
-    elif t is TransferDone:
-        assert isinstance(msg, TransferDone)
+    elif t is Ready:
+        assert isinstance(msg, Ready)
         body = {
-            "type": "transfer_done",
+            "type": "ready",
             "kv_request_id": msg.kv_request_id,
             "round": msg.round,
-            "success": msg.success,
-            "reason": msg.reason,
+            "pos": msg.pos,
+            "slots": msg.slots,
         }
     elif t is Hello:
         assert isinstance(msg, Hello)
@@ -300,6 +301,17 @@ class _Fields:
             raise self.err(field, f"{len(v)} entries exceeds the cap of {max_len}")
         return v
 
+    def ints(self, field: str, max_len: int) -> list[int]:
+        """A list of non-negative integers below 2**32 (positions, slots)."""
+        values = self.list_(field, max_len)
+        if _all(values, int) and (not values or (min(values) >= 0 and max(values) < _U32)):
+            return values
+        for i, v in enumerate(values):
+            if type(v) is not int or not 0 <= v < _U32:
+                raise self.err(f"{field}[{i}]", f"expected an integer in 0..{_U32 - 1}, "
+                                                f"got {v!r}")
+        return values
+
     def keys(self, field: str, limits: Limits) -> list[bytes]:
         keys = self.list_(field, limits.max_keys_per_message)
         cap = limits.max_key_bytes
@@ -348,18 +360,24 @@ def _hello_ack(f: _Fields, limits: Limits) -> HelloAck:
 
 
 def _fetch(f: _Fields, limits: Limits) -> Fetch:
+    return Fetch(f.request_id(limits), f.int_("round"), f.keys("keys", limits))
+
+
+def _ready(f: _Fields, limits: Limits) -> Ready:
     kv = f.request_id(limits)
     rnd = f.int_("round")
-    keys = f.keys("keys", limits)
-    slots = f.list_("slots", limits.max_keys_per_message)
-    if len(slots) != len(keys):
-        raise f.err("slots", f"{len(slots)} slots for {len(keys)} keys")
-    if _all(slots, int) and (not slots or min(slots) >= 0):
-        return Fetch(kv, rnd, keys, slots)
-    for i, s in enumerate(slots):
-        if type(s) is not int or s < 0:
-            raise f.err(f"slots[{i}]", f"expected a non-negative integer, got {s!r}")
-    return Fetch(kv, rnd, keys, slots)
+    cap = limits.max_keys_per_message
+    pos = f.ints("pos", cap)
+    slots = f.ints("slots", cap)
+    if not pos:
+        raise f.err("pos", "must not be empty")
+    if len(slots) != len(pos):
+        raise f.err("slots", f"{len(slots)} slots for {len(pos)} positions")
+    return Ready(kv, rnd, pos, slots)
+
+
+def _release(f: _Fields, limits: Limits) -> Release:
+    return Release(f.request_id(limits), f.int_("round"), f.bool_("read"))
 
 
 def _lookup(f: _Fields, limits: Limits) -> Lookup:
@@ -382,42 +400,25 @@ def _lookup_resp(f: _Fields, limits: Limits) -> LookupResp:
     return LookupResp(seq, hits)
 
 
-def _transfer_done(f: _Fields, limits: Limits) -> TransferDone:
-    return TransferDone(
-        kv_request_id=f.request_id(limits),
-        round=f.int_("round"),
-        success=f.bool_("success"),
-        reason=f.str_("reason", MAX_REASON_CHARS, default=""),
-    )
-
-
-def _abort(f: _Fields, limits: Limits) -> Abort:
-    return Abort(f.request_id(limits), f.int_("round"))
-
-
-def _abort_ack(f: _Fields, limits: Limits) -> AbortAck:
-    return AbortAck(f.request_id(limits), f.int_("round"))
+def _round_failed(f: _Fields, limits: Limits) -> RoundFailed:
+    return RoundFailed(f.request_id(limits), f.int_("round"),
+                       f.str_("reason", MAX_REASON_CHARS, nonempty=True))
 
 
 def _bye(f: _Fields, limits: Limits) -> Bye:
     return Bye(f.str_("reason", MAX_REASON_CHARS))
 
 
-def _quiesced(f: _Fields, limits: Limits) -> Quiesced:
-    return Quiesced()
-
-
 _DECODERS: dict[str, Callable[[_Fields, Limits], Message]] = {
     "hello": _hello,
     "hello_ack": _hello_ack,
     "fetch": _fetch,
+    "ready": _ready,
+    "release": _release,
+    "round_failed": _round_failed,
     "lookup": _lookup,
     "lookup_resp": _lookup_resp,
-    "transfer_done": _transfer_done,
-    "abort": _abort,
-    "abort_ack": _abort_ack,
     "bye": _bye,
-    "quiesced": _quiesced,
 }
 
 

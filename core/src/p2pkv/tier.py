@@ -38,7 +38,6 @@ from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.directory import Directory
 from p2pkv.session.env import LocalIdentity, SessionEnv
 from p2pkv.session.ledger import JobLedger
-from p2pkv.session.retiring import RetiringWrites
 from p2pkv.session.session import Session, State
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
@@ -152,10 +151,7 @@ class P2PTier:
         self._observers = observers
         self._deadlines = Deadlines()
         self._ledger = JobLedger(clock, observers)
-        self._retiring = RetiringWrites(self._deadlines, clock, config.timeouts,
-                                        self._writes_retired)
-        self._dir = Directory(self._ledger, self._deadlines, clock, config.timeouts, observers,
-                              self._retiring)
+        self._dir = Directory(self._ledger, self._deadlines, clock, config.timeouts, observers)
         self._env = SessionEnv(
             data=data, ledger=self._ledger, deadlines=self._deadlines, clock=clock,
             observers=observers, timeouts=config.timeouts, limits=config.limits,
@@ -167,7 +163,8 @@ class P2PTier:
             host=self._dir,
         )
         self._sessions: dict[str, Session] = {}
-        self._closing: dict[Session, Timer | None] = {}
+        self._lingering: set[Session] = set()
+        """Closed sessions with blocks still pinned for their consumer (until the lease)."""
         self._newcomers: dict[str, _Newcomer] = {}
         """New connections claiming a live session's address, by address (§4.1 item 6)."""
         self._stopping = False
@@ -321,7 +318,7 @@ class P2PTier:
     def has_pending_work(self) -> bool:
         """True while any job, transfer, parked store, probe, handshake or held newcomer is
         outstanding."""
-        if (self._ledger.pending or self._ledger.undelivered or self._closing or self._dir.ends
+        if (self._ledger.pending or self._ledger.undelivered or self._dir.ends
                 or self._newcomers):
             return True
         return any(s.busy for s in self._sessions.values())
@@ -331,7 +328,7 @@ class P2PTier:
         """Tick until every submitted job has a result (never aborts anything)."""
         t = self._config.timeouts
         budget = timeout if timeout is not None else (
-            max(t.load + t.abort_ack, t.store, t.unbound_store) + t.shutdown_drain
+            max(t.lease, t.store, t.unbound_store) + t.shutdown_drain
         )
         start, wall = self._clock(), time.monotonic()
         warned = False
@@ -349,15 +346,13 @@ class P2PTier:
 
     @driver_call
     def shutdown(self) -> list[JobResult]:
-        """Wind every session down, close them, wait for the data plane to go quiescent,
-        close transports; everything bounded by ``timeouts.shutdown_drain`` (docs/protocol.md
-        §10).
+        """Wind every session down, close them, close transports; bounded by
+        ``timeouts.shutdown_drain`` (docs/protocol.md §10).
 
-        Winding down ends both roles' work with the peer's confirmation: our loads are
-        aborted and end when the producer confirms that none of its writes into their slots
-        is live; our writes are wait-cancelled and their rounds fail once they ended. Only
-        then is ``bye`` said and, at the end, the region deregistered. Returns the results not
-        yet handed over (every job still gets exactly one)."""
+        Winding down fails our loads at once (their reads cancelled: nothing can land after)
+        and fails the peers' rounds; blocks a consumer may be reading stay pinned until it
+        releases them or the budget is spent. Then ``bye`` is said and the region
+        deregistered. Returns the results not yet handed over (every job gets exactly one)."""
         if self._closed:
             return self._ledger.take()
         drain = self._config.timeouts.shutdown_drain
@@ -374,30 +369,13 @@ class P2PTier:
         while any(not s.wound_down for s in self._sessions.values()) and not expired():
             self.tick(0.001)
         for session in list(self._sessions.values()):
-            unconfirmed = session.client.unconfirmed
-            if unconfirmed:
-                log.error("shutdown: %d load(s) from %s not confirmed within %.1fs: the "
-                          "producer may still write into their slots after the region is "
-                          "released", unconfirmed, session.peer, drain)
             self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
-        while (self._closing or self._retiring) and not expired():
-            self._data.progress()
-            done, failed = self._data.poll(None)
-            self._route(done, failed)
-            for session in [s for s in self._closing if s.state is State.CLOSED]:
-                self._finalize(session)
-            for conn in self._control.poll(0.001):
-                conn.close()
-        for session in list(self._closing):
-            stuck = session.force_quiesce()
-            log.error("shutdown: %d transfer(s) with %s did not drain within %.1fs",
-                      len(stuck), session.peer, drain)
-            self._finalize(session)
-        for peer, tids in self._retiring.clear().items():
-            log.error("shutdown: %d write(s) to %s given up earlier are still live: %s",
-                      len(tids), peer, tids[:16])
+        for session in list(self._lingering):
+            pinned = session.server.drop_pins(Outcome.SHUTDOWN, "tier shut down")
+            log.warning("shutdown: %d block(s) pinned for %s released before its lease ended",
+                        pinned, session.peer)
+        self._lingering.clear()
         self._closed = True
-        self._env.fences.clear()
         for job_id in self._ledger.open_ids():  # safety net: nothing may stay unanswered
             self._ledger.close(job_id, Outcome.SHUTDOWN, "tier shut down")
         if self._dir.ends:
@@ -419,17 +397,17 @@ class P2PTier:
             jobs_pending=self._ledger.pending,
             sessions=len(self._sessions),
             sessions_ready=sum(1 for s in self._sessions.values() if s.ready),
-            sessions_closing=len(self._closing),
+            sessions_closing=len(self._lingering),
             in_flight_transfers=self._in_flight(),
-            retiring_writes=len(self._retiring),
             parked_stores=self._dir.parked_count,
             blocks_sent=c["blocks_sent"],
             bytes_sent=c["blocks_sent"] * self._block_len,
+            blocks_read=c["blocks_read"],
+            bytes_read=c["blocks_read"] * self._block_len,
             transfers_failed=c["transfers_failed"],
             submit_failures=c["submit_failures"],
             protocol_errors=c["protocol_errors"],
             handshake_rejections=c["handshake_rejections"],
-            fences=len(self._env.fences),
         )
         return out
 
@@ -438,19 +416,17 @@ class P2PTier:
     def _state_sizes(self) -> dict[str, int]:
         """Every per-request structure's size (tests assert all zero once quiescent)."""
         sizes: dict[str, int] = dict.fromkeys(
-            ("client_requests", "client_rounds", "expectations", "lookups", "probes",
+            ("client_requests", "client_rounds", "reads", "lookups", "probes",
              "server_requests", "server_rounds", "server_jobs", "supply", "demand",
-             "transfers", "serves"), 0)
-        sizes["fences"] = len(self._env.fences)
-        for session in [*self._sessions.values(), *self._closing]:
+             "pins", "serves"), 0)
+        for session in [*self._sessions.values(), *self._lingering]:
             for k, v in session.state_sizes().items():
                 sizes[k] += v
         sizes.update(self._dir.state_sizes())
-        sizes.update(self._retiring.state_sizes())
         sizes.update(
             jobs_open=self._ledger.pending, results_waiting=self._ledger.undelivered,
             owners=len(self._env.owners), timers=len(self._deadlines),
-            sessions_closing=len(self._closing), newcomers=len(self._newcomers),
+            sessions_lingering=len(self._lingering), newcomers=len(self._newcomers),
         )
         return sizes
 
@@ -692,83 +668,53 @@ class P2PTier:
         for session in list(self._sessions.values()):
             if session.doomed is not None or not session.conn.alive:
                 self._close_unusable(session)
-        for session in [s for s in self._closing if s.state is State.CLOSED]:
-            self._finalize(session)
+        if self._lingering:
+            self._lingering = {s for s in self._lingering if s.server.n_pins}
 
     def _close(self, session: Session, outcome: Outcome, reason: str, *,
                bye: str | None = None, close_conn: bool = True) -> None:
+        """Close ``session`` (its reads end, finally), remove its data peer, and keep it
+        lingering while blocks stay pinned for its consumer."""
         if self._sessions.get(session.peer) is session:
             del self._sessions[session.peer]
         session.close(outcome, reason, bye=bye, close_conn=close_conn)
-        if session.state is State.CLOSED:
-            self._finalize(session)
-        elif session not in self._closing:
-            self._closing[session] = self._deadlines.at(
-                self._clock() + self._config.timeouts.shutdown_drain, self._drain_expired, session
-            )
+        if session.server.n_pins:
+            self._lingering.add(session)
+        self._release_data_peer(session)
 
-    def _drain_expired(self, session: Session) -> None:
-        self._closing[session] = None
-        stuck = session.force_quiesce()
-        log.error("session %s: %d transfer(s) did not drain within %.1fs after close; their "
-                  "jobs fail, their writes are polled on until they end", session.peer,
-                  len(stuck), self._config.timeouts.shutdown_drain)
-        self._finalize(session)
-
-    def _finalize(self, session: Session) -> None:
-        """``session`` is closed and quiescent (or gave up): release its data peer if it is
-        the registering one and nothing retires there."""
-        self._deadlines.cancel(self._closing.pop(session, None))
-        self._release_data_peer(session.peer)
-
-    def _writes_retired(self, peer: str, drained: bool) -> None:
-        """No given-up write to ``peer`` is waited for any more. If some are still live
-        (``timeouts.fence`` passed), the data peer stays registered: removing it would only
-        block this thread for the transport's drain deadline and keep it all the same."""
-        self._dir.maybe_quiesced(peer)
-        if drained:
-            self._release_data_peer(peer)
-
-    def _release_data_peer(self, peer: str) -> None:
-        """Remove the data peer once its registering session is finalized and no write to it
-        retires (the transport would otherwise block draining it, and keep it anyway)."""
-        owner = self._dir.data_owner.get(peer)
-        if (owner is None or owner.state is not State.CLOSED or owner in self._closing
-                or self._retiring.live(peer) or self._closed):
+    def _release_data_peer(self, session: Session) -> None:
+        """Remove the data peer if ``session`` registered it (a newer session of the same
+        address that re-registered it owns it now)."""
+        peer = session.peer
+        if self._dir.data_owner.get(peer) is not session or self._closed:
             return
         del self._dir.data_owner[peer]
         undrained = self._data.remove_peer(peer)
         if undrained:
-            log.error("data peer %s removed with %d transfer(s) undrained: %s",
-                      peer, len(undrained), undrained[:16])
+            log.warning("data peer %s removed with %d internal transfer(s) undrained: %s",
+                        peer, len(undrained), undrained[:16])
 
     def _data_tick(self) -> None:
         data = self._data
         data.progress()
-        owners, retiring = self._env.owners, self._retiring
-        if not owners and not retiring:
+        if not self._env.owners:
             return
-        peers = {s.peer for s in self._sessions.values() if not s.quiescent}
-        peers.update(s.peer for s in self._closing if not s.quiescent)
-        peers.update(retiring.peers())
-        for peer in peers:
-            done, failed = data.poll(peer)
+        for session in [s for s in self._sessions.values() if s.client.reads]:
+            done, failed = data.poll(session.peer)
             if done or failed:
                 self._route(done, failed)
 
     def _route(self, done: Sequence[int], failed: Sequence[int]) -> None:
-        """Hand terminal ids to their sessions; the rest may be retiring writes."""
-        owners, retiring = self._env.owners, self._retiring
+        """Hand terminal read ids to the sessions that posted them."""
+        owners = self._env.owners
         for ok, tids in ((True, done), (False, failed)):
             for tid in tids:
                 owner = owners.pop(tid, None)
                 if owner is not None:
                     owner.on_data(tid, ok)
-                elif retiring:
-                    retiring.ended(tid)
 
     def _in_flight(self) -> int:
-        return sum(len(s.server.transfers) for s in [*self._sessions.values(), *self._closing])
+        return sum(len(s.client.reads) for s in self._sessions.values())
 
 
 def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int) -> list[int]:

@@ -35,7 +35,6 @@ class Outcome(str, enum.Enum):
     REQUEST_FINISHED = "request_finished"
     LOAD_TIMEOUT = "load_timeout"
     ABORTED = "aborted"
-    ABORT_ACK_TIMEOUT = "abort_ack_timeout"
     STORE_TIMEOUT = "store_timeout"
     UNBOUND_TIMEOUT = "unbound_timeout"
     PEER_DEAD = "peer_dead"

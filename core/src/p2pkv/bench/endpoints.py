@@ -7,11 +7,13 @@ Every series of the matrix is an *endpoint kind* built over a caller-owned regio
 - ``raw``: a baseline from a transport distribution (hook ``p2pkv_bench_baselines``): the same
   library driven without p2pkv (e.g. NIXL with the same prepared descriptors). Baselines are
   duck-typed like ``DataTransport`` — ``create(DataSettings)``, ``descriptor()``,
-  ``add_peer(peer, descriptor)``, ``write_blocks(peer, local, remote) -> id``,
-  ``poll(peer) -> PollResult``, ``progress()``, ``expect_blocks(peer, local) -> id | None``,
-  ``close()`` — so the bench times both with one loop.
+  ``add_peer(peer, descriptor)``, ``read_blocks(peer, local, remote) -> id``,
+  ``poll(peer) -> PollResult``, ``progress()``, ``close()`` — so the bench times both with
+  one loop.
 
-Two endpoints of a kind are paired: the initiator writes from its region into the target's.
+Two endpoints of a kind are paired (wire 2.0: the consumer owns every write into its region):
+the initiator reads blocks of the target's region into its own slots; the target only
+progresses (``progress()``/``poll()``), serving those reads when its transport is two-sided.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class SeriesSpec:
 def make_endpoint(
     spec: SeriesSpec, registry: Registry, region: memoryview, block_len: int
 ) -> Any:
-    """Build the endpoint of ``spec`` over ``region`` (raises ``ConfigError`` if unknown)."""
+    """Build the endpoint of ``spec`` over ``region``.
+
+    Raises ``ConfigError`` for an unknown series or a raw baseline without ``read_blocks``,
+    and the transport's ``TransportUnavailable`` when it cannot run here."""
     settings = DataSettings(region=region, block_len=block_len, options={})
     if spec.impl == "p2pkv":
         cls = registry.transport("data", spec.transport)
@@ -60,6 +65,11 @@ def make_endpoint(
             raise ConfigError(
                 f"no raw baseline named {spec.transport!r}; installed: "
                 f"{', '.join(sorted(registry.bench_baselines())) or 'none'}"
+            )
+        if not callable(getattr(baseline, "read_blocks", None)):
+            raise ConfigError(
+                f"raw baseline {spec.transport!r} has no read_blocks(peer, local, remote): "
+                "it predates wire 2.0 (the bench reads from the target's region)"
             )
         return baseline.create(settings)
     raise ConfigError(f"series {spec.label!r} has no endpoint")

@@ -4,9 +4,10 @@ Two UCX-based libraries in one process do not mix: NIXL bundles its own UCX and 
 another (and sets UCX variables at import), and a process holding both measured either at a
 small fraction of its speed here. So the series of each cross-process transport (``raw nixl``
 and ``p2pkv nixl``; ``raw ucx`` and ``p2pkv ucx``) run in a worker process of their own, which
-spawns the target child they write into; in-process series (``memory``, ``memcpy``) run in
-the bench process with a local target. Every group owns a source region and a target region
-of ``region_bytes``, page-faulted before anything is timed.
+spawns the target child they read from; in-process series (``memory``, ``memcpy``) run in
+the bench process with a local target. Every group owns its own region (where the reads
+land) and a target region (the source) of ``region_bytes``, page-faulted before anything is
+timed.
 
 :class:`LaneGroup` does the work; :class:`WorkerGroup` runs one in a worker process and is
 called synchronously with deadlines. The worker pipe carries only the bench's own commands.
@@ -59,11 +60,11 @@ def failed_cell(spec: SeriesSpec, plan: CellPlan, error: str) -> CellResult:
 
 
 class LaneGroup:
-    """Series sharing one process: their lanes, one source region and one target."""
+    """Series sharing one process: their lanes, one destination region and one target."""
 
     def __init__(self, series: Sequence[SeriesSpec], region_bytes: int) -> None:
         self.series = list(series)
-        self._source = page_in(region_bytes)
+        self._region = page_in(region_bytes)
         remote = any(s.cross_process for s in series)
         self._target: RemoteTarget | LocalTarget = (
             RemoteTarget(region_bytes) if remote else LocalTarget(region_bytes)
@@ -84,9 +85,9 @@ class LaneGroup:
             lane: Lane
             if spec.impl == "memcpy":
                 assert isinstance(self._target, LocalTarget)
-                lane = MemcpyLane(self._source, self._target.state.buf)
+                lane = MemcpyLane(self._region, self._target.state.buf)
             else:
-                lane = EndpointLane(spec, registry, self._source, self._target)
+                lane = EndpointLane(spec, registry, self._region, self._target)
             try:
                 lane.open(block_size)
                 self._lanes[spec.label] = lane

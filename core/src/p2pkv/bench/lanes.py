@@ -1,11 +1,14 @@
 """Lanes: one series' way of moving a request's blocks, behind one submit/poll interface.
 
 A lane is opened per block size and then timed by :mod:`p2pkv.bench.runner`. Every lane
-writes the initiator's *source* blocks into the target's *destination* slots and lets the
-runner check the destination bytes after each repetition.
+*reads* (wire 2.0: the consumer owns every write into its region): the peer side's *source*
+slots are filled with key-derived content (:meth:`Lane.fill`, untimed), a request copies
+source blocks into the initiator's own *destination* slots, and the runner checks the
+destination bytes after each repetition, in the initiator's process.
 
-- :class:`EndpointLane`: a p2pkv ``DataTransport`` or a raw baseline; its target is a child
-  process (cross-process series) or this process (``memory``).
+- :class:`EndpointLane`: a p2pkv ``DataTransport`` or a raw baseline posting ``read_blocks``
+  against a :class:`Target` (a child process for cross-process series, this process for
+  ``memory``), which only progresses while a repetition runs.
 - :class:`MemcpyLane`: ``np.copyto`` block by block between two regions of this process, the
   physical limit on this host for the same scattered bytes.
 
@@ -30,45 +33,62 @@ __all__ = ["EndpointLane", "Lane", "MemcpyLane", "Target"]
 
 
 class Target(Protocol):
-    """The receiving side (``p2pkv.bench.target``); endpoints are named by series label."""
+    """The source side (``p2pkv.bench.target``); endpoints are named by series label."""
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes: ...
     def add_peer(self, label: str, descriptor: bytes) -> None: ...
-    def expect(
-        self, label: str, groups: Sequence[Sequence[int]], counts: Sequence[int]
-    ) -> None: ...
-    def verify(
-        self, label: str, slots: Sequence[int], seeds: Sequence[int]
-    ) -> tuple[list[int], int]: ...
+    def fill(self, label: str, slots: Sequence[int], seeds: Sequence[int]) -> None: ...
+    def begin(self, label: str) -> None: ...
+    def end(self, label: str) -> int: ...
     def close_endpoint(self, label: str) -> list[int]: ...
     def pump(self) -> None: ...
 
 
 class Lane(ABC):
-    """Moves blocks from the source region into the destination region."""
+    """Reads blocks of the source region into the destination region (``dest``, ours)."""
 
     spec: SeriesSpec
-    source: BlockRegion
+    dest: BlockRegion
 
     @abstractmethod
     def open(self, block_len: int) -> None:
         """Set up for ``block_len`` (register regions, exchange descriptors)."""
 
     @abstractmethod
+    def fill(self, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        """Write the content of ``seeds`` into the source ``slots`` (untimed)."""
+
+    @abstractmethod
     def submit(self, local: list[int], remote: list[int]) -> int:
-        """Start one request; returns its id."""
+        """Start one request: source ``remote[i]`` into destination ``local[i]``; its id."""
 
     @abstractmethod
     def poll(self) -> tuple[Sequence[int], Sequence[int]]:
         """(done ids, failed ids) since the last call; drives I/O."""
 
-    @abstractmethod
-    def prepare_rep(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        """Announce a repetition: ``counts[g]`` requests will write destination ``groups[g]``."""
+    def cancel(self, ids: Sequence[int]) -> None:
+        """End requests still in flight, finally (none of their bytes lands afterwards);
+        unknown ids are ignored. Default: nothing is ever left in flight."""
+        return None
 
     @abstractmethod
-    def verify(self, slots: Sequence[int], seeds: Sequence[int]) -> tuple[list[int], int]:
-        """Check and consume destination slots; (mismatching slots, failed receives)."""
+    def begin_rep(self) -> None:
+        """A repetition starts (the source side progresses until :meth:`end_rep`)."""
+
+    @abstractmethod
+    def end_rep(self) -> int:
+        """The repetition's requests are all reported; the failures the source side saw.
+
+        Raises when the source side broke during the repetition."""
+
+    def verify(self, slots: Sequence[int], seeds: Sequence[int]) -> list[int]:
+        """Check and consume destination slots; returns the mismatching ones."""
+        return self.dest.verify_seeds(slots, seeds)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per region (source and destination regions are the same size)."""
+        return self.dest.num_blocks
 
     @abstractmethod
     def close(self) -> None:
@@ -76,21 +96,21 @@ class Lane(ABC):
 
 
 class EndpointLane(Lane):
-    """A p2pkv transport or raw baseline writing into a :class:`Target`."""
+    """A p2pkv transport or raw baseline reading from a :class:`Target` into ``dest_buf``."""
 
     def __init__(
-        self, spec: SeriesSpec, registry: Registry, source_buf: np.ndarray, target: Target
+        self, spec: SeriesSpec, registry: Registry, dest_buf: np.ndarray, target: Target
     ) -> None:
         self.spec = spec
         self._registry = registry
-        self._buf = source_buf
+        self._buf = dest_buf
         self._target = target
         self._endpoint: Any = None
 
     def open(self, block_len: int) -> None:
         num_blocks = self._buf.nbytes // block_len
         region = self._buf.data[: num_blocks * block_len]
-        self.source = BlockRegion(self._buf, block_len, num_blocks)
+        self.dest = BlockRegion(self._buf, block_len, num_blocks)
         self._endpoint = make_endpoint(self.spec, self._registry, region, block_len)
         try:
             self._endpoint.add_peer(TARGET, self._target.open(self.spec, block_len))
@@ -99,19 +119,28 @@ class EndpointLane(Lane):
             self.close()
             raise
 
+    def fill(self, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        self._target.fill(self.spec.label, slots, seeds)
+
     def submit(self, local: list[int], remote: list[int]) -> int:
-        return int(self._endpoint.write_blocks(TARGET, local, remote))
+        return int(self._endpoint.read_blocks(TARGET, local, remote))
 
     def poll(self) -> tuple[Sequence[int], Sequence[int]]:
         self._target.pump()
         result = self._endpoint.poll(TARGET)
         return result[0], result[1]
 
-    def prepare_rep(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        self._target.expect(self.spec.label, groups, counts)
+    def cancel(self, ids: Sequence[int]) -> None:
+        """The endpoint's ``cancel`` (a raw baseline without one cannot cancel: nothing)."""
+        cancel = getattr(self._endpoint, "cancel", None)
+        if ids and cancel is not None:
+            cancel(list(ids))
 
-    def verify(self, slots: Sequence[int], seeds: Sequence[int]) -> tuple[list[int], int]:
-        return self._target.verify(self.spec.label, slots, seeds)
+    def begin_rep(self) -> None:
+        self._target.begin(self.spec.label)
+
+    def end_rep(self) -> int:
+        return self._target.end(self.spec.label)
 
     def close(self) -> None:
         if self._endpoint is not None:
@@ -123,21 +152,24 @@ class EndpointLane(Lane):
 class MemcpyLane(Lane):
     """Block-by-block ``np.copyto`` in this process; a request completes inside ``submit``."""
 
-    def __init__(self, source_buf: np.ndarray, dest_buf: np.ndarray) -> None:
+    def __init__(self, dest_buf: np.ndarray, source_buf: np.ndarray) -> None:
         self.spec = SeriesSpec("memcpy", "memcpy", cross_process=False)
-        self._src_buf = source_buf
         self._dst_buf = dest_buf
+        self._src_buf = source_buf
         self._ids = itertools.count(1)
         self._done: list[int] = []
 
     def open(self, block_len: int) -> None:
+        self.dest = BlockRegion(self._dst_buf, block_len)
         self.source = BlockRegion(self._src_buf, block_len)
-        self._dest = BlockRegion(self._dst_buf, block_len)
+
+    def fill(self, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        self.source.fill_seeds(slots, seeds)
 
     def submit(self, local: list[int], remote: list[int]) -> int:
-        src, dst = self.source.words, self._dest.words
+        src, dst = self.source.words, self.dest.words
         for i, j in zip(local, remote, strict=True):
-            np.copyto(dst[j], src[i])
+            np.copyto(dst[i], src[j])
         tid = next(self._ids)
         self._done.append(tid)
         return tid
@@ -146,12 +178,12 @@ class MemcpyLane(Lane):
         done, self._done = self._done, []
         return done, ()
 
-    def prepare_rep(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        """Nothing to announce: copies complete inside ``submit``."""
+    def begin_rep(self) -> None:
+        """Nothing to start: copies complete inside ``submit``."""
 
-    def verify(self, slots: Sequence[int], seeds: Sequence[int]) -> tuple[list[int], int]:
-        return self._dest.verify_seeds(slots, seeds), 0
+    def end_rep(self) -> int:
+        """Nothing on a source side can fail."""
+        return 0
 
     def close(self) -> None:
         self._done.clear()
-

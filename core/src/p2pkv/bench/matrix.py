@@ -136,6 +136,25 @@ def _groups(config: MatrixConfig, series: Sequence[SeriesSpec]) -> list[Group]:
     return groups
 
 
+def _open_all(groups: Sequence[Group], block_size: int) -> dict[str, str]:
+    """Open every group's series for ``block_size``, the groups in parallel; returns
+    label -> why a series could not open."""
+    open_errors: dict[str, str] = {}
+    begun = []
+    for g in groups:
+        try:
+            g.begin_open(block_size)
+            begun.append(g)
+        except Exception as exc:
+            open_errors.update({s.label: str(exc) for s in g.series})
+    for g in begun:
+        try:
+            open_errors.update(g.end_open())
+        except Exception as exc:
+            open_errors.update({s.label: str(exc) for s in g.series})
+    return open_errors
+
+
 def run_matrix(
     config: MatrixConfig,
     series: Sequence[SeriesSpec],
@@ -149,19 +168,7 @@ def run_matrix(
     results: list[CellResult] = []
     try:
         for block_size in config.block_sizes:
-            open_errors: dict[str, str] = {}
-            begun = []
-            for g in groups:
-                try:
-                    g.begin_open(block_size)
-                    begun.append(g)
-                except Exception as exc:
-                    open_errors.update({s.label: str(exc) for s in g.series})
-            for g in begun:
-                try:
-                    open_errors.update(g.end_open())
-                except Exception as exc:
-                    open_errors.update({s.label: str(exc) for s in g.series})
+            open_errors = _open_all(groups, block_size)
             for batch in config.batches:
                 for conc in config.concurrency:
                     plan = CellPlan(

@@ -1,18 +1,19 @@
-"""The receiving side of a bench series: a region, its endpoint, and the byte check.
+"""The source side of a bench series: a region, its endpoint, and its source content.
 
 :class:`TargetState` does the work and is used two ways: in a spawned child (cross-process
 series: :class:`RemoteTarget` drives it over a harness pipe) or in the bench process itself
-(in-process series such as ``memory``: :class:`LocalTarget`). During a repetition the
-target spins on its endpoint's ``progress()``/``poll()`` so one-sided writes into it complete
-(NIXL without a progress thread needs the target to call in), as a serving process's tier
-tick does; between repetitions it sleeps on the pipe.
+(in-process series such as ``memory``: :class:`LocalTarget`). The initiator reads the
+target's blocks into its own region (wire 2.0: the consumer owns every write into its
+region); the target posts nothing. During a repetition it spins on its endpoint's
+``progress()``/``poll()``, as a serving process's tier tick does, so reads a two-sided
+transport must serve from the source side (tagged sends) are served; between repetitions it
+sleeps on the pipe.
 
 The harness pipe carries only the parent's own commands (never anything from a p2pkv wire).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,13 +23,12 @@ import numpy as np
 from p2pkv.bench.endpoints import SeriesSpec, make_endpoint
 from p2pkv.bench.harness import Helper, serve
 from p2pkv.demo.content import BlockRegion
-from p2pkv.registry import default_registry
+from p2pkv.registry import Registry, default_registry
 
 __all__ = ["INITIATOR", "TARGET", "LocalTarget", "RemoteTarget", "TargetState", "page_in"]
 
 INITIATOR = "bench-initiator"
 TARGET = "bench-target"
-_DRAIN_SECONDS = 30.0
 
 
 def page_in(nbytes: int) -> np.ndarray:
@@ -38,133 +38,99 @@ def page_in(nbytes: int) -> np.ndarray:
     return buf
 
 
-class _Receiver:
-    """One endpoint over the target region, with its posted receives (two-sided only)."""
+class _Source:
+    """One endpoint over the target region; what its progress reported."""
 
     def __init__(self, endpoint: Any, block_len: int) -> None:
         self.endpoint = endpoint
         self.block_len = block_len
-        self.groups: list[list[int]] = []
-        self.remaining: list[int] = []
-        self.posted: dict[int, int] = {}  # expect id -> group
         self.failures = 0
+        """Failed ids the endpoint's ``poll`` reported (it posts no reads: any is a fault)."""
         self.broken = ""
         """Why this endpoint raised while being pumped (then it is pumped no more)."""
 
-    def expect(self, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        self.groups = [list(g) for g in groups]
-        self.remaining = list(counts)
-        self.posted.clear()
-        for g in range(len(self.groups)):
-            self._post(g)
-
-    def _post(self, g: int) -> None:
-        if self.remaining[g] <= 0:
-            return
-        tid = self.endpoint.expect_blocks(INITIATOR, self.groups[g])
-        if tid is None:  # one-sided: nothing to post, ever
-            self.remaining = [0] * len(self.remaining)
-            return
-        self.remaining[g] -= 1
-        self.posted[tid] = g
-
-    @property
-    def waiting(self) -> bool:
-        return bool(self.posted) or any(self.remaining)
-
     def pump(self) -> None:
         self.endpoint.progress()
-        done, failed = self.endpoint.poll(INITIATOR)
-        for tid in failed:
-            self.failures += 1
-            self.posted.pop(tid, None)
-        for tid in done:
-            g = self.posted.pop(tid, None)
-            if g is not None:
-                self._post(g)
+        _, failed = self.endpoint.poll(INITIATOR)
+        self.failures += len(failed)
 
 
 class TargetState:
-    """A region plus the endpoints registered over it, one per series label.
+    """A region plus the endpoints registered over it, one per series label (built from
+    ``registry``, default: the process-wide one).
 
-    Only the endpoint of the repetition being measured (from its ``expect`` to its
-    ``verify``) is pumped: a serving process runs one data transport, and spinning idle ones
-    (or spinning between repetitions) would bill that CPU to whatever is measured meanwhile.
-
-    Two-sided endpoints (``expect_blocks`` returns an id) get one receive posted per group at a
-    time, re-posted as each completes until the repetition's count for that group is reached.
+    Only the endpoint of the repetition being measured (from its ``begin`` to its ``end``)
+    is pumped: a serving process runs one data transport, and spinning idle ones (or spinning
+    between repetitions) would bill that CPU to whatever is measured meanwhile.
     """
 
-    def __init__(self, region_bytes: int) -> None:
+    def __init__(self, region_bytes: int, registry: Registry | None = None) -> None:
         self.buf = page_in(region_bytes)
-        self._receivers: dict[str, _Receiver] = {}
-        self._active: _Receiver | None = None
+        self._registry = registry
+        self._sources: dict[str, _Source] = {}
+        self._active: _Source | None = None
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
+        """Build series ``spec``'s endpoint over the region; returns its descriptor."""
         self.close(spec.label)
         num_blocks = self.buf.nbytes // block_len
         region = self.buf.data[: num_blocks * block_len]
-        endpoint = make_endpoint(spec, default_registry(), region, block_len)
-        self._receivers[spec.label] = _Receiver(endpoint, block_len)
+        registry = self._registry or default_registry()
+        endpoint = make_endpoint(spec, registry, region, block_len)
+        self._sources[spec.label] = _Source(endpoint, block_len)
         return bytes(endpoint.descriptor())
 
     def add_peer(self, label: str, descriptor: bytes) -> None:
-        self._receivers[label].endpoint.add_peer(INITIATOR, descriptor)
+        self._sources[label].endpoint.add_peer(INITIATOR, descriptor)
 
-    def expect(self, label: str, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
+    def fill(self, label: str, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        """Write the content of ``seeds`` into ``slots`` (blocks of ``label``'s endpoint)."""
+        BlockRegion(self.buf, self._sources[label].block_len).fill_seeds(slots, seeds)
+
+    def begin(self, label: str) -> None:
         """A repetition of series ``label`` starts: it becomes the pumped one."""
-        self._active = self._receivers[label]
-        self._active.expect(groups, counts)
+        self._active = self._sources[label]
 
     @property
     def active(self) -> bool:
         return self._active is not None
 
     def pump(self) -> None:
-        """Progress the active endpoint's inbound work and re-post receives (never blocks).
+        """Progress the active endpoint's inbound work (never blocks).
 
-        An endpoint that raises is set aside with the reason (its series fails at its next
-        check); the other series go on."""
-        receiver = self._active
-        if receiver is None or receiver.broken:
+        An endpoint that raises is set aside with the reason (its series fails at its
+        ``end``); the other series go on."""
+        source = self._active
+        if source is None or source.broken:
             return
         try:
-            receiver.pump()
+            source.pump()
         except Exception as exc:
-            receiver.broken = f"target endpoint failed: {type(exc).__name__}: {exc}"
+            source.broken = f"target endpoint failed: {type(exc).__name__}: {exc}"
 
-    def verify(
-        self, label: str, slots: Sequence[int], seeds: Sequence[int]
-    ) -> tuple[list[int], int]:
-        """Wait (bounded) for the posted receives, then check and consume the slots.
-
-        Returns the mismatching slots and the failed receives since the last call."""
-        receiver = self._receivers[label]
-        deadline = time.monotonic() + _DRAIN_SECONDS
-        while receiver.waiting and not receiver.broken:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(receiver.posted)} posted receives never completed")
-            self.pump()
-        self._active = None  # the repetition is over: stop spinning until the next one
-        if receiver.broken:
-            raise RuntimeError(receiver.broken)
-        bad = BlockRegion(self.buf, receiver.block_len).verify_seeds(slots, seeds)
-        failures, receiver.failures = receiver.failures, 0
-        return bad, failures
+    def end(self, label: str) -> int:
+        """The repetition is over: stop pumping; returns the failed ids the target's ``poll``
+        reported since the last ``end``. Raises ``RuntimeError`` if the endpoint broke."""
+        source = self._sources[label]
+        self._active = None
+        if source.broken:
+            raise RuntimeError(source.broken)
+        failures, source.failures = source.failures, 0
+        return failures
 
     def close(self, label: str | None = None) -> list[int]:
         """Close one endpoint (or all); returns transfer ids that never drained."""
-        labels = list(self._receivers) if label is None else [label]
+        labels = list(self._sources) if label is None else [label]
         undrained: list[int] = []
         for name in labels:
-            receiver = self._receivers.pop(name, None)
-            if receiver is self._active:
+            source = self._sources.pop(name, None)
+            if source is self._active:
                 self._active = None
-            if receiver is not None:
+            if source is not None:
                 try:
-                    undrained.extend(receiver.endpoint.close() or [])
+                    undrained.extend(source.endpoint.close() or [])
                 except Exception:
-                    if not receiver.broken:  # a broken endpoint's close may fail too
+                    if not source.broken:  # a broken endpoint's close may fail too
                         raise
         return undrained
 
@@ -178,8 +144,8 @@ def _serve(conn: Connection, region_bytes: int) -> None:
         return state.active
 
     try:
-        serve(conn, {"open": state.open, "add_peer": state.add_peer, "expect": state.expect,
-                     "verify": state.verify, "close": state.close}, idle)
+        serve(conn, {"open": state.open, "add_peer": state.add_peer, "fill": state.fill,
+                     "begin": state.begin, "end": state.end, "close": state.close}, idle)
     finally:
         state.close()
 
@@ -197,14 +163,14 @@ class RemoteTarget:
     def add_peer(self, label: str, descriptor: bytes) -> None:
         self._helper.call("add_peer", label, descriptor)
 
-    def expect(self, label: str, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        self._helper.call("expect", label, [list(g) for g in groups], list(counts))
+    def fill(self, label: str, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        self._helper.call("fill", label, list(slots), list(seeds))
 
-    def verify(
-        self, label: str, slots: Sequence[int], seeds: Sequence[int]
-    ) -> tuple[list[int], int]:
-        bad, failures = self._helper.call("verify", label, list(slots), list(seeds))
-        return list(bad), int(failures)
+    def begin(self, label: str) -> None:
+        self._helper.call("begin", label)
+
+    def end(self, label: str) -> int:
+        return int(self._helper.call("end", label))
 
     def close_endpoint(self, label: str) -> list[int]:
         return list(self._helper.call("close", label))
@@ -217,10 +183,11 @@ class RemoteTarget:
 
 
 class LocalTarget:
-    """A :class:`TargetState` in this process (for in-process transports)."""
+    """A :class:`TargetState` in this process (for in-process transports); its endpoints
+    come from ``registry`` (default: the process-wide one)."""
 
-    def __init__(self, region_bytes: int) -> None:
-        self.state = TargetState(region_bytes)
+    def __init__(self, region_bytes: int, registry: Registry | None = None) -> None:
+        self.state = TargetState(region_bytes, registry)
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         return self.state.open(spec, block_len)
@@ -228,13 +195,14 @@ class LocalTarget:
     def add_peer(self, label: str, descriptor: bytes) -> None:
         self.state.add_peer(label, descriptor)
 
-    def expect(self, label: str, groups: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-        self.state.expect(label, groups, counts)
+    def fill(self, label: str, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        self.state.fill(label, slots, seeds)
 
-    def verify(
-        self, label: str, slots: Sequence[int], seeds: Sequence[int]
-    ) -> tuple[list[int], int]:
-        return self.state.verify(label, slots, seeds)
+    def begin(self, label: str) -> None:
+        self.state.begin(label)
+
+    def end(self, label: str) -> int:
+        return self.state.end(label)
 
     def close_endpoint(self, label: str) -> list[int]:
         return self.state.close(label)

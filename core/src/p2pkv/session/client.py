@@ -1,23 +1,21 @@
-"""Consumer role of a session: load rounds, aborts, probes and the terminal fetch.
+"""Consumer role of a session: load rounds, the reads into our slots, probes, release.
 
 Each ``submit_load`` becomes one **round** of its ``kv_request_id`` (rounds are numbered per
-request and session and complete independently). A round's result is released only when
-nothing can write into its slots any more: the producer said ``transfer_done`` or
-``abort_ack`` (both promise its transfers for the round are drained), the ack deadline
-passed, or the session died; with a two-sided data transport the receive posted by
-``expect_blocks`` must also be terminal.
+request and session and complete independently). The consumer owns every write into its
+region (docs/protocol.md §5): it sends ``fetch``; the producer answers ``ready`` (which keys
+sit in which of its slots, pinned for the lease) and **we post the reads**
+(``DataTransport.read_blocks``). A round is ``done`` once every block was read **and** each
+read completed within the lease of the moment we sent the fetch, on our own clock; then we
+send ``release(read=True)``.
 
-A round released *without* that confirmation (session died, ack deadline, protocol error) has
-its slots fenced against the producer (:mod:`p2pkv.session.fences`): its result is reported at
-once, but a later round whose slots intersect a fence waits, unsent, until the fence is lifted
-or its own load deadline passes.
+On any failure (load deadline, request finished, the producer's ``round_failed``, a failed
+read, session death, shutdown) we cancel our reads first (``cancel`` is final: no byte can
+land afterwards), report the result at once, and send ``release(read=False)`` when the
+session still carries messages. So a result, once reported, is final for the bytes too: the
+engine may reuse the slots the moment it sees it, and nothing needs fencing.
 
 When a request is finished (or one of its loads failed) and no round is open, the consumer
-sends one **terminal fetch** (empty keys) so the producer releases what it still pins.
-
-At shutdown (``wind_down``) every round the producer may be writing into is aborted like a
-finished request's: its result (``shutdown``) comes with the producer's confirmation, so the
-tier releases its region only once no write into it is live (docs/protocol.md §10).
+sends one **terminal fetch** (empty keys) so the producer releases what it still holds.
 
 Threading: driver thread only.
 """
@@ -28,9 +26,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from p2pkv.contracts import CancelMode
 from p2pkv.errors import ProtocolError
-from p2pkv.protocol import Abort, AbortAck, Fetch, Lookup, LookupResp, TransferDone
+from p2pkv.protocol import Fetch, Lookup, LookupResp, Ready, Release, RoundFailed
 from p2pkv.session.deadlines import Timer
 from p2pkv.session.env import SessionEnv
 from p2pkv.types import Job, LookupResult, Outcome
@@ -38,25 +35,23 @@ from p2pkv.types import Job, LookupResult, Outcome
 if TYPE_CHECKING:
     from p2pkv.session.session import Session
 
-__all__ = ["ClientRole", "outcome_from_reason"]
+__all__ = ["LEASE_DRIFT", "ClientRole", "outcome_from_reason"]
 
 log = logging.getLogger(__name__)
 
 # Round phases.
-_UNSENT, _ACTIVE, _ABORTING, _SETTLING, _DONE = 0, 1, 2, 3, 4
+_UNSENT, _ACTIVE, _DONE = 0, 1, 2
 # Probe states.
 _PENDING, _INFLIGHT, _MISS, _HIT = 0, 1, 2, 3
 
+LEASE_DRIFT = 0.01
+"""Share of the lease kept back for the producer's clock running faster than ours."""
+
 _FAILURES = frozenset(o for o in Outcome if not o.success)
-_ABORTED_BY_US = {
-    Outcome.REQUEST_FINISHED: "request finished during the load",
-    Outcome.SHUTDOWN: "tier shut down during the load",
-}
-"""Abort reasons whose round ends with that outcome even if the producer completed it."""
 
 
 def outcome_from_reason(reason: str) -> Outcome:
-    """The failure ``Outcome`` a ``transfer_done`` reason starts with (else TRANSFER_FAILED)."""
+    """The failure ``Outcome`` a ``round_failed`` reason starts with (else TRANSFER_FAILED)."""
     head = reason.partition(":")[0].strip()
     try:
         outcome = Outcome(head)
@@ -66,8 +61,8 @@ def outcome_from_reason(reason: str) -> Outcome:
 
 
 class _Round:
-    __slots__ = ("job_id", "keys", "no", "phase", "req", "result", "slots", "timer", "why",
-                 "xid", "xid_failed")
+    __slots__ = ("announced", "job_id", "keys", "no", "phase", "reads", "req", "sent_at",
+                 "slots", "timer", "unread")
 
     def __init__(self, req: _Req, no: int, job: Job) -> None:
         self.req = req
@@ -76,12 +71,14 @@ class _Round:
         self.keys: Sequence[bytes] = job.keys
         self.slots = job.block_ids
         self.phase = _UNSENT
-        self.why = Outcome.LOAD_TIMEOUT
-        """Why an abort was sent (LOAD_TIMEOUT, REQUEST_FINISHED or SHUTDOWN)."""
-        self.xid: int | None = None
-        """Outstanding ``expect_blocks`` id (two-sided transports)."""
-        self.xid_failed = False
-        self.result: tuple[Outcome, str] = (Outcome.DONE, "")
+        self.sent_at = 0.0
+        """Our clock when the fetch went out: the lease is counted from here."""
+        self.announced = bytearray()
+        """Per key position: a ``ready`` named it (sized when the fetch goes out)."""
+        self.unread = len(job.keys)
+        """Blocks whose read has not completed."""
+        self.reads: dict[int, int] = {}
+        """Our reads in flight: transfer id -> blocks."""
         self.timer: Timer | None = None
 
 
@@ -113,15 +110,14 @@ class ClientRole:
         self.peer = session.peer
         self.reqs: dict[str, _Req] = {}
         self.unsent: list[_Round] = []
-        self.xids: dict[int, _Round] = {}
+        self.reads: dict[int, _Round] = {}
+        """Our reads in flight, by transfer id."""
         self.lookups: dict[int, tuple[_Req, list[bytes], Timer]] = {}
         self.probing: dict[str, _Req] = {}
         """Requests with probe keys not yet sent (flushed at ``on_schedule_end``)."""
         self.next_seq = 0
         self.n_rounds = 0
         self.closing = False
-        self.fenced: dict[int, _Round] = {}
-        """Unsent rounds whose slots are fenced, by job id (sent in this order once lifted)."""
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -165,29 +161,25 @@ class ClientRole:
         return ""
 
     def finish(self, kv: str) -> None:
-        """The engine finished ``kv``: abort open rounds (results come as REQUEST_FINISHED)."""
+        """The engine finished ``kv``: its open rounds fail REQUEST_FINISHED now."""
         req = self.reqs.get(kv)
         if req is None:
             return
         req.finished = True
         self._drop_probes(req)
-        self._end_rounds(req, Outcome.REQUEST_FINISHED, "request finished before sending")
+        self._end_rounds(req, Outcome.REQUEST_FINISHED, "request finished during the load")
         self._maybe_release(req)
 
     def wind_down(self) -> None:
-        """The tier is shutting down: fail unsent rounds now, abort the others (their results
-        come as SHUTDOWN once the producer confirms, or at the session's close)."""
+        """The tier is shutting down: every round fails SHUTDOWN now (reads cancelled)."""
         for req in list(self.reqs.values()):
             self._drop_probes(req)
-            self._end_rounds(req, Outcome.SHUTDOWN, "tier shut down before sending")
+            self._end_rounds(req, Outcome.SHUTDOWN, "tier shut down during the load")
         self.unsent = []
 
-    def _end_rounds(self, req: _Req, why: Outcome, unsent_detail: str) -> None:
+    def _end_rounds(self, req: _Req, why: Outcome, detail: str) -> None:
         for rnd in list(req.rounds.values()):
-            if rnd.phase == _UNSENT:
-                self._complete(rnd, why, unsent_detail)
-            elif rnd.phase == _ACTIVE:
-                self._abort(rnd, why)
+            self._fail(rnd, why, detail)
 
     def probe(self, kv: str, key: bytes) -> LookupResult:
         """Symmetric lookup: RETRY until the batched probe is answered, then HIT/MISS."""
@@ -230,23 +222,69 @@ class ClientRole:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def on_transfer_done(self, msg: TransferDone) -> None:
-        rnd = self._round(msg.kv_request_id, msg.round, "transfer_done")
-        if rnd is None or rnd.phase not in (_ACTIVE, _ABORTING):
+    def on_ready(self, msg: Ready, peer_num_blocks: int) -> None:
+        """The producer pinned some of the round's blocks: read them into our slots."""
+        top = max(msg.slots)
+        if top >= peer_num_blocks:
+            raise ProtocolError(f"ready.slots: slot {top} is outside the producer's region "
+                                f"0..{peer_num_blocks - 1}")
+        rnd = self._round(msg.kv_request_id, msg.round, "ready")
+        if rnd is None:  # the round ended here meanwhile (we sent, or will send, release)
             return
-        if rnd.phase == _ABORTING and rnd.why in _ABORTED_BY_US:
-            outcome, detail = rnd.why, _ABORTED_BY_US[rnd.why]
-        elif msg.success:
-            outcome, detail = Outcome.DONE, ""
-        else:
-            outcome, detail = outcome_from_reason(msg.reason), f"producer: {msg.reason}"
-        self._settle(rnd, outcome, detail, confirmed=True)
+        n = len(rnd.keys)
+        announced = rnd.announced
+        for p in msg.pos:
+            if p >= n or announced[p]:
+                raise ProtocolError(f"ready.pos: position {p} is outside the round's {n} "
+                                    f"key(s) or was already announced")
+            announced[p] = 1
+        slots = rnd.slots
+        local = [slots[p] for p in msg.pos]
+        env = self.env
+        try:
+            rid = env.data.read_blocks(self.peer, local, msg.slots)
+        except Exception as exc:
+            env.counters["submit_failures"] += 1
+            self._fail(rnd, Outcome.SUBMIT_FAILED,
+                       f"read_blocks failed: {type(exc).__name__}: {exc}")
+            return
+        rnd.reads[rid] = len(local)
+        self.reads[rid] = rnd
+        env.owners[rid] = self.session
+        if env.observers.enabled:
+            env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=len(local),
+                                             nbytes=len(local) * env.local.block_len)
 
-    def on_abort_ack(self, msg: AbortAck) -> None:
-        rnd = self._round(msg.kv_request_id, msg.round, "abort_ack")
-        if rnd is None or rnd.phase != _ABORTING:
+    def on_read(self, rid: int, ok: bool) -> None:
+        """A read of ours terminated (routed here from ``data.poll``)."""
+        rnd = self.reads.pop(rid)
+        nblocks = rnd.reads.pop(rid)
+        env = self.env
+        elapsed = env.clock() - rnd.sent_at
+        if env.observers.enabled:
+            env.observers.transfer_finished(peer=self.peer, transfer_id=rid, success=ok,
+                                            nbytes=nblocks * env.local.block_len,
+                                            seconds=elapsed)
+        if not ok:
+            env.counters["transfers_failed"] += 1
+            self._fail(rnd, Outcome.TRANSFER_FAILED, f"read {rid} failed")
             return
-        self._settle(rnd, rnd.why, "aborted after " + rnd.why.value, confirmed=True)
+        if elapsed > env.timeouts.lease * (1 - LEASE_DRIFT):
+            self._fail(rnd, Outcome.TRANSFER_FAILED,
+                       f"read {rid} completed {elapsed:.1f}s after the fetch, past the "
+                       f"producer's lease ({env.timeouts.lease}s): its source may have changed")
+            return
+        env.counters["blocks_read"] += nblocks
+        rnd.unread -= nblocks
+        if rnd.unread == 0:
+            self.session.send(Release(rnd.req.kv, rnd.no, True))
+            self._complete(rnd, Outcome.DONE, "")
+
+    def on_round_failed(self, msg: RoundFailed) -> None:
+        rnd = self._round(msg.kv_request_id, msg.round, "round_failed")
+        if rnd is None:
+            return
+        self._fail(rnd, outcome_from_reason(msg.reason), f"producer: {msg.reason}")
 
     def on_lookup_resp(self, msg: LookupResp) -> None:
         if msg.seq >= self.next_seq:
@@ -265,31 +303,12 @@ class ClientRole:
             if probes.get(k) == _INFLIGHT:
                 probes[k] = _HIT if hit else _MISS
 
-    def on_xid(self, xid: int, ok: bool) -> None:
-        """An ``expect_blocks`` receive terminated (two-sided transports)."""
-        rnd = self.xids.pop(xid)
-        rnd.xid = None
-        if not ok:
-            rnd.xid_failed = True
-        if rnd.phase == _SETTLING:
-            self._settled(rnd)
-
-    def on_ready(self) -> None:
+    def on_session_ready(self) -> None:
         """The handshake completed: send rounds submitted before it."""
         unsent, self.unsent = self.unsent, []
         for rnd in unsent:
             if rnd.phase == _UNSENT:
                 self._send_round(rnd)
-
-    def retry_fenced(self) -> bool:
-        """Fences were lifted: send the rounds no longer fenced (``FenceWaiter``)."""
-        fenced, self.fenced = self.fenced, {}
-        for rnd in fenced.values():
-            if not self.session.ready:
-                self.unsent.append(rnd)
-            else:
-                self._send_round(rnd)
-        return bool(self.fenced)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -302,103 +321,35 @@ class ClientRole:
         return req.rounds.get(no)
 
     def _send_round(self, rnd: _Round) -> None:
-        env = self.env
-        if env.fences.blocked(rnd.slots):
-            self.fenced[rnd.job_id] = rnd
-            env.fences.wait(self)
-            return
-        keys = rnd.keys
-        try:
-            xid = env.data.expect_blocks(self.peer, rnd.slots)
-        except Exception as exc:
-            self._complete(rnd, Outcome.SUBMIT_FAILED,
-                           f"expect_blocks failed: {type(exc).__name__}: {exc}")
-            return
-        if xid is not None:
-            rnd.xid = xid
-            self.xids[xid] = rnd
-            env.owners[xid] = self.session
         rnd.phase = _ACTIVE
+        rnd.sent_at = self.env.clock()
+        rnd.announced = bytearray(len(rnd.keys))
         rnd.req.contacted = True
-        self.session.send(Fetch(rnd.req.kv, rnd.no, list(keys), list(rnd.slots)))
+        self.session.send(Fetch(rnd.req.kv, rnd.no, list(rnd.keys)))
 
     def _load_timeout(self, rnd: _Round) -> None:
         rnd.timer = None
         if self.env.observers.enabled:
             self.env.observers.timeout(kind="load", kv_request_id=rnd.req.kv, peer=self.peer)
         if rnd.phase == _UNSENT:
-            why = ("its slots are fenced against a write of an earlier load"
-                   if rnd.job_id in self.fenced else "handshake not complete")
-            self._complete(rnd, Outcome.LOAD_TIMEOUT, "never sent: " + why)
-        elif rnd.phase == _ACTIVE:
-            self._abort(rnd, Outcome.LOAD_TIMEOUT)
-
-    def _abort(self, rnd: _Round, why: Outcome) -> None:
-        env = self.env
-        env.deadlines.cancel(rnd.timer)
-        rnd.phase = _ABORTING
-        rnd.why = why
-        rnd.timer = env.deadlines.at(
-            env.clock() + env.timeouts.abort_ack, self._abort_ack_timeout, rnd
-        )
-        self.session.send(Abort(rnd.req.kv, rnd.no))
-
-    def _abort_ack_timeout(self, rnd: _Round) -> None:
-        rnd.timer = None
-        if self.env.observers.enabled:
-            self.env.observers.timeout(kind="abort_ack", kv_request_id=rnd.req.kv,
-                                       peer=self.peer)
-        self._settle(rnd, Outcome.ABORT_ACK_TIMEOUT,
-                     f"no abort_ack within {self.env.timeouts.abort_ack}s after "
-                     f"{rnd.why.value}", force=True)
-
-    def _settle(self, rnd: _Round, outcome: Outcome, detail: str, *, force: bool = False,
-                confirmed: bool = False) -> None:
-        """The producer side of the round is over; finish once our receive is terminal too.
-
-        Unless the producer ``confirmed`` that none of its writes for the round is live, the
-        slots of a round whose fetch went out are fenced against it (not at shutdown)."""
-        env = self.env
-        if (not confirmed and rnd.phase in (_ACTIVE, _ABORTING)
-                and outcome is not Outcome.SHUTDOWN):
-            env.fences.fence(self.peer, rnd.req.kv, rnd.slots)
-        env.deadlines.cancel(rnd.timer)
-        rnd.timer = None
-        rnd.result = (outcome, detail)
-        rnd.phase = _SETTLING
-        xid = rnd.xid
-        if xid is not None and outcome is not Outcome.DONE:
-            mode = CancelMode.IMMEDIATE if force else CancelMode.WAIT
-            if xid not in env.data.cancel([xid], mode):
-                self._forget_xid(rnd)
-        if rnd.xid is None:
-            self._settled(rnd)
+            self._fail(rnd, Outcome.LOAD_TIMEOUT, "never sent: handshake not complete")
         else:
-            rnd.timer = env.deadlines.at(
-                env.clock() + env.timeouts.abort_ack, self._settle_timeout, rnd
-            )
+            self._fail(rnd, Outcome.LOAD_TIMEOUT,
+                       f"{rnd.unread} of {len(rnd.keys)} block(s) not read within "
+                       f"{self.env.timeouts.load}s")
 
-    def _settle_timeout(self, rnd: _Round) -> None:
-        """Our receive never terminated: give up on it."""
-        rnd.timer = None
-        if rnd.xid is not None:
-            self.env.data.cancel([rnd.xid], CancelMode.IMMEDIATE)
-            self._forget_xid(rnd)
-        if rnd.result[0] is Outcome.DONE:
-            rnd.result = (Outcome.TRANSFER_FAILED, "the posted receive never completed")
-        self._settled(rnd)
-
-    def _forget_xid(self, rnd: _Round) -> None:
-        xid = rnd.xid
-        if xid is not None:
-            self.xids.pop(xid, None)
-            self.env.owners.pop(xid, None)
-            rnd.xid = None
-
-    def _settled(self, rnd: _Round) -> None:
-        outcome, detail = rnd.result
-        if outcome is Outcome.DONE and rnd.xid_failed:
-            outcome, detail = Outcome.TRANSFER_FAILED, "the posted receive failed"
+    def _fail(self, rnd: _Round, outcome: Outcome, detail: str) -> None:
+        """End ``rnd`` with a failure: cancel its reads (final), release the producer's pins
+        if the fetch went out, and report at once."""
+        if rnd.reads:
+            rids = list(rnd.reads)
+            self.env.data.cancel(rids)
+            for rid in rids:
+                self.reads.pop(rid, None)
+                self.env.owners.pop(rid, None)
+            rnd.reads.clear()
+        if rnd.phase == _ACTIVE and not self.closing:
+            self.session.send(Release(rnd.req.kv, rnd.no, False))
         self._complete(rnd, outcome, detail)
 
     def _complete(self, rnd: _Round, outcome: Outcome, detail: str) -> None:
@@ -406,8 +357,6 @@ class ClientRole:
         env.deadlines.cancel(rnd.timer)
         rnd.timer = None
         rnd.phase = _DONE
-        self.fenced.pop(rnd.job_id, None)
-        self._forget_xid(rnd)
         req = rnd.req
         del req.rounds[rnd.no]
         req.open_keys.difference_update(rnd.keys)
@@ -424,7 +373,7 @@ class ClientRole:
         if (req.finished or req.failed) and req.contacted and not req.released:
             req.released = True
             if self.session.ready:
-                self.session.send(Fetch(req.kv, req.next_round, [], []))
+                self.session.send(Fetch(req.kv, req.next_round, []))
                 req.next_round += 1
         if req.finished and self.reqs.get(req.kv) is req:
             self._drop_probes(req)
@@ -453,49 +402,32 @@ class ClientRole:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self, outcome: Outcome, reason: str) -> None:
-        """The session is over: every round fails with ``outcome`` (once its receive, if any,
-        is drained); unfinished requests are marked failed."""
+        """The session is over: every round fails with ``outcome`` now (its reads cancelled,
+        finally); unfinished requests are marked failed."""
         env = self.env
         self.closing = True
         for _, _, timer in self.lookups.values():
             env.deadlines.cancel(timer)
         self.lookups.clear()
         self.probing.clear()
-        reqs = list(self.reqs.values())
-        for req in reqs:
+        for req in list(self.reqs.values()):
             for rnd in list(req.rounds.values()):
-                if rnd.phase == _SETTLING:
-                    continue  # producer side already over; waits for its receive only
-                self._settle(rnd, outcome, reason)
+                self._fail(rnd, outcome, reason)
             if not req.finished and not req.failed:
                 req.failed = True
                 env.host.mark_failed(req.kv, f"{outcome.value}: {reason}")
-        self.reqs = {kv: r for kv, r in self.reqs.items() if r.rounds}
+        self.reqs.clear()
         self.unsent = []
-        self.fenced.clear()
-
-    def force_quiesce(self) -> list[int]:
-        """Give up on receives that never drained after ``close``; returns their ids."""
-        rounds = list(self.xids.values())
-        for rnd in rounds:
-            self._settle_timeout(rnd)
-        return [r.job_id for r in rounds]
 
     @property
     def busy(self) -> bool:
         return bool(self.n_rounds or self.lookups or self.probing)
 
-    @property
-    def unconfirmed(self) -> int:
-        """Rounds whose fetch went out and whose producer side is not over yet."""
-        return sum(1 for req in self.reqs.values() for rnd in req.rounds.values()
-                   if rnd.phase in (_ACTIVE, _ABORTING))
-
     def state_sizes(self) -> dict[str, int]:
         return {
             "client_requests": len(self.reqs),
             "client_rounds": self.n_rounds,
-            "expectations": len(self.xids),
+            "reads": len(self.reads),
             "lookups": len(self.lookups),
             "probes": sum(len(r.probes) for r in self.reqs.values()),
         }

@@ -11,11 +11,6 @@
 * **Failed consumer ids**: lookups answer MISS until the consumer request finishes.
 * Lookup handles whose ``LocalHitSource.end`` is owed, and which session registered each data
   peer (only that session may remove it).
-* **Quiescence owed** (producer side of fences, docs/protocol.md §5.1): per peer address, the
-  READY session that owes the peer a ``quiesced``, and the closed sessions whose writes to it
-  are still draining. Writes given up at a drain deadline move to the
-  :class:`~p2pkv.session.retiring.RetiringWrites` (shared with the tier, which polls them).
-  ``quiesced`` goes out once neither holds a live write to the peer.
 
 Threading: driver thread only.
 """
@@ -26,16 +21,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from p2pkv.config import Timeouts
-from p2pkv.protocol import Quiesced
 from p2pkv.registry import Observers
 from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.env import Claim
 from p2pkv.session.ledger import JobLedger
-from p2pkv.session.retiring import RetiringWrites
 from p2pkv.types import Job, Outcome
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from p2pkv.session.session import Session
 
@@ -46,13 +39,12 @@ log = logging.getLogger(__name__)
 
 class Directory:
     def __init__(self, ledger: JobLedger, deadlines: Deadlines, clock: Callable[[], float],
-                 timeouts: Timeouts, observers: Observers, retiring: RetiringWrites) -> None:
+                 timeouts: Timeouts, observers: Observers) -> None:
         self._ledger = ledger
         self._deadlines = deadlines
         self._clock = clock
         self._timeouts = timeouts
         self._observers = observers
-        self._retiring = retiring
         self.producers: set[str] = set()
         self.tombstones: dict[str, Timer] = {}
         self.parked: dict[str, list[tuple[Job, Timer]]] = {}
@@ -63,8 +55,6 @@ class Directory:
         self.ends: list[object] = []
         self.data_owner: dict[str, Session] = {}
         self.source_seen = False
-        self.owed: dict[str, Session] = {}
-        self.draining: dict[str, set[Session]] = {}
 
     # -- SessionHost ------------------------------------------------------------------------
 
@@ -113,38 +103,6 @@ class Directory:
 
     def data_peer_added(self, peer: str, session: Session) -> None:
         self.data_owner[peer] = session
-
-    def session_ready(self, session: Session) -> None:
-        hello = session.peer_hello
-        if hello is not None and hello.wire[1] >= 1:
-            self.owed[session.peer] = session
-            self.maybe_quiesced(session.peer)
-
-    def session_closed(self, session: Session, *, draining: bool) -> None:
-        peer = session.peer
-        if self.owed.get(peer) is session:
-            del self.owed[peer]
-        if draining:
-            self.draining.setdefault(peer, set()).add(session)
-
-    def writes_drained(self, session: Session, given_up: Sequence[int]) -> None:
-        peer = session.peer
-        sessions = self.draining.get(peer)
-        if sessions is not None:
-            sessions.discard(session)
-            if not sessions:
-                del self.draining[peer]
-        self._retiring.add(peer, given_up)
-        self.maybe_quiesced(peer)
-
-    def maybe_quiesced(self, peer: str) -> None:
-        """Send the ``quiesced`` owed to ``peer`` if no write to it from an older session is
-        live any more."""
-        session = self.owed.get(peer)
-        if session is None or peer in self.draining or self._retiring.live(peer):
-            return
-        del self.owed[peer]
-        session.send(Quiesced())
 
     # -- producer requests ------------------------------------------------------------------
 
@@ -213,6 +171,4 @@ class Directory:
             "bindings": len(self.bindings),
             "failed_ids": len(self.failed),
             "deferred_ends": len(self.ends),
-            "quiesced_owed": len(self.owed),
-            "draining_peers": len(self.draining),
         }

@@ -18,7 +18,6 @@ from p2pkv.config import Limits, Timeouts
 from p2pkv.contracts import DataTransport
 from p2pkv.registry import Observers
 from p2pkv.session.deadlines import Deadlines
-from p2pkv.session.fences import Fences
 from p2pkv.session.ledger import JobLedger
 from p2pkv.types import Job
 
@@ -87,21 +86,6 @@ class SessionHost(Protocol):
         """``session`` registered ``peer`` with the data transport (it now owns removal)."""
         ...
 
-    def session_ready(self, session: Session) -> None:
-        """``session`` became READY: it owes its peer a ``quiesced`` once no write to that
-        peer from an earlier session is live (peers announcing wire 1.1 or later)."""
-        ...
-
-    def session_closed(self, session: Session, *, draining: bool) -> None:
-        """``session`` closed; ``draining``: writes of it to its peer are still in flight."""
-        ...
-
-    def writes_drained(self, session: Session, given_up: Sequence[int]) -> None:
-        """The writes of closed ``session`` are terminal, except ``given_up``: ids still live
-        at the drain deadline (never cancelled). Those are polled on and count as live until
-        they end or ``timeouts.fence`` has passed."""
-        ...
-
 
 @dataclass(eq=False)
 class SessionEnv:
@@ -115,11 +99,5 @@ class SessionEnv:
     local: LocalIdentity
     host: SessionHost
     owners: dict[int, Session] = field(default_factory=dict)
-    """Transfer/expectation id -> the session that owns it (routes ``data.poll`` results)."""
+    """Read id -> the session that posted it (routes ``data.poll`` results)."""
     counters: Counter[str] = field(default_factory=Counter)
-    fences: Fences = field(init=False)
-    """Our slots fenced against producers that may still write into them (consumer side)."""
-
-    def __post_init__(self) -> None:
-        self.fences = Fences(self.local.num_blocks, self.deadlines, self.clock, self.timeouts,
-                             self.observers)

@@ -1,25 +1,30 @@
-"""Producer role of a session: supply, demand, transfers, aborts and lookup serving.
+"""Producer role of a session: supply, demand, pins under a lease, lookup serving.
 
 Per ``kv_request_id`` the role keeps the **supply** (blocks stored by the engine and not yet
-sent: key -> local slot, key -> store job) and the **demand** of the consumer's open fetch
-rounds (key -> round, key -> destination slot). A block is written as soon as both exist; one
-``write_blocks`` per round per batch. Parallel dicts rather than a tuple per entry: no
-per-block objects beyond the dict entries.
+offered: key -> local slot, key -> store job) and the **demand** of the consumer's open fetch
+rounds (key -> round, key -> the key's position in its fetch). As soon as both exist for
+some keys, one ``ready`` tells the consumer where they are, and **the consumer reads them**:
+the producer never writes into a peer's region (docs/protocol.md §5). Parallel dicts rather
+than a tuple per entry: no per-block objects beyond the dict entries.
 
 Invariants (docs/protocol.md, "Producer"):
 
-* ``transfer_done`` / ``abort_ack`` for a round is sent only when none of the round's
-  transfers is in flight, so the consumer may release its slots on receipt.
-* A store job's result is produced only when none of its blocks is in flight (the engine
-  unpins the source slots on that result).
-* A round fails fast with ``demand_unmet`` when it demands a key that cannot come any more
-  (the local producer request finished, or the request is lookup-served only).
-* A round still open ``timeouts.load + 2 * timeouts.abort_ack`` after its fetch (its consumer
-  has given it up; only a lost or reordered abort leaves it open) fails ``load_timeout``:
-  demand is never held forever.
-* At shutdown (``wind_down``) every open round fails (``peer_dead``) once its writes are
-  over, and later fetches fail at once: the consumer learns that no write of ours is live
-  before we say ``bye`` (docs/protocol.md §10).
+* Blocks named in a ``ready`` stay **pinned** (their store jobs get no result, so the engine
+  keeps the source slots unchanged) until the consumer's ``release`` for the round or until
+  the lease (``timeouts.lease``) after the round's latest ``ready`` has passed. A session
+  that dies does not shorten the lease: a paused or cut-off consumer may still be reading.
+  The consumer accepts a read only if it completed within the lease of its own fetch, which
+  went out before our ``ready``: so it never accepts bytes of a slot we unpinned.
+* ``release(read=True)`` delivers the round's blocks (their store jobs complete ``done``);
+  ``read=False`` or the lease passing fails them (``aborted`` / ``transfer_failed``).
+* A round fails fast (``round_failed``, ``demand_unmet``) when it demands a key that cannot
+  come any more (the local producer request finished, or the request is lookup-served only).
+  A round with no pins ends at once; one with pins waits for its release or lease.
+* A round never sees ``ready`` for all its keys by the lease after its fetch arrived (its
+  consumer gave it up long before) ends then: demand is never held forever.
+* At shutdown (``wind_down``) every open round fails (``peer_dead`` for the consumer) and
+  later fetches fail at once; pins wait for the consumer's release within the tier's
+  shutdown budget.
 
 Threading: driver thread only.
 """
@@ -30,9 +35,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from p2pkv.contracts import CancelMode
 from p2pkv.errors import ProtocolError
-from p2pkv.protocol import Abort, AbortAck, Fetch, Lookup, LookupResp, TransferDone
+from p2pkv.protocol import Fetch, Lookup, LookupResp, Ready, Release, RoundFailed
 from p2pkv.session.deadlines import Timer
 from p2pkv.session.env import SessionEnv
 from p2pkv.types import Job, LookupResult, Outcome
@@ -46,17 +50,10 @@ __all__ = ["ServerRole"]
 log = logging.getLogger(__name__)
 
 
-def _round_lifetime(env: SessionEnv) -> float:
-    """How long a fetch round may stay open: the consumer's load deadline and its abort-ack
-    window (both counted from before the fetch arrived here), plus one more window of margin
-    so the consumer's own deadline always fires first."""
-    return env.timeouts.load + 2 * env.timeouts.abort_ack
-
-
 class _StoreJob:
     __slots__ = (
-        "delivered", "done", "failure", "inflight", "job_id", "keys", "released",
-        "remaining", "req", "timer",
+        "delivered", "done", "failure", "job_id", "keys", "pinned", "released", "remaining",
+        "req", "timer",
     )
 
     def __init__(self, job_id: int, req: _Req, keys: Sequence[bytes]) -> None:
@@ -65,8 +62,8 @@ class _StoreJob:
         self.keys = keys
         self.remaining = len(keys)
         """Blocks neither delivered nor superseded."""
-        self.inflight = 0
-        """Blocks of this job inside transfers that have not terminated."""
+        self.pinned = 0
+        """Blocks of this job named in a ``ready`` and not yet released or expired."""
         self.delivered = 0
         self.failure: tuple[Outcome, str] | None = None
         self.released = False
@@ -76,26 +73,23 @@ class _StoreJob:
 
 
 class _Round:
-    __slots__ = ("aborting", "failure", "inflight", "no", "remaining", "silent", "tids",
-                 "timer", "waiting")
+    __slots__ = ("failure", "no", "pins", "timer", "unready", "waiting")
 
-    def __init__(self, no: int, remaining: int) -> None:
+    def __init__(self, no: int, size: int) -> None:
         self.no = no
-        self.remaining = remaining
-        """Blocks not yet delivered."""
+        self.unready = size
+        """Keys not yet named in a ``ready``."""
         self.waiting = 0
-        """Blocks demanded with no supply yet."""
-        self.inflight = 0
-        self.tids: set[int] = set()
+        """Keys demanded with no supply yet."""
+        self.pins: list[_StoreJob] = []
+        """One entry per pinned block: the store job it belongs to."""
         self.failure: tuple[Outcome, str] | None = None
-        self.aborting = False
-        self.silent = False
-        """Aborted by a terminal fetch: no abort_ack is owed."""
+        """Set once ``round_failed`` went out (the round waits for its pins only)."""
         self.timer: Timer | None = None
 
 
 class _Req:
-    __slots__ = ("demand", "demand_slot", "jobs", "kv", "max_round", "released", "rounds",
+    __slots__ = ("demand", "demand_pos", "jobs", "kv", "max_round", "released", "rounds",
                  "supply", "supply_job", "supply_open")
 
     def __init__(self, kv: str, supply_open: bool) -> None:
@@ -104,24 +98,13 @@ class _Req:
         """Key -> our slot holding it (with ``supply_job``: the job that pins it)."""
         self.supply_job: dict[bytes, _StoreJob] = {}
         self.demand: dict[bytes, _Round] = {}
-        """Key -> the open round waiting for it (with ``demand_slot``: where it must go)."""
-        self.demand_slot: dict[bytes, int] = {}
+        """Key -> the open round waiting for it (with ``demand_pos``: its position there)."""
+        self.demand_pos: dict[bytes, int] = {}
         self.rounds: dict[int, _Round] = {}
         self.jobs: set[_StoreJob] = set()
         self.max_round = -1
         self.supply_open = supply_open
         self.released = False
-
-
-class _Transfer:
-    __slots__ = ("jobs", "nblocks", "req", "rnd", "started")
-
-    def __init__(self, req: _Req, rnd: _Round, jobs: list[_StoreJob], started: float) -> None:
-        self.req = req
-        self.rnd = rnd
-        self.jobs = jobs
-        self.nblocks = len(jobs)
-        self.started = started
 
 
 class _Serve:
@@ -145,13 +128,16 @@ class ServerRole:
         self.session = session
         self.peer = session.peer
         self.reqs: dict[str, _Req] = {}
-        self.transfers: dict[int, _Transfer] = {}
         self.serves: dict[int, _Serve] = {}
         self.last_lookup_seq = -1
         self.closing = False
         self.winding_down = False
         self.n_rounds = 0
         """Open fetch rounds over all requests (kept as a counter: ``busy`` is hot)."""
+        self.n_pins = 0
+        """Pinned blocks over all rounds (also after ``close``, until released or expired)."""
+        self._closed_rounds: list[tuple[_Req, _Round]] = []
+        """Rounds with pins when the session closed (their leases still run)."""
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -169,7 +155,7 @@ class ServerRole:
             return
         req.supply_open = False
         for rnd in list(req.rounds.values()):
-            if rnd.waiting and not rnd.aborting:
+            if rnd.waiting:
                 self._fail_round(
                     req, rnd, Outcome.DEMAND_UNMET,
                     f"{rnd.waiting} demanded block(s) were never stored by the producer",
@@ -177,48 +163,71 @@ class ServerRole:
         self._maybe_drop(req)
 
     def wind_down(self) -> None:
-        """The tier is shutting down: stop every write (wait-cancel), fail every store job
-        (SHUTDOWN) and round (``peer_dead`` for the consumer) as their writes end, refuse
-        later fetches and lookups."""
+        """The tier is shutting down: fail every open round (``peer_dead`` for the consumer)
+        and the store jobs not pinned (SHUTDOWN); refuse later fetches and lookups. Pinned
+        blocks wait for the consumer's release (the tier bounds the wait)."""
         self.winding_down = True
         detail = "the producer is shutting down"
         for req in list(self.reqs.values()):
             req.supply_open = False
             for rnd in list(req.rounds.values()):
-                if not rnd.aborting:
-                    self._fail_round(req, rnd, Outcome.PEER_DEAD, detail)  # as the peer sees it
-                    self._stop_writes(req, rnd, Outcome.SHUTDOWN, detail)
-                    self._maybe_finish_round(req, rnd)
+                self._fail_round(req, rnd, Outcome.PEER_DEAD, detail)  # as the peer sees it
             for sj in list(req.jobs):
-                self._fail_job(sj, Outcome.SHUTDOWN, detail)
+                if not sj.pinned:  # a pinned one ends with its release (done if read)
+                    self._fail_job(sj, Outcome.SHUTDOWN, detail)
 
     # -- messages ---------------------------------------------------------------------------
 
-    def on_fetch(self, msg: Fetch, peer_num_blocks: int) -> None:
-        keys, slots, kv = msg.keys, msg.slots, msg.kv_request_id
-        keyset = set(keys)
+    def on_fetch(self, msg: Fetch) -> None:
+        keys, kv = msg.keys, msg.kv_request_id
         if keys:
-            if len(keyset) != len(keys):
+            if len(set(keys)) != len(keys):
                 raise ProtocolError("fetch.keys: duplicate key")
-            if len(set(slots)) != len(slots):
-                raise ProtocolError("fetch.slots: duplicate slot")
-            top = max(slots)
-            if top >= peer_num_blocks:
-                raise ProtocolError(
-                    f"fetch.slots: slot {top} is outside the consumer's region "
-                    f"0..{peer_num_blocks - 1}"
-                )
             if self.winding_down:
-                self._send_done(kv, msg.round, Outcome.PEER_DEAD, "the producer is shutting down")
+                req = self.reqs.get(kv)
+                if req is not None:  # its release(read=False) will name this round
+                    req.max_round = max(req.max_round, msg.round)
+                self._send_failed(kv, msg.round, Outcome.PEER_DEAD,
+                                  "the producer is shutting down")
                 return
+        req = self._request_for_fetch(msg)
+        if req is None:
+            return
+        if not keys:
+            self._release_request(req)
+            return
+        conflict = self._conflict(req, keys)
+        if conflict:  # a request-level conflict fails that round, not the session
+            log.warning("peer %s: round %d of %r refused: %s", self.peer, msg.round, kv,
+                        conflict)
+            self._send_failed(kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
+            return
+        supply = req.supply
+        if not req.supply_open and not supply.keys() >= set(keys):
+            missing = sum(1 for k in keys if k not in supply)
+            self._send_failed(kv, msg.round, Outcome.DEMAND_UNMET,
+                              f"{missing} of {len(keys)} block(s) are not held and cannot "
+                              f"arrive")
+            self._maybe_drop(req)
+            return
+        rnd = _Round(msg.round, len(keys))
+        req.rounds[msg.round] = rnd
+        self.n_rounds += 1
+        self._arm_lease(rnd, req)
+        self._match_fetch(req, rnd, keys)
+
+    def _request_for_fetch(self, msg: Fetch) -> _Req | None:
+        """The producer state for ``msg``'s request (claimed on first sight), after checking
+        its round number; None when there is nothing to serve (answered already)."""
+        kv = msg.kv_request_id
         req = self.reqs.get(kv)
         if req is None:
-            if not keys:
-                return  # terminal fetch for a request we hold nothing for
+            if not msg.keys:
+                return None  # terminal fetch for a request we hold nothing for
             claim = self.env.host.claim(kv, self.session, by_fetch=True)
             if isinstance(claim, str):
-                self._send_done(kv, msg.round, Outcome.DEMAND_UNMET, claim)
-                return
+                self._send_failed(kv, msg.round, Outcome.DEMAND_UNMET, claim)
+                return None
             req = self.reqs[kv] = _Req(kv, claim.supply_open)
             for job in claim.parked:
                 self._add_supply(req, job)
@@ -228,57 +237,35 @@ class ServerRole:
                 f"of {kv!r}"
             )
         req.max_round = msg.round
-        if not keys:
-            self._release(req)
-            return
-        conflict = self._conflict(req, keys)
-        if conflict:  # a request-level conflict fails that round, not the session
-            log.warning("peer %s: round %d of %r refused: %s", self.peer, msg.round, kv,
-                        conflict)
-            self._send_done(kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
-            return
-        demand, supply = req.demand, req.supply
-        held_all = supply.keys() >= keyset
-        if not req.supply_open and not held_all:
-            missing = len(keyset - supply.keys())
-            if missing:
-                self._send_done(
-                    kv, msg.round, Outcome.DEMAND_UNMET,
-                    f"{missing} of {len(keys)} block(s) are not held and cannot arrive",
-                )
-                self._maybe_drop(req)
-                return
-        rnd = _Round(msg.round, len(keys))
-        req.rounds[msg.round] = rnd
-        self.n_rounds += 1
-        env = self.env
-        rnd.timer = env.deadlines.at(env.clock() + _round_lifetime(env),
-                                     self._round_expired, (req, rnd))
-        supply_job, demand_slot = req.supply_job, req.demand_slot
-        if held_all:  # producer first: everything is here (one C-level pass per map)
-            self._submit(req, rnd, list(map(supply.pop, keys)), slots,
-                         list(map(supply_job.pop, keys)))
+        return req
+
+    def _match_fetch(self, req: _Req, rnd: _Round, keys: list[bytes]) -> None:
+        supply, supply_job, demand, demand_pos = (req.supply, req.supply_job, req.demand,
+                                                  req.demand_pos)
+        if supply.keys() >= set(keys):  # producer first: everything is here (C-level passes)
+            self._ready(req, rnd, list(range(len(keys))), list(map(supply.pop, keys)),
+                        list(map(supply_job.pop, keys)))
             return
         if not supply:  # consumer first: everything waits
             demand.update(dict.fromkeys(keys, rnd))
-            demand_slot.update(zip(keys, slots, strict=True))
+            demand_pos.update(zip(keys, range(len(keys)), strict=True))
             rnd.waiting = len(keys)
             return
-        local: list[int] = []
-        remote: list[int] = []
+        pos: list[int] = []
+        src: list[int] = []
         jobs: list[_StoreJob] = []
-        for k, dest in zip(keys, slots, strict=True):
+        for i, k in enumerate(keys):
             held = supply.pop(k, None)
             if held is None:
                 demand[k] = rnd
-                demand_slot[k] = dest
+                demand_pos[k] = i
                 rnd.waiting += 1
             else:
-                local.append(held)
-                remote.append(dest)
+                pos.append(i)
+                src.append(held)
                 jobs.append(supply_job.pop(k))
-        if local:
-            self._submit(req, rnd, local, remote, jobs)
+        if pos:
+            self._ready(req, rnd, pos, src, jobs)
 
     @staticmethod
     def _conflict(req: _Req, keys: list[bytes]) -> str:
@@ -291,14 +278,25 @@ class ServerRole:
             return f"a key is already demanded by round {demand[k].no} of {req.kv!r}"
         return ""
 
-    def on_abort(self, msg: Abort) -> None:
+    def on_release(self, msg: Release) -> None:
+        """The consumer is done with a round: unpin (delivered if ``read``), end it."""
         req = self.reqs.get(msg.kv_request_id)
-        rnd = req.rounds.get(msg.round) if req is not None else None
-        if req is None or rnd is None:
-            self.session.send(AbortAck(msg.kv_request_id, msg.round))
+        if req is None:
+            return  # ended here already (lease passed, or the session was rebuilt)
+        if msg.round > req.max_round:
+            raise ProtocolError(f"release.round: round {msg.round} of {req.kv!r} was never "
+                                f"fetched")
+        rnd = req.rounds.get(msg.round)
+        if rnd is None:
             return
-        if not rnd.aborting:
-            self._abort_round(req, rnd, silent=False)
+        if msg.read and rnd.unready:
+            raise ProtocolError(f"release.read: round {msg.round} of {req.kv!r} still has "
+                                f"{rnd.unready} block(s) never announced")
+        if msg.read:
+            self._unpin(rnd, None)
+        else:
+            self._unpin(rnd, (Outcome.ABORTED, "the consumer gave the round up"))
+        self._end_round(req, rnd)
 
     def on_lookup(self, msg: Lookup) -> None:
         if msg.seq <= self.last_lookup_seq:
@@ -440,185 +438,107 @@ class ServerRole:
                     supply[key] = slot
                     supply_job[key] = sj
                 continue
-            dest = req.demand_slot.pop(key)
             rnd.waiting -= 1
             group = matched.get(rnd)
             if group is None:
                 group = matched[rnd] = ([], [], [])
-            group[0].append(slot)
-            group[1].append(dest)
+            group[0].append(req.demand_pos.pop(key))
+            group[1].append(slot)
             group[2].append(sj)
-        for rnd, (local, remote, jobs) in matched.items():
-            self._submit(req, rnd, local, remote, jobs)
+        for rnd, (pos, src, jobs) in matched.items():
+            self._ready(req, rnd, pos, src, jobs)
         self._maybe_release_job(sj)
 
-    def _submit(self, req: _Req, rnd: _Round, local: list[int], remote: list[int],
-                jobs: list[_StoreJob]) -> None:
-        env = self.env
-        try:
-            tid = env.data.write_blocks(self.peer, local, remote)
-        except Exception as exc:
-            detail = f"write_blocks failed: {type(exc).__name__}: {exc}"
-            log.warning("peer %s: %s (request %r round %d)", self.peer, detail, req.kv, rnd.no)
-            env.counters["submit_failures"] += 1
-            for sj in jobs:
-                if sj.failure is None:
-                    self._fail_job(sj, Outcome.SUBMIT_FAILED, detail)
-            self._fail_round(req, rnd, Outcome.SUBMIT_FAILED, detail)
-            return
-        rnd.inflight += 1
-        rnd.tids.add(tid)
+    def _ready(self, req: _Req, rnd: _Round, pos: list[int], src: list[int],
+               jobs: list[_StoreJob]) -> None:
+        """Pin ``src`` (blocks of ``jobs``) for the lease and tell the consumer."""
+        rnd.unready -= len(pos)
+        rnd.pins.extend(jobs)
+        self.n_pins += len(jobs)
         for sj in jobs:
-            sj.inflight += 1
-        self.transfers[tid] = _Transfer(req, rnd, jobs, env.clock())
-        env.owners[tid] = self.session
-        if env.observers.enabled:
-            env.observers.transfer_submitted(
-                peer=self.peer, transfer_id=tid, blocks=len(local),
-                nbytes=len(local) * env.local.block_len,
-            )
+            sj.pinned += 1
+        self._arm_lease(rnd, req)
+        self.env.counters["blocks_offered"] += len(pos)
+        self.session.send(Ready(req.kv, rnd.no, pos, src))
 
-    def on_transfer(self, tid: int, ok: bool) -> None:
-        """A write of ours terminated (routed here from ``data.poll``)."""
-        t = self.transfers.pop(tid)
+    def _arm_lease(self, rnd: _Round, req: _Req) -> None:
         env = self.env
-        rnd, req = t.rnd, t.req
-        rnd.inflight -= 1
-        rnd.tids.discard(tid)
-        if env.observers.enabled:
-            env.observers.transfer_finished(
-                peer=self.peer, transfer_id=tid, success=ok,
-                nbytes=t.nblocks * env.local.block_len, seconds=env.clock() - t.started,
-            )
-        if ok:
-            env.counters["blocks_sent"] += t.nblocks
-            rnd.remaining -= t.nblocks
-            for sj in t.jobs:
-                sj.inflight -= 1
+        env.deadlines.cancel(rnd.timer)
+        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._lease_expired,
+                                     (req, rnd))
+
+    def _unpin(self, rnd: _Round, failure: tuple[Outcome, str] | None) -> None:
+        """Release the round's pins: delivered (``failure`` None) or failed with it."""
+        pins, rnd.pins = rnd.pins, []
+        self.n_pins -= len(pins)
+        if failure is None:
+            self.env.counters["blocks_sent"] += len(pins)
+        for sj in pins:
+            sj.pinned -= 1
+            if failure is None:
                 sj.remaining -= 1
                 sj.delivered += 1
-        else:
-            env.counters["transfers_failed"] += 1
-            for sj in t.jobs:
-                sj.inflight -= 1
-                if sj.failure is None:
-                    self._fail_job(sj, Outcome.TRANSFER_FAILED, f"transfer {tid} failed")
-            self._fail_round(req, rnd, Outcome.TRANSFER_FAILED, f"transfer {tid} failed")
-        self._release_jobs(t.jobs)
-        self._maybe_finish_round(req, rnd)
-
-    def _cancelled(self, tid: int, outcome: Outcome, detail: str) -> None:
-        """A write of ours was stopped (wait-cancel confirmed) or given up on."""
-        t = self.transfers.pop(tid)
-        self.env.owners.pop(tid, None)
-        t.rnd.inflight -= 1
-        t.rnd.tids.discard(tid)
-        for sj in t.jobs:
-            sj.inflight -= 1
-            if sj.failure is None:
-                self._fail_job(sj, outcome, detail)
-        self._release_jobs(t.jobs)
+            elif sj.failure is None:
+                sj.failure = failure
+        self._release_jobs(pins)
 
     # -- rounds -----------------------------------------------------------------------------
 
     def _fail_round(self, req: _Req, rnd: _Round, outcome: Outcome, detail: str) -> None:
-        if rnd.failure is not None or rnd.aborting:
+        """Tell the consumer the round cannot be served; it ends once its pins are released
+        (at once when it has none)."""
+        if rnd.failure is not None:
             return
         rnd.failure = (outcome, detail)
         self._drop_waiting(req, rnd)
-        self._maybe_finish_round(req, rnd)
+        if not self.closing:
+            self._send_failed(req.kv, rnd.no, outcome, detail)
+        if not rnd.pins:
+            self._end_round(req, rnd)
 
     @staticmethod
     def _drop_waiting(req: _Req, rnd: _Round) -> None:
         if rnd.waiting:
             for k in [k for k, r in req.demand.items() if r is rnd]:
                 del req.demand[k]
-                del req.demand_slot[k]
+                del req.demand_pos[k]
             rnd.waiting = 0
 
-    def _maybe_finish_round(self, req: _Req, rnd: _Round) -> None:
-        if rnd.inflight or self.closing or req.rounds.get(rnd.no) is not rnd:
+    def _end_round(self, req: _Req, rnd: _Round) -> None:
+        if req.rounds.get(rnd.no) is not rnd:
             return
-        if rnd.aborting:
-            if not rnd.silent:
-                self.session.send(AbortAck(req.kv, rnd.no))
-        elif rnd.failure is not None:
-            self._send_done(req.kv, rnd.no, *rnd.failure)
-        elif rnd.remaining == 0:
-            self.session.send(TransferDone(req.kv, rnd.no, True))
-        else:
-            return
+        self._drop_waiting(req, rnd)
         self.env.deadlines.cancel(rnd.timer)
+        rnd.timer = None
         del req.rounds[rnd.no]
         self.n_rounds -= 1
         self._maybe_drop(req)
 
-    def _send_done(self, kv: str, rnd_no: int, outcome: Outcome, detail: str) -> None:
-        self.session.send(TransferDone(kv, rnd_no, False, f"{outcome.value}: {detail}"))
+    def _send_failed(self, kv: str, rnd_no: int, outcome: Outcome, detail: str) -> None:
+        self.session.send(RoundFailed(kv, rnd_no, f"{outcome.value}: {detail}"))
 
-    def _abort_round(self, req: _Req, rnd: _Round, *, silent: bool) -> None:
-        rnd.aborting = True
-        rnd.silent = silent
-        self._stop_writes(req, rnd, Outcome.ABORTED, "the consumer aborted the round")
-        env = self.env
-        env.deadlines.cancel(rnd.timer)  # the round's expiry: the consumer ended it
-        rnd.timer = None
-        if rnd.inflight:
-            rnd.timer = env.deadlines.at(
-                env.clock() + env.timeouts.abort_drain, self._abort_drain_expired, (req, rnd)
-            )
-        self._maybe_finish_round(req, rnd)
-
-    def _stop_writes(self, req: _Req, rnd: _Round, outcome: Outcome, detail: str) -> None:
-        """Stop ``rnd``'s waiting demand and wait-cancel its writes; those confirmed stopped
-        end now with ``outcome``, the rest end when the data transport reports them."""
-        self._drop_waiting(req, rnd)
-        if rnd.tids:
-            still = set(self.env.data.cancel(list(rnd.tids), CancelMode.WAIT))
-            for tid in [t for t in rnd.tids if t not in still]:
-                self._cancelled(tid, outcome, detail)
-
-    def _round_expired(self, arg: tuple[_Req, _Round]) -> None:
-        """The consumer's load deadline and its abort window have passed and the round is
-        still open (blocks never supplied; its abort was lost or came first, reordered): the
-        consumer has given it up, so it ends now instead of holding demand forever. Writes
-        still in flight end it when they are over."""
-        req, rnd = arg
-        rnd.timer = None
-        if req.rounds.get(rnd.no) is not rnd or rnd.aborting:
-            return
-        env = self.env
-        if env.observers.enabled:
-            env.observers.timeout(kind="round", kv_request_id=req.kv, peer=self.peer)
-        self._fail_round(req, rnd, Outcome.LOAD_TIMEOUT,
-                         f"open {_round_lifetime(env)}s, past the consumer's load and abort "
-                         f"deadlines, with {rnd.waiting} block(s) never stored")
-
-    def _abort_drain_expired(self, arg: tuple[_Req, _Round]) -> None:
-        """Writes of an aborted round are still live after ``abort_drain``. Acking would
-        promise the consumer they are over, and no cancel can recall a posted write: the
-        session closes instead (the writes retire, the consumer fences their slots, §5.1)."""
+    def _lease_expired(self, arg: tuple[_Req, _Round]) -> None:
+        """The lease after the round's latest ``ready`` (or its fetch) passed without a
+        release: the consumer gave it up (or is paused, or gone); unpin and end it."""
         req, rnd = arg
         rnd.timer = None
         env = self.env
-        reason = (f"{len(rnd.tids)} write(s) of aborted round {rnd.no} of {req.kv!r} did not "
-                  f"drain within {env.timeouts.abort_drain}s")
-        log.warning("peer %s: %s; closing the session", self.peer, reason)
         if env.observers.enabled:
-            env.observers.timeout(kind="abort_drain", kv_request_id=req.kv, peer=self.peer)
-        self.session.doom(Outcome.TRANSFER_FAILED, reason,
-                          f"{Outcome.TRANSFER_FAILED.value}: {reason}")
+            env.observers.timeout(kind="lease", kv_request_id=req.kv, peer=self.peer)
+        detail = f"the consumer did not release it within the lease ({env.timeouts.lease}s)"
+        self._unpin(rnd, (Outcome.TRANSFER_FAILED, detail))
+        if rnd.failure is None and not self.closing:
+            self._fail_round(req, rnd, Outcome.LOAD_TIMEOUT, detail)
+        self._end_round(req, rnd)
 
-    def _release(self, req: _Req) -> None:
+    def _release_request(self, req: _Req) -> None:
         """Terminal fetch: the consumer is done with ``req``; release everything."""
         req.released = True
         req.supply.clear()
         req.supply_job.clear()
         for rnd in list(req.rounds.values()):
-            if rnd.aborting:
-                rnd.silent = True
-            else:
-                self._abort_round(req, rnd, silent=True)
+            self._unpin(rnd, (Outcome.ABORTED, "the consumer ended the request"))
+            self._end_round(req, rnd)
         for sj in list(req.jobs):
             sj.released = True
             self._maybe_release_job(sj)
@@ -652,7 +572,7 @@ class ServerRole:
                 prev = sj
 
     def _maybe_release_job(self, sj: _StoreJob) -> None:
-        if sj.done or sj.inflight:
+        if sj.done or sj.pinned:
             return
         if sj.failure is not None:
             outcome, detail = sj.failure
@@ -682,10 +602,10 @@ class ServerRole:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self, outcome: Outcome, reason: str) -> None:
-        """The session is over: fail every store job (results wait for in-flight blocks),
-        wait-cancel every transfer, answer nothing more."""
+        """The session is over: fail every store job with ``outcome``. Jobs with pinned
+        blocks get that result only when their lease passes (a cut-off consumer may still be
+        reading them); :meth:`drop_pins` ends that wait early (tier shutdown)."""
         self.closing = True
-        self.n_rounds = 0
         env = self.env
         for serve in self.serves.values():
             env.deadlines.cancel(serve.timer)
@@ -695,40 +615,40 @@ class ServerRole:
         reqs = list(self.reqs.values())
         self.reqs.clear()
         for req in reqs:
-            for rnd in req.rounds.values():
-                env.deadlines.cancel(rnd.timer)
-            req.rounds.clear()
-            req.demand.clear()
-            req.demand_slot.clear()
+            for rnd in list(req.rounds.values()):
+                rnd.failure = (outcome, reason)
+                self._drop_waiting(req, rnd)
+                if not rnd.pins:
+                    env.deadlines.cancel(rnd.timer)
+                    del req.rounds[rnd.no]
             for sj in list(req.jobs):
                 self._fail_job(sj, outcome, reason)
             env.host.request_gone(req.kv, self.session)
-        if self.transfers:
-            still = set(env.data.cancel(list(self.transfers), CancelMode.WAIT))
-            for tid in [t for t in self.transfers if t not in still]:
-                self._cancelled(tid, outcome, reason)
+        self._closed_rounds = [(req, rnd) for req in reqs for rnd in req.rounds.values()]
+        self.n_rounds = len(self._closed_rounds)
 
-    def give_up(self, outcome: Outcome, reason: str) -> list[int]:
-        """Stop waiting for transfers that never drained after ``close``: their store jobs get
-        their results now. Returns the ids, still live in the data transport: they are not
-        cancelled (a posted write cannot be recalled; its handle must outlive it)."""
-        tids = list(self.transfers)
-        for tid in tids:
-            self._cancelled(tid, outcome, reason)
-        return tids
+    def drop_pins(self, outcome: Outcome, reason: str) -> int:
+        """Stop waiting for the leases of a closed session (tier shutdown): the pinned store
+        jobs get their results now. Returns how many blocks were still pinned."""
+        n = self.n_pins
+        for req, rnd in self._closed_rounds:
+            self._unpin(rnd, (outcome, reason))
+            self._end_round(req, rnd)
+        self._closed_rounds = []
+        return n
 
     @property
     def busy(self) -> bool:
-        """Rounds, transfers or lookups outstanding (a reason for the engine to keep ticking)."""
-        return bool(self.transfers or self.serves or self.n_rounds)
+        """Rounds, pins or lookups outstanding (a reason for the engine to keep ticking)."""
+        return bool(self.serves or self.n_rounds or self.n_pins)
 
     def state_sizes(self) -> dict[str, int]:
         return {
             "server_requests": len(self.reqs),
-            "server_rounds": sum(len(r.rounds) for r in self.reqs.values()),
+            "server_rounds": self.n_rounds,
             "server_jobs": sum(len(r.jobs) for r in self.reqs.values()),
             "supply": sum(len(r.supply) for r in self.reqs.values()),
             "demand": sum(len(r.demand) for r in self.reqs.values()),
-            "transfers": len(self.transfers),
+            "pins": self.n_pins,
             "serves": len(self.serves),
         }

@@ -1,6 +1,6 @@
 """One session per peer connection: handshake, dispatch, protocol errors, lifecycle.
 
-States: ``HANDSHAKE`` -> ``READY`` -> ``CLOSING`` -> ``CLOSED`` (docs/protocol.md has the
+States: ``HANDSHAKE`` -> ``READY`` -> ``CLOSED`` (docs/protocol.md has the
 diagram). In ``HANDSHAKE`` only ``hello``/``hello_ack``/``bye`` may be sent or received; any
 other message from the peer is a protocol error. The session is ``READY`` once the peer's
 hello was accepted (its data descriptor registered, our ack sent) **and** our hello was acked.
@@ -8,9 +8,9 @@ hello was accepted (its data descriptor registered, our ack sent) **and** our he
 A session never closes itself in the middle of a call: a fatal condition (protocol error,
 rejected hello, failed send, handshake timeout, peer's bye) *dooms* it, and the tier closes
 doomed sessions at safe points of its tick. Closing fails every job of the session with one
-outcome, wait-cancels its transfers and stays ``CLOSING`` until the data plane confirms
-quiescence or the drain deadline passes (writes still live then retire: the tier keeps
-polling them); the tier removes the data peer once nothing of it is live.
+outcome and cancels its reads into our region (final: nothing can land afterwards), so the
+session is ``CLOSED`` at once and the tier removes its data peer. Store jobs whose blocks the
+peer may still be reading keep their pins until the lease passes (docs/protocol.md §5).
 
 Threading: driver thread only.
 """
@@ -27,8 +27,6 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol import (
     WIRE_MAJOR,
     WIRE_MINOR,
-    Abort,
-    AbortAck,
     Bye,
     Fetch,
     Hello,
@@ -36,8 +34,9 @@ from p2pkv.protocol import (
     Lookup,
     LookupResp,
     Message,
-    Quiesced,
-    TransferDone,
+    Ready,
+    Release,
+    RoundFailed,
     Unknown,
     decode,
     encode,
@@ -59,7 +58,6 @@ REJECTED_PREFIX = "rejected: "
 class State(enum.Enum):
     HANDSHAKE = "handshake"
     READY = "ready"
-    CLOSING = "closing"
     CLOSED = "closed"
 
 
@@ -88,19 +86,15 @@ class Session:
         self.doomed: Doom | None = None
         self.internal_errors = 0
         self.timer: Timer | None = None
-        self.fence_floor = env.fences.next_id
-        """Fences created before this session; a ``quiesced`` on it lifts those of the peer."""
-        self.got_quiesced = False
         self.client = ClientRole(env, self)
         self.server = ServerRole(env, self)
         self._handlers: dict[type, Callable[[Any], None]] = {
-            Fetch: self._on_fetch,
-            TransferDone: self.client.on_transfer_done,
-            Abort: self.server.on_abort,
-            AbortAck: self.client.on_abort_ack,
+            Fetch: self.server.on_fetch,
+            Ready: self._on_ready,
+            Release: self.server.on_release,
+            RoundFailed: self.client.on_round_failed,
             Lookup: self.server.on_lookup,
             LookupResp: self.client.on_lookup_resp,
-            Quiesced: self._on_quiesced,
         }
         """Handlers of the messages that need a READY session."""
 
@@ -129,24 +123,19 @@ class Session:
                 and self.conn.alive)
 
     @property
-    def quiescent(self) -> bool:
-        """No transfer or receive of this session is in flight."""
-        return not self.server.transfers and not self.client.xids
-
-    @property
     def busy(self) -> bool:
         return (self.state is not State.READY or self.server.busy or self.client.busy)
 
     def wind_down(self) -> None:
-        """The tier is shutting down: end both roles' work with the peer's confirmation that
-        no write between us is live (§10); the tier closes the session once ``wound_down``."""
+        """The tier is shutting down: our loads fail now (reads cancelled), the peer's rounds
+        fail; the tier closes the session once ``wound_down`` (§10)."""
         self.client.wind_down()
         self.server.wind_down()
 
     @property
     def wound_down(self) -> bool:
-        """No load round, fetch round or write of this session is open any more."""
-        return not (self.client.n_rounds or self.server.n_rounds or self.server.transfers)
+        """No load round or fetch round of this session is open, no block pinned for it."""
+        return not (self.client.n_rounds or self.server.n_rounds or self.server.n_pins)
 
     def doom(self, outcome: Outcome, reason: str, bye: str | None) -> None:
         """Mark the session for closing at the tier's next safe point (first reason wins)."""
@@ -155,15 +144,15 @@ class Session:
 
     def close(self, outcome: Outcome, reason: str, *, bye: str | None = None,
               close_conn: bool = True) -> None:
-        """Fail everything with ``outcome``; wait-cancel transfers; say ``bye`` if given."""
-        if self.state in (State.CLOSING, State.CLOSED):
+        """Fail everything with ``outcome``; cancel our reads; say ``bye`` if given."""
+        if self.state is State.CLOSED:
             return
         env = self.env
         env.deadlines.cancel(self.timer)
         self.timer = None
         if bye is not None and self.conn.alive:
             self._send_now(Bye(bye))
-        self.state = State.CLOSING
+        self.state = State.CLOSED
         if close_conn:
             self.conn.close()
         log.info("session with %s closed: %s", self.peer, reason)
@@ -171,31 +160,10 @@ class Session:
             env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)
-        env.host.session_closed(self, draining=bool(self.server.transfers))
-        if self.quiescent:
-            self.state = State.CLOSED
-
-    def force_quiesce(self) -> list[int]:
-        """Give up on what never drained; returns the undrained ids (for the log). Writes
-        given up are not cancelled: they go on as retiring writes of the peer (§4.4)."""
-        reason = "data plane did not drain in time"
-        stuck = self.server.give_up(Outcome.PEER_DEAD, reason)
-        if stuck:
-            self.env.host.writes_drained(self, stuck)
-        stuck += self.client.force_quiesce()
-        self.state = State.CLOSED
-        return stuck
 
     def on_data(self, tid: int, ok: bool) -> None:
-        """A transfer or receive of this session terminated."""
-        if tid in self.server.transfers:
-            self.server.on_transfer(tid, ok)
-            if self.state is State.CLOSING and not self.server.transfers:
-                self.env.host.writes_drained(self, ())
-        elif tid in self.client.xids:
-            self.client.on_xid(tid, ok)
-        if self.state is State.CLOSING and self.quiescent:
-            self.state = State.CLOSED
+        """A read of this session terminated."""
+        self.client.on_read(tid, ok)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -265,27 +233,15 @@ class Session:
             hello = self.peer_hello
             if hello is None or hello.wire[1] <= WIRE_MINOR:
                 raise ProtocolError(f"frame.type: unknown message type {msg.type!r}")
-            log.debug("ignoring %r from %s (wire 1.%d)", msg.type, self.peer, hello.wire[1])
+            log.debug("ignoring %r from %s (wire %d.%d)", msg.type, self.peer, *hello.wire)
         elif self.state is not State.READY:
             raise ProtocolError(f"{message_type(msg)}: received before the handshake completed")
         else:
             self._handlers[type(msg)](msg)
 
-    def _on_quiesced(self, msg: Quiesced) -> None:
+    def _on_ready(self, msg: Ready) -> None:
         assert self.peer_hello is not None
-        if self.peer_hello.wire[1] < 1:
-            raise ProtocolError(f"quiesced: not part of wire {self.peer_hello.wire[0]}."
-                                f"{self.peer_hello.wire[1]}, which the peer announced")
-        if self.got_quiesced:
-            raise ProtocolError("quiesced: sent twice on one session")
-        self.got_quiesced = True
-        lifted = self.env.fences.lift_before(self.peer, self.fence_floor)
-        if lifted:
-            log.info("%s confirmed quiescence: %d fence(s) lifted", self.peer, lifted)
-
-    def _on_fetch(self, msg: Fetch) -> None:
-        assert self.peer_hello is not None
-        self.server.on_fetch(msg, self.peer_hello.num_blocks)
+        self.client.on_ready(msg, self.peer_hello.num_blocks)
 
     # -- handshake --------------------------------------------------------------------------
 
@@ -366,8 +322,7 @@ class Session:
         log.debug("session with %s ready", self.peer)
         if env.observers.enabled:
             env.observers.session_opened(peer=self.peer, local=env.local.address)
-        env.host.session_ready(self)
-        self.client.on_ready()
+        self.client.on_session_ready()
 
     def _handshake_expired(self, _: object) -> None:
         self.timer = None

@@ -40,8 +40,6 @@ from p2pkv.protocol import (
     MAX_ADDRESS_CHARS,
     MAX_REASON_CHARS,
     MAX_TAG_CHARS,
-    Abort,
-    AbortAck,
     Bye,
     Fetch,
     Hello,
@@ -49,13 +47,13 @@ from p2pkv.protocol import (
     Lookup,
     LookupResp,
     Message,
-    TransferDone,
+    Ready,
+    Release,
+    RoundFailed,
     encode,
 )
 
 __all__ = [
-    "abort_acks",
-    "aborts",
     "binary_frames",
     "byes",
     "fetches",
@@ -66,7 +64,9 @@ __all__ = [
     "lookup_resps",
     "lookups",
     "messages",
-    "transfer_dones",
+    "readies",
+    "releases",
+    "round_faileds",
 ]
 
 DEFAULT_LIMITS = Limits()
@@ -115,9 +115,14 @@ def hello_acks() -> st.SearchStrategy[HelloAck]:
 @st.composite
 def fetches(draw: st.DrawFn, limits: Limits = DEFAULT_LIMITS) -> Fetch:
     """Fetches, the terminal (empty) one included."""
-    keys = draw(_keys(limits))
-    slots = draw(st.lists(st.integers(0, _U64), min_size=len(keys), max_size=len(keys)))
-    return Fetch(draw(_request_id(limits)), draw(_u64()), keys, slots)
+    return Fetch(draw(_request_id(limits)), draw(_u64()), draw(_keys(limits)))
+
+
+@st.composite
+def readies(draw: st.DrawFn, limits: Limits = DEFAULT_LIMITS) -> Ready:
+    n = draw(st.integers(1, min(limits.max_keys_per_message, _SMALL)))
+    ints = st.lists(st.integers(0, (1 << 32) - 1), min_size=n, max_size=n)
+    return Ready(draw(_request_id(limits)), draw(_u64()), draw(ints), draw(ints))
 
 
 def lookups(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Lookup]:
@@ -130,17 +135,14 @@ def lookup_resps(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[LookupRes
     return st.builds(LookupResp, seq=_u64(), hits=hits)
 
 
-def transfer_dones(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[TransferDone]:
-    return st.builds(TransferDone, kv_request_id=_request_id(limits), round=_u64(),
-                     success=st.booleans(), reason=_text(MAX_REASON_CHARS))
+def releases(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Release]:
+    return st.builds(Release, kv_request_id=_request_id(limits), round=_u64(),
+                     read=st.booleans())
 
 
-def aborts(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Abort]:
-    return st.builds(Abort, kv_request_id=_request_id(limits), round=_u64())
-
-
-def abort_acks(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[AbortAck]:
-    return st.builds(AbortAck, kv_request_id=_request_id(limits), round=_u64())
+def round_faileds(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[RoundFailed]:
+    return st.builds(RoundFailed, kv_request_id=_request_id(limits), round=_u64(),
+                     reason=_text(MAX_REASON_CHARS, min_chars=1))
 
 
 def byes() -> st.SearchStrategy[Bye]:
@@ -150,8 +152,8 @@ def byes() -> st.SearchStrategy[Bye]:
 def messages(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Message]:
     """Every message type, each valid under ``limits``."""
     return st.one_of(
-        hellos(limits), hello_acks(), fetches(limits), lookups(limits), lookup_resps(limits),
-        transfer_dones(limits), aborts(limits), abort_acks(limits), byes(),
+        hellos(limits), hello_acks(), fetches(limits), readies(limits), releases(limits),
+        round_faileds(limits), lookups(limits), lookup_resps(limits), byes(),
     )
 
 

@@ -12,13 +12,12 @@ Invariants, checked after every step:
 
 * every submitted job gets exactly one result, and no result names an unknown job;
 * a successful load's slots hold exactly the producer's bytes for those keys;
-* nothing is ever written outside demanded slots: a slot reserved for key ``k`` only ever
-  holds its old bytes or ``k``'s bytes; the source half of every region never changes; a slot
-  released by a result that promises quiescence never changes afterwards;
-* like an engine, the model reuses every slot as soon as its load has a result, also after
-  PEER_DEAD or ABORT_ACK_TIMEOUT, while the producer's write into it may still be in flight:
-  a load reported DONE must still hold exactly its own bytes then and ever after (the tier
-  fences such slots until the producer confirms quiescence);
+* nothing is ever written outside demanded slots: a failed load's slot holds its old bytes
+  or its key's bytes; the source half of every region never changes;
+* **a result is final for the bytes**: like an engine, the model reuses every slot as soon as
+  its load has a result, whatever the outcome (PEER_DEAD, LOAD_TIMEOUT, ...), and a slot
+  never changes after its result until the model loads into it again — whatever the peer
+  does later (frozen, resumed with stale state, restarted);
 * at the end, once every request finished, faults healed and the tiers polled to quiescence,
   no per-request state remains and every job has its result.
 
@@ -164,13 +163,6 @@ class TierNode:
             self.record(self.tier.shutdown())
 
 
-# Outcomes whose release promises that the producer no longer writes into the slots.
-QUIET = frozenset({
-    Outcome.DONE, Outcome.TRANSFER_FAILED, Outcome.SUBMIT_FAILED, Outcome.DEMAND_UNMET,
-    Outcome.LOAD_TIMEOUT, Outcome.REQUEST_FINISHED, Outcome.NOTHING_TO_DO, Outcome.NO_ROUTE,
-})
-
-
 @dataclass(eq=False)
 class Req:
     kv: str
@@ -251,7 +243,6 @@ class TierMachine(RuleBasedStateMachine):
         self.loads: dict[int, LoadRec] = {}
         self.free: list[set[int]] = []
         self.quiet: list[dict[int, np.ndarray]] = []
-        self.taint: list[dict[int, tuple[set[bytes], np.ndarray]]] = []
         self.reqs: list[Req] = []
         self.retired: list[Any] = []
         self.frozen: dict[int, int] = {}
@@ -274,7 +265,6 @@ class TierMachine(RuleBasedStateMachine):
             self.sources.append(Source(self, i))
             self.free.append(set(range(self.source, self.num_blocks)))
             self.quiet.append({})
-            self.taint.append({})
 
     @property
     def source(self) -> int:
@@ -360,12 +350,8 @@ class TierMachine(RuleBasedStateMachine):
             return
         slots = sorted(free)[: len(chunk)]
         free.difference_update(slots)
-        taint = self.taint[req.cons]
-        for s, k in zip(slots, chunk, strict=True):
+        for s in slots:
             self.quiet[req.cons].pop(s, None)
-            if s in taint:  # an earlier producer's write may still land here, and now ours
-                keys, snap = taint[s]
-                taint[s] = ({*keys, k}, snap)
         req.loaded.update(chunk)
         job_id = next(self.ids)
         self.loads[job_id] = LoadRec(req.cons, req, chunk, slots, c.blocks[slots].copy())
@@ -418,23 +404,16 @@ class TierMachine(RuleBasedStateMachine):
                 continue
             blocks = self.nodes[i].blocks
             prod = self.nodes[rec.req.prod].blocks
-            taint = self.taint[i]
             for j, (k, s) in enumerate(zip(rec.keys, rec.slots, strict=True)):
                 want = prod[rec.req.src[k]]
                 now = blocks[s]
                 if r.outcome is Outcome.DONE:
                     assert (now == want).all(), f"job {r.job_id}: slot {s} lacks {k!r}"
                 else:
-                    assert ((now == want).all() or (now == rec.before[j]).all()
-                            or self._holds_one_of(now, taint.get(s, (set(),))[0])), (
+                    assert (now == want).all() or (now == rec.before[j]).all(), (
                         f"job {r.job_id} ({r.outcome}): slot {s} holds foreign bytes")
                 self.free[i].add(s)  # reused at once, whatever the outcome
-                if r.outcome is Outcome.DONE or (r.outcome in QUIET and s not in taint):
-                    self.quiet[i][s] = now.copy()
-                    taint.pop(s, None)
-                else:  # the producer (or an earlier one) may still write there
-                    keys, _ = taint.get(s, (set(), now))
-                    taint[s] = ({*keys, k}, now.copy())
+                self.quiet[i][s] = now.copy()  # and final: nothing may land there now
 
     # -- faults -----------------------------------------------------------------------------
 
@@ -500,14 +479,8 @@ class TierMachine(RuleBasedStateMachine):
             src = node.blocks[:self.source]
             assert (src == self._source_of(i)).all(), f"node {i}: source half was written"
             for s, snap in self.quiet[i].items():
-                assert (node.blocks[s] == snap).all(), f"node {i}: released slot {s} changed"
-            for s, (ks, snap) in self.taint[i].items():
-                now = node.blocks[s]
-                ok = (now == snap).all() or self._holds_one_of(now, ks)
-                assert ok, f"node {i}: slot {s} holds bytes of no key demanded into it"
-
-    def _holds_one_of(self, block: Any, keys: set[bytes]) -> bool:
-        return any((block == self._key_bytes(k)).all() for k in keys)
+                assert (node.blocks[s] == snap).all(), (
+                    f"node {i}: slot {s} changed after its load had a result")
 
     def _source_of(self, i: int) -> Any:
         if not hasattr(self, "_sources"):
@@ -517,10 +490,6 @@ class TierMachine(RuleBasedStateMachine):
         if snap is None:
             snap = self._sources[id(node)] = node.blocks[:self.source].copy()
         return snap
-
-    def _key_bytes(self, key: bytes) -> Any:
-        req = next(r for r in self.reqs if key in r.src)
-        return self.nodes[req.prod].blocks[req.src[key]]
 
     def teardown(self) -> None:
         try:

@@ -53,19 +53,22 @@ MAX_UNREPORTED_DURATIONS = 10_000
 _JOB_STAT = "jobs_"
 
 COUNTERS: Mapping[str, str] = {
-    "blocks_sent": "KV blocks this instance wrote to peers.",
-    "bytes_sent": "Bytes this instance wrote to peers.",
-    "transfers_failed": "Data transfers to peers that failed.",
-    "submit_failures": "Data transfers that could not be submitted.",
+    "blocks_sent": "KV blocks of this instance that consumers read and released.",
+    "bytes_sent": "Bytes of this instance that consumers read and released.",
+    "blocks_read": "KV blocks this instance read from producers (loads).",
+    "bytes_read": "Bytes this instance read from producers (loads).",
+    "transfers_failed": "Reads from producers that failed.",
+    "submit_failures": "Reads that could not be submitted.",
     "protocol_errors": "Peer sessions closed for a protocol violation.",
     "handshake_rejections": "Peers refused at handshake (shape, fingerprint, hash seed, version).",
 }
 GAUGES: Mapping[str, str] = {
     "jobs_pending": "Tier jobs (loads and stores) without a result yet.",
-    "sessions": "Peer sessions handshaking or ready (closing ones are sessions_closing).",
+    "sessions": "Peer sessions handshaking or ready.",
     "sessions_ready": "Peer sessions past their handshake.",
-    "sessions_closing": "Peer sessions waiting for their transfers to drain.",
-    "in_flight_transfers": "Data transfers submitted and not finished.",
+    "sessions_closing": "Closed peer sessions whose offered blocks stay pinned until the "
+    "consumer's lease ends.",
+    "in_flight_transfers": "Reads from producers submitted and not finished.",
     "parked_stores": "Stores waiting for their consumer to ask for them.",
 }
 
