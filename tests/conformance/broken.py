@@ -1,8 +1,9 @@
 """Deliberately broken transports: each breaks one rule of the contract, and the kit must
 catch every one (``test_kit_catches_broken.py``).
 
-Each variant subclasses the example plugin's correct ``loopback`` transports and overrides one
-method, so the only defect is the one its docstring names.
+Each variant subclasses a correct transport (the example plugin's ``loopback`` ones, or the
+kit's cross-process reference ``socket_transport``) and overrides one method, so the only
+defect is the one its docstring names.
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from p2pkv.contracts import CancelMode, ControlConnection, PollResult
+import numpy as np
+from p2pkv.contracts import ControlConnection, PollResult
 from p2pkv.errors import TransferSubmitError
 from p2pkv_loopback import data as loopback_data
 from p2pkv_loopback.control import LoopbackConnection, LoopbackControlTransport
 from p2pkv_loopback.data import LoopbackDataTransport
+from socket_transport import SocketDataTransport
 
 # -- data ------------------------------------------------------------------------------------
 
 
 class EarlyDone(LoopbackDataTransport):
-    """Reports a transfer done before its bytes are written (they land one poll later)."""
+    """Reports a read done before its bytes are copied (they land one poll later)."""
 
     def progress(self) -> None:
         return None
@@ -47,9 +50,9 @@ class IgnoresPeerInPoll(LoopbackDataTransport):
 
 
 class NoBoundsCheck(LoopbackDataTransport):
-    """Posts writes without checking block indexes (numpy wraps negatives, fails late)."""
+    """Posts reads without checking block indexes (numpy wraps negatives, fails late)."""
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
         if peer_id not in self._peers:
@@ -66,23 +69,49 @@ class NoBoundsCheck(LoopbackDataTransport):
             return False
 
 
+class AcceptsDuplicateLocal(LoopbackDataTransport):
+    """Accepts a read that names one of our blocks twice (two sources for one slot)."""
+
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        local = list(local_idxs)
+        if len(set(local)) == len(local):
+            return super().read_blocks(peer_id, local, remote_idxs)
+        unique = list(dict.fromkeys(local))
+        tid = super().read_blocks(peer_id, unique, list(remote_idxs)[:len(unique)])
+        self._pending[tid] = (*self._pending[tid][:2], local, list(remote_idxs))
+        return tid
+
+
 class SpillsIntoNextBlock(LoopbackDataTransport):
-    """Writes one byte too many: the first byte of the next remote block is clobbered."""
+    """Copies one byte too many: the first byte of our next block is clobbered."""
 
     def _copy(self, region: str, local: list[int], remote: list[int]) -> bool:
         ok = super()._copy(region, local, remote)
-        target = loopback_data._REGIONS.get(region)
-        if ok and target is not None and self._blocks is not None:
-            flat = target.reshape(-1)
+        source = loopback_data._REGIONS.get(region)
+        if ok and source is not None and self._blocks is not None:
+            flat = self._blocks.reshape(-1)
             for li, ri in zip(local, remote, strict=True):
-                end = (ri + 1) * self.block_len
+                end = (li + 1) * self.block_len
                 if end < flat.size:
-                    flat[end] = self._blocks[li][-1] ^ 0xFF
+                    flat[end] = source[ri][-1] ^ 0xFF
         return ok
 
 
+class StillWrites(LoopbackDataTransport):
+    """The old direction: copies our blocks into the peer's instead of reading them."""
+
+    def _copy(self, region: str, local: list[int], remote: list[int]) -> bool:
+        target = loopback_data._REGIONS.get(region)
+        if target is None or self._blocks is None:
+            return False
+        target[remote] = self._blocks[local]
+        return True
+
+
 class ReportsTwice(LoopbackDataTransport):
-    """Reports every finished transfer again on the next poll."""
+    """Reports every finished read again on the next poll."""
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         again = getattr(self, "_again", [])
@@ -92,14 +121,60 @@ class ReportsTwice(LoopbackDataTransport):
 
 
 class ReportsCancelled(LoopbackDataTransport):
-    """``cancel`` returns ``[]`` (claims to have stopped everything) but forgets nothing."""
+    """``cancel`` returns but ends nothing: the read still lands and is reported."""
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        return None
+
+
+class CancelLandsLate(LoopbackDataTransport):
+    """``cancel`` forgets the id (never reported) but the copy still happens on a later
+    progress or poll: bytes land in our region after cancel returned."""
+
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        zombies = getattr(self, "_zombies", [])
+        zombies += [self._pending[t][1:] for t in transfer_ids if t in self._pending]
+        self._zombies: list[Any] = zombies
+        super().cancel(transfer_ids)
+
+    def progress(self) -> None:
+        super().progress()
+        for region, local, remote in getattr(self, "_zombies", []):
+            self._copy(region, local, remote)
+        self._zombies = []
+
+
+class RemovePeerLandsLate(LoopbackDataTransport):
+    """``remove_peer`` drops the peer's reads from its books (never reported, never
+    returned) but they still copy on a later progress or poll."""
+
+    def remove_peer(self, peer_id: str) -> list[int]:
+        gone = [t for t, (peer, *_) in self._pending.items() if peer == peer_id]
+        self._zombies: list[Any] = [
+            *getattr(self, "_zombies", []), *(self._pending.pop(t)[1:] for t in gone)
+        ]
+        for tid in gone:
+            self._outcome.pop(tid, None)
+        self._peers.pop(peer_id, None)
         return []
+
+    def progress(self) -> None:
+        super().progress()
+        for region, local, remote in getattr(self, "_zombies", []):
+            self._copy(region, local, remote)
+        self._zombies = []
+
+
+class RemovePeerReturnsReads(LoopbackDataTransport):
+    """The old wait-cancel ``remove_peer``: returns the peer's reads as undrained ids."""
+
+    def remove_peer(self, peer_id: str) -> list[int]:
+        gone = sorted(t for t, (peer, *_) in self._pending.items() if peer == peer_id)
+        return [*super().remove_peer(peer_id), *gone]
 
 
 class ForgetsOnProgress(LoopbackDataTransport):
-    """``progress`` drains finished transfers, which ``poll`` then never reports."""
+    """``progress`` drains finished reads, which ``poll`` then never reports."""
 
     def progress(self) -> None:
         super().progress()
@@ -150,14 +225,23 @@ class KeepsRegionAfterClose(LoopbackDataTransport):
 
 
 DATA_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
-    "EarlyDone": (EarlyDone, ("test_writes_are_byte_exact_at_scattered_indexes",)),
+    "EarlyDone": (EarlyDone, ("test_reads_are_byte_exact_at_scattered_indexes",)),
     "IgnoresPeerInPoll": (IgnoresPeerInPoll, ("test_poll_is_scoped_by_peer",)),
     "NoBoundsCheck": (NoBoundsCheck, ("test_bad_indexes_are_refused_before_posting",)),
-    "SpillsIntoNextBlock": (
-        SpillsIntoNextBlock, ("test_writes_are_byte_exact_at_scattered_indexes",)
+    "AcceptsDuplicateLocal": (
+        AcceptsDuplicateLocal, ("test_bad_indexes_are_refused_before_posting",)
     ),
-    "ReportsTwice": (ReportsTwice, ("test_each_transfer_reported_exactly_once",)),
-    "ReportsCancelled": (ReportsCancelled, ("test_cancel_immediate_forgets",)),
+    "SpillsIntoNextBlock": (
+        SpillsIntoNextBlock, ("test_reads_are_byte_exact_at_scattered_indexes",)
+    ),
+    "StillWrites": (StillWrites, ("test_reads_are_byte_exact_at_scattered_indexes",)),
+    "ReportsTwice": (ReportsTwice, ("test_each_read_reported_exactly_once",)),
+    "ReportsCancelled": (
+        ReportsCancelled, ("test_cancelled_read_is_never_reported", "test_cancel_is_final")
+    ),
+    "CancelLandsLate": (CancelLandsLate, ("test_cancel_is_final",)),
+    "RemovePeerLandsLate": (RemovePeerLandsLate, ("test_remove_peer_is_final",)),
+    "RemovePeerReturnsReads": (RemovePeerReturnsReads, ("test_remove_peer_is_final",)),
     "ForgetsOnProgress": (ForgetsOnProgress, ("test_progress_reports_and_forgets_nothing",)),
     "AcceptsMismatchedPeer": (AcceptsMismatchedPeer, ("test_mismatched_descriptor_is_refused",)),
     "RaisesRawErrorsOnGarbage": (
@@ -171,6 +255,43 @@ DATA_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     ),
 }
 """name -> (class, suite tests of which at least one must fail)."""
+
+
+# -- data, two-sided and cross-process ---------------------------------------------------------
+
+
+class SocketCancelLandsLate(SocketDataTransport):
+    """``cancel`` forgets the id but not the posted receive: the answer of a source that was
+    paused lands in our blocks when it resumes (no staging)."""
+
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        zombies: dict[int, list[int]] = getattr(self, "_zombies", {})
+        zombies.update((t, self._pending[t][1]) for t in transfer_ids if t in self._pending)
+        self._zombies = zombies
+        super().cancel(transfer_ids)
+
+    def _land(self, tid: int, ok: bool, body: bytes) -> None:
+        local = getattr(self, "_zombies", {}).pop(tid, None)
+        if local is not None and ok and self._blocks is not None:
+            self._blocks[local] = np.frombuffer(body, np.uint8).reshape(len(local), -1)
+        super()._land(tid, ok, body)
+
+
+class SocketRemovePeerLandsLate(SocketCancelLandsLate):
+    """``remove_peer`` forgets the peer's reads but keeps its connection: their answers land
+    when the source resumes."""
+
+    def remove_peer(self, peer_id: str) -> list[int]:
+        self._peers.pop(peer_id, None)
+        self.cancel([t for t, (p, _) in self._pending.items() if p == peer_id])
+        return []
+
+
+SOCKET_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
+    "SocketCancelLandsLate": (SocketCancelLandsLate, ("test_cancel_is_final",)),
+    "SocketRemovePeerLandsLate": (SocketRemovePeerLandsLate, ("test_remove_peer_is_final",)),
+}
+"""Late landing over a two-sided transport whose source runs in another process."""
 
 
 # -- control ---------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ one it derives from.
 One pytest subprocess runs, for every variant, the suite tests named for its defect (a JUnit
 XML report gives each test's outcome); each variant must fail at least one of them, and the
 correct transport must pass all of them (so a failure is the defect's, not the harness's). The
-correct transports pass the whole suites in ``tests/example_plugin``.
+correct transports pass the whole suites in ``tests/example_plugin`` and
+``test_socket_reference.py``. The socket variants run with their source in a child process as
+well, so the late-landing rule is shown to catch bytes that land when a SIGSTOPped source
+resumes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ SUITE_RUN = textwrap.dedent(
     import broken
     from p2pkv_loopback import LoopbackControlTransport, LoopbackDataTransport
     from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
+    from socket_transport import SocketDataTransport
 
     FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediate
 
@@ -40,15 +44,18 @@ SUITE_RUN = textwrap.dedent(
         # test_x = None in a subclass removes an inherited test
         return {name: None for name in dir(suite) if name.startswith("test_") and name not in tests}
 
-    def add(suite, variants, correct):
+    def add(suite, variants, correct, prefix="", attrs=FAST):
         union = {t for _, tests in variants.values() for t in tests}
-        name = "TestCorrect" + suite.__name__
+        name = "TestCorrect" + prefix + suite.__name__
         globals()[name] = type(name, (suite,), {"transport": correct, **only(suite, union)})
         for variant, (cls, tests) in variants.items():
             name = "Test" + variant
-            globals()[name] = type(name, (suite,), {"transport": cls, **FAST, **only(suite, tests)})
+            body = {"transport": cls, **attrs, **only(suite, tests)}
+            globals()[name] = type(name, (suite,), body)
 
     add(DataTransportSuite, broken.DATA_VARIANTS, LoopbackDataTransport)
+    add(DataTransportSuite, broken.SOCKET_VARIANTS, SocketDataTransport, "Socket",
+        {"timeout": 5.0})  # real sockets, peers in a child process too
     add(ControlTransportSuite, broken.CONTROL_VARIANTS, LoopbackControlTransport)
     """
 )
@@ -96,14 +103,15 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Outcomes:
 
 
 @pytest.mark.parametrize(
-    "cls", ["TestCorrectDataTransportSuite", "TestCorrectControlTransportSuite"]
+    "cls", ["TestCorrectDataTransportSuite", "TestCorrectSocketDataTransportSuite",
+            "TestCorrectControlTransportSuite"]
 )
 def test_the_correct_transport_passes(outcomes: Outcomes, cls: str) -> None:
     failed = [t for t, o in outcomes[cls].items() if o == "failed"]
     assert outcomes[cls] and not failed, f"{cls}: the correct loopback transport failed {failed}"
 
 
-VARIANTS = {**broken.DATA_VARIANTS, **broken.CONTROL_VARIANTS}
+VARIANTS = {**broken.DATA_VARIANTS, **broken.SOCKET_VARIANTS, **broken.CONTROL_VARIANTS}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

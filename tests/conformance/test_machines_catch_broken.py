@@ -23,8 +23,10 @@ FIND = settings(max_examples=40, stateful_step_count=25, deadline=None, derandom
                 report_multiple_bugs=False)
 FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediate
 
-DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "SpillsIntoNextBlock",
-               "ReportsTwice", "ReportsCancelled", "CloseNotIdempotent"]
+DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "AcceptsDuplicateLocal",
+               "SpillsIntoNextBlock", "StillWrites", "ReportsTwice", "ReportsCancelled",
+               "CancelLandsLate", "RemovePeerLandsLate", "RemovePeerReturnsReads",
+               "CloseNotIdempotent"]
 CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "AcceptsTwice", "AcceptsBeforeFirstFrame",
                   "CloseInvisible", "SendAfterCloseSilently", "NewConnectionEachConnect"]
 

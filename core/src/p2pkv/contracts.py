@@ -269,7 +269,9 @@ class DataTransport(_Transport):
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         """Register a peer's region. Raises ``PeerRejected`` (with the reason) when the
         descriptor is malformed or the region shape does not match ours. Re-adding a known
-        peer replaces it: reads of the old registration are ended first (as ``cancel``)."""
+        peer with another descriptor (a new incarnation) replaces it: reads of the old
+        registration end first, finally (as ``cancel``). Re-adding it with the same
+        descriptor keeps the registration and its reads."""
 
     @abstractmethod
     def remove_peer(self, peer_id: str) -> list[int]:

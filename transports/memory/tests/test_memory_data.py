@@ -1,4 +1,4 @@
-"""The memory data transport against the DataTransport contract."""
+"""The memory data transport against the DataTransport contract (reads, final cancel)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from p2pkv.contracts import CancelMode, DataSettings
+from p2pkv.contracts import DataSettings
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
 from p2pkv_memory import MemoryDataTransport
 
@@ -40,10 +40,11 @@ def make() -> Iterator[Any]:
 
 
 def pair(make: Any, **options: Any) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """(consumer, producer, consumer's buffer (12 zero blocks), producer's buffer (8 blocks))."""
     src_buf, dst_buf = region(8), region(12, fill=0)
-    src, dst = make(src_buf, **options), make(dst_buf)
-    src.add_peer("dst", dst.descriptor())
-    return src, dst, src_buf, dst_buf
+    src, dst = make(src_buf), make(dst_buf, **options)
+    dst.add_peer("src", src.descriptor())
+    return dst, src, dst_buf, src_buf
 
 
 def blocks(buf: np.ndarray) -> np.ndarray:
@@ -53,113 +54,122 @@ def blocks(buf: np.ndarray) -> np.ndarray:
 def test_shape_and_capabilities(make: Any) -> None:
     t = make(region(8))
     assert (t.num_blocks, t.block_len) == (8, BLOCK)
-    assert not t.capabilities.cross_process and not t.capabilities.cross_host
+    caps = t.capabilities
+    assert not caps.cross_process and not caps.cross_host and not caps.two_sided
     assert t.kind == "data" and t.name == "memory"
 
 
-def test_writes_land_byte_exactly_at_scattered_remote_indexes(make: Any) -> None:
-    src, _dst, src_buf, dst_buf = pair(make)
-    tid = src.write_blocks("dst", [0, 5, 2], [11, 3, 7])
-    assert src.poll("dst") == ([tid], [])
+def test_reads_land_byte_exactly_at_scattered_local_indexes(make: Any) -> None:
+    dst, _src, dst_buf, src_buf = pair(make)
+    before = src_buf.copy()
+    tid = dst.read_blocks("src", [11, 3, 7], [0, 5, 2])
+    assert dst.poll("src") == ([tid], [])
     expected = np.zeros((12, BLOCK), dtype=np.uint8)
     expected[[11, 3, 7]] = blocks(src_buf)[[0, 5, 2]]
     assert np.array_equal(blocks(dst_buf), expected)
-    assert src.poll("dst") == ((), ())
+    assert np.array_equal(src_buf, before), "a read never writes the source"
+    assert dst.poll("src") == ((), ())
 
 
 @given(
     st.lists(
-        st.tuples(st.integers(0, 7), st.integers(0, 11)), max_size=12, unique_by=lambda p: p[1]
+        st.tuples(st.integers(0, 11), st.integers(0, 7)),
+        min_size=1, max_size=12, unique_by=lambda p: p[0],
     )
 )
-def test_any_write_lands_exactly(pairs: list[tuple[int, int]]) -> None:
+def test_any_read_lands_exactly(pairs: list[tuple[int, int]]) -> None:
     src_buf, dst_buf = region(8), region(12, fill=0)
     src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
     dst = MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK))
     try:
-        src.add_peer("dst", dst.descriptor())
+        dst.add_peer("src", src.descriptor())
         local = [p[0] for p in pairs]
         remote = [p[1] for p in pairs]
-        tid = src.write_blocks("dst", local, remote)
-        assert src.poll("dst").done == [tid]
+        tid = dst.read_blocks("src", local, remote)
+        assert dst.poll("src").done == [tid]
         expected = np.zeros((12, BLOCK), dtype=np.uint8)
-        expected[remote] = blocks(src_buf)[local]
+        expected[local] = blocks(src_buf)[remote]
         assert np.array_equal(blocks(dst_buf), expected)
     finally:
         src.close()
         dst.close()
 
 
-def test_numpy_index_arrays_are_accepted(make: Any) -> None:
-    src, _dst, src_buf, dst_buf = pair(make)
-    src.write_blocks("dst", np.array([1, 2]), np.array([3, 4], dtype=np.uint32))
-    src.poll("dst")
-    assert np.array_equal(blocks(dst_buf)[3:5], blocks(src_buf)[1:3])
+def test_numpy_indexes_are_accepted(make: Any) -> None:
+    dst, _src, dst_buf, src_buf = pair(make)
+    dst.read_blocks("src", np.array([3, 4]), np.array([1, 2], dtype=np.uint32))
+    dst.read_blocks("src", [np.int64(5), np.int32(6)], [np.uint8(3), 4])
+    dst.poll("src")
+    assert np.array_equal(blocks(dst_buf)[3:7], blocks(src_buf)[1:5])
 
 
 def test_completion_polls_copy_at_completion(make: Any) -> None:
-    src, _dst, src_buf, dst_buf = pair(make, completion_polls=2)
-    tid = src.write_blocks("dst", [1], [0])
-    assert src.poll("dst") == ((), ())
-    assert src.poll("dst") == ((), ())
+    dst, _src, dst_buf, src_buf = pair(make, completion_polls=2)
+    tid = dst.read_blocks("src", [0], [1])
+    assert dst.poll("src") == ((), ())
+    assert dst.poll("src") == ((), ())
     assert not blocks(dst_buf)[0].any()
-    assert src.poll("dst") == ([tid], [])
-    assert np.array_equal(blocks(dst_buf)[0], blocks(src_buf)[1])
+    blocks(src_buf)[1] = 77  # the source changed before the read completed: it copies this
+    assert dst.poll("src") == ([tid], [])
+    assert (blocks(dst_buf)[0] == 77).all()
 
 
 def test_poll_is_scoped_per_peer(make: Any) -> None:
-    src = make(region(8))
-    a, b = make(region(8, fill=0)), make(region(8, fill=0))
-    src.add_peer("a", a.descriptor())
-    src.add_peer("b", b.descriptor())
-    ta = src.write_blocks("a", [0], [0])
-    tb = src.write_blocks("b", [1], [1])
-    assert src.poll("a") == ([ta], [])
-    assert src.poll("a") == ((), ())
-    assert src.poll("unknown") == ((), ())
-    assert src.poll("b") == ([tb], [])
-    tc, td = src.write_blocks("a", [2], [2]), src.write_blocks("b", [3], [3])
-    done = src.poll(None).done
-    assert sorted(done) == [tc, td]
+    dst = make(region(8, fill=0))
+    a, b = make(region(8)), make(region(8))
+    dst.add_peer("a", a.descriptor())
+    dst.add_peer("b", b.descriptor())
+    ta = dst.read_blocks("a", [0], [0])
+    tb = dst.read_blocks("b", [1], [1])
+    assert dst.poll("a") == ([ta], [])
+    assert dst.poll("a") == ((), ())
+    assert dst.poll("unknown") == ((), ())
+    assert dst.poll("b") == ([tb], [])
+    tc, td = dst.read_blocks("a", [2], [2]), dst.read_blocks("b", [3], [3])
+    assert sorted(dst.poll(None).done) == [tc, td]
 
 
 @pytest.mark.parametrize(
     ("local", "remote", "match"),
     [
-        ([8], [0], "local block index 8"),
+        ([12], [0], "local block index 12"),
         ([-1], [0], "local block index -1"),
-        ([0], [12], "remote .* block index 12"),
+        ([0], [8], "remote .* block index 8"),
         ([0, 1], [0], "2 local but 1 remote"),
+        ([0, 0], [1, 2], "local block index 0 is named twice"),
+        ([], [], "empty"),
         ([0.5], [0], "integers"),
         ([[0]], [[0]], "integers"),
         ([True], [0], "integers"),
     ],
 )
-def test_bounds_checked_before_anything_is_posted(
+def test_indexes_checked_before_anything_is_posted(
     make: Any, local: Any, remote: Any, match: str
 ) -> None:
-    src, _dst, _src_buf, dst_buf = pair(make)
+    dst, _src, dst_buf, _src_buf = pair(make)
     with pytest.raises(TransferSubmitError, match=match):
-        src.write_blocks("dst", local, remote)
-    assert src.poll(None) == ((), ())
+        dst.read_blocks("src", local, remote)
+    assert dst.poll(None) == ((), ())
     assert not dst_buf.any()
 
 
+def test_the_same_remote_block_may_fill_two_slots(make: Any) -> None:
+    dst, _src, dst_buf, src_buf = pair(make)
+    tid = dst.read_blocks("src", [0, 1], [4, 4])
+    assert dst.poll("src").done == [tid]
+    assert np.array_equal(blocks(dst_buf)[0], blocks(src_buf)[4])
+    assert np.array_equal(blocks(dst_buf)[1], blocks(src_buf)[4])
+
+
 def test_unknown_peer_is_a_submit_error(make: Any) -> None:
-    src = make(region(8))
+    dst = make(region(8))
     with pytest.raises(TransferSubmitError, match="unknown peer"):
-        src.write_blocks("nobody", [0], [0])
-
-
-def test_empty_write_completes(make: Any) -> None:
-    src, *_ = pair(make)
-    tid = src.write_blocks("dst", [], [])
-    assert src.poll("dst").done == [tid]
+        dst.read_blocks("nobody", [0], [0])
 
 
 def test_ids_are_unique(make: Any) -> None:
-    src, *_ = pair(make)
-    ids = [src.write_blocks("dst", [0], [0]) for _ in range(5)]
+    dst, *_ = pair(make)
+    ids = [dst.read_blocks("src", [0], [0]) for _ in range(5)]
     assert len(set(ids)) == 5
 
 
@@ -203,8 +213,8 @@ def test_descriptor_shape_must_match_region(make: Any) -> None:
         ({"nope": 1}, "nope"),
         ({"completion_polls": -1}, "completion_polls"),
         ({"completion_polls": 1.5}, "completion_polls"),
-        ({"wait_cancel_refuses": 1}, "wait_cancel_refuses"),
-        ({"drain_polls": -2}, "drain_polls"),
+        ({"wait_cancel_refuses": True}, "wait_cancel_refuses"),  # gone with CancelMode
+        ({"drain_polls": 2}, "drain_polls"),  # nothing to drain: reads end at once
     ],
 )
 def test_bad_options_name_the_key(make: Any, options: dict[str, Any], key: str) -> None:
@@ -227,89 +237,93 @@ def test_bad_region_is_a_config_error(buf: memoryview, block_len: int, match: st
         MemoryDataTransport.create(DataSettings(buf, block_len))
 
 
-def test_wait_cancel_stops_uncopied_transfer(make: Any) -> None:
-    src, _dst, _src_buf, dst_buf = pair(make, completion_polls=1)
-    tid = src.write_blocks("dst", [0], [0])
-    assert src.cancel([tid, 999], CancelMode.WAIT) == []
-    assert src.poll("dst") == ((), ())
-    assert src.poll("dst") == ((), ())
+# -- ending reads: final, never copied, never reported ---------------------------------------
+
+
+def test_cancel_is_final(make: Any) -> None:
+    dst, _src, dst_buf, _src_buf = pair(make, completion_polls=1)
+    tid = dst.read_blocks("src", [0], [0])
+    assert dst.cancel([tid, 999]) is None
+    for _ in range(3):
+        assert dst.poll("src") == ((), ())
+    assert not dst_buf.any(), "a cancelled read copied"
+
+
+def test_cancel_of_a_reported_id_is_ignored(make: Any) -> None:
+    dst, *_ = pair(make)
+    tid = dst.read_blocks("src", [0], [0])
+    assert dst.poll("src").done == [tid]
+    dst.cancel([tid])
+    assert dst.poll(None) == ((), ())
+
+
+def test_remove_peer_ends_its_reads_finally(make: Any) -> None:
+    dst, src, dst_buf, _src_buf = pair(make, completion_polls=2)
+    other = make(region(8))
+    dst.add_peer("other", other.descriptor())
+    gone = dst.read_blocks("src", [0], [0])
+    kept = dst.read_blocks("other", [1], [1])
+    assert dst.remove_peer("src") == [], "no internal transfers: nothing is ever undrained"
+    with pytest.raises(TransferSubmitError, match="unknown peer"):
+        dst.read_blocks("src", [0], [0])
+    dst.add_peer("src", src.descriptor())
+    seen = [dst.poll(None) for _ in range(4)]
+    assert [tid for r in seen for tid in r.done] == [kept]
+    assert gone not in {tid for r in seen for tid in (*r.done, *r.failed)}
+    assert not blocks(dst_buf)[0].any(), "a read of a removed peer copied later"
+    assert dst.remove_peer("never-added") == []
+
+
+def test_readd_peer_ends_the_old_registrations_reads(make: Any) -> None:
+    dst = make(region(8, fill=0), completion_polls=1)
+    a, b = make(region(8)), make(region(4))
+    dst.add_peer("p", a.descriptor())
+    old = dst.read_blocks("p", [0], [0])
+    dst.add_peer("p", b.descriptor())
+    with pytest.raises(TransferSubmitError, match="remote"):
+        dst.read_blocks("p", [0], [5])  # the new registration's shape
+    assert dst.poll("p") == ((), ())
+    assert dst.poll("p") == ((), ())
+    assert old  # ended, never reported
+
+
+def test_close_ends_reads_and_refuses_later_calls(make: Any) -> None:
+    src_buf, dst_buf = region(8), region(8, fill=0)
+    dst = MemoryDataTransport.create(
+        DataSettings(memoryview(dst_buf), BLOCK, {"completion_polls": 1})
+    )
+    src = make(src_buf)
+    dst.add_peer("src", src.descriptor())
+    dst.read_blocks("src", [0], [0])
+    assert dst.close() == []
+    assert dst.close() == []
+    assert dst.poll(None) == ((), ())
+    dst.cancel([1])
+    assert dst.remove_peer("src") == []
+    with pytest.raises(TransferSubmitError, match="closed"):
+        dst.read_blocks("src", [0], [0])
+    with pytest.raises(PeerRejected, match="closed"):
+        dst.add_peer("src", src.descriptor())
     assert not dst_buf.any()
 
 
-def test_wait_cancel_keeps_in_flight_ids_when_refusing(make: Any) -> None:
-    src, *_ = pair(make, completion_polls=1, wait_cancel_refuses=True)
-    tid = src.write_blocks("dst", [0], [0])
-    assert src.cancel([tid], CancelMode.WAIT) == [tid]
-    assert src.poll("dst") == ((), ())
-    assert src.poll("dst") == ([tid], [])
-
-
-def test_immediate_cancel_forgets(make: Any) -> None:
-    src, *_ = pair(make, wait_cancel_refuses=True)
-    tid = src.write_blocks("dst", [0], [0])
-    assert src.cancel([tid], CancelMode.IMMEDIATE) == []
-    assert src.poll(None) == ((), ())
-
-
-def test_remove_peer_drains_or_returns_undrained(make: Any) -> None:
-    src, _dst, _src_buf, dst_buf = pair(
-        make, completion_polls=5, wait_cancel_refuses=True, drain_polls=2
-    )
-    tid = src.write_blocks("dst", [0], [0])
-    assert src.remove_peer("dst") == [tid]
-    with pytest.raises(TransferSubmitError, match="unknown peer"):
-        src.write_blocks("dst", [0], [0])
-    for _ in range(3):
-        src.poll("dst")
-    assert src.poll("dst") == ([tid], [])
-    assert dst_buf.any()
-
-
-def test_remove_peer_drains_within_budget(make: Any) -> None:
-    src, *_ = pair(make, completion_polls=2, wait_cancel_refuses=True, drain_polls=5)
-    src.write_blocks("dst", [0], [0])
-    assert src.remove_peer("dst") == []
-    assert src.poll(None) == ((), ())
-    assert src.remove_peer("never-added") == []
-
-
-def test_close_returns_undrained_and_keeps_region(make: Any) -> None:
-    src_buf, dst_buf = region(8), region(8, fill=0)
-    src = MemoryDataTransport.create(
-        DataSettings(memoryview(src_buf), BLOCK,
-                     {"completion_polls": 1, "wait_cancel_refuses": True, "drain_polls": 1})
-    )
-    dst = make(dst_buf)
-    other = make(region(8, fill=0))
-    other.add_peer("src", src.descriptor())
-    src.add_peer("dst", dst.descriptor())
-    tid = src.write_blocks("dst", [0], [0])
-    assert src.close() == [tid]
-    other.write_blocks("src", [0], [0])  # region still registered: writes into it still work
-    assert other.poll("src").done
-    assert src.close() == []  # each close polls drain_polls more times: now it drained
-    with pytest.raises(TransferSubmitError, match="closed"):
-        src.write_blocks("dst", [0], [0])
-
-
-def test_write_into_closed_region_fails(make: Any) -> None:
-    src, dst, *_ = pair(make, completion_polls=1)
+def test_read_from_a_closed_region_fails(make: Any) -> None:
+    dst, src, *_ = pair(make, completion_polls=1)
     eager = make(region(8))
-    eager.add_peer("dst", dst.descriptor())
-    tid = src.write_blocks("dst", [0], [0])
-    dst.close()
-    assert src.poll("dst") == ((), ())
-    assert src.poll("dst") == ([], [tid])
+    eager.add_peer("src", src.descriptor())
+    tid = dst.read_blocks("src", [0], [0])
+    src.close()
+    assert dst.poll("src") == ((), ())
+    assert dst.poll("src") == ([], [tid])
     with pytest.raises(TransferSubmitError, match="no longer registered"):
-        eager.write_blocks("dst", [0], [0])
+        eager.read_blocks("src", [0], [0])
     with pytest.raises(PeerRejected, match="not registered"):
-        make(region(8)).add_peer("dst", dst.descriptor())
+        make(region(8)).add_peer("src", src.descriptor())
 
 
-def test_readd_peer_replaces_it(make: Any) -> None:
-    src = make(region(8))
-    a, b = make(region(8, fill=0)), make(region(4, fill=0))
-    src.add_peer("p", a.descriptor())
-    src.add_peer("p", b.descriptor())
-    with pytest.raises(TransferSubmitError, match="remote"):
-        src.write_blocks("p", [0], [5])
+def test_a_closed_consumer_is_not_readable(make: Any) -> None:
+    dst, src, *_ = pair(make)
+    src.add_peer("dst", dst.descriptor())
+    dst.close()
+    with pytest.raises(TransferSubmitError, match="no longer registered"):
+        src.read_blocks("dst", [0], [0])

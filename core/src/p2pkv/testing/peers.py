@@ -9,9 +9,13 @@ suite test runs unchanged in either mode.
 
 In-process peers do I/O only when pumped (``pump()``: ``progress()`` for data, ``poll(0)`` for
 control); a host pumps its peers continuously between harness calls, so a child peer behaves
-like a live serving process. Errors raised by a child peer's transport are re-raised here with
-the same class when it is a p2pkv error or a builtin exception (otherwise
-:class:`RemotePeerError`), so suites can assert error types across processes.
+like a live serving process. ``pause()`` makes a data peer stop serving (a same-process peer is
+no longer pumped; a child peer's whole host is SIGSTOPped, so no harness call may go to it
+until ``resume()``): that is how the kit posts a read that cannot complete yet.
+
+Errors raised by a child peer's transport are re-raised here with the same class when it is a
+p2pkv error or a builtin exception (otherwise :class:`RemotePeerError`), so suites can assert
+error types across processes.
 
 Threading: a peer is driven by one thread, like the transport it wraps.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 import builtins
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,7 +34,6 @@ import numpy.typing as npt
 
 from p2pkv import errors
 from p2pkv.contracts import (
-    CancelMode,
     ControlConnection,
     ControlSettings,
     ControlTransport,
@@ -99,18 +102,18 @@ class DataPeer(ABC):
     def remove_peer(self, peer_id: str) -> list[int]: ...
 
     @abstractmethod
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
-    ) -> int: ...
-
-    @abstractmethod
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None: ...
+    ) -> int:
+        """The transport's ``read_blocks``: the peer's blocks into ours."""
 
     @abstractmethod
     def poll(self, peer_id: str | None = None) -> PollResult: ...
 
     @abstractmethod
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]: ...
+    def cancel(self, transfer_ids: Sequence[int]) -> object:
+        """The transport's ``cancel``; returns what it returned (None by the contract: the
+        kit's ``PollLog`` checks)."""
 
     @abstractmethod
     def region_bytes(self) -> bytes:
@@ -119,6 +122,18 @@ class DataPeer(ABC):
     @abstractmethod
     def fill(self, seed: int) -> None:
         """Overwrite the peer's region with ``pattern(seed, ...)``."""
+
+    @abstractmethod
+    def set_blocks(self, idxs: Sequence[int], data: bytes) -> None:
+        """Overwrite blocks ``idxs`` of the region with ``data`` (``len(idxs)`` blocks), as an
+        engine reusing slots does: a canary that no late byte may change."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Stop serving until ``resume`` (see the module docstring)."""
+
+    @abstractmethod
+    def resume(self) -> None: ...
 
     @abstractmethod
     def close(self) -> list[int]: ...
@@ -141,6 +156,8 @@ class LocalDataPeer(DataPeer):
             DataSettings(region=self.array.data, block_len=block_len, options=options)
         )
         self._descriptor = self.transport.descriptor()
+        self._block_len = block_len
+        self.paused = False
 
     @property
     def descriptor(self) -> bytes:
@@ -155,7 +172,14 @@ class LocalDataPeer(DataPeer):
         return self.transport.block_len
 
     def pump(self) -> None:
-        self.transport.progress()
+        if not self.paused:
+            self.transport.progress()
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         self.transport.add_peer(peer_id, descriptor)
@@ -163,26 +187,29 @@ class LocalDataPeer(DataPeer):
     def remove_peer(self, peer_id: str) -> list[int]:
         return list(self.transport.remove_peer(peer_id))
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
-        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs)
-
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
-        return self.transport.expect_blocks(peer_id, local_idxs)
+        return self.transport.read_blocks(peer_id, local_idxs, remote_idxs)
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         result = self.transport.poll(peer_id)
         return PollResult(list(result.done), list(result.failed))
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
-        return list(self.transport.cancel(transfer_ids, mode))
+    def cancel(self, transfer_ids: Sequence[int]) -> object:
+        cancel: Callable[[Sequence[int]], object] = self.transport.cancel
+        return cancel(transfer_ids)
 
     def region_bytes(self) -> bytes:
         return self.array.tobytes()
 
     def fill(self, seed: int) -> None:
         self.array[:] = pattern(seed, self.array.size)
+
+    def set_blocks(self, idxs: Sequence[int], data: bytes) -> None:
+        b = self._block_len  # not the transport's: it may be closed by now
+        blocks = self.array.reshape(-1, b)
+        blocks[list(idxs)] = np.frombuffer(data, dtype=np.uint8).reshape(-1, b)
 
     def close(self) -> list[int]:
         return list(self.transport.close())
@@ -304,12 +331,12 @@ _PEER_METHODS = frozenset(
     {
         "add_peer",
         "remove_peer",
-        "write_blocks",
-        "expect_blocks",
+        "read_blocks",
         "poll",
         "cancel",
         "region_bytes",
         "fill",
+        "set_blocks",
         "close",
         "connect",
         "accepted",
@@ -497,21 +524,18 @@ class ChildDataPeer(DataPeer):
     def remove_peer(self, peer_id: str) -> list[int]:
         return list(self._call("remove_peer", peer_id))
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
-        return int(self._call("write_blocks", peer_id, list(local_idxs), list(remote_idxs)))
-
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
-        result = self._call("expect_blocks", peer_id, list(local_idxs))
-        return None if result is None else int(result)
+        local, remote = _plain(local_idxs), _plain(remote_idxs)
+        return int(self._call("read_blocks", peer_id, local, remote))
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         result = self._call("poll", peer_id)
         return PollResult(list(result[0]), list(result[1]))
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
-        return list(self._call("cancel", list(transfer_ids), mode))
+    def cancel(self, transfer_ids: Sequence[int]) -> object:
+        return self._call("cancel", _plain(transfer_ids))
 
     def region_bytes(self) -> bytes:
         return bytes(self._call("region_bytes"))
@@ -519,8 +543,25 @@ class ChildDataPeer(DataPeer):
     def fill(self, seed: int) -> None:
         self._call("fill", seed)
 
+    def set_blocks(self, idxs: Sequence[int], data: bytes) -> None:
+        self._call("set_blocks", _plain(idxs), bytes(data))
+
+    def pause(self) -> None:
+        """SIGSTOP the host: every peer it holds stops (no call may go to them meanwhile)."""
+        self.host.pause()
+
+    def resume(self) -> None:
+        self.host.resume()
+
     def close(self) -> list[int]:
         return list(self._call("close"))
+
+
+def _plain(idxs: Sequence[int]) -> list[Any]:
+    """Indexes as a plain list for the pipe (ints stay ints; anything else goes as it is, so
+    the child's transport refuses it as it would here)."""
+    return [int(i) if isinstance(i, (int, np.integer)) and not isinstance(i, bool) else i
+            for i in idxs]
 
 
 class ChildControlPeer(ControlPeer):

@@ -13,14 +13,18 @@ every step that the two agree. Subclass, set ``transport`` (and ``options``), an
     def test_my_data_transport_state_machine():
         run_state_machine_as_test(MyDataMachine)
 
-:class:`DataTransportMachine` -- rules: write (valid, and out of range), poll (one peer or all),
-progress, pump the peers, cancel ``WAIT`` and ``IMMEDIATE``, kill (close) a peer, remove and
-re-add a peer. Model: the expected bytes of every peer slot (known, in flight, or unknown after
-a failed or stopped transfer) and every transfer's state (pending, done, failed, cancelled).
-Invariants: no byte outside the slots named by a write ever changes, our own region never
-changes, a done transfer's slots hold exactly its source bytes, every id is reported at most
-once and never after it was cancelled, and at teardown every transfer has reached exactly one
-terminal state.
+:class:`DataTransportMachine` -- the transport under test reads from a few peers. Rules: read
+(valid; slots drawn by index into the free ones, so no timing reaches hypothesis), bad reads
+(out of range, negative, a local slot twice, lengths differ, empty), poll (one peer or all),
+progress, pump the peers (progress and poll: the serving side), cancel, kill (close) a peer,
+remove a peer, re-add a removed one. Model: our region, exact outside the slots of pending
+reads; like an engine, the machine overwrites a read's slots with a fresh canary the moment
+the read is reported, cancelled or its peer removed. Invariants: the peers' (source) regions
+never change; outside pending reads our region is exactly the model (no stray write, and no
+late landing after ``cancel``, ``remove_peer`` or a report);
+a done read's slots hold exactly its source blocks; every id is reported at most once and
+never after it was ended; ``remove_peer`` and ``close`` return no read id; at teardown every
+read has reached exactly one terminal state or was ended.
 
 :class:`ControlTransportMachine` -- rules: dial, send (either way), pump, close a connection
 from either end, kill (close) a peer transport, redial. Model: for every connection, the frames
@@ -29,11 +33,12 @@ order, with nothing from another connection; every inbound connection is accepte
 closed end refuses sends; at teardown every frame sent on a live connection has arrived and
 every closed connection is seen dead by the other end.
 
-Capabilities gate rules (``wait_cancel``); machines use same-process peers only.
+Machines use same-process peers only.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,9 +47,9 @@ from typing import Any, ClassVar, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from p2pkv.contracts import CancelMode, Capabilities, ControlTransport, DataTransport
+from p2pkv.contracts import Capabilities, ControlTransport, DataTransport
 from p2pkv.errors import ConnectionClosed, TransferSubmitError, TransportUnavailable
-from p2pkv.testing.peers import LocalControlPeer, LocalDataPeer
+from p2pkv.testing.peers import LocalControlPeer, LocalDataPeer, pattern
 from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.strategies import binary_frames
 from p2pkv.testing.waiting import pumping_in_background, quietly, wait_until
@@ -79,14 +84,17 @@ def _pick(data: st.DataObject, items: Sequence[_T], label: str) -> _T | None:
 
 
 @dataclass
-class _Transfer:
+class _Read:
     tid: int
     peer: str
-    remote: list[int]
+    local: list[int]
     payload: list[bytes]
-    expect_id: int | None
-    state: str = "pending"  # pending | done | failed | cancelled | undrained
-    verified: bool = False
+    """The peer's source blocks (sources never change)."""
+    state: str = "pending"  # pending | done | failed | ended
+
+
+_BAD_READS = ("local-too-big", "local-negative", "remote-too-big", "remote-negative",
+              "local-duplicate", "lengths-differ", "empty")
 
 
 class DataTransportMachine(RuleBasedStateMachine):
@@ -106,130 +114,121 @@ class DataTransportMachine(RuleBasedStateMachine):
         n, b = self.num_blocks, self.block_len
         self.local = LocalDataPeer(cls, n, b, self.options)
         self.local.fill(1)
-        self.local_bytes = self.local.region_bytes()
+        self.expected = bytearray(self.local.region_bytes())
+        """Our region as the model knows it, exact outside the slots of pending reads."""
+        self.busy: dict[int, int] = {}
+        """Our slot -> the pending read that owns it."""
         self.peers = {
             f"p{i}": LocalDataPeer(cls, n, b, self.options) for i in range(self.peer_count)
         }
         self.log = PollLog(self.local.poll, self.local.cancel, "transport under test")
         self.peer_logs: dict[str, PollLog] = {}
-        self.model: dict[str, bytearray] = {}
-        self.unknown: dict[str, set[int]] = {}
-        self.busy: dict[str, set[int]] = {}
+        self.sources: dict[str, bytes] = {}
         for i, (pid, peer) in enumerate(self.peers.items()):
             peer.fill(10 + i)
             self.local.add_peer(pid, peer.descriptor)
             peer.add_peer("local", self.local.descriptor)
             self.peer_logs[pid] = PollLog(peer.poll, peer.cancel, f"peer {pid}")
-            self.model[pid] = bytearray(peer.region_bytes())
-            self.unknown[pid] = set()
-            self.busy[pid] = set()
-        self.transfers: dict[int, _Transfer] = {}
+            self.sources[pid] = peer.region_bytes()
+        self.reads: dict[int, _Read] = {}
         self.dead: set[str] = set()
         self.removed: set[str] = set()
+        self.canaries = itertools.count(1 << 20)
+        self.failed = False
+        """A rule failed in a way that leaves the model behind: teardown only closes."""
 
     # -- helpers --------------------------------------------------------------------------
 
     def _block(self, region: bytes | bytearray, idx: int) -> bytes:
         return bytes(region[idx * self.block_len:(idx + 1) * self.block_len])
 
-    def _pending(self, peer: str | None = None) -> list[_Transfer]:
-        return [t for t in self.transfers.values()
+    def _pending(self, peer: str | None = None) -> list[_Read]:
+        return [t for t in self.reads.values()
                 if t.state == "pending" and (peer is None or t.peer == peer)]
 
-    def _release(self, t: _Transfer, known: bool) -> None:
-        """The transfer is over: its slots hold its payload (known) or anything (unknown)."""
-        for idx, block in zip(t.remote, t.payload, strict=True):
-            self.busy[t.peer].discard(idx)
-            if known:
-                b = self.block_len
-                self.model[t.peer][idx * b:(idx + 1) * b] = block
-                self.unknown[t.peer].discard(idx)
-            else:
-                self.unknown[t.peer].add(idx)
+    def _end(self, t: _Read, state: str) -> None:
+        """The read is over: its slots are ours again, and like an engine we reuse them at
+        once (a canary no late byte of any read may change)."""
+        t.state = state
+        for idx in t.local:
+            del self.busy[idx]
+        canary = pattern(next(self.canaries), len(t.local) * self.block_len).tobytes()
+        self.local.set_blocks(t.local, canary)
+        b = self.block_len
+        for k, idx in enumerate(t.local):
+            self.expected[idx * b:(idx + 1) * b] = canary[k * b:(k + 1) * b]
 
-    def _settle(self) -> None:
-        """Verify and release done transfers whose (two-sided) receive is done as well."""
-        for t in self.transfers.values():
-            if t.state != "done" or t.verified:
-                continue
-            if t.peer in self.dead:
-                t.verified = True
-                self._release(t, known=False)
-                continue
-            plog = self.peer_logs[t.peer]
-            if t.expect_id is not None:
-                if t.expect_id in plog.failed:
-                    t.verified = True
-                    self._release(t, known=False)
-                    continue
-                if t.expect_id not in plog.done:
-                    continue
-            region = self.peers[t.peer].region_bytes()
-            for idx, block in zip(t.remote, t.payload, strict=True):
-                assert self._block(region, idx) == block, (
-                    f"transfer {t.tid} reported done but peer {t.peer} block {idx} lacks its bytes"
-                )
-            t.verified = True
-            self._release(t, known=True)
-
-    def _record(self, done: list[int], failed: list[int]) -> None:
+    def _record(self, done: Sequence[int], failed: Sequence[int]) -> None:
+        region = self.local.region_bytes()
         for tid in done:
-            self.transfers[tid].state = "done"
+            t = self.reads[tid]
+            for idx, block in zip(t.local, t.payload, strict=True):
+                assert self._block(region, idx) == block, (
+                    f"read {tid} reported done but our block {idx} lacks peer {t.peer}'s bytes"
+                )
+            self._end(t, "done")
         for tid in failed:
-            t = self.transfers[tid]
-            t.state = "failed"
-            t.verified = True
-            self._release(t, known=False)
-        self._settle()
+            self._end(self.reads[tid], "failed")
 
     def _live(self, pid: str) -> bool:
         return pid not in self.dead and pid not in self.removed
 
+    def _live_pumps(self) -> list[Any]:
+        return [p.pump for q, p in self.peers.items() if q not in self.dead]
+
     # -- rules ----------------------------------------------------------------------------
 
-    @rule(data=st.data())
-    def write(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def read(self, data: st.DataObject, k: int) -> None:
+        """Read ``k`` blocks into free slots. Which slots are free depends on when earlier
+        reads finished (timing), so the draws never do: slots are drawn as indexes into
+        the free list, whatever its length."""
         pid = data.draw(st.sampled_from(sorted(self.peers)), label="peer")
-        free = sorted(set(range(self.num_blocks)) - self.busy[pid])
+        picks = data.draw(st.lists(st.integers(0, 63), min_size=k, max_size=k), label="slots")
+        remote = data.draw(st.lists(st.integers(0, self.num_blocks - 1), min_size=k,
+                                    max_size=k), label="remote")
+        free = [s for s in range(self.num_blocks) if s not in self.busy]
         if not free:
             return
-        remote = data.draw(st.lists(st.sampled_from(free), min_size=1, max_size=3, unique=True),
-                           label="remote")
-        local = data.draw(st.lists(st.integers(0, self.num_blocks - 1), min_size=len(remote),
-                                   max_size=len(remote)), label="local")
-        eid = None
-        if self.caps.two_sided and self._live(pid):
-            eid = self.peers[pid].expect_blocks("local", remote)
-            assert eid is not None, "a two_sided transport must return an id from expect_blocks"
-            self.peer_logs[pid].submitted(eid, "local")
+        local = list(dict.fromkeys(free[p % len(free)] for p in picks))
+        remote = remote[:len(local)]
         try:
-            tid = self.log.submitted(self.local.write_blocks(pid, local, remote), pid)
+            tid = self.log.submitted(self.local.read_blocks(pid, local, remote), pid)
         except TransferSubmitError:
-            assert not self._live(pid), f"a valid write to live peer {pid} was refused"
-            if eid is not None:
-                self.peer_logs[pid].cancel([eid], CancelMode.WAIT)
+            assert not self._live(pid), f"a valid read from live peer {pid} was refused"
             return
-        payload = [self._block(self.local_bytes, i) for i in local]
-        self.transfers[tid] = _Transfer(tid, pid, remote, payload, eid)
-        self.busy[pid].update(remote)
+        payload = [self._block(self.sources[pid], i) for i in remote]
+        self.reads[tid] = _Read(tid, pid, local, payload)
+        self.busy.update(dict.fromkeys(local, tid))
 
-    @rule(data=st.data(), side=st.sampled_from(["local", "remote"]),
-          bad=st.sampled_from(["too-big", "negative"]))
-    def write_out_of_range(self, data: st.DataObject, side: str, bad: str) -> None:
+    @rule(data=st.data(), bad=st.sampled_from(_BAD_READS))
+    def read_refused(self, data: st.DataObject, bad: str) -> None:
+        """Bad indexes are refused before anything is posted (the invariants check nothing
+        of ours changed)."""
         pid = data.draw(st.sampled_from(sorted(self.peers)), label="peer")
-        wrong = self.num_blocks if bad == "too-big" else -1
-        local, remote = ([wrong], [0]) if side == "local" else ([0], [wrong])
+        n = self.num_blocks
+        local, remote = {
+            "local-too-big": ([n], [0]),
+            "local-negative": ([-1], [0]),
+            "remote-too-big": ([0], [n]),
+            "remote-negative": ([0], [-1]),
+            "local-duplicate": ([1, 1], [2, 3]),
+            "lengths-differ": ([0, 1], [0]),
+            "empty": ([], []),
+        }[bad]
         try:
-            tid = self.local.write_blocks(pid, local, remote)
+            tid = self.local.read_blocks(pid, local, remote)
         except TransferSubmitError:
             return
-        raise AssertionError(f"write_blocks accepted {side} index {wrong} (id {tid})")
+        self.failed = True  # its id is unknown to the model: teardown must not mask this
+        raise AssertionError(f"read_blocks accepted a bad read ({bad}: {local} <- {remote}, "
+                             f"id {tid})")
 
     @rule(data=st.data())
     def poll(self, data: st.DataObject) -> None:
         scope = data.draw(st.sampled_from([*sorted(self.peers), None]), label="scope")
         result = self.log.poll(scope)
-        self._record(list(result.done), list(result.failed))
+        self._record(result.done, result.failed)
 
     @rule()
     def progress(self) -> None:
@@ -237,50 +236,24 @@ class DataTransportMachine(RuleBasedStateMachine):
 
     @rule()
     def pump_peers(self) -> None:
+        """Peers progress and poll (a two-sided peer serves our reads there; it must never
+        report anything: it posted nothing)."""
         for pid, peer in self.peers.items():
             if pid not in self.dead:
                 peer.pump()
                 self.peer_logs[pid].poll("local")
-        self._settle()
 
-    @precondition(lambda self: self.caps.wait_cancel)
     @rule(data=st.data())
-    def cancel_wait(self, data: st.DataObject) -> None:
+    def cancel(self, data: st.DataObject) -> None:
         indexes = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=8),
                             label="cancel")
         pending = self._pending()
         if not pending:
             return
-        chosen = list({id(t): t for t in (pending[i % len(pending)] for i in indexes)}.values())
-        kept = set(self.log.cancel([t.tid for t in chosen], CancelMode.WAIT))
+        chosen = list({t.tid: t for t in (pending[i % len(pending)] for i in indexes)}.values())
+        self.log.cancel([t.tid for t in chosen])
         for t in chosen:
-            if t.tid in kept:
-                continue
-            t.state = "cancelled"
-            self._release(t, known=False)
-            if t.expect_id is not None and t.peer not in self.dead:
-                self.peer_logs[t.peer].cancel([t.expect_id], CancelMode.WAIT)
-
-    @rule(data=st.data())
-    def cancel_immediate(self, data: st.DataObject) -> None:
-        """IMMEDIATE is only for dead transfers: those whose bytes are already in place."""
-        t = _pick(data, self._landed(), "landed")
-        if t is None:
-            return
-        assert self.log.cancel([t.tid], CancelMode.IMMEDIATE) == []
-        t.state = "cancelled"
-        self._release(t, known=True)
-
-    def _landed(self) -> list[_Transfer]:
-        landed = []
-        for t in self._pending():
-            if t.peer in self.dead or self.caps.two_sided:
-                continue  # a two-sided send may still be running after the bytes arrive
-            region = self.peers[t.peer].region_bytes()
-            if all(self._block(region, i) == blk for i, blk in zip(t.remote, t.payload,
-                                                                    strict=True)):
-                landed.append(t)
-        return landed
+            self._end(t, "ended")
 
     @precondition(lambda self: len(self.dead) < len(self.peers) - 1)
     @rule(data=st.data())
@@ -288,20 +261,20 @@ class DataTransportMachine(RuleBasedStateMachine):
         pid = data.draw(st.sampled_from(sorted(set(self.peers) - self.dead)), label="victim")
         self.peers[pid].close()
         self.dead.add(pid)
-        self._settle()
 
     @precondition(lambda self: bool(set(self.peers) - self.removed))
     @rule(data=st.data())
     def remove_peer(self, data: st.DataObject) -> None:
         pid = data.draw(st.sampled_from(sorted(set(self.peers) - self.removed)), label="peer")
-        with pumping_in_background([p.pump for q, p in self.peers.items() if q not in self.dead]):
-            left = self.log.undrained(self.local.remove_peer(pid), "remove_peer", pid)
-        for t in self._pending(pid):
-            if t.tid not in left:  # drained internally: never reported now
-                t.state = "cancelled"
-                self.log.forgotten.add(t.tid)
-                self._release(t, known=False)
+        with pumping_in_background(self._live_pumps()):
+            self.log.undrained(self.local.remove_peer(pid), "remove_peer", pid)
+        self._ended_peer(pid)
         self.removed.add(pid)
+
+    def _ended_peer(self, pid: str) -> None:
+        self.log.ended_peer(pid)
+        for t in self._pending(pid):
+            self._end(t, "ended")
 
     @precondition(lambda self: bool(self.removed - self.dead))
     @rule(data=st.data())
@@ -313,25 +286,30 @@ class DataTransportMachine(RuleBasedStateMachine):
     # -- invariants -----------------------------------------------------------------------
 
     @invariant()
-    def our_region_is_never_written(self) -> None:
-        assert self.local.region_bytes() == self.local_bytes, "the source region changed"
+    def sources_never_change(self) -> None:
+        for pid, peer in self.peers.items():
+            if pid not in self.dead:
+                assert peer.region_bytes() == self.sources[pid], f"peer {pid}'s region changed"
 
     @invariant()
-    def nothing_lands_outside_the_named_slots(self) -> None:
-        for pid, peer in self.peers.items():
-            if pid in self.dead:
+    def nothing_lands_outside_pending_reads(self) -> None:
+        """Outside the slots of pending reads our region is exactly the model: nothing lands
+        in slots no read named, nor after a read was reported, cancelled or its peer removed
+        (the late-landing rule)."""
+        region = self.local.region_bytes()
+        for idx in range(self.num_blocks):
+            if idx in self.busy:
                 continue
-            region = peer.region_bytes()
-            for idx in range(self.num_blocks):
-                if idx in self.busy[pid] or idx in self.unknown[pid]:
-                    continue
-                assert self._block(region, idx) == self._block(self.model[pid], idx), (
-                    f"peer {pid} block {idx} changed although no transfer targeted it"
-                )
+            last = [(t.tid, t.state, t.local) for t in self.reads.values() if idx in t.local]
+            assert self._block(region, idx) == self._block(self.expected, idx), (
+                f"our block {idx} changed although no pending read owns it (a stray or late "
+                f"write; its last reads (id, state, slots): {last[-3:]})"
+            )
 
     def teardown(self) -> None:
         try:
-            self._drain()
+            if not self.failed:
+                self._drain()
         finally:
             for pid, peer in self.peers.items():
                 if pid not in self.dead:
@@ -340,30 +318,21 @@ class DataTransportMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         for pid in sorted(self.dead - self.removed):
-            self.remove_peer_now(pid)
-        live = [p.pump for q, p in self.peers.items() if q not in self.dead]
+            self.log.undrained(self.local.remove_peer(pid), "remove_peer", pid)
+            self._ended_peer(pid)
+            self.removed.add(pid)
         wait_until(
             lambda: not self._pending(),
             timeout=self.timeout,
-            what="every transfer to a live peer to reach a terminal state",
-            pumps=[*live, lambda: self._record(*map(list, self.log.poll(None)))],
+            what="every read from a live peer to reach a terminal state",
+            pumps=[*self._live_pumps(), lambda: self._record(*self.log.poll(None))],
         )
-        with pumping_in_background(live):
+        with pumping_in_background(self._live_pumps()):
             left = set(self.local.close())
-        assert not left, f"close() left transfers undrained on a quiescent transport: {left}"
+        assert not left, f"close() left internal transfers undrained when quiescent: {left}"
         assert list(self.local.close()) == [], "a second close() must return [] and not raise"
-        for t in self.transfers.values():
-            assert t.state in ("done", "failed", "cancelled", "undrained"), (t.tid, t.state)
-
-    def remove_peer_now(self, pid: str) -> None:
-        pending = {t.tid for t in self._pending(pid)}
-        left = set(self.local.remove_peer(pid))
-        assert left <= pending
-        for t in self._pending(pid):
-            t.state = "undrained" if t.tid in left else "cancelled"
-            if t.tid not in left:
-                self.log.forgotten.add(t.tid)
-        self.removed.add(pid)
+        for t in self.reads.values():
+            assert t.state in ("done", "failed", "ended"), (t.tid, t.state)
 
 
 # -- control ---------------------------------------------------------------------------------

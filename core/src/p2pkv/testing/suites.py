@@ -29,6 +29,13 @@ which a subclass may override instead):
 ``max_frame_bytes``      the frame cap used by the suite (control)
 ``liveness_timeout``     seconds within which a dead or closed peer must show ``alive`` False
 ``host``                 the host to listen on (control; default ``127.0.0.1``)
+``late_landing_window``  seconds the late-landing tests keep both sides progressing after a
+                         read was ended (cancel, remove_peer, replacing the peer, close),
+                         watching a canary in its slots (data; default 0.5)
+
+The data suites read from the peer into the transport under test (the consumer owns every
+write into its region) and, while waiting on a read, always keep the peer side progressing and
+polling (a two-sided peer serves reads from there; its ``poll`` must report nothing).
 
 Individual tests may be overridden or disabled in the subclass like any pytest test
 (``test_x = None`` removes one), but a transport that needs that is not conformant.
@@ -39,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -46,7 +55,6 @@ from typing import Any, ClassVar, TypeVar
 import pytest
 
 from p2pkv.contracts import (
-    CancelMode,
     Capabilities,
     ControlConnection,
     ControlSettings,
@@ -58,7 +66,6 @@ from p2pkv.contracts import (
 from p2pkv.errors import (
     ConfigError,
     ConnectionClosed,
-    P2PKVError,
     PeerRejected,
     ProtocolError,
     TransferSubmitError,
@@ -73,7 +80,7 @@ from p2pkv.testing.peers import (
     pattern,
 )
 from p2pkv.testing.polllog import PollLog
-from p2pkv.testing.waiting import pumping_in_background, quietly, wait_until
+from p2pkv.testing.waiting import quietly, wait_until
 
 __all__ = ["ControlTransportSuite", "DataTransportSuite", "installed_transport"]
 
@@ -156,18 +163,31 @@ class _SuiteBase:
 # -- data ------------------------------------------------------------------------------------
 
 
+def _keep_pumping(
+    pumps: Sequence[Callable[[], object]], seconds: float, until: Callable[[], bool]
+) -> bool:
+    """Call ``pumps`` for ``seconds`` (bounded; no sleep) or until ``until()`` holds first.
+    Returns whether it held."""
+    end = time.monotonic() + seconds
+    wait_until(lambda: until() or time.monotonic() > end, timeout=seconds + 60.0,
+               what=f"{seconds}s of pumping", pumps=pumps)
+    return until()
+
+
 class _DataPair:
     """The transport under test (``local``, a peer object: usually in this process, in a child
     where a crash must not take the test run down) with its poll log, and its peers registered
-    both ways."""
+    both ways (each with a poll log of its own: a peer serving our reads must never report
+    anything from its ``poll``)."""
 
-    def __init__(self, local: DataPeer, two_sided: bool, timeout: float) -> None:
+    def __init__(self, local: DataPeer, timeout: float, window: float = 0.5) -> None:
         self.local = local
         self.log = PollLog(local.poll, local.cancel, "transport under test")
-        self.two_sided = two_sided
         self.timeout = timeout
+        self.window = window
         self.peers: dict[str, DataPeer] = {}
         self.peer_logs: dict[str, PollLog] = {}
+        self._canaries = itertools.count(1_000_000)
 
     def connect(self, peer_id: str, peer: DataPeer) -> DataPeer:
         self.local.add_peer(peer_id, peer.descriptor)
@@ -177,18 +197,14 @@ class _DataPair:
         return peer
 
     def pumps(self) -> list[Callable[[], object]]:
-        return [peer.pump for peer in self.peers.values()]
-
-    def expect(self, peer_id: str, remote_idxs: Sequence[int]) -> int | None:
-        """Two-sided: the peer posts receives for our write; returns its expect id."""
-        if not self.two_sided:
-            return None
-        eid = self.peers[peer_id].expect_blocks("local", remote_idxs)
-        assert eid is not None, "a two_sided transport must return an id from expect_blocks"
-        return self.peer_logs[peer_id].submitted(eid, "local")
+        """Progress and poll every peer (a two-sided peer serves our reads from these)."""
+        out: list[Callable[[], object]] = []
+        for pid, peer in self.peers.items():
+            out += [peer.pump, functools.partial(self.peer_logs[pid].poll, "local")]
+        return out
 
     def submit(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
-        tid = self.local.write_blocks(peer_id, local_idxs, remote_idxs)
+        tid = self.local.read_blocks(peer_id, local_idxs, remote_idxs)
         return self.log.submitted(tid, peer_id)
 
     def wait_terminal(self, peer_id: str | None, ids: set[int], what: str) -> None:
@@ -199,25 +215,50 @@ class _DataPair:
             pumps=[*self.pumps(), lambda: self.log.poll(peer_id)],
         )
 
-    def wait_peer_terminal(self, peer_id: str, ids: set[int], what: str) -> None:
-        log = self.peer_logs[peer_id]
-        wait_until(
-            lambda: log.terminal(ids),
-            timeout=self.timeout,
-            what=what,
-            pumps=[*self.pumps(), self.local.pump, lambda: log.poll("local")],
+    def read(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
+        """Read and wait until done; checks the bytes landed. Returns the id."""
+        tid = self.submit(peer_id, local_idxs, remote_idxs)
+        self.wait_terminal(peer_id, {tid}, f"read {tid} to reach a terminal state")
+        assert tid in self.log.done, f"read {tid} failed on a healthy peer"
+        self.check_landed(peer_id, local_idxs, remote_idxs)
+        return tid
+
+    def check_landed(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> None:
+        ours, theirs = self.local.region_bytes(), self.peers[peer_id].region_bytes()
+        for li, ri in zip(local_idxs, remote_idxs, strict=True):
+            assert _block(ours, int(li), self.local.block_len) == _block(
+                theirs, int(ri), self.local.block_len
+            ), f"our block {li} does not hold peer {peer_id}'s block {ri} once the read is done"
+
+    def canary(self, idxs: Sequence[int]) -> bytes:
+        """Overwrite our blocks ``idxs`` with fresh bytes (an engine reusing the slots)."""
+        data = pattern(next(self._canaries), len(idxs) * self.local.block_len).tobytes()
+        self.local.set_blocks(idxs, data)
+        return data
+
+    def watch_canary(self, idxs: Sequence[int], canary: bytes, after: str,
+                     peer_ids: Sequence[str | None] = (None,)) -> None:
+        """Keep both sides progressing (and our poll going) for ``window`` seconds: no byte of
+        ``canary`` in our blocks ``idxs`` may change (the late-landing rule), and no ended read
+        may be reported (``PollLog``)."""
+        b = self.local.block_len
+
+        def changed() -> bool:
+            now = self.local.region_bytes()
+            return b"".join(_block(now, i, b) for i in idxs) != canary
+
+        polls = [functools.partial(self.log.poll, p) for p in peer_ids]
+        landed = _keep_pumping([*self.pumps(), self.local.pump, *polls], self.window, changed)
+        assert not landed, (
+            f"bytes landed in our blocks {list(idxs)} after {after} returned: a read that was "
+            f"ended must never write into our region again"
         )
 
-    def write(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
-        """Write and wait until done (and, two-sided, the peer's receive done). Returns the id."""
-        eid = self.expect(peer_id, remote_idxs)
-        tid = self.submit(peer_id, local_idxs, remote_idxs)
-        self.wait_terminal(peer_id, {tid}, f"transfer {tid} to reach a terminal state")
-        assert tid in self.log.done, f"transfer {tid} failed on a healthy peer"
-        if eid is not None:
-            self.wait_peer_terminal(peer_id, {eid}, f"the peer's expect_blocks id {eid}")
-            assert eid in self.peer_logs[peer_id].done, f"expect_blocks id {eid} failed"
-        return tid
+
+def _block(region: bytes, idx: int, block_len: int) -> bytes:
+    return region[idx * block_len:(idx + 1) * block_len]
 
 
 class DataTransportSuite(_SuiteBase):
@@ -226,6 +267,8 @@ class DataTransportSuite(_SuiteBase):
     kind: ClassVar[TransportKind] = "data"
     num_blocks: ClassVar[int] = 16
     block_len: ClassVar[int] = 256
+    late_landing_window: ClassVar[float] = 0.5
+    """Seconds the late-landing tests keep both sides progressing after a read was ended."""
 
     # -- fixtures -------------------------------------------------------------------------
 
@@ -259,6 +302,7 @@ class DataTransportSuite(_SuiteBase):
 
         yield make
         for peer in made:
+            quietly(peer.resume)
             quietly(peer.close)
 
     @pytest.fixture
@@ -276,14 +320,10 @@ class DataTransportSuite(_SuiteBase):
 
     @pytest.fixture
     def pair(
-        self,
-        local: LocalDataPeer,
-        capabilities: Capabilities,
-        make_peer: Callable[..., DataPeer],
-        peer_mode: str,
+        self, local: LocalDataPeer, make_peer: Callable[..., DataPeer], peer_mode: str
     ) -> _DataPair:
         """The transport under test and one peer (``"remote"``), registered both ways."""
-        pair = _DataPair(local, capabilities.two_sided, self.timeout)
+        pair = _DataPair(local, self.timeout, self.late_landing_window)
         remote = pair.connect("remote", make_peer(peer_mode))
         remote.fill(2)
         return pair
@@ -309,136 +349,116 @@ class DataTransportSuite(_SuiteBase):
                              options=transport_options)
             ).close()
 
-    # -- writes ---------------------------------------------------------------------------
+    # -- reads ----------------------------------------------------------------------------
 
-    def test_writes_are_byte_exact_at_scattered_indexes(self, pair: _DataPair) -> None:
+    def test_reads_are_byte_exact_at_scattered_indexes(self, pair: _DataPair) -> None:
+        """The peer's blocks land in exactly the named blocks of ours; nothing else of ours
+        changes, and the source never changes."""
         n, b = self.num_blocks, self.block_len
         remote = pair.peers["remote"]
-        before = remote.region_bytes()
-        src = pair.local.region_bytes()
-        local_idxs = [5 % n, 0, (n - 3) % n, 7 % n]
-        remote_idxs = [2 % n, n - 5, 3 % n, n - 1]
-        pair.write("remote", local_idxs, remote_idxs)
-        after = remote.region_bytes()
-        for li, ri in zip(local_idxs, remote_idxs, strict=True):
-            assert after[ri * b:(ri + 1) * b] == src[li * b:(li + 1) * b], (
-                f"remote block {ri} does not hold local block {li} once the transfer is done"
-            )
-        for blk in set(range(n)) - set(remote_idxs):
-            assert after[blk * b:(blk + 1) * b] == before[blk * b:(blk + 1) * b], (
-                f"remote block {blk} was not named in the write but changed"
-            )
-
-    def test_peer_writes_into_us(self, pair: _DataPair) -> None:
-        """The other direction: our ``poll``/``progress`` must progress inbound work."""
-        n, b = self.num_blocks, self.block_len
-        remote = pair.peers["remote"]
-        src = remote.region_bytes()
-        before = pair.local.region_bytes()
-        local_idxs, remote_idxs = [1, n - 2], [n - 1, 0]
-        eid = pair.local.expect_blocks("remote", local_idxs)
-        if pair.two_sided:
-            assert eid is not None, "a two_sided transport must return an id from expect_blocks"
-            pair.log.submitted(eid, "remote")
-        else:
-            assert eid is None, "a one-sided transport must return None from expect_blocks"
-        plog = pair.peer_logs["remote"]
-        tid = plog.submitted(remote.write_blocks("local", remote_idxs, local_idxs), "local")
-        wait_until(
-            lambda: plog.terminal({tid}) and (eid is None or pair.log.terminal({eid})),
-            timeout=self.timeout,
-            what="the peer's write into our region",
-            pumps=[
-                remote.pump,
-                lambda: pair.log.poll("remote"),
-                lambda: plog.poll("local"),
-            ],
-        )
-        assert tid in plog.done and (eid is None or eid in pair.log.done)
+        ours, theirs = pair.local.region_bytes(), remote.region_bytes()
+        local_idxs = [2 % n, n - 5, 3 % n, n - 1]
+        remote_idxs = [5 % n, 0, (n - 3) % n, 7 % n]
+        pair.read("remote", local_idxs, remote_idxs)
         after = pair.local.region_bytes()
-        for li, ri in zip(local_idxs, remote_idxs, strict=True):
-            assert after[li * b:(li + 1) * b] == src[ri * b:(ri + 1) * b]
         for blk in set(range(n)) - set(local_idxs):
-            assert after[blk * b:(blk + 1) * b] == before[blk * b:(blk + 1) * b]
+            assert _block(after, blk, b) == _block(ours, blk, b), (
+                f"our block {blk} was not named in the read but changed"
+            )
+        assert remote.region_bytes() == theirs, "a read changed the peer's (source) region"
 
-    def test_each_transfer_reported_exactly_once(self, pair: _DataPair) -> None:
+    def test_peer_reads_from_us(self, pair: _DataPair) -> None:
+        """The other direction: our ``poll``/``progress`` must serve a peer's read of our
+        region (a two-sided transport serves it from there), and report nothing for it."""
+        n, b = self.num_blocks, self.block_len
+        remote, plog = pair.peers["remote"], pair.peer_logs["remote"]
+        ours, theirs = pair.local.region_bytes(), remote.region_bytes()
+        their_idxs, our_idxs = [1, n - 2], [n - 1, 0]
+        tid = plog.submitted(remote.read_blocks("local", their_idxs, our_idxs), "local")
+        wait_until(
+            lambda: plog.terminal({tid}),
+            timeout=self.timeout,
+            what="the peer's read of our region",
+            pumps=[remote.pump, pair.local.pump, lambda: pair.log.poll("remote"),
+                   lambda: plog.poll("local")],
+        )
+        assert tid in plog.done, "the peer's read of our region failed"
+        after = remote.region_bytes()
+        for pi, oi in zip(their_idxs, our_idxs, strict=True):
+            assert _block(after, pi, b) == _block(ours, oi, b)
+        for blk in set(range(n)) - set(their_idxs):
+            assert _block(after, blk, b) == _block(theirs, blk, b)
+        assert pair.local.region_bytes() == ours, "serving a peer's read changed our region"
+
+    def test_each_read_reported_exactly_once(self, pair: _DataPair) -> None:
         n = self.num_blocks
-        eids = [pair.expect("remote", [i % n]) for i in range(6)]
-        ids = {pair.submit("remote", [i % n], [i % n]) for i in range(6)}
+        ids = {pair.submit("remote", [i % n], [(i + 3) % n]) for i in range(6)}
         assert len(ids) == 6, "transfer ids must be unique"
-        pair.wait_terminal("remote", ids, "six transfers to finish")
+        pair.wait_terminal("remote", ids, "six reads to finish")
         assert ids <= pair.log.done
-        if pair.two_sided:
-            pair.wait_peer_terminal("remote", {e for e in eids if e is not None}, "receives")
         for _ in range(5):  # later polls report nothing again (PollLog asserts it)
             pair.log.poll("remote")
             pair.log.poll(None)
 
     def test_progress_reports_and_forgets_nothing(self, pair: _DataPair) -> None:
-        n, b = self.num_blocks, self.block_len
+        n = self.num_blocks
         remote = pair.peers["remote"]
-        src = pair.local.region_bytes()
-        eid = pair.expect("remote", [n - 1])
-        tid = pair.submit("remote", [0], [n - 1])
+        tid = pair.submit("remote", [n - 1], [0])
+        b = self.block_len
 
         def landed() -> bool:
-            if eid is not None:
-                pair.peer_logs["remote"].poll("local")
-                if not pair.peer_logs["remote"].terminal({eid}):
-                    return False
-            return remote.region_bytes()[(n - 1) * b:] == src[:b]
+            theirs = remote.region_bytes()[:b]
+            return pair.local.region_bytes()[(n - 1) * b:] == theirs
 
-        wait_until(landed, timeout=self.timeout, what="the block to land (progress only)",
-                   pumps=[remote.pump, pair.local.pump])
-        pair.wait_terminal("remote", {tid}, "poll to report the transfer progress completed")
+        _keep_pumping([*pair.pumps(), pair.local.pump], pair.window, landed)
+        pair.wait_terminal("remote", {tid}, "poll to report the read progress advanced")
         assert tid in pair.log.done
 
     def test_poll_is_scoped_by_peer(
         self, pair: _DataPair, make_peer: Callable[..., DataPeer], peer_mode: str
     ) -> None:
-        """``poll(p)`` reports only ``p``'s transfers; the others wait for their own poll."""
+        """``poll(p)`` reports only ``p``'s reads; the others wait for their own poll."""
         other = pair.connect("other", make_peer(peer_mode))
-        e1, e2 = pair.expect("remote", [1]), pair.expect("other", [2])
+        other.fill(3)
         t1 = pair.submit("remote", [3], [1])
         t2 = pair.submit("other", [4], [2])
-        pair.wait_terminal("remote", {t1}, "the first peer's transfer")
-        src = pair.local.region_bytes()
+        pair.wait_terminal("remote", {t1}, "the first peer's read")
         b = self.block_len
 
-        def other_landed() -> bool:  # t2 is complete; poll("remote") must still not report it
-            if e2 is not None:
-                pair.peer_logs["other"].poll("local")
-                return pair.peer_logs["other"].terminal({e2})
-            return other.region_bytes()[2 * b:3 * b] == src[4 * b:5 * b]
+        def other_landed() -> bool:  # t2 complete: poll("remote") must still not report it
+            return pair.local.region_bytes()[4 * b:5 * b] == other.region_bytes()[2 * b:3 * b]
 
-        wait_until(other_landed, timeout=self.timeout, what="the second peer's block to land",
-                   pumps=[*pair.pumps(), pair.local.pump])
-        for _ in range(3):
-            pair.log.poll("remote")  # PollLog fails if t2 shows up here
+        pumps = [*pair.pumps(), pair.local.pump, lambda: pair.log.poll("remote")]
+        _keep_pumping(pumps, pair.window, other_landed)  # PollLog fails if t2 shows up
         assert t2 not in pair.log.done | pair.log.failed, "poll('remote') reported other's id"
-        pair.wait_terminal("other", {t2}, "the second peer's transfer in its own poll")
-        if e1 is not None:
-            pair.wait_peer_terminal("remote", {e1}, "the first peer's receive")
+        pair.wait_terminal("other", {t2}, "the second peer's read in its own poll")
 
     def test_poll_none_drains_every_peer(
         self, pair: _DataPair, make_peer: Callable[..., DataPeer], peer_mode: str
     ) -> None:
         pair.connect("other", make_peer(peer_mode))
-        pair.expect("remote", [0])
-        pair.expect("other", [0])
         ids = {pair.submit("remote", [0], [0]), pair.submit("other", [1], [0])}
-        pair.wait_terminal(None, ids, "poll(None) to report both peers' transfers")
+        pair.wait_terminal(None, ids, "poll(None) to report both peers' reads")
+
+    def test_numpy_indexes_are_accepted(self, pair: _DataPair) -> None:
+        import numpy as np
+
+        n = self.num_blocks
+        arrays: Any = (np.array([1, n - 2], dtype=np.int64), np.array([0, 3], dtype=np.uint32))
+        pair.read("remote", *arrays)
+        scalars: Any = ([np.int32(2), np.int64(4)], [np.uint16(5), 6])
+        pair.read("remote", *scalars)
 
     # -- refusals -------------------------------------------------------------------------
 
-    def test_write_to_unknown_peer_is_refused(self, local: LocalDataPeer) -> None:
+    def test_read_from_unknown_peer_is_refused(self, local: LocalDataPeer) -> None:
         with pytest.raises(TransferSubmitError):
-            local.transport.write_blocks("nobody", [0], [0])
+            local.transport.read_blocks("nobody", [0], [0])
 
     @pytest.mark.parametrize(
         "case",
         ["local-too-big", "local-negative", "remote-too-big", "remote-negative",
-         "lengths-differ", "one-bad-among-good"],
+         "lengths-differ", "one-bad-among-good", "local-duplicate", "empty"],
     )
     def test_bad_indexes_are_refused_before_posting(self, pair: _DataPair, case: str) -> None:
         n = self.num_blocks
@@ -449,29 +469,16 @@ class DataTransportSuite(_SuiteBase):
             "remote-negative": ([0], [-1]),
             "lengths-differ": ([0, 1], [0]),
             "one-bad-among-good": ([0, 1, 2], [0, n, 1]),
+            "local-duplicate": ([0, 1, 0], [2, 3, 4]),
+            "empty": ([], []),
         }[case]
-        remote = pair.peers["remote"]
-        before = remote.region_bytes()
+        before = pair.local.region_bytes()
         with pytest.raises(TransferSubmitError):
-            pair.local.write_blocks("remote", local_idxs, remote_idxs)
-        # nothing was posted: a good transfer afterwards is the only thing ever reported
-        pair.write("remote", [n - 1], [n - 1])
-        after = remote.region_bytes()
-        b = self.block_len
-        assert after[:(n - 1) * b] == before[:(n - 1) * b], "a refused write changed the peer"
-
-    def test_expect_blocks_contract(self, pair: _DataPair) -> None:
-        n = self.num_blocks
-        if not pair.two_sided:
-            assert pair.local.expect_blocks("remote", [0]) is None, (
-                "a one-sided transport's expect_blocks must return None"
-            )
-            return
-        for bad in ([n], [-1]):
-            with pytest.raises(TransferSubmitError):
-                pair.local.expect_blocks("remote", bad)
-        with pytest.raises(TransferSubmitError):
-            pair.local.expect_blocks("nobody", [0])
+            pair.local.read_blocks("remote", local_idxs, remote_idxs)
+        # nothing was posted: a good read afterwards is the only thing ever reported
+        pair.read("remote", [n - 1], [n - 1])
+        after, b = pair.local.region_bytes(), self.block_len
+        assert after[:(n - 1) * b] == before[:(n - 1) * b], "a refused read changed our region"
 
     def test_mismatched_descriptor_is_refused(
         self, local: LocalDataPeer, make_peer: Callable[..., DataPeer], capabilities: Capabilities
@@ -485,7 +492,7 @@ class DataTransportSuite(_SuiteBase):
             local.transport.add_peer("wide", other.descriptor)
         assert str(info.value), "PeerRejected must carry the reason"
         with pytest.raises(TransferSubmitError):
-            local.transport.write_blocks("wide", [0], [0])
+            local.transport.read_blocks("wide", [0], [0])
 
     @pytest.mark.parametrize("garbage", [b"", b"\x00", b"\xc1" * 7, b"not a descriptor" * 4])
     def test_garbage_descriptor_is_refused(self, local: LocalDataPeer, garbage: bytes) -> None:
@@ -500,87 +507,170 @@ class DataTransportSuite(_SuiteBase):
     # -- peers ----------------------------------------------------------------------------
 
     def test_remove_peer_then_add_again(self, pair: _DataPair) -> None:
-        pair.write("remote", [0], [0])
-        assert pair.local.remove_peer("remote") == [], "a quiescent peer drains to []"
+        pair.read("remote", [0], [0])
+        left = pair.log.undrained(pair.local.remove_peer("remote"), "remove_peer", "remote")
+        assert left == set(), "a quiescent peer drains to []"
         with pytest.raises(TransferSubmitError):
-            pair.local.write_blocks("remote", [0], [0])
+            pair.local.read_blocks("remote", [0], [0])
         pair.local.add_peer("remote", pair.peers["remote"].descriptor)
-        pair.write("remote", [1], [1])
+        pair.read("remote", [1], [1])
 
     def test_remove_unknown_peer_is_harmless(self, local: LocalDataPeer) -> None:
         assert list(local.transport.remove_peer("nobody")) == []
 
-    # -- cancel ---------------------------------------------------------------------------
+    # -- ending reads: cancel, remove_peer, re-add, close are final -----------------------
 
     def test_cancel_unknown_ids_is_ignored(self, local: LocalDataPeer) -> None:
-        for mode in CancelMode:
-            assert list(local.transport.cancel([123456789], mode)) == []
+        log = PollLog(local.poll, local.cancel, "transport under test")
+        log.cancel([123456789])  # returns None (PollLog checks)
+        log.poll(None)
 
-    def test_cancel_immediate_forgets(self, pair: _DataPair) -> None:
+    def test_cancel_of_a_reported_read_is_ignored(self, pair: _DataPair) -> None:
+        tid = pair.read("remote", [0], [0])
+        pair.log.cancel([tid])
+        for _ in range(3):
+            pair.log.poll(None)
+        pair.read("remote", [0], [1])
+
+    def test_cancelled_read_is_never_reported(self, pair: _DataPair) -> None:
+        """Cancel once the bytes may already be in place: the id is forgotten, never reported."""
         n, b = self.num_blocks, self.block_len
         remote = pair.peers["remote"]
-        src = pair.local.region_bytes()
-        eid = pair.expect("remote", [n - 2])
         tid = pair.submit("remote", [2], [n - 2])
 
-        def dead() -> bool:  # only dead transfers may be cancelled IMMEDIATE
-            if eid is not None:
-                pair.peer_logs["remote"].poll("local")
-                if not pair.peer_logs["remote"].terminal({eid}):
-                    return False
-            return remote.region_bytes()[(n - 2) * b:(n - 1) * b] == src[2 * b:3 * b]
+        def landed() -> bool:
+            theirs = remote.region_bytes()[(n - 2) * b:(n - 1) * b]
+            return pair.local.region_bytes()[2 * b:3 * b] == theirs
 
-        wait_until(dead, timeout=self.timeout, what="the block to land",
-                   pumps=[remote.pump, pair.local.pump])
-        assert pair.log.cancel([tid], CancelMode.IMMEDIATE) == []
-        for _ in range(5):
-            pair.log.poll("remote")  # PollLog fails if the cancelled id shows up
-            pair.log.poll(None)
+        _keep_pumping([*pair.pumps(), pair.local.pump], pair.window, landed)
+        pair.log.cancel([tid])
+        _keep_pumping([*pair.pumps(), lambda: pair.log.poll("remote"),
+                       lambda: pair.log.poll(None)], pair.window, lambda: False)
+        pair.read("remote", [2], [n - 3])  # the transport still works, the slot is ours again
 
-    def test_cancel_wait_keeps_what_it_cannot_stop(
-        self, pair: _DataPair, capabilities: Capabilities
+    @pytest.mark.parametrize("when", ["at-once", "after-progress"])
+    def test_cancel_is_final(self, pair: _DataPair, when: str) -> None:
+        """The late-landing rule: once ``cancel`` returned, no byte of the read may land in our
+        region, whatever the peer does later. The peer is held (not pumped; a child's process
+        SIGSTOPped) so the read cannot complete before the cancel where that is possible."""
+        n = self.num_blocks
+        slots = [1, n - 3]
+        remote = pair.peers["remote"]
+        remote.pause()
+        try:
+            tid = pair.submit("remote", slots, [4, 5])
+            if when == "after-progress":
+                for _ in range(20):
+                    pair.local.pump()  # the read is under way, never reported by progress
+            pair.log.cancel([tid])
+            canary = pair.canary(slots)
+        finally:
+            remote.resume()
+        pair.watch_canary(slots, canary, "cancel", ["remote", None])
+        pair.read("remote", slots, [6, 7])  # the slots can be read into again
+
+    def test_remove_peer_is_final(
+        self, pair: _DataPair, make_peer: Callable[..., DataPeer], peer_mode: str
     ) -> None:
-        self._require(capabilities.wait_cancel, "transport does not claim wait_cancel")
-        for i in range(4):
-            pair.expect("remote", [i])
-        ids = [pair.submit("remote", [i], [i]) for i in range(4)]
-        kept = pair.log.cancel(ids, CancelMode.WAIT)
-        pair.wait_terminal("remote", set(kept), "kept (unstoppable) ids to be reported")
-        for _ in range(5):
-            pair.log.poll("remote")  # stopped ids must never be reported
+        """``remove_peer`` ends the peer's reads finally (no byte lands afterwards, none is
+        reported, it returns no read id) and leaves other peers' reads alone; the internal ids
+        it returns are never reported by ``poll`` either."""
+        n = self.num_blocks
+        pair.connect("other", make_peer(peer_mode)).fill(3)
+        remote = pair.peers["remote"]
+        slots = [0, 2, n - 1]
+        remote.pause()
+        try:
+            ids = {pair.submit("remote", [s], [s]) for s in slots}
+            kept = pair.submit("other", [5], [5])
+            left = pair.log.undrained(pair.local.remove_peer("remote"), "remove_peer", "remote")
+            assert pair.log.ended_peer("remote") == ids
+            canary = pair.canary(slots)
+        finally:
+            remote.resume()
+        pair.watch_canary(slots, canary, "remove_peer", ["remote", "other", None])
+        pair.wait_terminal("other", {kept}, "the other peer's read (remove_peer is scoped)")
+        assert kept in pair.log.done, "removing one peer failed another peer's read"
+        pair.check_landed("other", [5], [5])
+        assert not left & (pair.log.done | pair.log.failed)
+        pair.local.add_peer("remote", remote.descriptor)
+        pair.read("remote", slots, [3, 4, 6])
+
+    def test_replacing_a_peer_ends_its_reads(
+        self, pair: _DataPair, make_peer: Callable[..., DataPeer], peer_mode: str
+    ) -> None:
+        """``add_peer`` with a new incarnation's descriptor (a restarted producer under the
+        same id) replaces the peer: the old registration's reads end as by ``cancel``,
+        finally, and later reads go to the new one."""
+        old, new = pair.peers["remote"], make_peer(peer_mode)
+        new.fill(4)
+        new.add_peer("local", pair.local.descriptor)
+        pair.peers["old remote"] = old  # still pumped: it may serve the stale read later
+        pair.peer_logs["old remote"] = pair.peer_logs["remote"]
+        slots = [3, 4]
+        old.pause()
+        try:
+            pair.submit("remote", slots, [1, 2])
+            pair.local.add_peer("remote", new.descriptor)
+            pair.log.ended_peer("remote")
+            canary = pair.canary(slots)
+        finally:
+            old.resume()
+        pair.peers["remote"] = new
+        pair.peer_logs["remote"] = PollLog(new.poll, new.cancel, "peer remote (new)")
+        pair.watch_canary(slots, canary, "add_peer (replacing the peer)", ["remote", None])
+        pair.read("remote", slots, [5, 6])  # checks the new incarnation's bytes landed
 
     # -- close ----------------------------------------------------------------------------
 
     def test_close_is_idempotent_and_releases_the_region(self, pair: _DataPair) -> None:
-        pair.write("remote", [0], [0])
+        pair.read("remote", [0], [0])
         local = pair.local
         assert isinstance(local, LocalDataPeer)
         region_ref = weakref.ref(local.array)
         assert list(local.transport.close()) == [], "a quiescent close returns []"
         assert list(local.transport.close()) == [], "a second close returns [] and is harmless"
+        with pytest.raises(TransferSubmitError):
+            local.transport.read_blocks("remote", [0], [0])
+        _returns_nothing(lambda: local.transport.poll(None), "poll after close")
         del local.array
-        if region_ref() is not None:
-            gc.collect()  # only garbage cycles may still hold it
+        if region_ref() is None:
+            return
+        gc.collect()  # only garbage cycles may still hold it
         assert region_ref() is None, (
             "the transport still references the region after close() returned []"
         )
-        with pytest.raises(P2PKVError):
-            local.transport.write_blocks("remote", [0], [0])
 
-    def test_close_with_transfers_in_flight_is_bounded(self, pair: _DataPair) -> None:
+    def test_close_is_final(self, pair: _DataPair) -> None:
+        """``close`` with reads in flight is bounded, returns no read id, and no byte of those
+        reads lands in the region afterwards (it is the caller's again)."""
         n = self.num_blocks
-        for i in range(n):
-            pair.expect("remote", [i])
-        for i in range(n):
-            pair.submit("remote", [i], [i])
-        with pumping_in_background(pair.pumps()):
+        remote = pair.peers["remote"]
+        remote.pause()
+        try:
+            for i in range(n):
+                pair.submit("remote", [i], [i])
             left = pair.log.undrained(pair.local.close(), "close")
+            pair.log.ended_all()
+            canary = pair.canary(list(range(n)))
+        finally:
+            remote.resume()
+
+        def late_poll() -> None:
+            _returns_nothing(lambda: pair.local.poll(None), "poll after close")
+
+        landed = _keep_pumping(
+            [*pair.pumps(), late_poll],
+            pair.window,
+            lambda: pair.local.region_bytes() != canary,
+        )
+        assert not landed, "bytes of a read landed in the region after close() returned"
         again = set(pair.local.close())
         assert again <= left, "a second close may only repeat undrained ids"
 
     def test_peer_closed_is_survivable(self, pair: _DataPair) -> None:
-        """A peer that closed: a write to it is refused or ends, and ``remove_peer`` bounds it."""
-        pair.write("remote", [0], [0])
+        """A peer that closed: a read from it is refused or ends, and ``remove_peer`` bounds it."""
+        pair.read("remote", [0], [0])
         quietly(pair.peers["remote"].close)
         _survive_dead_peer(pair)
 
@@ -591,7 +681,7 @@ class DataTransportSuite(_SuiteBase):
         transport_options: Mapping[str, Any],
         make_peer: Callable[..., DataPeer],
     ) -> None:
-        """SIGKILL the peer's process: we still write (or refuse), remove the peer and close.
+        """SIGKILL the peer's process: we still read (or refuse), remove the peer and close.
 
         The transport under test runs in a child of its own here, so a crash in it fails this
         test instead of taking the test run down.
@@ -601,10 +691,11 @@ class DataTransportSuite(_SuiteBase):
             local = ours.data_peer(
                 transport_class, self.num_blocks, self.block_len, transport_options
             )
-            pair = _DataPair(local, capabilities.two_sided, self.timeout)
+            pair = _DataPair(local, self.timeout, self.late_landing_window)
             pair.connect("remote", make_peer("child-process", host=doomed))
-            pair.write("remote", [0], [0])
+            pair.read("remote", [0], [0])
             doomed.kill()
+            pair.peers.clear()  # nothing to pump or poll on a dead process
             try:
                 _survive_dead_peer(pair)
             except (EOFError, TimeoutError) as exc:
@@ -612,16 +703,26 @@ class DataTransportSuite(_SuiteBase):
                             f"SIGKILLed: {exc}")
 
 
+def _returns_nothing(call: Callable[[], Any], what: str) -> None:
+    """After ``close`` a call raises or returns nothing (an empty poll)."""
+    try:
+        result = call()
+    except Exception:
+        return
+    assert not (result and any(result)), f"{what} returned {result!r}"
+
+
 def _survive_dead_peer(pair: _DataPair) -> None:
-    """Write to a dead peer, then remove it and close: all bounded, nothing reported twice."""
+    """Read from a dead peer, then remove it and close: all bounded, nothing reported twice."""
     with contextlib.suppress(TransferSubmitError):
         pair.submit("remote", [1], [1])
     pair.log.poll("remote")
     pair.log.undrained(pair.local.remove_peer("remote"), "remove_peer", "remote")
+    pair.log.ended_peer("remote")
     with pytest.raises(TransferSubmitError):
-        pair.local.write_blocks("remote", [0], [0])
+        pair.local.read_blocks("remote", [0], [0])
     pair.log.undrained(pair.local.close(), "close")
-
+    pair.log.ended_all()
 
 # -- control ---------------------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""The ``loopback`` data transport: copies blocks between regions registered in one process.
+"""The ``loopback`` data transport: reads blocks between regions registered in one process.
 
 A region registers under a random name in a process-wide table; ``descriptor()`` is JSON
-``{"loopback": name, "num_blocks": n, "block_len": b}``. ``write_blocks`` validates and queues;
-the copy happens in the next ``progress`` or ``poll`` (the copy fails if the peer's region is
-gone), and the next ``poll`` of the peer reports the outcome. Nothing is ever in flight outside
-a call, so ``cancel(WAIT)`` always stops what it is given, and ``close`` always drains.
+``{"loopback": name, "num_blocks": n, "block_len": b}``. ``read_blocks`` validates and queues;
+the copy from the peer's region into ours happens in our next ``progress`` or ``poll`` (it
+fails if the peer's region is gone), and the next ``poll`` of that peer reports the outcome.
+Nothing is ever in flight outside a call, so ``cancel``, ``remove_peer`` and ``close`` end a
+read simply by forgetting it: it never copies afterwards and is never reported. There are no
+internal transfers, so ``remove_peer`` and ``close`` return ``[]``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from p2pkv.contracts import CancelMode, Capabilities, DataSettings, DataTransport, PollResult
+from p2pkv.contracts import Capabilities, DataSettings, DataTransport, PollResult
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
 
 __all__ = ["LoopbackDataTransport"]
@@ -29,7 +31,7 @@ _REGIONS: dict[str, Blocks] = {}
 
 
 class LoopbackDataTransport(DataTransport):
-    """In-process block copies (see the module docstring). No options."""
+    """In-process block reads (see the module docstring). No options."""
 
     name: ClassVar[str] = "loopback"
     capabilities: ClassVar[Capabilities] = Capabilities(cross_process=False, cross_host=False)
@@ -47,8 +49,9 @@ class LoopbackDataTransport(DataTransport):
         self._name = uuid.uuid4().hex
         self._peers: dict[str, tuple[str, int]] = {}
         self._pending: dict[int, tuple[str, str, list[int], list[int]]] = {}
+        """Posted reads: id -> (peer, the peer's region name, local, remote)."""
         self._outcome: dict[int, bool] = {}
-        """Copied transfers (True: done, False: failed) waiting for their peer's poll."""
+        """Copied reads (True: done, False: failed) waiting for their peer's poll."""
         self._ids = itertools.count(1)
         _REGIONS[self._name] = self._blocks
 
@@ -78,14 +81,15 @@ class LoopbackDataTransport(DataTransport):
             raise PeerRejected(f"peer {peer_id!r}: block_len {block_len} != ours {self.block_len}")
         if name not in _REGIONS:
             raise PeerRejected(f"peer {peer_id!r}: region {name} is not in this process")
+        self._end_peer(peer_id)  # re-adding replaces: the old registration's reads end
         self._peers[peer_id] = (name, int(num_blocks))
 
     def remove_peer(self, peer_id: str) -> list[int]:
         self._peers.pop(peer_id, None)
-        self.poll(peer_id)
+        self._end_peer(peer_id)
         return []
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
         if self._blocks is None:
@@ -93,11 +97,12 @@ class LoopbackDataTransport(DataTransport):
         if peer_id not in self._peers:
             raise TransferSubmitError(f"unknown peer {peer_id!r}")
         region, remote_blocks = self._peers[peer_id]
-        local, remote = list(local_idxs), list(remote_idxs)
-        if len(local) != len(remote):
-            raise TransferSubmitError(f"{len(local)} local but {len(remote)} remote indexes")
-        _check(local, self.num_blocks, "local")
-        _check(remote, remote_blocks, "remote")
+        local = _check(list(local_idxs), self.num_blocks, "local")
+        remote = _check(list(remote_idxs), remote_blocks, "remote")
+        if not local or len(local) != len(remote):
+            raise TransferSubmitError(f"{len(local)} local and {len(remote)} remote indexes")
+        if len(set(local)) != len(local):
+            raise TransferSubmitError(f"a local block is named twice in {local}")
         tid = next(self._ids)
         self._pending[tid] = (peer_id, region, local, remote)
         return tid
@@ -118,11 +123,10 @@ class LoopbackDataTransport(DataTransport):
             del self._pending[tid]
         return PollResult(done, failed)
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
         for tid in transfer_ids:
             self._pending.pop(tid, None)
             self._outcome.pop(tid, None)
-        return []
 
     def close(self) -> list[int]:
         self._pending.clear()
@@ -132,15 +136,20 @@ class LoopbackDataTransport(DataTransport):
         self._blocks = None
         return []
 
+    def _end_peer(self, peer_id: str) -> None:
+        self.cancel([tid for tid, (peer, *_) in self._pending.items() if peer == peer_id])
+
     def _copy(self, region: str, local: list[int], remote: list[int]) -> bool:
-        target = _REGIONS.get(region)
-        if target is None or self._blocks is None:
+        source = _REGIONS.get(region)
+        if source is None or self._blocks is None:
             return False
-        target[remote] = self._blocks[local]
+        self._blocks[local] = source[remote]
         return True
 
 
-def _check(idxs: list[int], num_blocks: int, what: str) -> None:
+def _check(idxs: list[Any], num_blocks: int, what: str) -> list[int]:
+    """``idxs`` as plain ints, each within ``0..num_blocks-1``, or ``TransferSubmitError``."""
+    out = []
     for i in idxs:
         try:
             ok = not isinstance(i, bool) and 0 <= operator.index(i) < num_blocks
@@ -148,3 +157,5 @@ def _check(idxs: list[int], num_blocks: int, what: str) -> None:
             ok = False
         if not ok:
             raise TransferSubmitError(f"{what} block index {i!r} is outside 0..{num_blocks - 1}")
+        out.append(operator.index(i))
+    return out

@@ -1,23 +1,25 @@
-"""The ``memory`` data transport: block copies between regions registered in one process.
+"""The ``memory`` data transport: block reads between regions registered in one process.
 
 Each :class:`MemoryDataTransport` registers its region in a process-local table under a
 random id; ``descriptor()`` is msgpack ``{"transport": "memory", "region": id,
-"num_blocks": n, "block_len": b}``. A write is one numpy fancy-indexed copy between the two
-``(num_blocks, block_len)`` uint8 views (no per-block Python objects).
+"num_blocks": n, "block_len": b}``. A read is one numpy fancy-indexed copy from the peer's
+``(num_blocks, block_len)`` uint8 view into ours (no per-block Python objects). The consumer
+owns every write into its region: only reads this transport posted ever copy into it.
 
 Timing is counted in polls, never in seconds, so tests are deterministic: with the option
-``completion_polls`` = N, a transfer stays in flight for N polls that examine it (``poll(peer)``
-or ``poll(None)``) and completes on the next one. N = 0 (default) copies at submit and reports
-done on the next poll; N > 0 copies when it completes. A transfer whose target region was
-deregistered meanwhile fails instead of writing.
+``completion_polls`` = N, a read stays in flight for N polls that examine it (``poll(peer)`` or
+``poll(None)``) and completes on the next one. N = 0 (default) copies at submit and reports
+done on the next poll; N > 0 copies when the read completes, so a slow read lands late (and a
+test can model a source that changed meanwhile). A read whose source region was deregistered
+before it copied fails instead.
 
-``cancel(WAIT)`` stops every transfer that has not been reported (the ids are forgotten) unless
-the option ``wait_cancel_refuses`` is True: then WAIT keeps every id in flight, like a backend
-that cannot confirm a stop. ``remove_peer`` and ``close`` wait-cancel and then poll what is left
-at most ``drain_polls`` times (default 100); ids still in flight are returned.
+``cancel``, ``remove_peer``, re-adding a peer and ``close`` end reads finally: the read is
+forgotten, it never copies afterwards and is never reported. The transport has no internal
+transfers, so ``remove_peer`` and ``close`` always return ``[]``. After ``close``,
+``read_blocks`` and ``add_peer`` raise and everything else does nothing.
 
 Threading: one driver thread per transport; the region table has its own lock, so transports
-on different threads of one process may write into each other.
+on different threads of one process may read from each other.
 """
 
 from __future__ import annotations
@@ -32,21 +34,14 @@ from typing import Any, ClassVar, TypeGuard
 import msgpack
 import numpy as np
 import numpy.typing as npt
-from p2pkv.contracts import (
-    EMPTY_POLL,
-    CancelMode,
-    Capabilities,
-    DataSettings,
-    DataTransport,
-    PollResult,
-)
+from p2pkv.contracts import EMPTY_POLL, Capabilities, DataSettings, DataTransport, PollResult
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
 
 from p2pkv_memory.options import read_options
 
 __all__ = ["MemoryDataTransport"]
 
-_DEFAULT_OPTIONS = {"completion_polls": 0, "wait_cancel_refuses": False, "drain_polls": 100}
+_DEFAULT_OPTIONS = {"completion_polls": 0}
 
 _REGIONS: dict[str, npt.NDArray[np.uint8]] = {}
 _REGIONS_LOCK = threading.Lock()
@@ -61,7 +56,7 @@ class _Peer:
     num_blocks: int
 
 
-class _Transfer:
+class _Read:
     __slots__ = ("copied", "local", "peer", "polls_left", "region", "remote")
 
     def __init__(
@@ -78,8 +73,7 @@ class _Transfer:
 class MemoryDataTransport(DataTransport):
     """In-process data transport (see the module docstring).
 
-    Options (``data_options``): ``completion_polls`` (int >= 0, default 0),
-    ``wait_cancel_refuses`` (bool, default False), ``drain_polls`` (int >= 0, default 100).
+    Options (``data_options``): ``completion_polls`` (int >= 0, default 0).
     """
 
     name: ClassVar[str] = "memory"
@@ -87,18 +81,18 @@ class MemoryDataTransport(DataTransport):
 
     def __init__(self, settings: DataSettings) -> None:
         opts = read_options("memory data", settings.options, _DEFAULT_OPTIONS)
-        for key in ("completion_polls", "drain_polls"):
-            if opts[key] < 0:
-                raise ConfigError(f"memory data option {key!r} must be >= 0, got {opts[key]}")
+        if opts["completion_polls"] < 0:
+            raise ConfigError(
+                f"memory data option 'completion_polls' must be >= 0, "
+                f"got {opts['completion_polls']}"
+            )
         self._completion_polls: int = opts["completion_polls"]
-        self._wait_cancel_refuses: bool = opts["wait_cancel_refuses"]
-        self._drain_polls: int = opts["drain_polls"]
         self._blocks = _region_view(settings)
         self._num_blocks, self._block_len = (int(n) for n in self._blocks.shape)
         self._region_id = uuid.uuid4().hex
         self._peers: dict[str, _Peer] = {}
-        self._transfers: dict[int, _Transfer] = {}
-        self._by_peer: dict[str, dict[int, _Transfer]] = {}
+        self._reads: dict[int, _Read] = {}
+        self._by_peer: dict[str, dict[int, _Read]] = {}
         self._ids = itertools.count(1)
         self._closed = False
         with _REGIONS_LOCK:
@@ -128,50 +122,23 @@ class MemoryDataTransport(DataTransport):
         return packed
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        try:
-            desc: Any = msgpack.unpackb(descriptor, raw=False)
-        except Exception as exc:
-            raise PeerRejected(f"peer {peer_id!r}: malformed memory descriptor: {exc}") from None
-        if not isinstance(desc, dict) or desc.get("transport") != "memory":
-            raise PeerRejected(f"peer {peer_id!r}: not a memory transport descriptor")
-        region, num_blocks, block_len = (
-            desc.get("region"), desc.get("num_blocks"), desc.get("block_len")
-        )
-        if not (isinstance(region, str) and _is_count(num_blocks) and _is_count(block_len)):
-            raise PeerRejected(
-                f"peer {peer_id!r}: memory descriptor needs region (str), num_blocks and "
-                f"block_len (positive ints), got {desc!r}"
-            )
-        if block_len != self.block_len:
-            raise PeerRejected(
-                f"peer {peer_id!r}: block_len {block_len} does not match ours ({self.block_len})"
-            )
-        with _REGIONS_LOCK:
-            target = _REGIONS.get(region)
-        if target is None:
-            raise PeerRejected(
-                f"peer {peer_id!r}: region {region} is not registered in this process "
-                f"(the memory transport is process-local)"
-            )
-        if target.shape != (num_blocks, block_len):
-            raise PeerRejected(
-                f"peer {peer_id!r}: descriptor says {num_blocks}x{block_len} but the region "
-                f"is {target.shape[0]}x{target.shape[1]}"
-            )
-        self._peers[peer_id] = _Peer(region, num_blocks)
+        """Register the peer's region; a known peer's reads end first (as ``cancel``)."""
+        if self._closed:
+            raise PeerRejected(f"peer {peer_id!r}: the memory data transport is closed")
+        peer = _parse_peer(peer_id, descriptor, self.block_len)
+        self._end_peer(peer_id)
+        self._peers[peer_id] = peer
 
     def remove_peer(self, peer_id: str) -> list[int]:
+        """Forget the peer and end its reads finally; no internal transfers: always ``[]``."""
         self._peers.pop(peer_id, None)
-        self.cancel(list(self._by_peer.get(peer_id, ())), CancelMode.WAIT)
-        for _ in range(self._drain_polls):
-            if not self._by_peer.get(peer_id):
-                break
-            self.poll(peer_id)
-        return sorted(self._by_peer.get(peer_id, ()))
+        self._end_peer(peer_id)
+        return []
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
+        """Check everything, then post (N = 0: copy now). ``TransferSubmitError`` otherwise."""
         if self._closed:
             raise TransferSubmitError("memory data transport is closed")
         peer = self._peers.get(peer_id)
@@ -179,19 +146,17 @@ class MemoryDataTransport(DataTransport):
             raise TransferSubmitError(f"unknown peer {peer_id!r}")
         local = _indexes(local_idxs, self.num_blocks, "local")
         remote = _indexes(remote_idxs, peer.num_blocks, f"remote (peer {peer_id!r})")
-        if len(local) != len(remote):
-            raise TransferSubmitError(
-                f"{len(local)} local but {len(remote)} remote block indexes"
-            )
-        tid = next(self._ids)
-        transfer = _Transfer(peer_id, peer.region, local, remote, self._completion_polls)
-        if self._completion_polls == 0 and not self._copy(transfer):
+        _check_pairing(local, remote)
+        read = _Read(peer_id, peer.region, local, remote, self._completion_polls)
+        if self._completion_polls == 0 and not self._copy(read):
             raise TransferSubmitError(f"peer {peer_id!r}: its region is no longer registered")
-        self._transfers[tid] = transfer
-        self._by_peer.setdefault(peer_id, {})[tid] = transfer
+        tid = next(self._ids)
+        self._reads[tid] = read
+        self._by_peer.setdefault(peer_id, {})[tid] = read
         return tid
 
     def poll(self, peer_id: str | None = None) -> PollResult:
+        """Count down, copy and report the reads of ``peer_id`` (``None``: every peer)."""
         if peer_id is None:
             tables = list(self._by_peer.values())
         else:
@@ -202,34 +167,28 @@ class MemoryDataTransport(DataTransport):
         done: list[int] = []
         failed: list[int] = []
         for table in tables:
-            for tid, transfer in list(table.items()):
-                if transfer.polls_left > 0:
-                    transfer.polls_left -= 1
+            for tid, read in list(table.items()):
+                if read.polls_left > 0:
+                    read.polls_left -= 1
                     continue
-                ok = transfer.copied or self._copy(transfer)
+                ok = read.copied or self._copy(read)
                 (done if ok else failed).append(tid)
                 self._forget(tid)
         if not done and not failed:
             return EMPTY_POLL
         return PollResult(done, failed)
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
-        known = [tid for tid in transfer_ids if tid in self._transfers]
-        if mode is CancelMode.WAIT and self._wait_cancel_refuses:
-            return known
-        for tid in known:
-            self._forget(tid)
-        return []
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        """Forget the reads: they never copy and are never reported. Unknown ids: ignored."""
+        for tid in transfer_ids:
+            if tid in self._reads:
+                self._forget(tid)
 
     def close(self) -> list[int]:
+        """End every read, deregister the region and drop our view of it; idempotent."""
         self._closed = True
-        self.cancel(list(self._transfers), CancelMode.WAIT)
-        for _ in range(self._drain_polls):
-            if not self._transfers:
-                break
-            self.poll(None)
-        if self._transfers:
-            return sorted(self._transfers)  # region stays registered: never freed under DMA
+        self._reads.clear()
+        self._by_peer.clear()
         self._peers.clear()
         with _REGIONS_LOCK:
             _REGIONS.pop(self._region_id, None)
@@ -239,25 +198,63 @@ class MemoryDataTransport(DataTransport):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _copy(self, transfer: _Transfer) -> bool:
+    def _copy(self, read: _Read) -> bool:
+        """Copy the read's source blocks into ours; False if the source is gone."""
         with _REGIONS_LOCK:
-            target = _REGIONS.get(transfer.region)
-            if target is None:
+            source = _REGIONS.get(read.region)
+            if source is None:
                 return False
-            target[transfer.remote] = self._blocks[transfer.local]
-        transfer.copied = True
+            self._blocks[read.local] = source[read.remote]
+        read.copied = True
         return True
 
+    def _end_peer(self, peer_id: str) -> None:
+        for tid in list(self._by_peer.get(peer_id, ())):
+            self._forget(tid)
+
     def _forget(self, tid: int) -> None:
-        transfer = self._transfers.pop(tid)
-        table = self._by_peer[transfer.peer]
+        read = self._reads.pop(tid)
+        table = self._by_peer[read.peer]
         del table[tid]
         if not table:
-            del self._by_peer[transfer.peer]
+            del self._by_peer[read.peer]
 
 
 def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _parse_peer(peer_id: str, descriptor: bytes, block_len: int) -> _Peer:
+    """The peer's registration from its descriptor; ``PeerRejected`` with the reason."""
+    try:
+        desc: Any = msgpack.unpackb(descriptor, raw=False)
+    except Exception as exc:
+        raise PeerRejected(f"peer {peer_id!r}: malformed memory descriptor: {exc}") from None
+    if not isinstance(desc, dict) or desc.get("transport") != "memory":
+        raise PeerRejected(f"peer {peer_id!r}: not a memory transport descriptor")
+    region, num_blocks, theirs = desc.get("region"), desc.get("num_blocks"), desc.get("block_len")
+    if not (isinstance(region, str) and _is_count(num_blocks) and _is_count(theirs)):
+        raise PeerRejected(
+            f"peer {peer_id!r}: memory descriptor needs region (str), num_blocks and "
+            f"block_len (positive ints), got {desc!r}"
+        )
+    if theirs != block_len:
+        raise PeerRejected(
+            f"peer {peer_id!r}: block_len {theirs} does not match ours ({block_len})"
+        )
+    with _REGIONS_LOCK:
+        source = _REGIONS.get(region)
+    if source is None:
+        raise PeerRejected(
+            f"peer {peer_id!r}: region {region} is not registered in this process "
+            f"(the memory transport is process-local)"
+        )
+    if source.shape != (num_blocks, theirs):
+        raise PeerRejected(
+            f"peer {peer_id!r}: descriptor says {num_blocks}x{theirs} but the region "
+            f"is {source.shape[0]}x{source.shape[1]}"
+        )
+    return _Peer(region, num_blocks)
 
 
 def _region_view(settings: DataSettings) -> Blocks:
@@ -277,9 +274,10 @@ def _region_view(settings: DataSettings) -> Blocks:
 
 
 def _indexes(idxs: Sequence[int], num_blocks: int, what: str) -> Indexes:
+    """A flat, non-empty int64 copy of ``idxs`` within ``0..num_blocks-1``."""
     arr = np.asarray(idxs)
     if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
+        raise TransferSubmitError(f"{what} block indexes are empty: a read names >= 1 block")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise TransferSubmitError(f"{what} block indexes must be a flat list of integers")
     low, high = int(arr.min()), int(arr.max())
@@ -289,3 +287,16 @@ def _indexes(idxs: Sequence[int], num_blocks: int, what: str) -> Indexes:
             f"{what} block index {bad} is outside 0..{num_blocks - 1}"
         )
     return arr.astype(np.int64, copy=True)
+
+
+def _check_pairing(local: Indexes, remote: Indexes) -> None:
+    """Equal lengths, and no local block named twice (two sources for one slot)."""
+    if len(local) != len(remote):
+        raise TransferSubmitError(
+            f"{len(local)} local but {len(remote)} remote block indexes"
+        )
+    if len(np.unique(local)) != len(local):
+        values, counts = np.unique(local, return_counts=True)
+        raise TransferSubmitError(
+            f"local block index {int(values[counts > 1][0])} is named twice in one read"
+        )

@@ -17,14 +17,17 @@ the next frame on that connection went out (or the next poll), ``KILL`` closes t
 (the peer sees it die) and raises ``ConnectionClosed``. Held frames of a dead connection are
 lost; an error from the inner ``send`` on release drops the frame.
 
-Data faults: ``FAIL_SUBMIT`` makes ``write_blocks`` raise ``TransferSubmitError`` (nothing is
-posted); ``FAIL_COMPLETION`` reports a done transfer as failed (the bytes may have landed).
-``peer`` is the data ``peer_id``.
+Data faults act on the reads a wrapped data transport posts: ``FAIL_SUBMIT`` makes
+``read_blocks`` raise ``TransferSubmitError`` (nothing is posted); ``FAIL_COMPLETION`` reports a
+done read as failed (its bytes may have landed in our blocks, which the caller then treats as
+garbage; nothing lands after the failure is reported). ``peer`` is the data ``peer_id``.
+``cancel``, ``remove_peer`` and ``close`` pass straight through (they are final in the inner
+transport, and the wrapper forgets the ids with it).
 
 ``kill(conn)`` kills one wrapped connection now. ``partition(a, b)`` cuts two addresses apart:
 wrapped connections between them are killed, new ones die at once, inbound ones are closed
-unseen, writes between data wrappers whose ``local`` is ``a``/``b`` fail at submit and their
-in-flight completions fail.
+unseen, reads between data wrappers whose ``local`` is ``a``/``b`` (and the peer id the other)
+fail at submit, and their in-flight reads are reported failed when they complete.
 
 Rules fire with ``probability`` (drawn from ``random.Random(seed)``, so a run is reproducible)
 and at most ``count`` times (None = unlimited). Same threading rules as the wrapped transports.
@@ -39,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from p2pkv.contracts import (
-    CancelMode,
     ControlConnection,
     ControlSettings,
     ControlTransport,
@@ -325,32 +327,34 @@ class FaultyDataTransport(DataTransport):
         return self.inner.descriptor()
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        """Re-adding ends the peer's reads (in the inner transport): forget them here too."""
         self.inner.add_peer(peer_id, descriptor)
+        self._peer_of = {t: p for t, p in self._peer_of.items() if p != peer_id}
 
     def remove_peer(self, peer_id: str) -> list[int]:
+        """The inner transport ends the peer's reads finally; the wrapper forgets them too."""
         left = self.inner.remove_peer(peer_id)
-        keep = set(left)
-        self._peer_of = {t: p for t, p in self._peer_of.items() if p != peer_id or t in keep}
+        self._peer_of = {t: p for t, p in self._peer_of.items() if p != peer_id}
         return left
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
+        """A partitioned peer or a firing ``FAIL_SUBMIT`` refuses the read (nothing posted)."""
         if self.faults.partitioned(self.local, peer_id):
             raise TransferSubmitError(f"peer {peer_id!r} is partitioned away (injected)")
         if self.faults.fire(_FAIL_SUBMIT, peer_id) is not None:
             raise TransferSubmitError(f"injected submit failure to peer {peer_id!r}")
-        tid = self.inner.write_blocks(peer_id, local_idxs, remote_idxs)
+        tid = self.inner.read_blocks(peer_id, local_idxs, remote_idxs)
         self._peer_of[tid] = peer_id
         return tid
-
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int | None:
-        return self.inner.expect_blocks(peer_id, local_idxs)
 
     def progress(self) -> None:
         self.inner.progress()
 
     def poll(self, peer_id: str | None = None) -> PollResult:
+        """The inner poll, with done reads of a partitioned peer or hit by a firing
+        ``FAIL_COMPLETION`` reported as failed."""
         result = self.inner.poll(peer_id)
         if not result.done and not result.failed:
             return result
@@ -367,15 +371,12 @@ class FaultyDataTransport(DataTransport):
             self._peer_of.pop(tid, None)
         return PollResult(done, failed)
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
-        kept = self.inner.cancel(transfer_ids, mode)
-        gone = set(transfer_ids) - set(kept)
-        for tid in gone:
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        self.inner.cancel(transfer_ids)
+        for tid in transfer_ids:
             self._peer_of.pop(tid, None)
-        return kept
 
     def close(self) -> list[int]:
         left = self.inner.close()
-        keep = set(left)
-        self._peer_of = {t: p for t, p in self._peer_of.items() if t in keep}
+        self._peer_of.clear()
         return left
