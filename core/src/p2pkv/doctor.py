@@ -495,11 +495,11 @@ def _advice(report: Mapping[str, Any]) -> list[str]:
         tips.append("UCX_NET_DEVICES is unset: on a single host UCX may stripe TCP over every "
                     "interface; set UCX_NET_DEVICES=lo for loopback-only runs.")
     if env.get("UCX_TLS") in {"tcp", "self,tcp"}:
-        tips.append("UCX_TLS forces TCP: intra-host transfers lose the zero-copy cma lane "
-                    "(about 3x slower here).")
+        tips.append("UCX_TLS forces TCP: intra-host reads lose the zero-copy cma lane "
+                    "(about 3x slower here) and nixl stages them (one more copy).")
     for name, probe in report["ucx_lanes"].items():
         tcp_data = [r for r in probe["lanes"]
-                    if ("remote memory write" in r["operation"] or "tag" in r["operation"])
+                    if ("remote memory" in r["operation"] or "tag" in r["operation"])
                     and "tcp" in r["lanes"] and "inf" in r["size_range"]]
         if tcp_data:
             tips.append(f"{name}: large transfers go over TCP ({tcp_data[0]['lanes']}); expect "

@@ -77,6 +77,10 @@ class Hello:
     block_len: int
     fingerprint: str
     hash_seed: str
+    lease_ms: int = 0
+    """How long the sender, as a producer, pins the blocks it offers (``timeouts.lease``, in
+    ms; 0 = not announced). A consumer accepts reads from it only within the shorter of this
+    and its own lease."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +150,9 @@ class LookupResp:
 @dataclass(frozen=True, slots=True)
 class RoundFailed:
     """Producer -> consumer: round ``round`` cannot be served (``reason`` starts with the
-    ``Outcome`` value: demand unmet, request conflict, shutdown); nothing of it stays pinned
-    and no ``ready`` for it follows."""
+    ``Outcome`` value: demand unmet, request conflict, shutdown, lease passed). No ``ready``
+    for it follows; blocks already offered stay pinned until the consumer's ``release`` (which
+    it sends on receipt) or the lease."""
 
     kv_request_id: str
     round: int
@@ -225,6 +230,7 @@ def encode(msg: Message) -> bytes:
             "block_len": msg.block_len,
             "fingerprint": msg.fingerprint,
             "hash_seed": msg.hash_seed,
+            "lease_ms": msg.lease_ms,
         }
     else:
         name = _TYPE_NAMES.get(t)
@@ -352,6 +358,7 @@ def _hello(f: _Fields, limits: Limits) -> Hello:
         block_len=f.int_("block_len", 1),
         fingerprint=f.str_("fingerprint", MAX_TAG_CHARS, default=""),
         hash_seed=f.str_("hash_seed", MAX_TAG_CHARS, default=""),
+        lease_ms=f.int_("lease_ms") if "lease_ms" in f.d else 0,
     )
 
 

@@ -233,7 +233,8 @@ class P2PTier:
 
     @driver_call
     def submit_load(self, job: Job) -> None:
-        """Ask the producer to write ``job.keys`` into our slots ``job.block_ids``."""
+        """Load ``job.keys`` from the producer into our slots ``job.block_ids`` (we read them;
+        the result, once reported, is final for the slots' bytes)."""
         admitted = self._admit(job, load=True)
         if admitted is None:
             return

@@ -3,6 +3,8 @@
 ``UCX_NET_DEVICES=lo`` is set here (children inherit it) so UCX never stripes over external
 interfaces. Children are ``p2pkv.testing.peers.PeerHost`` processes: they call ``progress()``
 on their transports continuously between harness requests, like a live serving process.
+The tests' own transport (``make_local``) is the consumer: it reads from the children's
+regions (wire 2.0: the consumer posts every transfer into its region).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 from p2pkv.contracts import DataSettings
 from p2pkv.testing.peers import PeerHost, pattern
+from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
@@ -131,8 +134,21 @@ def make_local() -> Iterator[Callable[..., Local]]:
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[PeerHost]:
-    """A child process hosting healthy consumers for the whole module."""
-    with PeerHost(timeout=60.0, name="p2pkv-nixl-consumers") as peer_host:
+    """A child process hosting healthy producers for the whole module (default UCX)."""
+    with PeerHost(timeout=60.0, name="p2pkv-nixl-producers") as peer_host:
+        yield peer_host
+
+
+@pytest.fixture(scope="module")
+def tcp_host() -> Iterator[PeerHost]:
+    """A child whose UCX runs with ``UCX_TLS=tcp`` (no ``cma``: what a peer on another host
+    without RDMA looks like); started at once, so only it sees the variable."""
+    with pytest.MonkeyPatch.context() as env, PeerHost(
+        timeout=60.0, name="p2pkv-nixl-tcp-producers"
+    ) as peer_host:
+        env.setenv("UCX_TLS", "tcp")
+        assert peer_host.child.process.is_alive()
+        env.undo()
         yield peer_host
 
 
@@ -164,6 +180,13 @@ def _wait_for(
 def wait_for() -> Callable[..., tuple[set[int], set[int]]]:
     """``wait_for(transport, peer_id, ids)`` -> (done, failed) once every id ended."""
     return _wait_for
+
+
+@pytest.fixture
+def poll_log() -> Callable[[NixlDataTransport], PollLog]:
+    """``poll_log(transport)``: a kit ``PollLog`` over its ``poll``/``cancel`` (it checks the
+    reporting rules on every call)."""
+    return lambda transport: PollLog(transport.poll, transport.cancel, "consumer")
 
 
 @pytest.fixture

@@ -1,36 +1,42 @@
-"""Dead peers, cancel and close over real NIXL: nothing hangs, nothing is freed under a transfer.
+"""Dead peers, cancel and close over real NIXL: nothing hangs, nothing lands after it ended,
+nothing is freed under a transfer.
 
-A consumer that is SIGSTOPped before we add it never progresses its UCX worker, so the
-connection cannot finish wiring up and our writes to it stay in flight (``PROC``): that is how
-these tests hold a transfer "mid-flight" deterministically. NIXL cannot stop a posted write
-(see the transport's module docstring), so such a transfer ends only when the consumer wakes
-up, or fails when it dies.
+A producer that is SIGSTOPped before we add it never progresses its UCX worker, so the
+connection cannot finish wiring up and our reads from it stay in flight (``PROC``): that is how
+these tests hold a read "mid-flight" deterministically. Over the same-host ``cma`` lane (these
+peers' default) our own process executes the read, so releasing its handle ends it: a cancel is
+final at once (see the transport's module docstring; staged reads over ``tcp`` are tested in
+``test_staging``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
+import numpy as np
 import pytest
-from p2pkv.contracts import EMPTY_POLL, CancelMode
+from p2pkv.contracts import EMPTY_POLL
 from p2pkv.errors import PeerRejected, TransferSubmitError
-from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.waiting import wait_until
+from p2pkv_nixl import NixlDataTransport
 from p2pkv_nixl import transport as transport_module
 
 BLOCK = 64 * 1024
+CANARY = 0xCC
 
 
 def _stalled(make_local, doomed, **options):
-    """A producer with writes in flight to a paused consumer: (producer, consumer, ids)."""
-    producer = make_local(num_blocks=16, block_len=BLOCK, **options)
-    consumer = doomed.data_peer(type(producer.transport), 16, BLOCK, {})
+    """A consumer with reads in flight from a paused producer: (consumer, producer, ids)."""
+    consumer = make_local(num_blocks=16, block_len=BLOCK, **options)
+    producer = doomed.data_peer(NixlDataTransport, 16, BLOCK, {})
+    producer.fill(8)
     doomed.pause()
-    producer.transport.add_peer("c", consumer.descriptor)
-    ids = {producer.transport.write_blocks("c", [i], [i]) for i in range(4)}
-    assert producer.transport.poll("c") == EMPTY_POLL, "writes to a paused peer ended"
-    return producer, consumer, ids
+    consumer.transport.add_peer("p", producer.descriptor)
+    ids = {consumer.transport.read_blocks("p", [i], [i]) for i in range(4)}
+    assert consumer.transport.poll("p") == EMPTY_POLL, "reads from a paused peer ended"
+    return consumer, producer, ids
 
 
 def _warmup_ids(transport) -> set[int]:
@@ -38,73 +44,82 @@ def _warmup_ids(transport) -> set[int]:
     return {r.warmup_id for rs in transport._by_peer.values() for r in rs if r.warmup is not None}
 
 
-def _order(recorder, warmups: set[int]) -> tuple[list[str], list[int]]:
-    """Call names, and the ids of write handles released (warm-up READs left out)."""
-    names = recorder.names()
-    released = [d for n, d in recorder.calls if n == "release_xfer_handle" and d not in warmups]
-    return names, released
+def _read_handles(transport) -> set[int]:
+    return {id(read.handle) for rs in transport._by_peer.values() for r in rs
+            for read in r.inflight.values()}
 
 
-def test_killing_the_target_mid_transfer_fails_its_transfers(make_local, doomed, wait_for) -> None:
-    producer, consumer, ids = _stalled(make_local, doomed)
-    t = producer.transport
+def _poll_for(transport, peer_id: str, seconds: float) -> list:
+    """Poll ``peer_id`` throughout a bounded observation window of ``seconds`` (yielding the
+    CPU a millisecond between polls, so the producer runs); every non-empty result seen."""
+    seen = []
+    pause = threading.Event()  # never set: a bounded yield, not a wait for anything
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        result = transport.poll(peer_id)
+        if result.done or result.failed:
+            seen.append(result)
+        pause.wait(0.001)
+    return seen
+
+
+def test_killing_the_producer_mid_read_ends_its_reads(make_local, doomed, wait_for) -> None:
+    consumer, producer, ids = _stalled(make_local, doomed)
+    t = consumer.transport
 
     doomed.kill()
-    done, failed = wait_for(t, "c", ids)  # bounded: raises if they hang
+    done, failed = wait_for(t, "p", ids)  # bounded: raises if they hang
 
-    assert failed == ids and not done
+    assert done | failed == ids and failed, "no read failed although its producer died"
     with pytest.raises(TransferSubmitError, match="add it again"):
-        t.write_blocks("c", [0], [0])
+        t.read_blocks("p", [0], [0])
     with pytest.raises(PeerRejected, match="disconnected"):
-        t.add_peer("c-again", consumer.descriptor)
-    assert t.remove_peer("c") == []
+        t.add_peer("p-again", producer.descriptor)
+    assert t.remove_peer("p") == []
     assert t.close() == []
 
 
-def test_wait_cancel_keeps_running_writes_and_they_report_once(make_local, doomed) -> None:
-    producer, _, ids = _stalled(make_local, doomed)
-    t = producer.transport
-    log = PollLog(t.poll, t.cancel, "producer")
+def test_cancel_of_direct_reads_is_final(make_local, doomed, poll_log) -> None:
+    """Cancelled while the producer is stopped, then the slots refilled: when the producer
+    resumes nothing lands in them and nothing is reported."""
+    consumer, _, ids = _stalled(make_local, doomed)
+    t = consumer.transport
+    assert t.lane("p") == "direct"
+    log = poll_log(t)
     for tid in ids:
-        log.submitted(tid, "c")
+        log.submitted(tid, "p")
 
-    assert sorted(log.cancel(sorted(ids), CancelMode.WAIT)) == sorted(ids)  # NIXL cannot stop them
+    log.cancel(sorted(ids))  # PollLog: returns None, and the ids are never reported
+    consumer.blocks[:4] = CANARY
     doomed.resume()
-    wait_until(lambda: log.terminal(ids), timeout=15.0, what="the kept writes to end",
-               pumps=[lambda: log.poll("c")])
-    assert log.done == ids
+    assert _poll_for(t, "p", 1.0) == []
+    assert (consumer.blocks[:4] == CANARY).all(), "a cancelled read landed"
+    tid = log.submitted(t.read_blocks("p", [5], [5]), "p")  # the peer itself is fine
+    wait_until(lambda: log.terminal({tid}), timeout=15.0, what="a fresh read",
+               pumps=[lambda: log.poll("p")])
+    assert log.done == {tid}
     assert t.close() == []
 
 
-def test_immediate_cancel_forgets_at_once(make_local, doomed) -> None:
-    producer, _, ids = _stalled(make_local, doomed)
-    t = producer.transport
-
-    assert t.cancel(sorted(ids), CancelMode.IMMEDIATE) == []
-    doomed.resume()
-    for _ in range(20):
-        assert t.poll("c") == EMPTY_POLL
-
-
-def test_close_waits_for_running_writes_then_releases_in_order(
+def test_close_ends_reads_then_drains_the_warmup_then_releases_in_order(
     make_local, doomed, record, when
 ) -> None:
-    """close must poll until the writes end, then release their handles, then the peer's
-    descriptor list and agent, then our list, then deregister memory."""
-    producer, _, ids = _stalled(make_local, doomed)
-    t = producer.transport
-    warmups = {id(r.warmup) for rs in t._by_peer.values() for r in rs if r.warmup is not None}
+    """close releases the reads' handles first, waits for the warm-up to end, then releases
+    the peer's descriptor list and agent, our list, and deregisters memory."""
+    consumer, _, ids = _stalled(make_local, doomed)
+    t = consumer.transport
+    reads = _read_handles(t)
+    assert len(reads) == len(ids)
     recorder = record(t)
     closing = threading.Event()
     recorder.on_check = closing.set
-    when(closing, doomed.resume)  # the consumer wakes up only once close() is polling
+    when(closing, doomed.resume)  # the producer wakes up only once close() is polling
 
     assert t.close() == []
 
-    names, released = _order(recorder, warmups)
-    assert len(released) == len(ids)
-    for handle in released:  # each write handle was seen DONE before it was released
-        assert recorder.state[handle] == "DONE"
+    names = recorder.names()
+    released = [d for n, d in recorder.calls if n == "release_xfer_handle"]
+    assert set(released[: len(reads)]) == reads  # the reads went first, at once
     last_release = max(i for i, n in enumerate(names) if n == "release_xfer_handle")
     assert last_release < names.index("release_dlist_handle")
     assert names.index("remove_remote_agent") > names.index("release_dlist_handle")
@@ -113,75 +128,79 @@ def test_close_waits_for_running_writes_then_releases_in_order(
 
 
 def test_close_that_cannot_drain_keeps_memory_registered_and_can_retry(
-    make_local, doomed, record
+    make_local, doomed, record, poll_log
 ) -> None:
-    producer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
-    t = producer.transport
+    consumer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
+    t = consumer.transport
+    log = poll_log(t)
+    for tid in ids:
+        log.submitted(tid, "p")
     recorder = record(t)
 
-    assert set(t.close()) == ids | _warmup_ids(t)
+    left = log.undrained(t.close(), "close")  # never a read id: those ended finally
+    log.ended_all()
+    assert left == _warmup_ids(t) and left
     names = recorder.names()
     assert "deregister_memory" not in names and "release_dlist_handle" not in names
-    assert all(recorder.state.get(d) != "PROC" for n, d in recorder.calls
-               if n == "release_xfer_handle"), "a running write was released"
     assert t in transport_module._LEAKED
     with pytest.raises(TransferSubmitError):
-        t.write_blocks("c", [0], [0])
+        t.read_blocks("p", [0], [0])
 
     doomed.resume()
-    left = t.close()
-    for _ in range(50):  # bounded: each close() polls up to drain_timeout
-        if not left:
-            break
-        left = t.close()
-    assert left == []
+    wait_until(lambda: not t.close(), timeout=15.0, what="a retried close to drain")
     assert recorder.names()[-1] == "deregister_memory"
     assert t not in transport_module._LEAKED
 
 
-def test_remove_peer_that_cannot_drain_reports_and_keeps_it_pollable(
-    make_local, doomed, record, wait_for
+def test_remove_peer_that_cannot_drain_its_warmup_reports_it_and_ends_the_reads(
+    make_local, doomed, record, poll_log
 ) -> None:
-    producer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
-    t = producer.transport
+    consumer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
+    t = consumer.transport
+    log = poll_log(t)
+    for tid in ids:
+        log.submitted(tid, "p")
     recorder = record(t)
 
-    assert set(t.remove_peer("c")) == ids | _warmup_ids(t)
+    left = log.undrained(t.remove_peer("p"), "remove_peer", "p")
+    log.ended_peer("p")
+    assert left == _warmup_ids(t) and left
     assert "release_dlist_handle" not in recorder.names()
     with pytest.raises(TransferSubmitError, match="unknown peer"):
-        t.write_blocks("c", [0], [0])
+        t.read_blocks("p", [0], [0])
 
     doomed.resume()
-    done, failed = wait_for(t, "c", ids)
-    assert done == ids and not failed
-    wait_until(  # released once quiescent: its warm-up READ may end a little later
-        lambda: "release_dlist_handle" in recorder.names(), timeout=15.0,
+    wait_until(  # released once quiescent: progress alone, no poll of "p" needed
+        lambda: "remove_remote_agent" in recorder.names(), timeout=15.0,
         what="the removed peer to be released", pumps=[t.progress],
     )
     assert recorder.names().count("release_dlist_handle") == 1
-    assert "remove_remote_agent" in recorder.names()
+    assert log.poll(None) == ([], [])
 
 
-def test_a_handle_nixl_will_not_release_keeps_the_region(make_local, host, record, wait_for):
-    producer = make_local(num_blocks=16, block_len=BLOCK)
-    t = producer.transport
-    consumer = host.data_peer(type(t), 16, BLOCK, {})
-    t.add_peer("c", consumer.descriptor)
+def test_a_handle_nixl_will_not_release_keeps_the_region(
+    make_local, host, record, wait_for
+) -> None:
+    consumer = make_local(num_blocks=16, block_len=BLOCK)
+    t = consumer.transport
+    producer = host.data_peer(NixlDataTransport, 16, BLOCK, {})
+    t.add_peer("p", producer.descriptor)
     wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
                pumps=[t.progress])
     recorder = record(t)
     recorder.refuse_release = True
 
-    tid = t.write_blocks("c", [1], [1])
-    done, _ = wait_for(t, "c", {tid})
-    assert done == {tid}  # the write ended: it is reported, its handle kept aside
+    tid = t.read_blocks("p", [1], [1])
+    done, _ = wait_for(t, "p", {tid})
+    assert done == {tid}  # the read ended: it is reported, its handle kept aside
 
-    assert t.close() == [tid]
+    [zombie] = t.close()
+    assert zombie != tid  # an internal id, never the read's
     assert "deregister_memory" not in recorder.names()
     recorder.refuse_release = False
     assert t.close() == []
     assert recorder.names()[-1] == "deregister_memory"
-    consumer.close()
+    producer.close()
 
 
 def _warming(make_local, doomed, **options):
@@ -189,7 +208,7 @@ def _warming(make_local, doomed, **options):
     (transport, warm-up handle, the 8 bytes the READ fetches once the peer wakes up)."""
     reader = make_local(num_blocks=4, block_len=BLOCK, **options)
     t = reader.transport
-    peer = doomed.data_peer(type(t), 4, BLOCK, {})
+    peer = doomed.data_peer(NixlDataTransport, 4, BLOCK, {})
     peer.fill(7)
     fetched = peer.region_bytes()[:8]
     doomed.pause()  # the cold connection cannot wire up: the READ stays in flight
@@ -254,12 +273,12 @@ def test_remove_peer_drains_a_running_warmup_like_a_transfer(make_local, doomed,
 
 
 def test_a_warmup_handle_nixl_will_not_release_keeps_the_scratch(make_local, host, record):
-    producer = make_local(num_blocks=4, block_len=BLOCK, drain_timeout=0.2)
-    t = producer.transport
-    consumer = host.data_peer(type(t), 4, BLOCK, {})
+    consumer = make_local(num_blocks=4, block_len=BLOCK, drain_timeout=0.2)
+    t = consumer.transport
+    producer = host.data_peer(NixlDataTransport, 4, BLOCK, {})
     recorder = record(t)
     recorder.refuse_release = True
-    t.add_peer("c", consumer.descriptor)
+    t.add_peer("p", producer.descriptor)
     [warmup_id] = _warmup_ids(t)
     wait_until(lambda: "release_refused" in recorder.names(), timeout=15.0,
                what="the warm-up READ to end", pumps=[t.progress])
@@ -269,7 +288,7 @@ def test_a_warmup_handle_nixl_will_not_release_keeps_the_scratch(make_local, hos
     recorder.refuse_release = False
     assert t.close() == []
     assert recorder.names()[-1] == "deregister_memory"
-    consumer.close()
+    producer.close()
 
 
 def test_a_closed_transport_disconnects_its_peers(make_local) -> None:
@@ -285,7 +304,7 @@ def test_a_closed_transport_disconnects_its_peers(make_local) -> None:
     wait_until(lambda: not _warmup_ids(t), timeout=15.0,
                what="the warm-up READ to the closed peer to fail", pumps=[t.progress])
     with pytest.raises(TransferSubmitError, match="disconnected"):
-        t.write_blocks("g", [0], [0])
+        t.read_blocks("g", [0], [0])
     assert t.remove_peer("g") == []
     assert t.close() == []
 
@@ -309,3 +328,54 @@ def test_a_close_left_undrained_is_finished_by_a_peer_polling_on_the_same_thread
     assert b.close() == []
     assert a.remove_peer("b") == []
     assert a.close() == []
+
+
+def test_cancel_ignores_unknown_and_reported_ids_and_nothing_runs_after_close(
+    make_local, host, wait_for
+) -> None:
+    consumer = make_local(num_blocks=4, block_len=BLOCK)
+    t = consumer.transport
+    producer = host.data_peer(NixlDataTransport, 4, BLOCK, {})
+    t.add_peer("p", producer.descriptor)
+    tid = t.read_blocks("p", [0], [0])
+    assert wait_for(t, "p", {tid})[0] == {tid}
+    assert t.cancel([tid, 10**9, np.int64(tid)]) is None
+    assert t.close() == []
+    assert t.close() == []
+    assert t.poll("p") == EMPTY_POLL and t.poll() == EMPTY_POLL
+    assert t.cancel([tid]) is None
+    with pytest.raises(TransferSubmitError, match="closed"):
+        t.read_blocks("p", [0], [0])
+    with pytest.raises(PeerRejected, match="closed"):
+        t.add_peer("q", producer.descriptor)
+    assert t.remove_peer("p") == []
+    producer.close()
+
+
+def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
+    make_local, doomed, record, caplog, wait_for
+) -> None:
+    """NIXL refusing to release a cancelled direct read (it could not cancel it): cancel drives
+    our worker up to drain_timeout; a read still running then is kept aside (logged as an
+    error: on a non-cma lane its bytes could land) and released once NIXL reports it ended."""
+    consumer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
+    t = consumer.transport
+    recorder = record(t)
+    recorder.refuse_release = True
+    [tid, *_] = sorted(ids)
+
+    started = time.monotonic()
+    t.cancel([tid])
+    assert time.monotonic() - started < 0.2 + 5.0  # bounded by drain_timeout (plus a busy CI)
+    assert "check_xfer_state" in recorder.names()  # it was driven, not just dropped
+    [registration] = t._by_peer["p"]
+    assert len(registration.quarantined) == 1
+    assert any("still runs after" in r.getMessage() for r in caplog.records)
+
+    recorder.refuse_release = False
+    doomed.resume()
+    wait_until(lambda: not registration.quarantined, timeout=15.0,
+               what="the kept read to end and be released", pumps=[t.progress])
+    rest = ids - {tid}  # never cancelled: they complete and are reported
+    assert wait_for(t, "p", rest) == (rest, set())
+    assert t.close() == []

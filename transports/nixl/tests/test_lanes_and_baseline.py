@@ -1,4 +1,5 @@
-"""The UCX lane probe and the throughput harness (behaviour only: timings are not asserted)."""
+"""The UCX lane probe and the READ throughput harness (behaviour only: timings are not
+asserted)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,21 @@ def test_proto_tables() -> None:
     assert [r["lane"] for r in tables[1]["rows"]] == ["tcp/lo", "tcp/lo"]
 
 
-def test_ucx_lanes_probe_reports_the_write_lane() -> None:
+def test_ucx_lanes_probe_reports_the_read_lane() -> None:
     report = ucx_lanes()
     assert report["ok"], report["error"]
-    assert report["put"], report
+    assert report["get"], report
+    assert report["lane"] == "direct"  # a same-host peer over default UCX: read by cma
     assert report["env"]["UCX_RCACHE_MAX_UNRELEASED"]
     assert report["env"]["UCX_NET_DEVICES"] == "lo"
+
+
+def test_ucx_lanes_over_tcp_report_staged_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    report = ucx_lanes()
+    assert report["ok"], report["error"]
+    assert all("tcp" in lane for lane in report["get"]), report["get"]
+    assert report["lane"] == "staged"
 
 
 def test_ucx_lanes_reports_a_failing_setup(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""``data_options`` validation and the descriptor codec (no NIXL needed for most of it)."""
+"""``data_options`` validation, the descriptor codec and the locality checks (no NIXL needed
+for most of it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from p2pkv.errors import ConfigError, PeerRejected
 from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
+from p2pkv_nixl.locality import cma_usable, host_id, tls_allows_cma
 from p2pkv_nixl.options import NixlOptions
 
 # -- options -------------------------------------------------------------------------------
@@ -19,6 +21,7 @@ def test_defaults() -> None:
     assert options.backends == ("UCX",)
     assert options.enable_prog_thread is False
     assert options.drain_timeout == 5.0
+    assert options.staging == "auto" and options.staging_blocks == 256
     assert options.init_params("UCX") == {}
 
 
@@ -29,9 +32,12 @@ def test_values_and_init_params() -> None:
         "enable_prog_thread": True,
         "drain_timeout": 1,
         "warmup": False,
+        "staging": "always",
+        "staging_blocks": 1024,
         "backend_params": {"UCX": {"ucx_error_handling_mode": "none", "num_workers": 1}},
     })
     assert options.drain_timeout == 1.0 and options.enable_prog_thread and not options.warmup
+    assert options.staging == "always" and options.staging_blocks == 1024
     assert options.init_params("UCX") == {
         "num_threads": "2", "ucx_error_handling_mode": "none", "num_workers": "1",
     }
@@ -56,6 +62,15 @@ def test_values_and_init_params() -> None:
         ({"backend_params": {"GDS": {}}}, "'backend_params'"),
         ({"backend_params": {"UCX": {"x": None}}}, "'backend_params'"),
         ({"backend_params": ["UCX"]}, "'backend_params'"),
+        ({"staging": "sometimes"}, "'staging'"),
+        ({"staging": True}, "'staging'"),
+        ({"staging": ["auto"]}, "'staging'"),
+        ({"staging_blocks": 0}, "'staging_blocks'"),
+        ({"staging_blocks": -3}, "'staging_blocks'"),
+        ({"staging_blocks": True}, "'staging_blocks'"),
+        ({"staging_blocks": "256"}, "'staging_blocks'"),
+        ({"staging_blocks": MAX_BLOCKS + 1}, "'staging_blocks'"),
+        ({"stageing": "auto"}, "'stageing'"),
     ],
 )
 def test_bad_options_are_refused_naming_the_key(options: dict, names: str) -> None:
@@ -83,7 +98,7 @@ def test_region_must_be_whole_writable_blocks() -> None:
 
 # -- descriptor ----------------------------------------------------------------------------
 
-GOOD = RegionDescriptor("p2pkv-agent", b"md", 0x7F00_0000_0000, 16, 4096)
+GOOD = RegionDescriptor("p2pkv-agent", b"md", 0x7F00_0000_0000, 16, 4096, "boot/host/ns", True)
 
 
 def _with(**changes: object) -> bytes:
@@ -108,7 +123,12 @@ def test_roundtrip_and_extra_keys_are_ignored() -> None:
         (b"\xc1", "malformed"),
         (msgpack.packb([1, 2]), "not a p2pkv-nixl descriptor"),
         (_with(format="p2pkv-memory"), "not a p2pkv-nixl descriptor"),
-        (_with(v=2), "version 2"),
+        (_with(v=1), "version 1"),
+        (_with(v=3), "version 3"),
+        (_with(host=...), "host None"),
+        (_with(host=7), "host 7"),
+        (_with(cma=...), "cma None"),
+        (_with(cma=1), "cma 1"),
         (_with(agent=""), "agent name"),
         (_with(agent=...), "agent name"),
         (_with(metadata=b""), "metadata"),
@@ -143,11 +163,13 @@ def test_any_bytes_decode_or_are_rejected(data: bytes) -> None:
     st.integers(1, 2**40),
     st.integers(1, MAX_BLOCKS),
     st.integers(1, 2**22),
+    st.text(max_size=80),
+    st.booleans(),
 )
 def test_valid_descriptors_roundtrip(
-    agent: str, metadata: bytes, base: int, num_blocks: int, block_len: int
+    agent: str, metadata: bytes, base: int, num_blocks: int, block_len: int, host: str, cma: bool
 ) -> None:
-    desc = RegionDescriptor(agent, metadata, base, num_blocks, block_len)
+    desc = RegionDescriptor(agent, metadata, base, num_blocks, block_len, host, cma)
     assert RegionDescriptor.decode(desc.encode(), "p") == desc
 
 
@@ -166,3 +188,39 @@ def test_add_peer_rejections_from_a_live_transport(make_local) -> None:
     renamed = RegionDescriptor("not-its-name", own.metadata, own.base, 8, 4096).encode()
     with pytest.raises(PeerRejected):
         t.add_peer("renamed", renamed)
+
+
+def test_a_live_descriptor_names_this_host_and_its_cma() -> None:
+    from p2pkv.contracts import DataSettings
+    from p2pkv_nixl import NixlDataTransport
+
+    t = NixlDataTransport.create(DataSettings(memoryview(bytearray(8192)), 4096))
+    try:
+        desc = RegionDescriptor.decode(t.descriptor(), "self")
+    finally:
+        t.close()
+    assert desc.host == host_id() and desc.host.count("/") == 2
+    assert desc.cma is cma_usable()
+
+
+# -- locality ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tls", "allowed"),
+    [
+        (None, True), ("", True), ("  ", True), ("all", True), ("cma", True), ("tcp,cma", True),
+        ("sm", True), ("shm,tcp", True), ("TCP,CMA", True), ("ud:aux,cma", True),
+        ("^tcp", True), ("^rc,ud", True),
+        ("tcp", False), ("tcp,self", False), ("posix,sysv,tcp", False), ("rc,ud", False),
+        ("^cma", False), ("^sm", False), ("^shm,tcp", False), ("^all", False),
+    ],
+)
+def test_which_ucx_tls_values_leave_cma(tls: str | None, allowed: bool) -> None:
+    assert tls_allows_cma(tls) is allowed
+
+
+def test_cma_follows_ucx_tls() -> None:
+    assert cma_usable({"UCX_TLS": "tcp"}) is False
+    assert cma_usable({"UCX_TLS": "^cma"}) is False
+    assert cma_usable({}) is cma_usable({"UCX_TLS": "all"})

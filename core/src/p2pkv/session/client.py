@@ -77,8 +77,8 @@ class _Round:
         """Per key position: a ``ready`` named it (sized when the fetch goes out)."""
         self.unread = len(job.keys)
         """Blocks whose read has not completed."""
-        self.reads: dict[int, int] = {}
-        """Our reads in flight: transfer id -> blocks."""
+        self.reads: dict[int, tuple[int, float]] = {}
+        """Our reads in flight: transfer id -> (blocks, when posted)."""
         self.timer: Timer | None = None
 
 
@@ -248,7 +248,7 @@ class ClientRole:
             self._fail(rnd, Outcome.SUBMIT_FAILED,
                        f"read_blocks failed: {type(exc).__name__}: {exc}")
             return
-        rnd.reads[rid] = len(local)
+        rnd.reads[rid] = (len(local), env.clock())
         self.reads[rid] = rnd
         env.owners[rid] = self.session
         if env.observers.enabled:
@@ -258,21 +258,26 @@ class ClientRole:
     def on_read(self, rid: int, ok: bool) -> None:
         """A read of ours terminated (routed here from ``data.poll``)."""
         rnd = self.reads.pop(rid)
-        nblocks = rnd.reads.pop(rid)
+        nblocks, posted = rnd.reads.pop(rid)
         env = self.env
-        elapsed = env.clock() - rnd.sent_at
+        now = env.clock()
+        window = self.session.read_window
+        late = ok and now - rnd.sent_at > window
         if env.observers.enabled:
-            env.observers.transfer_finished(peer=self.peer, transfer_id=rid, success=ok,
+            env.observers.transfer_finished(peer=self.peer, transfer_id=rid,
+                                            success=ok and not late,
                                             nbytes=nblocks * env.local.block_len,
-                                            seconds=elapsed)
+                                            seconds=now - posted)
         if not ok:
             env.counters["transfers_failed"] += 1
             self._fail(rnd, Outcome.TRANSFER_FAILED, f"read {rid} failed")
             return
-        if elapsed > env.timeouts.lease * (1 - LEASE_DRIFT):
+        if late:
+            env.counters["transfers_failed"] += 1
             self._fail(rnd, Outcome.TRANSFER_FAILED,
-                       f"read {rid} completed {elapsed:.1f}s after the fetch, past the "
-                       f"producer's lease ({env.timeouts.lease}s): its source may have changed")
+                       f"read {rid} completed {now - rnd.sent_at:.1f}s after the fetch, past "
+                       f"the producer's lease ({window:.1f}s usable): its source may have "
+                       f"changed")
             return
         env.counters["blocks_read"] += nblocks
         rnd.unread -= nblocks

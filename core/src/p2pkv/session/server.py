@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 class _StoreJob:
     __slots__ = (
         "delivered", "done", "failure", "job_id", "keys", "pinned", "released", "remaining",
-        "req", "timer",
+        "req", "timed_out", "timer",
     )
 
     def __init__(self, job_id: int, req: _Req, keys: Sequence[bytes]) -> None:
@@ -69,6 +69,9 @@ class _StoreJob:
         self.released = False
         """The consumer is done with the request: undelivered blocks are not needed."""
         self.done = False
+        self.timed_out = False
+        """The store deadline passed while blocks were pinned: undelivered ones fail it once
+        the pins end (delivered ones stay delivered)."""
         self.timer: Timer | None = None
 
 
@@ -231,11 +234,13 @@ class ServerRole:
             req = self.reqs[kv] = _Req(kv, claim.supply_open)
             for job in claim.parked:
                 self._add_supply(req, job)
-        if msg.round <= req.max_round:
-            raise ProtocolError(
-                f"fetch.round: {msg.round} is not above the previous round {req.max_round} "
-                f"of {kv!r}"
-            )
+        if msg.round <= req.max_round:  # e.g. a finished kv_request_id reused: that round fails
+            if msg.keys:
+                self._send_failed(kv, msg.round, Outcome.REQUEST_CONFLICT,
+                                  f"round {msg.round} is not above the previous round "
+                                  f"{req.max_round} of {kv!r} (is the kv_request_id reused "
+                                  f"while the producer still holds it?)")
+            return None
         req.max_round = msg.round
         return req
 
@@ -550,19 +555,28 @@ class ServerRole:
         sj.timer = None
         if self.env.observers.enabled:
             self.env.observers.timeout(kind="store", kv_request_id=sj.req.kv, peer=self.peer)
+        if sj.pinned:  # being read right now: the release decides, the rest fails then
+            sj.timed_out = True
+            self._withdraw(sj)
+            return
         self._fail_job(sj, Outcome.STORE_TIMEOUT,
                        f"not delivered within {self.env.timeouts.store}s")
 
     def _fail_job(self, sj: _StoreJob, outcome: Outcome, detail: str) -> None:
         if sj.failure is None:
             sj.failure = (outcome, detail)
+        self._withdraw(sj)
+        self._maybe_release_job(sj)
+
+    @staticmethod
+    def _withdraw(sj: _StoreJob) -> None:
+        """Offer none of ``sj``'s blocks any more."""
         supply, supply_job = sj.req.supply, sj.req.supply_job
         if supply:
             for key in sj.keys:
                 if supply_job.get(key) is sj:
                     del supply[key]
                     del supply_job[key]
-        self._maybe_release_job(sj)
 
     def _release_jobs(self, jobs: list[_StoreJob]) -> None:
         prev = None
@@ -578,6 +592,10 @@ class ServerRole:
             outcome, detail = sj.failure
         elif sj.remaining <= 0:
             outcome, detail = Outcome.DONE, ""
+        elif sj.timed_out:
+            self._fail_job(sj, Outcome.STORE_TIMEOUT,
+                           f"not delivered within {self.env.timeouts.store}s")
+            return
         elif sj.released:
             if sj.delivered:
                 outcome, detail = Outcome.DONE, "consumer needed only part of the blocks"

@@ -42,7 +42,7 @@ from p2pkv.protocol import (
     encode,
     message_type,
 )
-from p2pkv.session.client import ClientRole
+from p2pkv.session.client import LEASE_DRIFT, ClientRole
 from p2pkv.session.deadlines import Timer
 from p2pkv.session.env import SessionEnv
 from p2pkv.session.server import ServerRole
@@ -83,6 +83,9 @@ class Session:
         self.acked = False
         """The peer acked our hello."""
         self.peer_hello: Hello | None = None
+        self.read_window = env.timeouts.lease * (1 - LEASE_DRIFT)
+        """How long after a fetch a read of ours is still within the producer's lease: our
+        lease, or the peer's announced one if shorter, less the clock-drift allowance."""
         self.doomed: Doom | None = None
         self.internal_errors = 0
         self.timer: Timer | None = None
@@ -110,6 +113,7 @@ class Session:
             wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
             descriptor=local.descriptor, num_blocks=local.num_blocks, block_len=local.block_len,
             fingerprint=local.fingerprint, hash_seed=local.hash_seed,
+            lease_ms=int(env.timeouts.lease * 1000),
         ))
 
     @property
@@ -259,6 +263,9 @@ class Session:
             return
         self.env.host.data_peer_added(self.peer, self)
         self.peer_hello = msg
+        if msg.lease_ms:
+            own = self.env.timeouts.lease
+            self.read_window = min(own, msg.lease_ms / 1000) * (1 - LEASE_DRIFT)
         self._send_now(HelloAck(msg.epoch))
         self._maybe_ready()
 

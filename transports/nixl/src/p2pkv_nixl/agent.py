@@ -106,10 +106,14 @@ def register_region(
     array: npt.NDArray[np.uint8],
     block_len: int,
     extra: Sequence[npt.NDArray[np.uint8]] = (),
+    *,
+    host: str = "",
+    cma: bool = False,
 ) -> LocalRegion:
     """Register ``array`` (and ``extra`` buffers) as DRAM, prepare its block list and take the
-    agent metadata (after registering: it carries the remote keys). ``ConfigError`` on failure,
-    with whatever was registered deregistered again."""
+    agent metadata (after registering: it carries the remote keys). ``host``/``cma`` go into
+    the descriptor (see :mod:`p2pkv_nixl.locality`). ``ConfigError`` on failure, with
+    whatever was registered deregistered again."""
     base, num_blocks = int(array.ctypes.data), array.size // block_len
     registrations: list[Any] = []
     try:
@@ -128,5 +132,7 @@ def register_region(
         raise ConfigError(
             f"NIXL could not register the region: {type(exc).__name__}: {exc}"
         ) from exc
-    descriptor = RegionDescriptor(agent_name, metadata, base, num_blocks, block_len).encode()
+    descriptor = RegionDescriptor(
+        agent_name, metadata, base, num_blocks, block_len, host=host, cma=cma
+    ).encode()
     return LocalRegion(registrations, dlist, descriptor)

@@ -2,23 +2,25 @@
 
 - :class:`RawNixl` drives NIXL with no p2pkv in the timed path: the same agent setup and the
   same prepared (strided) descriptor lists as the transport, progress thread off, then
-  ``make_prepped_xfer`` + ``transfer`` per write and ``check_xfer_state`` per poll. It is
-  duck-typed like a ``DataTransport`` (the ``p2pkv_bench_baselines`` hook offers it to
-  ``p2pkv bench``), so one loop times both.
-- :func:`measure` moves ``num_blocks`` blocks from this process into a child's region at
-  scattered destination slots (a fixed random permutation), once per repetition and endpoint
-  kind, the kinds back to back within a repetition (in alternating order) so they see the
-  same machine. A repetition is timed
-  from ``write_blocks`` to the ``poll`` that reports it done. Every repetition is verified:
-  each source block carries a fresh stamp, checked in the destination slot; the first and
-  last repetition compare every byte.
+  ``make_prepped_xfer("READ", ...)`` + ``transfer`` per read and ``check_xfer_state`` per
+  poll. It is duck-typed like a ``DataTransport`` (``create``, ``descriptor``, ``add_peer``,
+  ``read_blocks``, ``progress``, ``poll``, ``close``; the ``p2pkv_bench_baselines`` hook
+  offers it to ``p2pkv bench``), so one loop times both.
+- :func:`measure` reads ``num_blocks`` blocks of a child's region into scattered slots of this
+  process (a fixed random permutation; wire 2.0: the consumer posts the reads), once per
+  repetition and endpoint kind, the kinds back to back within a repetition (in alternating
+  order) so they see the same machine. A repetition is timed from ``read_blocks`` to the
+  ``poll`` that reports it done. Every repetition is verified here: the child stamps each
+  source block afresh (untimed), and each destination slot must hold its stamp; the first
+  and last repetition compare every byte. On one host the p2pkv transport reads directly
+  (UCX ``cma``), as raw NIXL does; it stages only for peers it cannot read from that way.
 - :func:`run_raw`, :func:`run_transport` and :func:`run_memcpy` (the same scattered blocks
   copied block by block with numpy in one process) return seconds per repetition.
 
 ``python -m p2pkv_nixl.baseline`` prints GB/s (10^9 bytes/s) of the three for 256 blocks of
-64 KiB, 256 KiB, 1 MiB and 2 MiB, and the ratios, twice: by wall time, and by the initiator
-thread's CPU time (on one host it does the copy itself, over UCX ``cma``), which stays steady
-when other processes compete for the cores. Set ``UCX_NET_DEVICES=lo`` on one host.
+64 KiB, 256 KiB, 1 MiB and 2 MiB, and the ratios, twice: by wall time, and by the reading
+thread's CPU time (on one host the reader does the copy itself, over UCX ``cma``), which stays
+steady when other processes compete for the cores. Set ``UCX_NET_DEVICES=lo`` on one host.
 """
 
 from __future__ import annotations
@@ -91,11 +93,13 @@ class RawNixl:
         )
         self._peers[peer_id] = (name, dlist)
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
+        """The peer's blocks ``remote_idxs[i]`` into ours ``local_idxs[i]``, straight into
+        the slots (no staging, no checks)."""
         handle = self._agent.make_prepped_xfer(
-            "WRITE",
+            "READ",
             self._local,
             np.asarray(local_idxs, dtype=np.int32),
             self._peers[peer_id][1],
@@ -103,13 +107,10 @@ class RawNixl:
         )
         if self._agent.transfer(handle) == "ERR":
             handle.release()
-            raise TransferSubmitError("raw nixl: transfer failed at submit")
+            raise TransferSubmitError("raw nixl: read failed at submit")
         transfer_id = next(self._ids)
         self._inflight[transfer_id] = (peer_id, handle)
         return transfer_id
-
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> None:
-        return None
 
     def progress(self) -> None:
         self._agent.get_new_notifs()
@@ -179,17 +180,18 @@ def _slots(seed: int, num_blocks: int) -> npt.NDArray[np.int64]:
     return np.random.default_rng(seed).permutation(num_blocks)
 
 
-# -- the target process ------------------------------------------------------------------
+# -- the source process ------------------------------------------------------------------
 
 
 def _serve(
     conn: Connection, classes: Sequence[type[Any]], block_len: int, num_blocks: int, seed: int
 ) -> None:
-    """Child: one region, one endpoint of each class over it, progressed between requests."""
+    """Child: one source region, one endpoint of each class over it, progressed between
+    requests (over ``tcp`` its worker serves the reads). ``("stamp", tag)`` stamps every
+    source block afresh and answers ``"ok"``; ``None`` ends it."""
     region = np.empty(num_blocks * block_len, dtype=np.uint8)
-    region.fill(0)  # fault the pages in before anything is timed
-    dest = region.reshape(num_blocks, block_len)
-    slots = _slots(seed, num_blocks)
+    blocks = region.reshape(num_blocks, block_len)
+    _fill(blocks, seed)
     endpoints = [cls.create(DataSettings(region.data, block_len)) for cls in classes]
     conn.send([endpoint.descriptor() for endpoint in endpoints])
     while True:
@@ -199,8 +201,8 @@ def _serve(
             request = conn.recv()
             if request is None:
                 break
-            tag, every_byte = request
-            conn.send(_verify(dest, slots, seed, tag, every_byte))
+            _stamp(blocks, request[1])
+            conn.send("ok")
     for endpoint in endpoints:
         endpoint.close()
 
@@ -233,20 +235,19 @@ def measure(
     """Seconds per repetition for each endpoint kind (label -> class), measured side by side.
 
     ``cpu``, if given, receives per label this thread's CPU seconds (user + system) per
-    repetition: on one host the initiator's own thread does the copy (UCX ``cma``), so this is
-    the cost of the write with the waiting for a core left out (steady on a shared machine).
-    Raises ``RuntimeError`` if a transfer fails or a byte is wrong, ``TimeoutError`` past
+    repetition: on one host the reader's own thread does the copy (UCX ``cma``), so this is
+    the cost of the read with the waiting for a core left out (steady on a shared machine).
+    Raises ``RuntimeError`` if a read fails or a byte is wrong, ``TimeoutError`` past
     ``timeout`` seconds for any one step.
     """
-    source = np.empty(num_blocks * block_len, dtype=np.uint8)
-    blocks = source.reshape(num_blocks, block_len)
-    _fill(blocks, seed)
-    local = list(range(num_blocks))
-    remote = _slots(seed, num_blocks).tolist()
+    dest = np.zeros(num_blocks * block_len, dtype=np.uint8)  # pages faulted in, untimed
+    blocks = dest.reshape(num_blocks, block_len)
+    slots = _slots(seed, num_blocks)
+    local, remote = slots.tolist(), list(range(num_blocks))
     classes = list(kinds.values())
     with Child(_serve, classes, block_len, num_blocks, seed, name="p2pkv-nixl-baseline") as child:
         descriptors = child.recv(timeout, "endpoint descriptors")
-        endpoints = [cls.create(DataSettings(source.data, block_len)) for cls in classes]
+        endpoints = [cls.create(DataSettings(dest.data, block_len)) for cls in classes]
         try:
             for endpoint, descriptor in zip(endpoints, descriptors, strict=True):
                 endpoint.add_peer(_PEER, descriptor)
@@ -257,12 +258,12 @@ def measure(
             for rep in range(total):
                 for label, endpoint in pairs if rep % 2 == 0 else reversed(pairs):
                     tag = next(tags)
-                    _stamp(blocks, tag)
+                    child.request(("stamp", tag), timeout, "the source blocks stamped")
                     start, start_cpu = time.perf_counter(), time.thread_time()
-                    transfer_id = endpoint.write_blocks(_PEER, local, remote)
+                    transfer_id = endpoint.read_blocks(_PEER, local, remote)
                     _wait_done(endpoint, transfer_id, time.monotonic() + timeout)
                     elapsed, used = time.perf_counter() - start, time.thread_time() - start_cpu
-                    problem = child.request((tag, rep in (0, total - 1)), timeout, "a verdict")
+                    problem = _verify(blocks, slots, seed, tag, rep in (0, total - 1))
                     if problem:
                         raise RuntimeError(f"{label}, {block_len} B blocks: {problem}")
                     if rep >= warmup:
@@ -277,7 +278,8 @@ def measure(
 
 
 def run_raw(block_len: int, num_blocks: int, repeats: int, warmup: int) -> list[float]:
-    """Seconds per repetition of raw NIXL moving ``num_blocks`` scattered blocks to a child."""
+    """Seconds per repetition of raw NIXL reading ``num_blocks`` blocks of a child into
+    scattered slots here."""
     return measure({"raw": RawNixl}, block_len, num_blocks, repeats, warmup)["raw"]
 
 

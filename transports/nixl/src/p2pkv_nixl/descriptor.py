@@ -1,15 +1,19 @@
-"""What a peer needs to write into our region: NIXL agent metadata plus the region's shape.
+"""What a peer needs to read from our region: NIXL agent metadata plus the region's shape.
 
 Wire form: a msgpack map (never pickle) ::
 
-    {"format": "p2pkv-nixl", "v": 1, "agent": str, "metadata": bytes, "mem": "DRAM",
-     "base": int, "num_blocks": int, "block_len": int}
+    {"format": "p2pkv-nixl", "v": 2, "agent": str, "metadata": bytes, "mem": "DRAM",
+     "base": int, "num_blocks": int, "block_len": int, "host": str, "cma": bool}
 
 ``metadata`` is NIXL's ``get_agent_metadata()`` taken after the region was registered (it
 carries the remote keys); ``base`` is the region's virtual address in the owner's process.
-Unknown extra keys are ignored (a later minor version may add some); a different ``v`` is
-rejected. Decoding checks every field's type and range and raises ``PeerRejected`` with the
-reason; nothing from the descriptor reaches NIXL unchecked.
+``host`` (:func:`p2pkv_nixl.locality.host_id`, ``""`` if unknown) and ``cma`` (whether the
+owner's UCX has its ``cma`` transport) let a reader decide whether its reads from this region
+may land directly in its slots (see :mod:`p2pkv_nixl.locality`). Version 2 is wire 2.0's
+(consumer-posted reads; version 1 descriptors were for writes). Unknown extra keys are ignored
+(a later minor version may add some); a different ``v`` is rejected. Decoding checks every
+field's type and range and raises ``PeerRejected`` with the reason; nothing from the
+descriptor reaches NIXL unchecked.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from p2pkv.errors import PeerRejected
 __all__ = ["FORMAT", "MAX_BLOCKS", "VERSION", "RegionDescriptor"]
 
 FORMAT = "p2pkv-nixl"
-VERSION = 1
+VERSION = 2
 MAX_BLOCKS = 2**31 - 1
 """NIXL takes block indexes as int32."""
 _ADDRESS_LIMIT = 2**64
@@ -36,6 +40,10 @@ class RegionDescriptor:
     base: int
     num_blocks: int
     block_len: int
+    host: str = ""
+    """Host and PID namespace of the owner (``""``: unknown, never local)."""
+    cma: bool = False
+    """Whether the owner's UCX has its ``cma`` transport."""
     mem: str = "DRAM"
 
     def encode(self) -> bytes:
@@ -49,6 +57,8 @@ class RegionDescriptor:
                 "base": self.base,
                 "num_blocks": self.num_blocks,
                 "block_len": self.block_len,
+                "host": self.host,
+                "cma": self.cma,
             },
             use_bin_type=True,
         )
@@ -87,7 +97,12 @@ class RegionDescriptor:
             raise reject(f"nixl descriptor block_len {block_len!r} is not a positive integer")
         if not (_is_int(base) and base > 0 and base + num_blocks * block_len <= _ADDRESS_LIMIT):
             raise reject(f"nixl descriptor base address {base!r} is not a valid region address")
-        return cls(agent, metadata, base, num_blocks, block_len, mem)
+        host, cma = fields.get("host"), fields.get("cma")
+        if not isinstance(host, str):
+            raise reject(f"nixl descriptor host {host!r} is not a string")
+        if not isinstance(cma, bool):
+            raise reject(f"nixl descriptor cma {cma!r} is not a bool")
+        return cls(agent, metadata, base, num_blocks, block_len, host, cma, mem)
 
 
 def _is_int(value: object) -> TypeGuard[int]:

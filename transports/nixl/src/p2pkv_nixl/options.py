@@ -1,15 +1,35 @@
-"""``data_options`` of the ``nixl`` transport: parsed once, every rejection names the key."""
+"""``data_options`` of the ``nixl`` transport: parsed once, every rejection names the key.
+
+========================  =========  =====================================================
+key                       default    meaning
+========================  =========  =====================================================
+``backends``              ``[UCX]``  NIXL backends to create, in order
+``num_threads``           ``0``      each backend's ``num_threads`` (0: its default)
+``enable_prog_thread``    ``false``  NIXL's own progress thread (spins a core)
+``drain_timeout``         ``5.0``    seconds ``remove_peer``/``close``/``cancel`` may wait
+``backend_params``        ``{}``     extra init parameters per backend
+``warmup``                ``true``   ``add_peer`` wires the connection up with a tiny READ
+``staging``               ``auto``   ``auto``/``always``/``never``: reads through the
+                                     staging pool (see :mod:`p2pkv_nixl.staging`)
+``staging_blocks``        ``256``    blocks in the staging pool (capped at the region's)
+========================  =========  =====================================================
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["NixlOptions"]
+from p2pkv_nixl.descriptor import MAX_BLOCKS
+
+__all__ = ["STAGING_MODES", "NixlOptions", "Staging"]
+
+Staging = Literal["auto", "always", "never"]
+STAGING_MODES: tuple[Staging, ...] = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -24,12 +44,24 @@ class NixlOptions:
     """NIXL's own progress thread. Off: it spins a core and halves throughput on small hosts;
     ``progress()``/``poll()`` drive the worker instead, so the caller must tick them."""
     drain_timeout: float = 5.0
-    """Seconds ``remove_peer``/``close`` wait for transfers the backend will not cancel."""
+    """Seconds ``remove_peer``/``close`` wait for internal transfers (warm-ups; ``close``
+    also for quarantined staged reads), and ``cancel`` for a direct read NIXL would not
+    release."""
     backend_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Extra init parameters per backend, e.g. ``{"UCX": {"ucx_error_handling_mode": "none"}}``."""
     warmup: bool = True
     """``add_peer`` posts a tiny READ from the peer so the connection is wired up before the
-    first real write (otherwise that write pays the endpoint wire-up)."""
+    first real read (otherwise that read pays the endpoint wire-up)."""
+    staging: Staging = "auto"
+    """Where reads land first. ``auto``: straight into the slots when the peer is on this
+    host and both sides have UCX's ``cma`` (our own process copies, so a cancel is final),
+    else through the staging pool. ``always``: every read is staged. ``never``: every read
+    is direct; on a lane other than ``cma`` a cancelled read may then still land in the
+    slots (finality is the operator's responsibility; a warning is logged at create)."""
+    staging_blocks: int = 256
+    """Blocks in the staging pool (allocated on first use; capped at the region's
+    ``num_blocks``). A read needs as many free blocks as it moves; blocks of a cancelled
+    staged read stay quarantined until NIXL reports it ended."""
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> NixlOptions:
@@ -53,6 +85,10 @@ class NixlOptions:
                         f"nixl data option {key!r} must be a bool, got {options[key]!r}"
                     )
                 values[key] = options[key]
+        if "staging" in options:
+            values["staging"] = _staging(options["staging"])
+        if "staging_blocks" in options:
+            values["staging_blocks"] = _count(options["staging_blocks"], "staging_blocks", 1)
         if "drain_timeout" in options:
             values["drain_timeout"] = _seconds(options["drain_timeout"], "drain_timeout")
         if "backend_params" in options:
@@ -80,10 +116,23 @@ def _backends(value: Any) -> tuple[str, ...]:
     return names
 
 
-def _count(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"nixl data option {key!r} must be an integer >= 0, got {value!r}")
+def _count(value: Any, key: str, least: int = 0) -> int:
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not least <= value <= MAX_BLOCKS):
+        raise ConfigError(
+            f"nixl data option {key!r} must be an integer in {least}..{MAX_BLOCKS}, "
+            f"got {value!r}"
+        )
     return value
+
+
+def _staging(value: Any) -> Staging:
+    if value not in STAGING_MODES:
+        raise ConfigError(
+            f"nixl data option 'staging' must be one of {', '.join(STAGING_MODES)}, "
+            f"got {value!r}"
+        )
+    return cast(Staging, value)
 
 
 def _seconds(value: Any, key: str) -> float:

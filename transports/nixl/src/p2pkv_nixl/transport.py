@@ -1,71 +1,86 @@
-"""The ``nixl`` data transport: one-sided NIXL WRITEs from our region into peers' regions.
+"""The ``nixl`` data transport: NIXL READs, posted by us, from peers' regions into ours.
+
+Wire 2.0: the consumer owns every write into its region. The only transfers that land in our
+region are the READs ``read_blocks`` posts; a peer's transport only serves them.
 
 Layout: one NIXL agent per transport, named by a fresh uuid; the caller's region registered
 once as DRAM; one prepared descriptor list for it (``NIXL_INIT_AGENT``) and one per peer
-registration, both in NIXL's strided form (one row however many blocks), so a write is a
-``make_prepped_xfer`` over two int32 index arrays plus ``transfer``. NIXL merges contiguous
-index runs into larger descriptors itself.
+registration, both in NIXL's strided form (one row however many blocks), so a read is a
+``make_prepped_xfer("READ", ...)`` over two int32 index arrays plus ``transfer``. NIXL merges
+contiguous index runs into larger descriptors itself.
+
+Lanes, chosen per peer at ``add_peer`` (:meth:`NixlDataTransport.lane`; data option
+``staging``):
+
+- ``direct``: the READ lands in our slots. ``auto`` picks it only when the peer is on this
+  host (same boot id, hostname and PID namespace, carried in the descriptor) and both sides'
+  UCX has its ``cma`` transport (:mod:`p2pkv_nixl.locality`): then our own process executes
+  the READ (``process_vm_readv`` within our UCX progress), even while the peer is stopped,
+  and releasing the handle stops it: nothing of it can land afterwards.
+- ``staged``: the READ lands in the staging pool and is copied into the slots only after NIXL
+  reports it ``DONE`` (:mod:`p2pkv_nixl.staging`, which also states the quarantine rule for
+  cancelled staged reads). Any lane where the bytes come from the peer's side (``tcp`` across
+  or within hosts, RDMA) keeps delivering after a release, so ``auto`` stages there.
+
+Finality (``cancel``, ``remove_peer``, re-adding a peer, ``close``): a direct read's handle is
+released; should NIXL refuse (it could not cancel), ``cancel`` drives our worker up to
+``drain_timeout`` and releases once the read ended (on ``cma`` it ends by our own progress);
+one still running then can only be on a non-``cma`` lane, which ``auto`` never reads directly
+from: it is kept aside, logged as an error, and its bytes may land (with ``staging: never``
+finality is the operator's responsibility; a warning is logged at create). A staged read is
+quarantined: it never touches the slots. Ended ids are never reported.
 
 Threading: every NIXL call is made on the caller's (driver) thread; this module starts no
 thread. With ``enable_prog_thread`` off (the default) nothing progresses NIXL's worker except
-``progress()``/``poll()``: a target that stops calling them stalls its peers' writes into it
-(the UCX endpoint wire-up and the completion of each write need the target's worker).
+``progress()``/``poll()``: over ``tcp`` a peer that stops calling them stalls our reads from it
+(its worker serves them), over ``cma`` it does not (ours does the copy).
 
 Failure: a peer whose process died makes NIXL raise ``nixlRemoteDisconnectError``, at submit
-or when a transfer's state is checked; every transfer of that peer then fails at once and the
-peer must be added again (with a fresh descriptor: agent names are never reused). An error
-while checking a transfer fails that transfer; it is never left in flight.
+or when a read's state is checked; every read from that peer then fails at once and the peer
+must be added again (with a fresh descriptor: agent names are never reused). An error while
+checking a read fails that read; it is never left in flight (a staged one is quarantined).
 
-Memory safety: NIXL cannot stop a posted write. Releasing the handle of one in progress makes
-the UCX backend "cancel" it and report success, but UCX's request cancel does nothing to a
-posted RMA operation: the bytes still move. So a transfer handle is released only once NIXL
-reports the transfer terminal (or its peer dead, or the caller cancels ``IMMEDIATE``), and a
-``WAIT`` cancel keeps every transfer still in progress. ``remove_peer`` and ``close`` poll up
-to ``drain_timeout``; what never drains is reported and its resources kept: a peer's
-descriptor list stays prepared, and after ``close`` the agent and region stay registered (held
-in a module-level list so that not even garbage collection frees them under a transfer). Such
-a leaked transport is drained further by the ``progress`` of any open transport on the same
+Internal transfers (ids from the same sequence, never reported by ``poll``): the connection
+warm-up READ of ``add_peer`` (it lands in an 8-byte scratch buffer), quarantined staged reads,
+and handles NIXL refused to release after they ended. ``remove_peer`` waits up to
+``drain_timeout`` for the peer's warm-ups and returns those still running; it neither waits
+for nor returns quarantined reads (they write only into our pool, and the peer's registration
+they need is released by ``progress`` once they end). ``close`` waits for all of them and
+returns what still runs; then the agent, region, scratch and pool stay registered (held in a
+module-level list so that not even garbage collection frees them under a transfer). Such a
+leaked transport is drained further by the ``progress`` of any open transport on the same
 thread, and released once nothing runs. A clean ``close`` destroys the agent, so its peers see
 a disconnect rather than a silent endpoint.
-
-The connection warm-up READ (``add_peer``) follows the same rule: it lands in the transport's
-scratch buffer, which stays registered and referenced while any warm-up may still run. A
-warm-up takes an id from the transfer id sequence; ``poll`` never reports it and ``cancel``
-ignores it, but ``remove_peer``/``close`` drain it like a transfer and return its id if it
-never ended.
 """
 
 from __future__ import annotations
 
-import array
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
-from p2pkv.contracts import (
-    EMPTY_POLL,
-    CancelMode,
-    Capabilities,
-    DataSettings,
-    DataTransport,
-    PollResult,
-)
+from p2pkv.contracts import EMPTY_POLL, Capabilities, DataSettings, DataTransport, PollResult
 from p2pkv.errors import PeerRejected, TransferSubmitError, TransportUnavailable
 from p2pkv.logs import module_logger
 
 from p2pkv_nixl import library
 from p2pkv_nixl.agent import block_dlist, open_agent, region_array, register_region
 from p2pkv_nixl.descriptor import RegionDescriptor
+from p2pkv_nixl.indexes import checked_indexes, refuse_repeats
+from p2pkv_nixl.locality import cma_usable, host_id
 from p2pkv_nixl.options import NixlOptions
+from p2pkv_nixl.staging import StagingPool
 
-__all__ = ["NixlDataTransport"]
+__all__ = ["Lane", "NixlDataTransport"]
 
 log = module_logger(__name__)
+
+Lane = Literal["direct", "staged"]
 
 _LEAKED: list[NixlDataTransport] = []
 """Transports whose ``close`` could not drain: kept alive until they drain (see ``progress``),
@@ -87,26 +102,46 @@ class _RemoteAgent:
         self.disconnected = False
 
 
-class _Registration:
-    """One ``add_peer``: the peer's prepared descriptor list and the transfers posted on it.
+class _Read:
+    """One posted READ: its NIXL handle, our destination slots, and its pool blocks (staged
+    reads; ``None`` for a direct read)."""
 
-    A registration replaced by a newer ``add_peer`` or removed while transfers were still
-    running stays in its peer's list until it is quiescent; its ids stay pollable.
+    __slots__ = ("handle", "local", "stage")
+
+    def __init__(
+        self, handle: Any, local: npt.NDArray[np.int32], stage: npt.NDArray[np.int32] | None
+    ) -> None:
+        self.handle = handle
+        self.local = local
+        self.stage = stage
+
+
+class _Registration:
+    """One ``add_peer``: the peer's prepared descriptor list, its lane and its reads.
+
+    A registration replaced by a newer ``add_peer`` or removed has its reads ended at once;
+    it stays in its peer's list only while its warm-up or quarantined reads still run.
     """
 
     __slots__ = (
-        "dlist", "finished", "inflight", "num_blocks", "peer_id", "remote", "warmup", "warmup_id",
+        "dlist", "finished", "inflight", "lane", "num_blocks", "peer_id", "quarantined",
+        "remote", "warmup", "warmup_id",
     )
 
-    def __init__(self, peer_id: str, remote: _RemoteAgent, dlist: Any, num_blocks: int) -> None:
+    def __init__(
+        self, peer_id: str, remote: _RemoteAgent, dlist: Any, num_blocks: int, lane: Lane
+    ) -> None:
         self.peer_id = peer_id
         self.remote = remote
         self.dlist = dlist
         self.num_blocks = num_blocks
-        self.inflight: dict[int, Any] = {}
-        """id -> NIXL transfer handle, not yet terminal."""
+        self.lane: Lane = lane
+        self.inflight: dict[int, _Read] = {}
+        """read id -> read, not yet terminal."""
         self.finished: dict[int, bool] = {}
-        """id -> success, terminal (handle released) and not yet reported."""
+        """read id -> success, terminal (handle released, bytes copied) and not reported."""
+        self.quarantined: dict[int, _Read] = {}
+        """internal id -> an ended read whose handle NIXL has not reported terminal yet."""
         self.warmup: Any = None
         """The connection warm-up READ's handle until it ended and was released."""
         self.warmup_id = 0
@@ -114,7 +149,7 @@ class _Registration:
 
     @property
     def quiescent(self) -> bool:
-        return not self.inflight and self.warmup is None
+        return not self.inflight and self.warmup is None and not self.quarantined
 
 
 class NixlDataTransport(DataTransport):
@@ -122,7 +157,7 @@ class NixlDataTransport(DataTransport):
 
     name: ClassVar[str] = "nixl"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        cross_process=True, cross_host=True, wait_cancel=True, memory_kinds=frozenset({"DRAM"})
+        cross_process=True, cross_host=True, memory_kinds=frozenset({"DRAM"})
     )
 
     @classmethod
@@ -138,31 +173,45 @@ class NixlDataTransport(DataTransport):
         self._array = region_array(settings)
         self._block_len = settings.block_len
         self._num_blocks = self._array.size // settings.block_len
+        self._blocks = self._array.reshape(self._num_blocks, self._block_len)
         self._nixl = library.load()
         self._agent, self._agent_name = open_agent(self._nixl, self._options)
+        self._host = host_id()
+        self._cma = cma_usable()  # UCX read the same environment when the agent started
         self._scratch = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
         """Where warm-up READs land; registered, and kept, exactly as long as the region."""
         region = register_region(
             self._agent, self._agent_name, self._array, self._block_len,
             extra=(self._scratch,) if self._options.warmup else (),
+            host=self._host, cma=self._cma,
         )
         self._memory = region.registrations
         """NIXL registrations (region, then scratch), deregistered last."""
         self._local = region.dlist
         self._descriptor = region.descriptor
+        self._pool: StagingPool | None = None
+        """Created by the first staged ``add_peer``."""
         self._agents: dict[str, _RemoteAgent] = {}
         self._current: dict[str, _Registration] = {}
         self._by_peer: dict[str, list[_Registration]] = {}
         self._owner: dict[int, _Registration] = {}
         self._warming: list[_Registration] = []
+        self._quarantining: list[_Registration] = []
         self._zombies: dict[int, Any] = {}
-        """Handles whose release NIXL refused after they ended: never freed under them."""
+        """internal id -> a handle NIXL refused to release after it ended (never freed)."""
         self._ids = itertools.count(1)
         self._closed = False
         self._closing_thread = 0
         """``threading.get_ident()`` of the ``close`` that left this transport undrained."""
         self._released = False
         self._progress_failed = False
+        if self._options.staging == "never":
+            log.warning(
+                "nixl: data option staging='never': every read lands directly in the slots. "
+                "Over a lane other than UCX cma (tcp, RDMA) a cancelled read can still land "
+                "after cancel returned; keeping that from happening is the operator's "
+                "responsibility (use 'auto' unless every peer is same-host over cma)"
+            )
 
     # -- shape ----------------------------------------------------------------------------
 
@@ -182,6 +231,22 @@ class NixlDataTransport(DataTransport):
     def descriptor(self) -> bytes:
         return self._descriptor
 
+    def lane(self, peer_id: str) -> Lane:
+        """How reads from ``peer_id`` land: ``"direct"`` (into the slots) or ``"staged"``
+        (through the staging pool). ``KeyError`` for a peer not currently added."""
+        registration = self._current.get(peer_id)
+        if registration is None:
+            raise KeyError(f"unknown peer {peer_id!r}")
+        return registration.lane
+
+    def staging_usage(self) -> dict[str, int]:
+        """The staging pool's blocks: ``capacity`` (0 until a staged peer was added),
+        ``free``, and ``quarantined`` (held by cancelled reads NIXL has not ended yet)."""
+        pool = self._pool
+        if pool is None:
+            return {"capacity": 0, "free": 0, "quarantined": 0}
+        return {"capacity": pool.capacity, "free": pool.free, "quarantined": pool.quarantined}
+
     # -- peers ----------------------------------------------------------------------------
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
@@ -195,6 +260,9 @@ class NixlDataTransport(DataTransport):
             )
         if desc.agent == self._agent_name:
             raise PeerRejected(f"peer {peer_id!r}: the descriptor is our own")
+        lane = self._lane_for(desc)
+        if lane == "staged":
+            self._ensure_pool(peer_id)
         remote = self._load_agent(peer_id, desc)
         try:
             dlist = self._agent.prep_xfer_dlist(
@@ -205,11 +273,12 @@ class NixlDataTransport(DataTransport):
             raise PeerRejected(
                 f"peer {peer_id!r}: NIXL refused its region ({type(exc).__name__}: {exc})"
             ) from exc
-        registration = _Registration(peer_id, remote, dlist, desc.num_blocks)
+        registration = _Registration(peer_id, remote, dlist, desc.num_blocks, lane)
         old = self._current.pop(peer_id, None)
         self._current[peer_id] = registration
         self._by_peer.setdefault(peer_id, []).append(registration)
         if old is not None:
+            self._end_reads(old)
             self._retire_quiescent(peer_id)
         if self._options.warmup:
             self._start_warmup(registration, desc.base)
@@ -219,9 +288,35 @@ class NixlDataTransport(DataTransport):
         registrations = list(self._by_peer.get(peer_id, ()))
         if self._closed or not registrations:
             return []
-        undrained = self._quiesce(registrations)
+        for registration in registrations:
+            self._end_reads(registration)
+        undrained = self._drain(registrations, quarantine=False)
         self._retire_quiescent(peer_id)
         return undrained
+
+    def _lane_for(self, desc: RegionDescriptor) -> Lane:
+        """The ``staging`` option's choice; ``auto``: direct exactly when our own process
+        executes the READ (same host and PID namespace, ``cma`` on both sides)."""
+        mode = self._options.staging
+        if mode != "auto":
+            return "staged" if mode == "always" else "direct"
+        local = bool(self._host) and desc.host == self._host and self._cma and desc.cma
+        return "direct" if local else "staged"
+
+    def _ensure_pool(self, peer_id: str) -> None:
+        if self._pool is not None:
+            return
+        capacity = min(self._options.staging_blocks, self._num_blocks)
+        try:
+            self._pool = StagingPool(self._agent, self._block_len, capacity)
+        except Exception as exc:
+            raise PeerRejected(
+                f"peer {peer_id!r} needs staged reads, but NIXL could not register the staging "
+                f"pool ({capacity} blocks of {self._block_len} B, nixl data option "
+                f"'staging_blocks'): {type(exc).__name__}: {exc}"
+            ) from exc
+        log.info("nixl: staging pool of %d blocks (%.1f MiB) registered for staged reads",
+                 capacity, capacity * self._block_len / 2**20)
 
     def _load_agent(self, peer_id: str, desc: RegionDescriptor) -> _RemoteAgent:
         remote = self._agents.get(desc.agent)
@@ -264,7 +359,7 @@ class NixlDataTransport(DataTransport):
     def _start_warmup(self, registration: _Registration, remote_base: int) -> None:
         """Post an 8-byte READ from the peer's region into our scratch: it wires the
         connection up while both sides progress, and touches neither region's contents.
-        Like a write, it is released only once NIXL reports it ended."""
+        It is released only once NIXL reports it ended."""
         length = min(_WARMUP_BYTES, self._block_len)
         try:
             handle = self._agent.initialize_xfer(
@@ -299,9 +394,7 @@ class NixlDataTransport(DataTransport):
                 if state == "PROC":
                     continue
                 self._warmup_ended(registration, None)
-            if (registration.quiescent and not registration.finished
-                    and self._current.get(registration.peer_id) is not registration):
-                self._retire_quiescent(registration.peer_id)
+            self._retire_if_idle(registration)
 
     def _warmup_ended(self, registration: _Registration, exc: BaseException | None) -> None:
         if isinstance(exc, self._nixl.remote_disconnect):
@@ -317,11 +410,33 @@ class NixlDataTransport(DataTransport):
         registration.warmup = None
         self._warming.remove(registration)
 
-    # -- transfers ------------------------------------------------------------------------
+    def _retire_if_idle(self, registration: _Registration) -> None:
+        if (registration.quiescent and not registration.finished
+                and self._current.get(registration.peer_id) is not registration):
+            self._retire_quiescent(registration.peer_id)
 
-    def write_blocks(
+    # -- reads ----------------------------------------------------------------------------
+
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
+        """See ``DataTransport.read_blocks``. A staged peer's read also takes
+        ``len(local_idxs)`` pool blocks, refused (``TransferSubmitError`` naming
+        ``staging_blocks``) when too few are free; nothing is posted then."""
+        registration = self._readable(peer_id)
+        local, remote = self._checked(registration, local_idxs, remote_idxs)
+        stage = None
+        if registration.lane == "staged":
+            assert self._pool is not None  # a staged registration made it
+            stage = self._pool.take(len(local))
+        read = _Read(None, local, stage)
+        read.handle = self._post(registration, read, remote)
+        transfer_id = next(self._ids)
+        registration.inflight[transfer_id] = read
+        self._owner[transfer_id] = registration
+        return transfer_id
+
+    def _readable(self, peer_id: str) -> _Registration:
         if self._closed:
             raise TransferSubmitError("the nixl transport is closed")
         registration = self._current.get(peer_id)
@@ -332,54 +447,71 @@ class NixlDataTransport(DataTransport):
                 f"peer {peer_id!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT); add it again with "
                 f"a fresh descriptor"
             )
+        return registration
+
+    def _checked(
+        self, registration: _Registration, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """Both index lists, checked before anything is posted (see ``read_blocks``)."""
         try:
-            local = _indexes(local_idxs, self._num_blocks)
+            local = checked_indexes(local_idxs, self._num_blocks)
+            refuse_repeats(local, local_idxs)
         except ValueError as exc:
             raise TransferSubmitError(f"local block {exc}") from None
         try:
-            remote = _indexes(remote_idxs, registration.num_blocks)
-            _refuse_repeats(remote, remote_idxs)
+            remote = checked_indexes(remote_idxs, registration.num_blocks)
         except ValueError as exc:
-            raise TransferSubmitError(f"remote (peer {peer_id!r}) block {exc}") from None
+            raise TransferSubmitError(
+                f"remote (peer {registration.peer_id!r}) block {exc}"
+            ) from None
         if len(local) != len(remote):
             raise TransferSubmitError(f"{len(local)} local but {len(remote)} remote block indexes")
-        transfer_id = next(self._ids)
         if len(local) == 0:
-            registration.finished[transfer_id] = True
-            self._owner[transfer_id] = registration
-            return transfer_id
-        agent = self._agent
+            raise TransferSubmitError("a read needs at least one block; both index lists are empty")
+        return local, remote
+
+    def _post(
+        self, registration: _Registration, read: _Read, remote: npt.NDArray[np.int32]
+    ) -> Any:
+        """Make and post the READ (into our slots, or into the pool blocks ``read.stage``);
+        ``TransferSubmitError`` if NIXL refuses, with nothing of it left able to land."""
+        peer_id, agent = registration.peer_id, self._agent
+        if read.stage is None:
+            local_side, local_idxs = self._local, read.local
+        else:
+            assert self._pool is not None
+            local_side, local_idxs = self._pool.dlist, read.stage
         try:
-            handle = agent.make_prepped_xfer(
-                "WRITE", self._local, local, registration.dlist, remote
+            read.handle = agent.make_prepped_xfer(
+                "READ", local_side, local_idxs, registration.dlist, remote
             )
+            state = agent.transfer(read.handle)
         except Exception as exc:
-            raise TransferSubmitError(
-                f"peer {peer_id!r}: NIXL refused the transfer ({type(exc).__name__}: {exc})"
-            ) from exc
-        try:
-            state = agent.transfer(handle)
-        except Exception as exc:
-            self._quietly(agent.release_xfer_handle, handle)
             if isinstance(exc, self._nixl.remote_disconnect):
                 self._disconnected(registration.remote)
+            self._abandon(registration, read)
             raise TransferSubmitError(
-                f"peer {peer_id!r}: NIXL could not post the transfer ({type(exc).__name__}: {exc})"
+                f"peer {peer_id!r}: NIXL could not post the read ({type(exc).__name__}: {exc})"
             ) from exc
         if state == "ERR":
-            self._quietly(agent.release_xfer_handle, handle)
-            raise TransferSubmitError(f"peer {peer_id!r}: NIXL failed the transfer at submit")
-        self._owner[transfer_id] = registration
-        if state == "DONE":
-            self._release(transfer_id, handle)
-            registration.finished[transfer_id] = True
-        else:
-            registration.inflight[transfer_id] = handle
-        return transfer_id
+            self._abandon(registration, read)
+            raise TransferSubmitError(f"peer {peer_id!r}: NIXL failed the read at submit")
+        return read.handle
+
+    def _abandon(self, registration: _Registration, read: _Read) -> None:
+        """A read whose post failed: ended like a cancelled one (pool blocks go back at once
+        only if no handle was made)."""
+        if read.handle is None:
+            if read.stage is not None:
+                assert self._pool is not None
+                self._pool.give_back(read.stage)
+            return
+        self._end_read(registration, read)
 
     def progress(self) -> None:
         """Drive NIXL's worker: ``get_new_notifs`` is the cheapest call that progresses it
-        (a few microseconds; we send no notifications, so it returns nothing we keep).
+        (a few microseconds; we send no notifications, so it returns nothing we keep). Then
+        end warm-ups and quarantines NIXL reports terminal.
 
         An open transport also takes one drain step for each transport that a ``close`` on
         this same thread left undrained (NIXL calls stay on the thread that used the agent):
@@ -392,16 +524,21 @@ class NixlDataTransport(DataTransport):
             for leaked in list(_LEAKED):
                 if leaked._closing_thread == thread:
                     leaked._drain_step()
+        self._progress_worker()
+        if self._warming:
+            self._check_warmups()
+        if self._quarantining:
+            self._reap_quarantine()
+
+    def _progress_worker(self) -> None:
         try:
             self._agent.get_new_notifs()
-        except Exception as exc:  # a tick must survive a backend hiccup; transfers report theirs
+        except Exception as exc:  # a tick must survive a backend hiccup; reads report theirs
             log.log(
                 logging.DEBUG if self._progress_failed else logging.WARNING,
                 "nixl: progressing the worker failed: %s", exc,
             )
             self._progress_failed = True
-        if self._warming:
-            self._check_warmups()
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         if self._closed:
@@ -413,7 +550,7 @@ class NixlDataTransport(DataTransport):
             found = self._by_peer.get(peer_id)
             if not found:
                 return EMPTY_POLL
-            registrations = found
+            registrations = list(found)
         done: list[int] = []
         failed: list[int] = []
         retire = False
@@ -436,76 +573,159 @@ class NixlDataTransport(DataTransport):
             return EMPTY_POLL
         return PollResult(done, failed)
 
-    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode) -> list[int]:
-        kept: list[int] = []
-        touched: set[str] = set()
-        for transfer_id in transfer_ids:
-            registration = self._owner.get(transfer_id)
-            if registration is None:
-                continue
-            touched.add(registration.peer_id)
-            if registration.finished.pop(transfer_id, None) is not None:
-                del self._owner[transfer_id]
-                continue
-            handle = registration.inflight[transfer_id]
-            if mode is CancelMode.WAIT and self._still_running(registration, handle):
-                kept.append(transfer_id)  # NIXL cannot stop it: it stays pollable
-                continue
-            self._release(transfer_id, handle)
-            del registration.inflight[transfer_id]
-            del self._owner[transfer_id]
-        for peer_id in touched:
-            self._retire_quiescent(peer_id)
-        return kept
-
-    def _still_running(self, registration: _Registration, handle: Any) -> bool:
-        """True while NIXL reports the transfer in progress (it cannot be stopped then, see
-        the module docstring). An error ends it; a disconnect also marks the peer dead."""
-        try:
-            return bool(self._agent.check_xfer_state(handle) == "PROC")
-        except Exception as exc:
-            if isinstance(exc, self._nixl.remote_disconnect):
-                registration.remote.disconnected = True
-            return False
-
     def _check(self, registration: _Registration) -> None:
-        agent = self._agent
-        for transfer_id, handle in list(registration.inflight.items()):
+        """Finish the reads of ``registration`` NIXL reports terminal; a check that raises
+        fails its read (ended like a cancelled one: its bytes stay out of the slots)."""
+        for transfer_id, read in list(registration.inflight.items()):
             try:
-                state = agent.check_xfer_state(handle)
+                state = self._agent.check_xfer_state(read.handle)
             except Exception as exc:
                 if isinstance(exc, self._nixl.remote_disconnect):
                     self._disconnected(registration.remote)
-                    return  # every transfer of that agent has just been failed
-                log.warning("nixl: checking transfer %d failed; failing it: %s", transfer_id, exc)
-                state = "ERR"
-            if state == "PROC":
+                    return  # every read of that agent has just been failed
+                log.warning("nixl: checking read %d failed; failing it: %s", transfer_id, exc)
+                del registration.inflight[transfer_id]
+                self._end_read(registration, read)
+                registration.finished[transfer_id] = False
                 continue
-            del registration.inflight[transfer_id]
-            self._release(transfer_id, handle)
-            registration.finished[transfer_id] = state == "DONE"
+            if state != "PROC":
+                del registration.inflight[transfer_id]
+                self._complete(registration, transfer_id, read, state == "DONE")
+
+    def _complete(
+        self, registration: _Registration, transfer_id: int, read: _Read, ok: bool
+    ) -> None:
+        """A read NIXL reports terminal: release it, copy a staged read's blocks into the
+        slots when it succeeded, and queue it for reporting."""
+        self._release(read.handle)
+        if read.stage is not None:
+            assert self._pool is not None
+            if ok:
+                self._pool.copy_out(read.stage, self._blocks, read.local)
+            self._pool.give_back(read.stage)
+        registration.finished[transfer_id] = ok
 
     def _disconnected(self, remote: _RemoteAgent) -> None:
-        """The peer process is gone: fail every transfer of every registration using it."""
+        """The peer process is gone: fail every read of every registration using it. UCX has
+        failed the endpoint (its operations complete with an error, its connection is
+        closed), so nothing more can land from it: handles are released, pool blocks freed."""
         if not remote.disconnected:
-            log.warning("nixl: peer agent %s disconnected; failing its transfers", remote.name)
+            log.warning("nixl: peer agent %s disconnected; failing its reads", remote.name)
         remote.disconnected = True
         for registration in self._all_registrations():
             if registration.remote is not remote:
                 continue
-            for transfer_id, handle in registration.inflight.items():
-                self._release(transfer_id, handle)
-                registration.finished[transfer_id] = False
+            for transfer_id, read in registration.inflight.items():
+                self._complete(registration, transfer_id, read, False)
             registration.inflight.clear()
 
-    def _release(self, transfer_id: int, handle: Any) -> None:
+    def _release(self, handle: Any) -> None:
+        """Release a handle NIXL reported terminal; one it refuses is kept aside (an internal
+        transfer ``close`` reports) and never freed under NIXL."""
         try:
             self._agent.release_xfer_handle(handle)
         except Exception as exc:
-            log.error(
-                "nixl: transfer %d ended but NIXL refused to release it: %s", transfer_id, exc
-            )
-            self._zombies[transfer_id] = handle
+            zombie = next(self._ids)
+            log.error("nixl: a read ended but NIXL refused to release it (kept as internal "
+                      "transfer %d): %s", zombie, exc)
+            self._zombies[zombie] = handle
+
+    # -- ending reads ---------------------------------------------------------------------
+
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        deadline = time.monotonic() + self._options.drain_timeout
+        for transfer_id in transfer_ids:
+            registration = self._owner.pop(transfer_id, None)
+            if registration is None:
+                continue
+            if registration.finished.pop(transfer_id, None) is not None:
+                continue
+            self._end_read(registration, registration.inflight.pop(transfer_id), deadline)
+
+    def _end_reads(self, registration: _Registration) -> None:
+        """End every read of ``registration`` (replaced, removed, closing); none is reported."""
+        deadline = time.monotonic() + self._options.drain_timeout
+        while registration.inflight:
+            transfer_id, read = registration.inflight.popitem()
+            self._owner.pop(transfer_id, None)
+            self._end_read(registration, read, deadline)
+        for transfer_id in registration.finished:
+            self._owner.pop(transfer_id, None)
+        registration.finished.clear()
+
+    def _end_read(
+        self, registration: _Registration, read: _Read, deadline: float | None = None
+    ) -> None:
+        """End one read finally: a direct one is stopped (waiting no later than ``deadline``,
+        default ``drain_timeout`` from now), a staged one quarantined."""
+        if read.stage is None:
+            if deadline is None:
+                deadline = time.monotonic() + self._options.drain_timeout
+            self._stop_direct(registration, read, deadline)
+        elif self._ended(registration, read.handle):
+            self._release(read.handle)
+            assert self._pool is not None
+            self._pool.give_back(read.stage)
+        else:
+            assert self._pool is not None
+            self._pool.quarantine(read.stage)
+            self._keep(registration, read)
+
+    def _stop_direct(self, registration: _Registration, read: _Read, deadline: float) -> None:
+        """Release a direct read's handle (on ``cma`` that stops it). If NIXL refuses, our
+        worker is driven until the read ends, up to ``deadline``; one still running then is
+        kept aside and may still land (see the module docstring)."""
+        try:
+            self._agent.release_xfer_handle(read.handle)
+            return
+        except Exception as exc:
+            log.warning("nixl: a cancelled read from %s was not released (%s); driving it to "
+                        "its end", registration.peer_id, exc)
+        while not self._ended(registration, read.handle):
+            if time.monotonic() >= deadline:
+                log.error(
+                    "nixl: a cancelled direct read from %s still runs after %.1fs: its bytes may "
+                    "still land in slots %s (lane %s; only staged reads are final on any lane)",
+                    registration.peer_id, self._options.drain_timeout,
+                    read.local[:16].tolist(), registration.lane,
+                )
+                self._keep(registration, read)
+                return
+            self._progress_worker()
+        self._release(read.handle)
+
+    def _keep(self, registration: _Registration, read: _Read) -> None:
+        """Hold an ended read whose handle still runs until NIXL reports it terminal."""
+        registration.quarantined[next(self._ids)] = read
+        if registration not in self._quarantining:
+            self._quarantining.append(registration)
+
+    def _ended(self, registration: _Registration, handle: Any) -> bool:
+        """Whether NIXL reports ``handle`` terminal (``DONE``/``ERR``, or its peer
+        disconnected); any other error proves nothing (False)."""
+        try:
+            return bool(self._agent.check_xfer_state(handle) != "PROC")
+        except Exception as exc:
+            if isinstance(exc, self._nixl.remote_disconnect):
+                self._disconnected(registration.remote)
+                return True
+            return False
+
+    def _reap_quarantine(self) -> None:
+        """Release the kept reads NIXL now reports terminal and free their pool blocks; a
+        replaced or removed registration left idle goes at once."""
+        for registration in list(self._quarantining):
+            for internal_id, read in list(registration.quarantined.items()):
+                if not self._ended(registration, read.handle):
+                    continue
+                del registration.quarantined[internal_id]
+                self._release(read.handle)
+                if read.stage is not None:
+                    assert self._pool is not None
+                    self._pool.give_back(read.stage, quarantined=True)
+            if not registration.quarantined:
+                self._quarantining.remove(registration)
+                self._retire_if_idle(registration)
 
     # -- quiescence -----------------------------------------------------------------------
 
@@ -513,44 +733,33 @@ class NixlDataTransport(DataTransport):
         for registrations in self._by_peer.values():
             yield from registrations
 
-    def _quiesce(self, registrations: Sequence[_Registration]) -> list[int]:
-        """Wait-cancel every transfer of ``registrations``, then poll what still runs (warm-ups
-        included) up to ``drain_timeout``; forget what ended. Returns the ids still running."""
-        for registration in registrations:
-            for transfer_id in registration.finished:
-                del self._owner[transfer_id]
-            registration.finished.clear()
-        ids = [t for registration in registrations for t in registration.inflight]
-        self.cancel(ids, CancelMode.WAIT)
+    def _drain(self, registrations: Sequence[_Registration], quarantine: bool) -> list[int]:
+        """Progress until the warm-ups (and, with ``quarantine``, the kept reads) of
+        ``registrations`` ended, up to ``drain_timeout``. Returns the ids still running."""
+
+        def running() -> list[int]:
+            return sorted(
+                [r.warmup_id for r in registrations if r.warmup is not None]
+                + ([q for r in registrations for q in r.quarantined] if quarantine else [])
+            )
+
         deadline = time.monotonic() + self._options.drain_timeout
-        while any(not r.quiescent for r in registrations) and time.monotonic() < deadline:
-            self._settle(registrations)
-        undrained = sorted(
-            [t for registration in registrations for t in registration.inflight]
-            + [r.warmup_id for r in registrations if r.warmup is not None]
-        )
+        while running() and time.monotonic() < deadline:
+            self.progress()
+        undrained = running()
         if undrained:
             log.error(
-                "nixl: %d transfer(s) still running after %.1fs drain (%s); their memory stays "
-                "registered", len(undrained), self._options.drain_timeout, undrained,
+                "nixl: %d internal transfer(s) still running after %.1fs drain (%s); their "
+                "memory stays registered", len(undrained), self._options.drain_timeout,
+                undrained,
             )
         return undrained
-
-    def _settle(self, registrations: Sequence[_Registration]) -> None:
-        """Progress once, then forget the transfers of ``registrations`` that ended."""
-        self.progress()
-        for registration in registrations:
-            self._check(registration)
-            for transfer_id in registration.finished:
-                del self._owner[transfer_id]
-            registration.finished.clear()
 
     def _drain_step(self) -> None:
         """One non-blocking drain pass of a leaked transport; finishes its ``close`` once
         nothing runs any more."""
-        registrations = list(self._all_registrations())
-        self._settle(registrations)
-        if all(r.quiescent for r in registrations):
+        self.progress()
+        if all(r.quiescent for r in self._all_registrations()):
             self.close()
 
     def _retire_quiescent(self, peer_id: str) -> None:
@@ -580,25 +789,35 @@ class NixlDataTransport(DataTransport):
             return []
         self._closed = True
         self._current.clear()
-        undrained = self._quiesce(list(self._all_registrations()))
-        for transfer_id, handle in list(self._zombies.items()):
+        registrations = list(self._all_registrations())
+        for registration in registrations:
+            self._end_reads(registration)
+        undrained = self._drain(registrations, quarantine=True)
+        for zombie, handle in list(self._zombies.items()):
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception:
                 continue
-            del self._zombies[transfer_id]
+            del self._zombies[zombie]
         if undrained or self._zombies or any(
             not r.quiescent for r in self._all_registrations()
         ):
-            leftover = sorted({*undrained, *self._zombies})
             self._closing_thread = threading.get_ident()
             if self not in _LEAKED:
                 _LEAKED.append(self)
-            return leftover
+            return sorted({*undrained, *self._zombies})
+        self._release_everything()
+        return []
+
+    def _release_everything(self) -> None:
+        """Peers, descriptor lists, then memory (pool, scratch, region); drop the agent."""
         for peer_id in list(self._by_peer):
             self._retire_quiescent(peer_id)
         agent = self._agent
         self._quietly(agent.release_dlist_handle, self._local)
+        if self._pool is not None:
+            self._quietly(agent.release_dlist_handle, self._pool.dlist)
+            self._quietly(agent.deregister_memory, self._pool.registration)
         for registration in reversed(self._memory):
             self._quietly(agent.deregister_memory, registration)
         self._memory.clear()
@@ -607,8 +826,8 @@ class NixlDataTransport(DataTransport):
             _LEAKED.remove(self)
         # Every NIXL handle object holds the agent: with the last one gone, the agent and its
         # UCX worker are destroyed, so peers see a disconnect instead of a silent endpoint.
-        del self._agent, self._local, self._array, self._scratch
-        return []
+        del self._agent, self._local, self._array, self._blocks, self._scratch
+        self._pool = None
 
     @staticmethod
     def _quietly(call: Any, *args: Any) -> None:
@@ -617,60 +836,3 @@ class NixlDataTransport(DataTransport):
             call(*args)
         except Exception as exc:
             log.warning("nixl: %s failed during cleanup: %s", getattr(call, "__name__", call), exc)
-
-
-_SMALL = 64
-"""Up to this many indexes, Python's C builtins (min, max, set) beat numpy's per-call cost."""
-
-
-def _indexes(idxs: Sequence[int], limit: int) -> npt.NDArray[np.int32]:
-    """``idxs`` as a contiguous int32 array with every index in ``0..limit-1``, else
-    ``ValueError`` saying which index is wrong (the caller names the side).
-
-    A list goes through ``array.array("i")``: C speed, straight to int32, and it refuses
-    floats, strings and nested lists (``np.asarray`` with an int dtype would silently truncate
-    or parse them). An ndarray must already have an integer dtype. This is the hot path of
-    ``write_blocks``: at most one numpy reduction, none for short lists.
-    """
-    if isinstance(idxs, np.ndarray):
-        if idxs.ndim != 1 or (idxs.size and idxs.dtype.kind not in "iu"):
-            raise ValueError("indexes must be a flat list of integers")
-        wide = idxs.astype(np.int64, copy=False)
-        if wide.size and int(wide.view(np.uint64).max()) >= limit:  # negatives wrap high
-            _raise_outside(wide.tolist(), limit)
-        return np.ascontiguousarray(wide, dtype=np.int32)
-    try:
-        packed = array.array("i", idxs)
-    except OverflowError:
-        raise ValueError(f"index outside 0..{limit - 1} (beyond int32)") from None
-    except (TypeError, ValueError):
-        raise ValueError("indexes must be a flat list of integers") from None
-    if len(packed) <= _SMALL:
-        if packed and (min(packed) < 0 or max(packed) >= limit):
-            _raise_outside(packed, limit)
-    elif int(np.frombuffer(packed, dtype=np.uint32).max()) >= limit:  # negatives wrap high
-        _raise_outside(packed, limit)
-    return np.frombuffer(packed, dtype=np.int32)
-
-
-def _raise_outside(values: Iterable[int], limit: int) -> None:
-    bad = next(v for v in values if not 0 <= v < limit)
-    raise ValueError(f"index {bad} is outside 0..{limit - 1}")
-
-
-def _refuse_repeats(remote: npt.NDArray[np.int32], given: Sequence[int]) -> None:
-    """``ValueError`` if one destination block appears twice (the bytes landing there would
-    depend on the order the backend happens to use)."""
-    if len(remote) <= _SMALL:
-        values = given if isinstance(given, (list, tuple)) else remote.tolist()
-        if len(set(values)) == len(values):
-            return
-    else:
-        ordered = np.sort(remote)
-        if not (ordered[1:] == ordered[:-1]).any():
-            return
-    seen: set[int] = set()
-    for value in remote.tolist():
-        if value in seen:
-            raise ValueError(f"index {value} is written twice in one transfer")
-        seen.add(value)

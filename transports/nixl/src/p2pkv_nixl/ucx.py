@@ -1,12 +1,14 @@
 """Which UCX transports ("lanes") NIXL picks here, for ``p2pkv nixl-lanes`` and ``p2pkv doctor``.
 
 UCX decides per operation and message size which of its transports carries the bytes: on one
-host a WRITE should go ``zero-copy | cma/memory`` (one kernel copy, process to process) with
-notifications over ``tcp``; a wrong ``UCX_TLS``/``UCX_NET_DEVICES`` silently costs bandwidth
-(``UCX_TLS=tcp`` gives about a third of cma's throughput here). :func:`ucx_lanes` runs one tiny
-WRITE between two ``nixl`` transports in a subprocess with ``UCX_PROTO_INFO=y`` and parses the
-protocol tables UCX prints, so the answer reflects the real environment (``UCX_*`` variables,
-installed UCX modules). The probe is intra-node: lanes to another host may differ.
+host a READ should go ``zero-copy | cma/memory`` (one kernel copy, process to process, done by
+the reader itself) with wire-up messages over ``tcp``; a wrong ``UCX_TLS``/``UCX_NET_DEVICES``
+silently costs bandwidth (``UCX_TLS=tcp`` gives about a third of cma's throughput here) and
+makes the transport read through its staging pool (see :mod:`p2pkv_nixl.locality`).
+:func:`ucx_lanes` runs one tiny READ between two ``nixl`` transports in a subprocess with
+``UCX_PROTO_INFO=y`` and parses the protocol tables UCX prints, so the answer reflects the real
+environment (``UCX_*`` variables, installed UCX modules). The probe is intra-node: lanes to
+another host may differ.
 
 UCX variables that matter (see the README): ``UCX_TLS`` (leave unset or ``all``; it must keep
 an active-message transport such as ``tcp``: ``shm`` or ``cma`` alone fail at agent creation),
@@ -67,10 +69,12 @@ def _lanes(tables: Sequence[Mapping[str, Any]], operation_prefix: str) -> list[s
 def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
     """Probe the lanes a ``nixl`` transport with ``options`` (data_options) uses on this host.
 
-    Returns ``{"ok", "error", "env", "put", "am", "tables"}``: ``put`` lists the lanes of
-    remote memory writes (e.g. ``["cma/memory"]``), ``am`` those of active messages
-    (notifications, wire-up; e.g. ``["tcp/lo"]``), ``env`` the ``UCX_*`` variables the probe
-    ran with. Never raises; a probe that fails says why in ``error``.
+    Returns ``{"ok", "error", "env", "get", "am", "lane", "tables"}``: ``get`` lists the
+    lanes of remote memory reads (e.g. ``["cma/memory"]``), ``am`` those of active messages
+    (wire-up; e.g. ``["tcp/lo"]``), ``lane`` how the transport lands reads from a same-host
+    peer (``"direct"`` or ``"staged"``, see ``NixlDataTransport.lane``), ``env`` the
+    ``UCX_*`` variables the probe ran with. Never raises; a probe that fails says why in
+    ``error``.
     """
     env = dict(os.environ)
     library.apply_ucx_defaults(env)
@@ -78,8 +82,9 @@ def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -
         "ok": False,
         "error": "",
         "env": {k: env.get(k) for k in UCX_VARS},
-        "put": [],
+        "get": [],
         "am": [],
+        "lane": "",
         "tables": [],
     }
     problem = library.problem()
@@ -97,20 +102,24 @@ def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -
         return report
     tables = proto_tables(done.stdout + "\n" + done.stderr)
     report["tables"] = tables
-    report["put"] = _lanes(tables, "remote memory write")
+    report["get"] = _lanes(tables, "remote memory read")
     report["am"] = _lanes(tables, "active message")
+    report["lane"] = next(
+        (line.split()[1] for line in done.stdout.splitlines() if line.startswith("LANE ")), ""
+    )
     if done.returncode != 0:
         last = (done.stderr or done.stdout or "?").strip().splitlines()[-1]
         report["error"] = f"probe exited {done.returncode}: {last}"
-    elif not report["put"]:
-        report["error"] = "UCX printed no protocol table for remote writes"
+    elif not report["get"]:
+        report["error"] = "UCX printed no protocol table for remote reads"
     else:
         report["ok"] = True
     return report
 
 
 def _probe(options: Mapping[str, Any], timeout: float = 20.0) -> None:
-    """Subprocess side: one 4 KiB WRITE between two transports of this process."""
+    """Subprocess side: one 4 KiB READ between two transports of this process; prints
+    ``LANE <direct|staged>`` (the reader's lane for its peer)."""
     import numpy as np
     from p2pkv.contracts import DataSettings
 
@@ -118,25 +127,26 @@ def _probe(options: Mapping[str, Any], timeout: float = 20.0) -> None:
 
     block_len = 4096
     regions = [np.full(2 * block_len, fill, dtype=np.uint8) for fill in (1, 0)]
-    source, target = (
+    source, reader = (
         NixlDataTransport.create(DataSettings(r.data, block_len, options)) for r in regions
     )
-    source.add_peer("target", target.descriptor())
-    transfer_id = source.write_blocks("target", [0], [1])
+    reader.add_peer("source", source.descriptor())
+    print(f"LANE {reader.lane('source')}", flush=True)
+    transfer_id = reader.read_blocks("source", [1], [0])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        target.progress()
-        result = source.poll("target")
+        source.progress()
+        result = reader.poll("source")
         if transfer_id in result.failed:
-            raise SystemExit("probe WRITE failed")
+            raise SystemExit("probe READ failed")
         if transfer_id in result.done:
             break
     else:
-        raise SystemExit("probe WRITE did not complete")
+        raise SystemExit("probe READ did not complete")
     if not (regions[1][block_len:] == 1).all():
-        raise SystemExit("probe WRITE landed wrong bytes")
+        raise SystemExit("probe READ landed wrong bytes")
+    reader.close()
     source.close()
-    target.close()
 
 
 def add_parser(sub: Any) -> None:
@@ -157,10 +167,12 @@ def _run(args: argparse.Namespace) -> int:
     if not report["ok"]:
         print(f"probe failed: {report['error']}")
         return 1
-    print(f"remote writes: {', '.join(report['put'])}")
+    print(f"remote reads: {', '.join(report['get'])}")
     print(f"active messages: {', '.join(report['am'])}")
-    if "cma/memory" not in report["put"]:
-        print("note: writes do not use cma on this host; check UCX_TLS (unset or 'all' picks cma)")
+    print(f"same-host reads land: {report['lane'] or '?'}")
+    if "cma/memory" not in report["get"]:
+        print("note: reads do not use cma on this host; check UCX_TLS (unset or 'all' picks "
+              "cma); the transport then reads through its staging pool")
     return 0
 
 

@@ -1,0 +1,114 @@
+"""The staging pool: registered blocks of our own that reads land in before the slots.
+
+Why: over any UCX lane but ``cma`` (``tcp``, RDMA) NIXL cannot stop a posted READ. Releasing
+its handle makes UCX "cancel" it and report success, yet the peer's bytes keep arriving once
+the peer (or the network) moves again: measured here, a 256 MiB READ over ``UCX_TLS=tcp`` from
+a SIGSTOPped producer landed in full after ``release()`` and ``remove_remote_agent()`` once the
+producer resumed. So a staged read lands in pool blocks, and only a *valid completion* (NIXL
+reports the handle ``DONE``) copies them into the caller's slots, with one numpy fancy-indexed
+assignment, before the read is reported done. A cancelled staged read never touches the slots.
+
+Quarantine rule: the blocks of a cancelled staged read are not reused while NIXL may still
+write into them. They return to the pool only once NIXL reports that read's handle terminal
+(``DONE`` or ``ERR``, or its peer disconnected: UCX then fails every operation of the endpoint
+and closes its connection, so nothing more arrives on it), and only then is the handle
+released. Removing the peer's agent or releasing the handle proves nothing (see above), so the
+transport does neither to end a quarantine; a handle that never ends (a peer stopped for good
+on a live connection) keeps its blocks quarantined for the transport's lifetime, counted in
+:attr:`StagingPool.quarantined`.
+
+Memory: ``capacity * block_len`` bytes, allocated and registered on first use (a transport
+whose peers all read directly never pays for it), kept registered until the transport's clean
+``close``. Driver-thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from p2pkv.errors import TransferSubmitError
+
+from p2pkv_nixl.agent import LOCAL, block_dlist
+
+__all__ = ["StagingPool"]
+
+
+class StagingPool:
+    """``capacity`` blocks registered with ``agent``; hands out and takes back block sets.
+
+    Every block is in exactly one state: free, *reading* (a live staged read's), or
+    *quarantined* (a cancelled staged read's whose handle has not ended).
+    """
+
+    def __init__(self, agent: Any, block_len: int, capacity: int) -> None:
+        """Allocate and register the pool. Raises what NIXL raises (the caller explains)."""
+        self.capacity = capacity
+        self.block_len = block_len
+        self.array = np.zeros(capacity * block_len, dtype=np.uint8)
+        self.blocks = self.array.reshape(capacity, block_len)
+        base = int(self.array.ctypes.data)
+        self.registration = agent.register_memory([(base, self.array.nbytes, 0, "")], "DRAM")
+        try:
+            self.dlist = agent.prep_xfer_dlist(
+                LOCAL, block_dlist(base, capacity, block_len), "DRAM"
+            )
+        except Exception:
+            agent.deregister_memory(self.registration)
+            raise
+        self._free = np.ones(capacity, dtype=bool)
+        self.quarantined = 0
+        """Blocks held by cancelled reads whose NIXL handle has not ended."""
+
+    @property
+    def free(self) -> int:
+        return int(np.count_nonzero(self._free))
+
+    def take(self, count: int) -> npt.NDArray[np.int32]:
+        """``count`` free blocks (lowest first, so runs stay contiguous), now *reading*.
+
+        ``TransferSubmitError`` naming the ``staging_blocks`` option when the pool cannot
+        hold ``count`` blocks at all, or has fewer free now."""
+        if count > self.capacity:
+            raise TransferSubmitError(
+                f"a staged read of {count} blocks exceeds the staging pool ({self.capacity} "
+                f"blocks); raise nixl data option 'staging_blocks' or read in smaller parts"
+            )
+        found = np.flatnonzero(self._free)[:count]
+        if len(found) < count:
+            raise TransferSubmitError(
+                f"the staging pool has {len(found)} free blocks of {self.capacity} "
+                f"({self.quarantined} quarantined by cancelled reads still running), a read "
+                f"needs {count}; raise nixl data option 'staging_blocks'"
+            )
+        self._free[found] = False
+        return found.astype(np.int32)
+
+    def give_back(self, stage: npt.NDArray[np.int32], quarantined: bool = False) -> None:
+        """Return *reading* (or, with ``quarantined``, quarantined) blocks to the free set;
+        only once nothing can write into them any more."""
+        self._free[stage] = True
+        if quarantined:
+            self.quarantined -= len(stage)
+
+    def quarantine(self, stage: npt.NDArray[np.int32]) -> None:
+        """Blocks of a cancelled read whose handle still runs: neither free nor copied."""
+        self.quarantined += len(stage)
+
+    def copy_out(
+        self, stage: npt.NDArray[np.int32], dest: npt.NDArray[np.uint8],
+        local: npt.NDArray[np.int32],
+    ) -> None:
+        """``dest[local[i]] = block stage[i]``: one fancy-indexed assignment (a contiguous
+        run of pool blocks is taken as a view, so the bytes are copied once)."""
+        first, last = int(stage[0]), int(stage[-1])
+        if last - first == len(stage) - 1:
+            dest[local] = self.blocks[first:last + 1]
+        else:
+            dest[local] = self.blocks[stage]
+
+    def release(self, agent: Any) -> None:
+        """Release the descriptor list and deregister (clean ``close`` only)."""
+        agent.release_dlist_handle(self.dlist)
+        agent.deregister_memory(self.registration)
