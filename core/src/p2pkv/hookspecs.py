@@ -62,12 +62,14 @@ def p2pkv_bench_baselines() -> list[type[Any]]:
     A baseline moves blocks with the transport's library *without* p2pkv (for example NIXL
     with the same prepared descriptors), so the bench can report p2pkv's ratio to it. Each
     class has a ``name`` (usually the transport's name, e.g. ``"nixl"``) and is duck-typed
-    like a ``DataTransport``: ``create(DataSettings)``, ``descriptor() -> bytes``,
-    ``add_peer(peer_id, descriptor)``, ``write_blocks(peer_id, local_idxs, remote_idxs) ->
-    id``, ``expect_blocks(peer_id, local_idxs) -> id | None``, ``progress()``,
-    ``poll(peer_id) -> PollResult``, ``close()``. It skips p2pkv's validation and bookkeeping
-    but must still move real bytes (the bench verifies them). Importing the plugin module must
-    not import the library.
+    like a ``DataTransport`` in its direction (the consumer reads): ``create(DataSettings)``,
+    ``descriptor() -> bytes``, ``add_peer(peer_id, descriptor)``, ``read_blocks(peer_id,
+    local_idxs, remote_idxs) -> id`` (the peer's blocks into ours), ``progress()`` (also serves
+    a peer's reads of our region where the library needs that), ``poll(peer_id) ->
+    PollResult``, ``close()``, and optionally ``cancel(ids)``. A baseline without
+    ``read_blocks`` is refused by the bench. It skips p2pkv's validation and bookkeeping but
+    must still move real bytes (the bench verifies them). Importing the plugin module must not
+    import the library.
     """
     raise NotImplementedError
 
@@ -100,14 +102,21 @@ def p2pkv_protocol_error(peer: str, reason: str) -> None:
 
 @hookspec
 def p2pkv_transfer_submitted(peer: str, transfer_id: int, blocks: int, nbytes: int) -> None:
-    """A data transfer was posted."""
+    """A read of ours was posted: ``blocks`` blocks (``nbytes`` bytes) of ``peer``'s region
+    into ours, for a load."""
 
 
 @hookspec
 def p2pkv_transfer_finished(
     peer: str, transfer_id: int, success: bool, nbytes: int, seconds: float
 ) -> None:
-    """A data transfer reached a terminal state (``seconds`` since submit)."""
+    """A read of ours reached a terminal state (a cancelled read never does).
+
+    ``seconds`` counts from the moment the round's fetch was sent (the start of its lease),
+    so it includes the producer's time to answer with ``ready``, not only the read itself.
+    ``success`` is the data transport's verdict: a read that completed but past the lease
+    still fails its load afterwards.
+    """
 
 
 @hookspec
@@ -119,9 +128,10 @@ def p2pkv_job_finished(
 
 @hookspec
 def p2pkv_timeout(kind: str, kv_request_id: str, peer: str) -> None:
-    """A deadline fired (``kind``: handshake, load, abort_ack, store, unbound_store, ...)."""
+    """A deadline fired (``kind``: handshake, load, lease, store, unbound_store, lookup)."""
 
 
 @hookspec
 def p2pkv_tier_state(in_flight_transfers: int, parked_stores: int, sessions: int) -> None:
-    """Gauges, reported once per ``on_schedule_end``."""
+    """Gauges, reported once per ``on_schedule_end`` (``in_flight_transfers``: our reads
+    posted and not yet terminal)."""
