@@ -36,7 +36,8 @@ class Metrics:
             "p2pkv_transfers", "Data transfers finished, by result.", ["result"], registry=registry
         )
         self.bytes_sent = Counter(
-            "p2pkv_bytes_sent", "Bytes written to peers by successful transfers.",
+            "p2pkv_bytes_sent", "Bytes moved by successful transfers (counted by the consumer that "
+            "read them).",
             registry=registry,
         )
         self.transfer_seconds = Histogram(
