@@ -25,6 +25,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -
 pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s vllm)")
 
 from p2pkv.testing.child import Child  # noqa: E402
+from p2pkv.testing.waiting import wait_until  # noqa: E402
 from vllm_engine_host import engine_host  # noqa: E402
 
 BOOT = 600.0
@@ -107,7 +108,9 @@ def test_pd_transfer_in_both_orders(pair: Any, dp_rank: int) -> None:
                                 WAIT, "the store")
     assert dec.recv(WAIT, "the loads") == ("loaded", "dec-2", written)
 
-    assert stats(pre, p)[f"{JOBS}{{done}}"] == 2  # one cascade job per stored prompt
+    # one cascade job per stored prompt, done once the decoder released what it read
+    wait_until(lambda: stats(pre, p).get(f"{JOBS}{{done}}") == 2, timeout=WAIT,
+               what="the prefiller's store jobs to be released")
     totals = stats(dec, d)
     assert totals[f"{JOBS}{{done}}"] == 2
     assert totals["vllm:kv_offload_p2pkv_sessions_ready"] == 1
