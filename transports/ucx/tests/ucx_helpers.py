@@ -31,7 +31,10 @@ class Node:
         self.failed: set[int] = set()
 
     def poll(self, peer: str | None = None) -> None:
+        """Poll and record what was reported; a second report of an id fails the test."""
         result = self.t.poll(peer)
+        for tid in [*result.done, *result.failed]:
+            assert tid not in self.done | self.failed, f"read {tid} reported twice"
         self.done.update(result.done)
         self.failed.update(result.failed)
 
@@ -49,8 +52,9 @@ def settle(nodes: list[Node], ids: dict[Node, set[int]], what: str) -> None:
 
 
 class RawProducer:
-    """A hand-driven producer speaking the transport's wire protocol with bare ucxx, so a test
-    can send HEADERs and payload the real producer never would (stale rounds, foreign slots)."""
+    """A hand-driven producer speaking the transport's wire with bare ucxx: it takes the
+    consumer's notices and sends whatever DATA a test wants (runs of cancelled or unknown
+    reads, wrong lengths, repeats), which the real producer never would."""
 
     def __init__(self, num_blocks: int, block_len: int) -> None:
         from p2pkv_ucx import library, wire
@@ -91,19 +95,18 @@ class RawProducer:
                    pumps=[self.worker.progress, pump])
         return wire.decode_notice(buf.tobytes())
 
-    def write(self, link: int, seq: int, runs: list[tuple[int, int, int]],
-              payload: list[np.ndarray]) -> list[Any]:
-        """Send a HEADER naming ``runs`` (dst start, length, gen), then each run's payload
-        (SLOT-tagged for one block, RUN-tagged for more)."""
-        from p2pkv_ucx import tags, wire
+    def send_run(self, link: int, rid: int, run: int, payload: np.ndarray) -> Any:
+        """Send ``payload`` as run ``run`` of read ``rid`` on ``link``."""
+        from p2pkv_ucx import tags
 
-        api, arr = self.lib.api, self.lib.array
-        table = np.array(runs, np.int64).reshape(-1, 3)
-        header = np.frombuffer(
-            wire.encode_header(self.instance, table[:, 0], table[:, 1], table[:, 2]), np.uint8)
-        self.keep += [header, *payload]
-        reqs = [self.ep.tag_send(arr(header), api.UCXXTag(tags.header_tag(link, seq)))]
-        for run, ((start, n, gen), data) in enumerate(zip(runs, payload, strict=True)):
-            to = tags.slot_tag(link, gen, start) if n == 1 else tags.run_tag(link, seq, run)
-            reqs.append(self.ep.tag_send(arr(data), api.UCXXTag(to)))
-        return reqs
+        self.keep.append(payload)
+        tag = self.lib.api.UCXXTag(tags.data_tag(link, rid, run))
+        return self.ep.tag_send(self.lib.array(payload), tag)
+
+    def send_notice(self, payload: bytes) -> Any:
+        from p2pkv_ucx import tags
+
+        data = np.frombuffer(payload, np.uint8)
+        self.keep.append(data)
+        return self.ep.tag_send(self.lib.array(data),
+                                self.lib.api.UCXXTag(tags.kind_tag(tags.NOTICE)))

@@ -11,6 +11,45 @@ ZMQ_FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl"
 """Short heartbeats so a dead peer shows within about a second."""
 
 
+def data_node(conn: Connection, num_blocks: int, block_len: int, seed: int,
+              options: dict[str, Any]) -> None:
+    """A child hosting one ``ucx`` transport over a region filled from ``seed``, like a
+    serving process: it answers the parent's commands and calls ``progress()`` between them.
+
+    Sends its descriptor first. Commands ``(name, *args)``: ``add_peer``, ``remove_peer``,
+    ``read`` (``read_blocks``), ``poll`` (-> ``[done, failed]``), ``cancel``, ``region`` (a copy
+    of the region's bytes), ``close``; each answers ``("ok", value)`` or ``("err", text)``.
+    Exits when the pipe closes; closes the transport on the way out.
+    """
+    from p2pkv.contracts import DataSettings
+    from p2pkv_ucx import UcxDataTransport
+
+    region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len,
+                                                  dtype=np.uint8)
+    t = UcxDataTransport.create(DataSettings(region.data, block_len, options))
+
+    ops: dict[str, Any] = {
+        "add_peer": t.add_peer, "remove_peer": t.remove_peer, "read": t.read_blocks,
+        "poll": lambda peer: [list(ids) for ids in t.poll(peer)], "cancel": t.cancel,
+        "region": region.tobytes, "close": t.close,
+    }
+    conn.send(t.descriptor())
+    try:
+        while True:
+            if conn.poll(0.0005):
+                try:
+                    name, *args = conn.recv()
+                except EOFError:
+                    break
+                try:
+                    conn.send(("ok", ops[name](*args)))
+                except Exception as exc:
+                    conn.send(("err", f"{type(exc).__name__}: {exc}"))
+            t.progress()
+    finally:
+        t.close()
+
+
 def tier_region(num_blocks: int, block_len: int, seed: int) -> tuple[bytearray, np.ndarray]:
     """A region whose content both processes can recompute from ``seed``."""
     region = bytearray(num_blocks * block_len)

@@ -1,15 +1,17 @@
 """Throughput of raw ucxx and of the p2pkv ``ucx`` transport alone, measured the same way.
 
-- :class:`RawUcxxBaseline` is ucxx tag send/receive with no p2pkv: one message per block,
-  tagged with the destination slot, receives posted straight into the slots, no validation,
-  no coalescing, no EXPECT/HEADER round. It is duck-typed like a ``DataTransport`` (the
+- :class:`RawUcxxBaseline` is ucxx tag send/receive with no p2pkv, in the transport's
+  direction (wire 2: the consumer reads): ``read_blocks`` posts one receive per block straight
+  into its slot (tag: read id and position) and sends the source one small request naming the
+  source blocks; the source's ``progress``/``poll`` answers with one message per block. No
+  staging, no validation, no coalescing. It is duck-typed like a ``DataTransport`` (the
   ``p2pkv_bench_baselines`` hook offers it to ``p2pkv bench`` as ``raw ucx``), with the same
   ``endpoint_error_handling`` as the transport (option, ``P2PKV_UCX_ENDPOINT_ERROR_HANDLING``,
   default on), so the two are compared on the same UCX lanes.
 - :func:`run_raw` and :func:`run_transport` time one series with ``p2pkv bench``'s own cell
-  runner: ``num_blocks`` blocks from this process into scattered slots of a child's region, one
-  request per repetition, timed from ``write_blocks`` to the poll that reports it done; every
-  repetition's destination bytes are checked. They return seconds per repetition.
+  runner: ``num_blocks`` scattered blocks between this process and a child, one request per
+  repetition, every repetition's destination bytes checked. They return seconds per
+  repetition.
 
 ``python -m p2pkv_ucx.baseline`` prints GB/s (10^9 B/s) of raw ucxx, the transport and
 memcpy for 256 blocks of 64 KiB, 256 KiB, 1 MiB and 2 MiB, with the ratios, for endpoint
@@ -48,7 +50,8 @@ SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
 
 
 class RawUcxxBaseline:
-    """ucxx without p2pkv. Driver-thread only; checks nothing; not for production."""
+    """ucxx without p2pkv, consumer-initiated. Driver-thread only; checks nothing; not for
+    production (a request names its sender by an id from its descriptor, trusted as is)."""
 
     name: ClassVar[str] = "ucx"
     capabilities = UcxDataTransport.capabilities
@@ -65,46 +68,70 @@ class RawUcxxBaseline:
         lib = library.load()
         api = lib.api
         self._error_handling = UcxOptions.from_mapping(settings.options).endpoint_error_handling
-        self._api, self._array, self._tag = api, lib.array, api.UCXXTag
+        self._api, self._array, self._tag, self._mask = api, lib.array, api.UCXXTag, api.UCXXTagMask
         with library.ucx_environment(lib.env):
             self._ctx: Any = api.UCXContext(feature_flags=(api.Feature.TAG,))
         self._worker: Any = api.UCXWorker(self._ctx)
         self._blocks = np.frombuffer(settings.region, np.uint8).reshape(-1, settings.block_len)
+        self._id = int.from_bytes(os.urandom(7), "little") | 1
         self._eps: dict[str, Any] = {}
+        self._by_id: dict[int, Any] = {}
+        self._links: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._inflight: dict[str, dict[int, list[Any]]] = {}
+        self._requests: list[tuple[Any, np.ndarray]] = []
+        self._sends: list[Any] = []
 
     def descriptor(self) -> bytes:
-        return bytes(self._worker.address.tobytes())
+        return self._id.to_bytes(8, "little") + bytes(self._worker.address.tobytes())
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        address = self._api.UCXAddress.create_from_buffer(descriptor)
-        self._eps[peer_id] = self._api.UCXEndpoint.create_from_worker_address(
+        address = self._api.UCXAddress.create_from_buffer(descriptor[8:])
+        ep = self._api.UCXEndpoint.create_from_worker_address(
             self._worker, address, self._error_handling
         )
+        self._eps[peer_id] = ep
+        self._by_id[int.from_bytes(descriptor[:8], "little")] = ep
+        self._links[peer_id] = len(self._links) + 1
         self._inflight.setdefault(peer_id, {})
 
-    def write_blocks(
+    def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
-        send, array, tag, blocks = self._eps[peer_id].tag_send, self._array, self._tag, self._blocks
-        pairs = zip(local_idxs, remote_idxs, strict=True)
-        return self._track(peer_id, [send(array(blocks[i]), tag(j)) for i, j in pairs])
-
-    def expect_blocks(self, peer_id: str, local_idxs: Sequence[int]) -> int:
-        recv, array, tag, blocks = self._eps[peer_id].tag_recv, self._array, self._tag, self._blocks
-        return self._track(peer_id, [recv(array(blocks[i]), tag(i)) for i in local_idxs])
-
-    def _track(self, peer_id: str, reqs: list[Any]) -> int:
+        """Post a receive per block into its slot, then ask the peer for the blocks."""
+        ep, array, tag, blocks = self._eps[peer_id], self._array, self._tag, self._blocks
         tid = next(self._ids)
+        base = (self._links[peer_id] << 48) | ((tid & 0xFFFFFF) << 24)
+        reqs = [ep.tag_recv(array(blocks[i]), tag(base | k)) for k, i in enumerate(local_idxs)]
+        head = np.array([self._id, base], np.uint64).view(np.uint8)
+        request = np.concatenate([head, np.asarray(remote_idxs, np.uint32).view(np.uint8)])
+        self._sends.append((ep.tag_send(array(request), tag(_REQUEST)), request))
         self._inflight[peer_id][tid] = reqs[::-1]  # popped from the end as they complete
         return tid
 
     def progress(self) -> None:
-        self._worker.progress()
+        """Progress UCX and answer peers' requests with one message per block."""
+        worker = self._worker
+        worker.progress()
+        while True:
+            found = worker.tag_probe(self._tag(_REQUEST), self._mask((1 << 64) - 1), remove=True)
+            if not found.matched:
+                break
+            buf = np.empty(found.length, np.uint8)
+            self._requests.append((worker.tag_recv_with_handle(self._array(buf), found), buf))
+        worker.progress()
+        while self._requests and self._requests[0][0].completed:
+            self._serve(self._requests.pop(0)[1])
+        self._sends = [s for s in self._sends if not s[0].completed]
+
+    def _serve(self, request: np.ndarray) -> None:
+        sender, base = (int(v) for v in request[:16].view(np.uint64))
+        ep, array, tag, blocks = self._by_id[sender], self._array, self._tag, self._blocks
+        for k, j in enumerate(request[16:].view(np.uint32).tolist()):
+            self._sends.append((ep.tag_send(array(blocks[j]), tag(base | k)), None))
 
     def poll(self, peer_id: str | None = None) -> PollResult:
-        self._worker.progress()
+        self.progress()
         done: list[int] = []
         failed: list[int] = []
         for pid, transfers in self._inflight.items():
@@ -123,10 +150,15 @@ class RawUcxxBaseline:
 
     def close(self) -> list[int]:
         left = sorted(tid for transfers in self._inflight.values() for tid in transfers)
-        if not left:
+        if not left and not self._sends:
             self._eps.clear()
+            self._by_id.clear()
             self._worker = self._ctx = None
         return left
+
+
+_REQUEST = 1 << 63
+"""Tag of a raw read request (a data tag is link << 48 | read << 24 | position, below it)."""
 
 
 def _measure(impl: str, block_len: int, num_blocks: int, repeats: int, warmup: int) -> list[float]:
@@ -151,7 +183,8 @@ def _measure(impl: str, block_len: int, num_blocks: int, repeats: int, warmup: i
 
 
 def run_raw(block_len: int, num_blocks: int, repeats: int, warmup: int) -> list[float]:
-    """Seconds per repetition of raw ucxx moving ``num_blocks`` scattered blocks, verified."""
+    """Seconds per repetition of raw ucxx moving ``num_blocks`` scattered blocks, verified
+    (consumer-initiated, like the transport)."""
     return _measure("raw", block_len, num_blocks, repeats, warmup)
 
 

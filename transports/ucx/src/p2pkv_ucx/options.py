@@ -33,18 +33,24 @@ class UcxOptions:
     while we pull a block from it **aborts this process** inside UCX (measured), and requests
     to a peer that vanished never complete (``transfer_timeout`` then fails them)."""
     transfer_timeout: float = 60.0
-    """Seconds from submit after which a transfer that is still running is failed (0 = never).
-    Receives are cancelled first; a receive already pulling payload cannot be stopped and stays
-    in flight until UCX ends it. Keep it above the tier's load and store timeouts."""
+    """Seconds from submit after which a read that has not arrived is failed (0 = never), and
+    after which a send serving a peer's read is given up (kept as an orphan until UCX lets go
+    of it). Failing a read is final at once (its bytes can only land in staging). Keep it
+    above the tier's load timeout."""
     drain_timeout: float = 2.0
-    """Seconds ``remove_peer`` and ``close`` keep progressing cancelled transfers before
-    returning the ones that did not drain."""
+    """Seconds ``remove_peer`` and ``close`` keep progressing the sends that serve a peer's
+    reads before returning the ones that did not drain. Reads never wait: they end at once."""
     max_message_bytes: int = 8 * 1024 * 1024
-    """Largest coalesced message: index runs contiguous on both sides are sent as one message
-    of up to this many bytes (at least one block). Our value is advertised to peers, which
-    respect it when they write into us."""
+    """Largest coalesced message: index runs contiguous on both sides of a read travel as one
+    message of up to this many bytes (at least one block). Advertised to peers; a read uses
+    the smaller of the two sides' values."""
     coalesce: bool = True
     """Coalesce contiguous runs (see ``max_message_bytes``); False sends one message per block."""
+    staging_bytes: int = 32 * 1024 * 1024
+    """Bytes of staging buffers the reads of this transport may receive into at once (at least
+    one largest message). Every arriving run is received into staging and copied into its
+    slots only once it arrived whole, which is what makes ``cancel`` final; runs beyond this
+    wait inside UCX (a rendezvous run moves no payload until taken)."""
     ucx_config: Mapping[str, str] = field(default_factory=dict)
     """UCX settings for this transport's UCX context only, without the ``UCX_`` prefix (for
     example ``{"TLS": "tcp"}``); the process environment is not touched."""
@@ -72,8 +78,9 @@ class UcxOptions:
         for key in ("transfer_timeout", "drain_timeout"):
             if getattr(opts, key) < 0:
                 raise ConfigError(f"ucx data option {key!r} must be >= 0 seconds")
-        if opts.max_message_bytes < 1:
-            raise ConfigError("ucx data option 'max_message_bytes' must be >= 1")
+        for key in ("max_message_bytes", "staging_bytes"):
+            if getattr(opts, key) < 1:
+                raise ConfigError(f"ucx data option {key!r} must be >= 1")
         return opts
 
 

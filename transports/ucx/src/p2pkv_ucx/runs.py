@@ -1,4 +1,4 @@
-"""Cutting a write into messages: runs contiguous on both sides, capped in length."""
+"""Cutting a read into messages: runs contiguous on both sides, capped in length."""
 
 from __future__ import annotations
 
@@ -10,19 +10,17 @@ __all__ = ["plan_runs"]
 IntArray = npt.NDArray[np.int64]
 
 
-def plan_runs(
-    src: IntArray, dst: IntArray, gens: IntArray, max_run: int
-) -> tuple[IntArray, IntArray, IntArray, IntArray]:
-    """Split a write into runs; returns (src starts, dst starts, lengths, gens) per run.
+def plan_runs(src: IntArray, dst: IntArray, max_run: int) -> tuple[IntArray, IntArray, IntArray]:
+    """Split a read into runs; returns (src starts, dst starts, lengths) per run.
 
     Block ``i`` continues the run of block ``i - 1`` when both its source and destination
-    index are one higher and it belongs to the same expectation round (``gens``); a run never
-    exceeds ``max_run`` blocks (``max_run == 1`` sends one message per block).
+    index are one higher; a run never exceeds ``max_run`` blocks (``max_run == 1`` sends one
+    message per block). The runs cover the pairs exactly, in order.
     """
     n = len(src)
     if max_run <= 1 or n <= 1:  # nothing to coalesce (and the hot single-block case)
-        return src, dst, np.ones(n, np.int64), gens
-    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1) | (np.diff(gens) != 0)
+        return src, dst, np.ones(n, np.int64)
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
     firsts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.append(firsts, n))
     if (lengths > max_run).any():
@@ -31,4 +29,4 @@ def plan_runs(
         offset = (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_run
         firsts = firsts[run] + offset
         lengths = np.minimum(max_run, lengths[run] - offset)
-    return src[firsts], dst[firsts], lengths.astype(np.int64), gens[firsts]
+    return src[firsts], dst[firsts], lengths.astype(np.int64)

@@ -1,74 +1,71 @@
-"""The 64-bit UCX tag of every message the ``ucx`` transport sends.
+"""The 64-bit UCX tag of every message the ``ucx`` transport sends (wire 2).
 
 UCX matches tags per *worker*, not per connection, so a tag must say who sent the message.
-``link`` is the id the *receiver* gave the sender when it added it (unique per receiver,
-never reused)::
+``link`` is the id the *consumer* (the side that reads, and receives the data) gave the
+producer; it travels in every READ notice, and the producer tags the data it serves with it::
 
-    SLOT    00 | link:22 | gen:16 | slot:24     one block, into a receive posted by expect_blocks
-    NOTICE  01 | 0                               consumer -> producer (payload names the sender)
-    HEADER  10 | link:22 | seq:20 | 0            the runs of one write
-    RUN     11 | link:22 | seq:20 | run:20       one coalesced run of that write
+    DATA    00 | link:22 | rid:20 | run:20      one run of read ``rid``, producer -> consumer
+    NOTICE  01 | 0                              READ / CANCEL / REFUSE (payload names sender)
 
-``gen`` is the consumer's round (its low 16 bits), ``seq`` the producer's write number on the
-link (modulo 2**20), ``run`` the run's position in the write.
+``rid`` numbers the consumer's reads on one link; when it would wrap the consumer moves the
+peer to a fresh link, and links are never reused, so no DATA tag is ever used twice by one
+transport (a stale message can never match a later read). ``run`` is the run's position in
+the read. Kinds 2 and 3 are reserved.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "HEADER",
+    "DATA",
     "KIND_MASK",
     "MAX_LINK",
     "MAX_RUNS",
-    "MAX_SLOTS",
     "NOTICE",
-    "RUN",
-    "SEQ_MASK",
-    "SLOT",
-    "WRITE_MASK",
-    "header_tag",
+    "RID_LIMIT",
+    "data_tag",
     "kind_tag",
-    "run_tag",
-    "slot_tag",
+    "read_key",
+    "run_of",
     "split",
 ]
 
-SLOT, NOTICE, HEADER, RUN = 0, 1, 2, 3
-_KIND_SHIFT, _LINK_SHIFT, _SEQ_SHIFT, _GEN_SHIFT = 62, 40, 20, 24
+DATA, NOTICE = 0, 1
+_KIND_SHIFT, _LINK_SHIFT, _RID_SHIFT = 62, 40, 20
 MAX_LINK = (1 << 22) - 1
-SEQ_MASK = (1 << 20) - 1
+RID_LIMIT = 1 << 20
+"""Reads per link; the consumer moves a peer to a new link before a rid would repeat."""
 _RUN_MASK = (1 << 20) - 1
-_GEN_MASK = (1 << 16) - 1
+_KEY_MASK = (1 << 42) - 1
 MAX_RUNS = _RUN_MASK + 1
-"""Messages one ``write_blocks`` call may need."""
-MAX_SLOTS = 1 << 24
-"""Blocks a region may hold (a slot index must fit its tag field)."""
+"""Messages (runs) one read may need."""
 KIND_MASK = 3 << _KIND_SHIFT
-WRITE_MASK = ((1 << 64) - 1) ^ _RUN_MASK
-"""Matches every run of one write: kind, link and seq, any run."""
 
 
 def kind_tag(kind: int) -> int:
+    """The tag (and, under ``KIND_MASK``, the match pattern) of every message of ``kind``."""
     return kind << _KIND_SHIFT
 
 
-def slot_tag(link: int, gen: int, slot: int) -> int:
-    return (link << _LINK_SHIFT) | ((gen & _GEN_MASK) << _GEN_SHIFT) | slot
+def data_tag(link: int, rid: int, run: int) -> int:
+    """The tag of run ``run`` of read ``rid`` on ``link`` (0 < link <= MAX_LINK)."""
+    return (link << _LINK_SHIFT) | (rid << _RID_SHIFT) | run
 
 
-def header_tag(link: int, seq: int) -> int:
-    return (HEADER << _KIND_SHIFT) | (link << _LINK_SHIFT) | (seq << _SEQ_SHIFT)
+def read_key(tag: int) -> int:
+    """The (link, rid) part of a DATA tag, as one integer: names the read it belongs to."""
+    return (tag >> _RID_SHIFT) & _KEY_MASK
 
 
-def run_tag(link: int, seq: int, run: int) -> int:
-    return (RUN << _KIND_SHIFT) | (link << _LINK_SHIFT) | (seq << _SEQ_SHIFT) | run
+def run_of(tag: int) -> int:
+    """The run number of a DATA tag."""
+    return tag & _RUN_MASK
 
 
 def split(tag: int) -> tuple[int, int, int, int]:
-    """(kind, link, seq, run) of a HEADER or RUN tag."""
+    """(kind, link, rid, run) of a tag."""
     return (
         tag >> _KIND_SHIFT,
         (tag >> _LINK_SHIFT) & MAX_LINK,
-        (tag >> _SEQ_SHIFT) & SEQ_MASK,
+        (tag >> _RID_SHIFT) & (RID_LIMIT - 1),
         tag & _RUN_MASK,
     )

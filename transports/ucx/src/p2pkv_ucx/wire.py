@@ -1,21 +1,22 @@
 """What the ``ucx`` transport puts on the wire besides block payload: msgpack, never pickle.
 
+Wire version 2 (p2pkv wire 2.0, "the consumer owns every write into its region"):
+
 - **Descriptor** (``descriptor()`` → peer's ``add_peer``): our UCX worker address, region
-  shape, a random instance id, the longest run (in blocks) we accept in one message, and
-  whether our endpoints use UCX error handling (both sides must agree: UCX cannot connect
-  endpoints of different modes, it hangs).
-- **NOTICE** messages, consumer → producer (tag kind NOTICE), each naming the consumer by its
-  instance id; UCX keeps them in order, and the producer handles them in that order:
+  shape, a random instance id, the longest run (in blocks) we send or receive as one
+  message, and whether our endpoints use UCX error handling (both sides must agree: UCX
+  cannot connect endpoints of different modes, it hangs).
+- **NOTICE** messages (tag kind NOTICE), each naming its sender by instance id; UCX keeps
+  them in order, and the receiver handles them in that order:
 
-  - EXPECT ``(link, gen, slots)``: "write into my ``slots`` for round ``gen``; tag your
-    messages to me with ``link``";
-  - RETRACT ``(gen, slots)``: round ``gen`` no longer wants ``slots`` (cancelled, timed out);
-  - VERDICT ``(seq, refused)``: of your write ``seq``, ``refused`` runs matched no live round
-    and were discarded (0: all of it landed).
-
-- **HEADER** (producer → consumer, tag kind HEADER + link + seq): the producer's instance and
-  the runs of one write, each ``(dst_start, length, gen)``; run ``i``'s payload follows as one
-  SLOT message (one block) or one RUN message with run number ``i``.
+  - READ ``(link, rid, starts, lengths)``, consumer → producer: "send me your blocks
+    ``starts[i] .. starts[i] + lengths[i] - 1`` as one DATA message each, tagged with
+    ``link``, ``rid`` and the run number ``i``". Destinations never travel: the consumer
+    alone decides where a run lands, after it arrived whole;
+  - CANCEL ``(link, rids)``, consumer → producer: those reads are over; do not serve the ones
+    you have not started;
+  - REFUSE ``(link, rid, reason)``, producer → consumer: read ``rid`` will not be served
+    (malformed, outside my region).
 
 Decoders validate types and sizes and raise ``ValueError`` with the reason; integer arrays
 travel as little-endian ``uint32`` bytes.
@@ -31,25 +32,27 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "WIRE_VERSION",
+    "Cancel",
     "Descriptor",
-    "Expect",
-    "Header",
     "Notice",
-    "Retract",
-    "Verdict",
+    "Read",
+    "Refuse",
     "decode_descriptor",
-    "decode_header",
     "decode_notice",
+    "encode_cancel",
     "encode_descriptor",
-    "encode_expect",
-    "encode_header",
-    "encode_retract",
-    "encode_verdict",
+    "encode_read",
+    "encode_refuse",
+    "short_reason",
 ]
 
-WIRE_VERSION = 1
-_EXPECT, _RETRACT, _VERDICT = 0, 1, 2
+WIRE_VERSION = 2
+"""2: consumer-initiated reads (READ/CANCEL/REFUSE); 1 had EXPECT/HEADER/VERDICT writes."""
+_READ, _CANCEL, _REFUSE = 0, 1, 2
 _U32 = np.dtype("<u4")
+MAX_REASON = 60
+"""UTF-8 bytes of a REFUSE reason kept on the wire (cut at a character boundary)."""
 IntArray = npt.NDArray[np.int64]
 
 
@@ -64,36 +67,30 @@ class Descriptor:
 
 
 @dataclass(frozen=True)
-class Expect:
+class Read:
     instance: int
     link: int
-    gen: int
-    slots: IntArray
-
-
-@dataclass(frozen=True)
-class Retract:
-    instance: int
-    gen: int
-    slots: IntArray
-
-
-@dataclass(frozen=True)
-class Verdict:
-    instance: int
-    seq: int
-    refused: int
-
-
-Notice = Expect | Retract | Verdict
-
-
-@dataclass(frozen=True)
-class Header:
-    instance: int
+    rid: int
     starts: IntArray
     lengths: IntArray
-    gens: IntArray
+
+
+@dataclass(frozen=True)
+class Cancel:
+    instance: int
+    link: int
+    rids: IntArray
+
+
+@dataclass(frozen=True)
+class Refuse:
+    instance: int
+    link: int
+    rid: int
+    reason: str
+
+
+Notice = Read | Cancel | Refuse
 
 
 def encode_descriptor(d: Descriptor) -> bytes:
@@ -105,11 +102,13 @@ def encode_descriptor(d: Descriptor) -> bytes:
 
 
 def decode_descriptor(data: bytes) -> Descriptor:
+    """The peer's descriptor; ``ValueError`` naming the problem (another wire version too)."""
     obj = _unpack(data, max_bin=1 << 16)
     if not isinstance(obj, dict) or obj.get("transport") != "ucx":
         raise ValueError("not a ucx transport descriptor")
     if obj.get("v") != WIRE_VERSION:
-        raise ValueError(f"descriptor version {obj.get('v')!r}, expected {WIRE_VERSION}")
+        raise ValueError(f"descriptor of ucx wire version {obj.get('v')!r}, expected "
+                         f"{WIRE_VERSION} (upgrade p2pkv-ucx on both sides)")
     address = obj.get("address")
     numbers = [obj.get(k) for k in ("instance", "num_blocks", "block_len", "max_run")]
     if not isinstance(address, bytes) or not address:
@@ -123,51 +122,43 @@ def decode_descriptor(data: bytes) -> Descriptor:
     return Descriptor(address, instance, num_blocks, block_len, max_run, error_handling)
 
 
-def encode_expect(instance: int, link: int, gen: int, slots: IntArray) -> bytes:
-    return _pack([WIRE_VERSION, _EXPECT, instance, link, gen, _u32(slots)])
+def encode_read(instance: int, link: int, rid: int, starts: IntArray, lengths: IntArray) -> bytes:
+    return _pack([WIRE_VERSION, _READ, instance, link, rid, _u32(starts), _u32(lengths)])
 
 
-def encode_retract(instance: int, gen: int, slots: IntArray) -> bytes:
-    return _pack([WIRE_VERSION, _RETRACT, instance, gen, _u32(slots)])
+def encode_cancel(instance: int, link: int, rids: IntArray) -> bytes:
+    return _pack([WIRE_VERSION, _CANCEL, instance, link, _u32(rids)])
 
 
-def encode_verdict(instance: int, seq: int, refused: int) -> bytes:
-    return _pack([WIRE_VERSION, _VERDICT, instance, seq, refused])
+def encode_refuse(instance: int, link: int, rid: int, reason: str) -> bytes:
+    return _pack([WIRE_VERSION, _REFUSE, instance, link, rid, short_reason(reason)])
+
+
+def short_reason(reason: str) -> str:
+    """``reason`` cut to at most ``MAX_REASON`` UTF-8 bytes, at a character boundary."""
+    return reason.encode()[:MAX_REASON].decode("utf-8", "ignore")
 
 
 def decode_notice(data: bytes) -> Notice:
+    """A NOTICE; ``ValueError`` for anything malformed (never another exception type)."""
     obj = _unpack(data, max_bin=len(data))
-    if not (isinstance(obj, list) and len(obj) >= 4 and obj[0] == WIRE_VERSION):
+    if not (isinstance(obj, list) and len(obj) >= 5 and obj[0] == WIRE_VERSION):
         raise ValueError("malformed NOTICE")
-    kind, instance, fields = obj[1], obj[2], obj[3:]
-    if not _is_positive(instance):
-        raise ValueError("NOTICE without a sender instance")
-    if kind == _EXPECT and len(fields) == 3 and _is_positive(fields[0]) and _is_positive(
-        fields[1]
+    kind, instance, link, fields = obj[1], obj[2], obj[3], obj[4:]
+    if not _is_positive(instance) or not _is_positive(link):
+        raise ValueError("NOTICE without a sender instance or link")
+    if kind == _READ and len(fields) == 3 and _is_count(fields[0]):
+        starts, lengths = _ints(fields[1], "starts"), _ints(fields[2], "lengths")
+        if len(starts) != len(lengths):
+            raise ValueError("READ arrays differ in length")
+        return Read(instance, link, fields[0], starts, lengths)
+    if kind == _CANCEL and len(fields) == 1:
+        return Cancel(instance, link, _ints(fields[0], "rids"))
+    if kind == _REFUSE and len(fields) == 2 and _is_count(fields[0]) and isinstance(
+        fields[1], str
     ):
-        return Expect(instance, fields[0], fields[1], _ints(fields[2], "slots"))
-    if kind == _RETRACT and len(fields) == 2 and _is_positive(fields[0]):
-        return Retract(instance, fields[0], _ints(fields[1], "slots"))
-    if kind == _VERDICT and len(fields) == 2 and all(_is_count(f) for f in fields):
-        return Verdict(instance, fields[0], fields[1])
+        return Refuse(instance, link, fields[0], fields[1])
     raise ValueError(f"malformed NOTICE of kind {kind!r}")
-
-
-def encode_header(instance: int, starts: IntArray, lengths: IntArray, gens: IntArray) -> bytes:
-    return _pack([WIRE_VERSION, instance, _u32(starts), _u32(lengths), _u32(gens)])
-
-
-def decode_header(data: bytes) -> Header:
-    obj = _unpack(data, max_bin=len(data))
-    if not (isinstance(obj, list) and len(obj) == 5 and obj[0] == WIRE_VERSION):
-        raise ValueError("malformed HEADER")
-    if not _is_positive(obj[1]):
-        raise ValueError("HEADER without a sender instance")
-    starts, lengths, gens = (_ints(obj[i], name) for i, name in
-                             ((2, "starts"), (3, "lengths"), (4, "gens")))
-    if not len(starts) == len(lengths) == len(gens):
-        raise ValueError("HEADER arrays differ in length")
-    return Header(obj[1], starts, lengths, gens)
 
 
 def _pack(obj: Any) -> bytes:
