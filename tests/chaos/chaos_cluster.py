@@ -16,15 +16,15 @@ from multiprocessing.connection import wait
 from typing import Any
 
 import psutil
-from chaos_node import NodeSpec, Recorded, node_main
+from chaos_node import Again, NodeSpec, Recorded, node_main
 from p2pkv.demo.roles import Evicted, Loaded, Stored, Submitted
 from p2pkv.demo.workload import DemoRequest, PromptDistribution, make_stream
 from p2pkv.testing.child import Child
 
 __all__ = [
     "HEARTBEAT", "MEASUREMENTS", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage",
-    "admit_held", "all_done", "live_writes", "measured", "not_done", "region_blocks", "requests",
-    "stall_writes", "tier_config",
+    "admit_held", "all_done", "live_reads", "measured", "not_done", "region_blocks", "requests",
+    "stall_reads", "tier_config",
 ]
 
 START_TIMEOUT = 60.0  # a node loads NIXL/UCX on a busy 2-core machine
@@ -96,6 +96,8 @@ class Node:
         self.gone_at: float | None = None
         """When the pipe closed (the process ended), by the parent's clock."""
         self.killed_at: float | None = None
+        self.stopping = False
+        """The harness asked the node to stop (its exit is expected)."""
         self.replies: list[tuple[Any, ...]] = []
         self.data_log: list[tuple[Any, ...]] = []
         """Recorder entries streamed by a recording node."""
@@ -117,6 +119,7 @@ class Node:
         """Wait for the node's ready message (its address and pid)."""
         msg = self.child.recv(START_TIMEOUT, f"{self.name}'s ready message")
         if msg[0] != "ready":
+            self.stopping = True  # it ended by itself, and said why
             raise AssertionError(f"{self.name} did not start: {msg}")
         self.address, self.pid = msg[1], msg[2]
         return self
@@ -141,6 +144,14 @@ class Node:
     def usage(self) -> Usage:
         return Usage.of(self.pid)
 
+    def died(self) -> str | None:
+        """How the node's process ended, if it did without being killed or stopped by us."""
+        if self.killed_at is not None or self.stopping or self.child.process.is_alive():
+            return None
+        code = self.child.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        return f"{self.name} (pid {self.pid}) died unexpectedly: {how}"
+
 
 @dataclass(eq=False)
 class Req:
@@ -156,6 +167,10 @@ class Req:
     evicted: bool = False
     undeliverable: list[str] = field(default_factory=list)
     """Commands the router could not deliver (their node was gone)."""
+    submitted: dict[str, float] = field(default_factory=dict)
+    """Node name -> when it took its half (its ``Submitted`` event)."""
+    again: list[Again] = field(default_factory=list)
+    """Results of ``load_again`` commands (second loads of the same keys)."""
 
     @property
     def load_outcome(self) -> str | None:
@@ -226,6 +241,16 @@ class Flow:
                     self.reqs[cmd[1].index].undeliverable.append(f"store to {node.name}")
         return out
 
+    def send_loads(self, recs: Iterable[Req]) -> None:
+        """Send the load halves of producer-first requests (kept back by ``hold_loads``)."""
+        by_node: dict[Node, list[tuple[Any, ...]]] = {}
+        for rec in recs:
+            by_node.setdefault(rec.consumer, []).append(("load", rec.req, rec.producer.address))
+        for node, cmds in by_node.items():
+            if not node.send(("batch", cmds)):
+                for cmd in cmds:
+                    self.reqs[cmd[1].index].undeliverable.append(f"load to {node.name}")
+
     def _send(self, rec: Req, node: Node, cmd: tuple[Any, ...]) -> None:
         if not node.send(cmd):
             rec.undeliverable.append(f"{cmd[0]} to {node.name}")
@@ -238,7 +263,10 @@ class Flow:
         if rec is None:
             return
         req = rec.req
-        if isinstance(ev, Submitted):
+        if isinstance(ev, Again):
+            rec.again.append(ev)
+        elif isinstance(ev, Submitted):
+            rec.submitted[node.name] = ev.at
             if node is rec.consumer and req.order == "consumer_first":
                 if self.hold_stores:
                     self.held.append(rec)
@@ -375,15 +403,18 @@ class Cluster:
              recs: Iterable[Req] | None = None) -> None:
         """Pump until ``condition()`` holds; ``Outstanding`` after ``timeout`` seconds, listing
         the unfinished requests of ``recs`` (default: all)."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
         while not condition():
-            if time.monotonic() > deadline or any(n.fatal for n in self.nodes):
-                raise Outstanding(f"{what}: not reached within {timeout}s; "
+            waited = time.monotonic() - started
+            if (waited > timeout or any(n.fatal for n in self.nodes)
+                    or any(n.died() for n in self.nodes)):
+                raise Outstanding(f"{what}: not reached (waited {waited:.1f}s of {timeout}s); "
                                   f"{self.flow.outstanding(recs)}{self._fatal()}")
             self.pump(0.02)
 
     def _fatal(self) -> str:
         lines = [f"{n.name}: {f}" for n in self.nodes for f in n.fatal]
+        lines += [d for n in self.nodes if (d := n.died())]
         return ("\nnode failures:\n  " + "\n  ".join(lines)) if lines else ""
 
     def reply(self, node: Node, cmd: tuple[Any, ...], kind: str, timeout: float) -> Any:
@@ -406,17 +437,55 @@ class Cluster:
         """The node's RSS after GC and ``malloc_trim`` (``chaos_node.live_rss``)."""
         return int(self.reply(node, ("memory",), "memory", timeout))
 
+    def canary(self, node: Node, op: str, timeout: float = 10.0) -> dict[str, Any]:
+        """A canary op on ``node`` (``chaos_node``: failed, free, check, release)."""
+        rep: dict[str, Any] = self.reply(node, ("canary", op), "canary", timeout)
+        return rep
+
+    def watch_canaries(self, nodes: Sequence[Node], seconds: float, *,
+                       step: Callable[[], object] = lambda: None) -> int:
+        """Check the canaries of ``nodes`` again and again for ``seconds`` while they keep
+        ticking (``step`` runs between checks: routing, new requests); fails at the first
+        changed byte. Returns how many checks were made."""
+        checks = 0
+        end = time.monotonic() + seconds
+        while True:
+            for node in nodes:
+                rep = self.canary(node, "check")
+                checks += 1
+                assert not rep["changed"], (
+                    f"{rep['changed_bytes']} canary byte(s) changed in {len(rep['changed'])} of "
+                    f"{node.name}'s {rep['slots']} canaried slots ({rep['changed'][:10]}): a "
+                    f"transfer wrote into slots its engine had been handed back")
+            if time.monotonic() >= end:
+                return checks
+            step()
+            self.pump(0.05)
+
     def stop(self, node: Node, timeout: float = 30.0,
-             on_stopping: Callable[[], object] = lambda: None) -> dict[str, Any]:
+             on_stopping: Callable[[], object] = lambda: None,
+             resume: Sequence[Node] = ()) -> dict[str, Any]:
         """Shut the node's tier down (its leftovers arrive as ordinary events) and end it.
-        ``on_stopping`` runs as soon as the node says its shutdown is starting."""
-        self.reply(node, ("stop",), "stopping", timeout)
+        ``resume``: paused nodes (``node`` among them, possibly) resumed right after the stop
+        command went out, so a paused node shuts down with what was in flight when it
+        stopped. ``on_stopping`` runs as soon as the node says its shutdown is starting."""
+        node.replies.clear()
+        node.stopping = True
+        if not node.send(("stop",)):
+            raise AssertionError(f"{node.name} is gone; cannot stop it")
+        for other in resume:
+            other.child.resume()
+        self.wait(lambda: any(r[0] == "stopping" for r in node.replies) or not node.alive,
+                  timeout=timeout, what=f"{node.name} starting its shutdown")
         on_stopping()
         self.wait(lambda: any(r[0] == "stopped" for r in node.replies) or not node.alive,
                   timeout=timeout, what=f"{node.name} shutting down")
         stopped = [r for r in node.replies if r[0] == "stopped"]
         if not stopped:
-            raise AssertionError(f"{node.name} died while shutting down{self._fatal()}")
+            node.child.process.join(timeout)
+            code = node.child.process.exitcode
+            raise AssertionError(f"{node.name} died while shutting down (exit code {code})"
+                                 f"{self._fatal()}")
         rep: dict[str, Any] = stopped[0][2]
         node.child.process.join(timeout)
         node.gone_at = node.gone_at or time.monotonic()
@@ -443,8 +512,6 @@ class Cluster:
         return reports
 
 
-
-
 def region_blocks(reqs: Iterable[DemoRequest]) -> int:
     """Slots a region needs to hold all of ``reqs`` at once."""
     return sum(r.num_blocks for r in reqs)
@@ -460,15 +527,20 @@ def not_done(recs: Iterable[Req]) -> list[str]:
     return [r.describe() for r in recs if not all_done([r])]
 
 
-def live_writes(node: Node, to: str | None = None) -> set[int]:
-    """Writes a recording ``node`` reported posted (to ``to``) and not yet ended."""
-    live: set[int] = set()
+def live_reads(node: Node, source: str | None = None) -> set[int]:
+    """Reads a recording ``node`` reported posted (from ``source``) and not yet ended."""
+    live: dict[int, str] = {}
     for e in node.data_log:
-        if e[1] == "write" and (to is None or e[3] == to):
-            live.add(e[2])
-        elif e[1] in ("end", "cancel"):
-            live.discard(e[2])
-    return live
+        op = e[1]
+        if op == "read" and (source is None or e[3] == source):
+            live[e[2]] = e[3]
+        elif op in ("end", "cancel"):
+            live.pop(e[2], None)
+        elif op in ("remove_peer", "add_peer"):
+            live = {t: p for t, p in live.items() if p != e[2]}
+        elif op == "close":
+            live.clear()
+    return set(live)
 
 
 def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, Node]], *,
@@ -476,7 +548,7 @@ def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, N
     """Admit consumer-first requests (one group per producer/consumer pair) with their store
     halves held until every load is submitted, then release the first ``warm`` of each group and
     wait until those are done: sessions up, data endpoints wired. The rest stay held (for
-    ``stall_writes`` or ``Flow.release_stores``). Returns each group's records."""
+    ``stall_reads`` or ``Flow.release_stores``). Returns each group's records."""
     c.flow.hold_stores = True
     recs = [c.flow.admit(reqs, producer, consumer) for reqs, producer, consumer in groups]
     total = sum(len(r) for r in recs)
@@ -489,16 +561,27 @@ def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, N
     return recs
 
 
-def stall_writes(c: Cluster, writer: Node, target: Node, release: Iterable[Req],
-                 timeout: float) -> set[int]:
-    """Pause ``target``, release the held stores of ``release``, and return once the
-    (recording) ``writer`` reports writes into ``target`` in flight. With UCX on TCP a write
-    needs its target's progress to complete, so they stay in flight until the caller resumes
-    (or kills) ``target``; keep ``timeout`` below the heartbeat timeout."""
-    target.child.pause()
+def stall_reads(c: Cluster, reader: Node, source: Node, release: Iterable[Req],
+                timeout: float) -> set[int]:
+    """Release the held stores of ``release`` and have ``source`` paused (SIGSTOP) right after the
+    (recording) ``reader`` posted reads from it for half of its own: the reader itself stops it
+    (``pause_on_read``), so the reads it posts next (offers already on their way), and the
+    latest before, are still live. Returns the reads from ``source`` live once ``reader``
+    answered a report with ``source`` paused. With UCX on TCP (and always with the two-sided
+    ucx transport) a read needs its source's progress, so they stay in flight until the
+    caller resumes (or kills) ``source``; keep ``timeout`` and the pause below the heartbeat
+    timeout."""
+    release = list(release)
     wanted = {id(r) for r in release}
+    ours = sum(r.consumer is reader and r.producer is source for r in release)
+    c.reply(reader, ("pause_on_read", source.pid, source.address, max(1, ours // 2)),
+            "pause_on_read", timeout=10.0)
     c.flow.hold_stores = False
     c.flow.release_stores(lambda r: id(r) in wanted)
-    c.wait(lambda: live_writes(writer, target.address), timeout=timeout,
-           what=f"{writer.name} writing into paused {target.name}")
-    return live_writes(writer, target.address)
+    try:
+        c.wait(lambda: any(e[1] == "paused_source" for e in reader.data_log), timeout=timeout,
+               what=f"{reader.name} reading from {source.name}")
+    finally:
+        source.child.pause()  # already stopped by the reader, or it never read: stop it now
+    c.report(reader)  # every entry the reader logged before now has arrived
+    return live_reads(reader, source.address)

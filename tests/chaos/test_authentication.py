@@ -5,8 +5,8 @@ without keys it refuses to start at all (fail closed). From host B, a consumer h
 allowed client key loads normally. Intruders on host B get nothing through: raw ZeroMQ peers
 with no keys, with an unknown client key, with an allowed key but the wrong server key, and a
 p2pkv tier with a key that is not on the allow-list. The producer's counters prove no frame of
-theirs reached its link layer or a session, and its recorded data plane shows no write to
-anyone but the allowed consumer.
+theirs reached its link layer or a session, and its recorded data plane registered no peer
+but the allowed consumer (only a registered peer may read its region) and posted no transfer.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def all_done(recs: list[Req]) -> bool:
     return all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs)
 
 
-def test_curve_admits_the_allowed_peer_and_no_frame_or_write_from_anyone_else(
+def test_curve_admits_the_allowed_peer_and_no_frame_or_data_peer_from_anyone_else(
     netlab: NetLab, keydir: Path,
 ) -> None:
     with Cluster() as c:
@@ -130,9 +130,10 @@ def test_curve_admits_the_allowed_peer_and_no_frame_or_write_from_anyone_else(
         stats = after["stats"]
         assert stats["protocol_errors"] == 0 and stats["handshake_rejections"] == 0, stats
         assert stats["sessions"] == 1, stats
-        targets = {e[3] for e in p.data_log if e[1] == "write"}
-        assert targets == {alice.address}, targets
+        peers = {e[2] for e in p.data_log if e[1] == "add_peer"}
+        assert peers == {alice.address}, peers  # only a registered peer reads its region
+        assert not [e for e in p.data_log if e[1] == "read"], "the producer posted reads"
         measured(f"CURVE on {netlab.addr_a}: alice's 40 requests done; intruders "
                  f"{ {k: v[1] for k, v in outcomes.items()} } and a tier with mallory's key "
                  f"(loads: peer_dead) got no frame through: {hub1['refused_handshakes']} "
-                 f"handshakes refused, 0 link messages, 0 protocol errors, writes only to alice")
+                 f"handshakes refused, 0 link messages, 0 protocol errors, no data peer but alice")

@@ -1,64 +1,113 @@
-"""A wait-cancel must not claim a write stopped while it can still land (nixl data transport).
+"""A cancelled read is final, over the real nixl and ucx transports, in two processes.
 
-Everything the tier does on an abort, a dead peer or a shutdown rests on this: a store job's
-slots are given back to the engine, and a region deregistered, only once the data transport
-says nothing of theirs is in flight. NIXL cannot stop a posted UCX write (releasing its
-handle "cancels" it, which UCX ignores for RMA, and NIXL reports success), so the transport
-must keep such a write in flight and report it when it ends.
+Everything the consumer does on a failure rests on this (DESIGN.md §1, "the consumer owns
+every write into its region"): a load that fails cancels its reads and hands its slots back
+to the engine *at once*, with no fence and no word from the producer, so once ``cancel``
+returned no byte of the read may land in our region any more, whatever the source does later.
 
-The write is made certain to be in flight: UCX on TCP needs the target's progress to complete
-a write, and the target is paused (SIGSTOP) while the write is posted and cancelled.
+The consumer (this process) posts a large read from a source in a child process and gets it
+going; the source is SIGSTOPped mid-read, the consumer cancels and at once reuses the
+destination: it fills it with a canary. The source is SIGCONTed and serves on, the consumer
+keeps progressing and polling for two seconds (a bounded loop) and checks the canary every
+round: not a byte changes, and the cancelled read is never reported. A fresh read of the same
+slots then brings the source's bytes. With the library's default lanes (on one host: shared
+memory, CMA) and with ``UCX_TLS=tcp`` in both processes, where a read needs the source's
+progress to move, so it is certainly still in flight when the source stops.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
-from p2pkv.contracts import CancelMode, DataSettings
-from p2pkv.testing.peers import PeerHost, make_region
+from chaos_cluster import measured
+from p2pkv.contracts import DataSettings
+from p2pkv.registry import default_registry
+from p2pkv.testing.peers import PeerHost, make_region, pattern
 from p2pkv.testing.waiting import wait_until
 
-nixl_transport = pytest.importorskip("p2pkv_nixl.transport")
-
 BLOCK = 1 << 20
-BLOCKS = 32
-T = 30.0
+BLOCKS = 96
+READ = list(range(1, BLOCKS))
+"""Our slots of the large read (slot 0 wires the endpoint up first)."""
+DEST = slice(1, BLOCKS)
+"""The same slots as a view of the region (checked without copying it)."""
+WINDOW = 2.0
+"""Seconds both sides keep going after the resume while the canary is watched."""
+GET_GOING = 0.03
+"""Seconds the consumer progresses between posting the read and stopping its source (a bounded
+loop; long enough for part of the read to move, far too short for all of it over TCP)."""
+SEED = 7
+T = 60.0
 
 
-def test_wait_cancel_keeps_a_write_the_backend_cannot_stop(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("lanes", ["default", "tcp"])
+def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
+    data: str, lanes: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("UCX_TLS", "tcp")  # before either agent exists (the child inherits it)
-    cls = nixl_transport.NixlDataTransport
+    if lanes == "tcp":
+        monkeypatch.setenv("UCX_TLS", "tcp")  # before either side exists (the child inherits it)
+    cls = default_registry().transport("data", data)
     region = make_region(BLOCKS, BLOCK)
-    region[:] = np.random.default_rng(7).integers(0, 256, region.size, dtype=np.uint8)
+    blocks = region.reshape(BLOCKS, BLOCK)
+    source_bytes = pattern(SEED, BLOCKS * BLOCK).reshape(BLOCKS, BLOCK)
+    remote = READ[::-1]  # every destination block gets a different source block
     local = cls.create(DataSettings(memoryview(region), BLOCK, {}))
-    with PeerHost(timeout=T, name="chaos-cancel-target") as host:
-        target = host.data_peer(cls, BLOCKS, BLOCK, {})
-        local.add_peer("target", target.descriptor)
-        done: list[int] = []
-        failed: list[int] = []
+    done: list[int] = []
+    failed: list[int] = []
+    try:
+        with PeerHost(timeout=T, name="chaos-cancel-source") as host:
+            source = host.data_peer(cls, BLOCKS, BLOCK, {})
+            source.fill(SEED)
+            local.add_peer("source", source.descriptor)
+            source.add_peer("consumer", local.descriptor())  # a two-sided source serves peers
 
-        def poll() -> None:
-            result = local.poll("target")
-            done.extend(result.done)
-            failed.extend(result.failed)
+            def poll() -> None:
+                result = local.poll("source")
+                done.extend(result.done)
+                failed.extend(result.failed)
 
-        warm = local.write_blocks("target", [0], [0])  # endpoint wired up before the pause
-        wait_until(lambda: warm in done, timeout=T, what="a first write", pumps=[poll])
+            warm = local.read_blocks("source", [0], [0])  # endpoint wired before the pause
+            wait_until(lambda: warm in done, timeout=T, what="a first read", pumps=[poll])
 
-        host.pause()
-        try:
-            tid = local.write_blocks("target", list(range(BLOCKS)), list(range(BLOCKS)))
-            kept = local.cancel([tid], CancelMode.WAIT)
-        finally:
-            host.resume()
-        assert kept == [tid], (
-            "wait-cancel claimed a write stopped while its target was paused: the write "
-            "cannot have finished, and NIXL cannot stop it"
-        )
-        wait_until(lambda: tid in done or tid in failed, timeout=T,
-                   what="the kept write to end", pumps=[poll])
-        if tid in done:  # it was live all along: every byte landed
-            assert target.region_bytes() == region.tobytes()
-    assert local.close() == []
+            tid = local.read_blocks("source", READ, remote)
+            posted = time.monotonic()
+            while time.monotonic() - posted < GET_GOING:
+                local.progress()  # the read is under way (never reported by progress)
+            host.pause()
+            try:
+                landed = sum(np.array_equal(blocks[s], source_bytes[r])
+                             for s, r in zip(READ, remote, strict=True))
+                local.cancel([tid])
+                canary = pattern(SEED + 1, len(READ) * BLOCK).reshape(len(READ), BLOCK)
+                blocks[DEST] = canary  # the engine reuses the slots at once
+            finally:
+                host.resume()
+            resumed = time.monotonic()
+            checks = 0
+            while True:  # both sides keep going for WINDOW seconds; the canary is checked
+                poll()
+                local.progress()
+                checks += 1
+                assert np.array_equal(blocks[DEST], canary), (
+                    f"bytes landed in our blocks {time.monotonic() - resumed:.3f}s after the "
+                    f"source resumed, from a read cancelled while it was stopped "
+                    f"({int((blocks[DEST] != canary).sum())} bytes changed)")
+                if time.monotonic() - resumed >= WINDOW:
+                    break
+            assert tid not in done and tid not in failed, "a cancelled read was reported"
+
+            again = local.read_blocks("source", READ, remote)
+            wait_until(lambda: again in done or again in failed, timeout=T,
+                       what="a fresh read of the same slots", pumps=[poll])
+            assert again in done, "a fresh read of the cancelled read's slots failed"
+            assert np.array_equal(blocks[DEST], source_bytes[remote]), (
+                "a fresh read into the cancelled read's slots did not bring the source's bytes")
+            measured(f"[{data}, {lanes} lanes] read of {len(READ)} x {BLOCK >> 20} MiB "
+                     f"cancelled with its source stopped ({landed} blocks had landed before "
+                     f"the cancel): canary intact over {checks} checks in {WINDOW}s after the "
+                     f"resume; a fresh read of the slots exact")
+    finally:
+        undrained = local.close()
+    assert undrained == [], f"close() left internal transfers undrained: {undrained}"

@@ -1,16 +1,22 @@
-"""Scenario 6: shutting either side down with transfers in flight.
+"""Scenario 6: shutting either side down with reads in flight.
 
-Writes are held in flight deterministically (UCX on TCP, the target paused while they are
-posted), then one side's tier is shut down. Nothing crashes, every job of both sides resolves
-exactly once, and the order of events is checked on the recordings of both data transports:
+The consumer's reads are held in flight deterministically (UCX on TCP, their source — the
+producer — paused as soon as they are posted), then one side's tier is shut down. Nothing
+crashes, every job of both sides resolves exactly once, loaded bytes are verified, and the
+order of events is checked on the recordings of both data transports:
 
-- the shutting-down side's own writes end before their store jobs are answered and before the
-  region is deregistered, which happens only once nothing is in flight (``close`` drains
-  everything: the region is really released);
-- across the two processes (docs/protocol.md §10, shutdown winds sessions down first): a
-  producer shutting down fails the consumer's loads only once its writes into them ended (no
-  load ends under a live write, so no fence is needed); and a consumer shutting down
-  deregisters its region only when no write of the producer into it is live.
+- the consumer's reads each go into one open load's slots and end (cancelled, finally, or
+  completed) before that load's result, and its region is deregistered (``close``) with
+  nothing left undrained;
+- across the two processes: the producer hands a store job's slots back to its engine only
+  when no read of the consumer from them is live, or the lease since the consumer's fetch
+  has passed (docs/protocol.md §5: the consumer refuses later completions) — also while it is
+  itself shutting down; it posts no transfer of its own and its ``close`` drains everything
+  (its sends serving the reads, for two-sided transports).
+
+Producer shutdown: it is paused with the reads in flight, told to stop and resumed, so its
+shutdown starts with them live. Consumer shutdown: the producer stays paused until the
+consumer's shutdown has begun.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from chaos_checks import inbound_violations, release_violations
+from chaos_checks import close_problems, pin_violations, read_violations
 from chaos_cluster import (
     Cluster,
     Node,
@@ -26,7 +32,7 @@ from chaos_cluster import (
     admit_held,
     measured,
     requests,
-    stall_writes,
+    stall_reads,
     tier_config,
 )
 from chaos_node import NodeSpec
@@ -37,80 +43,93 @@ MAX_BLOCKS = 12
 DRAIN = 3.0
 """``timeouts.shutdown_drain``."""
 NIXL_DRAIN = 2.0
-"""The nixl transport's ``drain_timeout`` (``remove_peer``/``close``)."""
+"""The data transports' ``drain_timeout`` (``remove_peer``/``close``)."""
+LOAD = 10.0
+LEASE_MARGIN = 2.0
+LEASE = LOAD + LEASE_MARGIN
 STOP_BOUND = DRAIN + NIXL_DRAIN + 5.0
 PAUSE = 0.8
 T = 60.0
+DATA = {
+    "nixl": ({"staging_blocks": 1 << 20}, {"UCX_TLS": "tcp"}),
+    "ucx": ({"ucx_config": {"TLS": "tcp"}}, {}),
+}
+"""Per data transport: ``data_options`` and environment putting its reads on TCP (see
+``test_peer_killed``)."""
 
 
-def spec(kind: str, slots: int) -> NodeSpec:
-    config = tier_config(timeouts={"shutdown_drain": DRAIN},
-                         data={"drain_timeout": NIXL_DRAIN})
-    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env={"UCX_TLS": "tcp"}, record=True)
+def spec(kind: str, slots: int, data: str) -> NodeSpec:
+    options, env = DATA[data]
+    config = tier_config(timeouts={"shutdown_drain": DRAIN, "load": LOAD,
+                                   "lease_margin": LEASE_MARGIN},
+                         data={"drain_timeout": NIXL_DRAIN, **options}, data_transport=data)
+    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=env, record=True)
 
 
-def loaded_with_writes_in_flight(c: Cluster, p: Node, con: Node) -> tuple[list[Req], int]:
-    """60 consumer-first requests, 10 done, the rest with the producer's writes held in flight
-    into the (paused) consumer; returns the records and how many writes are in flight."""
+def loaded_with_reads_in_flight(c: Cluster, p: Node, con: Node) -> tuple[list[Req], int]:
+    """60 consumer-first requests, 10 done, the rest with the consumer's reads from the
+    (then paused) producer in flight; returns the records and how many reads are in flight."""
     reqs = requests(60, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="shut")
     (recs,) = admit_held(c, [(reqs, p, con)], warm=10, timeout=T)
-    return recs, len(stall_writes(c, p, con, recs[10:], PAUSE))
+    stalled = stall_reads(c, con, p, recs[10:], PAUSE)
+    assert stalled, "no read in flight when the producer was paused"
+    return recs, len(stalled)
 
 
-def stop_under_load(c: Cluster, stopping: Node, paused: Node, recs: list[Req]) -> float:
-    """Shut ``stopping``'s tier down, resuming ``paused`` as soon as that shutdown starts (so
-    the held writes are still in flight when it begins); then wait until every job of both
-    sides resolved, and check each exactly once, bytes verified, nothing left unanswered.
-    Returns how long the shutdown took."""
-    try:
-        asked = time.monotonic()
-        report = c.stop(stopping, timeout=STOP_BOUND, on_stopping=paused.child.resume)
-        took = time.monotonic() - asked
-    finally:
-        for node in c.nodes:
-            node.child.resume()
-    c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T,
+def check_resolved(c: Cluster, p: Node, con: Node, recs: list[Req],
+                   report: dict[str, object], took: float) -> None:
+    """Every job of both sides resolved exactly once, bytes verified, nothing unanswered, the
+    recorded order of events on both sides."""
+    c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T + LEASE,
            what="every load and store resolved", recs=recs)
     for r in recs:
         assert len(r.loaded) == 1 and len(r.stored) == 1, r.describe()
     assert not c.flow.problems(recs), c.flow.problems(recs)
     assert not report["anomalies"] and not report["unanswered"], report
     assert took < STOP_BOUND, took
-    return took
+    assert not [e for e in p.data_log if e[1] == "read"], "the producer posted reads"
+    violations = read_violations(con.data_log)
+    assert not violations, violations[:5]
+    early = pin_violations(p.data_log, con.data_log, p.address, LEASE)
+    assert not early, early[:5]
 
 
-def test_producer_shutdown_with_writes_in_flight() -> None:
+def test_producer_shutdown_with_reads_in_flight(data: str) -> None:
     with Cluster() as c:
-        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS)),
-                         ("C", spec("consumer", 60 * MAX_BLOCKS)))
-        recs, stalled = loaded_with_writes_in_flight(c, p, con)
-        took = stop_under_load(c, p, con, recs)
-        violations = release_violations(p.data_log)
-        assert not violations, violations
-        assert any(e[1] == "close" and e[2] == [] for e in p.data_log), "region not released"
-        early = inbound_violations(p.data_log, con.data_log, con.address)
-        assert not early, f"consumer loads ended under live writes: {early[:3]}"
-        measured(f"producer shut down with {stalled} write(s) in flight in {took:.2f}s: loads "
-                 f"{dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
-                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its writes all ended "
-                 f"before their slots, the consumer's loads and its region were released")
+        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS, data)),
+                         ("C", spec("consumer", 60 * MAX_BLOCKS, data)))
+        try:
+            recs, stalled = loaded_with_reads_in_flight(c, p, con)
+            asked = time.monotonic()
+            report = c.stop(p, timeout=STOP_BOUND, resume=[p])
+            took = time.monotonic() - asked
+        finally:
+            p.child.resume()
+        check_resolved(c, p, con, recs, report, took)
+        assert not close_problems(p.data_log), close_problems(p.data_log)
+        measured(f"[{data}] producer shut down with {stalled} read(s) from it in flight in "
+                 f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, "
+                 f"stores {dict(Counter(r.store_outcome for r in recs[10:]))}; no store "
+                 f"answered under a live read, the consumer's reads all ended before their "
+                 f"loads' results, the producer's region released")
 
 
-def test_consumer_shutdown_with_writes_in_flight() -> None:
+def test_consumer_shutdown_with_reads_in_flight(data: str) -> None:
     with Cluster() as c:
-        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS)),
-                         ("C", spec("consumer", 60 * MAX_BLOCKS)))
-        recs, stalled = loaded_with_writes_in_flight(c, p, con)
-        p.child.pause()  # the producer's writes stay in flight while the consumer shuts down
-        con.child.resume()
-        took = stop_under_load(c, con, p, recs)
-        for node in (p, con):
-            violations = release_violations(node.data_log)
-            assert not violations, (node.name, violations)
+        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS, data)),
+                         ("C", spec("consumer", 60 * MAX_BLOCKS, data)))
+        try:
+            recs, stalled = loaded_with_reads_in_flight(c, p, con)  # the producer is paused
+            asked = time.monotonic()
+            report = c.stop(con, timeout=STOP_BOUND, on_stopping=p.child.resume)
+            took = time.monotonic() - asked
+        finally:
+            p.child.resume()
+        check_resolved(c, p, con, recs, report, took)
+        assert not close_problems(con.data_log), close_problems(con.data_log)
         assert not c.report(p)["anomalies"]
-        early = inbound_violations(p.data_log, con.data_log, con.address)
-        assert not early, f"consumer released slots or its region under live writes: {early[:3]}"
-        measured(f"consumer shut down with {stalled} producer write(s) into it in flight in "
-                 f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
-                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its region was released "
-                 "after every write into it ended")
+        measured(f"[{data}] consumer shut down with {stalled} read(s) in flight in {took:.2f}s: "
+                 f"loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
+                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its reads ended "
+                 f"(cancelled) before their loads' results and its region was released with "
+                 f"nothing undrained; no store answered under a live read")
