@@ -50,11 +50,14 @@ returns what still runs; then the agent, region, scratch and pool stay registere
 module-level list so that not even garbage collection frees them under a transfer). Such a
 leaked transport is drained further by the ``progress`` of any open transport on the same
 thread, and released once nothing runs. A clean ``close`` destroys the agent, so its peers see
-a disconnect rather than a silent endpoint.
+a disconnect rather than a silent endpoint, unless a peer may still be reading from us through
+our own UCX worker (any lane but ``cma``): then the agent is retained, idle, for the process
+lifetime, because destroying a worker that serves such reads crashes UCX (see ``close``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import threading
@@ -85,6 +88,11 @@ Lane = Literal["direct", "staged"]
 _LEAKED: list[NixlDataTransport] = []
 """Transports whose ``close`` could not drain: kept alive until they drain (see ``progress``),
 else for the process lifetime."""
+
+_RETAINED: list[tuple[Any, ...]] = []
+"""Agents a clean ``close`` did not destroy because a remote peer may still be reading from
+us through our own UCX worker (see ``NixlDataTransport.close``): each with the buffers it
+was registered over, kept for the process lifetime and never progressed again."""
 
 _WARMUP_BYTES = 8
 """Size of a connection warm-up READ (and of the scratch buffer it lands in)."""
@@ -205,6 +213,10 @@ class NixlDataTransport(DataTransport):
         """``threading.get_ident()`` of the ``close`` that left this transport undrained."""
         self._released = False
         self._progress_failed = False
+        self._serves_remote = not self._cma
+        """Whether a peer may read from us through our worker (UCX software-emulated GET, e.g.
+        over tcp): our UCX lacks ``cma``, or a peer not reachable over ``cma`` was added.
+        Decides whether a clean ``close`` may destroy the agent (see there)."""
         if self._options.staging == "never":
             log.warning(
                 "nixl: data option staging='never': every read lands directly in the slots. "
@@ -261,6 +273,8 @@ class NixlDataTransport(DataTransport):
         if desc.agent == self._agent_name:
             raise PeerRejected(f"peer {peer_id!r}: the descriptor is our own")
         lane = self._lane_for(desc)
+        if not self._cma_peer(desc):
+            self._serves_remote = True  # its reads of us run on our worker
         if lane == "staged":
             self._ensure_pool(peer_id)
         remote = self._load_agent(peer_id, desc)
@@ -300,8 +314,12 @@ class NixlDataTransport(DataTransport):
         mode = self._options.staging
         if mode != "auto":
             return "staged" if mode == "always" else "direct"
-        local = bool(self._host) and desc.host == self._host and self._cma and desc.cma
-        return "direct" if local else "staged"
+        return "direct" if self._cma_peer(desc) else "staged"
+
+    def _cma_peer(self, desc: RegionDescriptor) -> bool:
+        """Whether reads between us and this peer go over UCX ``cma`` (same host and PID
+        namespace, ``cma`` on both sides): each side's own process then executes its reads."""
+        return bool(self._host) and desc.host == self._host and self._cma and desc.cma
 
     def _ensure_pool(self, peer_id: str) -> None:
         if self._pool is not None:
@@ -784,7 +802,27 @@ class NixlDataTransport(DataTransport):
 
     def close(self) -> list[int]:
         """See ``DataTransport.close``. Calling it again after it returned ids retries the drain
-        and releases everything once nothing runs any more."""
+        and releases everything once nothing runs any more.
+
+        A clean close releases the peers, descriptor lists and memory registrations, and then
+        destroys the agent (with its UCX worker) only if no peer can be reading from us through
+        that worker. Over a lane other than ``cma`` (tcp) a peer's READ of our region is UCX
+        software emulation: its GET requests are served by *our* worker, which sends the
+        replies as internal requests. NIXL exposes nothing about those (no count, no way to
+        flush or cancel them), and a peer's cancelled reads keep running on the wire, so at
+        any moment some may be queued on our endpoints; destroying the worker then frees
+        them under UCX (``... was not returned to mpool ucp_requests``, then a SIGSEGV in
+        ``close``). So when a peer might read us that way (our UCX has no ``cma``, or a peer
+        not reachable over ``cma`` was ever added), the agent is *retained*, logged: it and
+        the buffers it was registered over (region, scratch, pool) are kept alive for the
+        process lifetime (:data:`_RETAINED`, with an extra reference so not even interpreter
+        shutdown frees them) and it is never progressed again, so no UCX code runs for it
+        and nothing it serves can touch freed memory. Its peers then see its endpoints go
+        silent rather than disconnect, until this process exits (the kernel closes its
+        sockets; they fail their reads by heartbeat or lease before that). With only ``cma``
+        peers, each reader's own process executes its reads and the agent is destroyed, so
+        its peers see a disconnect. A reader that read us over tcp but was never added here
+        is not seen; in p2pkv both sides add each other."""
         if self._released:
             return []
         self._closed = True
@@ -824,10 +862,25 @@ class NixlDataTransport(DataTransport):
         self._released = True
         if self in _LEAKED:
             _LEAKED.remove(self)
+        if self._serves_remote:
+            self._retain()
         # Every NIXL handle object holds the agent: with the last one gone, the agent and its
         # UCX worker are destroyed, so peers see a disconnect instead of a silent endpoint.
         del self._agent, self._local, self._array, self._blocks, self._scratch
         self._pool = None
+
+    def _retain(self) -> None:
+        """Keep the agent and every buffer it was registered over alive for the process
+        lifetime, never progressed again (see ``close``)."""
+        kept = (self._agent, self._local, self._array, self._scratch, self._pool)
+        _RETAINED.append(kept)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # survives interpreter shutdown
+        log.info(
+            "nixl: agent %s closed but not destroyed: a peer may still be reading from us over "
+            "a lane other than cma, served by this agent's UCX worker, and destroying it then "
+            "crashes UCX; it is kept, idle, until the process exits (%d kept)",
+            self._agent_name, len(_RETAINED),
+        )
 
     @staticmethod
     def _quietly(call: Any, *args: Any) -> None:
