@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from chaos_checks import pin_violations, read_violations
 from chaos_cluster import (
     Cluster,
