@@ -324,3 +324,30 @@ def test_re_adding_a_peer_behind_a_failed_endpoint_makes_a_fresh_one(nodes: Make
     _read(producer, consumer, [1], [2])
     consumer.t.add_peer("p", producer.t.descriptor())  # healthy: kept as it is
     assert consumer.t._peers["p"] is not old
+
+
+def test_a_consumer_that_removes_its_producer_still_drains_the_sends_serving_it(
+    nodes: Make,
+) -> None:
+    """The consumer cancels reads the producer is already serving and removes the producer
+    at once (a producer shutting down): it keeps the endpoint and drains the runs still
+    coming into scratch, so the producer's rendezvous sends complete and its remove_peer
+    returns nothing undrained; the cancelled slots keep their canary."""
+    opts = {"ucx_config": {"TLS": "tcp"}, "drain_timeout": 3.0}
+    producer = nodes(seed=1, num_blocks=16, block_len=256 * 1024, **opts)
+    consumer = nodes(seed=2, num_blocks=16, block_len=256 * 1024, **opts)
+    producer.link("c", consumer, back_as="p")
+    tids = [consumer.t.read_blocks("p", [i], [i]) for i in range(8)]
+    wait_until(lambda: len(producer.t._serves) == len(tids), timeout=T,
+               what="the producer serving every read",
+               pumps=[producer.t.progress, lambda: consumer.t._worker.progress()])
+    consumer.t.cancel(tids)
+    consumer.blocks[:8] = CANARY
+    assert consumer.t.remove_peer("p") == []
+    assert consumer.t._retired, "the consumer released the endpoint the producer still needs"
+    wait_until(lambda: not producer.t._serves and not consumer.t._retired, timeout=T,
+               what="the serving sends to drain", pumps=[producer.poll, consumer.poll])
+    assert producer.t.remove_peer("c") == []
+    assert (consumer.blocks[:8] == CANARY).all()
+    assert not consumer.t._ghosts
+    assert consumer.t.close() == [] and producer.t.close() == []

@@ -126,8 +126,9 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
     cannot stop, over TCP; or some landed and the rest to come, over CMA, whose receives
     complete inside our own progress); we cancel, fill the slots with a canary, resume it and
     keep polling for two seconds: whatever UCX still delivers must not reach the slots."""
-    local, remote = spawn(128, 1 * MiB, coalesce=False, **_options(error_handling, tls))
-    slots = list(range(16, 112))  # 96 runs: three times what staging takes at once
+    local, remote = spawn(128, 1 * MiB, coalesce=False, staging_bytes=4 * MiB,
+                          **_options(error_handling, tls))
+    slots = list(range(16, 112))  # 96 runs: 24 times what staging takes at once (a long read)
     src = np.random.default_rng(1).permutation(128)[:96].tolist()
     receiving = local.t._receiving
     over_tcp = error_handling or tls == "tcp"  # else CMA: nothing stays matched-unfinished

@@ -94,6 +94,9 @@ _BATCH = 256
 """Messages taken from UCX per kind per pump (the rest wait for the next pump)."""
 _EARLY_LIMIT = 64
 """Notices kept per not-yet-added sender, and senders kept (older ones are dropped)."""
+_GHOST_LINGER = 60.0
+"""Seconds an ended read's runs are awaited when reads have no deadline (``transfer_timeout``
+0); otherwise until the read's own deadline."""
 MAX_BLOCKS = 1 << 32
 """Blocks a region may hold (indexes travel as uint32)."""
 
@@ -116,6 +119,10 @@ class _Peer:
     """Our ended reads from it that ``poll`` has not reported yet (id -> done)."""
     serves: dict[int, _Serve] = field(default_factory=dict)
     """Internal transfers: our sends serving its reads of our region."""
+    ghosts: dict[int, _Ghost] = field(default_factory=dict)
+    """Our ended reads from it whose runs it may still send (by read key, see ``_Ghost``)."""
+    drains: list[Any] = field(default_factory=list)
+    """Our receives draining its runs of ghosts into scratch (kept while it is retired)."""
 
 
 @dataclass(eq=False)
@@ -162,6 +169,23 @@ class _Serve:
                 self.error = f"UCX status {status}"
             self.front += 1
         return self.front == len(reqs)
+
+
+@dataclass(eq=False)
+class _Ghost:
+    """An ended read whose runs the producer may still be sending.
+
+    The producer cannot take back a send it posted, and a rendezvous send completes only
+    once *we* took part (matched it and answered through our endpoint to the producer). So
+    its runs are still drained (into scratch, never the region) and counted, and a removed
+    peer keeps its endpoint until every run arrived or ``deadline`` passed; releasing it
+    earlier would leave the producer's sends hanging until its drain deadline."""
+
+    peer: _Peer
+    taken: npt.NDArray[np.bool_]
+    """Runs that arrived (staged while the read was live, or drained since)."""
+    left: int
+    deadline: float
 
 
 class _Receive(NamedTuple):
@@ -281,6 +305,8 @@ class UcxDataTransport(DataTransport):
         self._live: dict[int, _Read] = {}
         """Live reads by (link, rid) key: what an arriving DATA message may belong to."""
         self._unreported: dict[int, _Peer] = {}
+        self._ghosts: dict[int, _Ghost] = {}
+        """Ended reads whose runs may still arrive, by read key, in order of ending."""
         self._serves: dict[int, _Serve] = {}
         self._pending: dict[tuple[int, int, int], tuple[_Peer, wire.Read]] = {}
         """READs of this pump's notices, served after the batch (a CANCEL may follow)."""
@@ -392,9 +418,10 @@ class UcxDataTransport(DataTransport):
         peer.finished.clear()
         self._tell_cancelled(ended)
         kept = self._drain(list(peer.serves.values()))
-        if peer.serves:
+        if peer.ep is not None and not self._releasable(peer):
+            # Kept until its sends drained and the runs it still sends us arrived (ghosts).
             self._retired.setdefault(peer_id, []).append(peer)
-        else:
+        elif peer.ep is not None:
             self._release(peer)
         return kept
 
@@ -527,25 +554,34 @@ class UcxDataTransport(DataTransport):
         peer.next_rid += 1
         return peer.link, rid
 
-    def _end(self, read: _Read, outcome: bool | None) -> None:
+    def _end(self, read: _Read, outcome: bool | None, *, coming: bool = True) -> None:
         """Forget a live read (once): its later runs are drained, its runs being received
         land in staging only. ``outcome`` (done / failed) is kept for ``poll``; None: never
-        reported."""
+        reported. ``coming``: its producer may still send runs it has not sent yet (not
+        after a REFUSE), so they are awaited as a ghost (drained, see ``_Ghost``)."""
         if read.ended:
             return
         read.ended = True
         del self._reads[read.tid]
         del self._live[read.key]
-        del read.peer.reads[read.tid]
+        peer = read.peer
+        del peer.reads[read.tid]
         self._staging.release(read.staged)
         read.staged = 0
+        left = len(read.taken) - int(np.count_nonzero(read.taken))
+        if coming and left and not self._closing and not peer.dead and peer.ep is not None:
+            deadline = read.deadline if math.isfinite(read.deadline) else (
+                time.monotonic() + _GHOST_LINGER)
+            ghost = _Ghost(peer, read.taken, left, deadline)
+            self._ghosts[read.key] = ghost
+            peer.ghosts[read.key] = ghost
         if outcome is not None:
             read.peer.finished[read.tid] = outcome
             self._unreported[read.tid] = read.peer
 
-    def _fail(self, read: _Read, reason: str) -> None:
+    def _fail(self, read: _Read, reason: str, *, coming: bool = True) -> None:
         log.info("ucx: read %d from peer %r failed: %s", read.tid, read.peer.peer_id, reason)
-        self._end(read, False)
+        self._end(read, False, coming=coming)
         self._tell_cancelled([read])
 
     def _tell_cancelled(self, reads: Iterable[_Read]) -> None:
@@ -576,6 +612,26 @@ class UcxDataTransport(DataTransport):
         peer.dead = True
         for read in list(peer.reads.values()):
             self._fail(read, "peer unreachable (UCX endpoint failed)")
+        self._drop_ghosts(peer)
+
+    def _drop_ghosts(self, peer: _Peer) -> None:
+        """Stop awaiting a peer's runs (its endpoint failed, or they are overdue)."""
+        for key in peer.ghosts:
+            del self._ghosts[key]
+        peer.ghosts.clear()
+
+    def _expire_ghosts(self, now: float) -> None:
+        """Stop awaiting runs past their read's deadline. Ghosts are kept in order of ending,
+        close to deadline order, so the scan stops at the first unexpired one (a ghost may
+        outlive its deadline a little, which only keeps an endpoint a little longer)."""
+        expired: list[int] = []
+        for key, ghost in self._ghosts.items():
+            if ghost.deadline >= now:
+                break
+            expired.append(key)
+        for key in expired:
+            ghost = self._ghosts.pop(key)
+            del ghost.peer.ghosts[key]
 
     # -- internals: progress ----------------------------------------------------------------
 
@@ -600,6 +656,10 @@ class UcxDataTransport(DataTransport):
             self._drains = [r for r in self._drains if not r.completed]
         if self._loose:
             self._loose = [(r, keep) for r, keep in self._loose if not r.completed]
+        if self._ghosts:
+            self._expire_ghosts(time.monotonic())
+        if self._retired:
+            self._sweep_retired()
 
     def _take_notices(self) -> None:
         probe, recv = self._worker.tag_probe, self._worker.tag_recv_with_handle
@@ -649,14 +709,24 @@ class UcxDataTransport(DataTransport):
                 self._receiving.append(_Receive(read, run, req, buf))
                 return
             self._fail(read, f"run {run} arrived with {found.length} bytes, not {nbytes}")
-        self._discard(found)
+        req = self._discard(found)
+        ghost = self._ghosts.get(tags.read_key(sender))
+        if ghost is not None and run < len(ghost.taken) and not ghost.taken[run]:
+            ghost.taken[run] = True
+            ghost.peer.drains.append(req)
+            ghost.left -= 1
+            if not ghost.left:
+                del self._ghosts[tags.read_key(sender)]
+                del ghost.peer.ghosts[tags.read_key(sender)]
 
-    def _discard(self, found: Any) -> None:
+    def _discard(self, found: Any) -> Any:
         """Drain a probed message nobody wants into scratch (never the region)."""
         if self._scratch is None:
             self._scratch = np.empty(self._max_run * self._block_len, np.uint8)
         sink = self._scratch[: max(1, min(found.length, len(self._scratch)))]
-        self._drains.append(self._worker.tag_recv_with_handle(self._array(sink), found))
+        req = self._worker.tag_recv_with_handle(self._array(sink), found)
+        self._drains.append(req)
+        return req
 
     def _land(self) -> None:
         """Copy runs UCX completed into their slots (live reads only); recycle staging."""
@@ -717,7 +787,7 @@ class UcxDataTransport(DataTransport):
         elif notice.link <= tags.MAX_LINK and notice.rid < tags.RID_LIMIT:
             read = self._live.get(tags.read_key(tags.data_tag(notice.link, notice.rid, 0)))
             if read is not None and read.peer is peer:
-                self._fail(read, f"the peer refused it: {notice.reason}")
+                self._fail(read, f"the peer refused it: {notice.reason}", coming=False)
 
     # -- internals: serving peers' reads ----------------------------------------------------
 
@@ -791,8 +861,27 @@ class UcxDataTransport(DataTransport):
         del self._serves[serve.tid]
         peer = serve.peer
         del peer.serves[serve.tid]
-        if not peer.serves and self._peers.get(peer.peer_id) is not peer:
+        if self._peers.get(peer.peer_id) is not peer and self._releasable(peer):
             self._release(peer)
+
+    def _releasable(self, peer: _Peer) -> bool:
+        """True when a removed peer's endpoint is no longer needed: none of our sends serve
+        it, and none of its runs is still awaited (a ghost) or being received from it."""
+        if peer.ep is None:
+            return False
+        if peer.drains:
+            peer.drains = [r for r in peer.drains if not r.completed]
+        if not peer.ep.alive:
+            self._drop_ghosts(peer)  # nothing more can arrive
+        return not (peer.serves or peer.ghosts or peer.drains or any(
+            r.read.peer is peer and not r.request.completed for r in self._receiving))
+
+    def _sweep_retired(self) -> None:
+        """Release removed peers whose endpoints are no longer needed."""
+        for peers in list(self._retired.values()):
+            for peer in list(peers):
+                if self._releasable(peer):
+                    self._release(peer)
 
     def _drain(self, serves: list[_Serve]) -> list[int]:
         """Progress ``serves`` up to ``drain_timeout``; return the ids still live.
@@ -848,7 +937,8 @@ class UcxDataTransport(DataTransport):
                    list(self._receiving), sends))
         for peer in [*self._peers.values(), *(p for ps in self._retired.values() for p in ps)]:
             peer.ep = None
-        for name in ("_peers", "_retired", "_by_instance", "_early", "_serves", "_live"):
+        for name in ("_peers", "_retired", "_by_instance", "_early", "_serves", "_live",
+                     "_ghosts"):
             getattr(self, name).clear()
         self._inbox.clear()
         self._drains.clear()
