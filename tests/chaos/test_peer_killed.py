@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 from chaos_checks import pin_violations, read_violations
 from chaos_cluster import (
     Cluster,
@@ -127,19 +126,9 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
             assert not c.report(node)["anomalies"], node.name
 
 
-UCX_GET_REPLY_ABORT = (
-    "UCX defect, not p2pkv's: over TCP UCX emulates a GET, the producer's worker sends the "
-    "reply, and when the requester has died the send error reaches ucp_request_try_send "
-    "(ucp_request.inl:356), which aborts the process ('Fatal: unexpected error: Endpoint "
-    "timeout'; 'Connection reset by remote peer' with error handling none). Seen in UCX "
-    "1.21 and in UCX master's rma_sw.c ucp_progress_get_reply. Listed in docs/reliability.md")
-
-
 def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slots(
-    data: str, request: pytest.FixtureRequest,
+    data: str,
 ) -> None:
-    if data == "nixl":  # the reads are TCP-emulated GETs here (see the module docstring)
-        request.applymarker(pytest.mark.xfail(reason=UCX_GET_REPLY_ABORT, strict=False))
     reqs = requests(200, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="kill-c")
     lease = {"load": LOAD, "lease_margin": LEASE_MARGIN}
     with Cluster() as c:

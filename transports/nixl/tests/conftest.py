@@ -46,7 +46,7 @@ class Recorder:
     RECORDED = (
         "make_prepped_xfer", "initialize_xfer", "transfer", "check_xfer_state",
         "release_xfer_handle", "release_dlist_handle", "remove_remote_agent",
-        "deregister_memory", "add_remote_agent",
+        "deregister_memory", "add_remote_agent", "send_notif",
     )
 
     def __init__(self, agent: Any) -> None:

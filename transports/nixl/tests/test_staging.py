@@ -74,6 +74,7 @@ def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -
     producer.fill(17)
     source = _source(producer, 64 * 1024)
     t.add_peer("p", producer.descriptor)
+    producer.add_peer("c", t.descriptor())  # a staged read is served by the producer's WRITE
     assert t.lane("p") == "staged"
     slots = np.random.default_rng(5).choice(96, size=64, replace=False)
     remote = np.random.default_rng(6).permutation(80)[:64]
@@ -90,17 +91,23 @@ def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -
     producer.close()
 
 
-def test_a_full_staging_pool_refuses_reads_naming_the_option(make_local, host, record) -> None:
+def test_a_full_staging_pool_refuses_reads_naming_the_option(
+    make_local, host, record, wait_for
+) -> None:
     t = make_local(num_blocks=16, block_len=4096, staging="always", staging_blocks=4).transport
     producer = host.data_peer(NixlDataTransport, 16, 4096, {})
     t.add_peer("p", producer.descriptor)
+    producer.add_peer("c", t.descriptor())
     recorder = record(t)
     with pytest.raises(TransferSubmitError, match=r"exceeds the staging pool.*'staging_blocks'"):
         t.read_blocks("p", list(range(5)), list(range(5)))
-    t.read_blocks("p", [0, 1, 2], [0, 1, 2])  # not polled: its blocks stay taken
+    taken = t.read_blocks("p", [0, 1, 2], [0, 1, 2])  # not polled: its blocks stay taken
     with pytest.raises(TransferSubmitError, match=r"1 free blocks of 4.*'staging_blocks'"):
         t.read_blocks("p", [3, 4], [3, 4])
-    assert recorder.names().count("make_prepped_xfer") == 1  # nothing posted for the refusals
+    assert recorder.names().count("send_notif") == 1  # one request; none for the refusals
+    assert "make_prepped_xfer" not in recorder.names()  # staged: the producer WRITEs
+    assert wait_for(t, "p", {taken})[0] == {taken}  # (also serves the producer's warm-up)
+    assert t.staging_usage()["free"] == 4
     producer.close()
 
 
@@ -141,6 +148,7 @@ def test_a_cancelled_staged_read_never_lands_when_the_stopped_producer_resumes(
     producer.fill(23)
     source = _source(producer, block_len)
     t.add_peer("p", producer.descriptor)
+    producer.add_peer("c", t.descriptor())
     assert t.lane("p") == "staged"
     warm = t.read_blocks("p", [0], [1])  # the connection is wired up and works
     assert wait_for(t, "p", {warm})[0] == {warm}

@@ -41,6 +41,7 @@ def test_256_blocks_land_byte_exact_at_scattered_slots(
     slots = np.random.default_rng(11).choice(512, size=256, replace=False)
     sources = np.random.default_rng(12).permutation(256)
     consumer.transport.add_peer("producer", producer.descriptor)
+    producer.add_peer("consumer", consumer.transport.descriptor())  # it serves staged reads
     assert consumer.transport.lane("producer") == lane
 
     tid = consumer.transport.read_blocks("producer", slots.tolist(), sources.tolist())
@@ -175,6 +176,7 @@ def test_contiguous_runs_and_repeated_reads(make_local, host, wait_for, options)
     producer.fill(19)
     source = _blocks(producer.region_bytes())
     consumer.transport.add_peer("p", producer.descriptor)
+    producer.add_peer("c", consumer.transport.descriptor())
     ids = {
         consumer.transport.read_blocks("p", list(range(32, 64)), list(range(0, 32))),
         consumer.transport.read_blocks("p", np.arange(0, 32), np.arange(32, 64, dtype=np.int32)),

@@ -1,20 +1,33 @@
-"""The staging pool: registered blocks of our own that reads land in before the slots.
+"""The staging pool: registered blocks of our own that staged reads land in before the slots.
 
-Why: over any UCX lane but ``cma`` (``tcp``, RDMA) NIXL cannot stop a posted READ. Releasing
-its handle makes UCX "cancel" it and report success, yet the peer's bytes keep arriving once
-the peer (or the network) moves again: measured here, a 256 MiB READ over ``UCX_TLS=tcp`` from
-a SIGSTOPped producer landed in full after ``release()`` and ``remove_remote_agent()`` once the
-producer resumed. So a staged read lands in pool blocks, and only a *valid completion* (NIXL
-reports the handle ``DONE``) copies them into the caller's slots, with one numpy fancy-indexed
-assignment, before the read is reported done. A cancelled staged read never touches the slots.
+Why: over any UCX lane but ``cma`` (``tcp``, RDMA) NIXL cannot stop a posted transfer.
+Releasing a READ's handle makes UCX "cancel" it and report success, yet the peer's bytes keep
+arriving once the peer (or the network) moves again: measured here, a 256 MiB READ over
+``UCX_TLS=tcp`` from a SIGSTOPped producer landed in full after ``release()`` and
+``remove_remote_agent()`` once the producer resumed. So a staged read lands in pool blocks,
+and only a *valid completion* copies them into the caller's slots, with one numpy
+fancy-indexed assignment, before the read is reported done. A cancelled staged read never
+touches the slots.
 
-Quarantine rule: the blocks of a cancelled staged read are not reused while NIXL may still
-write into them. They return to the pool only once NIXL reports that read's handle terminal
-(``DONE`` or ``ERR``, or its peer disconnected: UCX then fails every operation of the endpoint
-and closes its connection, so nothing more arrives on it), and only then is the handle
-released. Removing the peer's agent or releasing the handle proves nothing (see above), so the
-transport does neither to end a quarantine; a handle that never ends (a peer stopped for good
-on a live connection) keeps its blocks quarantined for the transport's lifetime, counted in
+How a staged read moves (see :mod:`p2pkv_nixl.transport`): the consumer asks, the producer
+WRITEs into this pool. The pool's registration is shared with the producer inside each
+request (:attr:`StagingPool.metadata`, NIXL's partial agent metadata: its remote keys only),
+and the producer's WRITE carries a completion notification naming the request; that
+notification (or the producer's failure notification) is the valid completion.
+
+Quarantine rule: the blocks of a cancelled staged read are not reused while the producer may
+still write into them. They return to the pool only once the producer's completion (or
+failure) notification for that request arrived: it is sent after the WRITE ended, on the same
+connection as the WRITE's data, so nothing of that WRITE arrives after it. Or once NIXL
+reports the producer's agent disconnected: UCX has then failed our endpoint to it (its
+process died, or the connection broke), the producer's WRITEs to us complete with an error on
+its side, and NIXL never reposts a failed WRITE; a restarted producer is a new agent that has
+never seen our request. Removing the peer, or its agent from ours, proves nothing on its own
+(an RDMA WRITE needs no endpoint of ours, only the pool's remote key, which stays valid while
+the pool is registered), so the transport does neither to end a quarantine; it keeps the
+peer's agent loaded (so its notifications still arrive) while a quarantine holds. A request
+the producer never answers (a peer stopped for good on a live connection, or one that never
+added us) keeps its blocks quarantined for the transport's lifetime, counted in
 :attr:`StagingPool.quarantined`.
 
 Memory: ``capacity * block_len`` bytes, allocated and registered on first use (a transport
@@ -49,11 +62,16 @@ class StagingPool:
         self.array = np.zeros(capacity * block_len, dtype=np.uint8)
         self.blocks = self.array.reshape(capacity, block_len)
         base = int(self.array.ctypes.data)
+        self.base = base
+        """The pool's address in our process (a producer's WRITE target, see the transport)."""
         self.registration = agent.register_memory([(base, self.array.nbytes, 0, "")], "DRAM")
         try:
             self.dlist = agent.prep_xfer_dlist(
                 LOCAL, block_dlist(base, capacity, block_len), "DRAM"
             )
+            self.metadata: bytes = agent.get_partial_agent_metadata(self.registration, False)
+            """NIXL metadata of the pool's registration alone (its remote keys, no connection
+            info): a producer loads it into its view of our agent to WRITE into the pool."""
         except Exception:
             agent.deregister_memory(self.registration)
             raise

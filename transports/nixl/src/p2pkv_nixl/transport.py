@@ -1,7 +1,8 @@
-"""The ``nixl`` data transport: NIXL READs, posted by us, from peers' regions into ours.
+"""The ``nixl`` data transport: reads of peers' regions into ours, posted by us.
 
 Wire 2.0: the consumer owns every write into its region. The only transfers that land in our
-region are the READs ``read_blocks`` posts; a peer's transport only serves them.
+region are the reads ``read_blocks`` posts (a direct READ, or the copy out of our staging pool
+of a staged read); a peer's transport only serves them.
 
 Layout: one NIXL agent per transport, named by a fresh uuid; the caller's region registered
 once as DRAM; one prepared descriptor list for it (``NIXL_INIT_AGENT``) and one per peer
@@ -17,10 +18,43 @@ Lanes, chosen per peer at ``add_peer`` (:meth:`NixlDataTransport.lane`; data opt
   UCX has its ``cma`` transport (:mod:`p2pkv_nixl.locality`): then our own process executes
   the READ (``process_vm_readv`` within our UCX progress), even while the peer is stopped,
   and releasing the handle stops it: nothing of it can land afterwards.
-- ``staged``: the READ lands in the staging pool and is copied into the slots only after NIXL
-  reports it ``DONE`` (:mod:`p2pkv_nixl.staging`, which also states the quarantine rule for
+- ``staged``: the bytes land in the staging pool and are copied into the slots only after a
+  valid completion (:mod:`p2pkv_nixl.staging`, which also states the quarantine rule for
   cancelled staged reads). Any lane where the bytes come from the peer's side (``tcp`` across
   or within hosts, RDMA) keeps delivering after a release, so ``auto`` stages there.
+
+Staged reads are WRITEs by the producer, asked for by the consumer; no READ is posted on this
+lane. Why: over ``tcp`` UCX emulates a READ (GET) in software and the *producer's* worker sends
+the reply as an internal request; when the consumer died, that send fails and UCX 1.21 aborts
+the producer (``ucp_request.inl``: "Fatal: unexpected error", from ``ucp_progress_get_reply``):
+a consumer killed mid-read killed its producer. A WRITE is the producer's own request, which
+UCX completes with an error instead. The protocol, all NIXL notifications (``send_notif`` /
+``get_new_notifs``, progressed by ``progress``/``poll``):
+
+1. ``read_blocks`` takes pool blocks and sends the producer's agent a request (``p2kvR1``,
+   :data:`_REQUEST_HEAD`): request id (= the read's id), our pool's base, size and block
+   length, the producer's source indexes and our pool indexes as packed little-endian uint32
+   arrays (8 bytes a block), and the pool's partial NIXL metadata (its remote keys, ~200 B;
+   the pool is registered after our descriptor was made, so the producer loads it from the
+   request, once per loaded agent).
+2. The producer's ``progress`` serves requests from agents of peers currently added there
+   (others are ignored, logged once): it checks every field (block length, sizes, every index
+   in range), loads the pool metadata, and posts a WRITE from its region into our pool whose
+   completion notification (``p2kvD1`` + id) NIXL sends when the WRITE is done. A request it
+   cannot serve, or a WRITE that fails, is answered ``p2kvF1`` + id + reason; nothing
+   malformed raises. Its WRITEs are internal transfers: never reported by its ``poll``,
+   drained by its ``remove_peer``/``close`` and returned by them when they do not drain.
+3. Our ``progress`` takes the completion: a live read is copied from the pool into the slots
+   (one fancy-indexed copy) and reported done by ``poll``; a failure fails it. A cancelled
+   read's blocks stay quarantined until its completion or failure arrives (or the producer's
+   agent is reported disconnected), and are never copied.
+
+When the producer dies the consumer's requests get no answer: while requests are outstanding
+``progress`` pings each producer they wait for (``p2kvP1``, ignored by its target) every
+:data:`_PING_INTERVAL`, and NIXL raises ``nixlRemoteDisconnectError`` once UCX has failed the
+endpoint; its reads then fail and its quarantines end. A staged peer's ``add_peer`` warm-up is
+such a ping too (a READ would be a GET again). Both sides must add each other (p2pkv always
+does): a producer serves only agents it added.
 
 Finality (``cancel``, ``remove_peer``, re-adding a peer, ``close``): a direct read's handle is
 released; should NIXL refuse (it could not cancel), ``cancel`` drives our worker up to
@@ -35,17 +69,20 @@ thread. With ``enable_prog_thread`` off (the default) nothing progresses NIXL's 
 ``progress()``/``poll()``: over ``tcp`` a peer that stops calling them stalls our reads from it
 (its worker serves them), over ``cma`` it does not (ours does the copy).
 
-Failure: a peer whose process died makes NIXL raise ``nixlRemoteDisconnectError``, at submit
-or when a read's state is checked; every read from that peer then fails at once and the peer
-must be added again (with a fresh descriptor: agent names are never reused). An error while
-checking a read fails that read; it is never left in flight (a staged one is quarantined).
+Failure: a peer whose process died makes NIXL raise ``nixlRemoteDisconnectError``, at submit,
+when a read's state is checked, or when a staged request or probe is sent; every read from
+that peer then fails at once and the peer must be added again (with a fresh descriptor: agent
+names are never reused). An error while checking a read fails that read; it is never left in
+flight (a staged one is quarantined).
 
 Internal transfers (ids from the same sequence, never reported by ``poll``): the connection
-warm-up READ of ``add_peer`` (it lands in an 8-byte scratch buffer), quarantined staged reads,
-and handles NIXL refused to release after they ended. ``remove_peer`` waits up to
-``drain_timeout`` for the peer's warm-ups and returns those still running; it neither waits
-for nor returns quarantined reads (they write only into our pool, and the peer's registration
-they need is released by ``progress`` once they end). ``close`` waits for all of them and
+warm-up READ of a direct peer's ``add_peer`` (it lands in an 8-byte scratch buffer), the
+WRITEs serving peers' staged reads, quarantined reads, and handles NIXL refused to release
+after they ended. ``remove_peer`` waits up to ``drain_timeout`` for the peer's warm-ups and
+serving WRITEs and returns those still running; it neither waits for nor returns quarantined
+reads (they write only into our pool, and the peer's registration they need, which keeps its
+agent loaded so its completions still arrive, is released by ``progress`` once they end).
+``close`` waits for all of them and
 returns what still runs; then the agent, region, scratch and pool stay registered (held in a
 module-level list so that not even garbage collection frees them under a transfer). Such a
 leaked transport is drained further by the ``progress`` of any open transport on the same
@@ -60,6 +97,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -97,24 +135,49 @@ was registered over, kept for the process lifetime and never progressed again.""
 _WARMUP_BYTES = 8
 """Size of a connection warm-up READ (and of the scratch buffer it lands in)."""
 
+_REQUEST = b"p2kvR1"
+"""Notification prefix of a staged read request (consumer -> producer), see ``_Request``."""
+_DONE = b"p2kvD1"
+"""Prefix of the completion notification (the producer's WRITE carries it): + request id."""
+_FAILED = b"p2kvF1"
+"""Prefix of a failure notification (refused request, failed WRITE): + request id + reason."""
+_PING = b"p2kvP1"
+"""A notification that only wires up or probes the connection (ignored by its target)."""
+_REQUEST_HEAD = struct.Struct("<6sQQIII")
+"""prefix, request id, pool base, pool blocks, block_len, count; then ``count`` little-endian
+uint32 source indexes, ``count`` uint32 pool indexes, and the pool's partial NIXL metadata."""
+_ID = struct.Struct("<Q")
+_PING_INTERVAL = 0.25
+"""Seconds between probes of a peer with staged requests outstanding (see ``_probe``)."""
+_MAX_REQUEST_BLOCKS = 1 << 26
+"""A request naming more blocks is refused unread (no pool is that large)."""
+
 
 class _RemoteAgent:
     """A peer's NIXL agent, loaded once however many registrations use it."""
 
-    __slots__ = ("disconnected", "metadata", "name", "users")
+    __slots__ = ("disconnected", "metadata", "name", "pool_dlist", "pool_key", "pool_md", "users")
 
     def __init__(self, name: str, metadata: bytes) -> None:
         self.name = name
         self.metadata = metadata
         self.users = 0
         self.disconnected = False
+        self.pool_md: bytes | None = None
+        """The peer's staging-pool metadata we loaded (serving its staged reads)."""
+        self.pool_key: tuple[int, int] | None = None
+        self.pool_dlist: Any = None
+        """Prepared descriptor list of the peer's staging pool (WRITE target), for ``pool_key``
+        = (base, blocks)."""
 
 
 class _Read:
-    """One posted READ: its NIXL handle, our destination slots, and its pool blocks (staged
-    reads; ``None`` for a direct read)."""
+    """One read: a direct one's NIXL READ handle, our destination slots, and a staged one's
+    pool blocks (``None`` for a direct read). A staged read has no handle of ours: it is a
+    request the producer serves with a WRITE (see the module docstring); ``ended`` is set
+    once its completion or failure notification arrived."""
 
-    __slots__ = ("handle", "local", "stage")
+    __slots__ = ("ended", "handle", "local", "request", "stage")
 
     def __init__(
         self, handle: Any, local: npt.NDArray[np.int32], stage: npt.NDArray[np.int32] | None
@@ -122,6 +185,27 @@ class _Read:
         self.handle = handle
         self.local = local
         self.stage = stage
+        self.ended = False
+        self.request = 0
+        """A staged read's request id (its transfer id)."""
+
+
+class _Serving:
+    """A WRITE we posted to serve a peer's staged read request (an internal transfer)."""
+
+    __slots__ = ("handle", "request")
+
+    def __init__(self, handle: Any, request: int) -> None:
+        self.handle = handle
+        self.request = request
+
+
+class _Refused(Exception):
+    """A staged read request we do not serve; ``request`` is its id when it could be read."""
+
+    def __init__(self, reason: str, request: int | None = None) -> None:
+        super().__init__(reason)
+        self.request = request
 
 
 class _Registration:
@@ -133,7 +217,7 @@ class _Registration:
 
     __slots__ = (
         "dlist", "finished", "inflight", "lane", "num_blocks", "peer_id", "quarantined",
-        "remote", "warmup", "warmup_id",
+        "remote", "serving", "warmup", "warmup_id",
     )
 
     def __init__(
@@ -154,10 +238,13 @@ class _Registration:
         """The connection warm-up READ's handle until it ended and was released."""
         self.warmup_id = 0
         """The warm-up's id (reported only by a ``remove_peer``/``close`` it outlives)."""
+        self.serving: dict[int, _Serving] = {}
+        """internal id -> a WRITE serving this peer's staged read request, still running."""
 
     @property
     def quiescent(self) -> bool:
-        return not self.inflight and self.warmup is None and not self.quarantined
+        return (not self.inflight and self.warmup is None and not self.quarantined
+                and not self.serving)
 
 
 class NixlDataTransport(DataTransport):
@@ -205,6 +292,14 @@ class NixlDataTransport(DataTransport):
         self._owner: dict[int, _Registration] = {}
         self._warming: list[_Registration] = []
         self._quarantining: list[_Registration] = []
+        self._serving: list[_Registration] = []
+        """Registrations with WRITEs serving their peer's staged reads still running."""
+        self._requests: dict[int, tuple[_Registration, _Read]] = {}
+        """Our staged reads (id -> registration, read) whose completion has not arrived yet,
+        live or quarantined."""
+        self._last_probe = 0.0
+        self._unknown_senders: set[str] = set()
+        """Agents whose requests we ignored (logged once each)."""
         self._zombies: dict[int, Any] = {}
         """internal id -> a handle NIXL refused to release after it ended (never freed)."""
         self._ids = itertools.count(1)
@@ -295,7 +390,10 @@ class NixlDataTransport(DataTransport):
             self._end_reads(old)
             self._retire_quiescent(peer_id)
         if self._options.warmup:
-            self._start_warmup(registration, desc.base)
+            if lane == "staged":
+                self._ping(registration.remote, "connection warm-up")
+            else:
+                self._start_warmup(registration, desc.base)
 
     def remove_peer(self, peer_id: str) -> list[int]:
         self._current.pop(peer_id, None)
@@ -372,7 +470,22 @@ class NixlDataTransport(DataTransport):
         remote.users -= 1
         if remote.users == 0:
             del self._agents[remote.name]
+            if remote.pool_dlist is not None:
+                self._quietly(self._agent.release_dlist_handle, remote.pool_dlist)
+                remote.pool_dlist = None
             self._quietly(self._agent.remove_remote_agent, remote.name)
+
+    def _ping(self, remote: _RemoteAgent, why: str) -> None:
+        """Send ``remote`` a notification its transport ignores: it wires the connection up
+        (a staged peer's warm-up: no READ, so no GET its worker would serve) or probes it
+        (NIXL raises ``nixlRemoteDisconnectError`` once UCX failed the endpoint)."""
+        try:
+            self._agent.send_notif(remote.name, _PING)
+        except Exception as exc:
+            if isinstance(exc, self._nixl.remote_disconnect):
+                self._disconnected(remote)
+            else:
+                log.debug("nixl: %s of agent %s not sent: %s", why, remote.name, exc)
 
     def _start_warmup(self, registration: _Registration, remote_base: int) -> None:
         """Post an 8-byte READ from the peer's region into our scratch: it wires the
@@ -440,19 +553,47 @@ class NixlDataTransport(DataTransport):
     ) -> int:
         """See ``DataTransport.read_blocks``. A staged peer's read also takes
         ``len(local_idxs)`` pool blocks, refused (``TransferSubmitError`` naming
-        ``staging_blocks``) when too few are free; nothing is posted then."""
+        ``staging_blocks``) when too few are free; nothing is posted then. A staged read is
+        a request notification to the peer (see the module docstring)."""
         registration = self._readable(peer_id)
         local, remote = self._checked(registration, local_idxs, remote_idxs)
-        stage = None
         if registration.lane == "staged":
             assert self._pool is not None  # a staged registration made it
-            stage = self._pool.take(len(local))
-        read = _Read(None, local, stage)
-        read.handle = self._post(registration, read, remote)
-        transfer_id = next(self._ids)
+            read = _Read(None, local, self._pool.take(len(local)))
+            transfer_id = read.request = next(self._ids)
+            self._request(registration, read, remote, transfer_id)
+            self._requests[transfer_id] = (registration, read)
+        else:
+            read = _Read(None, local, None)
+            read.handle = self._post(registration, read, remote)
+            transfer_id = next(self._ids)
         registration.inflight[transfer_id] = read
         self._owner[transfer_id] = registration
         return transfer_id
+
+    def _request(
+        self, registration: _Registration, read: _Read, remote: npt.NDArray[np.int32],
+        request: int,
+    ) -> None:
+        """Ask the peer to WRITE its blocks ``remote`` into our pool blocks ``read.stage``;
+        ``TransferSubmitError`` (pool blocks given back) if NIXL does not send it."""
+        pool = self._pool
+        assert pool is not None and read.stage is not None
+        message = b"".join((
+            _REQUEST_HEAD.pack(_REQUEST, request, pool.base, pool.capacity, self._block_len,
+                               len(remote)),
+            remote.astype("<u4").tobytes(), read.stage.astype("<u4").tobytes(), pool.metadata,
+        ))
+        try:
+            self._agent.send_notif(registration.remote.name, message)
+        except Exception as exc:
+            if isinstance(exc, self._nixl.remote_disconnect):
+                self._disconnected(registration.remote)
+            pool.give_back(read.stage)
+            raise TransferSubmitError(
+                f"peer {registration.peer_id!r}: NIXL could not send the staged read request "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
 
     def _readable(self, peer_id: str) -> _Registration:
         if self._closed:
@@ -527,9 +668,11 @@ class NixlDataTransport(DataTransport):
         self._end_read(registration, read)
 
     def progress(self) -> None:
-        """Drive NIXL's worker: ``get_new_notifs`` is the cheapest call that progresses it
-        (a few microseconds; we send no notifications, so it returns nothing we keep). Then
-        end warm-ups and quarantines NIXL reports terminal.
+        """Drive NIXL's worker: ``get_new_notifs`` is the cheapest call that progresses it (a
+        few microseconds), and it returns the notifications of staged reads: peers' requests
+        (served here with a WRITE, :meth:`_serve`) and the completions of ours (copied into the
+        slots here, reported by ``poll``). Then end warm-ups, serving WRITEs and quarantines
+        that ended, and probe peers our staged requests wait for.
 
         An open transport also takes one drain step for each transport that a ``close`` on
         this same thread left undrained (NIXL calls stay on the thread that used the agent):
@@ -542,21 +685,228 @@ class NixlDataTransport(DataTransport):
             for leaked in list(_LEAKED):
                 if leaked._closing_thread == thread:
                     leaked._drain_step()
-        self._progress_worker()
+        notifications = self._progress_worker()
+        if notifications:
+            self._notified(notifications)
         if self._warming:
             self._check_warmups()
+        if self._serving:
+            self._check_serving()
         if self._quarantining:
             self._reap_quarantine()
+        if self._requests:
+            self._probe()
 
-    def _progress_worker(self) -> None:
+    def _progress_worker(self) -> dict[str, list[bytes]]:
         try:
-            self._agent.get_new_notifs()
+            found: dict[str, list[bytes]] = self._agent.get_new_notifs()
         except Exception as exc:  # a tick must survive a backend hiccup; reads report theirs
             log.log(
                 logging.DEBUG if self._progress_failed else logging.WARNING,
                 "nixl: progressing the worker failed: %s", exc,
             )
             self._progress_failed = True
+            return {}
+        return found
+
+    # -- staged reads: requests, serving WRITEs, completions -------------------------------
+
+    def _notified(self, notifications: dict[str, list[bytes]]) -> None:
+        """Dispatch notifications by prefix; anything else (pings, foreign ones) is ignored."""
+        for sender, messages in notifications.items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            for raw in messages:
+                message = bytes(raw)
+                prefix = message[:6]
+                if prefix == _REQUEST:
+                    self._serve(name, message)
+                elif prefix in (_DONE, _FAILED) and len(message) >= 6 + _ID.size:
+                    (request,) = _ID.unpack_from(message, 6)
+                    if prefix == _FAILED:
+                        log.warning("nixl: agent %s failed staged read %d: %s", name, request,
+                                    message[6 + _ID.size:].decode("utf-8", "replace"))
+                    self._request_ended(name, request, prefix == _DONE)
+
+    def _request_ended(self, sender: str, request: int, ok: bool) -> None:
+        """The producer's completion (``ok``) or failure of our staged read ``request``: a live
+        read is copied into the slots (when ``ok``) and queued for reporting; a cancelled one
+        leaves quarantine (``_reap_quarantine``). Nothing of its WRITE arrives after this."""
+        entry = self._requests.get(request)
+        if entry is None or entry[0].remote.name != sender:
+            log.debug("nixl: completion of unknown staged read %d from %s ignored",
+                      request, sender)
+            return
+        del self._requests[request]
+        registration, read = entry
+        read.ended = True
+        if registration.inflight.get(request) is read:
+            del registration.inflight[request]
+            self._complete(registration, request, read, ok)
+
+    def _probe(self) -> None:
+        """Every ``_PING_INTERVAL``, ping each peer our staged requests wait for: a dead one
+        is then seen as disconnected (its reads fail, its quarantines end) without a READ."""
+        now = time.monotonic()
+        if now - self._last_probe < _PING_INTERVAL:
+            return
+        self._last_probe = now
+        remotes = {id(r.remote): r.remote for r, _ in self._requests.values()}
+        for remote in remotes.values():
+            if not remote.disconnected:
+                self._ping(remote, "probe")
+
+    def _serving_registration(self, sender: str) -> _Registration | None:
+        for registration in self._current.values():
+            if registration.remote.name == sender and not registration.remote.disconnected:
+                return registration
+        return None
+
+    def _serve(self, sender: str, message: bytes) -> None:
+        """A peer's staged read request: WRITE our blocks into its pool, the WRITE carrying
+        the completion notification. Only a currently added peer is served (its agent is
+        loaded; anyone else is ignored, logged once); a malformed or unservable request is
+        refused with a failure notification when its id could be read, and logged. Never
+        raises: this runs inside every ``progress``."""
+        if self._closed:
+            return
+        registration = self._serving_registration(sender)
+        if registration is None:
+            if sender not in self._unknown_senders:
+                self._unknown_senders.add(sender)
+                log.warning("nixl: ignoring staged read requests from agent %s: not a peer "
+                            "added here (or disconnected)", sender)
+            return
+        remote = registration.remote
+        try:
+            request, base, capacity, src, stage, metadata = self._parsed(message)
+        except _Refused as refusal:
+            self._refuse(registration, refusal.request, str(refusal))
+            return
+        except Exception as exc:  # defensive: _parsed checks before it unpacks
+            self._refuse(registration, None, f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            target = self._remote_pool(remote, base, capacity, metadata)
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", self._local, src, target, stage, notif_msg=_DONE + _ID.pack(request)
+            )
+        except _Refused as refusal:
+            self._refuse(registration, refusal.request, str(refusal))
+            return
+        except Exception as exc:
+            if isinstance(exc, self._nixl.remote_disconnect):
+                self._disconnected(remote)
+                return
+            self._refuse(registration, request, f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            if isinstance(exc, self._nixl.remote_disconnect):
+                self._disconnected(remote)
+            state = "ERR"
+            log.warning("nixl: WRITE serving %s's staged read %d not posted: %s",
+                        registration.peer_id, request, exc)
+        if state == "PROC":
+            registration.serving[next(self._ids)] = _Serving(handle, request)
+            if registration not in self._serving:
+                self._serving.append(registration)
+            return
+        self._served(registration, handle, request, state == "DONE")
+
+    def _parsed(self, message: bytes) -> tuple[
+        int, int, int, npt.NDArray[np.int32], npt.NDArray[np.int32], bytes
+    ]:
+        """A request's fields, every one checked; ``_Refused`` says what is wrong."""
+        if len(message) < _REQUEST_HEAD.size:
+            raise _Refused(f"a request of {len(message)} bytes is truncated")
+        _, request, base, capacity, block_len, count = _REQUEST_HEAD.unpack_from(message)
+        if block_len != self._block_len:
+            raise _Refused(f"block_len {block_len} is not ours ({self._block_len})", request)
+        if not 0 < count <= _MAX_REQUEST_BLOCKS:
+            raise _Refused(f"a request for {count} blocks", request)
+        if not (capacity > 0 and base > 0 and base + capacity * block_len <= 2**64):
+            raise _Refused(f"staging pool at {base:#x} of {capacity} blocks is invalid", request)
+        end = _REQUEST_HEAD.size + 8 * count
+        if len(message) <= end:
+            raise _Refused(f"a request for {count} blocks of {len(message)} bytes is truncated "
+                           f"(or lacks the pool metadata)", request)
+        src = np.frombuffer(message, "<u4", count, _REQUEST_HEAD.size)
+        stage = np.frombuffer(message, "<u4", count, _REQUEST_HEAD.size + 4 * count)
+        if int(src.max()) >= self._num_blocks:
+            raise _Refused(f"source block {int(src.max())} is outside 0..{self._num_blocks - 1}",
+                           request)
+        if int(stage.max()) >= capacity:
+            raise _Refused(f"pool block {int(stage.max())} is outside 0..{capacity - 1}",
+                           request)
+        return (request, base, capacity, src.astype(np.int32), stage.astype(np.int32),
+                message[end:])
+
+    def _remote_pool(
+        self, remote: _RemoteAgent, base: int, capacity: int, metadata: bytes
+    ) -> Any:
+        """The peer's staging pool as a prepared remote list, its metadata loaded first (once
+        per loaded agent: a re-added agent loads it again)."""
+        if remote.pool_md != metadata:
+            loaded = self._agent.add_remote_agent(metadata)
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != remote.name:
+                if name != self._agent_name and name not in self._agents:
+                    self._quietly(self._agent.remove_remote_agent, name)
+                raise _Refused(f"its pool metadata names agent {name!r}")
+            remote.pool_md = metadata
+        if remote.pool_key != (base, capacity) or remote.pool_dlist is None:
+            dlist = self._agent.prep_xfer_dlist(
+                remote.name, block_dlist(base, capacity, self._block_len), "DRAM"
+            )
+            if remote.pool_dlist is not None:
+                self._quietly(self._agent.release_dlist_handle, remote.pool_dlist)
+            remote.pool_dlist, remote.pool_key = dlist, (base, capacity)
+        return remote.pool_dlist
+
+    def _refuse(self, registration: _Registration, request: int | None, reason: str) -> None:
+        log.warning("nixl: refused staged read request %s of peer %s: %s",
+                    request, registration.peer_id, reason)
+        if request is not None:
+            self._notify_failed(registration.remote, request, reason)
+
+    def _notify_failed(self, remote: _RemoteAgent, request: int, reason: str) -> None:
+        try:
+            self._agent.send_notif(
+                remote.name, _FAILED + _ID.pack(request) + reason.encode()[:512]
+            )
+        except Exception as exc:  # a dead or unreachable peer needs no answer
+            log.debug("nixl: failure notification to %s not sent: %s", remote.name, exc)
+
+    def _check_serving(self) -> None:
+        """End the serving WRITEs NIXL reports terminal. A failed one is answered with a
+        failure notification (a done one carried its completion itself)."""
+        for registration in list(self._serving):
+            for internal_id, serving in list(registration.serving.items()):
+                try:
+                    state = self._agent.check_xfer_state(serving.handle)
+                except Exception as exc:
+                    if not isinstance(exc, self._nixl.remote_disconnect):
+                        continue  # proves nothing; checked again next tick
+                    self._disconnected(registration.remote)
+                    state = "ERR"
+                if state == "PROC":
+                    continue
+                del registration.serving[internal_id]
+                self._served(registration, serving.handle, serving.request, state == "DONE")
+            if not registration.serving:
+                self._serving.remove(registration)
+                self._retire_if_idle(registration)
+
+    def _served(
+        self, registration: _Registration, handle: Any, request: int, ok: bool
+    ) -> None:
+        self._release(handle)
+        if not ok:
+            log.warning("nixl: the WRITE serving staged read %d of peer %s failed",
+                        request, registration.peer_id)
+            if not registration.remote.disconnected:
+                self._notify_failed(registration.remote, request, "the WRITE failed")
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         if self._closed:
@@ -595,6 +945,8 @@ class NixlDataTransport(DataTransport):
         """Finish the reads of ``registration`` NIXL reports terminal; a check that raises
         fails its read (ended like a cancelled one: its bytes stay out of the slots)."""
         for transfer_id, read in list(registration.inflight.items()):
+            if read.handle is None:
+                continue  # staged: ended by its notification (``_request_ended``)
             try:
                 state = self._agent.check_xfer_state(read.handle)
             except Exception as exc:
@@ -615,7 +967,10 @@ class NixlDataTransport(DataTransport):
     ) -> None:
         """A read NIXL reports terminal: release it, copy a staged read's blocks into the
         slots when it succeeded, and queue it for reporting."""
-        self._release(read.handle)
+        if read.handle is not None:
+            self._release(read.handle)
+        else:
+            self._requests.pop(transfer_id, None)
         if read.stage is not None:
             assert self._pool is not None
             if ok:
@@ -680,9 +1035,9 @@ class NixlDataTransport(DataTransport):
             if deadline is None:
                 deadline = time.monotonic() + self._options.drain_timeout
             self._stop_direct(registration, read, deadline)
-        elif self._ended(registration, read.handle):
-            self._release(read.handle)
-            assert self._pool is not None
+        elif read.ended or registration.remote.disconnected:
+            assert self._pool is not None  # nothing more of it can arrive (see staging)
+            self._requests.pop(read.request, None)
             self._pool.give_back(read.stage)
         else:
             assert self._pool is not None
@@ -734,10 +1089,15 @@ class NixlDataTransport(DataTransport):
         replaced or removed registration left idle goes at once."""
         for registration in list(self._quarantining):
             for internal_id, read in list(registration.quarantined.items()):
-                if not self._ended(registration, read.handle):
+                if read.handle is None:  # staged: its notification, or the peer is gone
+                    if not (read.ended or registration.remote.disconnected):
+                        continue
+                    self._requests.pop(read.request, None)
+                elif not self._ended(registration, read.handle):
                     continue
+                else:
+                    self._release(read.handle)
                 del registration.quarantined[internal_id]
-                self._release(read.handle)
                 if read.stage is not None:
                     assert self._pool is not None
                     self._pool.give_back(read.stage, quarantined=True)
@@ -758,6 +1118,7 @@ class NixlDataTransport(DataTransport):
         def running() -> list[int]:
             return sorted(
                 [r.warmup_id for r in registrations if r.warmup is not None]
+                + [w for r in registrations for w in r.serving]
                 + ([q for r in registrations for q in r.quarantined] if quarantine else [])
             )
 
@@ -806,11 +1167,12 @@ class NixlDataTransport(DataTransport):
 
         A clean close releases the peers, descriptor lists and memory registrations, and then
         destroys the agent (with its UCX worker) only if no peer can be reading from us through
-        that worker. Over a lane other than ``cma`` (tcp) a peer's READ of our region is UCX
-        software emulation: its GET requests are served by *our* worker, which sends the
-        replies as internal requests. NIXL exposes nothing about those (no count, no way to
-        flush or cancel them), and a peer's cancelled reads keep running on the wire, so at
-        any moment some may be queued on our endpoints; destroying the worker then frees
+        that worker. Over a lane other than ``cma`` (tcp) a peer's transfers with us are UCX
+        software emulation: a warm-up READ's GET requests, or the WRITEs it serves our staged
+        reads with, are handled by *our* worker, which sends the replies (GET data, PUT
+        acknowledgements) as internal requests. NIXL exposes nothing about those (no count,
+        no way to flush or cancel them), and a peer's cancelled reads keep running on the
+        wire, so at any moment some may be queued on our endpoints; destroying the worker then frees
         them under UCX (``... was not returned to mpool ucp_requests``, then a SIGSEGV in
         ``close``). So when a peer might read us that way (our UCX has no ``cma``, or a peer
         not reachable over ``cma`` was ever added), the agent is *retained*, logged: it and

@@ -70,7 +70,9 @@ def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -
     """Probe the lanes a ``nixl`` transport with ``options`` (data_options) uses on this host.
 
     Returns ``{"ok", "error", "env", "get", "am", "lane", "tables"}``: ``get`` lists the
-    lanes of remote memory reads (e.g. ``["cma/memory"]``), ``am`` those of active messages
+    lanes that carry a read's bytes (e.g. ``["cma/memory"]``): those of remote memory reads,
+    or, for a staged read (the producer WRITEs into the reader's staging pool, see
+    :mod:`p2pkv_nixl.transport`), those of remote memory writes; ``am`` those of active messages
     (wire-up; e.g. ``["tcp/lo"]``), ``lane`` how the transport lands reads from a same-host
     peer (``"direct"`` or ``"staged"``, see ``NixlDataTransport.lane``), ``env`` the
     ``UCX_*`` variables the probe ran with. Never raises; a probe that fails says why in
@@ -102,7 +104,7 @@ def ucx_lanes(options: Mapping[str, Any] | None = None, timeout: float = 60.0) -
         return report
     tables = proto_tables(done.stdout + "\n" + done.stderr)
     report["tables"] = tables
-    report["get"] = _lanes(tables, "remote memory read")
+    report["get"] = _lanes(tables, "remote memory read") or _lanes(tables, "remote memory write")
     report["am"] = _lanes(tables, "active message")
     report["lane"] = next(
         (line.split()[1] for line in done.stdout.splitlines() if line.startswith("LANE ")), ""
@@ -131,6 +133,7 @@ def _probe(options: Mapping[str, Any], timeout: float = 20.0) -> None:
         NixlDataTransport.create(DataSettings(r.data, block_len, options)) for r in regions
     )
     reader.add_peer("source", source.descriptor())
+    source.add_peer("reader", reader.descriptor())  # it serves a staged read with a WRITE
     print(f"LANE {reader.lane('source')}", flush=True)
     transfer_id = reader.read_blocks("source", [1], [0])
     deadline = time.monotonic() + timeout
