@@ -1193,6 +1193,16 @@ class NixlDataTransport(DataTransport):
         for registration in registrations:
             self._end_reads(registration)
         undrained = self._drain(registrations, quarantine=True)
+        quarantined = {q for r in self._all_registrations() for q in r.quarantined}
+        if undrained and not self._zombies and set(undrained) <= quarantined:
+            # Only cancelled staged reads are left: they can land in the pool alone, never in
+            # the region. Keep the pool (and the agent) alive for good and close the rest.
+            log.info("nixl: %d cancelled staged read(s) still unanswered at close; their "
+                     "staging pool is kept, with the agent, until the process exits",
+                     len(undrained))
+            self._serves_remote = True
+            self._release_everything()
+            return []
         for zombie, handle in list(self._zombies.items()):
             try:
                 self._agent.release_xfer_handle(handle)
