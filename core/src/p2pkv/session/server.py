@@ -70,8 +70,8 @@ class _StoreJob:
         """The consumer is done with the request: undelivered blocks are not needed."""
         self.done = False
         self.timed_out = False
-        """The store deadline passed while blocks were pinned: undelivered ones fail it once
-        the pins end (delivered ones stay delivered)."""
+        """The store deadline passed: the job fails it unless every block was delivered, once
+        no block is pinned any more."""
         self.timer: Timer | None = None
 
 
@@ -206,7 +206,8 @@ class ServerRole:
             self._send_failed(kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
             return
         supply = req.supply
-        if not req.supply_open and not supply.keys() >= set(keys):
+        held_all = supply.keys() >= set(keys)
+        if not req.supply_open and not held_all:
             missing = sum(1 for k in keys if k not in supply)
             self._send_failed(kv, msg.round, Outcome.DEMAND_UNMET,
                               f"{missing} of {len(keys)} block(s) are not held and cannot "
@@ -217,7 +218,7 @@ class ServerRole:
         req.rounds[msg.round] = rnd
         self.n_rounds += 1
         self._arm_lease(rnd, req)
-        self._match_fetch(req, rnd, keys)
+        self._match_fetch(req, rnd, keys, held_all)
 
     def _request_for_fetch(self, msg: Fetch) -> _Req | None:
         """The producer state for ``msg``'s request (claimed on first sight), after checking
@@ -244,10 +245,10 @@ class ServerRole:
         req.max_round = msg.round
         return req
 
-    def _match_fetch(self, req: _Req, rnd: _Round, keys: list[bytes]) -> None:
+    def _match_fetch(self, req: _Req, rnd: _Round, keys: list[bytes], held_all: bool) -> None:
         supply, supply_job, demand, demand_pos = (req.supply, req.supply_job, req.demand,
                                                   req.demand_pos)
-        if supply.keys() >= set(keys):  # producer first: everything is here (C-level passes)
+        if held_all:  # producer first: everything is here (C-level passes)
             self._ready(req, rnd, list(range(len(keys))), list(map(supply.pop, keys)),
                         list(map(supply_job.pop, keys)))
             return
@@ -463,7 +464,6 @@ class ServerRole:
         for sj in jobs:
             sj.pinned += 1
         self._arm_lease(rnd, req)
-        self.env.counters["blocks_offered"] += len(pos)
         self.session.send(Ready(req.kv, rnd.no, pos, src))
 
     def _arm_lease(self, rnd: _Round, req: _Req) -> None:
@@ -555,12 +555,9 @@ class ServerRole:
         sj.timer = None
         if self.env.observers.enabled:
             self.env.observers.timeout(kind="store", kv_request_id=sj.req.kv, peer=self.peer)
-        if sj.pinned:  # being read right now: the release decides, the rest fails then
-            sj.timed_out = True
-            self._withdraw(sj)
-            return
-        self._fail_job(sj, Outcome.STORE_TIMEOUT,
-                       f"not delivered within {self.env.timeouts.store}s")
+        sj.timed_out = True  # a job being read fails only once the release decided
+        self._withdraw(sj)
+        self._maybe_release_job(sj)
 
     def _fail_job(self, sj: _StoreJob, outcome: Outcome, detail: str) -> None:
         if sj.failure is None:
@@ -593,9 +590,8 @@ class ServerRole:
         elif sj.remaining <= 0:
             outcome, detail = Outcome.DONE, ""
         elif sj.timed_out:
-            self._fail_job(sj, Outcome.STORE_TIMEOUT,
-                           f"not delivered within {self.env.timeouts.store}s")
-            return
+            outcome, detail = (Outcome.STORE_TIMEOUT,
+                               f"not delivered within {self.env.timeouts.store}s")
         elif sj.released:
             if sj.delivered:
                 outcome, detail = Outcome.DONE, "consumer needed only part of the blocks"

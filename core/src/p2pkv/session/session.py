@@ -83,9 +83,6 @@ class Session:
         self.acked = False
         """The peer acked our hello."""
         self.peer_hello: Hello | None = None
-        self.read_window = env.timeouts.lease * (1 - LEASE_DRIFT)
-        """How long after a fetch a read of ours is still within the producer's lease: our
-        lease, or the peer's announced one if shorter, less the clock-drift allowance."""
         self.doomed: Doom | None = None
         self.internal_errors = 0
         self.timer: Timer | None = None
@@ -115,6 +112,16 @@ class Session:
             fingerprint=local.fingerprint, hash_seed=local.hash_seed,
             lease_ms=int(env.timeouts.lease * 1000),
         ))
+
+    @property
+    def read_window(self) -> float:
+        """How long after a fetch a read of ours is still within the producer's lease: our
+        lease, or the peer's announced one if shorter, less the clock-drift allowance."""
+        lease = self.env.timeouts.lease
+        hello = self.peer_hello
+        if hello is not None and hello.lease_ms:
+            lease = min(lease, hello.lease_ms / 1000)
+        return lease * (1 - LEASE_DRIFT)
 
     @property
     def ready(self) -> bool:
@@ -263,9 +270,6 @@ class Session:
             return
         self.env.host.data_peer_added(self.peer, self)
         self.peer_hello = msg
-        if msg.lease_ms:
-            own = self.env.timeouts.lease
-            self.read_window = min(own, msg.lease_ms / 1000) * (1 - LEASE_DRIFT)
         self._send_now(HelloAck(msg.epoch))
         self._maybe_ready()
 
