@@ -253,6 +253,24 @@ class DataTransport(_Transport):
     def create(cls, settings: DataSettings) -> DataTransport:
         """Register ``settings.region``. Raises ``ConfigError`` or ``TransportUnavailable``."""
 
+    @classmethod
+    def allocate_region(
+        cls, num_blocks: int, block_len: int, options: Mapping[str, Any]
+    ) -> memoryview:
+        """Allocate a zeroed region of ``num_blocks * block_len`` bytes this transport can
+        register (the caller then passes it in ``DataSettings.region``).
+
+        The conformance kit, ``p2pkv demo``/``bench`` and standalone tiers get their regions
+        here, so a transport that can only register memory of its own kind (a ``/dev/shm``
+        mapping, pinned or device memory) overrides this and is tested on that memory.
+        ``options`` is ``data_options``. The region lives as long as the returned view; the
+        default is anonymous, zero-filled process memory. Raises ``ConfigError`` or
+        ``TransportUnavailable`` when it cannot allocate.
+        """
+        import numpy as np
+
+        return memoryview(np.zeros(num_blocks * block_len, dtype=np.uint8))
+
     @property
     @abstractmethod
     def num_blocks(self) -> int: ...
