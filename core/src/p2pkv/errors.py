@@ -10,12 +10,15 @@ __all__ = [
     "ConcurrentCall",
     "ConfigError",
     "ConnectionClosed",
+    "FrameTooLarge",
     "P2PKVError",
     "PeerRejected",
     "ProtocolError",
+    "ResourceUnavailable",
     "SendQueueFull",
     "TransferSubmitError",
     "TransportUnavailable",
+    "UsageError",
 ]
 
 
@@ -24,28 +27,46 @@ class P2PKVError(Exception):
 
 
 class TransportUnavailable(P2PKVError):
-    """An optional library a transport needs is missing or broken.
+    """A transport cannot run here: an optional library is missing or broken, or the machine
+    lacks what it needs.
 
-    ``package`` is the pip requirement that fixes it; the message always names it, so the
-    operator never meets an ``AttributeError`` or a bare ``ImportError`` later.
+    The message always ends with the fix, so the operator never meets an ``AttributeError``
+    or a bare ``ImportError`` later. ``fix`` is the transport's own instruction ("load the
+    kernel module ...", "run on Linux"); without one it is ``pip install <package>``.
+    ``package`` is the pip requirement that provides the transport's library.
     """
 
-    def __init__(self, transport: str, package: str, cause: str) -> None:
+    def __init__(
+        self, transport: str, package: str, cause: str, *, fix: str | None = None
+    ) -> None:
         self.transport = transport
         self.package = package
         self.cause = cause
-        super().__init__(
-            f"transport {transport!r} is unavailable: {cause}. "
-            f"Install it with: pip install {package}"
-        )
+        self.fix = fix if fix is not None else f"Install it with: pip install {package}"
+        super().__init__(f"transport {transport!r} is unavailable: {cause}. {self.fix}")
 
 
 class ConfigError(P2PKVError, ValueError):
     """A tier config, option or environment variable is invalid; the message names the key."""
 
 
+class UsageError(P2PKVError, ValueError):
+    """The engine called the API wrongly (a bad argument, a call in the wrong state); nothing
+    was done for that call and the tier goes on."""
+
+
+class ResourceUnavailable(P2PKVError, RuntimeError):
+    """A runtime resource could not be had (memory registration, a port that is busy only
+    now, a device); the config itself is valid, so this is not a ``ConfigError``."""
+
+
 class ProtocolError(P2PKVError, ValueError):
     """A peer sent something the protocol forbids; the session with that peer is closed."""
+
+
+class FrameTooLarge(P2PKVError, ValueError):
+    """One of *our own* frames is over the size cap; it was not sent. The peer did nothing
+    wrong (contrast ``ProtocolError``), and the request that built the frame fails."""
 
 
 class PeerRejected(P2PKVError):
