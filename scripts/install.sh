@@ -19,8 +19,10 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # Transport libraries, lean (see above). Versions are pinned: nixl 1.5.2 does not resolve.
 "${PIP[@]}" --no-deps -r scripts/requirements-transports.txt
 
-# Every distribution in the workspace, editable, in dependency order.
-dists=(core)
+# Every distribution in the workspace, editable, in dependency order; core with its `cli`
+# extra (rich, for the `p2pkv` command). --no-deps: requirements-dev.txt holds every runtime
+# dependency, rich included.
+dists=("core[cli]")
 for d in transports/* plugins/* tests/example_plugin; do
   [ -f "$d/pyproject.toml" ] && dists+=("$d")
 done

@@ -13,9 +13,11 @@ from p2pkv.doctor import (
     check_ports,
     nixl_install_note,
     parse_proto_info,
+    plugin_checks,
     summarize_lanes,
 )
-from p2pkv.registry import default_registry
+from p2pkv.hookspecs import CheckResult, DoctorCheck, hookimpl
+from p2pkv.registry import Registry, default_registry
 
 # Two boxes as UCX_PROTO_INFO=y prints them (timestamps and padding as UCX writes them).
 PROTO_INFO = """\
@@ -140,3 +142,33 @@ def test_doctor_text_output(capsys: pytest.CaptureFixture[str]) -> None:
 def test_doctor_refuses_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--no-probe", "--config", '{"bogus": 1}']) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+class Checks:
+    P2PKV_PLUGIN_API = 1
+
+    @hookimpl
+    def p2pkv_doctor_checks(self) -> list[object]:
+        return [DoctorCheck("fine", lambda: CheckResult(True)), "not a check",
+                DoctorCheck("wrong result", lambda: "ok")]  # type: ignore[arg-type,return-value]
+
+
+class RaisingChecks:
+    P2PKV_PLUGIN_API = 1
+
+    @hookimpl
+    def p2pkv_doctor_checks(self) -> list[DoctorCheck]:
+        raise ImportError("no module named 'gone'")
+
+
+def test_plugin_checks_report_every_plugins_failures_as_rows() -> None:
+    registry = Registry.from_plugins([("raising", RaisingChecks()), ("checks", Checks())],
+                                     environ={})
+    rows = {(r["plugin"], r["check"]): (r["ok"], r["detail"]) for r in plugin_checks(registry)}
+    assert rows == {
+        ("raising", "p2pkv_doctor_checks"): (
+            False, "the hook raised ImportError: no module named 'gone'"),
+        ("checks", "fine"): (True, ""),
+        ("checks", "'not a check'"): (False, "'not a check' is not a p2pkv.hookspecs.DoctorCheck"),
+        ("checks", "wrong result"): (False, "the check returned 'ok', not a CheckResult"),
+    }

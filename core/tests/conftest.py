@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 FIXTURE_PLUGINS = Path(__file__).parent / "fixture_plugins"
-FIXTURE_DISTS = ("good", "dup", "broken", "oldapi")
+FIXTURE_DISTS = ("good", "dup", "broken", "oldapi", "typo", "shm")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""The ``p2pkv`` command: ``--version`` and ``plugins`` (text and ``--json``), in subprocesses."""
+"""The ``p2pkv`` command: ``--version``, ``plugins`` (text and ``--json``), hook tracing, and
+what plugins add to it (fixture plugins: a misspelled hook, a disabled plugin, doctor checks),
+in subprocesses."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import p2pkv
 import pytest
 
 CLI = ("-m", "p2pkv.cli")
+SCRIPT = Path(sys.executable).parent / "p2pkv"
 
 
 def test_version(run_python: Any) -> None:
@@ -21,10 +24,9 @@ def test_version(run_python: Any) -> None:
 
 
 def test_console_script_is_installed(run_python: Any) -> None:
-    script = Path(sys.executable).parent / "p2pkv"
-    if not script.exists():
+    if not SCRIPT.exists():
         pytest.skip("p2pkv console script not installed next to this interpreter")
-    proc = run_python(str(script), "--version")
+    proc = run_python(str(SCRIPT), "--version")
     assert proc.returncode == 0 and proc.stdout.startswith("p2pkv "), proc.stderr
 
 
@@ -73,5 +75,50 @@ def test_plugins_table_shows_failures_and_conflicts(fixture_site: Path, run_pyth
     out = " ".join(proc.stdout.split())
     assert "plugin fixture_broken (p2pkv-fixture-broken) failed" in out
     assert "plugin fixture_oldapi (p2pkv-fixture-oldapi) failed" in out
+    assert ("plugin fixture_typo (p2pkv-fixture-typo) failed: implements unknown hook "
+            "'p2pkv_transprots' (did you mean 'p2pkv_transports'?)") in out
     assert "data transport 'fixture' refused: claimed by" in out
     assert "p2pkv-fixture-good" in out and "p2pkv-fixture-dup" in out
+
+
+def test_trace_hooks_shows_the_registration_hooks(run_python: Any) -> None:
+    cli = (str(SCRIPT),) if SCRIPT.exists() else CLI
+    proc = run_python(*cli, "plugins", "--json", P2PKV_TRACE_HOOKS="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "p2pkv.hooks: hook p2pkv_transports() -> memory" in proc.stderr
+    assert "hook p2pkv_cli_commands(subparsers=" in proc.stderr
+    assert "-> p2pkv" in proc.stderr  # the built-in commands are p2pkv's own plugin
+
+
+def test_a_disabled_plugin_is_listed_and_named_by_errors(
+    fixture_site: Path, run_python: Any
+) -> None:
+    disabled = {"P2PKV_DISABLE_PLUGINS": "fixture_shm", "COLUMNS": "200"}
+    proc = run_python(*CLI, "plugins", site=fixture_site, **disabled)
+    assert proc.returncode == 0, proc.stderr
+    assert ("plugin fixture_shm (p2pkv-fixture-shm) not loaded: disabled by "
+            "P2PKV_DISABLE_PLUGINS") in " ".join(proc.stdout.split())
+    proc = run_python(*CLI, "demo", "--control", "memory", "--data", "fixture_shm",
+                      site=fixture_site, **disabled)
+    assert proc.returncode == 2
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("p2pkv demo:")]
+    assert line.startswith("p2pkv demo: unknown data transport 'fixture_shm'")
+    assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'fixture_shm' from that variable" in line
+
+
+def test_doctor_runs_and_prints_the_plugins_checks(fixture_site: Path, run_python: Any) -> None:
+    proc = run_python(*CLI, "doctor", "--no-probe", "--config", '{"port": 0}',
+                      site=fixture_site, COLUMNS="200")
+    assert proc.returncode == 1, proc.stderr  # a plugin's check failed
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stdout.splitlines()
+    assert "check fixture passes (fixture_shm): ok: all good" in lines
+    assert "check fixture fails (fixture_shm): FAILED: set FIXTURE=1 to fix it" in lines
+    assert ("check fixture raises (fixture_shm): FAILED: the check raised RuntimeError: "
+            "fixture check bug (on purpose)") in lines
+    proc = run_python(*CLI, "doctor", "--no-probe", "--json", "--config", '{"port": 0}',
+                      site=fixture_site)
+    checks = {c["check"]: c for c in json.loads(proc.stdout)["plugin_checks"]}
+    assert checks["fixture passes"] == {"plugin": "fixture_shm", "check": "fixture passes",
+                                        "ok": True, "detail": "all good"}
+    assert not checks["fixture raises"]["ok"]

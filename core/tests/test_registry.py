@@ -13,7 +13,8 @@ import pytest
 from p2pkv.contracts import Capabilities, ControlTransport, DataTransport
 from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import hookimpl
-from p2pkv.registry import KNOWN_TRANSPORTS, Observers, Registry
+from p2pkv.observers import Observers
+from p2pkv.registry import INTERNAL_PLUGIN, KNOWN_TRANSPORTS, Registry
 
 
 class _Control(ControlTransport):
@@ -141,16 +142,116 @@ def test_observers_call_implementations_and_swallow_errors(
     assert reg.observers.enabled
     reg.observers.session_opened(peer="a:1", local="b:2")
     assert observer.calls == [{"peer": "a:1", "local": "b:2"}]
-    with caplog.at_level(logging.ERROR, logger="p2pkv.registry"):
+    with caplog.at_level(logging.ERROR, logger="p2pkv.observers"):
         reg.observers.session_closed(peer="a:1", reason="bye")
-    assert "observer hook p2pkv_session_closed raised" in caplog.text
+    assert "observer p2pkv_session_closed of plugin obs raised" in caplog.text
+
+
+class ClosedRecorder:
+    P2PKV_PLUGIN_API = 1
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    @hookimpl
+    def p2pkv_session_closed(self, peer: str, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+@pytest.mark.parametrize("raising_first", [True, False])
+def test_a_raising_observer_does_not_stop_the_next(
+    raising_first: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    recorder = ClosedRecorder()
+    plugins: list[tuple[str, object]] = [("raising", Observer()), ("recorder", recorder)]
+    reg = Registry.from_plugins(plugins if raising_first else plugins[::-1], environ={})
+    with caplog.at_level(logging.ERROR, logger="p2pkv.observers"):
+        for i in range(12):
+            reg.observers.session_closed(peer="a:1", reason=f"bye {i}")
+    assert recorder.reasons == [f"bye {i}" for i in range(12)]
+    # the first failure with its traceback, then the 10th; not every one
+    records = [r for r in caplog.records if r.name == "p2pkv.observers"]
+    assert [r.exc_info is not None for r in records] == [True, True]
+    assert "has raised 10 times" in records[1].getMessage()
+
+
+def test_observer_methods_have_the_hookspecs_signatures() -> None:
+    assert Observers.session_opened.hook_name == "p2pkv_session_opened"
+    with pytest.raises(TypeError, match="from hookspec p2pkv_session_opened; name it session_"):
+        Observers.session_opened.__set_name__(Observers, "opened")
 
 
 def test_trace_hooks_logs_calls(caplog: pytest.LogCaptureFixture) -> None:
-    reg = Registry.from_plugins([("obs", Observer())], environ={"P2PKV_TRACE_HOOKS": "1"})
     with caplog.at_level(logging.INFO, logger="p2pkv.hooks"):
+        reg = Registry.from_plugins([("p", Plugin(_Data)), ("obs", Observer())],
+                                    environ={"P2PKV_TRACE_HOOKS": "1"})
         reg.observers.session_opened(peer="a:1", local="b:2")
-    assert "hook p2pkv_session_opened(peer='a:1', local='b:2')" in caplog.text
+    assert "hook p2pkv_transports() -> p" in caplog.text  # registration goes through pluggy
+    assert "hook p2pkv_session_opened(peer='a:1', local='b:2') -> obs" in caplog.text
+    assert "no implementation" not in caplog.text  # a hook is called only where implemented
+
+
+def test_misspelled_hook_is_a_failure_naming_it() -> None:
+    class Typo:
+        P2PKV_PLUGIN_API = 1
+
+        @hookimpl
+        def p2pkv_transprots(self) -> list[type[Any]]:
+            raise AssertionError("never called")
+
+    typo = Typo()
+    reg = Registry.from_plugins([("typo", typo), ("good", Plugin(_Control))], environ={})
+    assert [(f.plugin, f.reason) for f in reg.failures] == [
+        ("typo", "implements unknown hook 'p2pkv_transprots' (did you mean 'p2pkv_transports'?)")
+    ]
+    assert not reg.pm.is_registered(typo) and "typo" not in reg.plugins
+    assert reg.transport("control", "ctl") is _Control
+
+
+def test_builtin_commands_are_an_internal_plugin() -> None:
+    reg = Registry.from_plugins([("obs", Observer())], environ={})
+    assert reg.pm.get_plugin(INTERNAL_PLUGIN) is not None and INTERNAL_PLUGIN not in reg.plugins
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    reg.add_cli_commands(sub)
+    assert list(sub.choices) == ["plugins", "demo", "bench", "doctor", "check-config", "observed"]
+
+
+def test_bench_baselines_survive_a_raising_plugin(caplog: pytest.LogCaptureFixture) -> None:
+    class Baseline:
+        name = "dat"
+
+    class Offers:
+        P2PKV_PLUGIN_API = 1
+
+        @hookimpl
+        def p2pkv_bench_baselines(self) -> list[type[Any]]:
+            return [Baseline]
+
+    class Raises:
+        P2PKV_PLUGIN_API = 1
+
+        @hookimpl
+        def p2pkv_bench_baselines(self) -> list[type[Any]]:
+            raise RuntimeError("baseline bug")
+
+    for order in ([("ok", Offers()), ("bad", Raises())], [("bad", Raises()), ("ok", Offers())]):
+        with caplog.at_level(logging.ERROR, logger="p2pkv.registry"):
+            assert Registry.from_plugins(order, environ={}).bench_baselines() == {
+                "dat": Baseline}
+        assert "p2pkv_bench_baselines of bad raised" in caplog.text
+
+
+def test_a_name_a_disabled_plugin_may_provide_names_the_variable() -> None:
+    reg = Registry.from_plugins([("p", Plugin(_Data))], environ={})
+    reg.disabled.update({"shm": "p2pkv-shm", "other": "p2pkv-other"})
+    with pytest.raises(ConfigError) as info:
+        reg.transport("data", "shm")
+    message = str(info.value)
+    assert message.startswith("unknown data transport 'shm'; installed: dat")
+    assert "plugin 'shm' (p2pkv-shm) may provide it" in message
+    assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'shm'" in message
+    assert "other" not in message
 
 
 def test_plugins_add_cli_commands() -> None:

@@ -83,10 +83,30 @@ def test_disable_plugins_blocks_named_plugins(probe: Any) -> None:
     assert result["data"]["fixture"] == "p2pkv-fixture-good"
     assert result["conflicts"] == {}
     assert "memory" not in result["data"] and "memory" not in result["control"]
-    assert {f[0] for f in result["failures"]} == {"fixture_oldapi"}
+    assert {f[0] for f in result["failures"]} == {"fixture_oldapi", "fixture_typo"}
     message = result["lookups"]["data:memory"]
     assert "data transport 'memory' is disabled" in message
     assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'memory'" in message
+
+
+def test_misspelled_hook_is_refused_naming_it(probe: Any) -> None:
+    result = probe()
+    dist, reason = failure(result, "fixture_typo")
+    assert dist == "p2pkv-fixture-typo"
+    assert reason == (
+        "implements unknown hook 'p2pkv_transprots' (did you mean 'p2pkv_transports'?)"
+    )
+    assert "fixture_typo" not in result["plugins"]
+    assert result["control"]["fixture"] == "p2pkv-fixture-good"  # the others still load
+
+
+def test_a_transport_of_a_disabled_plugin_names_the_variable(probe: Any) -> None:
+    assert probe("data:fixture_shm")["lookups"]["data:fixture_shm"].startswith("ok ")
+    message = probe("data:fixture_shm", P2PKV_DISABLE_PLUGINS="fixture_shm")["lookups"][
+        "data:fixture_shm"]
+    assert message.startswith("ConfigError: unknown data transport 'fixture_shm'")
+    assert "plugin 'fixture_shm' (p2pkv-fixture-shm) may provide it" in message
+    assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'fixture_shm' from that variable" in message
 
 
 def test_unknown_name_suggests_the_closest(probe: Any) -> None:

@@ -1,7 +1,9 @@
 """The ``p2pkv`` command.
 
-Built-in subcommands live in their own modules and register themselves through
-``_BUILTIN_COMMANDS``; plugins add theirs through the ``p2pkv_cli_commands`` hook.
+Built-in subcommands live in their own modules and are added by p2pkv's own plugin
+(``p2pkv.builtin_commands``) through the ``p2pkv_cli_commands`` hook, like the plugins' commands.
+The command line needs rich (the ``cli`` extra); without it ``p2pkv`` says so in one line and
+exits 2. This module itself imports without rich.
 
 Failure contract: every misuse ends in one plain line on stderr, ``p2pkv <command>: <what
 is wrong and how to fix it>``, with exit status 2 (usage errors: bad flags, a bad config, an
@@ -14,20 +16,21 @@ the built-in commands share: output consoles, the output-path check and the tran
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from p2pkv import __version__
 from p2pkv.contracts import TransportKind
 from p2pkv.errors import ConfigError, P2PKVError, TransportUnavailable
+from p2pkv.optional import missing_extra
 from p2pkv.registry import Registry, default_registry
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "LOG_LEVELS",
@@ -39,15 +42,6 @@ __all__ = [
     "print_json",
     "usable_transport",
 ]
-
-# module path -> function add_parser(subparsers) that sets ``func``.
-_BUILTIN_COMMANDS = (
-    "p2pkv.cli_plugins",
-    "p2pkv.demo.cli",
-    "p2pkv.bench.cli",
-    "p2pkv.doctor",
-    "p2pkv.check_config",
-)
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 """Values ``--log-level`` accepts (any case)."""
@@ -70,22 +64,15 @@ def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def build_parser(registry: Registry) -> argparse.ArgumentParser:
-    """The full parser: built-in commands, then the plugins' (every one takes --log-level)."""
+    """The full parser: built-in commands, then the plugins' (every one takes --log-level).
+    A plugin whose commands fail to add is recorded in ``registry.failures`` (``p2pkv
+    plugins`` lists it) and left out."""
     parser = _Parser(
         prog="p2pkv", description="Peer-to-peer KV-cache block transfer: tools and diagnostics."
     )
     parser.add_argument("--version", action="version", version=f"p2pkv {__version__}")
     _add_log_level(parser, "WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in _BUILTIN_COMMANDS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            # Only a command whose own module (or package) is absent is skipped.
-            if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
-                raise
-            continue
-        mod.add_parser(sub)
     registry.add_cli_commands(sub)
     for command in sub.choices.values():
         try:  # SUPPRESS: a --log-level after the command only overrides one given before it
@@ -112,6 +99,10 @@ def configure_logging(level: str | int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``p2pkv`` command line; returns the exit status (see the module docstring)."""
+    problem = missing_extra("rich", "cli")
+    if problem is not None:
+        print_error("p2pkv", problem)
+        return 2
     args_list = list(sys.argv[1:] if argv is None else argv)
     configure_logging(_early_log_level(args_list))
     parser = build_parser(default_registry())
@@ -145,6 +136,8 @@ def make_console(*, stderr: bool = False) -> Console:
     """A rich console for a command's output. Emoji codes are off, so text that comes from
     the user (``lognormal:abc:0.6``) prints as typed; a console that is not a terminal is
     200 columns wide, so tables written to a file or pipe are not squeezed."""
+    from rich.console import Console
+
     console = Console(stderr=stderr, emoji=False)
     if not console.is_terminal:
         console = Console(stderr=stderr, emoji=False, width=200)

@@ -6,7 +6,8 @@ plugins`` report); where a tier would listen, per engine (standalone p2pkv reads
 ``VLLM_P2P_SIDE_CHANNEL_HOST``/``_PORT`` come first), whether those ports are free, and
 whether ``PYTHONHASHSEED`` is set (vLLM's block hashes depend on it across instances; its
 value is never shown); which UCX lanes each UCX-based data transport picks on this host; the
-environment variables that change lanes and ports; how NIXL is installed.
+environment variables that change lanes and ports; how NIXL is installed; and the checks plugins
+add (hook ``p2pkv_doctor_checks``), each printed ok or FAILED under its plugin's name.
 
 Lanes are read from UCX itself: a subprocess with ``UCX_PROTO_INFO=y`` builds two endpoints of
 the transport in one process, one reads a 1 MiB block from the other (and checks its bytes),
@@ -40,8 +41,9 @@ from p2pkv.cli import make_console, print_json
 from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
+from p2pkv.hookspecs import CheckResult, DoctorCheck
 from p2pkv.json_option import json_object
-from p2pkv.registry import default_registry
+from p2pkv.registry import Registry, default_registry
 
 __all__ = [
     "LaneRow",
@@ -50,6 +52,7 @@ __all__ = [
     "listeners",
     "nixl_install_note",
     "parse_proto_info",
+    "plugin_checks",
     "probe_lanes",
     "run",
     "summarize_lanes",
@@ -318,6 +321,40 @@ def _owner(port: int) -> str:
     return ""
 
 
+# -- plugins' checks -----------------------------------------------------------------------
+
+
+def plugin_checks(registry: Registry) -> list[dict[str, Any]]:
+    """Run every plugin's checks (hook ``p2pkv_doctor_checks``): one row ``{"plugin",
+    "check", "ok", "detail"}`` per check. A hook or check that raises, or returns something
+    else, is a failed row naming the plugin. Never raises."""
+    rows = []
+    for plugin, outcome in registry.doctor_checks():
+        if isinstance(outcome, Exception):
+            rows.append(_check_row(plugin, "p2pkv_doctor_checks", CheckResult(
+                False, f"the hook raised {type(outcome).__name__}: {outcome}")))
+        else:
+            rows.extend(_check_row(plugin, getattr(c, "name", repr(c)), _run_check(c))
+                        for c in outcome)
+    return rows
+
+
+def _run_check(check: object) -> CheckResult:
+    if not isinstance(check, DoctorCheck):
+        return CheckResult(False, f"{check!r} is not a p2pkv.hookspecs.DoctorCheck")
+    try:
+        result = check.run()
+    except Exception as exc:  # a plugin's bug is its check failing, not the doctor's
+        return CheckResult(False, f"the check raised {type(exc).__name__}: {exc}")
+    if not isinstance(result, CheckResult):
+        return CheckResult(False, f"the check returned {result!r}, not a CheckResult")
+    return result
+
+
+def _check_row(plugin: str, check: str, result: CheckResult) -> dict[str, Any]:
+    return {"plugin": plugin, "check": check, "ok": result.ok, "detail": result.detail}
+
+
 # -- NIXL install ---------------------------------------------------------------------------
 
 
@@ -475,6 +512,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         "ucx_lanes": lanes,
         "env_unset": [k for k in RELEVANT_ENV if k not in os.environ],
         "nixl_install": nixl_install_note(),
+        "plugin_checks": plugin_checks(registry),
     }
 
 
@@ -537,9 +575,17 @@ def _print_listeners(console: Console, report: Mapping[str, Any]) -> None:
     console.print(f"PYTHONHASHSEED: {report['python_hash_seed']}")
 
 
+def _print_plugin_checks(console: Console, report: Mapping[str, Any]) -> None:
+    for c in report["plugin_checks"]:
+        state = "[green]ok[/]" if c["ok"] else "[red]FAILED[/]"
+        detail = f": {escape(c['detail'])}" if c["detail"] else ""
+        console.print(f"check {escape(c['check'])} ({c['plugin']}): {state}{detail}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print (or ``--json``) the report; 1 when a port a tier would bind is taken, else 0.
-    Bad options raise ``ConfigError`` (the CLI prints one line and exits 2)."""
+    """Print (or ``--json``, status 0) the report; 1 when a port a tier would bind is taken
+    or a plugin's check failed, else 0. Bad options raise ``ConfigError`` (the CLI prints one
+    line and exits 2)."""
     report = collect(args)
     if args.json:
         print_json(report)
@@ -552,6 +598,7 @@ def run(args: argparse.Namespace) -> int:
     console.print("libraries: " + ", ".join(f"{k} {v}" for k, v in host["libraries"].items()))
     print_report(console, report["plugins"])
     _print_listeners(console, report)
+    _print_plugin_checks(console, report)
     for name, probe in report["ucx_lanes"].items():
         if probe["lanes"]:
             console.print(_lane_table(name, probe))
@@ -563,4 +610,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"NIXL: {escape(report['nixl_install'])}")
     for tip in [*_advice(report), *_hints(report)]:
         console.print(f"[yellow]hint:[/] {escape(tip)}")
-    return 1 if any(not p["free"] for p in report["ports"]) else 0
+    failed = [p for p in report["ports"] if not p["free"]] + [
+        c for c in report["plugin_checks"] if not c["ok"]]
+    return 1 if failed else 0

@@ -11,18 +11,22 @@ A plugin is a module (or object) named by an entry point in the ``p2pkv`` group.
     def p2pkv_transports():
         return [MyDataTransport]
 
-Implementations must not raise from observer hooks: an observer that raises is logged and
-the core goes on. Observer hooks run on the tier's driver thread; keep them cheap.
+A hook implemented under a name not defined here (a misspelling) makes the registry refuse
+the plugin, naming the unknown hook. Implementations must not raise from observer hooks: an
+observer that raises is logged and the other observers and the core go on. Observer hooks
+run on the tier's driver thread; keep them cheap.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
-__all__ = ["PLUGIN_API_VERSION", "PROJECT", "hookimpl", "hookspec"]
+__all__ = ["PLUGIN_API_VERSION", "PROJECT", "CheckResult", "DoctorCheck", "hookimpl", "hookspec"]
 
 PROJECT = "p2pkv"
 PLUGIN_API_VERSION = 1
@@ -70,6 +74,36 @@ def p2pkv_bench_baselines() -> list[type[Any]]:
     ``read_blocks`` is refused by the bench. It skips p2pkv's validation and bookkeeping but
     must still move real bytes (the bench verifies them). Importing the plugin module must not
     import the library.
+    """
+    raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What a :class:`DoctorCheck` found: ``ok``, and one line of detail (for a failure: what
+    is wrong and how to fix it)."""
+
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class DoctorCheck:
+    """A diagnostic ``p2pkv doctor`` runs and prints beside its own checks (``name``: a few
+    words; ``run``: the check, which should finish in seconds)."""
+
+    name: str
+    run: Callable[[], CheckResult]
+
+
+@hookspec
+def p2pkv_doctor_checks() -> list[DoctorCheck]:
+    """Return checks for ``p2pkv doctor`` (optional; additive to plugin API 1).
+
+    ``p2pkv doctor`` runs each and prints ``ok`` or ``FAILED`` with its detail, under the
+    plugin's name; a failed check makes it exit 1. A check that raises (or a hook that
+    raises) is reported as that check failing with the exception, never a traceback. Build
+    the checks cheaply; do the work in ``run``.
     """
     raise NotImplementedError
 

@@ -4,17 +4,19 @@ A transport plugin module must import without its library, so ``p2pkv plugins`` 
 what is missing. :class:`OptionalLibrary` runs the transport's importer once, caches the
 outcome, success or :class:`~p2pkv.errors.TransportUnavailable` (a failed import of a compiled
 extension is not worth retrying), and re-raises a fresh error each time so tracebacks do not
-grow.
+grow. :func:`missing_extra` tells whether a library of one of p2pkv's own extras (rich, for
+the ``cli`` extra) is there.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from p2pkv.errors import TransportUnavailable
 
-__all__ = ["OptionalLibrary"]
+__all__ = ["OptionalLibrary", "missing_extra"]
 
 T = TypeVar("T")
 
@@ -43,3 +45,14 @@ class OptionalLibrary(Generic[T]):
         except TransportUnavailable as exc:
             return exc
         return None
+
+
+def missing_extra(module: str, extra: str) -> str | None:
+    """None if ``module`` imports, else one line naming it and the fix (``pip install
+    'p2pkv[extra]'``). Never raises ``ImportError``."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return (f"{module} is not installed ({exc}); it comes with the {extra!r} extra: "
+                f"pip install 'p2pkv[{extra}]'")
+    return None

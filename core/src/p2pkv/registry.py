@@ -2,7 +2,13 @@
 
 Core code never touches ``pm.hook``: it asks :class:`Registry` for a transport class by kind and
 name, and calls observers through :attr:`Registry.observers`. Built-in transports load through
-the same ``p2pkv`` entry-point group as third-party ones.
+the same ``p2pkv`` entry-point group as third-party ones; the built-in CLI commands are p2pkv's
+own plugin (``p2pkv.builtin_commands``, registered as ``p2pkv`` in every registry).
+
+Every hook is called through pluggy (``pm.hook`` or a subset caller), so tracing sees it, and
+once per plugin: a plugin whose hook raises is recorded in ``failures`` (or logged, for bench
+baselines and observers) and the others go on. A plugin implementing a hook no hookspec
+defines (pluggy's ``check_pending``) is refused, naming that hook.
 
 Environment: ``P2PKV_DISABLE_PLUGINS=a,b`` blocks the named entry points;
 ``P2PKV_TRACE_HOOKS=1`` logs every hook call with its arguments (at INFO on the
@@ -19,21 +25,24 @@ import difflib
 import importlib.metadata as md
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pluggy
+from pluggy import HookImpl
 
-from p2pkv import hookspecs
+from p2pkv import builtin_commands, hookspecs
 from p2pkv.contracts import ControlTransport, DataTransport, TransportKind
 from p2pkv.errors import ConfigError
+from p2pkv.observers import Observers, callers_per_plugin
 
 __all__ = [
     "DISABLE_ENV",
+    "INTERNAL_PLUGIN",
     "KNOWN_TRANSPORTS",
     "TEST_PLUGINS_ENV",
-    "Observers",
+    "Observers",  # temporary re-export: import it from p2pkv.observers
     "PluginFailure",
     "Registry",
     "TransportEntry",
@@ -56,17 +65,8 @@ KNOWN_TRANSPORTS: Mapping[tuple[TransportKind, str], str] = {
 }
 """Transports the project publishes, with the distribution that provides each."""
 
-_OBSERVER_HOOKS = (
-    "p2pkv_session_opened",
-    "p2pkv_session_closed",
-    "p2pkv_handshake_rejected",
-    "p2pkv_protocol_error",
-    "p2pkv_transfer_submitted",
-    "p2pkv_transfer_finished",
-    "p2pkv_job_finished",
-    "p2pkv_timeout",
-    "p2pkv_tier_state",
-)
+INTERNAL_PLUGIN = "p2pkv"
+"""The name p2pkv's own plugin (``p2pkv.builtin_commands``) is registered under."""
 
 
 @dataclass(frozen=True)
@@ -82,49 +82,6 @@ class PluginFailure:
     plugin: str
     distribution: str
     reason: str
-
-
-def _noop(**_: Any) -> None:
-    return None
-
-
-class Observers:
-    """Observer hooks as plain attributes: a no-op function when nobody implements a hook.
-
-    ``enabled`` is False when no observer hook has any implementation, so hot paths can skip
-    building arguments entirely.
-    """
-
-    session_opened: Callable[..., Any]
-    session_closed: Callable[..., Any]
-    handshake_rejected: Callable[..., Any]
-    protocol_error: Callable[..., Any]
-    transfer_submitted: Callable[..., Any]
-    transfer_finished: Callable[..., Any]
-    job_finished: Callable[..., Any]
-    timeout: Callable[..., Any]
-    tier_state: Callable[..., Any]
-
-    def __init__(self, pm: pluggy.PluginManager | None = None) -> None:
-        self.enabled = False
-        for hook_name in _OBSERVER_HOOKS:
-            attr = hook_name.removeprefix("p2pkv_")
-            caller = getattr(pm.hook, hook_name) if pm is not None else None
-            if caller is not None and caller.get_hookimpls():
-                setattr(self, attr, _guarded(hook_name, caller))
-                self.enabled = True
-            else:
-                setattr(self, attr, _noop)
-
-
-def _guarded(hook_name: str, caller: Callable[..., Any]) -> Callable[..., Any]:
-    def call(**kwargs: Any) -> None:
-        try:
-            caller(**kwargs)
-        except Exception:
-            log.exception("observer hook %s raised; ignored", hook_name)
-
-    return call
 
 
 @dataclass
@@ -149,8 +106,9 @@ class Registry:
         """Load every ``p2pkv`` entry point not blocked by ``P2PKV_DISABLE_PLUGINS`` (recorded
         in ``disabled``) and not test-only (recorded in ``hidden``, see the module doc).
 
-        A plugin that fails to import or declares another plugin API is recorded in
-        ``failures`` and skipped; the others still load.
+        A plugin that fails to import, declares another plugin API, implements a hook no
+        hookspec defines or whose ``p2pkv_transports`` raises is recorded in ``failures`` and
+        skipped (unregistered); the others still load.
         """
         env = os.environ if environ is None else environ
         blocked = {n.strip() for n in env.get(DISABLE_ENV, "").split(",") if n.strip()}
@@ -202,21 +160,38 @@ class Registry:
                 f"{hookspecs.PLUGIN_API_VERSION} after porting)",
             )
             return
+        classes: list[Any] = []
         try:
             self.pm.register(plugin, name=name)
-            hook = cast(Any, self.pm.hook).p2pkv_transports
-            impls = [i for i in hook.get_hookimpls() if i.plugin is plugin]
-            classes: list[Any] = []
-            for impl in impls:
-                classes.extend(impl.function() or [])
-        except Exception as exc:
+            reason = "; ".join(self._unknown_hooks(plugin))
+            transports = callers_per_plugin(self.pm, "p2pkv_transports").get(name)
+            if not reason and transports is not None:
+                classes = [cls for result in transports() for cls in result or []]
+        except Exception as exc:  # a broken plugin must not take the others down
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason:
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
-            self._fail(name, dist, f"{type(exc).__name__}: {exc}")
+            self._fail(name, dist, reason)
             return
         self.plugins[name] = dist
         for tcls in classes:
             self._add_transport(tcls, name, dist, version)
+
+    def _unknown_hooks(self, plugin: object) -> list[str]:
+        """Why ``plugin`` (just registered) implements hooks no hookspec defines, one text per
+        hook, found by pluggy's ``check_pending`` (every plugin registered before passed it)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            specs = [n for n in dir(hookspecs) if n.startswith(f"{hookspecs.PROJECT}_")]
+            unknown = sorted(c.name for c in self.pm.get_hookcallers(plugin) or ()
+                             if not c.has_spec())
+            return [f"implements unknown hook {hook!r}"
+                    + "".join(f" (did you mean {m!r}?)"
+                              for m in difflib.get_close_matches(hook, specs, n=1))
+                    for hook in unknown]
+        return []
 
     def _add_transport(self, tcls: Any, plugin: str, dist: str, version: str) -> None:
         kind = getattr(tcls, "kind", None)
@@ -252,7 +227,9 @@ class Registry:
         self.observers = Observers(self.pm)
 
     def transport(self, kind: TransportKind, name: str) -> type[Any]:
-        """The class registered as ``name`` for ``kind``, or ``ConfigError`` saying what to do."""
+        """The class registered as ``name`` for ``kind``, or ``ConfigError`` saying what to do
+        (for a name that a plugin blocked by ``P2PKV_DISABLE_PLUGINS`` may provide, one whose
+        entry point or ``p2pkv-<name>`` distribution is that name: the variable to change)."""
         table = self.control if kind == "control" else self.data
         entry = table.get(name)
         if entry is not None:
@@ -273,6 +250,10 @@ class Registry:
             msg += f"; did you mean {close[0]!r}?"
         if dist is not None:
             msg += f"; {name!r} is provided by {dist}: {self.install_hint(dist)}"
+        for plugin, plugin_dist in sorted(self.disabled.items()):
+            if name in (plugin, plugin_dist.removeprefix("p2pkv-")):
+                msg += (f"; plugin {plugin!r} ({plugin_dist}) may provide it: "
+                        f"{self.install_hint(plugin_dist)}")
         raise ConfigError(msg)
 
     def install_hint(self, dist: str) -> str:
@@ -302,17 +283,15 @@ class Registry:
         A plugin whose hook raises is logged and skipped; the first of two same-named
         baselines wins (logged)."""
         found: dict[str, type[Any]] = {}
-        hook = cast(Any, self.pm.hook).p2pkv_bench_baselines
-        for impl in hook.get_hookimpls():
-            try:
-                classes = impl.function() or []
-            except Exception:
-                log.exception("p2pkv_bench_baselines of %s raised; ignored", impl.plugin_name)
+        for plugin, outcome in self._call_each("p2pkv_bench_baselines"):
+            if isinstance(outcome, Exception):
+                log.error("p2pkv_bench_baselines of %s raised; ignored", plugin,
+                          exc_info=outcome)
                 continue
-            for cls in classes:
+            for cls in (cls for result in outcome for cls in result or []):
                 name = getattr(cls, "name", None)
                 if not isinstance(name, str):
-                    log.warning("bench baseline %r of %s has no name", cls, impl.plugin_name)
+                    log.warning("bench baseline %r of %s has no name", cls, plugin)
                 elif name in found:
                     log.warning("bench baseline %r offered twice; keeping the first", name)
                 else:
@@ -320,30 +299,50 @@ class Registry:
         return found
 
     def add_cli_commands(self, subparsers: Any) -> None:
-        """Let every plugin add its subcommands; one that raises is recorded in ``failures``
-        and logged, so a broken plugin never takes the whole CLI down."""
-        args = {"subparsers": subparsers}
-        for impl in cast(Any, self.pm.hook).p2pkv_cli_commands.get_hookimpls():
+        """Let p2pkv's own plugin (the built-in commands, first) and every other plugin add
+        their subcommands; one that raises is recorded in ``failures`` and logged, so a broken
+        plugin never takes the whole CLI down."""
+        for plugin, outcome in self._call_each("p2pkv_cli_commands", subparsers=subparsers):
+            if isinstance(outcome, Exception):
+                self._fail(plugin, self.distribution(plugin), "p2pkv_cli_commands failed: "
+                           f"{type(outcome).__name__}: {outcome}")
+
+    def doctor_checks(self) -> list[tuple[str, list[Any] | Exception]]:
+        """Per plugin implementing ``p2pkv_doctor_checks``: what it returned (meant to be
+        ``DoctorCheck`` objects; ``p2pkv doctor`` checks), or the exception it raised."""
+        return [(plugin, outcome if isinstance(outcome, Exception)
+                 else [check for result in outcome for check in result or []])
+                for plugin, outcome in self._call_each("p2pkv_doctor_checks")]
+
+    def distribution(self, plugin: str) -> str:
+        """The distribution plugin ``plugin`` was loaded from (``?`` when not known)."""
+        return INTERNAL_PLUGIN if plugin == INTERNAL_PLUGIN else self.plugins.get(plugin, "?")
+
+    def _call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, list[Any] | Exception]]:
+        """Call hook ``hook_name`` through pluggy once per implementing plugin, each alone, in
+        pluggy's order: (plugin name, its results or the exception it raised)."""
+        outcomes: list[tuple[str, list[Any] | Exception]] = []
+        for plugin, caller in callers_per_plugin(self.pm, hook_name).items():
             try:
-                impl.function(*(args[name] for name in impl.argnames))
-            except Exception as exc:
-                name = impl.plugin_name
-                self._fail(
-                    name,
-                    self.plugins.get(name, "?"),
-                    f"p2pkv_cli_commands failed: {type(exc).__name__}: {exc}",
-                )
+                outcomes.append((plugin, list(caller(**kwargs))))
+            except Exception as exc:  # one broken plugin must not hide the others
+                outcomes.append((plugin, exc))
+        return outcomes
 
 
 def _new_manager(env: Mapping[str, str]) -> pluggy.PluginManager:
+    """A manager with the hookspecs and p2pkv's own plugin (tracing when asked)."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    pm.register(builtin_commands, name=INTERNAL_PLUGIN)
     if env.get("P2PKV_TRACE_HOOKS", "") not in ("", "0"):
         trace = logging.getLogger("p2pkv.hooks")
         trace.setLevel(min(trace.getEffectiveLevel(), logging.INFO))
 
-        def before(hook_name: str, impls: Any, kwargs: Mapping[str, Any]) -> None:
-            trace.info("hook %s(%s)", hook_name, ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+        def before(hook_name: str, impls: Sequence[HookImpl], kwargs: Mapping[str, Any]) -> None:
+            trace.info("hook %s(%s) -> %s", hook_name,
+                       ", ".join(f"{k}={v!r}" for k, v in kwargs.items()),
+                       ", ".join(impl.plugin_name for impl in impls))
 
         def after(outcome: Any, hook_name: str, impls: Any, kwargs: Any) -> None:
             trace.debug("hook %s done", hook_name)
