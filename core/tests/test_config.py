@@ -100,17 +100,22 @@ def test_full_config() -> None:
     assert cfg.timeouts.handshake == 0.5
     assert cfg.limits.max_keys_per_message == 10
     assert (cfg.fingerprint, cfg.hash_seed) == ("abc", "seed")
+    assert cfg.tier_type == "p2p"
 
 
 @pytest.mark.parametrize(
     ("d", "env", "dp_rank", "match"),
     [
         ({"bogus": 1}, {}, 0, r"unknown tier config key\(s\) \['bogus'\]; valid keys: type, "),
+        ({"hots": "h"}, {}, 0, r"\['hots'\]; valid keys: .*; did you mean 'host'\?"),
+        ({"dp_rank": 1}, {}, 0, r"unknown tier config key\(s\) \['dp_rank'\]"),
+        ({"host_setting": "x"}, {}, 0, r"unknown tier config key\(s\) \['host_setting'\]"),
         ({"type": 1}, {}, 0, "'type' must be a string"),
         ({"control": 1}, {}, 0, "'control' must be a string"),
         ({"data": None}, {}, 0, "'data' must be a string"),
         ({"host": 5}, {}, 0, "'host' must be a string"),
-        ({"host": ""}, {}, 0, "key 'host': host must not be empty"),
+        ({"host": ""}, {}, 0, "key 'host' must be a non-empty string, got ''"),
+        ({"host": " "}, {}, 0, "key 'host' must be a non-empty string"),
         ({"port": "5710"}, {}, 0, "'port' must be an integer"),
         ({"port": True}, {}, 0, "'port' must be an integer"),
         ({"port": 5.0}, {}, 0, "'port' must be an integer"),
@@ -121,16 +126,19 @@ def test_full_config() -> None:
         ({"port": -1}, {}, 2, "key 'port': port must be >= 0"),
         ({}, {}, -1, "dp_rank must be a non-negative integer"),
         ({}, {}, True, "dp_rank must be a non-negative integer"),
-        ({"control_options": []}, {}, 0, "'control_options' must be a mapping, got list"),
-        ({"data_options": "x"}, {}, 0, "'data_options' must be a mapping, got str"),
+        ({"control_options": []}, {}, 0, "'control_options' must be a mapping, got \\[\\]"),
+        ({"data_options": "x"}, {}, 0, "'data_options' must be a mapping, got 'x'"),
         ({"timeouts": 3}, {}, 0, "'timeouts' must be a mapping"),
         ({"limits": []}, {}, 0, "'limits' must be a mapping"),
-        ({"timeouts": {"lod": 1}}, {}, 0, r"unknown timeouts key\(s\) \['lod'\]; valid: handshake"),
-        ({"timeouts": {"load": "1"}}, {}, 0, "timeouts.load must be a number"),
-        ({"timeouts": {"load": True}}, {}, 0, "timeouts.load must be a number"),
-        ({"timeouts": {"load": 0}}, {}, 0, "timeouts.load must be > 0"),
-        ({"limits": {"max_key_bytes": -1}}, {}, 0, "limits.max_key_bytes must be > 0"),
-        ({"limits": {"max_key_bytes": 1.5}}, {}, 0, "limits.max_key_bytes must be an integer"),
+        ({"timeouts": {"lod": 1}}, {}, 0,
+         r"unknown tier config key\(s\) \['timeouts.lod'\]; valid keys of 'timeouts': "
+         r"handshake, load, .*; did you mean 'timeouts.load'\?"),
+        ({"timeouts": {"load": "1"}}, {}, 0, "'timeouts.load' must be a finite number, got '1'"),
+        ({"timeouts": {"load": True}}, {}, 0, "'timeouts.load' must be a finite number"),
+        ({"timeouts": {"load": float("nan")}}, {}, 0, "'timeouts.load' must be a finite number"),
+        ({"timeouts": {"load": 0}}, {}, 0, "'timeouts.load' must be > 0 seconds, got 0"),
+        ({"limits": {"max_key_bytes": -1}}, {}, 0, "'limits.max_key_bytes' must be > 0"),
+        ({"limits": {"max_key_bytes": 1.5}}, {}, 0, "'limits.max_key_bytes' must be an integer"),
         ({"fingerprint": 1}, {}, 0, "'fingerprint' must be a string"),
         ({"hash_seed": b"x"}, {}, 0, "'hash_seed' must be a string"),
     ],

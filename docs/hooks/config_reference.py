@@ -2,9 +2,8 @@
 
 The tables come from the dataclasses in ``p2pkv.config`` (field names, defaults, and the
 docstring under each field), so the reference cannot drift from the code. The top-level table
-lists exactly the keys ``TierConfig.from_dict`` accepts (``config._TOP_KEYS``): a field that is
-not a key (``dp_rank``, which the engine passes) stays out, and a key that is not a field
-(``type``) is described in ``_NOT_FIELDS``; a key with neither fails the docs build.
+lists exactly the keys ``TierConfig.from_dict`` accepts (``p2pkv.options.option_keys``): a
+field that is not a key (``dp_rank``, which the engine passes) stays out.
 """
 
 from __future__ import annotations
@@ -16,13 +15,9 @@ import itertools
 from typing import Any
 
 from p2pkv import config
+from p2pkv.options import option_key
 
 MARKER = "<!-- config-reference -->"
-_KEY_NAMES = {"base_port": "port"}
-_NOT_FIELDS = {
-    "type": ("none", "The tier's type name, read by the engine (vLLM: `\"P2PKVTier\"`, with "
-             "`module_path`); p2pkv only checks that it is a string."),
-}
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -57,19 +52,18 @@ def _table(cls: type, prefix: str) -> str:
     docs = _field_docs(cls)
     rows = list(_HEADER)
     for f in dataclasses.fields(cls):
-        key = _KEY_NAMES.get(f.name, f.name)
+        key = option_key(f)
         rows.append(f"| `{prefix}{key}` | `{_default(f)}` | {docs.get(f.name, '')} |")
     return "\n".join(rows)
 
 
 def _top_table() -> str:
     docs = _field_docs(config.TierConfig)
-    by_key = {_KEY_NAMES.get(f.name, f.name): f for f in dataclasses.fields(config.TierConfig)}
     rows = list(_HEADER)
-    for key in config._TOP_KEYS:
-        f = by_key.get(key)
-        default, meaning = (f"`{_default(f)}`", docs.get(f.name, "")) if f else _NOT_FIELDS[key]
-        rows.append(f"| `{key}` | {default} | {meaning} |")
+    for f in dataclasses.fields(config.TierConfig):
+        key = option_key(f)
+        if key is not None:
+            rows.append(f"| `{key}` | `{_default(f)}` | {docs.get(f.name, '')} |")
     return "\n".join(rows)
 
 

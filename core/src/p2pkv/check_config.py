@@ -84,10 +84,10 @@ def entries(kv_transfer_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], l
             continue
         try:
             adapter = importlib.import_module(ADAPTERS[module_path])
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:  # the chain names the module (maybe a dependency)
             raise ConfigError(f"secondary_tiers[{index}] names module_path {module_path!r}, "
                               f"which is not installed: pip install {_INSTALL[module_path]}"
-                              ) from None
+                              ) from exc
         found.append(Entry(index, keys, adapter))
     if not found:
         raise ConfigError(f"no secondary_tiers entry has module_path "

@@ -2,7 +2,7 @@
 
 Precedence for ``host`` and ``port``: explicit key > environment variable > built-in default.
 The bound port is ``base port + dp_rank``. Every rejection is a ``ConfigError`` that names the
-key and what would be valid.
+key and what would be valid (:mod:`p2pkv.options` reads the keys).
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2pkv.addressing import format_address
 from p2pkv.errors import ConfigError
+from p2pkv.options import derived, option, parse_options
 
 __all__ = [
     "DEFAULT_HOST",
@@ -32,27 +33,31 @@ HOST_ENV = ("P2PKV_HOST",)
 PORT_ENV = ("P2PKV_PORT",)
 
 
+_SECONDS = option(gt=0, unit="seconds")
+_COUNT = option(gt=0)
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Deadlines in seconds. Every wait in the tier is bounded by one of these."""
 
-    handshake: float = 10.0
+    handshake: float = field(default=10.0, metadata=_SECONDS)
     """A connected peer must complete the hello exchange within this."""
-    load: float = 30.0
+    load: float = field(default=30.0, metadata=_SECONDS)
     """A load whose blocks have not all arrived by then fails ``load_timeout`` (its reads are
     cancelled first, finally: the slots are free again the moment the result is out)."""
-    lease_margin: float = 10.0
+    lease_margin: float = field(default=10.0, metadata=_SECONDS)
     """The producer pins a round's source blocks for the lease, ``load + lease_margin``, from
     each ``ready`` (or until the consumer's ``release``). The consumer accepts a read only if
     it completed within the lease of the moment it *sent* the fetch, on its own clock; with
     the lease above ``load`` that rejects only a consumer that was itself paused past it."""
-    store: float = 30.0
+    store: float = field(default=30.0, metadata=_SECONDS)
     """A store bound to a consumer but not finished by then fails."""
-    unbound_store: float = 60.0
+    unbound_store: float = field(default=60.0, metadata=_SECONDS)
     """A store whose consumer never asked for it fails after this."""
-    lookup: float = 5.0
+    lookup: float = field(default=5.0, metadata=_SECONDS)
     """A producer answers MISS for lookups its hit source has not settled by then."""
-    shutdown_drain: float = 5.0
+    shutdown_drain: float = field(default=5.0, metadata=_SECONDS)
     """Shutdown waits this long for sessions to wind down (consumers' releases, internal
     transfers of the data transport) before closing them anyway."""
 
@@ -66,33 +71,18 @@ class Timeouts:
 class Limits:
     """Caps on what a peer may send; exceeding one is a protocol error."""
 
-    max_frame_bytes: int = 64 * 1024 * 1024
+    max_frame_bytes: int = field(default=64 * 1024 * 1024, metadata=_COUNT)
     """Largest control frame accepted or sent."""
-    max_keys_per_message: int = 65536
+    max_keys_per_message: int = field(default=65536, metadata=_COUNT)
     """Most keys (blocks) in one fetch, lookup or lookup response."""
-    max_key_bytes: int = 1024
+    max_key_bytes: int = field(default=1024, metadata=_COUNT)
     """Longest block key."""
-    max_request_id_chars: int = 256
+    max_request_id_chars: int = field(default=256, metadata=_COUNT)
     """Longest ``kv_request_id``."""
-    max_descriptor_bytes: int = 16 * 1024 * 1024
+    max_descriptor_bytes: int = field(default=16 * 1024 * 1024, metadata=_COUNT)
     """Largest data-transport descriptor in a hello."""
-    max_consecutive_internal_errors: int = 5
+    max_consecutive_internal_errors: int = field(default=5, metadata=_COUNT)
     """Internal errors in a row while handling one peer's messages before its session is closed."""
-
-
-_TOP_KEYS = (
-    "type",
-    "control",
-    "data",
-    "host",
-    "port",
-    "control_options",
-    "data_options",
-    "timeouts",
-    "limits",
-    "fingerprint",
-    "hash_seed",
-)
 
 
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
@@ -106,18 +96,22 @@ def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class TierConfig:
-    """A validated tier config. Build it with :meth:`from_dict`."""
+    """A validated tier config. Build it with :meth:`from_dict`; its keys are the fields not
+    marked ``derived`` (:func:`p2pkv.options.option_keys`)."""
 
+    tier_type: str = field(default="", metadata=option(key="type"))
+    """The tier's type name, read by the engine (vLLM: ``"P2PKVTier"``, with
+    ``module_path``); p2pkv only checks that it is a string."""
     control: str = "zmq"
     """Control transport name (``p2pkv plugins`` lists what is installed)."""
     data: str = "nixl"
     """Data transport name."""
-    host: str = DEFAULT_HOST
+    host: str = field(default=DEFAULT_HOST, metadata=option(nonblank=True))
     """Host to bind and advertise; env ``P2PKV_HOST``. Non-loopback needs authentication."""
-    base_port: int = DEFAULT_PORT
+    base_port: int = field(default=DEFAULT_PORT, metadata=option(key="port"))
     """Base control port (key ``port``; env ``P2PKV_PORT``); the bound port adds ``dp_rank``.
     0 = ephemeral."""
-    dp_rank: int = 0
+    dp_rank: int = field(default=0, metadata=derived())
     """Data-parallel rank (given by the engine, not a config key)."""
     control_options: Mapping[str, Any] = field(default_factory=dict)
     """Options of the control transport (see Transports)."""
@@ -131,9 +125,9 @@ class TierConfig:
     """Model/run fingerprint; peers with different non-empty fingerprints are rejected."""
     hash_seed: str = ""
     """Block-hash seed; peers with a different seed are rejected at handshake."""
-    host_setting: str = _setting("host", "default", HOST_ENV)
+    host_setting: str = field(default=_setting("host", "default", HOST_ENV), metadata=derived())
     """How an operator changes ``host`` here (derived, not a key): the variable in force."""
-    port_setting: str = _setting("port", "default", PORT_ENV)
+    port_setting: str = field(default=_setting("port", "default", PORT_ENV), metadata=derived())
     """How an operator changes the base port here (derived, not a key): under vLLM it names
     ``VLLM_P2P_SIDE_CHANNEL_PORT``, which overrides ``P2PKV_PORT``."""
 
@@ -156,64 +150,32 @@ class TierConfig:
         host_env: Sequence[str] = HOST_ENV,
         port_env: Sequence[str] = PORT_ENV,
     ) -> TierConfig:
-        """Validate a tier config dict.
+        """Validate a tier config dict: its keys, then ``host``/``port`` from the environment
+        where the dict has none, then the port of this data-parallel rank.
 
         ``host_env``/``port_env`` name the environment variables consulted, first match wins
         (engine adapters put their own names first). ``environ`` defaults to ``os.environ``.
         """
-        d = dict(d or {})
+        keys: Mapping[str, Any] = {} if d is None else d
+        parsed = parse_options(cls, keys, "tier config key")
         env = os.environ if environ is None else environ
-        unknown = sorted(set(d) - set(_TOP_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"unknown tier config key(s) {unknown}; valid keys: {', '.join(_TOP_KEYS)}"
-            )
-        if "type" in d and not isinstance(d["type"], str):
-            raise ConfigError("tier config key 'type' must be a string")
-        control = _str(d, "control", "zmq")
-        data = _str(d, "data", "nixl")
-        if "host" in d:
-            host, host_source = _str(d, "host", ""), "key 'host'"
+        if "host" in keys:
+            host, host_source = parsed.host, "key 'host'"
         else:
             host, host_source = _from_env(env, host_env, DEFAULT_HOST)
-        if not host:
-            raise ConfigError(f"{host_source}: host must not be empty")
-        if "port" in d:
-            base_port = d["port"]
-            port_source = "key 'port'"
-            if isinstance(base_port, bool) or not isinstance(base_port, int):
-                raise ConfigError(f"tier config key 'port' must be an integer, got {base_port!r}")
+        if "port" in keys:
+            base_port, port_source = parsed.base_port, "key 'port'"
         else:
-            text, port_source = _from_env(env, port_env, str(DEFAULT_PORT))
-            try:
-                base_port = int(text)
-            except ValueError:
-                raise ConfigError(f"{port_source}: port must be an integer, got {text!r}") from None
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-            raise ConfigError(f"dp_rank must be a non-negative integer, got {dp_rank!r}")
-        if base_port != 0 and not 0 < base_port + dp_rank < 65536:
-            raise ConfigError(
-                f"{port_source}: port {base_port} + data-parallel rank {dp_rank} = "
-                f"{base_port + dp_rank} is outside 1..65535"
-            )
-        if base_port < 0:
-            raise ConfigError(f"{port_source}: port must be >= 0 (0 = ephemeral)")
-        return cls(
-            control=control,
-            data=data,
+            base_port, port_source = _env_port(env, port_env)
+        _check_port(base_port, dp_rank, port_source)
+        return replace(
+            parsed,
             host=host,
             base_port=base_port,
             dp_rank=dp_rank,
-            control_options=_mapping(d, "control_options"),
-            data_options=_mapping(d, "data_options"),
-            timeouts=_dataclass_from(Timeouts, d.get("timeouts"), "timeouts"),
-            limits=_dataclass_from(Limits, d.get("limits"), "limits"),
-            fingerprint=_str(d, "fingerprint", ""),
-            hash_seed=_str(d, "hash_seed", ""),
             host_setting=_setting("host", host_source, host_env),
             port_setting=_setting("port", port_source, port_env),
         )
-
 
 
 def config_fingerprint(fields_: Mapping[str, Any]) -> str:
@@ -232,37 +194,22 @@ def _from_env(env: Mapping[str, str], names: Sequence[str], default: str) -> tup
     return default, "default"
 
 
-def _str(d: Mapping[str, Any], key: str, default: str) -> str:
-    value = d.get(key, default)
-    if not isinstance(value, str):
-        raise ConfigError(f"tier config key {key!r} must be a string, got {value!r}")
-    return value
+def _env_port(env: Mapping[str, str], names: Sequence[str]) -> tuple[int, str]:
+    text, source = _from_env(env, names, str(DEFAULT_PORT))
+    try:
+        return int(text), source
+    except ValueError:
+        raise ConfigError(f"{source}: port must be an integer, got {text!r}") from None
 
 
-def _mapping(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = d.get(key, {})
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"tier config key {key!r} must be a mapping, got {type(value).__name__}")
-    return dict(value)
-
-
-def _dataclass_from(cls: Any, raw: Any, key: str) -> Any:
-    if raw is None:
-        return cls()
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"tier config key {key!r} must be a mapping")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown {key} key(s) {unknown}; valid: {', '.join(known)}")
-    values: dict[str, Any] = {}
-    for name, value in raw.items():
-        default = getattr(cls(), name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}.{name} must be a number, got {value!r}")
-        if value <= 0:
-            raise ConfigError(f"{key}.{name} must be > 0, got {value!r}")
-        if isinstance(default, int) and not isinstance(value, int):
-            raise ConfigError(f"{key}.{name} must be an integer, got {value!r}")
-        values[name] = type(default)(value)
-    return cls(**values)
+def _check_port(base_port: int, dp_rank: int, source: str) -> None:
+    """The bound port ``base_port + dp_rank`` is a port (or ``base_port`` 0: ephemeral)."""
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+        raise ConfigError(f"dp_rank must be a non-negative integer, got {dp_rank!r}")
+    if base_port != 0 and not 0 < base_port + dp_rank < 65536:
+        raise ConfigError(
+            f"{source}: port {base_port} + data-parallel rank {dp_rank} = "
+            f"{base_port + dp_rank} is outside 1..65535"
+        )
+    if base_port < 0:
+        raise ConfigError(f"{source}: port must be >= 0 (0 = ephemeral)")

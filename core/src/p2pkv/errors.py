@@ -1,7 +1,30 @@
 """The p2pkv error hierarchy.
 
 Every error p2pkv raises on purpose derives from :class:`P2PKVError`, so an engine adapter can
-catch one base class. Transports map their library's exceptions onto these in one place.
+catch one base class. Transports map their library's exceptions onto these in one place,
+keeping the library's exception as ``__cause__`` when it tells the operator more.
+
+::
+
+    P2PKVError
+    ├── TransportUnavailable        a transport cannot run here (library, OS); ends in the fix
+    ├── ConfigError (ValueError)    a config key, option or environment variable; names the key
+    ├── UsageError (ValueError)     the engine called the API wrongly; nothing done, tier goes on
+    ├── ResourceUnavailable (RuntimeError)
+    │                               a valid config, but a runtime resource is out (sockets,
+    │                               descriptors, memory registration, a device)
+    ├── ProtocolError (ValueError)  the *peer* broke the protocol; its session is closed
+    ├── FrameTooLarge (ValueError)  *our* frame is over the cap; not sent, its request fails
+    ├── PeerRejected                the peer is incompatible (shape, fingerprint, seed, major)
+    ├── TransferSubmitError         a data transfer could not be submitted; nothing posted
+    ├── ConcurrentCall (RuntimeError)
+    │                               a second thread entered a one-driver object
+    ├── ConnectionClosed            ``send`` on a closed or dead control connection
+    └── SendQueueFull               a control connection's send queue is full; frame not queued
+
+Which one: wrong *input* is a ``ConfigError`` (at create) or ``UsageError`` (at a call); a
+*runtime* shortage with valid input is ``ResourceUnavailable``; the *peer's* fault is
+``ProtocolError`` or ``PeerRejected``; ours on the wire is ``FrameTooLarge``.
 """
 
 from __future__ import annotations

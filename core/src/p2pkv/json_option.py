@@ -24,11 +24,11 @@ def json_object(text: str, option: str, what: str) -> dict[str, Any]:
                 text = f.read()
         except OSError as exc:
             raise ConfigError(f"{option} {text}: cannot read {text[1:]!r}: "
-                              f"{exc.strerror or exc}") from None
+                              f"{exc.strerror or exc}") from exc
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{option} is not valid JSON: {exc}") from None
+        raise ConfigError(f"{option} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{option} must be a JSON object ({what})")
     return raw

@@ -63,7 +63,7 @@ def test_fingerprint_and_seed_are_derived_unless_set() -> None:
         ({"bogus": 1}, r"unknown tier config key\(s\) \['bogus'\]"),
         ({"backends": ["UCX"]}, r"unknown tier config key\(s\) \['backends'\]; valid keys: type, "),
         ({"port": "5710"}, "'port' must be an integer"),
-        ({"timeouts": {"load": -1}}, r"timeouts.load must be > 0"),
+        ({"timeouts": {"load": -1}}, r"'timeouts.load' must be > 0"),
     ],
 )
 def test_bad_keys_name_the_key_and_the_tier(keys: dict[str, Any], needle: str) -> None:

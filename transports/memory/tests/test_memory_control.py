@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from p2pkv.contracts import ControlConnection, ControlSettings
-from p2pkv.errors import ConfigError, ConnectionClosed, ProtocolError, SendQueueFull
+from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv_memory import MemoryControlTransport
 
 
@@ -211,9 +211,9 @@ def test_reconnect_after_close_replaces_dead_connection(make: Any) -> None:
     assert list(fresh.recv()) == [b"again"]
 
 
-def test_oversized_frame_is_a_protocol_error(make: Any) -> None:
+def test_oversized_frame_is_refused_before_sending(make: Any) -> None:
     a, b = make(max_frame_bytes=8), make()
-    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+    with pytest.raises(FrameTooLarge, match="max_frame_bytes"):
         a.connect(b.local_address).send(b"123456789")
 
 

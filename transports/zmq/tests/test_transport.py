@@ -11,7 +11,7 @@ import pytest
 import zmq
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings
-from p2pkv.errors import ConfigError, ConnectionClosed, ProtocolError, SendQueueFull
+from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq import ZmqControlTransport
 from p2pkv_zmq.hub import ZmqHub
@@ -183,7 +183,7 @@ def test_advertise_with_port_is_used_verbatim(make_transport: Any) -> None:
 def test_frame_cap_on_send(make_transport: Any) -> None:
     a, b = make_transport(max_frame_bytes=1000), make_transport(max_frame_bytes=1000)
     out = a.connect(b.local_address)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(FrameTooLarge):
         out.send(b"x" * 1001)
     out.send(b"y" * 1000)
     assert list(accept_one(b, a).recv()) == [b"y" * 1000]
@@ -359,7 +359,7 @@ def test_monitor_endpoints_never_collide(make_transport: Any) -> None:
 def test_create_returns_the_zmq_implementation() -> None:
     t = ZmqControlTransport.create(ControlSettings("127.0.0.1", 0))
     try:
-        assert isinstance(t, ZmqHub) and isinstance(t, ZmqControlTransport)
+        assert isinstance(t, ZmqControlTransport) and isinstance(t._hub, ZmqHub)
     finally:
         t.close()
 
@@ -368,7 +368,7 @@ def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any)
     a, b = make_transport(), make_transport()
     stale = b.connect(a.local_address)
     stale.send(b"stale")
-    wait_until(lambda: stale not in b._connecting, timeout=T, what="b's handshake",
+    wait_until(lambda: stale not in b._hub._connecting, timeout=T, what="b's handshake",
                pumps=[pump(b)])  # the open and the frame are on their way to a
     stale.close()
     fresh = a.connect(b.local_address)  # a dials b while b's closed dial is still arriving

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from p2pkv.contracts import Capabilities, ControlConnection, ControlSettings, ControlTransport
-from p2pkv.errors import ConfigError, ConnectionClosed, ProtocolError
+from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge
 
 __all__ = ["LoopbackConnection", "LoopbackControlTransport"]
 
@@ -46,7 +46,7 @@ class LoopbackConnection(ControlConnection):
         if self.dead or self.other is None:
             raise ConnectionClosed(f"connection to {self._peer_address} is closed")
         if len(frame) > self.owner.max_frame_bytes:
-            raise ProtocolError(
+            raise FrameTooLarge(
                 f"frame of {len(frame)} bytes exceeds max_frame_bytes={self.owner.max_frame_bytes}"
             )
         self.other.queue.append(bytes(frame))

@@ -19,7 +19,7 @@ Model (what the tests rely on):
 - ``close`` on one end: frames it sent before closing are still delivered, then the other end
   turns ``alive`` False on its transport's next ``poll``. Closing a transport closes all its
   connections.
-- ``send`` copies the frame; it raises ``ConnectionClosed`` on a dead end, ``ProtocolError``
+- ``send`` copies the frame; it raises ``ConnectionClosed`` on a dead end, ``FrameTooLarge``
   above ``max_frame_bytes`` and ``SendQueueFull`` when ``max_queued_frames`` frames wait
   undelivered in that direction. A frame above the receiver's cap kills the connection.
 
@@ -43,7 +43,7 @@ from p2pkv.contracts import (
     ControlSettings,
     ControlTransport,
 )
-from p2pkv.errors import ConfigError, ConnectionClosed, ProtocolError, SendQueueFull
+from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.logs import module_logger
 
 from p2pkv_memory.options import read_options
@@ -107,7 +107,7 @@ class MemoryConnection(ControlConnection):
             raise ConnectionClosed(f"connection to {self._peer_address} is {self.dead_reason}")
         cap = self._transport.max_frame_bytes
         if len(frame) > cap:
-            raise ProtocolError(f"frame of {len(frame)} bytes exceeds max_frame_bytes={cap}")
+            raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds max_frame_bytes={cap}")
         with _HUB.cond:
             if len(self.out) >= self._transport.max_queued_frames:
                 raise SendQueueFull(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict, field, make_dataclass
 from typing import Any
 
-from p2pkv.errors import ConfigError
+from p2pkv.options import parse_options
 
 __all__ = ["read_options"]
 
@@ -13,26 +14,16 @@ __all__ = ["read_options"]
 def read_options(
     transport: str, options: Mapping[str, Any], defaults: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``defaults`` overlaid with ``options``; every value must have its default's type.
+    """``defaults`` overlaid with ``options``; every value must have its default's type (an
+    integer is a fine float, a bool is not an integer), read by :func:`p2pkv.options.parse_options`.
 
     Raises ``ConfigError`` naming the key for an unknown key or a value of the wrong type.
     Ranges are the caller's to check.
     """
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ConfigError(
-            f"unknown {transport} option(s) {unknown}; valid: {', '.join(sorted(defaults))}"
-        )
-    values = dict(defaults)
-    for key, value in options.items():
-        expected = type(defaults[key])
-        is_number = isinstance(value, int) and not isinstance(value, bool)
-        if expected is float and is_number:
-            value = float(value)  # noqa: PLW2901 - an int is a fine float
-        ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
-        if not ok:
-            raise ConfigError(
-                f"{transport} option {key!r} must be {expected.__name__}, got {value!r}"
-            )
-        values[key] = value
-    return values
+    shape = make_dataclass(
+        f"{transport} options",
+        [(key, type(value), field(default=value)) for key, value in defaults.items()],
+        frozen=True,
+    )
+    parsed: Any = parse_options(shape, options, f"{transport} option")
+    return asdict(parsed)

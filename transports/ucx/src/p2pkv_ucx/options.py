@@ -10,18 +10,20 @@ an explicit option still wins.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2pkv.errors import ConfigError
+from p2pkv.options import option, parse_options
 
 __all__ = ["ERROR_HANDLING_ENV", "UcxOptions"]
 
 ERROR_HANDLING_ENV = "P2PKV_UCX_ENDPOINT_ERROR_HANDLING"
 _BOOLS = {"1": True, "true": True, "0": False, "false": False}
+_SECONDS = option(ge=0, unit="seconds")
+_BYTES = option(ge=1, unit="bytes")
 
 
 @dataclass(frozen=True)
@@ -32,21 +34,21 @@ class UcxOptions:
     zero-copy CMA path (several GB/s), but UCX has no failure path for it: a peer that dies
     while we pull a block from it **aborts this process** inside UCX (measured), and requests
     to a peer that vanished never complete (``transfer_timeout`` then fails them)."""
-    transfer_timeout: float = 60.0
+    transfer_timeout: float = field(default=60.0, metadata=_SECONDS)
     """Seconds from submit after which a read that has not arrived is failed (0 = never), and
     after which a send serving a peer's read is given up (kept as an orphan until UCX lets go
     of it). Failing a read is final at once (its bytes can only land in staging). Keep it
     above the tier's load timeout."""
-    drain_timeout: float = 2.0
+    drain_timeout: float = field(default=2.0, metadata=_SECONDS)
     """Seconds ``remove_peer`` and ``close`` keep progressing the sends that serve a peer's
     reads before returning the ones that did not drain. Reads never wait: they end at once."""
-    max_message_bytes: int = 8 * 1024 * 1024
+    max_message_bytes: int = field(default=8 * 1024 * 1024, metadata=_BYTES)
     """Largest coalesced message: index runs contiguous on both sides of a read travel as one
     message of up to this many bytes (at least one block). Advertised to peers; a read uses
     the smaller of the two sides' values."""
     coalesce: bool = True
     """Coalesce contiguous runs (see ``max_message_bytes``); False sends one message per block."""
-    staging_bytes: int = 32 * 1024 * 1024
+    staging_bytes: int = field(default=32 * 1024 * 1024, metadata=_BYTES)
     """Bytes of staging buffers the reads of this transport may receive into at once (at least
     one largest message). Every arriving run is received into staging and copied into its
     slots only once it arrived whole, which is what makes ``cancel`` final; runs beyond this
@@ -59,40 +61,16 @@ class UcxOptions:
     def from_mapping(
         cls, options: Mapping[str, Any], environ: Mapping[str, str] | None = None
     ) -> UcxOptions:
+        """Validate ``data_options`` (``ConfigError`` names the key), with the default of
+        ``endpoint_error_handling`` from ``ERROR_HANDLING_ENV`` in ``environ`` (default:
+        ``os.environ``); a malformed variable is refused even when the option is given."""
         env = os.environ if environ is None else environ
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ConfigError(
-                f"unknown ucx data option(s) {unknown}; valid: {', '.join(sorted(fields))}"
-            )
-        values: dict[str, Any] = {}
+        opts = parse_options(cls, options, "ucx data option")
         raw = env.get(ERROR_HANDLING_ENV)
-        if raw is not None:
-            if raw.strip().lower() not in _BOOLS:
-                raise ConfigError(f"{ERROR_HANDLING_ENV}={raw!r}: use 1, 0, true or false")
-            values["endpoint_error_handling"] = _BOOLS[raw.strip().lower()]
-        for key, value in options.items():
-            values[key] = _checked(key, value, type(getattr(cls(), key)))
-        opts = cls(**values)
-        for key in ("transfer_timeout", "drain_timeout"):
-            if getattr(opts, key) < 0:
-                raise ConfigError(f"ucx data option {key!r} must be >= 0 seconds")
-        for key in ("max_message_bytes", "staging_bytes"):
-            if getattr(opts, key) < 1:
-                raise ConfigError(f"ucx data option {key!r} must be >= 1")
-        return opts
-
-
-def _checked(key: str, value: Any, expected: type) -> Any:
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is dict:
-        if isinstance(value, Mapping) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            return dict(value)
-        raise ConfigError(f"ucx data option {key!r} must map str to str, got {value!r}")
-    if isinstance(value, expected) and (expected is bool or not isinstance(value, bool)):
-        return value
-    raise ConfigError(f"ucx data option {key!r} must be {expected.__name__}, got {value!r}")
+        if raw is None:
+            return opts
+        if raw.strip().lower() not in _BOOLS:
+            raise ConfigError(f"{ERROR_HANDLING_ENV}={raw!r}: use 1, 0, true or false")
+        if "endpoint_error_handling" in options:
+            return opts
+        return replace(opts, endpoint_error_handling=_BOOLS[raw.strip().lower()])

@@ -3,7 +3,8 @@
 Each lane echoes frames (200 bytes by default) from a spawned child process:
 
 - ``p2pkv-zmq``: a :class:`ZmqControlTransport` here and one in the child; the child echoes
-  every frame on the connection it arrived on (our DEALER out, the child's DEALER back).
+  every frame on the connection it arrived on (our PUSH out to the child's PULL, the child's
+  PUSH back to ours: one TCP stream each way, see :mod:`p2pkv_zmq.hub`).
 - ``raw-pyzmq``: a DEALER here, a ROUTER echo in the child: the same library without p2pkv.
 
 Per lane: round trips one at a time (latency p50/p99 in µs), then a stream with ``window``

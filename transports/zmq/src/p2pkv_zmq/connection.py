@@ -2,26 +2,38 @@
 
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
 fills ``inbox`` and retires the connection (``close_reason`` set, sockets released); the
-connection never does I/O except ``send``.
+connection never does I/O except ``send``, and knows of the hub only the ``retire`` callable
+its ``close`` calls and the limits it was given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import zmq
 from p2pkv.contracts import ControlConnection
-from p2pkv.errors import ConnectionClosed, ProtocolError, SendQueueFull
+from p2pkv.errors import ConnectionClosed, FrameTooLarge, SendQueueFull
 
-if TYPE_CHECKING:
-    from p2pkv_zmq.hub import ZmqHub
-
-__all__ = ["ZmqConnection"]
+__all__ = ["LinkLimits", "Retire", "ZmqConnection"]
 
 _NOBLOCK = zmq.NOBLOCK
 _NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
 _EMPTY: Sequence[bytes] = ()
+
+
+@dataclass(frozen=True)
+class LinkLimits:
+    """What ``send`` enforces on every connection of one transport."""
+
+    max_frame_bytes: int
+    """Largest frame ``send`` accepts (``FrameTooLarge`` above it)."""
+    max_queued_frames: int
+    """Frames queued before ``send`` raises ``SendQueueFull`` (the zmq option)."""
+
+
+Retire = Callable[["ZmqConnection", str], None]
+"""Ends a connection with a reason (the hub's ``retire``; idempotent)."""
 
 
 class ZmqConnection(ControlConnection):
@@ -37,7 +49,8 @@ class ZmqConnection(ControlConnection):
 
     def __init__(
         self,
-        hub: ZmqHub,
+        retire: Retire,
+        limits: LinkLimits,
         *,
         shown_address: str,
         key: str,
@@ -47,7 +60,8 @@ class ZmqConnection(ControlConnection):
         link: bytes,
         deadline: float,
     ) -> None:
-        self._hub = hub
+        self._retire = retire
+        self._limits = limits
         self._shown_address = shown_address
         self.key = key
         self.out: zmq.Socket[bytes] | None = out
@@ -58,13 +72,15 @@ class ZmqConnection(ControlConnection):
         self.inbox: list[bytes] = []
         self.deadline = deadline
         self.close_reason: str | None = None
-        self._max_frame = hub.max_frame_bytes
+        self._max_frame = limits.max_frame_bytes
 
     @classmethod
-    def failed(cls, hub: ZmqHub, *, shown_address: str, key: str, reason: str) -> ZmqConnection:
+    def failed(
+        cls, retire: Retire, limits: LinkLimits, *, shown_address: str, key: str, reason: str
+    ) -> ZmqConnection:
         """A connection that is dead from the start (a dial that could not begin): no
         sockets, not registered with the hub, ``close_reason`` says why."""
-        conn = cls(hub, shown_address=shown_address, key=key, out=None, monitor=None,
+        conn = cls(retire, limits, shown_address=shown_address, key=key, out=None, monitor=None,
                    incarnation=b"", link=b"", deadline=0.0)
         conn.close_reason = reason
         return conn
@@ -83,8 +99,9 @@ class ZmqConnection(ControlConnection):
                 f"connection to {self._shown_address} is gone: {self.close_reason}"
             )
         if len(frame) > self._max_frame:
-            raise ProtocolError(
-                f"frame of {len(frame)} bytes exceeds max_frame_bytes {self._max_frame}"
+            raise FrameTooLarge(
+                f"frame of {len(frame)} bytes exceeds max_frame_bytes {self._max_frame}; it "
+                f"was not sent"
             )
         out = self.out
         assert out is not None  # released only together with setting close_reason
@@ -94,10 +111,10 @@ class ZmqConnection(ControlConnection):
         except zmq.Again:
             raise SendQueueFull(
                 f"send queue to {self._shown_address} is full "
-                f"({self._hub.max_queued_frames} frames; zmq option max_queued_frames)"
+                f"({self._limits.max_queued_frames} frames; zmq option max_queued_frames)"
             ) from None
         except zmq.ZMQError as exc:
-            raise ConnectionClosed(f"connection to {self._shown_address}: {exc}") from None
+            raise ConnectionClosed(f"connection to {self._shown_address}: {exc}") from exc
 
     def recv(self) -> Sequence[bytes]:
         frames = self.inbox
@@ -107,7 +124,7 @@ class ZmqConnection(ControlConnection):
         return frames
 
     def close(self) -> None:
-        self._hub.retire(self, "closed locally")
+        self._retire(self, "closed locally")
 
     def __repr__(self) -> str:
         state = "alive" if self.close_reason is None else self.close_reason

@@ -84,6 +84,7 @@ forgotten).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import time
@@ -96,11 +97,11 @@ from typing import Any
 import zmq
 from p2pkv.addressing import format_address, parse_address
 from p2pkv.contracts import ControlConnection
-from p2pkv.errors import ConfigError, ConnectionClosed
+from p2pkv.errors import ConfigError, ConnectionClosed, P2PKVError, ResourceUnavailable
 from p2pkv.logs import module_logger
 from zmq.utils.monitor import parse_monitor_message
 
-from p2pkv_zmq.connection import ZmqConnection
+from p2pkv_zmq.connection import LinkLimits, ZmqConnection
 from p2pkv_zmq.dialing import (
     DialFailed,
     DialFailures,
@@ -119,10 +120,10 @@ from p2pkv_zmq.identity import (
     parse_link_id,
     tcp_url,
 )
+from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.ratelimit import LogLimiter, TokenBucket
 from p2pkv_zmq.security import CurveKeys
-from p2pkv_zmq.transport import ListenPlan, ZmqControlTransport
 from p2pkv_zmq.zap import ZapHandler
 
 __all__ = ["ZmqHub"]
@@ -178,14 +179,17 @@ class _Opened:
     """Frames held until the peer pairs too."""
 
 
-class ZmqHub(ZmqControlTransport):
-    """A listening ``zmq`` control transport. Build it through ``ZmqControlTransport.create``."""
+class ZmqHub:
+    """The sockets and link state of one listening ``zmq`` control transport: owned by a
+    :class:`~p2pkv_zmq.transport.ZmqControlTransport`, which builds it with :meth:`open`
+    and delegates the ``ControlTransport`` calls to it."""
 
     def __init__(
         self, plan: ListenPlan, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int
     ) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.max_queued_frames = options.max_queued_frames
+        self._limits = LinkLimits(max_frame_bytes, options.max_queued_frames)
         self._plan = plan
         self._options = options
         self._keys = keys
@@ -257,7 +261,7 @@ class ZmqHub(ZmqControlTransport):
         try:
             listener.bind(tcp_url(plan.bind_host, plan.port or "*"))
         except zmq.ZMQError as exc:
-            raise self._bind_error(exc) from None
+            raise self._bind_error(exc) from exc
         endpoint = listener.getsockopt_string(zmq.LAST_ENDPOINT)
         port = plan.advertise_port or int(endpoint.rsplit(":", 1)[1])
         self._local_address = format_address(plan.advertise_host, port)
@@ -282,11 +286,15 @@ class ZmqHub(ZmqControlTransport):
 
     def _push(self, key: str) -> zmq.Socket[bytes]:
         """A PUSH socket for ``key``, CURVE client if we have keys; not connected yet.
-        ``ConfigError`` when libzmq has no socket left (ZMQ_MAX_SOCKETS or descriptors)."""
+        ``ResourceUnavailable`` when libzmq has no socket left (ZMQ_MAX_SOCKETS or
+        descriptors)."""
         try:
             push: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
         except zmq.ZMQError as exc:
-            raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
+            raise ResourceUnavailable(
+                f"cannot dial zmq peer {key}: no socket left ({exc}); raise the descriptor "
+                f"limit (ulimit -n) or connect to fewer peers"
+            ) from exc
         self._tune(push, ipv6=is_ipv6_literal(parse_address(key)[0]))
         if self._keys is not None:
             push.curve_serverkey = self._keys.server_public
@@ -309,7 +317,7 @@ class ZmqHub(ZmqControlTransport):
         self._sweeper.unregister(sock)
         del self._handlers[sock]
 
-    # -- ControlTransport -----------------------------------------------------------------
+    # -- the ControlTransport calls --------------------------------------------------------
 
     @property
     def local_address(self) -> str:
@@ -344,7 +352,8 @@ class ZmqHub(ZmqControlTransport):
                 reason = str(exc)
                 self._dial_failures.record(key, reason, now)
                 self._log_once(("dial", key, reason), "cannot dial %s: %s", key, reason)
-        return ZmqConnection.failed(self, shown_address=address, key=key, reason=reason)
+        return ZmqConnection.failed(self.retire, self._limits, shown_address=address, key=key,
+                                    reason=reason)
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         """Frames (the hot path) are waited for with a plain receive on the PULL; the other
@@ -393,7 +402,8 @@ class ZmqHub(ZmqControlTransport):
 
     def _dial(self, key: str, shown: str, answering: bytes | None, url: str) -> ZmqConnection:
         """A new connection to ``key`` dialing ``url`` (``answering``: the peer's fresh PUSH
-        it answers). ``ConfigError`` when libzmq refuses the dial."""
+        it answers). ``ResourceUnavailable`` when libzmq refuses the dial (out of sockets or
+        descriptors); ``ConfigError`` for an address libzmq cannot dial."""
         incarnation = new_incarnation()
         link = link_id(self._local_address, incarnation)
         push = self._push(key)
@@ -417,10 +427,10 @@ class ZmqHub(ZmqControlTransport):
             if monitor is not None:
                 monitor.close(0)
             push.close(0)
-            raise ConfigError(f"cannot dial zmq peer {key}: {exc}") from None
+            raise _dial_error(key, exc) from exc
         deadline = time.monotonic() + self._options.connect_timeout
         conn = ZmqConnection(
-            self, shown_address=shown, key=key, out=push, monitor=monitor,
+            self.retire, self._limits, shown_address=shown, key=key, out=push, monitor=monitor,
             incarnation=incarnation, link=link, deadline=deadline,
         )
         self._by_address[key] = conn
@@ -534,7 +544,7 @@ class ZmqHub(ZmqControlTransport):
             return
         try:
             push = self._push(key)
-        except ConfigError:
+        except ResourceUnavailable:
             return  # out of sockets: the peer's own timeouts end its connection
         try:
             push.connect(tcp_url(*parse_address(key)))
@@ -645,7 +655,7 @@ class ZmqHub(ZmqControlTransport):
             del self._pending[link]
             try:
                 conn = self._accept(link, address)
-            except ConfigError as exc:  # a flood of connections used up our sockets
+            except (ResourceUnavailable, ConfigError) as exc:  # no socket left, or no dialing it
                 _remember(self._retired, link)
                 self.counters["refused_accepts"] += 1
                 self._tell_gone(link)
@@ -840,6 +850,15 @@ class ZmqHub(ZmqControlTransport):
             return
         _remember(self._logged, key)
         self._log_limit.log(time.monotonic(), level, msg, *args)
+
+
+def _dial_error(key: str, exc: zmq.ZMQError) -> P2PKVError:
+    """A dial libzmq refused: out of a resource (sockets, descriptors, memory: runtime), or
+    an endpoint it cannot use (the address: config)."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+        return ResourceUnavailable(f"cannot dial zmq peer {key}: {exc}; raise the descriptor "
+                                   f"limit (ulimit -n) or connect to fewer peers")
+    return ConfigError(f"cannot dial zmq peer {key}: {exc}; check the address")
 
 
 def _ms(seconds: float) -> int:

@@ -110,7 +110,7 @@ def _from_file(path: Path, option: str, kind: Kind) -> bytes:
     try:
         text = path.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"zmq option {option!r}: cannot read key file {path}: {exc}") from None
+        raise ConfigError(f"zmq option {option!r}: cannot read key file {path}: {exc}") from exc
     found = {m.group(1): m.group(2) for m in map(_LINE.match, text.splitlines()) if m}
     value = found.get(kind) if found else text.strip()
     if value is None:

@@ -42,11 +42,11 @@ Pure Python: importing this module never imports zmq.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from p2pkv.errors import ConfigError
+from p2pkv.options import option, parse_options
 
 __all__ = ["CURVE_OPTIONS", "ZmqOptions", "read_options"]
 
@@ -57,85 +57,33 @@ CURVE_OPTIONS = (
     "allowed_client_keys",
 )
 
-_MIN_TTL = 0.1  # libzmq ignores a TTL below 100 ms
-_MAX_TTL = 6553.0  # deciseconds in 16 bits
+_SECONDS = option(ge=0.001, unit="seconds")  # libzmq counts milliseconds
+_TTL = option(ge=0.1, le=6553, unit="seconds")  # libzmq ignores < 100 ms; 16 bits of ds
+_TEXT = option(nonblank=True)
 
 
 @dataclass(frozen=True)
 class ZmqOptions:
     """Validated ``control_options``; key options are still unread text (see ``security``)."""
 
-    advertise: str | None = None
+    advertise: str | None = field(default=None, metadata=_TEXT)
     insecure: bool = False
-    heartbeat_interval: float = 2.0
-    heartbeat_timeout: float = 10.0
-    heartbeat_ttl: float = 10.0
-    handshake_timeout: float = 10.0
-    connect_timeout: float = 10.0
-    max_queued_frames: int = 1000
-    server_secret_key: str | None = None
-    server_public_key: str | None = None
-    client_secret_key: str | None = None
-    allowed_client_keys: tuple[str, ...] = ()
+    heartbeat_interval: float = field(default=2.0, metadata=_SECONDS)
+    heartbeat_timeout: float = field(default=10.0, metadata=_SECONDS)
+    heartbeat_ttl: float = field(default=10.0, metadata=_TTL)
+    handshake_timeout: float = field(default=10.0, metadata=_SECONDS)
+    connect_timeout: float = field(default=10.0, metadata=_SECONDS)
+    max_queued_frames: int = field(default=1000, metadata=option(ge=1))
+    server_secret_key: str | None = field(default=None, metadata=_TEXT)
+    server_public_key: str | None = field(default=None, metadata=_TEXT)
+    client_secret_key: str | None = field(default=None, metadata=_TEXT)
+    allowed_client_keys: tuple[str, ...] = field(default=(), metadata=_TEXT)
 
     @property
     def curve_requested(self) -> bool:
         return any(getattr(self, name) for name in CURVE_OPTIONS)
 
 
-_SECONDS = ("heartbeat_interval", "heartbeat_timeout", "heartbeat_ttl", "handshake_timeout",
-            "connect_timeout")
-_STRINGS = ("advertise", "server_secret_key", "server_public_key", "client_secret_key")
-
-
 def read_options(options: Mapping[str, Any]) -> ZmqOptions:
     """Validate ``control_options``; ``ConfigError`` names the offending key."""
-    known = [f.name for f in fields(ZmqOptions)]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown zmq control option(s) {unknown}; valid: {', '.join(known)}")
-    values: dict[str, Any] = {}
-    for key, value in options.items():
-        if key in _SECONDS:
-            values[key] = _seconds(key, value)
-        elif key in _STRINGS:
-            values[key] = _text(key, value)
-        elif key == "insecure":
-            if not isinstance(value, bool):
-                raise ConfigError(f"zmq option 'insecure' must be true or false, got {value!r}")
-            values[key] = value
-        elif key == "max_queued_frames":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"zmq option 'max_queued_frames' must be an integer >= 1, got {value!r}"
-                )
-            values[key] = value
-        else:  # allowed_client_keys
-            values[key] = _text_list(key, value)
-    opts = ZmqOptions(**values)
-    if not _MIN_TTL <= opts.heartbeat_ttl <= _MAX_TTL:
-        raise ConfigError(
-            f"zmq option 'heartbeat_ttl' must be within {_MIN_TTL}..{_MAX_TTL} s, "
-            f"got {opts.heartbeat_ttl!r}"
-        )
-    return opts
-
-
-def _seconds(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"zmq option {key!r} must be a number of seconds > 0, got {value!r}")
-    if value * 1000 < 1:
-        raise ConfigError(f"zmq option {key!r} must be at least 0.001 s, got {value!r}")
-    return float(value)
-
-
-def _text(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"zmq option {key!r} must be a non-empty string")
-    return value.strip()
-
-
-def _text_list(key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-        raise ConfigError(f"zmq option {key!r} must be a non-empty list of keys or key files")
-    return tuple(_text(f"{key}[{i}]", item) for i, item in enumerate(value))
+    return parse_options(ZmqOptions, options, "zmq control option")

@@ -1,9 +1,9 @@
 """The ``zmq`` control transport as the registry sees it: name, capabilities, availability,
 and ``create`` (options, address and security policy, then the sockets).
 
-Importing this module never imports zmq: ``create`` does, and returns a
-:class:`p2pkv_zmq.hub.ZmqHub` (a subclass of :class:`ZmqControlTransport`) that owns the
-sockets. Options are listed in :mod:`p2pkv_zmq.options`.
+Importing this module never imports zmq: ``create`` does, and hands the sockets to a
+:class:`p2pkv_zmq.hub.ZmqHub` that the transport owns and delegates to. Where to bind is
+decided first (:mod:`p2pkv_zmq.listening`); options are listed in :mod:`p2pkv_zmq.options`.
 
 Model (what callers and tests rely on):
 
@@ -34,29 +34,29 @@ Model (what callers and tests rely on):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from p2pkv.addressing import format_address, parse_address
-from p2pkv.contracts import Capabilities, ControlSettings, ControlTransport
-from p2pkv.errors import ConfigError, TransportUnavailable
-
-from p2pkv_zmq.identity import (
-    MAX_LINK_ID_BYTES,
-    WILDCARD_HOSTS,
-    canonical_host,
-    is_ipv6_literal,
+from p2pkv.contracts import (
+    Capabilities,
+    ControlConnection,
+    ControlSettings,
+    ControlTransport,
 )
-from p2pkv_zmq.options import ZmqOptions
+from p2pkv.errors import TransportUnavailable
 
-__all__ = ["DISTRIBUTION", "ListenPlan", "ZmqControlTransport", "plan_listener"]
+if TYPE_CHECKING:
+    from p2pkv_zmq.hub import ZmqHub
+
+__all__ = ["DISTRIBUTION", "ZmqControlTransport"]
 
 DISTRIBUTION = "p2pkv-zmq"
 _MIN_LIBZMQ = (4, 3, 0)  # stable handshake events and heartbeats
 
 
 class ZmqControlTransport(ControlTransport):
-    """ZeroMQ control transport (``control: zmq``). Build it with :meth:`create`."""
+    """ZeroMQ control transport (``control: zmq``). Build it with :meth:`create`; every call
+    goes to the :class:`~p2pkv_zmq.hub.ZmqHub` it owns."""
 
     name: ClassVar[str] = "zmq"
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -79,14 +79,18 @@ class ZmqControlTransport(ControlTransport):
             )
         return None
 
+    def __init__(self, hub: ZmqHub) -> None:
+        self._hub = hub
+
     @classmethod
-    def create(cls, settings: ControlSettings) -> ControlTransport:
+    def create(cls, settings: ControlSettings) -> ZmqControlTransport:
         problem = cls.availability()
         if problem is not None:
             raise problem
         import zmq
 
         from p2pkv_zmq.hub import ZmqHub
+        from p2pkv_zmq.listening import plan_listener
         from p2pkv_zmq.options import read_options
         from p2pkv_zmq.security import curve_keys
 
@@ -94,64 +98,23 @@ class ZmqControlTransport(ControlTransport):
                                 **settings.options})
         plan = plan_listener(settings, options)
         keys = curve_keys(plan.bind_host, options, curve_supported=bool(zmq.has("curve")))
-        return ZmqHub.open(plan, options, keys, settings.max_frame_bytes)
-
-
-@dataclass(frozen=True)
-class ListenPlan:
-    """Where to bind and what to advertise, decided before any socket exists."""
-
-    bind_host: str
-    """Host to bind, unbracketed (``*`` for every IPv4 interface, ``::`` for every one)."""
-    port: int
-    advertise_host: str
-    advertise_port: int | None
-    """None: advertise the bound port."""
-    dp_rank: int
-    host_setting: str
-    """How the operator changes the host (``ControlSettings.host_setting``)."""
-    port_setting: str
-    """How the operator changes the base port (``ControlSettings.port_setting``)."""
+        return cls(ZmqHub.open(plan, options, keys, settings.max_frame_bytes))
 
     @property
-    def ipv6(self) -> bool:
-        return is_ipv6_literal(self.bind_host)
+    def local_address(self) -> str:
+        return self._hub.local_address
 
+    def connect(self, address: str) -> ControlConnection:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.connect`."""
+        return self._hub.connect(address)
 
-def plan_listener(settings: ControlSettings, options: ZmqOptions) -> ListenPlan:
-    """Validate host, port and ``advertise``; ``ConfigError`` names what to change."""
-    if not isinstance(settings.max_frame_bytes, int) or settings.max_frame_bytes < 1:
-        raise ConfigError(
-            f"max_frame_bytes must be a positive integer, got {settings.max_frame_bytes!r}"
-        )
-    if not 0 <= settings.port < 65536:
-        raise ConfigError(f"zmq control port must be 0..65535, got {settings.port}")
-    bind_host = canonical_host(settings.host or "*")
-    wildcard = bind_host in WILDCARD_HOSTS
-    if options.advertise is not None:
-        advertise_host, advertise_port = _split_advertise(options.advertise)
-    elif wildcard:
-        raise ConfigError(
-            f"host {settings.host!r} binds every interface, which no peer can dial: set the zmq "
-            "control option 'advertise' to the address peers should use (host or host:port)"
-        )
-    else:
-        advertise_host, advertise_port = bind_host, None
-    longest = format_address(advertise_host, 65535)
-    if len(longest.encode("utf-8")) + 17 > MAX_LINK_ID_BYTES:
-        raise ConfigError(f"advertised host {advertise_host!r} is too long for a zmq link id")
-    if not advertise_host.isascii():
-        raise ConfigError(f"advertised host {advertise_host!r} must be ASCII (use the IDNA form)")
-    return ListenPlan(bind_host, settings.port, advertise_host, advertise_port, settings.dp_rank,
-                      settings.host_setting, settings.port_setting)
+    def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.poll`."""
+        return self._hub.poll(timeout)
 
+    def close(self) -> None:
+        self._hub.close()
 
-def _split_advertise(value: str) -> tuple[str, int | None]:
-    try:
-        host, port = parse_address(value)
-    except ConfigError:
-        host, port = value, None  # a bare host (also an unbracketed IPv6 literal)
-    host = canonical_host(host)
-    if not host or host in WILDCARD_HOSTS:
-        raise ConfigError(f"zmq option 'advertise' must name a dialable host, got {value!r}")
-    return host, port
+    def stats(self) -> dict[str, int]:
+        """Counters: refused handshakes, dropped messages, accepted connections, live ones."""
+        return self._hub.stats()
