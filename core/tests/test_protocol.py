@@ -12,18 +12,22 @@ from hypothesis import strategies as st
 from p2pkv.config import Limits
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol import (
+    MAX_TAG_CHARS,
     WIRE_MAJOR,
     WIRE_MINOR,
+    Bye,
     Fetch,
     Message,
     Ready,
     Release,
+    RoundFailed,
     Unknown,
     decode,
     encode,
     message_type,
 )
 from p2pkv.testing.strategies import messages
+from p2pkv.types import Outcome
 
 LIMITS = Limits()
 SMALL = Limits(max_frame_bytes=4096, max_keys_per_message=4, max_key_bytes=8,
@@ -136,7 +140,10 @@ BAD: list[tuple[str, str, Any, str]] = [
     ("round_failed", "reason", 3, "round_failed.reason: expected a string"),
     ("round_failed", "reason", "", "round_failed.reason: must not be empty"),
     ("round_failed", "reason", "x" * 1025, "round_failed.reason: 1025 characters exceeds"),
+    ("round_failed", "outcome", 7, "round_failed.outcome: expected a string"),
+    ("round_failed", "outcome", "x" * 257, "round_failed.outcome: 257 characters exceeds"),
     ("bye", "reason", "<missing>", "bye.reason: missing"),
+    ("bye", "outcome", b"peer_dead", "bye.outcome: expected a string, got bytes"),
 ]
 
 
@@ -186,7 +193,7 @@ def test_frame_level_errors() -> None:
 
 def test_wire_2_dropped_the_push_messages() -> None:
     """Wire 2.0: the consumer reads; the push-era messages are unknown types now."""
-    assert (WIRE_MAJOR, WIRE_MINOR) == (2, 0)
+    assert (WIRE_MAJOR, WIRE_MINOR) == (2, 1)
     for old in ("abort", "abort_ack", "quiesced", "transfer_done"):
         assert decode(_frame(old, kv_request_id="r", round=0), LIMITS) == Unknown(old)
 
@@ -205,3 +212,42 @@ def test_never_unpickles() -> None:
 def test_encode_refuses_non_messages() -> None:
     with pytest.raises(TypeError, match="not a protocol message"):
         encode(replace)  # type: ignore[arg-type]
+
+
+_OUTCOMES = st.sampled_from([o.value for o in Outcome]) | st.text(max_size=MAX_TAG_CHARS)
+
+
+@given(st.builds(RoundFailed, kv_request_id=st.text(min_size=1, max_size=8),
+                 round=st.integers(0, 2**64 - 1), reason=st.text(min_size=1, max_size=40),
+                 outcome=_OUTCOMES)
+       | st.builds(Bye, reason=st.text(max_size=40), outcome=_OUTCOMES))
+def test_wire_2_1_outcome_fields_round_trip(msg: Message) -> None:
+    assert decode(encode(msg), LIMITS) == msg
+
+
+@pytest.mark.parametrize("reason, outcome", [
+    ("demand_unmet: 1 block missing", "demand_unmet"), ("load_timeout", "load_timeout"),
+    ("something new", "something new"),
+])
+def test_a_wire_2_0_round_failed_takes_its_outcome_from_the_reason(reason: str,
+                                                                   outcome: str) -> None:
+    frame = _frame("round_failed", kv_request_id="r", round=0, reason=reason)
+    assert decode(frame, LIMITS) == RoundFailed("r", 0, reason, outcome)
+
+
+@pytest.mark.parametrize("reason, outcome", [
+    ("rejected: block_len 32", Outcome.PEER_REJECTED),
+    ("protocol error: ready.slots", Outcome.PROTOCOL_ERROR),
+    ("shutdown", Outcome.PEER_DEAD), ("", Outcome.PEER_DEAD),
+])
+def test_a_wire_2_0_bye_takes_its_outcome_from_the_reason(reason: str,
+                                                          outcome: Outcome) -> None:
+    assert decode(_frame("bye", reason=reason), LIMITS) == Bye(reason, outcome.value)
+
+
+def test_the_outcome_field_wins_over_the_reason() -> None:
+    frame = _frame("round_failed", kv_request_id="r", round=0, reason="demand_unmet: x",
+                   outcome="request_conflict")
+    assert decode(frame, LIMITS) == RoundFailed("r", 0, "demand_unmet: x", "request_conflict")
+    assert decode(_frame("bye", reason="rejected: x", outcome="peer_dead"),
+                  LIMITS) == Bye("rejected: x", "peer_dead")

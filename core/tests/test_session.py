@@ -2,7 +2,7 @@
 
 The test plays the peer: it feeds encoded frames into a fake connection and decodes what the
 session sent. The data transport is a scripted fake whose reads stay in flight until the test
-finishes them; the host is the real ``Directory``; the clock is a fake advanced by the test
+finishes them; the producer directory is the real one; the clock is a fake advanced by the test
 and timers fire through ``Deadlines.fire_due`` (as the tier does: data first, then timers).
 
 Wire 2.0: the consumer owns every write into its region. It sends ``fetch`` (keys only), the
@@ -27,7 +27,13 @@ from p2pkv.contracts import (
     DataTransport,
     PollResult,
 )
-from p2pkv.errors import ConnectionClosed, PeerRejected, TransferSubmitError
+from p2pkv.errors import (
+    ConnectionClosed,
+    FrameTooLarge,
+    PeerRejected,
+    ProtocolError,
+    TransferSubmitError,
+)
 from p2pkv.protocol import (
     WIRE_MAJOR,
     WIRE_MINOR,
@@ -47,8 +53,8 @@ from p2pkv.protocol import (
 )
 from p2pkv.registry import Observers
 from p2pkv.session import Deadlines, JobLedger, LocalIdentity, Session, SessionEnv, State
-from p2pkv.session.client import LEASE_DRIFT, outcome_from_reason
-from p2pkv.session.directory import Directory
+from p2pkv.session.client import LEASE_DRIFT, failure_outcome
+from p2pkv.session.producers import ProducerDirectory
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
 
 PEER = "peer:1"
@@ -67,6 +73,8 @@ class FakeConn(ControlConnection):
         self.sent: list[bytes] = []
         self.is_alive = True
         self.fail_send = False
+        self.max_frame = 1 << 20
+        self.too_large: type[Exception] = FrameTooLarge
         self.events = events
 
     @property
@@ -80,6 +88,8 @@ class FakeConn(ControlConnection):
     def send(self, frame: bytes) -> None:
         if not self.is_alive or self.fail_send:
             raise ConnectionClosed("closed")
+        if len(frame) > self.max_frame:
+            raise self.too_large(f"frame of {len(frame)} bytes exceeds {self.max_frame}")
         self.sent.append(frame)
         self.events.append(("send", message_type(decode(frame, LIMITS))))
 
@@ -217,7 +227,8 @@ class Rig:
         self.deadlines = Deadlines()
         self.ledger = LoggingLedger(self.events, self.clock, Observers())
         self.timeouts = timeouts or Timeouts()
-        self.dir = Directory(self.ledger, self.deadlines, self.clock, self.timeouts, Observers())
+        self.dir = ProducerDirectory(self.ledger, self.deadlines, self.clock, self.timeouts,
+                                     Observers())
         ident: dict[str, Any] = {"address": "me:1", "epoch": 7, "descriptor": b"ours",
                                  "num_blocks": OUR_BLOCKS, "block_len": 16, "fingerprint": "",
                                  "hash_seed": ""}
@@ -225,7 +236,7 @@ class Rig:
         self.env = SessionEnv(
             data=self.data, ledger=self.ledger, deadlines=self.deadlines, clock=self.clock,
             observers=Observers(), timeouts=self.timeouts, limits=LIMITS,
-            local=LocalIdentity(**ident), host=self.dir,
+            local=LocalIdentity(**ident), producers=self.dir,
         )
         self.session = Session(self.env, PEER, self.conn)
         self.session.start()
@@ -299,7 +310,7 @@ class Rig:
         """As the tier does it: to the bound session, else parked."""
         self.ledger.open(job_id, False, kv)
         job = Job(job_id, keys, slots, False, RequestContext("p"))
-        if self.dir.bindings.get(kv) is self.session:
+        if self.dir.bound(kv) is self.session.server:
             self.session.server.add_store(kv, job)
         else:
             self.dir.park(kv, job)
@@ -347,6 +358,18 @@ def _cancelled_at(events: list[Event], rid: int) -> int:
     return next(i for i, e in enumerate(events) if e[0] == "cancel" and rid in e[1])
 
 
+def _failed_ids(rig: Rig) -> set[str]:
+    """The consumer ids marked failed (the tests use no others)."""
+    ids = {kv for kv in ("r", "q", "idle") if kv in rig.env.failed_loads}
+    assert len(ids) == len(rig.env.failed_loads)
+    return ids
+
+
+def round_failed(kv: str, no: int, reason: str) -> RoundFailed:
+    """A ``round_failed`` as a producer sends it: its outcome also heads the reason."""
+    return RoundFailed(kv, no, reason, reason.partition(":")[0])
+
+
 def _failed(msg: Message) -> RoundFailed:
     assert isinstance(msg, RoundFailed), msg
     return msg
@@ -359,7 +382,7 @@ def test_start_sends_our_hello(rig: Rig) -> None:
     (hello,) = rig.sent()
     assert hello == Hello((WIRE_MAJOR, WIRE_MINOR), 7, "me:1", b"ours", OUR_BLOCKS, 16, "", "",
                           lease_ms=int(rig.timeouts.lease * 1000))
-    assert (WIRE_MAJOR, WIRE_MINOR) == (2, 0)
+    assert (WIRE_MAJOR, WIRE_MINOR) == (2, 1)
 
 
 @pytest.mark.parametrize("after, outcome", [(4.9, Outcome.DONE),
@@ -383,7 +406,7 @@ def test_peer_hello_registers_and_acks_ready_only_after_our_ack(rig: Rig) -> Non
     rig.sent()
     rig.feed(rig.hello())
     assert rig.data.peers == {PEER: b"theirs"}
-    assert rig.dir.data_owner == {PEER: rig.session}
+    assert len(rig.env.data_peers) == 1
     assert rig.sent() == [HelloAck(99)]
     assert rig.session.state is State.HANDSHAKE
     rig.feed(HelloAck(7))
@@ -416,7 +439,7 @@ def test_incompatible_hello_is_rejected_with_a_bye_that_says_why(rig: Rig, over:
     assert rig.data.peers == {}
     assert rig.session.env.counters["handshake_rejections"] == 1
     rig.reap()
-    assert rig.sent() == [Bye(doom.bye)] and rig.session.state is State.CLOSED
+    assert rig.sent() == [Bye(doom.bye, "peer_rejected")] and rig.session.state is State.CLOSED
 
 
 def test_a_newer_minor_version_is_accepted(rig: Rig) -> None:
@@ -438,12 +461,12 @@ def test_data_transport_refusing_the_descriptor_rejects_the_peer(rig: Rig) -> No
     rig.feed(rig.hello())
     assert rig.doom().outcome is Outcome.PEER_REJECTED
     assert "descriptor is garbage" in rig.doom().reason
-    assert rig.dir.data_owner == {}
+    assert len(rig.env.data_peers) == 0
 
 
 @pytest.mark.parametrize("msg", [
     Fetch("r", 0, [b"a"]), Lookup(0, "r", [b"a"]), Ready("r", 0, [0], [1]),
-    Release("r", 0, True), RoundFailed("r", 0, "demand_unmet: x"), LookupResp(0, [True]),
+    Release("r", 0, True), round_failed("r", 0, "demand_unmet: x"), LookupResp(0, [True]),
 ], ids=lambda m: message_type(m))
 def test_messages_before_the_handshake_are_protocol_errors(rig: Rig, msg: Message) -> None:
     rig.feed(rig.hello(), msg)  # peer hello seen, but our hello not acked yet
@@ -477,9 +500,30 @@ def test_hello_with_a_new_epoch_hands_the_frames_back_for_a_fresh_session(rig: R
     ("protocol error: x", Outcome.PROTOCOL_ERROR),
     ("shutdown", Outcome.PEER_DEAD),
 ])
-def test_bye_from_the_peer(rig: Rig, reason: str, outcome: Outcome) -> None:
-    rig.feed(Bye(reason))
+def test_bye_from_a_wire_2_0_peer_names_its_outcome_in_the_reason(rig: Rig, reason: str,
+                                                                  outcome: Outcome) -> None:
+    rig.feed_raw(type="bye", reason=reason)
     assert rig.doom().outcome is outcome and rig.doom().bye is None
+
+
+@pytest.mark.parametrize("bye, outcome, fragment", [
+    (Bye("block_len 32 differs", "peer_rejected"), Outcome.PEER_REJECTED,
+     "rejected us: block_len 32 differs"),
+    (Bye("rejected: seed", "peer_rejected"), Outcome.PEER_REJECTED, "rejected us: seed"),
+    (Bye("bad frame", "protocol_error"), Outcome.PROTOCOL_ERROR, "peer said bye: bad frame"),
+    (Bye("rejected: but the field says otherwise", "peer_dead"), Outcome.PEER_DEAD, "bye"),
+    (Bye("x", "done"), Outcome.PEER_DEAD, "peer said bye: x"),
+    (Bye("x", "from_the_future"), Outcome.PEER_DEAD, "peer said bye: x"),
+])
+def test_bye_outcome_field_decides(rig: Rig, bye: Bye, outcome: Outcome, fragment: str) -> None:
+    rig.feed(bye)
+    assert rig.doom().outcome is outcome and fragment in rig.doom().reason
+
+
+def test_our_byes_tell_the_peer_its_outcome(rig: Rig) -> None:
+    rig.handshake()
+    rig.session.close(Outcome.SHUTDOWN, "shutdown", bye="shutdown")
+    assert rig.sent() == [Bye("shutdown", "peer_dead")]
 
 
 def test_unknown_types_are_errors_unless_the_peer_is_newer() -> None:
@@ -547,7 +591,7 @@ def test_consecutive_internal_errors_reach_the_threshold(rig: Rig, monkeypatch: 
     monkeypatch.setitem(rig.session._handlers, Release, boom)
     for _ in range(LIMITS.max_consecutive_internal_errors - 1):
         rig.feed(Release("r", 0, False))
-        rig.feed(RoundFailed("nobody", 0, "x"))  # a successful dispatch resets the counter
+        rig.feed(round_failed("nobody", 0, "x"))  # a successful dispatch resets the counter
     assert rig.doom() is None and rig.session.internal_errors == 0
     rig.feed(*[Release("r", i, False) for i in range(LIMITS.max_consecutive_internal_errors)])
     assert rig.doom().outcome is Outcome.PROTOCOL_ERROR
@@ -570,7 +614,7 @@ def test_fetch_has_no_slots_and_ready_posts_reads_into_our_slots(consumer: Rig) 
     consumer.feed(Ready("r", 0, [2, 0, 1], [9, 1, 31]))
     assert consumer.data.posted == [(PEER, [6, 4, 5], [9, 1, 31])]
     (rid,) = consumer.data.reads
-    assert consumer.env.owners == {rid: consumer.session}
+    assert consumer.env.owners == {rid: consumer.session.client}
     assert consumer.results == {} and consumer.sent() == []
     consumer.finish_read(rid)
     assert consumer.results == {1: Outcome.DONE} and consumer.details[1] == ""
@@ -604,31 +648,30 @@ def test_rounds_of_one_request_complete_independently(consumer: Rig) -> None:
     consumer.load(1, "r", [b"a", b"b"], [4, 5])
     consumer.load(2, "r", [b"c"], [6])
     assert consumer.sent() == [Fetch("r", 0, [b"a", b"b"]), Fetch("r", 1, [b"c"])]
-    consumer.feed(RoundFailed("r", 1, "demand_unmet: 1 block missing"))
+    consumer.feed(round_failed("r", 1, "demand_unmet: 1 block missing"))
     assert consumer.results == {2: Outcome.DEMAND_UNMET}
     assert consumer.details[2] == "producer: demand_unmet: 1 block missing"
     assert consumer.sent() == [Release("r", 1, False)]  # no terminal fetch: round 0 is open
-    assert "r" in consumer.dir.failed
+    assert "r" in consumer.env.failed_loads
     consumer.feed(Ready("r", 0, [0, 1], [1, 2]))
     (rid,) = consumer.data.reads
     consumer.finish_read(rid)
     assert consumer.results[1] is Outcome.DONE
     assert consumer.sent() == [Release("r", 0, True), Fetch("r", 2, [])]
-    consumer.feed(RoundFailed("r", 0, "load_timeout: late"))  # late: ignored
+    consumer.feed(round_failed("r", 0, "load_timeout: late"))  # late: ignored
     consumer.take()
     assert len(consumer.results) == 2 and consumer.doom() is None
 
 
-@pytest.mark.parametrize("reason, outcome", [
-    ("demand_unmet: x", Outcome.DEMAND_UNMET), ("submit_failed", Outcome.SUBMIT_FAILED),
-    ("request_conflict: y", Outcome.REQUEST_CONFLICT), ("shutdown: z", Outcome.SHUTDOWN),
-    ("peer_dead: the producer is shutting down", Outcome.PEER_DEAD),
-    ("load_timeout: lease", Outcome.LOAD_TIMEOUT),
-    ("done", Outcome.TRANSFER_FAILED), ("nothing_to_do: x", Outcome.TRANSFER_FAILED),
+@pytest.mark.parametrize("value, outcome", [
+    ("demand_unmet", Outcome.DEMAND_UNMET), ("submit_failed", Outcome.SUBMIT_FAILED),
+    ("request_conflict", Outcome.REQUEST_CONFLICT), ("shutdown", Outcome.SHUTDOWN),
+    ("peer_dead", Outcome.PEER_DEAD), ("load_timeout", Outcome.LOAD_TIMEOUT),
+    ("done", Outcome.TRANSFER_FAILED), ("nothing_to_do", Outcome.TRANSFER_FAILED),
     ("gibberish", Outcome.TRANSFER_FAILED), ("", Outcome.TRANSFER_FAILED),
 ])
-def test_outcome_from_reason(reason: str, outcome: Outcome) -> None:
-    assert outcome_from_reason(reason) is outcome
+def test_round_failed_outcomes(value: str, outcome: Outcome) -> None:
+    assert failure_outcome(value) is outcome
 
 
 @pytest.mark.parametrize("reason, outcome", [
@@ -644,7 +687,7 @@ def test_round_failed_cancels_the_reads_and_releases(consumer: Rig, reason: str,
     consumer.feed(Ready("r", 0, [0], [3]))
     (rid,) = consumer.data.reads
     mark = len(consumer.events)
-    consumer.feed(RoundFailed("r", 0, reason))
+    consumer.feed(round_failed("r", 0, reason))
     consumer.take()
     assert consumer.results == {1: outcome} and consumer.details[1] == f"producer: {reason}"
     assert consumer.data.cancelled == [[rid]] and consumer.data.reads == {}
@@ -669,7 +712,7 @@ def test_a_failed_read_fails_the_round_and_cancels_its_other_reads(consumer: Rig
                                                               Outcome.TRANSFER_FAILED))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]
     assert consumer.env.counters["transfers_failed"] == 1
-    assert consumer.dir.failed["r"].startswith("transfer_failed: ")
+    assert str(consumer.env.failed_loads.why("r")).startswith("transfer_failed: ")
 
 
 def test_read_blocks_refused_fails_the_round_with_submit_failed(consumer: Rig) -> None:
@@ -780,7 +823,7 @@ def test_finish_mid_load_cancels_the_reads_reports_at_once_and_releases(consumer
     assert events.index(("cancel", [rid])) < events.index(("result", 1,
                                                             Outcome.REQUEST_FINISHED))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]  # then terminal
-    assert "r" not in consumer.dir.failed and consumer.session.client.reqs == {}
+    assert "r" not in consumer.env.failed_loads and consumer.session.client.reqs == {}
     consumer.feed(Ready("r", 0, [0], [8]))  # crossed our release: ignored
     assert consumer.data.reads == {} and consumer.doom() is None
 
@@ -799,9 +842,9 @@ def test_a_failed_load_ends_the_request_with_the_producer_and_marks_the_id(
         consumer: Rig) -> None:
     consumer.load(1, "r", [b"a"], [0])
     consumer.sent()
-    consumer.feed(RoundFailed("r", 0, "transfer_failed: x"))
+    consumer.feed(round_failed("r", 0, "transfer_failed: x"))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]
-    assert set(consumer.dir.failed) == {"r"}
+    assert _failed_ids(consumer) == {"r"}
     consumer.load(2, "r", [b"b"], [1])  # the request was ended with its producer
     assert consumer.results[2] is Outcome.REQUEST_CONFLICT
     assert "already ended with its producer" in consumer.details[2]
@@ -816,7 +859,7 @@ def test_a_load_of_keys_already_being_loaded_is_a_request_conflict(consumer: Rig
     assert "1 of its blocks are already being loaded for request 'r' by job 1" in \
         consumer.details[2]
     assert consumer.sent() == [Fetch("r", 0, [b"a", b"b"])]  # job 1 goes on
-    assert "r" not in consumer.dir.failed
+    assert "r" not in consumer.env.failed_loads
     consumer.load(3, "r", [b"c"], [3])
     assert consumer.sent() == [Fetch("r", 1, [b"c"])]
 
@@ -824,7 +867,7 @@ def test_a_load_of_keys_already_being_loaded_is_a_request_conflict(consumer: Rig
 @pytest.mark.parametrize("msg, fragment", [
     (Ready("r", 5, [0], [1]), "ready.round: round 5 of 'r' was never sent"),
     (Ready("r", 1, [0], [1]), "ready.round: round 1 of 'r' was never sent"),
-    (RoundFailed("r", 3, "demand_unmet: x"), "round_failed.round: round 3 of 'r' was never sent"),
+    (round_failed("r", 3, "demand_unmet: x"), "round_failed.round: round 3 of 'r' was never sent"),
 ])
 def test_messages_for_a_round_never_sent_are_protocol_errors(consumer: Rig, msg: Message,
                                                              fragment: str) -> None:
@@ -879,7 +922,7 @@ def test_a_ready_for_a_round_that_already_ended_here_is_ignored(consumer: Rig, e
     kv = "elsewhere" if end == "unknown_kv" else "r"
     consumer.feed(Ready(kv, 0, [1], [3]))
     assert consumer.doom() is None and len(consumer.data.posted) == posted
-    consumer.feed(RoundFailed(kv, 0, "load_timeout: late"))
+    consumer.feed(round_failed(kv, 0, "load_timeout: late"))
     assert consumer.doom() is None
 
 
@@ -905,7 +948,7 @@ def test_session_death_cancels_reads_and_fails_loads_at_once(consumer: Rig, deat
     assert _cancelled_at(events, rids[2]) < events.index(("result", 2, Outcome.PEER_DEAD))
     assert ("send", "release") not in events and consumer.sent() == []  # nothing to wait for
     assert consumer.data.reads == {} and consumer.env.owners == {}
-    assert consumer.session.state is State.CLOSED and set(consumer.dir.failed) == {"r", "q"}
+    assert consumer.session.state is State.CLOSED and _failed_ids(consumer) == {"r", "q"}
     assert len(consumer.deadlines) == 0
 
 
@@ -915,7 +958,7 @@ def test_closing_fails_loads_and_marks_ids(consumer: Rig) -> None:
     consumer.session.close(Outcome.PEER_DEAD, "gone")
     consumer.take()
     assert consumer.results == {1: Outcome.PEER_DEAD} and consumer.details[1] == "gone"
-    assert set(consumer.dir.failed) == {"r", "idle"}
+    assert _failed_ids(consumer) == {"r", "idle"}
     assert consumer.session.state is State.CLOSED
 
 
@@ -994,7 +1037,7 @@ def test_finish_after_probes_only_sends_the_terminal_fetch(consumer: Rig) -> Non
 def test_consumer_first_stores_match_as_they_arrive(producer: Rig) -> None:
     producer.feed(Fetch("r", 0, [b"a", b"b", b"c"]))
     assert producer.sent() == []
-    assert producer.dir.bindings == {"r": producer.session}
+    assert producer.dir.bound("r") is producer.session.server
     producer.store(1, "r", [b"b", b"x"], [2, 3])
     assert producer.sent() == [Ready("r", 0, [1], [2])]
     producer.store(2, "r", [b"a", b"c"], [4, 5])
@@ -1016,7 +1059,7 @@ def test_producer_first_stores_are_replayed_in_order_when_the_fetch_binds(produc
     assert producer.dir.parked_count == 2
     producer.feed(Fetch("r", 0, [b"b", b"a"]))
     assert producer.sent() == [Ready("r", 0, [0, 1], [3, 1])]
-    assert producer.dir.bindings == {"r": producer.session} and producer.dir.parked_count == 0
+    assert producer.dir.bound("r") is producer.session.server and producer.dir.parked_count == 0
     producer.feed(Release("r", 0, True))
     producer.take()
     assert producer.results == {1: Outcome.DONE, 2: Outcome.DONE}
@@ -1047,13 +1090,13 @@ def test_untouched_parked_stores_are_released_by_the_terminal_fetch(producer: Ri
     producer.feed(Fetch("r", 0, [b"z"]))
     producer.dir.producer_finished("r")
     producer.session.server.producer_finished("r")
-    assert producer.sent() == [RoundFailed(
+    assert producer.sent() == [round_failed(
         "r", 0, "demand_unmet: 1 demanded block(s) were never stored by the producer")]
     producer.feed(Release("r", 0, False))  # what the consumer answers: ignored
     producer.feed(Fetch("r", 1, []))
     producer.take()
     assert producer.results == {1: Outcome.NOTHING_TO_DO}
-    assert producer.session.server.reqs == {} and producer.dir.bindings == {}
+    assert producer.session.server.reqs == {} and producer.dir.bound("r") is None
     assert producer.doom() is None
 
 
@@ -1105,7 +1148,7 @@ def test_a_fetch_after_the_terminal_fetch_fails_that_round(producer: Rig) -> Non
 
 def test_terminal_fetch_for_an_unknown_request_leaves_no_state(producer: Rig) -> None:
     producer.feed(Fetch("nobody", 3, []))
-    assert producer.session.server.reqs == {} and producer.dir.bindings == {}
+    assert producer.session.server.reqs == {} and producer.dir.bound("r") is None
     assert producer.doom() is None and producer.sent() == []
 
 
@@ -1132,7 +1175,7 @@ def test_unmet_demand_fails_the_round_at_once_and_its_pins_wait_for_the_release(
     producer.feed(Release("r", 0, False))
     producer.take()
     assert producer.results == {1: Outcome.ABORTED}
-    assert producer.session.server.reqs == {} and producer.dir.bindings == {}
+    assert producer.session.server.reqs == {} and producer.dir.bound("r") is None
 
 
 # -- producer: release and the lease -------------------------------------------------------------
@@ -1175,7 +1218,7 @@ def test_lease_expiry_without_release_fails_the_pinned_jobs() -> None:
     rig.tick(0.2)
     detail = "the consumer did not release it within the lease (40.0s)"
     assert rig.results == {1: Outcome.TRANSFER_FAILED} and rig.details[1] == detail
-    assert rig.sent() == [RoundFailed("r", 0, f"load_timeout: {detail}")]
+    assert rig.sent() == [round_failed("r", 0, f"load_timeout: {detail}")]
     assert rig.session.server.n_pins == 0 and rig.session.server.n_rounds == 0
     rig.feed(Release("r", 0, True))  # late: the round ended here
     rig.take()
@@ -1285,7 +1328,7 @@ def test_closing_keeps_the_pins_until_the_lease(producer: Rig) -> None:
     producer.session.close(Outcome.PEER_DEAD, "connection lost")
     producer.take()
     assert producer.results == {2: Outcome.PEER_DEAD}
-    assert producer.session.state is State.CLOSED and producer.dir.bindings == {}
+    assert producer.session.state is State.CLOSED and producer.dir.bound("r") is None
     server = producer.session.server
     assert server.n_pins == 1 and server.busy
     producer.tick(34.9)  # 39.9s after the ready: the cut-off consumer may still be reading
@@ -1316,17 +1359,17 @@ def test_producer_wind_down_fails_open_rounds_for_the_consumer(producer: Rig) ->
     producer.feed(Fetch("r", 0, [b"a", b"b"]))  # a pinned, b waiting
     producer.dir.producer_started("q")
     producer.feed(Fetch("q", 0, [b"c"]))  # only waiting
-    producer.dir.source_seen = True
+    producer.env.lookup_ends.source_seen = True
     producer.sent()
     producer.session.wind_down()
     producer.take()
     detail = "peer_dead: the producer is shutting down"
-    assert sorted(producer.sent(), key=repr) == [RoundFailed("q", 0, detail),
-                                                 RoundFailed("r", 0, detail)]
+    assert sorted(producer.sent(), key=repr) == [round_failed("q", 0, detail),
+                                                 round_failed("r", 0, detail)]
     assert producer.results == {2: Outcome.SHUTDOWN}  # the pinned job waits for its release
     assert not producer.session.wound_down
     producer.feed(Fetch("r", 1, [b"z"]))  # later fetches fail at once
-    assert producer.sent() == [RoundFailed("r", 1, detail)]
+    assert producer.sent() == [round_failed("r", 1, detail)]
     producer.feed(Lookup(0, "r", [b"a"]))
     assert producer.sent() == [LookupResp(0, [False])]
     producer.feed(Release("r", 0, False))
@@ -1406,7 +1449,7 @@ class Source:
 
 def test_lookup_served_from_the_source_pins_hits_as_supply(consumer: Rig) -> None:
     rig = consumer
-    rig.dir.source_seen = True
+    rig.env.lookup_ends.source_seen = True
     rig.feed(Lookup(0, "r", [b"a", b"b", b"c"]))
     src = Source({b"a": 1, b"c": 3}, retry=frozenset({b"b"}))
     rig.session.server.serve(src)
@@ -1426,7 +1469,7 @@ def test_lookup_served_from_the_source_pins_hits_as_supply(consumer: Rig) -> Non
 
 @pytest.mark.parametrize("fail", ["begin", "pin"])
 def test_hit_source_failures_answer_miss(consumer: Rig, fail: str) -> None:
-    consumer.dir.source_seen = True
+    consumer.env.lookup_ends.source_seen = True
     consumer.feed(Lookup(0, "r", [b"a"]))
     src = Source({b"a": 1}, fail=fail)
     consumer.session.server.serve(src)
@@ -1435,13 +1478,13 @@ def test_hit_source_failures_answer_miss(consumer: Rig, fail: str) -> None:
 
 
 def test_lookup_deadline_without_serving_answers_miss_and_defers_end(consumer: Rig) -> None:
-    consumer.dir.source_seen = True
+    consumer.env.lookup_ends.source_seen = True
     consumer.feed(Lookup(0, "r", [b"a"]))
     src = Source({}, retry=frozenset({b"a"}))
     consumer.session.server.serve(src)
     consumer.tick(5.1)
     assert consumer.sent() == [LookupResp(0, [False])]
-    assert consumer.dir.take_ends() == ["r"]
+    assert consumer.env.lookup_ends.take() == ["r"]
 
 
 # -- both ends over the wire ---------------------------------------------------------------------
@@ -1484,6 +1527,45 @@ def test_a_load_end_to_end(ok: bool) -> None:
     p.dir.producer_finished("r")
     p.session.server.producer_finished("r")
     _shuttle(c, p)
-    assert p.session.server.reqs == {} and p.dir.bindings == {}
+    assert p.session.server.reqs == {} and p.dir.bound("r") is None
     assert c.session.client.reqs == {} and p.session.wound_down and c.session.wound_down
     assert c.doom() is None and p.doom() is None
+
+
+# -- our own frames over the size cap -------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [FrameTooLarge, ProtocolError])  # ProtocolError: older
+def test_an_oversize_fetch_fails_its_load_not_the_session(consumer: Rig,
+                                                          error: type[Exception]) -> None:
+    consumer.conn.max_frame, consumer.conn.too_large = 64, error
+    consumer.load(1, "r", [b"k" * 40, b"j" * 40], [0, 1])
+    assert consumer.results == {1: Outcome.SUBMIT_FAILED}
+    assert "larger than a frame" in consumer.details[1]
+    assert consumer.sent() == [] and consumer.doom() is None and "r" in consumer.env.failed_loads
+    consumer.load(2, "q", [b"a"], [2])
+    assert consumer.sent() == [Fetch("q", 0, [b"a"])]
+
+
+def test_an_oversize_lookup_answers_its_keys_miss(consumer: Rig) -> None:
+    consumer.conn.max_frame = 64
+    client = consumer.session.client
+    for i in range(4):
+        assert client.probe("r", bytes([i]) * 20) is LookupResult.RETRY
+    client.flush_lookups()
+    assert consumer.sent() == [] and consumer.doom() is None and client.lookups == {}
+    assert client.probe("r", b"\x00" * 20) is LookupResult.MISS
+
+
+def test_an_oversize_ready_fails_the_round_and_keeps_the_pins_until_release(
+        producer: Rig) -> None:
+    keys = [b"%02d" % i for i in range(60)]
+    producer.store(1, "r", keys, list(range(60)))
+    producer.conn.max_frame = 150  # a round_failed fits, a ready for 60 blocks does not
+    assert len(encode(Ready("r", 0, list(range(60)), list(range(60))))) > 150
+    producer.feed(Fetch("r", 0, keys))
+    (msg,) = producer.sent()
+    assert _failed(msg).outcome == "submit_failed" and producer.doom() is None
+    assert producer.session.server.n_pins == 60 and producer.results == {}
+    producer.feed(Release("r", 0, False))
+    assert producer.session.server.n_pins == 0 and producer.results == {1: Outcome.ABORTED}

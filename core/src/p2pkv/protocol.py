@@ -10,7 +10,9 @@ Compatibility: unknown fields are ignored (a newer minor version may add optiona
 a message type this side does not know decodes to :class:`Unknown` and the session decides
 (ignored when the peer announced a newer minor version, a protocol error otherwise). Only
 ``hello`` carries the wire version; a peer with another major version is rejected during the
-handshake.
+handshake. A field added in a minor version decodes to its old meaning when missing (2.1:
+``round_failed.outcome`` and ``bye.outcome``, which 2.0 peers only put at the head of
+``reason``).
 
 Hot path: ``fetch`` keys and ``ready`` positions/slots stay plain lists (no per-block
 objects are created beyond what msgpack builds); validation is one pass over each list.
@@ -26,6 +28,7 @@ import msgpack
 
 from p2pkv.config import Limits
 from p2pkv.errors import ProtocolError
+from p2pkv.types import Outcome
 
 __all__ = [
     "MAX_REASON_CHARS",
@@ -50,8 +53,9 @@ __all__ = [
 WIRE_MAJOR = 2
 """Bumped only for incompatible changes; peers with another major are rejected. 2.0: the
 consumer reads (``ready``/``release``); producers no longer write into consumers' regions."""
-WIRE_MINOR = 0
-"""Bumped for additive changes (new optional fields or message types)."""
+WIRE_MINOR = 1
+"""Bumped for additive changes (new optional fields or message types). 2.1: ``outcome`` of
+``round_failed`` and ``bye``."""
 
 MAX_REASON_CHARS = 1024
 """Cap on free-text ``reason`` fields."""
@@ -149,21 +153,25 @@ class LookupResp:
 
 @dataclass(frozen=True, slots=True)
 class RoundFailed:
-    """Producer -> consumer: round ``round`` cannot be served (``reason`` starts with the
-    ``Outcome`` value: demand unmet, request conflict, shutdown, lease passed). No ``ready``
-    for it follows; blocks already offered stay pinned until the consumer's ``release`` (which
-    it sends on receipt) or the lease."""
+    """Producer -> consumer: round ``round`` cannot be served, the load fails ``outcome`` (an
+    ``Outcome`` value: demand unmet, request conflict, shutdown, lease passed; ``reason`` starts
+    with it too, for 2.0 consumers). No ``ready`` for it follows; blocks already offered stay
+    pinned until the consumer's ``release`` (which it sends on receipt) or the lease."""
 
     kv_request_id: str
     round: int
     reason: str
+    outcome: str = Outcome.TRANSFER_FAILED.value
 
 
 @dataclass(frozen=True, slots=True)
 class Bye:
-    """Either way: I am closing this session, because ``reason``."""
+    """Either way: I am closing this session, because ``reason``; the receiver's jobs fail
+    ``outcome``: ``peer_rejected`` (a refused handshake, ``reason`` then starts with
+    ``rejected: ``), ``protocol_error`` (``protocol error: ...``) or ``peer_dead``."""
 
     reason: str
+    outcome: str = Outcome.PEER_DEAD.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,44 +209,12 @@ def message_type(msg: Message | Unknown) -> str:
 def encode(msg: Message) -> bytes:
     """One frame for ``msg``. Fields are written as given (the sender is trusted to be valid)."""
     t = type(msg)
-    if t is Fetch:
-        assert isinstance(msg, Fetch)
-        body: dict[str, Any] = {
-            "type": "fetch",
-            "kv_request_id": msg.kv_request_id,
-            "round": msg.round,
-            "keys": msg.keys,
-        }
-    elif t is Ready:
-        assert isinstance(msg, Ready)
-        body = {
-            "type": "ready",
-            "kv_request_id": msg.kv_request_id,
-            "round": msg.round,
-            "pos": msg.pos,
-            "slots": msg.slots,
-        }
-    elif t is Hello:
-        assert isinstance(msg, Hello)
-        body = {
-            "type": "hello",
-            "wire": list(msg.wire),
-            "epoch": msg.epoch,
-            "address": msg.address,
-            "descriptor": msg.descriptor,
-            "num_blocks": msg.num_blocks,
-            "block_len": msg.block_len,
-            "fingerprint": msg.fingerprint,
-            "hash_seed": msg.hash_seed,
-            "lease_ms": msg.lease_ms,
-        }
-    else:
-        name = _TYPE_NAMES.get(t)
-        if name is None:
-            raise TypeError(f"not a protocol message: {msg!r}")
-        body = {"type": name}
-        for slot in t.__slots__:
-            body[slot] = getattr(msg, slot)
+    name = _TYPE_NAMES.get(t)
+    if name is None:
+        raise TypeError(f"not a protocol message: {msg!r}")
+    body: dict[str, Any] = {"type": name}
+    for field in t.__slots__:
+        body[field] = getattr(msg, field)
     out: bytes = msgpack.packb(body, use_bin_type=True)
     return out
 
@@ -408,12 +384,18 @@ def _lookup_resp(f: _Fields, limits: Limits) -> LookupResp:
 
 
 def _round_failed(f: _Fields, limits: Limits) -> RoundFailed:
-    return RoundFailed(f.request_id(limits), f.int_("round"),
-                       f.str_("reason", MAX_REASON_CHARS, nonempty=True))
+    kv, rnd = f.request_id(limits), f.int_("round")
+    reason = f.str_("reason", MAX_REASON_CHARS, nonempty=True)
+    wire_2_0 = reason.partition(":")[0].strip()  # a 2.0 reason starts with the outcome
+    return RoundFailed(kv, rnd, reason, f.str_("outcome", MAX_TAG_CHARS, default=wire_2_0))
 
 
 def _bye(f: _Fields, limits: Limits) -> Bye:
-    return Bye(f.str_("reason", MAX_REASON_CHARS))
+    reason = f.str_("reason", MAX_REASON_CHARS)
+    wire_2_0 = (Outcome.PEER_REJECTED if reason.startswith("rejected: ") else
+                Outcome.PROTOCOL_ERROR if reason.startswith("protocol error") else
+                Outcome.PEER_DEAD)
+    return Bye(reason, f.str_("outcome", MAX_TAG_CHARS, default=wire_2_0.value))
 
 
 _DECODERS: dict[str, Callable[[_Fields, Limits], Message]] = {

@@ -15,11 +15,9 @@ bounded by deadlines.
 from __future__ import annotations
 
 import logging
-import operator
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from p2pkv.config import TierConfig
 from p2pkv.contracts import (
@@ -30,62 +28,23 @@ from p2pkv.contracts import (
     DataTransport,
 )
 from p2pkv.driver import DriverGuard, driver_call
-from p2pkv.errors import ConfigError, ProtocolError
-from p2pkv.protocol import Hello, decode
+from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
-from p2pkv.routing import ConsumerRoute, Routing, parse_routing
-from p2pkv.session.deadlines import Deadlines, Timer
-from p2pkv.session.directory import Directory
+from p2pkv.routing import Routing, parse_routing
+from p2pkv.session.admission import Admission
+from p2pkv.session.deadlines import Deadlines
 from p2pkv.session.env import LocalIdentity, SessionEnv
+from p2pkv.session.intake import JobIntake
 from p2pkv.session.ledger import JobLedger
+from p2pkv.session.producers import ProducerDirectory
 from p2pkv.session.session import Session, State
-from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
+from p2pkv.types import Job, JobResult, LocalHitSource, LookupResult, Outcome, RequestContext
 
 __all__ = ["LocalHitSource", "P2PTier"]
 
 log = logging.getLogger(__name__)
 
 _DRAIN_WARN_S = 5.0
-_INT_TYPES = frozenset({int})
-_NEWCOMER_MAX_FRAMES = 4
-"""Frames a held newcomer may send: a conforming peer sends its hello and waits for ours."""
-
-
-class LocalHitSource(Protocol):
-    """What a producer consults to answer a symmetric consumer's lookup (engine-supplied).
-
-    Valid only during the ``P2PTier.serve_lookups`` call it is passed to. Order per remote
-    request: ``begin`` -> ``lookup``* -> ``pin``* -> ``end`` (always, even with no hits).
-    """
-
-    def begin(self, kv_request_id: str) -> object:
-        """Start serving a remote request; returns an opaque handle."""
-        ...
-
-    def lookup(self, handle: object, key: bytes) -> LookupResult:
-        """HIT (present and ready), MISS, or RETRY (ask again next step)."""
-        ...
-
-    def pin(self, handle: object, keys: Sequence[bytes]) -> Job:
-        """Pin the slots of HIT keys and return a store job over them; its result is reported
-        through ``get_finished_jobs`` like any store job."""
-        ...
-
-    def end(self, handle: object) -> None:
-        """The remote request is over; release what ``begin`` took."""
-        ...
-
-
-
-class _Newcomer:
-    """A new inbound connection claiming the address of a live session, held unserved."""
-
-    __slots__ = ("conn", "frames", "timer")
-
-    def __init__(self, conn: ControlConnection, timer: Timer) -> None:
-        self.conn = conn
-        self.frames: list[bytes] = []
-        self.timer = timer
 
 
 class P2PTier:
@@ -94,7 +53,8 @@ class P2PTier:
     ``region`` is the engine's KV region (1-D writable bytes, ``num_blocks * block_len``);
     block ids in jobs are slot indexes into it. ``clock`` is injected so timeout tests never
     sleep. ``control``/``data`` may be given pre-built (tests, fault injection); otherwise
-    they are built from ``config`` through ``registry``.
+    they are built from ``config`` through ``registry``. A bad region or transport config
+    raises ``ConfigError`` (the data transport validates the region it is built on).
     """
 
     def __init__(
@@ -108,67 +68,44 @@ class P2PTier:
         control: ControlTransport | None = None,
         data: DataTransport | None = None,
     ) -> None:
-        if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len <= 0:
-            raise ConfigError(f"block_len must be a positive integer, got {block_len!r}")
-        if not isinstance(region, memoryview):
-            raise ConfigError(f"region must be a memoryview, got {type(region).__name__}")
-        if region.nbytes == 0 or region.nbytes % block_len:
-            raise ConfigError(
-                f"region of {region.nbytes} bytes is not a positive multiple of "
-                f"block_len {block_len}"
-            )
         self._guard = DriverGuard("P2PTier")
         self._config = config
         self._clock = clock
-        self._num_blocks = region.nbytes // block_len
         self._block_len = block_len
         reg = registry if registry is not None else default_registry()
-        built_data = data is None
-        if data is None:
-            data = reg.transport("data", config.data).create(
-                DataSettings(region, block_len, config.data_options)
-            )
+        self._data = _data_transport(reg, config, region, block_len, data)
         try:
-            if data.block_len != block_len or data.num_blocks != self._num_blocks:
-                raise ConfigError(
-                    f"data transport region is {data.num_blocks}x{data.block_len}, the tier's "
-                    f"is {self._num_blocks}x{block_len}"
-                )
-            if control is None:
-                control = reg.transport("control", config.control).create(ControlSettings(
-                    config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
-                    options=config.control_options, dp_rank=config.dp_rank,
-                    handshake_timeout=config.timeouts.handshake,
-                    host_setting=config.host_setting, port_setting=config.port_setting,
-                ))
+            self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
-            if built_data:
-                data.close()
+            if data is None:
+                self._data.close()
             raise
-        self._control: ControlTransport = control
-        self._data: DataTransport = data
-        observers = reg.observers
-        self._observers = observers
+        self._observers = reg.observers
         self._deadlines = Deadlines()
-        self._ledger = JobLedger(clock, observers)
-        self._dir = Directory(self._ledger, self._deadlines, clock, config.timeouts, observers)
-        self._env = SessionEnv(
-            data=data, ledger=self._ledger, deadlines=self._deadlines, clock=clock,
-            observers=observers, timeouts=config.timeouts, limits=config.limits,
-            local=LocalIdentity(
-                address=control.local_address, epoch=secrets.randbits(64),
-                descriptor=data.descriptor(), num_blocks=self._num_blocks, block_len=block_len,
-                fingerprint=config.fingerprint, hash_seed=config.hash_seed,
-            ),
-            host=self._dir,
-        )
+        self._ledger = JobLedger(clock, self._observers)
+        self._intake = JobIntake(self._ledger, config.limits, self._data.num_blocks)
+        self._env = self._session_env()
         self._sessions: dict[str, Session] = {}
         self._lingering: set[Session] = set()
         """Closed sessions with blocks still pinned for their consumer (until the lease)."""
-        self._newcomers: dict[str, _Newcomer] = {}
-        """New connections claiming a live session's address, by address (§4.1 item 6)."""
-        self._stopping = False
+        self._admission = Admission(self._env, self._sessions, start=self._start_session,
+                                    close=self._close, close_unusable=self._close_unusable)
         self._closed = False
+
+    def _session_env(self) -> SessionEnv:
+        config, data = self._config, self._data
+        return SessionEnv(
+            data=data, ledger=self._ledger, deadlines=self._deadlines, clock=self._clock,
+            observers=self._observers, timeouts=config.timeouts, limits=config.limits,
+            local=LocalIdentity(
+                address=self._control.local_address, epoch=secrets.randbits(64),
+                descriptor=data.descriptor(), num_blocks=data.num_blocks,
+                block_len=data.block_len, fingerprint=config.fingerprint,
+                hash_seed=config.hash_seed,
+            ),
+            producers=ProducerDirectory(self._ledger, self._deadlines, self._clock,
+                                        config.timeouts, self._observers),
+        )
 
     @property
     def local_address(self) -> str:
@@ -191,11 +128,11 @@ class P2PTier:
         if consumer is not None:
             session = self._session_for(consumer.peer)
             if isinstance(session, str):
-                self._dir.mark_failed(consumer.kv_request_id, session)
+                self._env.failed_loads.mark(consumer.kv_request_id, session)
             else:
                 session.client.open_request(consumer.kv_request_id)
         if routing.producer is not None:
-            self._dir.producer_started(routing.producer.kv_request_id)
+            self._env.producers.producer_started(routing.producer.kv_request_id)
             return True
         return False
 
@@ -205,7 +142,7 @@ class P2PTier:
         ``on_schedule_end`` is answered, then HIT/MISS. No consumer routing, or a failed
         ``kv_request_id``: MISS."""
         consumer = self._routing(ctx).consumer
-        if consumer is None or self._closed or consumer.kv_request_id in self._dir.failed:
+        if consumer is None or self._closed or consumer.kv_request_id in self._env.failed_loads:
             return LookupResult.MISS
         if not consumer.probe:
             return LookupResult.HIT
@@ -221,15 +158,14 @@ class P2PTier:
         if admitted is None:
             return
         job, kv, _ = admitted
-        d = self._dir
-        if kv not in d.producers and kv not in d.tombstones:
-            d.producer_started(kv)
-        session = d.bindings.get(kv)
-        if session is not None:
-            self._ledger.set_peer(job.job_id, session.peer)
-            session.server.add_store(kv, job)
+        producers = self._env.producers
+        producers.store_seen(kv)
+        server = producers.bound(kv)
+        if server is not None:
+            self._ledger.set_peer(job.job_id, server.peer)
+            server.add_store(kv, job)
         else:
-            d.park(kv, job)
+            producers.park(kv, job)
 
     @driver_call
     def submit_load(self, job: Job) -> None:
@@ -239,7 +175,7 @@ class P2PTier:
         if admitted is None:
             return
         job, kv, peer = admitted
-        failed = self._dir.failed.get(kv)
+        failed = self._env.failed_loads.why(kv)
         if failed is not None:
             self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
                                f"request {kv!r} already failed ({failed}); its loads cannot "
@@ -247,7 +183,7 @@ class P2PTier:
             return
         session = self._session_for(peer)
         if isinstance(session, str):
-            self._dir.mark_failed(kv, f"{Outcome.PEER_DEAD.value}: {session}")
+            self._env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD.value}: {session}")
             self._ledger.close(job.job_id, Outcome.PEER_DEAD, session)
             return
         session.client.submit(job, kv)
@@ -264,13 +200,13 @@ class P2PTier:
         if self._closed:
             return
         for conn in self._control.poll(timeout):
-            self._accept(conn)
+            self._admission.accept(conn)
         for session in list(self._sessions.values()):
             if session.state is State.HANDSHAKE or session.state is State.READY:
                 self._receive(session)
         self._reap()
-        if self._newcomers:
-            self._serve_newcomers()
+        if len(self._admission):
+            self._admission.serve()
         self._data_tick()
         self._deadlines.fire_due(self._clock())
         self._reap()
@@ -281,14 +217,14 @@ class P2PTier:
         routing = self._routing(ctx)
         consumer, producer = routing.consumer, routing.producer
         if consumer is not None:
-            self._dir.failed.pop(consumer.kv_request_id, None)
+            self._env.failed_loads.forget(consumer.kv_request_id)
             session = self._sessions.get(consumer.peer)
             if session is not None:
                 session.client.finish(consumer.kv_request_id)
         if producer is not None:
-            session = self._dir.producer_finished(producer.kv_request_id)
-            if session is not None:
-                session.server.producer_finished(producer.kv_request_id)
+            server = self._env.producers.producer_finished(producer.kv_request_id)
+            if server is not None:
+                server.producer_finished(producer.kv_request_id)
 
     @driver_call
     def on_schedule_end(self) -> None:
@@ -296,17 +232,18 @@ class P2PTier:
         for session in self._sessions.values():
             if session.ready:
                 session.client.flush_lookups()
-        if self._observers.enabled:
-            self._observers.tier_state(
-                in_flight_transfers=self._in_flight(), parked_stores=self._dir.parked_count,
-                sessions=len(self._sessions),
-            )
+        self._observers.tier_state(
+            in_flight_transfers=self._in_flight(),
+            parked_stores=self._env.producers.parked_count,
+            sessions=len(self._sessions),
+        )
 
     @driver_call
     def serve_lookups(self, source: LocalHitSource) -> None:
         """Answer pending symmetric lookups from ``source`` (valid only during this call)."""
-        self._dir.source_seen = True
-        for handle in self._dir.take_ends():
+        ends = self._env.lookup_ends
+        ends.source_seen = True
+        for handle in ends.take():
             try:
                 source.end(handle)
             except Exception:
@@ -319,8 +256,8 @@ class P2PTier:
     def has_pending_work(self) -> bool:
         """True while any job, transfer, parked store, probe, handshake or held newcomer is
         outstanding."""
-        if (self._ledger.pending or self._ledger.undelivered or self._dir.ends
-                or self._newcomers):
+        if (self._ledger.pending or self._ledger.undelivered or len(self._env.lookup_ends)
+                or len(self._admission)):
             return True
         return any(s.busy for s in self._sessions.values())
 
@@ -356,19 +293,29 @@ class P2PTier:
         deregistered. Returns the results not yet handed over (every job gets exactly one)."""
         if self._closed:
             return self._ledger.take()
-        drain = self._config.timeouts.shutdown_drain
-        start, wall = self._clock(), time.monotonic()
+        self._wind_down()
+        self._drain_sessions()
+        self._close_sessions()
+        self._close_transports()
+        return self._ledger.take()
 
-        def expired() -> bool:
-            return max(self._clock() - start, time.monotonic() - wall) >= drain
-
-        self._stopping = True
-        self._drop_newcomers()
-        self._dir.fail_parked(Outcome.SHUTDOWN, "tier shut down")
+    def _wind_down(self) -> None:
+        """Shutdown step 1-2: refuse connections, fail parked stores, wind sessions down."""
+        self._admission.stop()
+        self._env.producers.fail_parked(Outcome.SHUTDOWN, "tier shut down")
         for session in self._sessions.values():
             session.wind_down()
-        while any(not s.wound_down for s in self._sessions.values()) and not expired():
+
+    def _drain_sessions(self) -> None:
+        """Shutdown step 3: tick until every session is wound down or the budget is spent."""
+        drain = self._config.timeouts.shutdown_drain
+        start, wall = self._clock(), time.monotonic()
+        while (any(not s.wound_down for s in self._sessions.values())
+               and max(self._clock() - start, time.monotonic() - wall) < drain):
             self.tick(0.001)
+
+    def _close_sessions(self) -> None:
+        """Shutdown step 4: close every session, drop the pins still held, answer every job."""
         for session in list(self._sessions.values()):
             self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         for session in list(self._lingering):
@@ -379,15 +326,18 @@ class P2PTier:
         self._closed = True
         for job_id in self._ledger.open_ids():  # safety net: nothing may stay unanswered
             self._ledger.close(job_id, Outcome.SHUTDOWN, "tier shut down")
-        if self._dir.ends:
+
+    def _close_transports(self) -> None:
+        """Shutdown step 5."""
+        owed = len(self._env.lookup_ends.take())
+        if owed:
             log.info("shutdown: %d lookup handle(s) were never released (no serve_lookups call)",
-                     len(self._dir.take_ends()))
+                     owed)
         self._control.close()
         undrained = self._data.close()
         if undrained:
             log.error("shutdown: data transport kept its region registered; %d transfer(s) "
                       "never drained: %s", len(undrained), undrained[:16])
-        return self._ledger.take()
 
     @driver_call
     def stats(self) -> dict[str, int]:
@@ -400,7 +350,7 @@ class P2PTier:
             sessions_ready=sum(1 for s in self._sessions.values() if s.ready),
             sessions_closing=len(self._lingering),
             in_flight_transfers=self._in_flight(),
-            parked_stores=self._dir.parked_count,
+            parked_stores=self._env.producers.parked_count,
             blocks_sent=c["blocks_sent"],
             bytes_sent=c["blocks_sent"] * self._block_len,
             blocks_read=c["blocks_read"],
@@ -423,11 +373,13 @@ class P2PTier:
         for session in [*self._sessions.values(), *self._lingering]:
             for k, v in session.state_sizes().items():
                 sizes[k] += v
-        sizes.update(self._dir.state_sizes())
+        env = self._env
+        sizes.update(env.producers.state_sizes())
         sizes.update(
+            failed_ids=len(env.failed_loads), deferred_ends=len(env.lookup_ends),
             jobs_open=self._ledger.pending, results_waiting=self._ledger.undelivered,
-            owners=len(self._env.owners), timers=len(self._deadlines),
-            sessions_lingering=len(self._lingering), newcomers=len(self._newcomers),
+            owners=len(env.owners), timers=len(self._deadlines),
+            sessions_lingering=len(self._lingering), newcomers=len(self._admission),
         )
         return sizes
 
@@ -442,86 +394,7 @@ class P2PTier:
         return routing
 
     def _admit(self, job: Job, *, load: bool) -> tuple[Job, str, str] | None:
-        """Validate and record a submitted job: (normalised job, kv_request_id, peer), or None
-        when it got its result at once (no route, nothing to move, shut down)."""
-        if job.is_load is not load:
-            want = "submit_load needs a load" if load else "submit_store needs a store"
-            raise ValueError(f"job {job.job_id}: {want} job (is_load={load})")
-        routing = self._routing(job.ctx)
-        route = routing.consumer if load else routing.producer
-        if self._refuse(job, routing, route is None):
-            return None
-        assert route is not None
-        checked = self._checked(job, load=load)
-        peer = route.peer if isinstance(route, ConsumerRoute) else ""
-        self._ledger.open(job.job_id, load, route.kv_request_id, peer)
-        if isinstance(checked, str):
-            log.warning("job %d of %r failed: %s", job.job_id, route.kv_request_id, checked)
-            self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED, checked)
-            return None
-        return checked, route.kv_request_id, peer
-
-    def _refuse(self, job: Job, routing: Routing, no_route: bool) -> bool:
-        """Answer jobs that cannot go anywhere at once; True if ``job`` got its result."""
-        if self._closed:
-            outcome, detail = Outcome.SHUTDOWN, "tier shut down"
-        elif routing.invalid:
-            outcome, detail = Outcome.NO_ROUTE, routing.error
-        elif no_route:
-            if job.is_load:
-                outcome, detail = Outcome.NO_ROUTE, "request has no consumer routing"
-            else:
-                outcome, detail = Outcome.NOTHING_TO_DO, "request has no producer routing"
-        elif not len(job.keys):
-            outcome, detail = Outcome.NOTHING_TO_DO, "no blocks"
-        else:
-            return False
-        self._ledger.open(job.job_id, job.is_load)
-        self._ledger.close(job.job_id, outcome, detail)
-        return True
-
-    def _checked(self, job: Job, *, load: bool) -> Job | str:
-        """Validate a job from the engine: a normalised copy (block ids as a list of ints), or
-        why it exceeds the configured ``limits`` (the job then fails; the engine goes on).
-
-        A malformed job (an engine bug: mismatched lengths, a slot outside the region, keys
-        that are not bytes, duplicates in one load) raises ``ValueError`` and records nothing.
-        """
-        keys, ids = job.keys, job.block_ids
-        if len(keys) != len(ids):
-            raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(ids)} block ids")
-        slots = _slot_list(job.job_id, ids, self._num_blocks)
-        cap = self._config.limits.max_key_bytes
-        if set(map(type, keys)) != {bytes}:
-            bad_key = next(k for k in keys if type(k) is not bytes)
-            raise ValueError(f"job {job.job_id}: keys must be bytes, got {bad_key!r:.60}")
-        lens = list(map(len, keys))
-        if min(lens) < 1 or max(lens) > cap:
-            raise ValueError(f"job {job.job_id}: keys must be 1..{cap} bytes long")
-        if load:
-            if len(set(keys)) != len(keys):
-                raise ValueError(f"job {job.job_id}: duplicate keys in one load")
-            if len(set(slots)) != len(slots):
-                raise ValueError(f"job {job.job_id}: duplicate block ids in one load")
-        over = self._over_limits(lens, load=load)
-        if over:
-            return over
-        key_list = keys if type(keys) is list else list(keys)
-        return Job(job.job_id, key_list, slots, job.is_load, job.ctx)
-
-    def _over_limits(self, key_lens: list[int], *, load: bool) -> str:
-        """Why a job whose keys have lengths ``key_lens`` cannot travel under the configured
-        limits, or ``""``."""
-        limits = self._config.limits
-        nkeys = len(key_lens)
-        if nkeys > limits.max_keys_per_message:
-            return (f"{nkeys} blocks exceed limits.max_keys_per_message="
-                    f"{limits.max_keys_per_message}; raise it to at least {nkeys} (on both "
-                    f"peers) or use larger blocks")
-        if load and sum(key_lens) + 16 * nkeys + 512 > limits.max_frame_bytes:
-            return (f"a fetch for {nkeys} blocks would exceed limits.max_frame_bytes="
-                    f"{limits.max_frame_bytes}; raise it (on both peers)")
-        return ""
+        return self._intake.admit(job, self._routing(job.ctx), load=load, closed=self._closed)
 
     def _session_for(self, peer: str) -> Session | str:
         """The usable session to ``peer``, connecting if needed; why not, if we cannot dial
@@ -531,8 +404,8 @@ class P2PTier:
             if session.usable:
                 return session
             self._close_unusable(session)
-        if peer in self._newcomers:
-            return self._promote(peer)
+        if peer in self._admission:
+            return self._admission.promote(peer)
         try:
             conn = self._control.connect(peer)
         except Exception as exc:
@@ -556,6 +429,14 @@ class P2PTier:
         session.start()
         return session
 
+    def _start_session(self, peer: str, conn: ControlConnection,
+                       frames: list[bytes] | None) -> Session:
+        """A session on an admitted connection, fed the frames it sent while held."""
+        session = self._new_session(peer, conn)
+        if frames is not None:
+            self._receive(session, frames)
+        return session
+
     def _receive(self, session: Session, frames: list[bytes] | None = None) -> None:
         """Hand ``session`` its frames (``frames``, else what its connection holds); a peer
         restart found among them moves the rest to a fresh session."""
@@ -563,100 +444,6 @@ class P2PTier:
         while rest is not None:
             session = self._restart(session, rest)
             rest = session.receive(rest)
-
-    def _accept(self, conn: ControlConnection) -> None:
-        """A new inbound connection. One claiming the address of a usable session does not
-        replace it (anyone reaching the port could claim any address): it is held, unserved,
-        until that session's connection ends -- a restarted peer's old connection ends by
-        itself -- or ``timeouts.handshake`` passes (docs/protocol.md §4.1 item 6)."""
-        peer = conn.peer_address
-        if self._stopping:
-            conn.close()
-            return
-        old = self._sessions.get(peer)
-        if old is not None:
-            if old.conn is conn:
-                return
-            if old.usable:
-                self._hold(peer, conn)
-                return
-            self._close_unusable(old)
-        self._new_session(peer, conn)
-
-    def _hold(self, peer: str, conn: ControlConnection) -> None:
-        previous = self._newcomers.pop(peer, None)
-        if previous is not None:
-            self._drop_newcomer(peer, previous, "a newer connection claims the same address")
-        wait = self._config.timeouts.handshake
-        log.warning("a new connection claims the address of live peer %s; it is held until "
-                    "that peer's connection ends (at most %.1fs)", peer, wait)
-        timer = self._deadlines.at(self._clock() + wait, self._newcomer_expired, peer)
-        self._newcomers[peer] = _Newcomer(conn, timer)
-
-    def _serve_newcomers(self) -> None:
-        """Read held newcomers (a few frames at most) and start the session of each whose
-        address has no usable session any more."""
-        for peer, newcomer in list(self._newcomers.items()):
-            conn = newcomer.conn
-            if not conn.alive:
-                self._drop_newcomer(peer, newcomer, "its connection ended", level=logging.INFO)
-                continue
-            newcomer.frames += conn.recv()
-            if len(newcomer.frames) > _NEWCOMER_MAX_FRAMES:
-                self._drop_newcomer(peer, newcomer, f"it sent {len(newcomer.frames)} frames "
-                                    "before its session could start")
-                continue
-            old = self._sessions.get(peer)
-            if old is not None and old.usable and self._redials(old, newcomer.frames):
-                self._close(old, Outcome.PEER_DEAD,
-                            f"{peer} dialled again with the same epoch: it had given this "
-                            f"session up (paused or cut off for longer than its timeouts?)")
-            if old is None or not old.usable:
-                self._promote(peer)
-
-    def _redials(self, old: Session, frames: list[bytes]) -> bool:
-        """The held newcomer is ``old``'s peer itself, re-dialling: its hello carries the
-        epoch of ``old``'s peer. A tier keeps one session per peer, so that peer has given
-        ``old`` up (it paused or was cut off past a timeout and resumed, while our side of
-        the connection still looks alive). The 64-bit epoch is random per incarnation and
-        sent only to its peer (under CURVE, encrypted): a claimant that is not that peer
-        cannot show it."""
-        known = old.peer_hello
-        if known is None or not frames:
-            return False
-        try:
-            hello = decode(frames[0], self._config.limits)
-        except ProtocolError:
-            return False  # its session will say why, if it ever starts
-        return isinstance(hello, Hello) and hello.epoch == known.epoch
-
-    def _promote(self, peer: str) -> Session:
-        """Start the held newcomer's session, the old one (unusable or gone) closed first."""
-        newcomer = self._newcomers.pop(peer)
-        self._deadlines.cancel(newcomer.timer)
-        old = self._sessions.get(peer)
-        if old is not None:
-            self._close_unusable(old)
-        log.info("the held connection from %s takes over: its previous connection ended", peer)
-        session = self._new_session(peer, newcomer.conn)
-        self._receive(session, newcomer.frames)
-        return session
-
-    def _newcomer_expired(self, peer: str) -> None:
-        wait = self._config.timeouts.handshake
-        self._drop_newcomer(peer, self._newcomers[peer], "the live session with that address "
-                            f"did not end within {wait}s (an impostor?)")
-
-    def _drop_newcomer(self, peer: str, newcomer: _Newcomer, why: str, *,
-                       level: int = logging.WARNING) -> None:
-        self._newcomers.pop(peer, None)
-        self._deadlines.cancel(newcomer.timer)
-        newcomer.conn.close()
-        log.log(level, "closed a held connection claiming address %s: %s", peer, why)
-
-    def _drop_newcomers(self) -> None:
-        for peer, newcomer in list(self._newcomers.items()):
-            self._drop_newcomer(peer, newcomer, "tier shut down", level=logging.INFO)
 
     def _restart(self, old: Session, frames: list[bytes]) -> Session:
         """``old``'s peer restarted (new epoch): fail the old incarnation, start afresh on the
@@ -687,9 +474,8 @@ class P2PTier:
         """Remove the data peer if ``session`` registered it (a newer session of the same
         address that re-registered it owns it now)."""
         peer = session.peer
-        if self._dir.data_owner.get(peer) is not session or self._closed:
+        if self._closed or not self._env.data_peers.release(peer, session):
             return
-        del self._dir.data_owner[peer]
         undrained = self._data.remove_peer(peer)
         if undrained:
             log.warning("data peer %s removed with %d internal transfer(s) undrained: %s",
@@ -718,29 +504,27 @@ class P2PTier:
         return sum(len(s.client.reads) for s in self._sessions.values())
 
 
-def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int) -> list[int]:
-    """``ids`` as a list of Python ints within ``0..num_blocks-1``; numpy arrays and numpy
-    integers (anything ``operator.index`` takes) are accepted like ints; bools and floats
-    raise ``ValueError``."""
-    tolist = getattr(ids, "tolist", None)
-    slots: list[int] = tolist() if tolist is not None else list(ids)
-    if not slots:
-        return slots
-    if set(map(type, slots)) != _INT_TYPES:
-        bad = next((s for s in slots if isinstance(s, bool) or not _is_index(s)), None)
-        if bad is not None:
-            raise ValueError(f"job {job_id}: block id {bad!r} is not an integer")
-        slots = list(map(operator.index, slots))
-    if min(slots) < 0 or max(slots) >= num_blocks:
-        bad = next(s for s in slots if not 0 <= s < num_blocks)
-        raise ValueError(f"job {job_id}: block id {bad!r} is not a slot in "
-                         f"0..{num_blocks - 1}")
-    return slots
+
+def _data_transport(reg: Registry, config: TierConfig, region: memoryview, block_len: int,
+                    data: DataTransport | None) -> DataTransport:
+    """``data`` if given (its region must be the tier's), else one built over ``region``."""
+    if data is None:
+        built: DataTransport = reg.transport("data", config.data).create(
+            DataSettings(region, block_len, config.data_options)
+        )
+        return built
+    nbytes = memoryview(region).nbytes
+    if data.block_len != block_len or data.num_blocks * block_len != nbytes:
+        raise ConfigError(f"data transport region is {data.num_blocks}x{data.block_len}, the "
+                          f"tier's is {nbytes} bytes in blocks of {block_len}")
+    return data
 
 
-def _is_index(value: object) -> bool:
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
+def _control_transport(reg: Registry, config: TierConfig) -> ControlTransport:
+    control: ControlTransport = reg.transport("control", config.control).create(ControlSettings(
+        config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
+        options=config.control_options, dp_rank=config.dp_rank,
+        handshake_timeout=config.timeouts.handshake,
+        host_setting=config.host_setting, port_setting=config.port_setting,
+    ))
+    return control

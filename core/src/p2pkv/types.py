@@ -3,6 +3,8 @@
 They mirror what serving engines pass to a secondary KV tier; engine adapters (for example
 ``p2pkv-vllm``) map their own types onto these. Keys are opaque ``bytes`` (block hash plus
 whatever the engine appends); block ids are slot indexes in the tier's region.
+:class:`LocalHitSource` is the one interface the engine implements for the tier (a producer's
+answers to symmetric lookups).
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Job", "JobResult", "LookupResult", "Outcome", "RequestContext"]
+__all__ = ["Job", "JobResult", "LocalHitSource", "LookupResult", "Outcome", "RequestContext"]
 
 
 class LookupResult(enum.Enum):
@@ -91,3 +93,28 @@ class JobResult:
     @property
     def success(self) -> bool:
         return self.outcome.success
+
+
+class LocalHitSource(Protocol):
+    """What a producer consults to answer a symmetric consumer's lookup (engine-supplied).
+
+    Valid only during the ``P2PTier.serve_lookups`` call it is passed to. Order per remote
+    request: ``begin`` -> ``lookup``* -> ``pin``* -> ``end`` (always, even with no hits).
+    """
+
+    def begin(self, kv_request_id: str) -> object:
+        """Start serving a remote request; returns an opaque handle."""
+        ...
+
+    def lookup(self, handle: object, key: bytes) -> LookupResult:
+        """HIT (present and ready), MISS, or RETRY (ask again next step)."""
+        ...
+
+    def pin(self, handle: object, keys: Sequence[bytes]) -> Job:
+        """Pin the slots of HIT keys and return a store job over them; its result is reported
+        through ``get_finished_jobs`` like any store job."""
+        ...
+
+    def end(self, handle: object) -> None:
+        """The remote request is over; release what ``begin`` took."""
+        ...

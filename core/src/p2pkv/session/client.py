@@ -22,55 +22,59 @@ Threading: driver thread only.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol import Fetch, Lookup, LookupResp, Ready, Release, RoundFailed
 from p2pkv.session.deadlines import Timer
-from p2pkv.session.env import SessionEnv
+from p2pkv.session.env import SessionEnv, SessionLink
 from p2pkv.types import Job, LookupResult, Outcome
 
-if TYPE_CHECKING:
-    from p2pkv.session.session import Session
-
-__all__ = ["LEASE_DRIFT", "ClientRole", "outcome_from_reason"]
+__all__ = ["LEASE_DRIFT", "ClientRole", "failure_outcome"]
 
 log = logging.getLogger(__name__)
-
-# Round phases.
-_UNSENT, _ACTIVE, _DONE = 0, 1, 2
-# Probe states.
-_PENDING, _INFLIGHT, _MISS, _HIT = 0, 1, 2, 3
 
 LEASE_DRIFT = 0.01
 """Share of the lease kept back for the producer's clock running faster than ours."""
 
-_FAILURES = frozenset(o for o in Outcome if not o.success)
+_FAILURES = {o.value: o for o in Outcome if not o.success}
 
 
-def outcome_from_reason(reason: str) -> Outcome:
-    """The failure ``Outcome`` a ``round_failed`` reason starts with (else TRANSFER_FAILED)."""
-    head = reason.partition(":")[0].strip()
-    try:
-        outcome = Outcome(head)
-    except ValueError:
-        return Outcome.TRANSFER_FAILED
-    return outcome if outcome in _FAILURES else Outcome.TRANSFER_FAILED
+class Phase(enum.IntEnum):
+    """Where a load round is: waiting for READY, fetch sent, ended."""
+
+    UNSENT = 0
+    ACTIVE = 1
+    DONE = 2
 
 
-class _Round:
+class Probe(enum.IntEnum):
+    """Where a probed key is: not sent yet, asked, answered."""
+
+    PENDING = 0
+    INFLIGHT = 1
+    MISS = 2
+    HIT = 3
+
+
+def failure_outcome(value: str) -> Outcome:
+    """The failure ``Outcome`` named by a ``round_failed.outcome`` (else TRANSFER_FAILED)."""
+    return _FAILURES.get(value, Outcome.TRANSFER_FAILED)
+
+
+class LoadRound:
     __slots__ = ("announced", "job_id", "keys", "no", "phase", "reads", "req", "sent_at",
                  "slots", "timer", "unread")
 
-    def __init__(self, req: _Req, no: int, job: Job) -> None:
+    def __init__(self, req: ConsumerRequest, no: int, job: Job) -> None:
         self.req = req
         self.no = no
         self.job_id = job.job_id
         self.keys: Sequence[bytes] = job.keys
         self.slots = job.block_ids
-        self.phase = _UNSENT
+        self.phase = Phase.UNSENT
         self.sent_at = 0.0
         """Our clock when the fetch went out: the lease is counted from here."""
         self.announced = bytearray()
@@ -82,14 +86,14 @@ class _Round:
         self.timer: Timer | None = None
 
 
-class _Req:
+class ConsumerRequest:
     __slots__ = ("contacted", "failed", "finished", "kv", "next_round", "open_keys", "probes",
                  "released", "rounds", "unsent_keys")
 
     def __init__(self, kv: str) -> None:
         self.kv = kv
         self.next_round = 0
-        self.rounds: dict[int, _Round] = {}
+        self.rounds: dict[int, LoadRound] = {}
         self.open_keys: set[bytes] = set()
         """Keys of the open rounds: a load may not ask for one again (request conflict)."""
         self.contacted = False
@@ -97,23 +101,23 @@ class _Req:
         self.finished = False
         self.failed = False
         self.released = False
-        self.probes: dict[bytes, int] = {}
+        self.probes: dict[bytes, Probe] = {}
         self.unsent_keys: list[bytes] = []
 
 
 class ClientRole:
     """The consumer half of one session (see the module docstring)."""
 
-    def __init__(self, env: SessionEnv, session: Session) -> None:
+    def __init__(self, env: SessionEnv, session: SessionLink) -> None:
         self.env = env
         self.session = session
         self.peer = session.peer
-        self.reqs: dict[str, _Req] = {}
-        self.unsent: list[_Round] = []
-        self.reads: dict[int, _Round] = {}
+        self.reqs: dict[str, ConsumerRequest] = {}
+        self.unsent: list[LoadRound] = []
+        self.reads: dict[int, LoadRound] = {}
         """Our reads in flight, by transfer id."""
-        self.lookups: dict[int, tuple[_Req, list[bytes], Timer]] = {}
-        self.probing: dict[str, _Req] = {}
+        self.lookups: dict[int, tuple[ConsumerRequest, list[bytes], Timer]] = {}
+        self.probing: dict[str, ConsumerRequest] = {}
         """Requests with probe keys not yet sent (flushed at ``on_schedule_end``)."""
         self.next_seq = 0
         self.n_rounds = 0
@@ -124,19 +128,19 @@ class ClientRole:
     def open_request(self, kv: str) -> None:
         """Track ``kv`` from ``on_new_request`` on (so a session death marks it failed)."""
         if kv not in self.reqs:
-            self.reqs[kv] = _Req(kv)
+            self.reqs[kv] = ConsumerRequest(kv)
 
     def submit(self, job: Job, kv: str) -> None:
         """Start a load round for ``job`` (already recorded in the ledger)."""
         req = self.reqs.get(kv)
         if req is None:
-            req = self.reqs[kv] = _Req(kv)
+            req = self.reqs[kv] = ConsumerRequest(kv)
         conflict = self._conflict(req, job)
         if conflict:
             self.env.ledger.close(job.job_id, Outcome.REQUEST_CONFLICT, conflict)
             return
         req.open_keys.update(job.keys)
-        rnd = _Round(req, req.next_round, job)
+        rnd = LoadRound(req, req.next_round, job)
         req.next_round += 1
         req.rounds[rnd.no] = rnd
         self.n_rounds += 1
@@ -148,7 +152,7 @@ class ClientRole:
             self.unsent.append(rnd)
 
     @staticmethod
-    def _conflict(req: _Req, job: Job) -> str:
+    def _conflict(req: ConsumerRequest, job: Job) -> str:
         """Why ``job`` cannot be a new round of ``req`` (only this job fails), or ``""``."""
         if req.released:
             return (f"request {req.kv!r} was already ended with its producer (finished or an "
@@ -177,7 +181,7 @@ class ClientRole:
             self._end_rounds(req, Outcome.SHUTDOWN, "tier shut down during the load")
         self.unsent = []
 
-    def _end_rounds(self, req: _Req, why: Outcome, detail: str) -> None:
+    def _end_rounds(self, req: ConsumerRequest, why: Outcome, detail: str) -> None:
         for rnd in list(req.rounds.values()):
             self._fail(rnd, why, detail)
 
@@ -185,18 +189,18 @@ class ClientRole:
         """Symmetric lookup: RETRY until the batched probe is answered, then HIT/MISS."""
         req = self.reqs.get(kv)
         if req is None:
-            req = self.reqs[kv] = _Req(kv)
+            req = self.reqs[kv] = ConsumerRequest(kv)
         state = req.probes.get(key)
         if state is None:
             if req.finished:
                 return LookupResult.MISS
-            req.probes[key] = _PENDING
+            req.probes[key] = Probe.PENDING
             req.unsent_keys.append(key)
             self.probing[kv] = req
             return LookupResult.RETRY
-        if state == _HIT:
+        if state is Probe.HIT:
             return LookupResult.HIT
-        if state == _MISS:
+        if state is Probe.MISS:
             return LookupResult.MISS
         return LookupResult.RETRY
 
@@ -214,10 +218,11 @@ class ClientRole:
             self.next_seq += 1
             probes = req.probes
             for k in keys:
-                probes[k] = _INFLIGHT
+                probes[k] = Probe.INFLIGHT
             req.contacted = True
             self.lookups[seq] = (req, keys, env.deadlines.at(deadline, self._lookup_timeout, seq))
-            self.session.send(Lookup(seq, req.kv, keys))
+            if not self.session.send(Lookup(seq, req.kv, keys)):
+                self._unanswered(seq)  # too many keys for one frame: they are misses
         self.probing.clear()
 
     # -- messages ---------------------------------------------------------------------------
@@ -250,12 +255,11 @@ class ClientRole:
             return
         rnd.reads[rid] = (len(local), env.clock())
         self.reads[rid] = rnd
-        env.owners[rid] = self.session
-        if env.observers.enabled:
-            env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=len(local),
-                                             nbytes=len(local) * env.local.block_len)
+        env.owners[rid] = self
+        env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=len(local),
+                                         nbytes=len(local) * env.local.block_len)
 
-    def on_read(self, rid: int, ok: bool) -> None:
+    def on_data(self, rid: int, ok: bool) -> None:
         """A read of ours terminated (routed here from ``data.poll``)."""
         rnd = self.reads.pop(rid)
         nblocks, posted = rnd.reads.pop(rid)
@@ -263,11 +267,10 @@ class ClientRole:
         now = env.clock()
         window = self.session.read_window
         late = ok and now - rnd.sent_at > window
-        if env.observers.enabled:
-            env.observers.transfer_finished(peer=self.peer, transfer_id=rid,
-                                            success=ok and not late,
-                                            nbytes=nblocks * env.local.block_len,
-                                            seconds=now - posted)
+        env.observers.transfer_finished(peer=self.peer, transfer_id=rid,
+                                        success=ok and not late,
+                                        nbytes=nblocks * env.local.block_len,
+                                        seconds=now - posted)
         if not ok:
             env.counters["transfers_failed"] += 1
             self._fail(rnd, Outcome.TRANSFER_FAILED, f"read {rid} failed")
@@ -289,7 +292,7 @@ class ClientRole:
         rnd = self._round(msg.kv_request_id, msg.round, "round_failed")
         if rnd is None:
             return
-        self._fail(rnd, outcome_from_reason(msg.reason), f"producer: {msg.reason}")
+        self._fail(rnd, failure_outcome(msg.outcome), f"producer: {msg.reason}")
 
     def on_lookup_resp(self, msg: LookupResp) -> None:
         if msg.seq >= self.next_seq:
@@ -305,19 +308,19 @@ class ClientRole:
             )
         probes = req.probes
         for k, hit in zip(keys, msg.hits, strict=True):
-            if probes.get(k) == _INFLIGHT:
-                probes[k] = _HIT if hit else _MISS
+            if probes.get(k) is Probe.INFLIGHT:
+                probes[k] = Probe.HIT if hit else Probe.MISS
 
     def on_session_ready(self) -> None:
         """The handshake completed: send rounds submitted before it."""
         unsent, self.unsent = self.unsent, []
         for rnd in unsent:
-            if rnd.phase == _UNSENT:
+            if rnd.phase is Phase.UNSENT:
                 self._send_round(rnd)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _round(self, kv: str, no: int, what: str) -> _Round | None:
+    def _round(self, kv: str, no: int, what: str) -> LoadRound | None:
         req = self.reqs.get(kv)
         if req is None:
             return None
@@ -325,25 +328,27 @@ class ClientRole:
             raise ProtocolError(f"{what}.round: round {no} of {kv!r} was never sent")
         return req.rounds.get(no)
 
-    def _send_round(self, rnd: _Round) -> None:
-        rnd.phase = _ACTIVE
+    def _send_round(self, rnd: LoadRound) -> None:
+        rnd.phase = Phase.ACTIVE
         rnd.sent_at = self.env.clock()
         rnd.announced = bytearray(len(rnd.keys))
-        rnd.req.contacted = True
-        self.session.send(Fetch(rnd.req.kv, rnd.no, list(rnd.keys)))
+        if self.session.send(Fetch(rnd.req.kv, rnd.no, list(rnd.keys))):
+            rnd.req.contacted = True
+        else:  # the producer never saw it: nothing to release
+            rnd.phase = Phase.UNSENT
+            self._fail(rnd, Outcome.SUBMIT_FAILED, "its fetch is larger than a frame may be")
 
-    def _load_timeout(self, rnd: _Round) -> None:
+    def _load_timeout(self, rnd: LoadRound) -> None:
         rnd.timer = None
-        if self.env.observers.enabled:
-            self.env.observers.timeout(kind="load", kv_request_id=rnd.req.kv, peer=self.peer)
-        if rnd.phase == _UNSENT:
+        self.env.observers.timeout(kind="load", kv_request_id=rnd.req.kv, peer=self.peer)
+        if rnd.phase is Phase.UNSENT:
             self._fail(rnd, Outcome.LOAD_TIMEOUT, "never sent: handshake not complete")
         else:
             self._fail(rnd, Outcome.LOAD_TIMEOUT,
                        f"{rnd.unread} of {len(rnd.keys)} block(s) not read within "
                        f"{self.env.timeouts.load}s")
 
-    def _fail(self, rnd: _Round, outcome: Outcome, detail: str) -> None:
+    def _fail(self, rnd: LoadRound, outcome: Outcome, detail: str) -> None:
         """End ``rnd`` with a failure: cancel its reads (final), release the producer's pins
         if the fetch went out, and report at once."""
         if rnd.reads:
@@ -353,15 +358,15 @@ class ClientRole:
                 self.reads.pop(rid, None)
                 self.env.owners.pop(rid, None)
             rnd.reads.clear()
-        if rnd.phase == _ACTIVE and not self.closing:
+        if rnd.phase is Phase.ACTIVE and not self.closing:
             self.session.send(Release(rnd.req.kv, rnd.no, False))
         self._complete(rnd, outcome, detail)
 
-    def _complete(self, rnd: _Round, outcome: Outcome, detail: str) -> None:
+    def _complete(self, rnd: LoadRound, outcome: Outcome, detail: str) -> None:
         env = self.env
         env.deadlines.cancel(rnd.timer)
         rnd.timer = None
-        rnd.phase = _DONE
+        rnd.phase = Phase.DONE
         req = rnd.req
         del req.rounds[rnd.no]
         req.open_keys.difference_update(rnd.keys)
@@ -369,10 +374,10 @@ class ClientRole:
         env.ledger.close(rnd.job_id, outcome, detail)
         if not outcome.success and not req.finished and not req.failed:
             req.failed = True
-            env.host.mark_failed(req.kv, f"{outcome.value}: {detail}")
+            env.failed_loads.mark(req.kv, f"{outcome.value}: {detail}")
         self._maybe_release(req)
 
-    def _maybe_release(self, req: _Req) -> None:
+    def _maybe_release(self, req: ConsumerRequest) -> None:
         if req.rounds or self.closing:
             return
         if (req.finished or req.failed) and req.contacted and not req.released:
@@ -384,7 +389,7 @@ class ClientRole:
             self._drop_probes(req)
             del self.reqs[req.kv]
 
-    def _drop_probes(self, req: _Req) -> None:
+    def _drop_probes(self, req: ConsumerRequest) -> None:
         if req.probes:
             req.probes.clear()
             req.unsent_keys = []
@@ -393,16 +398,20 @@ class ClientRole:
                 self.env.deadlines.cancel(self.lookups.pop(seq)[2])
 
     def _lookup_timeout(self, seq: int) -> None:
-        entry = self.lookups.pop(seq, None)
-        if entry is None:
-            return
-        req, keys, _ = entry
-        if self.env.observers.enabled:
-            self.env.observers.timeout(kind="lookup", kv_request_id=req.kv, peer=self.peer)
+        entry = self.lookups.get(seq)
+        if entry is not None:
+            self.env.observers.timeout(kind="lookup", kv_request_id=entry[0].kv,
+                                       peer=self.peer)
+            self._unanswered(seq)
+
+    def _unanswered(self, seq: int) -> None:
+        """Lookup ``seq`` gets no answer: its keys still asked are misses."""
+        req, keys, timer = self.lookups.pop(seq)
+        self.env.deadlines.cancel(timer)
         probes = req.probes
         for k in keys:
-            if probes.get(k) == _INFLIGHT:
-                probes[k] = _MISS
+            if probes.get(k) is Probe.INFLIGHT:
+                probes[k] = Probe.MISS
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -420,7 +429,7 @@ class ClientRole:
                 self._fail(rnd, outcome, reason)
             if not req.finished and not req.failed:
                 req.failed = True
-                env.host.mark_failed(req.kv, f"{outcome.value}: {reason}")
+                env.failed_loads.mark(req.kv, f"{outcome.value}: {reason}")
         self.reqs.clear()
         self.unsent = []
 

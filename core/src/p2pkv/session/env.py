@@ -1,8 +1,9 @@
-"""What sessions share with the tier that owns them: transports, ledger, timers, identity.
+"""What sessions share with the tier that owns them: transports, ledger, timers, identity, the
+cross-session records, and the small interfaces the roles see of their session.
 
-A session never reaches into the tier directly; it goes through :class:`SessionHost` (the
-tier implements it) for everything that spans sessions: parked stores, the
-``kv_request_id`` -> session binding, failed consumer ids, deferred lookup-handle releases.
+A session never reaches into the tier: what spans sessions (producer ids and their bindings,
+parked stores, failed consumer ids, deferred lookup-handle releases, data-peer owners) lives
+in the records here, which the tier reads and changes through their methods too.
 
 Threading: driver thread only.
 """
@@ -10,21 +11,20 @@ Threading: driver thread only.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from p2pkv.config import Limits, Timeouts
 from p2pkv.contracts import DataTransport
-from p2pkv.registry import Observers
+from p2pkv.observers import Observers
+from p2pkv.protocol import Message
 from p2pkv.session.deadlines import Deadlines
 from p2pkv.session.ledger import JobLedger
-from p2pkv.types import Job
+from p2pkv.session.producers import ProducerDirectory
+from p2pkv.session.records import DataPeerOwners, FailedLoads, LookupEnds
 
-if TYPE_CHECKING:
-    from p2pkv.session.session import Session
-
-__all__ = ["Claim", "LocalIdentity", "SessionEnv", "SessionHost"]
+__all__ = ["LocalIdentity", "ReadOwner", "SessionEnv", "SessionLink"]
 
 
 @dataclass(frozen=True)
@@ -40,51 +40,32 @@ class LocalIdentity:
     hash_seed: str
 
 
-@dataclass(frozen=True)
-class Claim:
-    """A producer session takes over ``kv_request_id``: stores parked so far, in submit order,
-    and whether more stores may still come (the local producer request is not finished)."""
-
-    parked: Sequence[Job]
-    supply_open: bool
-
-
-class SessionHost(Protocol):
-    """Tier services a session calls back into."""
+class SessionLink(Protocol):
+    """What a role uses of the session it belongs to."""
 
     @property
-    def has_hit_source(self) -> bool:
-        """True once the engine has offered a ``LocalHitSource`` (``serve_lookups``)."""
+    def peer(self) -> str: ...
+
+    @property
+    def ready(self) -> bool:
+        """The session carries messages now (READY, not doomed)."""
         ...
 
-    def claim(self, kv_request_id: str, session: Session, *, by_fetch: bool) -> Claim | str:
-        """Bind ``kv_request_id`` to ``session``; a string is the reason it cannot be."""
+    @property
+    def read_window(self) -> float:
+        """How long after a fetch a read of ours is still within the producer's lease."""
         ...
 
-    def producer_active(self, kv_request_id: str) -> bool:
-        """A local producer request with this id exists and has not finished."""
+    def send(self, msg: Message) -> bool:
+        """Send ``msg`` (dropped when not ready). False only when the frame is over the size
+        cap: it was not sent, the session goes on, the caller fails the request it served."""
         ...
 
-    def request_gone(self, kv_request_id: str, session: Session) -> None:
-        """``session`` holds no more producer state for ``kv_request_id``."""
-        ...
 
-    def mark_failed(self, kv_request_id: str, why: str) -> None:
-        """A consumer load of this (unfinished) request failed (``why``: outcome and detail):
-        lookups answer MISS, later loads fail at once naming ``why``."""
-        ...
+class ReadOwner(Protocol):
+    """Who posted a read: told once when it terminates."""
 
-    def open_pinned(self, job: Job, kv_request_id: str, peer: str) -> None:
-        """Record a store job returned by ``LocalHitSource.pin`` in the ledger."""
-        ...
-
-    def defer_end(self, handle: object) -> None:
-        """Call ``LocalHitSource.end(handle)`` during the next ``serve_lookups``."""
-        ...
-
-    def data_peer_added(self, peer: str, session: Session) -> None:
-        """``session`` registered ``peer`` with the data transport (it now owns removal)."""
-        ...
+    def on_data(self, tid: int, ok: bool) -> None: ...
 
 
 @dataclass(eq=False)
@@ -97,7 +78,10 @@ class SessionEnv:
     timeouts: Timeouts
     limits: Limits
     local: LocalIdentity
-    host: SessionHost
-    owners: dict[int, Session] = field(default_factory=dict)
-    """Read id -> the session that posted it (routes ``data.poll`` results)."""
+    producers: ProducerDirectory
+    failed_loads: FailedLoads = field(default_factory=FailedLoads)
+    lookup_ends: LookupEnds = field(default_factory=LookupEnds)
+    data_peers: DataPeerOwners = field(default_factory=DataPeerOwners)
+    owners: dict[int, ReadOwner] = field(default_factory=dict)
+    """Read id -> who posted it (routes ``data.poll`` results)."""
     counters: Counter[str] = field(default_factory=Counter)

@@ -14,7 +14,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from p2pkv.registry import Observers
+from p2pkv.errors import UsageError
+from p2pkv.observers import Observers
 from p2pkv.types import JobResult, Outcome
 
 __all__ = ["JobLedger"]
@@ -43,9 +44,9 @@ class JobLedger:
         self.outcomes: Counter[Outcome] = Counter()
 
     def open(self, job_id: int, is_load: bool, kv_request_id: str = "", peer: str = "") -> None:
-        """Record a new job. Raises ``ValueError`` if ``job_id`` is still open (engine bug)."""
+        """Record a new job. Raises ``UsageError`` if ``job_id`` is still open (engine bug)."""
         if job_id in self._open:
-            raise ValueError(f"job id {job_id} is already in flight; job ids must be unique")
+            raise UsageError(f"job id {job_id} is already in flight; job ids must be unique")
         self._open[job_id] = _Open(is_load, kv_request_id, peer, self._clock())
 
     def set_peer(self, job_id: int, peer: str) -> None:
@@ -64,15 +65,14 @@ class JobLedger:
             return False
         self._results.append(JobResult(job_id, outcome, detail))
         self.outcomes[outcome] += 1
-        if self._observers.enabled:
-            self._observers.job_finished(
-                job_id=job_id,
-                is_load=rec.is_load,
-                outcome=outcome.value,
-                kv_request_id=rec.kv_request_id,
-                peer=rec.peer,
-                seconds=self._clock() - rec.started,
-            )
+        self._observers.job_finished(
+            job_id=job_id,
+            is_load=rec.is_load,
+            outcome=outcome.value,
+            kv_request_id=rec.kv_request_id,
+            peer=rec.peer,
+            seconds=self._clock() - rec.started,
+        )
         return True
 
     def take(self) -> list[JobResult]:

@@ -33,17 +33,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from p2pkv.errors import ProtocolError
+from p2pkv.errors import ProtocolError, UsageError
 from p2pkv.protocol import Fetch, Lookup, LookupResp, Ready, Release, RoundFailed
 from p2pkv.session.deadlines import Timer
-from p2pkv.session.env import SessionEnv
-from p2pkv.types import Job, LookupResult, Outcome
-
-if TYPE_CHECKING:
-    from p2pkv.session.session import Session
-    from p2pkv.tier import LocalHitSource
+from p2pkv.session.env import SessionEnv, SessionLink
+from p2pkv.types import Job, LocalHitSource, LookupResult, Outcome
 
 __all__ = ["ServerRole"]
 
@@ -56,7 +51,7 @@ class _StoreJob:
         "req", "timed_out", "timer",
     )
 
-    def __init__(self, job_id: int, req: _Req, keys: Sequence[bytes]) -> None:
+    def __init__(self, job_id: int, req: ProducerRequest, keys: Sequence[bytes]) -> None:
         self.job_id = job_id
         self.req = req
         self.keys = keys
@@ -75,7 +70,7 @@ class _StoreJob:
         self.timer: Timer | None = None
 
 
-class _Round:
+class FetchRound:
     __slots__ = ("failure", "no", "pins", "timer", "unready", "waiting")
 
     def __init__(self, no: int, size: int) -> None:
@@ -91,7 +86,7 @@ class _Round:
         self.timer: Timer | None = None
 
 
-class _Req:
+class ProducerRequest:
     __slots__ = ("demand", "demand_pos", "jobs", "kv", "max_round", "released", "rounds",
                  "supply", "supply_job", "supply_open")
 
@@ -100,10 +95,10 @@ class _Req:
         self.supply: dict[bytes, int] = {}
         """Key -> our slot holding it (with ``supply_job``: the job that pins it)."""
         self.supply_job: dict[bytes, _StoreJob] = {}
-        self.demand: dict[bytes, _Round] = {}
+        self.demand: dict[bytes, FetchRound] = {}
         """Key -> the open round waiting for it (with ``demand_pos``: its position there)."""
         self.demand_pos: dict[bytes, int] = {}
-        self.rounds: dict[int, _Round] = {}
+        self.rounds: dict[int, FetchRound] = {}
         self.jobs: set[_StoreJob] = set()
         self.max_round = -1
         self.supply_open = supply_open
@@ -126,11 +121,11 @@ class _Serve:
 class ServerRole:
     """The producer half of one session (see the module docstring)."""
 
-    def __init__(self, env: SessionEnv, session: Session) -> None:
+    def __init__(self, env: SessionEnv, session: SessionLink) -> None:
         self.env = env
         self.session = session
         self.peer = session.peer
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, ProducerRequest] = {}
         self.serves: dict[int, _Serve] = {}
         self.last_lookup_seq = -1
         self.closing = False
@@ -139,7 +134,7 @@ class ServerRole:
         """Open fetch rounds over all requests (kept as a counter: ``busy`` is hot)."""
         self.n_pins = 0
         """Pinned blocks over all rounds (also after ``close``, until released or expired)."""
-        self._closed_rounds: list[tuple[_Req, _Round]] = []
+        self._closed_rounds: list[tuple[ProducerRequest, FetchRound]] = []
         """Rounds with pins when the session closed (their leases still run)."""
 
     # -- engine side ------------------------------------------------------------------------
@@ -148,7 +143,7 @@ class ServerRole:
         """Offer a store job's blocks for ``kv`` (bound to this session)."""
         req = self.reqs.get(kv)
         if req is None:  # bound requests always have state; recreate defensively
-            req = self.reqs[kv] = _Req(kv, self.env.host.producer_active(kv))
+            req = self.reqs[kv] = ProducerRequest(kv, self.env.producers.producer_active(kv))
         self._add_supply(req, job)
 
     def producer_finished(self, kv: str) -> None:
@@ -182,59 +177,78 @@ class ServerRole:
     # -- messages ---------------------------------------------------------------------------
 
     def on_fetch(self, msg: Fetch) -> None:
-        keys, kv = msg.keys, msg.kv_request_id
-        if keys:
-            if len(set(keys)) != len(keys):
-                raise ProtocolError("fetch.keys: duplicate key")
-            if self.winding_down:
-                req = self.reqs.get(kv)
-                if req is not None:  # its release(read=False) will name this round
-                    req.max_round = max(req.max_round, msg.round)
-                self._send_failed(kv, msg.round, Outcome.PEER_DEAD,
-                                  "the producer is shutting down")
-                return
+        """Open a round for the fetched keys (or release the request on a terminal fetch);
+        a fetch that cannot be served is answered ``round_failed`` at once."""
+        if msg.keys and len(set(msg.keys)) != len(msg.keys):
+            raise ProtocolError("fetch.keys: duplicate key")
+        if msg.keys and self.winding_down:
+            self._refuse_winding_down(msg)
+            return
         req = self._request_for_fetch(msg)
         if req is None:
             return
-        if not keys:
+        if not msg.keys:
             self._release_request(req)
             return
+        held_all = self._servable(req, msg)
+        if held_all is not None:
+            rnd = FetchRound(msg.round, len(msg.keys))
+            req.rounds[msg.round] = rnd
+            self.n_rounds += 1
+            self._arm_lease(rnd, req)
+            self._match_fetch(req, rnd, msg.keys, held_all)
+
+    def _refuse_winding_down(self, msg: Fetch) -> None:
+        req = self.reqs.get(msg.kv_request_id)
+        if req is not None:  # its release(read=False) will name this round
+            req.max_round = max(req.max_round, msg.round)
+        self._send_failed(msg.kv_request_id, msg.round, Outcome.PEER_DEAD,
+                          "the producer is shutting down")
+
+    def _servable(self, req: ProducerRequest, msg: Fetch) -> bool | None:
+        """Whether the supply holds every key of the fetch, or None when it cannot be served
+        (a request conflict, or demand the closed supply cannot meet: answered already)."""
+        keys = msg.keys
         conflict = self._conflict(req, keys)
         if conflict:  # a request-level conflict fails that round, not the session
-            log.warning("peer %s: round %d of %r refused: %s", self.peer, msg.round, kv,
+            log.warning("peer %s: round %d of %r refused: %s", self.peer, msg.round, req.kv,
                         conflict)
-            self._send_failed(kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
-            return
+            self._send_failed(req.kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
+            return None
         supply = req.supply
         held_all = supply.keys() >= set(keys)
         if not req.supply_open and not held_all:
             missing = sum(1 for k in keys if k not in supply)
-            self._send_failed(kv, msg.round, Outcome.DEMAND_UNMET,
+            self._send_failed(req.kv, msg.round, Outcome.DEMAND_UNMET,
                               f"{missing} of {len(keys)} block(s) are not held and cannot "
                               f"arrive")
             self._maybe_drop(req)
-            return
-        rnd = _Round(msg.round, len(keys))
-        req.rounds[msg.round] = rnd
-        self.n_rounds += 1
-        self._arm_lease(rnd, req)
-        self._match_fetch(req, rnd, keys, held_all)
+            return None
+        return held_all
 
-    def _request_for_fetch(self, msg: Fetch) -> _Req | None:
+    def _claimed(self, kv: str, *, by_fetch: bool) -> ProducerRequest | str:
+        """The state for ``kv``, claiming the request (and its parked stores) on first sight;
+        why it cannot be served here, if so."""
+        req = self.reqs.get(kv)
+        if req is None:
+            claim = self.env.producers.claim(kv, self, by_fetch=by_fetch)
+            if isinstance(claim, str):
+                return claim
+            req = self.reqs[kv] = ProducerRequest(kv, claim.supply_open)
+            for job in claim.parked:
+                self._add_supply(req, job)
+        return req
+
+    def _request_for_fetch(self, msg: Fetch) -> ProducerRequest | None:
         """The producer state for ``msg``'s request (claimed on first sight), after checking
         its round number; None when there is nothing to serve (answered already)."""
         kv = msg.kv_request_id
-        req = self.reqs.get(kv)
-        if req is None:
-            if not msg.keys:
-                return None  # terminal fetch for a request we hold nothing for
-            claim = self.env.host.claim(kv, self.session, by_fetch=True)
-            if isinstance(claim, str):
-                self._send_failed(kv, msg.round, Outcome.DEMAND_UNMET, claim)
-                return None
-            req = self.reqs[kv] = _Req(kv, claim.supply_open)
-            for job in claim.parked:
-                self._add_supply(req, job)
+        if not msg.keys and kv not in self.reqs:
+            return None  # terminal fetch for a request we hold nothing for
+        req = self._claimed(kv, by_fetch=True)
+        if isinstance(req, str):
+            self._send_failed(kv, msg.round, Outcome.DEMAND_UNMET, req)
+            return None
         if msg.round <= req.max_round:  # e.g. a finished kv_request_id reused: that round fails
             if msg.keys:
                 self._send_failed(kv, msg.round, Outcome.REQUEST_CONFLICT,
@@ -245,7 +259,8 @@ class ServerRole:
         req.max_round = msg.round
         return req
 
-    def _match_fetch(self, req: _Req, rnd: _Round, keys: list[bytes], held_all: bool) -> None:
+    def _match_fetch(self, req: ProducerRequest, rnd: FetchRound, keys: list[bytes],
+                     held_all: bool) -> None:
         supply, supply_job, demand, demand_pos = (req.supply, req.supply_job, req.demand,
                                                   req.demand_pos)
         if held_all:  # producer first: everything is here (C-level passes)
@@ -274,7 +289,7 @@ class ServerRole:
             self._ready(req, rnd, pos, src, jobs)
 
     @staticmethod
-    def _conflict(req: _Req, keys: list[bytes]) -> str:
+    def _conflict(req: ProducerRequest, keys: list[bytes]) -> str:
         """Why a new round of ``req`` asking for ``keys`` cannot be served, or ``""``."""
         if req.released:
             return f"{req.kv!r} was already ended by a terminal fetch"
@@ -310,7 +325,7 @@ class ServerRole:
                 f"lookup.seq: {msg.seq} is not above the previous lookup {self.last_lookup_seq}"
             )
         self.last_lookup_seq = msg.seq
-        if not self.env.host.has_hit_source or self.winding_down:
+        if not self.env.lookup_ends.source_seen or self.winding_down:
             self.session.send(LookupResp(msg.seq, [False] * len(msg.keys)))
             return
         serve = _Serve(msg.seq, msg.kv_request_id, msg.keys)
@@ -373,24 +388,20 @@ class ServerRole:
     def _adopt_pinned(self, kv: str, job: Job) -> set[bytes] | None:
         """Turn a pinned job into supply for ``kv``; None if it cannot serve (then the job
         already has its result, or could not be recorded)."""
+        ledger = self.env.ledger
         try:
-            self.env.host.open_pinned(job, kv, self.peer)
-        except ValueError:
+            ledger.open(job.job_id, False, kv, self.peer)
+        except UsageError:
             log.exception("peer %s: hit source pinned an unusable job; answering MISS", self.peer)
             return None
         if job.is_load or len(job.keys) != len(job.block_ids):
-            self.env.ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
-                                  "pinned job is not a store with one slot per key")
+            ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
+                         "pinned job is not a store with one slot per key")
             return None
-        req = self.reqs.get(kv)
-        if req is None:
-            claim = self.env.host.claim(kv, self.session, by_fetch=False)
-            if isinstance(claim, str):
-                self.env.ledger.close(job.job_id, Outcome.NOTHING_TO_DO, claim)
-                return None
-            req = self.reqs[kv] = _Req(kv, claim.supply_open)
-            for parked in claim.parked:
-                self._add_supply(req, parked)
+        req = self._claimed(kv, by_fetch=False)
+        if isinstance(req, str):
+            ledger.close(job.job_id, Outcome.NOTHING_TO_DO, req)
+            return None
         self._add_supply(req, job)
         return set(job.keys)
 
@@ -398,7 +409,7 @@ class ServerRole:
         self._finish_serve(serve, [False] * len(serve.keys))
         if serve.begun:
             if source is None:
-                self.env.host.defer_end(serve.handle)
+                self.env.lookup_ends.defer(serve.handle)
             else:
                 self._end(source, serve.handle)
 
@@ -410,13 +421,12 @@ class ServerRole:
     def _serve_expired(self, serve: _Serve) -> None:
         """The lookup deadline passed with no ``serve_lookups`` call to finish it: MISS."""
         serve.timer = None
-        if self.env.observers.enabled:
-            self.env.observers.timeout(kind="lookup", kv_request_id=serve.kv, peer=self.peer)
+        self.env.observers.timeout(kind="lookup", kv_request_id=serve.kv, peer=self.peer)
         self._answer_miss(serve, None)
 
     # -- supply and matching ----------------------------------------------------------------
 
-    def _add_supply(self, req: _Req, job: Job) -> None:
+    def _add_supply(self, req: ProducerRequest, job: Job) -> None:
         sj = _StoreJob(job.job_id, req, job.keys)
         req.jobs.add(sj)
         env = self.env
@@ -434,7 +444,7 @@ class ServerRole:
             sj.remaining -= len(keys) - (len(supply) - before)  # a key twice in one job
             self._maybe_release_job(sj)
             return
-        matched: dict[_Round, tuple[list[int], list[int], list[_StoreJob]]] = {}
+        matched: dict[FetchRound, tuple[list[int], list[int], list[_StoreJob]]] = {}
         for key, slot in zip(keys, job.block_ids, strict=True):
             rnd = demand.pop(key, None)
             if rnd is None:
@@ -455,7 +465,7 @@ class ServerRole:
             self._ready(req, rnd, pos, src, jobs)
         self._maybe_release_job(sj)
 
-    def _ready(self, req: _Req, rnd: _Round, pos: list[int], src: list[int],
+    def _ready(self, req: ProducerRequest, rnd: FetchRound, pos: list[int], src: list[int],
                jobs: list[_StoreJob]) -> None:
         """Pin ``src`` (blocks of ``jobs``) for the lease and tell the consumer."""
         rnd.unready -= len(pos)
@@ -464,15 +474,17 @@ class ServerRole:
         for sj in jobs:
             sj.pinned += 1
         self._arm_lease(rnd, req)
-        self.session.send(Ready(req.kv, rnd.no, pos, src))
+        if not self.session.send(Ready(req.kv, rnd.no, pos, src)):  # the consumer's frame cap
+            self._fail_round(req, rnd, Outcome.SUBMIT_FAILED, "its ready is larger than a "
+                             "frame may be")
 
-    def _arm_lease(self, rnd: _Round, req: _Req) -> None:
+    def _arm_lease(self, rnd: FetchRound, req: ProducerRequest) -> None:
         env = self.env
         env.deadlines.cancel(rnd.timer)
         rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._lease_expired,
                                      (req, rnd))
 
-    def _unpin(self, rnd: _Round, failure: tuple[Outcome, str] | None) -> None:
+    def _unpin(self, rnd: FetchRound, failure: tuple[Outcome, str] | None) -> None:
         """Release the round's pins: delivered (``failure`` None) or failed with it."""
         pins, rnd.pins = rnd.pins, []
         self.n_pins -= len(pins)
@@ -489,7 +501,8 @@ class ServerRole:
 
     # -- rounds -----------------------------------------------------------------------------
 
-    def _fail_round(self, req: _Req, rnd: _Round, outcome: Outcome, detail: str) -> None:
+    def _fail_round(self, req: ProducerRequest, rnd: FetchRound, outcome: Outcome,
+                    detail: str) -> None:
         """Tell the consumer the round cannot be served; it ends once its pins are released
         (at once when it has none)."""
         if rnd.failure is not None:
@@ -502,14 +515,14 @@ class ServerRole:
             self._end_round(req, rnd)
 
     @staticmethod
-    def _drop_waiting(req: _Req, rnd: _Round) -> None:
+    def _drop_waiting(req: ProducerRequest, rnd: FetchRound) -> None:
         if rnd.waiting:
             for k in [k for k, r in req.demand.items() if r is rnd]:
                 del req.demand[k]
                 del req.demand_pos[k]
             rnd.waiting = 0
 
-    def _end_round(self, req: _Req, rnd: _Round) -> None:
+    def _end_round(self, req: ProducerRequest, rnd: FetchRound) -> None:
         if req.rounds.get(rnd.no) is not rnd:
             return
         self._drop_waiting(req, rnd)
@@ -520,23 +533,22 @@ class ServerRole:
         self._maybe_drop(req)
 
     def _send_failed(self, kv: str, rnd_no: int, outcome: Outcome, detail: str) -> None:
-        self.session.send(RoundFailed(kv, rnd_no, f"{outcome.value}: {detail}"))
+        self.session.send(RoundFailed(kv, rnd_no, f"{outcome.value}: {detail}", outcome.value))
 
-    def _lease_expired(self, arg: tuple[_Req, _Round]) -> None:
+    def _lease_expired(self, arg: tuple[ProducerRequest, FetchRound]) -> None:
         """The lease after the round's latest ``ready`` (or its fetch) passed without a
         release: the consumer gave it up (or is paused, or gone); unpin and end it."""
         req, rnd = arg
         rnd.timer = None
         env = self.env
-        if env.observers.enabled:
-            env.observers.timeout(kind="lease", kv_request_id=req.kv, peer=self.peer)
+        env.observers.timeout(kind="lease", kv_request_id=req.kv, peer=self.peer)
         detail = f"the consumer did not release it within the lease ({env.timeouts.lease}s)"
         self._unpin(rnd, (Outcome.TRANSFER_FAILED, detail))
         if rnd.failure is None and not self.closing:
             self._fail_round(req, rnd, Outcome.LOAD_TIMEOUT, detail)
         self._end_round(req, rnd)
 
-    def _release_request(self, req: _Req) -> None:
+    def _release_request(self, req: ProducerRequest) -> None:
         """Terminal fetch: the consumer is done with ``req``; release everything."""
         req.released = True
         req.supply.clear()
@@ -553,8 +565,7 @@ class ServerRole:
 
     def _store_timeout(self, sj: _StoreJob) -> None:
         sj.timer = None
-        if self.env.observers.enabled:
-            self.env.observers.timeout(kind="store", kv_request_id=sj.req.kv, peer=self.peer)
+        self.env.observers.timeout(kind="store", kv_request_id=sj.req.kv, peer=self.peer)
         sj.timed_out = True  # a job being read fails only once the release decided
         self._withdraw(sj)
         self._maybe_release_job(sj)
@@ -605,13 +616,13 @@ class ServerRole:
         sj.req.jobs.discard(sj)
         self._maybe_drop(sj.req)
 
-    def _maybe_drop(self, req: _Req) -> None:
+    def _maybe_drop(self, req: ProducerRequest) -> None:
         if self.closing or req.rounds or req.jobs or self.reqs.get(req.kv) is not req:
             return
-        if self.env.host.producer_active(req.kv):
+        if self.env.producers.producer_active(req.kv):
             return  # keep the binding: more stores will come for this request
         del self.reqs[req.kv]
-        self.env.host.request_gone(req.kv, self.session)
+        self.env.producers.request_gone(req.kv, self)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -624,7 +635,7 @@ class ServerRole:
         for serve in self.serves.values():
             env.deadlines.cancel(serve.timer)
             if serve.begun:
-                env.host.defer_end(serve.handle)
+                env.lookup_ends.defer(serve.handle)
         self.serves.clear()
         reqs = list(self.reqs.values())
         self.reqs.clear()
@@ -637,7 +648,7 @@ class ServerRole:
                     del req.rounds[rnd.no]
             for sj in list(req.jobs):
                 self._fail_job(sj, outcome, reason)
-            env.host.request_gone(req.kv, self.session)
+            env.producers.request_gone(req.kv, self)
         self._closed_rounds = [(req, rnd) for req in reqs for rnd in req.rounds.values()]
         self.n_rounds = len(self._closed_rounds)
 

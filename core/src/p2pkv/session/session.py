@@ -20,10 +20,10 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from p2pkv.contracts import ControlConnection
-from p2pkv.errors import ProtocolError
+from p2pkv.errors import FrameTooLarge, ProtocolError
 from p2pkv.protocol import (
     WIRE_MAJOR,
     WIRE_MINOR,
@@ -53,6 +53,10 @@ __all__ = ["Doom", "Session", "State"]
 log = logging.getLogger(__name__)
 
 REJECTED_PREFIX = "rejected: "
+"""Head of a rejecting bye's reason (what a 2.0 peer recognises a rejection by)."""
+_BYE_OUTCOMES = {Outcome.PEER_REJECTED.value: Outcome.PEER_REJECTED,
+                 Outcome.PROTOCOL_ERROR.value: Outcome.PROTOCOL_ERROR}
+"""The ``bye.outcome`` values other than ``peer_dead`` (the default for anything else)."""
 
 
 class State(enum.Enum):
@@ -61,15 +65,12 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-class Doom:
+class Doom(NamedTuple):
     """Why a session must be closed: the jobs' outcome, the reason, and whether to say bye."""
 
-    __slots__ = ("bye", "outcome", "reason")
-
-    def __init__(self, outcome: Outcome, reason: str, bye: str | None) -> None:
-        self.outcome = outcome
-        self.reason = reason
-        self.bye = bye
+    outcome: Outcome
+    reason: str
+    bye: str | None
 
 
 class Session:
@@ -162,32 +163,38 @@ class Session:
         env.deadlines.cancel(self.timer)
         self.timer = None
         if bye is not None and self.conn.alive:
-            self._send_now(Bye(bye))
+            told = outcome if outcome.value in _BYE_OUTCOMES else Outcome.PEER_DEAD
+            self._send_now(Bye(bye, told.value))
         self.state = State.CLOSED
         if close_conn:
             self.conn.close()
         log.info("session with %s closed: %s", self.peer, reason)
-        if env.observers.enabled:
-            env.observers.session_closed(peer=self.peer, reason=reason)
+        env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)
 
-    def on_data(self, tid: int, ok: bool) -> None:
-        """A read of this session terminated."""
-        self.client.on_read(tid, ok)
-
     # -- sending ----------------------------------------------------------------------------
 
-    def send(self, msg: Message) -> None:
-        """Send a non-handshake message; dropped when the session is not ready."""
+    def send(self, msg: Message) -> bool:
+        """Send a non-handshake message; dropped when the session is not ready. False when
+        the frame is over the size cap: not sent, the session goes on, and the caller fails
+        the request that built it."""
         if self.state is State.READY and self.doomed is None:
-            self._send_now(msg)
+            return self._send_now(msg, oversize_fails_session=False)
+        return True
 
-    def _send_now(self, msg: Message) -> None:
+    def _send_now(self, msg: Message, *, oversize_fails_session: bool = True) -> bool:
         try:
             self.conn.send(encode(msg))
-        except Exception as exc:  # ConnectionClosed, SendQueueFull, oversized frame, ...
+        except (FrameTooLarge, ProtocolError) as exc:  # ProtocolError: older transports
+            if oversize_fails_session:
+                self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
+            else:
+                log.warning("session %s: %s not sent: %s", self.peer, message_type(msg), exc)
+            return False
+        except Exception as exc:  # ConnectionClosed, SendQueueFull, ...
             self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
+        return True
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -228,8 +235,7 @@ class Session:
         env = self.env
         log.warning("protocol error from %s: %s; closing the session", self.peer, reason)
         env.counters["protocol_errors"] += 1
-        if env.observers.enabled:
-            env.observers.protocol_error(peer=self.peer, reason=reason)
+        env.observers.protocol_error(peer=self.peer, reason=reason)
         self.doom(Outcome.PROTOCOL_ERROR, f"protocol error: {reason}",
                   f"protocol error: {reason}")
 
@@ -268,7 +274,7 @@ class Session:
         except Exception as exc:  # PeerRejected, or a transport bug: refuse either way
             self._reject(f"data transport refused the peer: {exc}")
             return
-        self.env.host.data_peer_added(self.peer, self)
+        self.env.data_peers.added(self.peer, self)
         self.peer_hello = msg
         self._send_now(HelloAck(msg.epoch))
         self._maybe_ready()
@@ -295,8 +301,7 @@ class Session:
         env = self.env
         log.warning("rejecting peer %s: %s", self.peer, reason)
         env.counters["handshake_rejections"] += 1
-        if env.observers.enabled:
-            env.observers.handshake_rejected(peer=self.peer, reason=reason)
+        env.observers.handshake_rejected(peer=self.peer, reason=reason)
         self.doom(Outcome.PEER_REJECTED, f"rejected {self.peer}: {reason}",
                   REJECTED_PREFIX + reason)
 
@@ -311,16 +316,14 @@ class Session:
 
     def _on_bye(self, msg: Bye) -> None:
         env = self.env
-        if msg.reason.startswith(REJECTED_PREFIX):
-            reason = msg.reason[len(REJECTED_PREFIX):]
+        outcome = _BYE_OUTCOMES.get(msg.outcome, Outcome.PEER_DEAD)
+        if outcome is Outcome.PEER_REJECTED:
+            reason = msg.reason.removeprefix(REJECTED_PREFIX)
             log.warning("peer %s rejected us: %s", self.peer, reason)
             env.counters["handshake_rejections"] += 1
-            if env.observers.enabled:
-                env.observers.handshake_rejected(peer=self.peer, reason=reason)
-            self.doom(Outcome.PEER_REJECTED, f"{self.peer} rejected us: {reason}", None)
+            env.observers.handshake_rejected(peer=self.peer, reason=reason)
+            self.doom(outcome, f"{self.peer} rejected us: {reason}", None)
         else:
-            outcome = (Outcome.PROTOCOL_ERROR if msg.reason.startswith("protocol error")
-                       else Outcome.PEER_DEAD)
             self.doom(outcome, f"peer said bye: {msg.reason}", None)
 
     def _maybe_ready(self) -> None:
@@ -331,15 +334,13 @@ class Session:
         self.timer = None
         self.state = State.READY
         log.debug("session with %s ready", self.peer)
-        if env.observers.enabled:
-            env.observers.session_opened(peer=self.peer, local=env.local.address)
+        env.observers.session_opened(peer=self.peer, local=env.local.address)
         self.client.on_session_ready()
 
     def _handshake_expired(self, _: object) -> None:
         self.timer = None
         env = self.env
-        if env.observers.enabled:
-            env.observers.timeout(kind="handshake", kv_request_id="", peer=self.peer)
+        env.observers.timeout(kind="handshake", kv_request_id="", peer=self.peer)
         self.doom(Outcome.PEER_DEAD, f"handshake with {self.peer} not complete within "
                   f"{env.timeouts.handshake}s", "handshake timeout")
 
