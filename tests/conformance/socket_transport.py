@@ -124,6 +124,8 @@ class SocketDataTransport(DataTransport):
         return json.dumps(desc).encode()
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        if self._blocks is None:
+            raise PeerRejected(f"peer {peer_id!r}: the socket data transport is closed")
         try:
             desc: Any = json.loads(descriptor)
             address, num_blocks, block_len = desc["socket"], desc["num_blocks"], desc["block_len"]

@@ -47,7 +47,8 @@ def test_an_installed_transport_passes_by_name(
     _, report = run
     found = cases(report, "loopback")
     kinds = {key.split("::")[0] for key in found}
-    assert kinds == {"TestControlTransport", "TestDataTransport"}, "both kinds should run"
+    assert kinds == {"TestControlTransport", "TestDataTransport", "TestControlMachine",
+                     "TestDataMachine"}, "both kinds should run, suite and state machine"
     failed = [k for k, c in found.items() if failed_case(c)]
     assert not failed, failed
     passed = [k for k, c in found.items() if c.find("skipped") is None]
@@ -62,3 +63,15 @@ def test_an_unknown_name_fails_with_the_registry_hint(
     assert found and all(failed_case(c) for c in found.values())  # one per kind
     assert "did you mean 'loopback'" in proc.stdout
     assert proc.returncode != 0
+
+
+def test_a_kind_not_asked_for_is_deselected(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+         "--p2pkv-transport", "loopback", "--p2pkv-kind", "data", "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert "TestDataTransport" in proc.stdout and "TestDataMachine" in proc.stdout
+    assert "Control" not in proc.stdout.replace("deselected", ""), proc.stdout
+    assert "deselected" in proc.stdout and "skipped" not in proc.stdout

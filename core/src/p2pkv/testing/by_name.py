@@ -2,7 +2,9 @@
 
 Collected only through ``pytest --p2pkv-transport NAME`` (see :mod:`p2pkv.testing.pytest_plugin`);
 a name that is not installed fails with the registry's explanation (what is installed, which
-distribution provides it).
+distribution provides it). Each kind runs its suite and its state machine (with the kit's
+hypothesis settings unless ``--hypothesis-profile`` names another); a kind with no transport
+among the names (``--p2pkv-kind``, or a name installed as one kind only) is deselected.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from hypothesis.stateful import run_state_machine_as_test
 
 from p2pkv.contracts import TransportKind
 from p2pkv.registry import default_registry
+from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
 from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite, installed_transport
+
+NO_TRANSPORT = ""
+"""The parameter of a kind no name is installed as: the plugin deselects its tests."""
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -31,12 +38,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         kinds = installed or {"control", "data"}  # not installed: fail with the registry's hint
         if wanted in (kind, "both") and kind in kinds:
             names.append(name)
-    if not names:
-        skip = pytest.mark.skip(reason=f"no {kind} transport among --p2pkv-transport names")
-        metafunc.parametrize("p2pkv_transport_name", [pytest.param("", marks=skip)],
-                             scope="class", ids=["none"])
-        return
-    metafunc.parametrize("p2pkv_transport_name", names, scope="class")
+    metafunc.parametrize("p2pkv_transport_name", names or [NO_TRANSPORT], scope="class",
+                         ids=None if names else ["none"])
 
 
 class _ByName:
@@ -65,3 +68,27 @@ class TestControlTransport(_ByName, ControlTransportSuite):
 
 class TestDataTransport(_ByName, DataTransportSuite):
     pass
+
+
+class _MachineByName(_ByName):
+    machine: type[Any]
+    timeout: float = 10.0
+    liveness_timeout: float = 10.0
+
+    def test_state_machine(
+        self, transport_class: type[Any], transport_options: Mapping[str, Any]
+    ) -> None:
+        attrs = {"transport": transport_class, "options": transport_options,
+                 "timeout": self.timeout, "liveness_timeout": self.liveness_timeout}
+        run_state_machine_as_test(type(f"{transport_class.__name__}Machine", (self.machine,),
+                                       attrs))
+
+
+class TestControlMachine(_MachineByName):
+    kind = "control"
+    machine = ControlTransportMachine
+
+
+class TestDataMachine(_MachineByName):
+    kind = "data"
+    machine = DataTransportMachine

@@ -61,7 +61,9 @@ class RemotePeerError(Exception):
 
 
 def make_region(num_blocks: int, block_len: int) -> npt.NDArray[np.uint8]:
-    """A zeroed, C-contiguous, writable ``num_blocks * block_len`` byte region."""
+    """A zeroed, C-contiguous, writable ``num_blocks * block_len`` byte region of process
+    memory (for tests that need a region with no transport class; the kit's peers get theirs
+    from ``allocate_region``)."""
     return np.zeros(num_blocks * block_len, dtype=np.uint8)
 
 
@@ -140,7 +142,8 @@ class DataPeer(ABC):
 
 
 class LocalDataPeer(DataPeer):
-    """A data transport of class ``cls`` over a fresh region, in this process."""
+    """A data transport of class ``cls`` over a fresh region from ``cls.allocate_region``, in
+    this process."""
 
     mode = "same-process"
 
@@ -151,9 +154,18 @@ class LocalDataPeer(DataPeer):
         block_len: int,
         options: Mapping[str, Any],
     ) -> None:
-        self.array = make_region(num_blocks, block_len)
+        self.region = cls.allocate_region(num_blocks, block_len, options)
+        """The region, as the transport class allocated it (``allocate_region``)."""
+        assert isinstance(self.region, memoryview) and self.region.nbytes == (
+            num_blocks * block_len
+        ), (
+            f"{cls.__name__}.allocate_region({num_blocks}, {block_len}) must return a "
+            f"memoryview of {num_blocks * block_len} bytes, got {self.region!r}"
+        )
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(self.region, dtype=np.uint8)
+        assert not self.array.any(), f"{cls.__name__}.allocate_region must return zeroed memory"
         self.transport = cls.create(
-            DataSettings(region=self.array.data, block_len=block_len, options=options)
+            DataSettings(region=self.region, block_len=block_len, options=options)
         )
         self._descriptor = self.transport.descriptor()
         self._block_len = block_len

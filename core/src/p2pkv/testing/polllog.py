@@ -21,7 +21,9 @@ __all__ = ["PollLog"]
 class PollLog:
     """Bookkeeping of one data transport's reads, as seen through its ``poll``.
 
-    ``poll_fn`` is the transport's (or peer's) ``poll``; ``cancel_fn`` its ``cancel``.
+    ``poll_fn`` is the transport's (or peer's) ``poll``; ``cancel_fn`` its ``cancel``;
+    ``check_done(tid)``, when given, runs for every id the moment a poll reports it done (the
+    bytes must be in place then, not one call later).
     """
 
     def __init__(
@@ -29,9 +31,11 @@ class PollLog:
         poll_fn: Callable[[str | None], PollResult],
         cancel_fn: Callable[[Sequence[int]], object] | None = None,
         name: str = "transport",
+        check_done: Callable[[int], None] | None = None,
     ) -> None:
         self._poll = poll_fn
         self._cancel = cancel_fn
+        self._check_done = check_done
         self.name = name
         self.peer_of: dict[int, str] = {}
         self.done: set[int] = set()
@@ -72,6 +76,9 @@ class PollLog:
             self._check_reportable(tid, peer_id)
         self.done.update(done)
         self.failed.update(failed)
+        if self._check_done is not None:
+            for tid in done:
+                self._check_done(tid)
         return PollResult(done, failed)
 
     def _check_reportable(self, tid: int, peer_id: str | None) -> None:

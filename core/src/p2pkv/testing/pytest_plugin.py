@@ -6,16 +6,24 @@
 paths the kit runs alongside them. ``--p2pkv-kind`` limits the run to control or data (by
 default every kind ``NAME`` is installed as), ``--p2pkv-options`` passes a JSON object as the
 transport's options, ``--p2pkv-timeout`` bounds each awaited event.
+
+Importing the plugin registers the kit's hypothesis profile ``p2pkv`` (see
+:mod:`p2pkv.testing.profiles`), so ``pytest --hypothesis-profile p2pkv`` selects it for every
+hypothesis test of the run; the kit's machines use it by default anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
 
-__all__ = ["pytest_addoption", "pytest_configure"]
+with contextlib.suppress(ImportError):  # hypothesis comes with p2pkv[testing]
+    from p2pkv.testing import profiles  # noqa: F401 - registers the hypothesis profile "p2pkv"
+
+__all__ = ["pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
 
 BY_NAME_MODULE = Path(__file__).with_name("by_name.py")
 
@@ -65,3 +73,20 @@ def pytest_configure(config: pytest.Config) -> None:
             config.args.append(module)
     else:
         config.args[:] = [module]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the kit's tests of a kind no ``--p2pkv-transport`` name is (not skip them)."""
+    if not config.getoption("p2pkv_transport"):
+        return
+    from p2pkv.testing.by_name import NO_TRANSPORT
+
+    def unwanted(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        return (Path(str(item.path)) == BY_NAME_MODULE and callspec is not None
+                and callspec.params.get("p2pkv_transport_name") == NO_TRANSPORT)
+
+    dropped = [item for item in items if unwanted(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not unwanted(item)]

@@ -33,7 +33,8 @@ order, with nothing from another connection; every inbound connection is accepte
 closed end refuses sends; at teardown every frame sent on a live connection has arrived and
 every closed connection is seen dead by the other end.
 
-Machines use same-process peers only.
+Machines use same-process peers only. They run with the kit's recommended hypothesis
+settings unless you load a profile of your own (:mod:`p2pkv.testing.profiles`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from p2pkv.contracts import Capabilities, ControlTransport, DataTransport
 from p2pkv.errors import ConnectionClosed, TransferSubmitError, TransportUnavailable
 from p2pkv.testing.peers import LocalControlPeer, LocalDataPeer, pattern
 from p2pkv.testing.polllog import PollLog
+from p2pkv.testing.profiles import KitMachine
 from p2pkv.testing.strategies import binary_frames
 from p2pkv.testing.waiting import pumping_in_background, quietly, wait_until
 
@@ -97,7 +99,7 @@ _BAD_READS = ("local-too-big", "local-negative", "remote-too-big", "remote-negat
               "local-duplicate", "lengths-differ", "empty")
 
 
-class DataTransportMachine(RuleBasedStateMachine):
+class DataTransportMachine(KitMachine):
     """The ``DataTransport`` contract as a state machine (see the module docstring)."""
 
     transport: ClassVar[type[DataTransport] | None] = None
@@ -366,7 +368,7 @@ class _End:
         return self.closed or self.died
 
 
-class ControlTransportMachine(RuleBasedStateMachine):
+class ControlTransportMachine(KitMachine):
     """The ``ControlTransport`` contract as a state machine (see the module docstring).
 
     Node 0 is the transport under test; nodes 1.. are peers of the same class. Every frame

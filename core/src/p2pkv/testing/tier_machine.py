@@ -29,7 +29,7 @@ Usage (``core/tests/test_stateful_tier.py`` runs it over the memory transports w
         data_transport = NixlDataTransport
 
     def test_tiers():
-        run_state_machine_as_test(ZmqNixlTiers, settings=settings(max_examples=5))
+        run_state_machine_as_test(ZmqNixlTiers)   # the kit's settings (p2pkv.testing.profiles)
 
 The machine reads tier internals (``_sessions``, ``_state_sizes``) to inject connection kills
 and to check that nothing is left behind; it is for tests, not a public API of the tier.
@@ -44,12 +44,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import Bundle, initialize, invariant, rule
 
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, ControlTransport, DataSettings, DataTransport
 from p2pkv.registry import Registry
+from p2pkv.testing.profiles import KitMachine
 from p2pkv.testing.waiting import WaitTimeout, wait_until
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
@@ -74,7 +75,8 @@ class FakeClock:
 
 
 class TierNode:
-    """One ``P2PTier`` over fresh instances of the given transports, its region and results.
+    """One ``P2PTier`` over fresh instances of the given transports, its region (from the data
+    transport's ``allocate_region``) and results.
 
     ``faults`` (a ``FaultInjector``) wraps both transports when given. ``blocks`` is a
     ``(num_blocks, block_len)`` numpy view of the region, filled from ``seed``. ``collect``
@@ -89,7 +91,8 @@ class TierNode:
                  host: str = "127.0.0.1", port: int = 0, registry: Registry | None = None,
                  **config_overrides: Any) -> None:
         self.clock = clock
-        self.region = bytearray(num_blocks * block_len)
+        options = dict(data_options or {})
+        self.region = data.allocate_region(num_blocks, block_len, options)
         self.blocks = np.frombuffer(self.region, dtype=np.uint8).reshape(num_blocks, block_len)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
         cfg = TierConfig.from_dict({"control": control.name, "data": data.name, "host": host,
@@ -99,9 +102,7 @@ class TierNode:
             options=dict(control_options or {}),
         ))
         try:
-            dt: Any = data.create(
-                DataSettings(memoryview(self.region), block_len, dict(data_options or {}))
-            )
+            dt: Any = data.create(DataSettings(self.region, block_len, options))
         except BaseException:
             ctl.close()
             raise
@@ -109,7 +110,7 @@ class TierNode:
             ctl = faults.control(ctl)
             dt = faults.data(dt, local=ctl.local_address)
         self.control, self.data = ctl, dt
-        self.tier = P2PTier(cfg, memoryview(self.region), block_len,
+        self.tier = P2PTier(cfg, self.region, block_len,
                             registry=registry or Registry.from_plugins([]), clock=clock,
                             control=ctl, data=dt)
         self.address = self.tier.local_address
@@ -210,7 +211,7 @@ class Source:
         pass
 
 
-class TierMachine(RuleBasedStateMachine):
+class TierMachine(KitMachine):
     """Two or more ``P2PTier`` nodes over any (control, data) transport pair.
 
     Subclass and set ``control_transport``/``data_transport`` (and their ``*_options``);
