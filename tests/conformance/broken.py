@@ -2,44 +2,45 @@
 catch every one (``test_kit_catches_broken.py``).
 
 Each variant subclasses a correct transport (the example plugin's ``loopback`` ones, or the
-kit's cross-process reference ``socket_transport``) and overrides one method, so the only
+kit's cross-process reference ``socket_transport``) and overrides one method (a primitive
+of the ``DataTransport`` base, or a public method), so the only
 defect is the one its docstring names.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from p2pkv.contracts import ControlConnection, PollResult
-from p2pkv.errors import TransferSubmitError
+from p2pkv.contracts import ControlConnection, DataSettings, PollResult, ReadState
 from p2pkv_loopback import data as loopback_data
 from p2pkv_loopback.control import LoopbackConnection, LoopbackControlTransport
 from p2pkv_loopback.data import LoopbackDataTransport
 from socket_transport import SocketDataTransport
 
 # -- data ------------------------------------------------------------------------------------
+# The loopback transport implements the primitives of the DataTransport base; a variant breaks
+# a primitive where the base still lets the defect through, else a public method (the base
+# makes some defects impossible for a transport that only implements primitives).
 
 
 class EarlyDone(LoopbackDataTransport):
     """Reports a read done before its bytes are copied (they land one poll later)."""
 
-    def progress(self) -> None:
-        return None
-
-    def poll(self, peer_id: str | None = None) -> PollResult:
-        late = getattr(self, "_late", [])
-        for region, local, remote in late:
-            self._copy(region, local, remote)
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
         self._late: list[Any] = []
-        done = []
-        for tid, (peer, region, local, remote) in list(self._pending.items()):
-            if peer_id is None or peer == peer_id:
-                done.append(tid)
-                self._late.append((region, local, remote))
-                del self._pending[tid]
-        return PollResult(done, [])
+
+    def _progress(self) -> None:
+        late, self._late = self._late, []
+        for read in late:
+            self._copy(read)
+
+    def _read_state(self, read: Any) -> ReadState:
+        self._late.append(read)
+        return ReadState.DONE
 
 
 class IgnoresPeerInPoll(LoopbackDataTransport):
@@ -52,19 +53,15 @@ class IgnoresPeerInPoll(LoopbackDataTransport):
 class NoBoundsCheck(LoopbackDataTransport):
     """Posts reads without checking block indexes (numpy wraps negatives, fails late)."""
 
-    def read_blocks(
-        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
-    ) -> int:
-        if peer_id not in self._peers:
-            raise TransferSubmitError(f"unknown peer {peer_id!r}")
-        tid = next(self._ids)
-        region = self._peers[peer_id][0]
-        self._pending[tid] = (peer_id, region, list(local_idxs), list(remote_idxs))
-        return tid
+    def check_read(
+        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        peer_id: str = "",
+    ) -> tuple[Any, Any]:
+        return np.asarray(local_idxs, np.int64), np.asarray(remote_idxs, np.int64)
 
-    def _copy(self, region: str, local: list[int], remote: list[int]) -> bool:
+    def _copy(self, read: Any) -> bool:
         try:
-            return super()._copy(region, local, remote)
+            return super()._copy(read)
         except (IndexError, ValueError):
             return False
 
@@ -72,27 +69,25 @@ class NoBoundsCheck(LoopbackDataTransport):
 class AcceptsDuplicateLocal(LoopbackDataTransport):
     """Accepts a read that names one of our blocks twice (two sources for one slot)."""
 
-    def read_blocks(
-        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
-    ) -> int:
-        local = list(local_idxs)
-        if len(set(local)) == len(local):
-            return super().read_blocks(peer_id, local, remote_idxs)
+    def check_read(
+        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        peer_id: str = "",
+    ) -> tuple[Any, Any]:
+        local, remote = list(local_idxs), list(remote_idxs)
         unique = list(dict.fromkeys(local))
-        tid = super().read_blocks(peer_id, unique, list(remote_idxs)[:len(unique)])
-        self._pending[tid] = (*self._pending[tid][:2], local, list(remote_idxs))
-        return tid
+        super().check_read(unique, remote[:len(unique)], peer_num_blocks, peer_id)
+        return np.asarray(local, np.int64), np.asarray(remote, np.int64)
 
 
 class SpillsIntoNextBlock(LoopbackDataTransport):
     """Copies one byte too many: the first byte of our next block is clobbered."""
 
-    def _copy(self, region: str, local: list[int], remote: list[int]) -> bool:
-        ok = super()._copy(region, local, remote)
-        source = loopback_data._REGIONS.get(region)
-        if ok and source is not None and self._blocks is not None:
+    def _copy(self, read: Any) -> bool:
+        ok = super()._copy(read)
+        source = loopback_data._REGIONS.get(read.region)
+        if ok and source is not None:
             flat = self._blocks.reshape(-1)
-            for li, ri in zip(local, remote, strict=True):
+            for li, ri in zip(read.local.tolist(), read.remote.tolist(), strict=True):
                 end = (li + 1) * self.block_len
                 if end < flat.size:
                     flat[end] = source[ri][-1] ^ 0xFF
@@ -102,16 +97,17 @@ class SpillsIntoNextBlock(LoopbackDataTransport):
 class StillWrites(LoopbackDataTransport):
     """The old direction: copies our blocks into the peer's instead of reading them."""
 
-    def _copy(self, region: str, local: list[int], remote: list[int]) -> bool:
-        target = loopback_data._REGIONS.get(region)
-        if target is None or self._blocks is None:
+    def _copy(self, read: Any) -> bool:
+        target = loopback_data._REGIONS.get(read.region)
+        if target is None:
             return False
-        target[remote] = self._blocks[local]
+        target[read.remote] = self._blocks[read.local]
         return True
 
 
 class ReportsTwice(LoopbackDataTransport):
-    """Reports every finished read again on the next poll."""
+    """Reports every finished read again on the next poll (only by overriding ``poll``: the
+    base reports each read once)."""
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         again = getattr(self, "_again", [])
@@ -127,49 +123,56 @@ class ReportsCancelled(LoopbackDataTransport):
         return None
 
 
-class CancelLandsLate(LoopbackDataTransport):
+class _LandsLate(LoopbackDataTransport):
+    """Reads ended while ``_leaking`` is set are forgotten by the base but still copy on a
+    later progress or poll."""
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
+        self._leaking = False
+        self._zombies: list[Any] = []
+
+    def _end_reads(self, handles: list[Any]) -> None:
+        if self._leaking:
+            self._zombies += handles
+
+    def _progress(self) -> None:
+        super()._progress()
+        zombies, self._zombies = self._zombies, []
+        for read in zombies:
+            self._copy(read)
+
+
+class CancelLandsLate(_LandsLate):
     """``cancel`` forgets the id (never reported) but the copy still happens on a later
     progress or poll: bytes land in our region after cancel returned."""
 
     def cancel(self, transfer_ids: Sequence[int]) -> None:
-        zombies = getattr(self, "_zombies", [])
-        zombies += [self._pending[t][1:] for t in transfer_ids if t in self._pending]
-        self._zombies: list[Any] = zombies
-        super().cancel(transfer_ids)
-
-    def progress(self) -> None:
-        super().progress()
-        for region, local, remote in getattr(self, "_zombies", []):
-            self._copy(region, local, remote)
-        self._zombies = []
+        self._leaking = True
+        try:
+            super().cancel(transfer_ids)
+        finally:
+            self._leaking = False
 
 
-class RemovePeerLandsLate(LoopbackDataTransport):
+class RemovePeerLandsLate(_LandsLate):
     """``remove_peer`` drops the peer's reads from its books (never reported, never
     returned) but they still copy on a later progress or poll."""
 
     def remove_peer(self, peer_id: str) -> list[int]:
-        gone = [t for t, (peer, *_) in self._pending.items() if peer == peer_id]
-        self._zombies: list[Any] = [
-            *getattr(self, "_zombies", []), *(self._pending.pop(t)[1:] for t in gone)
-        ]
-        for tid in gone:
-            self._outcome.pop(tid, None)
-        self._peers.pop(peer_id, None)
-        return []
-
-    def progress(self) -> None:
-        super().progress()
-        for region, local, remote in getattr(self, "_zombies", []):
-            self._copy(region, local, remote)
-        self._zombies = []
+        self._leaking = True
+        try:
+            return super().remove_peer(peer_id)
+        finally:
+            self._leaking = False
 
 
 class RemovePeerReturnsReads(LoopbackDataTransport):
     """The old wait-cancel ``remove_peer``: returns the peer's reads as undrained ids."""
 
     def remove_peer(self, peer_id: str) -> list[int]:
-        gone = sorted(t for t, (peer, *_) in self._pending.items() if peer == peer_id)
+        registration = self._registrations.get(peer_id)
+        gone = sorted(registration.reads) if registration is not None else []
         return [*super().remove_peer(peer_id), *gone]
 
 
@@ -177,40 +180,35 @@ class ForgetsOnProgress(LoopbackDataTransport):
     """``progress`` drains finished reads, which ``poll`` then never reports."""
 
     def progress(self) -> None:
-        super().progress()
-        for tid in list(self._outcome):
-            self._pending.pop(tid, None)
-            self._outcome.pop(tid)
+        super().poll(None)
 
 
 class AcceptsMismatchedPeer(LoopbackDataTransport):
     """Registers a peer whatever its block length."""
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        import json
-
+    def _attach_peer(self, peer_id: str, descriptor: bytes) -> Any:
         try:
             desc = json.loads(descriptor)
-            self._peers[peer_id] = (desc["loopback"], int(desc["num_blocks"]))
+            return loopback_data._Peer(desc["loopback"], int(desc["num_blocks"]))
         except (ValueError, TypeError, KeyError):
-            super().add_peer(peer_id, descriptor)
+            return super()._attach_peer(peer_id, descriptor)
 
 
 class RaisesRawErrorsOnGarbage(LoopbackDataTransport):
-    """A malformed descriptor escapes as ``ValueError``/``KeyError``, not ``PeerRejected``."""
+    """A malformed descriptor escapes as ``ValueError``/``KeyError``, not ``PeerRejected``
+    (only by overriding ``add_peer``: the base turns a primitive's error into
+    ``PeerRejected``)."""
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        import json
-
-        desc = json.loads(descriptor)
-        self._peers[peer_id] = (desc["loopback"], int(desc["num_blocks"]))
+        json.loads(descriptor)["loopback"]  # raises on garbage, unmapped
+        super().add_peer(peer_id, descriptor)
 
 
 class CloseNotIdempotent(LoopbackDataTransport):
     """A second ``close`` raises."""
 
     def close(self) -> list[int]:
-        if self._blocks is None:
+        if self._closed:
             raise RuntimeError("already closed")
         return super().close()
 
@@ -218,10 +216,9 @@ class CloseNotIdempotent(LoopbackDataTransport):
 class KeepsRegionAfterClose(LoopbackDataTransport):
     """Holds on to the caller's region after ``close`` returned ``[]``."""
 
-    def close(self) -> list[int]:
-        if self._blocks is not None:
-            self._kept = self._blocks
-        return super().close()
+    def _shutdown(self) -> list[int]:
+        self._kept = self._blocks
+        return super()._shutdown()
 
 
 DATA_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {

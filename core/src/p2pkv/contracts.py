@@ -13,12 +13,19 @@ missing without constructing it.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, Self
 
-from p2pkv.errors import TransportUnavailable
+import numpy as np
+import numpy.typing as npt
+
+from p2pkv.data_base import AttachedPeer, Indexes, ReadState, region_blocks
+from p2pkv.data_base import check_read as _check_read
+from p2pkv.errors import PeerRejected, TransferSubmitError, TransportUnavailable
 
 __all__ = [
     "EMPTY_POLL",
@@ -29,8 +36,11 @@ __all__ = [
     "DataSettings",
     "DataTransport",
     "PollResult",
+    "ReadState",
     "TransportKind",
 ]
+
+log = logging.getLogger(__name__)
 
 TransportKind = Literal["control", "data"]
 
@@ -112,7 +122,10 @@ class DataSettings:
     ``region`` is a 1-D, C-contiguous, writable byte buffer of ``num_blocks * block_len``
     bytes owned by the caller (the engine's KV region). The transport registers it for the
     transport's lifetime and must not keep a reference after ``close()`` returns (unless it
-    reports undrained transfers, see ``close``). ``options`` is ``data_options``.
+    reports undrained transfers, see ``close``). ``options`` is ``data_options``: unknown
+    keys must be refused with ``ConfigError`` naming the key. A transport with a drain
+    deadline (how long ``remove_peer``/``close`` wait for internal transfers) calls that option
+    ``drain_timeout``, in seconds.
     """
 
     region: memoryview
@@ -166,8 +179,9 @@ class ControlConnection(ABC):
         """Queue one frame; never blocks.
 
         Raises ``ConnectionClosed`` on a dead or closed connection, ``SendQueueFull`` when the
-        bounded queue is full, ``ProtocolError`` when the frame exceeds the size cap. The caller
-        keeps ownership of ``frame``; the transport copies it if it needs it later.
+        bounded queue is full, ``FrameTooLarge`` when our own frame exceeds the size cap (not
+        ``ProtocolError``: the peer did nothing wrong). The caller keeps ownership of
+        ``frame``; the transport copies it if it needs it later.
         """
 
     @abstractmethod
@@ -219,6 +233,18 @@ class ControlTransport(_Transport):
         """Close every connection and stop listening; idempotent."""
 
 
+class _Registration:
+    """One ``add_peer`` of a peer (the base's): the descriptor it was added with, the
+    backend's peer record, and its reads still in flight (id -> backend handle)."""
+
+    __slots__ = ("descriptor", "peer", "reads")
+
+    def __init__(self, descriptor: bytes, peer: AttachedPeer) -> None:
+        self.descriptor = descriptor
+        self.peer = peer
+        self.reads: dict[int, Any] = {}
+
+
 class DataTransport(_Transport):
     """Moves whole blocks of a peer's registered region into ours, posted by us.
 
@@ -244,14 +270,56 @@ class DataTransport(_Transport):
 
     Source blocks: the transport never decides how long a peer's source blocks stay valid;
     the session protocol does (the producer pins them under a lease, docs/protocol.md §5).
+
+    **The base class.** This class is a working base, not only an interface: it owns the
+    bookkeeping every transport needs (region checks, transfer ids, per-peer read tables,
+    exactly-once reports, scoped ``poll``, final ``cancel``, the re-add rule, ``remove_peer``,
+    an idempotent ``close`` and the after-close behaviour, the index check, error mapping), and
+    a backend implements primitives, called only on the driver thread:
+
+    - ``descriptor()`` (public, required): our region's descriptor bytes.
+    - ``_attach_peer(peer_id, descriptor)`` (required): the peer's record (anything with a
+      ``num_blocks``), or ``PeerRejected``; any other exception becomes ``PeerRejected``.
+    - ``_post_read(peer, local, remote)`` (required): post a checked read (int64 arrays of
+      its own) and return a handle; any exception other than ``TransferSubmitError`` becomes
+      ``TransferSubmitError`` (chained). Nothing of a refused read may land.
+    - ``_read_state(handle)`` (required): ``ReadState``; returning ``DONE``/``FAILED`` hands
+      the read back (its resources released). An exception fails the read: the base ends it
+      with ``_end_reads`` and reports it failed, never leaves it in flight.
+    - ``_end_reads(handles)``: end reads finally (see ``cancel``); default: nothing to end.
+    - ``_progress()``: drive I/O, serve peers' reads; default: nothing to do.
+    - ``_detach_peer(peer)`` / ``_shutdown()``: release a peer / everything (every read
+      already ended); return internal ids still running after the drain deadline; default
+      ``[]``.
+
+    The base's own state (``_blocks``, the region as a ``(num_blocks, block_len)`` uint8
+    view for backends; ``_transfer_ids``, the one id sequence internal transfers draw from
+    too) is set by ``DataTransport.__init__``. A transport may still override every public
+    method instead (and then need not call ``__init__``).
     """
 
     kind: ClassVar[TransportKind] = "data"
+    _closed: bool = False
+    """Set by ``close``. A class default, so a transport that overrides every public method
+    and never calls ``DataTransport.__init__`` still inherits a working ``progress``."""
+
+    def __init__(self, settings: DataSettings) -> None:
+        """Check the region once (``ConfigError``: not a memoryview, read-only, not
+        C-contiguous, not a positive multiple of ``block_len``, ``block_len`` not a positive
+        int) and set up the base's bookkeeping. A backend checks its options (unknown keys
+        refused with ``ConfigError`` naming the key) and sets itself up after this."""
+        self._blocks: npt.NDArray[np.uint8] = region_blocks(settings.region, settings.block_len)
+        self._num_blocks, self._block_len = (int(n) for n in self._blocks.shape)
+        self._registrations: dict[str, _Registration] = {}
+        self._read_owner: dict[int, _Registration] = {}
+        self._transfer_ids = itertools.count(1)
+        self._closed = False
 
     @classmethod
-    @abstractmethod
     def create(cls, settings: DataSettings) -> DataTransport:
-        """Register ``settings.region``. Raises ``ConfigError`` or ``TransportUnavailable``."""
+        """Register ``settings.region``. Raises ``ConfigError`` or ``TransportUnavailable``.
+        Default: ``cls(settings)``."""
+        return cls(settings)
 
     @classmethod
     def allocate_region(
@@ -271,80 +339,275 @@ class DataTransport(_Transport):
 
         return memoryview(np.zeros(num_blocks * block_len, dtype=np.uint8))
 
-    @property
-    @abstractmethod
-    def num_blocks(self) -> int: ...
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
-    @abstractmethod
-    def block_len(self) -> int: ...
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_len(self) -> int:
+        return self._block_len
 
     @abstractmethod
     def descriptor(self) -> bytes:
         """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
 
-    @abstractmethod
+    # -- peers ----------------------------------------------------------------------------
+
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         """Register a peer's region. Raises ``PeerRejected`` (with the reason) when the
-        descriptor is malformed or the region shape does not match ours. Re-adding a known
-        peer with another descriptor (a new incarnation) replaces it: reads of the old
-        registration end first, finally (as ``cancel``). Re-adding it with the same
-        descriptor keeps the registration and its reads."""
+        descriptor is malformed or the region shape does not match ours, and after ``close``.
+        Re-adding a known peer with another descriptor (a new incarnation) replaces it: reads
+        of the old registration end first, finally (as ``cancel``), and are never reported;
+        a rejected new descriptor leaves the old registration as it was. Re-adding it with
+        the same descriptor keeps the registration and its reads.
 
-    @abstractmethod
+        The base attaches the new descriptor first, then ends the old registration's reads
+        and detaches it (internal ids it leaves running are the backend's to keep; ``close``
+        reports them if they still run)."""
+        if self._closed:
+            raise PeerRejected(f"peer {peer_id!r}: the {self.name} data transport is closed")
+        old = self._registrations.get(peer_id)
+        if old is not None and old.descriptor == descriptor:
+            return
+        new = _Registration(bytes(descriptor), self._attached(peer_id, descriptor))
+        if old is not None:
+            self._end_registration(old)
+            self._detach_peer(old.peer)
+        self._registrations[peer_id] = new
+
     def remove_peer(self, peer_id: str) -> list[int]:
         """Forget a peer. Its reads into our region end first, finally (as ``cancel``); they
         are never reported. Returns the ids of the transport's *internal* transfers with that
         peer (serving its reads of our region, a warm-up) that did not drain within the
-        transport's drain deadline; their resources are kept (never released under a live
-        transfer). Never a read id, never an id ``poll`` already reported."""
+        transport's drain deadline (option ``drain_timeout``, by convention); their resources
+        are kept (never released under a live transfer). Never a read id, never an id ``poll``
+        already reported. An unknown peer, or any peer after ``close``: ``[]``."""
+        registration = self._registrations.pop(peer_id, None)
+        if registration is None:
+            return []
+        self._end_registration(registration)
+        return self._detach_peer(registration.peer)
 
-    @abstractmethod
+    # -- reads ----------------------------------------------------------------------------
+
+    def check_read(
+        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        peer_id: str = "",
+    ) -> tuple[Indexes, Indexes]:
+        """``p2pkv.data_base.check_read`` against our ``num_blocks``: the one index rule of
+        ``read_blocks``. Returns fresh int64 arrays; ``TransferSubmitError`` naming the
+        offending index."""
+        return _check_read(local_idxs, remote_idxs, self.num_blocks, peer_num_blocks, peer_id)
+
     def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int:
         """Start copying the peer's block ``remote_idxs[i]`` into our block ``local_idxs[i]``.
 
-        Non-blocking. Both lists are checked before anything is posted: equal lengths, not
-        empty, ``local_idxs`` within ours and without duplicates, ``remote_idxs`` within the
-        peer's advertised ``num_blocks``. Indexes may be any integers (``int``, numpy integers,
-        or a 1-D integer array). Raises ``TransferSubmitError`` on any failure (unknown peer,
-        bad index, backend refusal, closed transport); never returns a sentinel. Our
-        destination blocks must not be touched by the caller until the id is reported or
-        cancelled.
+        Non-blocking. Both lists are checked before anything is posted (``check_read``):
+        equal lengths, not empty, flat sequences of integers (``int``, numpy integers, or a
+        1-D integer array), ``local_idxs`` within ours and without duplicates, ``remote_idxs``
+        within the peer's advertised ``num_blocks``; a remote index may repeat (one source
+        block may fill two slots). Raises ``TransferSubmitError`` on any failure (unknown
+        peer, bad index naming it, empty read, backend refusal, closed transport); never
+        returns a sentinel. Our destination blocks must not be touched by the caller until
+        the id is reported or cancelled.
         """
+        if self._closed:
+            raise TransferSubmitError(f"the {self.name} data transport is closed")
+        registration = self._registrations.get(peer_id)
+        if registration is None:
+            raise TransferSubmitError(f"unknown peer {peer_id!r}")
+        peer = registration.peer
+        local, remote = self.check_read(local_idxs, remote_idxs, peer.num_blocks, peer_id)
+        try:
+            handle = self._post_read(peer, local, remote)
+        except (TransferSubmitError, NotImplementedError):
+            raise
+        except Exception as exc:
+            raise TransferSubmitError(
+                f"peer {peer_id!r}: {self.name} could not post the read "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        transfer_id = next(self._transfer_ids)
+        registration.reads[transfer_id] = handle
+        self._read_owner[transfer_id] = registration
+        return transfer_id
 
     def progress(self) -> None:
         """Progress inbound and outbound I/O without reporting or forgetting anything.
 
         The tier calls this every tick (even with no session), so peers' reads of our region
-        are served. Must not block. Default: nothing to do.
-        """
-        return None
+        are served. Must not block. After ``close``: nothing. The base calls ``_progress``."""
+        if not self._closed:
+            self._progress()
 
-    @abstractmethod
     def poll(self, peer_id: str | None = None) -> PollResult:
         """Progress all I/O; report and forget terminal reads of ``peer_id``.
 
         With ``peer_id``, only that peer's reads are examined and drained (other peers'
         completions stay for their own poll). ``None`` drains every peer (shutdown only).
         ``done`` means every byte of the read is in our blocks; an error while checking a read
-        fails it, it is never left in flight.
+        fails it, it is never left in flight. A read from a peer whose transport closed or
+        whose process died ends ``failed`` within the transport's own deadline (or ``done`` if
+        every byte arrived); it never stays in flight forever. After ``close``: ``EMPTY_POLL``.
         """
+        if self._closed:
+            return EMPTY_POLL
+        self._progress()
+        if peer_id is None:
+            registrations: Iterable[_Registration] = self._registrations.values()
+        else:
+            one = self._registrations.get(peer_id)
+            if one is None or not one.reads:
+                return EMPTY_POLL
+            registrations = (one,)
+        done: list[int] = []
+        failed: list[int] = []
+        for registration in registrations:
+            if registration.reads:
+                self._settle(registration, done, failed)
+        if not done and not failed:
+            return EMPTY_POLL
+        return PollResult(done, failed)
 
-    @abstractmethod
     def cancel(self, transfer_ids: Sequence[int]) -> None:
         """End reads, finally: on return none of their bytes can land in our region any more,
         and they are never reported. Unknown or already reported ids are ignored. Never
         blocks longer than the transport's drain deadline; a transport that cannot end a read
         in that time keeps its bytes out of our blocks by other means (staging) instead."""
+        handles = []
+        for transfer_id in transfer_ids:
+            registration = self._read_owner.pop(transfer_id, None)
+            if registration is not None:
+                handles.append(registration.reads.pop(transfer_id))
+        if handles:
+            self._end_reads(handles)
 
-    @abstractmethod
     def close(self) -> list[int]:
         """End every read (as ``cancel``), release peers and deregister the region; idempotent.
 
         Internal transfers still live after the drain deadline are returned (as for
         ``remove_peer``), and then the region stays registered (leaked on purpose rather than
-        freed under DMA). Any other call after ``close`` raises (``TransferSubmitError`` for
-        ``read_blocks``) or returns nothing.
+        freed under DMA). A second ``close`` returns ``[]``. After ``close``: ``read_blocks``
+        raises ``TransferSubmitError``, ``add_peer`` raises ``PeerRejected``, ``poll`` returns
+        ``EMPTY_POLL``, ``cancel``/``remove_peer``/``progress`` do nothing. When nothing is
+        left running, the base drops its view of the region (it is the caller's again).
         """
+        if self._closed:
+            return []
+        self._closed = True
+        handles = [h for r in self._registrations.values() for h in r.reads.values()]
+        self._registrations.clear()
+        self._read_owner.clear()
+        if handles:
+            self._end_reads(handles)
+        undrained = sorted(self._shutdown())
+        if not undrained:
+            self._blocks = np.empty((0, self._block_len), np.uint8)
+        return undrained
+
+    # -- the base's helpers ---------------------------------------------------------------
+
+    def _attached(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
+        """``_attach_peer`` with every refusal a ``PeerRejected`` naming the peer."""
+        try:
+            peer = self._attach_peer(peer_id, descriptor)
+        except (PeerRejected, NotImplementedError):
+            raise
+        except Exception as exc:
+            raise PeerRejected(
+                f"peer {peer_id!r}: malformed {self.name} descriptor ({type(exc).__name__}: {exc})"
+            ) from exc
+        blocks = peer.num_blocks
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks <= 0:
+            raise PeerRejected(f"peer {peer_id!r}: its region has {blocks!r} blocks")
+        return peer
+
+    def _end_registration(self, registration: _Registration) -> None:
+        """End (finally, unreported) every read of ``registration``."""
+        for transfer_id in registration.reads:
+            del self._read_owner[transfer_id]
+        handles = list(registration.reads.values())
+        registration.reads.clear()
+        if handles:
+            self._end_reads(handles)
+
+    def _settle(self, registration: _Registration, done: list[int], failed: list[int]) -> None:
+        """Ask the backend for the state of each read of ``registration``; report (append to
+        ``done``/``failed``) and forget the terminal ones."""
+        ended = []
+        for transfer_id, handle in registration.reads.items():
+            state = self._checked_state(transfer_id, handle)
+            if state is ReadState.PENDING:
+                continue
+            ended.append(transfer_id)
+            (done if state is ReadState.DONE else failed).append(transfer_id)
+        for transfer_id in ended:
+            del registration.reads[transfer_id]
+            del self._read_owner[transfer_id]
+
+    def _checked_state(self, transfer_id: int, handle: Any) -> ReadState:
+        """``_read_state``; one that raises fails the read, which is ended first."""
+        try:
+            return self._read_state(handle)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            log.warning("%s: checking read %d failed; failing it: %s", self.name, transfer_id, exc)
+            self._end_reads([handle])
+            return ReadState.FAILED
+
+    def _reads_in_flight(self) -> Iterator[Any]:
+        """The handles of every read posted and not yet reported or ended."""
+        for registration in self._registrations.values():
+            yield from registration.reads.values()
+
+    # -- backend primitives (see the class docstring) -------------------------------------
+
+    def _attach_peer(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
+        """The peer's record from its descriptor (its ``num_blocks`` bounds remote indexes);
+        ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
+                                  f"_attach_peer")
+
+    def _detach_peer(self, peer: Any) -> list[int]:
+        """Release a peer record (removed, or replaced by a new descriptor); its reads have
+        ended. Returns internal ids with it still running after the drain deadline."""
+        return []
+
+    def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
+        """Post a read of the peer's blocks ``remote`` into our blocks ``local`` (checked;
+        the arrays are the backend's to keep); return its handle. Must not block."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither read_blocks nor "
+                                  f"_post_read")
+
+    def _read_state(self, handle: Any) -> ReadState:
+        """Where a posted read stands; called only by ``poll``, at most once per read per
+        poll, never again once it returned ``DONE``/``FAILED`` (the read's resources are
+        released by then, a staged read's bytes copied into its blocks before ``DONE``)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor "
+                                  f"_read_state")
+
+    def _end_reads(self, handles: list[Any]) -> None:
+        """End posted reads finally: on return none of their bytes can land in our blocks
+        (stop them, or quarantine their staging). At most one drain deadline for the whole
+        call; must not raise. The base has already forgotten them."""
+        return None
+
+    def _progress(self) -> None:
+        """Drive the backend's I/O, serve peers' reads of our region; report nothing. Must
+        not block; never called after ``close``."""
+        return None
+
+    def _shutdown(self) -> list[int]:
+        """Release every peer, the backend's resources and its registration of the region
+        (every read has ended; called once, by ``close``). Returns internal ids still running
+        after the drain deadline (their memory stays registered); must not raise."""
+        return []

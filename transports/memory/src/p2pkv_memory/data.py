@@ -13,10 +13,11 @@ done on the next poll; N > 0 copies when the read completes, so a slow read land
 test can model a source that changed meanwhile). A read whose source region was deregistered
 before it copied fails instead.
 
-``cancel``, ``remove_peer``, re-adding a peer and ``close`` end reads finally: the read is
-forgotten, it never copies afterwards and is never reported. The transport has no internal
-transfers, so ``remove_peer`` and ``close`` always return ``[]``. After ``close``,
-``read_blocks`` and ``add_peer`` raise and everything else does nothing.
+The :class:`~p2pkv.contracts.DataTransport` base keeps the books (ids, per-peer reads,
+index checks, reporting, the after-close rules); this module implements its primitives.
+``cancel``, ``remove_peer``, re-adding a peer and ``close`` end reads finally: the base forgets
+the read, so it never copies afterwards and is never reported. The transport has no internal
+transfers, so ``remove_peer`` and ``close`` always return ``[]``.
 
 Threading: one driver thread per transport; the region table has its own lock, so transports
 on different threads of one process may read from each other.
@@ -24,17 +25,16 @@ on different threads of one process may read from each other.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeGuard
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
-from p2pkv.contracts import EMPTY_POLL, Capabilities, DataSettings, DataTransport, PollResult
+from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
+from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
 
 from p2pkv_memory.options import read_options
@@ -46,9 +46,6 @@ _DEFAULT_OPTIONS = {"completion_polls": 0}
 _REGIONS: dict[str, npt.NDArray[np.uint8]] = {}
 _REGIONS_LOCK = threading.Lock()
 
-Blocks = npt.NDArray[np.uint8]
-Indexes = npt.NDArray[np.int64]
-
 
 @dataclass(frozen=True)
 class _Peer:
@@ -57,12 +54,9 @@ class _Peer:
 
 
 class _Read:
-    __slots__ = ("copied", "local", "peer", "polls_left", "region", "remote")
+    __slots__ = ("copied", "local", "polls_left", "region", "remote")
 
-    def __init__(
-        self, peer: str, region: str, local: Indexes, remote: Indexes, polls_left: int
-    ) -> None:
-        self.peer = peer
+    def __init__(self, region: str, local: Indexes, remote: Indexes, polls_left: int) -> None:
         self.region = region
         self.local = local
         self.remote = remote
@@ -86,29 +80,11 @@ class MemoryDataTransport(DataTransport):
                 f"memory data option 'completion_polls' must be >= 0, "
                 f"got {opts['completion_polls']}"
             )
+        super().__init__(settings)
         self._completion_polls: int = opts["completion_polls"]
-        self._blocks = _region_view(settings)
-        self._num_blocks, self._block_len = (int(n) for n in self._blocks.shape)
         self._region_id = uuid.uuid4().hex
-        self._peers: dict[str, _Peer] = {}
-        self._reads: dict[int, _Read] = {}
-        self._by_peer: dict[str, dict[int, _Read]] = {}
-        self._ids = itertools.count(1)
-        self._closed = False
         with _REGIONS_LOCK:
             _REGIONS[self._region_id] = self._blocks
-
-    @classmethod
-    def create(cls, settings: DataSettings) -> MemoryDataTransport:
-        return cls(settings)
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def block_len(self) -> int:
-        return self._block_len
 
     def descriptor(self) -> bytes:
         packed: bytes = msgpack.packb(
@@ -121,82 +97,30 @@ class MemoryDataTransport(DataTransport):
         )
         return packed
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        """Register the peer's region; a known peer's reads end first (as ``cancel``)."""
-        if self._closed:
-            raise PeerRejected(f"peer {peer_id!r}: the memory data transport is closed")
-        peer = _parse_peer(peer_id, descriptor, self.block_len)
-        self._end_peer(peer_id)
-        self._peers[peer_id] = peer
+    # -- primitives of the DataTransport base ----------------------------------------------
 
-    def remove_peer(self, peer_id: str) -> list[int]:
-        """Forget the peer and end its reads finally; no internal transfers: always ``[]``."""
-        self._peers.pop(peer_id, None)
-        self._end_peer(peer_id)
-        return []
+    def _attach_peer(self, peer_id: str, descriptor: bytes) -> _Peer:
+        return _parse_peer(peer_id, descriptor, self.block_len)
 
-    def read_blocks(
-        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
-    ) -> int:
-        """Check everything, then post (N = 0: copy now). ``TransferSubmitError`` otherwise."""
-        if self._closed:
-            raise TransferSubmitError("memory data transport is closed")
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            raise TransferSubmitError(f"unknown peer {peer_id!r}")
-        local = _indexes(local_idxs, self.num_blocks, "local")
-        remote = _indexes(remote_idxs, peer.num_blocks, f"remote (peer {peer_id!r})")
-        _check_pairing(local, remote)
-        read = _Read(peer_id, peer.region, local, remote, self._completion_polls)
+    def _post_read(self, peer: _Peer, local: Indexes, remote: Indexes) -> _Read:
+        """Post (N = 0: copy now; ``TransferSubmitError`` if the source is gone)."""
+        read = _Read(peer.region, local, remote, self._completion_polls)
         if self._completion_polls == 0 and not self._copy(read):
-            raise TransferSubmitError(f"peer {peer_id!r}: its region is no longer registered")
-        tid = next(self._ids)
-        self._reads[tid] = read
-        self._by_peer.setdefault(peer_id, {})[tid] = read
-        return tid
+            raise TransferSubmitError("the peer's region is no longer registered")
+        return read
 
-    def poll(self, peer_id: str | None = None) -> PollResult:
-        """Count down, copy and report the reads of ``peer_id`` (``None``: every peer)."""
-        if peer_id is None:
-            tables = list(self._by_peer.values())
-        else:
-            table = self._by_peer.get(peer_id)
-            if not table:
-                return EMPTY_POLL
-            tables = [table]
-        done: list[int] = []
-        failed: list[int] = []
-        for table in tables:
-            for tid, read in list(table.items()):
-                if read.polls_left > 0:
-                    read.polls_left -= 1
-                    continue
-                ok = read.copied or self._copy(read)
-                (done if ok else failed).append(tid)
-                self._forget(tid)
-        if not done and not failed:
-            return EMPTY_POLL
-        return PollResult(done, failed)
+    def _read_state(self, read: _Read) -> ReadState:
+        """Count one examining poll down; at zero, copy (if not yet) and end the read."""
+        if read.polls_left > 0:
+            read.polls_left -= 1
+            return ReadState.PENDING
+        return ReadState.DONE if read.copied or self._copy(read) else ReadState.FAILED
 
-    def cancel(self, transfer_ids: Sequence[int]) -> None:
-        """Forget the reads: they never copy and are never reported. Unknown ids: ignored."""
-        for tid in transfer_ids:
-            if tid in self._reads:
-                self._forget(tid)
-
-    def close(self) -> list[int]:
-        """End every read, deregister the region and drop our view of it; idempotent."""
-        self._closed = True
-        self._reads.clear()
-        self._by_peer.clear()
-        self._peers.clear()
+    def _shutdown(self) -> list[int]:
+        """Deregister the region; nothing runs in the background: always ``[]``."""
         with _REGIONS_LOCK:
             _REGIONS.pop(self._region_id, None)
-        # the caller's region is theirs again: keep no view of it
-        self._blocks = np.empty((0, self._block_len), np.uint8)
         return []
-
-    # -- internals ------------------------------------------------------------------------
 
     def _copy(self, read: _Read) -> bool:
         """Copy the read's source blocks into ours; False if the source is gone."""
@@ -207,17 +131,6 @@ class MemoryDataTransport(DataTransport):
             self._blocks[read.local] = source[read.remote]
         read.copied = True
         return True
-
-    def _end_peer(self, peer_id: str) -> None:
-        for tid in list(self._by_peer.get(peer_id, ())):
-            self._forget(tid)
-
-    def _forget(self, tid: int) -> None:
-        read = self._reads.pop(tid)
-        table = self._by_peer[read.peer]
-        del table[tid]
-        if not table:
-            del self._by_peer[read.peer]
 
 
 def _is_count(value: object) -> TypeGuard[int]:
@@ -255,48 +168,3 @@ def _parse_peer(peer_id: str, descriptor: bytes, block_len: int) -> _Peer:
             f"is {source.shape[0]}x{source.shape[1]}"
         )
     return _Peer(region, num_blocks)
-
-
-def _region_view(settings: DataSettings) -> Blocks:
-    region, block_len = settings.region, settings.block_len
-    if not isinstance(region, memoryview):
-        raise ConfigError(f"region must be a memoryview, got {type(region).__name__}")
-    if region.readonly or not region.c_contiguous:
-        raise ConfigError("region must be a writable, C-contiguous buffer")
-    if not _is_count(block_len):
-        raise ConfigError(f"block_len must be a positive integer, got {block_len!r}")
-    if region.nbytes == 0 or region.nbytes % block_len:
-        raise ConfigError(
-            f"region of {region.nbytes} bytes is not a positive multiple of block_len {block_len}"
-        )
-    flat = np.frombuffer(region.cast("B"), dtype=np.uint8)
-    return flat.reshape(-1, block_len)
-
-
-def _indexes(idxs: Sequence[int], num_blocks: int, what: str) -> Indexes:
-    """A flat, non-empty int64 copy of ``idxs`` within ``0..num_blocks-1``."""
-    arr = np.asarray(idxs)
-    if arr.size == 0:
-        raise TransferSubmitError(f"{what} block indexes are empty: a read names >= 1 block")
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TransferSubmitError(f"{what} block indexes must be a flat list of integers")
-    low, high = int(arr.min()), int(arr.max())
-    if low < 0 or high >= num_blocks:
-        bad = low if low < 0 else high
-        raise TransferSubmitError(
-            f"{what} block index {bad} is outside 0..{num_blocks - 1}"
-        )
-    return arr.astype(np.int64, copy=True)
-
-
-def _check_pairing(local: Indexes, remote: Indexes) -> None:
-    """Equal lengths, and no local block named twice (two sources for one slot)."""
-    if len(local) != len(remote):
-        raise TransferSubmitError(
-            f"{len(local)} local but {len(remote)} remote block indexes"
-        )
-    if len(np.unique(local)) != len(local):
-        values, counts = np.unique(local, return_counts=True)
-        raise TransferSubmitError(
-            f"local block index {int(values[counts > 1][0])} is named twice in one read"
-        )

@@ -1,0 +1,115 @@
+"""The pieces of the ``DataTransport`` base a backend meets: the read check, read states, and
+what a peer record must tell the base.
+
+:func:`check_read` is *the* index rule of ``DataTransport.read_blocks``; the base applies it
+before a backend sees a read, and a transport that overrides ``read_blocks`` calls it itself.
+It allocates only the two index arrays it returns (no per-block Python objects).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pkv.errors import ConfigError, TransferSubmitError
+
+__all__ = ["AttachedPeer", "Indexes", "ReadState", "check_read", "region_blocks"]
+
+Indexes = npt.NDArray[np.int64]
+"""Block indexes as the base hands them to a backend: a 1-D int64 array of its own."""
+
+_SMALL = 64
+"""Up to this many indexes a ``set`` finds repeats faster than a sort."""
+
+
+class ReadState(enum.Enum):
+    """Where a posted read stands, as a backend reports it to the base."""
+
+    PENDING = "pending"
+    DONE = "done"
+    """Every byte of the read is in our blocks."""
+    FAILED = "failed"
+
+
+class AttachedPeer(Protocol):
+    """What the base needs from a backend's peer record: the size of the peer's region."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+
+def check_read(
+    local_idxs: Sequence[int], remote_idxs: Sequence[int], num_blocks: int,
+    peer_num_blocks: int, peer_id: str = "",
+) -> tuple[Indexes, Indexes]:
+    """Both index lists of a read, checked, as fresh int64 arrays ``(local, remote)``.
+
+    The rule: equal lengths, not empty, each a flat sequence of integers (``int``, numpy
+    integers, or a 1-D integer array; not bools, floats or nested lists), every local index
+    within ``0..num_blocks-1`` and none twice (two sources for one slot), every remote index
+    within ``0..peer_num_blocks-1``. A remote index may repeat (one source block may fill two
+    slots). Raises ``TransferSubmitError`` naming the side and the offending index.
+    """
+    peer = f" (peer {peer_id!r})" if peer_id else ""
+    local = _indexes(local_idxs, "local")
+    remote = _indexes(remote_idxs, f"remote{peer}")
+    if len(local) != len(remote):
+        raise TransferSubmitError(f"{len(local)} local but {len(remote)} remote block indexes")
+    if len(local) == 0:
+        raise TransferSubmitError("the block indexes are empty: a read names at least one block")
+    _within(local, num_blocks, "local")
+    _within(remote, peer_num_blocks, f"remote{peer}")
+    _distinct(local)
+    return local, remote
+
+
+def region_blocks(region: object, block_len: object) -> npt.NDArray[np.uint8]:
+    """``region`` as a writable ``(num_blocks, block_len)`` uint8 view, or ``ConfigError``
+    saying what is wrong (not a memoryview, read-only, not C-contiguous, not a positive
+    multiple of ``block_len``, ``block_len`` not a positive int)."""
+    if not isinstance(region, memoryview):
+        raise ConfigError(f"region must be a memoryview, got {type(region).__name__}")
+    if region.readonly or not region.c_contiguous:
+        raise ConfigError("region must be a writable, C-contiguous buffer")
+    if not isinstance(block_len, int) or isinstance(block_len, bool) or block_len <= 0:
+        raise ConfigError(f"block_len must be a positive integer, got {block_len!r}")
+    if region.nbytes == 0 or region.nbytes % block_len:
+        raise ConfigError(
+            f"region of {region.nbytes} bytes is not a positive multiple of block_len {block_len}"
+        )
+    return np.frombuffer(region.cast("B"), dtype=np.uint8).reshape(-1, block_len)
+
+
+def _indexes(idxs: Sequence[int], what: str) -> Indexes:
+    arr = np.asarray(idxs)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TransferSubmitError(f"{what} block indexes must be a flat sequence of integers")
+    return arr.astype(np.int64)  # a copy: the caller may reuse its list or array
+
+
+def _within(arr: Indexes, limit: int, what: str) -> None:
+    if int(arr.view(np.uint64).max()) < limit:  # negatives wrap above any limit
+        return
+    bad = int(arr[(arr < 0) | (arr >= limit)][0])
+    raise TransferSubmitError(f"{what} block index {bad} is outside 0..{limit - 1}")
+
+
+def _distinct(local: Indexes) -> None:
+    if len(local) <= _SMALL:
+        values = local.tolist()
+        if len(set(values)) == len(values):
+            return
+    else:
+        ordered = np.sort(local)
+        if not (ordered[1:] == ordered[:-1]).any():
+            return
+        values = local.tolist()
+    seen: set[int] = set()
+    for value in values:
+        if value in seen:
+            raise TransferSubmitError(f"local block index {value} is named twice in one read")
+        seen.add(value)
