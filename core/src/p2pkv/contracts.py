@@ -18,7 +18,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple, Self
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -245,6 +245,9 @@ class _Registration:
         self.reads: dict[int, Any] = {}
 
 
+_DataT = TypeVar("_DataT", bound="DataTransport")
+
+
 class DataTransport(_Transport):
     """Moves whole blocks of a peer's registered region into ours, posted by us.
 
@@ -335,11 +338,9 @@ class DataTransport(_Transport):
         default is anonymous, zero-filled process memory. Raises ``ConfigError`` or
         ``TransportUnavailable`` when it cannot allocate.
         """
-        import numpy as np
+        return memoryview(bytearray(num_blocks * block_len))
 
-        return memoryview(np.zeros(num_blocks * block_len, dtype=np.uint8))
-
-    def __enter__(self) -> Self:
+    def __enter__(self: _DataT) -> _DataT:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
