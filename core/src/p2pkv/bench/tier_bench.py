@@ -1,0 +1,187 @@
+"""``p2pkv bench --tier``: submit_load to the result through two real tiers, next to the raw
+library and memcpy measured in the same run.
+
+Per data transport (default ``nixl``; it and the control transport, default ``zmq``, must
+cross processes), per block size a producer and a consumer tier are started
+(:class:`~p2pkv.bench.tier_lane.TierLane`), and every (blocks per request, concurrency) cell
+is timed in both arrival orders by the data bench's runner. The raw baseline of the same
+library (progress thread off) and memcpy run first, over the same matrix, through the data
+bench (:func:`p2pkv.bench.matrix.run_matrix`); each tier cell's ratios are against the raw
+cell and the memcpy cell (concurrency 1) of the same block size and blocks per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+
+from p2pkv.bench.matrix import MatrixConfig, available_series
+from p2pkv.bench.report import format_size
+from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
+from p2pkv.bench.tier_lane import ORDERS, TierLane
+from p2pkv.cli import usable_transport
+from p2pkv.demo.presets import ModelPreset, resolve_preset
+from p2pkv.errors import ConfigError
+from p2pkv.registry import Registry
+
+__all__ = [
+    "TIER_FLAGS", "TierCellResult", "TierPlan", "check_tier_options", "measure_tier",
+    "run_baselines", "tier_requested",
+]
+
+TIER_FLAGS = {"tier_control": "--tier-control", "recompute_rate": "--recompute-rate",
+              "preset": "--preset"}
+"""Options that only ``--tier`` reads (argparse dest -> flag)."""
+
+
+@dataclass
+class TierCellResult(CellResult):
+    """One row of ``p2pkv bench --tier --json``: a data-bench row (``impl`` ``tier``, the
+    consumer's submit_load -> result latency) plus the arrival order and the cost per
+    request on each side (process CPU time over the timed repetitions' requests)."""
+
+    order: str = ""
+    producer_cpu_us: float = 0.0
+    consumer_cpu_us: float = 0.0
+    descriptors_per_request: float | None = None
+    """From the consumer tier's ``descriptors_posted`` stat; None when the tier has none."""
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """What ``--tier`` runs, validated."""
+
+    control: str
+    data: tuple[str, ...]
+    preset: ModelPreset | None
+    recompute_rate: float | None
+
+
+def tier_requested(args: argparse.Namespace) -> bool:
+    """``--tier`` or an option only it reads was given (:func:`check_tier_options` then
+    refuses the latter without the former)."""
+    return bool(args.tier) or any(getattr(args, d) is not None for d in TIER_FLAGS)
+
+
+def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
+                       registry: Registry) -> TierPlan:
+    """The tier plan, or ``ConfigError``/``TransportUnavailable`` naming the flag to fix."""
+    if not args.tier:
+        used = next(flag for dest, flag in TIER_FLAGS.items() if getattr(args, dest) is not None)
+        raise ConfigError(f"{used} is an option of the tier bench: add --tier")
+    if args.control:
+        raise ConfigError("--tier and --control are two benchmarks: give one of them")
+    name = args.tier_control or "zmq"
+    control = usable_transport(registry, "control", name)
+    if not control.capabilities.cross_process:
+        raise ConfigError(f"--tier-control {name} is process-local: the tier bench runs "
+                          "two processes; use a cross-process one such as zmq")
+    data = config.transports or ("nixl",)
+    for transport in data:
+        if not usable_transport(registry, "data", transport).capabilities.cross_process:
+            raise ConfigError(f"--transports {transport} is process-local: the tier bench runs "
+                              "two processes; use a cross-process one such as nixl")
+    preset = None
+    if args.recompute_rate is not None:
+        preset = resolve_preset(args.preset or "llama-3-8b")
+    elif args.preset is not None:
+        raise ConfigError("--preset needs --recompute-rate TOKENS_PER_S (the crossover "
+                          "compares pulling with recomputing)")
+    return TierPlan(name, data, preset, args.recompute_rate)
+
+
+def run_baselines(config: MatrixConfig, data: Sequence[str], registry: Registry,
+                  measure: Callable[[MatrixConfig, list[Any]], list[CellResult]],
+                  ) -> tuple[list[CellResult], dict[str, str]]:
+    """Raw baselines of ``data`` and memcpy over ``config``'s matrix (``measure`` runs it);
+    (results, label -> why a series could not run)."""
+    base = replace(config, transports=tuple(data))
+    series, unavailable = available_series(registry, base)
+    series = [s for s in series if s.impl != "p2pkv"]
+    return (measure(base, series) if series else []), unavailable
+
+
+def _plan(config: MatrixConfig, block: int, batch: int, conc: int) -> CellPlan:
+    return CellPlan(block_size=block, batch=batch, concurrency=conc,
+                    requests=config.requests_for(block, batch, conc), reps=config.reps,
+                    warmup=config.warmup, contiguous=config.contiguous,
+                    deadline=config.deadline, rep_seconds=config.rep_seconds)
+
+
+def _tier_cell(lane: TierLane, plan: CellPlan, order: str, seed: list[int]) -> TierCellResult:
+    """One cell in one arrival order, with the consumer's latencies and both sides' CPU."""
+    lane.reset(order)
+    try:
+        base = measure_cell(lane, plan, np.random.default_rng(seed))
+    except Exception as exc:  # a side died: the cell fails, the run goes on
+        base = CellResult(series="", impl="tier", transport=lane.spec.transport,
+                          block_size=plan.block_size, batch=plan.batch,
+                          concurrency=plan.concurrency, error=f"{type(exc).__name__}: {exc}")
+    row = TierCellResult(**{**asdict(base), "series": f"tier {lane.spec.transport} {order}"},
+                         order=order)
+    lat = lane.latencies(plan.reps) * 1e6
+    if lat.size:
+        row.p50_us, row.p99_us = (float(v) for v in np.percentile(lat, [50, 99]))
+        row.mean_us = float(lat.mean())
+    usage = lane.usage(plan.reps)
+    requests = sum(u.requests for u in usage)
+    if requests and not base.skipped:
+        row.producer_cpu_us = sum(u.producer_cpu_s for u in usage) / requests * 1e6
+        row.consumer_cpu_us = sum(u.consumer_cpu_s for u in usage) / requests * 1e6
+        counts = [u.descriptors for u in usage]
+        if all(c is not None for c in counts):
+            row.descriptors_per_request = sum(c or 0 for c in counts) / requests
+    return row
+
+
+def _add_ratios(rows: Sequence[TierCellResult], baselines: Sequence[CellResult]) -> None:
+    index = {(r.impl, r.transport, r.block_size, r.batch, r.concurrency): r
+             for r in baselines if r.gbps > 0}
+    for r in rows:
+        if r.gbps <= 0:
+            continue
+        raw = index.get(("raw", r.transport, r.block_size, r.batch, r.concurrency))
+        memcpy = index.get(("memcpy", "memcpy", r.block_size, r.batch, 1))
+        r.ratio_raw = r.gbps / raw.gbps if raw else None
+        r.ratio_memcpy = r.gbps / memcpy.gbps if memcpy else None
+
+
+def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellResult],
+                 notes: Console) -> list[TierCellResult]:
+    """Every tier cell of every data transport, both orders, with ratios to ``baselines``.
+
+    A lane that cannot start fails its block size's cells (``error``); the run goes on."""
+    rows: list[TierCellResult] = []
+    timeout = config.deadline * (config.reps + config.warmup + 2)
+    started = time.time()
+    for data in plan.data:
+        lane = TierLane(plan.control, data, config.region_bytes, timeout)
+        for block in config.block_sizes:
+            try:
+                lane.open(block)
+                opened = ""
+            except Exception as exc:
+                opened = f"tier sides failed to start: {type(exc).__name__}: {exc}"
+            for batch in config.batches:
+                for conc in config.concurrency:
+                    cell = _plan(config, block, batch, conc)
+                    for order in ORDERS:
+                        row = (_tier_cell(lane, cell, order, [config.seed, block, batch, conc])
+                               if not opened else TierCellResult(
+                                   series=f"tier {data} {order}", impl="tier", transport=data,
+                                   block_size=block, batch=batch, concurrency=conc,
+                                   error=opened, order=order))
+                        rows.append(row)
+                        notes.print(f"tier {escape(data)} {format_size(block)} x{batch} "
+                                    f"c{conc} {order}: {row.gbps:.2f} GB/s, "
+                                    f"{time.time() - started:.0f} s")
+            lane.close()
+    _add_ratios(rows, baselines)
+    return rows

@@ -1,0 +1,65 @@
+"""``p2pkv bench --tier`` output: the tier table and the pull-vs-recompute crossover."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from p2pkv.bench.report import _rate, _ratio, format_size
+from p2pkv.bench.tier_bench import TierCellResult
+
+__all__ = ["print_crossover", "print_tier_table"]
+
+_ORDER = {"producer_first": "store→load", "consumer_first": "load→store"}
+
+
+def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: str) -> None:
+    """Per data transport: GB/s, ratios to raw and memcpy, the consumer's submit_load ->
+    result p50/p99 µs and CPU µs per request on each side (descriptors per request when the
+    tier reports them), one row per cell and arrival order; then every failed cell."""
+    for data in sorted({r.transport for r in rows}):
+        own = sorted((r for r in rows if r.transport == data),
+                     key=lambda r: (r.block_size, r.batch, r.concurrency, r.order))
+        described = any(r.descriptors_per_request is not None for r in own)
+        table = Table(title=f"{title}: tier {data}", title_justify="left")
+        cols = ["block", "batch", "conc", "order", "GB/s", "/raw", "/memcpy",
+                "p50 / p99 µs", "CPU µs/req\nprod / cons", *(["desc/req"] if described else [])]
+        for col in cols:
+            table.add_column(col, justify="right")
+        for r in own:
+            cost = (f"{r.producer_cpu_us:.0f} / {r.consumer_cpu_us:.0f}"
+                    if r.gbps else "")
+            lat = f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r.gbps else ""
+            desc = ([f"{r.descriptors_per_request:.1f}"
+                     if r.descriptors_per_request is not None else ""] if described else [])
+            table.add_row(format_size(r.block_size), str(r.batch), str(r.concurrency),
+                          _ORDER.get(r.order, r.order), _rate(r), _ratio(r.ratio_raw),
+                          _ratio(r.ratio_memcpy), lat, cost, *desc)
+        console.print(table)
+        if not described:
+            console.print("descriptors per request: not reported (the tier's stats have no "
+                          "descriptors_posted counter)")
+    for r in rows:
+        if r.error:
+            console.print(f"[red]{escape(r.series)} {format_size(r.block_size)} x{r.batch} "
+                          f"c{r.concurrency}:[/] {escape(r.error)}")
+
+
+def print_crossover(console: Console, doc: Mapping[str, Any]) -> None:
+    """One line per arrival order: the prompt length above which pulling beats recomputing."""
+    console.print(f"pull vs recompute, {escape(doc['preset'])} "
+                  f"({doc['bytes_per_token']:,.0f} B/token: {escape(doc['formula'])}), "
+                  f"recompute {doc['recompute_tokens_per_s']:,.0f} tokens/s:")
+    for o in doc["orders"]:
+        name = _ORDER.get(o["order"], o["order"])
+        if o["tokens"] is None:
+            console.print(f"  {name}: {escape(o['why'])}")
+            continue
+        fit = (f"fit at {format_size(o['block_size'])} blocks: {o['fixed_us']:.0f} µs fixed"
+               + (f" + {o['gbps_marginal']:.2f} GB/s" if o["gbps_marginal"] else ""))
+        console.print(f"  {name}: pull beats recompute above [bold]{o['tokens']:,}[/] "
+                      f"prompt tokens ({fit})")

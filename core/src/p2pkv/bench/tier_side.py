@@ -1,0 +1,150 @@
+"""One side of ``p2pkv bench --tier``: a real ``P2PTier`` over a pre-faulted region, in a child.
+
+The parent (:mod:`p2pkv.bench.tier_lane`) plays the engine's scheduler and the PD router;
+each side runs in a spawned process of its own and is driven over a harness pipe
+(:func:`p2pkv.bench.harness.serve`), which carries only the bench's own commands:
+
+- producer: ``store(r, slots)`` -> ``on_new_request`` + ``submit_store`` of request ``r``'s
+  keys over ``slots`` (their content was written by ``fill``, untimed: the bench times the
+  tier, not the prefill);
+- consumer: ``load(r, host, port, slots)`` -> ``on_new_request``, ``lookup`` of every key
+  (PD: HIT at once), ``submit_load``; its latency runs from ``submit_load`` to the
+  ``get_finished_jobs`` that returns its result, both read in this process;
+- both: between commands, while a job is open, the side steps like an engine
+  (``get_finished_jobs``, ``on_request_finished`` of finished requests, ``on_schedule_end``,
+  ``tick``); ``wait`` steps until a result is there and returns the results since the last
+  call; ``usage`` reports process CPU time (every thread: the tier, its transports' I/O
+  threads) and the tier's ``descriptors_posted`` counter when the tier's stats have one.
+
+Keys are derived from the request number on both sides (:func:`request_keys`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from p2pkv.bench.harness import serve
+from p2pkv.bench.target import page_in
+from p2pkv.config import TierConfig
+from p2pkv.demo.content import BlockRegion
+from p2pkv.tier import P2PTier
+from p2pkv.types import Job, LookupResult, RequestContext
+
+__all__ = ["DESCRIPTORS_STAT", "TierSide", "request_keys", "side_main"]
+
+DESCRIPTORS_STAT = "descriptors_posted"
+"""The tier stats counter ``--tier`` divides by requests for descriptors per request."""
+
+_TICK = 0.0002
+"""``tick`` timeout while a job is open (what the demo's roles use)."""
+
+Finished = tuple[int, str, float, str]
+"""(request, outcome, submit-to-result seconds, detail)."""
+
+
+def request_keys(request: int, blocks: int) -> list[bytes]:
+    """The block keys of request ``request`` (unique per request and block)."""
+    head = request.to_bytes(8, "little")
+    return [head + i.to_bytes(8, "little") for i in range(blocks)]
+
+
+def _kv_id(request: int) -> str:
+    return f"bench-tier-{request}"
+
+
+class TierSide:
+    """A region of ``region_bytes`` and a tier built from ``tier_config`` over it."""
+
+    def __init__(self, tier_config: dict[str, Any], block_len: int, region_bytes: int) -> None:
+        self._buf = page_in(region_bytes)
+        self.region = BlockRegion(self._buf, block_len)
+        view = self._buf.data[: self.region.nbytes]
+        self.tier = P2PTier(TierConfig.from_dict(tier_config), view, block_len)
+        self._open: dict[int, tuple[RequestContext, float]] = {}
+        self._finished: list[Finished] = []
+
+    def describe(self) -> tuple[str, int]:
+        """(the tier's address, blocks in the region)."""
+        return self.tier.local_address, self.region.num_blocks
+
+    def fill(self, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        self.region.fill_seeds(slots, seeds)
+
+    def verify(self, slots: Sequence[int], seeds: Sequence[int]) -> list[int]:
+        """Check and consume ``slots``; the mismatching ones."""
+        return self.region.verify_seeds(slots, seeds)
+
+    def usage(self) -> tuple[float, int | None]:
+        """(process CPU seconds, the tier's descriptors counter or None without one)."""
+        stat = self.tier.stats().get(DESCRIPTORS_STAT)
+        return time.process_time(), stat
+
+    def store(self, request: int, slots: list[int]) -> None:
+        ctx = RequestContext(f"p{request}",
+                             {"remote_decoder": {"kv_request_id": _kv_id(request)}})
+        self.tier.on_new_request(ctx)
+        self._open[request] = (ctx, time.perf_counter())
+        self.tier.submit_store(Job(request, request_keys(request, len(slots)), slots,
+                                   is_load=False, ctx=ctx))
+
+    def load(self, request: int, host: str, port: int, slots: list[int]) -> None:
+        route = {"kv_request_id": _kv_id(request), "remote_host": host, "remote_port": port}
+        ctx = RequestContext(f"c{request}", {"remote_prefiller": route})
+        self.tier.on_new_request(ctx)
+        keys = request_keys(request, len(slots))
+        for key in keys:
+            if self.tier.lookup(key, ctx) is not LookupResult.HIT:
+                self.tier.on_request_finished(ctx)
+                self._finished.append((request, "lookup_miss", 0.0, key.hex()))
+                return
+        self._open[request] = (ctx, time.perf_counter())
+        self.tier.submit_load(Job(request, keys, slots, is_load=True, ctx=ctx))
+
+    def step(self) -> bool:
+        """One engine step while a job is open; True while one still is."""
+        if not self._open:
+            return False
+        for result in self.tier.get_finished_jobs():
+            entry = self._open.pop(result.job_id, None)
+            if entry is None:
+                continue
+            ctx, submitted = entry
+            self._finished.append((result.job_id, result.outcome.value,
+                                   time.perf_counter() - submitted, result.detail))
+            self.tier.on_request_finished(ctx)
+        self.tier.on_schedule_end()
+        if self._open:
+            self.tier.tick(_TICK)
+        return bool(self._open)
+
+    def wait(self, timeout: float, every: bool = False) -> list[Finished]:
+        """Step until a result is there (``every``: until no job is open) or ``timeout``
+        seconds passed; the results since the last call."""
+        limit = time.monotonic() + timeout
+        while (self._open if every else not self._finished) and time.monotonic() < limit:
+            if not self.step() and not every:
+                break
+        done, self._finished = self._finished, []
+        return done
+
+    def shutdown(self) -> None:
+        self.tier.shutdown()
+
+
+def side_main(conn: Connection, tier_config: dict[str, Any], block_len: int,
+              region_bytes: int) -> None:
+    """Child entry: build the side, then serve commands, stepping while a job is open."""
+    try:
+        side = TierSide(tier_config, block_len, region_bytes)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        serve(conn, {"describe": side.describe, "fill": side.fill, "verify": side.verify,
+                     "usage": side.usage, "store": side.store, "load": side.load,
+                     "wait": side.wait}, side.step)
+    finally:
+        side.shutdown()

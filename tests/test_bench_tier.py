@@ -1,0 +1,149 @@
+"""``p2pkv bench --tier``: the quick tier matrix runs end to end over two real tiers (zmq
+control + nixl data, two processes), every cell in both arrival orders moves verified bytes,
+a wrong byte fails its cell, and every misuse of the tier flags ends in one line.
+
+Benchmarks are not tests: nothing here looks at a rate or a latency value, only at structure
+and verification.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from p2pkv.bench.runner import CellPlan, measure_cell
+from p2pkv.bench.tier_lane import ORDERS, TierLane
+from p2pkv.cli import main
+from p2pkv.registry import default_registry
+
+Doc = tuple[dict[str, Any], Path]
+"""The quick run's JSON document and where its plot went."""
+
+TIER_KEYS = {"order", "producer_cpu_us", "consumer_cpu_us", "descriptors_per_request"}
+
+
+def _needs_nixl_and_zmq() -> None:
+    registry = default_registry()
+    for kind, name in (("data", "nixl"), ("control", "zmq")):
+        entry = registry.entries(kind).get(name)  # type: ignore[arg-type]
+        if entry is None or entry.cls.availability() is not None:
+            pytest.skip(f"needs the {name} {kind} transport")
+
+
+@pytest.fixture(scope="module")
+def tier_doc(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    _needs_nixl_and_zmq()
+    out = tmp_path_factory.mktemp("tier") / "tier.json"
+    png = out.with_suffix(".png")
+    args = ["bench", "--tier", "--quick", "--json", str(out), "--recompute-rate", "20000",
+            "--preset", "qwen2.5-7b"]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(png)]
+    except ImportError:
+        pass
+    assert main(args) == 0
+    return json.loads(out.read_text()), png
+
+
+def test_quick_json_has_every_cell_in_both_orders(tier_doc: Doc) -> None:
+    doc, _ = tier_doc
+    assert doc["tier"]["control"] == "zmq" and doc["tier"]["data"] == ["nixl"]
+    cells = {(r["block_size"], r["batch"], r["concurrency"]) for r in doc["rows"]}
+    assert len(cells) == 8  # 2 block sizes x 2 batches x 2 concurrencies
+    for cell in cells:
+        orders = sorted(r["order"] for r in doc["rows"]
+                        if (r["block_size"], r["batch"], r["concurrency"]) == cell)
+        assert orders == sorted(ORDERS)
+    for row in doc["rows"]:
+        assert set(row) >= TIER_KEYS
+        assert row["impl"] == "tier" and row["series"] == f"tier nixl {row['order']}"
+
+
+def test_every_tier_cell_moved_verified_bytes(tier_doc: Doc) -> None:
+    doc, _ = tier_doc
+    assert doc["verified"] is True
+    for row in doc["rows"]:
+        assert row["error"] == "" and row["verified"], row
+        assert row["bytes_verified"] > 0
+        assert row["p50_us"] > 0 and row["p99_us"] >= row["p50_us"]
+        assert row["producer_cpu_us"] > 0 and row["consumer_cpu_us"] > 0
+
+
+def test_ratios_are_against_baselines_of_the_same_run(tier_doc: Doc) -> None:
+    doc, _ = tier_doc
+    series = {r["series"] for r in doc["baseline_rows"]}
+    assert series <= {"raw nixl", "memcpy"} and "memcpy" in series
+    for row in doc["rows"]:
+        assert row["ratio_memcpy"] is not None
+        assert (row["ratio_raw"] is not None) == ("raw nixl" in series)
+
+
+def test_crossover_is_reported_per_order(tier_doc: Doc) -> None:
+    cross = tier_doc[0]["crossover"]
+    assert cross["preset"] == "qwen2.5-7b"
+    assert cross["bytes_per_token"] == 28 * 4 * 128 * 2 * 2  # layers x kv heads x dim x K,V x bf16
+    assert sorted(o["order"] for o in cross["orders"]) == sorted(ORDERS)
+    for o in cross["orders"]:
+        assert (o["tokens"] is None) == ("why" in o)
+
+
+def test_plot_is_written(tier_doc: Doc) -> None:
+    pytest.importorskip("matplotlib")
+    assert tier_doc[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _WrongSource(TierLane):
+    """Writes other content into the producer's slots than the runner will check for."""
+
+    def fill(self, slots: Sequence[int], seeds: Sequence[int]) -> None:
+        super().fill(slots, [s ^ 2 for s in seeds])
+
+
+def test_a_wrong_byte_fails_the_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_nixl_and_zmq()
+    monkeypatch.setenv("UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES", "lo"))
+    lane = _WrongSource("zmq", "nixl", 4 * 1024 * 1024, timeout=60.0)
+    plan = CellPlan(block_size=64 * 1024, batch=2, concurrency=1, requests=2, reps=1,
+                    warmup=0, rep_seconds=0.1)
+    try:
+        lane.open(plan.block_size)
+        result = measure_cell(lane, plan, np.random.default_rng(0))
+    finally:
+        lane.close()
+    assert not result.verified and result.bytes_verified == 0
+    assert "wrong blocks" in result.error
+
+
+MISUSES = {
+    "rate not positive": (("--tier", "--recompute-rate", "0"), "--recompute-rate"),
+    "rate not a number": (("--tier", "--recompute-rate", "fast"), "--recompute-rate"),
+    "preset without rate": (("--tier", "--preset", "llama-3-8b"), "--recompute-rate"),
+    "unknown preset": (("--tier", "--recompute-rate", "1", "--preset", "gpt"), "--preset"),
+    "rate without tier": (("--recompute-rate", "100"), "add --tier"),
+    "tier control without tier": (("--tier-control", "zmq"), "add --tier"),
+    "tier and control": (("--tier", "--control"), "--tier and --control"),
+    "process-local data": (("--tier", "--transports", "memory"), "--transports memory"),
+    "process-local control": (("--tier", "--tier-control", "memory"), "--tier-control memory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISUSES))
+def test_misuse_ends_in_one_line(case: str) -> None:
+    args, named = MISUSES[case]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PKV_")}
+    env.update(COLUMNS="60", UCX_NET_DEVICES="lo")
+    proc = subprocess.run([sys.executable, "-m", "p2pkv.cli", "bench", *args], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and named in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
