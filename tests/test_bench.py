@@ -173,7 +173,7 @@ def test_reads_of_a_two_sided_baseline_are_served_by_the_progressing_target() ->
     registry = _registry_with(ServedReads)
     spec = SeriesSpec("raw", "served", cross_process=False)
     target = LocalTarget(256 * 1024, registry)
-    lane = EndpointLane(spec, registry, np.zeros(256 * 1024, np.uint8), target)
+    lane = EndpointLane(spec, registry, np.zeros(256 * 1024, np.uint8).data, target)
     lane.open(4096)
     try:
         plan = CellPlan(block_size=4096, batch=4, concurrency=2, requests=12, reps=2,
@@ -195,7 +195,7 @@ def test_reads_the_target_never_serves_time_out_and_are_cancelled(
     spec = SeriesSpec("raw", "served", cross_process=False)
     target = LocalTarget(64 * 1024, registry)
     monkeypatch.setattr(target.state, "pump", lambda: None)  # a source side that stalls
-    lane = EndpointLane(spec, registry, np.zeros(64 * 1024, np.uint8), target)
+    lane = EndpointLane(spec, registry, np.zeros(64 * 1024, np.uint8).data, target)
     lane.open(4096)
     try:
         plan = CellPlan(block_size=4096, batch=2, concurrency=2, requests=4, reps=1,

@@ -338,7 +338,9 @@ class DataTransport(_Transport):
         default is anonymous, zero-filled process memory. Raises ``ConfigError`` or
         ``TransportUnavailable`` when it cannot allocate.
         """
-        return memoryview(bytearray(num_blocks * block_len))
+        import numpy as np
+
+        return np.zeros(num_blocks * block_len, dtype=np.uint8).data
 
     def __enter__(self: _DataT) -> _DataT:
         return self

@@ -14,12 +14,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from p2pkv.bench.data_transport import (
+    DATA_OPTIONS_FLAG,
+    check_bench_data_options,
+    parse_data_options,
+)
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.hostinfo import describe_host, environ_restored
 from p2pkv.bench.matrix import KiB, MatrixConfig, MiB, available_series, run_matrix
 from p2pkv.bench.report import geomean_ratios, plot, print_tables
 from p2pkv.bench.runner import CellResult
 from p2pkv.cli import check_output_path, make_console, usable_transport
+from p2pkv.demo.presets import PRESETS
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
 
@@ -70,6 +76,16 @@ def _size_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"need tokens per second > 0, e.g. 20000: {text!r}")
+    return value
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
@@ -93,6 +109,9 @@ def add_parser(sub: Any) -> None:
                    help="contiguous slot runs instead of scattered slots")
     p.add_argument("--no-raw", action="store_true", help="skip the raw-library baselines")
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy baseline")
+    p.add_argument(DATA_OPTIONS_FLAG, metavar="JSON",
+                   help="data_options of the transports in --transports (needed with it), a "
+                   "JSON object or @FILE; their regions are allocated with them too")
     p.add_argument("--seed", type=int, default=0, help="slot-placement seed")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write results as JSON to PATH ('-' or no value: stdout)")
@@ -101,6 +120,20 @@ def add_parser(sub: Any) -> None:
                    "concurrency (needs p2pkv[plot])")
     p.add_argument("--control", action="store_true",
                    help="control plane: round trips vs raw pyzmq, CPU per request")
+    p.add_argument("--tier", action="store_true",
+                   help="submit_load to result through two real P2PTiers (two processes), "
+                   "both arrival orders, per cell: GB/s, p50/p99, CPU per request per side, "
+                   "ratios to raw and memcpy; data transports from --transports (default "
+                   "nixl); descriptors per request only when the tier's stats count "
+                   "descriptors_posted")
+    p.add_argument("--tier-control", metavar="NAME",
+                   help="control transport of --tier (default zmq)")
+    p.add_argument("--recompute-rate", type=_positive_rate, metavar="TOKENS_PER_S",
+                   help="with --tier: prefill tokens/s per GPU; prints the prompt length "
+                   "above which pulling the KV beats recomputing it")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model whose KV bytes per token the crossover uses (default "
+                   "llama-3-8b)")
     p.set_defaults(func=run)
 
 
@@ -125,6 +158,7 @@ def _config(args: argparse.Namespace) -> MatrixConfig:
         memcpy=not args.no_memcpy,
         contiguous=args.contiguous,
         seed=args.seed,
+        data_options=parse_data_options(args.data_options),
     )
 
 
@@ -140,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig | None:
     """Refuse, before anything runs, what would fail later: an output path that cannot be
-    written, ``--plot`` without matplotlib, and a data transport named in ``--transports``
-    that is unknown or cannot run here (``ConfigError``/``TransportUnavailable``). Returns the
+    written, ``--plot`` without matplotlib, a data transport named in ``--transports``
+    that is unknown or cannot run here, and ``--data-options`` without ``--transports`` or
+    refused by one of them (``ConfigError``/``TransportUnavailable``). Returns the
     matrix config (None for ``--control``)."""
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path and path != "-":
@@ -151,11 +186,17 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--plot needs matplotlib: pip install 'p2pkv[plot]'") from None
-    if args.control:
+    from p2pkv.bench.tier_bench import tier_requested
+
+    if args.control and not tier_requested(args):
+        if args.data_options is not None:
+            raise ConfigError(f"{DATA_OPTIONS_FLAG} does not apply to --control (its tiers "
+                              f"run the memory data transport as it is): drop it")
         return None
     config = _config(args)
     for name in config.transports or ():
         usable_transport(registry, "data", name)
+    check_bench_data_options(registry, config.transports, config.data_options)
     return config
 
 
@@ -166,6 +207,12 @@ def _run(args: argparse.Namespace) -> int:
     notes = make_console(stderr=True)
     registry = default_registry()
     config = _check_options(args, registry)
+    from p2pkv.bench.tier_bench import tier_requested
+
+    if config is not None and tier_requested(args):
+        from p2pkv.bench.tier_cli import run_tier
+
+        return run_tier(args, config, console, notes)
     if config is None:
         from p2pkv.bench.control import run_control
 

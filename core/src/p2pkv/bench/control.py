@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from p2pkv.addressing import parse_address
+from p2pkv.bench.data_transport import transport_region
 from p2pkv.bench.hostinfo import environ_restored
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings
@@ -60,18 +61,17 @@ class _Pair:
         )
         installed = default_registry()
         bare = Registry.from_plugins([])  # no observer plugins: p2pkv's own cost only
-        self._bufs = [np.zeros(slots * _BLOCK, np.uint8) for _ in range(2)]
+        memory = installed.transport("data", "memory")
+        self._regions = [transport_region(memory, slots, _BLOCK, {}) for _ in range(2)]
         self.producer, self.consumer = (
             P2PTier(
-                config, buf.data, _BLOCK, registry=bare,
+                config, region, _BLOCK, registry=bare,
                 control=installed.transport("control", control).create(
                     ControlSettings(host=config.host, port=0)
                 ),
-                data=installed.transport("data", "memory").create(
-                    DataSettings(buf.data, _BLOCK)
-                ),
+                data=memory.create(DataSettings(region, _BLOCK)),
             )
-            for buf in self._bufs
+            for region in self._regions
         )
         self._n = 0
 

@@ -3,7 +3,8 @@
 Every series of the matrix is an *endpoint kind* built over a caller-owned region:
 
 - ``p2pkv``: a registered ``DataTransport`` (``nixl``, ``ucx``, ``memory`` ...), built exactly
-  as the tier builds it (registry + ``DataSettings``).
+  as the tier builds it (registry + ``DataSettings`` with its ``data_options``), over a region
+  from its own ``allocate_region`` (:mod:`p2pkv.bench.data_transport`).
 - ``raw``: a baseline from a transport distribution (hook ``p2pkv_bench_baselines``): the same
   library driven without p2pkv (e.g. NIXL with the same prepared descriptors). Baselines are
   duck-typed like ``DataTransport`` — ``create(DataSettings)``, ``descriptor()``,
@@ -18,6 +19,7 @@ progresses (``progress()``/``poll()``), serving those reads when its transport i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +48,14 @@ class SeriesSpec:
 
 
 def make_endpoint(
-    spec: SeriesSpec, registry: Registry, region: memoryview, block_len: int
+    spec: SeriesSpec,
+    registry: Registry,
+    region: memoryview,
+    block_len: int,
+    options: Mapping[str, Any] | None = None,
 ) -> Any:
-    """Build the endpoint of ``spec`` over ``region``.
+    """Build the endpoint of ``spec`` over ``region``; a p2pkv transport gets ``options``
+    (its ``data_options``), a raw baseline none.
 
     Raises ``ConfigError`` for an unknown series or a raw baseline without ``read_blocks``,
     and the transport's ``TransportUnavailable`` when it cannot run here."""
@@ -58,7 +65,7 @@ def make_endpoint(
         problem = cls.availability()
         if problem is not None:
             raise problem
-        return cls.create(settings)
+        return cls.create(DataSettings(region, block_len, dict(options or {})))
     if spec.impl == "raw":
         baseline = registry.bench_baselines().get(spec.transport)
         if baseline is None:

@@ -4,10 +4,12 @@ Two UCX-based libraries in one process do not mix: NIXL bundles its own UCX and 
 another (and sets UCX variables at import), and a process holding both measured either at a
 small fraction of its speed here. So the series of each cross-process transport (``raw nixl``
 and ``p2pkv nixl``; ``raw ucx`` and ``p2pkv ucx``) run in a worker process of their own, which
-spawns the target child they read from; in-process series (``memory``, ``memcpy``) run in
-the bench process with a local target. Every group owns its own region (where the reads
-land) and a target region (the source) of ``region_bytes``, page-faulted before anything is
-timed.
+spawns the target child they read from; in-process series run in the bench process with a
+local target, a group per transport (``memory``) and one for ``memcpy``. Every group owns its
+own region (where the reads land) and a target region (the source) of ``region_bytes``, from
+its :class:`~p2pkv.bench.data_transport.RegionSource` (its p2pkv transport's
+``allocate_region``, which its raw baseline shares; plain memory for ``memcpy``), allocated
+per block size and page-faulted before anything is timed.
 
 :class:`LaneGroup` does the work; :class:`WorkerGroup` runs one in a worker process and is
 called synchronously with deadlines. The worker pipe carries only the bench's own commands.
@@ -22,11 +24,12 @@ from typing import Protocol
 
 import numpy as np
 
+from p2pkv.bench.data_transport import RegionSource
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.harness import Helper, serve
 from p2pkv.bench.lanes import EndpointLane, Lane, MemcpyLane
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
-from p2pkv.bench.target import LocalTarget, RemoteTarget, page_in
+from p2pkv.bench.target import LocalTarget, RemoteTarget
 from p2pkv.registry import default_registry
 
 __all__ = ["Group", "LaneGroup", "WorkerGroup", "failed_cell"]
@@ -60,14 +63,20 @@ def failed_cell(spec: SeriesSpec, plan: CellPlan, error: str) -> CellResult:
 
 
 class LaneGroup:
-    """Series sharing one process: their lanes, one destination region and one target."""
+    """Series sharing one process: their lanes, one destination region and one target, both
+    regions from ``source``."""
 
-    def __init__(self, series: Sequence[SeriesSpec], region_bytes: int) -> None:
+    def __init__(
+        self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource
+    ) -> None:
         self.series = list(series)
-        self._region = page_in(region_bytes)
+        self._region_bytes = region_bytes
+        self._source = source
+        self._region: memoryview | None = None
         remote = any(s.cross_process for s in series)
         self._target: RemoteTarget | LocalTarget = (
-            RemoteTarget(region_bytes) if remote else LocalTarget(region_bytes)
+            RemoteTarget(region_bytes, source=source) if remote
+            else LocalTarget(region_bytes, source=source)
         )
         self._lanes: dict[str, Lane] = {}
         self._open_errors: dict[str, str] = {}
@@ -81,20 +90,31 @@ class LaneGroup:
     def open(self, block_size: int) -> dict[str, str]:
         self.close()
         registry = default_registry()
+        try:
+            self._region = None  # released before the next one is allocated
+            self._region = self._source.allocate(self._region_bytes, block_size, registry)
+        except Exception as exc:
+            self._open_errors.update({s.label: f"region: {type(exc).__name__}: {exc}"
+                                      for s in self.series})
+            return dict(self._open_errors)
         for spec in self.series:
-            lane: Lane
-            if spec.impl == "memcpy":
-                assert isinstance(self._target, LocalTarget)
-                lane = MemcpyLane(self._region, self._target.state.buf)
-            else:
-                lane = EndpointLane(spec, registry, self._region, self._target)
             try:
+                lane = self._lane(spec, block_size)
                 lane.open(block_size)
                 self._lanes[spec.label] = lane
             except Exception as exc:
                 log.warning("%s at %d B: open failed: %s", spec.label, block_size, exc)
                 self._open_errors[spec.label] = f"open failed: {type(exc).__name__}: {exc}"
         return dict(self._open_errors)
+
+    def _lane(self, spec: SeriesSpec, block_size: int) -> Lane:
+        """Series ``spec``'s lane over this group's region (for blocks of ``block_size``)."""
+        assert self._region is not None
+        if spec.impl == "memcpy":
+            assert isinstance(self._target, LocalTarget)
+            return MemcpyLane(self._region, self._target.state.region(block_size))
+        return EndpointLane(spec, default_registry(), self._region, self._target,
+                            self._source.options)
 
     def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult:
         spec = next(s for s in self.series if s.label == label)
@@ -121,9 +141,11 @@ class LaneGroup:
         self._target.shutdown()
 
 
-def _worker_main(conn: Connection, series: list[SeriesSpec], region_bytes: int) -> None:
+def _worker_main(
+    conn: Connection, series: list[SeriesSpec], region_bytes: int, source: RegionSource
+) -> None:
     try:
-        group = LaneGroup(series, region_bytes)
+        group = LaneGroup(series, region_bytes, source)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -140,10 +162,13 @@ class WorkerGroup:
     for it. The worker is not daemonic (it spawns its target child); it exits when told to
     or when its pipe closes, and is killed if it does not within ``timeout``."""
 
-    def __init__(self, series: Sequence[SeriesSpec], region_bytes: int, timeout: float) -> None:
+    def __init__(
+        self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource,
+        timeout: float,
+    ) -> None:
         self.series = list(series)
         name = "p2pkv-bench-" + "-".join(sorted({s.transport for s in series}))
-        self._helper = Helper(_worker_main, (self.series, region_bytes), name=name,
+        self._helper = Helper(_worker_main, (self.series, region_bytes, source), name=name,
                               daemon=False, timeout=timeout)
 
     def begin_open(self, block_size: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -96,22 +96,25 @@ class Lane(ABC):
 
 
 class EndpointLane(Lane):
-    """A p2pkv transport or raw baseline reading from a :class:`Target` into ``dest_buf``."""
+    """A p2pkv transport (with ``options``, its ``data_options``) or raw baseline reading from
+    a :class:`Target` into ``dest``, a region of whole blocks of the size it is opened for
+    (for a p2pkv transport: from its ``allocate_region``)."""
 
     def __init__(
-        self, spec: SeriesSpec, registry: Registry, dest_buf: np.ndarray, target: Target
+        self, spec: SeriesSpec, registry: Registry, dest: memoryview, target: Target,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self._registry = registry
-        self._buf = dest_buf
+        self._region = dest
         self._target = target
+        self._options = dict(options or {})
         self._endpoint: Any = None
 
     def open(self, block_len: int) -> None:
-        num_blocks = self._buf.nbytes // block_len
-        region = self._buf.data[: num_blocks * block_len]
-        self.dest = BlockRegion(self._buf, block_len, num_blocks)
-        self._endpoint = make_endpoint(self.spec, self._registry, region, block_len)
+        self.dest = BlockRegion(self._region, block_len)
+        self._endpoint = make_endpoint(self.spec, self._registry, self._region, block_len,
+                                       self._options)
         try:
             self._endpoint.add_peer(TARGET, self._target.open(self.spec, block_len))
             self._target.add_peer(self.spec.label, bytes(self._endpoint.descriptor()))
@@ -152,7 +155,9 @@ class EndpointLane(Lane):
 class MemcpyLane(Lane):
     """Block-by-block ``np.copyto`` in this process; a request completes inside ``submit``."""
 
-    def __init__(self, dest_buf: np.ndarray, source_buf: np.ndarray) -> None:
+    def __init__(
+        self, dest_buf: memoryview | np.ndarray, source_buf: memoryview | np.ndarray
+    ) -> None:
         self.spec = SeriesSpec("memcpy", "memcpy", cross_process=False)
         self._dst_buf = dest_buf
         self._src_buf = source_buf

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from p2pkv.bench.data_transport import RegionSource
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.groups import Group, LaneGroup, WorkerGroup, failed_cell
 from p2pkv.bench.hostinfo import environ_restored
@@ -42,6 +44,8 @@ class MatrixConfig:
     region_bytes: int = 1024 * MiB
     transports: tuple[str, ...] | None = None
     """p2pkv data transports to run (None: every available one)."""
+    data_options: Mapping[str, Any] = field(default_factory=dict)
+    """``data_options`` of every p2pkv transport run (and of its ``allocate_region``)."""
     raw: bool = True
     memcpy: bool = True
     contiguous: bool = False
@@ -116,19 +120,23 @@ def _add_ratios(results: Sequence[CellResult]) -> None:
 
 
 def _groups(config: MatrixConfig, series: Sequence[SeriesSpec]) -> list[Group]:
-    """In-process series share this process; each cross-process transport gets a worker."""
-    local = [s for s in series if not s.cross_process]
-    by_transport: dict[str, list[SeriesSpec]] = {}
+    """The series of a transport (p2pkv and raw) form a group, in this process when they
+    are in-process, else in a worker; memcpy is a group of its own, in this process. A
+    group's regions come from its p2pkv transport's ``allocate_region`` (plain memory for
+    memcpy and a raw baseline alone)."""
+    by_transport: dict[tuple[bool, str], list[SeriesSpec]] = {}
     for s in series:
-        if s.cross_process:
-            by_transport.setdefault(s.transport, []).append(s)
+        by_transport.setdefault((s.cross_process, s.transport), []).append(s)
     timeout = config.deadline * (config.reps + config.warmup + 2)
     groups: list[Group] = []
     try:
-        if local:
-            groups.append(LaneGroup(local, config.region_bytes))
-        for specs in by_transport.values():
-            groups.append(WorkerGroup(specs, config.region_bytes, timeout))
+        for (remote, name), specs in by_transport.items():
+            p2pkv = any(s.impl == "p2pkv" for s in specs)
+            source = RegionSource(name if p2pkv else None, dict(config.data_options))
+            groups.append(
+                WorkerGroup(specs, config.region_bytes, source, timeout) if remote
+                else LaneGroup(specs, config.region_bytes, source)
+            )
     except Exception:
         for g in groups:
             g.shutdown()

@@ -24,13 +24,14 @@ def format_size(n: int) -> str:
 
 
 def series_order(results: Sequence[CellResult]) -> list[str]:
-    """memcpy first, then each transport's raw baseline followed by its p2pkv series."""
+    """memcpy first, then each transport's raw baseline followed by its p2pkv series, then
+    any other series (``bench --tier``'s), by name."""
     labels = {r.series for r in results}
     transports = sorted({r.transport for r in results if r.impl != "memcpy"})
     order = ["memcpy"] if "memcpy" in labels else []
     for t in transports:
         order += [lbl for lbl in (f"raw {t}", f"p2pkv {t}") if lbl in labels]
-    return order
+    return order + sorted(labels - set(order))
 
 
 def geomean_ratios(results: Sequence[CellResult]) -> dict[str, dict[str, float | int]]:

@@ -1,5 +1,8 @@
 """The source side of a bench series: a region, its endpoint, and its source content.
 
+The region comes from the group's :class:`~p2pkv.bench.data_transport.RegionSource` (the
+p2pkv transport's ``allocate_region``), pre-faulted.
+
 :class:`TargetState` does the work and is used two ways: in a spawned child (cross-process
 series: :class:`RemoteTarget` drives it over a harness pipe) or in the bench process itself
 (in-process series such as ``memory``: :class:`LocalTarget`). The initiator reads the
@@ -20,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from p2pkv.bench.data_transport import RegionSource
 from p2pkv.bench.endpoints import SeriesSpec, make_endpoint
 from p2pkv.bench.harness import Helper, serve
 from p2pkv.demo.content import BlockRegion
@@ -56,27 +60,48 @@ class _Source:
 
 
 class TargetState:
-    """A region plus the endpoints registered over it, one per series label (built from
-    ``registry``, default: the process-wide one).
+    """A region of ``region_bytes`` from ``source`` plus the endpoints registered over it, one
+    per series label (built from ``registry``, default: the process-wide one).
+
+    The region is allocated per block size (``allocate_region`` takes the block length): on
+    the first ``open`` or ``region`` call of a size, once every endpoint of the last is closed.
 
     Only the endpoint of the repetition being measured (from its ``begin`` to its ``end``)
     is pumped: a serving process runs one data transport, and spinning idle ones (or spinning
     between repetitions) would bill that CPU to whatever is measured meanwhile.
     """
 
-    def __init__(self, region_bytes: int, registry: Registry | None = None) -> None:
-        self.buf = page_in(region_bytes)
+    def __init__(
+        self, region_bytes: int, registry: Registry | None = None,
+        source: RegionSource | None = None,
+    ) -> None:
+        self._region_bytes = region_bytes
         self._registry = registry
+        self._source = source or RegionSource()
+        self._region: tuple[int, memoryview] | None = None
         self._sources: dict[str, _Source] = {}
         self._active: _Source | None = None
+
+    def region(self, block_len: int) -> memoryview:
+        """The region in blocks of ``block_len`` (allocated on the first call for that size;
+        ``RuntimeError`` while endpoints over a region of another size are open)."""
+        if self._region is not None and self._region[0] == block_len:
+            return self._region[1]
+        if self._sources:
+            raise RuntimeError(f"target endpoints {sorted(self._sources)} are open over "
+                               f"blocks of another size than {block_len} B")
+        self._region = None  # released before the next one is allocated
+        registry = self._registry or default_registry()
+        region = self._source.allocate(self._region_bytes, block_len, registry)
+        self._region = (block_len, region)
+        return region
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         """Build series ``spec``'s endpoint over the region; returns its descriptor."""
         self.close(spec.label)
-        num_blocks = self.buf.nbytes // block_len
-        region = self.buf.data[: num_blocks * block_len]
+        region = self.region(block_len)
         registry = self._registry or default_registry()
-        endpoint = make_endpoint(spec, registry, region, block_len)
+        endpoint = make_endpoint(spec, registry, region, block_len, self._source.options)
         self._sources[spec.label] = _Source(endpoint, block_len)
         return bytes(endpoint.descriptor())
 
@@ -85,7 +110,8 @@ class TargetState:
 
     def fill(self, label: str, slots: Sequence[int], seeds: Sequence[int]) -> None:
         """Write the content of ``seeds`` into ``slots`` (blocks of ``label``'s endpoint)."""
-        BlockRegion(self.buf, self._sources[label].block_len).fill_seeds(slots, seeds)
+        block_len = self._sources[label].block_len
+        BlockRegion(self.region(block_len), block_len).fill_seeds(slots, seeds)
 
     def begin(self, label: str) -> None:
         """A repetition of series ``label`` starts: it becomes the pumped one."""
@@ -135,9 +161,9 @@ class TargetState:
         return undrained
 
 
-def _serve(conn: Connection, region_bytes: int) -> None:
+def _serve(conn: Connection, region_bytes: int, source: RegionSource) -> None:
     """Child entry: execute commands, pump the active endpoint between them."""
-    state = TargetState(region_bytes)
+    state = TargetState(region_bytes, source=source)
 
     def idle() -> bool:
         state.pump()
@@ -153,9 +179,11 @@ def _serve(conn: Connection, region_bytes: int) -> None:
 class RemoteTarget:
     """A :class:`TargetState` in a spawned child, called synchronously with deadlines."""
 
-    def __init__(self, region_bytes: int, timeout: float = 60.0) -> None:
-        self._helper = Helper(_serve, (region_bytes,), name="p2pkv-bench-target", daemon=True,
-                              timeout=timeout)
+    def __init__(
+        self, region_bytes: int, timeout: float = 60.0, source: RegionSource | None = None
+    ) -> None:
+        self._helper = Helper(_serve, (region_bytes, source or RegionSource()),
+                              name="p2pkv-bench-target", daemon=True, timeout=timeout)
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         return bytes(self._helper.call("open", spec, block_len))
@@ -184,10 +212,13 @@ class RemoteTarget:
 
 class LocalTarget:
     """A :class:`TargetState` in this process (for in-process transports); its endpoints
-    come from ``registry`` (default: the process-wide one)."""
+    come from ``registry`` (default: the process-wide one), its region from ``source``."""
 
-    def __init__(self, region_bytes: int, registry: Registry | None = None) -> None:
-        self.state = TargetState(region_bytes, registry)
+    def __init__(
+        self, region_bytes: int, registry: Registry | None = None,
+        source: RegionSource | None = None,
+    ) -> None:
+        self.state = TargetState(region_bytes, registry, source)
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         return self.state.open(spec, block_len)

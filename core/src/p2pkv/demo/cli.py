@@ -20,6 +20,7 @@ from rich.progress import (
 )
 
 from p2pkv.bench.cli import parse_size
+from p2pkv.bench.data_transport import DATA_OPTIONS_FLAG, check_data_options, parse_data_options
 from p2pkv.bench.hostinfo import environ_restored
 from p2pkv.cli import check_output_path, make_console, print_error, usable_transport
 from p2pkv.demo.metrics import DUMP, PLUGIN, DemoMetrics, metrics_option
@@ -69,6 +70,10 @@ def add_parser(sub: Any) -> None:
                    help="KV region per side (default 512M)")
     p.add_argument("--control", default="zmq", help="control transport (default zmq)")
     p.add_argument("--data", default="nixl", help="data transport (default nixl)")
+    p.add_argument(DATA_OPTIONS_FLAG, metavar="JSON",
+                   help="data_options of the data transport, a JSON object or @FILE "
+                   "(its keys: docs/transports.md); its regions come from allocate_region "
+                   "with them too")
     p.add_argument("--host", default="127.0.0.1", help="address the producer listens on")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many s")
@@ -81,13 +86,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _single_process(control: str, data: str) -> bool:
+def _single_process(control: str, data: str, data_options: dict[str, Any]) -> bool:
     """True when a chosen transport cannot cross processes (both tiers then share one).
 
-    Raises ``ConfigError``/``TransportUnavailable`` for a transport that cannot run here."""
+    Raises ``ConfigError``/``TransportUnavailable`` for a transport that cannot run here or
+    ``data_options`` the data transport refuses."""
     registry = default_registry()
     control_cls = usable_transport(registry, "control", control)
     data_cls = usable_transport(registry, "data", data)
+    if data_options:
+        check_data_options(registry, data, data_options)
     return not (control_cls.capabilities.cross_process and data_cls.capabilities.cross_process)
 
 
@@ -104,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
 def _plan(
     args: argparse.Namespace,
 ) -> tuple[ModelPreset, PromptDistribution, dict[str, float], int]:
-    """Validate the options: (preset, prompt distribution, orders, slots per side)."""
+    """Validate the options: (preset, prompt distribution, orders, slots per side); sets
+    ``args.data_options`` to the parsed ``--data-options``."""
+    args.data_options = parse_data_options(args.data_options)
     if args.json:
         check_output_path("--json", args.json)
     preset = resolve_preset(
@@ -122,7 +132,7 @@ def _plan(
 
 def _run(args: argparse.Namespace) -> int:
     preset, dist, orders, capacity = _plan(args)
-    inline = _single_process(args.control, args.data)
+    inline = _single_process(args.control, args.data, args.data_options)
     with DemoMetrics(args.metrics, host=args.host, inline=inline) as metrics:
         code = _demo(args, preset, dist, orders, capacity, inline=inline, metrics=metrics)
         metrics.print_dump()
@@ -155,7 +165,8 @@ def _demo(
     )
     if metrics.url:
         make_console(stderr=True).print(f"metrics at {escape(metrics.url)} while the demo runs")
-    tier_config = {"control": args.control, "data": args.data, "host": args.host, "port": 0}
+    tier_config = {"control": args.control, "data": args.data, "host": args.host, "port": 0,
+                   "data_options": args.data_options}
     log_level = logging.getLogger("p2pkv").getEffectiveLevel()
     setups = [
         RoleSetup(tier_config, preset.block_bytes, capacity, seed=args.seed + i,

@@ -1,7 +1,8 @@
 """The demo's two engines: a producer (prefiller) and a consumer (decoder) driving a P2PTier.
 
-Each role owns a synthetic KV region (``num_slots`` blocks of the model's block size) and a
-:class:`p2pkv.tier.P2PTier`, and drives it the way a serving engine's scheduler does:
+Each role owns a synthetic KV region (``num_slots`` blocks of the model's block size, from the
+data transport's ``allocate_region``) and a :class:`p2pkv.tier.P2PTier`, and drives it the way
+a serving engine's scheduler does:
 
 - producer (PD): ``on_new_request`` -> fill the request's slots -> ``submit_store`` -> on the
   store job's result, ``on_request_finished`` and free the slots;
@@ -28,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from p2pkv.addressing import parse_address
+from p2pkv.bench.data_transport import transport_region
 from p2pkv.config import TierConfig
 from p2pkv.demo.content import BlockRegion
 from p2pkv.demo.workload import DemoRequest
+from p2pkv.registry import default_registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
@@ -115,19 +118,24 @@ class _Engine:
 
     def __init__(self, setup: RoleSetup) -> None:
         self.block_len = setup.block_len
-        self.buf = np.empty(setup.num_slots * setup.block_len, dtype=np.uint8)
-        self.buf.fill(0)  # fault every page in before the clock starts
+        config = TierConfig.from_dict(setup.tier_config)
+        self.view = transport_region(  # pre-faulted: no page fault once the clock runs
+            default_registry().transport("data", config.data), setup.num_slots,
+            setup.block_len, config.data_options,
+        )
+        """The region, as the data transport's ``allocate_region`` returned it."""
+        self.buf = np.frombuffer(self.view, dtype=np.uint8)
         self.region = BlockRegion(self.buf, setup.block_len)
         free = np.random.default_rng(setup.seed).permutation(setup.num_slots)
         self._free: list[int] = [int(s) for s in free]  # scattered, like a block allocator
-        self.tier = self.make_tier(TierConfig.from_dict(setup.tier_config))
+        self.tier = self.make_tier(config)
         self._job_ids = itertools.count(1)
         self.cpu_started = time.process_time()
 
     def make_tier(self, config: TierConfig) -> P2PTier:
         """Build the tier over this engine's region (a subclass may build it with transports
         of its own, e.g. wrapped to record or inject faults)."""
-        return P2PTier(config, self.buf.data, self.block_len)
+        return P2PTier(config, self.view, self.block_len)
 
     @property
     def address(self) -> str:

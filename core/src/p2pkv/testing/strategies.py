@@ -29,11 +29,11 @@ anything else. Sizes stay small (tens of entries) so examples are cheap; pass a 
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 import msgpack
 from hypothesis import strategies as st
+from msgspec.structs import fields
 
 from p2pkv.config import Limits
 from p2pkv.protocol import (

@@ -1,0 +1,52 @@
+"""Conformance suites: pytest test classes a transport author subclasses.
+
+Ten lines prove a data transport (see ``docs/plugin-authors.md``)::
+
+    from p2pkv.testing.suites import DataTransportSuite
+    from my_transport import MyDataTransport
+
+    class TestMyDataTransport(DataTransportSuite):
+        transport = MyDataTransport
+        options = {"progress_thread": False}   # data_options used for every instance
+
+The kit builds every instance itself through ``transport.create(settings)``: the transport
+under test here, and its peers either in this process (``same-process``) or in a spawned child
+(``child-process``, a :class:`p2pkv.testing.peers.PeerHost`), so cross-process behaviour
+(including a peer that is SIGKILLed or SIGSTOPped) is tested with no extra code. Tests read the
+class's declared :class:`~p2pkv.contracts.Capabilities` and skip, with the reason, what it does
+not claim; a transport whose ``availability()`` reports a missing library is skipped as a
+whole.
+
+Knobs (class attributes; ``transport_class`` and ``transport_options`` are also fixtures,
+which a subclass may override instead):
+
+``transport``            the class under test (or override the ``transport_class`` fixture)
+``transport_name``       instead of ``transport``: an installed transport, by registry name
+``options``              ``control_options``/``data_options`` for every instance
+``timeout``              seconds any single expected event may take (default 10)
+``same_process_pairs``   False if two instances cannot share a process
+``num_blocks``/``block_len``  the region shape (data)
+``max_frame_bytes``      the frame cap used by the suite (control)
+``liveness_timeout``     seconds within which a dead or closed peer must show ``alive`` False
+``host``                 the host to listen on (control; default ``127.0.0.1``)
+``late_landing_window``  seconds the late-landing tests keep both sides progressing after a
+                         read was ended (cancel, remove_peer, replacing the peer, close),
+                         watching a canary in its slots (data; default 0.5)
+
+The data suites read from the peer into the transport under test (the consumer owns every
+write into its region) and, while waiting on a read, always keep the peer side progressing and
+polling (a two-sided peer serves reads from there; its ``poll`` must report nothing).
+
+Individual tests may be overridden or disabled in the subclass like any pytest test
+(``test_x = None`` removes one), but a transport that needs that is not conformant.
+
+Import the suites from here; the modules behind it are ``support`` (what every suite
+shares), ``data`` with its harness ``data_pair``, and ``control``.
+"""
+
+from p2pkv.testing.suites.control import ControlTransportSuite
+from p2pkv.testing.suites.data import DataTransportSuite
+from p2pkv.testing.suites.support import PEER_MODES as PEER_MODES
+from p2pkv.testing.suites.support import installed_transport
+
+__all__ = ["ControlTransportSuite", "DataTransportSuite", "installed_transport"]
