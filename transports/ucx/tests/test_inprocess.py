@@ -58,7 +58,7 @@ def test_blocks_land_exactly_and_contiguous_runs_go_as_one_message(
     before = consumer.blocks.copy()
     src, dst = [3, 4, 5, 6, 20, 9], [10, 11, 12, 13, 0, 30]
     tid = consumer.t.read_blocks("p", dst, src)
-    runs = len(consumer.t._reads[tid].lengths)
+    runs = len(consumer.t._registrations["p"].reads[tid].lengths)
     assert runs == (3 if coalesce else 6), "one message per run contiguous on both sides"
     settle([producer, consumer], {consumer: {tid}}, "the read")
     assert tid in consumer.done
@@ -73,6 +73,24 @@ def test_numpy_indexes_and_a_repeated_source_block_are_fine(nodes: Make) -> None
     local: Any = np.array([1, 2, 3])
     remote: Any = [np.int64(7), np.int32(7), 8]
     _read(producer, consumer, local, remote)
+
+
+def test_a_remote_index_may_repeat_anywhere_in_a_read(nodes: Make) -> None:
+    producer, consumer = _pair(nodes)
+    _read(producer, consumer, [0, 1, 2, 3, 4, 5], [5, 5, 5, 2, 5, 6])
+
+
+def test_a_contiguous_read_posts_fewer_messages_than_a_scattered_one(nodes: Make) -> None:
+    """Coalescing: 32 blocks contiguous on both sides travel as one DATA message (one send
+    on the producer, one receive here); 32 scattered ones as 32. The bytes are right."""
+    producer, consumer = _pair(nodes, num_blocks=64)
+    counts = []
+    for dst, src in [(list(range(32)), list(range(32, 64))),
+                     (list(range(0, 64, 2)), list(range(63, 0, -2)))]:
+        sent, received = producer.t.messages_posted, consumer.t.messages_posted
+        _read(producer, consumer, dst, src)
+        counts.append((producer.t.messages_posted - sent, consumer.t.messages_posted - received))
+    assert counts == [(1, 1), (32, 32)]
 
 
 def test_the_producer_serves_only_from_its_own_progress(nodes: Make) -> None:
@@ -170,7 +188,7 @@ def test_a_read_cancelled_before_it_is_served_is_skipped_and_never_lands(nodes: 
 
 def test_a_producer_refuses_a_read_outside_its_region(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
-    peer = consumer.t._peers["p"]
+    peer = consumer.t._registrations["p"].peer
     peer.desc = wire.Descriptor(peer.desc.address, peer.desc.instance, 64, peer.desc.block_len,
                                 peer.desc.max_run, peer.desc.error_handling)  # lie: 64 blocks
     tid = consumer.t.read_blocks("p", [0], [40])
@@ -196,7 +214,7 @@ def test_bad_indexes_are_refused_before_anything_is_sent(
     producer, consumer = _pair(nodes)
     with pytest.raises(TransferSubmitError, match=match):
         consumer.t.read_blocks("p", *args)  # type: ignore[arg-type]
-    assert not consumer.t._reads and not consumer.t._loose
+    assert not consumer.t._live and not consumer.t._loose
     _read(producer, consumer, [0], [0])  # still healthy
 
 
@@ -215,7 +233,8 @@ def test_unknown_peer_and_closed_transport_are_refused(nodes: Make) -> None:
 def test_cancel_ends_a_finished_but_unreported_read_and_ignores_the_rest(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
     tid = consumer.t.read_blocks("p", [1], [2])
-    wait_until(lambda: consumer.t._unreported, timeout=T, what="the read to finish",
+    read = consumer.t._registrations["p"].reads[tid]
+    wait_until(lambda: read.ended, timeout=T, what="the read to finish",
                pumps=[producer.t.progress, consumer.t.progress])
     consumer.t.cancel([tid, 999, tid])
     for _ in range(10):
@@ -267,7 +286,7 @@ def test_a_small_staging_budget_still_moves_everything(nodes: Make) -> None:
 
 def test_a_peer_moves_to_a_fresh_link_before_read_ids_wrap(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
-    peer = consumer.t._peers["p"]
+    peer = consumer.t._registrations["p"].peer
     peer.next_rid = tags.RID_LIMIT - 1
     old = peer.link
     _read(producer, consumer, [1], [2])
@@ -315,15 +334,15 @@ def test_re_adding_a_peer_behind_a_failed_endpoint_makes_a_fresh_one(nodes: Make
     """A producer paused past UCX's keepalive comes back with the same worker address: the new
     session's add_peer must not keep the dead endpoint (every read would fail forever)."""
     producer, consumer = _pair(nodes)
-    old = consumer.t._peers["p"]
+    old = consumer.t._registrations["p"].peer
     old.dead = True  # as the progress loop marks it when the endpoint errors
     with pytest.raises(TransferSubmitError, match="unreachable"):
         consumer.t.read_blocks("p", [1], [2])
     consumer.t.add_peer("p", producer.t.descriptor())  # the new session registers it again
-    assert consumer.t._peers["p"] is not old
+    assert consumer.t._registrations["p"].peer is not old
     _read(producer, consumer, [1], [2])
     consumer.t.add_peer("p", producer.t.descriptor())  # healthy: kept as it is
-    assert consumer.t._peers["p"] is not old
+    assert consumer.t._registrations["p"].peer is not old
 
 
 def test_a_consumer_that_removes_its_producer_still_drains_the_sends_serving_it(

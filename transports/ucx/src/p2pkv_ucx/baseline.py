@@ -167,7 +167,7 @@ def _measure(impl: str, block_len: int, num_blocks: int, repeats: int, warmup: i
     region_bytes = 2 * num_blocks * block_len  # slots scattered over twice what one rep needs
     target = RemoteTarget(region_bytes)
     try:
-        lane = EndpointLane(spec, registry, page_in(region_bytes), target)
+        lane = EndpointLane(spec, registry, page_in(region_bytes).data, target)
         lane.open(block_len)
         try:
             plan = CellPlan(block_size=block_len, batch=num_blocks, concurrency=1, requests=1,
