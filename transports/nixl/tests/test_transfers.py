@@ -10,14 +10,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from p2pkv.contracts import DataSettings
 from p2pkv.errors import TransferSubmitError
 from p2pkv.testing.peers import pattern
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
-from p2pkv_nixl.indexes import checked_indexes, refuse_repeats
+from p2pkv_nixl.runs import runs
 
 BLOCK = 16 * 1024
 
@@ -79,20 +77,20 @@ def consumer_and_small_peer(host):
         ([0, 1], [0], "2 local but 1 remote"),
         ([], [], "at least one block"),
         (np.array([], dtype=np.int64), [], "at least one block"),
-        ([5, 5], [0, 1], "local block index 5 appears twice"),
-        ([0.5], [1], "flat list of integers"),
-        ([[0]], [[1]], "flat list of integers"),
-        (["0"], [1], "flat list of integers"),
-        ([0], ["1"], "remote (peer 'small') block indexes must be a flat list of integers"),
+        ([5, 5], [0, 1], "local block index 5 is named twice"),
+        ([0.5], [1], "flat sequence of integers"),
+        ([[0]], [[1]], "flat sequence of integers"),
+        (["0"], [1], "flat sequence of integers"),
+        ([0], ["1"], "remote (peer 'small') block indexes must be a flat sequence of integers"),
         (list(range(100)), [*range(31), *range(31), *range(31), *range(6), 32],
          "remote (peer 'small') block index 32 is outside"),
         (list(range(100)), [-5, *range(31), *range(31), *range(31), *range(6)], "index -5 is"),
         ([*range(99), 170], [i % 32 for i in range(100)], "local block index 170 is outside"),
         ([*range(30), *range(30, 0, -1), *range(10)], [i % 32 for i in range(70)],
-         "local block index 29 appears twice"),
-        (np.array([0.0]), [1], "flat list of integers"),
-        ([0], np.zeros((1, 1), dtype=np.int64), "flat list of integers"),
-        ([0], [2**40], "remote (peer 'small') block index outside 0..31"),
+         "local block index 29 is named twice"),
+        (np.array([0.0]), [1], "flat sequence of integers"),
+        ([0], np.zeros((1, 1), dtype=np.int64), "flat sequence of integers"),
+        ([0], [2**40], f"remote (peer 'small') block index {2**40} is outside 0..31"),
     ],
 )
 def test_bad_indexes_are_refused_before_anything_is_posted(
@@ -122,6 +120,28 @@ def test_numpy_indexes_and_repeated_sources_are_accepted(
     assert done == ids and not failed
     np.testing.assert_array_equal(blocks[[3, 4]], consumer_and_small_peer.source[[7, 7]])
     np.testing.assert_array_equal(blocks[[10, 11]], consumer_and_small_peer.source[[0, 0]])
+
+
+@pytest.mark.parametrize("staging", ["never", "always"])
+def test_a_repeated_source_fills_every_slot_it_is_named_for_on_both_lanes(
+    make_local, host, wait_for, staging
+) -> None:
+    """Repeated remote indexes, scattered and in runs, over the direct READ and over the
+    staged request (the producer WRITEs one source block into several pool blocks)."""
+    consumer = make_local(num_blocks=32, block_len=BLOCK, seed=8, staging=staging)
+    producer = host.data_peer(NixlDataTransport, 16, BLOCK, {})
+    producer.fill(6)
+    source = _blocks(producer.region_bytes())
+    consumer.transport.add_peer("p", producer.descriptor)
+    producer.add_peer("c", consumer.transport.descriptor())
+    assert consumer.transport.lane("p") == ("staged" if staging == "always" else "direct")
+    remote = [5, 5, 5, 0, 1, 1, 15, 0]
+    local = [20, 3, 4, 10, 11, 12, 31, 0]
+
+    tid = consumer.transport.read_blocks("p", local, remote)
+    assert wait_for(consumer.transport, "p", {tid}) == ({tid}, set())
+    np.testing.assert_array_equal(consumer.blocks[local], source[remote])
+    producer.close()
 
 
 def test_poll_is_scoped_when_two_peers_share_the_transport(
@@ -191,57 +211,68 @@ def test_contiguous_runs_and_repeated_reads(make_local, host, wait_for, options)
 def test_re_adding_a_peer_ends_its_reads_and_replaces_it_once_quiescent(
     make_local, doomed, record, wait_for, poll_log
 ) -> None:
+    """A new incarnation (another descriptor) replaces the peer at once: the old read ends
+    finally and is never reported; the old record goes once its warm-up READ ended."""
     consumer = make_local(num_blocks=16, block_len=BLOCK, seed=4)
     t = consumer.transport
-    producer = doomed.data_peer(NixlDataTransport, 16, BLOCK, {})
-    producer.fill(14)
-    source = _blocks(producer.region_bytes())
+    old, new = (doomed.data_peer(NixlDataTransport, 16, BLOCK, {}) for _ in range(2))
+    new.fill(14)
+    source = _blocks(new.region_bytes())
     recorder = record(t)
     log = poll_log(t)
-    doomed.pause()  # the producer stops progressing: the cold connection cannot complete
-    t.add_peer("p", producer.descriptor)
+    doomed.pause()  # the producers stop progressing: the cold connection cannot complete
+    t.add_peer("p", old.descriptor)
     log.submitted(t.read_blocks("p", [2], [1]), "p")  # ended by the re-add below
     assert log.poll("p") == ([], [])
+    t.add_peer("p", old.descriptor)  # the same descriptor: nothing changes
+    assert log.pending and log.poll("p") == ([], [])
 
-    t.add_peer("p", producer.descriptor)  # replaced: the old read ends now, finally
+    t.add_peer("p", new.descriptor)  # replaced: the old read ends now, finally
     log.ended_peer("p")
     assert recorder.names().count("release_dlist_handle") == 0  # its warm-up still runs
     doomed.resume()
     consumer.blocks[2] = 0xCC  # slot of the ended read, reused at once
-    new = log.submitted(t.read_blocks("p", [4], [3]), "p")
-    wait_until(lambda: log.terminal({new}), timeout=15.0, what="the new read",
+    fresh = log.submitted(t.read_blocks("p", [4], [3]), "p")
+    wait_until(lambda: log.terminal({fresh}), timeout=15.0, what="the new read",
                pumps=[lambda: log.poll("p")])
 
-    assert log.done == {new}  # the old read was never reported (PollLog checks it)
-    wait_until(  # the old registration goes once its warm-up READ has ended too
-        lambda: recorder.names().count("release_dlist_handle") == 1,
+    assert log.done == {fresh}  # the old read was never reported (PollLog checks it)
+    wait_until(  # the old record goes once its warm-up READ has ended too
+        lambda: recorder.names().count("remove_remote_agent") == 1,
         timeout=15.0,
         what="the replaced registration to be released",
-        pumps=[lambda: log.poll("p")],
+        pumps=[t.progress],
     )
-    assert "remove_remote_agent" not in recorder.names()  # the agent is still in use
+    assert recorder.names().count("release_dlist_handle") == 1
     np.testing.assert_array_equal(consumer.blocks[4], source[3])
     assert (consumer.blocks[2] == 0xCC).all(), "the ended read landed after the re-add"
 
 
-@given(st.lists(st.integers(-(2**40), 2**40), max_size=200), st.integers(1, 2**31 - 1))
-def test_index_check_accepts_exactly_the_in_range_lists(values: list[int], limit: int) -> None:
-    ok = all(0 <= v < limit for v in values)
-    try:
-        checked = checked_indexes(values, limit)
-    except ValueError:
-        assert not ok
-    else:
-        assert ok and checked.dtype == np.int32 and checked.tolist() == values
-        assert checked_indexes(np.asarray(values, dtype=np.int64), limit).tolist() == values
+def test_runs_join_pairs_consecutive_on_both_sides() -> None:
+    local_starts, remote_starts, lengths = runs(
+        np.array([0, 1, 2, 5, 6, 7, 8]), np.array([3, 4, 9, 10, 11, 11, 12])
+    )  # remote breaks after 4 and repeats 11; local jumps 2 -> 5
+    assert local_starts.tolist() == [0, 2, 5, 7]
+    assert remote_starts.tolist() == [3, 9, 10, 11]
+    assert lengths.tolist() == [2, 1, 2, 2]
 
 
-@given(st.lists(st.integers(0, 99), max_size=150))
-def test_repeated_destinations_are_found(values: list[int]) -> None:
-    checked = checked_indexes(values, 100)
-    try:
-        refuse_repeats(checked, values)
-    except ValueError:
-        assert len(set(values)) < len(values)
-    else:
-        assert len(set(values)) == len(values)
+def test_a_contiguous_read_posts_one_descriptor_a_scattered_one_one_per_block(
+    make_local, host, wait_for
+) -> None:
+    consumer = make_local(num_blocks=64, block_len=BLOCK, seed=10, staging="never")
+    t = consumer.transport
+    producer = host.data_peer(NixlDataTransport, 64, BLOCK, {})
+    producer.fill(31)
+    source = _blocks(producer.region_bytes())
+    t.add_peer("p", producer.descriptor)
+    for local, remote, posted in [
+        (list(range(16, 48)), list(range(32)), 1),  # one run of 32 blocks on both sides
+        (list(range(0, 64, 2)), list(range(32, 64)), 32),  # local not consecutive
+    ]:
+        before = t.descriptors_posted
+        tid = t.read_blocks("p", local, remote)
+        assert wait_for(t, "p", {tid}) == ({tid}, set())
+        assert t.descriptors_posted - before == posted
+        np.testing.assert_array_equal(consumer.blocks[local], source[remote])
+    producer.close()

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferSubmitError
 
 from p2pkv_nixl.agent import LOCAL, block_dlist
@@ -115,8 +116,7 @@ class StagingPool:
         self.quarantined += len(stage)
 
     def copy_out(
-        self, stage: npt.NDArray[np.int32], dest: npt.NDArray[np.uint8],
-        local: npt.NDArray[np.int32],
+        self, stage: npt.NDArray[np.int32], dest: npt.NDArray[np.uint8], local: Indexes
     ) -> None:
         """``dest[local[i]] = block stage[i]``: one fancy-indexed assignment (a contiguous
         run of pool blocks is taken as a view, so the bytes are copied once)."""

@@ -1,0 +1,101 @@
+"""The nixl transport's records: a peer's loaded agent, one ``add_peer`` of a peer, a posted
+read, a WRITE serving a peer's staged read. Plain state; :mod:`p2pkv_nixl.transport` owns
+every change (driver thread only)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from p2pkv.data_base import Indexes
+
+__all__ = ["Lane", "Peer", "Read", "RemoteAgent", "Serving"]
+
+Lane = Literal["direct", "staged"]
+
+
+class RemoteAgent:
+    """A peer's NIXL agent, loaded once however many peer records use it."""
+
+    __slots__ = ("disconnected", "metadata", "name", "pool_dlist", "pool_key", "pool_md", "users")
+
+    def __init__(self, name: str, metadata: bytes) -> None:
+        self.name = name
+        self.metadata = metadata
+        self.users = 0
+        self.disconnected = False
+        self.pool_md: bytes | None = None
+        """The peer's staging-pool metadata we loaded (serving its staged reads)."""
+        self.pool_key: tuple[int, int] | None = None
+        self.pool_dlist: Any = None
+        """Prepared descriptor list of the peer's staging pool (WRITE target), for ``pool_key``
+        = (base, blocks)."""
+
+
+class Read:
+    """A posted read (the base's handle for it): a direct one's NIXL READ handle, or a staged
+    one's pool blocks ``stage`` and request id (it has no handle of ours: the producer serves
+    it with a WRITE). ``ended``/``ok``: a staged read's completion or failure arrived."""
+
+    __slots__ = ("ended", "handle", "local", "ok", "peer", "request", "stage")
+
+    def __init__(self, peer: Peer, local: Indexes, stage: npt.NDArray[np.int32] | None) -> None:
+        self.peer = peer
+        self.local = local
+        self.stage = stage
+        self.handle: Any = None
+        self.request = 0
+        self.ended = False
+        self.ok = False
+
+
+class Serving:
+    """A WRITE we posted to serve a peer's staged read request (an internal transfer)."""
+
+    __slots__ = ("handle", "request")
+
+    def __init__(self, handle: Any, request: int) -> None:
+        self.handle = handle
+        self.request = request
+
+
+class Peer:
+    """One ``add_peer``: the peer's prepared descriptor list, its lane, and what still runs
+    with it outside the base's reads. ``current`` until the base detaches it; a detached
+    record is released once ``quiescent``."""
+
+    __slots__ = (
+        "base", "current", "dlist", "lane", "num_blocks", "peer_id", "quarantined", "remote",
+        "serving", "warmup", "warmup_id",
+    )
+
+    def __init__(
+        self, peer_id: str, remote: RemoteAgent, dlist: Any, num_blocks: int, lane: Lane,
+        base: int,
+    ) -> None:
+        self.peer_id = peer_id
+        self.remote = remote
+        self.dlist = dlist
+        self.num_blocks = num_blocks
+        self.base = base
+        """The peer's region address in its process (where our direct READs read)."""
+        self.lane: Lane = lane
+        self.current = True
+        self.quarantined: dict[int, Read] = {}
+        """internal id -> an ended read that may still be written (NIXL has not ended it)."""
+        self.warmup: Any = None
+        """The connection warm-up READ's handle until it ended and was released."""
+        self.warmup_id = 0
+        """The warm-up's id (reported only by a ``remove_peer``/``close`` it outlives)."""
+        self.serving: dict[int, Serving] = {}
+        """internal id -> a WRITE serving this peer's staged read request, still running."""
+
+    @property
+    def quiescent(self) -> bool:
+        return self.warmup is None and not self.quarantined and not self.serving
+
+    def running(self, quarantine: bool) -> list[int]:
+        """Internal ids still running with this peer (with ``quarantine``: kept reads too)."""
+        ids = [*self.serving, *(self.quarantined if quarantine else ())]
+        return [self.warmup_id, *ids] if self.warmup is not None else ids
