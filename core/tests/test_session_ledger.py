@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from p2pkv.registry import Observers
+from p2pkv.observers import Observers
 from p2pkv.session import Deadlines, JobLedger
 from p2pkv.types import JobResult, Outcome
 

@@ -42,7 +42,6 @@ __all__ = [
     "INTERNAL_PLUGIN",
     "KNOWN_TRANSPORTS",
     "TEST_PLUGINS_ENV",
-    "Observers",  # temporary re-export: import it from p2pkv.observers
     "PluginFailure",
     "Registry",
     "TransportEntry",
