@@ -255,14 +255,14 @@ _WORDS: dict[Any, tuple[str, str]] = {
     float: ("a finite number", "finite numbers"), str: ("a string", "strings"),
     type(None): ("null", "null"),
 }
+_NONBLANK = ("a non-empty string", "non-empty strings")
 
 
 def _describe(tp: Any, *, plural: bool = False, nonblank: bool = False) -> str:
     """What type ``tp`` accepts, in words: "an integer", plural "integers"."""
-    if tp is str and nonblank:
-        return "non-empty strings" if plural else "a non-empty string"
-    if tp in _WORDS:
-        return _WORDS[tp][plural]
+    words = _NONBLANK if tp is str and nonblank else _WORDS.get(tp)
+    if words is not None:
+        return words[plural]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return f"one of {', '.join(map(repr, args))}"

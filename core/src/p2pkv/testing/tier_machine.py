@@ -84,7 +84,8 @@ class TierNode:
     ``config_overrides`` are tier config keys (``timeouts``, ``limits``, ...).
     """
 
-    def __init__(self, clock: FakeClock, *, control: type[ControlTransport],
+    # keyword-only knobs of a test node, each with a default: a dataclass would only rename them
+    def __init__(self, clock: FakeClock, *, control: type[ControlTransport],  # noqa: PLR0913
                  data: type[DataTransport], control_options: Mapping[str, Any] | None = None,
                  data_options: Mapping[str, Any] | None = None, faults: Any = None,
                  num_blocks: int = 64, block_len: int = 16, seed: int = 0,
