@@ -71,6 +71,17 @@ def conformance(session: nox.Session) -> None:
 
 
 @venv_session
+def kit_repeat(session: nox.Session) -> None:
+    """The kit's data state machine 20 times in a row with hypothesis' default settings, over
+    the data transports named as the argument (``nox -s kit_repeat -- nixl,ucx``; default
+    ``memory,loopback``): no run may end in a ``Flaky*`` error."""
+    names = session.posargs[0] if session.posargs else "memory,loopback"
+    run(session, "python", "-m", "pytest", "-q", "--timeout=3600",
+        "tests/conformance/repeat_data_machine.py",
+        P2PKV_REPEAT_TRANSPORTS=names, HYPOTHESIS_PROFILE="default")
+
+
+@venv_session
 def chaos(session: nox.Session) -> None:
     """The reliability and security suite (``tests/chaos``, marker ``chaos``): peers killed
     mid-transfer, network cuts and slow links between namespaced hosts, hostile floods, CURVE,
