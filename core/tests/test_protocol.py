@@ -22,11 +22,12 @@ from p2pkv.protocol import (
     Release,
     RoundFailed,
     Unknown,
+    _decode_strict,
     decode,
     encode,
     message_type,
 )
-from p2pkv.testing.strategies import messages
+from p2pkv.testing.strategies import hostile_frames, messages
 from p2pkv.types import Outcome
 
 LIMITS = Limits()
@@ -59,6 +60,56 @@ def test_hostile_maps_raise_only_protocol_errors(d: dict[str, Any]) -> None:
         decode(msgpack.packb(d), LIMITS)
     except ProtocolError:
         pass
+
+
+def _outcome(decoder: Any, frame: bytes, limits: Limits) -> Any:
+    try:
+        return decoder(frame, limits)
+    except ProtocolError as exc:
+        return str(exc)
+
+
+@given(st.one_of(hostile_frames(SMALL), hostile_frames(), messages().map(encode),
+                 st.builds(lambda d: msgpack.packb(d, use_bin_type=True),
+                           st.dictionaries(st.sampled_from(["type", "kv_request_id", "round",
+                                                            "keys", "pos", "slots", "read",
+                                                            "seq", "hits", "epoch"]),
+                                           st.one_of(st.sampled_from(["fetch", "ready",
+                                                                      "release", "lookup",
+                                                                      "lookup_resp",
+                                                                      "hello_ack"]),
+                                                     st.integers(-2, 2**32),
+                                                     st.text(max_size=6),
+                                                     st.lists(st.integers(-1, 2**32),
+                                                              max_size=5),
+                                                     st.lists(st.binary(max_size=9),
+                                                              max_size=5),
+                                                     st.booleans(), st.lists(st.booleans())),
+                                           max_size=6))))
+def test_the_fast_decoder_agrees_with_the_strict_one(frame: bytes) -> None:
+    """Whichever decoder takes a frame, it decodes to the same message or fails alike."""
+    for limits in (LIMITS, SMALL):
+        if len(frame) <= limits.max_frame_bytes:  # larger ones: refused before either
+            assert _outcome(decode, frame, limits) == _outcome(_decode_strict, frame, limits)
+
+
+def test_unknown_fields_and_big_maps_take_the_strict_path() -> None:
+    """The fast path refuses what it cannot vouch for; the strict one decides as before."""
+    body = {**_valid("fetch"), "future": msgpack.ExtType(1, b"x")}
+    with pytest.raises(ProtocolError, match="not a valid msgpack"):
+        decode(_frame("fetch", **body), LIMITS)
+    padded = {**_valid("release"), **{f"x{i}": i for i in range(70)}}
+    with pytest.raises(ProtocolError, match="not a valid msgpack"):  # over 64 map entries
+        decode(_frame("release", **padded), LIMITS)
+    assert decode(_frame("release", **_valid("release"), later=1), LIMITS) == Release(
+        "r", 0, True)
+
+
+def test_frames_are_the_msgpack_map_of_the_fields() -> None:
+    msg = Ready("r", 3, [0, 1], [7, 2**31])
+    assert encode(msg) == msgpack.packb({"type": "ready", "kv_request_id": "r", "round": 3,
+                                         "pos": [0, 1], "slots": [7, 2**31]},
+                                        use_bin_type=True)
 
 
 def test_keys_stay_bytes_and_slots_stay_ints() -> None:

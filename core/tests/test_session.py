@@ -34,6 +34,7 @@ from p2pkv.errors import (
     ProtocolError,
     TransferSubmitError,
 )
+from p2pkv.observers import Observers
 from p2pkv.protocol import (
     WIRE_MAJOR,
     WIRE_MINOR,
@@ -51,7 +52,6 @@ from p2pkv.protocol import (
     encode,
     message_type,
 )
-from p2pkv.registry import Observers
 from p2pkv.session import Deadlines, JobLedger, LocalIdentity, Session, SessionEnv, State
 from p2pkv.session.client import LEASE_DRIFT, failure_outcome
 from p2pkv.session.producers import ProducerDirectory

@@ -87,6 +87,32 @@ def test_pd_request_moves_byte_exact_in_both_orders(h: Any, cluster: Any, order:
     assert not p.tier.has_pending_work() and not c.tier.has_pending_work()
 
 
+def test_connect_ahead_readies_the_session_the_first_request_uses(h: Any, cluster: Any) -> None:
+    p, c = pd_pair(cluster)
+    assert c.tier.connect(p.tier.local_address) is True
+    h.pump([p, c], 3)
+    assert c.tier.stats()["sessions_ready"] == 1 and p.tier.stats()["sessions_ready"] == 1
+    assert not c.tier.has_pending_work() and not p.tier.has_pending_work()
+    assert c.tier.connect(p.tier.local_address) is True  # kept, not redialled
+    pctx, cctx = p.producer_ctx("pre"), c.consumer_ctx("pre", p)
+    p.tier.on_new_request(pctx)
+    c.tier.on_new_request(cctx)
+    ks = h.keys("pre", 4)
+    p.store(1, ks, [0, 1, 2, 3], pctx)
+    c.load(2, ks, [4, 5, 6, 7], cctx)
+    h.pump_until([p, c], lambda: len(p.results) + len(c.results) == 2)
+    assert p.outcome(1) is Outcome.DONE and c.outcome(2) is Outcome.DONE
+    assert c.tier.stats()["sessions"] == 1 and p.tier.stats()["sessions"] == 1
+
+
+def test_connect_to_an_undialable_address_says_no(h: Any, cluster: Any) -> None:
+    c = cluster()
+    assert c.tier.connect(c.tier.local_address) is False  # the memory transport refuses itself
+    assert c.tier.stats()["sessions"] == 0
+    c.tier.shutdown()
+    assert c.tier.connect("127.0.0.1:1") is False
+
+
 def test_several_load_rounds_complete_independently(h: Any, cluster: Any) -> None:
     p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
@@ -742,13 +768,13 @@ def test_a_second_thread_inside_the_tier_gets_a_clear_error(h: Any, cluster: Any
     seen: list[BaseException] = []
     c.load(1, [b"a"], [0], c.consumer_ctx("r", p))
     guard = p.tier._guard
-    guard.enter("serve_lookups")  # as if another thread were inside
+    outermost = guard.enter("serve_lookups")  # as if another thread were inside
     try:
         worker = threading.Thread(target=lambda: _capture(seen, p.tier.get_finished_jobs))
         worker.start()
         worker.join(10)
     finally:
-        guard.exit()
+        guard.exit(outermost)
     assert len(seen) == 1 and isinstance(seen[0], ConcurrentCall)
     assert "P2PTier.get_finished_jobs called from thread" in str(seen[0])
     assert "inside P2PTier.serve_lookups" in str(seen[0])

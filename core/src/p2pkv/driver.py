@@ -7,8 +7,8 @@ scheduler thread and from its tier-poll thread, under one lock); that is allowed
 allowed is two threads inside at once: the second one raises :class:`ConcurrentCall`, naming
 both threads and the method the first is in, and touches nothing.
 
-Cost: one uncontended non-blocking lock acquire and release per outermost call; nested calls
-(the tier calling its own public methods) only compare a thread id.
+Cost: one uncontended non-blocking acquire and release of a re-entrant lock per call (in C);
+the outermost call also records the method and the thread, for the refusal's message.
 """
 
 from __future__ import annotations
@@ -27,38 +27,43 @@ R = TypeVar("R")
 
 
 class DriverGuard:
-    """Admits the calls of one thread at a time; a concurrent thread gets ``ConcurrentCall``."""
+    """Admits the calls of one thread at a time; a concurrent thread gets ``ConcurrentCall``.
 
-    __slots__ = ("_depth", "_lock", "_method", "_owner", "_what")
+    A re-entrant lock taken without blocking: the thread inside may re-enter (nested calls),
+    any other one is refused. ``enter`` returns whether the call is the thread's outermost,
+    which the matching ``exit`` is given."""
+
+    __slots__ = ("_lock", "_method", "_owner", "_what")
 
     def __init__(self, what: str) -> None:
         self._what = what
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._depth = 0
+        self._lock = threading.RLock()
+        self._owner = 0
+        """The thread inside (for the refusal's message only)."""
         self._method = ""
+        """The outermost method being run, ``""`` when no thread is inside."""
 
-    def enter(self, method: str) -> None:
-        me = threading.get_ident()
-        if self._owner == me:
-            self._depth += 1
-            return
-        if not self._lock.acquire(blocking=False):
-            raise ConcurrentCall(
-                f"{self._what}.{method} called from thread {threading.current_thread().name!r} "
-                f"while another thread (id {self._owner}) is inside {self._what}.{self._method}: "
-                f"the tier needs one caller at a time; serialise the calls (one lock around "
-                f"every call, or one thread)"
-            )
-        self._owner = me
-        self._depth = 1
+    def enter(self, method: str) -> bool:
+        if not self._lock.acquire(False):
+            raise self._refusal(method)
+        if self._method:
+            return False
         self._method = method
+        self._owner = threading.get_ident()
+        return True
 
-    def exit(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._owner = None
-            self._lock.release()
+    def exit(self, outermost: bool) -> None:
+        if outermost:
+            self._method = ""
+        self._lock.release()
+
+    def _refusal(self, method: str) -> ConcurrentCall:
+        return ConcurrentCall(
+            f"{self._what}.{method} called from thread {threading.current_thread().name!r} "
+            f"while another thread (id {self._owner}) is inside {self._what}.{self._method}: "
+            f"the tier needs one caller at a time; serialise the calls (one lock around "
+            f"every call, or one thread)"
+        )
 
 
 class HasDriverGuard(Protocol):
@@ -75,10 +80,10 @@ def driver_call(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[
     @functools.wraps(method)
     def guarded(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         guard = self._guard
-        guard.enter(name)
+        outermost = guard.enter(name)
         try:
             return method(self, *args, **kwargs)
         finally:
-            guard.exit()
+            guard.exit(outermost)
 
     return guarded

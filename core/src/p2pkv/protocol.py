@@ -14,17 +14,26 @@ handshake. A field added in a minor version decodes to its old meaning when miss
 ``round_failed.outcome`` and ``bye.outcome``, which 2.0 peers only put at the head of
 ``reason``).
 
-Hot path: ``fetch`` keys and ``ready`` positions/slots stay plain lists (no per-block
-objects are created beyond what msgpack builds); validation is one pass over each list.
+Two decoders, one contract. The fast one (msgspec, typed in C) takes a frame of the hot
+message types (``hello_ack``, ``fetch``, ``ready``, ``release``, ``lookup``, ``lookup_resp``)
+that is a small map (at most 15 entries) of exactly the known fields, each of the right type,
+and checks the caps from ``Limits`` in a few C-level passes. Any other frame (another type, an
+unknown field, a wrong value, a cap exceeded) goes to the strict decoder (msgpack and a
+per-field check), which names the field at fault or returns the message: so a frame decodes
+to the same message, or fails with the same error, whichever decoder takes it. Encoding is
+msgspec's (the message types are msgspec structs; the bytes are what msgpack writes for the
+same map). ``fetch`` keys and ``ready`` positions/slots stay plain lists (no per-block
+objects beyond the list items).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 
 from p2pkv.config import Limits
 from p2pkv.errors import ProtocolError
@@ -64,10 +73,19 @@ MAX_TAG_CHARS = 256
 """Cap on ``fingerprint`` and ``hash_seed``."""
 _U64 = 1 << 64
 _U32 = 1 << 32
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""A msgpack integer that is not negative (msgpack integers stop below 2**64)."""
+U32 = Annotated[int, msgspec.Meta(ge=0, lt=_U32)]
+Key = Annotated[bytes, msgspec.Meta(min_length=1)]
 
 
-@dataclass(frozen=True, slots=True)
-class Hello:
+class _Wire(msgspec.Struct, frozen=True, gc=False, tag_field="type",
+            forbid_unknown_fields=True):
+    """A message: a msgpack map of ``type`` (the tag) and the fields. Unknown fields are
+    refused here only by the fast decoder, which hands such frames to the strict one."""
+
+
+class Hello(_Wire, frozen=True, tag="hello"):
     """First message on a connection, both ways: who we are and what our region looks like."""
 
     wire: tuple[int, int]
@@ -87,15 +105,13 @@ class Hello:
     and its own lease."""
 
 
-@dataclass(frozen=True, slots=True)
-class HelloAck:
+class HelloAck(_Wire, frozen=True, tag="hello_ack"):
     """We registered the peer's hello with this ``epoch`` (an echo of ``Hello.epoch``)."""
 
-    epoch: int
+    epoch: U64
 
 
-@dataclass(frozen=True, slots=True)
-class Fetch:
+class Fetch(_Wire, frozen=True, tag="fetch"):
     """Consumer -> producer: I want ``keys`` (round ``round`` of ``kv_request_id``).
 
     ``round`` numbers the loads of one ``kv_request_id`` on one session (0, 1, ...; each
@@ -105,12 +121,11 @@ class Fetch:
     """
 
     kv_request_id: str
-    round: int
-    keys: list[bytes]
+    round: U64
+    keys: list[Key]
 
 
-@dataclass(frozen=True, slots=True)
-class Ready:
+class Ready(_Wire, frozen=True, tag="ready"):
     """Producer -> consumer: key ``keys[pos[i]]`` of the round is in my slot ``slots[i]``,
     pinned from now for the lease (``timeouts.lease``) or until the round's ``release``.
 
@@ -119,40 +134,36 @@ class Ready:
     """
 
     kv_request_id: str
-    round: int
-    pos: list[int]
-    slots: list[int]
+    round: U64
+    pos: list[U32]
+    slots: list[U32]
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
+class Release(_Wire, frozen=True, tag="release"):
     """Consumer -> producer: I am done with round ``round``; unpin its slots. ``read``: every
     block of it arrived within the lease (the store jobs are delivered)."""
 
     kv_request_id: str
-    round: int
+    round: U64
     read: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
+class Lookup(_Wire, frozen=True, tag="lookup"):
     """Consumer -> producer (symmetric mode): which of ``keys`` can you serve?"""
 
-    seq: int
+    seq: U64
     kv_request_id: str
-    keys: list[bytes]
+    keys: list[Key]
 
 
-@dataclass(frozen=True, slots=True)
-class LookupResp:
+class LookupResp(_Wire, frozen=True, tag="lookup_resp"):
     """Producer -> consumer: ``hits[i]`` answers ``keys[i]`` of lookup ``seq``."""
 
-    seq: int
+    seq: U64
     hits: list[bool]
 
 
-@dataclass(frozen=True, slots=True)
-class RoundFailed:
+class RoundFailed(_Wire, frozen=True, tag="round_failed"):
     """Producer -> consumer: round ``round`` cannot be served, the load fails ``outcome`` (an
     ``Outcome`` value: demand unmet, request conflict, shutdown, lease passed; ``reason`` starts
     with it too, for 2.0 consumers). No ``ready`` for it follows; blocks already offered stay
@@ -164,8 +175,7 @@ class RoundFailed:
     outcome: str = Outcome.TRANSFER_FAILED.value
 
 
-@dataclass(frozen=True, slots=True)
-class Bye:
+class Bye(_Wire, frozen=True, tag="bye"):
     """Either way: I am closing this session, because ``reason``; the receiver's jobs fail
     ``outcome``: ``peer_rejected`` (a refused handshake, ``reason`` then starts with
     ``rejected: ``), ``protocol_error`` (``protocol error: ...``) or ``peer_dead``."""
@@ -208,15 +218,12 @@ def message_type(msg: Message | Unknown) -> str:
 
 def encode(msg: Message) -> bytes:
     """One frame for ``msg``. Fields are written as given (the sender is trusted to be valid)."""
-    t = type(msg)
-    name = _TYPE_NAMES.get(t)
-    if name is None:
+    if type(msg) not in _TYPE_NAMES:
         raise TypeError(f"not a protocol message: {msg!r}")
-    body: dict[str, Any] = {"type": name}
-    for field in t.__slots__:
-        body[field] = getattr(msg, field)
-    out: bytes = msgpack.packb(body, use_bin_type=True)
-    return out
+    return _ENCODE(msg)
+
+
+_ENCODE = msgspec.msgpack.Encoder().encode
 
 
 # -- decoding -------------------------------------------------------------------------------
@@ -417,6 +424,76 @@ def decode(frame: bytes, limits: Limits) -> Message | Unknown:
         raise ProtocolError(
             f"frame: {len(frame)} bytes exceeds max_frame_bytes={limits.max_frame_bytes}"
         )
+    if frame and 0x80 <= frame[0] <= 0x8F:  # a fixmap: at most 15 entries
+        try:
+            msg: Message = _FAST_DECODE(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # the strict decoder says what is wrong, or what it is
+        else:
+            if _WITHIN_CAPS[type(msg)](msg, limits):
+                return msg
+    return _decode_strict(frame, limits)
+
+
+# -- the fast decoder: msgspec, then the caps of ``Limits`` ----------------------------------
+
+
+def _rid_ok(kv: str, limits: Limits) -> bool:
+    return 0 < len(kv) <= limits.max_request_id_chars
+
+
+def _keys_ok(keys: list[bytes], limits: Limits) -> bool:
+    """Within the count and length caps (msgspec checked the types and that none is empty)."""
+    return len(keys) <= limits.max_keys_per_message and (
+        not keys or max(map(len, keys)) <= limits.max_key_bytes)
+
+
+def _fetch_ok(m: Fetch, limits: Limits) -> bool:
+    return _rid_ok(m.kv_request_id, limits) and _keys_ok(m.keys, limits)
+
+
+def _ready_ok(m: Ready, limits: Limits) -> bool:
+    n = len(m.pos)
+    return (_rid_ok(m.kv_request_id, limits) and 0 < n <= limits.max_keys_per_message
+            and len(m.slots) == n)
+
+
+def _release_ok(m: Release, limits: Limits) -> bool:
+    return _rid_ok(m.kv_request_id, limits)
+
+
+def _lookup_ok(m: Lookup, limits: Limits) -> bool:
+    return bool(m.keys) and _rid_ok(m.kv_request_id, limits) and _keys_ok(m.keys, limits)
+
+
+def _lookup_resp_ok(m: LookupResp, limits: Limits) -> bool:
+    return len(m.hits) <= limits.max_keys_per_message
+
+
+def _hello_ack_ok(m: HelloAck, limits: Limits) -> bool:
+    return True
+
+
+_WITHIN_CAPS: dict[type, Callable[[Any, Limits], bool]] = {
+    HelloAck: _hello_ack_ok,
+    Fetch: _fetch_ok,
+    Ready: _ready_ok,
+    Release: _release_ok,
+    Lookup: _lookup_ok,
+    LookupResp: _lookup_resp_ok,
+}
+"""The hot message types, each with the caps msgspec cannot check (they come from
+``Limits``). The others (``hello``, ``round_failed``, ``bye``: a handful per session) have
+defaults that depend on other fields or cross-field checks; the strict decoder takes them."""
+_FAST_DECODE = msgspec.msgpack.Decoder(
+    HelloAck | Fetch | Ready | Release | Lookup | LookupResp
+).decode
+
+
+# -- the strict decoder ---------------------------------------------------------------------
+
+
+def _decode_strict(frame: bytes, limits: Limits) -> Message | Unknown:
     cap = limits.max_frame_bytes
     try:
         d = msgpack.unpackb(

@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
+from p2pkv.addressing import format_address, parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import (
     ControlConnection,
@@ -112,6 +113,21 @@ class P2PTier:
         """The dialable control address consumers put in ``remote_host``/``remote_port``."""
         return self._env.local.address
 
+    @driver_call
+    def connect(self, address: str) -> bool:
+        """Connect to the peer at ``address`` (``host:port``, as routing names it) ahead of its
+        first request: the dial, the handshake and the data transport's peer setup happen in
+        the next ticks, so that request does not wait for them. Non-blocking; a session
+        already there is kept. False (and logged) when the address cannot be dialled, or the
+        tier is shut down."""
+        if self._closed:
+            return False
+        try:
+            peer = format_address(*parse_address(address))
+        except ConfigError:  # not host:port (an in-process name): the transport judges it
+            peer = address
+        return not isinstance(self._session_for(peer), str)
+
     # -- engine API -------------------------------------------------------------------------
 
     @driver_call
@@ -141,7 +157,8 @@ class P2PTier:
         """PD consumer: HIT at once. Symmetric consumer: RETRY until the batched probe sent at
         ``on_schedule_end`` is answered, then HIT/MISS. No consumer routing, or a failed
         ``kv_request_id``: MISS."""
-        consumer = self._routing(ctx).consumer
+        routing = ctx.routing  # the hot path: once per block, with the routing cached
+        consumer = (routing if isinstance(routing, Routing) else self._routing(ctx)).consumer
         if consumer is None or self._closed or consumer.kv_request_id in self._env.failed_loads:
             return LookupResult.MISS
         if not consumer.probe:

@@ -59,6 +59,16 @@ class Probe(enum.IntEnum):
     HIT = 3
 
 
+def _first_bad_position(pos: list[int], n: int, announced: set[int]) -> int:
+    """The first of ``pos`` outside ``0..n-1`` or named before (earlier in ``pos`` too)."""
+    seen = set(announced)
+    for p in pos:
+        if p >= n or p in seen:
+            return p
+        seen.add(p)
+    raise AssertionError("no bad position")
+
+
 def failure_outcome(value: str) -> Outcome:
     """The failure ``Outcome`` named by a ``round_failed.outcome`` (else TRANSFER_FAILED)."""
     return _FAILURES.get(value, Outcome.TRANSFER_FAILED)
@@ -77,8 +87,8 @@ class LoadRound:
         self.phase = Phase.UNSENT
         self.sent_at = 0.0
         """Our clock when the fetch went out: the lease is counted from here."""
-        self.announced = bytearray()
-        """Per key position: a ``ready`` named it (sized when the fetch goes out)."""
+        self.announced: set[int] = set()
+        """Key positions a ``ready`` named."""
         self.unread = len(job.keys)
         """Blocks whose read has not completed."""
         self.reads: dict[int, tuple[int, float]] = {}
@@ -237,14 +247,13 @@ class ClientRole:
         if rnd is None:  # the round ended here meanwhile (we sent, or will send, release)
             return
         n = len(rnd.keys)
-        announced = rnd.announced
-        for p in msg.pos:
-            if p >= n or announced[p]:
-                raise ProtocolError(f"ready.pos: position {p} is outside the round's {n} "
-                                    f"key(s) or was already announced")
-            announced[p] = 1
-        slots = rnd.slots
-        local = [slots[p] for p in msg.pos]
+        pos, announced = msg.pos, rnd.announced
+        if max(pos) >= n or len(set(pos)) != len(pos) or not announced.isdisjoint(pos):
+            bad = _first_bad_position(pos, n, announced)
+            raise ProtocolError(f"ready.pos: position {bad} is outside the round's {n} "
+                                f"key(s) or was already announced")
+        announced.update(pos)
+        local = list(map(rnd.slots.__getitem__, pos))
         env = self.env
         try:
             rid = env.data.read_blocks(self.peer, local, msg.slots)
@@ -331,7 +340,6 @@ class ClientRole:
     def _send_round(self, rnd: LoadRound) -> None:
         rnd.phase = Phase.ACTIVE
         rnd.sent_at = self.env.clock()
-        rnd.announced = bytearray(len(rnd.keys))
         if self.session.send(Fetch(rnd.req.kv, rnd.no, list(rnd.keys))):
             rnd.req.contacted = True
         else:  # the producer never saw it: nothing to release

@@ -14,27 +14,21 @@ from __future__ import annotations
 __all__ = ["DataPeerOwners", "FailedLoads", "LookupEnds"]
 
 
-class FailedLoads:
-    def __init__(self) -> None:
-        self._why: dict[str, str] = {}
+class FailedLoads(dict[str, str]):
+    """``kv_request_id`` -> why its loads fail (a dict: ``in`` is checked per looked-up
+    block)."""
 
     def mark(self, kv_request_id: str, why: str) -> None:
         """A load of this (unfinished) request failed (``why``: outcome and detail); the
         first failure is kept and named by every later refusal."""
-        self._why.setdefault(kv_request_id, why)
+        self.setdefault(kv_request_id, why)
 
     def why(self, kv_request_id: str) -> str | None:
-        return self._why.get(kv_request_id)
+        return self.get(kv_request_id)
 
     def forget(self, kv_request_id: str) -> None:
         """The consumer request finished: the id may load again (a new request)."""
-        self._why.pop(kv_request_id, None)
-
-    def __contains__(self, kv_request_id: str) -> bool:
-        return kv_request_id in self._why
-
-    def __len__(self) -> int:
-        return len(self._why)
+        self.pop(kv_request_id, None)
 
 
 class LookupEnds:

@@ -32,6 +32,7 @@ Threading: driver thread only.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from p2pkv.errors import ProtocolError, UsageError
@@ -79,8 +80,8 @@ class FetchRound:
         """Keys not yet named in a ``ready``."""
         self.waiting = 0
         """Keys demanded with no supply yet."""
-        self.pins: list[_StoreJob] = []
-        """One entry per pinned block: the store job it belongs to."""
+        self.pins: dict[_StoreJob, int] = {}
+        """Store job -> how many of its blocks this round pins (in the order first pinned)."""
         self.failure: tuple[Outcome, str] | None = None
         """Set once ``round_failed`` went out (the round waits for its pins only)."""
         self.timer: Timer | None = None
@@ -195,8 +196,9 @@ class ServerRole:
             rnd = FetchRound(msg.round, len(msg.keys))
             req.rounds[msg.round] = rnd
             self.n_rounds += 1
-            self._arm_lease(rnd, req)
             self._match_fetch(req, rnd, msg.keys, held_all)
+            if rnd.timer is None and req.rounds.get(rnd.no) is rnd:  # no ready armed it
+                self._arm_lease(rnd, req)
 
     def _refuse_winding_down(self, msg: Fetch) -> None:
         req = self.reqs.get(msg.kv_request_id)
@@ -469,10 +471,14 @@ class ServerRole:
                jobs: list[_StoreJob]) -> None:
         """Pin ``src`` (blocks of ``jobs``) for the lease and tell the consumer."""
         rnd.unready -= len(pos)
-        rnd.pins.extend(jobs)
         self.n_pins += len(jobs)
-        for sj in jobs:
-            sj.pinned += 1
+        pins = rnd.pins
+        first = jobs[0]
+        groups = ([(first, len(jobs))] if jobs.count(first) == len(jobs)  # one job: no loop
+                  else Counter(jobs).items())
+        for sj, n in groups:
+            sj.pinned += n
+            pins[sj] = pins.get(sj, 0) + n
         self._arm_lease(rnd, req)
         if not self.session.send(Ready(req.kv, rnd.no, pos, src)):  # the consumer's frame cap
             self._fail_round(req, rnd, Outcome.SUBMIT_FAILED, "its ready is larger than a "
@@ -486,18 +492,20 @@ class ServerRole:
 
     def _unpin(self, rnd: FetchRound, failure: tuple[Outcome, str] | None) -> None:
         """Release the round's pins: delivered (``failure`` None) or failed with it."""
-        pins, rnd.pins = rnd.pins, []
-        self.n_pins -= len(pins)
+        pins, rnd.pins = rnd.pins, {}
+        n_pinned = sum(pins.values())
+        self.n_pins -= n_pinned
         if failure is None:
-            self.env.counters["blocks_sent"] += len(pins)
-        for sj in pins:
-            sj.pinned -= 1
+            self.env.counters["blocks_sent"] += n_pinned
+        for sj, n in pins.items():
+            sj.pinned -= n
             if failure is None:
-                sj.remaining -= 1
-                sj.delivered += 1
+                sj.remaining -= n
+                sj.delivered += n
             elif sj.failure is None:
                 sj.failure = failure
-        self._release_jobs(pins)
+        for sj in pins:
+            self._maybe_release_job(sj)
 
     # -- rounds -----------------------------------------------------------------------------
 
@@ -585,13 +593,6 @@ class ServerRole:
                 if supply_job.get(key) is sj:
                     del supply[key]
                     del supply_job[key]
-
-    def _release_jobs(self, jobs: list[_StoreJob]) -> None:
-        prev = None
-        for sj in jobs:
-            if sj is not prev:
-                self._maybe_release_job(sj)
-                prev = sj
 
     def _maybe_release_job(self, sj: _StoreJob) -> None:
         if sj.done or sj.pinned:

@@ -240,7 +240,10 @@ class Session:
                   f"protocol error: {reason}")
 
     def _dispatch(self, msg: Message | Unknown) -> None:
-        if isinstance(msg, Hello):
+        handler = self._handlers.get(type(msg))
+        if handler is not None and self.state is State.READY:  # the hot path
+            handler(msg)
+        elif isinstance(msg, Hello):
             self._on_hello(msg)
         elif isinstance(msg, HelloAck):
             self._on_hello_ack(msg)
@@ -251,10 +254,8 @@ class Session:
             if hello is None or hello.wire[1] <= WIRE_MINOR:
                 raise ProtocolError(f"frame.type: unknown message type {msg.type!r}")
             log.debug("ignoring %r from %s (wire %d.%d)", msg.type, self.peer, *hello.wire)
-        elif self.state is not State.READY:
-            raise ProtocolError(f"{message_type(msg)}: received before the handshake completed")
         else:
-            self._handlers[type(msg)](msg)
+            raise ProtocolError(f"{message_type(msg)}: received before the handshake completed")
 
     def _on_ready(self, msg: Ready) -> None:
         assert self.peer_hello is not None

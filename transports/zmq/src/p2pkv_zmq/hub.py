@@ -87,6 +87,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import select
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -197,6 +198,7 @@ class ZmqHub:
         self._sweeper = zmq.Poller()  # every socket but the PULL, checked periodically
         self._rcvtimeo = -1  # the PULL's current receive timeout (ms)
         self._listener_ready = zmq.Poller()  # the PULL alone: "is a message waiting?"
+        self._listener_fd = -1  # the PULL's ZMQ_FD, for waits under a millisecond
         self._handlers: dict[zmq.Socket[bytes], Callable[[], None]] = {}
         self._next_sweep = 0.0
         self._listener: zmq.Socket[bytes] | None = None
@@ -256,6 +258,7 @@ class ZmqHub:
             listener.curve_server = True
             listener.curve_secretkey = keys.server_secret
         self._listener_ready.register(listener, zmq.POLLIN)
+        self._listener_fd = int(listener.getsockopt(zmq.FD))
         self._listener_monitor = self._monitor(listener, _LISTENER_EVENTS)
         self._watch(self._listener_monitor, self._on_listener_event)
         try:
@@ -359,8 +362,9 @@ class ZmqHub:
         """Frames (the hot path) are waited for with a plain receive on the PULL; the other
         sockets (connection monitors, ZAP, the PULL's monitor) and connect deadlines are swept
         every ``_SWEEP_INTERVAL``, so a poll costs the same with one peer or hundreds, and
-        about what a raw pyzmq receive costs. libzmq waits in whole milliseconds: a wait that
-        has less than one left ends without waiting (never more than ``timeout``)."""
+        about what a raw pyzmq receive costs. libzmq waits in whole milliseconds; what is left
+        below one is waited on the PULL's descriptor (``ZMQ_FD``, with ``select``), so a
+        short ``timeout`` sleeps instead of spinning (never more than ``timeout``)."""
         if self._closed:
             return _EMPTY
         now = time.monotonic()
@@ -368,11 +372,14 @@ class ZmqHub:
         while True:
             swept = now >= self._next_sweep and self._sweep(now)
             wait_ms = min(int((deadline - now) * 1000), _SWEEP_MS)
-            if self._read_listener(wait_ms) or swept or wait_ms <= 0:
+            if self._read_listener(wait_ms) or swept:
                 break
             now = time.monotonic()
             if now >= deadline:
                 break
+            if wait_ms <= 0:  # under a millisecond left: libzmq cannot wait that short
+                select.select((self._listener_fd,), (), (), deadline - now)
+                now = time.monotonic()
         new = self._new
         if not new:
             return _EMPTY
