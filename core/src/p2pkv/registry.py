@@ -25,6 +25,7 @@ import difflib
 import importlib.metadata as md
 import logging
 import os
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -340,7 +341,7 @@ def _new_manager(env: Mapping[str, str]) -> pluggy.PluginManager:
 
         def before(hook_name: str, impls: Sequence[HookImpl], kwargs: Mapping[str, Any]) -> None:
             trace.info("hook %s(%s) -> %s", hook_name,
-                       ", ".join(f"{k}={v!r}" for k, v in kwargs.items()),
+                       ", ".join(f"{k}={reprlib.repr(v)}" for k, v in kwargs.items()),
                        ", ".join(impl.plugin_name for impl in impls))
 
         def after(outcome: Any, hook_name: str, impls: Any, kwargs: Any) -> None:
