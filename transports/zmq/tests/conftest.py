@@ -6,6 +6,7 @@ this directory goes on ``sys.path``, which ``multiprocessing`` hands to its chil
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -41,3 +42,12 @@ def make_transport() -> Iterator[MakeTransport]:
     yield make
     for t in made:
         t.close()
+
+
+@pytest.fixture
+def refused_address() -> Iterator[str]:
+    """A loopback port that refuses connections: bound (so nobody else takes it during the
+    test), never listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,15 +15,6 @@ from p2pkv_zmq.dialing import DIAL_BACKOFF
 
 T = 5.0
 FAST = 1.0  # seconds: a dial that cannot work is dead well within this
-
-
-@pytest.fixture
-def refused_address() -> Iterator[str]:
-    """A loopback port that refuses connections: bound (so nobody else takes it during the
-    test), never listening."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def _dead(t: Any, address: str, within: float) -> str:

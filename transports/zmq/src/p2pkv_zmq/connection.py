@@ -15,7 +15,7 @@ import zmq
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ConnectionClosed, FrameTooLarge, SendQueueFull
 
-__all__ = ["LinkLimits", "Retire", "ZmqConnection"]
+__all__ = ["LinkLimits", "PeerAddress", "Retire", "ZmqConnection"]
 
 _NOBLOCK = zmq.NOBLOCK
 _NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
@@ -30,6 +30,16 @@ class LinkLimits:
     """Largest frame ``send`` accepts (``FrameTooLarge`` above it)."""
     max_queued_frames: int
     """Frames queued before ``send`` raises ``SendQueueFull`` (the zmq option)."""
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Whom a connection is to."""
+
+    key: str
+    """The canonical address: what the hub knows connections by."""
+    shown: str
+    """The address as the caller spelled it: ``peer_address`` and error messages show it."""
 
 
 Retire = Callable[["ZmqConnection", str], None]
@@ -51,9 +61,8 @@ class ZmqConnection(ControlConnection):
         self,
         retire: Retire,
         limits: LinkLimits,
+        peer: PeerAddress,
         *,
-        shown_address: str,
-        key: str,
         out: zmq.Socket[bytes] | None,
         monitor: zmq.Socket[bytes] | None,
         incarnation: bytes,
@@ -62,8 +71,8 @@ class ZmqConnection(ControlConnection):
     ) -> None:
         self._retire = retire
         self._limits = limits
-        self._shown_address = shown_address
-        self.key = key
+        self._shown_address = peer.shown
+        self.key = peer.key
         self.out: zmq.Socket[bytes] | None = out
         self.monitor: zmq.Socket[bytes] | None = monitor
         self.incarnation = incarnation
@@ -76,12 +85,12 @@ class ZmqConnection(ControlConnection):
 
     @classmethod
     def failed(
-        cls, retire: Retire, limits: LinkLimits, *, shown_address: str, key: str, reason: str
+        cls, retire: Retire, limits: LinkLimits, peer: PeerAddress, *, reason: str
     ) -> ZmqConnection:
         """A connection that is dead from the start (a dial that could not begin): no
         sockets, not registered with the hub, ``close_reason`` says why."""
-        conn = cls(retire, limits, shown_address=shown_address, key=key, out=None, monitor=None,
-                   incarnation=b"", link=b"", deadline=0.0)
+        conn = cls(retire, limits, peer, out=None, monitor=None, incarnation=b"", link=b"",
+                   deadline=0.0)
         conn.close_reason = reason
         return conn
 

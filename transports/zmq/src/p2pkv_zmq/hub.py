@@ -1,12 +1,13 @@
-"""The sockets of one ``zmq`` control transport and the small link protocol between peers.
+"""The routing and link state of one ``zmq`` control transport: the small link protocol
+between peers, over sockets that :mod:`p2pkv_zmq.sockets` creates and tunes.
 
 Sockets (all in the transport's own ``zmq.Context``, all used only from the driver thread):
 one PULL bound at our address (every peer's frames come in here), one PUSH per connection
 dialing the peer's PULL (our frames go out there), one monitor PAIR per PUSH and one for the
-PULL (``inproc://p2pkv-monitor-<n>``, never reused), the ZAP handler with CURVE, and short-lived
-notice PUSH sockets (below). No socket of ours is a ROUTER: libzmq 4.3.5 files a ROUTER's
-inbound connections under the routing id each client announces, and a client reusing or
-squatting ids made it keep dead connections or abort. A PULL has no ids at all.
+PULL, the ZAP handler with CURVE, and short-lived notice PUSH sockets (below). No socket of
+ours is a ROUTER: libzmq 4.3.5 files a ROUTER's inbound connections under the routing id each
+client announces, and a client reusing or squatting ids made it keep dead connections or
+abort. A PULL has no ids at all.
 
 Link protocol, below the opaque frames of the contract. Every message a PUSH sends starts with
 its link id ``<our address>#<incarnation>`` (:mod:`p2pkv_zmq.identity`), since a PULL does not
@@ -61,14 +62,8 @@ not allow), one not done within ``handshake_timeout``, or no connection within
 ``connect_timeout``. A failed dial is remembered for ``DIAL_BACKOFF`` and a host name that does
 not resolve fails at ``connect`` (:mod:`p2pkv_zmq.dialing`). ``poll`` waits on the PULL only;
 the monitors, ZAP and the deadlines are swept every ``_SWEEP_INTERVAL`` (10 ms), so a death
-shows within that of libzmq reporting it; ``close_reason`` says why.
-
-Only PUSH sockets send ZMTP heartbeats: the PULL answers PINGs, and libzmq drops an inbound TCP
-connection that stays silent past the TTL its peer's PINGs carry. The listener runs no
-heartbeat timer of its own: in libzmq 4.3.5 that timer fires on a connection whose input
-stopped (pipe full) after its peer hung up, and aborts the process (``!_io_error``,
-stream_engine_base.cpp:310), so any client could kill us by overfilling its pipe and
-resetting.
+shows within that of libzmq reporting it; ``close_reason`` says why. Only PUSH sockets send
+ZMTP heartbeats (why: :mod:`p2pkv_zmq.sockets`).
 
 Hostile bytes on the listening port: the PULL has a ZAP domain even without CURVE (libzmq then
 refuses ZMTP 1.0/2.0 peers, which any stray bytes pass for, at once) and
@@ -84,8 +79,6 @@ forgotten).
 
 from __future__ import annotations
 
-import errno
-import itertools
 import logging
 import select
 import time
@@ -98,11 +91,11 @@ from typing import Any
 import zmq
 from p2pkv.addressing import format_address, parse_address
 from p2pkv.contracts import ControlConnection
-from p2pkv.errors import ConfigError, ConnectionClosed, P2PKVError, ResourceUnavailable
+from p2pkv.errors import ConfigError, ConnectionClosed, ResourceUnavailable
 from p2pkv.logs import module_logger
 from zmq.utils.monitor import parse_monitor_message
 
-from p2pkv_zmq.connection import LinkLimits, ZmqConnection
+from p2pkv_zmq.connection import LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.dialing import (
     DialFailed,
     DialFailures,
@@ -115,7 +108,6 @@ from p2pkv_zmq.gate import InboundGate
 from p2pkv_zmq.identity import (
     MAX_LINK_ID_BYTES,
     canonical_address,
-    is_ipv6_literal,
     link_id,
     new_incarnation,
     parse_link_id,
@@ -125,6 +117,7 @@ from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.ratelimit import LogLimiter, TokenBucket
 from p2pkv_zmq.security import CurveKeys
+from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
 
 __all__ = ["ZmqHub"]
@@ -137,7 +130,8 @@ _RCVTIMEO = zmq.RCVTIMEO
 _OPEN = b"open"
 _GONE = b"gone"
 _PAIRED = b"paired"
-_ZAP_DOMAIN = b"p2pkv"
+_PAYLOAD = b""  # what _verb says of [link, frame]
+_VERBS = (_OPEN, _PAIRED, _GONE)
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -181,20 +175,18 @@ class _Opened:
 
 
 class ZmqHub:
-    """The sockets and link state of one listening ``zmq`` control transport: owned by a
+    """The routing and link state of one listening ``zmq`` control transport: owned by a
     :class:`~p2pkv_zmq.transport.ZmqControlTransport`, which builds it with :meth:`open`
     and delegates the ``ControlTransport`` calls to it."""
 
     def __init__(
         self, plan: ListenPlan, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int
     ) -> None:
-        self.max_frame_bytes = max_frame_bytes
-        self.max_queued_frames = options.max_queued_frames
         self._limits = LinkLimits(max_frame_bytes, options.max_queued_frames)
         self._plan = plan
         self._options = options
         self._keys = keys
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        self._sockets = SocketFactory(options, keys, max_frame_bytes)
         self._sweeper = zmq.Poller()  # every socket but the PULL, checked periodically
         self._rcvtimeo = -1  # the PULL's current receive timeout (ms)
         self._listener_ready = zmq.Poller()  # the PULL alone: "is a message waiting?"
@@ -221,7 +213,6 @@ class ZmqHub:
         self._gate = InboundGate(options.handshake_timeout, self._on_gate_close)
         self._dial_failures = DialFailures()
         self._new: list[ZmqConnection] = []
-        self._monitor_seq = itertools.count()
         self._closed = False
         self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0,
                          "refused_accepts": 0, "inbound_timeouts": 0}
@@ -242,75 +233,20 @@ class ZmqHub:
         return hub
 
     def _listen(self) -> None:
-        plan, keys = self._plan, self._keys
+        plan, keys, sockets = self._plan, self._keys, self._sockets
         if keys is not None:  # before the listener exists, or libzmq admits everyone
-            self._zap = ZapHandler(self._ctx, keys.allowed, self._on_zap_refusal)
+            self._zap = ZapHandler(sockets.context, keys.allowed, self._on_zap_refusal)
             self._watch(self._zap.socket, self._zap.serve)
-        listener = self._listener = self._ctx.socket(zmq.PULL)
-        self._tune(listener, ipv6=plan.ipv6)
-        listener.maxmsgsize = self.max_frame_bytes
-        listener.handshake_ivl = _ms(self._options.handshake_timeout)
-        # With a ZAP domain libzmq refuses ZMTP 1.0/2.0 peers at once, whose "greeting" any
-        # stray bytes pass for; without CURVE no ZAP handler is bound and NULL peers are
-        # admitted without asking one.
-        listener.zap_domain = _ZAP_DOMAIN
-        if keys is not None:
-            listener.curve_server = True
-            listener.curve_secretkey = keys.server_secret
+        listener = self._listener = sockets.listener(plan)
         self._listener_ready.register(listener, zmq.POLLIN)
         self._listener_fd = int(listener.getsockopt(zmq.FD))
-        self._listener_monitor = self._monitor(listener, _LISTENER_EVENTS)
+        self._listener_monitor = sockets.monitor(listener, _LISTENER_EVENTS)
         self._watch(self._listener_monitor, self._on_listener_event)
-        try:
-            listener.bind(tcp_url(plan.bind_host, plan.port or "*"))
-        except zmq.ZMQError as exc:
-            raise self._bind_error(exc) from exc
-        endpoint = listener.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = sockets.bind(listener, plan)
         port = plan.advertise_port or int(endpoint.rsplit(":", 1)[1])
         self._local_address = format_address(plan.advertise_host, port)
         log.info("zmq control transport listening on %s as %s (%s)", endpoint,
                  self._local_address, "CURVE" if keys else "no authentication")
-
-    def _bind_error(self, exc: zmq.ZMQError) -> ConfigError:
-        plan = self._plan
-        where = format_address(plan.bind_host, plan.port)
-        if exc.errno == zmq.EADDRINUSE:
-            return ConfigError(
-                f"zmq control port {plan.port} is already in use on {plan.bind_host} "
-                f"(port = base port {plan.port - plan.dp_rank} + data-parallel rank offset "
-                f"{plan.dp_rank}); stop the process holding it, or choose another base port "
-                f"with {plan.port_setting}"
-            )
-        return ConfigError(f"cannot listen on {where}: {exc.strerror}; check {plan.host_setting}")
-
-    def _tune(self, sock: zmq.Socket[bytes], *, ipv6: bool) -> None:
-        sock.linger = 0
-        sock.ipv6 = ipv6
-
-    def _push(self, key: str) -> zmq.Socket[bytes]:
-        """A PUSH socket for ``key``, CURVE client if we have keys; not connected yet.
-        ``ResourceUnavailable`` when libzmq has no socket left (ZMQ_MAX_SOCKETS or
-        descriptors)."""
-        try:
-            push: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
-        except zmq.ZMQError as exc:
-            raise ResourceUnavailable(
-                f"cannot dial zmq peer {key}: no socket left ({exc}); raise the descriptor "
-                f"limit (ulimit -n) or connect to fewer peers"
-            ) from exc
-        self._tune(push, ipv6=is_ipv6_literal(parse_address(key)[0]))
-        if self._keys is not None:
-            push.curve_serverkey = self._keys.server_public
-            push.curve_publickey = self._keys.client_public
-            push.curve_secretkey = self._keys.client_secret
-        return push
-
-    def _monitor(self, sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
-        # A fresh endpoint every time: libzmq frees inproc names asynchronously.
-        endpoint = f"inproc://p2pkv-monitor-{next(self._monitor_seq)}"
-        monitor: zmq.Socket[bytes] = sock.get_monitor_socket(events, endpoint)
-        monitor.linger = 0
-        return monitor
 
     def _watch(self, sock: zmq.Socket[bytes], handler: Callable[[], None]) -> None:
         self._sweeper.register(sock, zmq.POLLIN)
@@ -341,8 +277,9 @@ class ZmqHub:
         if conn is not None:
             return conn
         answering = self._take_pending(key)  # the peer dialed us: it listens, dial it back
+        peer = PeerAddress(key, address)
         if answering is not None:
-            conn = self._dial(key, address, answering, tcp_url(*parse_address(key)))
+            conn = self._dial(peer, answering, tcp_url(*parse_address(key)))
             self._confirm(conn, answering)
             return conn
         host, port = parse_address(key)
@@ -350,13 +287,12 @@ class ZmqHub:
         reason = self._dial_failures.recent(key, now)
         if reason is None:
             try:
-                return self._dial(key, address, None, tcp_url(resolve(host), port))
+                return self._dial(peer, None, tcp_url(resolve(host), port))
             except DialFailed as exc:
                 reason = str(exc)
                 self._dial_failures.record(key, reason, now)
                 self._log_once(("dial", key, reason), "cannot dial %s: %s", key, reason)
-        return ZmqConnection.failed(self.retire, self._limits, shown_address=address, key=key,
-                                    reason=reason)
+        return ZmqConnection.failed(self.retire, self._limits, peer, reason=reason)
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         """Frames (the hot path) are waited for with a plain receive on the PULL; the other
@@ -399,7 +335,7 @@ class ZmqHub:
                 sock.close(0)
         if self._listener is not None:
             self._listener.close(0)
-        self._ctx.term()
+        self._sockets.close()
 
     def stats(self) -> dict[str, int]:
         """Counters: refused handshakes, dropped messages, accepted connections, live ones."""
@@ -407,45 +343,24 @@ class ZmqHub:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _dial(self, key: str, shown: str, answering: bytes | None, url: str) -> ZmqConnection:
-        """A new connection to ``key`` dialing ``url`` (``answering``: the peer's fresh PUSH
+    def _dial(self, peer: PeerAddress, answering: bytes | None, url: str) -> ZmqConnection:
+        """A new connection to ``peer`` dialing ``url`` (``answering``: the peer's fresh PUSH
         it answers). ``ResourceUnavailable`` when libzmq refuses the dial (out of sockets or
         descriptors); ``ConfigError`` for an address libzmq cannot dial."""
         incarnation = new_incarnation()
         link = link_id(self._local_address, incarnation)
-        push = self._push(key)
-        monitor = None
-        try:
-            opts = self._options
-            push.heartbeat_ivl = _ms(opts.heartbeat_interval)
-            push.heartbeat_timeout = _ms(opts.heartbeat_timeout)
-            push.heartbeat_ttl = _ms(opts.heartbeat_ttl)
-            push.handshake_ivl = _ms(opts.handshake_timeout)
-            push.sndhwm = self.max_queued_frames + 1  # + the open message
-            monitor = self._monitor(push, _LINK_EVENTS)
-            push.connect(url)
-            ref = b"" if answering is None else answering.rpartition(b"#")[2]
-            try:
-                push.send_multipart([link, b"", _OPEN, ref], _NOBLOCK)
-                refused = False
-            except zmq.Again:  # no pipe to the peer any more (seen once in CI, intruder test)
-                refused = True
-        except zmq.ZMQError as exc:
-            if monitor is not None:
-                monitor.close(0)
-            push.close(0)
-            raise _dial_error(key, exc) from exc
+        ref = b"" if answering is None else answering.rpartition(b"#")[2]
+        push, monitor, queued = self._sockets.dial(peer.key, url, [link, b"", _OPEN, ref],
+                                                   _LINK_EVENTS)
         deadline = time.monotonic() + self._options.connect_timeout
-        conn = ZmqConnection(
-            self.retire, self._limits, shown_address=shown, key=key, out=push, monitor=monitor,
-            incarnation=incarnation, link=link, deadline=deadline,
-        )
-        self._by_address[key] = conn
+        conn = ZmqConnection(self.retire, self._limits, peer, out=push, monitor=monitor,
+                             incarnation=incarnation, link=link, deadline=deadline)
+        self._by_address[peer.key] = conn
         self._by_incarnation[incarnation] = conn
         self._connecting.add(conn)
         self._watch(monitor, partial(self._on_link_event, conn))
-        log.debug("dialing %s (%s)", key, "answering" if answering else "fresh")
-        if refused:
+        log.debug("dialing %s (%s)", peer.key, "answering" if answering else "fresh")
+        if not queued:
             self.retire(conn, "could not open the link: libzmq had no pipe to the peer right "
                         "after connecting (handshake refused?)", notify=False)
         return conn
@@ -466,13 +381,25 @@ class ZmqHub:
             _remember(self._retired, link)
             self._tell_gone(link, via=conn)
 
-    def _accept(self, link: bytes, address: str) -> ZmqConnection:
-        # The newest one is what connect returns.
-        conn = self._dial(address, address, link, tcp_url(*parse_address(address)))
+    def _accept(self, link: bytes, address: str, frame: bytes) -> None:
+        """The first frame of the fresh peer PUSH ``link``: a new connection dialing back,
+        for the next ``poll`` to return with ``frame`` buffered (the newest connection to an
+        address is what ``connect`` returns). Out of sockets, or with an address libzmq
+        cannot dial, the PUSH is refused: told "gone", counted in ``refused_accepts``."""
+        try:
+            conn = self._dial(PeerAddress(address, address), link,
+                              tcp_url(*parse_address(address)))
+        except (ResourceUnavailable, ConfigError) as exc:
+            _remember(self._retired, link)
+            self.counters["refused_accepts"] += 1
+            self._tell_gone(link)
+            self._log_once(("accept",), "refused connections from peers: %s (a flood of "
+                           "connections? counted in refused_accepts)", exc)
+            return
         self._confirm(conn, link)
         self._new.append(conn)
         self.counters["accepted"] += 1
-        return conn
+        conn.inbox.append(frame)
 
     def retire(self, conn: ZmqConnection, reason: str, *, notify: bool = True) -> None:
         """End ``conn`` (idempotent): forget its ids, release its sockets. ``notify``: tell
@@ -550,7 +477,7 @@ class ZmqHub:
                            _NOTICE_RATE)
             return
         try:
-            push = self._push(key)
+            push = self._sockets.push(key)
         except ResourceUnavailable:
             return  # out of sockets: the peer's own timeouts end its connection
         try:
@@ -565,29 +492,21 @@ class ZmqHub:
     # -- inbound --------------------------------------------------------------------------
 
     def _read_listener(self, wait_ms: int) -> bool:
-        """Receive what the PULL holds, waiting up to ``wait_ms`` for the first message;
-        True if anything came.
+        """Receive what the PULL holds, waiting up to ``wait_ms`` for the first message, at
+        most ``_MAX_MESSAGES_PER_POLL`` (fairness: the rest waits for the next poll); True if
+        anything came.
 
         Costs are pyzmq's, per call: a blocking receive with a timeout for the wait; after the
         first message a one-socket zero-timeout poll asks for more (cheapest when there is
         none: a ``zmq.Again`` costs about 2.5x that), and a burst is drained until one
         ``zmq.Again`` (cheaper than a poll per message)."""
+        link = self._first_message(wait_ms)
+        if link is None:
+            return False
         listener = self._listener
         assert listener is not None
-        recv, more = listener.recv, self._listener_ready.poll
-        if wait_ms > 0:
-            if wait_ms != self._rcvtimeo:  # mostly _SWEEP_MS, so rarely re-set
-                listener.setsockopt(_RCVTIMEO, wait_ms)
-                self._rcvtimeo = wait_ms
-            try:
-                link = recv()
-            except zmq.Again:
-                return False
-        elif more(0):
-            link = recv(_NOBLOCK)
-        else:
-            return False
-        by_link, option = self._by_link, listener.getsockopt
+        recv, more, option = listener.recv, self._listener_ready.poll, listener.getsockopt
+        by_link = self._by_link
         count = 1
         while True:
             if not option(_RCVMORE):  # one part: no link id before it
@@ -602,18 +521,31 @@ class ZmqHub:
                         conn.inbox.append(first)
                     else:
                         self._on_unrouted([link, first])
-            if count == _MAX_MESSAGES_PER_POLL:  # fairness: the rest waits for the next poll
+            if count == _MAX_MESSAGES_PER_POLL:
                 return True
-            if count == 1:
-                if not more(0):
-                    return True
+            if count == 1 and not more(0):
+                return True
+            try:
                 link = recv(_NOBLOCK)
-            else:
-                try:
-                    link = recv(_NOBLOCK)
-                except zmq.Again:
-                    return True
+            except zmq.Again:
+                return True
             count += 1
+
+    def _first_message(self, wait_ms: int) -> bytes | None:
+        """The first part of a message from the PULL, waiting up to ``wait_ms`` (a receive
+        with a timeout); with ``wait_ms`` <= 0 only if one is waiting (a zero-timeout poll,
+        since libzmq cannot wait shorter than a millisecond); None if none came."""
+        listener = self._listener
+        assert listener is not None
+        if wait_ms <= 0:
+            return listener.recv(_NOBLOCK) if self._listener_ready.poll(0) else None
+        if wait_ms != self._rcvtimeo:  # mostly _SWEEP_MS, so rarely re-set
+            listener.setsockopt(_RCVTIMEO, wait_ms)
+            self._rcvtimeo = wait_ms
+        try:
+            return listener.recv()
+        except zmq.Again:
+            return None
 
     def _on_link_message(self, link: bytes, first: bytes) -> None:
         """A message of three parts or more, the rest still to read: link messages (rare).
@@ -628,9 +560,8 @@ class ZmqHub:
         the TCP connection a link message came over, which a well-formed one proves to the
         gate (every dialing socket of a p2pkv peer starts with one: open, paired, gone)."""
         link = parts[0]
-        is_payload = len(parts) == 2
-        verb = parts[2] if len(parts) == 4 and parts[1] == b"" else None
-        if verb not in (None, _OPEN, _PAIRED, _GONE) or (verb is None and not is_payload):
+        verb = _verb(parts)
+        if verb is None:
             self._drop(link, "malformed message (not a p2pkv zmq peer?)", notify=None)
             return
         parsed = parse_link_id(link)
@@ -641,37 +572,30 @@ class ZmqHub:
             self._admit(fd)
         if verb in (_PAIRED, _GONE):
             self._on_notice(link, verb, parts[3])
-            return
-        if link in self._retired:  # its connection ended; the peer may not know yet
+        elif link in self._retired:  # its connection ended; the peer may not know yet
             # Normal at every close (frames in flight cross our close): not worth a warning.
             self._drop(link, "frames for a connection that has ended", notify=link,
                        level=logging.DEBUG)
-            return
-        if link in self._by_link:  # the open of an answered PUSH came after its pairing
-            if verb is None:
-                self._drop(link, "malformed message from a connected peer", notify=None)
-            return
-        address, _ = parsed
+        elif link in self._by_link:
+            pass  # the open of an answered PUSH came after its pairing
+        elif verb == _OPEN:
+            self._on_open(link, parsed[0], parts[3])
+        else:
+            self._on_early_frame(link, parsed[0], parts[1])
+
+    def _on_early_frame(self, link: bytes, address: str, frame: bytes) -> None:
+        """Payload from the peer PUSH ``link`` of ``address`` that is in no connection of ours:
+        the first frame of a fresh PUSH is accepted, a PUSH we offered a pairing has its frames
+        held (up to ``_MAX_HELD_FRAMES``, then it is retired), and any other is told "gone"."""
         opened = self._pending.get(link)
-        if verb == _OPEN:
-            self._on_open(link, address, parts[3])
-        elif opened is None:
+        if opened is None:
             self._drop(link, "frames from a peer connection that never opened to this "
                        "transport (a stale reconnect after a restart?)", notify=link)
         elif opened.offered is None:
             del self._pending[link]
-            try:
-                conn = self._accept(link, address)
-            except (ResourceUnavailable, ConfigError) as exc:  # no socket left, or no dialing it
-                _remember(self._retired, link)
-                self.counters["refused_accepts"] += 1
-                self._tell_gone(link)
-                self._log_once(("accept",), "refused connections from peers: %s (a flood of "
-                               "connections? counted in refused_accepts)", exc)
-                return
-            conn.inbox.append(parts[1])
+            self._accept(link, address, frame)
         elif len(opened.frames) < _MAX_HELD_FRAMES:
-            opened.frames.append(parts[1])  # until the peer pairs too
+            opened.frames.append(frame)  # until the peer pairs too
         else:
             del self._pending[link]
             _remember(self._retired, link)
@@ -859,17 +783,14 @@ class ZmqHub:
         self._log_limit.log(time.monotonic(), level, msg, *args)
 
 
-def _dial_error(key: str, exc: zmq.ZMQError) -> P2PKVError:
-    """A dial libzmq refused: out of a resource (sockets, descriptors, memory: runtime), or
-    an endpoint it cannot use (the address: config)."""
-    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
-        return ResourceUnavailable(f"cannot dial zmq peer {key}: {exc}; raise the descriptor "
-                                   f"limit (ulimit -n) or connect to fewer peers")
-    return ConfigError(f"cannot dial zmq peer {key}: {exc}; check the address")
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
+def _verb(parts: list[bytes]) -> bytes | None:
+    """What a message on the PULL is (see the module docstring): ``_PAYLOAD`` for
+    ``[link, frame]``, the verb of ``[link, "", verb, arg]``, None for anything else."""
+    if len(parts) == 2:
+        return _PAYLOAD
+    if len(parts) == 4 and parts[1] == b"" and parts[2] in _VERBS:
+        return parts[2]
+    return None
 
 
 def _remember(memory: OrderedDict[Any, Any], key: Hashable, value: Any = None) -> None:

@@ -1,0 +1,172 @@
+"""The socket factory of one ``zmq`` control transport: creates and tunes every socket in the
+transport's own ``zmq.Context`` and turns libzmq's refusals into p2pkv errors; knows nothing
+of links or connections (:mod:`p2pkv_zmq.hub` does).
+
+Every socket gets ``LINGER`` 0 (a caller that wants a last message delivered closes it with a
+linger) and ``IPV6`` for an IPv6 peer or bind address. A monitor gets a fresh
+``inproc://p2pkv-monitor-<n>`` every time (libzmq frees inproc names asynchronously).
+
+Only PUSH sockets send ZMTP heartbeats: the PULL answers PINGs, and libzmq drops an inbound TCP
+connection that stays silent past the TTL its peer's PINGs carry. The listener runs no
+heartbeat timer of its own: in libzmq 4.3.5 that timer fires on a connection whose input
+stopped (pipe full) after its peer hung up, and aborts the process (``!_io_error``,
+stream_engine_base.cpp:310), so any client could kill us by overfilling its pipe and
+resetting.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+from typing import NamedTuple
+
+import zmq
+from p2pkv.addressing import format_address, parse_address
+from p2pkv.errors import ConfigError, P2PKVError, ResourceUnavailable
+
+from p2pkv_zmq.identity import is_ipv6_literal, tcp_url
+from p2pkv_zmq.listening import ListenPlan
+from p2pkv_zmq.options import ZmqOptions
+from p2pkv_zmq.security import CurveKeys
+
+__all__ = ["LinkSockets", "SocketFactory"]
+
+_ZAP_DOMAIN = b"p2pkv"
+
+Socket = zmq.Socket[bytes]
+
+
+class LinkSockets(NamedTuple):
+    """What :meth:`SocketFactory.dial` made: a connected PUSH and its monitor."""
+
+    push: Socket
+    monitor: Socket
+    queued: bool
+    """False if the first message did not fit: libzmq had no pipe to the peer at once."""
+
+
+class SocketFactory:
+    """Owns the transport's context (closed by :meth:`close`); the sockets it makes belong to
+    the caller, which closes them before it closes the factory."""
+
+    def __init__(self, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int) -> None:
+        self._options = options
+        self._keys = keys
+        self._max_frame_bytes = max_frame_bytes
+        self.context: zmq.Context[Socket] = zmq.Context(io_threads=1)
+        self._monitor_seq = itertools.count()
+
+    def listener(self, plan: ListenPlan) -> Socket:
+        """The PULL every peer's frames come in on, not bound yet (see :meth:`bind`): frames
+        up to ``max_frame_bytes``, ``ZMQ_HANDSHAKE_IVL`` = ``handshake_timeout``, the ZAP
+        domain, and CURVE server if we have keys."""
+        listener: Socket = self.context.socket(zmq.PULL)
+        _tune(listener, ipv6=plan.ipv6)
+        listener.maxmsgsize = self._max_frame_bytes
+        listener.handshake_ivl = _ms(self._options.handshake_timeout)
+        # With a ZAP domain libzmq refuses ZMTP 1.0/2.0 peers at once, whose "greeting" any
+        # stray bytes pass for; without CURVE no ZAP handler is bound and NULL peers are
+        # admitted without asking one.
+        listener.zap_domain = _ZAP_DOMAIN
+        if self._keys is not None:
+            listener.curve_server = True
+            listener.curve_secretkey = self._keys.server_secret
+        return listener
+
+    def bind(self, listener: Socket, plan: ListenPlan) -> str:
+        """Bind ``listener`` where ``plan`` says; the endpoint it got. ``ConfigError`` that
+        names the setting to change when libzmq cannot bind there."""
+        try:
+            listener.bind(tcp_url(plan.bind_host, plan.port or "*"))
+        except zmq.ZMQError as exc:
+            raise _bind_error(plan, exc) from exc
+        return listener.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def push(self, key: str) -> Socket:
+        """A PUSH socket for the peer ``key``, CURVE client if we have keys; not connected yet.
+        ``ResourceUnavailable`` when libzmq has no socket left (ZMQ_MAX_SOCKETS or
+        descriptors)."""
+        try:
+            push: Socket = self.context.socket(zmq.PUSH)
+        except zmq.ZMQError as exc:
+            raise ResourceUnavailable(
+                f"cannot dial zmq peer {key}: no socket left ({exc}); raise the descriptor "
+                f"limit (ulimit -n) or connect to fewer peers"
+            ) from exc
+        _tune(push, ipv6=is_ipv6_literal(parse_address(key)[0]))
+        keys = self._keys
+        if keys is not None:
+            push.curve_serverkey = keys.server_public
+            push.curve_publickey = keys.client_public
+            push.curve_secretkey = keys.client_secret
+        return push
+
+    def dial(self, key: str, url: str, first: list[bytes], events: int) -> LinkSockets:
+        """A :meth:`push` of ``key`` with the heartbeats and handshake timeout of the options
+        and room for ``max_queued_frames`` after ``first``, monitored for ``events``,
+        connected to ``url``, with the message ``first`` queued. ``ResourceUnavailable`` when
+        libzmq refuses the dial (out of sockets or descriptors), ``ConfigError`` for an
+        address it cannot dial; nothing is left open then."""
+        push = self.push(key)
+        monitor: Socket | None = None
+        try:
+            opts = self._options
+            push.heartbeat_ivl = _ms(opts.heartbeat_interval)
+            push.heartbeat_timeout = _ms(opts.heartbeat_timeout)
+            push.heartbeat_ttl = _ms(opts.heartbeat_ttl)
+            push.handshake_ivl = _ms(opts.handshake_timeout)
+            push.sndhwm = opts.max_queued_frames + 1  # + the first message
+            monitor = self.monitor(push, events)
+            push.connect(url)
+            try:
+                push.send_multipart(first, zmq.NOBLOCK)
+                queued = True
+            except zmq.Again:  # no pipe to the peer any more (seen once in CI, intruder test)
+                queued = False
+        except zmq.ZMQError as exc:
+            if monitor is not None:
+                monitor.close(0)
+            push.close(0)
+            raise _dial_error(key, exc) from exc
+        return LinkSockets(push, monitor, queued)
+
+    def monitor(self, sock: Socket, events: int) -> Socket:
+        """A PAIR receiving ``events`` of ``sock``, on an endpoint never used before."""
+        endpoint = f"inproc://p2pkv-monitor-{next(self._monitor_seq)}"
+        monitor: Socket = sock.get_monitor_socket(events, endpoint)
+        monitor.linger = 0
+        return monitor
+
+    def close(self) -> None:
+        """Terminate the context: blocks while a socket closed with a linger still delivers."""
+        self.context.term()
+
+
+def _tune(sock: Socket, *, ipv6: bool) -> None:
+    sock.linger = 0
+    sock.ipv6 = ipv6
+
+
+def _bind_error(plan: ListenPlan, exc: zmq.ZMQError) -> ConfigError:
+    where = format_address(plan.bind_host, plan.port)
+    if exc.errno == zmq.EADDRINUSE:
+        return ConfigError(
+            f"zmq control port {plan.port} is already in use on {plan.bind_host} "
+            f"(port = base port {plan.port - plan.dp_rank} + data-parallel rank offset "
+            f"{plan.dp_rank}); stop the process holding it, or choose another base port "
+            f"with {plan.port_setting}"
+        )
+    return ConfigError(f"cannot listen on {where}: {exc.strerror}; check {plan.host_setting}")
+
+
+def _dial_error(key: str, exc: zmq.ZMQError) -> P2PKVError:
+    """A dial libzmq refused: out of a resource (sockets, descriptors, memory: runtime), or
+    an endpoint it cannot use (the address: config)."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+        return ResourceUnavailable(f"cannot dial zmq peer {key}: {exc}; raise the descriptor "
+                                   f"limit (ulimit -n) or connect to fewer peers")
+    return ConfigError(f"cannot dial zmq peer {key}: {exc}; check the address")
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
