@@ -78,6 +78,18 @@ def test_every_tier_cell_moved_verified_bytes(tier_doc: Doc) -> None:
         assert row["producer_cpu_us"] > 0 and row["consumer_cpu_us"] > 0
 
 
+def test_first_pulls_are_reported_cold_and_after_connect(tier_doc: Doc) -> None:
+    """One fresh pair of each kind per data transport (--quick), every pull verified."""
+    (first,) = tier_doc[0]["first_pull"]
+    assert first["transport"] == "nixl" and first["errors"] == []
+    samples = first["samples"]
+    assert {k: len(v) for k, v in samples.items()} == {
+        "cold_ms": 1, "handshake_ms": 1, "after_connect_ms": 1, "connect_ms": 1}
+    assert first["first_pull_ms"] == samples["cold_ms"][0] > 0
+    assert 0 < first["first_pull_handshake_ms"] <= first["first_pull_ms"]
+    assert first["first_pull_after_connect_ms"] > 0 and first["connect_ms"] > 0
+
+
 def test_ratios_are_against_baselines_of_the_same_run(tier_doc: Doc) -> None:
     doc, _ = tier_doc
     series = {r["series"] for r in doc["baseline_rows"]}

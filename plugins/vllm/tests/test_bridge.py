@@ -22,6 +22,7 @@ from p2pkv_vllm.bridge import (
     context_of,
     entry_tier_config,
     job_of,
+    preconnect_peers,
     resolve_hash_seed,
     tier_config_from_keys,
 )
@@ -226,3 +227,24 @@ def test_failed_loads_warn_once_per_outcome_and_peer_per_window(
                         "req-1: vLLM recomputes its blocks: detail")
     assert "(load_timeout)" in lines[1] and "10.0.0.2:5710" in lines[2]
     assert lines[3].endswith("(2 more like it since the last such line)")
+
+
+def test_a_preconnect_hint_names_its_peers_and_a_bad_one_only_logs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    good = [{"remote_host": "10.0.0.1", "remote_port": 5710},
+            {"remote_host": "::1", "remote_port": "5711"},
+            {"remote_host": "10.0.0.1", "remote_port": 5710}]
+    assert preconnect_peers({"p2pkv_connect": good}) == ["10.0.0.1:5710", "[::1]:5711"]
+    assert preconnect_peers({"remote_decoder": {"kv_request_id": "k"}}) == []
+    assert preconnect_peers(None) == []
+    with caplog.at_level(logging.WARNING, logger="p2pkv_vllm.bridge"):
+        assert preconnect_peers({"p2pkv_connect": "10.0.0.1:5710"}, "r1") == []
+        bad = [{"remote_host": "", "remote_port": 1}, {"remote_host": "h", "remote_port": 0},
+               {"remote_host": "h", "remote_port": True}, "h:1", good[0]]
+        assert preconnect_peers({"p2pkv_connect": bad}, "r2") == ["10.0.0.1:5710"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5, lines
+    assert lines[0].startswith("request r1: p2pkv_connect must be a list")
+    assert all(line.startswith("request r2: p2pkv_connect peer ") for line in lines[1:])

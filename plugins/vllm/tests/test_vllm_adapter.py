@@ -215,6 +215,38 @@ def test_pd_store_and_load_through_the_adapter_types() -> None:
         consumer.shutdown()
 
 
+def test_a_preconnect_hint_opens_the_session_before_the_first_pull() -> None:
+    producer, p_arr = build(MEMORY)
+    consumer, c_arr = build(MEMORY)
+    try:
+        host, port = producer.config_info()["p2pkv_address"].rsplit(":", 1)
+        peer = {"remote_host": host, "remote_port": int(port)}
+        hint = ReqContext("warm-1", {"p2pkv_connect": [peer]})
+        assert consumer.on_new_request(hint).policy is OffloadPolicy.CHUNK_LEVEL
+        consumer.on_request_finished(hint)
+        assert consumer.has_pending_work()  # the handshake
+        drive(producer, consumer, until=lambda _: not (consumer.has_pending_work()
+                                                       or producer.has_pending_work()))
+        assert consumer._tier.stats()["sessions_ready"] == 1
+        assert producer._tier.stats()["sessions_ready"] == 1
+
+        key = b"k" * 36
+        p_arr[3] = 42
+        prefill = ReqContext("pre-1", {"remote_decoder": {"kv_request_id": "kv1"}})
+        producer.on_new_request(prefill)
+        producer.submit_store(job(1, [key], [3], False, prefill))
+        decode = ReqContext("dec-1", {"remote_prefiller": {"kv_request_id": "kv1", **peer}})
+        consumer.on_new_request(decode)
+        assert consumer._tier.stats()["sessions_ready"] == 1  # no new dial, already ready
+        consumer.submit_load(job(2, [key], [8], True, decode))
+        assert drive(producer, consumer, until=lambda r: {1, 2} <= set(r)) == {1: True, 2: True}
+        assert (c_arr[8] == 42).all()
+        assert consumer._tier.stats()["sessions"] == 1
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 class PrimaryTierParent(ParentManager):
     """vLLM's ParentManager over a fixed set of 'primary' chunks (key -> chunk)."""
 

@@ -162,7 +162,7 @@ def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellR
     timeout = config.deadline * (config.reps + config.warmup + 2)
     started = time.time()
     for data in plan.data:
-        lane = TierLane(plan.control, data, config.region_bytes, timeout)
+        lane = TierLane(plan.control, data, config.region_bytes, timeout, config.data_options)
         for block in config.block_sizes:
             try:
                 lane.open(block)

@@ -17,18 +17,23 @@ from p2pkv.bench.matrix import MatrixConfig
 from p2pkv.bench.report import plot, print_tables
 from p2pkv.bench.tier_bench import check_tier_options, measure_tier, run_baselines
 from p2pkv.bench.tier_crossover import crossover
+from p2pkv.bench.tier_first_pull import measure_first_pulls
 from p2pkv.bench.tier_lane import ORDERS
-from p2pkv.bench.tier_report import print_crossover, print_tier_table
+from p2pkv.bench.tier_report import print_crossover, print_first_pulls, print_tier_table
 from p2pkv.bench.tier_side import DESCRIPTORS_STAT
 from p2pkv.registry import default_registry
 
-__all__ = ["run_tier"]
+__all__ = ["FIRST_PULL_PAIRS", "run_tier"]
+
+FIRST_PULL_PAIRS = {True: 1, False: 3}
+"""Fresh pairs per first-pull kind (cold, pre-connected), by ``--quick``."""
 
 
 def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
              notes: Console) -> int:
-    """Baselines, then the tier cells; 1 if a cell failed or a byte did not verify. Bad
-    options raise ``ConfigError``/``TransportUnavailable`` before anything runs."""
+    """Baselines, the first pulls, then the tier cells; 1 if a cell or a first pull failed or
+    a byte did not verify. Bad options raise ``ConfigError``/``TransportUnavailable`` before
+    anything runs."""
     from p2pkv.bench.cli import _measure  # the data bench's progress display
 
     registry = default_registry()
@@ -38,6 +43,8 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         config, plan.data, registry, lambda c, s: _measure(notes, c, s))
     for label, why in unavailable.items():
         notes.print(f"[yellow]{escape(label)} not measured:[/] {escape(why)}")
+    first = measure_first_pulls(config, plan.control, plan.data,
+                                FIRST_PULL_PAIRS[bool(args.quick)])
     rows = measure_tier(config, plan, baselines, notes)
     elapsed = time.time() - started
     title = f"p2pkv bench --tier ({'quick' if args.quick else 'full'}, {elapsed:.0f} s)"
@@ -51,6 +58,7 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         "baseline_rows": [r.as_row() for r in baselines],
         "unavailable": unavailable,
         "rows": [r.as_row() for r in rows],
+        "first_pull": [f.as_row() for f in first],
         "verified": bool(rows) and all(r.verified for r in rows if not r.skipped),
         "crossover": cross,
         "elapsed_s": round(elapsed, 1),
@@ -59,6 +67,7 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         if baselines:
             print_tables(console, baselines, f"{title}: baselines")
         print_tier_table(console, rows, title)
+        print_first_pulls(console, first)
         if cross:
             print_crossover(console, cross)
     _write(args, doc)
@@ -69,7 +78,7 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
     if failed:
         notes.print(f"[red]{len(failed)} cells failed or moved bytes that did not verify[/] "
                     "(see above)")
-    return 1 if failed else 0
+    return 1 if failed or any(f.errors for f in first) else 0
 
 
 def _write(args: argparse.Namespace, doc: dict[str, Any]) -> None:

@@ -17,13 +17,18 @@ each repetition also records both sides' CPU time and the consumer tier's descri
 (:meth:`TierLane.usage`). ``poll`` blocks up to ``_POLL_WAIT`` in the consumer for a result
 (the parent does not spin); ``end_rep`` waits for every store on the producer to finish and
 returns the stores that failed.
+
+For the first pull on a fresh lane (:mod:`p2pkv.bench.tier_first_pull`), :meth:`TierLane.connect`
+pre-connects the consumer to the producer and :meth:`TierLane.first_load` runs one request
+with the consumer stepping until its result.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +36,7 @@ from p2pkv.addressing import parse_address
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.harness import Helper
 from p2pkv.bench.lanes import Lane
-from p2pkv.bench.tier_side import Finished, side_main
+from p2pkv.bench.tier_side import Finished, FirstLoad, side_main
 
 __all__ = ["ORDERS", "RepUsage", "TierLane"]
 
@@ -50,12 +55,15 @@ class RepUsage:
 
 
 class TierLane(Lane):
-    """A producer and a consumer tier over ``control`` + ``data`` (both cross-process)."""
+    """A producer and a consumer tier over ``control`` + ``data`` (both cross-process), the
+    data transport built with ``data_options`` (its regions allocated with them too)."""
 
-    def __init__(self, control: str, data: str, region_bytes: int, timeout: float) -> None:
+    def __init__(self, control: str, data: str, region_bytes: int, timeout: float,
+                 data_options: Mapping[str, Any] | None = None) -> None:
         self.spec = SeriesSpec("tier", data, cross_process=True)
         self.order = ORDERS[0]
-        self._config = {"control": control, "data": data, "host": "127.0.0.1", "port": 0}
+        self._config = {"control": control, "data": data, "host": "127.0.0.1", "port": 0,
+                        "data_options": dict(data_options or {})}
         self._region_bytes = region_bytes
         self._timeout = timeout
         self._sides: list[Helper] = []
@@ -105,6 +113,26 @@ class TierLane(Lane):
             side.call(op, *args)
         self._submitted += 1
         return r
+
+    def connect(self) -> float:
+        """``P2PTier.connect`` from the consumer to the producer, both stepping until their
+        session is ready: the consumer's seconds from the call (``HelperError`` if it fails)."""
+        host, port = self._route
+        self._producer.send("accept", self._timeout / 2)
+        seconds = self._consumer.call("connect", host, port, self._timeout / 2)
+        self._producer.reply("reply to accept")
+        return float(seconds)
+
+    def first_load(self, local: list[int], remote: list[int]) -> FirstLoad:
+        """One request, store then load, the consumer stepping until its result (see
+        :data:`~p2pkv.bench.tier_side.FirstLoad`); then its store is waited for."""
+        r = next(self._ids)
+        host, port = self._route
+        self._producer.call("store", r, remote)
+        finished, ready_s = self._consumer.call("first_load", r, host, port, local,
+                                                self._timeout / 2)
+        self._producer.call("wait", self._timeout / 2, True)
+        return finished, ready_s
 
     def poll(self) -> tuple[Sequence[int], Sequence[int]]:
         finished: list[Finished] = self._consumer.call("wait", _POLL_WAIT)

@@ -1,4 +1,5 @@
-"""``p2pkv bench --tier`` output: the tier table and the pull-vs-recompute crossover."""
+"""``p2pkv bench --tier`` output: the tier table, the first pulls and the pull-vs-recompute
+crossover."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from rich.table import Table
 
 from p2pkv.bench.report import _rate, _ratio, format_size
 from p2pkv.bench.tier_bench import TierCellResult
+from p2pkv.bench.tier_first_pull import FirstPull
 
-__all__ = ["print_crossover", "print_tier_table"]
+__all__ = ["print_crossover", "print_first_pulls", "print_tier_table"]
 
 _ORDER = {"producer_first": "store→load", "consumer_first": "load→store"}
 
@@ -47,6 +49,29 @@ def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: st
         if r.error:
             console.print(f"[red]{escape(r.series)} {format_size(r.block_size)} x{r.batch} "
                           f"c{r.concurrency}:[/] {escape(r.error)}")
+
+
+def print_first_pulls(console: Console, pulls: Sequence[FirstPull]) -> None:
+    """One row per data transport: the cold first pull (its handshake and transfer parts),
+    the connect and the first pull after it, medians in ms over the fresh pairs; then every
+    failed pair."""
+    table = Table(title="first pull between fresh peers (submit_load → result, ms, median)",
+                  title_justify="left")
+    cols = ["data", "block", "blocks", "pairs", "cold", "handshake", "transfer", "connect",
+            "after connect"]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for pull in pulls:
+        row = pull.as_row()
+        keys = ("first_pull_ms", "first_pull_handshake_ms", "first_pull_transfer_ms",
+                "connect_ms", "first_pull_after_connect_ms")
+        table.add_row(escape(pull.transport), format_size(pull.block_size), str(pull.blocks),
+                      str(len(pull.cold_ms) + len(pull.errors)),
+                      *("" if row[k] is None else f"{row[k]:.1f}" for k in keys))
+    console.print(table)
+    for pull in pulls:
+        for error in pull.errors:
+            console.print(f"[red]first pull {escape(pull.transport)}:[/] {escape(error)}")
 
 
 def print_crossover(console: Console, doc: Mapping[str, Any]) -> None:

@@ -1,5 +1,8 @@
 """One side of ``p2pkv bench --tier``: a real ``P2PTier`` over a pre-faulted region, in a child.
 
+The region comes from the data transport's ``allocate_region`` with the tier's
+``data_options`` (:func:`p2pkv.bench.data_transport.transport_region`), as an engine's would.
+
 The parent (:mod:`p2pkv.bench.tier_lane`) plays the engine's scheduler and the PD router;
 each side runs in a spawned process of its own and is driven over a harness pipe
 (:func:`p2pkv.bench.harness.serve`), which carries only the bench's own commands:
@@ -14,7 +17,11 @@ each side runs in a spawned process of its own and is driven over a harness pipe
   (``get_finished_jobs``, ``on_request_finished`` of finished requests, ``on_schedule_end``,
   ``tick``); ``wait`` steps until a result is there and returns the results since the last
   call; ``usage`` reports process CPU time (every thread: the tier, its transports' I/O
-  threads) and the tier's ``descriptors_posted`` counter when the tier's stats have one.
+  threads) and the tier's ``descriptors_posted`` counter when the tier's stats have one;
+- first pull (:mod:`p2pkv.bench.tier_first_pull`): ``connect(host, port, timeout)`` on the
+  consumer -> ``P2PTier.connect``, stepped until its session is ready, while ``accept``
+  steps the producer until its side is; ``first_load`` is ``load`` stepped to its result,
+  noting when the tier's ``sessions_ready`` stat turned 1 (the handshake's end).
 
 Keys are derived from the request number on both sides (:func:`request_keys`).
 """
@@ -26,10 +33,12 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from p2pkv.addressing import format_address
+from p2pkv.bench.data_transport import transport_region
 from p2pkv.bench.harness import serve
-from p2pkv.bench.target import page_in
 from p2pkv.config import TierConfig
 from p2pkv.demo.content import BlockRegion
+from p2pkv.registry import default_registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, LookupResult, RequestContext
 
@@ -43,6 +52,9 @@ _TICK = 0.0002
 
 Finished = tuple[int, str, float, str]
 """(request, outcome, submit-to-result seconds, detail)."""
+FirstLoad = tuple[list[Finished], float | None]
+"""A first load's results and the seconds from its submit_load to a ready session (0 when
+one was ready before, None when none was before the result or the timeout)."""
 
 
 def request_keys(request: int, blocks: int) -> list[bytes]:
@@ -56,13 +68,16 @@ def _kv_id(request: int) -> str:
 
 
 class TierSide:
-    """A region of ``region_bytes`` and a tier built from ``tier_config`` over it."""
+    """A region of ``region_bytes`` (whole blocks) from the data transport and a tier built
+    from ``tier_config`` over it."""
 
     def __init__(self, tier_config: dict[str, Any], block_len: int, region_bytes: int) -> None:
-        self._buf = page_in(region_bytes)
-        self.region = BlockRegion(self._buf, block_len)
-        view = self._buf.data[: self.region.nbytes]
-        self.tier = P2PTier(TierConfig.from_dict(tier_config), view, block_len)
+        config = TierConfig.from_dict(tier_config)
+        data = default_registry().transport("data", config.data)
+        region = transport_region(data, region_bytes // block_len, block_len,
+                                  config.data_options)
+        self.region = BlockRegion(region, block_len)
+        self.tier = P2PTier(config, region, block_len)
         self._open: dict[int, tuple[RequestContext, float]] = {}
         self._finished: list[Finished] = []
 
@@ -102,6 +117,45 @@ class TierSide:
                 return
         self._open[request] = (ctx, time.perf_counter())
         self.tier.submit_load(Job(request, keys, slots, is_load=True, ctx=ctx))
+
+    def connect(self, host: str, port: int, timeout: float) -> float:
+        """``P2PTier.connect`` to ``host:port``, then tick until a session is ready: the
+        seconds from the call. Raises ``RuntimeError`` when the address cannot be dialled,
+        ``TimeoutError`` when no session is ready within ``timeout``."""
+        started = time.perf_counter()
+        if not self.tier.connect(format_address(host, port)):
+            raise RuntimeError(f"P2PTier.connect({format_address(host, port)!r}) refused")
+        return self._until_ready(started, timeout)
+
+    def accept(self, timeout: float) -> float:
+        """Tick until a session is ready (the dialled side of ``connect``): seconds."""
+        return self._until_ready(time.perf_counter(), timeout)
+
+    def _until_ready(self, started: float, timeout: float) -> float:
+        limit = started + timeout
+        while not self._ready():
+            if time.perf_counter() > limit:
+                raise TimeoutError(f"no session ready within {timeout} s")
+            self.tier.tick(_TICK)
+        return time.perf_counter() - started
+
+    def _ready(self) -> bool:
+        return self.tier.stats()["sessions_ready"] > 0
+
+    def first_load(self, request: int, host: str, port: int, slots: list[int],
+                   timeout: float) -> FirstLoad:
+        """``load``, stepped until its result or ``timeout``, sampling the tier's
+        ``sessions_ready`` stat after every step (see :data:`FirstLoad`)."""
+        ready_s = 0.0 if self._ready() else None
+        self.load(request, host, port, slots)
+        submitted = self._open[request][1] if request in self._open else time.perf_counter()
+        limit = time.monotonic() + timeout
+        while self._open and time.monotonic() < limit:
+            self.step()
+            if ready_s is None and self._ready():
+                ready_s = time.perf_counter() - submitted
+        done, self._finished = self._finished, []
+        return done, ready_s
 
     def step(self) -> bool:
         """One engine step while a job is open; True while one still is."""
@@ -145,6 +199,7 @@ def side_main(conn: Connection, tier_config: dict[str, Any], block_len: int,
     try:
         serve(conn, {"describe": side.describe, "fill": side.fill, "verify": side.verify,
                      "usage": side.usage, "store": side.store, "load": side.load,
-                     "wait": side.wait}, side.step)
+                     "wait": side.wait, "connect": side.connect, "accept": side.accept,
+                     "first_load": side.first_load}, side.step)
     finally:
         side.shutdown()

@@ -54,6 +54,7 @@ from p2pkv_vllm.bridge import (
     check_engine_keys,
     context_of,
     job_of,
+    preconnect_peers,
     resolve_hash_seed,
     tier_config_from_keys,
 )
@@ -168,9 +169,14 @@ class P2PKVTier(SecondaryTierManager):
     # -- requests ----------------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Parse the request's routing; a pre-connect hint (``p2pkv_connect``, see
+        ``bridge.PRECONNECT_KEY``) opens sessions to the peers it names."""
         if not self._seed_checked:
             self._check_hash_seed()
-        if self._tier.on_new_request(context_of(req_context)):
+        ctx = context_of(req_context)
+        for peer in preconnect_peers(ctx.kv_transfer_params, ctx.req_id):
+            self._tier.connect(peer)
+        if self._tier.on_new_request(ctx):
             return _REQUEST_LEVEL
         return _CHUNK_LEVEL
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from p2pkv.addressing import format_address
 from p2pkv.config import TierConfig, config_fingerprint
 from p2pkv.errors import ConfigError
 from p2pkv.routing import Routing
@@ -23,6 +24,7 @@ __all__ = [
     "HOST_ENV",
     "LOCALITIES",
     "PORT_ENV",
+    "PRECONNECT_KEY",
     "TIER_TYPE",
     "FailedLoadLog",
     "ParentHitSource",
@@ -30,6 +32,7 @@ __all__ = [
     "context_of",
     "entry_tier_config",
     "job_of",
+    "preconnect_peers",
     "resolve_hash_seed",
     "tier_config_from_keys",
 ]
@@ -46,6 +49,16 @@ LOCALITIES = ("LOCAL", "REMOTE")
 """Values of vLLM's ``Locality`` (0.32, 0.33); the vLLM tests check they still match."""
 ENTRY_KEYS = ("type", "module_path", "backpressure", "locality")
 """Keys of a ``secondary_tiers`` entry that vLLM reads (the rest are tier keys)."""
+
+PRECONNECT_KEY = "p2pkv_connect"
+"""``kv_transfer_params`` key of a pre-connect hint: a list of ``{"remote_host": ...,
+"remote_port": ...}`` peers this instance will pull from; the tier opens its sessions to
+them now (``P2PTier.connect``) so that the first request pulling from one does not wait for
+the dial and the handshake. The request itself runs as any other."""
+MAX_PRECONNECT = 256
+"""Peers one hint may name (the rest are ignored, and logged)."""
+
+_log = logging.getLogger(__name__)
 
 _DERIVED_KEYS = ("fingerprint", "hash_seed")
 """TierConfig keys the adapter derives from the engine; an explicit tier key still wins."""
@@ -136,6 +149,44 @@ def context_of(req_context: Any) -> RequestContext:
         ctx = RequestContext(req_context.req_id, req_context.kv_transfer_params)
         req_context.set_state(ctx)
     return ctx
+
+
+def preconnect_peers(params: Any, req_id: str = "") -> list[str]:
+    """The ``host:port`` of every peer the pre-connect hint of ``params`` (a request's
+    ``kv_transfer_params``) names, in order, duplicates dropped; ``[]`` without a hint. A
+    malformed peer (or hint) is logged at WARNING and skipped: a hint never fails its
+    request."""
+    hint = params.get(PRECONNECT_KEY) if isinstance(params, Mapping) else None
+    if hint is None:
+        return []
+    if not isinstance(hint, list):
+        _log.warning("request %s: %s must be a list of peers, got %s (ignored)", req_id or "?",
+                     PRECONNECT_KEY, type(hint).__name__)
+        return []
+    if len(hint) > MAX_PRECONNECT:
+        _log.warning("request %s: %s names %d peers; connecting to the first %d",
+                     req_id or "?", PRECONNECT_KEY, len(hint), MAX_PRECONNECT)
+    peers: dict[str, None] = {}
+    for peer in hint[:MAX_PRECONNECT]:
+        address = _peer_address(peer)
+        if address is None:
+            _log.warning("request %s: %s peer %r is not {remote_host: str, remote_port: "
+                         "1..65535} (ignored)", req_id or "?", PRECONNECT_KEY, peer)
+        else:
+            peers[address] = None
+    return list(peers)
+
+
+def _peer_address(peer: Any) -> str | None:
+    if not isinstance(peer, Mapping):
+        return None
+    host, port = peer.get("remote_host"), peer.get("remote_port")
+    if isinstance(port, str) and port.isdecimal():
+        port = int(port)
+    if (not isinstance(host, str) or not host.strip("[]") or isinstance(port, bool)
+            or not isinstance(port, int) or not 0 < port < 65536):
+        return None
+    return format_address(host, port)
 
 
 def job_of(transfer_job: Any, ctx: RequestContext) -> Job:
