@@ -30,8 +30,8 @@ IN_PROCESS = {"timeout": 2.0, "liveness_timeout": 2.0}  # short: a failure shrin
 DATA = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),
     "memory": ({"options": {}, **IN_PROCESS}, 25),
-    "nixl": ({"options": {"drain_timeout": 1.0}}, 4),
-    "ucx": ({"options": {"drain_timeout": 1.0}}, 4),
+    "nixl": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),  # 3-block slices
+    "ucx": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),
 }
 CONTROL = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),

@@ -21,9 +21,9 @@ class TestZmqControl(ControlTransportSuite):
 
 class TestNixlData(DataTransportSuite):
     transport_name = "nixl"
-    options = {"drain_timeout": 1.0}  # bounds the dead-peer tests
+    options = {"drain_timeout": 1.0, "slice_bytes": 768}  # bounds dead-peer tests; 3-block slices
 
 
 class TestUcxData(DataTransportSuite):
     transport_name = "ucx"
-    options = {"drain_timeout": 1.0}
+    options = {"drain_timeout": 1.0, "slice_bytes": 768}

@@ -11,6 +11,7 @@ from p2pkv.errors import ConfigError, PeerRejected
 from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
 from p2pkv_nixl.locality import cma_usable, host_id, tls_allows_cma
 from p2pkv_nixl.options import NixlOptions
+from p2pkv_nixl.slices import MAX_SLICES
 
 # -- options -------------------------------------------------------------------------------
 
@@ -123,8 +124,8 @@ def test_roundtrip_and_extra_keys_are_ignored() -> None:
         (b"\xc1", "malformed"),
         (msgpack.packb([1, 2]), "not a p2pkv-nixl descriptor"),
         (_with(format="p2pkv-memory"), "not a p2pkv-nixl descriptor"),
-        (_with(v=1), "version 1"),
-        (_with(v=3), "version 3"),
+        (_with(v=2), "version 2"),
+        (_with(v=4), "version 4"),
         (_with(host=...), "host None"),
         (_with(host=7), "host 7"),
         (_with(cma=...), "cma None"),
@@ -142,6 +143,15 @@ def test_roundtrip_and_extra_keys_are_ignored() -> None:
         (_with(base=0), "base address"),
         (_with(base=2**64 - 4096), "base address"),
         (_with(base="0x1000"), "base address"),
+        (_with(slices=...), "slice list is not a list"),
+        (_with(slices=[]), "slice list is not a list"),
+        (_with(slices="16"), "slice list is not a list"),
+        (_with(slices=[1] * (MAX_SLICES + 1), num_blocks=MAX_SLICES + 1), "slice list is not"),
+        (_with(slices=[8, 8, 0]), "not a positive integer"),
+        (_with(slices=[8.0, 8]), "not a positive integer"),
+        (_with(slices=[True] * 16), "not a positive integer"),
+        (_with(slices=[8, 7]), "covers 15 blocks, the region has 16"),
+        (_with(slices=[8, 8, 8]), "covers 24 blocks"),
     ],
 )
 def test_bad_descriptors_are_rejected_with_a_reason(data: bytes, says: str) -> None:

@@ -38,6 +38,13 @@ class _Corrupting:
         return self._agent.send_notif(remote, message, *args)
 
 
+def _head(request: int, base: int, capacity: int, block_len: int, count: int,
+          slice_blocks: int = 3) -> bytes:
+    """A staged request's head (the pool in slices of ``slice_blocks``)."""
+    return wire.REQUEST_HEAD.pack(wire.REQUEST, request, base, capacity, block_len, count,
+                                  slice_blocks)
+
+
 def _serving(transport) -> bool:
     """Whether the transport runs a WRITE serving a peer's staged read."""
     return any(peer.serving for peer in transport._peers)
@@ -103,15 +110,17 @@ def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
 @pytest.mark.parametrize(
     "message",
     [
-        b"p2kvR1",  # truncated header
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 1 << 20, 8, BLOCK, 2),  # no arrays
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 1 << 20, 8, 512, 1) + bytes(8),
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 0, 8, BLOCK, 1) + bytes(9),
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 1 << 20, 8, BLOCK, 0),
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 1 << 20, 8, BLOCK, 2**32 - 1),
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 1 << 20, 8, BLOCK, 1)
+        wire.REQUEST,  # truncated header
+        _head(7, 1 << 20, 8, BLOCK, 2),  # no arrays
+        _head(7, 1 << 20, 8, 512, 1) + bytes(8),
+        _head(7, 0, 8, BLOCK, 1) + bytes(9),
+        _head(7, 1 << 20, 8, BLOCK, 0),
+        _head(7, 1 << 20, 8, BLOCK, 2**32 - 1),
+        _head(7, 1 << 20, 8, BLOCK, 1, slice_blocks=0) + bytes(9),  # no pool slices
+        _head(7, 1 << 20, 2**20, BLOCK, 1, slice_blocks=1) + bytes(9),  # too many slices
+        _head(7, 1 << 20, 8, BLOCK, 1)
         + struct.pack("<II", 0, 8) + b"md",  # pool index outside the pool
-        wire.REQUEST_HEAD.pack(b"p2kvR1", 7, 1 << 20, 8, BLOCK, 1)
+        _head(7, 1 << 20, 8, BLOCK, 1)
         + struct.pack("<II", 0, 0) + b"not nixl metadata",
         b"p2kvD1" + bytes(8),  # a completion of a read we never posted
         b"p2kvF1",  # a truncated failure

@@ -22,6 +22,7 @@ from p2pkv_nixl.options import NixlOptions
 
 __all__ = [
     "LOCAL", "LocalRegion", "block_dlist", "open_agent", "region_array", "register_region",
+    "register_slices",
 ]
 
 LOCAL = "NIXL_INIT_AGENT"
@@ -47,10 +48,27 @@ def region_array(settings: DataSettings) -> npt.NDArray[np.uint8]:
     return np.frombuffer(region.cast("B"), dtype=np.uint8)
 
 
-def block_dlist(base: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
-    """One strided row describing ``num_blocks`` consecutive blocks (NIXL's Nx5 form:
-    address, length, device, stride, count): O(1) to build and to ship, indexed per block."""
-    return np.array([[base, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
+def block_dlist(base: int, slices: Sequence[int], block_len: int) -> npt.NDArray[np.uint64]:
+    """The blocks of a region at ``base`` registered in ``slices`` (block counts), in NIXL's
+    strided Nx5 form (address, length, device, stride, count): one row per slice, indexed
+    per block across rows. A row never spans two registrations (NIXL refuses one that does,
+    and merges contiguous indexes only within a row)."""
+    rows = np.zeros((len(slices), 5), dtype=np.uint64)
+    counts = np.asarray(slices, dtype=np.uint64)
+    rows[:, 0] = np.uint64(base) + (np.cumsum(counts) - counts) * np.uint64(block_len)
+    rows[:, 1] = rows[:, 3] = block_len
+    rows[:, 4] = counts
+    return rows
+
+
+def register_slices(agent: Any, base: int, slices: Sequence[int], block_len: int) -> Any:
+    """Register the blocks at ``base`` as one NIXL registration per slice (DRAM), in one
+    call; returns the registration list (deregistered as one). Raises what NIXL raises."""
+    rows = block_dlist(base, slices, block_len)
+    return agent.register_memory(
+        [(int(a), int(n) * block_len, 0, "") for a, n in zip(rows[:, 0], slices, strict=True)],
+        "DRAM",
+    )
 
 
 def open_agent(nixl: Nixl, options: NixlOptions) -> tuple[Any, str]:
@@ -93,7 +111,8 @@ class LocalRegion:
     """What registering a block region with an agent produced."""
 
     registrations: list[Any]
-    """NIXL registrations: the region first, then the extra buffers (deregister in reverse)."""
+    """NIXL registrations: the region's (one per slice, as one list) first, then the extra
+    buffers (deregister in reverse)."""
     dlist: Any
     """The region's prepared local descriptor list (one entry per block)."""
     descriptor: bytes
@@ -107,21 +126,25 @@ def register_region(
     block_len: int,
     extra: Sequence[npt.NDArray[np.uint8]] = (),
     *,
+    slices: Sequence[int] = (),
     host: str = "",
     cma: bool = False,
 ) -> LocalRegion:
-    """Register ``array`` (and ``extra`` buffers) as DRAM, prepare its block list and take the
-    agent metadata (after registering: it carries the remote keys). ``host``/``cma`` go into
-    the descriptor (see :mod:`p2pkv_nixl.locality`). ``ConfigError`` on failure, with
-    whatever was registered deregistered again."""
+    """Register ``array`` in ``slices`` (block counts; ``()``: whole, one registration) and
+    ``extra`` buffers as DRAM, prepare its block list and take the agent metadata (after
+    registering: it carries the remote keys). ``slices`` and ``host``/``cma`` go into the
+    descriptor (see :mod:`p2pkv_nixl.slices`, :mod:`p2pkv_nixl.locality`). ``ConfigError``
+    on failure, with whatever was registered deregistered again."""
     base, num_blocks = int(array.ctypes.data), array.size // block_len
+    slices = tuple(slices) or (num_blocks,)
     registrations: list[Any] = []
     try:
-        for buffer in (array, *extra):
+        registrations.append(register_slices(agent, base, slices, block_len))
+        for buffer in extra:
             registrations.append(
                 agent.register_memory([(int(buffer.ctypes.data), buffer.nbytes, 0, "")], "DRAM")
             )
-        dlist = agent.prep_xfer_dlist(LOCAL, block_dlist(base, num_blocks, block_len), "DRAM")
+        dlist = agent.prep_xfer_dlist(LOCAL, block_dlist(base, slices, block_len), "DRAM")
         metadata = agent.get_agent_metadata()
     except Exception as exc:
         for registration in reversed(registrations):
@@ -133,6 +156,6 @@ def register_region(
             f"NIXL could not register the region: {type(exc).__name__}: {exc}"
         ) from exc
     descriptor = RegionDescriptor(
-        agent_name, metadata, base, num_blocks, block_len, host=host, cma=cma
+        agent_name, metadata, base, num_blocks, block_len, host=host, cma=cma, slices=slices
     ).encode()
     return LocalRegion(registrations, dlist, descriptor)

@@ -89,7 +89,7 @@ class RawNixl:
         desc = RegionDescriptor.decode(descriptor, peer_id)
         name = self._agent.add_remote_agent(desc.metadata)
         dlist = self._agent.prep_xfer_dlist(
-            name, block_dlist(desc.base, desc.num_blocks, desc.block_len), "DRAM"
+            name, block_dlist(desc.base, desc.slices, desc.block_len), "DRAM"
         )
         self._peers[peer_id] = (name, dlist)
 

@@ -2,8 +2,9 @@
 
 Wire form: a msgpack map (never pickle) ::
 
-    {"format": "p2pkv-nixl", "v": 2, "agent": str, "metadata": bytes, "mem": "DRAM",
-     "base": int, "num_blocks": int, "block_len": int, "host": str, "cma": bool}
+    {"format": "p2pkv-nixl", "v": 3, "agent": str, "metadata": bytes, "mem": "DRAM",
+     "base": int, "num_blocks": int, "block_len": int, "slices": [int, ...], "host": str,
+     "cma": bool}
 
 ``metadata`` is NIXL's ``get_agent_metadata()`` taken after the region was registered (it
 carries the remote keys); ``base`` is the region's virtual address in the owner's process.
@@ -24,10 +25,12 @@ from typing import Any, TypeGuard
 import msgpack
 from p2pkv.errors import PeerRejected
 
+from p2pkv_nixl.slices import checked_slices
+
 __all__ = ["FORMAT", "MAX_BLOCKS", "VERSION", "RegionDescriptor"]
 
 FORMAT = "p2pkv-nixl"
-VERSION = 2
+VERSION = 3
 MAX_BLOCKS = 2**31 - 1
 """NIXL takes block indexes as int32."""
 _ADDRESS_LIMIT = 2**64
@@ -45,6 +48,13 @@ class RegionDescriptor:
     cma: bool = False
     """Whether the owner's UCX has its ``cma`` transport."""
     mem: str = "DRAM"
+    slices: tuple[int, ...] = ()
+    """Block counts of the region's registrations; ``()`` stands for one (the whole
+    region) and is stored as ``(num_blocks,)``."""
+
+    def __post_init__(self) -> None:
+        if not self.slices:
+            object.__setattr__(self, "slices", (self.num_blocks,))
 
     def encode(self) -> bytes:
         packed: bytes = msgpack.packb(
@@ -57,6 +67,7 @@ class RegionDescriptor:
                 "base": self.base,
                 "num_blocks": self.num_blocks,
                 "block_len": self.block_len,
+                "slices": list(self.slices),
                 "host": self.host,
                 "cma": self.cma,
             },
@@ -97,12 +108,24 @@ class RegionDescriptor:
             raise reject(f"nixl descriptor block_len {block_len!r} is not a positive integer")
         if not (_is_int(base) and base > 0 and base + num_blocks * block_len <= _ADDRESS_LIMIT):
             raise reject(f"nixl descriptor base address {base!r} is not a valid region address")
-        host, cma = fields.get("host"), fields.get("cma")
-        if not isinstance(host, str):
-            raise reject(f"nixl descriptor host {host!r} is not a string")
-        if not isinstance(cma, bool):
-            raise reject(f"nixl descriptor cma {cma!r} is not a bool")
-        return cls(agent, metadata, base, num_blocks, block_len, host, cma, mem)
+        try:
+            host, cma, slices = _placement(fields, num_blocks)
+        except ValueError as exc:
+            raise reject(f"nixl descriptor {exc}") from None
+        return cls(agent, metadata, base, num_blocks, block_len, host, cma, mem, slices)
+
+
+def _placement(fields: dict[str, Any], num_blocks: int) -> tuple[str, bool, tuple[int, ...]]:
+    """A descriptor's ``host``, ``cma`` and ``slices``; ``ValueError`` says what is wrong."""
+    host, cma, slices = fields.get("host"), fields.get("cma"), fields.get("slices")
+    if not isinstance(host, str):
+        raise ValueError(f"host {host!r} is not a string")
+    if not isinstance(cma, bool):
+        raise ValueError(f"cma {cma!r} is not a bool")
+    try:
+        return host, cma, checked_slices(slices, num_blocks)
+    except ValueError as exc:
+        raise ValueError(f"slice list {exc}") from None
 
 
 def _is_int(value: object) -> TypeGuard[int]:

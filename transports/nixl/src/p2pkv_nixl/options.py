@@ -12,6 +12,9 @@ key                       default    meaning
 ``staging``               ``auto``   ``auto``/``always``/``never``: reads through the
                                      staging pool (see :mod:`p2pkv_nixl.staging`)
 ``staging_blocks``        ``256``    blocks in the staging pool (capped at the region's)
+``slice_bytes``           ``4 GiB``  largest NIXL registration: region and pool are
+                                     registered in slices of this (whole blocks, at
+                                     least one; see :mod:`p2pkv_nixl.slices`)
 ========================  =========  =====================================================
 """
 
@@ -64,6 +67,12 @@ class NixlOptions:
     """Blocks in the staging pool (allocated on first use; capped at the region's
     ``num_blocks``). A read needs as many free blocks as it moves; blocks of a cancelled
     staged read stay quarantined until NIXL reports it ended."""
+
+    slice_bytes: int = field(default=4 * 2**30, metadata=option(ge=1, unit="bytes"))
+    """Largest NIXL registration, in bytes: the region (and the staging pool) is registered
+    as consecutive slices of this many bytes rounded down to whole blocks (at least one
+    block), and no transfer descriptor crosses a slice of either side. RDMA NICs read one
+    huge registration at a fraction of line rate and some truncate one past their limit."""
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> NixlOptions:

@@ -27,10 +27,10 @@ class RemoteAgent:
         self.disconnected = False
         self.pool_md: bytes | None = None
         """The peer's staging-pool metadata we loaded (serving its staged reads)."""
-        self.pool_key: tuple[int, int] | None = None
+        self.pool_key: tuple[int, int, int] | None = None
         self.pool_dlist: Any = None
         """Prepared descriptor list of the peer's staging pool (WRITE target), for ``pool_key``
-        = (base, blocks)."""
+        = (base, blocks, blocks per slice)."""
 
 
 class Read:
@@ -67,12 +67,12 @@ class Peer:
 
     __slots__ = (
         "base", "current", "dlist", "lane", "num_blocks", "peer_id", "quarantined", "remote",
-        "serving", "warmup", "warmup_id",
+        "serving", "slices", "warmup", "warmup_id",
     )
 
     def __init__(
         self, peer_id: str, remote: RemoteAgent, dlist: Any, num_blocks: int, lane: Lane,
-        base: int,
+        base: int, slices: Indexes,
     ) -> None:
         self.peer_id = peer_id
         self.remote = remote
@@ -80,6 +80,8 @@ class Peer:
         self.num_blocks = num_blocks
         self.base = base
         """The peer's region address in its process (where our direct READs read)."""
+        self.slices = slices
+        """The first block of each registration of the peer's region (as it advertised)."""
         self.lane: Lane = lane
         self.current = True
         self.quarantined: dict[int, Read] = {}

@@ -32,7 +32,9 @@ added us) keeps its blocks quarantined for the transport's lifetime, counted in
 
 Memory: ``capacity * block_len`` bytes, allocated and registered on first use (a transport
 whose peers all read directly never pays for it), kept registered until the transport's clean
-``close``. Driver-thread only.
+``close``; registered in slices of at most ``slice_blocks`` blocks like the region
+(:mod:`p2pkv_nixl.slices`), which each request names so the producer's WRITE keeps within
+them. Driver-thread only.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import numpy.typing as npt
 from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferSubmitError
 
-from p2pkv_nixl.agent import LOCAL, block_dlist
+from p2pkv_nixl.agent import LOCAL, block_dlist, register_slices
+from p2pkv_nixl.slices import slice_counts
 
 __all__ = ["StagingPool"]
 
@@ -56,20 +59,21 @@ class StagingPool:
     *quarantined* (a cancelled staged read's whose handle has not ended).
     """
 
-    def __init__(self, agent: Any, block_len: int, capacity: int) -> None:
-        """Allocate and register the pool. Raises what NIXL raises (the caller explains)."""
+    def __init__(self, agent: Any, block_len: int, capacity: int, slice_blocks: int) -> None:
+        """Allocate and register the pool in slices of ``slice_blocks`` blocks. Raises what
+        NIXL raises (the caller explains)."""
         self.capacity = capacity
         self.block_len = block_len
+        self.slice_blocks = min(slice_blocks, capacity)
+        slices = slice_counts(capacity, self.slice_blocks)
         self.array = np.zeros(capacity * block_len, dtype=np.uint8)
         self.blocks = self.array.reshape(capacity, block_len)
         base = int(self.array.ctypes.data)
         self.base = base
         """The pool's address in our process (a producer's WRITE target, see the transport)."""
-        self.registration = agent.register_memory([(base, self.array.nbytes, 0, "")], "DRAM")
+        self.registration = register_slices(agent, base, slices, block_len)
         try:
-            self.dlist = agent.prep_xfer_dlist(
-                LOCAL, block_dlist(base, capacity, block_len), "DRAM"
-            )
+            self.dlist = agent.prep_xfer_dlist(LOCAL, block_dlist(base, slices, block_len), "DRAM")
             self.metadata: bytes = agent.get_partial_agent_metadata(self.registration, False)
             """NIXL metadata of the pool's registration alone (its remote keys, no connection
             info): a producer loads it into its view of our agent to WRITE into the pool."""

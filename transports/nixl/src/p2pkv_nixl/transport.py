@@ -5,10 +5,12 @@ region are the reads ``read_blocks`` posts (a direct READ, or the copy out of ou
 of a staged read); a peer's transport only serves them.
 
 Layout: one NIXL agent per transport, named by a fresh uuid; the caller's region registered
-once as DRAM; one prepared descriptor list for it (``NIXL_INIT_AGENT``) and one per peer
-registration, both in NIXL's strided form (one row however many blocks), so a read is a
-``make_prepped_xfer("READ", ...)`` over two int32 index arrays plus ``transfer``. NIXL merges
-contiguous index runs into larger descriptors itself.
+as DRAM in slices of at most ``slice_bytes`` (one NIXL registration each, advertised in the
+descriptor, :mod:`p2pkv_nixl.slices`); one prepared descriptor list for it
+(``NIXL_INIT_AGENT``) and one per peer registration, both in NIXL's strided form (one row per
+slice however many blocks), which the staged lane's WRITEs use (NIXL merges contiguous indexes
+into larger descriptors itself, within a row: never across a slice). Direct READs post one
+descriptor per run of blocks consecutive on both sides, cut at both sides' slice boundaries.
 
 Lanes, chosen per peer at ``add_peer`` (:meth:`NixlDataTransport.lane`; data option
 ``staging``):
@@ -31,12 +33,12 @@ a consumer killed mid-read killed its producer. A WRITE is the producer's own re
 UCX completes with an error instead. The protocol, all NIXL notifications (``send_notif`` /
 ``get_new_notifs``, progressed by ``progress``/``poll``):
 
-1. ``read_blocks`` takes pool blocks and sends the producer's agent a request (``p2kvR1``,
-   :mod:`p2pkv_nixl.wire`): request id (an internal id), our pool's base, size and block
-   length, the producer's source indexes and our pool indexes as packed little-endian uint32
-   arrays (8 bytes a block), and the pool's partial NIXL metadata (its remote keys, ~200 B;
-   the pool is registered after our descriptor was made, so the producer loads it from the
-   request, once per loaded agent).
+1. ``read_blocks`` takes pool blocks and sends the producer's agent a request (``p2kvR2``,
+   :mod:`p2pkv_nixl.wire`): request id (an internal id), our pool's base, size, block
+   length and slice size, the producer's source indexes and our pool indexes as packed
+   little-endian uint32 arrays (8 bytes a block), and the pool's partial NIXL metadata (its
+   remote keys, ~200 B; the pool is registered after our descriptor was made, so the producer
+   loads it from the request, once per loaded agent).
 2. The producer's ``progress`` serves requests from agents of peers currently added there
    (others are ignored, logged once): it checks every field (block length, sizes, every index
    in range), loads the pool metadata, and posts a WRITE from its region into our pool whose
@@ -122,6 +124,7 @@ from p2pkv_nixl.locality import cma_usable, host_id
 from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.records import Lane, Peer, Read, RemoteAgent, Serving
 from p2pkv_nixl.runs import descs, runs
+from p2pkv_nixl.slices import per_slice, region_slices, slice_counts, slice_starts
 from p2pkv_nixl.staging import StagingPool
 
 __all__ = ["Lane", "NixlDataTransport"]
@@ -171,18 +174,22 @@ class NixlDataTransport(DataTransport):
         self._cma = cma_usable()  # UCX read the same environment when the agent started
         self._scratch = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
         """Where warm-up READs land; registered, and kept, exactly as long as the region."""
+        slices = region_slices(self.num_blocks, self.block_len, self._options.slice_bytes)
+        self._slices = slice_starts(slices)
+        """The first block of each of our region's registrations (direct READs cut at them)."""
         region = register_region(
             self._agent, self._agent_name, self._blocks.reshape(-1), self.block_len,
             extra=(self._scratch,) if self._options.warmup else (),
-            host=self._host, cma=self._cma,
+            slices=slices, host=self._host, cma=self._cma,
         )
         self._memory = region.registrations
-        """NIXL registrations (region, then scratch), deregistered last."""
+        """NIXL registrations (the region's slices, then scratch), deregistered last."""
         self._local = region.dlist
         self._base = int(self._blocks.ctypes.data)
         self.descriptors_posted = 0
         """NIXL descriptors our direct READs posted: one per run of blocks consecutive on both
-        sides (:mod:`p2pkv_nixl.runs`), so a contiguous read of any length counts 1."""
+        sides and within one slice of each (:mod:`p2pkv_nixl.runs`), so a contiguous read
+        within one slice of each side counts 1."""
         self._descriptor = region.descriptor
         self._pool: StagingPool | None = None
         """Created by the first staged ``add_peer``."""
@@ -258,14 +265,15 @@ class NixlDataTransport(DataTransport):
         remote = self._load_agent(peer_id, desc)
         try:
             dlist = self._agent.prep_xfer_dlist(
-                desc.agent, block_dlist(desc.base, desc.num_blocks, desc.block_len), "DRAM"
+                desc.agent, block_dlist(desc.base, desc.slices, desc.block_len), "DRAM"
             )
         except Exception as exc:
             self._unload_agent(remote)
             raise PeerRejected(
                 f"peer {peer_id!r}: NIXL refused its region ({type(exc).__name__}: {exc})"
             ) from exc
-        peer = Peer(peer_id, remote, dlist, desc.num_blocks, lane, desc.base)
+        peer = Peer(peer_id, remote, dlist, desc.num_blocks, lane, desc.base,
+                    slice_starts(desc.slices))
         self._peers.append(peer)
         if self._options.warmup:
             if lane == "staged":
@@ -305,7 +313,8 @@ class NixlDataTransport(DataTransport):
             return
         capacity = min(self._options.staging_blocks, self.num_blocks)
         try:
-            self._pool = StagingPool(self._agent, self.block_len, capacity)
+            self._pool = StagingPool(self._agent, self.block_len, capacity,
+                                     per_slice(self._options.slice_bytes, self.block_len))
         except Exception as exc:
             raise PeerRejected(
                 f"peer {peer_id!r} needs staged reads, but NIXL could not register the staging "
@@ -452,8 +461,9 @@ class NixlDataTransport(DataTransport):
         pool, peer = self._pool, read.peer
         assert pool is not None and read.stage is not None
         read.request = next(self._transfer_ids)
-        message = wire.request_message(read.request, pool.base, pool.capacity, self.block_len,
-                                       remote, read.stage, pool.metadata)
+        message = wire.request_message(read.request, pool.base, pool.capacity,
+                                       pool.slice_blocks, self.block_len, remote, read.stage,
+                                       pool.metadata)
         try:
             self._agent.send_notif(peer.remote.name, message)
         except Exception as exc:
@@ -471,7 +481,8 @@ class NixlDataTransport(DataTransport):
         on both sides; ``TransferSubmitError`` if NIXL refuses, with nothing of it left able
         to land."""
         peer, agent = read.peer, self._agent
-        local_starts, remote_starts, lengths = runs(read.local, remote)
+        local_starts, remote_starts, lengths = runs(read.local, remote, self._slices,
+                                                    peer.slices)
         try:
             read.handle = agent.initialize_xfer(
                 "READ",
@@ -677,7 +688,7 @@ class NixlDataTransport(DataTransport):
         """The WRITE serving ``request`` (not posted yet); ``Refused`` with its id if NIXL
         will not make it (a disconnect is raised as is)."""
         try:
-            target = self._remote_pool(remote, request.base, request.capacity, request.metadata)
+            target = self._remote_pool(remote, request)
             return self._agent.make_prepped_xfer(
                 "WRITE", self._local, request.src, target, request.stage,
                 notif_msg=wire.DONE + wire.ID.pack(request.request),
@@ -704,9 +715,10 @@ class NixlDataTransport(DataTransport):
         else:
             self._served(peer, handle, request, state == "DONE")
 
-    def _remote_pool(self, remote: RemoteAgent, base: int, capacity: int, metadata: bytes) -> Any:
-        """The peer's staging pool as a prepared remote list, its metadata loaded first (once
-        per loaded agent: a re-added agent loads it again)."""
+    def _remote_pool(self, remote: RemoteAgent, request: wire.StagedRequest) -> Any:
+        """The peer's staging pool as a prepared remote list (one row per slice of it), its
+        metadata loaded first (once per loaded agent: a re-added agent loads it again)."""
+        metadata = request.metadata
         if remote.pool_md != metadata:
             loaded = self._agent.add_remote_agent(metadata)
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -715,13 +727,15 @@ class NixlDataTransport(DataTransport):
                     self._quietly(self._agent.remove_remote_agent, name)
                 raise wire.Refused(f"its pool metadata names agent {name!r}")
             remote.pool_md = metadata
-        if remote.pool_key != (base, capacity) or remote.pool_dlist is None:
+        key = (request.base, request.capacity, request.slice_blocks)
+        if remote.pool_key != key or remote.pool_dlist is None:
+            slices = slice_counts(request.capacity, request.slice_blocks)
             dlist = self._agent.prep_xfer_dlist(
-                remote.name, block_dlist(base, capacity, self.block_len), "DRAM"
+                remote.name, block_dlist(request.base, slices, self.block_len), "DRAM"
             )
             if remote.pool_dlist is not None:
                 self._quietly(self._agent.release_dlist_handle, remote.pool_dlist)
-            remote.pool_dlist, remote.pool_key = dlist, (base, capacity)
+            remote.pool_dlist, remote.pool_key = dlist, key
         return remote.pool_dlist
 
     def _refuse(self, peer: Peer, request: int | None, reason: str) -> None:

@@ -2,10 +2,12 @@
 checking every field of one received, without touching NIXL.
 
 A request (consumer -> producer) is :data:`REQUEST_HEAD` (prefix, request id, pool base, pool
-blocks, block length, count), then ``count`` little-endian uint32 source indexes, ``count``
-uint32 pool indexes, and the pool's partial NIXL metadata. The producer answers with its
-WRITE's completion notification (:data:`DONE` + id) or a failure (:data:`FAILED` + id +
-reason). :data:`PING` only wires up or probes a connection and is ignored by its target.
+blocks, block length, count, blocks per pool slice: the pool is registered in slices of that
+many, the last the rest, see :mod:`p2pkv_nixl.slices`), then ``count`` little-endian uint32
+source indexes, ``count`` uint32 pool indexes, and the pool's partial NIXL metadata. The
+producer answers with its WRITE's completion notification (:data:`DONE` + id) or a failure
+(:data:`FAILED` + id + reason). :data:`PING` only wires up or probes a connection and is
+ignored by its target.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from p2pkv_nixl.slices import MAX_SLICES
+
 __all__ = [
     "DONE", "FAILED", "ID", "PING", "REQUEST", "REQUEST_HEAD", "Outcome", "Refused",
     "StagedRequest", "outcome", "parse_request", "request_message",
 ]
 
-REQUEST = b"p2kvR1"
+REQUEST = b"p2kvR2"
 DONE = b"p2kvD1"
 FAILED = b"p2kvF1"
 PING = b"p2kvP1"
-REQUEST_HEAD = struct.Struct("<6sQQIII")
+REQUEST_HEAD = struct.Struct("<6sQQIIII")
 ID = struct.Struct("<Q")
 MAX_REQUEST_BLOCKS = 1 << 26
 """A request naming more blocks is refused unread (no pool is that large)."""
@@ -46,6 +50,8 @@ class StagedRequest:
     request: int
     base: int
     capacity: int
+    slice_blocks: int
+    """The pool's blocks per registration (its last slice may be shorter)."""
     src: npt.NDArray[np.int32]
     stage: npt.NDArray[np.int32]
     metadata: bytes
@@ -61,12 +67,12 @@ class Outcome:
 
 
 def request_message(
-    request: int, base: int, capacity: int, block_len: int,
+    request: int, base: int, capacity: int, slice_blocks: int, block_len: int,
     src: npt.NDArray[np.int64], stage: npt.NDArray[np.int32], metadata: bytes,
 ) -> bytes:
     """The request asking a producer to WRITE its blocks ``src`` into our pool's ``stage``."""
     return b"".join((
-        REQUEST_HEAD.pack(REQUEST, request, base, capacity, block_len, len(src)),
+        REQUEST_HEAD.pack(REQUEST, request, base, capacity, block_len, len(src), slice_blocks),
         src.astype("<u4").tobytes(), stage.astype("<u4").tobytes(), metadata,
     ))
 
@@ -76,13 +82,15 @@ def parse_request(message: bytes, block_len: int, num_blocks: int) -> StagedRequ
     ``Refused`` says what is wrong (with the request id once it could be read)."""
     if len(message) < REQUEST_HEAD.size:
         raise Refused(f"a request of {len(message)} bytes is truncated")
-    _, request, base, capacity, theirs, count = REQUEST_HEAD.unpack_from(message)
+    _, request, base, capacity, theirs, count, slice_blocks = REQUEST_HEAD.unpack_from(message)
     if theirs != block_len:
         raise Refused(f"block_len {theirs} is not ours ({block_len})", request)
     if not 0 < count <= MAX_REQUEST_BLOCKS:
         raise Refused(f"a request for {count} blocks", request)
     if not (capacity > 0 and base > 0 and base + capacity * block_len <= 2**64):
         raise Refused(f"staging pool at {base:#x} of {capacity} blocks is invalid", request)
+    if not (slice_blocks > 0 and -(-capacity // slice_blocks) <= MAX_SLICES):
+        raise Refused(f"staging pool slices of {slice_blocks} blocks are invalid", request)
     end = REQUEST_HEAD.size + 8 * count
     if len(message) <= end:
         raise Refused(f"a request for {count} blocks of {len(message)} bytes is truncated "
@@ -93,7 +101,7 @@ def parse_request(message: bytes, block_len: int, num_blocks: int) -> StagedRequ
         raise Refused(f"source block {int(src.max())} is outside 0..{num_blocks - 1}", request)
     if int(stage.max()) >= capacity:
         raise Refused(f"pool block {int(stage.max())} is outside 0..{capacity - 1}", request)
-    return StagedRequest(request, base, capacity, src.astype(np.int32),
+    return StagedRequest(request, base, capacity, slice_blocks, src.astype(np.int32),
                          stage.astype(np.int32), message[end:])
 
 

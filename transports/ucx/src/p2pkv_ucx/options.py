@@ -46,6 +46,13 @@ class UcxOptions:
     """Largest coalesced message: index runs contiguous on both sides of a read travel as one
     message of up to this many bytes (at least one block). Advertised to peers; a read uses
     the smaller of the two sides' values."""
+    slice_bytes: int = field(default=4 * 2**30, metadata=_BYTES)
+    """No message crosses a boundary of ``slice_bytes`` (rounded down to whole blocks, at
+    least one) of our region, nor of the peer's (it advertises its own). ucxx registers no
+    region: UCX registers each message's buffer when it sends it (zero-copy rendezvous,
+    through its registration cache), so bounded messages that never span a slice are the
+    whole of slicing here (RDMA NICs read one huge registration slowly, and some truncate
+    one past their limit)."""
     coalesce: bool = True
     """Coalesce contiguous runs (see ``max_message_bytes``); False sends one message per block."""
     staging_bytes: int = field(default=32 * 1024 * 1024, metadata=_BYTES)

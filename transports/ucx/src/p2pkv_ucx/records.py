@@ -36,6 +36,8 @@ class Peer:
     read ids wrap)."""
     max_run: int
     """Blocks per message between us: the smaller of both sides' ``max_run``."""
+    slice_blocks: int
+    """Blocks per slice of its region, which its runs to us never cross (0: one slice)."""
     next_rid: int = 0
     dead: bool = False
     live: int = 0

@@ -1,4 +1,5 @@
-"""Cutting a read into messages: runs contiguous on both sides, capped in length."""
+"""Cutting a read into messages: runs contiguous on both sides, capped in length, within one
+slice of each side (see ``slice_bytes`` in :mod:`p2pkv_ucx.options`)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ __all__ = ["plan_runs"]
 IntArray = npt.NDArray[np.int64]
 
 
-def plan_runs(src: IntArray, dst: IntArray, max_run: int) -> tuple[IntArray, IntArray, IntArray]:
+def plan_runs(
+    src: IntArray, dst: IntArray, max_run: int, src_slice: int = 0, dst_slice: int = 0
+) -> tuple[IntArray, IntArray, IntArray]:
     """Split a read into runs; returns (src starts, dst starts, lengths) per run.
 
     Block ``i`` continues the run of block ``i - 1`` when both its source and destination
-    index are one higher; a run never exceeds ``max_run`` blocks (``max_run == 1`` sends one
-    message per block). The runs cover the pairs exactly, in order.
+    index are one higher and neither enters a new slice of its side (slices of ``src_slice``
+    / ``dst_slice`` blocks from block 0; 0: the side is one slice); a run never exceeds
+    ``max_run`` blocks (``max_run == 1`` sends one message per block). The runs cover the
+    pairs exactly, in order.
     """
     n = len(src)
     if max_run <= 1 or n <= 1:  # nothing to coalesce (and the hot single-block case)
         return src, dst, np.ones(n, np.int64)
     breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    for idxs, blocks in ((src, src_slice), (dst, dst_slice)):
+        if blocks:
+            breaks |= np.diff(idxs // blocks) != 0
     firsts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.append(firsts, n))
     if (lengths > max_run).any():

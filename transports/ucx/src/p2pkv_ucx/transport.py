@@ -4,7 +4,8 @@ ucxx's Python API has no RMA (no memory map, rkey or get), so the producer's tra
 a read with tagged sends. **The consumer owns every write into its region**:
 
 1. The consumer's ``read_blocks(producer, local, remote)`` cuts the read into runs contiguous
-   on both sides (:func:`~p2pkv_ucx.runs.plan_runs`), numbers it (``link``, ``rid``, see
+   on both sides and within one slice of each (:func:`~p2pkv_ucx.runs.plan_runs`; data
+   option ``slice_bytes``), numbers it (``link``, ``rid``, see
    :mod:`p2pkv_ucx.tags`) and sends the producer a READ naming the *source* runs. It returns
    at once. Destinations never travel: where a run lands is the consumer's decision alone.
 2. The producer's transport serves READs on its own, inside ``progress``/``poll``: after each
@@ -46,6 +47,13 @@ except ``remove_peer`` and ``close``, which progress unfinished *sends* for at m
 Cost of a pump: O(runs being received + sends being served + peers); reads whose data has not
 started arriving cost nothing, however many are outstanding. ``poll(peer)`` adds the base's
 look at that peer's reads, where a read past its deadline fails.
+
+Slices (data option ``slice_bytes``, for regions of any size): no message crosses a slice
+boundary of either side, the producer's (its descriptor advertises its slice size; it refuses
+a READ whose run would cross one) or ours. That is the whole of slicing here: ucxx registers
+no region (no memory map, no rkey); UCX registers each message's own buffer when it sends it
+(zero-copy rendezvous, through its registration cache) and receives land in staging buffers,
+so a registration is never larger than one message and never spans a producer's slice.
 
 Memory safety: no UCX request ever writes our region. Receives write staging or scratch; this
 thread copies a staging buffer into the region, for a live read, after its receive completed.
@@ -131,10 +139,13 @@ class UcxDataTransport(DataTransport):
         self._max_run = (
             max(1, options.max_message_bytes // self.block_len) if options.coalesce else 1
         )
+        self._slice_blocks = _slice(options.slice_bytes // self.block_len, self.num_blocks)
+        """Blocks per slice of our region (0: one slice); our sends never cross one."""
         self._instance = secrets.randbits(62) | 1
         self._descriptor = wire.encode_descriptor(wire.Descriptor(
             address, self._instance, self.num_blocks, self.block_len,
             self._max_run, options.endpoint_error_handling,
+            self._slice_blocks or self.num_blocks,
         ))
         self._timeout = options.transfer_timeout if options.transfer_timeout > 0 else math.inf
         self._links = itertools.count(1)
@@ -211,7 +222,8 @@ class UcxDataTransport(DataTransport):
             raise PeerRejected(
                 f"peer {peer_id!r}: UCX cannot reach its worker ({type(exc).__name__}: {exc})"
             ) from None
-        peer = Peer(peer_id, desc, ep, link, min(self._max_run, desc.max_run))
+        peer = Peer(peer_id, desc, ep, link, min(self._max_run, desc.max_run),
+                    _slice(desc.slice_blocks, desc.num_blocks))
         self._control_limit = max(self._control_limit, 64 + 12 * desc.num_blocks)
         self._peers.add(peer)
         self._by_instance[desc.instance] = peer
@@ -267,7 +279,8 @@ class UcxDataTransport(DataTransport):
             )
         if len(local) > tags.MAX_RUNS:
             raise TransferSubmitError(f"at most {tags.MAX_RUNS} blocks per read")
-        starts, dsts, lengths = plan_runs(remote, local, peer.max_run)
+        starts, dsts, lengths = plan_runs(remote, local, peer.max_run, peer.slice_blocks,
+                                          self._slice_blocks)
         link, rid = self._next_rid(peer)
         self._loose.append(
             self._notify(peer, wire.encode_read(self._instance, link, rid, starts, lengths))
@@ -608,8 +621,12 @@ class UcxDataTransport(DataTransport):
             return f"{runs} runs (1..{tags.MAX_RUNS} allowed)"
         if int(notice.lengths.min()) < 1 or int(notice.lengths.max()) > self._max_run:
             return f"a run outside 1..{self._max_run} blocks"
-        if int((notice.starts + notice.lengths).max()) > self.num_blocks:
+        ends = notice.starts + notice.lengths
+        if int(ends.max()) > self.num_blocks:
             return f"blocks outside 0..{self.num_blocks - 1}"
+        slice_blocks = self._slice_blocks
+        if slice_blocks and (notice.starts // slice_blocks != (ends - 1) // slice_blocks).any():
+            return f"a run crossing a slice boundary (slices of {slice_blocks} blocks)"
         return None
 
     def _settle_serves(self) -> None:
@@ -714,6 +731,11 @@ class UcxDataTransport(DataTransport):
         self._scratch = None
         self._worker = None
         self._ctx = None
+
+
+def _slice(blocks: int, num_blocks: int) -> int:
+    """Blocks per slice, at least one; 0 when one slice holds the whole region."""
+    return max(1, blocks) if blocks < num_blocks else 0
 
 
 def _leak(obj: object) -> None:

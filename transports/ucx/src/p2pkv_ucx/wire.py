@@ -4,8 +4,9 @@ Wire version 2 (p2pkv wire 2.0, "the consumer owns every write into its region")
 
 - **Descriptor** (``descriptor()`` → peer's ``add_peer``): our UCX worker address, region
   shape, a random instance id, the longest run (in blocks) we send or receive as one
-  message, and whether our endpoints use UCX error handling (both sides must agree: UCX
-  cannot connect endpoints of different modes, it hangs).
+  message, the blocks per slice of our region (no message crosses a slice boundary, see
+  ``slice_bytes`` in :mod:`p2pkv_ucx.options`), and whether our endpoints use UCX error
+  handling (both sides must agree: UCX cannot connect endpoints of different modes, it hangs).
 - **NOTICE** messages (tag kind NOTICE), each naming its sender by instance id; UCX keeps
   them in order, and the receiver handles them in that order:
 
@@ -64,6 +65,8 @@ class Descriptor:
     block_len: int
     max_run: int
     error_handling: bool
+    slice_blocks: int = 1 << 32
+    """Blocks per slice of the region (the default: one slice, whatever its size)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def encode_descriptor(d: Descriptor) -> bytes:
     return _pack({
         "transport": "ucx", "v": WIRE_VERSION, "address": d.address, "instance": d.instance,
         "num_blocks": d.num_blocks, "block_len": d.block_len, "max_run": d.max_run,
-        "error_handling": d.error_handling,
+        "error_handling": d.error_handling, "slice_blocks": d.slice_blocks,
     })
 
 
@@ -110,7 +113,8 @@ def decode_descriptor(data: bytes) -> Descriptor:
         raise ValueError(f"descriptor of ucx wire version {obj.get('v')!r}, expected "
                          f"{WIRE_VERSION} (upgrade p2pkv-ucx on both sides)")
     address = obj.get("address")
-    numbers = [obj.get(k) for k in ("instance", "num_blocks", "block_len", "max_run")]
+    numbers = [obj.get(k) for k in ("instance", "num_blocks", "block_len", "max_run",
+                                    "slice_blocks")]
     if not isinstance(address, bytes) or not address:
         raise ValueError("descriptor has no worker address")
     if not all(_is_positive(n) for n in numbers):
@@ -118,8 +122,10 @@ def decode_descriptor(data: bytes) -> Descriptor:
     error_handling = obj.get("error_handling")
     if not isinstance(error_handling, bool):
         raise ValueError("descriptor does not say whether it uses endpoint error handling")
-    instance, num_blocks, block_len, max_run = (int(n) for n in numbers)  # type: ignore[arg-type]
-    return Descriptor(address, instance, num_blocks, block_len, max_run, error_handling)
+    instance, num_blocks, block_len, max_run, slices = (
+        int(n) for n in numbers  # type: ignore[arg-type]
+    )
+    return Descriptor(address, instance, num_blocks, block_len, max_run, error_handling, slices)
 
 
 def encode_read(instance: int, link: int, rid: int, starts: IntArray, lengths: IntArray) -> bytes:

@@ -1,0 +1,91 @@
+"""Regions of any size (data option ``slice_bytes``): no message crosses a slice boundary of
+either side. Tiny slices of 3 blocks here, so every read crosses boundaries; a peer may
+slice differently (it advertises its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgpack
+import numpy as np
+import pytest
+from p2pkv.errors import PeerRejected
+from p2pkv_ucx import wire
+from p2pkv_ucx.runs import plan_runs
+from ucx_helpers import Node, settle
+
+Make = Callable[..., Node]
+BLOCK = 1024
+THREE = 3 * BLOCK + 10  # rounds down to 3 blocks
+
+
+def _cuts(start: int, length: int, every: int) -> set[int]:
+    """Offsets inside a run of ``length`` blocks from ``start`` where a slice begins."""
+    return {o for o in range(1, length) if (start + o) % every == 0}
+
+
+def test_runs_never_cross_a_slice_of_either_side() -> None:
+    src, dst = np.arange(32, dtype=np.int64), np.arange(16, 48, dtype=np.int64)
+    s, d, lengths = plan_runs(src, dst, 1000, 5, 3)
+    assert len(lengths) == 1 + len(_cuts(0, 32, 5) | _cuts(16, 32, 3))
+    assert lengths.sum() == 32 and (d - s == 16).all()
+    assert (s // 5 == (s + lengths - 1) // 5).all() and (d // 3 == (d + lengths - 1) // 3).all()
+    _, _, aligned = plan_runs(src, src, 1000, 3, 3)
+    assert aligned.tolist() == [3] * 10 + [2]
+    _, _, capped = plan_runs(src, src, 2, 3, 0)  # max_run still caps within a slice
+    assert capped.tolist() == [2, 1] * 10 + [2]
+    _, _, whole = plan_runs(src, src, 1000)
+    assert whole.tolist() == [32]
+
+
+@pytest.mark.parametrize("producer_blocks", [3, 5], ids=["same-slices", "other-slices"])
+def test_reads_cross_slices_byte_exact_one_message_per_piece(
+    nodes: Make, producer_blocks: int
+) -> None:
+    producer = nodes(num_blocks=64, block_len=BLOCK, seed=1,
+                     slice_bytes=producer_blocks * BLOCK)
+    consumer = nodes(num_blocks=64, block_len=BLOCK, seed=2, slice_bytes=THREE)
+    producer.link("c", consumer, back_as="p")
+    scattered = np.random.default_rng(4).choice(64, size=40, replace=False).tolist()
+    for dst, src, runs in [
+        (list(range(32)), list(range(32)),
+         1 + len(_cuts(0, 32, 3) | _cuts(0, 32, producer_blocks))),
+        (list(range(16, 48)), list(range(32, 64)),
+         1 + len(_cuts(16, 32, 3) | _cuts(32, 32, producer_blocks))),
+        (scattered, list(range(40)), None),
+    ]:
+        sent, received = producer.t.messages_posted, consumer.t.messages_posted
+        tid = consumer.t.read_blocks("p", dst, src)
+        settle([producer, consumer], {consumer: {tid}}, "the read")
+        assert tid in consumer.done
+        assert (consumer.blocks[dst] == producer.blocks[src]).all()
+        if runs is not None:
+            assert (producer.t.messages_posted - sent, consumer.t.messages_posted - received) \
+                == (runs, runs)
+
+
+def test_a_producer_refuses_a_run_across_its_slices(nodes: Make) -> None:
+    producer = nodes(num_blocks=32, block_len=BLOCK, seed=1, slice_bytes=THREE)
+    consumer = nodes(num_blocks=32, block_len=BLOCK, seed=2)
+    producer.link("c", consumer, back_as="p")
+    before = consumer.blocks.copy()
+    consumer.t._registrations["p"].peer.slice_blocks = 0  # lie: ignore the producer's slices
+    tid = consumer.t.read_blocks("p", list(range(8)), list(range(8)))
+    settle([producer, consumer], {consumer: {tid}}, "the refusal")
+    assert tid in consumer.failed
+    assert (consumer.blocks == before).all()
+
+
+@pytest.mark.parametrize("value", [0, -3, "3", None, True])
+def test_a_malformed_slice_size_is_rejected(nodes: Make, value: object) -> None:
+    producer, consumer = nodes(seed=1, slice_bytes=THREE), nodes(seed=2)
+    fields = msgpack.unpackb(producer.t.descriptor(), raw=False)
+    assert fields["slice_blocks"] == 3
+    assert wire.decode_descriptor(producer.t.descriptor()).slice_blocks == 3
+    if value is None:
+        del fields["slice_blocks"]
+    else:
+        fields["slice_blocks"] = value
+    with pytest.raises(PeerRejected, match="peer 'p': descriptor needs positive integers"):
+        consumer.t.add_peer("p", msgpack.packb(fields))
+    consumer.t.add_peer("p", producer.t.descriptor())
