@@ -327,6 +327,9 @@ def test_control_mode_json(tmp_path: Path) -> None:
         assert all(lane["p50_us"] > 0 for lane in lanes.values())
     measured = [t for t in doc["tier"] if "skipped" not in t]
     assert {t["control"] for t in measured} >= {"memory"} & set(registry.entries("control"))
+    assert {t["blocks"] for t in measured} == {1, 16, 32}
     for t in measured:
-        assert t["cpu_us_per_request"] > 0
-        assert t["requests"] == 100
+        assert t["cpu_us_per_request"] == min(t["cpu_us_runs"]) > 0
+        assert t["requests"] == 200
+        assert t["repeats"] == len(t["cpu_us_runs"]) == 3
+    assert "sweeps" not in doc  # the full form only

@@ -712,7 +712,7 @@ def test_a_failed_read_fails_the_round_and_cancels_its_other_reads(consumer: Rig
                                                               Outcome.TRANSFER_FAILED))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]
     assert consumer.env.counters["transfers_failed"] == 1
-    assert str(consumer.env.failed_loads.why("r")).startswith("transfer_failed: ")
+    assert str(consumer.env.failed_loads.get("r")).startswith("transfer_failed: ")
 
 
 def test_read_blocks_refused_fails_the_round_with_submit_failed(consumer: Rig) -> None:

@@ -49,6 +49,25 @@ def test_deadlines_fire_in_order_and_cancel() -> None:
     assert d.next_due() is None
 
 
+def test_a_cancelled_timer_lets_go_of_its_callback_and_argument() -> None:
+    import gc
+    import weakref
+
+    class Arg:
+        pass
+
+    d = Deadlines()
+    arg = Arg()
+    gone = weakref.ref(arg)
+    timer = d.at(5, lambda _: None, arg)
+    del arg
+    d.cancel(timer)
+    assert gone() is None  # freed at once: nothing waits in the heap for the collector
+    gc.collect()
+    assert gc.is_tracked(timer) is False  # the entry left behind holds two numbers
+    assert d.fire_due(10) == 0 and len(d) == 0
+
+
 def test_callbacks_may_arm_timers_that_are_already_due() -> None:
     d = Deadlines()
     fired: list[int] = []

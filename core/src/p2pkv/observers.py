@@ -7,7 +7,8 @@ one implementing plugin at a time: an observer that raises is logged (its first 
 the traceback, then the 10th, 100th, ... of the same plugin and hook, counted) and the next
 observer still gets the event. A method with no implementation is a shared no-op, so call
 sites need no guard; ``enabled`` (any observer implemented) is for call sites that would
-build expensive arguments.
+build expensive arguments or run per job or transfer (a no-op call still builds its keyword
+arguments: ~0.3 µs).
 
 Call with keyword arguments only (pluggy's rule). Threading: observers run on the calling
 thread (a tier's driver thread); the failure counts are shared and locked.

@@ -193,24 +193,12 @@ class Unknown:
 
 Message = Hello | HelloAck | Fetch | Ready | Release | RoundFailed | Lookup | LookupResp | Bye
 
-_TYPE_NAMES: dict[type, str] = {
-    Hello: "hello",
-    HelloAck: "hello_ack",
-    Fetch: "fetch",
-    Ready: "ready",
-    Release: "release",
-    RoundFailed: "round_failed",
-    Lookup: "lookup",
-    LookupResp: "lookup_resp",
-    Bye: "bye",
-}
-
 
 def message_type(msg: Message | Unknown) -> str:
-    """The wire ``type`` string of ``msg``."""
-    if type(msg) is Unknown:
+    """The wire ``type`` string of ``msg`` (a message's struct tag)."""
+    if isinstance(msg, Unknown):
         return msg.type
-    return _TYPE_NAMES[type(msg)]
+    return str(msg.__struct_config__.tag)
 
 
 # -- encoding -------------------------------------------------------------------------------
@@ -218,7 +206,7 @@ def message_type(msg: Message | Unknown) -> str:
 
 def encode(msg: Message) -> bytes:
     """One frame for ``msg``. Fields are written as given (the sender is trusted to be valid)."""
-    if type(msg) not in _TYPE_NAMES:
+    if not isinstance(msg, _Wire):
         raise TypeError(f"not a protocol message: {msg!r}")
     return _ENCODE(msg)
 

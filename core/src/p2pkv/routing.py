@@ -39,6 +39,7 @@ _PD_CONSUMER = ("remote_prefiller", "prefill")
 _SYM_CONSUMER = ("remote_kv_source", "p2p")
 _PRODUCER = ("remote_decoder", "decode")
 _ROUTING_KEYS = (*_PD_CONSUMER, *_SYM_CONSUMER, *_PRODUCER)
+_ROUTING_KEY_SET = frozenset(_ROUTING_KEYS)
 _OTHER_CONNECTORS_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
                           "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
                           "remote_dp_size", "remote_tp_size", "tp_size")
@@ -121,7 +122,7 @@ def parse_routing(
 def _warn_misspelt(params: Mapping[str, Any], req_id: str) -> None:
     """Log, once per key, a top-level key that resembles a routing key but is none."""
     for key in params:
-        if key in _ROUTING_KEYS or not isinstance(key, str) or key in _SEEN_KEYS:
+        if key in _ROUTING_KEY_SET or key in _SEEN_KEYS or not isinstance(key, str):
             continue
         if len(_SEEN_KEYS) >= _SEEN_CAP:
             return
@@ -134,10 +135,12 @@ def _warn_misspelt(params: Mapping[str, Any], req_id: str) -> None:
 
 
 def _pick(params: Mapping[str, Any], names: tuple[str, str]) -> tuple[str, Any] | None:
-    present = [n for n in names if n in params]
-    if len(present) > 1:
-        raise _Refused(f"both {present[0]!r} and its legacy name {present[1]!r} are given")
-    return (present[0], params[present[0]]) if present else None
+    name, legacy = names
+    if name not in params:
+        return (legacy, params[legacy]) if legacy in params else None
+    if legacy in params:
+        raise _Refused(f"both {name!r} and its legacy name {legacy!r} are given")
+    return name, params[name]
 
 
 def _request_id(name: str, d: Any, max_chars: int) -> str:

@@ -152,21 +152,26 @@ class P2PTier:
             return True
         return False
 
-    @driver_call
     def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
         """PD consumer: HIT at once. Symmetric consumer: RETRY until the batched probe sent at
         ``on_schedule_end`` is answered, then HIT/MISS. No consumer routing, or a failed
         ``kv_request_id``: MISS."""
-        routing = ctx.routing  # the hot path: once per block, with the routing cached
-        consumer = (routing if isinstance(routing, Routing) else self._routing(ctx)).consumer
-        if consumer is None or self._closed or consumer.kv_request_id in self._env.failed_loads:
-            return LookupResult.MISS
-        if not consumer.probe:
-            return LookupResult.HIT
-        session = self._session_for(consumer.peer)
-        if isinstance(session, str):
-            return LookupResult.MISS
-        return session.client.probe(consumer.kv_request_id, key)
+        guard = self._guard  # the hot path, once per block: the guard without a wrapper
+        outermost = guard.enter("lookup")
+        try:
+            routing = ctx.routing
+            consumer = (routing if isinstance(routing, Routing) else self._routing(ctx)).consumer
+            if (consumer is None or self._closed
+                    or consumer.kv_request_id in self._env.failed_loads):
+                return LookupResult.MISS
+            if not consumer.probe:
+                return LookupResult.HIT
+            session = self._session_for(consumer.peer)
+            if isinstance(session, str):
+                return LookupResult.MISS
+            return session.client.probe(consumer.kv_request_id, key)
+        finally:
+            guard.exit(outermost)
 
     @driver_call
     def submit_store(self, job: Job) -> None:
@@ -192,7 +197,7 @@ class P2PTier:
         if admitted is None:
             return
         job, kv, peer = admitted
-        failed = self._env.failed_loads.why(kv)
+        failed = self._env.failed_loads.get(kv)
         if failed is not None:
             self._ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
                                f"request {kv!r} already failed ({failed}); its loads cannot "
@@ -219,14 +224,15 @@ class P2PTier:
         for conn in self._control.poll(timeout):
             self._admission.accept(conn)
         for session in list(self._sessions.values()):
-            if session.state is State.HANDSHAKE or session.state is State.READY:
+            if session.state is not State.CLOSED:
                 self._receive(session)
         self._reap()
         if len(self._admission):
             self._admission.serve()
         self._data_tick()
         self._deadlines.fire_due(self._clock())
-        self._reap()
+        if self._env.doomed or self._lingering:  # doomed since the pass above: close them now
+            self._reap(self._env.doomed)
 
     @driver_call
     def on_request_finished(self, ctx: RequestContext) -> None:
@@ -469,9 +475,15 @@ class P2PTier:
         self._close(old, Outcome.PEER_DEAD, f"{old.peer} restarted", close_conn=False)
         return self._new_session(old.peer, old.conn)
 
-    def _reap(self) -> None:
-        for session in list(self._sessions.values()):
-            if session.doomed is not None or not session.conn.alive:
+    def _reap(self, doomed: list[Session] | None = None) -> None:
+        """Close the sessions doomed or with a dead connection (of ``doomed`` only, if given);
+        drop lingering sessions with no pins left."""
+        env = self._env
+        candidates = list(self._sessions.values()) if doomed is None else doomed
+        env.doomed = []
+        for session in candidates:
+            if (self._sessions.get(session.peer) is session
+                    and (session.doomed is not None or not session.conn.alive)):
                 self._close_unusable(session)
         if self._lingering:
             self._lingering = {s for s in self._lingering if s.server.n_pins}

@@ -132,6 +132,8 @@ class ClientRole:
         self.next_seq = 0
         self.n_rounds = 0
         self.closing = False
+        self._on_load_timeout = self._load_timeout
+        """Bound once: arming a load deadline allocates no method object."""
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -155,7 +157,7 @@ class ClientRole:
         req.rounds[rnd.no] = rnd
         self.n_rounds += 1
         env = self.env
-        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.load, self._load_timeout, rnd)
+        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.load, self._on_load_timeout, rnd)
         if self.session.ready:
             self._send_round(rnd)
         else:
@@ -265,8 +267,9 @@ class ClientRole:
         rnd.reads[rid] = (len(local), env.clock())
         self.reads[rid] = rnd
         env.owners[rid] = self
-        env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=len(local),
-                                         nbytes=len(local) * env.local.block_len)
+        if env.observers.enabled:
+            env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=len(local),
+                                             nbytes=len(local) * env.local.block_len)
 
     def on_data(self, rid: int, ok: bool) -> None:
         """A read of ours terminated (routed here from ``data.poll``)."""
@@ -276,10 +279,11 @@ class ClientRole:
         now = env.clock()
         window = self.session.read_window
         late = ok and now - rnd.sent_at > window
-        env.observers.transfer_finished(peer=self.peer, transfer_id=rid,
-                                        success=ok and not late,
-                                        nbytes=nblocks * env.local.block_len,
-                                        seconds=now - posted)
+        if env.observers.enabled:
+            env.observers.transfer_finished(peer=self.peer, transfer_id=rid,
+                                            success=ok and not late,
+                                            nbytes=nblocks * env.local.block_len,
+                                            seconds=now - posted)
         if not ok:
             env.counters["transfers_failed"] += 1
             self._fail(rnd, Outcome.TRANSFER_FAILED, f"read {rid} failed")

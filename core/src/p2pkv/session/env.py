@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from p2pkv.config import Limits, Timeouts
 from p2pkv.contracts import DataTransport
@@ -85,3 +85,5 @@ class SessionEnv:
     owners: dict[int, ReadOwner] = field(default_factory=dict)
     """Read id -> who posted it (routes ``data.poll`` results)."""
     counters: Counter[str] = field(default_factory=Counter)
+    doomed: list[Any] = field(default_factory=list)
+    """Sessions doomed since the tier's last pass over them (it closes them)."""

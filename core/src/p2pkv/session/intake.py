@@ -14,6 +14,9 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
+from typing import Annotated, Any
+
+import msgspec
 
 from p2pkv.config import Limits
 from p2pkv.errors import UsageError
@@ -25,7 +28,7 @@ __all__ = ["JobIntake"]
 
 log = logging.getLogger(__name__)
 
-_INT_TYPES = frozenset({int})
+_BYTES_TYPES = frozenset({bytes})
 
 
 class JobIntake:
@@ -33,6 +36,7 @@ class JobIntake:
         self._ledger = ledger
         self._limits = limits
         self._num_blocks = num_blocks
+        self._slot_type = list[Annotated[int, msgspec.Meta(ge=0, lt=num_blocks)]]
 
     def admit(self, job: Job, routing: Routing, *, load: bool,
               closed: bool) -> tuple[Job, str, str] | None:
@@ -75,67 +79,64 @@ class JobIntake:
 
     def _checked(self, job: Job, *, load: bool) -> Job | str:
         """A normalised copy of ``job`` (block ids as a list of ints), or why it exceeds the
-        configured ``limits``; ``UsageError`` for a malformed job."""
+        configured ``limits``; ``UsageError`` for a malformed job. A few C-level passes."""
         keys, ids = job.keys, job.block_ids
-        if len(keys) != len(ids):
-            raise UsageError(f"job {job.job_id}: {len(keys)} keys but {len(ids)} block ids")
-        slots = _slot_list(job.job_id, ids, self._num_blocks)
-        cap = self._limits.max_key_bytes
-        if set(map(type, keys)) != {bytes}:
+        n = len(keys)
+        if n != len(ids):
+            raise UsageError(f"job {job.job_id}: {n} keys but {len(ids)} block ids")
+        slots = _slot_list(job.job_id, ids, self._num_blocks, self._slot_type)
+        if set(map(type, keys)) != _BYTES_TYPES:
             bad_key = next(k for k in keys if type(k) is not bytes)
             raise UsageError(f"job {job.job_id}: keys must be bytes, got {bad_key!r:.60}")
-        lens = list(map(len, keys))
-        if min(lens) < 1 or max(lens) > cap:
+        cap = self._limits.max_key_bytes
+        longest = max(map(len, keys))
+        if longest > cap or b"" in keys:
             raise UsageError(f"job {job.job_id}: keys must be 1..{cap} bytes long")
         if load:
-            if len(set(keys)) != len(keys):
+            if len(set(keys)) != n:
                 raise UsageError(f"job {job.job_id}: duplicate keys in one load")
-            if len(set(slots)) != len(slots):
+            if len(set(slots)) != n:
                 raise UsageError(f"job {job.job_id}: duplicate block ids in one load")
-        over = self._over_limits(lens, load=load)
+        over = self._over_limits(keys, longest, load=load)
         if over:
             return over
         key_list = keys if type(keys) is list else list(keys)
         return Job(job.job_id, key_list, slots, job.is_load, job.ctx)
 
-    def _over_limits(self, key_lens: list[int], *, load: bool) -> str:
-        """Why a job whose keys have lengths ``key_lens`` cannot travel under the configured
-        limits, or ``""``."""
+    def _over_limits(self, keys: Sequence[bytes], longest: int, *, load: bool) -> str:
+        """Why a job with ``keys`` (the longest ``longest`` bytes) cannot travel under the
+        configured limits, or ``""``."""
         limits = self._limits
-        nkeys = len(key_lens)
+        nkeys = len(keys)
         if nkeys > limits.max_keys_per_message:
             return (f"{nkeys} blocks exceed limits.max_keys_per_message="
                     f"{limits.max_keys_per_message}; raise it to at least {nkeys} (on both "
                     f"peers) or use larger blocks")
-        if load and sum(key_lens) + 16 * nkeys + 512 > limits.max_frame_bytes:
+        cap = limits.max_frame_bytes - 16 * nkeys - 512
+        if load and longest * nkeys > cap and len(b"".join(keys)) > cap:
             return (f"a fetch for {nkeys} blocks would exceed limits.max_frame_bytes="
                     f"{limits.max_frame_bytes}; raise it (on both peers)")
         return ""
 
 
-def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int) -> list[int]:
-    """``ids`` as a list of Python ints within ``0..num_blocks-1``; numpy arrays and numpy
-    integers (anything ``operator.index`` takes) are accepted like ints; bools and floats
-    raise ``UsageError``."""
+def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int, slot_type: Any) -> list[int]:
+    """``ids`` as a new list of Python ints within ``0..num_blocks-1`` (``slot_type``: that
+    list's msgspec type, checked in one C-level pass); numpy arrays and numpy integers
+    (anything ``operator.index`` takes) are accepted like ints; bools and floats raise
+    ``UsageError``."""
+    try:
+        return msgspec.convert(ids, slot_type)  # type: ignore[no-any-return]
+    except msgspec.ValidationError:
+        pass  # not a plain list of ints in range: the slow path converts it or says why
     tolist = getattr(ids, "tolist", None)
-    slots: list[int] = tolist() if tolist is not None else list(ids)
-    if not slots:
-        return slots
-    if set(map(type, slots)) != _INT_TYPES:
-        bad = next((s for s in slots if isinstance(s, bool) or not _is_index(s)), None)
-        if bad is not None:
-            raise UsageError(f"job {job_id}: block id {bad!r} is not an integer")
-        slots = list(map(operator.index, slots))
-    if min(slots) < 0 or max(slots) >= num_blocks:
-        bad = next(s for s in slots if not 0 <= s < num_blocks)
+    raw = tolist() if tolist is not None else list(ids)
+    bad = next((s for s in raw if isinstance(s, bool) or not hasattr(type(s), "__index__")),
+               None)
+    if bad is not None:
+        raise UsageError(f"job {job_id}: block id {bad!r} is not an integer")
+    slots = list(map(operator.index, raw))
+    bad = next((s for s in slots if not 0 <= s < num_blocks), None)
+    if bad is not None:
         raise UsageError(f"job {job_id}: block id {bad!r} is not a slot in "
                          f"0..{num_blocks - 1}")
     return slots
-
-
-def _is_index(value: object) -> bool:
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True

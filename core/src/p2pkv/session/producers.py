@@ -52,6 +52,8 @@ class ProducerDirectory:
         self._tombstones: dict[str, Timer] = {}
         self._parked: dict[str, list[tuple[Job, Timer]]] = {}
         self._bindings: dict[str, ServerRole] = {}
+        self._on_tombstone_expired = self._tombstone_expired
+        """Bound once: arming a tombstone allocates no method object."""
 
     # -- bindings ---------------------------------------------------------------------------
 
@@ -111,7 +113,7 @@ class ProducerDirectory:
     def _tombstone(self, kv_request_id: str) -> None:
         self._deadlines.cancel(self._tombstones.pop(kv_request_id, None))
         self._tombstones[kv_request_id] = self._deadlines.at(
-            self._clock() + self._timeouts.unbound_store, self._tombstone_expired, kv_request_id
+            self._clock() + self._timeouts.unbound_store, self._on_tombstone_expired, kv_request_id
         )
 
     def _tombstone_expired(self, kv_request_id: str) -> None:

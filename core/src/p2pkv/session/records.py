@@ -23,9 +23,6 @@ class FailedLoads(dict[str, str]):
         first failure is kept and named by every later refusal."""
         self.setdefault(kv_request_id, why)
 
-    def why(self, kv_request_id: str) -> str | None:
-        return self.get(kv_request_id)
-
     def forget(self, kv_request_id: str) -> None:
         """The consumer request finished: the id may load again (a new request)."""
         self.pop(kv_request_id, None)

@@ -72,9 +72,10 @@ class _StoreJob:
 
 
 class FetchRound:
-    __slots__ = ("failure", "no", "pins", "timer", "unready", "waiting")
+    __slots__ = ("failure", "no", "pins", "req", "timer", "unready", "waiting")
 
-    def __init__(self, no: int, size: int) -> None:
+    def __init__(self, req: ProducerRequest, no: int, size: int) -> None:
+        self.req = req
         self.no = no
         self.unready = size
         """Keys not yet named in a ``ready``."""
@@ -137,6 +138,9 @@ class ServerRole:
         """Pinned blocks over all rounds (also after ``close``, until released or expired)."""
         self._closed_rounds: list[tuple[ProducerRequest, FetchRound]] = []
         """Rounds with pins when the session closed (their leases still run)."""
+        self._on_store_timeout = self._store_timeout
+        self._on_lease_expired = self._lease_expired
+        """Bound once: arming a deadline allocates no method object."""
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -193,12 +197,12 @@ class ServerRole:
             return
         held_all = self._servable(req, msg)
         if held_all is not None:
-            rnd = FetchRound(msg.round, len(msg.keys))
+            rnd = FetchRound(req, msg.round, len(msg.keys))
             req.rounds[msg.round] = rnd
             self.n_rounds += 1
             self._match_fetch(req, rnd, msg.keys, held_all)
             if rnd.timer is None and req.rounds.get(rnd.no) is rnd:  # no ready armed it
-                self._arm_lease(rnd, req)
+                self._arm_lease(rnd)
 
     def _refuse_winding_down(self, msg: Fetch) -> None:
         req = self.reqs.get(msg.kv_request_id)
@@ -361,7 +365,7 @@ class ServerRole:
                               "answering MISS", self.peer, serve.seq, serve.kv)
                 self._answer_miss(serve, source)
                 continue
-            expired = serve.timer is not None and now >= serve.timer.when
+            expired = serve.timer is not None and now >= serve.timer[0]
             if expired or None not in answers:
                 self._answer(serve, source)
 
@@ -432,7 +436,7 @@ class ServerRole:
         sj = _StoreJob(job.job_id, req, job.keys)
         req.jobs.add(sj)
         env = self.env
-        sj.timer = env.deadlines.at(env.clock() + env.timeouts.store, self._store_timeout, sj)
+        sj.timer = env.deadlines.at(env.clock() + env.timeouts.store, self._on_store_timeout, sj)
         if req.released:
             sj.released = True
             self._maybe_release_job(sj)
@@ -479,16 +483,16 @@ class ServerRole:
         for sj, n in groups:
             sj.pinned += n
             pins[sj] = pins.get(sj, 0) + n
-        self._arm_lease(rnd, req)
+        self._arm_lease(rnd)
         if not self.session.send(Ready(req.kv, rnd.no, pos, src)):  # the consumer's frame cap
             self._fail_round(req, rnd, Outcome.SUBMIT_FAILED, "its ready is larger than a "
                              "frame may be")
 
-    def _arm_lease(self, rnd: FetchRound, req: ProducerRequest) -> None:
+    def _arm_lease(self, rnd: FetchRound) -> None:
         env = self.env
         env.deadlines.cancel(rnd.timer)
-        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._lease_expired,
-                                     (req, rnd))
+        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._on_lease_expired,
+                                     rnd)
 
     def _unpin(self, rnd: FetchRound, failure: tuple[Outcome, str] | None) -> None:
         """Release the round's pins: delivered (``failure`` None) or failed with it."""
@@ -543,10 +547,10 @@ class ServerRole:
     def _send_failed(self, kv: str, rnd_no: int, outcome: Outcome, detail: str) -> None:
         self.session.send(RoundFailed(kv, rnd_no, f"{outcome.value}: {detail}", outcome.value))
 
-    def _lease_expired(self, arg: tuple[ProducerRequest, FetchRound]) -> None:
+    def _lease_expired(self, rnd: FetchRound) -> None:
         """The lease after the round's latest ``ready`` (or its fetch) passed without a
         release: the consumer gave it up (or is paused, or gone); unpin and end it."""
-        req, rnd = arg
+        req = rnd.req
         rnd.timer = None
         env = self.env
         env.observers.timeout(kind="lease", kv_request_id=req.kv, peer=self.peer)

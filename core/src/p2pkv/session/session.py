@@ -153,6 +153,7 @@ class Session:
         """Mark the session for closing at the tier's next safe point (first reason wins)."""
         if self.doomed is None and self.state in (State.HANDSHAKE, State.READY):
             self.doomed = Doom(outcome, reason, bye)
+            self.env.doomed.append(self)
 
     def close(self, outcome: Outcome, reason: str, *, bye: str | None = None,
               close_conn: bool = True) -> None:

@@ -118,7 +118,10 @@ class MemoryConnection(ControlConnection):
             _HUB.cond.notify_all()
 
     def recv(self) -> Sequence[bytes]:
-        frames, self.inbox = self.inbox, []
+        frames = self.inbox
+        if not frames:
+            return ()  # the idle case allocates nothing
+        self.inbox = []
         return frames
 
     def close(self) -> None:
@@ -210,6 +213,8 @@ class MemoryControlTransport(ControlTransport):
                 if moved or remaining <= 0:
                     break
                 _HUB.cond.wait(remaining)
+            if not self._accepted:
+                return []
             # An inbound connection is announced once, with its first frames buffered (or
             # dead): one that has not sent anything yet waits for a later poll.
             self._accepted = [c for c in self._accepted if not c.announced]
