@@ -26,7 +26,7 @@ import numpy as np
 
 from p2pkv.bench.data_transport import RegionSource
 from p2pkv.bench.endpoints import SeriesSpec
-from p2pkv.bench.harness import Helper, serve
+from p2pkv.bench.harness import Helper, serve_built
 from p2pkv.bench.lanes import EndpointLane, Lane, MemcpyLane
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.bench.target import LocalTarget, RemoteTarget
@@ -144,15 +144,8 @@ class LaneGroup:
 def _worker_main(
     conn: Connection, series: list[SeriesSpec], region_bytes: int, source: RegionSource
 ) -> None:
-    try:
-        group = LaneGroup(series, region_bytes, source)
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    try:
-        serve(conn, {"open": group.open, "measure": group.measure, "close": group.close})
-    finally:
-        group.shutdown()
+    serve_built(conn, lambda: LaneGroup(series, region_bytes, source),
+                ("open", "measure", "close"))
 
 
 class WorkerGroup:

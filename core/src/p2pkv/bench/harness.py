@@ -7,11 +7,11 @@ replies between processes it spawned itself; never anything from a p2pkv wire.
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Helper", "HelperError", "serve"]
+__all__ = ["Helper", "HelperError", "serve", "serve_built"]
 
 
 class HelperError(RuntimeError):
@@ -42,6 +42,25 @@ def serve(
             conn.send(("ok", handlers[op](*args)))
         except Exception as exc:  # the caller raises it as HelperError
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def serve_built(
+    conn: Connection, build: Callable[[], Any], commands: Sequence[str], *,
+    idle: str | None = None,
+) -> None:
+    """Build the object a helper process serves, answer ``commands`` (names of its methods)
+    with :func:`serve`, ``idle`` (a method name) between them, and call its ``shutdown()``
+    at the end. A failure to build is the first reply (an error), and nothing is served."""
+    try:
+        target = build()
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        serve(conn, {name: getattr(target, name) for name in commands},
+              getattr(target, idle) if idle is not None else None)
+    finally:
+        target.shutdown()
 
 
 class Helper:

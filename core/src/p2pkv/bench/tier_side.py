@@ -35,7 +35,7 @@ from typing import Any
 
 from p2pkv.addressing import format_address
 from p2pkv.bench.data_transport import transport_region
-from p2pkv.bench.harness import serve
+from p2pkv.bench.harness import serve_built
 from p2pkv.config import TierConfig
 from p2pkv.demo.content import BlockRegion
 from p2pkv.registry import default_registry
@@ -191,15 +191,6 @@ class TierSide:
 def side_main(conn: Connection, tier_config: dict[str, Any], block_len: int,
               region_bytes: int) -> None:
     """Child entry: build the side, then serve commands, stepping while a job is open."""
-    try:
-        side = TierSide(tier_config, block_len, region_bytes)
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    try:
-        serve(conn, {"describe": side.describe, "fill": side.fill, "verify": side.verify,
-                     "usage": side.usage, "store": side.store, "load": side.load,
-                     "wait": side.wait, "connect": side.connect, "accept": side.accept,
-                     "first_load": side.first_load}, side.step)
-    finally:
-        side.shutdown()
+    serve_built(conn, lambda: TierSide(tier_config, block_len, region_bytes),
+                ("describe", "fill", "verify", "usage", "store", "load", "wait", "connect",
+                 "accept", "first_load"), idle="step")
