@@ -38,16 +38,41 @@ P2PKV_TIER = {
 _HANDED_OUT: set[int] = set()
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 if it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A port nobody listens on now (bound to port 0 and released), never one this process
-    handed out before: an engine started later must not find it taken by a sibling's."""
-    while True:
+    """A port nobody listens on now, never one this process handed out before.
+
+    Engines bind their ports tens of seconds after the pick (vLLM starts first), so a port
+    from the ephemeral range (what binding port 0 gives) can meanwhile become the source port
+    of any outgoing connection on the host (UCX and zmq open many) and the engine then finds
+    it taken. So the pick is a random port below that range, checked free by binding it; a
+    host whose ephemeral range starts too low for that falls back to binding port 0."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        if low > 12000:
+            port = random.randrange(10000, low)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port found in 200 tries")
 
 
 def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
