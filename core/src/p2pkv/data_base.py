@@ -9,15 +9,17 @@ It allocates only the two index arrays it returns (no per-block Python objects).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from p2pkv.errors import ConfigError, TransferSubmitError
 
-__all__ = ["AttachedPeer", "Indexes", "ReadState", "check_read", "region_blocks"]
+__all__ = [
+    "AttachedPeer", "Indexes", "ReadState", "allocated_region", "check_read", "region_blocks",
+]
 
 Indexes = npt.NDArray[np.int64]
 """Block indexes as the base hands them to a backend: a 1-D int64 array of its own."""
@@ -82,6 +84,21 @@ def region_blocks(region: object, block_len: object) -> npt.NDArray[np.uint8]:
             f"region of {region.nbytes} bytes is not a positive multiple of block_len {block_len}"
         )
     return np.frombuffer(region.cast("B"), dtype=np.uint8).reshape(-1, block_len)
+
+
+def allocated_region(
+    cls: Any, num_blocks: int, block_len: int, options: Mapping[str, Any]
+) -> memoryview:
+    """``cls.allocate_region(num_blocks, block_len, options)`` (``cls``: a ``DataTransport``
+    class), checked: ``ConfigError`` naming the class unless it is a writable memoryview of
+    ``num_blocks * block_len`` bytes. Everything that asks a transport for a region (the kit,
+    ``demo``, ``bench``) takes it through here."""
+    region = cls.allocate_region(num_blocks, block_len, options)
+    nbytes = num_blocks * block_len
+    if not isinstance(region, memoryview) or region.nbytes != nbytes or region.readonly:
+        raise ConfigError(f"{cls.__name__}.allocate_region({num_blocks}, {block_len}) must "
+                          f"return a writable memoryview of {nbytes} bytes, got {region!r}")
+    return region
 
 
 def _indexes(idxs: Sequence[int], what: str) -> Indexes:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from p2pkv.contracts import DataSettings, DataTransport
+from p2pkv.data_base import allocated_region
 from p2pkv.errors import ConfigError
 from p2pkv.json_option import json_object
 from p2pkv.registry import Registry, default_registry
@@ -51,7 +52,7 @@ def check_data_options(registry: Registry, name: str, options: Mapping[str, Any]
     (``allocate_region``) and close it: raises the transport's ``ConfigError`` (an unknown
     key, a bad value) or ``TransportUnavailable`` before anything is measured or started."""
     cls: type[DataTransport] = registry.transport("data", name)
-    region = cls.allocate_region(1, _PROBE_BLOCK, options)
+    region = allocated_region(cls, 1, _PROBE_BLOCK, options)
     cls.create(DataSettings(region, _PROBE_BLOCK, options)).close()
 
 
@@ -75,11 +76,7 @@ def transport_region(
     """``cls.allocate_region(num_blocks, block_len, options)`` (``cls``: a ``DataTransport``
     class), pre-faulted (written once). Raises ``ConfigError`` when it is not a writable
     memoryview of that many bytes."""
-    region = cls.allocate_region(num_blocks, block_len, options)
-    nbytes = num_blocks * block_len
-    if not isinstance(region, memoryview) or region.nbytes != nbytes or region.readonly:
-        raise ConfigError(f"{cls.__name__}.allocate_region({num_blocks}, {block_len}) must "
-                          f"return a writable memoryview of {nbytes} bytes, got {region!r}")
+    region = allocated_region(cls, num_blocks, block_len, options)
     np.frombuffer(region, dtype=np.uint8).fill(0)  # fault every page in, off the clock
     return region
 

@@ -41,6 +41,7 @@ from p2pkv.contracts import (
     DataTransport,
     PollResult,
 )
+from p2pkv.data_base import allocated_region
 from p2pkv.testing.child import Child
 
 __all__ = [
@@ -154,14 +155,8 @@ class LocalDataPeer(DataPeer):
         block_len: int,
         options: Mapping[str, Any],
     ) -> None:
-        self.region = cls.allocate_region(num_blocks, block_len, options)
+        self.region = allocated_region(cls, num_blocks, block_len, options)
         """The region, as the transport class allocated it (``allocate_region``)."""
-        assert isinstance(self.region, memoryview) and self.region.nbytes == (
-            num_blocks * block_len
-        ), (
-            f"{cls.__name__}.allocate_region({num_blocks}, {block_len}) must return a "
-            f"memoryview of {num_blocks * block_len} bytes, got {self.region!r}"
-        )
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self.region, dtype=np.uint8)
         assert not self.array.any(), f"{cls.__name__}.allocate_region must return zeroed memory"
         self.transport = cls.create(

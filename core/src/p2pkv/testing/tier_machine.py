@@ -49,6 +49,7 @@ from hypothesis.stateful import Bundle, initialize, invariant, rule
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, ControlTransport, DataSettings, DataTransport
+from p2pkv.data_base import allocated_region
 from p2pkv.registry import Registry
 from p2pkv.testing.profiles import KitMachine
 from p2pkv.testing.waiting import WaitTimeout, wait_until
@@ -93,7 +94,7 @@ class TierNode:
                  **config_overrides: Any) -> None:
         self.clock = clock
         options = dict(data_options or {})
-        self.region = data.allocate_region(num_blocks, block_len, options)
+        self.region = allocated_region(data, num_blocks, block_len, options)
         self.blocks = np.frombuffer(self.region, dtype=np.uint8).reshape(num_blocks, block_len)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
         cfg = TierConfig.from_dict({"control": control.name, "data": data.name, "host": host,
