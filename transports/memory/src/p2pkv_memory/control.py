@@ -45,8 +45,9 @@ from p2pkv.contracts import (
 )
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.logs import module_logger
+from p2pkv.options import parse_options
 
-from p2pkv_memory.options import read_options
+from p2pkv_memory.options import MemoryControlOptions
 
 __all__ = ["MEM_SCHEME", "MemoryConnection", "MemoryControlTransport"]
 
@@ -55,7 +56,6 @@ log = module_logger(__name__)
 MEM_SCHEME = "mem://"
 _FIRST_FAKE_PORT = 20000
 
-_DEFAULT_OPTIONS = {"max_queued_frames": 1_000_000, "connect_timeout": 10.0}
 
 
 class _Hub:
@@ -154,15 +154,11 @@ class MemoryControlTransport(ControlTransport):
     capabilities: ClassVar[Capabilities] = Capabilities(cross_process=False, cross_host=False)
 
     def __init__(self, settings: ControlSettings) -> None:
-        opts = read_options("memory control", settings.options, _DEFAULT_OPTIONS)
-        if opts["max_queued_frames"] <= 0:
-            raise ConfigError("memory control option 'max_queued_frames' must be > 0")
-        if opts["connect_timeout"] <= 0:
-            raise ConfigError("memory control option 'connect_timeout' must be > 0")
+        opts = parse_options(MemoryControlOptions, settings.options, "memory control option")
         if settings.max_frame_bytes <= 0:
             raise ConfigError("max_frame_bytes must be > 0")
-        self.max_queued_frames: int = opts["max_queued_frames"]
-        self.connect_timeout: float = opts["connect_timeout"]
+        self.max_queued_frames = opts.max_queued_frames
+        self.connect_timeout = opts.connect_timeout
         self.max_frame_bytes = settings.max_frame_bytes
         self._conns: dict[str, MemoryConnection] = {}
         self._accepted: list[MemoryConnection] = []

@@ -35,13 +35,13 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
-from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
+from p2pkv.errors import PeerRejected, TransferSubmitError
+from p2pkv.options import parse_options
 
-from p2pkv_memory.options import read_options
+from p2pkv_memory.options import MemoryDataOptions
 
 __all__ = ["MemoryDataTransport"]
 
-_DEFAULT_OPTIONS = {"completion_polls": 0}
 
 _REGIONS: dict[str, npt.NDArray[np.uint8]] = {}
 _REGIONS_LOCK = threading.Lock()
@@ -74,14 +74,9 @@ class MemoryDataTransport(DataTransport):
     capabilities: ClassVar[Capabilities] = Capabilities(cross_process=False, cross_host=False)
 
     def __init__(self, settings: DataSettings) -> None:
-        opts = read_options("memory data", settings.options, _DEFAULT_OPTIONS)
-        if opts["completion_polls"] < 0:
-            raise ConfigError(
-                f"memory data option 'completion_polls' must be >= 0, "
-                f"got {opts['completion_polls']}"
-            )
+        opts = parse_options(MemoryDataOptions, settings.options, "memory data option")
         super().__init__(settings)
-        self._completion_polls: int = opts["completion_polls"]
+        self._completion_polls = opts.completion_polls
         self._region_id = uuid.uuid4().hex
         with _REGIONS_LOCK:
             _REGIONS[self._region_id] = self._blocks

@@ -1,29 +1,29 @@
-"""Validation of ``control_options`` / ``data_options`` for the memory transports."""
+"""The ``control_options`` / ``data_options`` of the memory transports, read by
+:func:`p2pkv.options.parse_options` (unknown keys, wrong types and out-of-range values are a
+``ConfigError`` naming the key)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, field, make_dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from p2pkv.options import parse_options
+from p2pkv.options import option
 
-__all__ = ["read_options"]
+__all__ = ["MemoryControlOptions", "MemoryDataOptions"]
 
 
-def read_options(
-    transport: str, options: Mapping[str, Any], defaults: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``defaults`` overlaid with ``options``; every value must have its default's type (an
-    integer is a fine float, a bool is not an integer), read by :func:`p2pkv.options.parse_options`.
+@dataclass(frozen=True)
+class MemoryControlOptions:
+    """``control_options`` of the memory control transport."""
 
-    Raises ``ConfigError`` naming the key for an unknown key or a value of the wrong type.
-    Ranges are the caller's to check.
-    """
-    shape = make_dataclass(
-        f"{transport} options",
-        [(key, type(value), field(default=value)) for key, value in defaults.items()],
-        frozen=True,
-    )
-    parsed: Any = parse_options(shape, options, f"{transport} option")
-    return asdict(parsed)
+    max_queued_frames: int = field(default=1_000_000, metadata=option(gt=0))
+    """Frames a connection queues before ``send`` raises ``SendQueueFull``."""
+    connect_timeout: float = field(default=10.0, metadata=option(gt=0, unit="seconds"))
+    """How long an unattached dial may wait for its listener."""
+
+
+@dataclass(frozen=True)
+class MemoryDataOptions:
+    """``data_options`` of the memory data transport."""
+
+    completion_polls: int = field(default=0, metadata=option(ge=0))
+    """Polls a read stays in flight before it completes (0: copied at submit)."""
