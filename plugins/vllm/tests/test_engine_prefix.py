@@ -246,16 +246,20 @@ def warm_up(cluster: Cluster, producer: Server, consumer: Server) -> dict[str, A
     args = ["p2pkv", "proxy", "--port", str(port), "--warm-pairs",
             "--prefiller", producer.spec(), "--decoder", consumer.spec()]
     log = cluster.tmp / "warm-proxy.log"
+
+    def settled() -> dict[str, Any] | None:
+        status, text = get(f"http://127.0.0.1:{port}/ready", timeout=2.0)
+        pairs = json.loads(text).get("warm_pairs", {}) if status == 200 else {}
+        if pairs and all(p["state"] != "pending" for p in pairs.values()):
+            (pair,) = pairs.values()
+            return dict(pair)
+        return None
+
     with started(args, log, cluster.env):
-        deadline = time.monotonic() + WAIT
-        while True:
-            status, text = get(f"http://127.0.0.1:{port}/ready", timeout=2.0)
-            pairs = json.loads(text).get("warm_pairs", {}) if status == 200 else {}
-            if pairs and all(p["state"] != "pending" for p in pairs.values()):
-                (pair,) = pairs.values()
-                return dict(pair)
-            assert time.monotonic() < deadline, f"no warm-up in {WAIT}s:\n{log.read_text()}"
-            time.sleep(0.1)  # a bounded poll of another process
+        try:
+            return wait_until(settled, timeout=WAIT, what="the proxy's warm-up")
+        except WaitTimeout as exc:
+            raise AssertionError(f"no warm-up in {WAIT}s:\n{log.read_text()}") from exc
 
 
 @pytest.fixture(scope="module")
