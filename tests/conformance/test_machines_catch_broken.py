@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
 
@@ -17,8 +17,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import broken
 from p2pkv_loopback import LoopbackControlTransport, LoopbackDataTransport
 
-# No shrinking: a broken transport fails fast, and the failure itself is the point here.
-FIND = settings(max_examples=40, stateful_step_count=25, deadline=None, derandomize=True,
+# No shrinking: a broken transport fails fast, and the failure itself is the point here. A
+# fixed seed rather than ``derandomize``: hypothesis derives a derandomized run's seed from a
+# digest of the machine class, which differed between checkouts (a variant caught in one was
+# missed in another). The machines explore at random, so a short run catches a variant by the
+# seed's luck; the suites catch each one deterministically (test_kit_catches_broken.py).
+SEED = 3
+FIND = settings(max_examples=40, stateful_step_count=25, deadline=None, database=None,
                 phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow],
                 report_multiple_bugs=False)
 FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediate
@@ -32,7 +37,8 @@ CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "AcceptsTwice", "AcceptsBefore
 
 
 def machine(base: type, transport: type) -> Any:
-    return type(f"{transport.__name__}Machine", (base,), {"transport": transport, **FAST})
+    return seed(SEED)(type(f"{transport.__name__}Machine", (base,),
+                           {"transport": transport, **FAST}))
 
 
 @pytest.mark.parametrize(("base", "transport"), [

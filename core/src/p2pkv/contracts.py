@@ -420,7 +420,10 @@ class DataTransport(_Transport):
         block may fill two slots). Raises ``TransferSubmitError`` on any failure (unknown
         peer, bad index naming it, empty read, backend refusal, closed transport); never
         returns a sentinel. Our destination blocks must not be touched by the caller until
-        the id is reported or cancelled.
+        the id is reported or cancelled. A refusal is final like a cancel: nothing of the
+        read can land after ``read_blocks`` raised; a backend that copies as it posts (NIXL
+        over ``cma``) may have written the named blocks before it noticed the failure (a
+        peer that died under the call), so their contents are garbage, never data.
         """
         if self._closed:
             raise TransferSubmitError(f"the {self.name} data transport is closed")

@@ -9,6 +9,7 @@ regions (wire 2.0: the consumer posts every transfer into its region).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -139,16 +140,29 @@ def host() -> Iterator[PeerHost]:
         yield peer_host
 
 
-@pytest.fixture(scope="module")
-def tcp_host() -> Iterator[PeerHost]:
+@contextlib.contextmanager
+def _tcp_child(name: str) -> Iterator[PeerHost]:
     """A child whose UCX runs with ``UCX_TLS=tcp`` (no ``cma``: what a peer on another host
     without RDMA looks like); started at once, so only it sees the variable."""
-    with pytest.MonkeyPatch.context() as env, PeerHost(
-        timeout=60.0, name="p2pkv-nixl-tcp-producers"
-    ) as peer_host:
+    with pytest.MonkeyPatch.context() as env, PeerHost(timeout=60.0, name=name) as peer_host:
         env.setenv("UCX_TLS", "tcp")
         assert peer_host.child.process.is_alive()
         env.undo()
+        yield peer_host
+
+
+@pytest.fixture(scope="module")
+def tcp_host() -> Iterator[PeerHost]:
+    """Healthy tcp-only producers for the whole module (see ``_tcp_child``)."""
+    with _tcp_child("p2pkv-nixl-tcp-producers") as peer_host:
+        yield peer_host
+
+
+@pytest.fixture
+def doomed_tcp() -> Iterator[PeerHost]:
+    """A tcp-only child of its own (see ``_tcp_child``), for a test that pauses it: reads
+    from it are executed by its worker, so they stay in flight while it is stopped."""
+    with _tcp_child("p2pkv-nixl-doomed-tcp") as peer_host:
         yield peer_host
 
 

@@ -2,11 +2,12 @@
 nothing is freed under a transfer.
 
 A producer that is SIGSTOPped before we add it never progresses its UCX worker, so the
-connection cannot finish wiring up and our reads from it stay in flight (``PROC``): that is how
-these tests hold a read "mid-flight" deterministically. Over the same-host ``cma`` lane (these
-peers' default) our own process executes the read, so releasing its handle ends it: a cancel is
-final at once (see the transport's module docstring; staged reads over ``tcp`` are tested in
-``test_staging``).
+connection cannot finish wiring up: its warm-up READ stays in flight (``PROC``) and our reads
+from it are *held*, unposted, until it ends ``DONE`` (a GET queued on an endpoint still wiring
+up cannot be taken back; see ``NixlDataTransport._post_read``). That is how these tests hold a
+read "mid-flight" deterministically; ending a held read is final at once. Over the same-host
+``cma`` lane (these peers' default) our own process executes a posted read as it is posted
+(staged reads over ``tcp`` are tested in ``test_staging``).
 """
 
 from __future__ import annotations
@@ -39,13 +40,29 @@ def _stalled(make_local, doomed, **options):
     return consumer, producer, ids
 
 
+def _stalled_posted(make_local, doomed_tcp, **options):
+    """As ``_stalled``, but with reads posted: the connection to a tcp-only producer is wired
+    up before it is paused, and the consumer reads it directly (``staging: never``), so its
+    stopped worker, which executes our GETs over tcp, keeps them in flight (``PROC``). (Over
+    ``cma`` a read posted on a wired connection is done as it is posted.)"""
+    consumer = make_local(num_blocks=16, block_len=BLOCK, staging="never", **options)
+    producer = doomed_tcp.data_peer(NixlDataTransport, 16, BLOCK, {})
+    producer.fill(8)
+    t = consumer.transport
+    t.add_peer("p", producer.descriptor)
+    producer.add_peer("c", t.descriptor())
+    wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
+               pumps=[t.progress])
+    doomed_tcp.pause()
+    ids = {t.read_blocks("p", [i], [i]) for i in range(4)}
+    assert all(read.handle is not None for read in t._reads_in_flight())
+    assert t.poll("p") == EMPTY_POLL, "reads from a paused peer ended"
+    return consumer, producer, ids
+
+
 def _warmup_ids(transport) -> set[int]:
     """Ids of the connection warm-up READs still running (drained like transfers)."""
     return {peer.warmup_id for peer in transport._peers if peer.warmup is not None}
-
-
-def _read_handles(transport) -> set[int]:
-    return {id(read.handle) for read in transport._reads_in_flight()}
 
 
 def _drained_by_a_neighbour(transport, make_local) -> None:
@@ -100,6 +117,8 @@ def test_cancel_of_direct_reads_is_final(make_local, doomed, poll_log) -> None:
     log.cancel(sorted(ids))  # PollLog: returns None, and the ids are never reported
     consumer.blocks[:4] = CANARY
     doomed.resume()
+    wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
+               pumps=[t.progress])  # the connection wires up: a queued GET would run now
     assert _poll_for(t, "p", 1.0) == []
     assert (consumer.blocks[:4] == CANARY).all(), "a cancelled read landed"
     tid = log.submitted(t.read_blocks("p", [5], [5]), "p")  # the peer itself is fine
@@ -109,15 +128,34 @@ def test_cancel_of_direct_reads_is_final(make_local, doomed, poll_log) -> None:
     assert t.close() == []
 
 
-def test_close_ends_reads_then_drains_the_warmup_then_releases_in_order(
+def test_reads_held_for_the_wire_up_are_posted_once_it_is_done(make_local, doomed,
+                                                                wait_for) -> None:
+    consumer, producer, ids = _stalled(make_local, doomed)
+    t = consumer.transport
+    held = list(t._reads_in_flight())
+    assert len(held) == len(ids) and all(read.handle is None for read in held)
+    assert t.descriptors_posted == 0  # nothing queued in UCX while the endpoint wires up
+
+    doomed.resume()
+    done, failed = wait_for(t, "p", ids)
+
+    assert done == ids and not failed
+    source = np.frombuffer(producer.region_bytes(), np.uint8).reshape(-1, BLOCK)
+    np.testing.assert_array_equal(consumer.blocks[:4], source[:4])
+    assert t.descriptors_posted == len(ids)
+    assert t.close() == []
+
+
+def test_close_ends_held_reads_then_drains_the_warmup_then_releases_in_order(
     make_local, doomed, record, when
 ) -> None:
-    """close releases the reads' handles first, waits for the warm-up to end, then releases
-    the peer's descriptor list and agent, our list, and deregisters memory."""
+    """close ends the held reads without a NIXL call (none was posted), waits for the
+    warm-up to end and releases it, then releases the peer's descriptor list and agent, our
+    list, and deregisters memory."""
     consumer, _, ids = _stalled(make_local, doomed)
     t = consumer.transport
-    reads = _read_handles(t)
-    assert len(reads) == len(ids)
+    assert len(list(t._reads_in_flight())) == len(ids)
+    [warmup] = [peer.warmup for peer in t._peers]
     recorder = record(t)
     closing = threading.Event()
     recorder.on_check = closing.set
@@ -127,7 +165,7 @@ def test_close_ends_reads_then_drains_the_warmup_then_releases_in_order(
 
     names = recorder.names()
     released = [d for n, d in recorder.calls if n == "release_xfer_handle"]
-    assert set(released[: len(reads)]) == reads  # the reads went first, at once
+    assert released == [id(warmup)]  # the held reads had no handle to release
     last_release = max(i for i, n in enumerate(names) if n == "release_xfer_handle")
     assert last_release < names.index("release_dlist_handle")
     assert names.index("remove_remote_agent") > names.index("release_dlist_handle")
@@ -360,12 +398,12 @@ def test_cancel_ignores_unknown_and_reported_ids_and_nothing_runs_after_close(
 
 
 def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
-    make_local, doomed, record, caplog, wait_for
+    make_local, doomed_tcp, record, caplog, wait_for
 ) -> None:
     """NIXL refusing to release a cancelled direct read (it could not cancel it): cancel drives
     our worker up to drain_timeout; a read still running then is kept aside (logged as an
     error: on a non-cma lane its bytes could land) and released once NIXL reports it ended."""
-    consumer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
+    consumer, _, ids = _stalled_posted(make_local, doomed_tcp, drain_timeout=0.2)
     t = consumer.transport
     recorder = record(t)
     recorder.refuse_release = True
@@ -380,7 +418,7 @@ def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
     assert any("still runs after" in r.getMessage() for r in caplog.records)
 
     recorder.refuse_release = False
-    doomed.resume()
+    doomed_tcp.resume()
     wait_until(lambda: not registration.quarantined, timeout=15.0,
                what="the kept read to end and be released", pumps=[t.progress])
     rest = ids - {tid}  # never cancelled: they complete and are reported

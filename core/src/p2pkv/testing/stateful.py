@@ -160,6 +160,16 @@ class DataTransportMachine(KitMachine):
         for k, idx in enumerate(t.local):
             self.expected[idx * b:(idx + 1) * b] = canary[k * b:(k + 1) * b]
 
+    def _refused(self, local: list[int]) -> None:
+        """A refused read's slots may hold whatever landed before the refusal (a backend
+        that copies as it posts, from a peer that died under the call): the model takes
+        them as they are now, and from now on nothing may change them (the late-landing
+        rule, as after a cancel)."""
+        region = self.local.region_bytes()
+        b = self.block_len
+        for idx in local:
+            self.expected[idx * b:(idx + 1) * b] = region[idx * b:(idx + 1) * b]
+
     def _record(self, done: Sequence[int], failed: Sequence[int]) -> None:
         region = self.local.region_bytes()
         for tid in done:
@@ -198,6 +208,7 @@ class DataTransportMachine(KitMachine):
             tid = self.log.submitted(self.local.read_blocks(pid, local, remote), pid)
         except TransferSubmitError:
             assert not self._live(pid), f"a valid read from live peer {pid} was refused"
+            self._refused(local)
             return
         payload = [self._block(self.sources[pid], i) for i in remote]
         self.reads[tid] = _Read(tid, pid, local, payload)

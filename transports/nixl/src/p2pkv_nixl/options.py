@@ -56,7 +56,9 @@ class NixlOptions:
     """Extra init parameters per backend, e.g. ``{"UCX": {"ucx_error_handling_mode": "none"}}``."""
     warmup: bool = True
     """``add_peer`` posts a tiny READ from the peer so the connection is wired up before the
-    first real read (otherwise that read pays the endpoint wire-up)."""
+    first real read. Off: the first direct read posts it, and waits (held, unposted) for it:
+    a direct read is never posted on a connection still wiring up (see the transport's
+    finality rule)."""
     staging: Staging = "auto"
     """Where reads land first. ``auto``: straight into the slots when the peer is on this
     host and both sides have UCX's ``cma`` (our own process copies, so a cancel is final),

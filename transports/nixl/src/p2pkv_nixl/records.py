@@ -36,15 +36,18 @@ class RemoteAgent:
 class Read:
     """A posted read (the base's handle for it): a direct one's NIXL READ handle, or a staged
     one's pool blocks ``stage`` and request id (it has no handle of ours: the producer serves
-    it with a WRITE). ``ended``/``ok``: a staged read's completion or failure arrived."""
+    it with a WRITE). ``ended``/``ok``: a staged read's completion or failure arrived. A direct
+    read *held* for its peer's connection wire-up has no handle yet and keeps the peer's
+    indexes in ``remote`` until it is posted."""
 
-    __slots__ = ("ended", "handle", "local", "ok", "peer", "request", "stage")
+    __slots__ = ("ended", "handle", "local", "ok", "peer", "remote", "request", "stage")
 
     def __init__(self, peer: Peer, local: Indexes, stage: npt.NDArray[np.int32] | None) -> None:
         self.peer = peer
         self.local = local
         self.stage = stage
         self.handle: Any = None
+        self.remote: Indexes | None = None
         self.request = 0
         self.ended = False
         self.ok = False
@@ -67,7 +70,7 @@ class Peer:
 
     __slots__ = (
         "base", "current", "dlist", "lane", "num_blocks", "peer_id", "quarantined", "remote",
-        "serving", "slices", "warmup", "warmup_id",
+        "serving", "slices", "warmup", "warmup_id", "wired",
     )
 
     def __init__(
@@ -90,6 +93,10 @@ class Peer:
         """The connection warm-up READ's handle until it ended and was released."""
         self.warmup_id = 0
         """The warm-up's id (reported only by a ``remove_peer``/``close`` it outlives)."""
+        self.wired = False
+        """A warm-up READ of this record ended ``DONE``: UCX's endpoint to the peer is wired
+        up, so a direct READ posted now executes in our process as it is posted (``cma``)
+        rather than waiting, unstoppable, in the endpoint's queue."""
         self.serving: dict[int, Serving] = {}
         """internal id -> a WRITE serving this peer's staged read request, still running."""
 

@@ -58,8 +58,12 @@ endpoint; its reads then fail and its quarantines end. A staged peer's ``add_pee
 such a ping too (a READ would be a GET again). Both sides must add each other (p2pkv always
 does): a producer serves only agents it added.
 
-Finality (``cancel``, ``remove_peer``, re-adding a peer, ``close``): a direct read's handle is
-released; should NIXL refuse (it could not cancel), ``cancel`` drives our worker up to
+Finality (``cancel``, ``remove_peer``, re-adding a peer, ``close``): a direct read is posted
+only once the peer's connection is wired up (its warm-up READ ended ``DONE``; until then the
+read is held, unposted, and ending it is final at once), because UCX queues a GET on an
+endpoint still wiring up and runs it later, and releasing the handle does not dequeue it (NIXL
+calls ``ucp_request_cancel``, a no-op for a GET). A posted direct read's handle is released;
+should NIXL refuse (it could not cancel), ``cancel`` drives our worker up to
 ``drain_timeout`` and releases once the read ended (on ``cma`` it ends by our own progress);
 one still running then can only be on a non-``cma`` lane, which ``auto`` never reads directly
 from: it is kept aside, logged as an error, and its bytes may land (with ``staging: never``
@@ -179,7 +183,7 @@ class NixlDataTransport(DataTransport):
         """The first block of each of our region's registrations (direct READs cut at them)."""
         region = register_region(
             self._agent, self._agent_name, self._blocks.reshape(-1), self.block_len,
-            extra=(self._scratch,) if self._options.warmup else (),
+            extra=(self._scratch,),
             slices=slices, host=self._host, cma=self._cma,
         )
         self._memory = region.registrations
@@ -279,7 +283,7 @@ class NixlDataTransport(DataTransport):
             if lane == "staged":
                 self._ping(remote, "connection warm-up")
             else:
-                self._start_warmup(peer, desc.base)
+                self._start_warmup(peer)
         return peer
 
     def _detach_peer(self, peer: Peer) -> list[int]:
@@ -380,16 +384,17 @@ class NixlDataTransport(DataTransport):
             else:
                 log.debug("nixl: %s of agent %s not sent: %s", why, remote.name, exc)
 
-    def _start_warmup(self, peer: Peer, remote_base: int) -> None:
+    def _start_warmup(self, peer: Peer) -> None:
         """Post an 8-byte READ from the peer's region into our scratch: it wires the
         connection up while both sides progress, and touches neither region's contents.
-        It is released only once NIXL reports it ended."""
+        It is released only once NIXL reports it ended; ending ``DONE`` marks the peer
+        ``wired``, which direct reads wait for (see ``_post_read``)."""
         length = min(_WARMUP_BYTES, self.block_len)
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
                 self._agent.get_xfer_descs([(int(self._scratch.ctypes.data), length, 0)], "DRAM"),
-                self._agent.get_xfer_descs([(remote_base, length, 0)], "DRAM"),
+                self._agent.get_xfer_descs([(peer.base, length, 0)], "DRAM"),
                 peer.remote.name,
             )
         except Exception as exc:
@@ -403,7 +408,7 @@ class NixlDataTransport(DataTransport):
             self._warmup_ended(peer, exc)
             return
         if state != "PROC":
-            self._warmup_ended(peer, None)
+            self._warmup_ended(peer, None, state)
 
     def _check_warmup(self, peer: Peer) -> bool:
         """End the peer's warm-up if NIXL reports it terminal; whether it ended."""
@@ -411,14 +416,17 @@ class NixlDataTransport(DataTransport):
             state = self._agent.check_xfer_state(peer.warmup)
         except Exception as exc:
             return self._warmup_ended(peer, exc)
-        return state != "PROC" and self._warmup_ended(peer, None)
+        return state != "PROC" and self._warmup_ended(peer, None, state)
 
-    def _warmup_ended(self, peer: Peer, exc: BaseException | None) -> bool:
-        """Release an ended warm-up; False if NIXL refused (it is tried again next tick)."""
+    def _warmup_ended(self, peer: Peer, exc: BaseException | None, state: str = "ERR") -> bool:
+        """Release an ended warm-up (``DONE``: the peer is ``wired``); False if NIXL refused
+        (it is tried again next tick)."""
         if isinstance(exc, self._nixl.remote_disconnect):
             self._disconnected(peer.remote)
-        elif exc is not None:
-            log.info("nixl: connection warm-up to %s failed: %s", peer.peer_id, exc)
+        elif exc is not None or state != "DONE":
+            log.info("nixl: connection warm-up to %s failed: %s", peer.peer_id, exc or state)
+        else:
+            peer.wired = True
         try:
             self._agent.release_xfer_handle(peer.warmup)
         except Exception as release_exc:
@@ -440,7 +448,15 @@ class NixlDataTransport(DataTransport):
     def _post_read(self, peer: Peer, local: Indexes, remote: Indexes) -> Read:
         """A direct READ into our slots, or a staged read's request to the producer. A staged
         read also takes ``len(local)`` pool blocks, refused (``TransferSubmitError`` naming
-        ``staging_blocks``) when too few are free; nothing is posted then."""
+        ``staging_blocks``) when too few are free; nothing is posted then.
+
+        A direct read to a peer not ``wired`` yet is *held*, not posted: UCX queues a GET on
+        an endpoint still wiring up and executes it once the wire-up completes, and NIXL
+        cannot take it back (releasing its handle does not dequeue it), so a read cancelled
+        in that window would land later, in slots given to something else. The held read is
+        posted by the ``poll`` that first sees the warm-up ``DONE`` (started here if
+        ``add_peer`` did not, data option ``warmup``), and fails if the warm-up fails; ending
+        it before that is final at once (nothing was posted)."""
         if peer.remote.disconnected:
             raise TransferSubmitError(
                 f"peer {peer.peer_id!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT); add it "
@@ -452,7 +468,12 @@ class NixlDataTransport(DataTransport):
             self._request(read, remote)
         else:
             read = Read(peer, local, None)
-            self._post_direct(read, remote)
+            if not peer.wired and peer.warmup is None:
+                self._start_warmup(peer)
+            if peer.wired:
+                self._post_direct(read, remote)
+            else:
+                read.remote = remote
         return read
 
     def _request(self, read: Read, remote: Indexes) -> None:
@@ -512,6 +533,8 @@ class NixlDataTransport(DataTransport):
         succeeded). A disconnect fails it; any other error is the base's (it ends the read)."""
         if read.stage is not None:
             return self._staged_state(read)
+        if read.handle is None:
+            return self._held_state(read)
         if not read.peer.remote.disconnected:
             try:
                 state = self._agent.check_xfer_state(read.handle)
@@ -526,6 +549,21 @@ class NixlDataTransport(DataTransport):
             state = "ERR"
         self._release(read.handle)
         return ReadState.DONE if state == "DONE" else ReadState.FAILED
+
+    def _held_state(self, read: Read) -> ReadState:
+        """A read held for its peer's wire-up: posted (then checked) once the peer is wired,
+        failed once its warm-up ended otherwise or the peer is gone, else pending. A post
+        NIXL refuses raises ``TransferSubmitError`` (the base fails the read)."""
+        peer = read.peer
+        if peer.remote.disconnected or not (peer.wired or peer.warmup is not None):
+            log.info("nixl: a read from %s failed: its connection never wired up", peer.peer_id)
+            return ReadState.FAILED
+        if not peer.wired:
+            return ReadState.PENDING
+        remote, read.remote = read.remote, None
+        assert remote is not None  # held reads keep their peer's indexes
+        self._post_direct(read, remote)
+        return self._read_state(read)
 
     def _staged_state(self, read: Read) -> ReadState:
         """Answered: copied into the slots (if ok); peer gone: failed; else pending."""
@@ -800,8 +838,11 @@ class NixlDataTransport(DataTransport):
         worker is driven until the read ends, up to ``deadline``; one still running then is
         kept aside and may still land (see the module docstring)."""
         peer = read.peer
+        if read.handle is None:
+            return  # held, or ended already: nothing of it is posted
         try:
             self._agent.release_xfer_handle(read.handle)
+            read.handle = None
             return
         except Exception as exc:
             log.warning("nixl: a cancelled read from %s was not released (%s); driving it to "
@@ -818,6 +859,7 @@ class NixlDataTransport(DataTransport):
                 return
             self._progress_worker()
         self._release(read.handle)
+        read.handle = None
 
     def _keep(self, read: Read) -> None:
         """Hold an ended read that may still be written until NIXL reports it ended."""

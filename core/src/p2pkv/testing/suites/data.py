@@ -30,7 +30,7 @@ class DataTransportSuite(_SuiteBase):
     block_len: ClassVar[int] = 256
     late_landing_window: ClassVar[float] = 0.5
     """Seconds the late-landing tests keep both sides progressing after a read was ended."""
-    poll_budget: ClassVar[int] = 1000
+    poll_budget: ClassVar[int] = 100
     """Polls of each side within which one read, alone in an idle process, must complete."""
 
     # -- fixtures -------------------------------------------------------------------------
