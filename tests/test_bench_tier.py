@@ -78,6 +78,15 @@ def test_every_tier_cell_moved_verified_bytes(tier_doc: Doc) -> None:
         assert row["producer_cpu_us"] > 0 and row["consumer_cpu_us"] > 0
 
 
+def test_descriptors_per_request_come_from_the_tier_stats(tier_doc: Doc) -> None:
+    """nixl counts its descriptors (``DataTransport.descriptors_posted``, passed on by
+    ``P2PTier.stats``): at least one per request, at most one per block (runs coalesce)."""
+    for row in tier_doc[0]["rows"]:
+        per_request = row["descriptors_per_request"]
+        assert per_request is not None, row
+        assert 1 <= per_request <= row["batch"], row
+
+
 def test_first_pulls_are_reported_cold_and_after_connect(tier_doc: Doc) -> None:
     """One fresh pair of each kind per data transport (--quick), every pull verified."""
     (first,) = tier_doc[0]["first_pull"]

@@ -305,6 +305,12 @@ class DataTransport(_Transport):
     _closed: bool = False
     """Set by ``close``. A class default, so a transport that overrides every public method
     and never calls ``DataTransport.__init__`` still inherits a working ``progress``."""
+    descriptors_posted: int | None = None
+    """Transfer operations this transport posted to its library so far, one per run of
+    blocks it moves as one (a NIXL descriptor, a UCX message), for the reads it made and
+    those it served; ``None`` (the default) when the backend does not count them.
+    ``P2PTier.stats`` reports it as ``descriptors_posted``, and ``p2pkv bench --tier`` as
+    descriptors per request. Read on the driver thread."""
 
     def __init__(self, settings: DataSettings) -> None:
         """Check the region once (``ConfigError``: not a memoryview, read-only, not

@@ -26,6 +26,8 @@ Indexes = npt.NDArray[np.int64]
 
 _SMALL = 64
 """Up to this many indexes a ``set`` finds repeats faster than a sort."""
+_FRESH = (list, tuple)
+"""Index containers ``np.asarray`` always copies into a new array."""
 
 
 class ReadState(enum.Enum):
@@ -56,15 +58,14 @@ def check_read(
     within ``0..peer_num_blocks-1``. A remote index may repeat (one source block may fill two
     slots). Raises ``TransferSubmitError`` naming the side and the offending index.
     """
-    peer = f" (peer {peer_id!r})" if peer_id else ""
-    local = _indexes(local_idxs, "local")
-    remote = _indexes(remote_idxs, f"remote{peer}")
+    local = _indexes(local_idxs, "local", "")
+    remote = _indexes(remote_idxs, "remote", peer_id)
     if len(local) != len(remote):
         raise TransferSubmitError(f"{len(local)} local but {len(remote)} remote block indexes")
     if len(local) == 0:
         raise TransferSubmitError("the block indexes are empty: a read names at least one block")
-    _within(local, num_blocks, "local")
-    _within(remote, peer_num_blocks, f"remote{peer}")
+    _within(local, num_blocks, "local", "")
+    _within(remote, peer_num_blocks, "remote", peer_id)
     _distinct(local)
     return local, remote
 
@@ -101,18 +102,27 @@ def allocated_region(
     return region
 
 
-def _indexes(idxs: Sequence[int], what: str) -> Indexes:
+def _side(what: str, peer_id: str) -> str:
+    """The side an error names: ``what``, and the peer if known (built only for errors)."""
+    return f"{what} (peer {peer_id!r})" if peer_id else what
+
+
+def _indexes(idxs: Sequence[int], what: str, peer_id: str) -> Indexes:
     arr = np.asarray(idxs)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise TransferSubmitError(f"{what} block indexes must be a flat sequence of integers")
-    return arr.astype(np.int64)  # a copy: the caller may reuse its list or array
+        raise TransferSubmitError(
+            f"{_side(what, peer_id)} block indexes must be a flat sequence of integers")
+    if arr.dtype == np.int64 and type(idxs) in _FRESH:
+        return arr  # numpy built it from the list: already ours
+    return arr.astype(np.int64)  # a copy: the caller may reuse its array
 
 
-def _within(arr: Indexes, limit: int, what: str) -> None:
+def _within(arr: Indexes, limit: int, what: str, peer_id: str) -> None:
     if int(arr.view(np.uint64).max()) < limit:  # negatives wrap above any limit
         return
     bad = int(arr[(arr < 0) | (arr >= limit)][0])
-    raise TransferSubmitError(f"{what} block index {bad} is outside 0..{limit - 1}")
+    raise TransferSubmitError(
+        f"{_side(what, peer_id)} block index {bad} is outside 0..{limit - 1}")
 
 
 def _distinct(local: Indexes) -> None:

@@ -364,7 +364,8 @@ class P2PTier:
 
     @driver_call
     def stats(self) -> dict[str, int]:
-        """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers)."""
+        """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers, and
+        ``descriptors_posted`` when the data transport counts them)."""
         c = self._env.counters
         out = {f"jobs_{o.value}": n for o, n in self._ledger.outcomes.items()}
         out.update(
@@ -383,6 +384,8 @@ class P2PTier:
             protocol_errors=c["protocol_errors"],
             handshake_rejections=c["handshake_rejections"],
         )
+        if self._data.descriptors_posted is not None:
+            out["descriptors_posted"] = self._data.descriptors_posted
         return out
 
     # -- internals --------------------------------------------------------------------------

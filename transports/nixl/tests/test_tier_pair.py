@@ -89,3 +89,17 @@ def test_tier_pair_over_zmq_and_nixl_moves_bytes_exactly(pair: Pair, order: str)
         slots = rng.choice(NUM_BLOCKS, size=96, replace=False).tolist()
         dst = rng.choice(NUM_BLOCKS, size=96, replace=False).tolist()
         pair.request(f"{order}-{round_}", slots, dst, order == "consumer_first")
+
+
+def test_the_tier_reports_the_descriptors_its_reads_posted(pair: Pair) -> None:
+    """``P2PTier.stats`` passes the data transport's ``descriptors_posted`` on: a request
+    of 8 blocks contiguous on both sides (one run) posts one descriptor, 8 scattered ones 8."""
+    def posted() -> int:
+        return int(pair.tier.stats()["descriptors_posted"])
+
+    before = posted()
+    pair.request("contiguous", list(range(8)), list(range(16, 24)), False)
+    assert posted() - before == 1
+    before = posted()
+    pair.request("scattered", list(range(0, 16, 2)), list(range(32, 48, 2)), False)
+    assert posted() - before == 8

@@ -87,9 +87,10 @@ def test_a_contiguous_read_posts_fewer_messages_than_a_scattered_one(nodes: Make
     counts = []
     for dst, src in [(list(range(32)), list(range(32, 64))),
                      (list(range(0, 64, 2)), list(range(63, 0, -2)))]:
-        sent, received = producer.t.messages_posted, consumer.t.messages_posted
+        sent, received = producer.t.descriptors_posted, consumer.t.descriptors_posted
         _read(producer, consumer, dst, src)
-        counts.append((producer.t.messages_posted - sent, consumer.t.messages_posted - received))
+        counts.append((producer.t.descriptors_posted - sent,
+                       consumer.t.descriptors_posted - received))
     assert counts == [(1, 1), (32, 32)]
 
 

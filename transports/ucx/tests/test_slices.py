@@ -54,14 +54,15 @@ def test_reads_cross_slices_byte_exact_one_message_per_piece(
          1 + len(_cuts(16, 32, 3) | _cuts(32, 32, producer_blocks))),
         (scattered, list(range(40)), None),
     ]:
-        sent, received = producer.t.messages_posted, consumer.t.messages_posted
+        sent, received = producer.t.descriptors_posted, consumer.t.descriptors_posted
         tid = consumer.t.read_blocks("p", dst, src)
         settle([producer, consumer], {consumer: {tid}}, "the read")
         assert tid in consumer.done
         assert (consumer.blocks[dst] == producer.blocks[src]).all()
         if runs is not None:
-            assert (producer.t.messages_posted - sent, consumer.t.messages_posted - received) \
-                == (runs, runs)
+            posted = (producer.t.descriptors_posted - sent,
+                      consumer.t.descriptors_posted - received)
+            assert posted == (runs, runs)
 
 
 def test_a_producer_refuses_a_run_across_its_slices(nodes: Make) -> None:

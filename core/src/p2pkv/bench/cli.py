@@ -124,8 +124,8 @@ def add_parser(sub: Any) -> None:
                    help="submit_load to result through two real P2PTiers (two processes), "
                    "both arrival orders, per cell: GB/s, p50/p99, CPU per request per side, "
                    "ratios to raw and memcpy; data transports from --transports (default "
-                   "nixl); descriptors per request only when the tier's stats count "
-                   "descriptors_posted")
+                   "nixl); descriptors per request when the data transport counts them "
+                   "(nixl, ucx)")
     p.add_argument("--tier-control", metavar="NAME",
                    help="control transport of --tier (default zmq)")
     p.add_argument("--recompute-rate", type=_positive_rate, metavar="TOKENS_PER_S",

@@ -43,8 +43,8 @@ def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: st
                           _ratio(r.ratio_memcpy), lat, cost, *desc)
         console.print(table)
         if not described:
-            console.print("descriptors per request: not reported (the tier's stats have no "
-                          "descriptors_posted counter)")
+            console.print("descriptors per request: not reported (this data transport does "
+                          "not count descriptors_posted)")
     for r in rows:
         if r.error:
             console.print(f"[red]{escape(r.series)} {format_size(r.block_size)} x{r.batch} "

@@ -62,9 +62,18 @@ class _Hub:
     """Process-wide table of listening memory control transports."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
+        """Guards all shared state (taken directly on the hot paths: cheaper than ``cond``)."""
+        self.cond = threading.Condition(self.lock)
+        self.waiting = 0
+        """Threads waiting on ``cond`` in ``poll`` (changed under the lock)."""
         self.listeners: dict[str, MemoryControlTransport] = {}
         self._ports = itertools.count(_FIRST_FAKE_PORT)
+
+    def wake(self) -> None:
+        """Wake the threads waiting in ``poll`` (lock held); nothing to do when none waits."""
+        if self.waiting:
+            self.cond.notify_all()
 
     def fake_address(self, host: str) -> str:
         """A ``host:port`` nobody listens on; ports count up and wrap inside 1024..65535."""
@@ -108,14 +117,15 @@ class MemoryConnection(ControlConnection):
         cap = self._transport.max_frame_bytes
         if len(frame) > cap:
             raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds max_frame_bytes={cap}")
-        with _HUB.cond:
+        with _HUB.lock:
             if len(self.out) >= self._transport.max_queued_frames:
                 raise SendQueueFull(
                     f"{len(self.out)} frames to {self._peer_address} wait undelivered "
                     f"(max_queued_frames={self._transport.max_queued_frames})"
                 )
             self.out.append(bytes(frame))
-            _HUB.cond.notify_all()
+            if _HUB.waiting:
+                _HUB.cond.notify_all()
 
     def recv(self) -> Sequence[bytes]:
         frames = self.inbox
@@ -125,7 +135,7 @@ class MemoryConnection(ControlConnection):
         return frames
 
     def close(self) -> None:
-        with _HUB.cond:
+        with _HUB.lock:
             self.kill("closed")
 
     def kill(self, reason: str) -> None:
@@ -136,7 +146,7 @@ class MemoryConnection(ControlConnection):
         self._transport.forget(self)
         if self.peer is not None:
             self.peer.peer_closed = True
-            _HUB.cond.notify_all()
+            _HUB.wake()
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else self.dead_reason
@@ -163,7 +173,7 @@ class MemoryControlTransport(ControlTransport):
         self._conns: dict[str, MemoryConnection] = {}
         self._accepted: list[MemoryConnection] = []
         self._closed = False
-        with _HUB.cond:
+        with _HUB.lock:
             self._address = _local_address(settings)
             if self._address in _HUB.listeners:
                 raise ConfigError(f"memory address {self._address} is already in use")
@@ -187,7 +197,7 @@ class MemoryControlTransport(ControlTransport):
                 f"memory transport {address} cannot connect to itself (the memory transport "
                 f"is process-local: a peer in another process with the same address is "
                 f"unreachable; use a network control transport such as zmq)")
-        with _HUB.cond:
+        with _HUB.lock:
             if self._closed:
                 raise ConnectionClosed(f"transport {self._address} is closed")
             conn = self._conns.get(address)
@@ -202,13 +212,17 @@ class MemoryControlTransport(ControlTransport):
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         deadline = time.monotonic() + timeout
-        with _HUB.cond:
+        with _HUB.lock:
             while not self._closed:
                 moved = self._progress()
                 remaining = deadline - time.monotonic()
                 if moved or remaining <= 0:
                     break
-                _HUB.cond.wait(remaining)
+                _HUB.waiting += 1
+                try:
+                    _HUB.cond.wait(remaining)
+                finally:
+                    _HUB.waiting -= 1
             if not self._accepted:
                 return []
             # An inbound connection is announced once, with its first frames buffered (or
@@ -222,7 +236,7 @@ class MemoryControlTransport(ControlTransport):
             return ready
 
     def close(self) -> None:
-        with _HUB.cond:
+        with _HUB.lock:
             if self._closed:
                 return
             self._closed = True
@@ -231,7 +245,7 @@ class MemoryControlTransport(ControlTransport):
             self._accepted = []
             if _HUB.listeners.get(self._address) is self:
                 del _HUB.listeners[self._address]
-            _HUB.cond.notify_all()
+            _HUB.wake()
 
     # -- internals (hub lock held) -------------------------------------------------------
 
@@ -254,7 +268,7 @@ class MemoryControlTransport(ControlTransport):
             target._conns[self._address] = other
             target._accepted.append(other)
         conn.peer, other.peer = other, conn
-        _HUB.cond.notify_all()
+        _HUB.wake()
         return True
 
     def _progress(self) -> bool:

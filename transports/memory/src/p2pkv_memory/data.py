@@ -123,9 +123,34 @@ class MemoryDataTransport(DataTransport):
             source = _REGIONS.get(read.region)
             if source is None:
                 return False
-            self._blocks[read.local] = source[read.remote]
+            _copy_blocks(self._blocks, read.local, source, read.remote)
         read.copied = True
         return True
+
+
+def _run_start(idxs: Indexes) -> int:
+    """``idxs[0]`` when ``idxs`` is one ascending run (``i, i+1, ...``), else -1."""
+    first = int(idxs[0])
+    n = len(idxs)
+    if n == 1 or (int(idxs[-1]) - first == n - 1 and bool((idxs[1:] > idxs[:-1]).all())):
+        return first
+    return -1
+
+
+def _copy_blocks(dst: npt.NDArray[np.uint8], local: Indexes, src: npt.NDArray[np.uint8],
+                 remote: Indexes) -> None:
+    """``dst[local] = src[remote]`` (checked indexes), in one pass over the bytes when either
+    side is one run of blocks (no temporary copy of the source blocks)."""
+    n = len(local)
+    start = _run_start(local)
+    if start >= 0:  # mode="clip": the indexes are checked; "raise" would buffer the output
+        np.take(src, remote, axis=0, out=dst[start:start + n], mode="clip")
+        return
+    start = _run_start(remote)
+    if start >= 0:
+        dst[local] = src[start:start + n]
+    else:
+        dst[local] = src[remote]
 
 
 def _is_count(value: object) -> TypeGuard[int]:

@@ -104,9 +104,10 @@ MAX_BLOCKS = 1 << 32
 class UcxDataTransport(DataTransport):
     """``DataTransport`` over ucxx tag send/receive (see the module docstring).
 
-    ``messages_posted`` counts the DATA messages (runs) this transport posted: sends serving
-    peers' reads and receives of runs (into staging or scratch). Coalescing shows in it: a
-    read contiguous on both sides travels as one message per ``max_message_bytes``.
+    ``descriptors_posted`` (the base's counter) counts the DATA messages (runs) this transport
+    posted: sends serving peers' reads and receives of runs (into staging or scratch).
+    Coalescing shows in it: a read contiguous on both sides travels as one message per
+    ``max_message_bytes``.
     """
 
     name: ClassVar[str] = "ucx"
@@ -150,7 +151,7 @@ class UcxDataTransport(DataTransport):
         self._timeout = options.transfer_timeout if options.transfer_timeout > 0 else math.inf
         self._links = itertools.count(1)
         self._init_tables()
-        self.messages_posted = 0
+        self.descriptors_posted = 0
 
     def _init_tables(self) -> None:
         self._peers: set[Peer] = set()
@@ -485,7 +486,7 @@ class UcxDataTransport(DataTransport):
                     self._staging.recycle(buf)
                     self._fail(read, f"UCX refused a receive ({type(exc).__name__}: {exc})")
                     return
-                self.messages_posted += 1
+                self.descriptors_posted += 1
                 read.taken[run] = True
                 read.staged += nbytes
                 self._receiving.append(Receive(read, run, req, buf))
@@ -507,7 +508,7 @@ class UcxDataTransport(DataTransport):
             self._scratch = np.empty(self._max_run * self.block_len, np.uint8)
         sink = self._scratch[: max(1, min(found.length, len(self._scratch)))]
         req = self._worker.tag_recv_with_handle(self._array(sink), found)
-        self.messages_posted += 1
+        self.descriptors_posted += 1
         self._drains.append(req)
         return req
 
@@ -606,7 +607,7 @@ class UcxDataTransport(DataTransport):
                 notice.starts.tolist(), notice.lengths.tolist(), strict=True
             )):
                 serve.requests.append(send(array(blocks[s:s + n]), tag(first | run)))
-                self.messages_posted += 1
+                self.descriptors_posted += 1
         except Exception as exc:  # a failed endpoint refuses new sends
             serve.error = f"UCX refused a send ({type(exc).__name__}: {exc})"
             log.info("ucx: serving a read of peer %r: %s", peer.peer_id, serve.error)

@@ -125,7 +125,6 @@ __all__ = ["ZmqHub"]
 log = module_logger(__name__)
 
 _NOBLOCK = zmq.NOBLOCK
-_RCVMORE = zmq.RCVMORE
 _RCVTIMEO = zmq.RCVTIMEO
 _OPEN = b"open"
 _GONE = b"gone"
@@ -500,50 +499,51 @@ class ZmqHub:
         first message a one-socket zero-timeout poll asks for more (cheapest when there is
         none: a ``zmq.Again`` costs about 2.5x that), and a burst is drained until one
         ``zmq.Again`` (cheaper than a poll per message)."""
-        link = self._first_message(wait_ms)
-        if link is None:
+        part = self._first_message(wait_ms)
+        if part is None:
             return False
         listener = self._listener
         assert listener is not None
-        recv, more, option = listener.recv, self._listener_ready.poll, listener.getsockopt
+        recv, more = listener.recv, self._listener_ready.poll
         by_link = self._by_link
         count = 1
-        while True:
-            if not option(_RCVMORE):  # one part: no link id before it
+        while True:  # parts as frames: ``Frame.more`` costs far less than a RCVMORE getsockopt
+            link = part.bytes
+            if not part.more:  # one part: no link id before it
                 self._drop(link, "a message of one part (not a p2pkv zmq peer?)", notify=None)
             else:
-                first = recv(_NOBLOCK)
-                if option(_RCVMORE):
-                    self._on_link_message(link, first)
+                part = recv(_NOBLOCK, copy=False)
+                if part.more:
+                    self._on_link_message(link, part.bytes)
                 else:
                     conn = by_link.get(link)
                     if conn is not None:
-                        conn.inbox.append(first)
+                        conn.inbox.append(part.bytes)
                     else:
-                        self._on_unrouted([link, first])
+                        self._on_unrouted([link, part.bytes])
             if count == _MAX_MESSAGES_PER_POLL:
                 return True
             if count == 1 and not more(0):
                 return True
             try:
-                link = recv(_NOBLOCK)
+                part = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return True
             count += 1
 
-    def _first_message(self, wait_ms: int) -> bytes | None:
+    def _first_message(self, wait_ms: int) -> zmq.Frame | None:
         """The first part of a message from the PULL, waiting up to ``wait_ms`` (a receive
         with a timeout); with ``wait_ms`` <= 0 only if one is waiting (a zero-timeout poll,
         since libzmq cannot wait shorter than a millisecond); None if none came."""
         listener = self._listener
         assert listener is not None
         if wait_ms <= 0:
-            return listener.recv(_NOBLOCK) if self._listener_ready.poll(0) else None
+            return listener.recv(_NOBLOCK, copy=False) if self._listener_ready.poll(0) else None
         if wait_ms != self._rcvtimeo:  # mostly _SWEEP_MS, so rarely re-set
             listener.setsockopt(_RCVTIMEO, wait_ms)
             self._rcvtimeo = wait_ms
         try:
-            return listener.recv()
+            return listener.recv(copy=False)
         except zmq.Again:
             return None
 
