@@ -190,7 +190,7 @@ class NixlDataTransport(DataTransport):
         """NIXL registrations (the region's slices, then scratch), deregistered last."""
         self._local = region.dlist
         self._base = int(self._blocks.ctypes.data)
-        self.descriptors_posted = 0
+        self.descriptors_posted: int = 0
         """NIXL descriptors our direct READs posted: one per run of blocks consecutive on both
         sides and within one slice of each (:mod:`p2pkv_nixl.runs`), so a contiguous read
         within one slice of each side counts 1."""

@@ -151,7 +151,7 @@ class UcxDataTransport(DataTransport):
         self._timeout = options.transfer_timeout if options.transfer_timeout > 0 else math.inf
         self._links = itertools.count(1)
         self._init_tables()
-        self.descriptors_posted = 0
+        self.descriptors_posted: int = 0
 
     def _init_tables(self) -> None:
         self._peers: set[Peer] = set()
