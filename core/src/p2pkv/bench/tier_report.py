@@ -77,7 +77,7 @@ def print_first_pulls(console: Console, pulls: Sequence[FirstPull]) -> None:
 def print_crossover(console: Console, doc: Mapping[str, Any]) -> None:
     """One line per arrival order: the prompt length above which pulling beats recomputing."""
     console.print(f"pull vs recompute, {escape(doc['preset'])} "
-                  f"({doc['bytes_per_token']:,.0f} B/token: {escape(doc['formula'])}), "
+                  f"({doc['bytes_per_token']:,.0f} B/token; a block: {escape(doc['formula'])}), "
                   f"recompute {doc['recompute_tokens_per_s']:,.0f} tokens/s:")
     for o in doc["orders"]:
         name = _ORDER.get(o["order"], o["order"])
