@@ -156,9 +156,7 @@ class DataTransportMachine(KitMachine):
             del self.busy[idx]
         canary = pattern(next(self.canaries), len(t.local) * self.block_len).tobytes()
         self.local.set_blocks(t.local, canary)
-        b = self.block_len
-        for k, idx in enumerate(t.local):
-            self.expected[idx * b:(idx + 1) * b] = canary[k * b:(k + 1) * b]
+        self._expect(t.local, canary)
 
     def _refused(self, local: list[int]) -> None:
         """A refused read's slots may hold whatever landed before the refusal (a backend
@@ -166,9 +164,13 @@ class DataTransportMachine(KitMachine):
         them as they are now, and from now on nothing may change them (the late-landing
         rule, as after a cancel)."""
         region = self.local.region_bytes()
+        self._expect(local, b"".join(self._block(region, idx) for idx in local))
+
+    def _expect(self, idxs: Sequence[int], data: bytes) -> None:
+        """The model's blocks ``idxs`` are now ``data`` (``len(idxs)`` blocks, in order)."""
         b = self.block_len
-        for idx in local:
-            self.expected[idx * b:(idx + 1) * b] = region[idx * b:(idx + 1) * b]
+        for k, idx in enumerate(idxs):
+            self.expected[idx * b:(idx + 1) * b] = data[k * b:(k + 1) * b]
 
     def _record(self, done: Sequence[int], failed: Sequence[int]) -> None:
         region = self.local.region_bytes()

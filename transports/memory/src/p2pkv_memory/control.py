@@ -124,8 +124,7 @@ class MemoryConnection(ControlConnection):
                     f"(max_queued_frames={self._transport.max_queued_frames})"
                 )
             self.out.append(bytes(frame))
-            if _HUB.waiting:
-                _HUB.cond.notify_all()
+            _HUB.wake()
 
     def recv(self) -> Sequence[bytes]:
         frames = self.inbox
