@@ -26,6 +26,7 @@ __all__ = [
     "PORT_ENV",
     "PRECONNECT_KEY",
     "TIER_TYPE",
+    "UPSTREAM_KEYS",
     "FailedLoadLog",
     "ParentHitSource",
     "check_engine_keys",
@@ -35,6 +36,7 @@ __all__ = [
     "preconnect_peers",
     "resolve_hash_seed",
     "tier_config_from_keys",
+    "upstream_keys_mapped",
 ]
 
 HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", "P2PKV_HOST")
@@ -63,6 +65,16 @@ _log = logging.getLogger(__name__)
 _DERIVED_KEYS = ("fingerprint", "hash_seed")
 """TierConfig keys the adapter derives from the engine; an explicit tier key still wins."""
 
+UPSTREAM_KEYS: Mapping[str, tuple[str, str]] = {
+    "backends": ("data_options", "backends"),
+    "num_threads": ("data_options", "num_threads"),
+    "unbound_store_timeout_s": ("timeouts", "unbound_store"),
+}
+"""Keys of vLLM's built-in P2P tier (``p2p/manager.py``, 0.27.1-0.33; ``host`` and ``port``
+are p2pkv's keys too) -> where p2pkv keeps the same setting: NIXL's backends and agent
+threads (nixl data options; upstream's tier is NIXL), the seconds a producer holds stores
+nobody fetched. Accepted in every entry, with upstream's meaning."""
+
 
 def tier_config_from_keys(
     tier_keys: Mapping[str, Any],
@@ -79,7 +91,7 @@ def tier_config_from_keys(
     ``run_config`` and ``hash_seed`` from the engine unless the keys set them. Raises
     ``ConfigError`` naming any unknown or invalid key.
     """
-    keys = dict(tier_keys)
+    keys = upstream_keys_mapped(tier_keys)
     derived = {"fingerprint": config_fingerprint(run_config), "hash_seed": hash_seed}
     for name in _DERIVED_KEYS:
         keys.setdefault(name, derived[name])
@@ -89,6 +101,29 @@ def tier_config_from_keys(
         )
     except ConfigError as exc:
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
+
+
+def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
+    """``tier_keys`` with the built-in tier's keys (:data:`UPSTREAM_KEYS`) moved to where
+    p2pkv keeps them. ``ConfigError`` when one is also set the p2pkv way to another value,
+    or names a NIXL setting while the entry's data transport is not nixl."""
+    keys = dict(tier_keys)
+    for alias, (section, name) in UPSTREAM_KEYS.items():
+        if alias not in keys:
+            continue
+        value = keys.pop(alias)
+        if section == "data_options" and keys.get("data", "nixl") != "nixl":
+            raise ConfigError(f"P2PKVTier secondary_tiers entry: {alias!r} is a NIXL setting "
+                              f"of vLLM's p2p tier, but data is {keys['data']!r}: set that "
+                              f"transport's data_options instead")
+        inner = keys.get(section)
+        inner = dict(inner) if isinstance(inner, Mapping) else {}
+        if name in inner and inner[name] != value:
+            raise ConfigError(f"P2PKVTier secondary_tiers entry: {alias!r} ({value!r}) and "
+                              f"{section}.{name} ({inner[name]!r}) disagree: keep one")
+        inner[name] = value
+        keys[section] = inner
+    return keys
 
 
 def check_engine_keys(*, backpressure: bool, locality: Any) -> str | None:
