@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from p2pkv.errors import ConfigError, TransferSubmitError
+from p2pkv.errors import ConfigError, TransferBusy, TransferSubmitError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
@@ -91,7 +91,7 @@ def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -
     producer.close()
 
 
-def test_a_full_staging_pool_refuses_reads_naming_the_option(
+def test_a_full_staging_pool_says_busy_and_an_oversized_read_is_refused(
     make_local, host, record, wait_for
 ) -> None:
     t = make_local(num_blocks=16, block_len=4096, staging="always", staging_blocks=4).transport
@@ -102,12 +102,15 @@ def test_a_full_staging_pool_refuses_reads_naming_the_option(
     with pytest.raises(TransferSubmitError, match=r"exceeds the staging pool.*'staging_blocks'"):
         t.read_blocks("p", list(range(5)), list(range(5)))
     taken = t.read_blocks("p", [0, 1, 2], [0, 1, 2])  # not polled: its blocks stay taken
-    with pytest.raises(TransferSubmitError, match=r"1 free blocks of 4.*'staging_blocks'"):
-        t.read_blocks("p", [3, 4], [3, 4])
+    assert t.read_capacity("p") == 4
+    with pytest.raises(TransferBusy, match=r"1 free blocks of 4.*'staging_blocks'"):
+        t.read_blocks("p", [3, 4], [3, 4])  # back-pressure: the tier retries it later
     assert recorder.names().count("send_notif") == 1  # one request; none for the refusals
     assert "make_prepped_xfer" not in recorder.names()  # staged: the producer WRITEs
     assert wait_for(t, "p", {taken})[0] == {taken}  # (also serves the producer's warm-up)
     assert t.staging_usage()["free"] == 4
+    again = t.read_blocks("p", [3, 4], [3, 4])  # the same read fits once room is free
+    assert wait_for(t, "p", {again})[0] == {again}
     producer.close()
 
 

@@ -240,6 +240,16 @@ class NixlDataTransport(DataTransport):
                 return peer.lane
         raise KeyError(f"unknown peer {peer_id!r}")
 
+    def read_capacity(self, peer_id: str) -> int | None:
+        """The staging pool's size for a staged peer (every staged peer's reads share it),
+        None for a direct one (reads land straight in the slots). Unknown peer: None."""
+        for peer in self._peers:
+            if peer.current and peer.peer_id == peer_id:
+                if peer.lane != "staged" or self._pool is None:
+                    return None
+                return self._pool.capacity
+        return None
+
     def staging_usage(self) -> dict[str, int]:
         """The staging pool's blocks: ``capacity`` (0 until a staged peer was added),
         ``free``, and ``quarantined`` (held by cancelled reads NIXL has not ended yet)."""
