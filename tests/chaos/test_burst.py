@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import pytest
 from chaos_cluster import (
     Cluster,
     Node,
@@ -42,15 +41,6 @@ SIDE = 80
 """Loads of the bystanders (C from Q, D from P) in the isolation scenario."""
 RSS_BOUND = 256 * 2**20
 T = 600.0
-
-
-@pytest.fixture(params=["default", "tcp"])
-def lane(request: pytest.FixtureRequest, data: str) -> dict[str, str]:
-    """Environment of every node: nixl's default lane, or UCX over tcp (nixl staged);
-    ucx runs once (its lane does not depend on ``UCX_TLS``)."""
-    if request.param == "tcp" and data != "nixl":
-        pytest.skip("UCX_TLS=tcp is a nixl lane variant")
-    return {"UCX_TLS": "tcp"} if request.param == "tcp" else {}
 
 
 def spec(kind: str, slots: int, data: str, env: dict[str, str]) -> NodeSpec:

@@ -224,10 +224,15 @@ class P2PTier:
         """One tick of control and data I/O (waits at most ``timeout`` for control I/O)."""
         if self._closed:
             return
-        gap = self._pauses.gap()
+        pauses = self._pauses
+        gap = pauses.gap()
         if gap is not None:
             self._resumed(gap)
-        for conn in self._control.poll(timeout):
+        accepted = self._control.poll(timeout)
+        gap = pauses.gap(allowed=timeout)
+        if gap is not None:  # stopped inside the poll: what it brought is stale
+            self._resumed(gap)
+        for conn in accepted:
             self._admission.accept(conn)
         for session in list(self._sessions.values()):
             if session.state is not State.CLOSED:

@@ -9,6 +9,11 @@ its ticks exceeds the silence timeout it closes every session at once (its loads
 reads cancelled; new loads dial afresh), so the engine learns on the resume, not at each load
 deadline.
 
+The tier checks twice per tick: at its start (the gap since the previous tick) and right
+after its control poll (the poll's own wait allowed for): a process stopped *inside* the poll
+would otherwise read the frames that queued during the pause — ``ready`` frames of a session
+its peer has dropped, whose pins are gone — before it noticed.
+
 The gap is read on the tier's clock, so an engine that simply does not tick its tier for
 that long (nothing calls ``get_finished_jobs`` / ``tick``) is treated the same: its sessions
 are then closed and new requests make new ones (one handshake). The vLLM adapter ticks the
@@ -36,9 +41,10 @@ class PauseDetector:
         """The silence peers tolerate (None: the control transport has no such limit)."""
         self._last = clock()
 
-    def gap(self) -> float | None:
-        """The time since the previous call if it exceeded ``limit`` (a pause), else None."""
+    def gap(self, allowed: float = 0.0) -> float | None:
+        """The time since the previous call if it exceeded ``allowed`` (a wait the caller
+        made on purpose, e.g. a poll's timeout) plus ``limit``: a pause; else None."""
         now = self._clock()
         gap, self._last = now - self._last, now
         limit = self.limit
-        return gap if limit is not None and gap > limit else None
+        return gap if limit is not None and gap - allowed > limit else None
