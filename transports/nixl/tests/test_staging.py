@@ -208,3 +208,34 @@ def test_control_without_staging_a_cancelled_tcp_read_does_land(
     wait_until(lambda: not (consumer.blocks == CANARY).all(), timeout=15.0,
                what="the released read's bytes to land anyway", pumps=[t.progress])
     producer.close()
+
+
+def test_a_producer_refuses_the_staged_requests_of_a_peer_it_removed(
+    make_local, tcp_host, wait_for, monkeypatch
+) -> None:
+    """The producer dropped us (its session ended: we were paused, or cut off) and our
+    requests arrive afterwards: they are answered "failed" at once, so a live read fails and
+    a cancelled one's quarantined blocks come back to the pool, instead of staying
+    quarantined for the transport's lifetime. Re-adding us serves again."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    consumer = make_local(num_blocks=16, block_len=4096, staging_blocks=8)
+    t = consumer.transport
+    producer = tcp_host.data_peer(NixlDataTransport, 16, 4096, {})
+    t.add_peer("p", producer.descriptor)
+    producer.add_peer("c", t.descriptor())
+    warm = t.read_blocks("p", [0], [1])
+    assert wait_for(t, "p", {warm})[0] == {warm}
+    producer.remove_peer("c")
+
+    live = t.read_blocks("p", [1, 2], [1, 2])
+    assert wait_for(t, "p", {live}) == (set(), {live})  # refused, not left hanging
+    cancelled = t.read_blocks("p", [3, 4, 5], [3, 4, 5])
+    assert t.cancel([cancelled]) is None
+    wait_until(lambda: t.staging_usage()["quarantined"] == 0, timeout=30.0,
+               what="the refused request's quarantine to end", pumps=[t.progress])
+    assert t.staging_usage() == {"capacity": 8, "free": 8, "quarantined": 0}
+
+    producer.add_peer("c", t.descriptor())  # a new session: served again
+    again = t.read_blocks("p", [6, 7], [6, 7])
+    assert wait_for(t, "p", {again})[0] == {again}
+    producer.close()
