@@ -5,10 +5,11 @@ Hypothesis drives two or three tiers through random interleavings of new request
 symmetric), **bursts** (up to twelve PD requests stored and loaded at once, against flow
 windows drawn as small as one round or one block, so loads queue in the tier), stores, loads
 in several rounds, request finishes, jumps of a fake clock past every timeout, and faults (a
-killed session connection, a node restart, a node **frozen** — not ticked for a number of engine steps while the others' steps and the shared clock go on, as a
-SIGSTOPped or stalled peer that then resumes with stale state; with ``faults_enabled`` also
-dropped, delayed, duplicated and reordered frames, failed submits and completions, and
-partitions, injected by ``p2pkv_memory``'s ``FaultInjector`` around the real transports).
+killed session connection, a node restart, a node **frozen** — not ticked for a number of
+engine steps while the others' steps and the shared clock go on, as a SIGSTOPped or stalled
+peer that then resumes with stale state; with ``faults_enabled`` also dropped, delayed,
+duplicated and reordered frames, failed submits and completions, and partitions, injected by
+``p2pkv_memory``'s ``FaultInjector`` around the real transports).
 Invariants, checked after every step:
 
 * every submitted job gets exactly one result, and no result names an unknown job;
