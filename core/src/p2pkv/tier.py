@@ -213,6 +213,12 @@ class P2PTier:
         consumer = self._routing(job.ctx).consumer
         session.client.submit(job, kv, pull=consumer is not None and consumer.probe)
 
+    @property
+    def producer_requests_open(self) -> int:
+        """PD producer requests (``remote_decoder`` routing, or stores under a
+        ``kv_request_id``) started and not finished yet; cheap, driver thread."""
+        return self._env.producers.active_count
+
     @driver_call
     def get_finished_jobs(self) -> list[JobResult]:
         """Run one tick of I/O and hand over every result produced since the last call."""
