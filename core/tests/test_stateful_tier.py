@@ -37,10 +37,16 @@ class MemoryTiers(TierMachine):
 
     def draw_data_options(self, data: st.DataObject) -> list[Mapping[str, Any]]:
         """Per node: how many polls its reads take (a slow node's reads outlive a cut, a
-        freeze or a load deadline, and must then never land)."""
-        polls = data.draw(st.lists(st.sampled_from([0, 1, 2, 12]), min_size=self.N_NODES,
-                                   max_size=self.N_NODES), label="completion_polls")
-        return [{"completion_polls": n} for n in polls]
+        freeze or a load deadline, and must then never land), and how many blocks its reads
+        may have in flight at once (0: unbounded; else a window-limited transport whose
+        reads wait in the tier's read gate)."""
+        n = self.N_NODES
+        polls = data.draw(st.lists(st.sampled_from([0, 1, 2, 12]), min_size=n, max_size=n),
+                          label="completion_polls")
+        capacity = data.draw(st.lists(st.sampled_from([0, 0, 1, 3, 8]), min_size=n,
+                                      max_size=n), label="read_capacity")
+        return [{"completion_polls": p, "read_capacity": c}
+                for p, c in zip(polls, capacity, strict=True)]
 
 
 class TwoTiers(MemoryTiers):

@@ -77,6 +77,9 @@ def render() -> str:
         "",
         "### `limits`",
         _table(config.Limits, "limits."),
+        "",
+        "### `flow`",
+        _table(config.Flow, "flow."),
     ]
     return "\n".join(parts)
 

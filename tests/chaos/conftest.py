@@ -80,3 +80,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("chaos measurements")
         for line in MEASUREMENTS:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(params=["default", "tcp"])
+def lane(request: pytest.FixtureRequest, data: str) -> dict[str, str]:
+    """Environment of every node: the data transport's default lane, or (nixl only) UCX over
+    tcp, nixl's staged lane (what every cross-host pair without ``cma`` uses)."""
+    if request.param == "tcp" and data != "nixl":
+        pytest.skip("UCX_TLS=tcp is a nixl lane variant (ucx's lane does not depend on it)")
+    return {"UCX_TLS": "tcp"} if request.param == "tcp" else {}

@@ -21,6 +21,7 @@ from p2pkv.options import derived, option, parse_options
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "Flow",
     "Limits",
     "TierConfig",
     "Timeouts",
@@ -85,6 +86,25 @@ class Limits:
     """Internal errors in a row while handling one peer's messages before its session is closed."""
 
 
+@dataclass(frozen=True)
+class Flow:
+    """Flow control (docs/configuration.md, "Flow control"): how much work the tier keeps in
+    flight with one peer; work beyond it waits in the tier, in order, each job within its own
+    deadline. Per tier, not negotiated: peers may differ."""
+
+    window_rounds: int = field(default=32, metadata=_COUNT)
+    """Load rounds (fetches) a consumer keeps open with one producer at once; later loads
+    wait in the tier, PD loads (``remote_prefiller``) before prefix pulls
+    (``remote_kv_source``), each first come first served, until a round ends."""
+    window_blocks: int = field(default=4096, metadata=_COUNT)
+    """Blocks of those rounds open at once with one producer (what it pins for us); a round
+    larger than this goes alone."""
+    max_held_frames: int = field(default=65536, metadata=_COUNT)
+    """Control frames a session holds for a peer whose send queue is full (back-pressure:
+    they go out in order as it drains). Beyond this the peer is not reading at all and the
+    session closes (``peer_dead``)."""
+
+
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
     """How to change ``key`` given where its value came from (``source``)."""
     if source.startswith("environment variable"):
@@ -121,6 +141,8 @@ class TierConfig:
     """Deadlines, below."""
     limits: Limits = field(default_factory=Limits)
     """Caps on what peers may send, below."""
+    flow: Flow = field(default_factory=Flow)
+    """Flow-control windows, below."""
     fingerprint: str = ""
     """Model/run fingerprint; peers with different non-empty fingerprints are rejected."""
     hash_seed: str = ""

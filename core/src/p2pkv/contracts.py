@@ -182,6 +182,11 @@ class ControlConnection(ABC):
         bounded queue is full, ``FrameTooLarge`` when our own frame exceeds the size cap (not
         ``ProtocolError``: the peer did nothing wrong). The caller keeps ownership of
         ``frame``; the transport copies it if it needs it later.
+
+        ``SendQueueFull`` is back-pressure, not a failure: the frame was not queued, the
+        connection stays alive (the transport must not close it for that), and the same
+        frame sent again once the peer drained some of the queue (after a ``poll``) goes
+        out. The core holds such frames, in order, and retries them every tick.
         """
 
     @abstractmethod
@@ -231,6 +236,18 @@ class ControlTransport(_Transport):
     @abstractmethod
     def close(self) -> None:
         """Close every connection and stop listening; idempotent."""
+
+    @property
+    def silence_timeout(self) -> float | None:
+        """Seconds this process may go without any control I/O before its peers drop its
+        connections as dead (a transport with heartbeats: the silence its peers tolerate),
+        or None when the transport has no such limit (the default).
+
+        The tier compares the gap between two of its own ticks with it: a longer gap means
+        this process was paused (SIGSTOP, a VM migration, a stall) long enough for every
+        peer to have given up on it, so it closes its sessions at once on the resume
+        instead of finding out frame by frame (docs/reliability.md, "consumer resumed")."""
+        return None
 
 
 class _Registration:
@@ -285,7 +302,9 @@ class DataTransport(_Transport):
       ``num_blocks``), or ``PeerRejected``; any other exception becomes ``PeerRejected``.
     - ``_post_read(peer, local, remote)`` (required): post a checked read (int64 arrays of
       its own) and return a handle; any exception other than ``TransferSubmitError`` becomes
-      ``TransferSubmitError`` (chained). Nothing of a refused read may land.
+      ``TransferSubmitError`` (chained). Nothing of a refused read may land. A read that
+      does not fit a bounded resource now raises ``TransferBusy`` (and the transport
+      answers ``read_capacity``).
     - ``_read_state(handle)`` (required): ``ReadState``; returning ``DONE``/``FAILED`` hands
       the read back (its resources released). An exception fails the read: the base ends it
       with ``_end_reads`` and reports it failed, never leaves it in flight.
@@ -405,6 +424,19 @@ class DataTransport(_Transport):
 
     # -- reads ----------------------------------------------------------------------------
 
+    def read_capacity(self, peer_id: str) -> int | None:
+        """Blocks that reads from ``peer_id`` may have in flight at once in a bounded
+        resource they share with other peers' reads (a staging pool), or None when reads
+        from it need no such resource (the default).
+
+        Every peer that answers a number shares *one* such resource of that size. It is an
+        upper bound for planning, not a promise: ``read_blocks`` raises ``TransferBusy``
+        (nothing posted) when a read does not fit *now* (earlier reads, or cancelled reads
+        the transport keeps out of use, hold the rest) and a final ``TransferSubmitError``
+        when it could never fit. The tier shares the capacity fairly among the peers that
+        have reads waiting (docs/configuration.md, "Flow control"). Cheap; driver thread."""
+        return None
+
     def check_read(
         self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
         peer_id: str = "",
@@ -425,8 +457,10 @@ class DataTransport(_Transport):
         within the peer's advertised ``num_blocks``; a remote index may repeat (one source
         block may fill two slots). Raises ``TransferSubmitError`` on any failure (unknown
         peer, bad index naming it, empty read, backend refusal, closed transport); never
-        returns a sentinel. Our destination blocks must not be touched by the caller until
-        the id is reported or cancelled. A refusal is final like a cancel: nothing of the
+        returns a sentinel. Its subclass ``TransferBusy`` says the read does not fit a
+        bounded resource *now* (see ``read_capacity``): retry it after a ``poll``. Our
+        destination blocks must not be touched by the caller until the id is reported or
+        cancelled. A refusal is final like a cancel: nothing of the
         read can land after ``read_blocks`` raised; a backend that copies as it posts (NIXL
         over ``cma``) may have written the named blocks before it noticed the failure (a
         peer that died under the call), so their contents are garbage, never data.

@@ -17,6 +17,7 @@ keeping the library's exception as ``__cause__`` when it tells the operator more
     ├── FrameTooLarge (ValueError)  *our* frame is over the cap; not sent, its request fails
     ├── PeerRejected                the peer is incompatible (shape, fingerprint, seed, major)
     ├── TransferSubmitError         a data transfer could not be submitted; nothing posted
+    │   └── TransferBusy            ... for now: a bounded resource is in use; retry later
     ├── ConcurrentCall (RuntimeError)
     │                               a second thread entered a one-driver object
     ├── ConnectionClosed            ``send`` on a closed or dead control connection
@@ -39,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "ResourceUnavailable",
     "SendQueueFull",
+    "TransferBusy",
     "TransferSubmitError",
     "TransportUnavailable",
     "UsageError",
@@ -98,6 +100,14 @@ class PeerRejected(P2PKVError):
 
 class TransferSubmitError(P2PKVError):
     """A data transfer could not be submitted; nothing was posted for it."""
+
+
+class TransferBusy(TransferSubmitError):
+    """A read could not be posted *now*: a bounded resource it needs (a staging pool shared
+    by the peers' reads) is in use by reads in flight. Nothing was posted; the same read may
+    succeed once earlier reads ended (after a ``poll``). Back-pressure, never a failure of the
+    read: the tier holds it and posts it later, within its load deadline. A caller that does
+    not know this class sees a ``TransferSubmitError`` (it derives from it)."""
 
 
 class ConcurrentCall(P2PKVError, RuntimeError):

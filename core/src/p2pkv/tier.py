@@ -37,6 +37,7 @@ from p2pkv.session.deadlines import Deadlines
 from p2pkv.session.env import LocalIdentity, SessionEnv
 from p2pkv.session.intake import JobIntake
 from p2pkv.session.ledger import JobLedger
+from p2pkv.session.pause import PauseDetector
 from p2pkv.session.producers import ProducerDirectory
 from p2pkv.session.session import Session, State
 from p2pkv.types import Job, JobResult, LocalHitSource, LookupResult, Outcome, RequestContext
@@ -91,6 +92,7 @@ class P2PTier:
         """Closed sessions with blocks still pinned for their consumer (until the lease)."""
         self._admission = Admission(self._env, self._sessions, start=self._start_session,
                                     close=self._close, close_unusable=self._close_unusable)
+        self._pauses = PauseDetector(clock, self._control.silence_timeout)
         self._closed = False
 
     def _session_env(self) -> SessionEnv:
@@ -98,7 +100,7 @@ class P2PTier:
         return SessionEnv(
             data=data, ledger=self._ledger, deadlines=self._deadlines, clock=self._clock,
             observers=self._observers, timeouts=config.timeouts, limits=config.limits,
-            local=LocalIdentity(
+            flow=config.flow, local=LocalIdentity(
                 address=self._control.local_address, epoch=secrets.randbits(64),
                 descriptor=data.descriptor(), num_blocks=data.num_blocks,
                 block_len=data.block_len, fingerprint=config.fingerprint,
@@ -208,7 +210,14 @@ class P2PTier:
             self._env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD.value}: {session}")
             self._ledger.close(job.job_id, Outcome.PEER_DEAD, session)
             return
-        session.client.submit(job, kv)
+        consumer = self._routing(job.ctx).consumer
+        session.client.submit(job, kv, pull=consumer is not None and consumer.probe)
+
+    @property
+    def producer_requests_open(self) -> int:
+        """PD producer requests (``remote_decoder`` routing, or stores under a
+        ``kv_request_id``) started and not finished yet; cheap, driver thread."""
+        return self._env.producers.active_count
 
     @driver_call
     def get_finished_jobs(self) -> list[JobResult]:
@@ -221,12 +230,22 @@ class P2PTier:
         """One tick of control and data I/O (waits at most ``timeout`` for control I/O)."""
         if self._closed:
             return
-        for conn in self._control.poll(timeout):
+        pauses = self._pauses
+        gap = pauses.gap()
+        if gap is not None:
+            self._resumed(gap)
+        accepted = self._control.poll(timeout)
+        gap = pauses.gap(allowed=timeout)
+        if gap is not None:  # stopped inside the poll: what it brought is stale
+            self._resumed(gap)
+        for conn in accepted:
             self._admission.accept(conn)
         for session in list(self._sessions.values()):
             if session.state is not State.CLOSED:
                 self._receive(session)
         self._reap()
+        if self._env.congested:
+            self._flush()
         if len(self._admission):
             self._admission.serve()
         self._data_tick()
@@ -375,6 +394,9 @@ class P2PTier:
             sessions_closing=len(self._lingering),
             in_flight_transfers=self._in_flight(),
             parked_stores=self._env.producers.parked_count,
+            loads_queued=sum(s.client.window.waiting for s in self._sessions.values()),
+            frames_delayed=c["frames_delayed"],
+            reads_waiting=self._env.reads.waiting,
             blocks_sent=c["blocks_sent"],
             bytes_sent=c["blocks_sent"] * self._block_len,
             blocks_read=c["blocks_read"],
@@ -393,7 +415,7 @@ class P2PTier:
     def _state_sizes(self) -> dict[str, int]:
         """Every per-request structure's size (tests assert all zero once quiescent)."""
         sizes: dict[str, int] = dict.fromkeys(
-            ("client_requests", "client_rounds", "reads", "lookups", "probes",
+            ("client_requests", "client_rounds", "reads", "queued_rounds", "lookups", "probes",
              "server_requests", "server_rounds", "server_jobs", "supply", "demand",
              "pins", "serves"), 0)
         for session in [*self._sessions.values(), *self._lingering]:
@@ -406,6 +428,8 @@ class P2PTier:
             jobs_open=self._ledger.pending, results_waiting=self._ledger.undelivered,
             owners=len(env.owners), timers=len(self._deadlines),
             sessions_lingering=len(self._lingering), newcomers=len(self._admission),
+            reads_waiting=env.reads.waiting, frames_held=sum(len(s.outbox) for s in
+                                                            env.congested),
         )
         return sizes
 
@@ -516,12 +540,35 @@ class P2PTier:
     def _data_tick(self) -> None:
         data = self._data
         data.progress()
-        if not self._env.owners:
-            return
-        for session in [s for s in self._sessions.values() if s.client.reads]:
-            done, failed = data.poll(session.peer)
-            if done or failed:
-                self._route(done, failed)
+        env = self._env
+        if env.owners:
+            for session in [s for s in self._sessions.values() if s.client.reads]:
+                done, failed = data.poll(session.peer)
+                if done or failed:
+                    self._route(done, failed)
+        env.reads.pump()
+
+    def _flush(self) -> None:
+        """Send what sessions hold behind full send queues (back-pressure, in order)."""
+        congested = self._env.congested
+        for session in list(congested):
+            if session.flush():
+                congested.discard(session)
+
+    def _resumed(self, gap: float) -> None:
+        """This process was paused longer than its peers tolerate silence
+        (:mod:`p2pkv.session.pause`): they have dropped its sessions, so close them now
+        (loads end at once, reads cancelled first; new requests dial afresh)."""
+        limit = self._pauses.limit
+        if self._sessions:
+            log.warning("this tier was not ticked for %.1fs (process paused?), longer than the "
+                        "control transport's silence timeout %gs: closing its %d session(s), "
+                        "which its peers have dropped", gap, limit, len(self._sessions))
+        for session in list(self._sessions.values()):
+            self._close(session, Outcome.PEER_DEAD,
+                        f"this process was paused {gap:.1f}s (no tick), longer than the "
+                        f"control transport's silence timeout {limit:g}s: {session.peer} has "
+                        f"dropped the session", bye="paused past the silence timeout")
 
     def _route(self, done: Sequence[int], failed: Sequence[int]) -> None:
         """Hand terminal read ids to the sessions that posted them."""

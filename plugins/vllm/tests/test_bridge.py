@@ -185,9 +185,9 @@ def test_an_entry_is_checked_as_the_adapter_checks_it_without_vllm() -> None:
     cfg = entry_tier_config(entry, extra_config={}, dp_rank=1,
                             environ={"PYTHONHASHSEED": "7"})
     assert (cfg.port, cfg.hash_seed, cfg.fingerprint) == (6001, "7", "")
-    with pytest.raises(ConfigError, match="does not support 'backpressure'"):
-        entry_tier_config({"type": "P2PKVTier"}, extra_config={"backpressure": {"x": 1}},
-                          dp_rank=0, environ={})
+    accepted = entry_tier_config({"type": "P2PKVTier", "backpressure": {}},
+                                 extra_config={"backpressure": {"x": 1}}, dp_rank=0, environ={})
+    assert accepted.port == 5710  # vLLM's block: it limits what vLLM may drop, not the tier
     with pytest.raises(ConfigError, match="locality 'MARS' is not one of LOCAL, REMOTE"):
         entry_tier_config({"locality": "MARS"}, extra_config={}, dp_rank=0, environ={})
 

@@ -118,8 +118,6 @@ def test_the_default_spec_would_start_without_the_tier(keys: Path) -> None:
     ("tier", "extra", "env", "names"),
     [
         ({"prot": 5711}, None, {}, ("unknown tier config key(s) ['prot']", "valid keys")),
-        ({}, {"backpressure": {"backpressure_cls": "EMABackpressureDetector"}}, {},
-         ("does not support 'backpressure'", "kv_connector_extra_config")),
         ({"locality": "MARS"}, None, {}, ("'MARS'", "LOCAL, REMOTE")),
         ({"type": "P2PTier"}, None, {}, ("'P2PTier'", "'P2PKVTier'")),
         ({"control": "zmqq"}, None, {}, ("'zmqq'",)),
@@ -127,7 +125,7 @@ def test_the_default_spec_would_start_without_the_tier(keys: Path) -> None:
         ({}, None, {"VLLM_P2P_SIDE_CHANNEL_PORT": "65535"},
          ("VLLM_P2P_SIDE_CHANNEL_PORT", "rank 1", "65536")),
     ],
-    ids=["key typo", "backpressure", "locality", "type", "transport name", "data option",
+    ids=["key typo", "locality", "type", "transport name", "data option",
          "last DP rank's port"],
 )
 def test_a_config_the_tier_would_refuse_exits_1(keys: Path, tier: dict[str, Any],

@@ -86,8 +86,6 @@ def test_factory_builds_the_tier_by_module_path() -> None:
         ({"bogus": 1}, r"unknown tier config key\(s\) \['bogus'\]"),
         ({"host": 5}, "'host' must be a string"),
         ({"locality": "MARS"}, "locality 'MARS' is not one of LOCAL, REMOTE"),
-        ({"backpressure": {"backpressure_cls": "EMABackpressureDetector"}},
-         "does not support 'backpressure'"),
     ],
 )
 def test_bad_tier_keys_are_a_clear_error(keys: dict[str, Any], needle: str) -> None:
@@ -96,6 +94,27 @@ def test_bad_tier_keys_are_a_clear_error(keys: dict[str, Any], needle: str) -> N
         SecondaryTierFactory.create_secondary_tier(
             {"type": "P2PKVTier", "module_path": "p2pkv_vllm", **MEMORY, **keys}, view, spec()
         )
+
+
+def test_a_backpressure_block_may_drop_symmetric_offers_but_never_a_pd_store() -> None:
+    """vLLM's own factory builds the detector from the entry's block (0.33); the manager
+    asks ``tier.bp_detector.should_store`` before each store. A detector under pressure
+    drops stores only while no PD producer request is open on the tier."""
+    pytest.importorskip("vllm.v1.kv_offload.tiering.backpressure",
+                        reason="this vLLM has no store back-pressure")
+    tier, _ = build({**MEMORY, "backpressure": {"backpressure_cls": "EMABackpressureDetector"}})
+    try:
+        assert tier.bp_detector is not None
+        inner = tier.bp_detector._detector  # vLLM's EMA detector, as its factory built it
+        inner.should_store = lambda n: False  # its answer under pressure, drop-all policy
+        assert tier.bp_detector.should_store(4) is False  # offers: vLLM's policy decides
+        prefill = ReqContext("pre-1", {"remote_decoder": {"kv_request_id": "kv1"}})
+        assert tier.on_new_request(prefill).policy is OffloadPolicy.REQUEST_LEVEL
+        assert tier.bp_detector.should_store(4) is True  # a PD store is never dropped
+        tier.on_request_finished(prefill)
+        assert tier.bp_detector.should_store(4) is False
+    finally:
+        tier.shutdown()
 
 
 def test_the_release_s_features_and_vllm_s_localities() -> None:

@@ -216,7 +216,7 @@ def test_remove_peer_that_cannot_drain_its_warmup_reports_it_and_ends_the_reads(
 
     doomed.resume()
     wait_until(  # released once quiescent: progress alone, no poll of "p" needed
-        lambda: "remove_remote_agent" in recorder.names(), timeout=15.0,
+        lambda: "release_dlist_handle" in recorder.names(), timeout=15.0,
         what="the removed peer to be released", pumps=[t.progress],
     )
     assert recorder.names().count("release_dlist_handle") == 1
@@ -309,7 +309,7 @@ def test_remove_peer_drains_a_running_warmup_like_a_transfer(make_local, doomed,
 
     doomed.resume()
     wait_until(  # no poll of "c" needed: progress() alone retires it once the READ ended
-        lambda: "remove_remote_agent" in recorder.names(), timeout=15.0,
+        lambda: "release_dlist_handle" in recorder.names(), timeout=15.0,
         what="the removed peer to be released once its warm-up ended", pumps=[t.progress],
     )
     assert _released_once_ended(recorder, warmup)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from p2pkv.errors import ConfigError, TransferSubmitError
+from p2pkv.errors import ConfigError, TransferBusy, TransferSubmitError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
@@ -91,7 +91,7 @@ def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -
     producer.close()
 
 
-def test_a_full_staging_pool_refuses_reads_naming_the_option(
+def test_a_full_staging_pool_says_busy_and_an_oversized_read_is_refused(
     make_local, host, record, wait_for
 ) -> None:
     t = make_local(num_blocks=16, block_len=4096, staging="always", staging_blocks=4).transport
@@ -102,12 +102,15 @@ def test_a_full_staging_pool_refuses_reads_naming_the_option(
     with pytest.raises(TransferSubmitError, match=r"exceeds the staging pool.*'staging_blocks'"):
         t.read_blocks("p", list(range(5)), list(range(5)))
     taken = t.read_blocks("p", [0, 1, 2], [0, 1, 2])  # not polled: its blocks stay taken
-    with pytest.raises(TransferSubmitError, match=r"1 free blocks of 4.*'staging_blocks'"):
-        t.read_blocks("p", [3, 4], [3, 4])
+    assert t.read_capacity("p") == 4
+    with pytest.raises(TransferBusy, match=r"1 free blocks of 4.*'staging_blocks'"):
+        t.read_blocks("p", [3, 4], [3, 4])  # back-pressure: the tier retries it later
     assert recorder.names().count("send_notif") == 1  # one request; none for the refusals
     assert "make_prepped_xfer" not in recorder.names()  # staged: the producer WRITEs
     assert wait_for(t, "p", {taken})[0] == {taken}  # (also serves the producer's warm-up)
     assert t.staging_usage()["free"] == 4
+    again = t.read_blocks("p", [3, 4], [3, 4])  # the same read fits once room is free
+    assert wait_for(t, "p", {again})[0] == {again}
     producer.close()
 
 
@@ -204,4 +207,35 @@ def test_control_without_staging_a_cancelled_tcp_read_does_land(
         tcp_host.resume()
     wait_until(lambda: not (consumer.blocks == CANARY).all(), timeout=15.0,
                what="the released read's bytes to land anyway", pumps=[t.progress])
+    producer.close()
+
+
+def test_a_producer_refuses_the_staged_requests_of_a_peer_it_removed(
+    make_local, tcp_host, wait_for, monkeypatch
+) -> None:
+    """The producer dropped us (its session ended: we were paused, or cut off) and our
+    requests arrive afterwards: they are answered "failed" at once, so a live read fails and
+    a cancelled one's quarantined blocks come back to the pool, instead of staying
+    quarantined for the transport's lifetime. Re-adding us serves again."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    consumer = make_local(num_blocks=16, block_len=4096, staging_blocks=8)
+    t = consumer.transport
+    producer = tcp_host.data_peer(NixlDataTransport, 16, 4096, {})
+    t.add_peer("p", producer.descriptor)
+    producer.add_peer("c", t.descriptor())
+    warm = t.read_blocks("p", [0], [1])
+    assert wait_for(t, "p", {warm})[0] == {warm}
+    producer.remove_peer("c")
+
+    live = t.read_blocks("p", [1, 2], [1, 2])
+    assert wait_for(t, "p", {live}) == (set(), {live})  # refused, not left hanging
+    cancelled = t.read_blocks("p", [3, 4, 5], [3, 4, 5])
+    assert t.cancel([cancelled]) is None
+    wait_until(lambda: t.staging_usage()["quarantined"] == 0, timeout=30.0,
+               what="the refused request's quarantine to end", pumps=[t.progress])
+    assert t.staging_usage() == {"capacity": 8, "free": 8, "quarantined": 0}
+
+    producer.add_peer("c", t.descriptor())  # a new session: served again
+    again = t.read_blocks("p", [6, 7], [6, 7])
+    assert wait_for(t, "p", {again})[0] == {again}
     producer.close()

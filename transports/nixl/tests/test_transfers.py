@@ -238,7 +238,7 @@ def test_re_adding_a_peer_ends_its_reads_and_replaces_it_once_quiescent(
 
     assert log.done == {fresh}  # the old read was never reported (PollLog checks it)
     wait_until(  # the old record goes once its warm-up READ has ended too
-        lambda: recorder.names().count("remove_remote_agent") == 1,
+        lambda: recorder.names().count("release_dlist_handle") == 1,
         timeout=15.0,
         what="the replaced registration to be released",
         pumps=[t.progress],

@@ -131,6 +131,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--recompute-rate", type=_positive_rate, metavar="TOKENS_PER_S",
                    help="with --tier: prefill tokens/s per GPU; prints the prompt length "
                    "above which pulling the KV beats recomputing it")
+    p.add_argument("--overload", action="store_const", const=True, metavar="",
+                   help="with --tier: also offer each (block, batch) more requests at once "
+                   "than the tier's flow window holds (4x flow.window_rounds) and report "
+                   "throughput and p99 under overload next to the unloaded peak")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="model whose KV bytes per token the crossover uses (default "
                    "llama-3-8b)")

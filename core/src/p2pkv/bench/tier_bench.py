@@ -27,17 +27,18 @@ from p2pkv.bench.report import format_size
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.bench.tier_lane import ORDERS, TierLane
 from p2pkv.cli import usable_transport
+from p2pkv.config import Flow
 from p2pkv.demo.presets import ModelPreset, resolve_preset
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry
 
 __all__ = [
-    "TIER_FLAGS", "TierCellResult", "TierPlan", "check_tier_options", "measure_tier",
-    "run_baselines", "tier_requested",
+    "OVERLOAD_FACTOR", "TIER_FLAGS", "TierCellResult", "TierPlan", "check_tier_options",
+    "measure_tier", "overload_concurrency", "run_baselines", "tier_requested",
 ]
 
 TIER_FLAGS = {"tier_control": "--tier-control", "recompute_rate": "--recompute-rate",
-              "preset": "--preset"}
+              "preset": "--preset", "overload": "--overload"}
 """Options that only ``--tier`` reads (argparse dest -> flag)."""
 
 
@@ -48,6 +49,8 @@ class TierCellResult(CellResult):
     request on each side (process CPU time over the timed repetitions' requests)."""
 
     order: str = ""
+    overload: bool = False
+    """An overload cell: more requests offered at once than the flow window holds."""
     producer_cpu_us: float = 0.0
     consumer_cpu_us: float = 0.0
     descriptors_per_request: float | None = None
@@ -62,6 +65,7 @@ class TierPlan:
     data: tuple[str, ...]
     preset: ModelPreset | None
     recompute_rate: float | None
+    overload: bool = False
 
 
 def tier_requested(args: argparse.Namespace) -> bool:
@@ -94,7 +98,7 @@ def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
     elif args.preset is not None:
         raise ConfigError("--preset needs --recompute-rate TOKENS_PER_S (the crossover "
                           "compares pulling with recomputing)")
-    return TierPlan(name, data, preset, args.recompute_rate)
+    return TierPlan(name, data, preset, args.recompute_rate, bool(args.overload))
 
 
 def run_baselines(config: MatrixConfig, data: Sequence[str], registry: Registry,
@@ -153,9 +157,19 @@ def _add_ratios(rows: Sequence[TierCellResult], baselines: Sequence[CellResult])
         r.ratio_memcpy = r.gbps / memcpy.gbps if memcpy else None
 
 
+OVERLOAD_FACTOR = 4
+"""Requests an overload cell offers at once, in units of the tier's ``flow.window_rounds``."""
+
+
+def overload_concurrency() -> int:
+    """How many requests an overload cell keeps in flight (the default flow window x4)."""
+    return OVERLOAD_FACTOR * Flow().window_rounds
+
+
 def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellResult],
                  notes: Console) -> list[TierCellResult]:
-    """Every tier cell of every data transport, both orders, with ratios to ``baselines``.
+    """Every tier cell of every data transport, both orders (and with ``plan.overload`` an
+    overload cell per block size and batch, stores first), with ratios to ``baselines``.
 
     A lane that cannot start fails its block size's cells (``error``); the run goes on."""
     rows: list[TierCellResult] = []
@@ -170,18 +184,29 @@ def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellR
             except Exception as exc:
                 opened = f"tier sides failed to start: {type(exc).__name__}: {exc}"
             for batch in config.batches:
-                for conc in config.concurrency:
-                    cell = _plan(config, block, batch, conc)
-                    for order in ORDERS:
-                        row = (_tier_cell(lane, cell, order, [config.seed, block, batch, conc])
-                               if not opened else TierCellResult(
-                                   series=f"tier {data} {order}", impl="tier", transport=data,
-                                   block_size=block, batch=batch, concurrency=conc,
-                                   error=opened, order=order))
-                        rows.append(row)
-                        notes.print(f"tier {escape(data)} {format_size(block)} x{batch} "
-                                    f"c{conc} {order}: {row.gbps:.2f} GB/s, "
-                                    f"{time.time() - started:.0f} s")
+                for cell, order, overload in _cells(config, plan, block, batch):
+                    row = (_tier_cell(lane, cell, order,
+                                      [config.seed, block, batch, cell.concurrency])
+                           if not opened else TierCellResult(
+                               series=f"tier {data} {order}", impl="tier", transport=data,
+                               block_size=block, batch=batch, concurrency=cell.concurrency,
+                               error=opened, order=order))
+                    row.overload = overload
+                    rows.append(row)
+                    notes.print(f"tier {escape(data)} {format_size(block)} x{batch} "
+                                f"c{cell.concurrency} {order}{' overload' * overload}: "
+                                f"{row.gbps:.2f} GB/s, {time.time() - started:.0f} s")
             lane.close()
     _add_ratios(rows, baselines)
     return rows
+
+
+def _cells(config: MatrixConfig, plan: TierPlan, block: int,
+           batch: int) -> list[tuple[CellPlan, str, bool]]:
+    """The cells of one (block size, batch): every concurrency in both orders, then the
+    overload cell (stores first: a prefiller ahead of its decoder) when asked for."""
+    cells = [(_plan(config, block, batch, conc), order, False)
+             for conc in config.concurrency for order in ORDERS]
+    if plan.overload:
+        cells.append((_plan(config, block, batch, overload_concurrency()), ORDERS[0], True))
+    return cells

@@ -19,7 +19,13 @@ from p2pkv.bench.tier_bench import check_tier_options, measure_tier, run_baselin
 from p2pkv.bench.tier_crossover import crossover
 from p2pkv.bench.tier_first_pull import measure_first_pulls
 from p2pkv.bench.tier_lane import ORDERS
-from p2pkv.bench.tier_report import print_crossover, print_first_pulls, print_tier_table
+from p2pkv.bench.tier_report import (
+    overload_summary,
+    print_crossover,
+    print_first_pulls,
+    print_overload,
+    print_tier_table,
+)
 from p2pkv.bench.tier_side import DESCRIPTORS_STAT
 from p2pkv.registry import default_registry
 
@@ -61,6 +67,7 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         "first_pull": [f.as_row() for f in first],
         "verified": bool(rows) and all(r.verified for r in rows if not r.skipped),
         "crossover": cross,
+        "overload": overload_summary(rows),
         "elapsed_s": round(elapsed, 1),
     }
     if args.json != "-":
@@ -70,6 +77,8 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         print_first_pulls(console, first)
         if cross:
             print_crossover(console, cross)
+        if doc["overload"]:
+            print_overload(console, doc["overload"])
     _write(args, doc)
     if args.plot:
         plot([*baselines, *rows], args.plot, title)

@@ -14,7 +14,8 @@ from p2pkv.bench.report import _rate, _ratio, format_size
 from p2pkv.bench.tier_bench import TierCellResult
 from p2pkv.bench.tier_first_pull import FirstPull
 
-__all__ = ["print_crossover", "print_first_pulls", "print_tier_table"]
+__all__ = ["overload_summary", "print_crossover", "print_first_pulls", "print_overload",
+           "print_tier_table"]
 
 _ORDER = {"producer_first": "store→load", "consumer_first": "load→store"}
 
@@ -38,8 +39,9 @@ def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: st
             lat = f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r.gbps else ""
             desc = ([f"{r.descriptors_per_request:.1f}"
                      if r.descriptors_per_request is not None else ""] if described else [])
+            order = _ORDER.get(r.order, r.order) + (" overload" if r.overload else "")
             table.add_row(format_size(r.block_size), str(r.batch), str(r.concurrency),
-                          _ORDER.get(r.order, r.order), _rate(r), _ratio(r.ratio_raw),
+                          order, _rate(r), _ratio(r.ratio_raw),
                           _ratio(r.ratio_memcpy), lat, cost, *desc)
         console.print(table)
         if not described:
@@ -88,3 +90,44 @@ def print_crossover(console: Console, doc: Mapping[str, Any]) -> None:
                + (f" + {o['gbps_marginal']:.2f} GB/s" if o["gbps_marginal"] else ""))
         console.print(f"  {name}: pull beats recompute above [bold]{o['tokens']:,}[/] "
                       f"prompt tokens ({fit})")
+
+
+def overload_summary(rows: Sequence[TierCellResult]) -> list[dict[str, Any]]:
+    """Per data transport, block size and batch with an overload cell: the unloaded peak
+    (the best GB/s over the other cells, and that cell's p99) next to the overload cell's
+    GB/s and p99, and their ratio. A skipped or failed overload cell is left out (the tier
+    table shows why)."""
+    out = []
+    for r in rows:
+        if not r.overload or r.gbps <= 0:
+            continue
+        peers = [u for u in rows if not u.overload and u.gbps > 0 and
+                 (u.transport, u.block_size, u.batch) == (r.transport, r.block_size, r.batch)]
+        peak = max(peers, key=lambda u: u.gbps, default=None)
+        out.append({
+            "transport": r.transport, "block_size": r.block_size, "batch": r.batch,
+            "overload_concurrency": r.concurrency, "overload_gbps": r.gbps,
+            "overload_p99_us": r.p99_us, "peak_gbps": peak.gbps if peak else None,
+            "peak_concurrency": peak.concurrency if peak else None,
+            "peak_p99_us": peak.p99_us if peak else None,
+            "of_peak": r.gbps / peak.gbps if peak and r.gbps else None,
+        })
+    return out
+
+
+def print_overload(console: Console, summary: Sequence[Mapping[str, Any]]) -> None:
+    """The overload summary (see :func:`overload_summary`), one row per cell."""
+    table = Table(title="under overload (offered load above the flow window) vs unloaded peak",
+                  title_justify="left")
+    for col in ("data", "block", "batch", "peak GB/s (conc)", "peak p99 µs",
+                "overload GB/s (conc)", "overload p99 µs", "of peak"):
+        table.add_column(col, justify="right")
+    for o in summary:
+        peak = (f"{o['peak_gbps']:.2f} ({o['peak_concurrency']})"
+                if o["peak_gbps"] is not None else "")
+        table.add_row(escape(o["transport"]), format_size(o["block_size"]), str(o["batch"]),
+                      peak, f"{o['peak_p99_us']:.0f}" if o["peak_p99_us"] is not None else "",
+                      f"{o['overload_gbps']:.2f} ({o['overload_concurrency']})",
+                      f"{o['overload_p99_us']:.0f}",
+                      f"{o['of_peak']:.0%}" if o["of_peak"] is not None else "")
+    console.print(table)

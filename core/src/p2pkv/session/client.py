@@ -4,9 +4,15 @@ Each ``submit_load`` becomes one **round** of its ``kv_request_id`` (rounds are 
 request and session and complete independently). The consumer owns every write into its
 region (docs/protocol.md §5): it sends ``fetch``; the producer answers ``ready`` (which keys
 sit in which of its slots, pinned for the lease) and **we post the reads**
-(``DataTransport.read_blocks``). A round is ``done`` once every block was read **and** each
-read completed within the lease of the moment we sent the fetch, on our own clock; then we
-send ``release(read=True)``.
+(``DataTransport.read_blocks``, through the tier's :class:`~p2pkv.session.reads.ReadGate`). A
+round is ``done`` once every block was read **and** each read completed within the lease of
+the moment we sent the fetch, on our own clock; then we send ``release(read=True)``.
+
+Flow control: a round's fetch goes out only once the session's
+:class:`~p2pkv.session.window.LoadWindow` has room (``flow.window_rounds`` /
+``flow.window_blocks``); until then it waits in the tier, PD loads before prefix pulls, within
+its own load deadline (a timeout there names the queue). A read the data transport has no room
+for yet (``TransferBusy``) waits in the read gate the same way.
 
 On any failure (load deadline, request finished, the producer's ``round_failed``, a failed
 read, session death, shutdown) we cancel our reads first (``cancel`` is final: no byte can
@@ -30,6 +36,8 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol import Fetch, Lookup, LookupResp, Ready, Release, RoundFailed
 from p2pkv.session.deadlines import Timer
 from p2pkv.session.env import SessionEnv, SessionLink
+from p2pkv.session.reads import HeldRead
+from p2pkv.session.window import LoadWindow
 from p2pkv.types import Job, LookupResult, Outcome
 
 __all__ = ["LEASE_DRIFT", "ClientRole", "failure_outcome"]
@@ -75,8 +83,8 @@ def failure_outcome(value: str) -> Outcome:
 
 
 class LoadRound:
-    __slots__ = ("announced", "job_id", "keys", "no", "phase", "reads", "req", "sent_at",
-                 "slots", "timer", "unread")
+    __slots__ = ("announced", "held", "job_id", "keys", "no", "opened", "phase", "reads", "req",
+                 "sent_at", "slots", "timer", "unread")
 
     def __init__(self, req: ConsumerRequest, no: int, job: Job) -> None:
         self.req = req
@@ -85,6 +93,10 @@ class LoadRound:
         self.keys: Sequence[bytes] = job.keys
         self.slots = job.block_ids
         self.phase = Phase.UNSENT
+        self.opened = False
+        """Counted open in the session's load window (from its turn until it ends)."""
+        self.held: list[HeldRead] = []
+        """Reads announced by a ``ready`` and waiting in the read gate for room."""
         self.sent_at = 0.0
         """Our clock when the fetch went out: the lease is counted from here."""
         self.announced: set[int] = set()
@@ -95,10 +107,14 @@ class LoadRound:
         """Our reads in flight: transfer id -> (blocks, when posted)."""
         self.timer: Timer | None = None
 
+    @property
+    def nblocks(self) -> int:
+        return len(self.keys)
+
 
 class ConsumerRequest:
-    __slots__ = ("contacted", "failed", "finished", "kv", "next_round", "open_keys", "probes",
-                 "released", "rounds", "unsent_keys")
+    __slots__ = ("contacted", "failed", "finished", "kv", "loaded", "next_round", "open_keys",
+                 "probes", "released", "rounds", "unsent_keys")
 
     def __init__(self, kv: str) -> None:
         self.kv = kv
@@ -106,6 +122,9 @@ class ConsumerRequest:
         self.rounds: dict[int, LoadRound] = {}
         self.open_keys: set[bytes] = set()
         """Keys of the open rounds: a load may not ask for one again (request conflict)."""
+        self.loaded: dict[int, Sequence[bytes]] = {}
+        """Job id -> keys of rounds done whose result the engine may not have taken yet: a
+        load of one of those keys conflicts too, until the engine has the result."""
         self.contacted = False
         """A fetch or lookup for this request was sent to the peer."""
         self.finished = False
@@ -123,7 +142,8 @@ class ClientRole:
         self.session = session
         self.peer = session.peer
         self.reqs: dict[str, ConsumerRequest] = {}
-        self.unsent: list[LoadRound] = []
+        self.window: LoadWindow[LoadRound] = LoadWindow(env.flow.window_rounds,
+                                                        env.flow.window_blocks)
         self.reads: dict[int, LoadRound] = {}
         """Our reads in flight, by transfer id."""
         self.lookups: dict[int, tuple[ConsumerRequest, list[bytes], Timer]] = {}
@@ -142,8 +162,9 @@ class ClientRole:
         if kv not in self.reqs:
             self.reqs[kv] = ConsumerRequest(kv)
 
-    def submit(self, job: Job, kv: str) -> None:
-        """Start a load round for ``job`` (already recorded in the ledger)."""
+    def submit(self, job: Job, kv: str, *, pull: bool = False) -> None:
+        """Start a load round for ``job`` (already recorded in the ledger); ``pull``: a
+        prefix pull (``remote_kv_source``), which waits behind PD loads for the window."""
         req = self.reqs.get(kv)
         if req is None:
             req = self.reqs[kv] = ConsumerRequest(kv)
@@ -158,13 +179,10 @@ class ClientRole:
         self.n_rounds += 1
         env = self.env
         rnd.timer = env.deadlines.at(env.clock() + env.timeouts.load, self._on_load_timeout, rnd)
-        if self.session.ready:
-            self._send_round(rnd)
-        else:
-            self.unsent.append(rnd)
+        self.window.wait(rnd, pull=pull)
+        self._open_rounds()
 
-    @staticmethod
-    def _conflict(req: ConsumerRequest, job: Job) -> str:
+    def _conflict(self, req: ConsumerRequest, job: Job) -> str:
         """Why ``job`` cannot be a new round of ``req`` (only this job fails), or ``""``."""
         if req.released:
             return (f"request {req.kv!r} was already ended with its producer (finished or an "
@@ -174,7 +192,23 @@ class ClientRole:
             busy = next(r for r in req.rounds.values() if not wanted.isdisjoint(r.keys))
             return (f"{len(req.open_keys.intersection(job.keys))} of its blocks are already "
                     f"being loaded for request {req.kv!r} by job {busy.job_id}")
+        ledger = self.env.ledger
+        for job_id, keys in list(req.loaded.items()):
+            if not ledger.not_taken(job_id):
+                del req.loaded[job_id]
+            elif not set(keys).isdisjoint(job.keys):
+                return (f"its blocks were just loaded for request {req.kv!r} by job {job_id}, "
+                        f"whose result the engine has not taken yet")
         return ""
+
+    def _open_rounds(self) -> None:
+        """Send the fetches of waiting rounds the window has room for (once ready)."""
+        if not self.session.ready or not self.window.waiting:
+            return
+        now = self.env.clock()
+        for rnd in self.window.admit(lambda r: r.timer is not None and r.timer[0] <= now):
+            rnd.opened = True
+            self._send_round(rnd)
 
     def finish(self, kv: str) -> None:
         """The engine finished ``kv``: its open rounds fail REQUEST_FINISHED now."""
@@ -191,7 +225,6 @@ class ClientRole:
         for req in list(self.reqs.values()):
             self._drop_probes(req)
             self._end_rounds(req, Outcome.SHUTDOWN, "tier shut down during the load")
-        self.unsent = []
 
     def _end_rounds(self, req: ConsumerRequest, why: Outcome, detail: str) -> None:
         for rnd in list(req.rounds.values()):
@@ -255,27 +288,41 @@ class ClientRole:
             raise ProtocolError(f"ready.pos: position {bad} is outside the round's {n} "
                                 f"key(s) or was already announced")
         announced.update(pos)
-        local = list(map(rnd.slots.__getitem__, pos))
+        gate = self.env.reads
+        for local, remote in gate.split(self.peer, list(map(rnd.slots.__getitem__, pos)),
+                                        msg.slots):
+            held = HeldRead(self, rnd, self.peer, local, remote)
+            rnd.held.append(held)
+            gate.post(held)
+            if rnd.phase is not Phase.ACTIVE:
+                return  # a refused piece failed the round
+
+    def read_posted(self, held: HeldRead, rid: int) -> None:
+        """The read gate posted ``held`` as read ``rid`` (now, or once room was free)."""
+        rnd: LoadRound = held.owner_data  # type: ignore[assignment]
+        rnd.held.remove(held)
         env = self.env
-        try:
-            rid = env.data.read_blocks(self.peer, local, msg.slots)
-        except Exception as exc:
-            env.counters["submit_failures"] += 1
-            self._fail(rnd, Outcome.SUBMIT_FAILED,
-                       f"read_blocks failed: {type(exc).__name__}: {exc}")
-            return
-        rnd.reads[rid] = (len(local), env.clock())
+        nblocks = held.nblocks
+        rnd.reads[rid] = (nblocks, env.clock())
         self.reads[rid] = rnd
         env.owners[rid] = self
         if env.observers.enabled:
-            env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=len(local),
-                                             nbytes=len(local) * env.local.block_len)
+            env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=nblocks,
+                                             nbytes=nblocks * env.local.block_len)
+
+    def read_refused(self, held: HeldRead, exc: Exception) -> None:
+        """The data transport refused ``held`` for good: its round fails."""
+        rnd: LoadRound = held.owner_data  # type: ignore[assignment]
+        rnd.held.remove(held)
+        self.env.counters["submit_failures"] += 1
+        self._fail(rnd, Outcome.SUBMIT_FAILED, f"read_blocks failed: {type(exc).__name__}: {exc}")
 
     def on_data(self, rid: int, ok: bool) -> None:
         """A read of ours terminated (routed here from ``data.poll``)."""
         rnd = self.reads.pop(rid)
         nblocks, posted = rnd.reads.pop(rid)
         env = self.env
+        env.reads.ended(rid)
         now = env.clock()
         window = self.session.read_window
         late = ok and now - rnd.sent_at > window
@@ -325,11 +372,9 @@ class ClientRole:
                 probes[k] = Probe.HIT if hit else Probe.MISS
 
     def on_session_ready(self) -> None:
-        """The handshake completed: send rounds submitted before it."""
-        unsent, self.unsent = self.unsent, []
-        for rnd in unsent:
-            if rnd.phase is Phase.UNSENT:
-                self._send_round(rnd)
+        """The handshake completed: send the rounds submitted before it (the window's
+        worth)."""
+        self._open_rounds()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -352,24 +397,44 @@ class ClientRole:
 
     def _load_timeout(self, rnd: LoadRound) -> None:
         rnd.timer = None
-        self.env.observers.timeout(kind="load", kv_request_id=rnd.req.kv, peer=self.peer)
-        if rnd.phase is Phase.UNSENT:
-            self._fail(rnd, Outcome.LOAD_TIMEOUT, "never sent: handshake not complete")
+        env = self.env
+        env.observers.timeout(kind="load", kv_request_id=rnd.req.kv, peer=self.peer)
+        load = env.timeouts.load
+        if rnd.phase is not Phase.UNSENT:
+            waited = ""
+            if rnd.held:
+                waited = (f"; {len(rnd.held)} read(s) waited for room in the data transport "
+                          f"({env.reads.busy})")
+            detail = (f"{rnd.unread} of {len(rnd.keys)} block(s) not read within {load}s"
+                      f"{waited}")
+        elif not self.session.ready:
+            detail = "never sent: handshake not complete"
         else:
-            self._fail(rnd, Outcome.LOAD_TIMEOUT,
-                       f"{rnd.unread} of {len(rnd.keys)} block(s) not read within "
-                       f"{self.env.timeouts.load}s")
+            window = self.window
+            detail = (f"waited {load}s in the flow-control queue for {self.peer} behind "
+                      f"{window.ahead_of(rnd)} load(s); the window was full: {window.rounds} "
+                      f"round(s) of flow.window_rounds={window.max_rounds} and {window.blocks} "
+                      f"block(s) of flow.window_blocks={window.max_blocks} open")
+        self._fail(rnd, Outcome.LOAD_TIMEOUT, detail)
 
     def _fail(self, rnd: LoadRound, outcome: Outcome, detail: str) -> None:
         """End ``rnd`` with a failure: cancel its reads (final), release the producer's pins
         if the fetch went out, and report at once."""
+        env = self.env
         if rnd.reads:
             rids = list(rnd.reads)
-            self.env.data.cancel(rids)
+            env.data.cancel(rids)
             for rid in rids:
                 self.reads.pop(rid, None)
-                self.env.owners.pop(rid, None)
+                env.owners.pop(rid, None)
+                env.reads.ended(rid)
             rnd.reads.clear()
+        if rnd.held:
+            for held in rnd.held:
+                held.live = False  # the gate drops it when its turn comes
+            rnd.held.clear()
+        if not rnd.opened:
+            self.window.leave(rnd)
         if rnd.phase is Phase.ACTIVE and not self.closing:
             self.session.send(Release(rnd.req.kv, rnd.no, False))
         self._complete(rnd, outcome, detail)
@@ -384,9 +449,16 @@ class ClientRole:
         req.open_keys.difference_update(rnd.keys)
         self.n_rounds -= 1
         env.ledger.close(rnd.job_id, outcome, detail)
-        if not outcome.success and not req.finished and not req.failed:
+        if outcome.success:
+            req.loaded[rnd.job_id] = rnd.keys
+        elif not req.finished and not req.failed:
             req.failed = True
             env.failed_loads.mark(req.kv, f"{outcome.value}: {detail}")
+        if rnd.opened:
+            rnd.opened = False
+            self.window.close(rnd)
+            if not self.closing:
+                self._open_rounds()
         self._maybe_release(req)
 
     def _maybe_release(self, req: ConsumerRequest) -> None:
@@ -443,7 +515,6 @@ class ClientRole:
                 req.failed = True
                 env.failed_loads.mark(req.kv, f"{outcome.value}: {reason}")
         self.reqs.clear()
-        self.unsent = []
 
     @property
     def busy(self) -> bool:
@@ -454,6 +525,7 @@ class ClientRole:
             "client_requests": len(self.reqs),
             "client_rounds": self.n_rounds,
             "reads": len(self.reads),
+            "queued_rounds": self.window.waiting,
             "lookups": len(self.lookups),
             "probes": sum(len(r.probes) for r in self.reqs.values()),
         }

@@ -15,13 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from p2pkv.config import Limits, Timeouts
+from p2pkv.config import Flow, Limits, Timeouts
 from p2pkv.contracts import DataTransport
 from p2pkv.observers import Observers
 from p2pkv.protocol import Message
 from p2pkv.session.deadlines import Deadlines
 from p2pkv.session.ledger import JobLedger
 from p2pkv.session.producers import ProducerDirectory
+from p2pkv.session.reads import ReadGate
 from p2pkv.session.records import DataPeerOwners, FailedLoads, LookupEnds
 
 __all__ = ["LocalIdentity", "ReadOwner", "SessionEnv", "SessionLink"]
@@ -79,6 +80,7 @@ class SessionEnv:
     limits: Limits
     local: LocalIdentity
     producers: ProducerDirectory
+    flow: Flow = field(default_factory=Flow)
     failed_loads: FailedLoads = field(default_factory=FailedLoads)
     lookup_ends: LookupEnds = field(default_factory=LookupEnds)
     data_peers: DataPeerOwners = field(default_factory=DataPeerOwners)
@@ -87,3 +89,10 @@ class SessionEnv:
     counters: Counter[str] = field(default_factory=Counter)
     doomed: list[Any] = field(default_factory=list)
     """Sessions doomed since the tier's last pass over them (it closes them)."""
+    congested: set[Any] = field(default_factory=set)
+    """Sessions holding frames behind a full send queue (the tier flushes them every tick)."""
+    reads: ReadGate = field(init=False)
+    """Every read the consumer roles post goes through it (shared, bounded resources)."""
+
+    def __post_init__(self) -> None:
+        self.reads = ReadGate(self)

@@ -41,6 +41,8 @@ class JobLedger:
         self._observers = observers
         self._open: dict[int, _Open] = {}
         self._results: list[JobResult] = []
+        self._untaken: set[int] = set()
+        """Ids of the results in ``_results``."""
         self.outcomes: Counter[Outcome] = Counter()
 
     def open(self, job_id: int, is_load: bool, kv_request_id: str = "", peer: str = "") -> None:
@@ -64,6 +66,7 @@ class JobLedger:
             log.debug("job %d: late %s ignored (already finished)", job_id, outcome.value)
             return False
         self._results.append(JobResult(job_id, outcome, detail))
+        self._untaken.add(job_id)
         self.outcomes[outcome] += 1
         obs = self._observers
         if obs.enabled:  # once per job: no keyword arguments built for nobody
@@ -75,7 +78,12 @@ class JobLedger:
     def take(self) -> list[JobResult]:
         """Hand over every result produced since the last call."""
         out, self._results = self._results, []
+        self._untaken.clear()
         return out
+
+    def not_taken(self, job_id: int) -> bool:
+        """True while ``job_id`` has a result the engine has not taken yet."""
+        return job_id in self._untaken
 
     @property
     def pending(self) -> int:

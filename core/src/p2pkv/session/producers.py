@@ -91,6 +91,11 @@ class ProducerDirectory:
 
     # -- producer requests ------------------------------------------------------------------
 
+    @property
+    def active_count(self) -> int:
+        """Local producer requests that exist and have not finished."""
+        return len(self._active)
+
     def producer_active(self, kv_request_id: str) -> bool:
         """A local producer request with this id exists and has not finished."""
         return kv_request_id in self._active

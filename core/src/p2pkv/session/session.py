@@ -45,6 +45,7 @@ from p2pkv.protocol import (
 from p2pkv.session.client import LEASE_DRIFT, ClientRole
 from p2pkv.session.deadlines import Timer
 from p2pkv.session.env import SessionEnv
+from p2pkv.session.outbox import Outbox
 from p2pkv.session.server import ServerRole
 from p2pkv.types import Outcome
 
@@ -87,6 +88,8 @@ class Session:
         self.doomed: Doom | None = None
         self.internal_errors = 0
         self.timer: Timer | None = None
+        self.outbox = Outbox(conn, env.flow.max_held_frames)
+        """Frames the connection's full send queue had no room for (sent as it drains)."""
         self.client = ClientRole(env, self)
         self.server = ServerRole(env, self)
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -185,17 +188,37 @@ class Session:
         return True
 
     def _send_now(self, msg: Message, *, oversize_fails_session: bool = True) -> bool:
+        """Send (or, behind a full send queue, hold) ``msg``. Only a frame over the size cap
+        is refused (False); a full queue is back-pressure (the outbox), a dead connection
+        dooms the session."""
+        frame = encode(msg)
         try:
-            self.conn.send(encode(msg))
+            if len(frame) > self.env.limits.max_frame_bytes:
+                raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds limits."
+                                    f"max_frame_bytes {self.env.limits.max_frame_bytes}")
+            if self.outbox.send(frame):
+                self.env.congested.add(self)
+                self.env.counters["frames_delayed"] += 1
         except (FrameTooLarge, ProtocolError) as exc:  # ProtocolError: older transports
             if oversize_fails_session:
                 self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
             else:
                 log.warning("session %s: %s not sent: %s", self.peer, message_type(msg), exc)
             return False
-        except Exception as exc:  # ConnectionClosed, SendQueueFull, ...
+        except Exception as exc:  # ConnectionClosed, OutboxOverflow, ...
             self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
         return True
+
+    def flush(self) -> bool:
+        """Send the frames held behind a full send queue; True once none is held (or the
+        session cannot send any more)."""
+        if self.state is State.CLOSED or self.doomed is not None:
+            return True
+        try:
+            return self.outbox.flush()
+        except Exception as exc:
+            self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
+            return True
 
     # -- receiving --------------------------------------------------------------------------
 

@@ -2,12 +2,14 @@
 (control, data) transport pair.
 
 Hypothesis drives two or three tiers through random interleavings of new requests (PD and
-symmetric), stores, loads in several rounds, request finishes, jumps of a fake clock past every
-timeout, and faults (a killed session connection, a node restart, a node **frozen** — not
-ticked for a number of engine steps while the others' steps and the shared clock go on, as a
-SIGSTOPped or stalled peer that then resumes with stale state; with ``faults_enabled`` also
-dropped, delayed, duplicated and reordered frames, failed submits and completions, and
-partitions, injected by ``p2pkv_memory``'s ``FaultInjector`` around the real transports).
+symmetric), **bursts** (up to twelve PD requests stored and loaded at once, against flow
+windows drawn as small as one round or one block, so loads queue in the tier), stores, loads
+in several rounds, request finishes, jumps of a fake clock past every timeout, and faults (a
+killed session connection, a node restart, a node **frozen** — not ticked for a number of
+engine steps while the others' steps and the shared clock go on, as a SIGSTOPped or stalled
+peer that then resumes with stale state; with ``faults_enabled`` also dropped, delayed,
+duplicated and reordered frames, failed submits and completions, and partitions, injected by
+``p2pkv_memory``'s ``FaultInjector`` around the real transports).
 Invariants, checked after every step:
 
 * every submitted job gets exactly one result, and no result names an unknown job;
@@ -250,6 +252,8 @@ class TierMachine(KitMachine):
         self.retired: list[Any] = []
         self.frozen: dict[int, int] = {}
         """Node -> engine steps it still misses (the ``freeze`` fault)."""
+        self.flow: dict[str, int] = {}
+        """The tier config's ``flow`` windows of this run (drawn small: loads queue)."""
 
     def draw_data_options(self, data: st.DataObject) -> list[Mapping[str, Any]]:
         """The data options of each node of this run (a restarted node keeps its own);
@@ -263,6 +267,10 @@ class TierMachine(KitMachine):
 
             self.faults = FaultInjector(seed=seed)
         self.node_data_options = self.draw_data_options(data)
+        self.flow = {
+            "window_rounds": data.draw(st.sampled_from([1, 2, 32]), label="window_rounds"),
+            "window_blocks": data.draw(st.sampled_from([1, 4, 4096]), label="window_blocks"),
+        }
         for i in range(self.N_NODES):
             self.nodes.append(self._node(i, port=0))
             self.sources.append(Source(self, i))
@@ -282,7 +290,7 @@ class TierMachine(KitMachine):
                         control_options=self.control_options,
                         data_options=self.node_data_options[i], faults=self.faults,
                         num_blocks=self.num_blocks, block_len=self.block_len,
-                        seed=1000 * i + len(self.retired), port=port)
+                        seed=1000 * i + len(self.retired), port=port, flow=self.flow)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -313,6 +321,13 @@ class TierMachine(KitMachine):
         if first in ("load", "both"):
             self.load(req, data)
         return req
+
+    @rule(pair=st.sampled_from([(0, 1), (1, 0)]), count=st.integers(4, 12), data=st.data())
+    def burst(self, pair: tuple[int, int], count: int, data: Any) -> None:
+        """``count`` PD requests of one block each, stored and loaded all at once: beyond
+        the drawn window they queue in the consumer's tier, each within its deadline."""
+        for _ in range(count):
+            self.new_request(pair, 1, False, "both", data)
 
     @rule(req=requests, action=st.sampled_from(["store", "store", "load", "load", "load",
                                                 "probe", "finish"]),

@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from p2pkv_vllm.backpressure import PDSafeDetector
 from p2pkv_vllm.bridge import (
     FailedLoadLog,
     ParentHitSource,
@@ -112,8 +113,8 @@ class P2PKVTier(SecondaryTierManager):
     ``data_options``, ``timeouts``, ``limits``, ``fingerprint``, ``hash_seed`` (see
     docs/vllm.md). ``host``/``port`` default to ``VLLM_P2P_SIDE_CHANNEL_HOST`` /
     ``VLLM_P2P_SIDE_CHANNEL_PORT`` (then ``localhost`` / 5710); the bound port is base + DP
-    rank. Unknown keys raise ``ConfigError``; so does a ``backpressure`` config (dropping a
-    PD store would leave the decoder waiting out its load timeout instead of failing fast).
+    rank. Unknown keys raise ``ConfigError``. A ``backpressure`` block may drop symmetric
+    offers only, never a PD store (:mod:`p2pkv_vllm.backpressure`).
     """
 
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
@@ -128,9 +129,13 @@ class P2PKVTier(SecondaryTierManager):
         backpressure_detector: Any = None,
         **tier_keys: Any,
     ) -> None:
-        locality = check_engine_keys(backpressure=backpressure_detector is not None,
-                                     locality=tier_keys.pop("locality", None))
-        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        locality = check_engine_keys(locality=tier_keys.pop("locality", None))
+        if backpressure_detector is None:  # releases before 0.33 take no detector
+            super().__init__(offloading_spec, primary_kv_view, tier_type)
+        else:
+            super().__init__(offloading_spec, primary_kv_view, tier_type,
+                             backpressure_detector=PDSafeDetector(
+                                 backpressure_detector, self._serving_pd))
         if locality is not None:
             self.locality = Locality(locality)
         if primary_kv_view.ndim != 2:
@@ -165,6 +170,11 @@ class P2PKVTier(SecondaryTierManager):
             tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
             len(primary_kv_view), self.block_size_bytes,
         )
+
+    def _serving_pd(self) -> bool:
+        """A PD producer request is open on the tier (its stores must not be dropped)."""
+        tier = getattr(self, "_tier", None)
+        return tier is not None and tier.producer_requests_open > 0
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -126,17 +126,11 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
     return keys
 
 
-def check_engine_keys(*, backpressure: bool, locality: Any) -> str | None:
-    """The adapter's checks of the keys vLLM itself reads: ``ConfigError`` for a
-    ``backpressure`` config (dropping a PD store under back-pressure would leave the decoder
-    waiting out its load timeout instead of failing fast) or a ``locality`` that is not one
-    of :data:`LOCALITIES`; returns the locality (None when unset)."""
-    if backpressure:
-        raise ConfigError(
-            "P2PKVTier does not support 'backpressure': a dropped PD store makes the "
-            "decoder wait out its load timeout instead of failing fast; remove it (from the "
-            "tier entry and from kv_connector_extra_config, which vLLM merges into every tier)"
-        )
+def check_engine_keys(*, locality: Any) -> str | None:
+    """The adapter's check of ``locality``, a key vLLM itself reads: ``ConfigError`` unless
+    it is one of :data:`LOCALITIES`; returns the locality (None when unset). A
+    ``backpressure`` block is vLLM's to read and is accepted (see
+    :mod:`p2pkv_vllm.backpressure` for what it may drop)."""
     if locality is not None and locality not in LOCALITIES:
         raise ConfigError(
             f"P2PKVTier: locality {locality!r} is not one of {', '.join(LOCALITIES)}"
@@ -152,12 +146,12 @@ def entry_tier_config(
     environ: Mapping[str, str] | None = None,
 ) -> TierConfig:
     """The ``TierConfig`` that ``P2PKVTier`` builds from one ``secondary_tiers`` entry, without
-    vLLM (``p2pkv check-config``): the same key checks and messages, ``extra_config``'s
-    ``backpressure`` merged in as vLLM does. The fingerprint is left empty (it needs the
-    engine's model) and the hash seed is ``PYTHONHASHSEED`` or empty."""
+    vLLM (``p2pkv check-config``): the same key checks and messages (``extra_config`` is
+    vLLM's to read: its ``backpressure`` is accepted, as in the entry). The fingerprint is
+    left empty (it needs the engine's model) and the hash seed is ``PYTHONHASHSEED`` or
+    empty."""
     keys = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
-    backpressure = "backpressure" in entry or bool(extra_config.get("backpressure"))
-    check_engine_keys(backpressure=backpressure, locality=entry.get("locality"))
+    check_engine_keys(locality=entry.get("locality"))
     return tier_config_from_keys(keys, dp_rank=dp_rank, run_config={},
                                  hash_seed=resolve_hash_seed("", environ), environ=environ)
 

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
-from p2pkv.errors import PeerRejected, TransferSubmitError
+from p2pkv.errors import PeerRejected, TransferBusy, TransferSubmitError
 from p2pkv.options import parse_options
 
 from p2pkv_memory.options import MemoryDataOptions
@@ -54,7 +54,7 @@ class _Peer:
 
 
 class _Read:
-    __slots__ = ("copied", "local", "polls_left", "region", "remote")
+    __slots__ = ("copied", "ended", "local", "polls_left", "region", "remote")
 
     def __init__(self, region: str, local: Indexes, remote: Indexes, polls_left: int) -> None:
         self.region = region
@@ -62,12 +62,14 @@ class _Read:
         self.remote = remote
         self.polls_left = polls_left
         self.copied = False
+        self.ended = False
 
 
 class MemoryDataTransport(DataTransport):
     """In-process data transport (see the module docstring).
 
-    Options (``data_options``): ``completion_polls`` (int >= 0, default 0).
+    Options (``data_options``): ``completion_polls`` (int >= 0, default 0) and
+    ``read_capacity`` (int >= 0, default 0: unbounded; see :class:`MemoryDataOptions`).
     """
 
     name: ClassVar[str] = "memory"
@@ -77,6 +79,9 @@ class MemoryDataTransport(DataTransport):
         opts = parse_options(MemoryDataOptions, settings.options, "memory data option")
         super().__init__(settings)
         self._completion_polls = opts.completion_polls
+        self._capacity = opts.read_capacity
+        self._in_flight = 0
+        """Blocks of reads posted and not ended (counted only with a ``read_capacity``)."""
         self._region_id = uuid.uuid4().hex
         with _REGIONS_LOCK:
             _REGIONS[self._region_id] = self._blocks
@@ -97,19 +102,45 @@ class MemoryDataTransport(DataTransport):
     def _attach_peer(self, peer_id: str, descriptor: bytes) -> _Peer:
         return _parse_peer(peer_id, descriptor, self.block_len)
 
+    def read_capacity(self, peer_id: str) -> int | None:
+        return self._capacity or None
+
     def _post_read(self, peer: _Peer, local: Indexes, remote: Indexes) -> _Read:
         """Post (N = 0: copy now; ``TransferSubmitError`` if the source is gone)."""
+        if self._capacity:
+            self._admit(len(local))
         read = _Read(peer.region, local, remote, self._completion_polls)
         if self._completion_polls == 0 and not self._copy(read):
+            self._end(read)
             raise TransferSubmitError("the peer's region is no longer registered")
         return read
+
+    def _admit(self, nblocks: int) -> None:
+        """Count ``nblocks`` in flight, or refuse: for now, or (too large) for good."""
+        if nblocks > self._capacity:
+            raise TransferSubmitError(f"a read of {nblocks} blocks exceeds memory data option "
+                                      f"read_capacity={self._capacity}")
+        if self._in_flight + nblocks > self._capacity:
+            raise TransferBusy(f"{self._in_flight} of read_capacity={self._capacity} blocks "
+                               f"are in flight, a read needs {nblocks}")
+        self._in_flight += nblocks
+
+    def _end(self, read: _Read) -> None:
+        if self._capacity and not read.ended:
+            self._in_flight -= len(read.local)
+        read.ended = True
 
     def _read_state(self, read: _Read) -> ReadState:
         """Count one examining poll down; at zero, copy (if not yet) and end the read."""
         if read.polls_left > 0:
             read.polls_left -= 1
             return ReadState.PENDING
+        self._end(read)
         return ReadState.DONE if read.copied or self._copy(read) else ReadState.FAILED
+
+    def _end_reads(self, handles: list[_Read]) -> None:
+        for read in handles:
+            self._end(read)
 
     def _shutdown(self) -> list[int]:
         """Deregister the region; nothing runs in the background: always ``[]``."""

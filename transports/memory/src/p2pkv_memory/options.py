@@ -27,3 +27,7 @@ class MemoryDataOptions:
 
     completion_polls: int = field(default=0, metadata=option(ge=0))
     """Polls a read stays in flight before it completes (0: copied at submit)."""
+    read_capacity: int = field(default=0, metadata=option(ge=0))
+    """Blocks all reads may have in flight at once, like a staging pool every peer's reads
+    share (0: unbounded). A read that does not fit now raises ``TransferBusy``, one larger
+    than the capacity ``TransferSubmitError``; models a window-limited transport in tests."""

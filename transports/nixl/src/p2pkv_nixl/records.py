@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.data_base import Indexes
 
-__all__ = ["Lane", "Peer", "Read", "RemoteAgent", "Serving"]
+__all__ = ["Lane", "Peer", "Read", "RemoteAgent", "Serving", "Strangers"]
 
 Lane = Literal["direct", "staged"]
 
@@ -108,3 +108,16 @@ class Peer:
         """Internal ids still running with this peer (with ``quarantine``: kept reads too)."""
         ids = [*self.serving, *(self.quarantined if quarantine else ())]
         return [self.warmup_id, *ids] if self.warmup is not None else ids
+
+
+class Strangers:
+    """Agents that send us staged requests but are not current peers: ``former`` ones, the
+    agents of peers removed here, still loaded (oldest first, at most the transport's bound)
+    so their late requests are refused explicitly and their consumers' quarantines end; and
+    ``unknown`` ones, whose requests are ignored (each logged once)."""
+
+    __slots__ = ("former", "unknown")
+
+    def __init__(self) -> None:
+        self.former: dict[str, RemoteAgent] = {}
+        self.unknown: set[str] = set()

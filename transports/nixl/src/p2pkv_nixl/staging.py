@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from p2pkv.data_base import Indexes
-from p2pkv.errors import TransferSubmitError
+from p2pkv.errors import TransferBusy, TransferSubmitError
 
 from p2pkv_nixl.agent import LOCAL, block_dlist, register_slices
 from p2pkv_nixl.slices import slice_counts
@@ -92,7 +92,8 @@ class StagingPool:
         """``count`` free blocks (lowest first, so runs stay contiguous), now *reading*.
 
         ``TransferSubmitError`` naming the ``staging_blocks`` option when the pool cannot
-        hold ``count`` blocks at all, or has fewer free now."""
+        hold ``count`` blocks at all; ``TransferBusy`` (back-pressure: retry once reads
+        ended) when it has fewer free now."""
         if count > self.capacity:
             raise TransferSubmitError(
                 f"a staged read of {count} blocks exceeds the staging pool ({self.capacity} "
@@ -100,7 +101,7 @@ class StagingPool:
             )
         found = np.flatnonzero(self._free)[:count]
         if len(found) < count:
-            raise TransferSubmitError(
+            raise TransferBusy(
                 f"the staging pool has {len(found)} free blocks of {self.capacity} "
                 f"({self.quarantined} quarantined by cancelled reads still running), a read "
                 f"needs {count}; raise nixl data option 'staging_blocks'"

@@ -39,8 +39,11 @@ UCX completes with an error instead. The protocol, all NIXL notifications (``sen
    little-endian uint32 arrays (8 bytes a block), and the pool's partial NIXL metadata (its
    remote keys, ~200 B; the pool is registered after our descriptor was made, so the producer
    loads it from the request, once per loaded agent).
-2. The producer's ``progress`` serves requests from agents of peers currently added there
-   (others are ignored, logged once): it checks every field (block length, sizes, every index
+2. The producer's ``progress`` serves requests from agents of peers currently added there;
+   a request from the agent of a peer removed here (kept loaded for that, the last
+   :data:`_FORMER_AGENTS` of them) is answered ``p2kvF1`` at once, so a consumer's request
+   sent after its session ended (a pause, a partition) ends its quarantine; anyone else is
+   ignored, logged once. It checks every field (block length, sizes, every index
    in range), loads the pool metadata, and posts a WRITE from its region into our pool whose
    completion notification (``p2kvD1`` + id) NIXL sends when the WRITE is done. A request it
    cannot serve, or a WRITE that fails, is answered ``p2kvF1`` + id + reason; nothing
@@ -126,7 +129,7 @@ from p2pkv_nixl.agent import block_dlist, open_agent, register_region
 from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
 from p2pkv_nixl.locality import cma_usable, host_id
 from p2pkv_nixl.options import NixlOptions
-from p2pkv_nixl.records import Lane, Peer, Read, RemoteAgent, Serving
+from p2pkv_nixl.records import Lane, Peer, Read, RemoteAgent, Serving, Strangers
 from p2pkv_nixl.runs import descs, runs
 from p2pkv_nixl.slices import per_slice, region_slices, slice_counts, slice_starts
 from p2pkv_nixl.staging import StagingPool
@@ -147,6 +150,10 @@ was registered over, kept for the process lifetime and never progressed again.""
 _WARMUP_BYTES = 8
 """Size of a connection warm-up READ (and of the scratch buffer it lands in)."""
 
+_FORMER_AGENTS = 64
+"""Agents of removed peers kept loaded, so that a staged request of theirs arriving after the
+removal (a consumer resumed from a pause, a healed partition) is answered "failed" and its
+quarantine ends at once, instead of being ignored and quarantining pool blocks for ever."""
 _PING_INTERVAL = 0.25
 """Seconds between probes of a peer with staged requests outstanding (see ``_probe``)."""
 
@@ -203,8 +210,7 @@ class NixlDataTransport(DataTransport):
         self._requests: dict[int, Read] = {}
         """Our staged reads by request id whose answer has not arrived, live or quarantined."""
         self._last_probe = 0.0
-        self._unknown_senders: set[str] = set()
-        """Agents whose requests we ignored (logged once each)."""
+        self._strangers = Strangers()
         self._zombies: dict[int, Any] = {}
         """internal id -> a handle NIXL refused to release after it ended (never freed)."""
         self._closing_thread = 0
@@ -239,6 +245,16 @@ class NixlDataTransport(DataTransport):
             if peer.current and peer.peer_id == peer_id:
                 return peer.lane
         raise KeyError(f"unknown peer {peer_id!r}")
+
+    def read_capacity(self, peer_id: str) -> int | None:
+        """The staging pool's size for a staged peer (every staged peer's reads share it),
+        None for a direct one (reads land straight in the slots). Unknown peer: None."""
+        for peer in self._peers:
+            if peer.current and peer.peer_id == peer_id:
+                if peer.lane != "staged" or self._pool is None:
+                    return None
+                return self._pool.capacity
+        return None
 
     def staging_usage(self) -> dict[str, int]:
         """The staging pool's blocks: ``capacity`` (0 until a staged peer was added),
@@ -331,6 +347,13 @@ class NixlDataTransport(DataTransport):
     def _load_agent(self, peer_id: str, desc: RegionDescriptor) -> RemoteAgent:
         remote = self._agents.get(desc.agent)
         if remote is None:
+            remote = self._strangers.former.pop(desc.agent, None)
+            if remote is not None and remote.metadata == desc.metadata:
+                self._agents[desc.agent] = remote  # still loaded: a re-added peer
+            elif remote is not None:
+                self._quietly(self._agent.remove_remote_agent, remote.name)
+                remote = None
+        if remote is None:
             remote = self._agents[desc.agent] = self._new_agent(peer_id, desc)
         elif remote.disconnected:
             raise PeerRejected(
@@ -364,13 +387,23 @@ class NixlDataTransport(DataTransport):
         return RemoteAgent(name, desc.metadata)
 
     def _unload_agent(self, remote: RemoteAgent) -> None:
+        """One user fewer; the last one releases the agent's pool list and moves it to the
+        former agents (a disconnected one, or one beyond ``_FORMER_AGENTS``, is removed)."""
         remote.users -= 1
-        if remote.users == 0:
-            del self._agents[remote.name]
-            if remote.pool_dlist is not None:
-                self._quietly(self._agent.release_dlist_handle, remote.pool_dlist)
-                remote.pool_dlist = None
+        if remote.users:
+            return
+        del self._agents[remote.name]
+        if remote.pool_dlist is not None:
+            self._quietly(self._agent.release_dlist_handle, remote.pool_dlist)
+            remote.pool_dlist = None
+        if remote.disconnected:
             self._quietly(self._agent.remove_remote_agent, remote.name)
+            return
+        former = self._strangers.former
+        former[remote.name] = remote
+        while len(former) > _FORMER_AGENTS:
+            oldest = former.pop(next(iter(former)))
+            self._quietly(self._agent.remove_remote_agent, oldest.name)
 
     def _ping(self, remote: RemoteAgent, why: str) -> None:
         """Send ``remote`` a notification its transport ignores: it wires the connection up
@@ -703,10 +736,7 @@ class NixlDataTransport(DataTransport):
             return
         peer = self._serving_peer(sender)
         if peer is None:
-            if sender not in self._unknown_senders:
-                self._unknown_senders.add(sender)
-                log.warning("nixl: ignoring staged read requests from agent %s: not a peer "
-                            "added here (or disconnected)", sender)
+            self._not_served(sender, message)
             return
         try:
             request = wire.parse_request(message, self.block_len, self.num_blocks)
@@ -721,6 +751,20 @@ class NixlDataTransport(DataTransport):
                 self._refuse(peer, None, f"{type(exc).__name__}: {exc}")
             return
         self._start_serving(peer, handle, request.request)
+
+    def _not_served(self, sender: str, message: bytes) -> None:
+        """A request from an agent that is not a current peer: refused explicitly when it is
+        a former peer's (its consumer's quarantine then ends), else ignored, logged once."""
+        former = self._strangers.former.get(sender)
+        request = wire.request_id(message)
+        if former is not None and request is not None:
+            self._notify_failed(former, request, "stale request: the peer was removed here "
+                                "(its session ended); nothing was written")
+            return
+        if sender not in self._strangers.unknown:
+            self._strangers.unknown.add(sender)
+            log.warning("nixl: ignoring staged read requests from agent %s: not a peer added "
+                        "here (or disconnected)", sender)
 
     def _serving_write(self, remote: RemoteAgent, request: wire.StagedRequest) -> Any:
         """The WRITE serving ``request`` (not posted yet); ``Refused`` with its id if NIXL
@@ -984,6 +1028,9 @@ class NixlDataTransport(DataTransport):
         """Peers, descriptor lists, then memory (pool, scratch, region); drop the agent."""
         self._retire_idle()
         agent = self._agent
+        for former in self._strangers.former.values():
+            self._quietly(agent.remove_remote_agent, former.name)
+        self._strangers.former.clear()
         self._quietly(agent.release_dlist_handle, self._local)
         if self._pool is not None:
             self._quietly(agent.release_dlist_handle, self._pool.dlist)

@@ -22,7 +22,7 @@ from p2pkv_nixl.slices import MAX_SLICES
 
 __all__ = [
     "DONE", "FAILED", "ID", "PING", "REQUEST", "REQUEST_HEAD", "Outcome", "Refused",
-    "StagedRequest", "outcome", "parse_request", "request_message",
+    "StagedRequest", "outcome", "parse_request", "request_id", "request_message",
 ]
 
 REQUEST = b"p2kvR2"
@@ -75,6 +75,13 @@ def request_message(
         REQUEST_HEAD.pack(REQUEST, request, base, capacity, block_len, len(src), slice_blocks),
         src.astype("<u4").tobytes(), stage.astype("<u4").tobytes(), metadata,
     ))
+
+
+def request_id(message: bytes) -> int | None:
+    """The id of a request message, without checking the rest; None if it has none."""
+    if len(message) < REQUEST_HEAD.size:
+        return None
+    return int(REQUEST_HEAD.unpack_from(message)[1])
 
 
 def parse_request(message: bytes, block_len: int, num_blocks: int) -> StagedRequest:

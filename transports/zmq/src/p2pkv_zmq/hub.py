@@ -218,6 +218,12 @@ class ZmqHub:
 
     # -- construction ---------------------------------------------------------------------
 
+    @property
+    def silence_timeout(self) -> float:
+        """How long our peers tolerate hearing nothing from us (no PONG, no frame): the
+        shorter of the TTL we announce and the heartbeat timeout (peers are configured alike)."""
+        return min(self._options.heartbeat_ttl, self._options.heartbeat_timeout)
+
     @classmethod
     def open(
         cls, plan: ListenPlan, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int

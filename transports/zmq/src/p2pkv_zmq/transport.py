@@ -16,7 +16,8 @@ Model (what callers and tests rely on):
   each once. No socket of ours files peers under ids they choose (no ROUTER).
 - An inbound peer is accepted on its first frame and returned once by ``poll`` with that frame
   buffered. Two peers dialing each other at once end up with one connection on each side.
-- ``send`` never blocks: ``max_queued_frames`` per connection, then ``SendQueueFull``.
+- ``send`` never blocks: ``max_queued_frames`` per connection, then ``SendQueueFull``
+  (back-pressure: the connection stays alive and the frame may be sent again later).
 - Liveness: ZMTP heartbeats on every dialing socket (the listener only answers them and
   drops an inbound link silent past the peer's TTL); a disconnect, a refused dial, a failed
   handshake or none within ``handshake_timeout``, no connection within ``connect_timeout``,
@@ -103,6 +104,11 @@ class ZmqControlTransport(ControlTransport):
     @property
     def local_address(self) -> str:
         return self._hub.local_address
+
+    @property
+    def silence_timeout(self) -> float:
+        """See :attr:`p2pkv_zmq.hub.ZmqHub.silence_timeout`."""
+        return self._hub.silence_timeout
 
     def connect(self, address: str) -> ControlConnection:
         """See :meth:`p2pkv_zmq.hub.ZmqHub.connect`."""
