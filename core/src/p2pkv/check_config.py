@@ -32,7 +32,10 @@ from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object
 
-__all__ = ["ADAPTERS", "Entry", "add_parser", "check", "connector_problem", "entries", "run"]
+__all__ = [
+    "ADAPTERS", "BuiltInTier", "Entry", "add_parser", "check",
+    "connector_problem", "entries", "run",
+]
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
@@ -55,6 +58,11 @@ class Entry:
     @property
     def where(self) -> str:
         return f"secondary_tiers[{self.index}]"
+
+
+class BuiltInTier(P2PKVError):
+    """The config is vLLM's built-in P2P tier without the opt-in: vLLM would not build
+    p2pkv's tier (exit 1, like a connector that never reads the tiers)."""
 
 
 REPLACE_ENV = "P2PKV_REPLACE_P2P"
@@ -121,7 +129,7 @@ def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | 
         upstream = [i for i, k in enumerate(tiers)
                     if isinstance(k, Mapping) and k.get("type") == _UPSTREAM]
         if upstream:
-            raise ConfigError(f"secondary_tiers[{upstream[0]}] has type 'p2p': vLLM's built-in "
+            raise BuiltInTier(f"secondary_tiers[{upstream[0]}] has type 'p2p': vLLM's built-in "
                               f"P2P tier would be built, not p2pkv's; set {REPLACE_ENV}=1 on "
                               f"the engines (and here) to build p2pkv's tier from it unedited")
         raise ConfigError(f"no secondary_tiers entry has module_path "
@@ -183,7 +191,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     kv_transfer_config = json_object(args.kv_transfer_config, "--kv-transfer-config",
                                      "vLLM's KVTransferConfig")
-    extra, found = entries(kv_transfer_config)
+    try:
+        extra, found = entries(kv_transfer_config)
+    except BuiltInTier as exc:
+        print_error("p2pkv check-config", str(exc))
+        return 1
     problem = connector_problem(kv_transfer_config, extra)
     if problem is not None:
         print_error("p2pkv check-config", problem)

@@ -62,7 +62,7 @@ def test_fingerprint_and_seed_are_derived_unless_set() -> None:
     ("keys", "needle"),
     [
         ({"bogus": 1}, r"unknown tier config key\(s\) \['bogus'\]"),
-        ({"backends": ["UCX"]}, r"unknown tier config key\(s\) \['backends'\]; valid keys: type, "),
+        ({"backend": ["UCX"]}, r"unknown tier config key\(s\) \['backend'\]; valid keys: type, "),
         ({"port": "5710"}, "'port' must be an integer"),
         ({"timeouts": {"load": -1}}, r"'timeouts.load' must be > 0"),
     ],

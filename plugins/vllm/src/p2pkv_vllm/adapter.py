@@ -28,7 +28,6 @@ from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 from p2pkv.tier import P2PTier
 from p2pkv.types import LookupResult
-from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 from vllm.v1.kv_offload.base import (
     Locality,
     OffloadingMetricMetadata,
@@ -44,12 +43,11 @@ from vllm.v1.kv_offload.tiering.base import (
     JobResult,
     ParentManager,
     SecondaryTierManager,
-    TransferJob,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from p2pkv_vllm.backpressure import PDSafeDetector
 from p2pkv_vllm.bridge import (
+    UPSTREAM_TYPE,
     FailedLoadLog,
     ParentHitSource,
     check_engine_keys,
@@ -58,8 +56,10 @@ from p2pkv_vllm.bridge import (
     preconnect_peers,
     resolve_hash_seed,
     tier_config_from_keys,
+    zero_edit_keys,
 )
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
+from p2pkv_vllm.release import HIT_SOURCE, TransferJob, none_hash_seed
 
 __all__ = ["OPTIONAL_FEATURES", "P2PKVTier", "missing_features"]
 
@@ -82,6 +82,13 @@ OPTIONAL_FEATURES: Mapping[str, str] = {
     ),
     "config_info": (
         "vllm:kv_offload_config_info labels (new in vLLM 0.33): the tier publishes none"
+    ),
+    "cache_hit_source": (
+        "cache-hit source attribution (new in vLLM 0.32): prompt tokens loaded through the "
+        "tier count as external hits without a source"
+    ),
+    "bp_detector": (
+        "store back-pressure (new in vLLM 0.32): a backpressure block is not read"
     ),
 }
 """``SecondaryTierManager`` attributes of newer vLLM releases the adapter uses when present,
@@ -117,7 +124,8 @@ class P2PKVTier(SecondaryTierManager):
     offers only, never a PD store (:mod:`p2pkv_vllm.backpressure`).
     """
 
-    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+    if HIT_SOURCE is not None:  # vLLM 0.32 and later attribute hits to a source
+        cache_hit_source: ClassVar[Any] = HIT_SOURCE
     # Peers' fetches and lookups must be answered between engine steps too.
     tolerates_off_thread_polling: ClassVar[bool] = True
 
@@ -143,12 +151,15 @@ class P2PKVTier(SecondaryTierManager):
                 f"P2PKVTier needs vLLM's 2-D primary view (chunks x bytes), got "
                 f"{primary_kv_view.ndim}-D"
             )
+        self._chunk_bytes = int(primary_kv_view.strides[0])  # type: ignore[index]
         parallel = offloading_spec.config.parallel
+        if tier_type == UPSTREAM_TYPE:  # zero-edit mode: an entry written for vLLM's tier
+            tier_keys = zero_edit_keys(tier_keys)
         config = tier_config_from_keys(
             tier_keys,
             dp_rank=parallel.data_parallel_index,
             run_config=run_config(offloading_spec),
-            hash_seed=resolve_hash_seed(get_none_hash_seed()),
+            hash_seed=resolve_hash_seed(none_hash_seed()),
         )
         self._config = config
         self._seed_checked = False
@@ -170,6 +181,11 @@ class P2PKVTier(SecondaryTierManager):
             tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
             len(primary_kv_view), self.block_size_bytes,
         )
+
+    @property
+    def block_size_bytes(self) -> int:
+        """Bytes per primary-tier chunk (the base class has it from vLLM 0.32 on)."""
+        return self._chunk_bytes
 
     def _serving_pd(self) -> bool:
         """A PD producer request is open on the tier (its stores must not be dropped)."""
@@ -283,7 +299,7 @@ class P2PKVTier(SecondaryTierManager):
         no peer can ever match this instance's blocks. The seed itself is never logged.
         """
         self._seed_checked = True
-        if get_none_hash_seed() != self._config.hash_seed:
+        if none_hash_seed() != self._config.hash_seed:
             log.error(
                 "P2PKVTier: vLLM derives block hashes from a seed other than the one this "
                 "tier advertises (a random per-process seed: non-cryptographic "

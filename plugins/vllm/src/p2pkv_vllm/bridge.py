@@ -27,6 +27,7 @@ __all__ = [
     "PRECONNECT_KEY",
     "TIER_TYPE",
     "UPSTREAM_KEYS",
+    "UPSTREAM_TYPE",
     "FailedLoadLog",
     "ParentHitSource",
     "check_engine_keys",
@@ -35,8 +36,10 @@ __all__ = [
     "job_of",
     "preconnect_peers",
     "resolve_hash_seed",
+    "slots_of",
     "tier_config_from_keys",
     "upstream_keys_mapped",
+    "zero_edit_keys",
 ]
 
 HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", "P2PKV_HOST")
@@ -103,6 +106,26 @@ def tier_config_from_keys(
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
 
 
+UPSTREAM_TYPE = "p2p"
+"""The ``type`` of vLLM's built-in P2P tier; p2pkv builds it in zero-edit mode
+(``P2PKV_REPLACE_P2P=1``, see :mod:`p2pkv_vllm.registration`)."""
+_CURVE_OPTIONS = ("server_secret_key", "client_secret_key", "allowed_client_keys", "insecure")
+
+
+def zero_edit_keys(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of an entry written for vLLM's built-in tier, as p2pkv builds it: that tier
+    authenticates nobody, so unless the entry gives zmq CURVE keys (or says ``insecure``
+    itself) p2pkv's zmq control runs ``insecure`` too, which it warns about at every start
+    (docs/security.md says how to add keys)."""
+    keys = dict(tier_keys)
+    options = keys.get("control_options")
+    options = dict(options) if isinstance(options, Mapping) else {}
+    if keys.get("control", "zmq") == "zmq" and not any(k in options for k in _CURVE_OPTIONS):
+        options["insecure"] = True
+        keys["control_options"] = options
+    return keys
+
+
 def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
     """``tier_keys`` with the built-in tier's keys (:data:`UPSTREAM_KEYS`) moved to where
     p2pkv keeps them. ``ConfigError`` when one is also set the p2pkv way to another value,
@@ -151,6 +174,8 @@ def entry_tier_config(
     left empty (it needs the engine's model) and the hash seed is ``PYTHONHASHSEED`` or
     empty."""
     keys = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
+    if entry.get("type") == UPSTREAM_TYPE:
+        keys = zero_edit_keys(keys)
     check_engine_keys(locality=entry.get("locality"))
     return tier_config_from_keys(keys, dp_rank=dp_rank, run_config={},
                                  hash_seed=resolve_hash_seed("", environ), environ=environ)
@@ -218,17 +243,24 @@ def _peer_address(peer: Any) -> str | None:
     return format_address(host, port)
 
 
+def slots_of(transfer_job: Any) -> Any:
+    """A vLLM transfer job's primary-tier slots (a numpy array): ``chunk_ids`` of a
+    ``TransferJob`` (vLLM 0.30 and later), ``block_ids`` of a ``JobMetadata`` (0.27.1)."""
+    slots = getattr(transfer_job, "chunk_ids", None)
+    return transfer_job.block_ids if slots is None else slots
+
+
 def job_of(transfer_job: Any, ctx: RequestContext) -> Job:
     """A vLLM ``TransferJob`` as a p2pkv ``Job``.
 
-    ``chunk_ids`` (a numpy array) is passed as is: ``P2PTier`` normalises the block ids of
+    Its slots (a numpy array) are passed as is: ``P2PTier`` normalises the block ids of
     submitted jobs itself, so they are converted exactly once.
     """
     keys = transfer_job.keys
     return Job(
         job_id=transfer_job.job_id,
         keys=keys if isinstance(keys, Sequence) else list(keys),
-        block_ids=transfer_job.chunk_ids,
+        block_ids=slots_of(transfer_job),
         is_load=bool(transfer_job.is_promotion),
         ctx=ctx,
     )
@@ -269,7 +301,7 @@ class ParentHitSource:
         normalised by the tier)."""
         transfer_job = self._parent.create_store_job(keys, handle)
         return Job(transfer_job.job_id, list(transfer_job.keys),
-                   transfer_job.chunk_ids.tolist(), False, context_of(handle))
+                   slots_of(transfer_job).tolist(), False, context_of(handle))
 
     def end(self, handle: object) -> None:
         self._parent.on_request_finished(handle)
