@@ -78,7 +78,8 @@ _INFO_KEYS = ("p2pkv_address", "p2pkv_control", "p2pkv_data", "p2pkv_fingerprint
 OPTIONAL_FEATURES: Mapping[str, str] = {
     "tolerates_off_thread_polling": (
         "tier-poll thread (new in vLLM 0.33): without it the tier is served once per engine "
-        "step, so peers' fetches and symmetric lookups wait for this engine's next step"
+        "step, and an idle engine keeps stepping slowly (every 10 ms at most, waking at once "
+        "on a peer's frame) so that peers' dials, probes and fetches are answered"
     ),
     "config_info": (
         "vllm:kv_offload_config_info labels (new in vLLM 0.33): the tier publishes none"
@@ -93,6 +94,13 @@ OPTIONAL_FEATURES: Mapping[str, str] = {
 }
 """``SecondaryTierManager`` attributes of newer vLLM releases the adapter uses when present,
 and what an engine without them lacks."""
+
+
+_POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
+"""This vLLM polls tiers from its own thread between engine steps (0.33 and later)."""
+IDLE_WAIT = 0.01
+"""Seconds one idle ``has_pending_work`` waits on the control transport (vLLM before 0.33):
+bounds an idle engine's step rate (its CPU) and the delay a new client request may see."""
 
 
 def missing_features() -> list[str]:
@@ -251,7 +259,17 @@ class P2PKVTier(SecondaryTierManager):
         )
 
     def has_pending_work(self) -> bool:
-        return self._tier.has_pending_work()
+        """True while the tier has work; on a vLLM without the tier-poll thread (before 0.33)
+        also while idle, paced: each call waits up to :data:`IDLE_WAIT` for a peer's frame
+        (waking at once when one arrives) and ticks the tier, so an idle engine keeps
+        stepping slowly and answers a dial, probe or fetch within one step instead of never
+        (docs/vllm.md, "Idle sources")."""
+        if self._tier.has_pending_work():
+            return True
+        if _POLL_THREAD:  # vLLM's tier-poll thread serves peers between steps
+            return False
+        self._tier.tick(IDLE_WAIT)
+        return True
 
     def drain_jobs(self) -> None:
         self._tier.drain_jobs()
