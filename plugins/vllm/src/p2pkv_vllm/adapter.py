@@ -59,7 +59,7 @@ from p2pkv_vllm.bridge import (
     zero_edit_keys,
 )
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
-from p2pkv_vllm.release import HIT_SOURCE, TransferJob, none_hash_seed
+from p2pkv_vllm.release import HIT_SOURCE, NEW_BLOCKS_ONLY, TransferJob, none_hash_seed
 
 __all__ = ["OPTIONAL_FEATURES", "P2PKVTier", "missing_features"]
 
@@ -72,7 +72,7 @@ _TO_VLLM = {
 }
 _FROM_VLLM = {VllmLookupResult.HIT: LookupResult.HIT, VllmLookupResult.MISS: LookupResult.MISS}
 _REQUEST_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
-_CHUNK_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
+_CHUNK_LEVEL = RequestOffloadingContext(policy=NEW_BLOCKS_ONLY)
 _INFO_KEYS = ("p2pkv_address", "p2pkv_control", "p2pkv_data", "p2pkv_fingerprint")
 
 OPTIONAL_FEATURES: Mapping[str, str] = {
@@ -145,6 +145,7 @@ class P2PKVTier(SecondaryTierManager):
         backpressure_detector: Any = None,
         **tier_keys: Any,
     ) -> None:
+        tier_keys.pop("module_path", None)  # vLLM 0.27.1 passes it on (later ones pop it)
         locality = check_engine_keys(locality=tier_keys.pop("locality", None))
         if backpressure_detector is None:  # releases before 0.33 take no detector
             super().__init__(offloading_spec, primary_kv_view, tier_type)

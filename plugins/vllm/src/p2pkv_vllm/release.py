@@ -3,6 +3,8 @@
 The tier API moved between the releases the field runs; the adapter uses these names
 instead of importing the moving ones itself:
 
+- the policy "store only newly computed blocks": ``OffloadPolicy.CHUNK_LEVEL`` (0.30 and
+  later) or ``BLOCK_LEVEL`` (0.27.1);
 - the transfer-job record: ``TransferJob`` with ``chunk_ids`` (0.30 and later) or
   ``JobMetadata`` with ``block_ids`` (0.27.1);
 - ``CacheHitSource`` (0.32 and later): which source a cache hit is attributed to in vLLM's
@@ -18,10 +20,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm.v1.kv_offload.base import OffloadPolicy
 from vllm.v1.kv_offload.tiering import base as _tiering
 
-__all__ = ["HIT_SOURCE", "RANDOM_SEED", "TransferJob", "none_hash_seed"]
+__all__ = ["HIT_SOURCE", "NEW_BLOCKS_ONLY", "RANDOM_SEED", "TransferJob", "none_hash_seed"]
 
+NEW_BLOCKS_ONLY: Any = getattr(OffloadPolicy, "CHUNK_LEVEL", None) or OffloadPolicy.BLOCK_LEVEL
+"""The offload policy "store only newly computed blocks" (``BLOCK_LEVEL`` before 0.30)."""
 TransferJob: Any = getattr(_tiering, "TransferJob", None) or _tiering.JobMetadata
 """vLLM's transfer-job record (``JobMetadata`` before 0.30; its slots: ``bridge.slots_of``)."""
 
