@@ -269,8 +269,11 @@ def test_replay_timeout_is_bounded_and_counted() -> None:
         silent.close(linger=0)
 
 
+@pytest.mark.vllm
 def test_against_vllms_own_publisher(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's ZmqEventPublisher (when vLLM is installed) is decoded by our subscriber."""
+    """vLLM's ZmqEventPublisher (when vLLM is installed: ``nox -s vllm`` and each
+    ``vllm_release`` session, 0.27.1-0.33) is decoded by our subscriber, its replay
+    included (every release in that range sends the topic frame on replay too)."""
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # tcp://*:0 binds the node IP
     vpub = kv_events.ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
