@@ -167,7 +167,7 @@ def test_parent_hit_source_follows_the_parent_protocol() -> None:
 
 
 def test_import_works_without_vllm_and_the_tier_explains_itself() -> None:
-    assert p2pkv_vllm.SUPPORTED_VLLM == ("0.32.0", "0.33.0")
+    assert p2pkv_vllm.SUPPORTED_VLLM == ("0.27.1", "0.30.0", "0.32.0", "0.33.0")
     try:
         import vllm  # noqa: F401
     except ImportError:

@@ -276,7 +276,10 @@ def test_against_vllms_own_publisher(monkeypatch: pytest.MonkeyPatch) -> None:
     included (every release in that range sends the topic frame on replay too)."""
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # tcp://*:0 binds the node IP
-    vpub = kv_events.ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    from engine_kit import free_port  # vLLM 0.30 cannot bind port 0 ("tcp://*:0")
+
+    vpub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{free_port()}",
+                                       replay_endpoint=f"tcp://*:{free_port()}")
     config = vpub.get_publisher_config()
     sub = KVEventSubscriber(config.endpoint, config.replay_endpoint)
     try:

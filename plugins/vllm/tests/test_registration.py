@@ -42,3 +42,12 @@ def test_an_alias_that_disagrees_with_the_p2pkv_key_is_refused() -> None:
         upstream_keys_mapped({"backends": ["UCX"], "data": "ucx"})
     assert upstream_keys_mapped({"num_threads": 2, "data_options": {"num_threads": 2}}) == {
         "data_options": {"num_threads": 2}}
+
+
+def test_idle_wait_is_checked_like_every_key() -> None:
+    with pytest.raises(ConfigError, match=r"idle_wait must be seconds from 0 to 1.*got 'x'"):
+        entry_tier_config({"type": "p2pkv", "idle_wait": "x"}, extra_config={}, dp_rank=0,
+                          environ={})
+    cfg = entry_tier_config({"type": "p2pkv", "idle_wait": 0}, extra_config={}, dp_rank=0,
+                            environ={})
+    assert cfg.port == 5710

@@ -52,6 +52,7 @@ from p2pkv_vllm.bridge import (
     ParentHitSource,
     check_engine_keys,
     context_of,
+    idle_wait_of,
     job_of,
     preconnect_peers,
     resolve_hash_seed,
@@ -99,8 +100,9 @@ and what an engine without them lacks."""
 _POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
 """This vLLM polls tiers from its own thread between engine steps (0.33 and later)."""
 IDLE_WAIT = 0.01
-"""Seconds one idle ``has_pending_work`` waits on the control transport (vLLM before 0.33):
-bounds an idle engine's step rate (its CPU) and the delay a new client request may see."""
+"""Default ``idle_wait`` (tier key): seconds one idle ``has_pending_work`` waits on the
+control transport (vLLM before 0.33); bounds the delay a new client request of an idle
+engine may see."""
 
 
 def missing_features() -> list[str]:
@@ -146,6 +148,7 @@ class P2PKVTier(SecondaryTierManager):
         **tier_keys: Any,
     ) -> None:
         tier_keys.pop("module_path", None)  # vLLM 0.27.1 passes it on (later ones pop it)
+        self._idle_wait = idle_wait_of(tier_keys, IDLE_WAIT)
         locality = check_engine_keys(locality=tier_keys.pop("locality", None))
         if backpressure_detector is None:  # releases before 0.33 take no detector
             super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -261,15 +264,16 @@ class P2PKVTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         """True while the tier has work; on a vLLM without the tier-poll thread (before 0.33)
-        also while idle, paced: each call waits up to :data:`IDLE_WAIT` for a peer's frame
+        also while idle, paced: each call waits up to ``idle_wait`` (:data:`IDLE_WAIT`) for
+        a peer's frame
         (waking at once when one arrives) and ticks the tier, so an idle engine keeps
         stepping slowly and answers a dial, probe or fetch within one step instead of never
         (docs/vllm.md, "Idle sources")."""
         if self._tier.has_pending_work():
             return True
-        if _POLL_THREAD:  # vLLM's tier-poll thread serves peers between steps
+        if _POLL_THREAD or not self._idle_wait:  # vLLM's tier-poll thread serves peers
             return False
-        self._tier.tick(IDLE_WAIT)
+        self._tier.tick(self._idle_wait)
         return True
 
     def drain_jobs(self) -> None:

@@ -22,6 +22,7 @@ from p2pkv.types import Job, JobResult, LookupResult, RequestContext
 __all__ = [
     "ENTRY_KEYS",
     "HOST_ENV",
+    "IDLE_WAIT_KEY",
     "LOCALITIES",
     "PORT_ENV",
     "PRECONNECT_KEY",
@@ -33,6 +34,7 @@ __all__ = [
     "check_engine_keys",
     "context_of",
     "entry_tier_config",
+    "idle_wait_of",
     "job_of",
     "preconnect_peers",
     "resolve_hash_seed",
@@ -149,6 +151,22 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
     return keys
 
 
+IDLE_WAIT_KEY = "idle_wait"
+"""Adapter key: seconds an idle engine without vLLM's tier-poll thread (before 0.33) waits
+for peers' frames per ``has_pending_work`` (default 0.01; 0: an idle engine stops stepping
+and does not answer peers until its next request)."""
+
+
+def idle_wait_of(tier_keys: dict[str, Any], default: float) -> float:
+    """Pop :data:`IDLE_WAIT_KEY` from ``tier_keys``; ``ConfigError`` unless it is a number
+    of seconds from 0 to 1."""
+    value = tier_keys.pop(IDLE_WAIT_KEY, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"P2PKVTier: {IDLE_WAIT_KEY} must be seconds from 0 to 1 (0 turns "
+                          f"idle serving off), got {value!r}")
+    return float(value)
+
+
 def check_engine_keys(*, locality: Any) -> str | None:
     """The adapter's check of ``locality``, a key vLLM itself reads: ``ConfigError`` unless
     it is one of :data:`LOCALITIES`; returns the locality (None when unset). A
@@ -176,6 +194,7 @@ def entry_tier_config(
     keys = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
     if entry.get("type") == UPSTREAM_TYPE:
         keys = zero_edit_keys(keys)
+    idle_wait_of(keys, 0.0)
     check_engine_keys(locality=entry.get("locality"))
     return tier_config_from_keys(keys, dp_rank=dp_rank, run_config={},
                                  hash_seed=resolve_hash_seed("", environ), environ=environ)
