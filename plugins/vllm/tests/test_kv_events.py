@@ -281,7 +281,9 @@ def test_against_vllms_own_publisher(monkeypatch: pytest.MonkeyPatch) -> None:
     vpub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{free_port()}",
                                        replay_endpoint=f"tcp://*:{free_port()}")
     config = vpub.get_publisher_config()
-    sub = KVEventSubscriber(config.endpoint, config.replay_endpoint)
+    # 0.30 reports its bind addresses ("tcp://*:port"), later releases resolved ones
+    sub = KVEventSubscriber(config.endpoint.replace("*", "127.0.0.1"),
+                            config.replay_endpoint.replace("*", "127.0.0.1"))
     try:
         def nudge() -> None:
             vpub.publish(kv_events.KVEventBatch(ts=1.0, events=[kv_events.BlockStored(
