@@ -142,8 +142,26 @@ def vllm(session: nox.Session) -> None:
     needs (its declared deps would pull CUDA torch); NIXL lean, as in scripts/install.sh.
     Runs the ``-m vllm`` tests of plugins/vllm. The venv is reused between runs.
     """
+    _vllm_tier_api(session, VLLM_VERSION)
+
+
+VLLM_RELEASES = ("0.27.1", "0.30.0", "0.32.0")
+"""Older releases whose tier API the adapter supports (``nox -s vllm_release``); 0.33.0 is
+``nox -s vllm``, in CI."""
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", VLLM_RELEASES)
+def vllm_release(session: nox.Session, release: str) -> None:
+    """The ``vllm`` session's tests against an older vLLM release's tier API (one venv per
+    release): registration through vLLM's plugin loader, the tier built by its factory, the
+    mapping of its jobs (docs/vllm.md, "Compatibility")."""
+    _vllm_tier_api(session, release)
+
+
+def _vllm_tier_api(session: nox.Session, release: str) -> None:
     session.run(*PIP, VLLM_TORCH)
-    session.run(*PIP, "--no-deps", f"vllm=={VLLM_VERSION}")
+    session.run(*PIP, "--no-deps", f"vllm=={release}")
     session.run(*PIP, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
     install_p2pkv(session)
     session.run("python", "-m", "pytest", str(ROOT / "plugins" / "vllm" / "tests"), "-m", "vllm",

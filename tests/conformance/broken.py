@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -221,7 +222,15 @@ class KeepsRegionAfterClose(LoopbackDataTransport):
         return super()._shutdown()
 
 
+class ClaimsNoDram(LoopbackDataTransport):
+    """Declares its region memory under a name of its own (as an author of a /dev/shm
+    transport might): the data suites must fail, not skip every test."""
+
+    capabilities = replace(LoopbackDataTransport.capabilities, memory_kinds=frozenset({"SHM"}))
+
+
 DATA_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
+    "ClaimsNoDram": (ClaimsNoDram, ("test_shape_and_descriptor",)),
     "EarlyDone": (EarlyDone, ("test_reads_are_byte_exact_at_scattered_indexes",)),
     "IgnoresPeerInPoll": (IgnoresPeerInPoll, ("test_poll_is_scoped_by_peer",)),
     "NoBoundsCheck": (NoBoundsCheck, ("test_bad_indexes_are_refused_before_posting",)),

@@ -1,9 +1,10 @@
-"""The suites catch every sabotaged transport of ``sabotage.py``, each in under 10 s, and pass
-the working transport the variants derive from.
+"""The suites catch every sabotaged transport of ``sabotage.py``, and pass the working
+transport the variants derive from.
 
 Every variant runs in a pytest subprocess of its own (as an author's suite run would: a fresh
-interpreter, only the tests named for its defect), which must fail, and must finish within
-``CATCH_SECONDS`` of wall time, interpreter start-up and child peer processes included. The
+interpreter, only the tests named for its defect), which must fail. How long a catch takes is
+not asserted (a test that passes on a quiet machine and fails on a busy one is a bug); each
+run is bounded by the subprocess timeout, and its seconds are reported with ``-rP``. The
 suites run with ``timeout = 2.0`` (the default 10 s bounds the dead-peer wait on its own).
 """
 
@@ -22,7 +23,6 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from sabotage import SABOTAGE  # noqa: E402
 
-CATCH_SECONDS = 10.0
 TIMEOUT = 2.0
 
 SUITE_RUN = textwrap.dedent(
@@ -84,4 +84,4 @@ def test_the_suite_catches(run_dir: Path, variant: str) -> None:
     assert proc.returncode == 1 and " failed" in proc.stdout, (
         f"{variant} ({doc}) was not caught:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     )
-    assert seconds < CATCH_SECONDS, f"{variant} was caught, but only after {seconds:.1f}s"
+    print(f"{variant} caught in {seconds:.1f}s")

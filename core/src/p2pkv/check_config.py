@@ -32,7 +32,10 @@ from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object
 
-__all__ = ["ADAPTERS", "Entry", "add_parser", "check", "connector_problem", "entries", "run"]
+__all__ = [
+    "ADAPTERS", "BuiltInTier", "Entry", "add_parser", "check",
+    "connector_problem", "entries", "run",
+]
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
@@ -49,10 +52,41 @@ class Entry:
     keys: Mapping[str, Any]
     adapter: Any
     """The adapter's bridge module (see :data:`ADAPTERS`)."""
+    how: str = ""
+    """Why vLLM builds p2pkv's tier for it (module_path, a registered type, zero-edit)."""
 
     @property
     def where(self) -> str:
         return f"secondary_tiers[{self.index}]"
+
+
+class BuiltInTier(P2PKVError):
+    """The config is vLLM's built-in P2P tier without the opt-in: vLLM would not build
+    p2pkv's tier (exit 1, like a connector that never reads the tiers)."""
+
+
+REPLACE_ENV = "P2PKV_REPLACE_P2P"
+"""p2pkv-vllm's opt-in: ``"type": "p2p"`` entries build p2pkv's tier (zero-edit mode)."""
+_TYPES = {"p2pkv": "p2pkv_vllm", "P2PKVTier": "p2pkv_vllm"}
+"""Tier types p2pkv-vllm registers with vLLM's factory (its vLLM general plugin) -> the
+adapter that builds them, on every release (with or without ``module_path``)."""
+_UPSTREAM = "p2p"
+
+
+def _replacing(environ: Mapping[str, str]) -> bool:
+    return environ.get(REPLACE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _adapter_of(keys: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(adapter module_path, why) when vLLM would build p2pkv's tier for this entry."""
+    module_path, tier_type = keys.get("module_path"), keys.get("type")
+    if module_path in ADAPTERS:
+        return str(module_path), f"module_path {module_path!r}"
+    if module_path is None and tier_type in _TYPES:
+        return _TYPES[tier_type], f"type {tier_type!r}, registered by p2pkv-vllm's vLLM plugin"
+    if module_path is None and tier_type == _UPSTREAM and _replacing(environ):
+        return "p2pkv_vllm", f"type 'p2p' with {REPLACE_ENV}=1: zero-edit mode"
+    return None
 
 
 def add_parser(sub: Any) -> None:
@@ -69,9 +103,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def entries(kv_transfer_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[Entry]]:
+def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+            ) -> tuple[Mapping[str, Any], list[Entry]]:
     """The connector's extra config and its p2pkv tier entries; ``ConfigError`` when there
     are none or an adapter is missing (the engine would start without the tier, or fail)."""
+    environ = os.environ if environ is None else environ
     extra = kv_transfer_config.get("kv_connector_extra_config") or {}
     tiers = extra.get("secondary_tiers") if isinstance(extra, Mapping) else None
     if not isinstance(tiers, list):
@@ -79,19 +115,26 @@ def entries(kv_transfer_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], l
                           "add the tier as one entry of it (docs/vllm.md)")
     found = []
     for index, keys in enumerate(tiers):
-        module_path = keys.get("module_path") if isinstance(keys, Mapping) else None
-        if module_path not in ADAPTERS:
+        built = _adapter_of(keys, environ) if isinstance(keys, Mapping) else None
+        if built is None:
             continue
+        module_path, how = built
         try:
             adapter = importlib.import_module(ADAPTERS[module_path])
         except ModuleNotFoundError as exc:  # the chain names the module (maybe a dependency)
-            raise ConfigError(f"secondary_tiers[{index}] names module_path {module_path!r}, "
-                              f"which is not installed: pip install {_INSTALL[module_path]}"
-                              ) from exc
-        found.append(Entry(index, keys, adapter))
+            raise ConfigError(f"secondary_tiers[{index}] is built by {module_path!r}, which is "
+                              f"not installed: pip install {_INSTALL[module_path]}") from exc
+        found.append(Entry(index, keys, adapter, how))
     if not found:
+        upstream = [i for i, k in enumerate(tiers)
+                    if isinstance(k, Mapping) and k.get("type") == _UPSTREAM]
+        if upstream:
+            raise BuiltInTier(f"secondary_tiers[{upstream[0]}] has type 'p2p': vLLM's built-in "
+                              f"P2P tier would be built, not p2pkv's; set {REPLACE_ENV}=1 on "
+                              f"the engines (and here) to build p2pkv's tier from it unedited")
         raise ConfigError(f"no secondary_tiers entry has module_path "
-                          f"{' or '.join(map(repr, ADAPTERS))}: nothing for p2pkv to check")
+                          f"{' or '.join(map(repr, ADAPTERS))} or type "
+                          f"{' or '.join(map(repr, _TYPES))}: nothing for p2pkv to check")
     return extra, found
 
 
@@ -99,7 +142,7 @@ def check(entry: Entry, extra: Mapping[str, Any], dp_size: int) -> TierConfig:
     """Check one entry for every DP rank, then build and close its tier once (port 0).
     Returns rank 0's config; raises ``P2PKVError`` (with the tier's message) or ``OSError``."""
     tier_type = entry.keys.get("type")
-    if tier_type != entry.adapter.TIER_TYPE:
+    if "module_path" in entry.keys and tier_type not in _TYPES:
         raise ConfigError(f"'type' is {tier_type!r}: vLLM loads the class named by 'type' from "
                           f"module_path; use {entry.adapter.TIER_TYPE!r}")
     configs: list[TierConfig] = [
@@ -148,7 +191,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     kv_transfer_config = json_object(args.kv_transfer_config, "--kv-transfer-config",
                                      "vLLM's KVTransferConfig")
-    extra, found = entries(kv_transfer_config)
+    try:
+        extra, found = entries(kv_transfer_config)
+    except BuiltInTier as exc:
+        print_error("p2pkv check-config", str(exc))
+        return 1
     problem = connector_problem(kv_transfer_config, extra)
     if problem is not None:
         print_error("p2pkv check-config", problem)
@@ -160,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
             print_error("p2pkv check-config", _refusal(entry, exc))
             return 1
         last = config.base_port + args.data_parallel_size - 1 if config.base_port else 0
-        print(f"{entry.where}: ok: control {config.control}, data {config.data}, host "
+        print(f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
+              f"{config.control}, data {config.data}, host "
               f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
               f"{args.data_parallel_size - 1})")
     for hint in _hints(os.environ):

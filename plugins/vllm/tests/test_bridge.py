@@ -62,7 +62,7 @@ def test_fingerprint_and_seed_are_derived_unless_set() -> None:
     ("keys", "needle"),
     [
         ({"bogus": 1}, r"unknown tier config key\(s\) \['bogus'\]"),
-        ({"backends": ["UCX"]}, r"unknown tier config key\(s\) \['backends'\]; valid keys: type, "),
+        ({"backend": ["UCX"]}, r"unknown tier config key\(s\) \['backend'\]; valid keys: type, "),
         ({"port": "5710"}, "'port' must be an integer"),
         ({"timeouts": {"load": -1}}, r"'timeouts.load' must be > 0"),
     ],
@@ -167,7 +167,7 @@ def test_parent_hit_source_follows_the_parent_protocol() -> None:
 
 
 def test_import_works_without_vllm_and_the_tier_explains_itself() -> None:
-    assert p2pkv_vllm.SUPPORTED_VLLM == ("0.32.0", "0.33.0")
+    assert p2pkv_vllm.SUPPORTED_VLLM == ("0.27.1", "0.30.0", "0.32.0", "0.33.0")
     try:
         import vllm  # noqa: F401
     except ImportError:

@@ -72,7 +72,8 @@ def test_the_recipe_config_would_start_on_every_dp_rank(keys: Path) -> None:
                  "--data-parallel-size", "2", VLLM_P2P_SIDE_CHANNEL_PORT="6710",
                  PYTHONHASHSEED="0")
     assert proc.returncode == 0, proc.stderr
-    assert "secondary_tiers[0]: ok: control zmq, data nixl" in proc.stdout
+    assert ("secondary_tiers[0]: ok: p2pkv's P2PKVTier (module_path 'p2pkv_vllm'): control "
+            "zmq, data nixl") in proc.stdout
     assert "ports 6710..6711" in proc.stdout
     assert proc.stderr == ""
 
@@ -143,10 +144,41 @@ def test_a_config_the_tier_would_refuse_exits_1(keys: Path, tier: dict[str, Any]
         ("[1]", ("--kv-transfer-config", "JSON object")),
         ("{", ("--kv-transfer-config", "not valid JSON")),
         ('{"kv_connector": "OffloadingConnector"}', ("secondary_tiers", "docs/vllm.md")),
-        (json.dumps({"kv_connector_extra_config": {"secondary_tiers": [{"type": "p2p"}]}}),
-         ("'p2pkv_vllm'", "nothing for p2pkv to check")),
+        (json.dumps({"kv_connector_extra_config": {"secondary_tiers": [{"type": "fs"}]}}),
+         ("'p2pkv_vllm'", "'p2pkv'", "nothing for p2pkv to check")),
     ],
     ids=["not an object", "not JSON", "no secondary tiers", "no p2pkv entry"],
 )
 def test_a_malformed_command_line_exits_2(config: str, names: tuple[str, ...]) -> None:
     refused(p2pkv("check-config", "--kv-transfer-config", config), 2, *names)
+
+
+def _guide(port: int, **more: Any) -> str:
+    """The llm-d guide's --kv-transfer-config, its tier entry as the guide writes it."""
+    entry = {"type": "p2p", "host": "127.0.0.1", "port": port, **more}
+    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {
+                           "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 24,
+                           "secondary_tiers": [entry]}})
+
+
+def test_the_guide_s_entry_says_which_tier_vllm_would_build() -> None:
+    """Without the opt-in vLLM builds its own tier: p2pkv says so and how to switch."""
+    refused(p2pkv("check-config", "--kv-transfer-config", _guide(7777)), 1,
+            "secondary_tiers[0]", "vLLM's built-in", "P2PKV_REPLACE_P2P=1")
+
+
+def test_the_guide_s_entry_unedited_checks_in_zero_edit_mode() -> None:
+    proc = p2pkv("check-config", "--kv-transfer-config",
+                 _guide(7777, backends=["UCX"], unbound_store_timeout_s=90),
+                 P2PKV_REPLACE_P2P="1", PYTHONHASHSEED="0")
+    assert proc.returncode == 0, proc.stderr
+    assert "p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1: zero-edit mode)" in proc.stdout
+    assert "ports 7777..7777" in proc.stdout
+
+
+def test_an_explicit_p2pkv_type_needs_no_module_path() -> None:
+    proc = p2pkv("check-config", "--kv-transfer-config",
+                 _guide(7777).replace('"type": "p2p"', '"type": "p2pkv"'), PYTHONHASHSEED="0")
+    assert proc.returncode == 0, proc.stderr
+    assert "registered by p2pkv-vllm's vLLM plugin" in proc.stdout

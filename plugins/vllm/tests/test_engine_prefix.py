@@ -8,14 +8,16 @@ address) and the prefillers ``B`` and ``C``, behind ``p2pkv proxy --policy prefi
   first pulls of a cold pair and of the warmed one are timed (``record_property``
   ``first_pull_ms``; docs/prefix-routing.md has the numbers).
 - ``A`` serves a long prompt; once the proxy's index (fed by ``A``'s events) shows ``A``
-  holding its full blocks, ``A`` is kept busy decoding other requests (vLLM 0.32 has no
-  tier-poll thread: a source answers probes between its engine steps only, an idle one lets
-  them time out) and a prompt sharing the prefix goes through the proxy: the prefill leg
+  holding its full blocks (``A`` idle by then), a prompt sharing the prefix goes through
+  the proxy: the prefill leg
   goes to ``B`` (no prefiller holds it; ties go round-robin) with ``remote_kv_source`` =
   ``A``; the answer equals ``C``'s own from-scratch answer (greedy); ``B``'s vLLM counters
   show the prefix blocks as external, P2P-sourced hits read from the tier (no local hits);
   the proxy's access log names ``A`` as source.
 - A prompt nobody holds goes to a prefiller (round-robin) without a source.
+- The llm-d guide's gate: a source idle 5 s and 20 s after serving a 460-token prompt
+  still answers a hand-made ``remote_kv_source`` pull with every full block; its CPU over
+  the idle gap is reported.
 """
 
 from __future__ import annotations
@@ -56,13 +58,12 @@ from p2pkv_vllm.proxy.legs import (  # noqa: E402
     new_kv_request_id,
     producer_params,
     pull_params,
+    with_kv_source,
 )
 from p2pkv_vllm.proxy.prefix_probe import wait_until_cached  # noqa: E402
 from test_engine_recipe import CPU_SERVER, counter, get, started  # noqa: E402
 
 MAX_TOKENS = 12
-SOURCE_TOKENS = 200
-"""Tokens of each request that keeps the source busy (it steps, so it answers probes)."""
 STORED = "vllm:kv_offload_store_bytes"
 P2P_CACHED = "vllm:prompt_tokens_cached_by_source"
 PREFIX = prompt(21, 6 * BLOCK_SIZE)
@@ -71,8 +72,6 @@ FIRST = PREFIX + prompt(22, 8)
 """Served by ``A`` directly: ``A`` then holds ``PREFIX`` (its full blocks)."""
 SHARING = PREFIX + prompt(23, 72)
 """Shares ``PREFIX``: routed to ``B`` pulling the prefix from ``A``."""
-BUSY = prompt(25, 100)
-"""The prompt of the requests that keep the source busy."""
 FRESH = prompt(24, 150)
 """Nobody holds any of it."""
 DELTA = 2 * BLOCK_SIZE
@@ -137,6 +136,8 @@ class Cluster:
     proxy_log: Path
     env: dict[str, str]
     tmp: Path
+    pids: dict[str, int]
+    """Server name -> the pid of its ``vllm serve`` (its engine core is a child)."""
 
 
 def wait_all_ready(urls: dict[str, str], procs: list[subprocess.Popen[Any]],
@@ -181,7 +182,8 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             proxy = f"http://127.0.0.1:{proxy_port}"
             wait_all_ready({s.name: f"{s.url}/health" for s in (a, b, c)} | {
                 "proxy": f"{proxy}/health"}, procs, logs)
-            yield Cluster(a, b, c, proxy, logs[3], env, tmp)
+            pids = {s.name: p.pid for s, p in zip((a, b, c), procs, strict=False)}
+            yield Cluster(a, b, c, proxy, logs[3], env, tmp, pids)
     finally:
         for s in (a, b, c):
             for path in Path("/dev/shm").glob(f"vllm_offload_{s.engine_id()}*"):
@@ -292,29 +294,6 @@ def test_warm_pairs_take_the_session_setup_off_the_first_pull(
     assert grown == hits  # the warm pair's pull came over the tier
 
 
-@contextlib.contextmanager
-def kept_busy(server: Server, model: str) -> Iterator[None]:
-    """``server`` decodes requests of ``SOURCE_TOKENS`` (``ignore_eos``) back to back, from a
-    thread, for as long as the block runs; entered once the first one's prompt is stored
-    (the server is stepping then). A vLLM 0.32 source answers probes between its engine
-    steps only: an idle one lets them time out."""
-    stop = threading.Event()
-    stored = counter(server.metrics(), STORED)
-
-    def loop() -> None:
-        while not stop.is_set():
-            complete(server.url, model, BUSY, SOURCE_TOKENS, ignore_eos=True)
-
-    thread = threading.Thread(target=loop, name=f"busy-{server.name}", daemon=True)
-    thread.start()
-    try:
-        wait_stored(server, stored)
-        yield
-    finally:
-        stop.set()
-        thread.join(WAIT)  # the request under way finishes (each is bounded by WAIT)
-
-
 def wait_stored(server: Server, before: float) -> None:
     """Until ``server`` has stored blocks to its CPU tier beyond ``before`` bytes (what a
     symmetric source serves from); at most ``WAIT`` seconds."""
@@ -324,9 +303,8 @@ def wait_stored(server: Server, before: float) -> None:
 
 
 def test_a_shared_prefix_is_pulled_from_its_holder(cluster: Cluster, tiny_model: str) -> None:
-    """``A`` serves ``FIRST``, and once the proxy's index shows it, ``A`` is kept busy
-    decoding other requests (vLLM 0.32 answers probes between engine steps only: an idle
-    source lets its consumers' probes time out) while ``SHARING`` goes through the proxy."""
+    """``A`` serves ``FIRST``, and once the proxy's index shows it (``A`` idle by then: it
+    answers the probe anyway), ``SHARING`` goes through the proxy."""
     a, b, c = cluster.a, cluster.b, cluster.c
     stored = counter(a.metrics(), STORED)
     complete(a.url, tiny_model, FIRST)
@@ -334,8 +312,7 @@ def test_a_shared_prefix_is_pulled_from_its_holder(cluster: Cluster, tiny_model:
     held = full_blocks(FIRST) * BLOCK_SIZE
     wait_until_cached(cluster.proxy, a.slot, held, token_ids=SHARING, timeout=WAIT)
     before = b.metrics()
-    with kept_busy(a, tiny_model):
-        answer, kv_id = complete(cluster.proxy, tiny_model, SHARING)
+    answer, kv_id = complete(cluster.proxy, tiny_model, SHARING)
     after = b.metrics()
     record = access_record(cluster.proxy_log, kv_id)
     assert (record["prefiller"], record["decoder"], record["source"]) == (b.slot, a.slot, a.slot)
@@ -357,3 +334,53 @@ def test_a_prompt_nobody_holds_goes_without_a_source(cluster: Cluster, tiny_mode
     assert (record["source"], record["source_tokens"], record["matched_tokens"],
             record["prefix_lookup"]) == ("", 0, 0, "miss")
     assert record["prefiller"] in (cluster.b.slot, cluster.c.slot)  # a round-robin tie
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and every process under it."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+@pytest.mark.parametrize(("gap", "consumer"), [(5.0, "c"), (20.0, "b")],
+                         ids=["idle 5s, a fresh peer", "idle 20s"])
+def test_an_idle_source_answers_a_pull(cluster: Cluster, tiny_model: str, gap: float,
+                                       consumer: str, record_property: Any) -> None:
+    """llm-d's verification gate: ``A`` serves a long prompt, then stays idle ``gap``
+    seconds (the scenario, not a settling delay; ``A``'s CPU is measured over it), then a
+    second engine pulls it with a hand-made ``remote_kv_source``: every full block of the
+    prefix arrives as an external hit. On vLLM 0.32 (no tier-poll thread) the idle source
+    keeps stepping slowly and answers at once (docs/vllm.md, "Idle sources")."""
+    a, pulling = cluster.a, getattr(cluster, consumer)
+    tokens = prompt(60 + int(gap), 460)
+    stored = counter(a.metrics(), STORED)
+    complete(a.url, tiny_model, tokens, 1)
+    wait_stored(a, stored)
+    cpu_before, began = cpu_seconds(cluster.pids["a"]), time.monotonic()
+    threading.Event().wait(gap)  # A idle: nothing is sent to it
+    idle_cpu = (cpu_seconds(cluster.pids["a"]) - cpu_before) / (time.monotonic() - began)
+    before = pulling.metrics()
+    params = with_kv_source(None, new_kv_request_id(), P2PPeer(a.slot, "127.0.0.1", a.p2p))
+    body = {"model": tiny_model, "prompt": tokens, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": params}
+    request = urllib.request.Request(f"{pulling.url}/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    sent = time.monotonic()
+    with urllib.request.urlopen(request, timeout=WAIT) as resp:
+        resp.read()
+    took = time.monotonic() - sent
+    grown = counter(pulling.metrics(), "vllm:external_prefix_cache_hits") - counter(
+        before, "vllm:external_prefix_cache_hits")
+    held = full_blocks(tokens) * BLOCK_SIZE
+    record_property("idle_source", {"gap_s": gap, "source_cpu_fraction": round(idle_cpu, 4),
+                                    "pull_s": round(took, 3), "hits": grown, "held": held})
+    print(f"\nidle source ({gap:.0f}s): CPU {idle_cpu:.1%} of a core while idle, pull "
+          f"{took * 1000:.0f} ms, {grown:.0f}/{held} prefix tokens external")
+    assert grown == held

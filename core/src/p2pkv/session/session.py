@@ -166,13 +166,18 @@ class Session:
         env = self.env
         env.deadlines.cancel(self.timer)
         self.timer = None
+        handshaking = self.state is State.HANDSHAKE and outcome is not Outcome.SHUTDOWN
         if bye is not None and self.conn.alive:
             told = outcome if outcome.value in _BYE_OUTCOMES else Outcome.PEER_DEAD
             self._send_now(Bye(bye, told.value))
         self.state = State.CLOSED
         if close_conn:
             self.conn.close()
-        log.info("session with %s closed: %s", self.peer, reason)
+        if handshaking:  # the peer never answered, or refused us: the operator must know
+            log.warning("session with %s closed before its handshake completed: %s",
+                        self.peer, reason)
+        else:
+            log.info("session with %s closed: %s", self.peer, reason)
         env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)

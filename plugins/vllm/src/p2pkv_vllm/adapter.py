@@ -28,7 +28,6 @@ from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 from p2pkv.tier import P2PTier
 from p2pkv.types import LookupResult
-from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 from vllm.v1.kv_offload.base import (
     Locality,
     OffloadingMetricMetadata,
@@ -44,22 +43,24 @@ from vllm.v1.kv_offload.tiering.base import (
     JobResult,
     ParentManager,
     SecondaryTierManager,
-    TransferJob,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from p2pkv_vllm.backpressure import PDSafeDetector
 from p2pkv_vllm.bridge import (
+    UPSTREAM_TYPE,
     FailedLoadLog,
     ParentHitSource,
     check_engine_keys,
     context_of,
+    idle_wait_of,
     job_of,
     preconnect_peers,
     resolve_hash_seed,
     tier_config_from_keys,
+    zero_edit_keys,
 )
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
+from p2pkv_vllm.release import HIT_SOURCE, NEW_BLOCKS_ONLY, TransferJob, none_hash_seed
 
 __all__ = ["OPTIONAL_FEATURES", "P2PKVTier", "missing_features"]
 
@@ -72,20 +73,36 @@ _TO_VLLM = {
 }
 _FROM_VLLM = {VllmLookupResult.HIT: LookupResult.HIT, VllmLookupResult.MISS: LookupResult.MISS}
 _REQUEST_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
-_CHUNK_LEVEL = RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
+_CHUNK_LEVEL = RequestOffloadingContext(policy=NEW_BLOCKS_ONLY)
 _INFO_KEYS = ("p2pkv_address", "p2pkv_control", "p2pkv_data", "p2pkv_fingerprint")
 
 OPTIONAL_FEATURES: Mapping[str, str] = {
     "tolerates_off_thread_polling": (
         "tier-poll thread (new in vLLM 0.33): without it the tier is served once per engine "
-        "step, so peers' fetches and symmetric lookups wait for this engine's next step"
+        "step, and an idle engine keeps stepping slowly (every 10 ms at most, waking at once "
+        "on a peer's frame) so that peers' dials, probes and fetches are answered"
     ),
     "config_info": (
         "vllm:kv_offload_config_info labels (new in vLLM 0.33): the tier publishes none"
     ),
+    "cache_hit_source": (
+        "cache-hit source attribution (new in vLLM 0.32): prompt tokens loaded through the "
+        "tier count as external hits without a source"
+    ),
+    "bp_detector": (
+        "store back-pressure (new in vLLM 0.32): a backpressure block is not read"
+    ),
 }
 """``SecondaryTierManager`` attributes of newer vLLM releases the adapter uses when present,
 and what an engine without them lacks."""
+
+
+_POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
+"""This vLLM polls tiers from its own thread between engine steps (0.33 and later)."""
+IDLE_WAIT = 0.01
+"""Default ``idle_wait`` (tier key): seconds one idle ``has_pending_work`` waits on the
+control transport (vLLM before 0.33); bounds the delay a new client request of an idle
+engine may see."""
 
 
 def missing_features() -> list[str]:
@@ -117,7 +134,8 @@ class P2PKVTier(SecondaryTierManager):
     offers only, never a PD store (:mod:`p2pkv_vllm.backpressure`).
     """
 
-    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+    if HIT_SOURCE is not None:  # vLLM 0.32 and later attribute hits to a source
+        cache_hit_source: ClassVar[Any] = HIT_SOURCE
     # Peers' fetches and lookups must be answered between engine steps too.
     tolerates_off_thread_polling: ClassVar[bool] = True
 
@@ -129,6 +147,8 @@ class P2PKVTier(SecondaryTierManager):
         backpressure_detector: Any = None,
         **tier_keys: Any,
     ) -> None:
+        tier_keys.pop("module_path", None)  # vLLM 0.27.1 passes it on (later ones pop it)
+        self._idle_wait = idle_wait_of(tier_keys, IDLE_WAIT)
         locality = check_engine_keys(locality=tier_keys.pop("locality", None))
         if backpressure_detector is None:  # releases before 0.33 take no detector
             super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -143,12 +163,15 @@ class P2PKVTier(SecondaryTierManager):
                 f"P2PKVTier needs vLLM's 2-D primary view (chunks x bytes), got "
                 f"{primary_kv_view.ndim}-D"
             )
+        self._chunk_bytes = int(primary_kv_view.strides[0])  # type: ignore[index]
         parallel = offloading_spec.config.parallel
+        if tier_type == UPSTREAM_TYPE:  # zero-edit mode: an entry written for vLLM's tier
+            tier_keys = zero_edit_keys(tier_keys)
         config = tier_config_from_keys(
             tier_keys,
             dp_rank=parallel.data_parallel_index,
             run_config=run_config(offloading_spec),
-            hash_seed=resolve_hash_seed(get_none_hash_seed()),
+            hash_seed=resolve_hash_seed(none_hash_seed()),
         )
         self._config = config
         self._seed_checked = False
@@ -170,6 +193,11 @@ class P2PKVTier(SecondaryTierManager):
             tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
             len(primary_kv_view), self.block_size_bytes,
         )
+
+    @property
+    def block_size_bytes(self) -> int:
+        """Bytes per primary-tier chunk (the base class has it from vLLM 0.32 on)."""
+        return self._chunk_bytes
 
     def _serving_pd(self) -> bool:
         """A PD producer request is open on the tier (its stores must not be dropped)."""
@@ -235,7 +263,18 @@ class P2PKVTier(SecondaryTierManager):
         )
 
     def has_pending_work(self) -> bool:
-        return self._tier.has_pending_work()
+        """True while the tier has work; on a vLLM without the tier-poll thread (before 0.33)
+        also while idle, paced: each call waits up to ``idle_wait`` (:data:`IDLE_WAIT`) for
+        a peer's frame
+        (waking at once when one arrives) and ticks the tier, so an idle engine keeps
+        stepping slowly and answers a dial, probe or fetch within one step instead of never
+        (docs/vllm.md, "Idle sources")."""
+        if self._tier.has_pending_work():
+            return True
+        if _POLL_THREAD or not self._idle_wait:  # vLLM's tier-poll thread serves peers
+            return False
+        self._tier.tick(self._idle_wait)
+        return True
 
     def drain_jobs(self) -> None:
         self._tier.drain_jobs()
@@ -283,7 +322,7 @@ class P2PKVTier(SecondaryTierManager):
         no peer can ever match this instance's blocks. The seed itself is never logged.
         """
         self._seed_checked = True
-        if get_none_hash_seed() != self._config.hash_seed:
+        if none_hash_seed() != self._config.hash_seed:
             log.error(
                 "P2PKVTier: vLLM derives block hashes from a seed other than the one this "
                 "tier advertises (a random per-process seed: non-cryptographic "

@@ -22,19 +22,26 @@ from p2pkv.types import Job, JobResult, LookupResult, RequestContext
 __all__ = [
     "ENTRY_KEYS",
     "HOST_ENV",
+    "IDLE_WAIT_KEY",
     "LOCALITIES",
     "PORT_ENV",
     "PRECONNECT_KEY",
     "TIER_TYPE",
+    "UPSTREAM_KEYS",
+    "UPSTREAM_TYPE",
     "FailedLoadLog",
     "ParentHitSource",
     "check_engine_keys",
     "context_of",
     "entry_tier_config",
+    "idle_wait_of",
     "job_of",
     "preconnect_peers",
     "resolve_hash_seed",
+    "slots_of",
     "tier_config_from_keys",
+    "upstream_keys_mapped",
+    "zero_edit_keys",
 ]
 
 HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", "P2PKV_HOST")
@@ -63,6 +70,16 @@ _log = logging.getLogger(__name__)
 _DERIVED_KEYS = ("fingerprint", "hash_seed")
 """TierConfig keys the adapter derives from the engine; an explicit tier key still wins."""
 
+UPSTREAM_KEYS: Mapping[str, tuple[str, str]] = {
+    "backends": ("data_options", "backends"),
+    "num_threads": ("data_options", "num_threads"),
+    "unbound_store_timeout_s": ("timeouts", "unbound_store"),
+}
+"""Keys of vLLM's built-in P2P tier (``p2p/manager.py``, 0.27.1-0.33; ``host`` and ``port``
+are p2pkv's keys too) -> where p2pkv keeps the same setting: NIXL's backends and agent
+threads (nixl data options; upstream's tier is NIXL), the seconds a producer holds stores
+nobody fetched. Accepted in every entry, with upstream's meaning."""
+
 
 def tier_config_from_keys(
     tier_keys: Mapping[str, Any],
@@ -79,7 +96,7 @@ def tier_config_from_keys(
     ``run_config`` and ``hash_seed`` from the engine unless the keys set them. Raises
     ``ConfigError`` naming any unknown or invalid key.
     """
-    keys = dict(tier_keys)
+    keys = upstream_keys_mapped(tier_keys)
     derived = {"fingerprint": config_fingerprint(run_config), "hash_seed": hash_seed}
     for name in _DERIVED_KEYS:
         keys.setdefault(name, derived[name])
@@ -89,6 +106,65 @@ def tier_config_from_keys(
         )
     except ConfigError as exc:
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
+
+
+UPSTREAM_TYPE = "p2p"
+"""The ``type`` of vLLM's built-in P2P tier; p2pkv builds it in zero-edit mode
+(``P2PKV_REPLACE_P2P=1``, see :mod:`p2pkv_vllm.registration`)."""
+_CURVE_OPTIONS = ("server_secret_key", "client_secret_key", "allowed_client_keys", "insecure")
+
+
+def zero_edit_keys(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of an entry written for vLLM's built-in tier, as p2pkv builds it: that tier
+    authenticates nobody, so unless the entry gives zmq CURVE keys (or says ``insecure``
+    itself) p2pkv's zmq control runs ``insecure`` too, which it warns about at every start
+    (docs/security.md says how to add keys)."""
+    keys = dict(tier_keys)
+    options = keys.get("control_options")
+    options = dict(options) if isinstance(options, Mapping) else {}
+    if keys.get("control", "zmq") == "zmq" and not any(k in options for k in _CURVE_OPTIONS):
+        options["insecure"] = True
+        keys["control_options"] = options
+    return keys
+
+
+def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
+    """``tier_keys`` with the built-in tier's keys (:data:`UPSTREAM_KEYS`) moved to where
+    p2pkv keeps them. ``ConfigError`` when one is also set the p2pkv way to another value,
+    or names a NIXL setting while the entry's data transport is not nixl."""
+    keys = dict(tier_keys)
+    for alias, (section, name) in UPSTREAM_KEYS.items():
+        if alias not in keys:
+            continue
+        value = keys.pop(alias)
+        if section == "data_options" and keys.get("data", "nixl") != "nixl":
+            raise ConfigError(f"P2PKVTier secondary_tiers entry: {alias!r} is a NIXL setting "
+                              f"of vLLM's p2p tier, but data is {keys['data']!r}: set that "
+                              f"transport's data_options instead")
+        inner = keys.get(section)
+        inner = dict(inner) if isinstance(inner, Mapping) else {}
+        if name in inner and inner[name] != value:
+            raise ConfigError(f"P2PKVTier secondary_tiers entry: {alias!r} ({value!r}) and "
+                              f"{section}.{name} ({inner[name]!r}) disagree: keep one")
+        inner[name] = value
+        keys[section] = inner
+    return keys
+
+
+IDLE_WAIT_KEY = "idle_wait"
+"""Adapter key: seconds an idle engine without vLLM's tier-poll thread (before 0.33) waits
+for peers' frames per ``has_pending_work`` (default 0.01; 0: an idle engine stops stepping
+and does not answer peers until its next request)."""
+
+
+def idle_wait_of(tier_keys: dict[str, Any], default: float) -> float:
+    """Pop :data:`IDLE_WAIT_KEY` from ``tier_keys``; ``ConfigError`` unless it is a number
+    of seconds from 0 to 1."""
+    value = tier_keys.pop(IDLE_WAIT_KEY, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"P2PKVTier: {IDLE_WAIT_KEY} must be seconds from 0 to 1 (0 turns "
+                          f"idle serving off), got {value!r}")
+    return float(value)
 
 
 def check_engine_keys(*, locality: Any) -> str | None:
@@ -116,6 +192,9 @@ def entry_tier_config(
     left empty (it needs the engine's model) and the hash seed is ``PYTHONHASHSEED`` or
     empty."""
     keys = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
+    if entry.get("type") == UPSTREAM_TYPE:
+        keys = zero_edit_keys(keys)
+    idle_wait_of(keys, 0.0)
     check_engine_keys(locality=entry.get("locality"))
     return tier_config_from_keys(keys, dp_rank=dp_rank, run_config={},
                                  hash_seed=resolve_hash_seed("", environ), environ=environ)
@@ -183,17 +262,24 @@ def _peer_address(peer: Any) -> str | None:
     return format_address(host, port)
 
 
+def slots_of(transfer_job: Any) -> Any:
+    """A vLLM transfer job's primary-tier slots (a numpy array): ``chunk_ids`` of a
+    ``TransferJob`` (vLLM 0.30 and later), ``block_ids`` of a ``JobMetadata`` (0.27.1)."""
+    slots = getattr(transfer_job, "chunk_ids", None)
+    return transfer_job.block_ids if slots is None else slots
+
+
 def job_of(transfer_job: Any, ctx: RequestContext) -> Job:
     """A vLLM ``TransferJob`` as a p2pkv ``Job``.
 
-    ``chunk_ids`` (a numpy array) is passed as is: ``P2PTier`` normalises the block ids of
+    Its slots (a numpy array) are passed as is: ``P2PTier`` normalises the block ids of
     submitted jobs itself, so they are converted exactly once.
     """
     keys = transfer_job.keys
     return Job(
         job_id=transfer_job.job_id,
         keys=keys if isinstance(keys, Sequence) else list(keys),
-        block_ids=transfer_job.chunk_ids,
+        block_ids=slots_of(transfer_job),
         is_load=bool(transfer_job.is_promotion),
         ctx=ctx,
     )
@@ -234,7 +320,7 @@ class ParentHitSource:
         normalised by the tier)."""
         transfer_job = self._parent.create_store_job(keys, handle)
         return Job(transfer_job.job_id, list(transfer_job.keys),
-                   transfer_job.chunk_ids.tolist(), False, context_of(handle))
+                   slots_of(transfer_job).tolist(), False, context_of(handle))
 
     def end(self, handle: object) -> None:
         self._parent.on_request_finished(handle)
