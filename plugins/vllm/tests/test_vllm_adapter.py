@@ -9,7 +9,9 @@ test over zmq + nixl with real TieringOffloadingManagers is test_vllm_two_proces
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
 import types
 from typing import Any
 
@@ -23,6 +25,7 @@ import p2pkv_vllm  # noqa: E402
 import vllm  # noqa: E402
 from p2pkv.config import config_fingerprint  # noqa: E402
 from p2pkv.errors import ConfigError  # noqa: E402
+from p2pkv.testing.waiting import wait_until  # noqa: E402
 from p2pkv_vllm.adapter import OPTIONAL_FEATURES, P2PKVTier, missing_features, run_config  # noqa: E402
 from p2pkv_vllm.bridge import LOCALITIES  # noqa: E402
 from p2pkv_vllm.release import NEW_BLOCKS_ONLY, TransferJob  # noqa: E402
@@ -260,6 +263,68 @@ def test_an_idle_engine_without_a_poll_thread_answers_through_has_pending_work()
                 break
         assert producer._tier.stats()["sessions_ready"] == 1
     finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+class _EngineCore:
+    """vLLM's engine loop in miniature: step while ``has_work``, else block on the input
+    queue until something (a client request, or the tier's WAKEUP) arrives."""
+
+    def __init__(self, tier: P2PKVTier) -> None:
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.tier = tier
+        self.asleep = threading.Event()
+        self.stop = False
+        self.woken = 0
+
+    def has_work(self) -> bool:
+        return self.tier.has_pending_work()
+
+    def run(self) -> None:
+        while not self.stop:
+            if not self.has_work():
+                self.asleep.set()
+                self.input_queue.get(timeout=60)
+                self.asleep.clear()
+                self.woken += 1
+                continue
+            self.tier.on_schedule_end(STEP)
+            self.tier.get_finished_jobs()
+
+
+def test_a_sleeping_engine_is_woken_for_a_peer_and_sleeps_again() -> None:
+    """vLLM before 0.33: the producer's engine sleeps on its input queue; a new peer's dial
+    is read by the tier's idle watcher, which wakes the engine (vLLM's WAKEUP request); the
+    handshake completes and the engine sleeps again. With the tier-poll thread (0.33) there
+    is no watcher."""
+    producer, _ = build(MEMORY)
+    consumer, _ = build(MEMORY)
+    core = _EngineCore(producer)
+    engine = threading.Thread(target=core.run, daemon=True)
+    try:
+        engine.start()
+        assert core.asleep.wait(30), "the idle engine never went to sleep"
+        if hasattr(base.SecondaryTierManager, "tolerates_off_thread_polling"):
+            assert producer._watch is None
+            return
+        assert producer._watch is not None and core.woken == 0
+        host, port = producer._tier.local_address.rsplit(":", 1)
+        hint = ReqContext("warm-1", {"p2pkv_connect": [{"remote_host": host,
+                                                        "remote_port": int(port)}]})
+        consumer.on_new_request(hint)
+        consumer.on_request_finished(hint)
+        for _ in range(20_000):  # the consumer's engine steps; the producer's sleeps
+            consumer.get_finished_jobs()
+            if consumer._tier.stats()["sessions_ready"]:
+                break
+        assert consumer._tier.stats()["sessions_ready"] == 1
+        assert core.woken >= 1 and producer._watch.wakeups >= 1
+        wait_until(core.asleep.is_set, timeout=30, what="the engine asleep again")
+    finally:
+        core.stop = True
+        core.input_queue.put((None, None))
+        engine.join(30)
         producer.shutdown()
         consumer.shutdown()
 

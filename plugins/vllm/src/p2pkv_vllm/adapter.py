@@ -20,9 +20,10 @@ and :func:`missing_features` (logged once when a tier starts).
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, TypeVar, cast
 
 from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
@@ -59,6 +60,7 @@ from p2pkv_vllm.bridge import (
     tier_config_from_keys,
     zero_edit_keys,
 )
+from p2pkv_vllm.idle import IdleWatch, engine_waker
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
 from p2pkv_vllm.release import HIT_SOURCE, NEW_BLOCKS_ONLY, TransferJob, none_hash_seed
 
@@ -79,8 +81,8 @@ _INFO_KEYS = ("p2pkv_address", "p2pkv_control", "p2pkv_data", "p2pkv_fingerprint
 OPTIONAL_FEATURES: Mapping[str, str] = {
     "tolerates_off_thread_polling": (
         "tier-poll thread (new in vLLM 0.33): without it the tier is served once per engine "
-        "step, and an idle engine keeps stepping slowly (every 10 ms at most, waking at once "
-        "on a peer's frame) so that peers' dials, probes and fetches are answered"
+        "step, and while the engine sleeps by p2pkv's idle watcher, which wakes the engine "
+        "when a peer needs it"
     ),
     "config_info": (
         "vllm:kv_offload_config_info labels (new in vLLM 0.33): the tier publishes none"
@@ -99,10 +101,29 @@ and what an engine without them lacks."""
 
 _POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
 """This vLLM polls tiers from its own thread between engine steps (0.33 and later)."""
-IDLE_WAIT = 0.01
-"""Default ``idle_wait`` (tier key): seconds one idle ``has_pending_work`` waits on the
-control transport (vLLM before 0.33); bounds the delay a new client request of an idle
-engine may see."""
+IDLE_WAIT = 0.02
+"""Default ``idle_wait`` (tier key), vLLM before 0.33: the longest one wait for a peer's frame
+while the engine sleeps (a frame ends it at once); an engine call arriving meanwhile waits
+for it."""
+
+
+_WATCH_CLOSE = 5.0
+"""Seconds ``shutdown`` waits for the idle watcher's thread (it ticks at most ``idle_wait``)."""
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _engine_call(method: _Method) -> _Method:
+    """Run ``method`` with the tier handed to the engine thread when an :class:`IdleWatch`
+    drives it while the engine sleeps (vLLM before 0.33); a plain call otherwise."""
+    @functools.wraps(method)
+    def call(self: P2PKVTier, *args: Any, **kwargs: Any) -> Any:
+        watch = self._watch
+        if watch is None:
+            return method(self, *args, **kwargs)
+        with watch.engine():
+            return method(self, *args, **kwargs)
+    return cast(_Method, call)
 
 
 def missing_features() -> list[str]:
@@ -149,6 +170,8 @@ class P2PKVTier(SecondaryTierManager):
     ) -> None:
         tier_keys.pop("module_path", None)  # vLLM 0.27.1 passes it on (later ones pop it)
         self._idle_wait = idle_wait_of(tier_keys, IDLE_WAIT)
+        self._watch: IdleWatch | None = None
+        """Drives the tier while the engine sleeps (vLLM before 0.33, inside an engine)."""
         locality = check_engine_keys(locality=tier_keys.pop("locality", None))
         if backpressure_detector is None:  # releases before 0.33 take no detector
             super().__init__(offloading_spec, primary_kv_view, tier_type)
@@ -206,6 +229,7 @@ class P2PKVTier(SecondaryTierManager):
 
     # -- requests ----------------------------------------------------------------------------
 
+    @_engine_call
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Parse the request's routing; a pre-connect hint (``p2pkv_connect``, see
         ``bridge.PRECONNECT_KEY``) opens sessions to the peers it names."""
@@ -218,20 +242,24 @@ class P2PKVTier(SecondaryTierManager):
             return _REQUEST_LEVEL
         return _CHUNK_LEVEL
 
+    @_engine_call
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
         return _TO_VLLM[self._tier.lookup(key, context_of(req_context))]
 
+    @_engine_call
     def submit_store(self, job_metadata: TransferJob) -> None:
         job = job_of(job_metadata, context_of(job_metadata.req_context))
         self._tier.submit_store(job)
         self._stats.job_submitted(job.job_id, is_load=False)
 
+    @_engine_call
     def submit_load(self, job_metadata: TransferJob) -> None:
         job = job_of(job_metadata, context_of(job_metadata.req_context))
         self._loads[job.job_id] = job.ctx
         self._tier.submit_load(job)
         self._stats.job_submitted(job.job_id, is_load=True)
 
+    @_engine_call
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Every finished job once; a failed load is logged at WARNING (rate-limited per
         outcome and peer: vLLM recomputes those blocks), a failed store at DEBUG."""
@@ -248,34 +276,53 @@ class P2PKVTier(SecondaryTierManager):
                           result.outcome.value, result.detail)
         return [JobResult(result.job_id, result.success) for result in results]
 
+    @_engine_call
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._tier.on_request_finished(context_of(req_context))
 
     # -- engine step -------------------------------------------------------------------------
 
+    @_engine_call
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._tier.on_schedule_end()
 
+    @_engine_call
     def serve_external_requests(self, parent: ParentManager) -> None:
         self._tier.serve_lookups(
             ParentHitSource(parent, new_context=ReqContext, results=_FROM_VLLM,
                             serial=self._serial)
         )
 
+    @_engine_call
     def has_pending_work(self) -> bool:
-        """True while the tier has work; on a vLLM without the tier-poll thread (before 0.33)
-        also while idle, paced: each call waits up to ``idle_wait`` (:data:`IDLE_WAIT`) for
-        a peer's frame
-        (waking at once when one arrives) and ticks the tier, so an idle engine keeps
-        stepping slowly and answers a dial, probe or fetch within one step instead of never
-        (docs/vllm.md, "Idle sources")."""
+        """True while the tier has work. On a vLLM without the tier-poll thread (before
+        0.33), an idle tier hands itself to an :class:`~p2pkv_vllm.idle.IdleWatch` that
+        serves peers while the engine sleeps and wakes it when they need it; outside an
+        engine loop (no input queue on the stack) it keeps the engine stepping instead,
+        paced by a wait of up to ``idle_wait`` for a peer's frame (docs/vllm.md, "Idle
+        sources")."""
         if self._tier.has_pending_work():
             return True
         if _POLL_THREAD or not self._idle_wait:  # vLLM's tier-poll thread serves peers
             return False
-        self._tier.tick(self._idle_wait)
+        watch = self._watch or self._start_watch()
+        if watch is not None:  # it serves peers while the engine sleeps, and wakes it
+            watch.sleep()
+            return False
+        self._tier.tick(self._idle_wait)  # no engine loop found: keep stepping, paced
         return True
 
+    def _start_watch(self) -> IdleWatch | None:
+        """The idle watcher, once vLLM's engine loop is found on the stack (else None)."""
+        wake = engine_waker()
+        if wake is None:
+            return None
+        self._watch = IdleWatch(self._tier, wake, self._idle_wait)
+        log.info("P2PKVTier: this vLLM has no tier-poll thread; peers are served by a thread "
+                 "of ours while the engine sleeps, which wakes the engine when they need it")
+        return self._watch
+
+    @_engine_call
     def drain_jobs(self) -> None:
         self._tier.drain_jobs()
 
@@ -287,6 +334,8 @@ class P2PKVTier(SecondaryTierManager):
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.close(_WATCH_CLOSE)
         try:
             leftover = self._tier.shutdown()
             if leftover:

@@ -152,9 +152,9 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
 
 
 IDLE_WAIT_KEY = "idle_wait"
-"""Adapter key: seconds an idle engine without vLLM's tier-poll thread (before 0.33) waits
-for peers' frames per ``has_pending_work`` (default 0.01; 0: an idle engine stops stepping
-and does not answer peers until its next request)."""
+"""Adapter key, vLLM before 0.33: the longest wait for a peer's frame while the engine sleeps
+(default 0.02 s, :mod:`p2pkv_vllm.idle`); 0: an idle engine does not answer peers until its
+next request."""
 
 
 def idle_wait_of(tier_keys: dict[str, Any], default: float) -> float:
