@@ -98,7 +98,7 @@ def test_bench_p2pkv_series_register_the_transports_own_memory_with_the_options(
     code = main([*BENCH, "--json", str(out), "--data-options", json.dumps(OPTIONS)])
     assert code == 0
     doc = json.loads(out.read_text())
-    assert doc["config"]["data_options"] == OPTIONS
+    assert doc["config"]["data_options"] == {"memory": OPTIONS}
     rows = [r for r in doc["rows"] if r["series"] == "p2pkv memory"]
     assert rows and all(r["verified"] and not r["error"] for r in rows)
     assert {r["series"] for r in doc["rows"]} == {"p2pkv memory", "memcpy"}
@@ -154,3 +154,31 @@ def test_bench_data_options_need_the_transports_they_are_for(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("p2pkv bench: --data-options") and says in err
+
+
+def test_bench_takes_each_transports_own_options_in_one_run(tmp_path: Path) -> None:
+    """``NAME=JSON`` gives one transport of ``--transports`` its own options (the flag
+    repeats); a plain JSON object goes to the others."""
+    out = tmp_path / "bench.json"
+    code = main([*BENCH, "--json", str(out), "--data-options", "{}",
+                 "--data-options", f"memory={json.dumps(OPTIONS)}"])
+    assert code == 0
+    assert json.loads(out.read_text())["config"]["data_options"] == {"memory": OPTIONS}
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [(["nixl={}"], "names 'nixl', which is not in --transports memory: add it there"),
+     (["memory={}", "memory={}"], "names 'memory' twice"),
+     (["memory=[1]"], "JSON object")],
+    ids=["not in --transports", "twice", "not an object"],
+)
+def test_misnamed_per_transport_options_are_one_line(
+    values: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*BENCH]
+    for value in values:
+        argv += ["--data-options", value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err

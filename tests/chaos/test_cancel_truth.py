@@ -1,6 +1,6 @@
 """A cancelled read is final, over the real nixl and ucx transports, in two processes.
 
-Everything the consumer does on a failure rests on this (DESIGN.md §1, "the consumer owns
+Everything the consumer does on a failure rests on this (docs/protocol.md §1, "the consumer owns
 every write into its region"): a load that fails cancels its reads and hands its slots back
 to the engine *at once*, with no fence and no word from the producer, so once ``cancel``
 returned no byte of the read may land in our region any more, whatever the source does later.

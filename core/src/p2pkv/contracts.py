@@ -268,7 +268,7 @@ _DataT = TypeVar("_DataT", bound="DataTransport")
 class DataTransport(_Transport):
     """Moves whole blocks of a peer's registered region into ours, posted by us.
 
-    **The consumer owns every write into its region** (DESIGN.md §1): the only transfers that
+    **The consumer owns every write into its region** (docs/protocol.md §1): the only transfers that
     land in our region are the reads *we* post with ``read_blocks``. A peer's transport never
     writes into our region on its own; at most it serves our reads (two-sided transports send
     what we asked for, into receives we posted).

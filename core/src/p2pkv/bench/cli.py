@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from p2pkv.bench.data_transport import (
     DATA_OPTIONS_FLAG,
     check_bench_data_options,
-    parse_data_options,
+    parse_bench_data_options,
 )
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.hostinfo import describe_host, environ_restored
@@ -109,9 +109,10 @@ def add_parser(sub: Any) -> None:
                    help="contiguous slot runs instead of scattered slots")
     p.add_argument("--no-raw", action="store_true", help="skip the raw-library baselines")
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy baseline")
-    p.add_argument(DATA_OPTIONS_FLAG, metavar="JSON",
+    p.add_argument(DATA_OPTIONS_FLAG, metavar="[NAME=]JSON", action="append",
                    help="data_options of the transports in --transports (needed with it), a "
-                   "JSON object or @FILE; their regions are allocated with them too")
+                   "JSON object or @FILE for every one of them, or NAME=JSON for one (repeat "
+                   "the flag); their regions are allocated with them too")
     p.add_argument("--seed", type=int, default=0, help="slot-placement seed")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write results as JSON to PATH ('-' or no value: stdout)")
@@ -162,7 +163,7 @@ def _config(args: argparse.Namespace) -> MatrixConfig:
         memcpy=not args.no_memcpy,
         contiguous=args.contiguous,
         seed=args.seed,
-        data_options=parse_data_options(args.data_options),
+        data_options=parse_bench_data_options(args.data_options, config.transports),
     )
 
 
@@ -200,7 +201,7 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
     config = _config(args)
     for name in config.transports or ():
         usable_transport(registry, "data", name)
-    check_bench_data_options(registry, config.transports, config.data_options)
+    check_bench_data_options(registry, config.data_options)
     return config
 
 

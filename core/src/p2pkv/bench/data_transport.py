@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,17 +28,21 @@ __all__ = [
     "RegionSource",
     "check_bench_data_options",
     "check_data_options",
+    "parse_bench_data_options",
     "parse_data_options",
     "transport_region",
 ]
 
 DATA_OPTIONS_FLAG = "--data-options"
-_EXAMPLE = f"""e.g. {DATA_OPTIONS_FLAG} '{{"completion_polls": 1}}' (memory), or @FILE"""
+_EXAMPLE = (f"""e.g. {DATA_OPTIONS_FLAG} '{{"completion_polls": 1}}' (every transport of """
+            f"""--transports), {DATA_OPTIONS_FLAG} 'nixl={{"backends": ["UCX"]}}' (one of """
+            f"""them; repeat the flag for each), or @FILE""")
 _PROBE_BLOCK = 4096
+_NAMED = re.compile(r"([A-Za-z0-9_.-]+)=(.*)", re.DOTALL)
 
 
 def parse_data_options(text: str | None) -> dict[str, Any]:
-    """The ``--data-options`` value as a dict (``{}`` when not given). Raises ``ConfigError``
+    """One ``--data-options`` value as a dict (``{}`` when not given). Raises ``ConfigError``
     naming the flag and an example when it is not a JSON object or its file is unreadable."""
     if text is None:
         return {}
@@ -45,6 +50,35 @@ def parse_data_options(text: str | None) -> dict[str, Any]:
         return json_object(text, DATA_OPTIONS_FLAG, "the data transport's data_options")
     except ConfigError as exc:
         raise ConfigError(f"{exc}; {_EXAMPLE}") from None
+
+
+def parse_bench_data_options(values: Sequence[str] | None,
+                             transports: Sequence[str] | None) -> dict[str, dict[str, Any]]:
+    """``p2pkv bench``'s ``--data-options`` values (the flag may repeat) as transport name ->
+    its data_options: a plain JSON object (or @FILE) for every transport of ``transports``,
+    ``NAME=JSON`` for transport NAME only (a named one wins over a plain one). ``ConfigError``
+    without ``--transports``, for a name not in it or given twice, or a value that is not a
+    JSON object."""
+    if not values:
+        return {}
+    if not transports:
+        raise ConfigError(f"{DATA_OPTIONS_FLAG} needs --transports NAME[,NAME...]: the "
+                          f"options go to those data transports")
+    shared: dict[str, Any] = {}
+    named: dict[str, dict[str, Any]] = {}
+    for value in values:
+        match = _NAMED.fullmatch(value.strip())
+        if match is None:
+            shared = parse_data_options(value)
+            continue
+        name = match.group(1)
+        if name not in transports:
+            raise ConfigError(f"{DATA_OPTIONS_FLAG} names {name!r}, which is not in "
+                              f"--transports {','.join(transports)}: add it there")
+        if name in named:
+            raise ConfigError(f"{DATA_OPTIONS_FLAG} names {name!r} twice: give its options once")
+        named[name] = parse_data_options(match.group(2))
+    return {name: named.get(name, shared) for name in transports}
 
 
 def check_data_options(registry: Registry, name: str, options: Mapping[str, Any]) -> None:
@@ -57,17 +91,12 @@ def check_data_options(registry: Registry, name: str, options: Mapping[str, Any]
 
 
 def check_bench_data_options(
-    registry: Registry, transports: Sequence[str] | None, options: Mapping[str, Any]
+    registry: Registry, options: Mapping[str, Mapping[str, Any]]
 ) -> None:
-    """``p2pkv bench --data-options``: refused (``ConfigError``) without ``--transports``
-    naming the transports they are for, else checked on each (:func:`check_data_options`)."""
-    if not options:
-        return
-    if not transports:
-        raise ConfigError(f"{DATA_OPTIONS_FLAG} needs --transports NAME[,NAME...]: the "
-                          f"options go to those data transports")
-    for name in transports:
-        check_data_options(registry, name, options)
+    """``p2pkv bench --data-options``: each transport's options checked on it
+    (:func:`check_data_options`) before anything runs."""
+    for name, own in options.items():
+        check_data_options(registry, name, own)
 
 
 def transport_region(

@@ -44,14 +44,18 @@ class MatrixConfig:
     region_bytes: int = 1024 * MiB
     transports: tuple[str, ...] | None = None
     """p2pkv data transports to run (None: every available one)."""
-    data_options: Mapping[str, Any] = field(default_factory=dict)
-    """``data_options`` of every p2pkv transport run (and of its ``allocate_region``)."""
+    data_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Transport name -> its ``data_options`` (and its ``allocate_region``'s); none: {}."""
     raw: bool = True
     memcpy: bool = True
     contiguous: bool = False
     seed: int = 0
     deadline: float = 60.0
     rep_seconds: float = 0.5
+
+    def options_for(self, transport: str) -> dict[str, Any]:
+        """The ``data_options`` of p2pkv data transport ``transport`` in this run."""
+        return dict(self.data_options.get(transport, {}))
 
     def requests_for(self, block_size: int, batch: int, concurrency: int) -> int:
         per_request = block_size * batch
@@ -132,7 +136,7 @@ def _groups(config: MatrixConfig, series: Sequence[SeriesSpec]) -> list[Group]:
     try:
         for (remote, name), specs in by_transport.items():
             p2pkv = any(s.impl == "p2pkv" for s in specs)
-            source = RegionSource(name if p2pkv else None, dict(config.data_options))
+            source = RegionSource(name if p2pkv else None, config.options_for(name))
             groups.append(
                 WorkerGroup(specs, config.region_bytes, source, timeout) if remote
                 else LaneGroup(specs, config.region_bytes, source)

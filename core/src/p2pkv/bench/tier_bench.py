@@ -176,7 +176,8 @@ def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellR
     timeout = config.deadline * (config.reps + config.warmup + 2)
     started = time.time()
     for data in plan.data:
-        lane = TierLane(plan.control, data, config.region_bytes, timeout, config.data_options)
+        lane = TierLane(plan.control, data, config.region_bytes, timeout,
+                         config.options_for(data))
         for block in config.block_sizes:
             try:
                 lane.open(block)

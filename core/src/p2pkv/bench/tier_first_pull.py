@@ -116,7 +116,7 @@ def measure_first_pulls(config: MatrixConfig, control: str, data: Sequence[str],
     out = []
     for name in data:
         result = FirstPull(name, block, blocks)
-        lane = TierLane(control, name, block * blocks, timeout, config.data_options)
+        lane = TierLane(control, name, block * blocks, timeout, config.options_for(name))
         for connect in [False] * pairs + [True] * pairs:
             try:
                 result.add(first_pull(lane, block, blocks, connect=connect))

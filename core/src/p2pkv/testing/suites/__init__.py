@@ -7,7 +7,7 @@ Ten lines prove a data transport (see ``docs/plugin-authors.md``)::
 
     class TestMyDataTransport(DataTransportSuite):
         transport = MyDataTransport
-        options = {"progress_thread": False}   # data_options used for every instance
+        options = {"my_option": 1}   # your data_options, used for every instance (optional)
 
 The kit builds every instance itself through ``transport.create(settings)``: the transport
 under test here, and its peers either in this process (``same-process``) or in a spawned child
