@@ -60,6 +60,7 @@ def host_spec(lab: NetLab, kind: str, side: str, slots: int, *,
     config = tier_config(addr, control={"insecure": True},
                          data={"staging_blocks": 1 << 20},
                          timeouts={"load": LOAD, "lease_margin": LEASE_MARGIN})
+    config["flow"] = {"window_rounds": 128}  # every fetch out at once: all stores get pinned
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), netns=netns,
                     env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, record=record)
 

@@ -173,11 +173,10 @@ class Session:
         self.state = State.CLOSED
         if close_conn:
             self.conn.close()
-        if handshaking:  # the peer never answered, or refused us: the operator must know
-            log.warning("session with %s closed before its handshake completed: %s",
-                        self.peer, reason)
-        else:
-            log.info("session with %s closed: %s", self.peer, reason)
+        # closed during the handshake: the peer never answered, or refused us (WARNING: the
+        # operator must know); the line's form is the same either way (operators grep it)
+        log.log(logging.WARNING if handshaking else logging.INFO, "session with %s closed: %s",
+                self.peer, reason)
         env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)
