@@ -319,7 +319,8 @@ def test_a_sleeping_engine_is_woken_for_a_peer_and_sleeps_again() -> None:
             if consumer._tier.stats()["sessions_ready"]:
                 break
         assert consumer._tier.stats()["sessions_ready"] == 1
-        assert core.woken >= 1 and producer._watch.wakeups >= 1
+        wait_until(lambda: core.woken >= 1, timeout=30, what="the engine woken for the peer")
+        assert producer._watch.wakeups >= 1
         wait_until(core.asleep.is_set, timeout=30, what="the engine asleep again")
     finally:
         core.stop = True
