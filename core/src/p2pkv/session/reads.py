@@ -96,9 +96,9 @@ class ReadGate:
         """Post ``held`` now if it may go, else hold it; the owner hears of it (perhaps
         during this call) through ``read_posted`` / ``read_refused``."""
         peer = held.peer
-        first = peer not in self._held and not (self._shared_waiting()
-                                                and self._capacity(peer) is not None)
-        if first and self._try(held) <= _REFUSED:
+        capacity = self._capacity(peer)
+        first = peer not in self._held and not (capacity is not None and self._shared_waiting())
+        if first and self._try(held, capacity) <= _REFUSED:
             return
         queue = self._held.get(peer)
         if queue is None:
@@ -158,10 +158,11 @@ class ReadGate:
             if not queue:
                 del self._held[peer]
                 continue
-            shared = self._capacity(peer) is not None
+            capacity = self._capacity(peer)
+            shared = capacity is not None
             if shared and shared_busy:
                 continue  # the peer whose turn it is waits for room: nobody overtakes it
-            outcome = self._try(queue[0])
+            outcome = self._try(queue[0], capacity)
             if outcome == _BUSY:
                 shared_busy = shared_busy or shared
             elif outcome <= _REFUSED:
@@ -172,11 +173,11 @@ class ReadGate:
                 posted = posted or outcome == _POSTED
         return posted
 
-    def _try(self, held: HeldRead) -> int:
-        """Post ``held`` if its share allows and the transport takes it (its owner is told
-        when it was posted or refused for good)."""
+    def _try(self, held: HeldRead, capacity: int | None) -> int:
+        """Post ``held`` if its share of ``capacity`` (its peer's, as the transport says)
+        allows and the transport takes it (its owner is told when it was posted or refused
+        for good)."""
         peer, nblocks = held.peer, held.nblocks
-        capacity = self._capacity(peer)
         if capacity is not None:
             used = self._used.get(peer, 0)
             if used and used + nblocks > self._share(capacity, peer):
