@@ -76,6 +76,12 @@ class NetLab:
     addr_b: str
     _created: bool = False
 
+    def host(self, side: str) -> tuple[str, str, str]:
+        """Host ``side`` ("a" or "b"): its namespace, its end of the link, its address."""
+        if side == "a":
+            return self.a, self.dev_a, self.addr_a
+        return self.b, self.dev_b, self.addr_b
+
     @classmethod
     def create(cls) -> NetLab:
         n = next(_SEQ)

@@ -52,8 +52,7 @@ def curve(keydir: Path, client: str) -> dict[str, Any]:
 
 def host(lab: NetLab, side: str, kind: str, control: dict[str, Any], *,
          record: bool = False) -> NodeSpec:
-    netns, dev, addr = ((lab.a, lab.dev_a, lab.addr_a) if side == "a"
-                        else (lab.b, lab.dev_b, lab.addr_b))
+    netns, dev, addr = lab.host(side)
     config = tier_config(addr, control=control)
     return NodeSpec(kind, RoleSetup(config, BLOCK, 40 * MAX_BLOCKS), netns=netns,
                     env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, record=record)

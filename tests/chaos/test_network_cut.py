@@ -55,8 +55,7 @@ T = 60.0
 def host_spec(lab: NetLab, kind: str, side: str, slots: int, *,
               record: bool = False) -> NodeSpec:
     """A node on host ``side`` ("a" or "b"): bound to that host's address, UCX on its link."""
-    netns, dev, addr = ((lab.a, lab.dev_a, lab.addr_a) if side == "a"
-                        else (lab.b, lab.dev_b, lab.addr_b))
+    netns, dev, addr = lab.host(side)
     config = tier_config(addr, control={"insecure": True},
                          data={"staging_blocks": 1 << 20},
                          timeouts={"load": LOAD, "lease_margin": LEASE_MARGIN})

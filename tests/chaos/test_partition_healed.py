@@ -43,8 +43,7 @@ T = 60.0
 
 
 def host_spec(lab: NetLab, kind: str, side: str, slots: int, data: str) -> NodeSpec:
-    netns, dev, addr = ((lab.a, lab.dev_a, lab.addr_a) if side == "a"
-                        else (lab.b, lab.dev_b, lab.addr_b))
+    netns, dev, addr = lab.host(side)
     config = tier_config(addr, control={"insecure": True}, data_transport=data,
                          timeouts={"load": LOAD, "lease_margin": LEASE_MARGIN})
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), netns=netns,

@@ -39,8 +39,7 @@ T = 120.0
 
 
 def host_spec(lab: NetLab, kind: str, side: str, slots: int) -> NodeSpec:
-    netns, dev, addr = ((lab.a, lab.dev_a, lab.addr_a) if side == "a"
-                        else (lab.b, lab.dev_b, lab.addr_b))
+    netns, dev, addr = lab.host(side)
     config = tier_config(addr, control={"insecure": True}, timeouts={
         "load": LOAD, "lease_margin": LEASE_MARGIN, "unbound_store": UNBOUND,
         "store": 2 * LOAD})
