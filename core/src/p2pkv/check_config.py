@@ -74,7 +74,14 @@ _UPSTREAM = "p2p"
 
 
 def _replacing(environ: Mapping[str, str]) -> bool:
-    return environ.get(REPLACE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the engine would build p2pkv's tier for ``"type": "p2p"``: p2pkv-vllm's own
+    reading of :data:`REPLACE_ENV` (``ConfigError`` for a garbled value, as at engine
+    start); False without p2pkv-vllm."""
+    try:
+        adapter = importlib.import_module(ADAPTERS["p2pkv_vllm"])
+    except ModuleNotFoundError:
+        return False
+    return bool(adapter.replace_requested(environ))
 
 
 def _adapter_of(keys: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str, str] | None:

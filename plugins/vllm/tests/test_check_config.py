@@ -182,3 +182,8 @@ def test_an_explicit_p2pkv_type_needs_no_module_path() -> None:
                  _guide(7777).replace('"type": "p2p"', '"type": "p2pkv"'), PYTHONHASHSEED="0")
     assert proc.returncode == 0, proc.stderr
     assert "registered by p2pkv-vllm's vLLM plugin" in proc.stdout
+
+
+def test_a_garbled_opt_in_is_refused_as_the_engine_refuses_it() -> None:
+    refused(p2pkv("check-config", "--kv-transfer-config", _guide(7777),
+                  P2PKV_REPLACE_P2P="maybe"), 2, "P2PKV_REPLACE_P2P='maybe'", "set it to 1")

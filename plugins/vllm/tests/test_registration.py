@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 from p2pkv.errors import ConfigError
-from p2pkv_vllm.bridge import entry_tier_config, upstream_keys_mapped
-from p2pkv_vllm.registration import replace_requested
+from p2pkv_vllm.bridge import entry_tier_config, replace_requested, upstream_keys_mapped
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])

@@ -26,6 +26,7 @@ __all__ = [
     "LOCALITIES",
     "PORT_ENV",
     "PRECONNECT_KEY",
+    "REPLACE_ENV",
     "TIER_TYPE",
     "UPSTREAM_KEYS",
     "UPSTREAM_TYPE",
@@ -37,6 +38,7 @@ __all__ = [
     "idle_wait_of",
     "job_of",
     "preconnect_peers",
+    "replace_requested",
     "resolve_hash_seed",
     "slots_of",
     "tier_config_from_keys",
@@ -111,6 +113,25 @@ def tier_config_from_keys(
 UPSTREAM_TYPE = "p2p"
 """The ``type`` of vLLM's built-in P2P tier; p2pkv builds it in zero-edit mode
 (``P2PKV_REPLACE_P2P=1``, see :mod:`p2pkv_vllm.registration`)."""
+REPLACE_ENV = "P2PKV_REPLACE_P2P"
+"""Set to 1 on an engine to build p2pkv's tier for ``"type": "p2p"`` entries."""
+_YES = ("1", "true", "yes", "on")
+_NO = ("", "0", "false", "no", "off")
+
+
+def replace_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`REPLACE_ENV` asks for zero-edit mode (the engine's registration and
+    ``p2pkv check-config`` both ask here); ``ConfigError`` for a value that is neither yes
+    nor no."""
+    value = (os.environ if environ is None else environ).get(REPLACE_ENV, "").strip().lower()
+    if value in _YES:
+        return True
+    if value in _NO:
+        return False
+    raise ConfigError(f"{REPLACE_ENV}={value!r}: set it to 1 to build p2pkv's tier for "
+                      f"\"type\": \"p2p\" entries, or unset it")
+
+
 _CURVE_OPTIONS = ("server_secret_key", "client_secret_key", "allowed_client_keys", "insecure")
 
 

@@ -21,35 +21,16 @@ silently with the other tier).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
-from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 
-__all__ = ["REPLACE_ENV", "TIER_NAMES", "register", "replace_requested"]
+from p2pkv_vllm.bridge import REPLACE_ENV, UPSTREAM_TYPE, replace_requested
+
+__all__ = ["TIER_NAMES", "register"]
 
 log = module_logger(__name__)
 
-REPLACE_ENV = "P2PKV_REPLACE_P2P"
-"""Set to 1 on an engine to build p2pkv's tier for ``"type": "p2p"`` entries."""
 TIER_NAMES = ("p2pkv", "P2PKVTier")
 """Tier types registered for p2pkv's tier on every release."""
-_UPSTREAM_TYPE = "p2p"
-_YES = ("1", "true", "yes", "on")
-_NO = ("", "0", "false", "no", "off")
-
-
-def replace_requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether :data:`REPLACE_ENV` asks for zero-edit mode; ``ConfigError`` for a value that
-    is neither yes nor no."""
-    value = (os.environ if environ is None else environ).get(REPLACE_ENV, "").strip().lower()
-    if value in _YES:
-        return True
-    if value in _NO:
-        return False
-    raise ConfigError(f"{REPLACE_ENV}={value!r}: set it to 1 to build p2pkv's tier for "
-                      f"\"type\": \"p2p\" entries, or unset it")
 
 
 def _load_tier() -> type:
@@ -71,7 +52,7 @@ def register() -> None:
     registry = SecondaryTierFactory._registry
     for name in TIER_NAMES:
         registry.setdefault(name, _load_tier)
-    if replace and registry.get(_UPSTREAM_TYPE) is not _load_tier:
-        registry[_UPSTREAM_TYPE] = _load_tier
+    if replace and registry.get(UPSTREAM_TYPE) is not _load_tier:
+        registry[UPSTREAM_TYPE] = _load_tier
         log.info("p2pkv: %s=1: secondary tier type 'p2p' builds p2pkv's P2PKVTier, not "
                  "vLLM's built-in P2P tier", REPLACE_ENV)
