@@ -99,11 +99,34 @@ def refused_reason(key: str, *, dialed_us: bool) -> str:
             "there, or no route to it)")
 
 
+FOREIGN_PEER = ("vLLM's built-in P2P tier (the same 'p2p' entry without "
+                "P2PKV_REPLACE_P2P=1) is such a peer; see 'Mixed fleets' in docs/vllm.md")
+"""What a zmq peer that libzmq refuses for its socket type most likely is, in a fleet."""
+
+
+def foreign_listener_reason(key: str) -> str:
+    """Why our dial to ``key`` ended in its ZMTP handshake with no failure named: libzmq
+    hangs up silently on a peer whose socket type cannot pair with ours (our PUSH dials a
+    PULL; a ROUTER, say, refuses it)."""
+    return (f"{key} hung up in the zmq handshake without a security failure: it is not a "
+            f"p2pkv zmq listener (its socket type refuses ours): {FOREIGN_PEER}")
+
+
+def foreign_dialer_reason(peer: str | None) -> str:
+    """Why an inbound connection from ``peer`` (None: it hung up before it could be named)
+    ended in its ZMTP handshake with no outcome reported (libzmq refused the dialing socket's
+    type: not a PUSH)."""
+    source = f" from {peer}" if peer is not None else ""
+    return (f"refused an inbound connection{source}: not a p2pkv zmq peer (libzmq refused "
+            f"its socket type in the handshake): {FOREIGN_PEER}")
+
+
 def protocol_failure(value: int) -> str:
     """What a ZMTP protocol error code of a failed handshake means for the operator."""
     if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return ("the security modes differ (CURVE keys configured on one side only); give "
-                "both peers the same CURVE options")
+                "both peers the same CURVE options (vLLM's built-in P2P tier has no CURVE: "
+                "see 'Mixed fleets' in docs/vllm.md)")
     if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "CURVE decryption failed (the two sides use different server key pairs)"
     return (f"ZMTP protocol error {value:#x}; both sides must use the same security mode "
@@ -125,7 +148,7 @@ def handshake_reason(key: str, kind: int, value: int, *, curve: bool, timeout: f
     if curve:
         return (f"security handshake failed: {key} closed the connection during the CURVE "
                 "handshake: its server key pair is not the one our server_public_key names, "
-                "or it runs without CURVE (or it is not a p2pkv zmq listener)")
+                f"or it runs without CURVE (or it is not a p2pkv zmq listener: {FOREIGN_PEER})")
     return (f"security handshake failed: {key} closed the connection during the handshake: "
             "it may require CURVE keys, which we do not have (give both peers the same CURVE "
-            "options), or it is not a p2pkv zmq listener")
+            f"options), or it is not a p2pkv zmq listener ({FOREIGN_PEER})")

@@ -80,6 +80,7 @@ forgotten).
 from __future__ import annotations
 
 import logging
+import os
 import select
 import time
 from collections import OrderedDict
@@ -97,8 +98,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2pkv_zmq.connection import LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.dialing import (
+    FOREIGN_PEER,
     DialFailed,
     DialFailures,
+    foreign_dialer_reason,
+    foreign_listener_reason,
     handshake_reason,
     protocol_failure,
     refused_reason,
@@ -142,7 +146,7 @@ _LINK_EVENTS = (  # a refused TCP connect (CONNECT_RETRIED) is fatal: fail fast,
 )
 _LISTENER_EVENTS = (
     zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # for the gate
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED  # outcomes, for the gate's count
 )
 _SRCFD = zmq.SRCFD
 _MAX_MESSAGES_PER_POLL = 4096
@@ -210,6 +214,8 @@ class ZmqHub:
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
         self._log_limit = LogLimiter(log, _LOG_BURST, _LOG_WINDOW, now)
         self._gate = InboundGate(options.handshake_timeout, self._on_gate_close)
+        self._handshakes = 0
+        """Handshake outcomes the listener reported so far (see :mod:`p2pkv_zmq.gate`)."""
         self._dial_failures = DialFailures()
         self._new: list[ZmqConnection] = []
         self._closed = False
@@ -689,6 +695,8 @@ class ZmqHub:
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connecting.discard(conn)
+            elif kind == zmq.EVENT_DISCONNECTED and conn in self._connecting:
+                self._dial_failed(conn, foreign_listener_reason(conn.key))  # no outcome came
             elif kind == zmq.EVENT_DISCONNECTED:  # after the handshake (a failure comes first)
                 link = conn.remote_link
                 self.retire(conn, "disconnected (peer closed, crashed or silent)", notify=False)
@@ -722,15 +730,30 @@ class ZmqHub:
                 return
             kind, value = event["event"], int(event["value"])
             if kind == zmq.EVENT_ACCEPTED:
-                self._gate.accepted(value, time.monotonic())
+                self._gate.accepted(value, time.monotonic(), self._handshakes)
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._gate.ended(value)
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # stalled, or the client left
-                log.debug("an inbound connection ended during its handshake")
-            else:  # libzmq names our listening endpoint here, not the peer: once per cause
-                self.counters["refused_handshakes"] += 1
-                self._log_once(("listen", value), "refused an inbound connection: security "
-                               "handshake failed: %s", protocol_failure(value))
+                refused = self._gate.ended(value, self._handshakes)
+                if refused is not None:
+                    self.counters["refused_handshakes"] += 1
+                    host = refused.peer.rpartition(":")[0] if refused.peer else None
+                    self._log_once(("foreign", host), "%s", foreign_dialer_reason(refused.peer))
+            else:
+                self._handshakes += 1
+                self._on_listener_handshake(kind, value)
+
+    def _on_listener_handshake(self, kind: int, value: int) -> None:
+        """A handshake outcome on the listener (libzmq names our listening endpoint, not the
+        peer): failures counted and logged once per cause; refused client keys are logged by
+        the ZAP handler, which knows the peer."""
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # stalled, left, or refused: see gate
+            self._log_once(("listen", "ended"), "an inbound connection ended in its zmq "
+                           "handshake (%s): a TCP probe, a client that left, or a zmq peer of "
+                           "another kind; %s", os.strerror(value), FOREIGN_PEER,
+                           level=logging.INFO)
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self.counters["refused_handshakes"] += 1
+            self._log_once(("listen", value), "refused an inbound connection: security "
+                           "handshake failed: %s", protocol_failure(value))
 
     def _admit(self, fd: int) -> None:
         """A well-formed link message came over the inbound TCP connection ``fd``. libzmq
