@@ -158,10 +158,10 @@ class Engine:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name}: no load opened in {WAIT}s")
 
-    def warnings(self) -> list[str]:
-        """The WARNING and ERROR lines p2pkv logged in this engine so far."""
-        kind, lines = self.child.request(("warnings",), WAIT, f"{self.name} warnings")
-        assert kind == "warnings"
+    def p2pkv_log(self) -> list[str]:
+        """The INFO and higher lines p2pkv logged in this engine so far."""
+        kind, lines = self.child.request(("log",), WAIT, f"{self.name} log")
+        assert kind == "log"
         return list(lines)
 
     def wait_metric(self, name: str, at_least: float) -> None:

@@ -18,8 +18,8 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   from the secondary tier into the CPU tier), read from the manager itself (its private
   ``_transfer_jobs``, on 0.27.1 and 0.32 alike): vLLM 0.27.1 has no gauge of them, and its
   offline engine drops the stats of a step without request outputs;
-- ``("warnings",)`` -> ``("warnings", [line, ...])``: the WARNING and ERROR records that
-  p2pkv's loggers (``p2pkv*``) emitted in this engine so far;
+- ``("log",)`` -> ``("log", [line, ...])``: the INFO and higher records that p2pkv's loggers
+  (``p2pkv*``) emitted in this engine so far;
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``.
 
 Only imported in the ``engine`` session's environment.
@@ -70,12 +70,12 @@ def metric_values(metrics: list[Any]) -> dict[str, float]:
     return out
 
 
-class _P2PKVWarnings(logging.Handler):
-    """Keeps the WARNING and ERROR lines of p2pkv's loggers (attached to the root logger,
-    which they propagate to)."""
+class _P2PKVLog(logging.Handler):
+    """Keeps the INFO and higher lines of p2pkv's loggers (attached to the root logger, which
+    they propagate to)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.lines: list[str] = []
         self.addFilter(lambda record: record.name.startswith("p2pkv"))
 
@@ -87,8 +87,9 @@ class _Host:
     def __init__(self, conn: Connection, model: str, kv_transfer_config: Any) -> None:
         from vllm import LLM
 
-        self.warnings = _P2PKVWarnings()
-        logging.getLogger().addHandler(self.warnings)
+        self.log = _P2PKVLog()
+        logging.getLogger().addHandler(self.log)
+        logging.getLogger("p2pkv").setLevel(logging.INFO)
         self.conn = conn
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config))
         self.core = self.llm.llm_engine.engine_core.engine_core
@@ -160,8 +161,8 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
                 conn.send(("metrics", metric_values(host.llm.get_metrics())))
             elif cmd[0] == "loading":
                 conn.send(("loading", host.loading()))
-            elif cmd[0] == "warnings":
-                conn.send(("warnings", list(host.warnings.lines)))
+            elif cmd[0] == "log":
+                conn.send(("log", list(host.log.lines)))
             elif cmd[0] == "shutdown":
                 conn.send(("down", host.shutdown()))
                 return

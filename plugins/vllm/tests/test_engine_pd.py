@@ -17,11 +17,14 @@ p2pkv, its jobs ``done`` on both sides. The corrupting decoder gets the same hit
 tokens, so the equality depends on the bytes. Symmetric mode (``remote_kv_source``): the
 decoder reuses a prefix the prefiller computed for a request of its own. Last in each row, a
 prefiller killed while the decoder waits for it: the decoder still answers, correctly, by
-recomputing.
+recomputing. Then a mixed fleet (the guide's entry on two engines, one with the opt-in): PD
+in both directions recomputes correctly, and p2pkv names the other implementation.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +37,7 @@ pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s en
 from engine_kit import (  # noqa: E402
     EXTERNAL_TOKENS,
     P2PKV_TIER,
+    WAIT,
     Engine,
     delta,
     free_port,
@@ -237,3 +241,89 @@ def test_killed_prefiller_the_decoder_recomputes(reference: Reference, pair: Pai
         if dec.runs_p2pkv:  # one job ended, not done (the outcome names why)
             ended = {k: delta(after, before, k) for k in after if k.startswith(JOBS)}
             assert sum(ended.values()) == 1 and ended.get(JOBS_DONE, 0) == 0, ended
+
+
+# -- mixed fleet: vLLM's built-in tier and p2pkv's, mid-way through a rolling update ----------
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model: str) -> Iterator[Pair]:
+    """Two engines from the guide's entry: vLLM's built-in tier, and p2pkv's (the opt-in)."""
+    with running(Engine("builtin", tiny_model, tier(GUIDE_TIER)),
+                 Engine("ours", tiny_model, tier(GUIDE_TIER), REPLACE_P2P)) as engines:
+        yield engines
+
+
+BUILTIN_ANSWER = 30.0
+"""Seconds the built-in decoder gets to answer (its own timeouts are shorter); past that it
+is counted as hung."""
+
+
+def open_fds(engine: Engine) -> int:
+    return len(os.listdir(f"/proc/{engine.child.pid}/fd"))
+
+
+def named_and_not_leaking(ours: Engine, fds: int) -> list[str]:
+    """p2pkv's lines naming vLLM's built-in tier (at least one), once its engine is back to
+    the descriptors it had (bounded wait)."""
+    log = ours.p2pkv_log()
+    named = [line for line in log if "vLLM's built-in P2P tier" in line]
+    assert named, log
+    deadline = time.monotonic() + WAIT
+    while open_fds(ours) > fds:
+        assert time.monotonic() < deadline, f"fds {fds} -> {open_fds(ours)}"
+    return named
+
+
+def test_a_p2pkv_decoder_refuses_a_builtin_prefiller(
+    reference: Reference, mixed: Pair, record_property: Any,
+) -> None:
+    """p2pkv dials the built-in tier's ROUTER: the dial dies in its handshake, the load
+    fails at once naming the other implementation, vLLM recomputes (three requests)."""
+    builtin, ours = mixed
+    fds = open_fds(ours)
+    took = []
+    for n in range(3):
+        tokens = prompt(60 + n)
+        prefill, decode = pd_params(f"kv-mixed-{n}", builtin)
+        builtin.generate(f"pre-mixed-{n}", tokens, 1, prefill)
+        sent = time.monotonic()
+        out, cached = ours.generate(f"dec-mixed-{n}", tokens, MAX_TOKENS, decode)
+        took.append(round(time.monotonic() - sent, 3))
+        assert out == reference(tokens)
+        assert cached == 0
+    named = named_and_not_leaking(ours, fds)
+    assert any("WARNING" in line and "hung up in the zmq handshake" in line for line in named)
+    record_property("mixed_fleet_p2pkv_decodes_s", took)
+    print(f"\nmixed fleet, p2pkv decoder: decode legs took {took} s; p2pkv said:\n{named[0]}")
+
+
+def test_a_builtin_decoder_dialing_p2pkv(
+    reference: Reference, mixed: Pair, record_property: Any,
+) -> None:
+    """Last (it kills the built-in engine): the built-in tier dials p2pkv's PULL. p2pkv
+    names it and serves on without a leak; what the built-in decoder does is recorded
+    (docs/vllm.md, "Mixed fleets": its engine thread can block for good in a blocking zmq
+    send, on a request or at shutdown), and its tokens, if it answers, are correct."""
+    builtin, ours = mixed
+    fds = open_fds(ours)
+    tokens = prompt(70)
+    prefill, decode = pd_params("kv-mixed-reverse", ours)
+    ours.generate("pre-mixed-reverse", tokens, 1, prefill)
+    sent = time.monotonic()
+    builtin.submit("dec-mixed-reverse", tokens, MAX_TOKENS, decode)
+    try:
+        reply = builtin.child.recv(BUILTIN_ANSWER, "the built-in decoder's answer")
+    except TimeoutError:
+        reply = None
+    took = round(time.monotonic() - sent, 3)
+    builtin.kill()  # stuck or not, its shutdown can block for good in the same zmq send
+    if reply is not None:
+        assert reply[2] == reference(tokens) and reply[3] == 0
+    record_property("mixed_fleet_builtin_decoder", {"answered": reply is not None, "s": took})
+    print(f"\nmixed fleet, built-in decoder: answered={reply is not None} after {took} s")
+    named = named_and_not_leaking(ours, fds)
+    assert any("inbound connection" in line for line in named), named  # its listener's line
+    out, _ = ours.generate("still-serving", prompt(71), MAX_TOKENS)
+    assert out == reference(prompt(71))
+    print("p2pkv said:\n" + "\n".join(named))
