@@ -16,8 +16,8 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   Prometheus metrics, counters and gauges);
 - ``("loading",)`` -> ``("loading", n)``: promotion jobs open in the tiering manager (loads
   from the secondary tier into the CPU tier), read from the manager itself (its private
-  ``_transfer_jobs``, on 0.27.1 and 0.32 alike): vLLM 0.27.1 has no gauge of them, and its
-  offline engine drops the stats of a step without request outputs;
+  ``_transfer_jobs``, shaped differently on 0.27.1 and 0.32): vLLM 0.27.1 has no gauge of
+  them, and its offline engine drops the stats of a step without request outputs;
 - ``("log",)`` -> ``("log", [line, ...])``: the INFO and higher records that p2pkv's loggers
   (``p2pkv*``) emitted in this engine so far;
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``.
@@ -110,7 +110,8 @@ class _Host:
 
     def loading(self) -> int:
         manager = self.core.scheduler.connector.connector_scheduler.manager
-        return sum(job.is_promotion for job in manager._transfer_jobs.values())
+        jobs = manager._transfer_jobs.values()  # 0.32: (TransferJob, tier); 0.27.1: the job
+        return sum(getattr(job, "transfer_job", job).is_promotion for job in jobs)
 
     def busy(self) -> bool:
         return bool(self.core.scheduler.has_requests())

@@ -68,6 +68,9 @@ MAX_TOKENS = 12
 STORED = "vllm:kv_offload_store_bytes"
 P2P_CACHED = "vllm:prompt_tokens_cached_by_source"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
+LOAD_SECONDS = "vllm:kv_offload_p2pkv_job_duration_seconds"
+"""p2pkv's job histogram: a load's submit to result, as vLLM sees it (the fetch from the
+source, after the probe that found its blocks)."""
 PREFIX = prompt(21, 6 * BLOCK_SIZE)
 """The shared prefix: six full blocks."""
 FIRST = PREFIX + prompt(22, 8)
@@ -358,8 +361,8 @@ def test_an_idle_source_answers_a_pull(cluster: Cluster, tiny_model: str, gap: f
     """llm-d's verification gate: ``A`` serves a long prompt, then stays idle ``gap``
     seconds (the scenario, not a settling delay; ``A``'s CPU is measured over it), then a
     second engine pulls it with a hand-made ``remote_kv_source``: every full block of the
-    prefix arrives as an external hit. On vLLM 0.32 (no tier-poll thread) the idle source
-    keeps stepping slowly and answers at once (docs/vllm.md, "Idle sources")."""
+    prefix arrives as an external hit. On 0.27.1 and 0.32 (no tier-poll thread) p2pkv's idle
+    watcher answers the peer and wakes the engine (docs/vllm.md, "Idle sources")."""
     a, pulling = cluster.a, getattr(cluster, consumer)
     tokens = prompt(60 + int(gap), 460)
     stored = counter(a.metrics(), STORED)
@@ -378,10 +381,15 @@ def test_an_idle_source_answers_a_pull(cluster: Cluster, tiny_model: str, gap: f
     with urllib.request.urlopen(request, timeout=WAIT) as resp:
         resp.read()
     took = time.monotonic() - sent
-    grown = counter(pulling.metrics(), EXTERNAL_HITS) - counter(before, EXTERNAL_HITS)
+    after = pulling.metrics()
+    grown = counter(after, EXTERNAL_HITS) - counter(before, EXTERNAL_HITS)
     held = full_blocks(tokens) * BLOCK_SIZE
+    load_s = (counter(after, LOAD_SECONDS, kind="load", suffix="_sum")
+              - counter(before, LOAD_SECONDS, kind="load", suffix="_sum"))
     record_property("idle_source", {"gap_s": gap, "source_cpu_fraction": round(idle_cpu, 4),
-                                    "pull_s": round(took, 3), "hits": grown, "held": held})
+                                    "pull_s": round(took, 3), "load_job_s": round(load_s, 4),
+                                    "hits": grown, "held": held})
     print(f"\nidle source ({gap:.0f}s): CPU {idle_cpu:.1%} of a core while idle, pull "
-          f"{took * 1000:.0f} ms, {grown:.0f}/{held} prefix tokens external")
+          f"{took * 1000:.0f} ms (its tier load job {load_s * 1000:.1f} ms), "
+          f"{grown:.0f}/{held} prefix tokens external")
     assert grown == held

@@ -133,12 +133,13 @@ def complete(base: str, model: str, text: str) -> str:
         return str(json.loads(resp.read())["choices"][0]["text"])
 
 
-def counter(metrics_text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of counter ``name`` (all engines) whose labels include ``labels``."""
+def counter(metrics_text: str, name: str, suffix: str = "_total", **labels: str) -> float:
+    """Sum of the samples ``name`` + ``suffix`` (all engines) whose labels include ``labels``:
+    a counter's total by default, or a histogram's ``_sum`` or ``_count``."""
     total = 0.0
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == f"{name}_total" and labels.items() <= sample.labels.items():
+            if sample.name == f"{name}{suffix}" and labels.items() <= sample.labels.items():
                 total += sample.value
     return total
 
