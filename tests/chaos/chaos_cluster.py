@@ -19,7 +19,7 @@ import psutil
 from chaos_node import Again, NodeSpec, Recorded, node_main
 from p2pkv.demo.roles import Evicted, Loaded, Stored, Submitted
 from p2pkv.demo.workload import DemoRequest, PromptDistribution, make_stream
-from p2pkv.testing.child import Child
+from p2pkv.testing.child import Child, stop_all
 
 __all__ = [
     "HEARTBEAT", "MEASUREMENTS", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage",
@@ -358,8 +358,7 @@ class Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for node in self.nodes:
-            node.child.stop(timeout=5.0)
+        stop_all([node.child for node in self.nodes], timeout=5.0)  # at once: 65 in fan-in
 
     def start(self, *specs: tuple[str, NodeSpec]) -> list[Node]:
         """Start nodes (in parallel) and wait until each is ready."""
