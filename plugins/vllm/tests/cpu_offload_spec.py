@@ -45,16 +45,17 @@ _REGION_IN_CHUNKS = "num_chunks" in inspect.signature(SharedOffloadRegion).param
 """vLLM 0.31+ sizes the shared region in chunks; 0.27.1-0.30 call the same thing blocks."""
 
 
-def _worker_region(engine_id: str, count: int, rank: int, row_bytes: int,
-                   page_bytes: int) -> SharedOffloadRegion:
-    """This worker's slot of the engine's shared offload region (``count`` rows of
-    ``row_bytes``, this rank owning ``page_bytes`` of each), in the release's spelling."""
+def _worker_region(spec: TieringOffloadingSpec, rank: int) -> SharedOffloadRegion:
+    """This worker's slot (``rank``) of ``spec``'s shared offload region, in the release's
+    spelling."""
     if _REGION_IN_CHUNKS:
-        return SharedOffloadRegion(engine_id=engine_id, num_chunks=count, rank=rank,
-                                   kv_bytes_per_chunk=row_bytes, cpu_page_size=page_bytes)
-    return SharedOffloadRegion(engine_id=engine_id, num_blocks=count,  # type: ignore[call-arg]
-                               rank=rank, kv_bytes_per_block=row_bytes,
-                               cpu_page_size=page_bytes)
+        return SharedOffloadRegion(engine_id=spec._engine_id, num_chunks=spec.num_chunks,
+                                   rank=rank, kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+                                   cpu_page_size=spec.cpu_page_size_per_worker)
+    return SharedOffloadRegion(engine_id=spec._engine_id,  # type: ignore[call-arg]
+                               num_blocks=spec.num_blocks,  # type: ignore[attr-defined]
+                               rank=rank, kv_bytes_per_block=spec.kv_bytes_per_chunk,
+                               cpu_page_size=spec.cpu_page_size_per_worker)
 
 
 def _worker_view(region: SharedOffloadRegion, tensor_page_bytes: int) -> torch.Tensor:
@@ -149,9 +150,7 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
             raise NotImplementedError("CpuTieringOffloadingSpec: no canonical layout")
         if not self._worker:
             rank = 0 if self.replicated_layout else self.config.parallel.rank
-            count = self.num_chunks if _REGION_IN_CHUNKS else self.num_blocks  # type: ignore[attr-defined]
-            region = _worker_region(self._engine_id, count, rank, self.kv_bytes_per_chunk,
-                                    self.cpu_page_size_per_worker)
+            region = _worker_region(self, rank)
             try:
                 self._worker = MemcpyOffloadingWorker(kv_caches, self.blocks_per_chunk, region)
             except BaseException:

@@ -17,14 +17,12 @@ in docs/vllm.md "Idle sources":
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,13 +32,15 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -
 pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s engine_fleet)")
 
 from engine_kit import P2PKV_TIER, Engine, free_port, full_blocks, prompt, running  # noqa: E402
-from llm_host import BLOCK_SIZE, ENGINE_ENV  # noqa: E402
+from llm_host import BLOCK_SIZE  # noqa: E402
 from test_engine_prefix import (  # noqa: E402
     STORED,
     complete,
     counter,
     cpu_seconds,
+    remove_regions,
     server,
+    server_env,
     wait_all_ready,
     wait_stored,
 )
@@ -58,10 +58,7 @@ BETWEEN = 0.5
 def source(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``A`` (one ``vllm serve`` with the p2pkv tier) and the pid of the same server without
     a connector; regions removed afterwards."""
-    a, base_port = server("a"), free_port()
-    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(Path(__file__).parent),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # the engine core runs as vLLM runs it
+    a, base_port, env = server("a"), free_port(), server_env()
     tmp = tmp_path_factory.mktemp("fleet")
     base_args = [*CPU_SERVER.format(python=sys.executable, model=tiny_model).split(),
                  "--port", str(base_port), "--host", "127.0.0.1"]
@@ -73,9 +70,7 @@ def source(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                            [proc, base], [tmp / "a.log", tmp / "base.log"])
             yield a, proc.pid, base.pid
     finally:
-        for path in Path("/dev/shm").glob(f"vllm_offload_{a.engine_id()}*"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        remove_regions(a)
 
 
 def idle_cpu(*pids: int) -> list[float]:

@@ -132,6 +132,24 @@ def server(name: str) -> Server:
     return Server(name, free_port(), free_port(), free_port(), free_port())
 
 
+def server_env() -> dict[str, str]:
+    """The environment of a test ``vllm serve``: the engines' own, this directory importable
+    (the CPU offloading spec), this venv's executables first, and the engine core in its own
+    process as vLLM runs it."""
+    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(Path(__file__).parent),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    return env
+
+
+def remove_regions(*servers: Server) -> None:
+    """Delete the offload regions the servers' engines left in /dev/shm."""
+    for s in servers:
+        for path in Path("/dev/shm").glob(f"vllm_offload_{s.engine_id()}*"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
 @dataclass(frozen=True)
 class Cluster:
     a: Server
@@ -170,9 +188,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     after the module."""
     tmp = tmp_path_factory.mktemp("prefix")
     a, b, c = server("a"), server("b"), server("c")
-    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(Path(__file__).parent),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # servers run their engine cores as vLLM does
+    env = server_env()
     proxy_port = free_port()
     proxy_args = ["p2pkv", "proxy", "--port", str(proxy_port), "--policy", "prefix-aware",
                   "--min-cached-tokens-delta", str(DELTA),
@@ -190,10 +206,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             pids = {s.name: p.pid for s, p in zip((a, b, c), procs, strict=False)}
             yield Cluster(a, b, c, proxy, logs[3], env, tmp, pids)
     finally:
-        for s in (a, b, c):
-            for path in Path("/dev/shm").glob(f"vllm_offload_{s.engine_id()}*"):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        remove_regions(a, b, c)
 
 
 def complete(base: str, model: str, tokens: list[int], max_tokens: int = MAX_TOKENS,

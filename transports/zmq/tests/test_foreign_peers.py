@@ -11,6 +11,7 @@ routing id, heartbeat options), with pyzmq alone.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +20,8 @@ import zmq
 from p2pkv.testing.waiting import wait_until
 
 T = 30.0
-"""Bound of every wait (well below the transport's 10 s handshake timeout is not assumed:
-each dial's reason names why it died, so a timed-out handshake could not pass)."""
+"""Bound of every wait. It is longer than the transport's 10 s handshake timeout, so the
+tests tell a named refusal from a timed-out handshake by the reason, never by the time."""
 UPSTREAM_HEARTBEAT_MS = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10000,
                          zmq.HEARTBEAT_TTL: 10000}
 """The heartbeat options vLLM's P2P ``ZmqTransport`` puts on its sockets."""
@@ -109,8 +110,6 @@ def test_a_raw_tcp_probe_is_not_named_foreign(
 ) -> None:
     """A connect-and-close (a kubelet TCP probe, a port scan) fails its handshake as a
     client that left: never named a foreign zmq peer, no warning (one INFO line)."""
-    import socket
-
     caplog.set_level(logging.DEBUG, logger="p2pkv")
     t = make_transport()
     host, port = t.local_address.rsplit(":", 1)

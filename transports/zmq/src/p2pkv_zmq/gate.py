@@ -92,9 +92,7 @@ class InboundGate:
         entry = self._unproven.pop(fd, None)
         if entry is None or entry.handshakes != handshakes:
             return None
-        if entry.peer is None:
-            return Refused(None)
-        return Refused(format_address(str(entry.peer[0]), int(entry.peer[1])))
+        return Refused(None if entry.peer is None else _text(entry.peer))
 
     def admit(self, fd: int) -> None:
         """A well-formed link message came over ``fd``: a peer, let it be."""
@@ -109,7 +107,12 @@ class InboundGate:
                 return
             del self._unproven[fd]
             if entry.peer is not None and _shut_down(fd, entry.peer):
-                self._on_close(format_address(str(entry.peer[0]), int(entry.peer[1])))
+                self._on_close(_text(entry.peer))
+
+
+def _text(peer: tuple[Any, ...]) -> str:
+    """A ``getpeername()`` result as ``host:port`` text."""
+    return format_address(str(peer[0]), int(peer[1]))
 
 
 @contextmanager
