@@ -61,7 +61,8 @@ BLOCKS = _blocks()
 
 
 def _commands(code: str) -> list[list[str]]:
-    """Shell commands of a block: continuation lines joined, quotes may span lines."""
+    """Shell commands of a block: continuation lines joined, quotes may span lines; each
+    command of a pipeline or list on its own, without its redirections."""
     cmds: list[list[str]] = []
     pending = ""
     for raw in code.replace("\\\n", " ").splitlines():
@@ -71,12 +72,26 @@ def _commands(code: str) -> list[list[str]]:
         except ValueError:  # a quote still open: the command goes on on the next line
             continue
         line, pending = pending, ""
-        for part in re.split(r"\s*(?:&&|\|\||;)\s*", line):
-            argv = shlex.split(part, comments=True)
+        for part in re.split(r"\s*(?:&&|\|\||;|\|)\s*", line):
+            argv = _without_redirections(shlex.split(part, comments=True))
             if argv:
                 cmds.append(argv)
     assert not pending, f"unterminated quote in: {pending[:80]!r}"
     return cmds
+
+
+def _without_redirections(argv: list[str]) -> list[str]:
+    """``argv`` without shell redirections (``> file``, ``2>&1``, ``< file``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif re.fullmatch(r"\d?[<>]{1,2}", arg):
+            skip = True
+        elif not re.fullmatch(r"\d?[<>]{1,2}\S+", arg):
+            out.append(arg)
+    return out
 
 
 def _check_cli(argv: list[str]) -> None:

@@ -237,6 +237,13 @@ class ControlTransport(_Transport):
     def close(self) -> None:
         """Close every connection and stop listening; idempotent."""
 
+    def interrupt(self) -> None:
+        """End a ``poll`` that is waiting now (or, if none is, the next one) at once. The one
+        call of this contract that another thread may make while the driver thread polls;
+        never blocks, and never races ``close`` (the driver's thread closes). The default
+        does nothing: a poll then ends at its timeout, so a transport without it only makes
+        the thread that wants the tier wait up to that timeout (``P2PTier.interrupt``)."""
+
     @property
     def silence_timeout(self) -> float | None:
         """Seconds this process may go without any control I/O before its peers drop its

@@ -227,13 +227,19 @@ class P2PTier:
 
     @driver_call
     def tick(self, timeout: float = 0.0) -> None:
-        """One tick of control and data I/O (waits at most ``timeout`` for control I/O)."""
+        """One tick of control and data I/O: waits for control I/O at most ``timeout``, and
+        never past the tier's next deadline (so a long ``timeout`` delays no timer), unless
+        :meth:`interrupt` ends the wait."""
         if self._closed:
             return
         pauses = self._pauses
         gap = pauses.gap()
         if gap is not None:
             self._resumed(gap)
+        if timeout > 0.0:
+            due = self._deadlines.next_due()
+            if due is not None:
+                timeout = min(timeout, max(0.0, due - self._clock()))
         accepted = self._control.poll(timeout)
         gap = pauses.gap(allowed=timeout)
         if gap is not None:  # stopped inside the poll: what it brought is stale
@@ -252,6 +258,14 @@ class P2PTier:
         self._deadlines.fire_due(self._clock())
         if self._env.doomed or self._lingering:  # doomed since the pass above: close them now
             self._reap(self._env.doomed)
+
+    def interrupt(self) -> None:
+        """End a :meth:`tick` that waits for control I/O now (or the next one at once). The
+        one method another thread may call while the driver thread is inside the tier: a
+        thread that is to drive the tier next calls it before it waits for the driver's
+        tick to return. Never blocks; a control transport without ``interrupt`` ends the
+        wait at its timeout instead."""
+        self._control.interrupt()
 
     @driver_call
     def on_request_finished(self, ctx: RequestContext) -> None:

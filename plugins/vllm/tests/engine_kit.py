@@ -164,6 +164,13 @@ class Engine:
         assert kind == "log"
         return list(lines)
 
+    def pull_marks(self, req_id: str) -> dict[str, float]:
+        """When the p2pkv tier's calls for request ``req_id`` happened in this engine
+        (``lookup``, ``hit``, ``load``, ``loaded``: monotonic seconds; see llm_host)."""
+        kind, marks = self.child.request(("marks", req_id), WAIT, f"{self.name} marks")
+        assert kind == "marks"
+        return dict(marks)
+
     def wait_metric(self, name: str, at_least: float) -> None:
         """Poll vLLM's metrics until ``name`` reaches ``at_least`` (each poll is a round trip
         to the engine, answered between its steps; at most ``WAIT`` seconds)."""

@@ -20,6 +20,8 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   them, and its offline engine drops the stats of a step without request outputs;
 - ``("log",)`` -> ``("log", [line, ...])``: the INFO and higher records that p2pkv's loggers
   (``p2pkv*``) emitted in this engine so far;
+- ``("marks", req_id)`` -> ``("marks", {mark: monotonic seconds})``: when the p2pkv tier's
+  engine calls for that request happened (:class:`_PullClock`);
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``.
 
 Only imported in the ``engine`` session's environment.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -83,11 +86,67 @@ class _P2PKVLog(logging.Handler):
         self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
+class _PullClock:
+    """When the p2pkv tier's engine calls for each request happened, kept by wrapping
+    ``P2PKVTier``'s methods in this process (the tier is untouched): ``lookup`` (its first
+    lookup), ``hit`` (its first lookup answered HIT: the source answered the probe, and a
+    fresh peer's dial and handshake before it), ``load`` (its load submitted) and ``loaded``
+    (that load's result reported). Times are ``time.monotonic()`` of this process, taken at
+    the call, so they include the engine's step cadence (vLLM calls ``lookup`` once a step
+    while the answer is pending)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, dict[str, float]] = {}
+        self._job_requests: dict[int, str] = {}
+
+    def install(self) -> None:
+        from p2pkv_vllm.adapter import P2PKVTier
+
+        lookup, submit_load = P2PKVTier.lookup, P2PKVTier.submit_load
+        finished = P2PKVTier.get_finished_jobs
+
+        def timed_lookup(tier: Any, key: Any, req_context: Any) -> Any:
+            result = lookup(tier, key, req_context)
+            self._mark(req_context.req_id, "lookup")
+            if result.name == "HIT":
+                self._mark(req_context.req_id, "hit")
+            return result
+
+        def timed_submit_load(tier: Any, job: Any) -> None:
+            self._job_requests[job.job_id] = job.req_context.req_id
+            self._mark(job.req_context.req_id, "load")
+            submit_load(tier, job)
+
+        def timed_finished(tier: Any) -> Any:
+            results = list(finished(tier))
+            for result in results:
+                req_id = self._job_requests.pop(result.job_id, None)
+                if req_id is not None:
+                    self._mark(req_id, "loaded")
+            return results
+
+        P2PKVTier.lookup = timed_lookup  # type: ignore[method-assign]
+        P2PKVTier.submit_load = timed_submit_load  # type: ignore[method-assign]
+        P2PKVTier.get_finished_jobs = timed_finished  # type: ignore[method-assign]
+
+    def _mark(self, req_id: str, mark: str) -> None:
+        self.marks.setdefault(req_id, {}).setdefault(mark, time.monotonic())
+
+    def of(self, req_id: str) -> dict[str, float]:
+        """The marks of the request the test submitted as ``req_id`` (vLLM may have
+        suffixed its id)."""
+        return next((marks for key, marks in self.marks.items() if key.startswith(req_id)),
+                    {})
+
+
 class _Host:
     def __init__(self, conn: Connection, model: str, kv_transfer_config: Any) -> None:
         from vllm import LLM
 
         self.log = _P2PKVLog()
+        self.clock = _PullClock()
+        if kv_transfer_config is not None:
+            self.clock.install()
         logging.getLogger().addHandler(self.log)
         logging.getLogger("p2pkv").setLevel(logging.INFO)
         self.conn = conn
@@ -164,6 +223,8 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
                 conn.send(("loading", host.loading()))
             elif cmd[0] == "log":
                 conn.send(("log", list(host.log.lines)))
+            elif cmd[0] == "marks":
+                conn.send(("marks", host.clock.of(cmd[1])))
             elif cmd[0] == "shutdown":
                 conn.send(("down", host.shutdown()))
                 return

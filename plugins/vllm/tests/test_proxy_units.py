@@ -15,6 +15,7 @@ from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry
 from p2pkv_vllm import cli_plugin
 from p2pkv_vllm.proxy.config import (
+    INSTANCE_OPTIONS,
     Decoder,
     Mode,
     Prefiller,
@@ -238,6 +239,24 @@ def test_proxy_subcommand_comes_from_the_plugin_hook() -> None:
     assert cfg.mode is Mode.SYMMETRIC
     assert cfg.prefillers[0].dp_size == 2
     assert cfg.timeouts.prefill == 3.0
+
+
+def test_proxy_help_lists_every_per_instance_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["proxy", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for option in INSTANCE_OPTIONS:
+        listed = [line for line in lines if line.split()[:1] == [option]]
+        assert len(listed) == 1, f"{option}: one line of help each, got {listed}"
+    examples = {"p2p_host": "h", "p2p_port": "7", "dp_size": "2", "kv_events": "tcp://e:1",
+                "kv_replay": "tcp://e:2"}
+    assert examples.keys() == INSTANCE_OPTIONS.keys()
+    for option, value in examples.items():  # every listed option works on both kinds
+        args = _parse(["proxy", "--prefiller", f"http://p:1,{option}={value}",
+                       "--decoder", f"http://d:1,{option}={value}"])
+        cli_plugin.config_from_args(args)
 
 
 def test_flags_override_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 from p2pkv.errors import ConfigError
-from p2pkv_vllm.bridge import entry_tier_config, replace_requested, upstream_keys_mapped
+from p2pkv_vllm.bridge import (
+    entry_tier_config,
+    replace_requested,
+    upstream_keys_mapped,
+    zero_edit_keys,
+)
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
@@ -50,3 +55,15 @@ def test_idle_wait_is_checked_like_every_key() -> None:
     cfg = entry_tier_config({"type": "p2pkv", "idle_wait": 0}, extra_config={}, dp_rank=0,
                             environ={})
     assert cfg.port == 5710
+
+
+def test_zero_edit_runs_insecure_only_without_the_fleet_s_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    guide = {"host": "10.0.0.7", "port": 7777}
+    monkeypatch.delenv("P2PKV_CURVE_DIR", raising=False)
+    assert zero_edit_keys(guide)["control_options"] == {"insecure": True}
+    monkeypatch.setenv("P2PKV_CURVE_DIR", "/etc/p2pkv/curve")
+    assert "control_options" not in zero_edit_keys(guide)  # zmq takes CURVE from there
+    keyed = {**guide, "control_options": {"server_secret_key": "/k"}}
+    assert zero_edit_keys(keyed) == keyed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -257,3 +258,16 @@ def test_cannot_connect_to_itself(make: Any) -> None:
     a = make()
     with pytest.raises(ConfigError):
         a.connect(a.local_address)
+
+
+@pytest.mark.timeout(60)
+def test_interrupt_ends_a_waiting_poll_from_another_thread(make: Any) -> None:
+    t = make()
+    t.interrupt()  # before a poll: that poll ends at once
+    assert t.poll(120.0) == []
+    timer = threading.Timer(0.2, t.interrupt)
+    timer.start()
+    try:
+        assert t.poll(120.0) == []  # only the interrupt can end it before the test's timeout
+    finally:
+        timer.join(60)

@@ -101,14 +101,17 @@ and what an engine without them lacks."""
 
 _POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
 """This vLLM polls tiers from its own thread between engine steps (0.33 and later)."""
-IDLE_WAIT = 0.02
+IDLE_WAIT = 0.25
 """Default ``idle_wait`` (tier key), vLLM before 0.33: the longest one wait for a peer's frame
-while the engine sleeps (a frame ends it at once); an engine call arriving meanwhile waits
-for it."""
+while the engine sleeps (a frame, the tier's next deadline or an engine call ends it at
+once)."""
+_PACE = 0.02
+"""Outside an engine loop (no idle watcher): the longest wait of the tier's tick in
+``has_pending_work``, which paces an engine kept stepping (capped by ``idle_wait``)."""
 
 
 _WATCH_CLOSE = 5.0
-"""Seconds ``shutdown`` waits for the idle watcher's thread (it ticks at most ``idle_wait``)."""
+"""Seconds ``shutdown`` waits for the idle watcher's thread (its tick is interrupted)."""
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -309,7 +312,7 @@ class P2PKVTier(SecondaryTierManager):
         if watch is not None:  # it serves peers while the engine sleeps, and wakes it
             watch.sleep()
             return False
-        self._tier.tick(self._idle_wait)  # no engine loop found: keep stepping, paced
+        self._tier.tick(min(self._idle_wait, _PACE))  # no engine loop: keep stepping, paced
         return True
 
     def _start_watch(self) -> IdleWatch | None:

@@ -138,15 +138,27 @@ _CURVE_OPTIONS = ("server_secret_key", "client_secret_key", "allowed_client_keys
 def zero_edit_keys(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of an entry written for vLLM's built-in tier, as p2pkv builds it: that tier
     authenticates nobody, so unless the entry gives zmq CURVE keys (or says ``insecure``
-    itself) p2pkv's zmq control runs ``insecure`` too, which it warns about at every start
-    (docs/security.md says how to add keys)."""
+    itself) or ``$P2PKV_CURVE_DIR`` names the fleet's keys, p2pkv's zmq control runs
+    ``insecure`` too, which it warns about at every start (docs/security.md says how to add
+    keys)."""
     keys = dict(tier_keys)
     options = keys.get("control_options")
     options = dict(options) if isinstance(options, Mapping) else {}
-    if keys.get("control", "zmq") == "zmq" and not any(k in options for k in _CURVE_OPTIONS):
+    if keys.get("control", "zmq") == "zmq" and not any(k in options for k in _CURVE_OPTIONS) \
+            and not _fleet_keys_mounted():
         options["insecure"] = True
         keys["control_options"] = options
     return keys
+
+
+def _fleet_keys_mounted() -> bool:
+    """``$P2PKV_CURVE_DIR`` is set (the zmq transport then takes its keys from there); False
+    without the zmq transport installed (the tier then fails naming it)."""
+    try:
+        from p2pkv_zmq.options import CURVE_DIR_ENV
+    except ImportError:
+        return False
+    return bool(os.environ.get(CURVE_DIR_ENV))
 
 
 def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
@@ -174,7 +186,7 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
 
 IDLE_WAIT_KEY = "idle_wait"
 """Adapter key, vLLM before 0.33: the longest wait for a peer's frame while the engine sleeps
-(default 0.02 s, :mod:`p2pkv_vllm.idle`); 0: an idle engine does not answer peers until its
+(default 0.25 s, :mod:`p2pkv_vllm.idle`); 0: an idle engine does not answer peers until its
 next request."""
 
 

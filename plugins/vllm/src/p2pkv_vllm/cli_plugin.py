@@ -17,6 +17,7 @@ from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import hookimpl
 
 from p2pkv_vllm.proxy.config import (
+    INSTANCE_OPTIONS,
     Mode,
     PrefillFailure,
     ProxyConfig,
@@ -42,13 +43,15 @@ def p2pkv_cli_commands(subparsers: Any) -> None:
             "Route /v1/completions and /v1/chat/completions through a prefill leg and a decode "
             "leg joined by a fresh kv_request_id. See docs/proxy.md."
         ),
+        epilog="per-instance options (--prefiller/--decoder URL,OPT=V,...):\n" + "\n".join(
+            f"  {name:<10} {meaning}" for name, meaning in INSTANCE_OPTIONS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", metavar="FILE", help="JSON or TOML config file (flags win)")
     p.add_argument("--prefiller", action="append", default=[], metavar="URL[,OPT=V...]",
-                   help="prefill instance; options p2p_host, p2p_port (base, +DP rank), dp_size "
-                        "(repeatable)")
-    p.add_argument("--decoder", action="append", default=[], metavar="URL[,dp_size=N]",
-                   help="decode instance (repeatable)")
+                   help="prefill instance (repeatable; options below)")
+    p.add_argument("--decoder", action="append", default=[], metavar="URL[,OPT=V...]",
+                   help="decode instance (repeatable; options below)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8192, help="listen port (default 8192, 0 = any)")
     p.add_argument("--mode", choices=[m.value for m in Mode],

@@ -5,7 +5,7 @@ on its input queue once its tiers report no pending work: nothing would read a p
 probe or fetch until the engine's next request. :class:`IdleWatch` closes that gap without
 keeping the engine busy:
 
-- while the engine sleeps, a thread of ours (``p2pkv-idle-watch``) drives the tier: it waits
+- while the engine sleeps, a thread of ours (``p2pkv-idle``) drives the tier: it waits
   for control I/O (at most ``wait`` seconds at a time, so it wakes at once on a peer's
   frame and costs nothing in between) and ticks;
 - when the tier then has work that needs the engine (a probe its cache must answer, a fetch
@@ -18,7 +18,9 @@ keeping the engine busy:
 adapter call (:meth:`IdleWatch.engine`), the watcher only while it ticks, and only between
 :meth:`IdleWatch.sleep` (the engine is about to block) and the engine's next call. So
 exactly one thread is ever inside the tier, and ``DriverGuard`` still refuses anything else.
-An engine call that arrives while the watcher ticks waits for that tick (at most ``wait``).
+An engine call that arrives while the watcher ticks first interrupts the tick's wait
+(``P2PTier.interrupt``, the tier's one cross-thread call), then waits for the tick to return;
+the watcher's wait can therefore be long (``wait``), which is what keeps it cheap.
 
 The engine's input queue is found on the call stack of ``has_pending_work``
 (:func:`engine_waker`: vLLM calls it from its engine loop); where none is found (not inside
@@ -27,6 +29,8 @@ vLLM's engine, e.g. a test harness), the adapter falls back to pacing the engine
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import queue
 import sys
 import threading
@@ -42,6 +46,10 @@ log = module_logger(__name__)
 
 _MAX_FRAMES = 24
 """How far up the stack :func:`engine_waker` looks for vLLM's engine loop."""
+THREAD_NAME = "p2pkv-idle"
+"""The watcher's thread name, in Python and (Linux, 15 bytes at most) in the OS, where
+``top -H`` and ``/proc/<pid>/task/*/comm`` show it apart from the engine's threads."""
+_PR_SET_NAME = 15
 
 
 def engine_waker(frame: FrameType | None = None) -> Callable[[], None] | None:
@@ -77,8 +85,7 @@ class IdleWatch:
         self._stopped = False
         self.wakeups = 0
         """Times the watcher woke the engine for a peer."""
-        self._thread = threading.Thread(target=self._run, name="p2pkv-idle-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     # -- the engine thread ------------------------------------------------------------------
@@ -89,7 +96,8 @@ class IdleWatch:
 
     def __enter__(self) -> IdleWatch:
         if self._asleep.is_set():
-            self._asleep.clear()  # awake: the watcher stops after its current tick
+            self._asleep.clear()  # awake: the watcher stops after its current tick ...
+            self._tier.interrupt()  # ... which stops waiting at once
         self._lock.acquire()
         return self
 
@@ -105,12 +113,14 @@ class IdleWatch:
         """Stop the watcher; joins it for at most ``timeout`` seconds."""
         self._stopped = True
         self._asleep.set()
+        self._tier.interrupt()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     # -- the watcher ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _name_os_thread(THREAD_NAME)
         while not self._stopped:
             if not self._asleep.wait(timeout=1.0):
                 continue
@@ -127,3 +137,12 @@ class IdleWatch:
                 self._asleep.clear()
                 self.wakeups += 1
                 self._wake()
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the OS too (Linux ``prctl``; elsewhere nothing:
+    Python before 3.14 names its threads only for itself)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

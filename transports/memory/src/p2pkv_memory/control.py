@@ -172,6 +172,7 @@ class MemoryControlTransport(ControlTransport):
         self._conns: dict[str, MemoryConnection] = {}
         self._accepted: list[MemoryConnection] = []
         self._closed = False
+        self._interrupted = False  # guarded by _HUB.lock
         with _HUB.lock:
             self._address = _local_address(settings)
             if self._address in _HUB.listeners:
@@ -209,13 +210,20 @@ class MemoryControlTransport(ControlTransport):
             self._attach(conn)
             return conn
 
+    def interrupt(self) -> None:
+        """End a waiting ``poll`` now, or the next one (any thread)."""
+        with _HUB.lock:
+            self._interrupted = True
+            _HUB.cond.notify_all()
+
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         deadline = time.monotonic() + timeout
         with _HUB.lock:
             while not self._closed:
                 moved = self._progress()
                 remaining = deadline - time.monotonic()
-                if moved or remaining <= 0:
+                if moved or remaining <= 0 or self._interrupted:
+                    self._interrupted = False
                     break
                 _HUB.waiting += 1
                 try:

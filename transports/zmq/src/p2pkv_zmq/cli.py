@@ -1,4 +1,5 @@
-"""``p2pkv keys``: write a CURVE key pair for the ``zmq`` control transport's options."""
+"""``p2pkv keys``: CURVE keys for the ``zmq`` control transport: one key pair, a fleet's key
+directory (``$P2PKV_CURVE_DIR``), or that directory as a Kubernetes ``Secret``."""
 
 from __future__ import annotations
 
@@ -13,30 +14,67 @@ __all__ = ["add_keys_parser", "run_keys"]
 def add_keys_parser(sub: Any) -> None:
     p = sub.add_parser(
         "keys",
-        help="write a CURVE key pair (NAME.key public, NAME.key_secret secret) for zmq control",
+        help="write CURVE keys for zmq control: one pair, a fleet's key directory, or a "
+             "Kubernetes Secret of it",
         description=(
-            "Write a CURVE key pair for the zmq control transport: NAME.key (public: list it in "
-            "peers' allowed_client_keys, or use it as server_public_key) and NAME.key_secret "
-            "(secret, mode 0600: use it as server_secret_key or client_secret_key)."
+            "Write CURVE keys for the zmq control transport. By default one pair: NAME.key "
+            "(public: list it in peers' allowed_client_keys, or use it as server_public_key) "
+            "and NAME.key_secret (secret, mode 0600: use it as server_secret_key or "
+            "client_secret_key). --fleet writes a fleet's key directory (server and client "
+            "pairs) for P2PKV_CURVE_DIR; --secret prints it as a Kubernetes Secret to mount "
+            "there (docs/security.md)."
         ),
     )
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--fleet", action="store_true",
+                      help="write server.key(_secret) and client.key(_secret) into --dir")
+    kind.add_argument("--secret", metavar="NAME",
+                      help="print a Kubernetes Secret NAME of fresh fleet keys (nothing is "
+                           "written to disk)")
+    p.add_argument("--namespace", help="with --secret: the Secret's namespace")
     p.add_argument("--dir", default=".", help="directory to write into (default: .)")
-    p.add_argument("--name", default="p2pkv", help="file name stem (default: p2pkv)")
+    p.add_argument("--name", help="file name stem of one pair (default: p2pkv)")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
     p.set_defaults(func=run_keys)
 
 
 def run_keys(args: argparse.Namespace) -> int:
     try:
-        from p2pkv_zmq.keys import write_key_pair
+        from p2pkv_zmq import keys
     except ImportError as exc:
         print(f"p2pkv keys needs pyzmq ({exc}); install it with: pip install p2pkv-zmq",
               file=sys.stderr)
         return 1
+    from p2pkv.errors import ConfigError
+
+    misuse = _misuse(args)
+    if misuse:
+        print(f"p2pkv keys: {misuse}", file=sys.stderr)
+        return 2
     try:
-        public, secret = write_key_pair(Path(args.dir), args.name, force=args.force)
+        if args.secret:
+            sys.stdout.write(keys.fleet_secret_manifest(args.secret, args.namespace))
+        elif args.fleet:
+            paths = keys.write_fleet_keys(Path(args.dir), force=args.force)
+            print("fleet keys: " + ", ".join(map(str, paths))
+                  + f"\nset P2PKV_CURVE_DIR={args.dir} on every instance (keep it private)")
+        else:
+            public, secret = keys.write_key_pair(Path(args.dir), args.name or "p2pkv",
+                                                 force=args.force)
+            print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    except ConfigError as exc:
+        print(f"p2pkv keys: {exc}", file=sys.stderr)
+        return 2
     except (FileExistsError, OSError) as exc:
         print(f"p2pkv keys: {exc}", file=sys.stderr)
         return 1
-    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
     return 0
+
+
+def _misuse(args: argparse.Namespace) -> str | None:
+    """A flag that does not go with the others, as one line naming it and the fix."""
+    if args.name and (args.fleet or args.secret):
+        return "--name names one pair; a fleet's files are server.* and client.*: drop --name"
+    if args.namespace and not args.secret:
+        return "--namespace goes with --secret NAME"
+    return None

@@ -62,7 +62,8 @@ not allow), one not done within ``handshake_timeout``, or no connection within
 ``connect_timeout``. A failed dial is remembered for ``DIAL_BACKOFF`` and a host name that does
 not resolve fails at ``connect`` (:mod:`p2pkv_zmq.dialing`). ``poll`` waits on the PULL only;
 the monitors, ZAP and the deadlines are swept every ``_SWEEP_INTERVAL`` (10 ms), so a death
-shows within that of libzmq reporting it; ``close_reason`` says why. Only PUSH sockets send
+shows within that of libzmq reporting it; ``close_reason`` says why. An idle hub (no deadline
+due) waits on every socket at once instead, and wakes only for one of them. Only PUSH sockets send
 ZMTP heartbeats (why: :mod:`p2pkv_zmq.sockets`).
 
 Hostile bytes on the listening port: the PULL has a ZAP domain even without CURVE (libzmq then
@@ -79,9 +80,11 @@ forgotten).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -191,6 +194,11 @@ class ZmqHub:
         self._keys = keys
         self._sockets = SocketFactory(options, keys, max_frame_bytes)
         self._sweeper = zmq.Poller()  # every socket but the PULL, checked periodically
+        self._everything = zmq.Poller()  # every socket, the PULL too: the idle wait
+        self._wake_in, self._wake_out = socket.socketpair()  # interrupt() ends an idle wait
+        for end in (self._wake_in, self._wake_out):
+            end.setblocking(False)
+        self._everything.register(self._wake_in.fileno(), zmq.POLLIN)
         self._rcvtimeo = -1  # the PULL's current receive timeout (ms)
         self._listener_ready = zmq.Poller()  # the PULL alone: "is a message waiting?"
         self._listener_fd = -1  # the PULL's ZMQ_FD, for waits under a millisecond
@@ -250,6 +258,7 @@ class ZmqHub:
             self._watch(self._zap.socket, self._zap.serve)
         listener = self._listener = sockets.listener(plan)
         self._listener_ready.register(listener, zmq.POLLIN)
+        self._everything.register(listener, zmq.POLLIN)
         self._listener_fd = int(listener.getsockopt(zmq.FD))
         self._listener_monitor = sockets.monitor(listener, _LISTENER_EVENTS)
         self._watch(self._listener_monitor, self._on_listener_event)
@@ -261,10 +270,12 @@ class ZmqHub:
 
     def _watch(self, sock: zmq.Socket[bytes], handler: Callable[[], None]) -> None:
         self._sweeper.register(sock, zmq.POLLIN)
+        self._everything.register(sock, zmq.POLLIN)
         self._handlers[sock] = handler
 
     def _unwatch(self, sock: zmq.Socket[bytes]) -> None:
         self._sweeper.unregister(sock)
+        self._everything.unregister(sock)
         del self._handlers[sock]
 
     # -- the ControlTransport calls --------------------------------------------------------
@@ -311,14 +322,23 @@ class ZmqHub:
         every ``_SWEEP_INTERVAL``, so a poll costs the same with one peer or hundreds, and
         about what a raw pyzmq receive costs. libzmq waits in whole milliseconds; what is left
         below one is waited on the PULL's descriptor (``ZMQ_FD``, with ``select``), so a
-        short ``timeout`` sleeps instead of spinning (never more than ``timeout``)."""
+        short ``timeout`` sleeps instead of spinning (never more than ``timeout``).
+
+        Idle waits: while nothing is due (no dial connecting, no inbound connection before
+        the gate's deadline), a wait of ``_SWEEP_INTERVAL`` or more is one wait on every
+        socket at once, so an idle transport wakes only when a socket
+        has something or ``timeout`` ends, not every ``_SWEEP_INTERVAL``."""
         if self._closed:
             return _EMPTY
         now = time.monotonic()
         deadline = now + timeout
         while True:
             swept = now >= self._next_sweep and self._sweep(now)
-            wait_ms = min(int((deadline - now) * 1000), _SWEEP_MS)
+            if not swept and deadline - now >= _SWEEP_INTERVAL and self._nothing_due():
+                ready = self._everything.poll(int((deadline - now) * 1000))
+                now = time.monotonic()
+                swept = self._sweep(now, ready) | self._interrupted(ready)
+            wait_ms = 0 if swept else min(int((deadline - now) * 1000), _SWEEP_MS)
             if self._read_listener(wait_ms) or swept:
                 break
             now = time.monotonic()
@@ -333,12 +353,33 @@ class ZmqHub:
         self._new = []
         return new
 
+    def interrupt(self) -> None:
+        """End an idle wait of ``poll`` now, or the next one at its start (any thread; see
+        ``ControlTransport.interrupt``). A wait with a deadline due is at most
+        ``_SWEEP_INTERVAL`` long and not interrupted."""
+        try:
+            self._wake_out.send(b"\0")
+        except OSError:  # full (a wake is pending anyway) or closed
+            pass
+
+    def _interrupted(self, ready: list[tuple[Any, int]]) -> bool:
+        """Whether ``ready`` holds an interrupt; consumes every pending one."""
+        fd = self._wake_in.fileno()
+        if not any(item == fd for item, _ in ready):
+            return False
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_in.recv(4096):
+                pass
+        return True
+
     def close(self) -> None:
         """Close every socket. Blocks at most ``_NOTICE_LINGER_MS`` for "gone" notices still
         undelivered (libzmq's context termination waits for lingering sockets)."""
         if self._closed:
             return
         self._closed = True
+        self._wake_in.close()
+        self._wake_out.close()
         for conn in list(self._by_incarnation.values()):
             self.retire(conn, "transport closed", notify=False)
         for sock in (self._listener_monitor, self._zap.socket if self._zap else None):
@@ -774,14 +815,16 @@ class ZmqHub:
                        "refused a connection from %s: client key %s is not in "
                        "allowed_client_keys", host, client)
 
-    def _sweep(self, now: float) -> bool:
-        """Handle every watched socket with something to read, then the deadlines; True if
-        any socket had something. The gate closes a connection only once it was due at the
-        previous sweep: a read of the PULL came after its deadline, so a first message
-        waiting there (say after a long pause between polls) admits it first."""
+    def _sweep(self, now: float, ready: list[tuple[Any, int]] | None = None) -> bool:
+        """Handle every watched socket with something to read (``ready``: what a poll of
+        every socket just found, the PULL too), then the deadlines; True if any socket had
+        something. The gate closes a connection only once it was due at the previous sweep:
+        a read of the PULL came after its deadline, so a first message waiting there (say
+        after a long pause between polls) admits it first."""
         previous = self._next_sweep - _SWEEP_INTERVAL
         self._next_sweep = now + _SWEEP_INTERVAL
-        ready = self._sweeper.poll(0)
+        if ready is None:
+            ready = self._sweeper.poll(0)
         for sock, _ in ready:
             handler = self._handlers.get(sock)
             if handler is not None:  # None: unwatched by an earlier handler
@@ -792,6 +835,11 @@ class ZmqHub:
             self._gate.expire(previous)
         self._log_limit.flush(now)
         return bool(ready)
+
+    def _nothing_due(self) -> bool:
+        """No deadline a sweep must keep: no dial connecting, no inbound connection waiting
+        for its first message (the log limiter's summary line may come late)."""
+        return not self._connecting and not self._gate.pending
 
     def _expire_connects(self, now: float) -> None:
         timeout = self._options.connect_timeout

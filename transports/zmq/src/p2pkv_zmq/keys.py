@@ -10,6 +10,7 @@ Error messages never include key text.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from pathlib import Path
@@ -20,14 +21,16 @@ from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 from zmq.utils import z85
 
-__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "public_of", "read_key", "read_key_list",
-           "write_key_pair"]
+__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_pair_files",
+           "public_of", "read_key", "read_key_list", "write_fleet_keys", "write_key_pair"]
 
 log = module_logger(__name__)
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 _Z85_LEN = 40
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_FLEET_PAIRS = ("server", "client")  # p2pkv_zmq.security.FLEET_SERVER, FLEET_CLIENT
 _LINE = re.compile(r"""^\s*(public|secret)-key\s*=\s*["']?([^"'\s]+)["']?\s*$""")
 
 Kind = Literal["public", "secret"]
@@ -71,7 +74,7 @@ def write_key_pair(directory: Path, name: str, *, force: bool = False) -> tuple[
 
     Refuses to overwrite existing files unless ``force``.
     """
-    public, secret = zmq.curve_keypair()
+    public_text, secret_text = key_pair_files()
     directory.mkdir(parents=True, exist_ok=True)
     public_path = directory / f"{name}{PUBLIC_SUFFIX}"
     secret_path = directory / f"{name}{SECRET_SUFFIX}"
@@ -79,15 +82,54 @@ def write_key_pair(directory: Path, name: str, *, force: bool = False) -> tuple[
         for path in (public_path, secret_path):
             if path.exists():
                 raise FileExistsError(f"{path} exists (use --force to overwrite)")
-    pub = public.decode("ascii")
-    _write(secret_path, 0o600,
-           "# p2pkv CURVE secret key. Keep it private; peers need only the .key file.\n"
-           f'curve\n    public-key = "{pub}"\n    secret-key = "{secret.decode("ascii")}"\n')
-    _write(public_path, 0o644,
-           "# p2pkv CURVE public key. List it in the peers' allowed_client_keys (or use it as\n"
-           "# their server_public_key when this pair is the cluster's server key).\n"
-           f'curve\n    public-key = "{pub}"\n')
+    _write(secret_path, 0o600, secret_text)
+    _write(public_path, 0o644, public_text)
     return public_path, secret_path
+
+
+def key_pair_files() -> tuple[str, str]:
+    """A fresh CURVE key pair as the text of its two files: ``NAME.key`` (the public key)
+    and ``NAME.key_secret`` (both halves)."""
+    public, secret = zmq.curve_keypair()
+    pub, sec = public.decode("ascii"), secret.decode("ascii")
+    secret_text = ("# p2pkv CURVE secret key. Keep it private; peers need only the .key file.\n"
+                   f'curve\n    public-key = "{pub}"\n    secret-key = "{sec}"\n')
+    public_text = ("# p2pkv CURVE public key. List it in the peers' allowed_client_keys (or use "
+                   "it as\n# their server_public_key when this pair is the cluster's server key).\n"
+                   f'curve\n    public-key = "{pub}"\n')
+    return public_text, secret_text
+
+
+def write_fleet_keys(directory: Path, *, force: bool = False) -> list[Path]:
+    """Write a fleet's key directory (``$P2PKV_CURVE_DIR``): the server and the client pair
+    (:mod:`p2pkv_zmq.security`); returns the paths. Refuses to overwrite unless ``force``."""
+    for name in _FLEET_PAIRS if not force else ():
+        for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
+            if (directory / f"{name}{suffix}").exists():
+                raise FileExistsError(f"{directory / (name + suffix)} exists (use --force to "
+                                      "overwrite)")
+    return [path for name in _FLEET_PAIRS
+            for path in write_key_pair(directory, name, force=True)]
+
+
+def fleet_secret_manifest(name: str, namespace: str | None = None) -> str:
+    """A Kubernetes ``Secret`` (YAML) holding fresh fleet keys, file name -> content: mounted
+    at ``$P2PKV_CURVE_DIR`` it is the fleet key directory. ``ConfigError`` for a ``name`` or
+    ``namespace`` Kubernetes would refuse."""
+    for what, value in (("name", name), ("namespace", namespace)):
+        if value is not None and (len(value) > 253 or not _K8S_NAME.match(value)):
+            raise ConfigError(f"Secret {what} {value!r} is not a valid Kubernetes name: use "
+                              "lowercase letters, digits, '-' and '.'")
+    files: dict[str, str] = {}
+    for pair in _FLEET_PAIRS:
+        files[f"{pair}{PUBLIC_SUFFIX}"], files[f"{pair}{SECRET_SUFFIX}"] = key_pair_files()
+    lines = ["apiVersion: v1", "kind: Secret", "metadata:", f"  name: {name}"]
+    if namespace is not None:
+        lines.append(f"  namespace: {namespace}")
+    lines += ["  labels:", "    app.kubernetes.io/part-of: p2pkv", "type: Opaque", "data:"]
+    lines += [f"  {file}: {base64.b64encode(text.encode('ascii')).decode('ascii')}"
+              for file, text in files.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _existing(value: str) -> Path | None:

@@ -36,6 +36,7 @@ option                   type       default     meaning
 A *key* is a 40-character Z85 string or the path of a key file (``p2pkv keys`` writes them;
 ZPL certificates from ``zmq.auth`` work too). Giving any CURVE option turns CURVE on and then
 ``server_secret_key``, ``client_secret_key`` and ``allowed_client_keys`` are all required.
+Without any, ``$P2PKV_CURVE_DIR`` (a directory of fleet keys) turns CURVE on.
 
 Pure Python: importing this module never imports zmq.
 """
@@ -48,7 +49,11 @@ from typing import Any
 
 from p2pkv.options import option, parse_options
 
-__all__ = ["CURVE_OPTIONS", "ZmqOptions", "read_options"]
+__all__ = ["CURVE_DIR_ENV", "CURVE_OPTIONS", "ZmqOptions", "read_options"]
+
+CURVE_DIR_ENV = "P2PKV_CURVE_DIR"
+"""Environment variable naming a directory of fleet keys (a mounted Kubernetes ``Secret``,
+see :mod:`p2pkv_zmq.security`): CURVE without a key option in the tier entry."""
 
 CURVE_OPTIONS = (
     "server_secret_key",

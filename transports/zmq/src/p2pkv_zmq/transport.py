@@ -118,6 +118,10 @@ class ZmqControlTransport(ControlTransport):
         """See :meth:`p2pkv_zmq.hub.ZmqHub.poll`."""
         return self._hub.poll(timeout)
 
+    def interrupt(self) -> None:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.interrupt` (any thread)."""
+        self._hub.interrupt()
+
     def close(self) -> None:
         self._hub.close()
 

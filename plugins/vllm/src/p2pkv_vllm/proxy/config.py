@@ -19,6 +19,7 @@ from p2pkv.config import DEFAULT_PORT
 from p2pkv.errors import ConfigError
 
 __all__ = [
+    "INSTANCE_OPTIONS",
     "Decoder",
     "Mode",
     "PrefillFailure",
@@ -360,8 +361,19 @@ def _decoder_from(raw: Any, source: str) -> Decoder:
     )
 
 
-_PREFILLER_KEYS = ("url", "p2p_host", "p2p_port", "dp_size", "kv_events", "kv_replay")
-_DECODER_KEYS = ("url", "dp_size", "kv_events", "kv_replay", "p2p_host", "p2p_port")
+INSTANCE_OPTIONS = {
+    "p2p_host": "host of its P2P tier (prefiller default: the URL's host; a decoder "
+                "without one is never named a source)",
+    "p2p_port": "the tier's base port, + DP rank (default $VLLM_P2P_SIDE_CHANNEL_PORT, "
+                f"else {DEFAULT_PORT})",
+    "dp_size": "data-parallel ranks behind the URL (default 1)",
+    "kv_events": "tcp://HOST:PORT of the instance's KV-event publisher (prefix routing)",
+    "kv_replay": "tcp://HOST:PORT of its replay endpoint (recovers missed KV events)",
+}
+"""The options after an instance's URL (``--prefiller``/``--decoder URL,OPT=V,...``, or keys
+of a config file's instance), one line of help each (``p2pkv proxy --help`` lists them)."""
+_PREFILLER_KEYS = ("url", *INSTANCE_OPTIONS)
+_DECODER_KEYS = ("url", *INSTANCE_OPTIONS)
 
 
 def _kv_event_endpoints(raw: Mapping[str, Any], source: str) -> dict[str, str | None]:

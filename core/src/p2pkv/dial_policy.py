@@ -1,0 +1,98 @@
+"""Which peers a request may make the tier dial: ``peers`` in the tier config.
+
+A consumer dials whoever its request's routing names, and routers copy that from the request
+(vLLM: ``remote_host``/``remote_port`` of ``kv_transfer_params``, from the HTTP body). So a
+client, or a misconfigured router, chooses whom the tier dials: thousands of distinct
+addresses would make it dial each (vLLM's advisory GHSA-frvg-qw88-hww9 is that problem in
+its built-in tier). :class:`DialPolicy` bounds it:
+
+- ``peers.allow``: networks (``10.0.0.0/8``, ``fd00::/8``), addresses, or host names the tier
+  may dial; any other peer is refused before any socket exists. A host name matches only
+  itself (case-insensitive): the policy never resolves names, so it costs the engine thread
+  nothing. Empty (the default): any peer.
+- ``peers.max_dialed``: sessions this tier dialed that may be open at once. A request naming
+  a new peer beyond it first evicts the oldest dialed session still in its handshake (a
+  black-holed or refusing address holds one until ``timeouts.handshake``), so a flood of
+  bogus peers cannot lock legitimate ones out; only when every dialed session is ready is
+  the new peer refused. Sessions peers dialed to us do not count.
+
+A refused request recomputes (its lookups MISS, its loads fail ``peer_dead`` naming the
+limit). Threading: driver thread only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from p2pkv.addressing import parse_address
+from p2pkv.config import Peers
+from p2pkv.errors import ConfigError
+
+__all__ = ["DialPolicy", "allow_list"]
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def allow_list(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], frozenset[str]]:
+    """``peers.allow`` as networks and host names; ``ConfigError`` naming a bad entry."""
+    networks: list[Network] = []
+    names: set[str] = set()
+    for i, entry in enumerate(entries):
+        text = entry.strip().strip("[]")
+        try:
+            networks.append(ipaddress.ip_network(text, strict=False))
+            continue
+        except ValueError:
+            pass
+        if not text or any(c in text for c in "/:[] ") or text.startswith(("-", ".")):
+            raise ConfigError(f"tier config key peers.allow[{i}] = {entry!r} is neither a "
+                              "network (10.0.0.0/8), an address nor a host name")
+        names.add(text.lower())
+    return tuple(networks), frozenset(names)
+
+
+class DialPolicy:
+    """``peers`` of one tier: the allow-list, and the sessions it dialed, oldest first."""
+
+    def __init__(self, peers: Peers) -> None:
+        self._networks, self._names = allow_list(peers.allow)
+        self._open = not peers.allow
+        self.max_dialed = peers.max_dialed
+        self._dialed: OrderedDict[str, None] = OrderedDict()
+
+    def refusal(self, peer: str) -> str | None:
+        """Why ``peer`` may not be dialed (outside ``peers.allow``), or None."""
+        if self._open:
+            return None
+        try:
+            host, _ = parse_address(peer)
+        except ConfigError:
+            return f"{peer!r} is not host:port, so not on peers.allow"
+        try:
+            address = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            allowed = host.lower() in self._names
+        else:
+            allowed = any(address in network for network in self._networks)
+        return None if allowed else (f"{peer} is not on peers.allow (add its network to "
+                                     f"the tier's peers.allow to let requests name it)")
+
+    def dialed(self, peer: str) -> None:
+        """A session to ``peer`` was dialed by this tier."""
+        self._dialed[peer] = None
+
+    def ended(self, peer: str) -> None:
+        """The session to ``peer`` is gone (it may have been one a peer dialed to us)."""
+        self._dialed.pop(peer, None)
+
+    @property
+    def full(self) -> bool:
+        """As many dialed sessions open as ``peers.max_dialed``."""
+        return len(self._dialed) >= self.max_dialed
+
+    def oldest_first(self) -> Iterator[str]:
+        """The peers of the dialed sessions, oldest first (a snapshot: ending one while
+        iterating is safe)."""
+        return iter(list(self._dialed))
