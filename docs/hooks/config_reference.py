@@ -80,6 +80,9 @@ def render() -> str:
         "",
         "### `flow`",
         _table(config.Flow, "flow."),
+        "",
+        "### `peers`",
+        _table(config.Peers, "peers."),
     ]
     return "\n".join(parts)
 

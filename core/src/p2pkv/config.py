@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2pkv.addressing import format_address
+from p2pkv.dial_policy import allow_list
 from p2pkv.errors import ConfigError
 from p2pkv.options import derived, option, parse_options
 
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_PORT",
     "Flow",
     "Limits",
+    "Peers",
     "TierConfig",
     "Timeouts",
     "config_fingerprint",
@@ -32,6 +34,10 @@ DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5710
 HOST_ENV = ("P2PKV_HOST",)
 PORT_ENV = ("P2PKV_PORT",)
+PEERS_ALLOW_ENV = "P2PKV_PEERS_ALLOW"
+PEERS_MAX_DIALED_ENV = ("P2PKV_PEERS_MAX_DIALED", "VLLM_P2P_MAX_PEERS")
+"""First set wins; ``VLLM_P2P_MAX_PEERS`` is the cap vLLM's built-in tier reads once its
+fix for GHSA-frvg-qw88-hww9 lands (there it counts every peer, here dialed ones)."""
 
 
 _SECONDS = option(gt=0, unit="seconds")
@@ -105,6 +111,21 @@ class Flow:
     session closes (``peer_dead``)."""
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Which peers requests may make this tier dial (:mod:`p2pkv.dial_policy`). Keys absent
+    here are read from ``P2PKV_PEERS_ALLOW`` (comma-separated) and
+    ``P2PKV_PEERS_MAX_DIALED`` (else ``VLLM_P2P_MAX_PEERS``), for deployments that cannot
+    edit the tier entry."""
+
+    allow: tuple[str, ...] = ()
+    """Networks, addresses or host names the tier may dial; empty: any peer."""
+    max_dialed: int = field(default=256, metadata=_COUNT)
+    """Sessions this tier dialed that may be open at once (each holds 3 zmq sockets of the
+    control transport's context, whose default cap is 1,023); a new peer beyond it evicts
+    the oldest one still in its handshake, or is refused."""
+
+
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
     """How to change ``key`` given where its value came from (``source``)."""
     if source.startswith("environment variable"):
@@ -143,6 +164,8 @@ class TierConfig:
     """Caps on what peers may send, below."""
     flow: Flow = field(default_factory=Flow)
     """Flow-control windows, below."""
+    peers: Peers = field(default_factory=Peers)
+    """Which peers requests may make the tier dial, below."""
     fingerprint: str = ""
     """Model/run fingerprint; peers with different non-empty fingerprints are rejected."""
     hash_seed: str = ""
@@ -195,9 +218,29 @@ class TierConfig:
             host=host,
             base_port=base_port,
             dp_rank=dp_rank,
+            peers=_peers_from_env(parsed.peers, keys.get("peers"), env),
             host_setting=_setting("host", host_source, host_env),
             port_setting=_setting("port", port_source, port_env),
         )
+
+
+def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
+    """``peers`` with the keys its entry lacks taken from the environment."""
+    given = raw if isinstance(raw, Mapping) else {}
+    values: dict[str, Any] = {}
+    allow = env.get(PEERS_ALLOW_ENV, "")
+    if "allow" not in given and allow.strip():
+        values["allow"] = [part.strip() for part in allow.split(",") if part.strip()]
+    most, source = _from_env(env, PEERS_MAX_DIALED_ENV, "")
+    if "max_dialed" not in given and most.strip():
+        if not most.strip().isdigit() or int(most) < 1:
+            raise ConfigError(f"{source.removeprefix('environment variable ')}={most!r} must "
+                              "be a positive integer (sessions this tier may dial)")
+        values["max_dialed"] = int(most)
+    if values:
+        peers = parse_options(Peers, {**given, **values}, "tier config key")
+    allow_list(peers.allow)  # refuses a malformed entry now, naming it
+    return peers
 
 
 def config_fingerprint(fields_: Mapping[str, Any]) -> str:

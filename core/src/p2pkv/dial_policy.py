@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import ipaddress
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from p2pkv.addressing import parse_address
-from p2pkv.config import Peers
 from p2pkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from p2pkv.config import Peers
 
 __all__ = ["DialPolicy", "allow_list"]
 
@@ -61,6 +64,11 @@ class DialPolicy:
         self._open = not peers.allow
         self.max_dialed = peers.max_dialed
         self._dialed: OrderedDict[str, None] = OrderedDict()
+        """Peers of the open sessions this tier dialed, oldest first."""
+        self.refused = 0
+        """Dials refused: not on the allow-list, or every dialed session ready at the cap."""
+        self.evicted = 0
+        """Handshaking sessions closed to make room for a new peer."""
 
     def refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not be dialed (outside ``peers.allow``), or None."""
@@ -69,30 +77,39 @@ class DialPolicy:
         try:
             host, _ = parse_address(peer)
         except ConfigError:
-            return f"{peer!r} is not host:port, so not on peers.allow"
+            return "it is not host:port, so not on peers.allow"
         try:
             address = ipaddress.ip_address(host.strip("[]"))
         except ValueError:
             allowed = host.lower() in self._names
         else:
             allowed = any(address in network for network in self._networks)
-        return None if allowed else (f"{peer} is not on peers.allow (add its network to "
-                                     f"the tier's peers.allow to let requests name it)")
+        return None if allowed else ("it is not on peers.allow (add its network to the "
+                                     "tier's peers.allow to let requests name it)")
 
-    def dialed(self, peer: str) -> None:
-        """A session to ``peer`` was dialed by this tier."""
+    def admit(self, peer: str, handshaking: Callable[[str], bool],
+              evict: Callable[[str, str], None]) -> str | None:
+        """Whether the tier may dial a new session to ``peer``: None (it now counts as
+        dialed) or why not. At the cap, the oldest dialed session still handshaking
+        (``handshaking(peer)``) is evicted first (``evict(peer, reason)``, which must end
+        it: :meth:`ended`)."""
+        why = self.refusal(peer)
+        if why is None and len(self._dialed) >= self.max_dialed:
+            victim = next((p for p in list(self._dialed) if handshaking(p)), None)
+            if victim is None:
+                why = (f"{self.max_dialed} sessions this tier dialed are open and ready "
+                       f"(peers.max_dialed): raise it if this instance has more peers")
+            else:
+                self.evicted += 1
+                evict(victim, f"evicted for a new peer, {peer}: {self.max_dialed} sessions "
+                              "this tier dialed are open (peers.max_dialed)")
+                self._dialed.pop(victim, None)
+        if why is not None:
+            self.refused += 1
+            return why
         self._dialed[peer] = None
+        return None
 
     def ended(self, peer: str) -> None:
         """The session to ``peer`` is gone (it may have been one a peer dialed to us)."""
         self._dialed.pop(peer, None)
-
-    @property
-    def full(self) -> bool:
-        """As many dialed sessions open as ``peers.max_dialed``."""
-        return len(self._dialed) >= self.max_dialed
-
-    def oldest_first(self) -> Iterator[str]:
-        """The peers of the dialed sessions, oldest first (a snapshot: ending one while
-        iterating is safe)."""
-        return iter(list(self._dialed))

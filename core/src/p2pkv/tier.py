@@ -28,6 +28,7 @@ from p2pkv.contracts import (
     DataSettings,
     DataTransport,
 )
+from p2pkv.dial_policy import DialPolicy
 from p2pkv.driver import DriverGuard, driver_call
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
@@ -93,6 +94,7 @@ class P2PTier:
         self._admission = Admission(self._env, self._sessions, start=self._start_session,
                                     close=self._close, close_unusable=self._close_unusable)
         self._pauses = PauseDetector(clock, self._control.silence_timeout)
+        self._dial_policy = DialPolicy(config.peers)
         self._closed = False
 
     def _session_env(self) -> SessionEnv:
@@ -255,7 +257,9 @@ class P2PTier:
         if len(self._admission):
             self._admission.serve()
         self._data_tick()
-        self._deadlines.fire_due(self._clock())
+        now = self._clock()
+        self._deadlines.fire_due(now)
+        self._env.warnings.flush(now)
         if self._env.doomed or self._lingering:  # doomed since the pass above: close them now
             self._reap(self._env.doomed)
 
@@ -419,6 +423,8 @@ class P2PTier:
             submit_failures=c["submit_failures"],
             protocol_errors=c["protocol_errors"],
             handshake_rejections=c["handshake_rejections"],
+            peers_refused=self._dial_policy.refused,
+            peers_evicted=self._dial_policy.evicted,
         )
         if self._data.descriptors_posted is not None:
             out["descriptors_posted"] = self._data.descriptors_posted
@@ -470,13 +476,30 @@ class P2PTier:
             self._close_unusable(session)
         if peer in self._admission:
             return self._admission.promote(peer)
+        why = self._dial_policy.admit(peer, self._handshaking, self._evict)
+        if why is not None:
+            self._env.warnings.log(self._clock(), logging.WARNING, "not dialing %s: %s", peer,
+                                   why)
+            return f"not dialing {peer}: {why}"
         try:
             conn = self._control.connect(peer)
         except Exception as exc:
+            self._dial_policy.ended(peer)
             why = f"cannot connect to {peer}: {exc}"
-            log.warning("%s", why)
+            self._env.warnings.log(self._clock(), logging.WARNING, "%s", why)
             return why
         return self._new_session(peer, conn)
+
+    def _handshaking(self, peer: str) -> bool:
+        """Whether the session to ``peer`` is missing or not ready yet (the dial policy may
+        evict it)."""
+        session = self._sessions.get(peer)
+        return session is None or not session.ready
+
+    def _evict(self, peer: str, reason: str) -> None:
+        session = self._sessions.get(peer)
+        if session is not None:
+            self._close(session, Outcome.PEER_DEAD, reason)
 
     def _close_unusable(self, session: Session) -> None:
         doom = session.doomed
@@ -535,6 +558,7 @@ class P2PTier:
         lingering while blocks stay pinned for its consumer."""
         if self._sessions.get(session.peer) is session:
             del self._sessions[session.peer]
+            self._dial_policy.ended(session.peer)
         session.close(outcome, reason, bye=bye, close_conn=close_conn)
         if session.server.n_pins:
             self._lingering.add(session)

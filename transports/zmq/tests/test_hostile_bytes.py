@@ -19,7 +19,6 @@ import zmq_peers
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq import hub
-from p2pkv_zmq.ratelimit import LogLimiter
 
 T = 10.0  # generous: the child starts on a busy 2-core machine
 HANDSHAKE = 0.5  # the listener's handshake_timeout
@@ -151,21 +150,3 @@ def test_a_flood_of_hostile_messages_logs_a_bounded_number_of_warnings(
         ctx.destroy(linger=0)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert 1 <= len(warnings) <= hub._LOG_BURST, [r.getMessage() for r in warnings[:3]]
-
-
-def test_the_log_limiter_summarizes_what_it_suppressed(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pkv.zmq.test")
-    limiter = LogLimiter(logging.getLogger("p2pkv.zmq.test"), burst=3, window=10.0, now=0.0)
-    for i in range(100):
-        limiter.log(i * 0.001, logging.WARNING, "hostile %d", i)
-    assert [r.getMessage() for r in caplog.records] == ["hostile 0", "hostile 1", "hostile 2"]
-    limiter.flush(5.0)  # within the window: nothing yet
-    assert len(caplog.records) == 3
-    limiter.flush(10.1)
-    assert "suppressed 97 similar" in caplog.records[-1].getMessage()
-    limiter.flush(30.0)  # nothing new was suppressed: no second summary
-    assert len(caplog.records) == 4
-    limiter.log(30.0, logging.WARNING, "calm again")  # the bucket refilled meanwhile
-    assert caplog.records[-1].getMessage() == "calm again"

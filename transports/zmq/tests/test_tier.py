@@ -7,46 +7,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import p2pkv_memory.plugin as memory_plugin
-import p2pkv_zmq.plugin as zmq_plugin
 import pytest
 import zmq_peers
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError
-from p2pkv.registry import Registry, default_registry
+from p2pkv.registry import default_registry
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, Outcome, RequestContext
 from p2pkv_zmq import ZmqControlTransport
-
-REGISTRY = Registry.from_plugins([("zmq", zmq_plugin), ("memory", memory_plugin)])
-T = 10.0
-NUM_BLOCKS, BLOCK_LEN = 64, 256
-
-
-class Peer:
-    def __init__(self, seed: int) -> None:
-        self.region = bytearray(NUM_BLOCKS * BLOCK_LEN)
-        self.blocks = np.frombuffer(self.region, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
-        self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
-        config = TierConfig.from_dict({
-            "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
-        })
-        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY)
-        self.host, self.port = parse_address(self.tier.local_address)
-        self.results: dict[int, JobResult] = {}
-
-    def collect(self) -> None:
-        for r in self.tier.get_finished_jobs():
-            assert r.job_id not in self.results, f"job {r.job_id} reported twice"
-            self.results[r.job_id] = r
-
-    def job(self, job_id: int, keys: list[bytes], slots: list[int], *, load: bool,
-            ctx: RequestContext) -> None:
-        (self.tier.submit_load if load else self.tier.submit_store)(
-            Job(job_id, keys, slots, load, ctx))
+from zmq_tiers import BLOCK_LEN, NUM_BLOCKS, REGISTRY, Peer, T, contexts, run_request, tick
 
 
 @pytest.fixture
@@ -57,46 +29,9 @@ def pair() -> Iterator[tuple[Peer, Peer]]:
     producer.tier.shutdown()
 
 
-def contexts(kv: str, producer: Peer) -> tuple[RequestContext, RequestContext]:
-    return (
-        RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}}),
-        RequestContext(f"c-{kv}", {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": producer.host, "remote_port": producer.port}}),
-    )
-
-
-def tick(*peers: Peer) -> Any:
-    return lambda: [p.collect() for p in peers]
-
-
 def test_the_tier_builds_the_zmq_transport_from_its_config(pair: tuple[Peer, Peer]) -> None:
     producer, _ = pair
     assert isinstance(producer.tier._control, ZmqControlTransport)
-
-
-def run_request(producer: Peer, consumer: Peer, kv: str, slots: list[int],
-                consumer_first: bool) -> None:
-    """One PD request: store ``slots`` of the producer into mirrored consumer slots."""
-    pctx, cctx = contexts(kv, producer)
-    producer.tier.on_new_request(pctx)
-    consumer.tier.on_new_request(cctx)
-    keys = [f"{kv}/{i}".encode() for i in range(len(slots))]
-    dst = [NUM_BLOCKS - 1 - s for s in slots]
-    store_id, load_id = len(producer.results) + 1000, len(consumer.results) + 2000
-    steps = [lambda: producer.job(store_id, keys, slots, load=False, ctx=pctx),
-             lambda: consumer.job(load_id, keys, dst, load=True, ctx=cctx)]
-    if consumer_first:
-        steps.reverse()
-    steps[0]()
-    tick(producer, consumer)()
-    steps[1]()
-    wait_until(lambda: store_id in producer.results and load_id in consumer.results,
-               timeout=T, what=f"both results of {kv}", pumps=[tick(producer, consumer)])
-    assert producer.results[store_id].outcome is Outcome.DONE
-    assert consumer.results[load_id].outcome is Outcome.DONE
-    assert (consumer.blocks[dst] == producer.blocks[slots]).all()
-    producer.tier.on_request_finished(pctx)
-    consumer.tier.on_request_finished(cctx)
 
 
 @pytest.mark.parametrize("order", ["producer_first", "consumer_first"])

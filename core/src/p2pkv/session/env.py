@@ -10,6 +10,7 @@ Threading: driver thread only.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from p2pkv.config import Flow, Limits, Timeouts
 from p2pkv.contracts import DataTransport
 from p2pkv.observers import Observers
 from p2pkv.protocol import Message
+from p2pkv.ratelimit import LogLimiter
 from p2pkv.session.deadlines import Deadlines
 from p2pkv.session.ledger import JobLedger
 from p2pkv.session.producers import ProducerDirectory
@@ -69,6 +71,10 @@ class ReadOwner(Protocol):
     def on_data(self, tid: int, ok: bool) -> None: ...
 
 
+_WARN_BURST = 20  # peer warnings logged at once, and per _WARN_WINDOW on average ...
+_WARN_WINDOW = 10.0  # ... then one "suppressed K" line per this many seconds
+
+
 @dataclass(eq=False)
 class SessionEnv:
     data: DataTransport
@@ -93,6 +99,13 @@ class SessionEnv:
     """Sessions holding frames behind a full send queue (the tier flushes them every tick)."""
     reads: ReadGate = field(init=False)
     """Every read the consumer roles post goes through it (shared, bounded resources)."""
+    warnings: LogLimiter = field(init=False)
+    """Warnings about peers that requests name (dials refused or failed, sessions that never
+    became ready): rate-limited, so requests naming thousands of bad peers log a bounded
+    number of lines and one summary per window."""
 
     def __post_init__(self) -> None:
         self.reads = ReadGate(self)
+        self.warnings = LogLimiter(
+            logging.getLogger("p2pkv.tier"), _WARN_BURST, _WARN_WINDOW, self.clock(),
+            "warnings about peers (requests naming peers that cannot or may not be dialed?)")

@@ -175,8 +175,11 @@ class Session:
             self.conn.close()
         # closed during the handshake: the peer never answered, or refused us (WARNING: the
         # operator must know); the line's form is the same either way (operators grep it)
-        log.log(logging.WARNING if handshaking else logging.INFO, "session with %s closed: %s",
-                self.peer, reason)
+        if handshaking:  # rate-limited: requests may name thousands of dead peers
+            env.warnings.log(env.clock(), logging.WARNING, "session with %s closed: %s",
+                             self.peer, reason, logger=log)
+        else:
+            log.info("session with %s closed: %s", self.peer, reason)
         env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)

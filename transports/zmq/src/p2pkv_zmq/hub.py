@@ -97,6 +97,7 @@ from p2pkv.addressing import format_address, parse_address
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ConfigError, ConnectionClosed, ResourceUnavailable
 from p2pkv.logs import module_logger
+from p2pkv.ratelimit import LogLimiter, TokenBucket
 from zmq.utils.monitor import parse_monitor_message
 
 from p2pkv_zmq.connection import LinkLimits, PeerAddress, ZmqConnection
@@ -122,7 +123,6 @@ from p2pkv_zmq.identity import (
 )
 from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.options import ZmqOptions
-from p2pkv_zmq.ratelimit import LogLimiter, TokenBucket
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
@@ -220,7 +220,8 @@ class ZmqHub:
         now = time.monotonic()
         self._notices = TokenBucket(_NOTICE_RATE, _NOTICE_RATE, now)
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
-        self._log_limit = LogLimiter(log, _LOG_BURST, _LOG_WINDOW, now)
+        self._log_limit = LogLimiter(log, _LOG_BURST, _LOG_WINDOW, now, "zmq control transport "
+                                     "warnings (a flood of hostile or failing connections?)")
         self._gate = InboundGate(options.handshake_timeout, self._on_gate_close)
         self._handshakes = 0
         """Handshake outcomes the listener reported so far (see :mod:`p2pkv_zmq.gate`)."""

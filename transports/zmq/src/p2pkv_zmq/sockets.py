@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
+import resource
 from typing import NamedTuple
 
 import zmq
@@ -28,6 +30,9 @@ from p2pkv_zmq.identity import is_ipv6_literal, tcp_url
 from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.security import CurveKeys
+
+_DESCRIPTOR_MARGIN = 16
+"""Descriptors below the process limit at which running out counts as the process's limit."""
 
 __all__ = ["LinkSockets", "SocketFactory"]
 
@@ -54,6 +59,7 @@ class SocketFactory:
         self._keys = keys
         self._max_frame_bytes = max_frame_bytes
         self.context: zmq.Context[Socket] = zmq.Context(io_threads=1)
+        self.context.max_sockets = options.max_sockets
         self._monitor_seq = itertools.count()
 
     def listener(self, plan: ListenPlan) -> Socket:
@@ -89,10 +95,7 @@ class SocketFactory:
         try:
             push: Socket = self.context.socket(zmq.PUSH)
         except zmq.ZMQError as exc:
-            raise ResourceUnavailable(
-                f"cannot dial zmq peer {key}: no socket left ({exc}); raise the descriptor "
-                f"limit (ulimit -n) or connect to fewer peers"
-            ) from exc
+            raise _out_of_sockets(self.context, key, exc) from exc
         _tune(push, ipv6=is_ipv6_literal(parse_address(key)[0]))
         keys = self._keys
         if keys is not None:
@@ -127,7 +130,7 @@ class SocketFactory:
             if monitor is not None:
                 monitor.close(0)
             push.close(0)
-            raise _dial_error(key, exc) from exc
+            raise _dial_error(self.context, key, exc) from exc
         return LinkSockets(push, monitor, queued)
 
     def monitor(self, sock: Socket, events: int) -> Socket:
@@ -159,13 +162,34 @@ def _bind_error(plan: ListenPlan, exc: zmq.ZMQError) -> ConfigError:
     return ConfigError(f"cannot listen on {where}: {exc.strerror}; check {plan.host_setting}")
 
 
-def _dial_error(key: str, exc: zmq.ZMQError) -> P2PKVError:
+def _dial_error(context: zmq.Context[Socket], key: str, exc: zmq.ZMQError) -> P2PKVError:
     """A dial libzmq refused: out of a resource (sockets, descriptors, memory: runtime), or
     an endpoint it cannot use (the address: config)."""
-    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
-        return ResourceUnavailable(f"cannot dial zmq peer {key}: {exc}; raise the descriptor "
-                                   f"limit (ulimit -n) or connect to fewer peers")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return _out_of_sockets(context, key, exc)
+    if exc.errno in (errno.ENOMEM, errno.ENOBUFS):
+        return ResourceUnavailable(f"cannot dial zmq peer {key}: {exc}; lower the tier's "
+                                   "peers.max_dialed or restrict peers.allow")
     return ConfigError(f"cannot dial zmq peer {key}: {exc}; check the address")
+
+
+def _out_of_sockets(context: zmq.Context[Socket], key: str,
+                    exc: zmq.ZMQError) -> ResourceUnavailable:
+    """No socket left: name the limit that was really hit, the zmq context's socket cap or
+    the process's descriptor limit, and its fix."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: cannot tell which
+        used = soft
+    if used < soft - _DESCRIPTOR_MARGIN:
+        limit = (f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = "
+                 f"{context.get(zmq.MAX_SOCKETS)}, 3 per dialed peer): lower the tier's "
+                 "peers.max_dialed or restrict peers.allow")
+    else:
+        limit = (f"the process's descriptor limit (ulimit -n = {soft}, {used} open): raise "
+                 "it, or lower the tier's peers.max_dialed")
+    return ResourceUnavailable(f"cannot dial zmq peer {key}: no socket left ({exc}); {limit}")
 
 
 def _ms(seconds: float) -> int:

@@ -1,10 +1,9 @@
-"""Rate limits of one transport: a token bucket, and a log that a flood cannot flood.
+"""Rate limits: a token bucket, and a log that a flood cannot flood (hostile connections
+at a transport, requests naming thousands of peers at a tier).
 
-Threading: not thread-safe; each instance belongs to one hub and is used only from its driver
-thread. Times are ``time.monotonic()`` seconds passed in by the caller, so nothing here reads
-a clock of its own.
-
-Pure Python: importing this module never imports zmq.
+Threading: not thread-safe; each instance belongs to one owner (a zmq hub, a tier) and is
+used only from its driver thread. Times are ``time.monotonic()`` seconds passed in by the
+caller, so nothing here reads a clock of its own.
 """
 
 from __future__ import annotations
@@ -36,24 +35,30 @@ class TokenBucket:
 class LogLimiter:
     """At most ``burst`` lines at once and ``burst`` per ``window`` seconds on average; lines
     beyond that are dropped and counted, and one summary line ("suppressed K similar
-    warnings") reports them at most once per ``window``: on the next line logged after the
+    ``what``") reports them at most once per ``window``: on the next line logged after the
     window, or from :meth:`flush`, which the owner calls periodically so the summary also
     appears once the flood has stopped. Lines below the logger's level cost nothing and use
     no budget."""
 
-    def __init__(self, logger: logging.Logger, burst: int, window: float, now: float) -> None:
+    def __init__(self, logger: logging.Logger, burst: int, window: float, now: float,
+                 what: str) -> None:
         self._log = logger
+        self._what = what
         self._window = window
         self._bucket = TokenBucket(burst / window, burst, now)
         self._suppressed = 0
         self._since = now  # when the first line the next summary counts was suppressed
 
-    def log(self, now: float, level: int, msg: str, *args: object) -> None:
-        if not self._log.isEnabledFor(level):
+    def log(self, now: float, level: int, msg: str, *args: object,
+            logger: logging.Logger | None = None) -> None:
+        """Log ``msg % args`` within the budget, to ``logger`` (default: the limiter's own,
+        which the summary line always goes to)."""
+        target = self._log if logger is None else logger
+        if not target.isEnabledFor(level):
             return
         self.flush(now)
         if self._bucket.take(now):
-            self._log.log(level, msg, *args)
+            target.log(level, msg, *args)
         else:
             if not self._suppressed:
                 self._since = now
@@ -63,7 +68,6 @@ class LogLimiter:
         """Log the summary of suppressed lines if there are any and a window has passed."""
         if not self._suppressed or now - self._since < self._window:
             return
-        self._log.warning("suppressed %d similar zmq control transport warnings in the last "
-                          "%.0f s (a flood of hostile or failing connections? the counters "
-                          "are in stats())", self._suppressed, now - self._since)
+        self._log.warning("suppressed %d similar %s in the last %.0f s (the counters are in "
+                          "stats())", self._suppressed, self._what, now - self._since)
         self._suppressed = 0

@@ -1,0 +1,138 @@
+"""Peers a request may make the tier dial (``peers``: allow-list and cap), over real zmq.
+
+A router copies a request's pull source from the request itself, so requests can name any
+address. A peer outside ``peers.allow`` is never dialed; a flood of requests naming
+distinct refusing and black-holed addresses neither locks real peers out (a never-contacted
+healthy producer is reached in the middle of it) nor disturbs established traffic, keeps the
+consumer's sessions and descriptors bounded, and logs a bounded number of lines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from p2pkv.errors import ResourceUnavailable
+from p2pkv.testing.waiting import wait_until
+from p2pkv.types import LookupResult, Outcome, RequestContext
+from zmq_tiers import Peer, T, run_request, tick
+
+FLOOD = int(os.environ.get("P2PKV_FLOOD_PEERS", "1000"))
+"""Requests naming distinct bogus peers (``P2PKV_FLOOD_PEERS``; 10,000 in docs/security.md)."""
+MAX_DIALED = 8
+"""The flooded consumer's ``peers.max_dialed``."""
+REAL_EVERY = 100
+"""One real PD request between this many bogus ones."""
+LOGS, BURST, PER_SECOND = 2, 20, 2.0
+"""The consumer's rate-limited warning logs (the tier's and the zmq transport's): each logs
+``BURST`` lines at once, then ``PER_SECOND`` on average, plus one summary line per 10 s."""
+
+
+def log_budget(seconds: float) -> int:
+    """The most warnings those logs may write in ``seconds``, however many requests."""
+    return int(LOGS * (BURST + (PER_SECOND + 0.1) * seconds + 1)) + 2  # + the real peers
+
+
+def pull_context(kv: str, host: str, port: int) -> RequestContext:
+    return RequestContext(f"c-{kv}", {"remote_prefiller": {
+        "kv_request_id": kv, "remote_host": host, "remote_port": port}})
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def black_hole() -> Iterator[int]:
+    """A port on every loopback address that accepts TCP and never speaks (its backlog soon
+    full, later dials get no answer at all): a peer that holds a dial in its handshake."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def refusing() -> Iterator[int]:
+    """A port that refuses on every loopback address (bound, not listening)."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        yield sock.getsockname()[1]
+
+
+def test_a_peer_outside_the_allow_list_is_never_dialed(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    producer = Peer(1)
+    consumer = Peer(2, peers={"allow": ["10.0.0.0/8", "prefill-0.p2pkv"]})
+    try:
+        ctx = pull_context("outside", producer.host, producer.port)
+        consumer.tier.on_new_request(ctx)
+        assert consumer.tier.lookup(b"outside/0", ctx) is LookupResult.MISS
+        consumer.job(1, [b"outside/0"], [0], load=True, ctx=ctx)
+        wait_until(lambda: 1 in consumer.results, timeout=T, what="the load's result",
+                   pumps=[tick(consumer)])
+        assert consumer.results[1].outcome is Outcome.SUBMIT_FAILED  # failed at its start
+        assert "not dialing" in consumer.results[1].detail
+        assert "peers.allow" in consumer.results[1].detail
+        assert consumer.tier.stats()["peers_refused"] >= 1
+        assert consumer.tier._control.stats()["connections"] == 0  # type: ignore[attr-defined]
+        assert any("not dialing" in r.getMessage() and "peers.allow" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        consumer.tier.shutdown()
+        producer.tier.shutdown()
+
+
+def test_a_flood_of_bogus_peers_locks_no_real_peer_out(
+    caplog: pytest.LogCaptureFixture, black_hole: int, refusing: int,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    producer, fresh = Peer(1), Peer(3)
+    consumer = Peer(2, peers={"max_dialed": MAX_DIALED}, timeouts={"handshake": 3.0})
+    try:
+        run_request(producer, consumer, "warm", list(range(16)), consumer_first=False)
+        before, began = open_descriptors(), time.monotonic()
+        for i in range(FLOOD):
+            host = f"127.{1 + i // 62500}.{i // 250 % 250}.{2 + i % 250}"  # distinct peers
+            port = black_hole if i % 2 else refusing
+            ctx = pull_context(f"bogus-{i}", host, port)
+            consumer.tier.on_new_request(ctx)
+            assert consumer.tier.lookup(b"k", ctx) in (LookupResult.HIT, LookupResult.MISS)
+            consumer.tier.on_request_finished(ctx)
+            consumer.tier.tick()
+            assert consumer.tier.stats()["sessions"] <= MAX_DIALED + 1  # + the producer's
+            if i % REAL_EVERY == REAL_EVERY - 1:
+                run_request(producer, consumer, f"real-{i}", list(range(16)),
+                            consumer_first=bool(i % 2))
+            if i == FLOOD // 2:  # a producer never contacted before, mid-flood
+                run_request(fresh, consumer, "first-contact", list(range(16, 32)),
+                            consumer_first=False)
+        stats = consumer.tier.stats()
+        assert stats["peers_evicted"] > 0, stats
+        fresh.tier.shutdown()  # its session was opened during the flood: not a leftover
+        wait_until(lambda: consumer.tier.stats()["sessions"] <= 1, timeout=30,
+                   what="the bogus peers' sessions to end", pumps=[tick(consumer)])
+        wait_until(lambda: open_descriptors() <= before + 4, timeout=30,  # libzmq closes late
+                   what=f"descriptors back to {before} (+4)", pumps=[tick(consumer)])
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # a rate: the budget grows with the time the flood took, not with its size
+        assert len(warnings) <= log_budget(time.monotonic() - began), len(warnings)
+    finally:
+        for peer in (consumer, fresh, producer):
+            peer.tier.shutdown()
+
+
+def test_out_of_zmq_sockets_names_the_cap_really_hit(
+    make_transport: Any, black_hole: int,
+) -> None:
+    transport = make_transport(max_sockets=16)
+    with pytest.raises(ResourceUnavailable) as raised:
+        for i in range(16):  # each dial to a black hole holds its sockets
+            transport.connect(f"127.1.0.{2 + i}:{black_hole}")
+    message = str(raised.value)
+    assert "ZMQ_MAX_SOCKETS = 16" in message and "peers.max_dialed" in message
+    assert "ulimit" not in message  # the descriptor limit was not the one hit
