@@ -115,6 +115,33 @@ def test_crossover_is_reported_per_order(tier_doc: Doc) -> None:
     assert sorted(o["order"] for o in cross["orders"]) == sorted(ORDERS)
     for o in cross["orders"]:
         assert (o["tokens"] is None) == ("why" in o)
+        if o["tokens"] is None:
+            continue
+        model = o["cost_model"]  # the same fit in llm-d's router units
+        assert model["prefillMicrosecondsPerToken"] == 50.0  # 1 / 20,000 tokens/s
+        assert model["transferFixedMs"] == pytest.approx(max(o["fixed_us"], 0) / 1000, abs=1e-3)
+        assert model["minCachedTokenDelta"] == max(1, o["tokens"])
+        if o["gbps_marginal"]:
+            per_token_us = cross["bytes_per_token"] / (o["gbps_marginal"] * 1e9) * 1e6
+            assert model["transferMicrosecondsPerToken"] == pytest.approx(per_token_us, abs=1e-4)
+
+
+def test_the_cost_model_prints_as_router_yaml() -> None:
+    from p2pkv.bench.tier_report import print_cost_model
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    model = {"prefillMicrosecondsPerToken": 50.0, "transferMicrosecondsPerToken": 0.0153,
+             "transferFixedMs": 0.742, "minCachedTokenDelta": 22}
+    print_cost_model(console, {"preset": "llama-3-8b", "recompute_tokens_per_s": 20000,
+                               "orders": [{"order": ORDERS[0], "cost_model": model},
+                                          {"order": ORDERS[1], "tokens": None, "why": "x"}]})
+    lines = console.export_text().splitlines()
+    assert lines[1:6] == ["minCachedTokenDelta: 22", "costModel:",
+                          "  prefillMicrosecondsPerToken: 50.0",
+                          "  transferMicrosecondsPerToken: 0.0153", "  transferFixedMs: 0.742"]
+    assert lines[0].startswith("# llm-d EPP") and lines[6].lstrip().startswith("# sourceWaitMs")
+    assert len(lines) == 7  # nothing for an order without a fit
 
 
 def test_plot_is_written(tier_doc: Doc) -> None:

@@ -21,6 +21,7 @@ from p2pkv.bench.tier_first_pull import measure_first_pulls
 from p2pkv.bench.tier_lane import ORDERS
 from p2pkv.bench.tier_report import (
     overload_summary,
+    print_cost_model,
     print_crossover,
     print_first_pulls,
     print_overload,
@@ -77,6 +78,7 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         print_first_pulls(console, first)
         if cross:
             print_crossover(console, cross)
+            print_cost_model(console, cross)
         if doc["overload"]:
             print_overload(console, doc["overload"])
     _write(args, doc)

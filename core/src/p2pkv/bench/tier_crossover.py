@@ -10,6 +10,12 @@ of one arrival order at the measured block size nearest the preset's block, over
 blocks per request (at least two). Pulling wins above
 ``n* = fixed / (1 / rate - bytes_per_token x per_byte)``; never when the denominator is not
 positive (the tier moves a token's KV slower than the GPU recomputes it).
+
+The same fit in the units of llm-d's router (the EPP's ``p2p-source-producer``
+``costModel``): ``transferFixedMs`` = ``fixed``, ``transferMicrosecondsPerToken`` =
+``bytes_per_token x per_byte``, ``prefillMicrosecondsPerToken`` = ``1 / rate``, and
+``minCachedTokenDelta`` = ``n*`` (at least 1, the router's floor). ``sourceWaitMs`` (a busy
+source engine) and ``requeueMs`` are not measured here.
 """
 
 from __future__ import annotations
@@ -53,7 +59,13 @@ def _one(rows: Sequence[TierCellResult], order: str, preset: ModelPreset,
     if gain <= 0:
         return {**out, "tokens": None,
                 "why": "pulling a token's KV takes longer than recomputing it: never"}
-    return {**out, "tokens": max(0, math.ceil(max(fixed, 0.0) / gain))}
+    tokens = max(0, math.ceil(max(fixed, 0.0) / gain))
+    return {**out, "tokens": tokens, "cost_model": {
+        "prefillMicrosecondsPerToken": round(1e6 / rate, 3),
+        "transferMicrosecondsPerToken": round(per_token * max(per_byte, 0.0) * 1e6, 4),
+        "transferFixedMs": round(max(fixed, 0.0) * 1e3, 3),
+        "minCachedTokenDelta": max(1, tokens),
+    }}
 
 
 def crossover(rows: Sequence[TierCellResult], preset: ModelPreset,

@@ -14,7 +14,8 @@ from p2pkv.bench.report import _rate, _ratio, format_size
 from p2pkv.bench.tier_bench import TierCellResult
 from p2pkv.bench.tier_first_pull import FirstPull
 
-__all__ = ["overload_summary", "print_crossover", "print_first_pulls", "print_overload",
+__all__ = ["overload_summary", "print_cost_model", "print_crossover", "print_first_pulls",
+           "print_overload",
            "print_tier_table"]
 
 _ORDER = {"producer_first": "store→load", "consumer_first": "load→store"}
@@ -90,6 +91,25 @@ def print_crossover(console: Console, doc: Mapping[str, Any]) -> None:
                + (f" + {o['gbps_marginal']:.2f} GB/s" if o["gbps_marginal"] else ""))
         console.print(f"  {name}: pull beats recompute above [bold]{o['tokens']:,}[/] "
                       f"prompt tokens ({fit})")
+
+
+def print_cost_model(console: Console, doc: Mapping[str, Any]) -> None:
+    """The crossover fit in the units of llm-d's router, as YAML to paste into the EPP's
+    ``p2p-source-producer`` parameters: one block per arrival order that has a fit."""
+    for o in doc["orders"]:
+        model = o.get("cost_model")
+        if not model:
+            continue
+        name = _ORDER.get(o["order"], o["order"])
+        lines = [f"# llm-d EPP p2p-source-producer, from p2pkv bench --tier ({name}, "
+                 f"{doc['preset']}, {doc['recompute_tokens_per_s']:,.0f} tokens/s recompute)",
+                 f"minCachedTokenDelta: {model['minCachedTokenDelta']}", "costModel:"]
+        lines += [f"  {key}: {model[key]}" for key in
+                  ("prefillMicrosecondsPerToken", "transferMicrosecondsPerToken",
+                   "transferFixedMs")]
+        lines.append("  # sourceWaitMs, requeueMs: not measured here (a busy source engine, "
+                     "the router's requeue); see docs/benchmarks.md")
+        console.print("\n".join(escape(line) for line in lines), highlight=False)
 
 
 def overload_summary(rows: Sequence[TierCellResult]) -> list[dict[str, Any]]:
