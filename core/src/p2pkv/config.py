@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from p2pkv.addressing import format_address
+from p2pkv.addressing import format_address, parse_address
 from p2pkv.dial_policy import allow_list
 from p2pkv.errors import ConfigError
 from p2pkv.options import derived, option, parse_options
@@ -35,6 +35,7 @@ DEFAULT_PORT = 5710
 HOST_ENV = ("P2PKV_HOST",)
 PORT_ENV = ("P2PKV_PORT",)
 PEERS_ALLOW_ENV = "P2PKV_PEERS_ALLOW"
+PEERS_CONNECT_ENV = "P2PKV_PEERS_CONNECT"
 PEERS_MAX_DIALED_ENV = ("P2PKV_PEERS_MAX_DIALED", "VLLM_P2P_MAX_PEERS")
 """First set wins; ``VLLM_P2P_MAX_PEERS`` is the cap vLLM's built-in tier reads once its
 fix for GHSA-frvg-qw88-hww9 lands (there it counts every peer, here dialed ones)."""
@@ -124,6 +125,12 @@ class Peers:
     """Sessions this tier dialed that may be open at once (each holds 3 zmq sockets of the
     control transport's context, whose default cap is 1,023); a new peer beyond it evicts
     the oldest one still in its handshake, or is refused."""
+    connect: tuple[str, ...] = ()
+    """``host:port`` of peers to keep sessions to before any request names them; a host
+    name is resolved every ``resolve_interval`` (a headless Service: every pod). Env
+    ``P2PKV_PEERS_CONNECT`` (comma-separated)."""
+    resolve_interval: float = field(default=30.0, metadata=_SECONDS)
+    """Seconds between resolutions of ``connect``'s names (and re-dials of ended sessions)."""
 
 
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
@@ -228,9 +235,10 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
     """``peers`` with the keys its entry lacks taken from the environment."""
     given = raw if isinstance(raw, Mapping) else {}
     values: dict[str, Any] = {}
-    allow = env.get(PEERS_ALLOW_ENV, "")
-    if "allow" not in given and allow.strip():
-        values["allow"] = [part.strip() for part in allow.split(",") if part.strip()]
+    for key, name in (("allow", PEERS_ALLOW_ENV), ("connect", PEERS_CONNECT_ENV)):
+        listed = env.get(name, "")
+        if key not in given and listed.strip():
+            values[key] = [part.strip() for part in listed.split(",") if part.strip()]
     most, source = _from_env(env, PEERS_MAX_DIALED_ENV, "")
     if "max_dialed" not in given and most.strip():
         if not most.strip().isdigit() or int(most) < 1:
@@ -240,6 +248,12 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
     if values:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
     allow_list(peers.allow)  # refuses a malformed entry now, naming it
+    for i, entry in enumerate(peers.connect):
+        try:
+            parse_address(entry)
+        except ConfigError as exc:
+            raise ConfigError(f"tier config key peers.connect[{i}]: {exc} (or set "
+                              f"{PEERS_CONNECT_ENV})") from None
     return peers
 
 

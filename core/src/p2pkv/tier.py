@@ -29,6 +29,7 @@ from p2pkv.contracts import (
     DataTransport,
 )
 from p2pkv.dial_policy import DialPolicy
+from p2pkv.discovery import Discovery
 from p2pkv.driver import DriverGuard, driver_call
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
@@ -48,6 +49,7 @@ __all__ = ["LocalHitSource", "P2PTier"]
 log = logging.getLogger(__name__)
 
 _DRAIN_WARN_S = 5.0
+_DISCOVERY_JOIN = 1.0  # seconds shutdown waits for the resolver thread (a lookup may hang)
 
 
 class P2PTier:
@@ -95,6 +97,8 @@ class P2PTier:
                                     close=self._close, close_unusable=self._close_unusable)
         self._pauses = PauseDetector(clock, self._control.silence_timeout)
         self._dial_policy = DialPolicy(config.peers)
+        self._discovery = (Discovery(config.peers.connect, config.peers.resolve_interval,
+                                     self.local_address) if config.peers.connect else None)
         self._closed = False
 
     def _session_env(self) -> SessionEnv:
@@ -239,9 +243,7 @@ class P2PTier:
         if gap is not None:
             self._resumed(gap)
         if timeout > 0.0:
-            due = self._deadlines.next_due()
-            if due is not None:
-                timeout = min(timeout, max(0.0, due - self._clock()))
+            timeout = self._until_due(timeout)
         accepted = self._control.poll(timeout)
         gap = pauses.gap(allowed=timeout)
         if gap is not None:  # stopped inside the poll: what it brought is stale
@@ -257,11 +259,24 @@ class P2PTier:
         if len(self._admission):
             self._admission.serve()
         self._data_tick()
-        now = self._clock()
-        self._deadlines.fire_due(now)
-        self._env.warnings.flush(now)
+        self._timers(self._clock())
         if self._env.doomed or self._lingering:  # doomed since the pass above: close them now
             self._reap(self._env.doomed)
+
+    def _until_due(self, timeout: float) -> float:
+        """``timeout``, cut to the tier's next deadline."""
+        due = self._deadlines.next_due()
+        return timeout if due is None else min(timeout, max(0.0, due - self._clock()))
+
+    def _timers(self, now: float) -> None:
+        """What a tick does by the clock: due deadlines, the warnings' summary line, and
+        sessions to the peers ``peers.connect`` names."""
+        self._deadlines.fire_due(now)
+        self._env.warnings.flush(now)
+        if self._discovery is not None:
+            for peer in self._discovery.due(now):
+                if not self._closed:
+                    self._session_for(peer)
 
     def interrupt(self) -> None:
         """End a :meth:`tick` that waits for control I/O now (or the next one at once). The
@@ -353,6 +368,8 @@ class P2PTier:
         deregistered. Returns the results not yet handed over (every job gets exactly one)."""
         if self._closed:
             return self._ledger.take()
+        if self._discovery is not None:
+            self._discovery.close(_DISCOVERY_JOIN)
         self._wind_down()
         self._drain_sessions()
         self._close_sessions()

@@ -75,12 +75,14 @@ def free_port() -> int:
     raise RuntimeError("no free port found in 200 tries")
 
 
-def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]],
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a test engine: OffloadingConnector, the CPU tiering
-    spec, ``tiers`` as its secondary tiers."""
+    spec, ``tiers`` as its secondary tiers, and ``extra`` connector keys."""
     return {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
         "kv_connector_extra_config": {
+            **(extra or {}),
             "spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "cpu_offload_spec",
             "cpu_bytes_to_use": 16 * 1024 * 1024, "secondary_tiers": [dict(t) for t in tiers],
         },
@@ -106,7 +108,8 @@ class Engine:
     """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector)."""
 
     def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None,
+                 extra: Mapping[str, Any] | None = None) -> None:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
@@ -114,7 +117,8 @@ class Engine:
             tier["type"] != "p2p" or (env or {}).get("P2PKV_REPLACE_P2P") == "1")
         """Whether the tier entry builds p2pkv's tier (an explicit entry, or ``p2p`` with
         the zero-edit opt-in)."""
-        config = kv_transfer_config(self.engine_id, [tier]) if tier is not None else None
+        config = (kv_transfer_config(self.engine_id, [tier], extra) if tier is not None
+                  else None)
         self.child = Child(llm_host, model, config, dict(env or {}), name=name)
 
     @property

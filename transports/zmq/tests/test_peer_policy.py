@@ -136,3 +136,46 @@ def test_out_of_zmq_sockets_names_the_cap_really_hit(
     message = str(raised.value)
     assert "ZMQ_MAX_SOCKETS = 16" in message and "peers.max_dialed" in message
     assert "ulimit" not in message  # the descriptor limit was not the one hit
+
+
+def test_a_peer_named_by_a_host_name_is_connected_before_any_request() -> None:
+    """``peers.connect`` with a name from /etc/hosts (``localhost``): the consumer dials what
+    it resolves to before any request names the producer (another process), and the first
+    PD load then runs over that session, its bytes exact."""
+    pytest.importorskip("nixl._api", reason="needs NIXL for a cross-process data path")
+    import numpy as np
+    import zmq_peers
+    from p2pkv.config import TierConfig
+    from p2pkv.testing.child import Child
+    from p2pkv.tier import P2PTier
+    from p2pkv.types import Job
+
+    blocks, block_len = 16, 256
+    with Child(zmq_peers.producer_tier, "nixl", blocks, block_len, 7, name="named") as child:
+        kind, address = child.recv(60, "the producer's address")
+        assert kind == "address"
+        port = int(address.rpartition(":")[2])
+        region = np.zeros(blocks * block_len, np.uint8)
+        config = TierConfig.from_dict({
+            "control": "zmq", "data": "nixl", "host": "127.0.0.1", "port": 0,
+            "peers": {"connect": [f"localhost:{port}"], "resolve_interval": 0.5}})
+        consumer = P2PTier(config, memoryview(region), block_len)
+        try:
+            wait_until(lambda: consumer.stats()["sessions_ready"] >= 1, timeout=T,
+                       what="the session to the named peer", pumps=[lambda: consumer.tick(0.01)])
+            sessions = consumer.stats()["sessions"]
+            child.send(("store", 1, "named", [b"named/0", b"named/1"], [3, 4]))
+            ctx = pull_context("named", "127.0.0.1", port)
+            consumer.on_new_request(ctx)
+            consumer.submit_load(Job(2, [b"named/0", b"named/1"], [0, 1], True, ctx))
+            results: dict[int, Any] = {}
+            wait_until(lambda: results.update({r.job_id: r for r in consumer.get_finished_jobs()})
+                       or 2 in results, timeout=T, what="the load", pumps=[consumer.tick])
+            assert results[2].outcome is Outcome.DONE, results[2]
+            source = np.random.default_rng(7).integers(0, 256, blocks * block_len, np.uint8)
+            assert (region[:2 * block_len] == source[3 * block_len:5 * block_len]).all()
+            assert consumer.stats()["sessions"] == sessions  # no new dial for the request
+            consumer.on_request_finished(ctx)
+            child.send(("finish", "named"))
+        finally:
+            consumer.shutdown()

@@ -317,7 +317,9 @@ class Session:
             return (f"wire version {msg.wire[0]}.{msg.wire[1]} is incompatible with ours "
                     f"{WIRE_MAJOR}.{WIRE_MINOR} (major versions differ)")
         if msg.block_len != local.block_len:
-            return f"block_len {msg.block_len} does not match ours ({local.block_len})"
+            return (f"block_len mismatch: block_len {msg.block_len} does not match ours "
+                    f"({local.block_len}): a different model, KV dtype, block size or "
+                    f"parallel layout")
         if msg.fingerprint and local.fingerprint and msg.fingerprint != local.fingerprint:
             return (f"config fingerprint {msg.fingerprint!r} does not match ours "
                     f"({local.fingerprint!r}): different model or KV layout")
