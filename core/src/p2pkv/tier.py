@@ -505,7 +505,7 @@ class P2PTier:
             why = f"cannot connect to {peer}: {exc}"
             self._env.warnings.log(self._clock(), logging.WARNING, "%s", why)
             return why
-        return self._new_session(peer, conn)
+        return self._new_session(peer, conn, dialed=True)
 
     def _handshaking(self, peer: str) -> bool:
         """Whether the session to ``peer`` is missing or not ready yet (the dial policy may
@@ -527,8 +527,9 @@ class P2PTier:
             self._close(session, Outcome.PEER_DEAD, f"connection to {session.peer} failed: {why}"
                         if why else f"connection to {session.peer} lost")
 
-    def _new_session(self, peer: str, conn: ControlConnection) -> Session:
-        session = Session(self._env, peer, conn)
+    def _new_session(self, peer: str, conn: ControlConnection, *,
+                     dialed: bool = False) -> Session:
+        session = Session(self._env, peer, conn, dialed=dialed)
         self._sessions[peer] = session
         session.start()
         return session
@@ -554,7 +555,7 @@ class P2PTier:
         same connection."""
         log.warning("peer %s restarted (new session epoch); failing its old work", old.peer)
         self._close(old, Outcome.PEER_DEAD, f"{old.peer} restarted", close_conn=False)
-        return self._new_session(old.peer, old.conn)
+        return self._new_session(old.peer, old.conn, dialed=old.dialed)
 
     def _reap(self, doomed: list[Session] | None = None) -> None:
         """Close the sessions doomed or with a dead connection (of ``doomed`` only, if given);

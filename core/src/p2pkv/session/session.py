@@ -77,10 +77,15 @@ class Doom(NamedTuple):
 class Session:
     """Both roles towards one peer over one control connection."""
 
-    def __init__(self, env: SessionEnv, peer: str, conn: ControlConnection) -> None:
+    def __init__(self, env: SessionEnv, peer: str, conn: ControlConnection, *,
+                 dialed: bool = False) -> None:
         self.env = env
         self.peer = peer
         self.conn = conn
+        self.dialed = dialed
+        """This tier dialed it because a request named the peer: its closing in the
+        handshake is logged rate-limited (requests may name thousands of dead peers); a
+        session a peer opened to us logs every close with its reason."""
         self.state = State.HANDSHAKE
         self.acked = False
         """The peer acked our hello."""
@@ -175,11 +180,12 @@ class Session:
             self.conn.close()
         # closed during the handshake: the peer never answered, or refused us (WARNING: the
         # operator must know); the line's form is the same either way (operators grep it)
-        if handshaking:  # rate-limited: requests may name thousands of dead peers
+        if handshaking and self.dialed:  # rate-limited: see ``dialed``
             env.warnings.log(env.clock(), logging.WARNING, "session with %s closed: %s",
                              self.peer, reason, logger=log)
         else:
-            log.info("session with %s closed: %s", self.peer, reason)
+            log.log(logging.WARNING if handshaking else logging.INFO,
+                    "session with %s closed: %s", self.peer, reason)
         env.observers.session_closed(peer=self.peer, reason=reason)
         self.client.close(outcome, reason)
         self.server.close(outcome, reason)
