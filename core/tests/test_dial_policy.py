@@ -52,50 +52,52 @@ def test_the_environment_fills_what_the_entry_lacks() -> None:
     assert upstream.max_dialed == 128  # the built-in tier's variable, read when ours is unset
 
 
-def test_at_the_cap_the_oldest_handshaking_session_makes_room() -> None:
-    rules = policy(max_dialed=3)
-    ready = {"a:1", "c:1"}
-    evicted: list[str] = []
+class Dialer:
+    """What the tier tells the policy: its dialed sessions, oldest first, ready or not."""
 
-    def evict(peer: str, reason: str) -> None:
+    def __init__(self, max_dialed: int) -> None:
+        self.rules = policy(max_dialed=max_dialed)
+        self.open: dict[str, bool] = {}
+        self.evicted: list[str] = []
+
+    def dial(self, peer: str) -> str | None:
+        why = self.rules.admit(peer, list(self.open.items()), self.evict)
+        if why is None:
+            self.open[peer] = False
+        return why
+
+    def evict(self, peer: str, reason: str) -> None:
         assert "peers.max_dialed" in reason
-        evicted.append(peer)
-        rules.ended(peer)
+        assert self.open.pop(peer) is False, "only a session not ready yet is evicted"
+        self.evicted.append(peer)
 
+
+def test_at_the_cap_the_oldest_handshaking_session_makes_room() -> None:
+    dialer = Dialer(max_dialed=3)
     for peer in ("a:1", "b:1", "c:1"):
-        assert rules.admit(peer, lambda p: p not in ready, evict) is None
-    assert rules.admit("d:1", lambda p: p not in ready, evict) is None
-    assert evicted == ["b:1"] and rules.evicted == 1
-    ready.add("d:1")
-    why = rules.admit("e:1", lambda p: p not in ready, evict)
+        assert dialer.dial(peer) is None
+    dialer.open.update({"a:1": True, "c:1": True})
+    assert dialer.dial("d:1") is None
+    assert dialer.evicted == ["b:1"] and dialer.rules.evicted == 1
+    dialer.open["d:1"] = True
+    why = dialer.dial("e:1")
     assert why is not None and "open and ready (peers.max_dialed)" in why
-    assert rules.refused == 1
-    rules.ended("a:1")
-    assert rules.admit("e:1", lambda p: p not in ready, evict) is None
+    assert dialer.rules.refused == 1
+    del dialer.open["a:1"]
+    assert dialer.dial("e:1") is None
 
 
 @given(st.lists(st.tuples(st.sampled_from(["admit", "end", "ready"]),
                           st.integers(0, 12)), max_size=80),
        st.integers(1, 5))
 def test_dialed_sessions_never_exceed_the_cap(steps: list[tuple[str, int]], cap: int) -> None:
-    rules = policy(max_dialed=cap)
-    open_: set[str] = set()
-    ready: set[str] = set()
-
-    def evict(peer: str, reason: str) -> None:
-        assert peer in open_ and peer not in ready
-        open_.discard(peer)
-        rules.ended(peer)
-
+    dialer = Dialer(max_dialed=cap)
     for action, n in steps:
         peer = f"p{n}:1"
-        if action == "admit" and peer not in open_:
-            if rules.admit(peer, lambda p: p not in ready, evict) is None:
-                open_.add(peer)
+        if action == "admit" and peer not in dialer.open:
+            dialer.dial(peer)
         elif action == "end":
-            open_.discard(peer)
-            ready.discard(peer)
-            rules.ended(peer)
-        elif action == "ready" and peer in open_:
-            ready.add(peer)
-        assert len(open_) <= cap
+            dialer.open.pop(peer, None)
+        elif action == "ready" and peer in dialer.open:
+            dialer.open[peer] = True
+        assert len(dialer.open) <= cap

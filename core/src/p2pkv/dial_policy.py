@@ -23,8 +23,7 @@ limit). Threading: driver thread only.
 from __future__ import annotations
 
 import ipaddress
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from p2pkv.addressing import parse_address
@@ -57,14 +56,13 @@ def allow_list(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], frozenset
 
 
 class DialPolicy:
-    """``peers`` of one tier: the allow-list, and the sessions it dialed, oldest first."""
+    """``peers`` of one tier: the allow-list and the cap; the tier tells it which sessions
+    it dialed (:meth:`admit`), it keeps no copy of them."""
 
     def __init__(self, peers: Peers) -> None:
         self._networks, self._names = allow_list(peers.allow)
         self._open = not peers.allow
         self.max_dialed = peers.max_dialed
-        self._dialed: OrderedDict[str, None] = OrderedDict()
-        """Peers of the open sessions this tier dialed, oldest first."""
         self.refused = 0
         """Dials refused: not on the allow-list, or every dialed session ready at the cap."""
         self.evicted = 0
@@ -87,15 +85,15 @@ class DialPolicy:
         return None if allowed else ("it is not on peers.allow (add its network to the "
                                      "tier's peers.allow to let requests name it)")
 
-    def admit(self, peer: str, handshaking: Callable[[str], bool],
+    def admit(self, peer: str, dialed: Sequence[tuple[str, bool]],
               evict: Callable[[str, str], None]) -> str | None:
-        """Whether the tier may dial a new session to ``peer``: None (it now counts as
-        dialed) or why not. At the cap, the oldest dialed session still handshaking
-        (``handshaking(peer)``) is evicted first (``evict(peer, reason)``, which must end
-        it: :meth:`ended`)."""
+        """Whether the tier may dial a new session to ``peer``: None, or why not.
+        ``dialed``: the open sessions this tier dialed, oldest first, as (peer, ready). At
+        the cap, the oldest one not ready yet is evicted first (``evict(peer, reason)``
+        closes it)."""
         why = self.refusal(peer)
-        if why is None and len(self._dialed) >= self.max_dialed:
-            victim = next((p for p in list(self._dialed) if handshaking(p)), None)
+        if why is None and len(dialed) >= self.max_dialed:
+            victim = next((other for other, ready in dialed if not ready), None)
             if victim is None:
                 why = (f"{self.max_dialed} sessions this tier dialed are open and ready "
                        f"(peers.max_dialed): raise it if this instance has more peers")
@@ -103,13 +101,6 @@ class DialPolicy:
                 self.evicted += 1
                 evict(victim, f"evicted for a new peer, {peer}: {self.max_dialed} sessions "
                               "this tier dialed are open (peers.max_dialed)")
-                self._dialed.pop(victim, None)
         if why is not None:
             self.refused += 1
-            return why
-        self._dialed[peer] = None
-        return None
-
-    def ended(self, peer: str) -> None:
-        """The session to ``peer`` is gone (it may have been one a peer dialed to us)."""
-        self._dialed.pop(peer, None)
+        return why

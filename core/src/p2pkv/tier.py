@@ -493,7 +493,8 @@ class P2PTier:
             self._close_unusable(session)
         if peer in self._admission:
             return self._admission.promote(peer)
-        why = self._dial_policy.admit(peer, self._handshaking, self._evict)
+        dialed = [(other, s.ready) for other, s in self._sessions.items() if s.dialed]
+        why = self._dial_policy.admit(peer, dialed, self._evict)
         if why is not None:
             self._env.warnings.log(self._clock(), logging.WARNING, "not dialing %s: %s", peer,
                                    why)
@@ -501,22 +502,13 @@ class P2PTier:
         try:
             conn = self._control.connect(peer)
         except Exception as exc:
-            self._dial_policy.ended(peer)
             why = f"cannot connect to {peer}: {exc}"
             self._env.warnings.log(self._clock(), logging.WARNING, "%s", why)
             return why
         return self._new_session(peer, conn, dialed=True)
 
-    def _handshaking(self, peer: str) -> bool:
-        """Whether the session to ``peer`` is missing or not ready yet (the dial policy may
-        evict it)."""
-        session = self._sessions.get(peer)
-        return session is None or not session.ready
-
     def _evict(self, peer: str, reason: str) -> None:
-        session = self._sessions.get(peer)
-        if session is not None:
-            self._close(session, Outcome.PEER_DEAD, reason)
+        self._close(self._sessions[peer], Outcome.PEER_DEAD, reason)
 
     def _close_unusable(self, session: Session) -> None:
         doom = session.doomed
@@ -576,7 +568,6 @@ class P2PTier:
         lingering while blocks stay pinned for its consumer."""
         if self._sessions.get(session.peer) is session:
             del self._sessions[session.peer]
-            self._dial_policy.ended(session.peer)
         session.close(outcome, reason, bye=bye, close_conn=close_conn)
         if session.server.n_pins:
             self._lingering.add(session)
