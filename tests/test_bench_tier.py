@@ -87,16 +87,19 @@ def test_descriptors_per_request_come_from_the_tier_stats(tier_doc: Doc) -> None
         assert 1 <= per_request <= row["batch"], row
 
 
-def test_first_pulls_are_reported_cold_and_after_connect(tier_doc: Doc) -> None:
-    """One fresh pair of each kind per data transport (--quick), every pull verified."""
+def test_first_pulls_are_reported_cold_after_connect_and_after_discovery(tier_doc: Doc) -> None:
+    """One fresh pair of each kind per data transport (--quick), every pull verified; the
+    discovered pair met through ``peers.connect`` naming the producer by host name."""
     (first,) = tier_doc[0]["first_pull"]
     assert first["transport"] == "nixl" and first["errors"] == []
     samples = first["samples"]
     assert {k: len(v) for k, v in samples.items()} == {
-        "cold_ms": 1, "handshake_ms": 1, "after_connect_ms": 1, "connect_ms": 1}
+        "cold_ms": 1, "handshake_ms": 1, "after_connect_ms": 1, "connect_ms": 1,
+        "after_discovery_ms": 1, "discovery_ms": 1}
     assert first["first_pull_ms"] == samples["cold_ms"][0] > 0
     assert 0 < first["first_pull_handshake_ms"] <= first["first_pull_ms"]
     assert first["first_pull_after_connect_ms"] > 0 and first["connect_ms"] > 0
+    assert first["first_pull_after_discovery_ms"] > 0 and first["discovery_ms"] > 0
 
 
 def test_ratios_are_against_baselines_of_the_same_run(tier_doc: Doc) -> None:

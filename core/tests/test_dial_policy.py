@@ -52,6 +52,32 @@ def test_the_environment_fills_what_the_entry_lacks() -> None:
     assert upstream.max_dialed == 128  # the built-in tier's variable, read when ours is unset
 
 
+def test_the_environment_sets_the_handshake_deadline_and_the_idle_time() -> None:
+    ours = {"P2PKV_HANDSHAKE_TIMEOUT": "4.5", "P2PKV_PEERS_IDLE_TIMEOUT": "0",
+            "VLLM_P2P_HANDSHAKE_TIMEOUT_S": "30", "VLLM_P2P_IDLE_TIMEOUT_S": "300"}
+    config = TierConfig.from_dict({}, environ=ours)
+    assert (config.timeouts.handshake, config.peers.idle_timeout) == (4.5, 0.0)  # ours first
+    upstream = TierConfig.from_dict({}, environ={"VLLM_P2P_HANDSHAKE_TIMEOUT_S": "30",
+                                                 "VLLM_P2P_IDLE_TIMEOUT_S": "120"})
+    assert (upstream.timeouts.handshake, upstream.peers.idle_timeout) == (30.0, 120.0)
+    keyed = TierConfig.from_dict({"timeouts": {"handshake": 2}, "peers": {"idle_timeout": 9}},
+                                 environ=ours)
+    assert (keyed.timeouts.handshake, keyed.peers.idle_timeout) == (2, 9)  # keys win
+    assert TierConfig.from_dict({}, environ={}).peers.idle_timeout == 300.0
+
+
+@pytest.mark.parametrize(("name", "value", "bound"), [
+    ("P2PKV_HANDSHAKE_TIMEOUT", "0", "> 0"),
+    ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "soon", "> 0"),
+    ("P2PKV_PEERS_IDLE_TIMEOUT", "-1", ">= 0"),
+    ("VLLM_P2P_IDLE_TIMEOUT_S", "inf", ">= 0"),
+])
+def test_a_bad_time_in_the_environment_names_the_variable(name: str, value: str,
+                                                          bound: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name}={value!r} must be a number {bound}"):
+        TierConfig.from_dict({}, environ={name: value})
+
+
 class Dialer:
     """What the tier tells the policy: its dialed sessions, oldest first, ready or not."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,10 @@ PEERS_CONNECT_ENV = "P2PKV_PEERS_CONNECT"
 PEERS_MAX_DIALED_ENV = ("P2PKV_PEERS_MAX_DIALED", "VLLM_P2P_MAX_PEERS")
 """First set wins; ``VLLM_P2P_MAX_PEERS`` is the cap vLLM's built-in tier reads once its
 fix for GHSA-frvg-qw88-hww9 lands (there it counts every peer, here dialed ones)."""
+PEERS_IDLE_TIMEOUT_ENV = ("P2PKV_PEERS_IDLE_TIMEOUT", "VLLM_P2P_IDLE_TIMEOUT_S")
+"""First set wins (``VLLM_P2P_IDLE_TIMEOUT_S``: the same fix's idle reaping, in seconds)."""
+HANDSHAKE_TIMEOUT_ENV = ("P2PKV_HANDSHAKE_TIMEOUT", "VLLM_P2P_HANDSHAKE_TIMEOUT_S")
+"""``timeouts.handshake`` when the tier entry has none; first set wins."""
 
 
 _SECONDS = option(gt=0, unit="seconds")
@@ -50,7 +55,9 @@ class Timeouts:
     """Deadlines in seconds. Every wait in the tier is bounded by one of these."""
 
     handshake: float = field(default=10.0, metadata=_SECONDS)
-    """A connected peer must complete the hello exchange within this."""
+    """A connected peer must complete the hello exchange within this (a dial to a
+    black-holed address holds its sockets until then). Env ``P2PKV_HANDSHAKE_TIMEOUT``
+    (else ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``) when the entry has no ``timeouts.handshake``."""
     load: float = field(default=30.0, metadata=_SECONDS)
     """A load whose blocks have not all arrived by then fails ``load_timeout`` (its reads are
     cancelled first, finally: the slots are free again the moment the result is out)."""
@@ -131,6 +138,11 @@ class Peers:
     ``P2PKV_PEERS_CONNECT`` (comma-separated)."""
     resolve_interval: float = field(default=30.0, metadata=_SECONDS)
     """Seconds between resolutions of ``connect``'s names (and re-dials of ended sessions)."""
+    idle_timeout: float = field(default=300.0, metadata=option(ge=0, unit="seconds"))
+    """A session this tier dialed that carried nothing for this long is closed (its sockets
+    and data peer freed; the next request naming the peer dials again). Sessions to
+    ``connect``'s peers are kept. 0: never. Env ``P2PKV_PEERS_IDLE_TIMEOUT`` (else
+    ``VLLM_P2P_IDLE_TIMEOUT_S``)."""
 
 
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
@@ -225,10 +237,37 @@ class TierConfig:
             host=host,
             base_port=base_port,
             dp_rank=dp_rank,
+            timeouts=_timeouts_from_env(parsed.timeouts, keys.get("timeouts"), env),
             peers=_peers_from_env(parsed.peers, keys.get("peers"), env),
             host_setting=_setting("host", host_source, host_env),
             port_setting=_setting("port", port_source, port_env),
         )
+
+
+def _env_number(env: Mapping[str, str], names: Sequence[str], what: str, *,
+                zero_ok: bool = False) -> float | None:
+    """The number the first set of ``names`` holds, or None; ``ConfigError`` naming the
+    variable if it is not a number in range (> 0, or >= 0 with ``zero_ok``)."""
+    text, source = _from_env(env, names, "")
+    if not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{source.removeprefix('environment variable ')}={text!r} must be "
+                          f"a number {bound} ({what})")
+    return value
+
+
+def _timeouts_from_env(timeouts: Timeouts, raw: Any, env: Mapping[str, str]) -> Timeouts:
+    """``timeouts`` with ``handshake`` from the environment if its entry lacks it."""
+    given = raw if isinstance(raw, Mapping) else {}
+    seconds = None if "handshake" in given else _env_number(
+        env, HANDSHAKE_TIMEOUT_ENV, "seconds a peer has to complete the handshake")
+    return timeouts if seconds is None else replace(timeouts, handshake=seconds)
 
 
 def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
@@ -245,6 +284,11 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
             raise ConfigError(f"{source.removeprefix('environment variable ')}={most!r} must "
                               "be a positive integer (sessions this tier may dial)")
         values["max_dialed"] = int(most)
+    idle = None if "idle_timeout" in given else _env_number(
+        env, PEERS_IDLE_TIMEOUT_ENV, "seconds before an unused dialed session closes; 0: never",
+        zero_ok=True)
+    if idle is not None:
+        values["idle_timeout"] = idle
     if values:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
     allow_list(peers.allow)  # refuses a malformed entry now, naming it

@@ -32,6 +32,7 @@ from p2pkv.dial_policy import DialPolicy
 from p2pkv.discovery import Discovery
 from p2pkv.driver import DriverGuard, driver_call
 from p2pkv.errors import ConfigError
+from p2pkv.idle_reaper import IdleReaper
 from p2pkv.registry import Registry, default_registry
 from p2pkv.routing import Routing, parse_routing
 from p2pkv.session.admission import Admission
@@ -99,6 +100,9 @@ class P2PTier:
         self._dial_policy = DialPolicy(config.peers)
         self._discovery = (Discovery(config.peers.connect, config.peers.resolve_interval,
                                      self.local_address) if config.peers.connect else None)
+        self._kept: frozenset[str] = frozenset()
+        """The addresses ``peers.connect`` last resolved to: never reaped for idleness."""
+        self._idle = IdleReaper(config.peers.idle_timeout, clock())
         self._closed = False
 
     def _session_env(self) -> SessionEnv:
@@ -274,9 +278,15 @@ class P2PTier:
         self._deadlines.fire_due(now)
         self._env.warnings.flush(now)
         if self._discovery is not None:
-            for peer in self._discovery.due(now):
+            wanted = self._discovery.due(now)
+            if wanted:
+                self._kept = frozenset(wanted)
+            for peer in wanted:
                 if not self._closed:
                     self._session_for(peer)
+        for session in self._idle.due(now, self._sessions.values(), self._kept):
+            reason = f"idle for {self._idle.idle_timeout:g}s (peers.idle_timeout)"
+            self._close(session, Outcome.PEER_DEAD, reason, bye=reason)
 
     def interrupt(self) -> None:
         """End a :meth:`tick` that waits for control I/O now (or the next one at once). The
@@ -442,6 +452,7 @@ class P2PTier:
             handshake_rejections=c["handshake_rejections"],
             peers_refused=self._dial_policy.refused,
             peers_evicted=self._dial_policy.evicted,
+            peers_reaped=self._idle.reaped,
         )
         if self._data.descriptors_posted is not None:
             out["descriptors_posted"] = self._data.descriptors_posted
@@ -489,6 +500,7 @@ class P2PTier:
         session = self._sessions.get(peer)
         if session is not None:
             if session.usable:
+                session.last_active = self._clock()
                 return session
             self._close_unusable(session)
         if peer in self._admission:

@@ -9,6 +9,7 @@ consumer's sessions and descriptors bounded, and logs a bounded number of lines.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -124,6 +125,71 @@ def test_a_flood_of_bogus_peers_locks_no_real_peer_out(
     finally:
         for peer in (consumer, fresh, producer):
             peer.tier.shutdown()
+
+
+class JumpingClock:
+    """The monotonic clock plus an offset a test moves forward (time passing at once)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float, peer: Peer) -> None:
+        """Move on ``seconds``, ticking ``peer`` every 4 s of it (a longer gap between ticks
+        is a pause of the process, which closes every session)."""
+        for _ in range(math.ceil(seconds / 4)):
+            self.offset += 4
+            peer.tier.tick()
+
+
+def test_an_idle_dialed_session_is_closed_and_dialed_again_when_needed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``peers.idle_timeout``: a session with a request open is kept however long; once
+    nothing is open and nothing arrives for the idle time, the consumer closes it with a
+    bye (the producer closes its side too) and the next request dials again."""
+    caplog.set_level(logging.INFO, logger="p2pkv")
+    clock = JumpingClock()
+    producer = Peer(1)
+    consumer = Peer(2, clock=clock, peers={"idle_timeout": 6})
+    try:
+        run_request(producer, consumer, "first", [1, 2], consumer_first=False)
+        pctx, cctx = pull_context_pair("open", producer)
+        producer.tier.on_new_request(pctx)
+        consumer.tier.on_new_request(cctx)
+        consumer.job(7, [b"open/0"], [40], load=True, ctx=cctx)  # waits for the store
+        consumer.tier.tick()
+        clock.advance(12, consumer)
+        assert consumer.tier.stats()["peers_reaped"] == 0  # a load is open: kept
+        producer.job(8, [b"open/0"], [5], load=False, ctx=pctx)
+        wait_until(lambda: 7 in consumer.results and 8 in producer.results, timeout=T,
+                   what="the open request's results", pumps=[tick(producer, consumer)])
+        assert consumer.results[7].outcome is Outcome.DONE
+        assert bytes(consumer.blocks[40]) == bytes(producer.blocks[5])
+        for tier, ctx in ((producer.tier, pctx), (consumer.tier, cctx)):
+            tier.on_request_finished(ctx)
+        wait_until(lambda: producer.tier.stats()["jobs_pending"] == 0, timeout=T,
+                   what="the producer's round to end", pumps=[tick(producer, consumer)])
+        clock.advance(8, consumer)
+        wait_until(lambda: consumer.tier.stats()["peers_reaped"] == 1, timeout=T,
+                   what="the idle session's close", pumps=[tick(consumer)])
+        assert consumer.tier.stats()["sessions"] == 0
+        wait_until(lambda: producer.tier.stats()["sessions"] == 0, timeout=T,
+                   what="the producer to close its side", pumps=[tick(producer)])
+        assert any("idle for 6s (peers.idle_timeout)" in r.getMessage()
+                   for r in caplog.records)
+        run_request(producer, consumer, "again", [3], consumer_first=True)  # dials anew
+        assert consumer.tier.stats()["sessions"] == 1
+    finally:
+        consumer.tier.shutdown()
+        producer.tier.shutdown()
+
+
+def pull_context_pair(kv: str, producer: Peer) -> tuple[RequestContext, RequestContext]:
+    return (RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}}),
+            pull_context(kv, producer.host, producer.port))
 
 
 def test_out_of_zmq_sockets_names_the_cap_really_hit(

@@ -4,6 +4,8 @@ the zmq tier tests (a module of its own: ``test_*`` names repeat across test dir
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,16 +24,19 @@ NUM_BLOCKS, BLOCK_LEN = 64, 256
 
 
 class Peer:
-    """A tier over zmq control and memory data; ``config`` adds tier config keys."""
+    """A tier over zmq control and memory data; ``config`` adds tier config keys, ``clock``
+    is the tier's."""
 
-    def __init__(self, seed: int, **config: Any) -> None:
+    def __init__(self, seed: int, *, clock: Callable[[], float] = time.monotonic,
+                 **config: Any) -> None:
         self.region = bytearray(NUM_BLOCKS * BLOCK_LEN)
         self.blocks = np.frombuffer(self.region, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
         config = TierConfig.from_dict({
             "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0, **config,
         })
-        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY)
+        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY,
+                             clock=clock)
         self.host, self.port = parse_address(self.tier.local_address)
         self.results: dict[int, JobResult] = {}
 

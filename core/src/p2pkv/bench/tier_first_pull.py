@@ -10,7 +10,11 @@ request of ``blocks`` blocks of the first block size, store then load, and the c
   the consumer's session turning ready (the tier's ``sessions_ready`` stat, sampled after
   every step), ``transfer`` the rest (fetch, ready, read, result);
 - **after connect**: ``P2PTier.connect`` first, waited for until both sides' sessions are
-  ready (``connect`` is the consumer's time for that), then the same request.
+  ready (``connect`` is the consumer's time for that), then the same request;
+- **after discovery**: the consumer is configured with ``peers.connect`` naming the producer
+  by host name (``localhost:<port>``, resolved on the tier's discovery thread as a headless
+  Service would be); the session it opens by itself is waited for (``discovery``: from the
+  consumer's first step), then the same request.
 
 Every pull's bytes are verified; a pair that fails records its error and the run goes on.
 """
@@ -25,19 +29,25 @@ from typing import Any
 from p2pkv.bench.matrix import MatrixConfig
 from p2pkv.bench.tier_lane import TierLane
 
-__all__ = ["FirstPull", "Pull", "measure_first_pulls"]
+__all__ = ["KINDS", "FirstPull", "Pull", "measure_first_pulls"]
 
 _SEED = 0x5EED
+
+
+KINDS = ("cold", "connect", "discover")
+"""How a fresh pair meets before its first request: not at all, ``P2PTier.connect``, or
+``peers.connect`` by name."""
 
 
 @dataclass(frozen=True)
 class Pull:
     """One fresh pair's first request: ms from submit_load to its result, ms of it until the
-    session was ready (None when it never was), ms the pre-connect took (None: cold)."""
+    session was ready (None when it never was), ms the session took before (None: cold)."""
 
+    kind: str
     total_ms: float
     handshake_ms: float | None
-    connect_ms: float | None = None
+    setup_ms: float | None = None
 
 
 @dataclass
@@ -52,21 +62,26 @@ class FirstPull:
     handshake_ms: list[float] = field(default_factory=list)
     after_connect_ms: list[float] = field(default_factory=list)
     connect_ms: list[float] = field(default_factory=list)
+    after_discovery_ms: list[float] = field(default_factory=list)
+    discovery_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def add(self, pull: Pull) -> None:
-        if pull.connect_ms is None:
+        if pull.kind == "cold":
             self.cold_ms.append(pull.total_ms)
             if pull.handshake_ms is not None:
                 self.handshake_ms.append(pull.handshake_ms)
-        else:
-            self.after_connect_ms.append(pull.total_ms)
-            self.connect_ms.append(pull.connect_ms)
+            return
+        after, setup = ((self.after_connect_ms, self.connect_ms) if pull.kind == "connect"
+                        else (self.after_discovery_ms, self.discovery_ms))
+        after.append(pull.total_ms)
+        if pull.setup_ms is not None:
+            setup.append(pull.setup_ms)
 
     def as_row(self) -> dict[str, Any]:
         """The JSON row: the medians (``first_pull_ms``, ``first_pull_handshake_ms``,
-        ``first_pull_transfer_ms``, ``first_pull_after_connect_ms``, ``connect_ms``), every
-        sample, and the errors."""
+        ``first_pull_transfer_ms``, ``first_pull_after_connect_ms``, ``connect_ms``,
+        ``first_pull_after_discovery_ms``, ``discovery_ms``), every sample, and the errors."""
         cold, hand = _median(self.cold_ms), _median(self.handshake_ms)
         return {
             "transport": self.transport, "block_size": self.block_size, "blocks": self.blocks,
@@ -74,9 +89,13 @@ class FirstPull:
             "first_pull_transfer_ms": None if cold is None or hand is None else cold - hand,
             "first_pull_after_connect_ms": _median(self.after_connect_ms),
             "connect_ms": _median(self.connect_ms),
+            "first_pull_after_discovery_ms": _median(self.after_discovery_ms),
+            "discovery_ms": _median(self.discovery_ms),
             "samples": {"cold_ms": self.cold_ms, "handshake_ms": self.handshake_ms,
                         "after_connect_ms": self.after_connect_ms,
-                        "connect_ms": self.connect_ms},
+                        "connect_ms": self.connect_ms,
+                        "after_discovery_ms": self.after_discovery_ms,
+                        "discovery_ms": self.discovery_ms},
             "errors": self.errors,
         }
 
@@ -85,13 +104,14 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def first_pull(lane: TierLane, block_len: int, blocks: int, *, connect: bool) -> Pull:
-    """One fresh pair on ``lane`` (opened here, closed after): its first request, pre-connected
-    first if ``connect``. Raises ``HelperError`` when a side fails, ``RuntimeError`` when the
-    pull does not succeed or its bytes do not verify."""
-    lane.open(block_len)
+def first_pull(lane: TierLane, block_len: int, blocks: int, *, kind: str) -> Pull:
+    """One fresh pair on ``lane`` (opened here, closed after) meeting as ``kind`` says
+    (:data:`KINDS`), then its first request. Raises ``HelperError`` when a side fails,
+    ``RuntimeError`` when the pull does not succeed or its bytes do not verify."""
+    lane.open(block_len, discover=kind == "discover")
     try:
-        connect_s = lane.connect() if connect else None
+        setup_s = {"cold": lambda: None, "connect": lane.connect,
+                   "discover": lane.discovered}[kind]()
         slots = list(range(blocks))
         seeds = [_SEED + s for s in slots]
         lane.fill(slots, seeds)
@@ -103,25 +123,25 @@ def first_pull(lane: TierLane, block_len: int, blocks: int, *, connect: bool) ->
             raise RuntimeError(f"first pull landed wrong blocks {wrong}")
     finally:
         lane.close()
-    return Pull(finished[0][2] * 1e3, None if ready_s is None else ready_s * 1e3,
-                None if connect_s is None else connect_s * 1e3)
+    return Pull(kind, finished[0][2] * 1e3, None if ready_s is None else ready_s * 1e3,
+                None if setup_s is None else setup_s * 1e3)
 
 
 def measure_first_pulls(config: MatrixConfig, control: str, data: Sequence[str],
                         pairs: int) -> list[FirstPull]:
-    """Per data transport, ``pairs`` fresh pairs cold then ``pairs`` pre-connected, each one
-    request of the first batch size of blocks of the first block size."""
+    """Per data transport, ``pairs`` fresh pairs of each kind (cold, pre-connected,
+    discovered), each one request of the first batch size of blocks of the first block
+    size."""
     block, blocks = config.block_sizes[0], config.batches[0]
     timeout = config.deadline * 4
     out = []
     for name in data:
         result = FirstPull(name, block, blocks)
         lane = TierLane(control, name, block * blocks, timeout, config.options_for(name))
-        for connect in [False] * pairs + [True] * pairs:
+        for kind in [kind for kind in KINDS for _ in range(pairs)]:
             try:
-                result.add(first_pull(lane, block, blocks, connect=connect))
+                result.add(first_pull(lane, block, blocks, kind=kind))
             except Exception as exc:  # a side died or the pull failed: the run goes on
-                kind = "after connect" if connect else "cold"
                 result.errors.append(f"{kind}: {type(exc).__name__}: {exc}")
         out.append(result)
     return out

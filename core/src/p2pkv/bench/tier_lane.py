@@ -19,8 +19,9 @@ each repetition also records both sides' CPU time and the consumer tier's descri
 returns the stores that failed.
 
 For the first pull on a fresh lane (:mod:`p2pkv.bench.tier_first_pull`), :meth:`TierLane.connect`
-pre-connects the consumer to the producer and :meth:`TierLane.first_load` runs one request
-with the consumer stepping until its result.
+pre-connects the consumer to the producer (or :meth:`TierLane.discovered` waits for the session
+the consumer's ``peers.connect`` opened) and :meth:`TierLane.first_load` runs one request with
+the consumer stepping until its result.
 """
 
 from __future__ import annotations
@@ -75,16 +76,25 @@ class TierLane(Lane):
         self._submitted = 0
         self._num_blocks = 0
 
-    def open(self, block_len: int) -> None:
+    def open(self, block_len: int, *, discover: bool = False) -> None:
+        """Start both sides. ``discover``: the consumer learns the producer only from its
+        ``peers.connect``, naming it ``localhost`` (resolved like a headless Service)."""
         self.close()
-        for kind in ("producer", "consumer"):  # both start before either is waited for
-            self._sides.append(Helper(side_main, (self._config, block_len, self._region_bytes),
-                                      name=f"p2pkv-bench-tier-{kind}", daemon=True,
-                                      timeout=self._timeout))
+        self._sides.append(self._side("producer", self._config, block_len))
+        consumer_config = self._config
+        if discover:  # the producer's port first: it is in the consumer's config
+            port = parse_address(self._producer.call("describe")[0])[1]
+            consumer_config = {**self._config, "peers": {"connect": [f"localhost:{port}"]}}
+        self._sides.append(self._side("consumer", consumer_config, block_len))
         address, blocks = self._producer.call("describe")
         _, consumer_blocks = self._consumer.call("describe")
         self._route = parse_address(address)
         self._num_blocks = min(blocks, consumer_blocks)
+
+    def _side(self, kind: str, config: dict[str, Any], block_len: int) -> Helper:
+        """A side's process, started (not waited for)."""
+        return Helper(side_main, (config, block_len, self._region_bytes),
+                      name=f"p2pkv-bench-tier-{kind}", daemon=True, timeout=self._timeout)
 
     @property
     def num_blocks(self) -> int:
@@ -118,8 +128,16 @@ class TierLane(Lane):
         """``P2PTier.connect`` from the consumer to the producer, both stepping until their
         session is ready: the consumer's seconds from the call (``HelperError`` if it fails)."""
         host, port = self._route
+        return self._until_session("connect", host, port, self._timeout / 2)
+
+    def discovered(self) -> float:
+        """Both sides stepping until the session the consumer's ``peers.connect`` opened is
+        ready: the consumer's seconds from the call (``HelperError`` if none is in time)."""
+        return self._until_session("accept", self._timeout / 2)
+
+    def _until_session(self, op: str, *args: Any) -> float:
         self._producer.send("accept", self._timeout / 2)
-        seconds = self._consumer.call("connect", host, port, self._timeout / 2)
+        seconds = self._consumer.call(op, *args)
         self._producer.reply("reply to accept")
         return float(seconds)
 

@@ -56,18 +56,20 @@ def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: st
 
 def print_first_pulls(console: Console, pulls: Sequence[FirstPull]) -> None:
     """One row per data transport: the cold first pull (its handshake and transfer parts),
-    the connect and the first pull after it, medians in ms over the fresh pairs; then every
-    failed pair."""
+    the connect and the first pull after it, the session ``peers.connect`` opened by name
+    and the first pull after it, medians in ms over the fresh pairs; then every failed
+    pair."""
     table = Table(title="first pull between fresh peers (submit_load → result, ms, median)",
                   title_justify="left")
     cols = ["data", "block", "blocks", "pairs", "cold", "handshake", "transfer", "connect",
-            "after connect"]
+            "after connect", "discovery", "after discovery"]
     for col in cols:
         table.add_column(col, justify="right")
     for pull in pulls:
         row = pull.as_row()
         keys = ("first_pull_ms", "first_pull_handshake_ms", "first_pull_transfer_ms",
-                "connect_ms", "first_pull_after_connect_ms")
+                "connect_ms", "first_pull_after_connect_ms", "discovery_ms",
+                "first_pull_after_discovery_ms")
         table.add_row(escape(pull.transport), format_size(pull.block_size), str(pull.blocks),
                       str(len(pull.cold_ms) + len(pull.errors)),
                       *("" if row[k] is None else f"{row[k]:.1f}" for k in keys))

@@ -86,6 +86,8 @@ class Session:
         """This tier dialed it because a request named the peer: its closing in the
         handshake is logged rate-limited (requests may name thousands of dead peers); a
         session a peer opened to us logs every close with its reason."""
+        self.last_active = env.clock()
+        """When a frame last arrived or a request last named the peer (``peers.idle_timeout``)."""
         self.state = State.HANDSHAKE
         self.acked = False
         """The peer acked our hello."""
@@ -145,6 +147,11 @@ class Session:
     @property
     def busy(self) -> bool:
         return (self.state is not State.READY or self.server.busy or self.client.busy)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of either role open: no request, round, lookup or pin."""
+        return not (self.busy or self.client.reqs or self.server.reqs)
 
     def wind_down(self) -> None:
         """The tier is shutting down: our loads fail now (reads cancelled), the peer's rounds
@@ -244,6 +251,8 @@ class Session:
         """
         if frames is None:
             frames = self.conn.recv()
+        if frames:
+            self.last_active = self.env.clock()
         for i, frame in enumerate(frames):
             if self.doomed is not None or self.state not in (State.HANDSHAKE, State.READY):
                 return None
