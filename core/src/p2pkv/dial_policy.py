@@ -85,22 +85,31 @@ class DialPolicy:
         return None if allowed else ("it is not on peers.allow (add its network to the "
                                      "tier's peers.allow to let requests name it)")
 
-    def admit(self, peer: str, dialed: Sequence[tuple[str, bool]],
+    def admit(self, peer: str, open_sessions: int,
+              dialed: Callable[[], Sequence[tuple[str, bool]]],
               evict: Callable[[str, str], None]) -> str | None:
         """Whether the tier may dial a new session to ``peer``: None, or why not.
-        ``dialed``: the open sessions this tier dialed, oldest first, as (peer, ready). At
-        the cap, the oldest one not ready yet is evicted first (``evict(peer, reason)``
-        closes it)."""
+        ``open_sessions``: how many sessions the tier has (dialed or not); below the cap
+        that settles it and ``dialed`` is not called. ``dialed()``: the open sessions this
+        tier dialed, oldest first, as (peer, ready). At the cap, the oldest one not ready
+        yet is evicted first (``evict(peer, reason)`` closes it)."""
         why = self.refusal(peer)
-        if why is None and len(dialed) >= self.max_dialed:
-            victim = next((other for other, ready in dialed if not ready), None)
-            if victim is None:
-                why = (f"{self.max_dialed} sessions this tier dialed are open and ready "
-                       f"(peers.max_dialed): raise it if this instance has more peers")
-            else:
-                self.evicted += 1
-                evict(victim, f"evicted for a new peer, {peer}: {self.max_dialed} sessions "
-                              "this tier dialed are open (peers.max_dialed)")
+        if why is None and open_sessions >= self.max_dialed:
+            sessions = dialed()
+            if len(sessions) >= self.max_dialed:
+                why = self._make_room(peer, sessions, evict)
         if why is not None:
             self.refused += 1
         return why
+
+    def _make_room(self, peer: str, dialed: Sequence[tuple[str, bool]],
+                   evict: Callable[[str, str], None]) -> str | None:
+        """Evict the oldest dialed session not ready yet for ``peer``; why not, if none."""
+        victim = next((other for other, ready in dialed if not ready), None)
+        if victim is None:
+            return (f"{self.max_dialed} sessions this tier dialed are open and ready "
+                    f"(peers.max_dialed): raise it if this instance has more peers")
+        self.evicted += 1
+        evict(victim, f"evicted for a new peer, {peer}: {self.max_dialed} sessions this "
+                      "tier dialed are open (peers.max_dialed)")
+        return None

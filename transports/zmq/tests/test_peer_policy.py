@@ -28,6 +28,8 @@ MAX_DIALED = 8
 """The flooded consumer's ``peers.max_dialed``."""
 REAL_EVERY = 100
 """One real PD request between this many bogus ones."""
+LOAD_EVERY = 10
+"""One bogus request in this many also submits a load."""
 LOGS, BURST, PER_SECOND = 2, 20, 2.0
 """The consumer's rate-limited warning logs (the tier's and the zmq transport's): each logs
 ``BURST`` lines at once, then ``PER_SECOND`` on average, plus one summary line per 10 s."""
@@ -45,6 +47,10 @@ def pull_context(kv: str, host: str, port: int) -> RequestContext:
 
 def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def threads_now() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture
@@ -96,13 +102,17 @@ def test_a_flood_of_bogus_peers_locks_no_real_peer_out(
     consumer = Peer(2, peers={"max_dialed": MAX_DIALED}, timeouts={"handshake": 3.0})
     try:
         run_request(producer, consumer, "warm", list(range(16)), consumer_first=False)
-        before, began = open_descriptors(), time.monotonic()
+        before, threads, began = open_descriptors(), threads_now(), time.monotonic()
+        loads: list[int] = []
         for i in range(FLOOD):
             host = f"127.{1 + i // 62500}.{i // 250 % 250}.{2 + i % 250}"  # distinct peers
             port = black_hole if i % 2 else refusing
             ctx = pull_context(f"bogus-{i}", host, port)
             consumer.tier.on_new_request(ctx)
             assert consumer.tier.lookup(b"k", ctx) in (LookupResult.HIT, LookupResult.MISS)
+            if i % LOAD_EVERY == 0:  # a load too: it must end by the handshake, not the load
+                loads.append(100_000 + i)
+                consumer.job(loads[-1], [b"k"], [60], load=True, ctx=ctx)
             consumer.tier.on_request_finished(ctx)
             consumer.tier.tick()
             assert consumer.tier.stats()["sessions"] <= MAX_DIALED + 1  # + the producer's
@@ -114,11 +124,18 @@ def test_a_flood_of_bogus_peers_locks_no_real_peer_out(
                             consumer_first=False)
         stats = consumer.tier.stats()
         assert stats["peers_evicted"] > 0, stats
+        wait_until(lambda: all(job in consumer.results for job in loads), timeout=30,
+                   what="the bogus loads' results", pumps=[tick(consumer)])
+        for job in loads:  # none waited for the load deadline: failed at once or by the
+            result = consumer.results[job]  # handshake's (or evicted for a newer peer)
+            assert result.outcome is not Outcome.DONE, result
+            assert result.outcome is not Outcome.LOAD_TIMEOUT, result
         fresh.tier.shutdown()  # its session was opened during the flood: not a leftover
         wait_until(lambda: consumer.tier.stats()["sessions"] <= 1, timeout=30,
                    what="the bogus peers' sessions to end", pumps=[tick(consumer)])
         wait_until(lambda: open_descriptors() <= before + 4, timeout=30,  # libzmq closes late
                    what=f"descriptors back to {before} (+4)", pumps=[tick(consumer)])
+        assert threads_now() <= threads
         warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
         # a rate: the budget grows with the time the flood took, not with its size
         assert len(warnings) <= log_budget(time.monotonic() - began), len(warnings)

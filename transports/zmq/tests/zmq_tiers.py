@@ -65,7 +65,8 @@ def tick(*peers: Peer) -> Any:
 
 def run_request(producer: Peer, consumer: Peer, kv: str, slots: list[int],
                 consumer_first: bool) -> None:
-    """One PD request: store ``slots`` of the producer into mirrored consumer slots."""
+    """One PD request: store ``slots`` of the producer into mirrored consumer slots, its
+    bytes checked."""
     pctx, cctx = contexts(kv, producer)
     producer.tier.on_new_request(pctx)
     consumer.tier.on_new_request(cctx)
@@ -83,6 +84,7 @@ def run_request(producer: Peer, consumer: Peer, kv: str, slots: list[int],
                timeout=T, what=f"both results of {kv}", pumps=[tick(producer, consumer)])
     assert producer.results[store_id].outcome is Outcome.DONE
     assert consumer.results[load_id].outcome is Outcome.DONE
+    assert (consumer.blocks[dst] == producer.blocks[slots]).all(), f"{kv}: wrong bytes"
     assert (consumer.blocks[dst] == producer.blocks[slots]).all()
     producer.tier.on_request_finished(pctx)
     consumer.tier.on_request_finished(cctx)

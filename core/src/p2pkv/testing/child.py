@@ -56,6 +56,10 @@ class Child:
     def send(self, obj: Any) -> None:
         self._conn.send(obj)
 
+    def pending(self) -> bool:
+        """Whether a message from the child is waiting (never blocks)."""
+        return self._conn.poll(0)
+
     def recv(self, timeout: float, what: str = "a message") -> Any:
         """Next object from the child; ``TimeoutError`` if none within ``timeout`` seconds."""
         if not self._conn.poll(timeout):

@@ -147,6 +147,15 @@ def run_config(offloading_spec: Any) -> dict[str, Any]:
     ).get_run_config())
 
 
+def describe_run_config(run: Mapping[str, Any]) -> str:
+    """``run_config`` in one line an operator compares between two engines (the KV-cache
+    groups as their count and each group's tokens per block)."""
+    groups = run.get("kv_cache_groups") or []
+    parts = [f"{key}={value}" for key, value in run.items() if key != "kv_cache_groups"]
+    shapes = "/".join(str(group.get("tokens_per_block")) for group in groups)
+    return ", ".join([*parts, f"kv_cache_groups={len(groups)} (tokens per block {shapes})"])
+
+
 class P2PKVTier(SecondaryTierManager):
     """vLLM secondary tier moving KV chunks peer to peer through ``p2pkv.tier.P2PTier``.
 
@@ -193,10 +202,11 @@ class P2PKVTier(SecondaryTierManager):
         parallel = offloading_spec.config.parallel
         if tier_type == UPSTREAM_TYPE:  # zero-edit mode: an entry written for vLLM's tier
             tier_keys = zero_edit_keys(tier_keys)
+        run = run_config(offloading_spec)
         config = tier_config_from_keys(
             tier_keys,
             dp_rank=parallel.data_parallel_index,
-            run_config=run_config(offloading_spec),
+            run_config=run,
             hash_seed=resolve_hash_seed(none_hash_seed()),
         )
         self._config = config
@@ -219,6 +229,8 @@ class P2PKVTier(SecondaryTierManager):
             tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
             len(primary_kv_view), self.block_size_bytes,
         )
+        log.info("P2PKVTier run config (fingerprint %s; peers must match it): %s",
+                 config.fingerprint, describe_run_config(run))
 
     @property
     def block_size_bytes(self) -> int:

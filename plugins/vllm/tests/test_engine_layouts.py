@@ -1,0 +1,105 @@
+"""The models and KV layouts people serve, between real engines (``nox -s engine_layouts``).
+
+Each shape is a tiny model of the real architecture (``tiny_model.py``: random weights, built
+here) or a KV-cache setting, served by a reference engine (no connector) and a p2pkv
+prefiller and decoder, which run ``test_engine_pd``'s tests: PD in both arrival orders and a
+prefix pull from a source busy with its own request. Tokens must equal the reference's and
+vLLM's counters must show the prompt's full blocks loaded from the tier (prompts of 200
+tokens, longer than the hybrid models' 64-token window):
+
+- ``fp8-kv``: the Llama-shaped model with ``--kv-cache-dtype fp8`` (1 byte per value);
+- ``gemma3``: a sliding-window layer and a full-attention layer (two KV-cache groups);
+- ``gpt-oss``: gpt-oss's alternating sliding and full layers, mixture of experts;
+- ``mla``: DeepSeek-V2's multi-head latent attention (one latent per token and layer).
+
+And a KV dtype mismatch between peers (``fp8`` against ``fp8_e5m2``: the same block length,
+other bytes) is refused at the handshake with one line naming the run config, and the
+decoder recomputes at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.layouts, pytest.mark.timeout(1800)]
+pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s engine_layouts)")
+pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s engine_layouts)")
+
+from engine_kit import (  # noqa: E402
+    EXTERNAL_TOKENS,
+    P2PKV_TIER,
+    Engine,
+    delta,
+    free_port,
+    pd_params,
+    prompt,
+    running,
+)
+from test_engine_pd import (  # noqa: E402, F401 - the tests run again on each shape's pair
+    MAX_TOKENS,
+    Pair,
+    reference,
+    test_decoder_first,
+    test_prefiller_first,
+    test_symmetric_a_busy_source_shares_its_prefix,
+)
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fp8-kv": ("llama", {"kv_cache_dtype": "fp8"}),
+    "gemma3": ("gemma3", {}),
+    "gpt-oss": ("gpt-oss", {}),
+    "mla": ("deepseek", {}),
+}
+"""Shape -> (the tiny model's architecture, engine arguments)."""
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shape(request: pytest.FixtureRequest, tiny_models: Callable[[str], str]
+          ) -> tuple[str, dict[str, Any]]:
+    """(the model directory, engine arguments) of one shape."""
+    arch, args = SHAPES[request.param]
+    return tiny_models(arch), args
+
+
+@pytest.fixture(scope="module")
+def ref(shape: tuple[str, dict[str, Any]]) -> Iterator[Engine]:
+    """The shape's reference engine, without a connector."""
+    model, args = shape
+    with running(Engine("ref", model, None, engine_args=args)) as (engine,):
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def pair(shape: tuple[str, dict[str, Any]]) -> Iterator[Pair]:
+    """A p2pkv prefiller and decoder serving the shape."""
+    model, args = shape
+    with running(*(Engine(name, model, {**P2PKV_TIER, "port": free_port()}, engine_args=args)
+                   for name in ("pre", "dec"))) as (pre, dec):
+        yield pre, dec
+
+
+def test_a_kv_dtype_mismatch_is_refused_at_the_handshake(tiny_model: str) -> None:
+    """fp8 (e4m3) and fp8_e5m2 blocks have the same length and other bytes: the peers'
+    run-config fingerprints differ, the handshake refuses naming what can differ, the decoder
+    recomputes; each engine logged its run config at start, so the two can be compared."""
+    tier = {**P2PKV_TIER, "timeouts": {"handshake": 10, "load": 60}}
+    with running(Engine("pre", tiny_model, {**tier, "port": free_port()},
+                        engine_args={"kv_cache_dtype": "fp8"}),
+                 Engine("dec", tiny_model, {**tier, "port": free_port()},
+                        engine_args={"kv_cache_dtype": "fp8_e5m2"})) as (pre, dec):
+        tokens = prompt(31)
+        prefill, decode = pd_params("kv-mismatch", pre)
+        before = dec.metrics()
+        pre.generate("pre-mismatch", tokens, 1, prefill)
+        out, cached = dec.generate("dec-mismatch", tokens, MAX_TOKENS, decode)
+        assert cached == 0 and len(out) == MAX_TOKENS
+        assert delta(dec.metrics(), before, EXTERNAL_TOKENS) == 0
+        lines = pre.p2pkv_log() + dec.p2pkv_log()
+        assert any("config fingerprint" in line and "KV cache dtype" in line
+                   for line in lines), lines
+        for engine, dtype in ((pre, "fp8"), (dec, "fp8_e5m2")):  # what each runs, logged
+            assert any("run config" in line and f"dtype={dtype}," in line
+                       for line in engine.p2pkv_log()), engine.p2pkv_log()
