@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import itertools
 import os
 import random
@@ -196,6 +197,24 @@ class Engine:
         assert kind == "down"
         self.child.stop()
         return list(leftovers)
+
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk of this engine's CPU tier, from the line its p2pkv tier logged
+        at start (``... N chunks x B B)``)."""
+        line = next(line for line in self.p2pkv_log() if " chunks x " in line)
+        return int(line.rpartition(" chunks x ")[2].split()[0])
+
+    def stored_chunks(self) -> set[bytes]:
+        """A digest of every chunk of this engine's CPU tier that holds anything (its offload
+        region, ``/dev/shm/vllm_offload_<engine>.mmap``, read as it is now)."""
+        size = self.chunk_bytes()
+        (path,) = glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}*")
+        digests = set()
+        with open(path, "rb") as region:
+            while chunk := region.read(size):
+                if chunk.count(0) != len(chunk):
+                    digests.add(hashlib.blake2b(chunk, digest_size=16).digest())
+        return digests
 
     def kill(self) -> None:
         self.child.kill()

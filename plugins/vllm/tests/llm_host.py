@@ -162,7 +162,8 @@ class _Host:
         from vllm import SamplingParams
 
         extra = {"kv_transfer_params": params} if params else None
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                  extra_args=extra)  # random weights: EOS means nothing
         self.llm.llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, sampling)
 
     def step(self) -> None:

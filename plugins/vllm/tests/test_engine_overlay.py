@@ -3,10 +3,14 @@ overlay's environment (zero-edit mode, the fleet's CURVE keys from one directory
 the tier may dial and the ones it connects to before any request) and the connector keys
 of its ``--kv-transfer-config``, taken from ``kubectl kustomize deploy/llm-d/overlay``
 (:mod:`overlay` lists the few values a cluster or the CPU platform fills in). PD in both
-arrival orders and a prefix pull between the two, as ``test_engine_pd`` runs its rows."""
+arrival orders and a prefix pull between the two, as ``test_engine_pd`` runs its rows; and,
+since the guide's keys offload generated tokens too (``offload_prompt_only: false``, with
+``self_describing_kv_events: true``), a conversation's second turn pulling the first turn's
+generated tokens from the engine that generated them."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +21,24 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -
 pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s engine)")
 pytest.importorskip("yaml", reason="needs PyYAML (vLLM's dependency) to read the overlay")
 
-from engine_kit import Engine, free_port, running  # noqa: E402
+from engine_kit import (  # noqa: E402
+    EXTERNAL_TOKENS,
+    WAIT,
+    Engine,
+    delta,
+    free_port,
+    full_blocks,
+    prompt,
+    running,
+)
+from llm_host import BLOCK_SIZE  # noqa: E402
 from overlay import engine_settings, render  # noqa: E402
 from p2pkv_zmq.keys import write_fleet_keys  # noqa: E402
 from test_engine_pd import (  # noqa: E402, F401 - the tests run again on the overlay's pair
+    MAX_TOKENS,
+    STORED,
     Pair,
+    Reference,
     ref,
     reference,
     test_decoder_first,
@@ -47,3 +64,29 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with running(*engines) as (pre, dec):
         assert pre.runs_p2pkv and dec.runs_p2pkv
         yield pre, dec
+
+
+def test_a_second_turn_pulls_the_first_turns_generated_tokens(
+    reference: Reference, pair: Pair,  # noqa: F811 - the fixture imported above
+) -> None:
+    """Turn 1 (150 prompt tokens, 100 generated) on the source; turn 2 (turn 1, its answer and
+    20 new tokens) on the other engine with ``remote_kv_source`` naming the source: the
+    blocks it loads reach past the first prompt, into the generated tokens."""
+    source, consumer = pair
+    first = prompt(41, 150)
+    stored = source.metrics().get(STORED, 0.0)
+    answer = source.generate("turn-1", first, 100)[0]
+    conversation = first + answer
+    held = full_blocks(conversation)  # the last token has no KV yet: as for a prompt
+    assert held * BLOCK_SIZE > len(first)  # some of them hold generated tokens only
+    deadline = time.monotonic() + WAIT
+    while source.metrics().get(STORED, 0.0) < stored + held * source.chunk_bytes():
+        assert time.monotonic() < deadline, f"the source did not store {held} blocks in {WAIT}s"
+    second = conversation + prompt(42, 20)
+    before = consumer.metrics()
+    params = {"remote_kv_source": {"kv_request_id": "kv-turn-2", "remote_host": "127.0.0.1",
+                                   "remote_port": source.port}}
+    out, cached = consumer.generate("turn-2", second, MAX_TOKENS, params)
+    assert out == reference(second)
+    assert cached == held * BLOCK_SIZE
+    assert delta(consumer.metrics(), before, EXTERNAL_TOKENS) == cached
