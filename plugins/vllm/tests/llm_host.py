@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import multiprocessing
 import os
 import time
 import traceback
@@ -206,6 +207,9 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
              env: dict[str, str], engine_args: dict[str, Any] | None = None) -> None:
     """Child entry point: build the engine, then serve commands until ``shutdown``."""
     os.environ.update({**ENGINE_ENV, **env})
+    if (engine_args or {}).get("tensor_parallel_size", 1) > 1:
+        # the test's engine processes are daemons, which may not start the TP workers
+        multiprocessing.current_process().daemon = False
     try:
         register_test_tiers(kv_transfer_config)
         host = _Host(conn, model, kv_transfer_config, engine_args or {})

@@ -337,9 +337,9 @@ class Session:
                     f"parallel layout")
         if msg.fingerprint and local.fingerprint and msg.fingerprint != local.fingerprint:
             return (f"config fingerprint {msg.fingerprint!r} does not match ours "
-                    f"({local.fingerprint!r}): a different model, KV cache dtype, block size "
-                    f"or KV-cache group layout (compare the run config each side logged at "
-                    f"start)")
+                    f"({local.fingerprint!r}): a different model, KV cache dtype, block size, "
+                    f"KV-cache group layout or parallel layout (compare the run config each "
+                    f"side logged at start)")
         if msg.hash_seed != local.hash_seed:
             return (f"block-hash seed {msg.hash_seed!r} does not match ours "
                     f"({local.hash_seed!r}): every lookup would miss")

@@ -136,15 +136,28 @@ def missing_features() -> list[str]:
 
 
 def run_config(offloading_spec: Any) -> dict[str, Any]:
-    """The parallelism-agnostic run config vLLM uses to namespace offloaded KV (model, dtype,
-    block geometry, KV groups): peers whose run configs differ cannot share blocks."""
+    """The run config vLLM uses to namespace offloaded KV (model, dtype, block geometry, KV
+    groups), parallelism-agnostic only under ``canonical_layout``: peers whose run configs
+    differ cannot share blocks.
+
+    vLLM also calls the *direct* layout of a single full-attention group parallelism-agnostic
+    (its bytes, concatenated over the ranks, said to be the same under any TP). Between real
+    engines a TP 1 prefiller and a TP 2 decoder that trusted it exchanged chunks of the same
+    length in another byte order and decoded wrong tokens (``test_engine_layouts``), so
+    without ``canonical_layout`` the real parallel sizes stay in the config. A TP 1 engine's
+    config is unchanged by this (all sizes 1), so it still matches earlier p2pkv releases."""
     config = offloading_spec.config
-    return dict(FileMapper.from_offloading_spec(
+    run = dict(FileMapper.from_offloading_spec(
         root_dir="",
         offloading_spec=offloading_spec,
         blocks_per_file=config.cache.blocks_per_chunk,
         parallel_agnostic=True,
     ).get_run_config())
+    if not getattr(config, "canonical_layout", False):
+        parallel = config.parallel
+        run.update(tp_size=parallel.tp_size, pp_size=parallel.pp_size,
+                   pcp_size=parallel.pcp_size, dcp_size=parallel.dcp_size)
+    return run
 
 
 def describe_run_config(run: Mapping[str, Any]) -> str:
