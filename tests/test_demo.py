@@ -98,6 +98,21 @@ def test_preset_block_sizes_follow_the_formula() -> None:
     assert resolve_preset("tiny", block_bytes=65536).block_bytes == 65536
     for preset in PRESETS.values():
         assert preset.block_bytes % 8 == 0
+    assert resolve_preset("llama-3-8b-fp8").block_bytes == 1 << 20  # half of bf16
+    assert resolve_preset("gpt-oss-120b").block_bytes == 36 * 8 * 64 * 16 * 2 * 2
+
+
+def test_tensor_parallelism_sizes_the_chunk_of_every_rank() -> None:
+    """A chunk holds every rank's heads: the same bytes while TP divides the KV heads, TP
+    copies of one head beyond them; an MLA latent stays one copy."""
+    base = resolve_preset("llama-3-8b").block_bytes
+    assert resolve_preset("llama-3-8b", tp=4).block_bytes == base
+    assert resolve_preset("llama-3-8b", tp=16).block_bytes == 2 * base  # 16 ranks x 1 head
+    assert "TP 16: 1 per rank x 16" in resolve_preset("llama-3-8b", tp=16).formula()
+    deepseek = resolve_preset("deepseek-v3")
+    assert resolve_preset("deepseek-v3", tp=8).block_bytes == deepseek.block_bytes
+    with pytest.raises(ConfigError, match="--tp 3: llama-3-8b has 8 KV heads"):
+        resolve_preset("llama-3-8b", tp=3)
 
 
 @pytest.mark.parametrize("kwargs", [{"block_bytes": 12}, {"tokens_per_block": 0}])

@@ -139,6 +139,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="model whose KV bytes per token the crossover uses (default "
                    "llama-3-8b)")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="with --recompute-rate: tensor-parallel size of the engines (a "
+                   "CPU-tier chunk holds every rank's KV heads; default 1)")
     p.set_defaults(func=run)
 
 

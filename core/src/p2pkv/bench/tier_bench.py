@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 TIER_FLAGS = {"tier_control": "--tier-control", "recompute_rate": "--recompute-rate",
-              "preset": "--preset", "overload": "--overload"}
+              "preset": "--preset", "tp": "--tp", "overload": "--overload"}
 """Options that only ``--tier`` reads (argparse dest -> flag)."""
 
 
@@ -94,9 +94,10 @@ def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
                               "two processes; use a cross-process one such as nixl")
     preset = None
     if args.recompute_rate is not None:
-        preset = resolve_preset(args.preset or "llama-3-8b")
-    elif args.preset is not None:
-        raise ConfigError("--preset needs --recompute-rate TOKENS_PER_S (the crossover "
+        preset = resolve_preset(args.preset or "llama-3-8b", tp=args.tp)
+    elif args.preset is not None or args.tp is not None:
+        flag = "--preset" if args.preset is not None else "--tp"
+        raise ConfigError(f"{flag} needs --recompute-rate TOKENS_PER_S (the crossover "
                           "compares pulling with recomputing)")
     return TierPlan(name, data, preset, args.recompute_rate, bool(args.overload))
 

@@ -59,6 +59,8 @@ def add_parser(sub: Any) -> None:
                    help="model whose KV block shape to use (default llama-3-8b)")
     p.add_argument("--block-bytes", type=parse_size, help="override the preset's block size")
     p.add_argument("--tokens-per-block", type=int, help="override tokens per block (16)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size of the engines: a CPU-tier "
+                   "chunk holds every rank's KV heads (1)")
     p.add_argument("--requests", type=int, default=48, help="requests to replay (default 48)")
     p.add_argument("--prompt-dist", default="lognormal:1024:0.6",
                    help="prompt tokens: lognormal:MEDIAN:SIGMA, uniform:LO:HI or fixed:N")
@@ -118,7 +120,8 @@ def _plan(
     if args.json:
         check_output_path("--json", args.json)
     preset = resolve_preset(
-        args.preset, block_bytes=args.block_bytes, tokens_per_block=args.tokens_per_block
+        args.preset, block_bytes=args.block_bytes, tokens_per_block=args.tokens_per_block,
+        tp=args.tp,
     )
     dist = PromptDistribution.parse(args.prompt_dist)
     orders = parse_orders(args.orders)

@@ -10,6 +10,13 @@ its "head" is the latent (``kv_lora_rank``) plus the decoupled RoPE key (``qk_ro
 shared by every query head, so ``kv_heads = 1``. Presets use the published model configs and
 assume the KV cache dtype is the model dtype (bf16, 2 bytes) unless ``dtype_bytes`` says
 otherwise; an fp8 KV cache halves the block.
+
+With tensor parallelism (``tp``) each rank holds ``kv_heads / tp`` heads (one, replicated,
+when ``tp`` exceeds the heads), and the chunk a vLLM CPU tier offers holds every rank's
+share: ``tp x`` the rank's page. An MLA latent is whole on every rank and vLLM keeps one
+copy, so its block does not grow with ``tp``. Sliding-window layers are counted like the
+others: the block is what one block of every layer holds (vLLM keeps the windowed layers in
+a KV-cache group of their own and loads only the window of it).
 """
 
 from __future__ import annotations
@@ -36,6 +43,15 @@ class ModelPreset:
     note: str = ""
     override_bytes: int | None = None
     """Set by ``--block-bytes``: the block size used instead of the formula."""
+    tp: int = 1
+    """Tensor-parallel size of the engines (``--tp``)."""
+
+    @property
+    def heads_per_chunk(self) -> int:
+        """KV heads one chunk holds: every rank's, replicated heads counted per rank."""
+        if self.kv_factor == 1:
+            return self.kv_heads  # MLA: one latent, one copy whatever the TP
+        return max(1, self.kv_heads // self.tp) * self.tp
 
     @property
     def block_bytes(self) -> int:
@@ -43,7 +59,7 @@ class ModelPreset:
             return self.override_bytes
         return (
             self.layers
-            * self.kv_heads
+            * self.heads_per_chunk
             * self.head_dim
             * self.tokens_per_block
             * self.dtype_bytes
@@ -55,8 +71,12 @@ class ModelPreset:
         if self.override_bytes is not None:
             return f"{self.override_bytes:,} B (--block-bytes)"
         kv = "2 (K and V)" if self.kv_factor == 2 else "1 (MLA latent)"
+        heads = f"{self.heads_per_chunk} KV heads"
+        if self.tp > 1:
+            heads += f" (TP {self.tp}: {self.heads_per_chunk // self.tp} per rank x {self.tp})" \
+                if self.kv_factor == 2 else f" (TP {self.tp}: one copy)"
         return (
-            f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim} head dim x "
+            f"{self.layers} layers x {heads} x {self.head_dim} head dim x "
             f"{self.tokens_per_block} tokens x {self.dtype_bytes} B x {kv} = "
             f"{self.block_bytes:,} B"
         )
@@ -78,15 +98,23 @@ PRESETS: dict[str, ModelPreset] = {
             kv_factor=1,
             note="MLA: kv_lora_rank 512 + rope dim 64, bf16",
         ),
+        ModelPreset("llama-3-8b-fp8", layers=32, kv_heads=8, head_dim=128, dtype_bytes=1,
+                    note="GQA, fp8 KV cache (--kv-cache-dtype fp8)"),
+        ModelPreset("gpt-oss-120b", layers=36, kv_heads=8, head_dim=64,
+                    note="GQA, half the layers sliding-window (128 tokens), bf16"),
+        ModelPreset("gemma-3-27b", layers=62, kv_heads=16, head_dim=128,
+                    note="GQA, 5 of 6 layers sliding-window (1024 tokens), bf16"),
         ModelPreset("tiny", layers=2, kv_heads=2, head_dim=64, note="for quick checks"),
     )
 }
 
 
 def resolve_preset(
-    name: str, *, block_bytes: int | None = None, tokens_per_block: int | None = None
+    name: str, *, block_bytes: int | None = None, tokens_per_block: int | None = None,
+    tp: int | None = None,
 ) -> ModelPreset:
-    """The preset ``name``, optionally re-blocked (``tokens_per_block``) or overridden.
+    """The preset ``name``, optionally re-blocked (``tokens_per_block``), on ``tp`` ranks, or
+    overridden.
 
     ``block_bytes`` replaces the computed size. Sizes must be positive multiples of 8 bytes (the
     content check works in 64-bit words). Raises ``ConfigError`` naming the valid choices.
@@ -98,6 +126,12 @@ def resolve_preset(
         if tokens_per_block <= 0:
             raise ConfigError(f"--tokens-per-block must be > 0, got {tokens_per_block}")
         preset = replace(preset, tokens_per_block=tokens_per_block)
+    if tp is not None:
+        heads = preset.kv_heads
+        if tp <= 0 or (preset.kv_factor == 2 and heads % tp and tp % heads):
+            raise ConfigError(f"--tp {tp}: {name} has {heads} KV heads; TP must divide them "
+                              "or be a multiple of them")
+        preset = replace(preset, tp=tp)
     if block_bytes is not None:
         preset = replace(preset, override_bytes=block_bytes)
     if preset.block_bytes <= 0 or preset.block_bytes % 8:
