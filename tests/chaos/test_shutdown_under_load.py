@@ -47,7 +47,9 @@ NIXL_DRAIN = 2.0
 LOAD = 10.0
 LEASE_MARGIN = 2.0
 LEASE = LOAD + LEASE_MARGIN
-STOP_BOUND = DRAIN + NIXL_DRAIN + 5.0
+STOP_BOUND = 3 * (DRAIN + NIXL_DRAIN)
+"""Nothing hangs: shutdown's documented worst case is ``DRAIN`` then ``NIXL_DRAIN``; the bound
+is three times that, so a loaded machine cannot miss it while a hang still fails."""
 PAUSE = 0.8
 T = 60.0
 DATA = {

@@ -1,15 +1,17 @@
-"""A consumer tier whose producer cannot be reached learns why in milliseconds, on every load.
+"""A consumer tier whose producer cannot be reached learns why from the failure itself, on
+every load, never by waiting out a deadline.
 
 Nothing listening (refused: a producer process that has exited), a host name that does not
 resolve, a CURVE mismatch with a producer in another process, and an HTTP server at the
-address: each load fails ``peer_dead`` fast, its detail naming the cause, and loads in a row
-to a failing address do not each wait out a handshake (the zmq transport remembers a failed
-dial for ``DIAL_BACKOFF``)."""
+address: each load fails ``peer_dead``, its detail naming the cause, and loads in a row to a
+failing address do not each wait out a handshake (the zmq transport remembers a failed dial
+for ``DIAL_BACKOFF``). The consumer's handshake and load deadlines are ``FAR`` (longer than
+any wait here), so a load that ended only by a deadline would never end within the test's
+wait: ending at all proves the cause was seen. No elapsed time is asserted."""
 
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,15 +27,19 @@ from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, Outcome, RequestContext
 
 NUM_BLOCKS, BLOCK_LEN = 16, 256
-FAST = 1.0
-"""A load to an unreachable producer fails within this (seconds)."""
+FAR = 3600.0
+"""The consumer's handshake and load deadlines (seconds): never reached here."""
+WAIT = 60.0
+"""How long a test waits for a load's result (far below ``FAR``)."""
 
 
 class Consumer:
     def __init__(self, control_options: dict[str, Any] | None = None) -> None:
         self.region = np.zeros(NUM_BLOCKS * BLOCK_LEN, np.uint8)
-        config = TierConfig.from_dict({"control": "zmq", "data": "memory", "host": "127.0.0.1",
-                                       "port": 0, "control_options": control_options or {}})
+        config = TierConfig.from_dict({
+            "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
+            "control_options": control_options or {},
+            "timeouts": {"handshake": FAR, "load": FAR}})
         self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN)
         self.results: dict[int, JobResult] = {}
 
@@ -44,7 +50,8 @@ class Consumer:
             "kv_request_id": kv, "remote_host": host, "remote_port": port}})
         self.tier.on_new_request(ctx)
         self.tier.submit_load(Job(job_id, [b"%s/0" % kv.encode()], [0], True, ctx))
-        wait_until(lambda: job_id in self.results, timeout=30, what=f"load {job_id}'s result",
+        wait_until(lambda: job_id in self.results, timeout=WAIT,
+                   what=f"load {job_id}'s result (its deadlines are {FAR}s away)",
                    pumps=[self.collect])
         self.tier.on_request_finished(ctx)
         return self.results[job_id]
@@ -78,22 +85,14 @@ def stopped_producer_address() -> tuple[str, int]:
 
 def test_loads_to_a_refused_port_fail_fast_saying_refused(consumer: Consumer) -> None:
     host, port = stopped_producer_address()
-    start = time.monotonic()
     first = consumer.load_from(1, host, port)
-    took = time.monotonic() - start
     assert first.outcome is Outcome.PEER_DEAD and "refused" in first.detail, first
-    assert took < FAST, f"first load took {took:.2f}s"
-    start = time.monotonic()
     later = [consumer.load_from(2 + i, host, port) for i in range(20)]
-    took = time.monotonic() - start
     assert all(r.outcome is Outcome.PEER_DEAD and "refused" in r.detail for r in later), later
-    assert took < 2 * FAST, f"20 loads in a row took {took:.2f}s"
 
 
 def test_a_load_from_an_unresolvable_host_fails_fast_saying_so(consumer: Consumer) -> None:
-    start = time.monotonic()
     result = consumer.load_from(1, "no-such-host.invalid", 5710)
-    assert time.monotonic() - start < FAST
     assert result.outcome is Outcome.PEER_DEAD and "no such host" in result.detail, result
 
 
@@ -114,15 +113,12 @@ def test_a_curve_mismatch_fails_the_consumers_load_naming_it(tmp_path: Path) -> 
         # Same allowed client key, but the server key pair it expects is another one.
         consumer = Consumer({**server, "server_secret_key": str(tmp_path / "other.key_secret")})
         try:
-            start = time.monotonic()
             result = consumer.load_from(1, host, int(port))
-            took = time.monotonic() - start
         finally:
             consumer.tier.shutdown()
         child.send("stop")
     assert result.outcome is Outcome.PEER_DEAD, result
     assert "security handshake failed" in result.detail, result
-    assert took < FAST, f"took {took:.2f}s"
 
 
 def test_a_load_from_an_http_server_fails_fast_saying_it_is_no_p2pkv_peer(
@@ -147,13 +143,10 @@ def test_a_load_from_an_http_server_fails_fast_saying_it_is_no_p2pkv_peer(
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        start = time.monotonic()
         result = consumer.load_from(1, "127.0.0.1", port)
-        took = time.monotonic() - start
     finally:
         stop.set()
         thread.join(5)
         server.close()
     assert result.outcome is Outcome.PEER_DEAD, result
-    assert "handshake" in result.detail, result
-    assert took < FAST, f"took {took:.2f}s: {result.detail}"
+    assert "handshake" in result.detail and "within" not in result.detail, result
