@@ -188,10 +188,12 @@ def engine(session: nox.Session, release: str) -> None:
     then the packages of ``plugins/vllm/tests/engine-requirements.txt`` pinned by
     ``engine-constraints.txt`` (no CUDA-built torchvision/torchaudio/torchcodec). Runs the
     ``-m "engine or vllm"`` tests of plugins/vllm: the real engines, and the adapter against
-    the release's tier API. Offload regions that killed engines leave in /dev/shm are removed
-    by the tests.
+    the release's tier API; on the newest release also ``-m refusal``, the layouts a peer
+    must refuse (the whole set: ``engine_layouts``). Offload regions that killed engines leave
+    in /dev/shm are removed by the tests.
     """
-    _engines(session, release)
+    newest = release == ENGINE_RELEASES[-1]
+    _engines(session, release, "engine or vllm or refusal" if newest else "engine or vllm")
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)

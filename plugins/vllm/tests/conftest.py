@@ -45,6 +45,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "layouts: the models and KV layouts people serve, on real engines (nox -s "
         "engine_layouts)")
+    config.addinivalue_line(
+        "markers", "refusal: a layout mismatch peers must refuse (nox -s engine runs them on "
+        "the newest release)")
 
 
 @pytest.fixture(scope="session")

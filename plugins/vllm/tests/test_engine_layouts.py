@@ -13,7 +13,8 @@ tokens, longer than the hybrid models' 64-token window):
 - ``mla``: DeepSeek-V2's multi-head latent attention (one latent per token and layer).
 
 And two mismatches of the same block length and other bytes are refused at the handshake,
-the decoder recomputing at once (these two also run in ``nox -s engine``, in CI): a KV dtype
+the decoder recomputing at once (these two also run in ``nox -s engine`` on the newest release,
+in CI): a KV dtype
 mismatch (``fp8`` against ``fp8_e5m2``) and a TP 1 prefiller with a TP 2 decoder without
 ``canonical_layout`` (which, before p2pkv kept the parallel sizes in its fingerprint, loaded
 and decoded wrong tokens). TP 1 with TP 2 under ``canonical_layout: true`` is not run: the
@@ -131,7 +132,7 @@ def test_a_busy_source_shares_its_prefix(reference: Reference, pair: Pair  # noq
     assert pulled and pulled <= source.stored_chunks()
 
 
-@pytest.mark.engine  # in CI too: a refusal that must not regress into a silent load
+@pytest.mark.refusal  # in CI too: a refusal that must not regress into a silent load
 def test_a_kv_dtype_mismatch_is_refused_at_the_handshake(tiny_model: str) -> None:
     """fp8 (e4m3) and fp8_e5m2 blocks have the same length and other bytes: the peers'
     run-config fingerprints differ, the handshake refuses naming what can differ, the decoder
@@ -160,7 +161,7 @@ TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 """Engine arguments of a TP 2 engine (two worker processes)."""
 
 
-@pytest.mark.engine  # in CI too: a refusal that must not regress into a silent load
+@pytest.mark.refusal  # in CI too: a refusal that must not regress into a silent load
 def test_tp1_and_tp2_without_the_canonical_layout_are_refused(tiny_model: str) -> None:
     """A TP 1 prefiller and a TP 2 decoder without ``canonical_layout``: the same chunk
     length, other byte order (trusting vLLM's "parallelism-agnostic" direct layout, the
