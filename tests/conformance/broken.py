@@ -2,17 +2,20 @@
 catch every one (``test_kit_catches_broken.py``).
 
 Each variant subclasses a correct transport (the example plugin's ``loopback`` ones, or the
-kit's cross-process reference ``socket_transport``) and overrides one method (a primitive
-of the ``DataTransport`` base, or a public method), so the only
-defect is the one its docstring names.
+kit's cross-process reference ``socket_transport``) and changes one behaviour (a primitive of
+the ``DataTransport`` base, or a public method), so the only defect is the one its docstring
+names. Together with ``sabotage.py`` they break every rule of the authors' contract table
+(docs/plugin-authors.md) that behaviour can show.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from p2pkv.contracts import ControlConnection, DataSettings, PollResult, ReadState
@@ -222,6 +225,98 @@ class KeepsRegionAfterClose(LoopbackDataTransport):
         return super()._shutdown()
 
 
+class IgnoresUnknownDataOptions(LoopbackDataTransport):
+    """Accepts (and ignores) any data option."""
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(replace(settings, options={}))
+
+
+class AcceptsEmptyRead(LoopbackDataTransport):
+    """Posts a read of no blocks (and reports it done) instead of refusing it."""
+
+    def check_read(
+        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        peer_id: str = "",
+    ) -> tuple[Any, Any]:
+        if len(local_idxs) == 0 and len(remote_idxs) == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return super().check_read(local_idxs, remote_idxs, peer_num_blocks, peer_id)
+
+
+class ReusesIds(LoopbackDataTransport):
+    """Hands out transfer ids from a short cycle: ids repeat within the transport's life."""
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
+        self._transfer_ids = cast("itertools.count[int]", itertools.cycle(range(1, 4)))
+
+
+class ReaddSameDescriptorDropsReads(LoopbackDataTransport):
+    """Re-adding a peer with the descriptor it is registered with re-registers it: its reads
+    in flight end, never reported."""
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        self.remove_peer(peer_id)
+        super().add_peer(peer_id, descriptor)
+
+
+class ReplaceLandsLate(_LandsLate):
+    """Replacing a peer (a new descriptor under its id) forgets the old registration's reads
+    but they still copy on a later progress or poll."""
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        self._leaking = True
+        try:
+            super().add_peer(peer_id, descriptor)
+        finally:
+            self._leaking = False
+
+
+class NeverNoticesClosedPeer(LoopbackDataTransport):
+    """A read of a peer whose region is gone (the peer closed) stays in flight for ever."""
+
+    def _progress(self) -> None:
+        for read in self._reads_in_flight():
+            if read.copied is None and read.region in loopback_data._REGIONS:
+                read.copied = self._copy(read)
+
+
+class ReadsAfterPeerClosed(LoopbackDataTransport):
+    """Keeps every peer's region from ``add_peer`` on and copies from it after the peer
+    closed, reporting the read done (as a shared-memory transport that keeps a closed
+    producer's mapping would)."""
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
+        self._kept: dict[str, Any] = {}
+
+    def _attach_peer(self, peer_id: str, descriptor: bytes) -> Any:
+        peer = super()._attach_peer(peer_id, descriptor)
+        self._kept[peer.region] = loopback_data._REGIONS[peer.region]
+        return peer
+
+    def _copy(self, read: Any) -> bool:
+        self._blocks[read.local] = self._kept[read.region][read.remote]
+        return True
+
+
+class CrashesOnThirdRead(LoopbackDataTransport):
+    """Segfaults (a NULL read) when its third read is posted: the kind of crash a native
+    library causes. Not in ``DATA_VARIANTS`` (it would end the suite run): the machine run in
+    a child must report it with its steps (``test_machine_in_child.py``)."""
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
+        self._posted = 0
+
+    def _post_read(self, peer: Any, local: Any, remote: Any) -> Any:
+        self._posted += 1
+        if self._posted == 3:
+            ctypes.string_at(0)
+        return super()._post_read(peer, local, remote)
+
+
 class ClaimsNoDram(LoopbackDataTransport):
     """Declares its region memory under a name of its own (as an author of a /dev/shm
     transport might): the data suites must fail, not skip every test."""
@@ -259,6 +354,17 @@ DATA_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "KeepsRegionAfterClose": (
         KeepsRegionAfterClose, ("test_close_is_idempotent_and_releases_the_region",)
     ),
+    "IgnoresUnknownDataOptions": (
+        IgnoresUnknownDataOptions, ("test_unknown_option_is_refused_naming_it",)
+    ),
+    "AcceptsEmptyRead": (AcceptsEmptyRead, ("test_bad_indexes_are_refused_before_posting",)),
+    "ReusesIds": (ReusesIds, ("test_each_read_reported_exactly_once",)),
+    "ReaddSameDescriptorDropsReads": (
+        ReaddSameDescriptorDropsReads, ("test_re_adding_the_same_descriptor_keeps_its_reads",)
+    ),
+    "ReplaceLandsLate": (ReplaceLandsLate, ("test_replacing_a_peer_ends_its_reads",)),
+    "NeverNoticesClosedPeer": (NeverNoticesClosedPeer, ("test_reads_of_a_closed_peer_fail",)),
+    "ReadsAfterPeerClosed": (ReadsAfterPeerClosed, ("test_reads_of_a_closed_peer_fail",)),
 }
 """name -> (class, suite tests of which at least one must fail)."""
 
@@ -402,8 +508,6 @@ class IgnoresUnknownOptions(LoopbackControlTransport):
     """Accepts (and ignores) any option."""
 
     def __init__(self, settings: Any) -> None:
-        from dataclasses import replace
-
         super().__init__(replace(settings, options={}))
 
 

@@ -98,6 +98,8 @@ class SocketDataTransport(DataTransport):
         host, port = self._listener.getsockname()[:2]
         self._address = f"{host}:{port}"
         self._peers: dict[str, tuple[str, int]] = {}
+        self._descriptors: dict[str, bytes] = {}
+        """The descriptor each peer of ``_peers`` was added with."""
         self._links: dict[str, _Link] = {}
         """Our connection to each peer: our requests out, its answers in."""
         self._served: list[_Link] = []
@@ -126,6 +128,8 @@ class SocketDataTransport(DataTransport):
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         if self._blocks is None:
             raise PeerRejected(f"peer {peer_id!r}: the socket data transport is closed")
+        if peer_id in self._peers and self._descriptors.get(peer_id) == descriptor:
+            return  # the same registration: its reads go on
         try:
             desc: Any = json.loads(descriptor)
             address, num_blocks, block_len = desc["socket"], desc["num_blocks"], desc["block_len"]
@@ -136,6 +140,7 @@ class SocketDataTransport(DataTransport):
             raise PeerRejected(f"peer {peer_id!r}: block_len {block_len} != ours {self._block_len}")
         self.remove_peer(peer_id)  # re-adding replaces: the old registration's reads end
         self._peers[peer_id] = (address, int(num_blocks))
+        self._descriptors[peer_id] = bytes(descriptor)
 
     def remove_peer(self, peer_id: str) -> list[int]:
         self._peers.pop(peer_id, None)

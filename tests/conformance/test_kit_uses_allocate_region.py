@@ -69,7 +69,7 @@ def test_the_kit_peer_holds_the_transports_own_memory() -> None:
 
 
 def test_process_memory_is_refused() -> None:
-    region = memoryview(np.zeros(256, dtype=np.uint8))
+    region = np.zeros(256, dtype=np.uint8).data
     with pytest.raises(ConfigError):
         ShmOnlyTransport.create(DataSettings(region=region, block_len=64))
 

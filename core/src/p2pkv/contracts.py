@@ -53,6 +53,12 @@ class Capabilities:
     part (it serves them from ``progress``/``poll``: tagged sends), as opposed to one-sided
     RDMA-style reads the source's library serves alone. ``heartbeats`` marks control
     transports that detect a silent peer on their own (not only a closed socket).
+
+    ``memory_kinds`` names the kinds of memory a data transport registers as its region.
+    All host memory is ``DRAM``, however it was allocated (process memory, a ``/dev/shm``
+    mapping, pinned pages); ``DRAM`` is required, since the tier's region is host memory
+    (vLLM's CPU tier), and the data suites fail without it. Other kinds (``VRAM``) are
+    claims on top of it.
     """
 
     cross_process: bool
@@ -298,6 +304,16 @@ class DataTransport(_Transport):
     Source blocks: the transport never decides how long a peer's source blocks stay valid;
     the session protocol does (the producer pins them under a lease, docs/protocol.md §5).
 
+    **After ``close``, peers read nothing of our region.** Once ``close`` returned, the
+    region is its caller's again (an engine reuses or unmaps it at once), so no peer's read
+    of it may complete any more: a read posted afterwards is refused by the peer's
+    ``read_blocks`` or ends ``failed`` at the peer, and one still in flight ends ``failed``
+    (``done`` only if every byte had arrived before ``close`` returned). This holds for every
+    kind of transport: a one-sided one deregisters the region (or otherwise invalidates what
+    its descriptor gave peers) inside ``close``, a two-sided one stops serving. The shutdown
+    of a tier relies on it (docs/protocol.md, "Shutdown": pins dropped before their lease are
+    protected only by this).
+
     **The base class.** This class is a working base, not only an interface: it owns the
     bookkeeping every transport needs (region checks, transfer ids, per-peer read tables,
     exactly-once reports, scoped ``poll``, final ``cancel``, the re-add rule, ``remove_peer``,
@@ -364,11 +380,15 @@ class DataTransport(_Transport):
         register (the caller then passes it in ``DataSettings.region``).
 
         The conformance kit, ``p2pkv demo``/``bench`` and standalone tiers get their regions
-        here, so a transport that can only register memory of its own kind (a ``/dev/shm``
-        mapping, pinned or device memory) overrides this and is tested on that memory.
-        ``options`` is ``data_options``. The region lives as long as the returned view; the
-        default is anonymous, zero-filled process memory. Raises ``ConfigError`` or
-        ``TransportUnavailable`` when it cannot allocate.
+        here, so a transport that works best on host memory of its own allocation (a
+        ``/dev/shm`` mapping, pinned pages: still ``DRAM`` in ``Capabilities.memory_kinds``)
+        overrides this and is tested on that memory. In production the region is never from
+        here (inside vLLM it is vLLM's own ``/dev/shm`` mapping): ``create`` must register
+        host memory it did not allocate, or fail naming why (docs/plugin-authors.md, "Whose
+        memory the region is"). ``options`` is ``data_options``: take the keys you need and
+        ignore the rest (refusing unknown keys is ``create``'s job). The region lives as long
+        as the returned view; the default is anonymous, zero-filled process memory. Raises
+        ``ConfigError`` or ``TransportUnavailable`` when it cannot allocate.
         """
         import numpy as np
 
@@ -508,8 +528,10 @@ class DataTransport(_Transport):
         completions stay for their own poll). ``None`` drains every peer (shutdown only).
         ``done`` means every byte of the read is in our blocks; an error while checking a read
         fails it, it is never left in flight. A read from a peer whose transport closed or
-        whose process died ends ``failed`` within the transport's own deadline (or ``done`` if
-        every byte arrived); it never stays in flight forever. After ``close``: ``EMPTY_POLL``.
+        whose process died ends ``failed`` within the transport's own deadline (``done`` only
+        if every byte arrived before the close or the death); it never stays in flight
+        forever, and a read posted after the peer's ``close`` returned never ends ``done``
+        (its region is its caller's again). After ``close``: ``EMPTY_POLL``.
         """
         if self._closed:
             return EMPTY_POLL
@@ -552,6 +574,10 @@ class DataTransport(_Transport):
         raises ``TransferSubmitError``, ``add_peer`` raises ``PeerRejected``, ``poll`` returns
         ``EMPTY_POLL``, ``cancel``/``remove_peer``/``progress`` do nothing. When nothing is
         left running, the base drops its view of the region (it is the caller's again).
+
+        Peers' reads of the region fail from the moment ``close`` returns (see the class
+        docstring): the backend's ``_shutdown`` deregisters it, or stops serving. ``close``
+        does not call ``_detach_peer`` for the peers still added: ``_shutdown`` releases them.
         """
         if self._closed:
             return []
@@ -651,7 +677,13 @@ class DataTransport(_Transport):
     def _end_reads(self, handles: list[Any]) -> None:
         """End posted reads finally: on return none of their bytes can land in our blocks
         (stop them, or quarantine their staging). At most one drain deadline for the whole
-        call; must not raise. The base has already forgotten them."""
+        call; must not raise. The base has already forgotten them.
+
+        The default does nothing, which is right only for a backend that finds its reads
+        through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
+        read the base forgot is then never touched again. A backend that keeps reads anywhere
+        else (a queue of its own, a thread, the library) implements it, or a cancelled read
+        still lands."""
         return None
 
     def _progress(self) -> None:
@@ -660,7 +692,9 @@ class DataTransport(_Transport):
         return None
 
     def _shutdown(self) -> list[int]:
-        """Release every peer, the backend's resources and its registration of the region
-        (every read has ended; called once, by ``close``). Returns internal ids still running
-        after the drain deadline (their memory stays registered); must not raise."""
+        """Release every peer still added (``close`` does not call ``_detach_peer`` for
+        them), the backend's resources and its registration of the region (every read has
+        ended; called once, by ``close``), so that peers' reads of the region fail from now
+        on. Returns internal ids still running after the drain deadline (their memory stays
+        registered); must not raise."""
         return []

@@ -129,7 +129,8 @@ class DataPeer(ABC):
     @abstractmethod
     def set_blocks(self, idxs: Sequence[int], data: bytes) -> None:
         """Overwrite blocks ``idxs`` of the region with ``data`` (``len(idxs)`` blocks), as an
-        engine reusing slots does: a canary that no late byte may change."""
+        engine reusing slots does: a canary that no late byte may change. Works after
+        ``close`` too (the region is then its caller's again)."""
 
     @abstractmethod
     def pause(self) -> None:
@@ -374,8 +375,11 @@ def _decode_error(module: str, qualname: str, message: str) -> BaseException:
 
 
 def _host_main(conn: Connection) -> None:
-    """Child side: build peers on request, pump them between requests."""
+    """Child side: build peers on request, pump them between requests. A closed peer is no
+    longer pumped but still answers calls (a test overwrites a closed data peer's region, as
+    its caller would reuse it)."""
     peers: dict[int, DataPeer | ControlPeer] = {}
+    closed: dict[int, DataPeer | ControlPeer] = {}
     ids = itertools.count(1)
     while True:
         if conn.poll(0.001 if peers else None):
@@ -384,7 +388,7 @@ def _host_main(conn: Connection) -> None:
             except EOFError:
                 break
             try:
-                reply: Any = ("ok", _serve(request, peers, ids))
+                reply: Any = ("ok", _serve(request, peers, closed, ids))
             except Exception as exc:
                 reply = _encode_error(exc)
             conn.send(reply)
@@ -397,7 +401,12 @@ def _host_main(conn: Connection) -> None:
             pass
 
 
-def _serve(request: tuple[Any, ...], peers: dict[int, DataPeer | ControlPeer], ids: Any) -> Any:
+def _serve(
+    request: tuple[Any, ...],
+    peers: dict[int, DataPeer | ControlPeer],
+    closed: dict[int, DataPeer | ControlPeer],
+    ids: Any,
+) -> Any:
     op = request[0]
     if op == "new_data":
         _, cls, num_blocks, block_len, options = request
@@ -415,9 +424,10 @@ def _serve(request: tuple[Any, ...], peers: dict[int, DataPeer | ControlPeer], i
         _, handle, method, args = request
         if method not in _PEER_METHODS:
             raise ValueError(f"peer host: no method {method!r}")
-        result = getattr(peers[handle], method)(*args)
-        if method == "close":
-            del peers[handle]
+        peer = peers[handle] if handle in peers else closed[handle]
+        result = getattr(peer, method)(*args)
+        if method == "close" and handle in peers:
+            closed[handle] = peers.pop(handle)
         return result
     raise ValueError(f"peer host: unknown request {op!r}")
 

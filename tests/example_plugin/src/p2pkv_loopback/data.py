@@ -7,10 +7,14 @@ progresses them and tells their state.
 
 A region registers under a random name in a process-wide table; ``descriptor()`` is JSON
 ``{"loopback": name, "num_blocks": n, "block_len": b}``. A posted read copies from the peer's
-region into ours in our next ``progress`` or ``poll`` (it fails if the peer's region is gone);
-the next ``poll`` of that peer reports it. Nothing runs outside a call, so ending a read needs
-no primitive: the base forgets it and ``progress`` never sees it again. No internal transfers,
-so ``remove_peer`` and ``close`` return ``[]``.
+region into ours in our next ``progress`` or ``poll`` (it fails if the peer's region is gone:
+once a peer closed, reads of its region fail); the next ``poll`` of that peer reports it.
+``progress`` finds the reads through the base (``_reads_in_flight``) and nothing runs outside
+a call, so ending a read needs no ``_end_reads``: the base forgets it and ``progress`` never
+sees it again. A backend that keeps reads anywhere else (a queue of its own, a thread, its
+library) must implement ``_end_reads``, or a cancelled read still lands. No internal
+transfers, so ``remove_peer`` and ``close`` return ``[]``; ``close`` removes the region from
+the table, so peers' reads of it fail from then on.
 """
 
 from __future__ import annotations

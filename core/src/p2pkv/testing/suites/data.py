@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, ClassVar
 
 import pytest
@@ -314,6 +313,19 @@ class DataTransportSuite(_SuiteBase):
         pair.local.add_peer("remote", pair.peers["remote"].descriptor)
         pair.read("remote", [1], [1])
 
+    def test_re_adding_the_same_descriptor_keeps_its_reads(self, pair: _DataPair) -> None:
+        """``add_peer`` again with the descriptor the peer is registered with (a session
+        handshake repeated) changes nothing: its reads in flight go on and are reported."""
+        remote = pair.peers["remote"]
+        remote.pause()
+        try:
+            tid = pair.submit("remote", [3], [4])
+            pair.local.add_peer("remote", remote.descriptor)
+        finally:
+            remote.resume()
+        pair.wait_terminal("remote", {tid}, "a read of a peer re-added with the same descriptor")
+        assert tid in pair.log.done, "re-adding a peer with its own descriptor failed its read"
+
     def test_remove_unknown_peer_is_harmless(self, local: LocalDataPeer) -> None:
         assert list(local.transport.remove_peer("nobody")) == []
 
@@ -482,11 +494,16 @@ class DataTransportSuite(_SuiteBase):
         again = set(pair.local.close())
         assert again <= left, "a second close may only repeat undrained ids"
 
-    def test_peer_closed_is_survivable(self, pair: _DataPair) -> None:
-        """A peer that closed: a read from it is refused or ends, and ``remove_peer`` bounds it."""
+    def test_reads_of_a_closed_peer_fail(self, pair: _DataPair) -> None:
+        """The duty after a peer's ``close``: its region is its caller's again (here it is
+        overwritten at once, as an engine reuses it), so no read of it may complete any more.
+        A read in flight at the close ends failed, or done with the bytes it read before; a
+        read posted afterwards is refused or ends failed within ``timeout``, never done; then
+        ``remove_peer`` and ``close`` are bounded."""
         pair.read("remote", [0], [0])
-        pair.kill("remote", functools.partial(quietly, pair.peers["remote"].close))
-        _survive_dead_peer(pair, "closed")
+        in_flight = pair.submit("remote", [2], [2])
+        pair.close_peer("remote")
+        _survive_dead_peer(pair, "closed", earlier={in_flight}, must_fail=True)
 
     def test_peer_killed_is_survivable(
         self,
@@ -522,17 +539,24 @@ def _empty_poll(result: Any, what: str) -> None:
     )
 
 
-def _survive_dead_peer(pair: _DataPair, how: str) -> None:
-    """Read from the dead peer (``how`` it died): refused, or ended within the timeout, failed
-    or done with its bytes; then remove it and close: all bounded, nothing reported twice."""
+def _survive_dead_peer(
+    pair: _DataPair, how: str, earlier: Collection[int] = (), must_fail: bool = False
+) -> None:
+    """Read from the dead peer (``how`` it died): refused, or ended within the timeout (failed;
+    done with its bytes only unless ``must_fail``), as must the reads ``earlier`` in flight
+    when it died; then remove it and close: all bounded, nothing reported twice."""
     try:
         tid: int | None = pair.submit("remote", [1], [1])
     except TransferSubmitError:
         tid = None
-    if tid is not None:
-        pair.wait_terminal("remote", {tid}, f"a read from a peer that was {how} to end "
-                           f"(failed, or done with its bytes): the transport must notice that "
-                           f"its peer is dead")
+    reads = {*earlier, *([] if tid is None else [tid])}
+    pair.wait_terminal("remote", reads, f"reads from a peer that was {how} to end (failed, or "
+                       f"done with bytes read before): the transport must notice that its "
+                       f"peer is dead")
+    assert not (must_fail and tid in pair.log.done), (
+        f"read {tid}, posted after its peer was {how}, was reported done: once a peer's "
+        f"close returned its region is its caller's again, and reads of it must fail"
+    )
     pair.log.undrained(pair.local.remove_peer("remote"), "remove_peer", "remote")
     pair.log.ended_peer("remote")
     with pytest.raises(TransferSubmitError):

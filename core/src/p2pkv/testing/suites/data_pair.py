@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from p2pkv.testing.peers import DataPeer, pattern
 from p2pkv.testing.polllog import PollLog
-from p2pkv.testing.waiting import wait_until
+from p2pkv.testing.waiting import quietly, wait_until
 
 
 def _keep_pumping(
@@ -81,6 +81,15 @@ class _DataPair:
         self.dead.add(peer_id)
         end()
 
+    def close_peer(self, peer_id: str) -> None:
+        """Close the peer's transport (dead from now on), then overwrite its whole region as
+        its caller would reuse it at once: no read of it may bring bytes any more (a read
+        reported done with these bytes fails ``_check_done``)."""
+        peer = self.peers[peer_id]
+        self.kill(peer_id, functools.partial(quietly, peer.close))
+        n, b = peer.num_blocks, peer.block_len
+        peer.set_blocks(range(n), pattern(next(self._canaries), n * b).tobytes())
+
     def submit(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> int:
         tid = self.local.read_blocks(peer_id, local_idxs, remote_idxs)
         self.log.submitted(tid, peer_id)
@@ -92,11 +101,14 @@ class _DataPair:
     def _check_done(self, tid: int) -> None:
         peer_id, local_idxs, payload = self._reads[tid]
         ours = self.local.region_bytes()
+        closed = (f" (peer {peer_id} was closed or killed meanwhile: after its close its "
+                  f"region is its caller's again, so a read of it that had not completed "
+                  f"must fail)") if peer_id in self.dead else ""
         for li, block in zip(local_idxs, payload, strict=True):
             assert _block(ours, li, self.local.block_len) == block, (
                 f"poll reported read {tid} done, but our block {li} does not hold peer "
-                f"{peer_id}'s block yet: done means every byte is in our blocks when poll "
-                f"reports it"
+                f"{peer_id}'s block: done means every byte is in our blocks when poll "
+                f"reports it{closed}"
             )
 
     def wait_terminal(self, peer_id: str | None, ids: set[int], what: str) -> None:

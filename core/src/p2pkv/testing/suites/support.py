@@ -76,6 +76,12 @@ class _SuiteBase:
 
     @pytest.fixture(params=PEER_MODES)
     def peer_mode(self, request: pytest.FixtureRequest, capabilities: Capabilities) -> str:
+        if not (self.same_process_pairs or capabilities.cross_process):  # else all would skip
+            pytest.fail(
+                f"{type(self).__name__} sets same_process_pairs = False and its transport does "
+                f"not claim cross_process: the kit has no way to build a peer, so every pair "
+                f"test would be skipped; claim cross_process (peers then run in a child "
+                f"process) or allow same-process pairs", pytrace=False)
         mode: str = request.param
         if mode == "child-process" and not capabilities.cross_process:
             pytest.skip("transport does not claim cross_process")
