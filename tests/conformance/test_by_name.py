@@ -75,3 +75,13 @@ def test_a_kind_not_asked_for_is_deselected(tmp_path: Path) -> None:
     assert "TestDataTransport" in proc.stdout and "TestDataMachine" in proc.stdout
     assert "Control" not in proc.stdout.replace("deselected", ""), proc.stdout
     assert "deselected" in proc.stdout and "skipped" not in proc.stdout
+
+
+def test_the_machines_run_in_a_child_on_request(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+         "--p2pkv-transport", "loopback", "--p2pkv-machine-child", "-k", "Machine",
+         "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout + proc.stderr

@@ -1,5 +1,6 @@
-"""The kit's state machines catch the deliberately broken transports of ``broken.py`` too
-(and pass the correct loopback ones they derive from)."""
+"""The kit's state machines catch the deliberately broken transports of ``broken.py`` (and a
+dead peer never noticed, of ``sabotage.py``) too, pass the correct transports they derive
+from, and report the failing step's error, never a teardown's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
 sys.path.insert(0, str(Path(__file__).parent))
 import broken
+import sabotage
+from hypothesis.stateful import invariant
+from p2pkv.contracts import ReadState
+from p2pkv.testing.waiting import WaitTimeout
 from p2pkv_loopback import LoopbackControlTransport, LoopbackDataTransport
+from socket_transport import SocketDataTransport
 
 # No shrinking: a broken transport fails fast, and the failure itself is the point here.
 # Fixed seeds rather than ``derandomize`` (hypothesis derives a derandomized run's seed from a
@@ -33,7 +39,8 @@ FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediat
 DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "AcceptsDuplicateLocal",
                "SpillsIntoNextBlock", "StillWrites", "ReportsTwice", "ReportsCancelled",
                "CancelLandsLate", "RemovePeerLandsLate", "RemovePeerReturnsReads",
-               "CloseNotIdempotent"]
+               "CloseNotIdempotent", "AcceptsEmptyRead", "ReusesIds", "NeverNoticesClosedPeer",
+               "ReadsAfterPeerClosed"]
 CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "AcceptsTwice", "AcceptsBeforeFirstFrame",
                   "CloseInvisible", "SendAfterCloseSilently", "NewConnectionEachConnect"]
 
@@ -72,3 +79,46 @@ def test_the_data_machine_catches(variant: str) -> None:
 def test_the_control_machine_catches(variant: str) -> None:
     cls, _ = broken.CONTROL_VARIANTS[variant]
     assert caught(ControlTransportMachine, cls) is not None, f"{variant} passed {len(SEEDS)} runs"
+
+
+SOCKETS = {"timeout": 2.0}  # real sockets: the dead-peer wait is bounded by this
+
+
+def test_the_data_machine_passes_the_socket_reference() -> None:
+    machine: Any = type("SocketMachine", (DataTransportMachine,),
+                        {"transport": SocketDataTransport, **SOCKETS})
+    run_state_machine_as_test(seed(SEEDS[0])(machine), settings=FIND)
+
+
+def test_the_data_machine_notices_a_dead_peer_never_reported() -> None:
+    """The sabotaged socket transport never sees a peer's connection die: the machine's
+    ``kill_peer`` waits (bounded by ``timeout``) for the closed peer's reads to end."""
+    machine: Any = type("DeafMachine", (DataTransportMachine,),
+                        {"transport": sabotage.NeverNoticesDeadPeer, **SOCKETS})
+    with pytest.raises(WaitTimeout, match="which closed, to end"):
+        run_state_machine_as_test(seed(SEEDS[0])(machine), settings=FIND)
+
+
+class _Stalls(LoopbackDataTransport):
+    """Its reads never complete (a teardown that drained them would wait out ``timeout``)."""
+
+    def _read_state(self, read: Any) -> ReadState:
+        return ReadState.PENDING
+
+
+class _FailsWithReadsPending(DataTransportMachine):
+    transport = _Stalls
+    timeout = 30.0
+
+    @invariant()
+    def no_read_pending(self) -> None:
+        assert not self._pending(), "the failure under test"
+
+
+def test_teardown_after_a_failure_leaves_the_failure_reported() -> None:
+    """A step fails with reads in flight that would never drain: teardown only closes, so
+    the reported error is the step's, not a drain's ``WaitTimeout``."""
+    with pytest.raises(AssertionError) as info:
+        run_state_machine_as_test(_FailsWithReadsPending, settings=FIND)
+    assert not isinstance(info.value, WaitTimeout), info.value
+    assert "the failure under test" in str(info.value)

@@ -27,13 +27,13 @@ def _settings(examples: int, steps: int = 25) -> settings:
 
 
 IN_PROCESS = {"timeout": 2.0, "liveness_timeout": 2.0}  # short: a failure shrinks quickly
-DATA = {
+DATA: dict[str, tuple[dict[str, Any], int]] = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),
     "memory": ({"options": {}, **IN_PROCESS}, 25),
     "nixl": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),  # 3-block slices
     "ucx": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),
 }
-CONTROL = {
+CONTROL: dict[str, tuple[dict[str, Any], int]] = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),
     "memory": ({"options": {}, **IN_PROCESS}, 25),
     "zmq": ({"options": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0,

@@ -3,8 +3,9 @@
 Collected only through ``pytest --p2pkv-transport NAME`` (see :mod:`p2pkv.testing.pytest_plugin`);
 a name that is not installed fails with the registry's explanation (what is installed, which
 distribution provides it). Each kind runs its suite and its state machine (with the kit's
-hypothesis settings unless ``--hypothesis-profile`` names another); a kind with no transport
-among the names (``--p2pkv-kind``, or a name installed as one kind only) is deselected.
+hypothesis settings unless ``--hypothesis-profile`` names another; in a child process with
+``--p2pkv-machine-child``); a kind with no transport among the names (``--p2pkv-kind``, or a
+name installed as one kind only) is deselected.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from p2pkv.contracts import TransportKind
 from p2pkv.registry import default_registry
+from p2pkv.testing.isolated import run_machine_in_child
 from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
 from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite, installed_transport
 
@@ -76,12 +78,16 @@ class _MachineByName(_ByName):
     liveness_timeout: float = 10.0
 
     def test_state_machine(
-        self, transport_class: type[Any], transport_options: Mapping[str, Any]
+        self, transport_class: type[Any], transport_options: Mapping[str, Any],
+        pytestconfig: pytest.Config,
     ) -> None:
-        attrs = {"transport": transport_class, "options": transport_options,
+        attrs = {"transport": transport_class, "options": dict(transport_options),
                  "timeout": self.timeout, "liveness_timeout": self.liveness_timeout}
-        run_state_machine_as_test(type(f"{transport_class.__name__}Machine", (self.machine,),
-                                       attrs))
+        machine = type(f"{transport_class.__name__}Machine", (self.machine,), attrs)
+        if pytestconfig.getoption("p2pkv_machine_child"):
+            run_machine_in_child(machine)
+        else:
+            run_state_machine_as_test(machine)
 
 
 class TestControlMachine(_MachineByName):

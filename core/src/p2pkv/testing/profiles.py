@@ -6,7 +6,8 @@ this repository's profiles. So the kit registers the hypothesis profile ``p2pkv`
 :mod:`p2pkv.testing.stateful`, :mod:`p2pkv.testing.tier_machine` and the kit's pytest plugin,
 so ``pytest --hypothesis-profile p2pkv`` works), and its machines run with it by default:
 :func:`machine_settings` is what a machine subclass gets as ``TestCase.settings`` when it is
-defined while hypothesis' ``default`` profile is the loaded one. Loading a profile of your own
+defined while hypothesis' ``default`` profile is the loaded one (see
+:class:`p2pkv.testing.machine.KitMachine`). Loading a profile of your own
 before the class is defined (a ``conftest.py``, ``--hypothesis-profile``), setting
 ``TestCase.settings`` or passing ``settings=`` to ``run_state_machine_as_test`` wins.
 
@@ -17,12 +18,9 @@ The profile: few, short runs, no shrinking (a failing run prints its unshrunk st
 
 from __future__ import annotations
 
-from typing import Any
-
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import RuleBasedStateMachine
 
-__all__ = ["PROFILE", "KitMachine", "machine_settings"]
+__all__ = ["PROFILE", "machine_settings"]
 
 PROFILE = "p2pkv"
 
@@ -44,13 +42,3 @@ def machine_settings() -> settings:
     if settings.get_current_profile_name() == "default":
         return settings.get_profile(PROFILE)
     return settings(settings.default, deadline=None)
-
-
-class KitMachine(RuleBasedStateMachine):
-    """Base of the kit's machines: each subclass gets :func:`machine_settings` as its
-    ``TestCase.settings`` when it is defined (a ``@settings(...)`` decorator on it, or
-    ``settings=`` given to ``run_state_machine_as_test``, still wins)."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.TestCase.settings = machine_settings()

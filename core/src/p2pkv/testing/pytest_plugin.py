@@ -5,7 +5,9 @@
 (:mod:`p2pkv.testing.by_name`) to the run. Without explicit paths only the kit runs; with
 paths the kit runs alongside them. ``--p2pkv-kind`` limits the run to control or data (by
 default every kind ``NAME`` is installed as), ``--p2pkv-options`` passes a JSON object as the
-transport's options, ``--p2pkv-timeout`` bounds each awaited event.
+transport's options, ``--p2pkv-timeout`` bounds each awaited event, ``--p2pkv-machine-child``
+runs the state machines in a child process (:mod:`p2pkv.testing.isolated`: a crash is reported
+with its steps).
 
 Importing the plugin registers the kit's hypothesis profile ``p2pkv`` (see
 :mod:`p2pkv.testing.profiles`), so ``pytest --hypothesis-profile p2pkv`` selects it for every
@@ -48,6 +50,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="{}",
         metavar="JSON",
         help="transport options (control_options/data_options) as a JSON object",
+    )
+    group.addoption(
+        "--p2pkv-machine-child",
+        action="store_true",
+        help="run the state machines in a child process: a transport that crashes is reported "
+             "with the signal, its last steps and the seed that replays them",
     )
     group.addoption(
         "--p2pkv-timeout",

@@ -19,12 +19,20 @@ every step that the two agree. Subclass, set ``transport`` (and ``options``), an
 progress, pump the peers (progress and poll: the serving side), cancel, kill (close) a peer,
 remove a peer, re-add a removed one. Model: our region, exact outside the slots of pending
 reads; like an engine, the machine overwrites a read's slots with a fresh canary the moment
-the read is reported, cancelled or its peer removed. Invariants: the peers' (source) regions
-never change; outside pending reads our region is exactly the model (no stray write, and no
-late landing after ``cancel``, ``remove_peer`` or a report);
-a done read's slots hold exactly its source blocks; every id is reported at most once and
-never after it was ended; ``remove_peer`` and ``close`` return no read id; at teardown every
-read has reached exactly one terminal state or was ended.
+the read is reported, cancelled or its peer removed, and a closed peer's whole region the
+moment it closed (its caller's again). Invariants: the peers' (source) regions never change
+while they are open; outside pending reads our region is exactly the model (no stray write,
+and no late landing after ``cancel``, ``remove_peer`` or a report); a done read's slots hold
+exactly its source blocks; every id is reported at most once and never after it was ended;
+``remove_peer`` and ``close`` return no read id; the reads of a closed peer all end within
+``timeout`` of its close (the rule waits for it: a transport must notice a closed peer), and
+a read posted to a closed peer is refused or ends failed; at teardown every read has reached
+exactly one terminal state or was ended.
+
+A failed step is the reported error: teardown then only closes (:mod:`p2pkv.testing.machine`).
+Rules are logged before they run while a step log is open (:mod:`p2pkv.testing.steps`), and
+:func:`p2pkv.testing.isolated.run_machine_in_child` runs a machine in a child process, for a
+transport that may crash it.
 
 :class:`ControlTransportMachine` -- rules: dial, send (either way), pump, close a connection
 from either end, kill (close) a peer transport, redial. Model: for every connection, the frames
@@ -46,13 +54,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition
 
 from p2pkv.contracts import Capabilities, ControlTransport, DataTransport
 from p2pkv.errors import ConnectionClosed, TransferSubmitError, TransportUnavailable
+from p2pkv.testing.machine import KitMachine
 from p2pkv.testing.peers import LocalControlPeer, LocalDataPeer, pattern
 from p2pkv.testing.polllog import PollLog
-from p2pkv.testing.profiles import KitMachine
+from p2pkv.testing.steps import step
 from p2pkv.testing.strategies import binary_frames
 from p2pkv.testing.waiting import pumping_in_background, quietly, wait_until
 
@@ -136,8 +145,6 @@ class DataTransportMachine(KitMachine):
         self.dead: set[str] = set()
         self.removed: set[str] = set()
         self.canaries = itertools.count(1 << 20)
-        self.failed = False
-        """A rule failed in a way that leaves the model behind: teardown only closes."""
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -176,9 +183,12 @@ class DataTransportMachine(KitMachine):
         region = self.local.region_bytes()
         for tid in done:
             t = self.reads[tid]
+            closed = (f" ({t.peer} closed meanwhile: after a peer's close its region is its "
+                      f"caller's again, reads of it must fail)") if t.peer in self.dead else ""
             for idx, block in zip(t.local, t.payload, strict=True):
                 assert self._block(region, idx) == block, (
-                    f"read {tid} reported done but our block {idx} lacks peer {t.peer}'s bytes"
+                    f"read {tid} reported done but our block {idx} lacks peer {t.peer}'s "
+                    f"bytes{closed}"
                 )
             self._end(t, "done")
         for tid in failed:
@@ -192,7 +202,7 @@ class DataTransportMachine(KitMachine):
 
     # -- rules ----------------------------------------------------------------------------
 
-    @rule(data=st.data(), k=st.integers(1, 3))
+    @step(data=st.data(), k=st.integers(1, 3))
     def read(self, data: st.DataObject, k: int) -> None:
         """Read ``k`` blocks into free slots. Which slots are free depends on when earlier
         reads finished (timing), so the draws never do: slots are drawn as indexes into
@@ -215,8 +225,14 @@ class DataTransportMachine(KitMachine):
         payload = [self._block(self.sources[pid], i) for i in remote]
         self.reads[tid] = _Read(tid, pid, local, payload)
         self.busy.update(dict.fromkeys(local, tid))
+        if pid in self.dead:
+            self._await_dead_peer_reads(pid)
+            assert self.reads[tid].state == "failed", (
+                f"read {tid} of peer {pid}, posted after {pid} closed, was reported done: "
+                f"after its close a peer's region is its caller's again, reads of it must fail"
+            )
 
-    @rule(data=st.data(), bad=st.sampled_from(_BAD_READS))
+    @step(data=st.data(), bad=st.sampled_from(_BAD_READS))
     def read_refused(self, data: st.DataObject, bad: str) -> None:
         """Bad indexes are refused before anything is posted (the invariants check nothing
         of ours changed)."""
@@ -235,21 +251,20 @@ class DataTransportMachine(KitMachine):
             tid = self.local.read_blocks(pid, local, remote)
         except TransferSubmitError:
             return
-        self.failed = True  # its id is unknown to the model: teardown must not mask this
         raise AssertionError(f"read_blocks accepted a bad read ({bad}: {local} <- {remote}, "
                              f"id {tid})")
 
-    @rule(data=st.data())
+    @step(data=st.data())
     def poll(self, data: st.DataObject) -> None:
         scope = data.draw(st.sampled_from([*sorted(self.peers), None]), label="scope")
         result = self.log.poll(scope)
         self._record(result.done, result.failed)
 
-    @rule()
+    @step()
     def progress(self) -> None:
         self.local.pump()
 
-    @rule()
+    @step()
     def pump_peers(self) -> None:
         """Peers progress and poll (a two-sided peer serves our reads there; it must never
         report anything: it posted nothing)."""
@@ -258,7 +273,7 @@ class DataTransportMachine(KitMachine):
                 peer.pump()
                 self.peer_logs[pid].poll("local")
 
-    @rule(data=st.data())
+    @step(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         indexes = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=8),
                             label="cancel")
@@ -271,14 +286,32 @@ class DataTransportMachine(KitMachine):
             self._end(t, "ended")
 
     @precondition(lambda self: len(self.dead) < len(self.peers) - 1)
-    @rule(data=st.data())
+    @step(data=st.data())
     def kill_peer(self, data: st.DataObject) -> None:
+        """Close a peer and, as its caller would, reuse its region at once (a canary):
+        its reads must end within ``timeout``, none of them done with the canary's bytes."""
         pid = data.draw(st.sampled_from(sorted(set(self.peers) - self.dead)), label="victim")
-        self.peers[pid].close()
+        peer = self.peers[pid]
+        peer.close()
         self.dead.add(pid)
+        n = self.num_blocks
+        peer.set_blocks(range(n), pattern(next(self.canaries), n * self.block_len).tobytes())
+        self._await_dead_peer_reads(pid)
+
+    def _await_dead_peer_reads(self, pid: str) -> None:
+        """Wait (bounded) until every read of the closed peer ``pid`` has ended: the
+        transport must notice a closed peer by itself. Which of them end done or failed is
+        timing, but no draw depends on it: either way their slots are free again."""
+        wait_until(
+            lambda: not self._pending(pid),
+            timeout=self.timeout,
+            what=f"every read of peer {pid}, which closed, to end (failed, or done with bytes "
+                 f"read before the close): a transport must notice a closed peer",
+            pumps=[*self._live_pumps(), lambda: self._record(*self.log.poll(pid))],
+        )
 
     @precondition(lambda self: bool(set(self.peers) - self.removed))
-    @rule(data=st.data())
+    @step(data=st.data())
     def remove_peer(self, data: st.DataObject) -> None:
         pid = data.draw(st.sampled_from(sorted(set(self.peers) - self.removed)), label="peer")
         with pumping_in_background(self._live_pumps()):
@@ -292,7 +325,7 @@ class DataTransportMachine(KitMachine):
             self._end(t, "ended")
 
     @precondition(lambda self: bool(self.removed - self.dead))
-    @rule(data=st.data())
+    @step(data=st.data())
     def readd_peer(self, data: st.DataObject) -> None:
         pid = data.draw(st.sampled_from(sorted(self.removed - self.dead)), label="peer")
         self.local.add_peer(pid, self.peers[pid].descriptor)
@@ -322,8 +355,10 @@ class DataTransportMachine(KitMachine):
             )
 
     def teardown(self) -> None:
+        """Drain and check that every read ended, then close; after a failed step only
+        close (quietly, no waiting: the failure stays the reported error)."""
         try:
-            if not self.failed:
+            if not self.teardown_after_failure():
                 self._drain()
         finally:
             for pid, peer in self.peers.items():
@@ -495,7 +530,7 @@ class ControlTransportMachine(KitMachine):
 
     # -- rules ----------------------------------------------------------------------------
 
-    @rule(a=st.integers(0, 5), b=st.integers(0, 5), silent=st.booleans())
+    @step(a=st.integers(0, 5), b=st.integers(0, 5), silent=st.booleans())
     def dial(self, a: int, b: int, silent: bool) -> None:
         """Connect (and say hello unless ``silent``: then nothing may be accepted yet)."""
         a, b = a % self.node_count, b % self.node_count
@@ -517,19 +552,19 @@ class ControlTransportMachine(KitMachine):
             self._send(end, b"dial")
             self._await_far(end)
 
-    @rule(data=st.data(), payload=binary_frames(512))
+    @step(data=st.data(), payload=binary_frames(512))
     def send(self, data: st.DataObject, payload: bytes) -> None:
         end = _pick(data, self._usable(), "end")
         if end is not None:
             self._send(end, payload)
             self._await_far(end)
 
-    @rule(rounds=st.integers(1, 3))
+    @step(rounds=st.integers(1, 3))
     def pump(self, rounds: int) -> None:
         for _ in range(rounds):
             self._pump()
 
-    @rule(data=st.data())
+    @step(data=st.data())
     def close_connection(self, data: st.DataObject) -> None:
         end = _pick(data, self._usable(), "end")
         if end is None:
@@ -544,7 +579,7 @@ class ControlTransportMachine(KitMachine):
             self._await_deaths()
 
     @precondition(lambda self: len(self.gone) < self.node_count - 2)
-    @rule(victim=st.integers(1, 5))
+    @step(victim=st.integers(1, 5))
     def kill_node(self, victim: int) -> None:
         victim = 1 + victim % (self.node_count - 1)
         if victim not in self.gone:
@@ -563,8 +598,11 @@ class ControlTransportMachine(KitMachine):
                 assert not self.nodes[end.node].alive(end.handle), "a closed connection revived"
 
     def teardown(self) -> None:
+        """Wait for every frame and death to arrive, then close; after a failed step only
+        close (quietly, no waiting: the failure stays the reported error)."""
         try:
-            self._settle()
+            if not self.teardown_after_failure():
+                self._settle()
         finally:
             for i, node in enumerate(self.nodes):
                 if i not in self.gone:

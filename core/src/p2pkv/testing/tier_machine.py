@@ -46,15 +46,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, initialize, invariant, rule
+from hypothesis.stateful import Bundle, initialize, invariant
 
 from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, ControlTransport, DataSettings, DataTransport
 from p2pkv.data_base import allocated_region
 from p2pkv.registry import Registry
-from p2pkv.testing.profiles import KitMachine
-from p2pkv.testing.waiting import WaitTimeout, wait_until
+from p2pkv.testing.machine import KitMachine
+from p2pkv.testing.steps import step
+from p2pkv.testing.waiting import WaitTimeout, quietly, wait_until
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 
@@ -294,7 +295,7 @@ class TierMachine(KitMachine):
 
     # -- requests ---------------------------------------------------------------------------
 
-    @rule(target=requests, pair=st.sampled_from([(0, 1), (1, 0), (0, 2), (2, 1)]),
+    @step(target=requests, pair=st.sampled_from([(0, 1), (1, 0), (0, 2), (2, 1)]),
           n=st.integers(1, 6), probe=st.sampled_from([False, False, True]),
           first=st.sampled_from(["store", "load", "both", "none"]), data=st.data())
     def new_request(self, pair: tuple[int, int], n: int, probe: bool, first: str,
@@ -322,14 +323,14 @@ class TierMachine(KitMachine):
             self.load(req, data)
         return req
 
-    @rule(pair=st.sampled_from([(0, 1), (1, 0)]), count=st.integers(4, 12), data=st.data())
+    @step(pair=st.sampled_from([(0, 1), (1, 0)]), count=st.integers(4, 12), data=st.data())
     def burst(self, pair: tuple[int, int], count: int, data: Any) -> None:
         """``count`` PD requests of one block each, stored and loaded all at once: beyond
         the drawn window they queue in the consumer's tier, each within its deadline."""
         for _ in range(count):
             self.new_request(pair, 1, False, "both", data)
 
-    @rule(req=requests, action=st.sampled_from(["store", "store", "load", "load", "load",
+    @step(req=requests, action=st.sampled_from(["store", "store", "load", "load", "load",
                                                 "probe", "finish"]),
           producer_first=st.booleans(), data=st.data())
     def act(self, req: Req, action: str, producer_first: bool, data: Any) -> None:
@@ -393,13 +394,13 @@ class TierMachine(KitMachine):
 
     # -- time and I/O -----------------------------------------------------------------------
 
-    @rule(rounds=st.integers(1, 4))
+    @step(rounds=st.integers(1, 4))
     def pump(self, rounds: int) -> None:
         for _ in range(rounds):
             for i in range(self.N_NODES):
                 self._tick(i)
 
-    @rule(seconds=st.sampled_from([0.5, 0.5, 3, 5.5, 10.5, 30.5, 61]))
+    @step(seconds=st.sampled_from([0.5, 0.5, 3, 5.5, 10.5, 30.5, 61]))
     def advance(self, seconds: float) -> None:
         self.clock.advance(seconds)
         self.pump(2)
@@ -435,7 +436,7 @@ class TierMachine(KitMachine):
 
     # -- faults -----------------------------------------------------------------------------
 
-    @rule(kind=st.sampled_from([*_INJECTED, "kill", "partition", "heal", "restart", "freeze"]),
+    @step(kind=st.sampled_from([*_INJECTED, "kill", "partition", "heal", "restart", "freeze"]),
           node=st.integers(0, 2), other=st.integers(0, 2), count=st.integers(1, 2),
           polls=st.integers(1, 3))
     def fault(self, kind: str, node: int, other: int, count: int, polls: int) -> None:
@@ -510,12 +511,18 @@ class TierMachine(KitMachine):
         return snap
 
     def teardown(self) -> None:
+        """Quiesce and check that nothing is left, then shut every node down; after a
+        failed step only shut down (no waiting: the failure stays the reported error)."""
+        failed = self.teardown_after_failure()
         try:
-            if self.nodes:
+            if self.nodes and not failed:
                 self._quiesce()
         finally:
             for node in self.nodes:
-                node.shutdown()
+                if failed:
+                    quietly(node.shutdown)
+                else:
+                    node.shutdown()
 
     def _quiesce(self) -> None:
         self.heal()
