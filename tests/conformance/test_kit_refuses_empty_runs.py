@@ -1,6 +1,6 @@
-"""A new author cannot get a green run that tested (nearly) nothing: a capability set or a
-suite knob that would make the data suite skip its pair tests fails them instead, saying
-what to declare."""
+"""A new author cannot get a green run that tested (nearly) nothing: a capability set, a
+suite knob or a transport name that would make the data suite skip its tests fails them
+instead, saying what to declare."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ SUITE_RUN = textwrap.dedent(
     class TestNoWayToBuildAPeer(DataTransportSuite):  # not cross_process either
         transport = LoopbackDataTransport
         same_process_pairs = False
+
+    class TestMisspeltName(DataTransportSuite):
+        transport_name = "lopback"
     """
 )
 
@@ -35,6 +38,7 @@ SUITE_RUN = textwrap.dedent(
     ("TestClaimsNoDram", "memory_kinds must include 'DRAM'"),
     ("TestNoWayToBuildAPeer", "claim cross_process (peers then run in a child process) or "
                               "allow same-process pairs"),
+    ("TestMisspeltName", "did you mean 'loopback'"),
 ])
 def test_a_run_that_would_skip_the_pair_tests_fails_naming_the_fix(
     tmp_path: Path, cls: str, says: str

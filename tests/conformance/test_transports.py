@@ -1,4 +1,5 @@
-"""The conformance kit over every transport the project publishes (skipped if not installed)."""
+"""The conformance kit over every transport the project publishes (skipped if not installed:
+``missing_transport = "skip"``)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,24 @@ from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
 
 class TestMemoryControl(ControlTransportSuite):
     transport_name = "memory"
+    missing_transport = "skip"
 
 
 class TestMemoryData(DataTransportSuite):
     transport_name = "memory"
+    missing_transport = "skip"
 
 
 class TestZmqControl(ControlTransportSuite):
     transport_name = "zmq"
+    missing_transport = "skip"
     options = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0}
     liveness_timeout = 5.0
 
 
 class TestNixlData(DataTransportSuite):
     transport_name = "nixl"
+    missing_transport = "skip"
     options = {"drain_timeout": 1.0, "slice_bytes": 768}  # bounds dead-peer tests; 3-block slices
 
     @pytest.mark.xfail(strict=True, reason=(
@@ -37,4 +42,5 @@ class TestNixlData(DataTransportSuite):
 
 class TestUcxData(DataTransportSuite):
     transport_name = "ucx"
+    missing_transport = "skip"
     options = {"drain_timeout": 1.0, "slice_bytes": 768}

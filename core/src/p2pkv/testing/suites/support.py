@@ -37,6 +37,10 @@ class _SuiteBase:
     kind: ClassVar[TransportKind]
     transport: ClassVar[type[Any] | None] = None
     transport_name: ClassVar[str | None] = None
+    missing_transport: ClassVar[str] = "fail"
+    """When ``transport_name`` is not installed: ``"fail"`` every test with the registry's
+    explanation (a misspelt name never makes a green run), or ``"skip"`` them (a suite over
+    an optional transport, as this repository's over every published one)."""
     options: ClassVar[Mapping[str, Any]] = {}
     timeout: ClassVar[float] = 10.0
     same_process_pairs: ClassVar[bool] = True
@@ -46,7 +50,8 @@ class _SuiteBase:
         if self.transport is not None:
             return self.transport
         if self.transport_name is not None:
-            return installed_transport(self.kind, self.transport_name)
+            return installed_transport(self.kind, self.transport_name,
+                                       missing=self.missing_transport)
         pytest.fail(
             f"{type(self).__name__}: set `transport = YourTransport` (or `transport_name`) on "
             f"the suite subclass, or override the `transport_class` fixture"
