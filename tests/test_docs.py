@@ -3,13 +3,15 @@
 - ``python`` blocks run in a fresh interpreter (the dev venv) from the repository root.
 - ``bash`` blocks: every ``p2pkv ...`` command (with or without ``.venv/bin/``) must parse
   with the real CLI parser, plugins included; every ``bash scripts/...`` must name a script
-  that exists. A block preceded by ``<!-- docs-test: run -->`` is run for real.
+  that exists. A block preceded by ``<!-- docs-test: run -->`` is run for real, from the
+  repository root, with this interpreter's ``bin`` first on ``PATH`` (``pytest``, ``p2pkv``).
 - A block preceded by ``<!-- docs-test: skip REASON -->`` is skipped, and the reason shows in
   the test report. Blocks in other languages (``text``, ``mermaid``, ``json``, ...) are data.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -118,9 +120,10 @@ def test_doc_block(block: Block) -> None:
         assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout}\n{proc.stderr}"
         return
     if block.directive == "run":
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         proc = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", block.code], cwd=ROOT, capture_output=True,
-            text=True, timeout=120,
+            text=True, timeout=300, env={**os.environ, "PATH": path},
         )
         assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout}\n{proc.stderr}"
         return

@@ -15,13 +15,18 @@ under test here, and its peers either in this process (``same-process``) or in a
 (including a peer that is SIGKILLed or SIGSTOPped) is tested with no extra code. Tests read the
 class's declared :class:`~p2pkv.contracts.Capabilities` and skip, with the reason, what it does
 not claim; a transport whose ``availability()`` reports a missing library is skipped as a
-whole.
+whole. A declaration that would skip every pair test (``memory_kinds`` without ``DRAM``;
+``same_process_pairs = False`` for a transport that does not claim ``cross_process``; a
+``transport_name`` that is not installed) fails them instead, naming what to declare: a run
+that tested nothing is never green.
 
 Knobs (class attributes; ``transport_class`` and ``transport_options`` are also fixtures,
 which a subclass may override instead):
 
 ``transport``            the class under test (or override the ``transport_class`` fixture)
 ``transport_name``       instead of ``transport``: an installed transport, by registry name
+``missing_transport``    ``"fail"`` (default) or ``"skip"`` when ``transport_name`` is not
+                         installed
 ``options``              ``control_options``/``data_options`` for every instance
 ``timeout``              seconds any single expected event may take (default 10)
 ``same_process_pairs``   False if two instances cannot share a process
@@ -32,6 +37,8 @@ which a subclass may override instead):
 ``late_landing_window``  seconds the late-landing tests keep both sides progressing after a
                          read was ended (cancel, remove_peer, replacing the peer, close),
                          watching a canary in its slots (data; default 0.5)
+``poll_budget``          polls of each side within which one read, alone in an idle process,
+                         must complete (data; default 100)
 
 The data suites read from the peer into the transport under test (the consumer owns every
 write into its region) and, while waiting on a read, always keep the peer side progressing and
