@@ -156,22 +156,33 @@ def test_bench_data_options_need_the_transports_they_are_for(
     assert err.startswith("p2pkv bench: --data-options") and says in err
 
 
-def test_bench_takes_each_transports_own_options_in_one_run(tmp_path: Path) -> None:
-    """``NAME=JSON`` gives one transport of ``--transports`` its own options (the flag
-    repeats); a plain JSON object goes to the others."""
+def test_bench_takes_each_transports_own_options_in_one_run(
+    tmp_path: Path, own_memory: OwnMemory
+) -> None:
+    """``NAME=JSON`` (the flag repeats) gives each transport of ``--transports`` its own
+    options in one comparison run: ``memory`` is built and allocates with its own, and the
+    example plugin's ``loopback``, which refuses any option, with none."""
+    pytest.importorskip("p2pkv_loopback", reason="the example plugin is needed")
     out = tmp_path / "bench.json"
-    code = main([*BENCH, "--json", str(out), "--data-options", "{}",
+    two = ["--transports", "memory,loopback", "--batches", "1", "--no-memcpy"]
+    code = main([*BENCH, *two, "--json", str(out), "--data-options", "{}",
                  "--data-options", f"memory={json.dumps(OPTIONS)}"])
     assert code == 0
-    assert json.loads(out.read_text())["config"]["data_options"] == {"memory": OPTIONS}
+    doc = json.loads(out.read_text())
+    assert doc["config"]["data_options"] == {"memory": OPTIONS, "loopback": {}}
+    rows = [r for r in doc["rows"] if r["series"] in ("p2pkv memory", "p2pkv loopback")]
+    assert {r["series"] for r in rows} == {"p2pkv memory", "p2pkv loopback"}
+    assert all(r["verified"] and not r["error"] for r in rows)
+    assert own_memory.registered and all(o == OPTIONS for _, o in own_memory.registered)
 
 
 @pytest.mark.parametrize(
     ("values", "says"),
     [(["nixl={}"], "names 'nixl', which is not in --transports memory: add it there"),
      (["memory={}", "memory={}"], "names 'memory' twice"),
+     (["{}", "{}"], "gives options for every transport twice"),
      (["memory=[1]"], "JSON object")],
-    ids=["not in --transports", "twice", "not an object"],
+    ids=["not in --transports", "twice", "plain twice", "not an object"],
 )
 def test_misnamed_per_transport_options_are_one_line(
     values: list[str], says: str, capsys: pytest.CaptureFixture[str]

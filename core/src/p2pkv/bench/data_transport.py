@@ -4,8 +4,8 @@
   anything runs by building the transport once over a small region and closing it, so an
   unknown key ends in the transport's own ``ConfigError`` line;
 - its memory: every region a p2pkv series or a demo role registers comes from the transport
-  class's ``allocate_region`` (a transport that registers only memory of its own kind runs
-  on exactly that), written once so every page is faulted in before any clock starts.
+  class's ``allocate_region`` (a transport that prefers host memory of its own allocation
+  runs on exactly that), written once so every page is faulted in before any clock starts.
 """
 
 from __future__ import annotations
@@ -57,18 +57,22 @@ def parse_bench_data_options(values: Sequence[str] | None,
     """``p2pkv bench``'s ``--data-options`` values (the flag may repeat) as transport name ->
     its data_options: a plain JSON object (or @FILE) for every transport of ``transports``,
     ``NAME=JSON`` for transport NAME only (a named one wins over a plain one). ``ConfigError``
-    without ``--transports``, for a name not in it or given twice, or a value that is not a
-    JSON object."""
+    without ``--transports``, for a name not in it or given twice, a plain value given twice,
+    or a value that is not a JSON object."""
     if not values:
         return {}
     if not transports:
         raise ConfigError(f"{DATA_OPTIONS_FLAG} needs --transports NAME[,NAME...]: the "
                           f"options go to those data transports")
-    shared: dict[str, Any] = {}
+    shared: dict[str, Any] | None = None
     named: dict[str, dict[str, Any]] = {}
     for value in values:
         match = _NAMED.fullmatch(value.strip())
         if match is None:
+            if shared is not None:
+                raise ConfigError(f"{DATA_OPTIONS_FLAG} gives options for every transport "
+                                  f"twice: give them once, and NAME=JSON for each transport "
+                                  f"whose options differ")
             shared = parse_data_options(value)
             continue
         name = match.group(1)
@@ -78,7 +82,7 @@ def parse_bench_data_options(values: Sequence[str] | None,
         if name in named:
             raise ConfigError(f"{DATA_OPTIONS_FLAG} names {name!r} twice: give its options once")
         named[name] = parse_data_options(match.group(2))
-    return {name: named.get(name, shared) for name in transports}
+    return {name: named.get(name, shared or {}) for name in transports}
 
 
 def check_data_options(registry: Registry, name: str, options: Mapping[str, Any]) -> None:
