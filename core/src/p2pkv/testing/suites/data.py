@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, ClassVar
@@ -19,6 +20,10 @@ from p2pkv.testing.suites.support import _SuiteBase
 from p2pkv.testing.waiting import quietly, wait_until
 
 __all__ = ["DataTransportSuite"]
+
+_NO_SWITCH = 5.0
+"""Seconds of CPython's switch interval while the poll-budget test polls: longer than its
+loop takes, so no thread is handed the GIL by time alone."""
 
 
 class DataTransportSuite(_SuiteBase):
@@ -197,17 +202,25 @@ class DataTransportSuite(_SuiteBase):
     def test_a_read_completes_within_a_bounded_number_of_polls(self, pair: _DataPair) -> None:
         """A bound on calls, not on time: alternating one pump and poll of the peer and one
         poll of ours, ``poll_budget`` rounds complete a read. A transport whose I/O runs on
-        threads of its own fails this in CPython: a caller spinning on ``poll`` holds the GIL,
-        and such a thread gets it back only every switch interval (5 ms)."""
+        Python threads of its own fails this in CPython: a caller spinning on ``poll`` holds
+        the GIL, and such a thread gets it back only every switch interval (5 ms), or sooner
+        on a loaded machine, where each poll takes longer. So the switch interval is raised
+        for the loop: such a thread then runs only when a call gives the GIL up (a blocking
+        call, I/O in C), and the outcome depends on the calls alone, not on the load."""
         n = self.num_blocks
         remote, plog = pair.peers["remote"], pair.peer_logs["remote"]
         tid = pair.submit("remote", [n - 2], [1])
-        for _ in range(self.poll_budget):
-            remote.pump()
-            plog.poll("local")
-            pair.log.poll("remote")
-            if pair.log.terminal({tid}):
-                break
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(max(interval, _NO_SWITCH))
+        try:
+            for _ in range(self.poll_budget):
+                remote.pump()
+                plog.poll("local")
+                pair.log.poll("remote")
+                if pair.log.terminal({tid}):
+                    break
+        finally:
+            sys.setswitchinterval(interval)
         assert tid in pair.log.done, (
             f"read {tid} was not done after {self.poll_budget} polls of each side (an I/O "
             f"thread starved of the GIL by the caller's polling? see docs/plugin-authors.md)"
