@@ -40,7 +40,7 @@ class RemovePeerKeepsReads(SocketDataTransport):
         return []
 
 
-class RemovePeerReturnsReads(SocketDataTransport):
+class SocketRemovePeerReturnsReads(SocketDataTransport):
     """``remove_peer`` ends the peer's reads and returns their ids as undrained."""
 
     def remove_peer(self, peer_id: str) -> list[int]:
@@ -143,7 +143,7 @@ class StarvedIOThread(SocketDataTransport):
 SABOTAGE: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "ReportsAfterRemovePeer": (ReportsAfterRemovePeer, ("test_remove_peer_is_final",)),
     "RemovePeerKeepsReads": (RemovePeerKeepsReads, ("test_remove_peer_is_final",)),
-    "RemovePeerReturnsReads": (RemovePeerReturnsReads, ("test_remove_peer_is_final",)),
+    "SocketRemovePeerReturnsReads": (SocketRemovePeerReturnsReads, ("test_remove_peer_is_final",)),
     "DoneBeforeLanding": (DoneBeforeLanding, ("test_each_read_reported_exactly_once",
                                               "test_poll_none_drains_every_peer")),
     "NeverNoticesDeadPeer": (NeverNoticesDeadPeer, ("test_reads_of_a_closed_peer_fail",

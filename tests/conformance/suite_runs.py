@@ -46,13 +46,15 @@ def add_suites(
     """Add the test classes of ``variants`` (name -> (class, the tests that must catch it))
     to ``namespace``, with ``attrs`` (timeouts), and ``Test<name>`` over ``correct``."""
     union = {t for _, tests in variants.values() for t in tests}
-    namespace[f"Test{name}"] = type(f"Test{name}", (suite,),
-                                    {"transport": correct, **_only(suite, union)})
-    for variant, (cls, tests) in variants.items():
+    classes: dict[str, tuple[type, Mapping[str, Any], set[str]]] = {
+        f"Test{name}": (correct, {}, union)}
+    for variant, (cls, expected) in variants.items():
         for run in range(1, RUNS + 1):
-            test = f"Test{variant}Run{run}"
-            namespace[test] = type(test, (suite,),
-                                   {"transport": cls, **attrs, **_only(suite, set(tests))})
+            classes[f"Test{variant}Run{run}"] = (cls, attrs, set(expected))
+    for test, (transport, knobs, tests) in classes.items():
+        assert test not in namespace, f"two variants are named {test[4:]}: rename one"
+        namespace[test] = type(test, (suite,),
+                               {"transport": transport, **knobs, **_only(suite, tests)})
 
 
 def run_suites(tmp: Path, source: str, timeout: float) -> tuple[Outcomes, str]:
