@@ -126,8 +126,14 @@ class StarvedIOThread(SocketDataTransport):
             return super().read_blocks(peer_id, local_idxs, remote_idxs)
 
     def poll(self, peer_id: str | None = None) -> PollResult:
-        with self._lock:
+        """Never blocks: while the I/O thread holds the lock there is nothing to report yet
+        (so the caller's polling never hands the thread the GIL by waiting for it)."""
+        if not self._lock.acquire(blocking=False):
+            return PollResult([], [])
+        try:
             return super().poll(peer_id)
+        finally:
+            self._lock.release()
 
     def cancel(self, transfer_ids: Sequence[int]) -> None:
         with self._lock:

@@ -22,8 +22,8 @@ from p2pkv.testing.waiting import quietly, wait_until
 __all__ = ["DataTransportSuite"]
 
 _NO_SWITCH = 5.0
-"""Seconds of CPython's switch interval while the poll-budget test polls: longer than its
-loop takes, so no thread is handed the GIL by time alone."""
+"""Seconds of CPython's switch interval during the poll-budget test: longer than its loop
+takes, so no thread is handed the GIL by time alone."""
 
 
 class DataTransportSuite(_SuiteBase):
@@ -199,28 +199,35 @@ class DataTransportSuite(_SuiteBase):
         pair.wait_terminal("remote", {tid}, "poll to report the read progress advanced")
         assert tid in pair.log.done
 
-    def test_a_read_completes_within_a_bounded_number_of_polls(self, pair: _DataPair) -> None:
+    @pytest.fixture
+    def gil_kept_by_the_caller(self) -> Iterator[None]:
+        """CPython's switch interval raised to ``_NO_SWITCH`` for the test, set before its
+        transports (and their threads) exist: a thread then gets the GIL only when the
+        caller's call gives it up (a blocking call, I/O in C), never by time alone."""
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(max(interval, _NO_SWITCH))
+        yield
+        sys.setswitchinterval(interval)
+
+    def test_a_read_completes_within_a_bounded_number_of_polls(
+        self, gil_kept_by_the_caller: None, pair: _DataPair
+    ) -> None:
         """A bound on calls, not on time: alternating one pump and poll of the peer and one
         poll of ours, ``poll_budget`` rounds complete a read. A transport whose I/O runs on
         Python threads of its own fails this in CPython: a caller spinning on ``poll`` holds
         the GIL, and such a thread gets it back only every switch interval (5 ms), or sooner
         on a loaded machine, where each poll takes longer. So the switch interval is raised
-        for the loop: such a thread then runs only when a call gives the GIL up (a blocking
-        call, I/O in C), and the outcome depends on the calls alone, not on the load."""
+        for the test (``gil_kept_by_the_caller``): the outcome depends on the calls alone,
+        not on the machine's load."""
         n = self.num_blocks
         remote, plog = pair.peers["remote"], pair.peer_logs["remote"]
         tid = pair.submit("remote", [n - 2], [1])
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(max(interval, _NO_SWITCH))
-        try:
-            for _ in range(self.poll_budget):
-                remote.pump()
-                plog.poll("local")
-                pair.log.poll("remote")
-                if pair.log.terminal({tid}):
-                    break
-        finally:
-            sys.setswitchinterval(interval)
+        for _ in range(self.poll_budget):
+            remote.pump()
+            plog.poll("local")
+            pair.log.poll("remote")
+            if pair.log.terminal({tid}):
+                break
         assert tid in pair.log.done, (
             f"read {tid} was not done after {self.poll_budget} polls of each side (an I/O "
             f"thread starved of the GIL by the caller's polling? see docs/plugin-authors.md)"
