@@ -245,20 +245,25 @@ class TierConfig:
 
 
 def _env_number(env: Mapping[str, str], names: Sequence[str], what: str, *,
-                zero_ok: bool = False) -> float | None:
+                zero_ok: bool = False, integer: bool = False) -> float | None:
     """The number the first set of ``names`` holds, or None; ``ConfigError`` naming the
-    variable if it is not a number in range (> 0, or >= 0 with ``zero_ok``)."""
+    variable if it is not a number in range (> 0, or >= 0 with ``zero_ok``; with
+    ``integer``, a positive integer)."""
     text, source = _from_env(env, names, "")
     if not text.strip():
         return None
+    variable = source.removeprefix("environment variable ")
+    if integer:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ConfigError(f"{variable}={text!r} must be a positive integer ({what})")
+        return int(text)
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{source.removeprefix('environment variable ')}={text!r} must be "
-                          f"a number {bound} ({what})")
+        raise ConfigError(f"{variable}={text!r} must be a number {bound} ({what})")
     return value
 
 
@@ -278,17 +283,14 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
         listed = env.get(name, "")
         if key not in given and listed.strip():
             values[key] = [part.strip() for part in listed.split(",") if part.strip()]
-    most, source = _from_env(env, PEERS_MAX_DIALED_ENV, "")
-    if "max_dialed" not in given and most.strip():
-        if not most.strip().isdigit() or int(most) < 1:
-            raise ConfigError(f"{source.removeprefix('environment variable ')}={most!r} must "
-                              "be a positive integer (sessions this tier may dial)")
-        values["max_dialed"] = int(most)
-    idle = None if "idle_timeout" in given else _env_number(
-        env, PEERS_IDLE_TIMEOUT_ENV, "seconds before an unused dialed session closes; 0: never",
-        zero_ok=True)
-    if idle is not None:
-        values["idle_timeout"] = idle
+    numbers = (("max_dialed", PEERS_MAX_DIALED_ENV, "sessions this tier may dial", False),
+               ("idle_timeout", PEERS_IDLE_TIMEOUT_ENV,
+                "seconds before an unused dialed session closes; 0: never", True))
+    for key, names, what, seconds in numbers:
+        value = None if key in given else _env_number(env, names, what, zero_ok=seconds,
+                                                      integer=not seconds)
+        if value is not None:
+            values[key] = value
     if values:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
     allow_list(peers.allow)  # refuses a malformed entry now, naming it

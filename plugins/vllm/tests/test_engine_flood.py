@@ -175,11 +175,11 @@ def test_a_flood_of_bogus_peers_leaves_real_pd_traffic_whole(
         rates = {
             "unloaded": traffic.phase("unloaded", 0, False),
             "plain flood": traffic.phase("plain", per_real, False),
-            "bogus flood": traffic.phase("bogus", per_real, True, first_contact=fresh),
         }
+        flood_began = time.monotonic()
+        rates["bogus flood"] = traffic.phase("bogus", per_real, True, first_contact=fresh)
         pulled = delta(decoder.metrics(), before, EXTERNAL_TOKENS)
         assert pulled == 3 * REAL * full_blocks(prompt(0, 200)) * BLOCK_SIZE, pulled
-        flood_began = time.monotonic() - REAL / rates["bogus flood"]
         fresh.shutdown()  # D's session to it opened during the flood: not a leftover
         deadline = time.monotonic() + SETTLE
         while True:

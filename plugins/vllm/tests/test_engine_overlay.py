@@ -79,8 +79,9 @@ def test_a_second_turn_pulls_the_first_turns_generated_tokens(
     conversation = first + answer
     held = full_blocks(conversation)  # the last token has no KV yet: as for a prompt
     assert held * BLOCK_SIZE > len(first)  # some of them hold generated tokens only
+    enough = stored + held * source.chunk_bytes()
     deadline = time.monotonic() + WAIT
-    while source.metrics().get(STORED, 0.0) < stored + held * source.chunk_bytes():
+    while source.metrics().get(STORED, 0.0) < enough:
         assert time.monotonic() < deadline, f"the source did not store {held} blocks in {WAIT}s"
     second = conversation + prompt(42, 20)
     before = consumer.metrics()

@@ -82,11 +82,12 @@ class TierLane(Lane):
         self.close()
         self._sides.append(self._side("producer", self._config, block_len))
         consumer_config = self._config
-        if discover:  # the producer's port first: it is in the consumer's config
-            port = parse_address(self._producer.call("describe")[0])[1]
+        described = self._producer.call("describe") if discover else None
+        if described is not None:  # the producer's port first: it is in the consumer's config
+            port = parse_address(described[0])[1]
             consumer_config = {**self._config, "peers": {"connect": [f"localhost:{port}"]}}
         self._sides.append(self._side("consumer", consumer_config, block_len))
-        address, blocks = self._producer.call("describe")
+        address, blocks = described or self._producer.call("describe")
         _, consumer_blocks = self._consumer.call("describe")
         self._route = parse_address(address)
         self._num_blocks = min(blocks, consumer_blocks)
