@@ -21,9 +21,7 @@ from p2pkv.testing.suites import installed_transport
 NAMES = os.environ.get("P2PKV_REPEAT_TRANSPORTS", "memory,loopback").split(",")
 ATTRS: dict[str, dict[str, Any]] = {
     "memory": {"timeout": 2.0}, "loopback": {"timeout": 2.0},
-    # nixl without kill_peer: its direct lane still reads a closed producer's region (the
-    # strict xfail in test_transports.py)
-    "nixl": {"options": {"drain_timeout": 1.0}, "kill_peer": None},
+    "nixl": {"options": {"drain_timeout": 1.0}},
     "ucx": {"options": {"drain_timeout": 1.0}},
 }
 

@@ -30,9 +30,7 @@ IN_PROCESS = {"timeout": 2.0, "liveness_timeout": 2.0}  # short: a failure shrin
 DATA: dict[str, tuple[dict[str, Any], int]] = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),
     "memory": ({"options": {}, **IN_PROCESS}, 25),
-    # 3-block slices. No kill_peer: nixl's direct lane still reads a closed producer's region
-    # (the strict xfail in test_transports.py), which this rule would hit at random.
-    "nixl": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}, "kill_peer": None}, 4),
+    "nixl": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),  # 3-block slices
     "ucx": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),
 }
 CONTROL: dict[str, tuple[dict[str, Any], int]] = {

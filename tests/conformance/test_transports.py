@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
 from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
 
 
@@ -30,14 +27,6 @@ class TestNixlData(DataTransportSuite):
     transport_name = "nixl"
     missing_transport = "skip"
     options = {"drain_timeout": 1.0, "slice_bytes": 768}  # bounds dead-peer tests; 3-block slices
-
-    @pytest.mark.xfail(strict=True, reason=(
-        "known gap of p2pkv-nixl: on its direct (UCX cma) lane the consumer's own process "
-        "executes the READ, and a read posted right after the producer's close still copies "
-        "the closed region (now its caller's again), reported done; the duty after close "
-        "needs nixl to make such reads fail (issue 32)"))
-    def test_reads_of_a_closed_peer_fail(self, pair: Any) -> None:
-        super().test_reads_of_a_closed_peer_fail(pair)
 
 
 class TestUcxData(DataTransportSuite):

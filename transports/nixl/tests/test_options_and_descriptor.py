@@ -99,7 +99,8 @@ def test_region_must_be_whole_writable_blocks() -> None:
 
 # -- descriptor ----------------------------------------------------------------------------
 
-GOOD = RegionDescriptor("p2pkv-agent", b"md", 0x7F00_0000_0000, 16, 4096, "boot/host/ns", True)
+GOOD = RegionDescriptor("p2pkv-agent", b"md", 0x7F00_0000_0000, 16, 4096, "boot/host/ns", True,
+                        pid=4242, mark=0x7F00_1000_0000, token=2**64 - 1)
 
 
 def _with(**changes: object) -> bytes:
@@ -115,6 +116,11 @@ def _with(**changes: object) -> bytes:
 def test_roundtrip_and_extra_keys_are_ignored() -> None:
     assert RegionDescriptor.decode(GOOD.encode(), "p") == GOOD
     assert RegionDescriptor.decode(_with(future_field=[1, 2]), "p") == GOOD
+
+
+def test_a_descriptor_without_an_open_mark_has_none() -> None:
+    desc = RegionDescriptor.decode(_with(pid=..., mark=..., token=...), "p")
+    assert (desc.pid, desc.mark, desc.token) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -152,6 +158,13 @@ def test_roundtrip_and_extra_keys_are_ignored() -> None:
         (_with(slices=[True] * 16), "not a positive integer"),
         (_with(slices=[8, 7]), "covers 15 blocks, the region has 16"),
         (_with(slices=[8, 8, 8]), "covers 24 blocks"),
+        (_with(pid=-1), "pid -1"),
+        (_with(pid=2**31), "pid"),
+        (_with(pid="1"), "pid"),
+        (_with(mark="0x10"), "mark"),
+        (_with(mark=-8), "mark"),
+        (_with(token=1.5), "token"),
+        (_with(token=True), "token"),
     ],
 )
 def test_bad_descriptors_are_rejected_with_a_reason(data: bytes, says: str) -> None:

@@ -6,7 +6,7 @@ Everything here runs once per transport, on the constructing thread.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,13 +127,14 @@ def register_region(
     extra: Sequence[npt.NDArray[np.uint8]] = (),
     *,
     slices: Sequence[int] = (),
-    host: str = "",
-    cma: bool = False,
+    identity: Mapping[str, Any] | None = None,
 ) -> LocalRegion:
     """Register ``array`` in ``slices`` (block counts; ``()``: whole, one registration) and
     ``extra`` buffers as DRAM, prepare its block list and take the agent metadata (after
-    registering: it carries the remote keys). ``slices`` and ``host``/``cma`` go into the
-    descriptor (see :mod:`p2pkv_nixl.slices`, :mod:`p2pkv_nixl.locality`). ``ConfigError``
+    registering: it carries the remote keys). ``slices`` and ``identity`` (the owner's
+    placement and open mark: :class:`RegionDescriptor`'s ``host``, ``cma``, ``pid``, ``mark``,
+    ``token``) go into the descriptor (see :mod:`p2pkv_nixl.slices`,
+    :mod:`p2pkv_nixl.locality`, :mod:`p2pkv_nixl.open_mark`). ``ConfigError``
     on failure, with whatever was registered deregistered again."""
     base, num_blocks = int(array.ctypes.data), array.size // block_len
     slices = tuple(slices) or (num_blocks,)
@@ -156,6 +157,6 @@ def register_region(
             f"NIXL could not register the region: {type(exc).__name__}: {exc}"
         ) from exc
     descriptor = RegionDescriptor(
-        agent_name, metadata, base, num_blocks, block_len, host=host, cma=cma, slices=slices
+        agent_name, metadata, base, num_blocks, block_len, slices=slices, **(identity or {})
     ).encode()
     return LocalRegion(registrations, dlist, descriptor)

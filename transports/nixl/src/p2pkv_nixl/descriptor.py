@@ -4,13 +4,15 @@ Wire form: a msgpack map (never pickle) ::
 
     {"format": "p2pkv-nixl", "v": 3, "agent": str, "metadata": bytes, "mem": "DRAM",
      "base": int, "num_blocks": int, "block_len": int, "slices": [int, ...], "host": str,
-     "cma": bool}
+     "cma": bool, "pid": int, "mark": int, "token": int}
 
 ``metadata`` is NIXL's ``get_agent_metadata()`` taken after the region was registered (it
 carries the remote keys); ``base`` is the region's virtual address in the owner's process.
 ``host`` (:func:`p2pkv_nixl.locality.host_id`, ``""`` if unknown) and ``cma`` (whether the
 owner's UCX has its ``cma`` transport) let a reader decide whether its reads from this region
-may land directly in its slots (see :mod:`p2pkv_nixl.locality`). Version 2 is wire 2.0's
+may land directly in its slots (see :mod:`p2pkv_nixl.locality`); ``pid``, ``mark`` and
+``token`` name the owner's open mark, which such a reader checks after each read
+(:mod:`p2pkv_nixl.open_mark`; absent or 0: none, and ``auto`` then stages). Version 2 is wire 2.0's
 (consumer-posted reads; version 1 descriptors were for writes). Unknown extra keys are ignored
 (a later minor version may add some); a different ``v`` is rejected. Decoding checks every
 field's type and range and raises ``PeerRejected`` with the reason; nothing from the
@@ -51,6 +53,12 @@ class RegionDescriptor:
     slices: tuple[int, ...] = ()
     """Block counts of the region's registrations; ``()`` stands for one (the whole
     region) and is stored as ``(num_blocks,)``."""
+    pid: int = 0
+    """The owner's pid (in the PID namespace ``host`` names); 0: not given."""
+    mark: int = 0
+    """Address of the owner's open mark in its process; 0: none."""
+    token: int = 0
+    """What the open mark holds while its owner is open."""
 
     def __post_init__(self) -> None:
         if not self.slices:
@@ -70,6 +78,9 @@ class RegionDescriptor:
                 "slices": list(self.slices),
                 "host": self.host,
                 "cma": self.cma,
+                "pid": self.pid,
+                "mark": self.mark,
+                "token": self.token,
             },
             use_bin_type=True,
         )
@@ -110,9 +121,11 @@ class RegionDescriptor:
             raise reject(f"nixl descriptor base address {base!r} is not a valid region address")
         try:
             host, cma, slices = _placement(fields, num_blocks)
+            pid, mark, token = _open_mark(fields)
         except ValueError as exc:
             raise reject(f"nixl descriptor {exc}") from None
-        return cls(agent, metadata, base, num_blocks, block_len, host, cma, mem, slices)
+        return cls(agent, metadata, base, num_blocks, block_len, host, cma, mem, slices,
+                   pid, mark, token)
 
 
 def _placement(fields: dict[str, Any], num_blocks: int) -> tuple[str, bool, tuple[int, ...]]:
@@ -126,6 +139,18 @@ def _placement(fields: dict[str, Any], num_blocks: int) -> tuple[str, bool, tupl
         return host, cma, checked_slices(slices, num_blocks)
     except ValueError as exc:
         raise ValueError(f"slice list {exc}") from None
+
+
+def _open_mark(fields: dict[str, Any]) -> tuple[int, int, int]:
+    """A descriptor's ``pid``, ``mark`` and ``token`` (each absent: 0); ``ValueError`` says
+    what is wrong."""
+    pid, mark, token = (fields.get(key, 0) for key in ("pid", "mark", "token"))
+    if not (_is_int(pid) and 0 <= pid < 2**31):
+        raise ValueError(f"pid {pid!r} is not in 0..{2**31 - 1}")
+    for key, value in (("mark", mark), ("token", token)):
+        if not (_is_int(value) and 0 <= value < _ADDRESS_LIMIT):
+            raise ValueError(f"{key} {value!r} is not a 64-bit unsigned integer")
+    return pid, mark, token
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -10,6 +10,8 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.data_base import Indexes
 
+from p2pkv_nixl.open_mark import MarkReader
+
 __all__ = ["Lane", "Peer", "Read", "RemoteAgent", "Serving", "Strangers"]
 
 Lane = Literal["direct", "staged"]
@@ -69,7 +71,8 @@ class Peer:
     record is released once ``quiescent``."""
 
     __slots__ = (
-        "base", "current", "dlist", "lane", "num_blocks", "peer_id", "quarantined", "remote",
+        "base", "current", "dlist", "lane", "mark", "num_blocks", "peer_id", "quarantined",
+        "remote",
         "serving", "slices", "warmup", "warmup_id", "wired",
     )
 
@@ -86,6 +89,8 @@ class Peer:
         self.slices = slices
         """The first block of each registration of the peer's region (as it advertised)."""
         self.lane: Lane = lane
+        self.mark: MarkReader | None = None
+        """Reads the peer's open mark after each direct read (``cma`` peers that have one)."""
         self.current = True
         self.quarantined: dict[int, Read] = {}
         """internal id -> an ended read that may still be written (NIXL has not ended it)."""

@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -128,6 +129,7 @@ from p2pkv_nixl import library, wire
 from p2pkv_nixl.agent import block_dlist, open_agent, register_region
 from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
 from p2pkv_nixl.locality import cma_usable, host_id
+from p2pkv_nixl.open_mark import MarkReader, OpenMark
 from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.records import Lane, Peer, Read, RemoteAgent, Serving, Strangers
 from p2pkv_nixl.runs import descs, runs
@@ -181,17 +183,19 @@ class NixlDataTransport(DataTransport):
             raise ConfigError(f"region has more than {MAX_BLOCKS} blocks (NIXL indexes are int32)")
         self._nixl = library.load()
         self._agent, self._agent_name = open_agent(self._nixl, self._options)
-        self._host = host_id()
-        self._cma = cma_usable()  # UCX read the same environment when the agent started
+        self._host, self._cma = host_id(), cma_usable()  # UCX read the same environment
         self._scratch = np.zeros(_WARMUP_BYTES, dtype=np.uint8)
         """Where warm-up READs land; registered, and kept, exactly as long as the region."""
+        self._mark = OpenMark()
+        """Holds its token until ``close`` begins (readers on ``cma`` check it after reads)."""
         slices = region_slices(self.num_blocks, self.block_len, self._options.slice_bytes)
         self._slices = slice_starts(slices)
         """The first block of each of our region's registrations (direct READs cut at them)."""
         region = register_region(
             self._agent, self._agent_name, self._blocks.reshape(-1), self.block_len,
             extra=(self._scratch,),
-            slices=slices, host=self._host, cma=self._cma,
+            slices=slices, identity={"host": self._host, "cma": self._cma, "pid": os.getpid(),
+                                     "mark": self._mark.address, "token": self._mark.token},
         )
         self._memory = region.registrations
         """NIXL registrations (the region's slices, then scratch), deregistered last."""
@@ -294,6 +298,8 @@ class NixlDataTransport(DataTransport):
             ) from exc
         peer = Peer(peer_id, remote, dlist, desc.num_blocks, lane, desc.base,
                     slice_starts(desc.slices))
+        if lane == "direct" and desc.mark and self._cma_peer(desc):
+            peer.mark = MarkReader(desc.pid, desc.mark, desc.token)
         self._peers.append(peer)
         if self._options.warmup:
             if lane == "staged":
@@ -317,11 +323,12 @@ class NixlDataTransport(DataTransport):
 
     def _lane_for(self, desc: RegionDescriptor) -> Lane:
         """The ``staging`` option's choice; ``auto``: direct exactly when our own process
-        executes the READ (same host and PID namespace, ``cma`` on both sides)."""
+        executes the READ (same host and PID namespace, ``cma`` on both sides) and the peer
+        has an open mark to check after it (:mod:`p2pkv_nixl.open_mark`)."""
         mode = self._options.staging
         if mode != "auto":
             return "staged" if mode == "always" else "direct"
-        return "direct" if self._cma_peer(desc) else "staged"
+        return "direct" if self._cma_peer(desc) and desc.mark else "staged"
 
     def _cma_peer(self, desc: RegionDescriptor) -> bool:
         """Whether reads between us and this peer go over UCX ``cma`` (same host and PID
@@ -581,6 +588,10 @@ class NixlDataTransport(DataTransport):
         else:
             state = "ERR"
         self._release(read.handle)
+        if state == "DONE" and read.peer.mark is not None and not read.peer.mark.holds():
+            log.info("nixl: a read from %s failed: the peer closed its region (its open mark "
+                     "is cleared), so the bytes read may be its caller's again", read.peer.peer_id)
+            return ReadState.FAILED
         return ReadState.DONE if state == "DONE" else ReadState.FAILED
 
     def _held_state(self, read: Read) -> ReadState:
@@ -988,6 +999,7 @@ class NixlDataTransport(DataTransport):
         peers, each reader's own process executes its reads and the agent is destroyed, so
         its peers see a disconnect. A reader that read us over tcp but was never added here
         is not seen; in p2pkv both sides add each other."""
+        self._mark.clear()  # from now on, no peer's read of our region completes
         for peer in self._peers:
             peer.current = False  # the base has ended every read
         undrained = self._drain(self._peers, quarantine=True)
