@@ -243,6 +243,21 @@ class ControlTransport(_Transport):
     def close(self) -> None:
         """Close every connection and stop listening; idempotent."""
 
+    def batch_sends(self) -> bool:
+        """Ask the transport to batch: from now on ``send`` may leave frames queued until
+        :meth:`flush` (or the next ``poll``), so the frames of one tick cost its I/O one
+        wake-up instead of one each. Returns whether it will (then the caller must flush: the
+        tier does as each of its public calls returns, so a frame never waits for the next
+        tick). The default declines (False): ``send`` keeps putting frames on their way
+        itself, and nobody needs to flush. Driver thread only."""
+        return False
+
+    def flush(self) -> None:
+        """The flush point of a transport that batches (:meth:`batch_sends`): put on the wire
+        every frame the connections' ``send`` queued. Never blocks, never raises; frames a
+        full queue cannot take stay queued, in order, for the next ``flush`` or ``poll``. The
+        default does nothing. Driver thread only."""
+
     def interrupt(self) -> None:
         """End a ``poll`` that is waiting now (or, if none is, the next one) at once. The one
         call of this contract that another thread may make while the driver thread polls;

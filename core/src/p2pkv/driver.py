@@ -33,10 +33,13 @@ class DriverGuard:
     any other one is refused. ``enter`` returns whether the call is the thread's outermost,
     which the matching ``exit`` is given."""
 
-    __slots__ = ("_lock", "_method", "_owner", "_what")
+    __slots__ = ("_lock", "_method", "_owner", "_what", "on_exit")
 
     def __init__(self, what: str) -> None:
         self._what = what
+        self.on_exit: Callable[[], None] | None = None
+        """Called as each outermost call returns (or raises), by its thread, before the next
+        caller may enter: the tier's control flush point."""
         self._lock = threading.RLock()
         self._owner = 0
         """The thread inside (for the refusal's message only)."""
@@ -55,6 +58,13 @@ class DriverGuard:
     def exit(self, outermost: bool) -> None:
         if outermost:
             self._method = ""
+            on_exit = self.on_exit
+            if on_exit is not None:
+                try:
+                    on_exit()
+                finally:
+                    self._lock.release()
+                return
         self._lock.release()
 
     def _refusal(self, method: str) -> ConcurrentCall:

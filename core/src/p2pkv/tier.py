@@ -86,6 +86,8 @@ class P2PTier:
             if data is None:
                 self._data.close()
             raise
+        if self._control.batch_sends():  # then frames leave as each public call returns
+            self._guard.on_exit = self._control.flush
         self._observers = reg.observers
         self._deadlines = Deadlines()
         self._ledger = JobLedger(clock, self._observers)

@@ -128,3 +128,23 @@ def test_pd_request_across_processes_over_zmq_control(tmp_path: Any) -> None:
         finally:
             consumer.shutdown()
             child.send("stop")
+
+
+def test_a_frame_leaves_when_the_call_that_queued_it_returns(pair: tuple[Peer, Peer]) -> None:
+    """The tier batches its zmq sends (``batch_sends``) and flushes as each public call
+    returns: after the consumer's one ``submit_load``, the producer alone (the consumer never
+    called again) sees the fetch that asks for its parked store."""
+    producer, consumer = pair
+    assert consumer.tier._control._hub.batching  # type: ignore[attr-defined]
+    run_request(producer, consumer, "warm", [0], consumer_first=False)  # the session
+    pctx, cctx = contexts("lone", producer)
+    producer.tier.on_new_request(pctx)
+    consumer.tier.on_new_request(cctx)
+    producer.job(1, [b"lone/0"], [1], load=False, ctx=pctx)
+    assert producer.tier.stats()["parked_stores"] == 1
+    consumer.job(2, [b"lone/0"], [2], load=True, ctx=cctx)
+    wait_until(lambda: producer.tier.stats()["parked_stores"] == 0, timeout=T,
+               what="the fetch at the producer", pumps=[tick(producer)])
+    wait_until(lambda: 2 in consumer.results, timeout=T, what="the load",
+               pumps=[tick(producer, consumer)])
+    assert consumer.results[2].outcome is Outcome.DONE

@@ -413,3 +413,32 @@ def test_the_default_host_localhost_binds_and_is_dialable(make_transport: Any) -
     assert a.local_address.startswith("localhost:")
     a.connect(b.local_address).send(b"by name")
     assert list(accept_one(b, a).recv()) == [b"by name"]
+
+
+def test_batched_sends_leave_at_the_flush_in_order(make_transport: Any) -> None:
+    """With ``batch_sends``, frames wait in their connection until ``flush`` (the receiver
+    polls and gets none), then arrive in order without the sender polling again."""
+    a, b, out, inbound = connected(make_transport)
+    assert list(inbound.recv()) == [b"x"]
+    assert a.batch_sends() is True
+    for i in range(3):
+        out.send(b"batched-%d" % i)
+    for _ in range(5):
+        b.poll(0.01)
+    assert list(inbound.recv()) == []
+    a.flush()
+    assert drain(inbound, 3, b) == [b"batched-%d" % i for i in range(3)]
+
+
+def test_batched_sends_to_a_full_queue_refuse_and_never_block(make_transport: Any) -> None:
+    with socket.socket() as silent:  # accepts TCP, never speaks ZMTP: nothing leaves the queue
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        a = make_transport(max_queued_frames=5)
+        a.batch_sends()
+        conn = a.connect(f"127.0.0.1:{silent.getsockname()[1]}")
+        with pytest.raises(SendQueueFull, match="max_queued_frames"):
+            for _ in range(1000):
+                conn.send(b"q")
+                a.flush()
+        assert conn.alive

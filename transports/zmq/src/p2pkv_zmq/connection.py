@@ -1,21 +1,33 @@
 """One logical connection to a peer: our PUSH socket out, the peer's frames in (via our PULL).
 
+Sending may be batched (once the owner of the transport asked for it, ``batch_sends``, as the
+tier does): ``send`` then queues the frame in the connection, and
+:meth:`ZmqConnection.push` hands every queued frame to libzmq back to back at the transport's
+flush point (the hub's ``flush``, which the tier calls as each of its public calls returns,
+and the start of every ``poll``). libzmq's I/O thread then wakes about once for a tick's
+frames instead of once per frame. Nothing changes on the wire (each frame is its own
+message), and a frame waits at most until the call that queued it returns. Without batching,
+``send`` pushes at once. Either way, frames a full libzmq queue cannot take wait in the
+connection, in order, for the next flush or poll, and ``send`` refuses more
+(``SendQueueFull``) until they got through.
+
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
 fills ``inbox`` and retires the connection (``close_reason`` set, sockets released); the
-connection never does I/O except ``send``, and knows of the hub only the ``retire`` callable
-its ``close`` calls and the limits it was given.
+connection never does I/O except ``send``/``push``, and knows of the hub only its
+:class:`Owner` side (``retire``, and ``queued``: frames to push) and the limits it was given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ConnectionClosed, FrameTooLarge, SendQueueFull
 
-__all__ = ["LinkLimits", "PeerAddress", "Retire", "ZmqConnection"]
+__all__ = ["LinkLimits", "Owner", "PeerAddress", "ZmqConnection"]
 
 _NOBLOCK = zmq.NOBLOCK
 _NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
@@ -23,6 +35,8 @@ _SEND = zmq.backend.Socket.send
 """pyzmq's own send, under ``zmq.Socket.send`` (which adds only the ``routing_id`` and
 ``group`` arguments of draft sockets): half the cost of a send of a small frame."""
 _EMPTY: Sequence[bytes] = ()
+_MAX_QUEUED = 64
+"""Frames ``send`` queues before it pushes them at once (a tick that sends more is split)."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +59,17 @@ class PeerAddress:
     """The address as the caller spelled it: ``peer_address`` and error messages show it."""
 
 
-Retire = Callable[["ZmqConnection", str], None]
-"""Ends a connection with a reason (the hub's ``retire``; idempotent)."""
+class Owner(Protocol):
+    """What a connection knows of its hub."""
+
+    batching: bool
+    """Whether ``send`` leaves frames queued for the flush point (else it pushes at once)."""
+
+    def retire(self, conn: ZmqConnection, reason: str) -> None:
+        """End ``conn`` with a reason (idempotent)."""
+
+    def queued(self, conn: ZmqConnection) -> None:
+        """``conn`` has frames to push at the next flush."""
 
 
 class ZmqConnection(ControlConnection):
@@ -62,7 +85,7 @@ class ZmqConnection(ControlConnection):
 
     def __init__(
         self,
-        retire: Retire,
+        owner: Owner,
         limits: LinkLimits,
         peer: PeerAddress,
         *,
@@ -72,7 +95,7 @@ class ZmqConnection(ControlConnection):
         link: bytes,
         deadline: float,
     ) -> None:
-        self._retire = retire
+        self._owner = owner
         self._limits = limits
         self._shown_address = peer.shown
         self.key = peer.key
@@ -85,14 +108,18 @@ class ZmqConnection(ControlConnection):
         self.deadline = deadline
         self.close_reason: str | None = None
         self._max_frame = limits.max_frame_bytes
+        self._unsent: list[bytes] = []
+        """Frames ``send`` accepted that are not handed to libzmq yet, oldest first."""
+        self._stalled = False
+        """The last push met a full libzmq queue: ``send`` refuses until a push gets through."""
 
     @classmethod
     def failed(
-        cls, retire: Retire, limits: LinkLimits, peer: PeerAddress, *, reason: str
+        cls, owner: Owner, limits: LinkLimits, peer: PeerAddress, *, reason: str
     ) -> ZmqConnection:
         """A connection that is dead from the start (a dial that could not begin): no
         sockets, not registered with the hub, ``close_reason`` says why."""
-        conn = cls(retire, limits, peer, out=None, monitor=None, incarnation=b"", link=b"",
+        conn = cls(owner, limits, peer, out=None, monitor=None, incarnation=b"", link=b"",
                    deadline=0.0)
         conn.close_reason = reason
         return conn
@@ -106,6 +133,9 @@ class ZmqConnection(ControlConnection):
         return self.close_reason is None
 
     def send(self, frame: bytes) -> None:
+        """Queue ``frame`` for the next push (see the module docstring). ``SendQueueFull``
+        while libzmq's queue to the peer is full (the last push could not empty ours);
+        ``ConnectionClosed``, ``FrameTooLarge`` as the contract says."""
         if self.close_reason is not None:
             raise ConnectionClosed(
                 f"connection to {self._shown_address} is gone: {self.close_reason}"
@@ -115,18 +145,46 @@ class ZmqConnection(ControlConnection):
                 f"frame of {len(frame)} bytes exceeds max_frame_bytes {self._max_frame}; it "
                 f"was not sent"
             )
-        out = self.out
-        assert out is not None  # released only together with setting close_reason
-        try:
-            _SEND(out, self.link, _NOBLOCK_MORE)  # the only part that can find the queue full
-            _SEND(out, frame, _NOBLOCK)
-        except zmq.Again:
+        unsent = self._unsent
+        if self._stalled and not self.push():
             raise SendQueueFull(
                 f"send queue to {self._shown_address} is full "
                 f"({self._limits.max_queued_frames} frames; zmq option max_queued_frames)"
-            ) from None
+            )
+        unsent.append(frame)
+        owner = self._owner
+        if not owner.batching or len(unsent) >= _MAX_QUEUED:
+            self.push()
+        elif len(unsent) == 1:
+            owner.queued(self)
+
+    def push(self) -> bool:
+        """Hand the queued frames to libzmq, oldest first, until its queue is full; True when
+        none is left. A connection libzmq fails is retired with the error (its frames are
+        dropped: the peer sees it die)."""
+        unsent = self._unsent
+        out = self.out
+        if not unsent or out is None:
+            unsent.clear()
+            return True
+        sent = 0
+        try:
+            for frame in unsent:
+                _SEND(out, self.link, _NOBLOCK_MORE)  # the only part that can find it full
+                _SEND(out, frame, _NOBLOCK)
+                sent += 1
+        except zmq.Again:
+            del unsent[:sent]
+            self._stalled = True
+            self._owner.queued(self)  # retried by the next flush or poll
+            return False
         except zmq.ZMQError as exc:
-            raise ConnectionClosed(f"connection to {self._shown_address}: {exc}") from exc
+            unsent.clear()
+            self._owner.retire(self, f"send failed: {exc}")
+            return True
+        unsent.clear()
+        self._stalled = False
+        return True
 
     def recv(self) -> Sequence[bytes]:
         frames = self.inbox
@@ -136,7 +194,9 @@ class ZmqConnection(ControlConnection):
         return frames
 
     def close(self) -> None:
-        self._retire(self, "closed locally")
+        """Push what is queued (a ``bye`` sent just before), then end the connection."""
+        self.push()
+        self._owner.retire(self, "closed locally")
 
     def __repr__(self) -> str:
         state = "alive" if self.close_reason is None else self.close_reason

@@ -185,6 +185,9 @@ class ZmqHub:
     :class:`~p2pkv_zmq.transport.ZmqControlTransport`, which builds it with :meth:`open`
     and delegates the ``ControlTransport`` calls to it."""
 
+    batching = False
+    """Set by ``batch_sends``: frames wait in their connection for ``flush``/``poll``."""
+
     def __init__(
         self, plan: ListenPlan, options: ZmqOptions, keys: CurveKeys | None, max_frame_bytes: int
     ) -> None:
@@ -227,6 +230,8 @@ class ZmqHub:
         """Handshake outcomes the listener reported so far (see :mod:`p2pkv_zmq.gate`)."""
         self._dial_failures = DialFailures()
         self._new: list[ZmqConnection] = []
+        self._unflushed: list[ZmqConnection] = []
+        """Connections with frames queued since the last flush (possibly repeated)."""
         self._closed = False
         self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0,
                          "refused_accepts": 0, "inbound_timeouts": 0}
@@ -315,7 +320,7 @@ class ZmqHub:
                 reason = str(exc)
                 self._dial_failures.record(key, reason, now)
                 self._log_once(("dial", key, reason), "cannot dial %s: %s", key, reason)
-        return ZmqConnection.failed(self.retire, self._limits, peer, reason=reason)
+        return ZmqConnection.failed(self, self._limits, peer, reason=reason)
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         """Frames (the hot path) are waited for with a plain receive on the PULL; the other
@@ -331,6 +336,8 @@ class ZmqHub:
         has something or ``timeout`` ends, not every ``_SWEEP_INTERVAL``."""
         if self._closed:
             return _EMPTY
+        if self._unflushed:
+            self.flush()
         now = time.monotonic()
         deadline = now + timeout
         while True:
@@ -353,6 +360,26 @@ class ZmqHub:
             return _EMPTY
         self._new = []
         return new
+
+    def batch_sends(self) -> bool:
+        """From now on, ``send`` queues frames for :meth:`flush` (or the next ``poll``)."""
+        self.batching = True
+        return True
+
+    def queued(self, conn: ZmqConnection) -> None:
+        """``conn`` has frames for the next :meth:`flush`."""
+        self._unflushed.append(conn)
+
+    def flush(self) -> None:
+        """Hand every connection's queued frames to libzmq (see
+        :mod:`p2pkv_zmq.connection`); a connection whose libzmq queue is full keeps the rest
+        for the next flush. Never blocks, never raises."""
+        unflushed = self._unflushed
+        if not unflushed:
+            return
+        self._unflushed = []
+        for conn in unflushed:
+            conn.push()  # one that keeps frames queues itself again
 
     def interrupt(self) -> None:
         """End an idle wait of ``poll`` now, or the next one at its start (any thread; see
@@ -378,6 +405,7 @@ class ZmqHub:
         undelivered (libzmq's context termination waits for lingering sockets)."""
         if self._closed:
             return
+        self.flush()
         self._closed = True
         self._wake_in.close()
         self._wake_out.close()
@@ -406,7 +434,7 @@ class ZmqHub:
         push, monitor, queued = self._sockets.dial(peer.key, url, [link, b"", _OPEN, ref],
                                                    _LINK_EVENTS)
         deadline = time.monotonic() + self._options.connect_timeout
-        conn = ZmqConnection(self.retire, self._limits, peer, out=push, monitor=monitor,
+        conn = ZmqConnection(self, self._limits, peer, out=push, monitor=monitor,
                              incarnation=incarnation, link=link, deadline=deadline)
         self._by_address[peer.key] = conn
         self._by_incarnation[incarnation] = conn

@@ -118,6 +118,14 @@ class ZmqControlTransport(ControlTransport):
         """See :meth:`p2pkv_zmq.hub.ZmqHub.poll`."""
         return self._hub.poll(timeout)
 
+    def batch_sends(self) -> bool:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.batch_sends`."""
+        return self._hub.batch_sends()
+
+    def flush(self) -> None:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.flush`."""
+        self._hub.flush()
+
     def interrupt(self) -> None:
         """See :meth:`p2pkv_zmq.hub.ZmqHub.interrupt` (any thread)."""
         self._hub.interrupt()

@@ -212,6 +212,24 @@ class ControlTransportSuite(_SuiteBase):
         back = pair.receive(lambda: pair.recv(conn), len(reply), "the peer's replies")
         assert back == reply
 
+    def test_batched_frames_arrive_in_order_each_once(self, pair: _ControlPair) -> None:
+        """A transport that batches (``batch_sends()`` True) delivers what ``send`` queued
+        in order, each once, whether ``flush`` or ``poll`` puts it on the wire."""
+        conn, handle = pair.dial_peer(self._frames(1))
+        pair.receive(lambda: pair.peer.frames(handle), 1, "the first frame")
+        if not pair.transport.batch_sends():
+            pytest.skip("the transport does not batch sends (batch_sends() is False)")
+        frames = self._frames(40)
+        for i, frame in enumerate(frames):
+            conn.send(frame)
+            if i % 7 == 3:
+                pair.transport.flush()
+            elif i % 11 == 5:
+                pair.poll_local(0.0)
+        pair.transport.flush()
+        got = pair.receive(lambda: pair.peer.frames(handle), len(frames), "40 batched frames")
+        assert got == frames, "batched frames must arrive intact, in order, each exactly once"
+
     def test_inbound_connection_is_returned_once_with_its_first_frames(
         self, pair: _ControlPair
     ) -> None:
