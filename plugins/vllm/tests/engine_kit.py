@@ -19,12 +19,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from llm_host import BLOCK_SIZE, llm_host
-from p2pkv.testing.child import Child
+from p2pkv.testing.child import Child, stop_all
 
 BOOT = 420.0
 """Seconds an engine may take to import vLLM and start (several at once on 2 busy cores)."""
 WAIT = 90.0
 """Seconds a request may take (a load that fails waits out the tier's load timeout first)."""
+STOP = 10.0
+"""Seconds engines shut down together (:func:`shutdown_all`) may take to exit before they
+are killed (``Child.stop``'s default)."""
 
 P2PKV_TIER = {
     "type": "P2PKVTier", "module_path": "p2pkv_vllm", "control": "zmq", "data": "nixl",
@@ -76,16 +79,23 @@ def free_port() -> int:
     raise RuntimeError("no free port found in 200 tries")
 
 
+CPU_BYTES = 16 * 1024 * 1024
+"""The CPU tier of a test engine (``cpu_bytes_to_use``) unless its ``cpu_bytes`` says
+otherwise."""
+
+
 def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]],
-                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       extra: Mapping[str, Any] | None = None,
+                       cpu_bytes: int = CPU_BYTES) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a test engine: OffloadingConnector, the CPU tiering
-    spec, ``tiers`` as its secondary tiers, and ``extra`` connector keys."""
+    spec with a CPU tier of ``cpu_bytes``, ``tiers`` as its secondary tiers, and ``extra``
+    connector keys."""
     return {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
         "kv_connector_extra_config": {
             **(extra or {}),
             "spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "cpu_offload_spec",
-            "cpu_bytes_to_use": 16 * 1024 * 1024, "secondary_tiers": [dict(t) for t in tiers],
+            "cpu_bytes_to_use": cpu_bytes, "secondary_tiers": [dict(t) for t in tiers],
         },
     }
 
@@ -107,12 +117,14 @@ _SERIAL = itertools.count()
 
 class Engine:
     """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector),
-    ``extra`` connector keys, ``engine_args`` more ``vllm.LLM`` arguments."""
+    ``extra`` connector keys, ``engine_args`` more ``vllm.LLM`` arguments, ``cpu_bytes`` the
+    size of its CPU tier."""
 
     def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
                  env: Mapping[str, str] | None = None,
                  extra: Mapping[str, Any] | None = None,
-                 engine_args: Mapping[str, Any] | None = None) -> None:
+                 engine_args: Mapping[str, Any] | None = None,
+                 cpu_bytes: int = CPU_BYTES) -> None:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
@@ -120,8 +132,8 @@ class Engine:
             tier["type"] != "p2p" or (env or {}).get("P2PKV_REPLACE_P2P") == "1")
         """Whether the tier entry builds p2pkv's tier (an explicit entry, or ``p2p`` with
         the zero-edit opt-in)."""
-        config = (kv_transfer_config(self.engine_id, [tier], extra) if tier is not None
-                  else None)
+        config = (kv_transfer_config(self.engine_id, [tier], extra, cpu_bytes)
+                  if tier is not None else None)
         self.child = Child(llm_host, model, config, dict(env or {}), dict(engine_args or {}),
                            name=name)
 
@@ -179,6 +191,38 @@ class Engine:
         assert kind == "marks"
         return dict(marks)
 
+    def times(self, req_id: str) -> dict[str, float]:
+        """When request ``req_id`` was added to this engine, first produced a token, and
+        finished (``submitted``, ``first_token``, ``finished``: monotonic seconds of the
+        engine's process, the pipe excluded; see llm_host)."""
+        kind, times = self.child.request(("times", req_id), WAIT, f"{self.name} times")
+        assert kind == "times"
+        return dict(times)
+
+    def ttft(self, req_id: str) -> float:
+        """Seconds from adding finished request ``req_id`` to the engine to the step that
+        returned its first token, measured inside the engine's process."""
+        times = self.times(req_id)
+        return times["first_token"] - times["submitted"]
+
+    def churn(self, inflight: int, prompts: Sequence[Sequence[int]] = (),
+              params: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
+        """Keep ``inflight`` of ``prompts`` (queued after any still queued) in flight on this
+        engine as its own one-token requests with ``kv_transfer_params`` ``params``, results
+        not reported; ``inflight`` 0 drops the queue. Returns the stream's (finished, in
+        flight, queued) requests."""
+        command = ("churn", inflight, [list(p) for p in prompts], dict(params or {}) or None)
+        reply = self.child.request(command, WAIT, f"{self.name} churn")
+        assert reply[0] == "churn"
+        return int(reply[1]), int(reply[2]), int(reply[3])
+
+    def steps(self) -> list[tuple[float, int]]:
+        """Each engine step since the last call: its wall seconds and the tokens it gave the
+        model (see llm_host)."""
+        kind, steps = self.child.request(("steps",), WAIT, f"{self.name} steps")
+        assert kind == "steps"
+        return [(float(seconds), int(tokens)) for seconds, tokens in steps]
+
     def wait_metric(self, name: str, at_least: float) -> None:
         """Poll vLLM's metrics until ``name`` reaches ``at_least`` (each poll is a round trip
         to the engine, answered between its steps; at most ``WAIT`` seconds)."""
@@ -235,6 +279,28 @@ def pd_params(kv_request_id: str, producer: Engine) -> tuple[dict[str, Any], dic
     return ({"remote_decoder": {"kv_request_id": kv_request_id}},
             {"remote_prefiller": {"kv_request_id": kv_request_id, "remote_host": "127.0.0.1",
                                   "remote_port": producer.port}})
+
+
+def shutdown_all(engines: Sequence[Engine]) -> list[str]:
+    """Shut ``engines`` down together: every live one is asked at once, their replies are
+    taken, then their processes stop within one shared timeout (killed past it). Returns the
+    offload shm files the orderly shutdowns left (see ``Engine.shutdown``); every engine's
+    files are removed. (vLLM's built-in P2P tier can block for good in its shutdown while
+    its peer shuts down too: shut such peers down in separate calls.)"""
+    live = [engine for engine in engines if engine.child.process.is_alive()]
+    leftovers: list[str] = []
+    try:
+        for engine in live:
+            engine.child.send(("shutdown",))
+        for engine in live:
+            kind, files = engine.child.recv(WAIT, f"{engine.name} shutdown")
+            assert kind == "down", kind
+            leftovers += files
+    finally:
+        stop_all([engine.child for engine in engines], STOP)
+        for engine in engines:
+            engine.remove_shm()
+    return leftovers
 
 
 @contextlib.contextmanager

@@ -22,6 +22,20 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   (``p2pkv*``) emitted in this engine so far;
 - ``("marks", req_id)`` -> ``("marks", {mark: monotonic seconds})``: when the p2pkv tier's
   engine calls for that request happened (:class:`_PullClock`);
+- ``("times", req_id)`` -> ``("times", {"submitted": s, "first_token": s, "finished": s})``:
+  this process's ``time.monotonic()`` when the request was added to the engine, when a step
+  first returned an output token of it and when it finished (keys missing until then; an
+  unknown id: ``{}``); ``first_token - submitted`` is its TTFT without the pipe (:class:`_Times`);
+- ``("churn", inflight, prompts[, kv_transfer_params])`` -> ``("churn", finished, active,
+  queued)``: a stream of requests of this engine's own (greedy, ``max_tokens`` 1, results
+  never sent; ``kv_transfer_params`` as given, e.g. ``{"max_offload_tokens": 0}``):
+  ``prompts`` (token lists) are queued, and the host keeps ``inflight`` of them in flight,
+  submitting the next as one finishes; ``inflight`` 0 drops the queue (those in flight
+  finish). The reply counts the stream's requests finished so far, in flight, and queued
+  (:class:`_Churn`);
+- ``("steps",)`` -> ``("steps", [(seconds, tokens), ...])``: the wall time of every engine
+  step since the last ``steps`` (at most the last ``STEPS_KEPT``) and the tokens its schedule
+  gave the model (0: a step that ran no model, e.g. one waiting on a tier);
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``.
 
 Only imported in the ``engine`` session's environment.
@@ -29,12 +43,14 @@ Only imported in the ``engine`` session's environment.
 
 from __future__ import annotations
 
+import collections
 import glob
 import logging
 import multiprocessing
 import os
 import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -49,6 +65,10 @@ ENGINE_ENV = {
 """Environment of every test engine (set before vLLM is imported)."""
 BLOCK_SIZE = 32
 """Tokens per KV block: the CPU attention backend needs a multiple of 32."""
+STEPS_KEPT = 100_000
+"""Step durations the host keeps between two ``steps`` commands (the oldest dropped)."""
+CHURN_PREFIX = "churn-"
+"""Request ids of the ``churn`` stream (its results are not sent to the test)."""
 
 
 def engine_kwargs(model: str, kv_transfer_config: dict[str, Any] | None,
@@ -143,6 +163,68 @@ class _PullClock:
                     {})
 
 
+class _Times:
+    """When each request was added to the engine, first produced an output token, and
+    finished (``time.monotonic()`` of this process, taken in the host loop: the first token
+    is stamped when the step that sampled it returns)."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, dict[str, float]] = {}
+
+    def submitted(self, req_id: str) -> None:
+        self.of[req_id] = {"submitted": time.monotonic()}
+
+    def output(self, req_id: str, n_tokens: int, finished: bool) -> None:
+        """A step returned ``req_id``'s output with ``n_tokens`` tokens so far."""
+        times = self.of.get(req_id)
+        if times is None:
+            return
+        now = time.monotonic()
+        if n_tokens and "first_token" not in times:
+            times["first_token"] = now
+        if finished:
+            times["finished"] = now
+
+
+class _Churn:
+    """The engine's own request stream (``churn`` command): keeps ``inflight`` requests of
+    the queued prompts in flight, greedy, one output token each."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.params: Any = None
+        """The ``kv_transfer_params`` of the stream's requests."""
+        self.queue: collections.deque[list[int]] = collections.deque()
+        self.active = 0
+        self.finished = 0
+        self.serial = 0
+
+    def configure(self, inflight: int, prompts: Sequence[Sequence[int]],
+                  params: Any = None) -> None:
+        """Keep ``inflight`` in flight from now on (0: drop the queue); queue ``prompts``;
+        requests submitted from now on carry ``params``."""
+        self.inflight, self.params = max(0, inflight), params
+        if not self.inflight:
+            self.queue.clear()
+        self.queue.extend(list(p) for p in prompts)
+
+    def due(self) -> list[tuple[str, list[int]]]:
+        """The requests to submit now (ids and prompts) to fill the stream up."""
+        out = []
+        while self.active < self.inflight and self.queue:
+            out.append((f"{CHURN_PREFIX}{self.serial}", self.queue.popleft()))
+            self.serial += 1
+            self.active += 1
+        return out
+
+    def done(self) -> None:
+        self.active -= 1
+        self.finished += 1
+
+    def status(self) -> tuple[int, int, int]:
+        return self.finished, self.active, len(self.queue)
+
+
 class _Host:
     def __init__(self, conn: Connection, model: str, kv_transfer_config: Any,
                  engine_args: dict[str, Any]) -> None:
@@ -158,6 +240,25 @@ class _Host:
         self.llm = LLM(**engine_kwargs(model, kv_transfer_config, engine_args))
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.engine_id = (kv_transfer_config or {}).get("engine_id")
+        self.times = _Times()
+        self.churn = _Churn()
+        self.steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=STEPS_KEPT)
+        self.scheduled = 0
+        """Tokens the scheduler gave the model in the current step."""
+        self._count_scheduled()
+
+    def _count_scheduled(self) -> None:
+        """Wrap this engine's ``scheduler.schedule`` (instance attribute only) to keep the
+        tokens each step schedules."""
+        scheduler = self.core.scheduler
+        schedule = scheduler.schedule
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self.scheduled += int(getattr(out, "total_num_scheduled_tokens", 0) or 0)
+            return out
+
+        scheduler.schedule = counted
 
     def submit(self, req_id: str, prompt: list[int], max_tokens: int, params: Any) -> None:
         from vllm import SamplingParams
@@ -166,12 +267,42 @@ class _Host:
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                   extra_args=extra)  # random weights: EOS means nothing
         self.llm.llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, sampling)
+        self.times.submitted(req_id)
+
+    def configure_churn(self, inflight: int, prompts: Sequence[Sequence[int]],
+                        params: Any = None) -> None:
+        """The ``churn`` command: reconfigure the stream, then fill it up."""
+        self.churn.configure(inflight, prompts, params)
+        self.fill_churn()
+
+    def fill_churn(self) -> None:
+        """Submit what the stream is due (its requests keep no times)."""
+        for req_id, prompt in self.churn.due():
+            self.submit(req_id, prompt, 1, self.churn.params)
+            del self.times.of[req_id]  # not the test's: no times kept
 
     def step(self) -> None:
-        for out in self.llm.llm_engine.step():
+        """One engine step (timed, its scheduled tokens kept); the stream's finished requests
+        replaced, the test's reported."""
+        began, self.scheduled = time.monotonic(), 0
+        outputs = self.llm.llm_engine.step()
+        self.steps.append((time.monotonic() - began, self.scheduled))
+        for out in outputs:
+            if out.request_id.startswith(CHURN_PREFIX):
+                if out.finished:
+                    self.churn.done()
+                    self.fill_churn()
+                continue
+            self.times.output(out.request_id, len(out.outputs[0].token_ids), out.finished)
             if out.finished:
                 self.conn.send(("done", out.request_id, list(out.outputs[0].token_ids),
                                 out.num_cached_tokens))
+
+    def take_steps(self) -> list[tuple[float, int]]:
+        """The steps since the last call (cleared): seconds and scheduled tokens each."""
+        steps = list(self.steps)
+        self.steps.clear()
+        return steps
 
     def loading(self) -> int:
         manager = self.core.scheduler.connector.connector_scheduler.manager
@@ -234,6 +365,13 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
                 conn.send(("log", list(host.log.lines)))
             elif cmd[0] == "marks":
                 conn.send(("marks", host.clock.of(cmd[1])))
+            elif cmd[0] == "times":
+                conn.send(("times", dict(host.times.of.get(cmd[1], {}))))
+            elif cmd[0] == "churn":
+                host.configure_churn(*cmd[1:])
+                conn.send(("churn", *host.churn.status()))
+            elif cmd[0] == "steps":
+                conn.send(("steps", host.take_steps()))
             elif cmd[0] == "shutdown":
                 conn.send(("down", host.shutdown()))
                 return

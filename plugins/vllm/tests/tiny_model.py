@@ -11,6 +11,11 @@ ASCII, one token per character, so any prompt tokenizes without a hub. Every arc
 - ``deepseek``: DeepSeek-V2's multi-head latent attention (MLA: one 512 + 64 latent per
   token and layer, no per-head K and V), the smallest head geometry vLLM's MLA accepts.
 
+And one more shape, for the engine benchmark (``engine_bench``): ``llama-bench``, dense like
+``llama`` but narrower (``BENCH_SHAPE``: hidden 128, 2 query and 2 KV heads of 64, so
+2 KiB of float32 KV per token) and with positions up to ``BENCH_POSITIONS``, so one engine
+prefills an 8K-token prompt in hundreds of milliseconds on one CPU core.
+
 ``python tiny_model.py DIR [ARCH]`` writes a Hugging Face model directory that
 ``vllm.LLM(model=DIR)`` and the OpenAI server load.
 """
@@ -26,7 +31,14 @@ VOCAB = 512
 WINDOW = 64
 """Sliding-window length (tokens) of the hybrid models."""
 SPECIALS = ("<unk>", "<s>", "</s>")
-ARCHITECTURES = ("llama", "gemma3", "gpt-oss", "deepseek")
+ARCHITECTURES = ("llama", "gemma3", "gpt-oss", "deepseek", "llama-bench")
+BENCH_POSITIONS = 16384
+"""Longest sequence ``llama-bench`` takes (its ``max_position_embeddings``)."""
+BENCH_SHAPE: dict[str, int] = {
+    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "intermediate_size": 256}
+"""``llama-bench``'s geometry (its KV bytes per token follow: layers x KV heads x head dim
+x 2 x 4 bytes)."""
 
 
 def _model(arch: str) -> Any:
@@ -40,6 +52,9 @@ def _model(arch: str) -> Any:
     hybrid = ["sliding_attention", "full_attention"]
     if arch == "llama":
         return hf.LlamaForCausalLM(hf.LlamaConfig(**common, intermediate_size=512))
+    if arch == "llama-bench":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(
+            **{**common, **BENCH_SHAPE, "max_position_embeddings": BENCH_POSITIONS}))
     if arch == "gemma3":
         return hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(
             **common, intermediate_size=512, head_dim=64, sliding_window=WINDOW,

