@@ -1,6 +1,8 @@
 """``p2pkv bench --tier``: the quick tier matrix runs end to end over two real tiers (zmq
 control + nixl data, two processes), every cell in both arrival orders moves verified bytes,
-a wrong byte fails its cell, and every misuse of the tier flags ends in one line.
+a wrong byte fails its cell, and every misuse of the tier flags ends in one line (the
+``--netns``/``--rate`` ones that need no root too; the namespaced run itself is in the chaos
+suite, ``tests/chaos/test_bench_tier_netns.py``).
 
 Benchmarks are not tests: nothing here looks at a rate or a latency value, only at structure
 and verification.
@@ -26,7 +28,8 @@ from p2pkv.registry import default_registry
 Doc = tuple[dict[str, Any], Path]
 """The quick run's JSON document and where its plot went."""
 
-TIER_KEYS = {"order", "producer_cpu_us", "consumer_cpu_us", "descriptors_per_request"}
+TIER_KEYS = {"order", "producer_cpu_us", "consumer_cpu_us", "descriptors_per_request",
+             "raw_series", "ratios_raw"}
 
 
 def _needs_nixl_and_zmq() -> None:
@@ -102,13 +105,38 @@ def test_first_pulls_are_reported_cold_after_connect_and_after_discovery(tier_do
     assert first["first_pull_after_discovery_ms"] > 0 and first["discovery_ms"] > 0
 
 
-def test_ratios_are_against_baselines_of_the_same_run(tier_doc: Doc) -> None:
+RAW = ("raw nixl", "raw nixl write")
+"""The raw NIXL baselines: the reader's READ, and the source's WRITE the reader asks for."""
+
+
+def test_both_raw_baselines_move_verified_bytes_in_the_same_run(tier_doc: Doc) -> None:
     doc, _ = tier_doc
     series = {r["series"] for r in doc["baseline_rows"]}
-    assert series <= {"raw nixl", "memcpy"} and "memcpy" in series
+    assert series <= {*RAW, "memcpy"} and "memcpy" in series
+    if series & set(RAW):
+        assert set(RAW) <= series
+    for row in doc["baseline_rows"]:
+        assert row["error"] == "" and row["verified"] and row["bytes_verified"] > 0, row
+
+
+def test_ratios_are_against_the_faster_raw_baseline_of_the_same_cell(tier_doc: Doc) -> None:
+    """``ratio_raw`` is to the faster of raw READ and raw WRITE in the cell, named in
+    ``raw_series``; ``ratios_raw`` keeps the ratio to each."""
+    doc, _ = tier_doc
+    gbps = {(r["series"], r["block_size"], r["batch"], r["concurrency"]): r["gbps"]
+            for r in doc["baseline_rows"] if r["gbps"] > 0}
     for row in doc["rows"]:
         assert row["ratio_memcpy"] is not None
-        assert (row["ratio_raw"] is not None) == ("raw nixl" in series)
+        cell = (row["block_size"], row["batch"], row["concurrency"])
+        measured = {s: gbps[(s, *cell)] for s in RAW if (s, *cell) in gbps}
+        assert set(row["ratios_raw"]) == set(measured)
+        if not measured:
+            assert row["ratio_raw"] is None and row["raw_series"] is None
+            continue
+        fastest = max(measured, key=lambda s: measured[s])
+        assert row["raw_series"] == fastest
+        assert row["ratio_raw"] == pytest.approx(row["gbps"] / measured[fastest])
+        assert row["ratio_raw"] == min(row["ratios_raw"].values())
 
 
 def test_crossover_is_reported_per_order(tier_doc: Doc) -> None:
@@ -184,17 +212,37 @@ MISUSES = {
     "tier and control": (("--tier", "--control"), "--tier and --control"),
     "process-local data": (("--tier", "--transports", "memory"), "--transports memory"),
     "process-local control": (("--tier", "--tier-control", "memory"), "--tier-control memory"),
+    "tc rate without netns": (("--tier", "--rate", "25gbit"), "add --netns"),
+    "netns without tier": (("--netns",), "--netns is an option of the tier bench"),
+    "tc rate not a rate": (("--tier", "--netns", "--rate", "fast"), "--rate"),
+    "tc rate zero": (("--tier", "--netns", "--rate", "0gbit"), "--rate"),
+    "netns without ip": (("--tier", "--netns"), "--netns needs root and iproute2 (ip, tc): "),
 }
+NO_TOOLS = {"netns without ip"}
+"""Cases run with an empty PATH: no ``ip``, no ``tc`` (as root the link is then refused for
+the missing ``ip``; otherwise for not being root: one line either way, nothing built)."""
 
 
 @pytest.mark.parametrize("case", sorted(MISUSES))
-def test_misuse_ends_in_one_line(case: str) -> None:
+def test_misuse_ends_in_one_line(case: str, tmp_path: Path) -> None:
     args, named = MISUSES[case]
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PKV_")}
     env.update(COLUMNS="60", UCX_NET_DEVICES="lo")
+    if case in NO_TOOLS:
+        env["PATH"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "p2pkv.cli", "bench", *args], env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and named in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_netns_not_as_root_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    _needs_nixl_and_zmq()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["bench", "--tier", "--netns", "--quick"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["p2pkv bench: --netns needs root and iproute2 (ip, tc): this process "
+                     "runs as uid 1000, not root"]

@@ -5,8 +5,9 @@ data-transport call.
 The roles are :mod:`p2pkv.demo.roles` (same key-derived block content, same byte
 verification); this module only adds what the chaos suite needs around them:
 
-- the node may enter a network namespace and set environment variables (``UCX_TLS``...) before
-  any transport exists;
+- the node may enter a network namespace (``enter_netns``: the bench's
+  :func:`p2pkv.bench.netns.join_namespace`) and set environment variables (``UCX_TLS``...)
+  before any transport exists;
 - :class:`AuditedTier` checks that every job id gets exactly one result (a second result, or
   a result for an id never submitted twice, is an *anomaly* the test asserts is absent) and
   holds ``shutdown``'s leftovers so they flow through the role like any other result;
@@ -54,6 +55,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from p2pkv.bench.netns import join_namespace as enter_netns
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings, DataTransport, PollResult
 from p2pkv.demo.roles import ConsumerRole, Event, ProducerRole, RoleSetup, _Load
@@ -67,11 +69,6 @@ __all__ = [
     "enter_netns", "node_main",
 ]
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWNS = 0x00020000
-_MS_REC = 0x4000
-_MS_SLAVE = 0x80000
-_MNT_DETACH = 2
 _LIFETIME = 900.0  # seconds: a node never outlives this, whatever happens to its parent
 _BUSY_TICK = 0.0002
 _IDLE_WAIT = 0.002
@@ -113,29 +110,6 @@ class Again:
     submitted_at: float
     done_at: float
     bad_blocks: int = 0
-
-
-def enter_netns(name: str) -> None:
-    """Move this process into network namespace ``name`` the way ``ip netns exec`` does: join
-    the namespace, then, in a private mount namespace, mount a fresh ``/sys`` so that
-    ``/sys/class/net`` (where UCX finds its devices) shows the namespace's interfaces. Call it
-    before any thread exists (threads inherit it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(rc: int, what: str) -> None:
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what} (network namespace {name}): {os.strerror(err)}")
-
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        check(libc.setns(fd, _CLONE_NEWNET), "setns")
-    finally:
-        os.close(fd)
-    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    check(libc.mount(b"", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
-    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
-    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 class Recorder:

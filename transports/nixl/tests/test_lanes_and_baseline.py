@@ -1,11 +1,14 @@
-"""The UCX lane probe and the READ throughput harness (behaviour only: timings are not
-asserted)."""
+"""The UCX lane probe, the READ throughput harness and the raw WRITE baseline (behaviour
+only: timings are not asserted)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from p2pkv.contracts import DataSettings
+from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
-from p2pkv_nixl.baseline import RawNixl, measure, run_memcpy
+from p2pkv_nixl.baseline import RawNixl, RawNixlWrite, measure, run_memcpy
 from p2pkv_nixl.ucx import proto_tables, ucx_lanes
 
 SAMPLE = """\
@@ -72,3 +75,37 @@ def test_measure_raw_and_transport_side_by_side_with_verified_bytes() -> None:
     assert all(len(v) == 3 and min(v) > 0 for v in times.values())
     assert all(len(v) == 3 for v in cpu.values())
     assert len(run_memcpy(4096, 32, 2, 1)) == 2
+
+
+def test_raw_write_lands_what_the_reader_asked_for_in_its_slots() -> None:
+    """``raw nixl write`` (RawNixl's ``write`` variant): the reader's ``read_blocks`` asks,
+    the source's ``progress`` WRITEs into the reader's slots, the reader's ``poll`` reports
+    it done once the WRITE's notification arrived, with every byte in place."""
+    assert RawNixl.variants == {"write": RawNixlWrite}
+    block, blocks = 4096, 32
+    source = np.random.default_rng(3).integers(0, 256, (blocks, block), dtype=np.uint8)
+    dest = np.zeros_like(source)
+    writer = RawNixlWrite.create(DataSettings(memoryview(source).cast("B"), block))
+    reader = RawNixlWrite.create(DataSettings(memoryview(dest).cast("B"), block))
+    try:
+        reader.add_peer("source", writer.descriptor())
+        writer.add_peer("reader", reader.descriptor())
+        local, remote = [5, 3, 9, 10, 11, 31], [0, 1, 2, 3, 30, 7]
+        ids = [reader.read_blocks("source", local, remote), reader.read_blocks("source", [0], [0])]
+        done: list[int] = []
+
+        def reported() -> bool:
+            writer.progress()
+            result = reader.poll("source")
+            assert not result.failed and writer.poll("reader") == ([], [])
+            done.extend(result.done)
+            return len(done) == len(ids)
+
+        wait_until(reported, timeout=15.0, what="both requests to be reported")
+        assert sorted(done) == sorted(ids)
+        np.testing.assert_array_equal(dest[local], source[remote])
+        np.testing.assert_array_equal(dest[0], source[0])
+        assert reader.poll("source") == ([], [])  # each reported once
+    finally:
+        reader.close()
+        writer.close()

@@ -90,6 +90,27 @@ def test_a_staged_read_is_served_by_the_producers_write_and_lands_exact(pair) ->
     assert producer.remove_peer("c") == [] and consumer.remove_peer("p") == []
 
 
+@pytest.mark.parametrize(("local", "remote", "posted"), [
+    ([9, 3, 4], [4, 5, 6], 1),  # the WRITE's runs: producer blocks 4..6 into pool blocks 0..2
+    ([0, 1, 2, 3], [0, 2, 4, 6], 4),  # scattered source: one descriptor per block
+    ([0, 1, 2, 3], [7, 8, 9, 10], 2),  # the pool's slices of 3 blocks cut the run at block 3
+])
+def test_a_staged_read_counts_the_descriptors_its_request_asks_for(
+    make_local, local, remote, posted
+) -> None:
+    """``descriptors_posted`` counts a staged read too, on the consumer: the runs of the
+    producer's WRITE its request asks for (:mod:`p2pkv_nixl.runs`, cut at both sides'
+    slices), however our own slots lie."""
+    consumer = make_local(num_blocks=16, block_len=BLOCK, seed=1, staging="always",
+                          staging_blocks=8, slice_bytes=3 * BLOCK).transport
+    producer = make_local(num_blocks=16, block_len=BLOCK, seed=2).transport
+    consumer.add_peer("p", producer.descriptor())
+    producer.add_peer("c", consumer.descriptor())
+    done, failed = _read(consumer, producer, local, remote)
+    assert done and not failed
+    assert consumer.descriptors_posted == posted
+
+
 def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
     pair, caplog
 ) -> None:

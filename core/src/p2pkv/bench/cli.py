@@ -22,6 +22,7 @@ from p2pkv.bench.data_transport import (
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.hostinfo import describe_host, environ_restored
 from p2pkv.bench.matrix import KiB, MatrixConfig, MiB, available_series, run_matrix
+from p2pkv.bench.netns import Link, parse_rate
 from p2pkv.bench.report import geomean_ratios, plot, print_tables
 from p2pkv.bench.runner import CellResult
 from p2pkv.cli import check_output_path, make_console, usable_transport
@@ -86,6 +87,13 @@ def _positive_rate(text: str) -> float:
     return value
 
 
+def _tc_rate(text: str) -> int:
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
@@ -126,7 +134,7 @@ def add_parser(sub: Any) -> None:
                    "both arrival orders, per cell: GB/s, p50/p99, CPU per request per side, "
                    "ratios to raw and memcpy; data transports from --transports (default "
                    "nixl); descriptors per request when the data transport counts them "
-                   "(nixl, ucx)")
+                   "(nixl, ucx); on one host, or across a veth with --netns")
     p.add_argument("--tier-control", metavar="NAME",
                    help="control transport of --tier (default zmq)")
     p.add_argument("--recompute-rate", type=_positive_rate, metavar="TOKENS_PER_S",
@@ -142,6 +150,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tp", type=int, metavar="N",
                    help="with --recompute-rate: tensor-parallel size of the engines (a "
                    "CPU-tier chunk holds every rank's KV heads; default 1)")
+    p.add_argument("--netns", action="store_const", const=True,
+                   help="with --tier: each side (and the raw baseline's two) in a network "
+                   "namespace of its own, joined by a veth pair, UCX over TCP (nixl's staged "
+                   "lane, as across hosts without RDMA); removed afterwards; needs root and "
+                   "iproute2")
+    p.add_argument("--rate", type=_tc_rate, metavar="RATE",
+                   help="with --netns: shape the veth to RATE each way with tc, e.g. 25gbit "
+                   "(tc units: bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
     p.set_defaults(func=run)
 
 
@@ -259,9 +275,11 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _measure(notes: Console, config: MatrixConfig, series: list[SeriesSpec]) -> list[CellResult]:
-    """Run the matrix with a progress bar on ``notes`` (stderr), or, when that is not a
-    terminal, a progress line every 20 cells."""
+def _measure(notes: Console, config: MatrixConfig, series: list[SeriesSpec],
+             link: Link | None = None) -> list[CellResult]:
+    """Run the matrix (its cross-process series across ``link`` when given) with a progress
+    bar on ``notes`` (stderr), or, when that is not a terminal, a progress line every 20
+    cells."""
     total = sum(
         1
         for _ in config.block_sizes
@@ -290,4 +308,4 @@ def _measure(notes: Console, config: MatrixConfig, series: list[SeriesSpec]) -> 
                 notes.print(f"{done[0]}/{total} cells, last: {escape(what)}, "
                             f"{time.time() - started:.0f} s")
 
-        return run_matrix(config, series, on_cell)
+        return run_matrix(config, series, on_cell, link)

@@ -2,14 +2,14 @@
 
 Two UCX-based libraries in one process do not mix: NIXL bundles its own UCX and ucxx loads
 another (and sets UCX variables at import), and a process holding both measured either at a
-small fraction of its speed here. So the series of each cross-process transport (``raw nixl``
-and ``p2pkv nixl``; ``raw ucx`` and ``p2pkv ucx``) run in a worker process of their own, which
-spawns the target child they read from; in-process series run in the bench process with a
-local target, a group per transport (``memory``) and one for ``memcpy``. Every group owns its
-own region (where the reads land) and a target region (the source) of ``region_bytes``, from
-its :class:`~p2pkv.bench.data_transport.RegionSource` (its p2pkv transport's
-``allocate_region``, which its raw baseline shares; plain memory for ``memcpy``), allocated
-per block size and page-faulted before anything is timed.
+small fraction of its speed here. So the series of each cross-process transport (``raw nixl``,
+``raw nixl write`` and ``p2pkv nixl``; ``raw ucx`` and ``p2pkv ucx``) run in a worker process
+of their own, which spawns the target child they read from; in-process series run in the
+bench process with a local target, a group per transport (``memory``) and one for
+``memcpy``. Every group owns its own region (where the reads land) and a target region (the
+source) of ``region_bytes``, from its :class:`~p2pkv.bench.data_transport.RegionSource` (its
+p2pkv transport's ``allocate_region``, which its raw baselines share; plain memory for
+``memcpy``), allocated per block size and page-faulted before anything is timed.
 
 :class:`LaneGroup` does the work; :class:`WorkerGroup` runs one in a worker process and is
 called synchronously with deadlines. The worker pipe carries only the bench's own commands.
@@ -28,6 +28,7 @@ from p2pkv.bench.data_transport import RegionSource
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.harness import Helper, serve_built
 from p2pkv.bench.lanes import EndpointLane, Lane, MemcpyLane
+from p2pkv.bench.netns import Link, Placement
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.bench.target import LocalTarget, RemoteTarget
 from p2pkv.registry import default_registry
@@ -64,10 +65,12 @@ def failed_cell(spec: SeriesSpec, plan: CellPlan, error: str) -> CellResult:
 
 class LaneGroup:
     """Series sharing one process: their lanes, one destination region and one target, both
-    regions from ``source``."""
+    regions from ``source``; a cross-process group's target child lives in
+    ``target_placement`` when given (see :mod:`p2pkv.bench.netns`)."""
 
     def __init__(
-        self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource
+        self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource,
+        target_placement: Placement | None = None,
     ) -> None:
         self.series = list(series)
         self._region_bytes = region_bytes
@@ -75,7 +78,7 @@ class LaneGroup:
         self._region: memoryview | None = None
         remote = any(s.cross_process for s in series)
         self._target: RemoteTarget | LocalTarget = (
-            RemoteTarget(region_bytes, source=source) if remote
+            RemoteTarget(region_bytes, source=source, placement=target_placement) if remote
             else LocalTarget(region_bytes, source=source)
         )
         self._lanes: dict[str, Lane] = {}
@@ -142,14 +145,16 @@ class LaneGroup:
 
 
 def _worker_main(
-    conn: Connection, series: list[SeriesSpec], region_bytes: int, source: RegionSource
+    conn: Connection, series: list[SeriesSpec], region_bytes: int, source: RegionSource,
+    target_placement: Placement | None,
 ) -> None:
-    serve_built(conn, lambda: LaneGroup(series, region_bytes, source),
+    serve_built(conn, lambda: LaneGroup(series, region_bytes, source, target_placement),
                 ("open", "measure", "close"))
 
 
 class WorkerGroup:
-    """A :class:`LaneGroup` in a worker process of its own.
+    """A :class:`LaneGroup` in a worker process of its own; with ``link``, the worker (the
+    reading side) lives at the link's reader end and its target child at the source end.
 
     Construction only starts the process (workers start in parallel); the first call waits
     for it. The worker is not daemonic (it spawns its target child); it exits when told to
@@ -157,12 +162,13 @@ class WorkerGroup:
 
     def __init__(
         self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource,
-        timeout: float,
+        timeout: float, link: Link | None = None,
     ) -> None:
         self.series = list(series)
         name = "p2pkv-bench-" + "-".join(sorted({s.transport for s in series}))
-        self._helper = Helper(_worker_main, (self.series, region_bytes, source), name=name,
-                              daemon=False, timeout=timeout)
+        args = (self.series, region_bytes, source, link.source if link else None)
+        self._helper = Helper(_worker_main, args, name=name, daemon=False, timeout=timeout,
+                              placement=link.reader if link else None)
 
     def begin_open(self, block_size: int) -> None:
         self._helper.send("open", block_size)

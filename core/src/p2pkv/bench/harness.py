@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from p2pkv.bench.netns import Placement, enter
+
 __all__ = ["Helper", "HelperError", "serve", "serve_built"]
 
 
@@ -63,23 +65,37 @@ def serve_built(
         target.shutdown()
 
 
+def _placed(placement: Placement, target: Callable[..., None], conn: Connection,
+            *args: Any) -> None:
+    """Child entry of a placed helper: join ``placement`` before ``target`` runs (so before
+    any socket or thread exists); a failure to join is the first reply (an error)."""
+    try:
+        enter(placement)
+    except OSError as exc:
+        conn.send(("error", f"joining its network namespace: {exc}"))
+        return
+    target(conn, *args)
+
+
 class Helper:
-    """A spawned process running ``target(conn, *args)`` (which calls :func:`serve`).
+    """A spawned process running ``target(conn, *args)`` (which calls :func:`serve`), in
+    ``placement`` (a network namespace and environment, see :mod:`p2pkv.bench.netns`) when
+    given, else where this process is.
 
     Every wait is bounded by ``timeout``. ``daemon`` helpers die with this process; a helper
     that spawns processes itself must not be daemonic."""
 
     def __init__(
         self, target: Callable[..., None], args: tuple[Any, ...], *, name: str, daemon: bool,
-        timeout: float,
+        timeout: float, placement: Placement | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         self.name = name
         self.timeout = timeout
-        self.process = ctx.Process(
-            target=target, args=(child, *args), name=name, daemon=daemon
-        )
+        entry, entry_args = ((target, (child, *args)) if placement is None
+                             else (_placed, (placement, target, child, *args)))
+        self.process = ctx.Process(target=entry, args=entry_args, name=name, daemon=daemon)
         self.process.start()
         child.close()
         self._started = False

@@ -3,8 +3,9 @@
 For each block size every series is opened side by side (see :mod:`p2pkv.bench.groups` for
 which process each runs in), then each (batch, concurrency) cell is run on every series back
 to back, with the same slot placement, so they are measured seconds apart, not a whole run
-apart. Ratios are computed per cell: to the raw library of the same transport, and to memcpy
-of the same blocks (concurrency 1: memcpy is one thread).
+apart. Ratios are computed per cell: to the raw library of the same transport (the fastest of
+its raw series in that cell, when its baseline has variants: :func:`raw_by_cell`), and to
+memcpy of the same blocks (concurrency 1: memcpy is one thread).
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pkv.bench.data_transport import RegionSource
-from p2pkv.bench.endpoints import SeriesSpec
+from p2pkv.bench.endpoints import SeriesSpec, baseline_variants
 from p2pkv.bench.groups import Group, LaneGroup, WorkerGroup, failed_cell
 from p2pkv.bench.hostinfo import environ_restored
+from p2pkv.bench.netns import Link
 from p2pkv.bench.runner import CellPlan, CellResult
 from p2pkv.registry import Registry
 
-__all__ = ["MatrixConfig", "available_series", "run_matrix"]
+__all__ = [
+    "CellKey", "MatrixConfig", "available_series", "memcpy_by_cell", "raw_by_cell", "run_matrix",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,38 +98,74 @@ def _available_series(
                 skipped[f"p2pkv {name}"] = "not installed"
     if config.raw:
         for name, cls in sorted(registry.bench_baselines().items()):
-            if wanted is not None and name not in wanted:
-                continue
-            problem = cls.availability() if hasattr(cls, "availability") else None
-            if problem is not None:
-                skipped[f"raw {name}"] = str(problem)
-                continue
-            caps = getattr(cls, "capabilities", None)
-            series.append(SeriesSpec("raw", name, getattr(caps, "cross_process", True)))
+            if wanted is None or name in wanted:
+                series += _raw_series(name, cls, skipped)
     if config.memcpy:
         series.append(SeriesSpec("memcpy", "memcpy", cross_process=False))
     return series, skipped
 
 
-def _add_ratios(results: Sequence[CellResult]) -> None:
-    def key(r: CellResult, impl: str, transport: str, conc: int) -> tuple[object, ...]:
-        return (impl, transport, r.block_size, r.batch, conc)
+def _raw_series(name: str, cls: type[Any], skipped: dict[str, str]) -> list[SeriesSpec]:
+    """The raw series of baseline ``name``: itself, then each of its ``variants`` (the
+    baseline's placement: cross-process unless its ``capabilities`` say otherwise); one that
+    cannot run here is added to ``skipped`` with the reason instead."""
+    caps = getattr(cls, "capabilities", None)
+    cross = getattr(caps, "cross_process", True)
+    out = []
+    for variant, impl in [("", cls), *sorted(baseline_variants(cls).items())]:
+        spec = SeriesSpec("raw", name, cross, variant)
+        problem = impl.availability() if hasattr(impl, "availability") else None
+        if problem is not None:
+            skipped[spec.label] = str(problem)
+        else:
+            out.append(spec)
+    return out
 
-    by_key = {key(r, r.impl, r.transport, r.concurrency): r for r in results if r.gbps > 0}
+
+CellKey = tuple[str, int, int, int]
+"""(transport, block size, batch, concurrency)."""
+
+
+def raw_by_cell(results: Sequence[CellResult]) -> dict[CellKey, list[CellResult]]:
+    """The raw baselines' measured rows (GB/s above 0) per transport and cell, fastest
+    first: a ratio "to raw" is to the first, the fastest way the library moved those blocks
+    in that cell (e.g. ``raw nixl``'s READ or ``raw nixl write``'s WRITE)."""
+    out: dict[CellKey, list[CellResult]] = {}
+    for r in results:
+        if r.impl == "raw" and r.gbps > 0:
+            out.setdefault((r.transport, r.block_size, r.batch, r.concurrency), []).append(r)
+    for rows in out.values():
+        rows.sort(key=lambda r: -r.gbps)
+    return out
+
+
+def memcpy_by_cell(results: Sequence[CellResult]) -> dict[tuple[int, int], CellResult]:
+    """memcpy's measured rows (concurrency 1, GB/s above 0) by (block size, batch)."""
+    return {(r.block_size, r.batch): r for r in results
+            if r.impl == "memcpy" and r.concurrency == 1 and r.gbps > 0}
+
+
+def _add_ratios(results: Sequence[CellResult]) -> None:
+    """A p2pkv row's ``ratio_raw`` (to the fastest raw series of its transport in the cell);
+    every row's but memcpy's ``ratio_memcpy`` (to memcpy at concurrency 1)."""
+    raws = raw_by_cell(results)
+    memcpy = memcpy_by_cell(results)
     for r in results:
         if r.gbps <= 0:
             continue
-        raw = by_key.get(key(r, "raw", r.transport, r.concurrency))
-        if r.impl == "p2pkv" and raw is not None:
-            r.ratio_raw = r.gbps / raw.gbps
-        memcpy = by_key.get(key(r, "memcpy", "memcpy", 1))
-        if memcpy is not None and r.impl != "memcpy":
-            r.ratio_memcpy = r.gbps / memcpy.gbps
+        raw = raws.get((r.transport, r.block_size, r.batch, r.concurrency))
+        if r.impl == "p2pkv" and raw:
+            r.ratio_raw = r.gbps / raw[0].gbps
+        base = memcpy.get((r.block_size, r.batch))
+        if base is not None and r.impl != "memcpy":
+            r.ratio_memcpy = r.gbps / base.gbps
 
 
-def _groups(config: MatrixConfig, series: Sequence[SeriesSpec]) -> list[Group]:
+def _groups(config: MatrixConfig, series: Sequence[SeriesSpec],
+            link: Link | None = None) -> list[Group]:
     """The series of a transport (p2pkv and raw) form a group, in this process when they
-    are in-process, else in a worker; memcpy is a group of its own, in this process. A
+    are in-process, else in a worker (with ``link``: the worker at its reader end, the
+    worker's target at its source end); memcpy is a group of its own, in this process. A
     group's regions come from its p2pkv transport's ``allocate_region`` (plain memory for
     memcpy and a raw baseline alone)."""
     by_transport: dict[tuple[bool, str], list[SeriesSpec]] = {}
@@ -138,7 +178,7 @@ def _groups(config: MatrixConfig, series: Sequence[SeriesSpec]) -> list[Group]:
             p2pkv = any(s.impl == "p2pkv" for s in specs)
             source = RegionSource(name if p2pkv else None, config.options_for(name))
             groups.append(
-                WorkerGroup(specs, config.region_bytes, source, timeout) if remote
+                WorkerGroup(specs, config.region_bytes, source, timeout, link) if remote
                 else LaneGroup(specs, config.region_bytes, source)
             )
     except Exception:
@@ -171,11 +211,13 @@ def run_matrix(
     config: MatrixConfig,
     series: Sequence[SeriesSpec],
     on_cell: Callable[[CellResult], None] = lambda r: None,
+    link: Link | None = None,
 ) -> list[CellResult]:
     """Run every cell on every series; a series that fails to open is reported per cell.
+    With ``link`` (:mod:`p2pkv.bench.netns`) the cross-process series read over it.
 
     The series of a cell run back to back with the same slot placement (one seed per cell)."""
-    groups = _groups(config, series)
+    groups = _groups(config, series, link)
     owner = {s.label: g for g in groups for s in g.series}
     results: list[CellResult] = []
     try:

@@ -24,13 +24,14 @@ def format_size(n: int) -> str:
 
 
 def series_order(results: Sequence[CellResult]) -> list[str]:
-    """memcpy first, then each transport's raw baseline followed by its p2pkv series, then
-    any other series (``bench --tier``'s), by name."""
+    """memcpy first, then each transport's raw baselines (the baseline, then its variants,
+    e.g. ``raw nixl``, ``raw nixl write``) followed by its p2pkv series, then any other
+    series (``bench --tier``'s), by name."""
     labels = {r.series for r in results}
-    transports = sorted({r.transport for r in results if r.impl != "memcpy"})
     order = ["memcpy"] if "memcpy" in labels else []
-    for t in transports:
-        order += [lbl for lbl in (f"raw {t}", f"p2pkv {t}") if lbl in labels]
+    for t in sorted({r.transport for r in results if r.impl != "memcpy"}):
+        order += sorted({r.series for r in results if r.impl == "raw" and r.transport == t})
+        order += [f"p2pkv {t}"] if f"p2pkv {t}" in labels else []
     return order + sorted(labels - set(order))
 
 
@@ -67,13 +68,15 @@ def _ratio(value: float | None) -> str:
     return f"[{color}]{value:.2f}[/]"
 
 
-def _groups(order: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """The series of one table each: per transport its raw baseline and p2pkv series, next
-    to memcpy (the reference every table repeats); memcpy alone when nothing else ran."""
-    transports = [s.removeprefix("p2pkv ").removeprefix("raw ") for s in order if s != "memcpy"]
+def _groups(results: Sequence[CellResult]) -> list[tuple[str, list[str]]]:
+    """The series of one table each, in :func:`series_order`: per transport its raw
+    baselines and p2pkv series, next to memcpy (the reference every table repeats); memcpy
+    alone when nothing else ran."""
+    order = series_order(results)
+    owner = {r.series: r.transport for r in results if r.impl in ("raw", "p2pkv")}
     groups = [
-        (t, [s for s in order if s in ("memcpy", f"raw {t}", f"p2pkv {t}")])
-        for t in dict.fromkeys(transports)
+        (t, [s for s in order if s == "memcpy" or owner.get(s) == t])
+        for t in dict.fromkeys(owner[s] for s in order if s in owner)
     ]
     return groups or [("memcpy", list(order))]
 
@@ -117,11 +120,12 @@ def _latency_table(
 
 def print_tables(console: Console, results: Sequence[CellResult], title: str) -> None:
     """Per transport, a throughput table (GB/s, ratios to raw and memcpy) and a per-request
-    latency table (p50/p99 µs): at most eight columns each, so they fit 100 columns."""
+    latency table (p50/p99 µs): at most nine columns each (nixl's: two raw baselines), so
+    they fit 100 columns."""
     index = {(r.series, r.block_size, r.batch, r.concurrency): r for r in results}
     cells = sorted({(r.block_size, r.batch, r.concurrency) for r in results})
     console.print(f"{title}: GB/s = 1e9 B/s, median of the repetitions ±half their range")
-    for transport, labels in _groups(series_order(results)):
+    for transport, labels in _groups(results):
         console.print(_throughput_table(f"{transport}: GB/s", labels, index, cells))
         timed = [s for s in labels if s != "memcpy"]
         if timed:

@@ -26,6 +26,7 @@ import numpy as np
 from p2pkv.bench.data_transport import RegionSource
 from p2pkv.bench.endpoints import SeriesSpec, make_endpoint
 from p2pkv.bench.harness import Helper, serve
+from p2pkv.bench.netns import Placement
 from p2pkv.demo.content import BlockRegion
 from p2pkv.registry import Registry, default_registry
 
@@ -177,13 +178,16 @@ def _serve(conn: Connection, region_bytes: int, source: RegionSource) -> None:
 
 
 class RemoteTarget:
-    """A :class:`TargetState` in a spawned child, called synchronously with deadlines."""
+    """A :class:`TargetState` in a spawned child (in ``placement`` when given: see
+    :mod:`p2pkv.bench.netns`), called synchronously with deadlines."""
 
     def __init__(
-        self, region_bytes: int, timeout: float = 60.0, source: RegionSource | None = None
+        self, region_bytes: int, timeout: float = 60.0, source: RegionSource | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self._helper = Helper(_serve, (region_bytes, source or RegionSource()),
-                              name="p2pkv-bench-target", daemon=True, timeout=timeout)
+                              name="p2pkv-bench-target", daemon=True, timeout=timeout,
+                              placement=placement)
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         return bytes(self._helper.call("open", spec, block_len))

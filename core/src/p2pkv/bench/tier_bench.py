@@ -5,9 +5,15 @@ Per data transport (default ``nixl``; it and the control transport, default ``zm
 cross processes), per block size a producer and a consumer tier are started
 (:class:`~p2pkv.bench.tier_lane.TierLane`), and every (blocks per request, concurrency) cell
 is timed in both arrival orders by the data bench's runner. The raw baseline of the same
-library (progress thread off) and memcpy run first, over the same matrix, through the data
-bench (:func:`p2pkv.bench.matrix.run_matrix`); each tier cell's ratios are against the raw
-cell and the memcpy cell (concurrency 1) of the same block size and blocks per request.
+library (progress thread off; for nixl both ``raw nixl``, a READ posted by the reader, and
+``raw nixl write``, a WRITE posted by the source when the reader asks) and memcpy run first,
+over the same matrix, through the data bench (:func:`p2pkv.bench.matrix.run_matrix`); each
+tier cell's ratios are against the fastest raw cell (:func:`p2pkv.bench.matrix.raw_by_cell`)
+and the memcpy cell (concurrency 1) of the same block size and blocks per request.
+
+With ``--netns`` (optionally ``--rate``) every cross-process side — both tiers, and the raw
+baseline's reader and target — runs at an end of one veth link between two network
+namespaces, UCX over TCP (:mod:`p2pkv.bench.netns`), so tier and raw cross the same link.
 """
 
 from __future__ import annotations
@@ -15,14 +21,15 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from p2pkv.bench.matrix import MatrixConfig, available_series
+from p2pkv.bench.matrix import MatrixConfig, available_series, memcpy_by_cell, raw_by_cell
+from p2pkv.bench.netns import Link, check_tools
 from p2pkv.bench.report import format_size
 from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv.bench.tier_lane import ORDERS, TierLane
@@ -38,7 +45,8 @@ __all__ = [
 ]
 
 TIER_FLAGS = {"tier_control": "--tier-control", "recompute_rate": "--recompute-rate",
-              "preset": "--preset", "tp": "--tp", "overload": "--overload"}
+              "preset": "--preset", "tp": "--tp", "overload": "--overload",
+              "netns": "--netns", "rate": "--rate"}
 """Options that only ``--tier`` reads (argparse dest -> flag)."""
 
 
@@ -55,6 +63,11 @@ class TierCellResult(CellResult):
     consumer_cpu_us: float = 0.0
     descriptors_per_request: float | None = None
     """From the consumer tier's ``descriptors_posted`` stat; None when the tier has none."""
+    raw_series: str | None = None
+    """The raw baseline ``ratio_raw`` is against: the fastest in this cell (``raw nixl`` or
+    ``raw nixl write``); None without one."""
+    ratios_raw: dict[str, float] = field(default_factory=dict)
+    """GB/s over each raw baseline measured in this cell, by its series label."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,10 @@ class TierPlan:
     preset: ModelPreset | None
     recompute_rate: float | None
     overload: bool = False
+    netns: bool = False
+    """Both sides (and the raw baseline's) in network namespaces joined by a veth."""
+    rate_bits: int | None = None
+    """``--rate``: the veth shaped to this many bits/s each way."""
 
 
 def tier_requested(args: argparse.Namespace) -> bool:
@@ -92,6 +109,7 @@ def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
         if not usable_transport(registry, "data", transport).capabilities.cross_process:
             raise ConfigError(f"--transports {transport} is process-local: the tier bench runs "
                               "two processes; use a cross-process one such as nixl")
+    _check_link_options(args)
     preset = None
     if args.recompute_rate is not None:
         preset = resolve_preset(args.preset or "llama-3-8b", tp=args.tp)
@@ -99,7 +117,18 @@ def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
         flag = "--preset" if args.preset is not None else "--tp"
         raise ConfigError(f"{flag} needs --recompute-rate TOKENS_PER_S (the crossover "
                           "compares pulling with recomputing)")
-    return TierPlan(name, data, preset, args.recompute_rate, bool(args.overload))
+    return TierPlan(name, data, preset, args.recompute_rate, bool(args.overload),
+                    bool(args.netns), args.rate)
+
+
+def _check_link_options(args: argparse.Namespace) -> None:
+    """``--rate`` only with ``--netns``; ``--netns`` only as root with iproute2
+    (``ConfigError`` naming the flag or what is missing)."""
+    if args.rate is not None and not args.netns:
+        raise ConfigError("--rate shapes the link of --netns: add --netns (on one host "
+                          "the sides share memory, there is no link to shape)")
+    if args.netns:
+        check_tools(shaped=args.rate is not None)
 
 
 def run_baselines(config: MatrixConfig, data: Sequence[str], registry: Registry,
@@ -147,15 +176,18 @@ def _tier_cell(lane: TierLane, plan: CellPlan, order: str, seed: list[int]) -> T
 
 
 def _add_ratios(rows: Sequence[TierCellResult], baselines: Sequence[CellResult]) -> None:
-    index = {(r.impl, r.transport, r.block_size, r.batch, r.concurrency): r
-             for r in baselines if r.gbps > 0}
+    """Each measured tier row's ratios: to every raw baseline of its cell (``ratios_raw``),
+    ``ratio_raw`` to the fastest of them (named in ``raw_series``), and to memcpy."""
+    raws, memcpy = raw_by_cell(baselines), memcpy_by_cell(baselines)
     for r in rows:
         if r.gbps <= 0:
             continue
-        raw = index.get(("raw", r.transport, r.block_size, r.batch, r.concurrency))
-        memcpy = index.get(("memcpy", "memcpy", r.block_size, r.batch, 1))
-        r.ratio_raw = r.gbps / raw.gbps if raw else None
-        r.ratio_memcpy = r.gbps / memcpy.gbps if memcpy else None
+        cell = raws.get((r.transport, r.block_size, r.batch, r.concurrency), [])
+        r.ratios_raw = {raw.series: r.gbps / raw.gbps for raw in cell}
+        r.raw_series = cell[0].series if cell else None
+        r.ratio_raw = r.ratios_raw[cell[0].series] if cell else None
+        base = memcpy.get((r.block_size, r.batch))
+        r.ratio_memcpy = r.gbps / base.gbps if base else None
 
 
 OVERLOAD_FACTOR = 4
@@ -168,9 +200,10 @@ def overload_concurrency() -> int:
 
 
 def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellResult],
-                 notes: Console) -> list[TierCellResult]:
+                 notes: Console, link: Link | None = None) -> list[TierCellResult]:
     """Every tier cell of every data transport, both orders (and with ``plan.overload`` an
-    overload cell per block size and batch, stores first), with ratios to ``baselines``.
+    overload cell per block size and batch, stores first), with ratios to ``baselines``;
+    the two sides across ``link`` when given.
 
     A lane that cannot start fails its block size's cells (``error``); the run goes on."""
     rows: list[TierCellResult] = []
@@ -178,28 +211,39 @@ def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellR
     started = time.time()
     for data in plan.data:
         lane = TierLane(plan.control, data, config.region_bytes, timeout,
-                         config.options_for(data))
-        for block in config.block_sizes:
-            try:
-                lane.open(block)
-                opened = ""
-            except Exception as exc:
-                opened = f"tier sides failed to start: {type(exc).__name__}: {exc}"
-            for batch in config.batches:
-                for cell, order, overload in _cells(config, plan, block, batch):
-                    row = (_tier_cell(lane, cell, order,
-                                      [config.seed, block, batch, cell.concurrency])
-                           if not opened else TierCellResult(
-                               series=f"tier {data} {order}", impl="tier", transport=data,
-                               block_size=block, batch=batch, concurrency=cell.concurrency,
-                               error=opened, order=order))
-                    row.overload = overload
-                    rows.append(row)
-                    notes.print(f"tier {escape(data)} {format_size(block)} x{batch} "
-                                f"c{cell.concurrency} {order}{' overload' * overload}: "
-                                f"{row.gbps:.2f} GB/s, {time.time() - started:.0f} s")
-            lane.close()
+                         config.options_for(data), link)
+        try:
+            for block in config.block_sizes:
+                rows += _block_rows(lane, config, plan, block, notes, started)
+        finally:
+            lane.close()  # also when interrupted: the sides end before their namespaces do
     _add_ratios(rows, baselines)
+    return rows
+
+
+def _block_rows(lane: TierLane, config: MatrixConfig, plan: TierPlan, block: int,
+                notes: Console, started: float) -> list[TierCellResult]:
+    """The cells of one block size on ``lane``, opened here (when it cannot start, every
+    cell fails with the reason), each reported on ``notes`` as it ends."""
+    data = lane.spec.transport
+    try:
+        lane.open(block)
+        opened = ""
+    except Exception as exc:
+        opened = f"tier sides failed to start: {type(exc).__name__}: {exc}"
+    rows = []
+    for batch in config.batches:
+        for cell, order, overload in _cells(config, plan, block, batch):
+            row = (_tier_cell(lane, cell, order, [config.seed, block, batch, cell.concurrency])
+                   if not opened else TierCellResult(
+                       series=f"tier {data} {order}", impl="tier", transport=data,
+                       block_size=block, batch=batch, concurrency=cell.concurrency,
+                       error=opened, order=order))
+            row.overload = overload
+            rows.append(row)
+            notes.print(f"tier {escape(data)} {format_size(block)} x{batch} "
+                        f"c{cell.concurrency} {order}{' overload' * overload}: "
+                        f"{row.gbps:.2f} GB/s, {time.time() - started:.0f} s")
     return rows
 
 

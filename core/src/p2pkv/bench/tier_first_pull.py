@@ -13,8 +13,9 @@ request of ``blocks`` blocks of the first block size, store then load, and the c
   ready (``connect`` is the consumer's time for that), then the same request;
 - **after discovery**: the consumer is configured with ``peers.connect`` naming the producer
   by host name (``localhost:<port>``, resolved on the tier's discovery thread as a headless
-  Service would be); the session it opens by itself is waited for (``discovery``: from the
-  consumer's first step), then the same request.
+  Service would be; across a ``--netns`` link, by its address); the session it opens by
+  itself is waited for (``discovery``: from the consumer's first step), then the same
+  request.
 
 Every pull's bytes are verified; a pair that fails records its error and the run goes on.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pkv.bench.matrix import MatrixConfig
+from p2pkv.bench.netns import Link
 from p2pkv.bench.tier_lane import TierLane
 
 __all__ = ["KINDS", "FirstPull", "Pull", "measure_first_pulls"]
@@ -128,16 +130,16 @@ def first_pull(lane: TierLane, block_len: int, blocks: int, *, kind: str) -> Pul
 
 
 def measure_first_pulls(config: MatrixConfig, control: str, data: Sequence[str],
-                        pairs: int) -> list[FirstPull]:
+                        pairs: int, link: Link | None = None) -> list[FirstPull]:
     """Per data transport, ``pairs`` fresh pairs of each kind (cold, pre-connected,
     discovered), each one request of the first batch size of blocks of the first block
-    size."""
+    size; across ``link`` when given."""
     block, blocks = config.block_sizes[0], config.batches[0]
     timeout = config.deadline * 4
     out = []
     for name in data:
         result = FirstPull(name, block, blocks)
-        lane = TierLane(control, name, block * blocks, timeout, config.options_for(name))
+        lane = TierLane(control, name, block * blocks, timeout, config.options_for(name), link)
         for kind in [kind for kind in KINDS for _ in range(pairs)]:
             try:
                 result.add(first_pull(lane, block, blocks, kind=kind))

@@ -22,11 +22,17 @@ For the first pull on a fresh lane (:mod:`p2pkv.bench.tier_first_pull`), :meth:`
 pre-connects the consumer to the producer (or :meth:`TierLane.discovered` waits for the session
 the consumer's ``peers.connect`` opened) and :meth:`TierLane.first_load` runs one request with
 the consumer stepping until its result.
+
+With a ``link`` (:mod:`p2pkv.bench.netns`, ``--netns``) the producer lives at its source end
+and the consumer at its reader end, each tier listening on its veth address (control and data
+cross the veth); discovery then names the producer by that address (a namespace has no name
+for its peer).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +43,10 @@ from p2pkv.addressing import parse_address
 from p2pkv.bench.endpoints import SeriesSpec
 from p2pkv.bench.harness import Helper
 from p2pkv.bench.lanes import Lane
+from p2pkv.bench.netns import Link
 from p2pkv.bench.tier_side import Finished, FirstLoad, side_main
 
-__all__ = ["ORDERS", "RepUsage", "TierLane"]
+__all__ = ["ORDERS", "RepUsage", "TierLane", "link_control_options"]
 
 ORDERS = ("producer_first", "consumer_first")
 _POLL_WAIT = 0.005
@@ -55,16 +62,29 @@ class RepUsage:
     descriptors: int | None
 
 
+def link_control_options(control: str, link: Link | None) -> dict[str, Any]:
+    """The tiers' ``control_options``: none on one host; across a link, ``zmq`` with
+    ``insecure: true`` (the link is private to the run, and on one host the control plane runs
+    without CURVE too, so the two compare) unless ``P2PKV_CURVE_DIR`` gives it keys."""
+    if link is None or control != "zmq" or "P2PKV_CURVE_DIR" in os.environ:
+        return {}
+    return {"insecure": True}
+
+
 class TierLane(Lane):
     """A producer and a consumer tier over ``control`` + ``data`` (both cross-process), the
-    data transport built with ``data_options`` (its regions allocated with them too)."""
+    data transport built with ``data_options`` (its regions allocated with them too), on one
+    host or across ``link``."""
 
     def __init__(self, control: str, data: str, region_bytes: int, timeout: float,
-                 data_options: Mapping[str, Any] | None = None) -> None:
+                 data_options: Mapping[str, Any] | None = None,
+                 link: Link | None = None) -> None:
         self.spec = SeriesSpec("tier", data, cross_process=True)
+        self._link = link
         self.order = ORDERS[0]
         self._config = {"control": control, "data": data, "host": "127.0.0.1", "port": 0,
-                        "data_options": dict(data_options or {})}
+                        "data_options": dict(data_options or {}),
+                        "control_options": link_control_options(control, link)}
         self._region_bytes = region_bytes
         self._timeout = timeout
         self._sides: list[Helper] = []
@@ -78,14 +98,16 @@ class TierLane(Lane):
 
     def open(self, block_len: int, *, discover: bool = False) -> None:
         """Start both sides. ``discover``: the consumer learns the producer only from its
-        ``peers.connect``, naming it ``localhost`` (resolved like a headless Service)."""
+        ``peers.connect``, naming it ``localhost`` (resolved like a headless Service; across a
+        link: its address)."""
         self.close()
         self._sides.append(self._side("producer", self._config, block_len))
         consumer_config = self._config
         described = self._producer.call("describe") if discover else None
         if described is not None:  # the producer's port first: it is in the consumer's config
             port = parse_address(described[0])[1]
-            consumer_config = {**self._config, "peers": {"connect": [f"localhost:{port}"]}}
+            name = self._link.source.address if self._link else "localhost"
+            consumer_config = {**self._config, "peers": {"connect": [f"{name}:{port}"]}}
         self._sides.append(self._side("consumer", consumer_config, block_len))
         address, blocks = described or self._producer.call("describe")
         _, consumer_blocks = self._consumer.call("describe")
@@ -93,9 +115,15 @@ class TierLane(Lane):
         self._num_blocks = min(blocks, consumer_blocks)
 
     def _side(self, kind: str, config: dict[str, Any], block_len: int) -> Helper:
-        """A side's process, started (not waited for)."""
+        """A side's process, started (not waited for); across the link, at its end and
+        listening on its address."""
+        end = None
+        if self._link is not None:
+            end = self._link.source if kind == "producer" else self._link.reader
+            config = {**config, "host": end.address}
         return Helper(side_main, (config, block_len, self._region_bytes),
-                      name=f"p2pkv-bench-tier-{kind}", daemon=True, timeout=self._timeout)
+                      name=f"p2pkv-bench-tier-{kind}", daemon=True, timeout=self._timeout,
+                      placement=end)
 
     @property
     def num_blocks(self) -> int:

@@ -14,23 +14,43 @@ from p2pkv.bench.report import _rate, _ratio, format_size
 from p2pkv.bench.tier_bench import TierCellResult
 from p2pkv.bench.tier_first_pull import FirstPull
 
-__all__ = ["overload_summary", "print_cost_model", "print_crossover", "print_first_pulls",
-           "print_overload",
-           "print_tier_table"]
+__all__ = ["link_summary", "overload_summary", "print_cost_model", "print_crossover",
+           "print_first_pulls", "print_overload", "print_tier_table"]
 
 _ORDER = {"producer_first": "store→load", "consumer_first": "load→store"}
 
 
+def link_summary(link: Mapping[str, Any]) -> str:
+    """One line naming the link of the JSON's ``link`` (a ``--netns`` veth: its namespaces,
+    devices, addresses, rate and UCX_TLS; else one host and its UCX_TLS), so a result is
+    never mistaken for the other kind."""
+    if link["kind"] != "netns":
+        tls = link.get("UCX_TLS")
+        return (f"one host, UCX_TLS={tls}" if tls else
+                "one host, UCX_TLS unset (UCX reads the other side's memory over cma where "
+                "the kernel allows it)")
+    ns, dev, addr = link["namespaces"], link["veth"], link["addresses"]
+    shaped = (f"shaped to {link['rate']} each way ({link['qdisc']})" if link["rate"]
+              else "unshaped")
+    carried = ", ".join(f"{phase.replace('_', ' ')} {n / 1e6:,.1f} MB"
+                        for phase, n in link.get("carried_bytes", {}).items() if n is not None)
+    return (f"veth {dev['producer']} {addr['producer']} in {ns['producer']} (producer) ⇄ "
+            f"{dev['consumer']} {addr['consumer']} in {ns['consumer']} (consumer), {shaped}, "
+            f"UCX_TLS={link['env']['producer'].get('UCX_TLS')}"
+            + (f"; producer → consumer carried: {carried}" if carried else ""))
+
+
 def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: str) -> None:
-    """Per data transport: GB/s, ratios to raw and memcpy, the consumer's submit_load ->
-    result p50/p99 µs and CPU µs per request on each side (descriptors per request when the
-    tier reports them), one row per cell and arrival order; then every failed cell."""
+    """Per data transport: GB/s, the ratio to the fastest raw baseline of the cell and which
+    one it is (a footnote says so), the ratio to memcpy, the consumer's submit_load -> result
+    p50/p99 µs and CPU µs per request on each side (descriptors per request when the tier
+    reports them), one row per cell and arrival order; then every failed cell."""
     for data in sorted({r.transport for r in rows}):
         own = sorted((r for r in rows if r.transport == data),
                      key=lambda r: (r.block_size, r.batch, r.concurrency, r.order))
         described = any(r.descriptors_per_request is not None for r in own)
         table = Table(title=f"{title}: tier {data}", title_justify="left")
-        cols = ["block", "batch", "conc", "order", "GB/s", "/raw", "/memcpy",
+        cols = ["block", "batch", "conc", "order", "GB/s", "/raw", "raw", "/memcpy",
                 "p50 / p99 µs", "CPU µs/req\nprod / cons", *(["desc/req"] if described else [])]
         for col in cols:
             table.add_column(col, justify="right")
@@ -41,10 +61,12 @@ def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: st
             desc = ([f"{r.descriptors_per_request:.1f}"
                      if r.descriptors_per_request is not None else ""] if described else [])
             order = _ORDER.get(r.order, r.order) + (" overload" if r.overload else "")
+            raw = escape((r.raw_series or "").removeprefix("raw "))
             table.add_row(format_size(r.block_size), str(r.batch), str(r.concurrency),
-                          order, _rate(r), _ratio(r.ratio_raw),
+                          order, _rate(r), _ratio(r.ratio_raw), raw,
                           _ratio(r.ratio_memcpy), lat, cost, *desc)
         console.print(table)
+        console.print(_raw_footnote(data, own))
         if not described:
             console.print("descriptors per request: not reported (this data transport does "
                           "not count descriptors_posted)")
@@ -52,6 +74,16 @@ def print_tier_table(console: Console, rows: Sequence[TierCellResult], title: st
         if r.error:
             console.print(f"[red]{escape(r.series)} {format_size(r.block_size)} x{r.batch} "
                           f"c{r.concurrency}:[/] {escape(r.error)}")
+
+
+def _raw_footnote(data: str, rows: Sequence[TierCellResult]) -> str:
+    """What ``/raw`` and ``raw`` mean in ``data``'s tier table, naming the baselines."""
+    measured = sorted({s for r in rows for s in r.ratios_raw})
+    if not measured:
+        return f"/raw: no raw {escape(data)} baseline measured in this run"
+    return (f"/raw: GB/s over the fastest raw baseline of the same cell, named under raw "
+            f"(measured: {escape(', '.join(measured))}; the ratio to each is in the JSON's "
+            f"ratios_raw)")
 
 
 def print_first_pulls(console: Console, pulls: Sequence[FirstPull]) -> None:

@@ -5,7 +5,14 @@
   ``make_prepped_xfer("READ", ...)`` + ``transfer`` per read and ``check_xfer_state`` per
   poll. It is duck-typed like a ``DataTransport`` (``create``, ``descriptor``, ``add_peer``,
   ``read_blocks``, ``progress``, ``poll``, ``close``; the ``p2pkv_bench_baselines`` hook
-  offers it to ``p2pkv bench``), so one loop times both.
+  offers it to ``p2pkv bench`` as ``raw nixl``), so one loop times both.
+- :class:`RawNixlWrite` (``raw nixl write``, offered as RawNixl's ``write`` variant) moves
+  the same blocks the other way round, as the transport's staged lane does: the reader asks
+  with one NIXL notification, the *source* posts a WRITE straight into the reader's slots
+  carrying a completion notification, and the reader's ``poll`` reports the read done when
+  that notification arrives (no staging pool, no copy, no checks). Over ``tcp`` UCX emulates
+  a READ in software, served by the target's worker, while a WRITE is the source's own
+  request: this is the ceiling for the staged lane.
 - :func:`measure` reads ``num_blocks`` blocks of a child's region into scattered slots of this
   process (a fixed random permutation; wire 2.0: the consumer posts the reads), once per
   repetition and endpoint kind, the kinds back to back within a repetition (in alternating
@@ -29,11 +36,12 @@ import argparse
 import itertools
 import json
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -47,7 +55,9 @@ from p2pkv_nixl.descriptor import RegionDescriptor
 from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.transport import NixlDataTransport
 
-__all__ = ["RawNixl", "main", "measure", "run_memcpy", "run_raw", "run_transport"]
+__all__ = [
+    "RawNixl", "RawNixlWrite", "main", "measure", "run_memcpy", "run_raw", "run_transport",
+]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -63,6 +73,9 @@ class RawNixl:
     """
 
     name = "nixl"
+    variants: ClassVar[Mapping[str, type[Any]]] = {}
+    """Further baselines of the library the bench measures beside this one, as series
+    ``raw nixl <variant>``: ``write`` (:class:`RawNixlWrite`, set below)."""
 
     @classmethod
     def availability(cls) -> TransportUnavailable | None:
@@ -140,6 +153,128 @@ class RawNixl:
         for registration in self._registrations:
             self._agent.deregister_memory(registration)
         return []
+
+
+_ASK = struct.Struct("<6sQI")
+"""Reader -> source: prefix, request id, block count; then the source's block indexes and the
+reader's slot indexes, ``count`` little-endian uint32 each."""
+_ASK_PREFIX, _DONE, _FAILED = b"p2kvBA", b"p2kvBD", b"p2kvBF"
+_ID = struct.Struct("<Q")
+_DRAIN_SECONDS = 5.0
+"""How long ``close`` progresses the source's WRITEs still running before releasing them."""
+
+
+def _agent_name(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+class RawNixlWrite(RawNixl):
+    """Raw NIXL WRITEs posted by the source into the reader's slots, asked for by the reader.
+
+    The same agent setup and prepared descriptor lists as :class:`RawNixl`; both sides are an
+    instance of this class and must add each other. ``read_blocks`` (reader) sends the
+    source's agent one notification: a request id and both index lists. The source's
+    ``progress`` (or ``poll``) posts ``make_prepped_xfer("WRITE", its blocks, the reader's
+    slots, notif_msg=<id>)`` and releases its WRITEs once NIXL reports them ended. The reader's
+    ``poll`` reports the request done once that notification arrives (NIXL sends it after the
+    WRITE's data), failed if the source answers that it could not post the WRITE. Nothing is
+    checked; not for production. Driver-thread only.
+    """
+
+    variants: ClassVar[Mapping[str, type[Any]]] = {}
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
+        self._regions: dict[str, Any] = {}
+        """A peer's agent name -> its region's prepared list (where our WRITEs land)."""
+        self._asked: dict[int, str] = {}
+        """Our request id -> its peer, until ``poll`` reports it."""
+        self._ended: dict[int, bool] = {}
+        """Our request id -> whether it succeeded, once its answer arrived."""
+        self._serving: list[Any] = []
+        """Handles of the WRITEs we posted for a peer's requests, until NIXL ends them."""
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        super().add_peer(peer_id, descriptor)
+        name, dlist = self._peers[peer_id]
+        self._regions[_agent_name(name)] = dlist
+
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        """Ask the peer to WRITE its blocks ``remote_idxs[i]`` into ours ``local_idxs[i]``."""
+        request = next(self._ids)
+        message = b"".join((_ASK.pack(_ASK_PREFIX, request, len(local_idxs)),
+                            np.asarray(remote_idxs, dtype="<u4").tobytes(),
+                            np.asarray(local_idxs, dtype="<u4").tobytes()))
+        self._agent.send_notif(_agent_name(self._peers[peer_id][0]), message)
+        self._asked[request] = peer_id
+        return request
+
+    def progress(self) -> None:
+        """Take notifications (serve requests, note answers); release ended WRITEs."""
+        for sender, messages in self._agent.get_new_notifs().items():
+            for raw in messages:
+                message = bytes(raw)
+                if message.startswith(_ASK_PREFIX):
+                    self._serve(_agent_name(sender), message)
+                elif message[:6] in (_DONE, _FAILED):
+                    self._ended[_ID.unpack_from(message, 6)[0]] = message.startswith(_DONE)
+        self._serving = [handle for handle in self._serving if not self._released(handle)]
+
+    def _serve(self, sender: str, message: bytes) -> None:
+        """Post the WRITE a request asks for; answer a failure if NIXL refuses it."""
+        _, request, count = _ASK.unpack_from(message)
+        idxs = np.frombuffer(message, "<u4", 2 * count, _ASK.size).astype(np.int32)
+        handle = self._agent.make_prepped_xfer(
+            "WRITE", self._local, idxs[:count], self._regions[sender], idxs[count:],
+            notif_msg=_DONE + _ID.pack(request),
+        )
+        if self._agent.transfer(handle) == "ERR":
+            handle.release()
+            self._agent.send_notif(sender, _FAILED + _ID.pack(request))
+            return
+        self._serving.append(handle)
+
+    def _released(self, handle: Any) -> bool:
+        if self._agent.check_xfer_state(handle) == "PROC":
+            return False
+        handle.release()
+        return True
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        self.progress()
+        done: list[int] = []
+        failed: list[int] = []
+        for request, ok in list(self._ended.items()):
+            peer = self._asked.get(request)
+            if peer is None:  # not a request of ours: nothing to report
+                del self._ended[request]
+                continue
+            if peer_id is not None and peer != peer_id:
+                continue
+            del self._ended[request], self._asked[request]
+            (done if ok else failed).append(request)
+        return PollResult(done, failed)
+
+    def close(self) -> list[int]:
+        """Progress our WRITEs still running for up to :data:`_DRAIN_SECONDS`, release them,
+        then everything else (requests still unanswered are dropped)."""
+        deadline = time.monotonic() + _DRAIN_SECONDS
+        while self._serving and time.monotonic() < deadline:
+            self.progress()
+        for handle in self._serving:
+            try:
+                handle.release()
+            except Exception:  # NIXL could not cancel it: it goes with the agent
+                pass
+        self._serving.clear()
+        self._asked.clear()
+        self._ended.clear()
+        return super().close()
+
+
+RawNixl.variants = {"write": RawNixlWrite}
 
 
 # -- block contents ----------------------------------------------------------------------

@@ -202,9 +202,11 @@ class NixlDataTransport(DataTransport):
         self._local = region.dlist
         self._base = int(self._blocks.ctypes.data)
         self.descriptors_posted: int = 0
-        """NIXL descriptors our direct READs posted: one per run of blocks consecutive on both
-        sides and within one slice of each (:mod:`p2pkv_nixl.runs`), so a contiguous read
-        within one slice of each side counts 1."""
+        """NIXL descriptors of our reads, by the :mod:`p2pkv_nixl.runs` rule (one per run of
+        blocks consecutive on both sides and within one slice of each, so a contiguous read
+        within one slice of each side counts 1): a direct read's READ as posted, a staged
+        read's WRITE (posted by the producer) as its request asks for it, its source blocks
+        against our pool blocks, counted once the request is sent."""
         self._descriptor = region.descriptor
         self._pool: StagingPool | None = None
         """Created by the first staged ``add_peer``."""
@@ -536,6 +538,9 @@ class NixlDataTransport(DataTransport):
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         self._requests[read.request] = read
+        pool_slices = slice_starts(slice_counts(pool.capacity, pool.slice_blocks))
+        stage = read.stage.astype(np.int64)
+        self.descriptors_posted += len(runs(stage, remote, pool_slices, peer.slices)[2])
 
     def _post_direct(self, read: Read, remote: Indexes) -> None:
         """Make and post the READ into our slots, one descriptor per run of blocks consecutive
