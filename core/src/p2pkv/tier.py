@@ -86,13 +86,13 @@ class P2PTier:
             if data is None:
                 self._data.close()
             raise
-        if self._control.batch_sends():  # then frames leave as each public call returns
-            self._guard.on_exit = self._control.flush
         self._observers = reg.observers
         self._deadlines = Deadlines()
         self._ledger = JobLedger(clock, self._observers)
         self._intake = JobIntake(self._ledger, config.limits, self._data.num_blocks)
         self._env = self._session_env()
+        if self._control.batch_sends():  # then frames leave as each public call returns
+            self._guard.on_exit = self._env.flush_control = self._control.flush
         self._sessions: dict[str, Session] = {}
         self._lingering: set[Session] = set()
         """Closed sessions with blocks still pinned for their consumer (until the lease)."""
@@ -596,6 +596,7 @@ class P2PTier:
         peer = session.peer
         if self._closed or not self._env.data_peers.release(peer, session):
             return
+        self._env.flush_control()  # a bye queued for the peer leaves before the drain
         undrained = self._data.remove_peer(peer)
         if undrained:
             log.warning("data peer %s removed with %d internal transfer(s) undrained: %s",

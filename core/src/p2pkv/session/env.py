@@ -97,6 +97,10 @@ class SessionEnv:
     """Sessions doomed since the tier's last pass over them (it closes them)."""
     congested: set[Any] = field(default_factory=set)
     """Sessions holding frames behind a full send queue (the tier flushes them every tick)."""
+    flush_control: Callable[[], None] = lambda: None
+    """Puts queued control frames on the wire (``ControlTransport.flush`` of a batching
+    transport): called before a data-transport call that can take milliseconds
+    (``add_peer``, ``remove_peer``), so a peer never waits for our frames meanwhile."""
     reads: ReadGate = field(init=False)
     """Every read the consumer roles post goes through it (shared, bounded resources)."""
     warnings: LogLimiter = field(init=False)

@@ -316,6 +316,7 @@ class Session:
         if reason:
             self._reject(reason)
             return
+        self.env.flush_control()  # our hello leaves now, not after the slow add_peer
         try:
             self.env.data.add_peer(self.peer, msg.descriptor)
         except Exception as exc:  # PeerRejected, or a transport bug: refuse either way
