@@ -30,7 +30,10 @@ IN_PROCESS = {"timeout": 2.0, "liveness_timeout": 2.0}  # short: a failure shrin
 DATA: dict[str, tuple[dict[str, Any], int]] = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),
     "memory": ({"options": {}, **IN_PROCESS}, 25),
-    "nixl": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),  # 3-block slices
+    # 3-block slices. No kill_peer here: in `nox -s kit_repeat -- nixl` (which keeps it), one
+    # run in seven had NIXL's UCX backend creation hang for 120 s in the example after one
+    # that killed a peer; until that is understood CI does not risk it.
+    "nixl": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}, "kill_peer": None}, 4),
     "ucx": ({"options": {"drain_timeout": 1.0, "slice_bytes": 192}}, 4),
 }
 CONTROL: dict[str, tuple[dict[str, Any], int]] = {
