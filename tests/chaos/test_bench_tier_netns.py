@@ -33,6 +33,9 @@ from p2pkv.testing.waiting import wait_until
 
 RATE = "2gbit"
 ONE_CELL = ("--quick", "--block-sizes", "64K", "--batches", "4", "--concurrency", "1")
+ENDLESS = ("--block-sizes", "64K", "--batches", "4", "--concurrency", "1", "--reps", "1000000",
+           "--bytes-per-rep", "1G", "--no-memcpy")
+"""A run that cannot end by itself before the signal: a million repetitions of 1 GB each."""
 T = 60.0
 
 
@@ -135,7 +138,7 @@ def test_an_interrupted_run_removes_its_namespaces(signum: int, tmp_path: Path) 
     with the status of that signal, its namespaces are gone, and none of the processes that
     were in them is left."""
     _needs_namespaces()
-    proc = subprocess.Popen(_cli("--tier", "--netns", *ONE_CELL, "--json",
+    proc = subprocess.Popen(_cli("--tier", "--netns", *ENDLESS, "--json",
                                  str(tmp_path / "x.json")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     prefix = f"{PREFIX}{proc.pid}-"
