@@ -1,6 +1,6 @@
 """Sabotaged variants of the kit's reference transport (``socket_transport``): each breaks one
 rule that issue #20 found the suites missing, and the suites must catch every one, every time
-(``test_kit_catches_broken.py``, five runs each).
+(``test_kit_catches_broken.py``, ``suite_runs.RUNS`` runs each).
 
 Each variant subclasses :class:`SocketDataTransport` and changes one behaviour, named by its
 docstring; everything else is the working transport.

@@ -1,7 +1,8 @@
 """The kit catches every deliberately broken transport (``broken.py``, ``sabotage.py``) in
-every one of five runs, and passes the correct transports they derive from.
+every one of ``RUNS`` runs (three; ``P2PKV_SABOTAGE_RUNS``), and passes the correct
+transports they derive from.
 
-One pytest subprocess (``suite_runs``) runs, for each variant five times, the suite tests
+One pytest subprocess (``suite_runs``) runs, for each variant ``RUNS`` times, the suite tests
 named for its defect; each run must fail at least one of them, and the correct transport must
 pass all of them. The correct transports pass the whole suites in ``tests/example_plugin``
 and ``test_socket_reference.py``. The socket variants run with their source in a child
