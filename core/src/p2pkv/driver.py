@@ -56,16 +56,13 @@ class DriverGuard:
         return True
 
     def exit(self, outermost: bool) -> None:
-        if outermost:
-            self._method = ""
-            on_exit = self.on_exit
-            if on_exit is not None:
-                try:
-                    on_exit()
-                finally:
-                    self._lock.release()
-                return
-        self._lock.release()
+        try:
+            if outermost:
+                self._method = ""
+                if self.on_exit is not None:
+                    self.on_exit()
+        finally:
+            self._lock.release()
 
     def _refusal(self, method: str) -> ConcurrentCall:
         return ConcurrentCall(

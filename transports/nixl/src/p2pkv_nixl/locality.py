@@ -22,8 +22,9 @@ import functools
 import os
 import socket
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["cma_usable", "host_id", "tls_allows_cma"]
+__all__ = ["Iovec", "cma_usable", "host_id", "process_vm_call", "tls_allows_cma"]
 
 _CMA_NAMES = frozenset({"all", "cma", "sm", "shm"})
 """``UCX_TLS`` entries that enable ``cma``: itself, the shared-memory aliases, ``all``."""
@@ -72,24 +73,33 @@ def _kernel_allows_cma() -> bool:
     return _vm_writev_works() and _ptrace_scope_allows()
 
 
+class Iovec(ctypes.Structure):
+    """``struct iovec`` of the ``process_vm_*`` calls."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def process_vm_call(name: str) -> Any:
+    """libc's ``process_vm_readv`` or ``process_vm_writev`` with its signature set, or None
+    where libc lacks it."""
+    try:
+        call = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_ssize_t
+    call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                     ctypes.c_ulong, ctypes.c_ulong]
+    return call
+
+
 def _vm_writev_works() -> bool:
     """Eight bytes copied from ourselves to ourselves with ``process_vm_writev``."""
-    path = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(path, use_errno=True)
-        writev = libc.process_vm_writev
-    except (OSError, AttributeError):
+    writev = process_vm_call("process_vm_writev")
+    if writev is None:
         return False
-
-    class _Iovec(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
     src, dst = ctypes.c_uint64(0x5A5A), ctypes.c_uint64(0)
-    local = _Iovec(ctypes.cast(ctypes.pointer(src), ctypes.c_void_p), 8)
-    remote = _Iovec(ctypes.cast(ctypes.pointer(dst), ctypes.c_void_p), 8)
-    writev.restype = ctypes.c_ssize_t
-    writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                       ctypes.c_ulong, ctypes.c_ulong]
+    local = Iovec(ctypes.cast(ctypes.pointer(src), ctypes.c_void_p), 8)
+    remote = Iovec(ctypes.cast(ctypes.pointer(dst), ctypes.c_void_p), 8)
     moved = writev(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     return bool(moved == 8 and dst.value == src.value)
 

@@ -26,13 +26,13 @@ the thread that polls its transport.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import itertools
 import secrets
 import threading
-from typing import Any
 
 import numpy as np
+
+from p2pkv_nixl.locality import Iovec, process_vm_call
 
 __all__ = ["MarkReader", "OpenMark"]
 
@@ -67,22 +67,7 @@ class OpenMark:
         self._arena[self._slot] = 0
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _load_readv() -> Any:
-    try:
-        readv = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).process_vm_readv
-    except (OSError, AttributeError):
-        return None
-    readv.restype = ctypes.c_ssize_t
-    readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                      ctypes.c_ulong, ctypes.c_ulong]
-    return readv
-
-
-_READV = _load_readv()
+_READV = process_vm_call("process_vm_readv")
 
 
 class MarkReader:
@@ -94,8 +79,8 @@ class MarkReader:
     def __init__(self, pid: int, address: int, token: int) -> None:
         self._pid, self._token = pid, token
         self._word = ctypes.c_uint64(0)
-        self._local = _Iovec(ctypes.cast(ctypes.pointer(self._word), ctypes.c_void_p), 8)
-        self._remote = _Iovec(address, 8)
+        self._local = Iovec(ctypes.cast(ctypes.pointer(self._word), ctypes.c_void_p), 8)
+        self._remote = Iovec(address, 8)
 
     def holds(self) -> bool:
         """Whether the peer's word holds its token now (False if it cannot be read)."""

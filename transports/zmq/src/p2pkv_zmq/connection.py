@@ -155,6 +155,8 @@ class ZmqConnection(ControlConnection):
         owner = self._owner
         if not owner.batching or len(unsent) >= _MAX_QUEUED:
             self.push()
+            if self.close_reason is not None:  # libzmq failed it: say so, as before batching
+                raise ConnectionClosed(f"connection to {self._shown_address}: {self.close_reason}")
         elif len(unsent) == 1:
             owner.queued(self)
 
