@@ -406,10 +406,11 @@ def test_defect_15_a_dead_connection_is_closed_and_the_peer_redialled(h: Any,
         p.store(1, [b"a"], [0], p.producer_ctx("r"))
         c.load(2, [b"a"], [0], c.consumer_ctx("r", p))
         h.pump_until([p, c], lambda: 2 in c.results)
-        (session,) = c.tier._sessions.values()
-        faults.kill(session.conn)
+        conn = c.tier.peer_connection(p.address)
+        assert conn is not None
+        faults.kill(conn)
         h.pump([p, c], 3)
-        assert not session.conn.alive and c.tier.stats()["sessions"] == 0
+        assert not conn.alive and c.tier.stats()["sessions"] == 0
         p.store(3, [b"b"], [1], p.producer_ctx("s"))
         c.load(4, [b"b"], [1], c.consumer_ctx("s", p))
         h.pump_until([p, c], lambda: 4 in c.results)
@@ -451,7 +452,7 @@ def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, cluster: An
         h.pump_until([p, c], lambda i=i: 2 * i + 1 in c.results)
         c.tier.on_request_finished(cctx)
     h.pump([p, c], 3)
-    assert p.tier._state_sizes()["bindings"] == 0
+    assert p.tier.state_sizes()["bindings"] == 0
     assert all(r.outcome is Outcome.DONE for r in c.results.values())
 
 

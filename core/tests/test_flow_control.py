@@ -66,7 +66,7 @@ def test_a_burst_beyond_the_window_and_the_send_queue_waits_and_all_succeed(
     stats = c.tier.stats()
     assert stats["sessions"] == 1 and "jobs_peer_dead" not in stats  # never closed
     assert stats["frames_delayed"] + p.tier.stats()["frames_delayed"] > 0  # back-pressure
-    h.pump_until([p, c], lambda: not c.tier._state_sizes()["frames_held"], rounds=500)
+    h.pump_until([p, c], lambda: not c.tier.state_sizes()["frames_held"], rounds=500)
     h.assert_clean(c)
 
 

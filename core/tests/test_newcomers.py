@@ -81,14 +81,14 @@ def load_completes(h: Any, p: Any, c: Any, kv: str, job: int) -> None:
 
 def test_an_impostors_frames_do_not_disturb_the_live_session(h: Any, cluster: Any) -> None:
     p, c, arriving = live_pair(h, cluster)
-    session = p.tier._sessions[c.address]
+    conn = p.tier.peer_connection(c.address)
     impostor = Claimant(c.address, b"\x80")
     arriving.pending.append(impostor)
     load_completes(h, p, c, "after", 10)
-    assert p.tier._sessions[c.address] is session and impostor.alive and not impostor.sent
+    assert p.tier.peer_connection(c.address) is conn and impostor.alive and not impostor.sent
     h.advance(p.clock, [p, c], p.tier._config.timeouts.handshake)
     assert not impostor.alive and not impostor.sent
-    assert p.tier._sessions[c.address] is session
+    assert p.tier.peer_connection(c.address) is conn
     load_completes(h, p, c, "later", 20)
     assert p.tier.stats()["protocol_errors"] == 0
 
@@ -109,7 +109,7 @@ def test_a_newer_claimant_replaces_an_older_one(h: Any, cluster: Any) -> None:
     h.pump([p], 1)
     arriving.pending.append(second)
     h.pump([p], 1)
-    assert not first.alive and second.alive and p.tier._state_sizes()["newcomers"] == 1
+    assert not first.alive and second.alive and p.tier.state_sizes()["newcomers"] == 1
 
 
 def test_the_newcomer_takes_over_once_the_old_connection_ends(h: Any, cluster: Any) -> None:
@@ -118,14 +118,14 @@ def test_the_newcomer_takes_over_once_the_old_connection_ends(h: Any, cluster: A
     arriving.pending.append(restarted)
     h.pump([p, c], 2)
     assert not restarted.sent
-    old = p.tier._sessions[c.address]
-    old.conn.close()  # what the transport reports when the old incarnation's connection dies
+    old = p.tier.peer_connection(c.address)
+    assert old is not None
+    old.close()  # what the transport reports when the old incarnation's connection dies
     h.pump([p], 2)
-    session = p.tier._sessions[c.address]
-    assert session is not old and session.conn is restarted
+    assert p.tier.peer_connection(c.address) is restarted
     sent = [type(decode(f, p.tier._config.limits)).__name__ for f in restarted.sent]
     assert sent == ["Hello", "HelloAck"]  # our hello, then the ack of the held hello
-    assert p.tier._state_sizes()["newcomers"] == 0
+    assert p.tier.state_sizes()["newcomers"] == 0
 
 
 def test_dialing_a_dead_sessions_address_uses_the_held_newcomer(h: Any, cluster: Any) -> None:
@@ -133,9 +133,11 @@ def test_dialing_a_dead_sessions_address_uses_the_held_newcomer(h: Any, cluster:
     held = Claimant(c.address, hello_from(c, epoch=9))
     arriving.pending.append(held)
     h.pump([p], 1)
-    p.tier._sessions[c.address].conn.close()
+    conn = p.tier.peer_connection(c.address)
+    assert conn is not None
+    conn.close()
     p.load(30, h.keys("back", 1), [9], p.consumer_ctx("back", c))  # dials c's address
-    assert p.tier._sessions[c.address].conn is held  # no new dial: the held one serves
+    assert p.tier.peer_connection(c.address) is held  # no new dial: the held one serves
 
 
 def test_shutdown_closes_held_newcomers(h: Any, cluster: Any) -> None:

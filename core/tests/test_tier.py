@@ -294,7 +294,7 @@ def test_malformed_load_jobs_raise_and_record_nothing(h: Any, cluster: Any, job:
     job.ctx = c.consumer_ctx("r", p)
     with pytest.raises(ValueError, match=match):
         c.tier.submit_load(job)
-    assert c.tier._state_sizes()["jobs_open"] == 0
+    assert c.tier.state_sizes()["jobs_open"] == 0
 
 
 def test_duplicate_job_id_in_flight_is_refused(h: Any, cluster: Any) -> None:

@@ -63,7 +63,7 @@ def read_in_flight(h: Any, p: Any, c: Any) -> None:
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
     c.load(1, h.keys("r", 2), [0, 1], cctx)
-    h.pump_until([p, c], lambda: p.tier._state_sizes()["demand"] == 2)
+    h.pump_until([p, c], lambda: p.tier.state_sizes()["demand"] == 2)
     p.store(2, h.keys("r", 2), [4, 5], pctx)
     p.tier.tick()
     c.tier.tick()
@@ -99,7 +99,7 @@ def test_producer_keeps_its_pins_until_the_consumer_released_them(
     assert p.outcome(2) is Outcome.ABORTED  # its pin ended with the consumer's release
     kinds = [e[:2] for e in events]
     assert kinds.index(("C", "cancel")) < kinds.index(("P", "close")), events
-    assert p.tier._state_sizes()["pins"] == 0
+    assert p.tier.state_sizes()["pins"] == 0
 
 
 def test_a_fetch_during_wind_down_fails_at_once(h: Any, cluster: Any) -> None:

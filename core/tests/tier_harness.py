@@ -139,7 +139,7 @@ def assert_clean(*nodes: Node) -> None:
     """No per-request state left (tombstones of finished producers, which expire by their
     deadline, and their timers excepted)."""
     for n in nodes:
-        sizes = n.tier._state_sizes()
+        sizes = n.tier.state_sizes()
         expiring = ("tombstones",)
         left = {k: v for k, v in sizes.items() if v and k not in (*expiring, "timers")}
         assert not left, f"{n.address}: state left behind: {left}"

@@ -401,7 +401,7 @@ def report(role: ChaosProducer | ChaosConsumer) -> dict[str, Any]:
     assert isinstance(tier, AuditedTier)
     stats = getattr(role.control, "stats", None)
     return {
-        "state_sizes": tier._state_sizes(),
+        "state_sizes": tier.state_sizes(),
         "stats": tier.stats(),
         "control": stats() if stats is not None else {},
         "anomalies": list(tier.anomalies),

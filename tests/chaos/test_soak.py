@@ -4,7 +4,7 @@ producer first, symmetric lookups) through a producer and a consumer in two proc
 Every job gets exactly one result and every loaded byte is verified. Resource use is measured
 with psutil after a warm-up and at the end: live memory (RSS after GC and ``malloc_trim``),
 open file descriptors and threads stay bounded. Once idle, no per-request state remains in
-either tier (``P2PTier._state_sizes``: sessions, rounds, supply, demand, transfers, timers,
+either tier (``P2PTier.state_sizes``: sessions, rounds, supply, demand, transfers, timers,
 tombstones... all zero).
 """
 

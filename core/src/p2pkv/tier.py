@@ -460,10 +460,22 @@ class P2PTier:
             out["descriptors_posted"] = self._data.descriptors_posted
         return out
 
-    # -- internals --------------------------------------------------------------------------
+    @driver_call
+    def peer_connection(self, peer: str) -> ControlConnection | None:
+        """The control connection of the live session with ``peer`` (``host:port``), or None.
 
-    def _state_sizes(self) -> dict[str, int]:
-        """Every per-request structure's size (tests assert all zero once quiescent)."""
+        A debug view for the conformance kit and tests, which close it to inject a dead
+        connection: the tier keeps ownership, and a close is handled exactly as the transport
+        reporting that connection dead. Never a decision input for production code."""
+        session = self._sessions.get(peer)
+        return None if session is None else session.conn
+
+    @driver_call
+    def state_sizes(self) -> dict[str, int]:
+        """The size of every per-request structure, by name (sessions, rounds, supply, demand,
+        pins, timers, held frames, ...): a read-only debug view. All are zero once the tier is
+        quiescent (no job outstanding, nothing in flight); the conformance kit and the leak
+        tests assert exactly that, and name the structure that kept something."""
         sizes: dict[str, int] = dict.fromkeys(
             ("client_requests", "client_rounds", "reads", "queued_rounds", "lookups", "probes",
              "server_requests", "server_rounds", "server_jobs", "supply", "demand",
@@ -482,6 +494,8 @@ class P2PTier:
                                                             env.congested),
         )
         return sizes
+
+    # -- internals --------------------------------------------------------------------------
 
     def _routing(self, ctx: RequestContext) -> Routing:
         routing = ctx.routing

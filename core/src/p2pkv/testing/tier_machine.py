@@ -33,8 +33,8 @@ Usage (``core/tests/test_stateful_tier.py`` runs it over the memory transports w
     def test_tiers():
         run_state_machine_as_test(ZmqNixlTiers)   # the kit's settings (p2pkv.testing.profiles)
 
-The machine reads tier internals (``_sessions``, ``_state_sizes``) to inject connection kills
-and to check that nothing is left behind; it is for tests, not a public API of the tier.
+The machine uses the tier's debug views (``peer_connection``, ``state_sizes``) to inject
+connection kills and to check that nothing is left behind.
 """
 
 from __future__ import annotations
@@ -453,12 +453,12 @@ class TierMachine(KitMachine):
 
                 self.faults.arm(Fault(kind), peer=a.address, count=count, polls=polls)
         elif kind == "kill":
-            session = a.tier._sessions.get(b.address)
-            if session is not None and session.conn.alive:
+            conn = a.tier.peer_connection(b.address)
+            if conn is not None and conn.alive:
                 if self.faults is not None:
-                    self.faults.kill(session.conn)
+                    self.faults.kill(conn)
                 else:
-                    session.conn.close()
+                    conn.close()
         elif kind == "partition":
             if a is not b and self.faults is not None:
                 self.faults.partition(a.address, b.address)
@@ -540,7 +540,7 @@ class TierMachine(KitMachine):
             wait_until(quiet, timeout=self.settle_timeout, what="every tier to go quiet",
                        pumps=[lambda: self.clock.advance(35), lambda: self.pump(1)])
         except WaitTimeout as exc:
-            left = {n.address: ({k: v for k, v in n.tier._state_sizes().items() if v},
+            left = {n.address: ({k: v for k, v in n.tier.state_sizes().items() if v},
                                 sorted(n.submitted - set(n.results)))
                     for n in self.nodes}
             raise AssertionError(f"{exc}; per node (state left, jobs without a result): "
@@ -548,8 +548,8 @@ class TierMachine(KitMachine):
         for node in self.nodes:
             missing = node.submitted - set(node.results)
             assert not missing, f"{node.address}: jobs without a result: {sorted(missing)}"
-            assert not node.tier.has_pending_work(), node.tier._state_sizes()
-            sizes = node.tier._state_sizes()
+            assert not node.tier.has_pending_work(), node.tier.state_sizes()
+            sizes = node.tier.state_sizes()
             left = {k: v for k, v in sizes.items() if v}
             assert not left, f"{node.address}: per-request state left: {left}"
 
