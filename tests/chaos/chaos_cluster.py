@@ -568,8 +568,9 @@ def stall_reads(c: Cluster, reader: Node, source: Node, release: Iterable[Req],
     latest before, are still live. Returns the reads from ``source`` live once ``reader``
     answered a report with ``source`` paused. With UCX on TCP (and always with the two-sided
     ucx transport) a read needs its source's progress, so they stay in flight until the
-    caller resumes (or kills) ``source``; keep ``timeout`` and the pause below the heartbeat
-    timeout."""
+    caller resumes (or kills) ``source``; keep the pause below the heartbeat timeout.
+    ``timeout`` bounds only a failure (the reader never read from ``source``): on success
+    the reader has stopped ``source`` the moment it posted those reads."""
     release = list(release)
     wanted = {id(r) for r in release}
     ours = sum(r.consumer is reader and r.producer is source for r in release)

@@ -6,22 +6,18 @@ kill processes and need root for namespaces), unless the mark expression names `
 path inside ``tests/chaos`` is given.
 
 The ``chaos_*`` modules of this directory are importable by name, in the test process and in
-the spawned node processes (``multiprocessing`` hands ``sys.path`` to its children).
+the spawned node processes (pytest's ``pythonpath``, root pyproject.toml).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from chaos_netlab import NetLab, NetLabUnavailable, netlab_problem
 
 _HERE = Path(__file__).parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
-
-from chaos_netlab import NetLab, NetLabUnavailable, netlab_problem  # noqa: E402
 
 
 def _selected(config: pytest.Config) -> bool:

@@ -41,12 +41,16 @@ from p2pkv.demo.roles import RoleSetup
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12
-MARGIN = 1.5
-DEATH_BOUND = HEARTBEAT["heartbeat_timeout"] + MARGIN
+DEATH_BOUND = 3 * HEARTBEAT["heartbeat_timeout"]
+"""From the cut to the last of its loads failing: three times the documented bound
+(``heartbeat_timeout``; docs/reliability.md), so a loaded machine cannot miss it while a
+hang still fails."""
 LOAD = 10.0
 LEASE_MARGIN = 2.0
 LEASE = LOAD + LEASE_MARGIN
-PAUSE = 0.6
+READS_POSTED = 30.0
+"""Longest wait for the consumer to post its first reads from the producer (it pauses the
+producer itself as it posts them, so this bounds only a failure)."""
 WATCH = 5.0
 """Seconds after the restore during which C's canaries are checked again and again."""
 T = 60.0
@@ -81,7 +85,7 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_its_slots_serve_at_on
         (recs,) = admit_held(c, [(first, p, con)], warm=10, timeout=T)
 
         try:
-            stalled = len(stall_reads(c, con, p, recs[10:], PAUSE))
+            stalled = len(stall_reads(c, con, p, recs[10:], READS_POSTED))
             cut_at = time.monotonic()
             netlab.cut()
         finally:
@@ -114,8 +118,8 @@ def test_link_cut_mid_transfer_fails_every_job_in_time_and_its_slots_serve_at_on
         assert not c.flow.problems(), c.flow.problems()
         store_fail = [r for r in open_at_cut if r.store_outcome != "done"]
         store_late = max(r.stored[0][0] - cut_at for r in store_fail) if store_fail else 0.0
-        assert store_late <= LEASE + MARGIN, (
-            f"stores failed {store_late:.2f}s after the cut (bound {LEASE + MARGIN}s)")
+        assert store_late <= 3 * LEASE, (
+            f"stores failed {store_late:.2f}s after the cut (bound {3 * LEASE}s)")
         measured(f"link cut with {len(open_at_cut)} loads open and {stalled} read(s) in "
                  f"flight: {len(failed)} loads failed "
                  f"{dict(Counter(r.load_outcome for r in failed))}, last {load_late:.2f}s after "

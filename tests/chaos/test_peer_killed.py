@@ -51,13 +51,14 @@ fit."""
 HEARTBEAT_TIMEOUT = 2.0
 """Seconds of silence before a connection is dead. Longer than the suite's usual second: the
 source stays paused (silent) while the kill lands, on a busy machine."""
-MARGIN = 1.5
-"""Seconds allowed beyond a bound (a loaded 2-core machine, pipe latency)."""
-DEATH_BOUND = HEARTBEAT_TIMEOUT + MARGIN
+DEATH_BOUND = 3 * HEARTBEAT_TIMEOUT
+"""From the kill to the last of its loads failing: three times the documented bound
+(``heartbeat_timeout``; docs/reliability.md), so a loaded machine cannot miss it while a
+hang still fails."""
 UNBOUND = 3.0
-PAUSE = 1.2
-"""Longest wait for the first reads before the source is paused (below the heartbeat
-timeout: its other sessions live on)."""
+READS_POSTED = 30.0
+"""Longest wait for the reader to post its first reads from the source (the reader pauses
+the source itself as it posts them, so this bounds only a failure)."""
 LOAD = 10.0
 LEASE_MARGIN = 2.0
 LEASE = LOAD + LEASE_MARGIN
@@ -88,7 +89,7 @@ def test_producer_killed_mid_transfer_fails_its_loads_only_and_a_restart_serves(
                                 timeout=T)
         warm = of_a[:10] + of_b[:10]
 
-        stalled = stall_reads(c, con, a, [r for r in of_a + of_b if r not in warm], PAUSE)
+        stalled = stall_reads(c, con, a, [r for r in of_a + of_b if r not in warm], READS_POSTED)
         open_at_kill = [r for r in of_a if not r.loaded]
         killed_at = a.kill()
         c.wait(lambda: all(r.loaded for r in of_a) and all(r.finished for r in of_b),
@@ -144,7 +145,7 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
         later = of_c1[-20:]  # stored only after the kill: an engine keeps prefilling
         try:
             stalled = stall_reads(c, c1, p, [r for r in of_c1 + of_c2
-                                             if r not in warm and r not in later], PAUSE)
+                                             if r not in warm and r not in later], READS_POSTED)
             killed_at = c1.kill()
         finally:
             p.child.resume()
@@ -157,9 +158,9 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
         assert all_done(of_c2), not_done(of_c2)
         failed = [r for r in of_c1 if r.store_outcome != "done"]
         assert failed, "the kill hit no store in flight"
-        bounds = {"unbound_timeout": UNBOUND + MARGIN}
+        bounds = {"unbound_timeout": 3 * UNBOUND}
         late = [(r.describe(), t - killed_at) for r in failed for t, _ in r.stored
-                if t - killed_at > bounds.get(r.store_outcome or "", LEASE + MARGIN)]
+                if t - killed_at > bounds.get(r.store_outcome or "", 3 * LEASE)]
         assert not late, f"stores failed too late: {late}"
         # Stored after the kill: failed at once if the producer already knew C1 dead (the
         # request's session is gone), else parked until nobody fetched them.

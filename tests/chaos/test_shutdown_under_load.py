@@ -50,7 +50,9 @@ LEASE = LOAD + LEASE_MARGIN
 STOP_BOUND = 3 * (DRAIN + NIXL_DRAIN)
 """Nothing hangs: shutdown's documented worst case is ``DRAIN`` then ``NIXL_DRAIN``; the bound
 is three times that, so a loaded machine cannot miss it while a hang still fails."""
-PAUSE = 0.8
+READS_POSTED = 30.0
+"""Longest wait for the consumer to post its first reads from the producer (it pauses the
+producer itself as it posts them, so this bounds only a failure)."""
 T = 60.0
 DATA = {
     "nixl": ({"staging_blocks": 1 << 20}, {"UCX_TLS": "tcp"}),
@@ -73,7 +75,7 @@ def loaded_with_reads_in_flight(c: Cluster, p: Node, con: Node) -> tuple[list[Re
     (then paused) producer in flight; returns the records and how many reads are in flight."""
     reqs = requests(60, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="shut")
     (recs,) = admit_held(c, [(reqs, p, con)], warm=10, timeout=T)
-    stalled = stall_reads(c, con, p, recs[10:], PAUSE)
+    stalled = stall_reads(c, con, p, recs[10:], READS_POSTED)
     assert stalled, "no read in flight when the producer was paused"
     return recs, len(stalled)
 
