@@ -190,14 +190,23 @@ def engine(session: nox.Session, release: str) -> None:
     ``engine-constraints.txt`` (no CUDA-built torchvision/torchaudio/torchcodec). Runs the
     ``-m "engine or vllm"`` tests of plugins/vllm: the real engines, and the adapter against
     the release's tier API; on the newest release also ``-m refusal``, the layouts a peer
-    must refuse (the whole set: ``engine_layouts``), and ``-m engine_bench_quick``, the
+    must refuse (the whole set: ``engine_layouts``), ``-m engine_bench_quick``, the
     engine benchmark's quick form (both tiers, two lengths, tokens and pulls checked; the
-    full benchmark: ``engine_bench``). Offload regions that killed engines leave in /dev/shm
-    are removed by the tests.
+    full benchmark: ``engine_bench``), and ``-m recipe``, docs/vllm.md's recipe run as
+    written (two ``vllm serve``; on the older release: ``engine_recipe``). Offload regions
+    that killed engines leave in /dev/shm are removed by the tests.
     """
     newest = release == ENGINE_RELEASES[-1]
     _engines(session, release, "engine or vllm or refusal or engine_bench_quick" if newest
-             else "engine or vllm")
+             else "(engine or vllm) and not recipe")
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_RELEASES[:-1])
+def engine_recipe(session: nox.Session, release: str) -> None:
+    """docs/vllm.md's PD recipe run as written (``-m recipe``) on the releases where CI's
+    ``engine`` session leaves it out (the oldest; ``engine_release`` runs it on the others)."""
+    _engines(session, release, "recipe")
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)

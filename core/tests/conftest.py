@@ -63,19 +63,10 @@ def run_python_fixture() -> object:
 
 @pytest.fixture(scope="session")
 def tier_harness() -> Any:
-    """``tier_harness.py`` (memory-transport tiers, fake clock) as a module, loaded once."""
-    import importlib.util
+    """``tier_harness.py`` (memory-transport tiers, fake clock) as a module."""
+    import tier_harness
 
-    name = "p2pkv_core_tier_harness"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(
-            "tier_harness.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+    return tier_harness
 
 
 @pytest.fixture

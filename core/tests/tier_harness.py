@@ -1,7 +1,7 @@
 """Test harness for P2PTier tests: tiers over the memory transports, a fake clock, helpers.
 
-Loaded by the ``tier_harness`` fixture (core/tests/conftest.py); tests run with
-``--import-mode=importlib`` and cannot import each other.
+Importable by name (pytest's ``pythonpath``, root pyproject.toml); tests take it from the
+``tier_harness`` fixture (core/tests/conftest.py).
 
 ``Node`` is one tier with its own region (numpy view ``blocks``) over a memory control and a
 memory data transport, optionally wrapped by a :class:`FaultInjector`. ``Node.collect``

@@ -13,13 +13,15 @@ quiet machine and fails on a busy one is a bug); the run is bounded by its subpr
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
+import broken
+import sabotage
+from suite_runs import RUNS, Outcomes, caught_runs, run_suites
 
 # The module fixture runs every variant through the suites in one pytest subprocess (bounded
 # by its own timeout); the first test pays for it.
@@ -27,10 +29,6 @@ RUN_TIMEOUT = 900.0
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import broken  # noqa: E402
-import sabotage  # noqa: E402
-from suite_runs import RUNS, Outcomes, caught_runs, run_suites  # noqa: E402
 
 SUITE_RUN = textwrap.dedent(
     """

@@ -4,7 +4,6 @@ instead, saying what to declare."""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
-sys.path.insert(0, str(Path(__file__).parent))
 from suite_runs import run_suites
 
 SUITE_RUN = textwrap.dedent(

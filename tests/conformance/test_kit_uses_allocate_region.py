@@ -4,7 +4,6 @@ can register only ``/dev/shm`` mappings of its own is tested on exactly those, a
 from __future__ import annotations
 
 import mmap
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,8 +17,6 @@ from p2pkv.errors import ConfigError, PeerRejected
 from p2pkv.testing.peers import LocalDataPeer
 from p2pkv.testing.stateful import DataTransportMachine
 from p2pkv.testing.suites import DataTransportSuite
-
-sys.path.insert(0, str(Path(__file__).parent))
 from socket_transport import SocketDataTransport
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")

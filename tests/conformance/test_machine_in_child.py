@@ -6,7 +6,6 @@ works in-process too (``P2PKV_MACHINE_STEPS``)."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from p2pkv.testing.isolated import run_machine_in_child
 from p2pkv.testing.stateful import DataTransportMachine
 
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
-sys.path.insert(0, str(Path(__file__).parent))
 import broken
 from p2pkv_loopback import LoopbackDataTransport
 

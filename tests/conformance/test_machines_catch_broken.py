@@ -4,8 +4,6 @@ from, and report the failing step's error, never a teardown's."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +12,6 @@ from hypothesis.stateful import run_state_machine_as_test
 from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
 
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
-sys.path.insert(0, str(Path(__file__).parent))
 import broken
 import sabotage
 from hypothesis.stateful import invariant

@@ -4,8 +4,6 @@ data machine over a transport whose timing is the kernel's, not the machine's.""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +11,6 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from p2pkv.testing.stateful import DataTransportMachine
 from p2pkv.testing.suites import DataTransportSuite
-
-sys.path.insert(0, str(Path(__file__).parent))
 from socket_transport import SocketDataTransport
 
 

@@ -25,12 +25,8 @@ HOOKS = ("include_readme", "config_reference")
 
 
 def _hook(name: str) -> ModuleType:
-    path = ROOT / "docs" / "hooks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A mkdocs hook of docs/hooks (on ``sys.path``: pytest's ``pythonpath``)."""
+    return importlib.import_module(name)
 
 
 class _Tables(HTMLParser):

@@ -25,10 +25,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-# Spawned children (p2pkv.testing.child.Child) import their target by module name and inherit
-# sys.path: make the child-side helpers of these tests (vllm_engine_host) importable there.
-sys.path.insert(0, str(Path(__file__).parent))
-
 T = TypeVar("T")
 
 MODEL_BUILD_TIMEOUT = 300.0
@@ -48,6 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "refusal: a layout mismatch peers must refuse (nox -s engine runs them on "
         "the newest release)")
+    config.addinivalue_line(
+        "markers", "recipe: docs/vllm.md's PD recipe run as written (two vllm serve; nox -s "
+        "engine runs it on the newest release, nox -s engine_recipe on the others)")
     config.addinivalue_line(
         "markers", "engine_bench_quick: the engine benchmark's quick form, both tiers (nox -s "
         "engine runs it on the newest release; the full benchmark: nox -s engine_bench)")

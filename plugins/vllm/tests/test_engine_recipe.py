@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.recipe, pytest.mark.timeout(900)]
 pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s engine)")
 pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s engine)")
 pytest.importorskip("prometheus_client", reason="needs prometheus_client (nox -s engine)")

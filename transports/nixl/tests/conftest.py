@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,10 +23,6 @@ from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-_HERE = str(Path(__file__).parent)
-if _HERE not in sys.path:  # children import nixl_tier_peers by name (sys.path is inherited)
-    sys.path.insert(0, _HERE)
 
 TIMEOUT = 15.0
 """Seconds any single expected event may take on a busy 2-core machine."""

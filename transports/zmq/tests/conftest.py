@@ -1,24 +1,19 @@
 """Fixtures of the zmq transport tests: transports on loopback that are always closed.
 
 ``zmq_peers`` (the programs child processes run) is importable by name in spawned children:
-this directory goes on ``sys.path``, which ``multiprocessing`` hands to its children.
+this directory is on ``sys.path`` (pytest's ``pythonpath``, root pyproject.toml), which
+``multiprocessing`` hands to its children.
 """
 
 from __future__ import annotations
 
 import socket
-import sys
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
 from p2pkv.contracts import ControlSettings
 from p2pkv_zmq import ZmqControlTransport
-
-_HERE = str(Path(__file__).parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
 
 MakeTransport = Callable[..., Any]
 
