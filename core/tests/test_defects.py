@@ -22,12 +22,13 @@ from p2pkv.protocol import (
     Fetch,
     Hello,
 )
+from p2pkv.reference.control import MemoryControlTransport
+from p2pkv.reference.data import MemoryDataTransport
+from p2pkv.reference.delegating import DelegatingDataTransport
+from p2pkv.reference.faults import Fault, FaultInjector
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
-from p2pkv_memory.control import MemoryControlTransport
-from p2pkv_memory.data import MemoryDataTransport
-from p2pkv_memory.faults import Fault, FaultInjector
 
 
 @pytest.fixture
@@ -35,60 +36,41 @@ def h(tier_harness: Any) -> Any:
     return tier_harness
 
 
-class Recording(DataTransport):
+class Recording(DelegatingDataTransport):
     """Delegates to a memory data transport and records what the tier asked when."""
 
     name: ClassVar[str] = "recording"
-    capabilities = MemoryDataTransport.capabilities
 
-    def __init__(self, inner: MemoryDataTransport) -> None:
-        self.inner = inner
+    def __init__(self, inner: DataTransport) -> None:
+        super().__init__(inner)
         self.in_flight: set[int] = set()
         self.log: list[tuple[str, int]] = []  # (call, transfers in flight at that moment)
         self.polls = 0
 
-    @classmethod
-    def create(cls, settings: DataSettings) -> Recording:
-        return cls(MemoryDataTransport.create(settings))
-
-    @property
-    def num_blocks(self) -> int:
-        return self.inner.num_blocks
-
-    @property
-    def block_len(self) -> int:
-        return self.inner.block_len
-
-    def descriptor(self) -> bytes:
-        return self.inner.descriptor()
-
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        self.inner.add_peer(peer_id, descriptor)
-
     def remove_peer(self, peer_id: str) -> list[int]:
         self.log.append(("remove_peer", len(self.in_flight)))
-        return self.inner.remove_peer(peer_id)
+        return super().remove_peer(peer_id)
 
     def read_blocks(self, peer_id: str, local_idxs: Sequence[int],
                     remote_idxs: Sequence[int]) -> int:
-        tid = self.inner.read_blocks(peer_id, local_idxs, remote_idxs)
+        tid = super().read_blocks(peer_id, local_idxs, remote_idxs)
         self.in_flight.add(tid)
         return tid
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         self.polls += 1
-        res = self.inner.poll(peer_id)
+        res = super().poll(peer_id)
         self.in_flight.difference_update(res.done)
         self.in_flight.difference_update(res.failed)
         return res
 
     def cancel(self, transfer_ids: Sequence[int]) -> None:
-        self.inner.cancel(transfer_ids)
+        super().cancel(transfer_ids)
         self.in_flight.difference_update(transfer_ids)
 
     def close(self) -> list[int]:
         self.log.append(("close", len(self.in_flight)))
-        return self.inner.close()
+        return super().close()
 
 
 def recording_node(cluster: Any, **data_options: Any) -> tuple[Any, Recording]:

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from p2pkv.reference.control import MemoryControlTransport
 from p2pkv.session.outbox import Outbox, OutboxOverflow
 from p2pkv.session.pause import PauseDetector
 from p2pkv.session.window import LoadWindow
 from p2pkv.types import Outcome
-from p2pkv_memory.control import MemoryControlTransport
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from p2pkv.protocol import WIRE_MAJOR, WIRE_MINOR, Hello, decode, encode
+from p2pkv.reference.delegating import DelegatingControlTransport
 from p2pkv.types import Outcome
 
 
@@ -42,18 +43,16 @@ class Claimant:
         self.alive = False
 
 
-class Arriving:
+class Arriving(DelegatingControlTransport):
     """A node's control transport whose next ``poll`` also returns ``pending`` connections."""
 
     def __init__(self, node: Any) -> None:
-        self.inner, self.pending = node.tier._control, []
+        super().__init__(node.tier._control)
+        self.pending: list[Any] = []
         node.tier._control = self
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.inner, attr)
-
     def poll(self, timeout: float = 0.0) -> list[Any]:
-        got, self.pending = [*self.inner.poll(timeout), *self.pending], []
+        got, self.pending = [*super().poll(timeout), *self.pending], []
         return got
 
 

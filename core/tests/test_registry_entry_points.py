@@ -41,7 +41,7 @@ def test_good_plugin_and_memory_load_from_entry_points(probe: Any) -> None:
     assert result["data"]["memory"] == "p2pkv-memory"
     assert result["plugins"]["fixture_good"] == "p2pkv-fixture-good"
     assert result["lookups"]["control:fixture"] == "ok p2pkv_fixture_good.FixtureControl"
-    assert result["lookups"]["data:memory"] == "ok p2pkv_memory.data.MemoryDataTransport"
+    assert result["lookups"]["data:memory"] == "ok p2pkv.reference.data.MemoryDataTransport"
 
 
 def test_duplicate_name_is_refused_naming_both_distributions(probe: Any) -> None:

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
+from p2pkv.reference.control import MemoryControlTransport
+from p2pkv.reference.data import MemoryDataTransport
 from p2pkv.testing.tier_machine import TierMachine
-from p2pkv_memory.control import MemoryControlTransport
-from p2pkv_memory.data import MemoryDataTransport
 
 DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
 

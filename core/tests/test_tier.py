@@ -12,10 +12,10 @@ import pytest
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConcurrentCall, ConfigError
 from p2pkv.hookspecs import hookimpl
+from p2pkv.reference.faults import Fault, FaultInjector
 from p2pkv.registry import Registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
-from p2pkv_memory.faults import Fault, FaultInjector
 
 
 @pytest.fixture

@@ -17,12 +17,12 @@ import p2pkv_memory.plugin as memory_plugin
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings
 from p2pkv.protocol import WIRE_MAJOR, WIRE_MINOR, Hello, decode, encode
+from p2pkv.reference.control import MemoryControlTransport
+from p2pkv.reference.data import MemoryDataTransport
+from p2pkv.reference.faults import FaultInjector
 from p2pkv.registry import Registry
 from p2pkv.testing.tier_machine import FakeClock, TierNode
 from p2pkv.types import LookupResult, RequestContext
-from p2pkv_memory.control import MemoryControlTransport
-from p2pkv_memory.data import MemoryDataTransport
-from p2pkv_memory.faults import FaultInjector
 
 REGISTRY = Registry.from_plugins([("memory", memory_plugin)])
 

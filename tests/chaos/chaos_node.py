@@ -59,10 +59,10 @@ from p2pkv.bench.netns import join_namespace as enter_netns
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings, DataTransport, PollResult
 from p2pkv.demo.roles import ConsumerRole, Event, ProducerRole, RoleSetup, _Load
+from p2pkv.reference.delegating import DelegatingDataTransport
 from p2pkv.registry import default_registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, Outcome
-from p2pkv_memory.faults import FaultInjector, FaultyDataTransport
 
 __all__ = [
     "CANARY", "Again", "AuditedTier", "NodeSpec", "Recorded", "Recorder", "RecordingData",
@@ -136,14 +136,11 @@ class Recorder:
         return new
 
 
-class RecordingData(FaultyDataTransport):
-    """A data transport that records every call that starts, ends or releases something.
-
-    Built on the fault injector's delegating wrapper (with no fault armed it passes through).
-    """
+class RecordingData(DelegatingDataTransport):
+    """A data transport that records every call that starts, ends or releases something."""
 
     def __init__(self, inner: DataTransport, recorder: Recorder) -> None:
-        super().__init__(inner, FaultInjector(), "")
+        super().__init__(inner)
         self.recorder = recorder
         self._live: set[int] = set()
         self.pause_on_read: tuple[int, str, int] | None = None

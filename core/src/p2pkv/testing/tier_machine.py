@@ -9,7 +9,8 @@ killed session connection, a node restart, a node **frozen** — not ticked for 
 engine steps while the others' steps and the shared clock go on, as a SIGSTOPped or stalled
 peer that then resumes with stale state; with ``faults_enabled`` also dropped, delayed,
 duplicated and reordered frames, failed submits and completions, and partitions, injected by
-``p2pkv_memory``'s ``FaultInjector`` around the real transports).
+the reference backend's ``FaultInjector`` (:mod:`p2pkv.reference`) around the real
+transports).
 Invariants, checked after every step:
 
 * every submitted job gets exactly one result, and no result names an unknown job;
@@ -52,6 +53,7 @@ from p2pkv.addressing import parse_address
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, ControlTransport, DataSettings, DataTransport
 from p2pkv.data_base import allocated_region
+from p2pkv.reference.faults import Fault, FaultInjector
 from p2pkv.registry import Registry
 from p2pkv.testing.machine import KitMachine
 from p2pkv.testing.steps import step
@@ -62,7 +64,7 @@ from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 __all__ = ["FakeClock", "TierMachine", "TierNode"]
 
 _INJECTED = ("drop", "delay", "duplicate", "reorder", "fail_submit", "fail_completion")
-"""``p2pkv_memory.faults.Fault`` values the fault rule arms (by value: no import here)."""
+"""The :class:`~p2pkv.reference.faults.Fault` values the fault rule arms."""
 
 
 class FakeClock:
@@ -91,7 +93,7 @@ class TierNode:
     # keyword-only knobs of a test node, each with a default: a dataclass would only rename them
     def __init__(self, clock: FakeClock, *, control: type[ControlTransport],  # noqa: PLR0913
                  data: type[DataTransport], control_options: Mapping[str, Any] | None = None,
-                 data_options: Mapping[str, Any] | None = None, faults: Any = None,
+                 data_options: Mapping[str, Any] | None = None, faults: FaultInjector | None = None,
                  num_blocks: int = 64, block_len: int = 16, seed: int = 0,
                  host: str = "127.0.0.1", port: int = 0, registry: Registry | None = None,
                  **config_overrides: Any) -> None:
@@ -220,9 +222,10 @@ class TierMachine(KitMachine):
     """Two or more ``P2PTier`` nodes over any (control, data) transport pair.
 
     Subclass and set ``control_transport``/``data_transport`` (and their ``*_options``);
-    ``faults_enabled = True`` wraps every transport in ``p2pkv_memory.faults.FaultInjector`` (needs
-    p2pkv-memory) and enables the fault rules. ``settle_timeout`` bounds, in real seconds, how
-    long teardown waits for real transports to go quiet.
+    ``faults_enabled = True`` wraps every transport in the reference backend's
+    :class:`~p2pkv.reference.faults.FaultInjector` and enables the fault rules.
+    ``settle_timeout`` bounds, in real seconds, how long teardown waits for real transports
+    to go quiet.
     """
 
     N_NODES: ClassVar[int] = 2
@@ -240,7 +243,7 @@ class TierMachine(KitMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.faults: Any = None
+        self.faults: FaultInjector | None = None
         self.node_data_options: list[Mapping[str, Any]] = []
         self.ids = itertools.count(1)
         self.kvs = itertools.count(1)
@@ -264,8 +267,6 @@ class TierMachine(KitMachine):
     @initialize(seed=st.integers(0, 2**16), data=st.data())
     def start(self, seed: int, data: st.DataObject) -> None:
         if self.faults_enabled:
-            from p2pkv_memory.faults import FaultInjector
-
             self.faults = FaultInjector(seed=seed)
         self.node_data_options = self.draw_data_options(data)
         self.flow = {
@@ -449,8 +450,6 @@ class TierMachine(KitMachine):
             self.frozen[node % self.N_NODES] = 8 * polls
         elif kind in _INJECTED:
             if self.faults is not None:
-                from p2pkv_memory.faults import Fault
-
                 self.faults.arm(Fault(kind), peer=a.address, count=count, polls=polls)
         elif kind == "kill":
             conn = a.tier.peer_connection(b.address)

@@ -1,20 +1,11 @@
-"""In-process ``memory`` transports for p2pkv and a :class:`FaultInjector` for any transport.
+"""``p2pkv-memory``: the ``memory`` transports as a plugin, found through the ``p2pkv``
+entry-point group like any transport.
 
-The memory transports are real, documented transports for single-process deployments and for
-protocol tests; they register through the ``p2pkv`` entry-point group like any plugin.
+The code is core's reference backend (:mod:`p2pkv.reference`), which the conformance kit
+and core's tests use without this plugin; its public names (``__all__``) are re-exported.
 """
 
 from __future__ import annotations
 
-from p2pkv_memory.control import MemoryConnection, MemoryControlTransport
-from p2pkv_memory.data import MemoryDataTransport
-from p2pkv_memory.faults import Fault, FaultInjector, FaultRule
-
-__all__ = [
-    "Fault",
-    "FaultInjector",
-    "FaultRule",
-    "MemoryConnection",
-    "MemoryControlTransport",
-    "MemoryDataTransport",
-]
+from p2pkv.reference import *  # noqa: F403 (this distribution's API is the reference backend's)
+from p2pkv.reference import __all__ as __all__

@@ -1,4 +1,5 @@
-"""Entry point of ``p2pkv-memory``: registers the ``memory`` control and data transports."""
+"""Entry point of ``p2pkv-memory``: registers the ``memory`` control and data transports (core's
+reference backend, :mod:`p2pkv.reference`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ P2PKV_PLUGIN_API = 1
 
 @hookimpl
 def p2pkv_transports() -> list[type[Any]]:
-    from p2pkv_memory.control import MemoryControlTransport
-    from p2pkv_memory.data import MemoryDataTransport
+    from p2pkv.reference import MemoryControlTransport, MemoryDataTransport
 
     return [MemoryControlTransport, MemoryDataTransport]

@@ -46,8 +46,7 @@ from p2pkv.contracts import (
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.logs import module_logger
 from p2pkv.options import parse_options
-
-from p2pkv_memory.options import MemoryControlOptions
+from p2pkv.reference.options import MemoryControlOptions
 
 __all__ = ["MEM_SCHEME", "MemoryConnection", "MemoryControlTransport"]
 

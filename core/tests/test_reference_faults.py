@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from p2pkv.contracts import ControlConnection, ControlSettings, DataSettings
 from p2pkv.errors import ConnectionClosed, TransferSubmitError
-from p2pkv_memory import (
+from p2pkv.reference import (
     Fault,
     FaultInjector,
     MemoryControlTransport,
     MemoryDataTransport,
 )
-from p2pkv_memory.faults import FaultyControlTransport, FaultyDataTransport
+from p2pkv.reference.faults import FaultyControlTransport, FaultyDataTransport
 
 BLOCK = 8
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from p2pkv.contracts import DataSettings
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
-from p2pkv_memory import MemoryDataTransport
+from p2pkv.reference import MemoryDataTransport
 
 BLOCK = 16
 

@@ -33,12 +33,12 @@ from typing import Any, ClassVar, TypeGuard
 import msgpack
 import numpy as np
 import numpy.typing as npt
+
 from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import PeerRejected, TransferBusy, TransferSubmitError
 from p2pkv.options import parse_options
-
-from p2pkv_memory.options import MemoryDataOptions
+from p2pkv.reference.options import MemoryDataOptions
 
 __all__ = ["MemoryDataTransport"]
 

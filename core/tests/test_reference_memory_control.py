@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from p2pkv.contracts import ControlConnection, ControlSettings
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
-from p2pkv_memory import MemoryControlTransport
+from p2pkv.reference import MemoryControlTransport
 
 
 @pytest.fixture

@@ -43,13 +43,12 @@ from typing import ClassVar
 
 from p2pkv.contracts import (
     ControlConnection,
-    ControlSettings,
     ControlTransport,
-    DataSettings,
     DataTransport,
     PollResult,
 )
 from p2pkv.errors import ConnectionClosed, TransferSubmitError
+from p2pkv.reference.delegating import DelegatingControlTransport, DelegatingDataTransport
 
 __all__ = [
     "Fault",
@@ -241,25 +240,16 @@ class FaultyConnection(ControlConnection):
                 return
 
 
-class FaultyControlTransport(ControlTransport):
+class FaultyControlTransport(DelegatingControlTransport):
     """A control transport wrapped by a :class:`FaultInjector`; build with ``control()``."""
 
     name: ClassVar[str] = "faulty"
 
     def __init__(self, inner: ControlTransport, faults: FaultInjector) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.faults = faults
         self.polls = 0
         self._wrapped: dict[ControlConnection, FaultyConnection] = {}
-        vars(self)["capabilities"] = inner.capabilities  # report what the inner one supports
-
-    @classmethod
-    def create(cls, settings: ControlSettings) -> ControlTransport:
-        raise TypeError("wrap a transport instance with FaultInjector.control() instead")
-
-    @property
-    def local_address(self) -> str:
-        return self.inner.local_address
 
     def connect(self, address: str) -> ControlConnection:
         conn = self._wrap(self.inner.connect(address))
@@ -280,9 +270,6 @@ class FaultyControlTransport(ControlTransport):
         self._wrapped = {k: c for k, c in self._wrapped.items() if c.alive}
         return accepted
 
-    def close(self) -> None:
-        self.inner.close()
-
     def enforce_partitions(self) -> None:
         for conn in self._wrapped.values():
             if self.faults.partitioned(self.local_address, conn.peer_address):
@@ -299,41 +286,25 @@ _FAIL_SUBMIT = frozenset({Fault.FAIL_SUBMIT})
 _FAIL_COMPLETION = frozenset({Fault.FAIL_COMPLETION})
 
 
-class FaultyDataTransport(DataTransport):
+class FaultyDataTransport(DelegatingDataTransport):
     """A data transport wrapped by a :class:`FaultInjector`; build with ``data()``."""
 
     name: ClassVar[str] = "faulty"
 
     def __init__(self, inner: DataTransport, faults: FaultInjector, local: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.faults = faults
         self.local = local
         self._peer_of: dict[int, str] = {}
-        vars(self)["capabilities"] = inner.capabilities
-
-    @classmethod
-    def create(cls, settings: DataSettings) -> DataTransport:
-        raise TypeError("wrap a transport instance with FaultInjector.data() instead")
-
-    @property
-    def num_blocks(self) -> int:
-        return self.inner.num_blocks
-
-    @property
-    def block_len(self) -> int:
-        return self.inner.block_len
-
-    def descriptor(self) -> bytes:
-        return self.inner.descriptor()
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         """Re-adding ends the peer's reads (in the inner transport): forget them here too."""
-        self.inner.add_peer(peer_id, descriptor)
+        super().add_peer(peer_id, descriptor)
         self._peer_of = {t: p for t, p in self._peer_of.items() if p != peer_id}
 
     def remove_peer(self, peer_id: str) -> list[int]:
         """The inner transport ends the peer's reads finally; the wrapper forgets them too."""
-        left = self.inner.remove_peer(peer_id)
+        left = super().remove_peer(peer_id)
         self._peer_of = {t: p for t, p in self._peer_of.items() if p != peer_id}
         return left
 
@@ -345,17 +316,14 @@ class FaultyDataTransport(DataTransport):
             raise TransferSubmitError(f"peer {peer_id!r} is partitioned away (injected)")
         if self.faults.fire(_FAIL_SUBMIT, peer_id) is not None:
             raise TransferSubmitError(f"injected submit failure to peer {peer_id!r}")
-        tid = self.inner.read_blocks(peer_id, local_idxs, remote_idxs)
+        tid = super().read_blocks(peer_id, local_idxs, remote_idxs)
         self._peer_of[tid] = peer_id
         return tid
-
-    def progress(self) -> None:
-        self.inner.progress()
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         """The inner poll, with done reads of a partitioned peer or hit by a firing
         ``FAIL_COMPLETION`` reported as failed."""
-        result = self.inner.poll(peer_id)
+        result = super().poll(peer_id)
         if not result.done and not result.failed:
             return result
         done: list[int] = []
@@ -372,11 +340,11 @@ class FaultyDataTransport(DataTransport):
         return PollResult(done, failed)
 
     def cancel(self, transfer_ids: Sequence[int]) -> None:
-        self.inner.cancel(transfer_ids)
+        super().cancel(transfer_ids)
         for tid in transfer_ids:
             self._peer_of.pop(tid, None)
 
     def close(self) -> list[int]:
-        left = self.inner.close()
+        left = super().close()
         self._peer_of.clear()
         return left
