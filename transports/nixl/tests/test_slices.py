@@ -10,8 +10,7 @@ from p2pkv.errors import ConfigError, PeerRejected
 from p2pkv_nixl import NixlDataTransport
 from p2pkv_nixl.agent import block_dlist
 from p2pkv_nixl.descriptor import RegionDescriptor
-from p2pkv_nixl.runs import runs
-from p2pkv_nixl.slices import MAX_SLICES, per_slice, region_slices, slice_counts, slice_starts
+from p2pkv_nixl.slices import MAX_SLICES, region_slices
 
 BLOCK = 4096
 THREE = 3 * BLOCK + 100  # rounds down to 3 blocks
@@ -28,12 +27,9 @@ def _cuts(start: int, length: int, every: int) -> set[int]:
 
 
 def test_slice_layout_rounds_down_to_whole_blocks_at_least_one() -> None:
-    assert per_slice(THREE, BLOCK) == 3 and per_slice(10, BLOCK) == 1
     assert region_slices(16, BLOCK, THREE) == (3, 3, 3, 3, 3, 1)
     assert region_slices(6, BLOCK, THREE) == (3, 3)
     assert region_slices(2, BLOCK, 4 * 2**30) == (2,)
-    assert slice_starts((3, 3, 1)).tolist() == [0, 3, 6]
-    assert slice_counts(7, 7) == (7,)
     with pytest.raises(ConfigError, match=r"'slice_bytes'.*more than"):
         region_slices(MAX_SLICES + 1, BLOCK, BLOCK)
 
@@ -44,21 +40,6 @@ def test_prepared_lists_have_one_row_per_slice() -> None:
                              [0x1000 + 384, 64, 0, 64, 1]]
 
 
-def test_runs_are_cut_at_both_sides_slice_starts() -> None:
-    local, remote = np.arange(16, 48), np.arange(32)
-    _, _, whole = runs(local, remote)
-    assert whole.tolist() == [32]
-    ls, rs, lengths = runs(local, remote, slice_starts(slice_counts(64, 3)),
-                           slice_starts(slice_counts(64, 5)))
-    assert len(lengths) == 1 + len(_cuts(16, 32, 3) | _cuts(0, 32, 5))
-    assert lengths.sum() == 32 and (rs - ls == -16).all()
-    for start, n in zip(ls.tolist(), lengths.tolist(), strict=True):
-        assert start // 3 == (start + n - 1) // 3  # within one local slice
-    for start, n in zip(rs.tolist(), lengths.tolist(), strict=True):
-        assert start // 5 == (start + n - 1) // 5  # within one remote slice
-    _, _, aligned = runs(np.arange(32), np.arange(32), slice_starts(slice_counts(64, 3)),
-                         slice_starts(slice_counts(64, 3)))
-    assert aligned.tolist() == [3] * 10 + [2]  # ceil(32 / 3) descriptors
 
 
 def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(make_local) -> None:

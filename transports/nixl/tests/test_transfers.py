@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from p2pkv.contracts import DataSettings
 from p2pkv.errors import TransferSubmitError
+from p2pkv.runs import coalesce
 from p2pkv.testing.peers import pattern
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
-from p2pkv_nixl.runs import runs
 
 BLOCK = 16 * 1024
 
@@ -249,7 +249,7 @@ def test_re_adding_a_peer_ends_its_reads_and_replaces_it_once_quiescent(
 
 
 def test_runs_join_pairs_consecutive_on_both_sides() -> None:
-    local_starts, remote_starts, lengths = runs(
+    local_starts, remote_starts, lengths = coalesce(
         np.array([0, 1, 2, 5, 6, 7, 8]), np.array([3, 4, 9, 10, 11, 11, 12])
     )  # remote breaks after 4 and repeats 11; local jumps 2 -> 5
     assert local_starts.tolist() == [0, 2, 5, 7]

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from p2pkv.errors import ConfigError
 from p2pkv_ucx import tags, wire
 from p2pkv_ucx.options import ERROR_HANDLING_ENV, UcxOptions
-from p2pkv_ucx.runs import plan_runs
 
 # -- options ---------------------------------------------------------------------------------
 
@@ -130,28 +129,5 @@ def test_malformed_notice_is_refused(obj: object) -> None:
         wire.decode_notice(msgpack.packb(obj))
 
 
-# -- runs ------------------------------------------------------------------------------------
 
 
-@given(st.data(), st.integers(1, 9))
-def test_runs_cover_the_read_exactly(data: st.DataObject, max_run: int) -> None:
-    n = data.draw(st.integers(0, 60))
-    src = np.array(data.draw(st.lists(st.integers(0, 80), min_size=n, max_size=n)), np.int64)
-    dst = np.array(data.draw(st.permutations(range(80)))[:n], np.int64)
-    s, d, lengths = plan_runs(src, dst, max_run)
-    assert lengths.sum() == n and (lengths >= 1).all() and (lengths <= max_run).all()
-    rebuilt = [
-        (int(s[r] + k), int(d[r] + k)) for r in range(len(lengths)) for k in range(int(lengths[r]))
-    ]
-    assert rebuilt == list(zip(src.tolist(), dst.tolist(), strict=True))
-
-
-def test_runs_coalesce_only_what_is_contiguous_on_both_sides() -> None:
-    src = np.array([0, 1, 2, 3, 10, 11, 12, 20], np.int64)
-    dst = np.array([5, 6, 7, 9, 0, 1, 2, 3], np.int64)
-    s, d, lengths = plan_runs(src, dst, 64)
-    assert list(zip(s.tolist(), d.tolist(), lengths.tolist(), strict=True)) == [
-        (0, 5, 3), (3, 9, 1), (10, 0, 3), (20, 3, 1)
-    ]
-    _, _, one_by_one = plan_runs(src, dst, 1)
-    assert one_by_one.tolist() == [1] * 8

@@ -10,8 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 from p2pkv.errors import PeerRejected
+from p2pkv.runs import ONE_SLICE
 from p2pkv_ucx import wire
-from p2pkv_ucx.runs import plan_runs
 from ucx_helpers import Node, settle
 
 Make = Callable[..., Node]
@@ -24,18 +24,6 @@ def _cuts(start: int, length: int, every: int) -> set[int]:
     return {o for o in range(1, length) if (start + o) % every == 0}
 
 
-def test_runs_never_cross_a_slice_of_either_side() -> None:
-    src, dst = np.arange(32, dtype=np.int64), np.arange(16, 48, dtype=np.int64)
-    s, d, lengths = plan_runs(src, dst, 1000, 5, 3)
-    assert len(lengths) == 1 + len(_cuts(0, 32, 5) | _cuts(16, 32, 3))
-    assert lengths.sum() == 32 and (d - s == 16).all()
-    assert (s // 5 == (s + lengths - 1) // 5).all() and (d // 3 == (d + lengths - 1) // 3).all()
-    _, _, aligned = plan_runs(src, src, 1000, 3, 3)
-    assert aligned.tolist() == [3] * 10 + [2]
-    _, _, capped = plan_runs(src, src, 2, 3, 0)  # max_run still caps within a slice
-    assert capped.tolist() == [2, 1] * 10 + [2]
-    _, _, whole = plan_runs(src, src, 1000)
-    assert whole.tolist() == [32]
 
 
 @pytest.mark.parametrize("producer_blocks", [3, 5], ids=["same-slices", "other-slices"])
@@ -70,7 +58,7 @@ def test_a_producer_refuses_a_run_across_its_slices(nodes: Make) -> None:
     consumer = nodes(num_blocks=32, block_len=BLOCK, seed=2)
     producer.link("c", consumer, back_as="p")
     before = consumer.blocks.copy()
-    consumer.t._registrations["p"].peer.slice_blocks = 0  # lie: ignore the producer's slices
+    consumer.t._registrations["p"].peer.slices = ONE_SLICE  # lie: ignore the producer's slices
     tid = consumer.t.read_blocks("p", list(range(8)), list(range(8)))
     settle([producer, consumer], {consumer: {tid}}, "the refusal")
     assert tid in consumer.failed

@@ -1,6 +1,6 @@
-"""Coalescing a read's block pairs into runs: consecutive pairs where both the local and the
-remote index advance by one, within one slice of each side (:mod:`p2pkv_nixl.slices`), become
-one descriptor of ``n * block_len`` bytes on each side.
+"""NIXL transfer descriptors of a read's runs: each run of consecutive blocks
+(:func:`p2pkv.runs.coalesce`, cut at both sides' slice starts) becomes one descriptor of
+``n * block_len`` bytes on each side.
 
 Pure numpy over the int64 index arrays (no per-block Python objects); driver-thread agnostic.
 """
@@ -11,28 +11,7 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.data_base import Indexes
 
-__all__ = ["ONE_SLICE", "descs", "runs"]
-
-ONE_SLICE: Indexes = np.zeros(1, np.int64)
-"""The slice starts of a region registered whole."""
-
-
-def runs(
-    local: Indexes, remote: Indexes,
-    local_slices: Indexes = ONE_SLICE, remote_slices: Indexes = ONE_SLICE,
-) -> tuple[Indexes, Indexes, Indexes]:
-    """``(local starts, remote starts, lengths)`` of the maximal runs of ``local``/``remote``
-    (equal, non-zero lengths) in which ``local[i+1] == local[i] + 1`` and
-    ``remote[i+1] == remote[i] + 1`` and neither crosses the start of a slice of its side
-    (``*_slices``: :func:`~p2pkv_nixl.slices.slice_starts`); a scattered read has one run
-    per block. A side of one slice costs nothing; else one ``searchsorted`` of its indexes."""
-    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)
-    for idxs, bounds in ((local, local_slices), (remote, remote_slices)):
-        if len(bounds) > 1:
-            breaks |= np.diff(np.searchsorted(bounds, idxs, "right")) != 0
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
-    lengths = np.diff(np.append(starts, len(local)))
-    return local[starts], remote[starts], lengths
+__all__ = ["descs"]
 
 
 def descs(base: int, starts: Indexes, lengths: Indexes, block_len: int) -> npt.NDArray[np.uint64]:

@@ -8,32 +8,25 @@ registered as consecutive *slices* of at most ``slice_bytes`` (data option), in 
 one registration (a descriptor spanning two is refused, ``NIXL_ERR_NOT_FOUND``), so every
 descriptor stays within one slice of each side: prepared lists have one strided row per slice
 (NIXL merges contiguous indexes only within a row), and direct READs cut their runs at both
-sides' slice boundaries (:func:`p2pkv_nixl.runs.runs`). Each side slices its own memory and
+sides' slice boundaries (:func:`p2pkv.runs.coalesce`). Each side slices its own memory and
 advertises its slices' block counts in its descriptor; the two layouts need not agree.
 
-Pure functions of block counts; no NIXL calls.
+Pure functions of block counts; no NIXL calls. The generic slice arithmetic (``per_slice``,
+``slice_counts``, ``slice_starts``) is core's, :mod:`p2pkv.runs`, shared with ucx.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
-from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError
+from p2pkv.runs import per_slice, slice_counts
 
-__all__ = [
-    "MAX_SLICES", "checked_slices", "per_slice", "region_slices", "slice_counts", "slice_starts",
-]
+__all__ = ["MAX_SLICES", "checked_slices", "region_slices"]
 
 MAX_SLICES = 1 << 16
 """Slices a region may have (each is one registration with every backend, and the list
 travels in the descriptor): 64 KiB slices of 4 GiB cover 256 TiB."""
 
 
-def per_slice(slice_bytes: int, block_len: int) -> int:
-    """Blocks per slice: ``slice_bytes`` rounded down to whole blocks, at least one."""
-    return max(1, slice_bytes // block_len)
 
 
 def region_slices(num_blocks: int, block_len: int, slice_bytes: int) -> tuple[int, ...]:
@@ -48,16 +41,8 @@ def region_slices(num_blocks: int, block_len: int, slice_bytes: int) -> tuple[in
     return slice_counts(num_blocks, blocks)
 
 
-def slice_counts(num_blocks: int, blocks: int) -> tuple[int, ...]:
-    """The block counts of ``num_blocks`` cut into slices of ``blocks`` (the last the rest)."""
-    full, rest = divmod(num_blocks, blocks)
-    return (blocks,) * full + ((rest,) if rest else ())
 
 
-def slice_starts(counts: Sequence[int]) -> Indexes:
-    """The first block of each slice, ascending (int64): block ``i`` lies in slice
-    ``searchsorted(starts, i, "right") - 1``."""
-    return np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).astype(np.int64)
 
 
 def checked_slices(counts: object, num_blocks: int) -> tuple[int, ...]:

@@ -45,9 +45,9 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferBusy, TransferSubmitError
+from p2pkv.runs import slice_counts
 
 from p2pkv_nixl.agent import LOCAL, block_dlist, register_slices
-from p2pkv_nixl.slices import slice_counts
 
 __all__ = ["StagingPool"]
 

@@ -124,6 +124,7 @@ from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError, TransportUnavailable
 from p2pkv.logs import module_logger
+from p2pkv.runs import coalesce, per_slice, slice_counts, slice_starts
 
 from p2pkv_nixl import library, wire
 from p2pkv_nixl.agent import block_dlist, open_agent, register_region
@@ -132,8 +133,8 @@ from p2pkv_nixl.locality import cma_usable, host_id
 from p2pkv_nixl.open_mark import MarkReader, OpenMark
 from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.records import Lane, Peer, Read, RemoteAgent, Serving, Strangers
-from p2pkv_nixl.runs import descs, runs
-from p2pkv_nixl.slices import per_slice, region_slices, slice_counts, slice_starts
+from p2pkv_nixl.runs import descs
+from p2pkv_nixl.slices import region_slices
 from p2pkv_nixl.staging import StagingPool
 
 __all__ = ["Lane", "NixlDataTransport"]
@@ -540,14 +541,14 @@ class NixlDataTransport(DataTransport):
         self._requests[read.request] = read
         pool_slices = slice_starts(slice_counts(pool.capacity, pool.slice_blocks))
         stage = read.stage.astype(np.int64)
-        self.descriptors_posted += len(runs(stage, remote, pool_slices, peer.slices)[2])
+        self.descriptors_posted += len(coalesce(stage, remote, pool_slices, peer.slices)[2])
 
     def _post_direct(self, read: Read, remote: Indexes) -> None:
         """Make and post the READ into our slots, one descriptor per run of blocks consecutive
         on both sides; ``TransferSubmitError`` if NIXL refuses, with nothing of it left able
         to land."""
         peer, agent = read.peer, self._agent
-        local_starts, remote_starts, lengths = runs(read.local, remote, self._slices,
+        local_starts, remote_starts, lengths = coalesce(read.local, remote, self._slices,
                                                     peer.slices)
         try:
             read.handle = agent.initialize_xfer(

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+from p2pkv.data_base import Indexes
 
 from p2pkv_ucx import tags, wire
 from p2pkv_ucx.staging import Bytes
@@ -36,8 +37,9 @@ class Peer:
     read ids wrap)."""
     max_run: int
     """Blocks per message between us: the smaller of both sides' ``max_run``."""
-    slice_blocks: int
-    """Blocks per slice of its region, which its runs to us never cross (0: one slice)."""
+    slices: Indexes
+    """The first block of each slice of its region (:func:`p2pkv.runs.slice_starts`), which
+    its runs to us never cross."""
     next_rid: int = 0
     dead: bool = False
     live: int = 0

@@ -79,11 +79,11 @@ from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError, TransportUnavailable
 from p2pkv.logs import module_logger
+from p2pkv.runs import ONE_SLICE, coalesce, slice_counts, slice_starts
 
 from p2pkv_ucx import library, tags, wire
 from p2pkv_ucx.options import UcxOptions
 from p2pkv_ucx.records import OK, Ghost, Peer, Read, Receive, Serve
-from p2pkv_ucx.runs import plan_runs
 from p2pkv_ucx.staging import Bytes, Staging
 
 __all__ = ["MAX_BLOCKS", "UcxDataTransport"]
@@ -142,6 +142,7 @@ class UcxDataTransport(DataTransport):
         )
         self._slice_blocks = _slice(options.slice_bytes // self.block_len, self.num_blocks)
         """Blocks per slice of our region (0: one slice); our sends never cross one."""
+        self._slices = _slice_starts(self._slice_blocks, self.num_blocks)
         self._instance = secrets.randbits(62) | 1
         self._descriptor = wire.encode_descriptor(wire.Descriptor(
             address, self._instance, self.num_blocks, self.block_len,
@@ -224,7 +225,7 @@ class UcxDataTransport(DataTransport):
                 f"peer {peer_id!r}: UCX cannot reach its worker ({type(exc).__name__}: {exc})"
             ) from None
         peer = Peer(peer_id, desc, ep, link, min(self._max_run, desc.max_run),
-                    _slice(desc.slice_blocks, desc.num_blocks))
+                    _slice_starts(_slice(desc.slice_blocks, desc.num_blocks), desc.num_blocks))
         self._control_limit = max(self._control_limit, 64 + 12 * desc.num_blocks)
         self._peers.add(peer)
         self._by_instance[desc.instance] = peer
@@ -280,8 +281,7 @@ class UcxDataTransport(DataTransport):
             )
         if len(local) > tags.MAX_RUNS:
             raise TransferSubmitError(f"at most {tags.MAX_RUNS} blocks per read")
-        starts, dsts, lengths = plan_runs(remote, local, peer.max_run, peer.slice_blocks,
-                                          self._slice_blocks)
+        starts, dsts, lengths = coalesce(remote, local, peer.slices, self._slices, peer.max_run)
         link, rid = self._next_rid(peer)
         self._loose.append(
             self._notify(peer, wire.encode_read(self._instance, link, rid, starts, lengths))
@@ -737,6 +737,11 @@ class UcxDataTransport(DataTransport):
 def _slice(blocks: int, num_blocks: int) -> int:
     """Blocks per slice, at least one; 0 when one slice holds the whole region."""
     return max(1, blocks) if blocks < num_blocks else 0
+
+
+def _slice_starts(blocks: int, num_blocks: int) -> Indexes:
+    """The slice starts of a region of ``num_blocks`` in slices of ``blocks`` (0: one)."""
+    return slice_starts(slice_counts(num_blocks, blocks)) if blocks else ONE_SLICE
 
 
 def _leak(obj: object) -> None:

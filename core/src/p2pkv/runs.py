@@ -1,0 +1,70 @@
+"""Slices of a region and runs of a read: the block arithmetic data transports share.
+
+A transport may register its region in *slices* (consecutive groups of whole blocks, so no
+registration exceeds what a NIC or a library handles well) and move a read as *runs*
+(consecutive blocks on both sides, one descriptor or message each). A run never crosses the
+start of a slice of either side, since one transfer resolves to one registration per side.
+
+Pure numpy over int64 index arrays (no per-block Python objects); no transport calls;
+thread-agnostic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from p2pkv.data_base import Indexes
+
+__all__ = ["ONE_SLICE", "coalesce", "per_slice", "slice_counts", "slice_starts"]
+
+ONE_SLICE: Indexes = np.zeros(1, np.int64)
+"""The slice starts of a region registered whole."""
+
+
+def per_slice(slice_bytes: int, block_len: int) -> int:
+    """Blocks per slice: ``slice_bytes`` rounded down to whole blocks, at least one."""
+    return max(1, slice_bytes // block_len)
+
+
+def slice_counts(num_blocks: int, blocks: int) -> tuple[int, ...]:
+    """The block counts of ``num_blocks`` cut into slices of ``blocks`` (the last the rest)."""
+    full, rest = divmod(num_blocks, blocks)
+    return (blocks,) * full + ((rest,) if rest else ())
+
+
+def slice_starts(counts: Sequence[int]) -> Indexes:
+    """The first block of each slice of ``counts``, ascending: block ``i`` lies in slice
+    ``searchsorted(starts, i, "right") - 1``."""
+    return np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).astype(np.int64)
+
+
+def coalesce(
+    first: Indexes, second: Indexes,
+    first_slices: Indexes = ONE_SLICE, second_slices: Indexes = ONE_SLICE, max_run: int = 0,
+) -> tuple[Indexes, Indexes, Indexes]:
+    """``(first starts, second starts, lengths)`` of the runs of the block pairs
+    ``(first[i], second[i])``, in order, covering the pairs exactly.
+
+    Pair ``i`` continues the run of pair ``i - 1`` when both indexes are one higher and
+    neither enters a new slice of its side (``*_slices``: :func:`slice_starts`; a side of
+    one slice costs nothing, else one ``searchsorted``); a run is at most ``max_run`` pairs
+    (0: unbounded; 1: one run per pair). A scattered read has one run per block.
+    """
+    n = len(first)
+    if n <= 1 or max_run == 1:  # nothing to coalesce (and the hot single-block case)
+        return first, second, np.ones(n, np.int64)
+    breaks = (np.diff(first) != 1) | (np.diff(second) != 1)
+    for idxs, bounds in ((first, first_slices), (second, second_slices)):
+        if len(bounds) > 1:
+            breaks |= np.diff(np.searchsorted(bounds, idxs, "right")) != 0
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.append(starts, n))
+    if max_run > 1 and (lengths > max_run).any():
+        pieces = -(-lengths // max_run)
+        run = np.repeat(np.arange(len(lengths)), pieces)
+        offset = (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_run
+        starts = starts[run] + offset
+        lengths = np.minimum(max_run, lengths[run] - offset)
+    return first[starts], second[starts], lengths.astype(np.int64)
