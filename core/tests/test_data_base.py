@@ -42,6 +42,7 @@ class Scripted(DataTransport):
         self.detached: list[str] = []
         self.post_error: Exception | None = None
         self.undrained: list[int] = []
+        self.unusable: set[_Peer] = set()
 
     def descriptor(self) -> bytes:
         return b"self:%d" % self.num_blocks
@@ -49,6 +50,9 @@ class Scripted(DataTransport):
     def _attach_peer(self, peer_id: str, descriptor: bytes) -> _Peer:
         name, blocks = descriptor.decode().split(":")  # garbage raises ValueError
         return _Peer(name, int(blocks))
+
+    def _peer_usable(self, peer: _Peer) -> bool:
+        return peer not in self.unusable
 
     def _detach_peer(self, peer: _Peer) -> list[int]:
         self.detached.append(peer.name)
@@ -206,6 +210,21 @@ def test_same_descriptor_keeps_the_registration_and_its_reads() -> None:
     t.add_peer("p", b"a:4")
     assert t.ended == [] and t.detached == []
     t.posted[0].state = ReadState.DONE
+    assert t.poll("p") == ([tid], [])
+
+
+def test_same_descriptor_replaces_a_record_the_backend_calls_unusable() -> None:
+    t = make()
+    t.add_peer("p", b"a:4")
+    t.read_blocks("p", [0], [0])
+    t.unusable.add(_Peer("a", 4))  # e.g. its endpoint failed while it was paused
+    t.add_peer("p", b"a:4")
+    assert t.ended == [t.posted[0]] and t.detached == ["a"]
+    t.posted[0].state = ReadState.DONE
+    assert t.poll(None) is EMPTY_POLL, "a read of the replaced record was reported"
+    t.unusable.clear()
+    tid = t.read_blocks("p", [1], [1])  # the fresh record serves
+    t.posted[1].state = ReadState.DONE
     assert t.poll("p") == ([tid], [])
 
 

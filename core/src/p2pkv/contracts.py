@@ -435,7 +435,10 @@ class DataTransport(_Transport):
         Re-adding a known peer with another descriptor (a new incarnation) replaces it: reads
         of the old registration end first, finally (as ``cancel``), and are never reported;
         a rejected new descriptor leaves the old registration as it was. Re-adding it with
-        the same descriptor keeps the registration and its reads.
+        the same descriptor keeps the registration and its reads, unless the backend says the
+        peer record is no longer usable (``_peer_usable``: e.g. its endpoint failed while the
+        peer was paused or cut off, and it came back with the same descriptor): then the peer
+        is removed (its reads have failed already; they end unreported) and attached afresh.
 
         The base attaches the new descriptor first, then ends the old registration's reads
         and detaches it (internal ids it leaves running are the backend's to keep; ``close``
@@ -444,7 +447,10 @@ class DataTransport(_Transport):
             raise PeerRejected(f"peer {peer_id!r}: the {self.name} data transport is closed")
         old = self._registrations.get(peer_id)
         if old is not None and old.descriptor == descriptor:
-            return
+            if self._peer_usable(old.peer):
+                return
+            self.remove_peer(peer_id)
+            old = None
         new = _Registration(bytes(descriptor), self._attached(peer_id, descriptor))
         if old is not None:
             self._end_registration(old)
@@ -670,6 +676,11 @@ class DataTransport(_Transport):
         ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
                                   f"_attach_peer")
+
+    def _peer_usable(self, peer: Any) -> bool:
+        """Whether an attached peer record can still serve reads (``add_peer`` with the same
+        descriptor keeps a usable one and replaces an unusable one). The default: always."""
+        return True
 
     def _detach_peer(self, peer: Any) -> list[int]:
         """Release a peer record (removed, or replaced by a new descriptor); its reads have

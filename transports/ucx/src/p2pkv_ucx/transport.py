@@ -196,17 +196,11 @@ class UcxDataTransport(DataTransport):
 
     # -- peers ------------------------------------------------------------------------------
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        """The base's rule, plus one case it cannot express: re-adding a peer with the same
-        descriptor behind a failed endpoint (it was paused or cut off past UCX's keepalive
-        and came back with the same worker) makes a fresh endpoint; keeping the dead one
-        would fail every read forever. Its reads have failed already; they end unreported."""
-        registration = self._registrations.get(peer_id)
-        if registration is not None and registration.descriptor == descriptor:
-            peer = registration.peer
-            if isinstance(peer, Peer) and peer.unreachable():
-                self.remove_peer(peer_id)
-        super().add_peer(peer_id, descriptor)
+    def _peer_usable(self, peer: Peer) -> bool:
+        """False behind a failed endpoint (the peer was paused or cut off past UCX's
+        keepalive): re-adding it with the same descriptor (it came back with the same worker)
+        then makes a fresh endpoint; keeping the dead one would fail every read forever."""
+        return not peer.unreachable()
 
     def _attach_peer(self, peer_id: str, descriptor: bytes) -> Peer:
         """A fresh endpoint and link to the peer; notices it sent before are applied."""
