@@ -562,18 +562,19 @@ def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, N
 
 def stall_reads(c: Cluster, reader: Node, source: Node, release: Iterable[Req],
                 timeout: float) -> set[int]:
-    """Release the held stores of ``release`` and have ``source`` paused (SIGSTOP) right after the
-    (recording) ``reader`` posted reads from it for half of its own: the reader itself stops it
-    (``pause_on_read``), so the reads it posts next (offers already on their way), and the
-    latest before, are still live. Returns the reads from ``source`` live once ``reader``
-    answered a report with ``source`` paused. With UCX on TCP (and always with the two-sided
-    ucx transport) a read needs its source's progress, so they stay in flight until the
-    caller resumes (or kills) ``source``; keep the pause below the heartbeat timeout.
+    """Release the held stores of ``release`` and have ``source`` paused (SIGSTOP) right after
+    the (recording) ``reader`` posted reads from it for half of its own blocks: the reader
+    itself stops it (``pause_on_read``), so the reads it posts next (offers already on their
+    way), and the latest before, are still live. Returns the reads from ``source`` live once
+    ``reader`` answered a report with ``source`` paused. With UCX on TCP (and always with the
+    two-sided ucx transport) a read needs its source's progress, so they stay in flight until
+    the caller resumes (or kills) ``source``; keep the pause below the heartbeat timeout.
     ``timeout`` bounds only a failure (the reader never read from ``source``): on success
     the reader has stopped ``source`` the moment it posted those reads."""
     release = list(release)
     wanted = {id(r) for r in release}
-    ours = sum(r.consumer is reader and r.producer is source for r in release)
+    ours = region_blocks([r.req for r in release
+                          if r.consumer is reader and r.producer is source])
     c.reply(reader, ("pause_on_read", source.pid, source.address, max(1, ours // 2)),
             "pause_on_read", timeout=10.0)
     c.flow.hold_stores = False

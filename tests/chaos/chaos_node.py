@@ -27,7 +27,7 @@ command tuple (``("load", req, target)``...), ``("load_again", req, target)`` (c
 second load of a request's keys under its ``kv_request_id`` while the first is open; its result
 comes back as an :class:`Again` event), ``("batch", [cmd, ...])``, ``("report",)``,
 ``("memory",)``, ``("canary", op)``, ``("pause_on_read", pid, peer, n)`` (recording node:
-SIGSTOP ``pid`` right after the ``n``-th read from ``peer`` is posted; answered
+SIGSTOP ``pid`` right after the reads posted from ``peer`` cover ``n`` blocks; answered
 ``("pause_on_read", t, None)`` once armed) or ``("stop",)``. Canary ops: ``"failed"`` (from now
 on, the slots of every failed load, and of every resolved store, are kept and canaried),
 ``"free"`` (canary every free slot now), ``"check"``, ``"release"`` (the slots go back to the
@@ -144,9 +144,10 @@ class RecordingData(DelegatingDataTransport):
         self.recorder = recorder
         self._live: set[int] = set()
         self.pause_on_read: tuple[int, str, int] | None = None
-        """``(pid, peer, n)``: SIGSTOP process ``pid`` right after our ``n``-th read from
-        ``peer`` is posted (once), so the reads that follow stay in flight until it is
-        resumed."""
+        """``(pid, peer, n)``: SIGSTOP process ``pid`` right after our reads posted from
+        ``peer`` cover ``n`` blocks (once), so the reads that follow stay in flight until it
+        is resumed. Blocks, not reads: how many reads carry them depends on how the tier
+        batched its loads, which a loaded machine changes."""
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         super().add_peer(peer_id, descriptor)
@@ -160,8 +161,9 @@ class RecordingData(DelegatingDataTransport):
                           [int(i) for i in remote_idxs])
         if self.pause_on_read is not None and self.pause_on_read[1] == peer_id:
             pid, peer, n = self.pause_on_read
-            self.pause_on_read = (pid, peer, n - 1) if n > 1 else None
-            if n <= 1:
+            n -= len(local_idxs)
+            self.pause_on_read = (pid, peer, n) if n > 0 else None
+            if n <= 0:
                 os.kill(pid, signal.SIGSTOP)
                 self.recorder.add("paused_source", pid, peer_id)
         return tid
