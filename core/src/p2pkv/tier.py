@@ -1,4 +1,4 @@
-"""``P2PTier``: the engine-facing manager of the P2P KV tier (DESIGN §5).
+"""``P2PTier``: the engine-facing manager of the P2P KV tier (docs/concepts.md, docs/protocol.md).
 
 The tier owns one control and one data transport, a session per peer (both roles in each,
 see :mod:`p2pkv.session`), the job ledger (exactly one result per job) and one deadline heap.
