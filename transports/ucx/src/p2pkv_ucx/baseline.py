@@ -29,14 +29,14 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from p2pkv.bench.endpoints import SeriesSpec
-from p2pkv.bench.lanes import EndpointLane
-from p2pkv.bench.matrix import MatrixConfig, available_series, run_matrix
-from p2pkv.bench.runner import CellPlan, CellResult, measure_cell
-from p2pkv.bench.target import RemoteTarget, page_in
 from p2pkv.contracts import DataSettings, PollResult
 from p2pkv.errors import TransportUnavailable
 from p2pkv.registry import default_registry
+from p2pkv_tools.bench.endpoints import SeriesSpec
+from p2pkv_tools.bench.lanes import EndpointLane
+from p2pkv_tools.bench.matrix import MatrixConfig, available_series, run_matrix
+from p2pkv_tools.bench.runner import CellPlan, CellResult, measure_cell
+from p2pkv_tools.bench.target import RemoteTarget, page_in
 
 from p2pkv_ucx import library
 from p2pkv_ucx.options import ERROR_HANDLING_ENV, UcxOptions
