@@ -13,21 +13,18 @@ from typing import Any
 from p2pkv.cli import check_output_path, make_console, usable_transport
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from p2pkv_tools.bench.data_transport import (
     DATA_OPTIONS_FLAG,
     check_bench_data_options,
     parse_bench_data_options,
 )
-from p2pkv_tools.bench.endpoints import SeriesSpec
 from p2pkv_tools.bench.hostinfo import describe_host, environ_restored
-from p2pkv_tools.bench.matrix import KiB, MatrixConfig, MiB, available_series, run_matrix
-from p2pkv_tools.bench.netns import Link, parse_rate
+from p2pkv_tools.bench.matrix import KiB, MatrixConfig, MiB, available_series
+from p2pkv_tools.bench.netns import parse_rate
+from p2pkv_tools.bench.progress import measure_matrix
 from p2pkv_tools.bench.report import geomean_ratios, plot, print_tables
-from p2pkv_tools.bench.runner import CellResult
 from p2pkv_tools.demo.presets import PRESETS
 
 __all__ = ["QUICK", "add_parser", "parse_size", "run"]
@@ -247,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
     if not series:
         raise ConfigError("nothing to measure: every series is unavailable or switched off")
     started = time.time()
-    results = _measure(notes, config, series)
+    results = measure_matrix(notes, config, series)
     elapsed = time.time() - started
     doc = {
         "host": describe_host(),
@@ -273,39 +270,3 @@ def _run(args: argparse.Namespace) -> int:
         notes.print(f"plot written to {escape(args.plot)}")
     failed = [r for r in results if r.error]
     return 1 if failed else 0
-
-
-def _measure(notes: Console, config: MatrixConfig, series: list[SeriesSpec],
-             link: Link | None = None) -> list[CellResult]:
-    """Run the matrix (its cross-process series across ``link`` when given) with a progress
-    bar on ``notes`` (stderr), or, when that is not a terminal, a progress line every 20
-    cells."""
-    total = sum(
-        1
-        for _ in config.block_sizes
-        for _ in config.batches
-        for c in config.concurrency
-        for s in series
-        if not (s.impl == "memcpy" and c != 1)
-    )
-    started = time.time()
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=notes,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("bench", total=total)
-        done = [0]
-
-        def on_cell(r: CellResult) -> None:
-            what = f"{r.series} {r.block_size // KiB} KiB x{r.batch} c{r.concurrency}"
-            progress.update(task, advance=1, description=escape(what))
-            done[0] += 1
-            if not notes.is_terminal and (done[0] % 20 == 0 or done[0] == total):
-                notes.print(f"{done[0]}/{total} cells, last: {escape(what)}, "
-                            f"{time.time() - started:.0f} s")
-
-        return run_matrix(config, series, on_cell, link)

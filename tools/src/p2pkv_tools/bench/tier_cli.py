@@ -18,6 +18,7 @@ from rich.markup import escape
 from p2pkv_tools.bench.hostinfo import describe_host
 from p2pkv_tools.bench.matrix import MatrixConfig
 from p2pkv_tools.bench.netns import Link, Traffic, open_link
+from p2pkv_tools.bench.progress import measure_matrix
 from p2pkv_tools.bench.report import plot, print_tables
 from p2pkv_tools.bench.runner import CellResult
 from p2pkv_tools.bench.tier_bench import (
@@ -72,12 +73,10 @@ class _Measured:
 def _measure_all(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan,
                  link: Link | None, notes: Console) -> _Measured:
     """The raw baselines and memcpy, the first pulls, the tier cells, in that order."""
-    from p2pkv_tools.bench.cli import _measure  # the data bench's progress display
-
     traffic = Traffic(link)
     with traffic.phase("baselines"):
         baselines, unavailable = run_baselines(
-            config, plan.data, default_registry(), lambda c, s: _measure(notes, c, s, link))
+            config, plan.data, default_registry(), lambda c, s: measure_matrix(notes, c, s, link))
     for label, why in unavailable.items():
         notes.print(f"[yellow]{escape(label)} not measured:[/] {escape(why)}")
     with traffic.phase("first_pull"):
