@@ -59,7 +59,8 @@ TOOL_COMMANDS: Mapping[str, str] = {
     "bench": "measure transports against the raw libraries and memcpy",
     "doctor": "diagnose this host: transports, versions, UCX lanes, ports",
 }
-"""The commands p2pkv-tools adds, with their help: listed (and explained) without it too."""
+"""The commands p2pkv-tools adds, with their help (p2pkv-tools uses these texts too): listed,
+and explained when run, without it."""
 
 
 class _Parser(argparse.ArgumentParser):

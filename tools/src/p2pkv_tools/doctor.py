@@ -30,7 +30,7 @@ from importlib import metadata
 from typing import Any
 
 from p2pkv import __version__
-from p2pkv.cli import make_console, print_json
+from p2pkv.cli import TOOL_COMMANDS, make_console, print_json
 from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
@@ -67,7 +67,7 @@ _PROBE_BLOCK = 1024 * 1024
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "doctor",
-        help="diagnose this host: transports, versions, UCX lanes, ports",
+        help=TOOL_COMMANDS["doctor"],
         description="Everything needed when p2pkv is slow or fails on this host.",
     )
     p.add_argument("--config", metavar="JSON",

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from p2pkv.cli import check_output_path, make_console, usable_transport
+from p2pkv.cli import TOOL_COMMANDS, check_output_path, make_console, usable_transport
 from p2pkv.errors import ConfigError
 from p2pkv.registry import Registry, default_registry
 from rich.markup import escape
@@ -94,7 +94,7 @@ def _tc_rate(text: str) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
-        help="measure transports against the raw libraries and memcpy",
+        help=TOOL_COMMANDS["bench"],
         description="Data-plane matrix: every data transport x block size x blocks per request "
         "x concurrency, with the raw library (same transport without p2pkv) and memcpy of "
         "the same scattered blocks measured in the same run. Every repetition's bytes are "

@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from p2pkv.cli import check_output_path, make_console, print_error, usable_transport
+from p2pkv.cli import (
+    TOOL_COMMANDS,
+    check_output_path,
+    make_console,
+    print_error,
+    usable_transport,
+)
 from p2pkv.errors import ConfigError
 from p2pkv.registry import default_registry
 from rich.markup import escape
@@ -51,7 +57,7 @@ def add_parser(sub: Any) -> None:
     presets = ", ".join(f"{p.name} ({p.block_bytes / 2**20:.2f} MiB)" for p in PRESETS.values())
     p = sub.add_parser(
         "demo",
-        help="move a verified KV request stream between a producer and a consumer process",
+        help=TOOL_COMMANDS["demo"],
         description="Starts a producer (prefiller) and a consumer (decoder), each with a "
         "P2PTier and a model-shaped KV region, and replays a request stream in both arrival "
         "orders plus symmetric lookups. Every loaded byte is checked against content derived "
