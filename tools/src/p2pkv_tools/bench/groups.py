@@ -17,12 +17,12 @@ called synchronously with deadlines. The worker pipe carries only the bench's ow
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Protocol
 
 import numpy as np
+from p2pkv.logs import module_logger
 from p2pkv.registry import default_registry
 
 from p2pkv_tools.bench.data_transport import RegionSource
@@ -35,7 +35,7 @@ from p2pkv_tools.bench.target import LocalTarget, RemoteTarget
 
 __all__ = ["Group", "LaneGroup", "WorkerGroup", "failed_cell"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 
 class Group(Protocol):

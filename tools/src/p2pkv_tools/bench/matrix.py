@@ -10,12 +10,12 @@ memcpy of the same blocks (concurrency 1: memcpy is one thread).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pkv.logs import module_logger
 from p2pkv.registry import Registry
 
 from p2pkv_tools.bench.data_transport import RegionSource
@@ -29,7 +29,7 @@ __all__ = [
     "CellKey", "MatrixConfig", "available_series", "memcpy_by_cell", "raw_by_cell", "run_matrix",
 ]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import re
 import shutil
@@ -43,11 +42,12 @@ from types import FrameType
 from typing import Any
 
 from p2pkv.errors import ConfigError
+from p2pkv.logs import module_logger
 
 __all__ = ["PREFIX", "Link", "NetnsUnavailable", "Placement", "Traffic", "check_tools",
            "enter", "format_rate", "join_namespace", "open_link", "parse_rate"]
 
-log = logging.getLogger(__name__)
+log = module_logger(__name__)
 
 PREFIX = "p2pkv-bench-"
 """Every namespace :func:`open_link` creates is named ``PREFIX<pid>-a`` / ``-b``."""
