@@ -19,11 +19,12 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # Transport libraries, lean (see above). Versions are pinned: nixl 1.5.2 does not resolve.
 "${PIP[@]}" --no-deps -r scripts/requirements-transports.txt
 
-# Every distribution in the workspace, editable, in dependency order; core with its `cli`
-# extra (rich, for the `p2pkv` command). --no-deps: requirements-dev.txt holds every runtime
-# dependency, rich included.
+# Every distribution in the workspace, editable, in dependency order (core, transports, tools,
+# plugins); core with its `cli` extra (rich and p2pkv-tools, for the `p2pkv` command).
+# --no-deps: requirements-dev.txt holds every runtime dependency, rich included, and
+# p2pkv-tools comes from tools/ here.
 dists=("core[cli]")
-for d in transports/* plugins/* tests/example_plugin; do
+for d in transports/* tools plugins/* tests/example_plugin; do
   [ -f "$d/pyproject.toml" ] && dists+=("$d")
 done
 args=()

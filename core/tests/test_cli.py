@@ -11,6 +11,8 @@ from typing import Any
 
 import p2pkv
 import pytest
+from p2pkv import cli
+from p2pkv.registry import PluginFailure, Registry
 
 CLI = ("-m", "p2pkv.cli")
 SCRIPT = Path(sys.executable).parent / "p2pkv"
@@ -104,6 +106,41 @@ def test_a_disabled_plugin_is_listed_and_named_by_errors(
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("p2pkv demo:")]
     assert line.startswith("p2pkv demo: unknown data transport 'fixture_shm'")
     assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'fixture_shm' from that variable" in line
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "doctor"])
+def test_a_tool_command_without_p2pkv_tools_is_one_line_naming_the_fix(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "default_registry", lambda: Registry.from_plugins([], environ={}))
+    assert cli.main([command, "--quick", "--json", "x.json", "extra"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"p2pkv {command}: not installed: pip install 'p2pkv[cli]' (or p2pkv-tools)\n"
+
+
+def test_a_tool_command_with_p2pkv_tools_broken_names_its_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reg = Registry.from_plugins([], environ={})
+    reg.failures.append(PluginFailure("tools", "p2pkv-tools", "import failed: ImportError: x"))
+    monkeypatch.setattr(cli, "default_registry", lambda: reg)
+    assert cli.main(["demo"]) == 2
+    assert capsys.readouterr().err == ("p2pkv demo: p2pkv-tools failed to load (import failed: "
+                                       "ImportError: x); see 'p2pkv plugins'\n")
+
+
+def test_a_tool_command_with_p2pkv_tools_disabled_names_the_variable(run_python: Any) -> None:
+    proc = run_python(*CLI, "bench", "--quick", P2PKV_DISABLE_PLUGINS="tools")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("p2pkv bench: p2pkv-tools is installed but P2PKV_DISABLE_PLUGINS "
+                           "blocks it; remove 'tools' from that variable\n")
+
+
+def test_unknown_arguments_of_an_installed_command_are_still_refused(run_python: Any) -> None:
+    proc = run_python(*CLI, "plugins", "--bogus")
+    assert proc.returncode == 2
+    assert proc.stderr == "p2pkv: unrecognized arguments: --bogus (see 'p2pkv --help')\n"
 
 
 def test_doctor_runs_and_prints_the_plugins_checks(fixture_site: Path, run_python: Any) -> None:

@@ -10,6 +10,8 @@ import logging
 from typing import Any, ClassVar
 
 import pytest
+from p2pkv import builtin_commands
+from p2pkv.cli import TOOL_COMMANDS, build_parser
 from p2pkv.contracts import Capabilities, ControlTransport, DataTransport
 from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import hookimpl
@@ -210,11 +212,23 @@ def test_misspelled_hook_is_a_failure_naming_it() -> None:
 
 def test_builtin_commands_are_an_internal_plugin() -> None:
     reg = Registry.from_plugins([("obs", Observer())], environ={})
-    assert reg.pm.get_plugin(INTERNAL_PLUGIN) is not None and INTERNAL_PLUGIN not in reg.plugins
+    assert reg.pm.get_plugin(INTERNAL_PLUGIN) is None  # the registry imports no command module
+    reg.add_internal_plugin(builtin_commands)
+    reg.add_internal_plugin(builtin_commands)  # once per registry
+    assert reg.pm.get_plugin(INTERNAL_PLUGIN) is builtin_commands
+    assert INTERNAL_PLUGIN not in reg.plugins and reg.distribution(INTERNAL_PLUGIN) == "p2pkv"
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     reg.add_cli_commands(sub)
-    assert list(sub.choices) == ["plugins", "demo", "bench", "doctor", "check-config", "observed"]
+    assert list(sub.choices) == ["plugins", "check-config", "observed"]
+
+
+def test_the_cli_adds_the_builtins_first_and_stands_in_for_missing_tools() -> None:
+    reg = Registry.from_plugins([("obs", Observer())], environ={})
+    parser = build_parser(reg)
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == ["plugins", "check-config", "observed", *TOOL_COMMANDS]
+    assert reg.pm.get_plugin(INTERNAL_PLUGIN) is builtin_commands
 
 
 def test_bench_baselines_survive_a_raising_plugin(caplog: pytest.LogCaptureFixture) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import psutil
 from chaos_node import Again, NodeSpec, Recorded, node_main
-from p2pkv.demo.roles import Evicted, Loaded, Stored, Submitted
-from p2pkv.demo.workload import DemoRequest, PromptDistribution, make_stream
 from p2pkv.testing.child import Child, stop_all
+from p2pkv_tools.demo.roles import Evicted, Loaded, Stored, Submitted
+from p2pkv_tools.demo.workload import DemoRequest, PromptDistribution, make_stream
 
 __all__ = [
     "HEARTBEAT", "MEASUREMENTS", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage",

@@ -2,11 +2,11 @@
 own spawned process, with an audit of every job result and, optionally, a recording of every
 data-transport call.
 
-The roles are :mod:`p2pkv.demo.roles` (same key-derived block content, same byte
+The roles are :mod:`p2pkv_tools.demo.roles` (same key-derived block content, same byte
 verification); this module only adds what the chaos suite needs around them:
 
 - the node may enter a network namespace (``enter_netns``: the bench's
-  :func:`p2pkv.bench.netns.join_namespace`) and set environment variables (``UCX_TLS``...)
+  :func:`p2pkv_tools.bench.netns.join_namespace`) and set environment variables (``UCX_TLS``...)
   before any transport exists;
 - :class:`AuditedTier` checks that every job id gets exactly one result (a second result, or
   a result for an id never submitted twice, is an *anomaly* the test asserts is absent) and
@@ -55,14 +55,14 @@ from typing import Any
 
 import numpy as np
 import psutil
-from p2pkv.bench.netns import join_namespace as enter_netns
 from p2pkv.config import TierConfig
 from p2pkv.contracts import ControlSettings, DataSettings, DataTransport, PollResult
-from p2pkv.demo.roles import ConsumerRole, Event, ProducerRole, RoleSetup, _Load
 from p2pkv.reference.delegating import DelegatingDataTransport
 from p2pkv.registry import default_registry
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, Outcome
+from p2pkv_tools.bench.netns import join_namespace as enter_netns
+from p2pkv_tools.demo.roles import ConsumerRole, Event, ProducerRole, RoleSetup, _Load
 
 __all__ = [
     "CANARY", "Again", "AuditedTier", "NodeSpec", "Recorded", "Recorder", "RecordingData",

@@ -22,9 +22,9 @@ from chaos_hostile import draw, intruder_main
 from chaos_netlab import NetLab
 from chaos_node import NodeSpec
 from p2pkv.cli import main as p2pkv_main
-from p2pkv.demo.roles import RoleSetup
 from p2pkv.testing import strategies as p2st
 from p2pkv.testing.child import Child
+from p2pkv_tools.demo.roles import RoleSetup
 from zmq.utils import z85
 
 BLOCK = 64 * 1024

@@ -26,10 +26,10 @@ from typing import Any
 import psutil
 import pytest
 from chaos_netlab import netlab_problem
-from p2pkv.bench.netns import PREFIX, open_link, parse_rate
 from p2pkv.cli import main
 from p2pkv.registry import default_registry
 from p2pkv.testing.waiting import wait_until
+from p2pkv_tools.bench.netns import PREFIX, open_link, parse_rate
 
 RATE = "2gbit"
 ONE_CELL = ("--quick", "--block-sizes", "64K", "--batches", "4", "--concurrency", "1")

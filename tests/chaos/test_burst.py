@@ -33,7 +33,7 @@ from chaos_cluster import (
     tier_config,
 )
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 4096
 BURST = int(os.environ.get("P2PKV_BURST_LOADS", "10000"))

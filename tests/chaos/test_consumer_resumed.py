@@ -18,7 +18,7 @@ import time
 
 from chaos_cluster import Cluster, Node, Req, all_done, measured, not_done, requests, tier_config
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 16 * 1024
 MAX_BLOCKS = 4

@@ -23,7 +23,7 @@ from chaos_cluster import (
     tier_config,
 )
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 16 * 1024
 PRODUCERS = int(os.environ.get("P2PKV_FAN_IN_PRODUCERS", "64"))

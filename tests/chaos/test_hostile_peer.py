@@ -19,8 +19,8 @@ from chaos_cluster import Cluster, Outstanding, Stream, measured, requests, tier
 from chaos_hostile import HostileClient, draw
 from chaos_node import NodeSpec
 from p2pkv.config import Limits
-from p2pkv.demo.roles import RoleSetup
 from p2pkv.testing import strategies as p2st
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 64 * 1024
 MAX_BLOCKS = 8

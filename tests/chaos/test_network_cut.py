@@ -37,7 +37,7 @@ from chaos_cluster import (
 )
 from chaos_netlab import NetLab
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12

@@ -21,7 +21,7 @@ from chaos_cluster import (
     tier_config,
 )
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 64 * 1024
 MAX_BLOCKS = 8

@@ -21,7 +21,7 @@ import pytest
 from chaos_cluster import Cluster, Stream, all_done, measured, not_done, requests, tier_config
 from chaos_netlab import NetLab, NetLabUnavailable
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 32 * 1024
 MAX_BLOCKS = 8

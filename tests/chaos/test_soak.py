@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 from chaos_cluster import Cluster, Stream, measured, requests, tier_config
 from chaos_node import NodeSpec
-from p2pkv.demo.roles import RoleSetup
+from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 4096
 MAX_BLOCKS = 8

@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from p2pkv.cli import print_error
+from p2pkv.cli_support import print_error
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object

@@ -1,39 +1,46 @@
 """The ``p2pkv`` command.
 
-Built-in subcommands live in their own modules and are added by p2pkv's own plugin
-(``p2pkv.builtin_commands``) through the ``p2pkv_cli_commands`` hook, like the plugins' commands.
-The command line needs rich (the ``cli`` extra); without it ``p2pkv`` says so in one line and
-exits 2. This module itself imports without rich.
+Core's own subcommands (``plugins``, ``check-config``) live in their own modules and are
+added by p2pkv's own plugin (``p2pkv.builtin_commands``, which :func:`build_parser` registers
+as plugin ``p2pkv``) through the ``p2pkv_cli_commands`` hook, like the plugins' commands;
+``demo``, ``bench`` and ``doctor`` come from the p2pkv-tools plugin (installed by the ``cli``
+extra). Without p2pkv-tools (or with it disabled or broken) those three still parse and end
+in one line naming the fix, exit status 2. The command line needs rich (the ``cli`` extra);
+without it ``p2pkv`` says so in one line and exits 2. This module itself imports without rich.
 
 Failure contract: every misuse ends in one plain line on stderr, ``p2pkv <command>: <what
 is wrong and how to fix it>``, with exit status 2 (usage errors: bad flags, a bad config, an
-unknown or unavailable transport, an unwritable output path) or 1 (any other deliberate
-p2pkv error); never a traceback. Commands signal such errors by raising ``ConfigError`` or
-``TransportUnavailable``; :func:`main` turns them into that line. The helpers below are what
-the built-in commands share: output consoles, the output-path check and the transport check.
+unknown or unavailable transport, an unwritable output path, a command whose distribution
+is missing) or 1 (any other deliberate p2pkv error); never a traceback. Commands signal such
+errors by raising ``ConfigError`` or ``TransportUnavailable``; :func:`main` turns them into
+that line. The helpers the commands share (output consoles, the output-path check, the
+transport check) are re-exported here from :mod:`p2pkv.cli_support`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
-from p2pkv import __version__
-from p2pkv.contracts import TransportKind
+from p2pkv import __version__, builtin_commands
+from p2pkv.cli_support import (
+    check_output_path,
+    configure_logging,
+    make_console,
+    print_error,
+    print_json,
+    usable_transport,
+)
 from p2pkv.errors import ConfigError, P2PKVError, TransportUnavailable
 from p2pkv.optional import missing_extra
 from p2pkv.registry import Registry, default_registry
 
-if TYPE_CHECKING:
-    from rich.console import Console
-
 __all__ = [
     "LOG_LEVELS",
+    "TOOLS_DISTRIBUTION",
+    "TOOL_COMMANDS",
     "check_output_path",
     "configure_logging",
     "main",
@@ -45,7 +52,15 @@ __all__ = [
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 """Values ``--log-level`` accepts (any case)."""
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TOOLS_DISTRIBUTION = "p2pkv-tools"
+"""The distribution (a plugin, installed by the ``cli`` extra) providing :data:`TOOL_COMMANDS`."""
+TOOL_COMMANDS: Mapping[str, str] = {
+    "demo": "move a verified KV request stream between a producer and a consumer process",
+    "bench": "measure transports against the raw libraries and memcpy",
+    "doctor": "diagnose this host: transports, versions, UCX lanes, ports",
+}
+"""The commands p2pkv-tools adds, with their help (p2pkv-tools uses these texts too): listed,
+and explained when run, without it."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,22 +79,54 @@ def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def build_parser(registry: Registry) -> argparse.ArgumentParser:
-    """The full parser: built-in commands, then the plugins' (every one takes --log-level).
-    A plugin whose commands fail to add is recorded in ``registry.failures`` (``p2pkv
-    plugins`` lists it) and left out."""
+    """The full parser: built-in commands (registering p2pkv's own plugin in ``registry``),
+    then the plugins' (every one takes --log-level), then a stand-in for each of
+    :data:`TOOL_COMMANDS` no plugin added (see :func:`_add_missing_tools`). A plugin whose
+    commands fail to add is recorded in ``registry.failures`` (``p2pkv plugins`` lists it)
+    and left out."""
     parser = _Parser(
         prog="p2pkv", description="Peer-to-peer KV-cache block transfer: tools and diagnostics."
     )
     parser.add_argument("--version", action="version", version=f"p2pkv {__version__}")
     _add_log_level(parser, "WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registry.add_internal_plugin(builtin_commands)
     registry.add_cli_commands(sub)
+    _add_missing_tools(registry, sub)
     for command in sub.choices.values():
         try:  # SUPPRESS: a --log-level after the command only overrides one given before it
             _add_log_level(command, argparse.SUPPRESS)
         except argparse.ArgumentError:
             pass  # the command defines its own --log-level
     return parser
+
+
+def _add_missing_tools(registry: Registry, sub: Any) -> None:
+    """Add a stand-in for each of :data:`TOOL_COMMANDS` that no plugin added: it accepts any
+    arguments (``accepts_any``, see :func:`main`) and raises ``ConfigError`` naming the fix,
+    so ``p2pkv demo`` without p2pkv-tools ends in that one line with exit status 2."""
+    missing = [name for name in TOOL_COMMANDS if name not in sub.choices]
+    if not missing:
+        return
+    fix = _tools_fix(registry)
+
+    def not_installed(args: argparse.Namespace) -> int:
+        raise ConfigError(fix)
+
+    for name in missing:
+        p = sub.add_parser(name, help=f"{TOOL_COMMANDS[name]} (needs {TOOLS_DISTRIBUTION})",
+                           add_help=False)
+        p.set_defaults(func=not_installed, accepts_any=True)
+
+
+def _tools_fix(registry: Registry) -> str:
+    """Why p2pkv-tools' commands are missing from ``registry``, and what to do."""
+    failed = [f.reason for f in registry.failures if f.distribution == TOOLS_DISTRIBUTION]
+    if failed:
+        return f"{TOOLS_DISTRIBUTION} failed to load ({failed[0]}); see 'p2pkv plugins'"
+    if TOOLS_DISTRIBUTION in registry.disabled.values():
+        return registry.install_hint(TOOLS_DISTRIBUTION)
+    return f"not installed: pip install 'p2pkv[cli]' (or {TOOLS_DISTRIBUTION})"
 
 
 def _early_log_level(argv: Sequence[str]) -> str:
@@ -91,12 +138,6 @@ def _early_log_level(argv: Sequence[str]) -> str:
     return str(known.log_level)
 
 
-def configure_logging(level: str | int) -> None:
-    """Log records of ``level`` and above to stderr, in the CLI's format (also used by the
-    demo's role processes, which inherit the level)."""
-    logging.basicConfig(level=level, format=_LOG_FORMAT)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``p2pkv`` command line; returns the exit status (see the module docstring)."""
     problem = missing_extra("rich", "cli")
@@ -106,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     configure_logging(_early_log_level(args_list))
     parser = build_parser(default_registry())
-    args = parser.parse_args(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    if extra and not getattr(args, "accepts_any", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     func: Any = getattr(args, "func", None)
     if func is None:
         parser.print_help()
@@ -123,58 +166,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error(where, "interrupted")
         return 130
-
-
-def print_error(where: str, message: object) -> None:
-    """``where: message`` as one plain line on stderr: no markup, no emoji, no wrapping."""
-    text = " ".join(str(message).split())
-    sys.stderr.write(f"{where}: {text}\n")
-    sys.stderr.flush()
-
-
-def make_console(*, stderr: bool = False) -> Console:
-    """A rich console for a command's output. Emoji codes are off, so text that comes from
-    the user (``lognormal:abc:0.6``) prints as typed; a console that is not a terminal is
-    200 columns wide, so tables written to a file or pipe are not squeezed."""
-    from rich.console import Console
-
-    console = Console(stderr=stderr, emoji=False)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, emoji=False, width=200)
-    return console
-
-
-def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
-    sys.stdout.write("\n")
-
-
-def check_output_path(option: str, path: str) -> None:
-    """Refuse, before any work starts, an output ``path`` that could not be written later:
-    its directory is missing or not writable, or the path is a directory or read-only.
-    Raises ``ConfigError`` naming ``option``, the path and the fix."""
-    directory = os.path.dirname(os.path.abspath(path))
-    problem = ""
-    if not os.path.isdir(directory):
-        problem = f"directory {directory} does not exist; create it or choose another path"
-    elif os.path.isdir(path):
-        problem = "is a directory; give a file name"
-    elif not os.access(path if os.path.exists(path) else directory, os.W_OK):
-        problem = "is not writable here; choose another path"
-    if problem:
-        raise ConfigError(f"{option} {path}: {problem}")
-
-
-def usable_transport(registry: Registry, kind: TransportKind, name: str) -> type[Any]:
-    """The class of the ``kind`` transport ``name`` if it can run here. Raises
-    ``ConfigError`` for an unknown name (the registry's hint: installed names, the closest
-    one, the distribution to install or enable) and ``TransportUnavailable`` for a missing
-    library (naming the pip package)."""
-    cls: type[Any] = registry.transport(kind, name)
-    problem = cls.availability()
-    if problem is not None:
-        raise problem
-    return cls
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from p2pkv.cli import make_console, print_json
+from p2pkv.cli_support import make_console, print_json
 from p2pkv.contracts import TransportKind
 from p2pkv.registry import DISABLE_ENV, TEST_PLUGINS_ENV, Registry, default_registry
 

@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from p2pkv.addressing import parse_address
 from p2pkv.errors import ConfigError
 
-if TYPE_CHECKING:
-    from p2pkv.config import Peers
-
-__all__ = ["DialPolicy", "allow_list"]
+__all__ = ["DialPolicy", "PeerLimits", "allow_list"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -55,11 +52,26 @@ def allow_list(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], frozenset
     return tuple(networks), frozenset(names)
 
 
+class PeerLimits(Protocol):
+    """What the policy reads of a tier's ``peers`` (``p2pkv.config.Peers``; a Protocol, as
+    config imports this module to check ``peers.allow``)."""
+
+    @property
+    def allow(self) -> tuple[str, ...]:
+        """Networks, addresses or host names the tier may dial; empty: any peer."""
+        ...
+
+    @property
+    def max_dialed(self) -> int:
+        """Sessions this tier dialed that may be open at once."""
+        ...
+
+
 class DialPolicy:
     """``peers`` of one tier: the allow-list and the cap; the tier tells it which sessions
     it dialed (:meth:`admit`), it keeps no copy of them."""
 
-    def __init__(self, peers: Peers) -> None:
+    def __init__(self, peers: PeerLimits) -> None:
         self._networks, self._names = allow_list(peers.allow)
         self._open = not peers.allow
         self.max_dialed = peers.max_dialed

@@ -2,8 +2,9 @@
 
 Core code never touches ``pm.hook``: it asks :class:`Registry` for a transport class by kind and
 name, and calls observers through :attr:`Registry.observers`. Built-in transports load through
-the same ``p2pkv`` entry-point group as third-party ones; the built-in CLI commands are p2pkv's
-own plugin (``p2pkv.builtin_commands``, registered as ``p2pkv`` in every registry).
+the same ``p2pkv`` entry-point group as third-party ones. The registry imports no command
+module: the CLI registers its built-in commands as p2pkv's own plugin (named ``p2pkv``, see
+:meth:`Registry.add_internal_plugin`) when it builds its parser.
 
 Every hook is called through pluggy (``pm.hook`` or a subset caller), so tracing sees it, and
 once per plugin: a plugin whose hook raises is recorded in ``failures`` (or logged, for bench
@@ -33,7 +34,7 @@ from typing import Any, cast
 import pluggy
 from pluggy import HookImpl
 
-from p2pkv import builtin_commands, hookspecs
+from p2pkv import hookspecs
 from p2pkv.contracts import ControlTransport, DataTransport, TransportKind
 from p2pkv.errors import ConfigError
 from p2pkv.observers import Observers, callers_per_plugin
@@ -66,7 +67,7 @@ KNOWN_TRANSPORTS: Mapping[tuple[TransportKind, str], str] = {
 """Transports the project publishes, with the distribution that provides each."""
 
 INTERNAL_PLUGIN = "p2pkv"
-"""The name p2pkv's own plugin (``p2pkv.builtin_commands``) is registered under."""
+"""The name p2pkv's own plugin (``p2pkv.builtin_commands``, registered by the CLI) has."""
 
 
 @dataclass(frozen=True)
@@ -298,10 +299,19 @@ class Registry:
                     found[name] = cls
         return found
 
+    def add_internal_plugin(self, plugin: object) -> None:
+        """Register ``plugin`` as p2pkv's own plugin (:data:`INTERNAL_PLUGIN`; not listed in
+        ``plugins``, its hook calls traced like any plugin's), unless one already is. The CLI
+        registers its built-in commands (``p2pkv.builtin_commands``) this way before
+        :meth:`add_cli_commands`; registered last, its ``tryfirst`` hook runs first."""
+        if self.pm.get_plugin(INTERNAL_PLUGIN) is None:
+            self.pm.register(plugin, name=INTERNAL_PLUGIN)
+
     def add_cli_commands(self, subparsers: Any) -> None:
-        """Let p2pkv's own plugin (the built-in commands, first) and every other plugin add
-        their subcommands; one that raises is recorded in ``failures`` and logged, so a broken
-        plugin never takes the whole CLI down."""
+        """Let p2pkv's own plugin (the built-in commands, first, once the CLI has added it with
+        :meth:`add_internal_plugin`) and every other plugin add their subcommands; one that
+        raises is recorded in ``failures`` and logged, so a broken plugin never takes the
+        whole CLI down."""
         for plugin, outcome in self._call_each("p2pkv_cli_commands", subparsers=subparsers):
             if isinstance(outcome, Exception):
                 self._fail(plugin, self.distribution(plugin), "p2pkv_cli_commands failed: "
@@ -331,10 +341,9 @@ class Registry:
 
 
 def _new_manager(env: Mapping[str, str]) -> pluggy.PluginManager:
-    """A manager with the hookspecs and p2pkv's own plugin (tracing when asked)."""
+    """A manager with the hookspecs (tracing when asked)."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.register(builtin_commands, name=INTERNAL_PLUGIN)
     if env.get("P2PKV_TRACE_HOOKS", "") not in ("", "0"):
         trace = logging.getLogger("p2pkv.hooks")
         trace.setLevel(min(trace.getEffectiveLevel(), logging.INFO))

@@ -79,7 +79,7 @@ def test_the_supervisor_removes_the_gauges_of_a_killed_process(
 ) -> None:
     """SIGKILL leaves no chance to clean up: the gauges stay until whoever started the
     process marks it dead, as ``p2pkv demo --metrics`` does for its role processes."""
-    from p2pkv.demo.metrics import DemoMetrics
+    from p2pkv_tools.demo.metrics import DemoMetrics
 
     killed = _start(5, "plain", tmp_path)
     killed.kill()

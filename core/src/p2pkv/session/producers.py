@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from p2pkv.config import Timeouts
 from p2pkv.observers import Observers
@@ -25,10 +25,25 @@ from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.ledger import JobLedger
 from p2pkv.types import Job, Outcome
 
-if TYPE_CHECKING:
-    from p2pkv.session.server import ServerRole
+__all__ = ["BoundServer", "Claim", "ProducerDirectory"]
 
-__all__ = ["Claim", "ProducerDirectory"]
+
+class BoundServer(Protocol):
+    """What the directory and the tier use of the producer role a request is bound to
+    (``p2pkv.session.server.ServerRole``; a Protocol so this module need not import it)."""
+
+    @property
+    def peer(self) -> str:
+        """The consumer this role serves."""
+        ...
+
+    def add_store(self, kv: str, job: Job) -> None:
+        """Serve store ``job`` of request ``kv`` to the consumer."""
+        ...
+
+    def producer_finished(self, kv: str) -> None:
+        """The engine finished producer request ``kv``: free its state once drained."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -51,13 +66,13 @@ class ProducerDirectory:
         self._active: set[str] = set()
         self._tombstones: dict[str, Timer] = {}
         self._parked: dict[str, list[tuple[Job, Timer]]] = {}
-        self._bindings: dict[str, ServerRole] = {}
+        self._bindings: dict[str, BoundServer] = {}
         self._on_tombstone_expired = self._tombstone_expired
         """Bound once: arming a tombstone allocates no method object."""
 
     # -- bindings ---------------------------------------------------------------------------
 
-    def claim(self, kv_request_id: str, server: ServerRole, *, by_fetch: bool) -> Claim | str:
+    def claim(self, kv_request_id: str, server: BoundServer, *, by_fetch: bool) -> Claim | str:
         """Bind ``kv_request_id`` to ``server``; a string is the reason it cannot be."""
         bound = self._bindings.get(kv_request_id)
         if bound is not None and bound is not server:
@@ -78,11 +93,11 @@ class ProducerDirectory:
         self._bindings[kv_request_id] = server
         return Claim(parked, supply_open)
 
-    def bound(self, kv_request_id: str) -> ServerRole | None:
+    def bound(self, kv_request_id: str) -> BoundServer | None:
         """The producer role holding state for ``kv_request_id``, if any."""
         return self._bindings.get(kv_request_id)
 
-    def request_gone(self, kv_request_id: str, server: ServerRole) -> None:
+    def request_gone(self, kv_request_id: str, server: BoundServer) -> None:
         """``server`` holds no more producer state for ``kv_request_id``."""
         if self._bindings.get(kv_request_id) is server:
             del self._bindings[kv_request_id]
@@ -109,7 +124,7 @@ class ProducerDirectory:
         if kv_request_id not in self._active and kv_request_id not in self._tombstones:
             self.producer_started(kv_request_id)
 
-    def producer_finished(self, kv_request_id: str) -> ServerRole | None:
+    def producer_finished(self, kv_request_id: str) -> BoundServer | None:
         """Forget the producer request; returns the role holding its state, if any."""
         self._active.discard(kv_request_id)
         self._tombstone(kv_request_id)

@@ -40,8 +40,8 @@ from typing import Any
 import hypothesis
 from hypothesis.stateful import run_state_machine_as_test
 
+from p2pkv.child import Child
 from p2pkv.testing import steps
-from p2pkv.testing.child import Child
 
 __all__ = ["run_machine_in_child"]
 

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pkv import errors
+from p2pkv.child import Child
 from p2pkv.contracts import (
     ControlConnection,
     ControlSettings,
@@ -42,7 +43,6 @@ from p2pkv.contracts import (
     PollResult,
 )
 from p2pkv.data_base import allocated_region
-from p2pkv.testing.child import Child
 
 __all__ = [
     "ChildControlPeer",

@@ -45,9 +45,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+from p2pkv.child import Child
 from p2pkv.contracts import DataSettings, PollResult
 from p2pkv.errors import TransferSubmitError, TransportUnavailable
-from p2pkv.testing.child import Child
 
 from p2pkv_nixl import library
 from p2pkv_nixl.agent import block_dlist, open_agent, region_array, register_region

@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from p2pkv.ucx_proto import parse_proto_info
+
 from p2pkv_nixl import library
 
 __all__ = ["UCX_VARS", "add_parser", "proto_tables", "ucx_lanes"]
@@ -38,10 +40,8 @@ def proto_tables(text: str) -> list[dict[str, Any]]:
     """The protocol tables in UCX output (``UCX_PROTO_INFO=y``), endpoints to self left out.
 
     Each becomes ``{"context": "<name> <scope> cfg#N", "scope", "operation", "rows":
-    [{"range", "protocol", "lane"}]}`` (the rows come from ``p2pkv.doctor``'s parser).
+    [{"range", "protocol", "lane"}]}`` (the rows come from ``p2pkv.ucx_proto``'s parser).
     """
-    from p2pkv.doctor import parse_proto_info
-
     tables: dict[tuple[str, str], dict[str, Any]] = {}
     for row in parse_proto_info(text):
         words = row.endpoint.split()

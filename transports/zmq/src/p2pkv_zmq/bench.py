@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 import zmq
+from p2pkv.child import Child
 from p2pkv.contracts import ControlConnection, ControlSettings
-from p2pkv.testing.child import Child
 
 from p2pkv_zmq.transport import ZmqControlTransport
 
