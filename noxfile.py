@@ -93,6 +93,15 @@ def chaos(session: nox.Session) -> None:
 
 
 @venv_session
+def wheels(session: nox.Session) -> None:
+    """Every distribution's wheel built and imported alone, in a fresh venv with only its
+    declared dependencies: its package, its entry points and p2pkv's plugin registry
+    (``scripts/check_wheels.py``; the distributions of docs/dev/distributions.md)."""
+    run(session, "python", str(ROOT / "scripts" / "check_wheels.py"),
+        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
+
+
+@venv_session
 def docs(session: nox.Session) -> None:
     """Build the docs site with ``mkdocs build --strict`` (any warning fails)."""
     run(session, "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"),
