@@ -133,3 +133,18 @@ def test_doc_block(block: Block) -> None:
             _check_cli(argv[1:])
         elif prog == "bash" and len(argv) > 1 and argv[1].startswith("scripts/"):
             assert (ROOT / argv[1]).is_file(), f"{block.id}: {argv[1]} does not exist"
+
+
+def test_the_cli_reference_has_every_command() -> None:
+    """docs/cli.md's generated reference (docs/hooks/cli_reference.py) has a section with the
+    ``--help`` text of the CLI and of each of its commands."""
+    import cli_reference
+    from p2pkv.cli import build_parser
+    from p2pkv.registry import default_registry
+
+    text = cli_reference.render()
+    parser = build_parser(default_registry())
+    (commands,) = [a for a in parser._actions if a.dest == "command"]
+    for name in ["", *(f" {c}" for c in commands.choices)]:
+        assert f"### `p2pkv{name}`\n\n```text\nusage: p2pkv{name}" in text, name
+    assert cli_reference.MARKER in (ROOT / "docs" / "cli.md").read_text()
