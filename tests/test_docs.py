@@ -148,3 +148,17 @@ def test_the_cli_reference_has_every_command() -> None:
     for name in ["", *(f" {c}" for c in commands.choices)]:
         assert f"### `p2pkv{name}`\n\n```text\nusage: p2pkv{name}" in text, name
     assert cli_reference.MARKER in (ROOT / "docs" / "cli.md").read_text()
+
+
+def test_the_api_reference_documents_every_public_name() -> None:
+    """docs/api.md's generated reference (docs/hooks/api_reference.py) has an entry with a
+    docstring for every name of each documented module's ``__all__``."""
+    import importlib
+
+    import api_reference
+
+    text = api_reference.render()
+    for module in api_reference.MODULES:
+        for name in importlib.import_module(module).__all__:
+            assert f"### `{module}.{name}`" in text, (module, name)
+    assert api_reference.MARKER in (ROOT / "docs" / "api.md").read_text()

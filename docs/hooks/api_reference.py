@@ -1,0 +1,78 @@
+"""mkdocs hook: replace ``<!-- api-reference -->`` with the public API of the modules in
+:data:`MODULES`: each name of a module's ``__all__`` with its signature and docstring, and
+for a class its public methods and properties (those it defines or overrides), so the
+reference cannot drift from the code. Docstrings are shown as written (preformatted)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+MARKER = "<!-- api-reference -->"
+MODULES = (
+    "p2pkv.contracts",
+    "p2pkv.tier",
+    "p2pkv.types",
+    "p2pkv.config",
+    "p2pkv.errors",
+    "p2pkv.reference",
+    "p2pkv.reference.delegating",
+    "p2pkv.testing.suites",
+    "p2pkv.testing.stateful",
+    "p2pkv.testing.tier_machine",
+)
+
+
+def _doc(obj: Any) -> str:
+    text = inspect.getdoc(obj) or "(no docstring)"
+    return f"```text\n{text}\n```"
+
+
+def _signature(name: str, obj: Any) -> str:
+    try:  # annotations are strings (postponed evaluation): shown without their quotes
+        return f"{name}{inspect.signature(obj)}".replace("'", "")
+    except (TypeError, ValueError):
+        return name
+
+
+def _members(cls: type) -> Iterator[tuple[str, Any]]:
+    """Public methods and properties ``cls`` defines itself (not inherited unchanged)."""
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if callable(value) or isinstance(value, property):
+            yield name, value
+
+
+def _entry(module: str, name: str, obj: Any) -> str:
+    if inspect.isclass(obj):
+        parts = [f"### `{module}.{name}`", f"```python\nclass {_signature(name, obj)}\n```",
+                 _doc(obj)]
+        for member, value in _members(obj):
+            target = value.fget if isinstance(value, property) else value
+            shown = member if isinstance(value, property) else _signature(member, target)
+            parts += [f"**`{shown}`**" + (" (property)" if isinstance(value, property) else ""),
+                      _doc(target)]
+        return "\n\n".join(parts)
+    if callable(obj):
+        return f"### `{module}.{name}`\n\n```python\n{_signature(name, obj)}\n```\n\n{_doc(obj)}"
+    return f"### `{module}.{name}`\n\n```python\n{name} = {obj!r}\n```"
+
+
+def render() -> str:
+    sections = []
+    for module in MODULES:
+        mod = importlib.import_module(module)
+        sections.append(f"## `{module}`\n\n{_doc(mod)}")
+        sections += [_entry(module, name, getattr(mod, name)) for name in mod.__all__]
+    return "\n\n".join(sections)
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    if MARKER in markdown:
+        return markdown.replace(MARKER, render())
+    return markdown
