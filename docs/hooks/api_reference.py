@@ -40,12 +40,9 @@ def _signature(name: str, obj: Any) -> str:
 def _members(cls: type) -> Iterator[tuple[str, Any]]:
     """Public methods and properties ``cls`` defines itself (not inherited unchanged)."""
     for name, value in vars(cls).items():
-        if name.startswith("_"):
-            continue
-        if isinstance(value, (staticmethod, classmethod)):
-            value = value.__func__
-        if callable(value) or isinstance(value, property):
-            yield name, value
+        member = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        if not name.startswith("_") and (callable(member) or isinstance(member, property)):
+            yield name, member
 
 
 def _entry(module: str, name: str, obj: Any) -> str:
