@@ -20,6 +20,7 @@ from typing import Any
 
 from llm_host import BLOCK_SIZE, llm_host
 from p2pkv.testing.child import Child, stop_all
+from p2pkv_tools.bench.netns import Placement
 
 BOOT = 420.0
 """Seconds an engine may take to import vLLM and start (several at once on 2 busy cores)."""
@@ -118,13 +119,14 @@ _SERIAL = itertools.count()
 class Engine:
     """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector),
     ``extra`` connector keys, ``engine_args`` more ``vllm.LLM`` arguments, ``cpu_bytes`` the
-    size of its CPU tier."""
+    size of its CPU tier, ``placement`` a network namespace the process enters before it
+    builds the engine (``p2pkv_tools.bench.netns``; None: this host's)."""
 
     def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
                  env: Mapping[str, str] | None = None,
                  extra: Mapping[str, Any] | None = None,
                  engine_args: Mapping[str, Any] | None = None,
-                 cpu_bytes: int = CPU_BYTES) -> None:
+                 cpu_bytes: int = CPU_BYTES, placement: Placement | None = None) -> None:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
@@ -135,12 +137,18 @@ class Engine:
         config = (kv_transfer_config(self.engine_id, [tier], extra, cpu_bytes)
                   if tier is not None else None)
         self.child = Child(llm_host, model, config, dict(env or {}), dict(engine_args or {}),
-                           name=name)
+                           placement, name=name)
 
     @property
     def port(self) -> int:
         assert self.tier is not None
         return int(self.tier["port"])
+
+    @property
+    def host(self) -> str:
+        """The address its tier binds (and a peer dials)."""
+        assert self.tier is not None
+        return str(self.tier["host"])
 
     def start(self) -> Engine:
         self.child.start()
