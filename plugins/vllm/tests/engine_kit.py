@@ -245,10 +245,21 @@ class Engine:
         if not self.child.process.is_alive():
             self.remove_shm()
             return []
-        kind, leftovers = self.child.request(("shutdown",), WAIT, f"{self.name} shutdown")
-        assert kind == "down"
+        self.child.send(("shutdown",))
+        leftovers = self.down()
         self.child.stop()
-        return list(leftovers)
+        return leftovers
+
+    def down(self) -> list[str]:
+        """After ``("shutdown",)`` was sent: the offload shm files the engine reported left,
+        its replies to requests still pending from before skipped (those of a run
+        interrupted mid-request); at most ``WAIT`` seconds."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            reply = self.child.recv(max(0.0, deadline - time.monotonic()),
+                                    f"{self.name} shutdown")
+            if reply[0] == "down":
+                return list(reply[1])
 
     def chunk_bytes(self) -> int:
         """Bytes of one chunk of this engine's CPU tier, from the line its p2pkv tier logged
@@ -301,9 +312,7 @@ def shutdown_all(engines: Sequence[Engine]) -> list[str]:
         for engine in live:
             engine.child.send(("shutdown",))
         for engine in live:
-            kind, files = engine.child.recv(WAIT, f"{engine.name} shutdown")
-            assert kind == "down", kind
-            leftovers += files
+            leftovers += engine.down()
     finally:
         stop_all([engine.child for engine in engines], STOP)
         for engine in engines:
@@ -314,22 +323,45 @@ def shutdown_all(engines: Sequence[Engine]) -> list[str]:
 @contextlib.contextmanager
 def running(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
     """Start ``engines`` at once, wait until each is ready, shut them all down after; an
-    engine that leaves an offload shm file behind fails the test."""
+    engine that leaves an offload shm file behind fails the test. When the block raises
+    (a SIGTERM's ``SystemExit`` included), the engines are not asked for an orderly
+    shutdown (one may be mid-request, and vLLM's built-in tier can block in it): their pipes
+    are closed, those still running after ``STOP`` seconds killed, their shm files removed,
+    and the block's exception propagates."""
     try:
         for engine in engines:
             engine.start()
         for engine in engines:
             engine.wait_ready()
         yield engines
-    finally:
-        leftovers = []
-        for engine in engines:
-            try:
-                leftovers += engine.shutdown()
-            finally:
-                engine.child.stop()
+    except BaseException:
+        try:
+            stop_all([engine.child for engine in engines], STOP)
+        finally:
+            for engine in engines:
                 engine.remove_shm()
+        raise
+    leftovers = _shutdown_each(engines)
     assert leftovers == [], leftovers
+
+
+def _shutdown_each(engines: Sequence[Engine]) -> list[str]:
+    """Shut each engine down in turn, each stopped and its shm files removed even when
+    another's shutdown failed (the first failure is raised after all); the offload shm files
+    the orderly shutdowns left."""
+    leftovers: list[str] = []
+    failures: list[Exception] = []
+    for engine in engines:
+        try:
+            leftovers += engine.shutdown()
+        except Exception as exc:
+            failures.append(exc)
+        finally:
+            engine.child.stop()
+            engine.remove_shm()
+    if failures:
+        raise failures[0]
+    return leftovers
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
