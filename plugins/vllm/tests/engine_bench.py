@@ -88,7 +88,7 @@ from engine_kit import (
 )
 from llm_host import BLOCK_SIZE, ENGINE_ENV
 from p2pkv.registry import default_registry
-from p2pkv_tools.bench.cli import tc_rate
+from p2pkv_tools.bench.cli import RATE_HELP, tc_rate
 from p2pkv_tools.bench.matrix import MatrixConfig, run_matrix
 from p2pkv_tools.bench.netns import Link, NetnsUnavailable, Placement, Traffic, open_link
 from p2pkv_tools.bench.tier_bench import run_baselines
@@ -788,9 +788,7 @@ def parse(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
                         "own, joined by a veth, UCX over TCP (as p2pkv bench --tier --netns); "
                         "raw NIXL measured over it too; removed afterwards; needs root and "
                         "iproute2")
-    parser.add_argument("--rate", type=tc_rate, metavar="RATE",
-                        help="with --netns: shape the veth to RATE each way with tc, e.g. "
-                        "25gbit (tc units: bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
+    parser.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
     args = parser.parse_args(argv)
     if args.rate is not None and not args.netns:
         parser.error("--rate shapes the link of --netns: add --netns")

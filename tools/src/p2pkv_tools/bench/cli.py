@@ -27,7 +27,7 @@ from p2pkv_tools.bench.progress import measure_matrix
 from p2pkv_tools.bench.report import geomean_ratios, plot, print_tables
 from p2pkv_tools.demo.presets import PRESETS
 
-__all__ = ["QUICK", "add_parser", "parse_size", "run", "tc_rate"]
+__all__ = ["QUICK", "RATE_HELP", "add_parser", "parse_size", "run", "tc_rate"]
 
 QUICK = MatrixConfig(
     block_sizes=(64 * KiB, 1 * MiB),
@@ -82,6 +82,11 @@ def _positive_rate(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"need tokens per second > 0, e.g. 20000: {text!r}")
     return value
+
+
+RATE_HELP = ("with --netns: shape the veth to RATE each way with tc, e.g. 25gbit (tc units: "
+             "bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
+"""``--rate``'s help (with :func:`tc_rate` its type), wherever a bench takes ``--rate``."""
 
 
 def tc_rate(text: str) -> int:
@@ -154,9 +159,7 @@ def add_parser(sub: Any) -> None:
                    "namespace of its own, joined by a veth pair, UCX over TCP (nixl's staged "
                    "lane, as across hosts without RDMA); removed afterwards; needs root and "
                    "iproute2")
-    p.add_argument("--rate", type=tc_rate, metavar="RATE",
-                   help="with --netns: shape the veth to RATE each way with tc, e.g. 25gbit "
-                   "(tc units: bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
+    p.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
     p.set_defaults(func=run)
 
 
