@@ -114,7 +114,7 @@ VLLM_IMPORT_DEPS = (
     "cloudpickle", "uvloop", "py-cpuinfo", "prometheus_client>=0.18.0", "xgrammar==0.2.8",
     "fastapi>=0.133.0,<0.137.0", "partial-json-parser", "llguidance>=1.7.0,<1.8.0",
 )
-VLLM_P2PKV_DISTS = ("core", "transports/memory", "transports/zmq", "transports/nixl",
+VLLM_P2PKV_DISTS = ("core", "tools", "transports/memory", "transports/zmq", "transports/nixl",
                     "plugins/vllm")
 VLLM_P2PKV_DEPS = ("hatchling>=1.21", "editables>=0.5", "msgpack>=1.0", "pluggy>=1.3",
                    "rich>=13", "uvicorn>=0.29", "hypothesis>=6.100", "pytest>=8",
