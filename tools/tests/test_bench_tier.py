@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from p2pkv.cli import main
 from p2pkv.registry import default_registry
+from p2pkv_tools.bench.netns import Link, Placement, Traffic
 from p2pkv_tools.bench.runner import CellPlan, measure_cell
 from p2pkv_tools.bench.tier_lane import ORDERS, TierLane
 
@@ -246,3 +247,16 @@ def test_netns_not_as_root_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatc
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == ["p2pkv bench: --netns needs root and iproute2 (ip, tc): this process "
                      "runs as uid 1000, not root"]
+
+
+def test_traffic_adds_up_a_phase_entered_in_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase entered again adds to its count (the engine bench counts each tier over its
+    turns); a reading ``ip`` cannot give makes that phase None from then on."""
+    end = Placement("ns", "dev", "10.0.0.1")
+    readings = iter([100, 150, 150, None, 175, 200, 300, 310])
+    monkeypatch.setattr(Link, "sent_bytes", lambda self: next(readings))
+    traffic = Traffic(Link(end, end))
+    for name in ("a", "b", "a", "b"):
+        with traffic.phase(name):
+            pass
+    assert traffic.phases == {"a": 50 + 25, "b": None}

@@ -50,6 +50,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "engine_bench_quick: the engine benchmark's quick form, both tiers (nox -s "
         "engine runs it on the newest release; the full benchmark: nox -s engine_bench)")
+    config.addinivalue_line(
+        "markers", "engine_bench_netns: the quick form across a veth between network "
+        "namespaces, as root (nox -s engine_bench_netns; not in CI)")
 
 
 @pytest.fixture(scope="session")

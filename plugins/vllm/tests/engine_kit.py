@@ -20,6 +20,7 @@ from typing import Any
 
 from llm_host import BLOCK_SIZE, llm_host
 from p2pkv.testing.child import Child, stop_all
+from p2pkv_tools.bench.netns import Placement
 
 BOOT = 420.0
 """Seconds an engine may take to import vLLM and start (several at once on 2 busy cores)."""
@@ -118,13 +119,14 @@ _SERIAL = itertools.count()
 class Engine:
     """One engine process (``llm_host``); ``tier`` is its P2P tier entry (None: no connector),
     ``extra`` connector keys, ``engine_args`` more ``vllm.LLM`` arguments, ``cpu_bytes`` the
-    size of its CPU tier."""
+    size of its CPU tier, ``placement`` a network namespace the process enters before it
+    builds the engine (``p2pkv_tools.bench.netns``; None: this host's)."""
 
     def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
                  env: Mapping[str, str] | None = None,
                  extra: Mapping[str, Any] | None = None,
                  engine_args: Mapping[str, Any] | None = None,
-                 cpu_bytes: int = CPU_BYTES) -> None:
+                 cpu_bytes: int = CPU_BYTES, placement: Placement | None = None) -> None:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
@@ -135,12 +137,18 @@ class Engine:
         config = (kv_transfer_config(self.engine_id, [tier], extra, cpu_bytes)
                   if tier is not None else None)
         self.child = Child(llm_host, model, config, dict(env or {}), dict(engine_args or {}),
-                           name=name)
+                           placement, name=name)
 
     @property
     def port(self) -> int:
         assert self.tier is not None
         return int(self.tier["port"])
+
+    @property
+    def host(self) -> str:
+        """The address its tier binds (and a peer dials)."""
+        assert self.tier is not None
+        return str(self.tier["host"])
 
     def start(self) -> Engine:
         self.child.start()
@@ -237,10 +245,21 @@ class Engine:
         if not self.child.process.is_alive():
             self.remove_shm()
             return []
-        kind, leftovers = self.child.request(("shutdown",), WAIT, f"{self.name} shutdown")
-        assert kind == "down"
+        self.child.send(("shutdown",))
+        leftovers = self.down()
         self.child.stop()
-        return list(leftovers)
+        return leftovers
+
+    def down(self) -> list[str]:
+        """After ``("shutdown",)`` was sent: the offload shm files the engine reported left,
+        its replies to requests still pending from before skipped (those of a run
+        interrupted mid-request); at most ``WAIT`` seconds."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            reply = self.child.recv(max(0.0, deadline - time.monotonic()),
+                                    f"{self.name} shutdown")
+            if reply[0] == "down":
+                return list(reply[1])
 
     def chunk_bytes(self) -> int:
         """Bytes of one chunk of this engine's CPU tier, from the line its p2pkv tier logged
@@ -293,9 +312,7 @@ def shutdown_all(engines: Sequence[Engine]) -> list[str]:
         for engine in live:
             engine.child.send(("shutdown",))
         for engine in live:
-            kind, files = engine.child.recv(WAIT, f"{engine.name} shutdown")
-            assert kind == "down", kind
-            leftovers += files
+            leftovers += engine.down()
     finally:
         stop_all([engine.child for engine in engines], STOP)
         for engine in engines:
@@ -306,22 +323,45 @@ def shutdown_all(engines: Sequence[Engine]) -> list[str]:
 @contextlib.contextmanager
 def running(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
     """Start ``engines`` at once, wait until each is ready, shut them all down after; an
-    engine that leaves an offload shm file behind fails the test."""
+    engine that leaves an offload shm file behind fails the test. When the block raises
+    (a SIGTERM's ``SystemExit`` included), the engines are not asked for an orderly
+    shutdown (one may be mid-request, and vLLM's built-in tier can block in it): their pipes
+    are closed, those still running after ``STOP`` seconds killed, their shm files removed,
+    and the block's exception propagates."""
     try:
         for engine in engines:
             engine.start()
         for engine in engines:
             engine.wait_ready()
         yield engines
-    finally:
-        leftovers = []
-        for engine in engines:
-            try:
-                leftovers += engine.shutdown()
-            finally:
-                engine.child.stop()
+    except BaseException:
+        try:
+            stop_all([engine.child for engine in engines], STOP)
+        finally:
+            for engine in engines:
                 engine.remove_shm()
+        raise
+    leftovers = _shutdown_each(engines)
     assert leftovers == [], leftovers
+
+
+def _shutdown_each(engines: Sequence[Engine]) -> list[str]:
+    """Shut each engine down in turn, each stopped and its shm files removed even when
+    another's shutdown failed (the first failure is raised after all); the offload shm files
+    the orderly shutdowns left."""
+    leftovers: list[str] = []
+    failures: list[Exception] = []
+    for engine in engines:
+        try:
+            leftovers += engine.shutdown()
+        except Exception as exc:
+            failures.append(exc)
+        finally:
+            engine.child.stop()
+            engine.remove_shm()
+    if failures:
+        raise failures[0]
+    return leftovers
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:

@@ -52,7 +52,10 @@ import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from p2pkv_tools.bench.netns import Placement
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -335,13 +338,21 @@ def register_test_tiers(kv_transfer_config: Any) -> None:
 
 
 def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
-             env: dict[str, str], engine_args: dict[str, Any] | None = None) -> None:
-    """Child entry point: build the engine, then serve commands until ``shutdown``."""
+             env: dict[str, str], engine_args: dict[str, Any] | None = None,
+             placement: Placement | None = None) -> None:
+    """Child entry point: build the engine, then serve commands until ``shutdown``. With a
+    ``placement`` (``p2pkv_tools.bench.netns``) the process first enters that network namespace,
+    whose environment (``UCX_TLS``, ``UCX_NET_DEVICES``) goes over ``ENGINE_ENV`` and
+    ``env``; a failure to enter it is the ``failed`` reply."""
     os.environ.update({**ENGINE_ENV, **env})
     if (engine_args or {}).get("tensor_parallel_size", 1) > 1:
         # the test's engine processes are daemons, which may not start the TP workers
         multiprocessing.current_process().daemon = False
     try:
+        if placement is not None:
+            from p2pkv_tools.bench.netns import enter
+
+            enter(placement)  # before vLLM starts a thread or opens a socket
         register_test_tiers(kv_transfer_config)
         host = _Host(conn, model, kv_transfer_config, engine_args or {})
     except BaseException:

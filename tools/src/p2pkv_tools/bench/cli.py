@@ -27,7 +27,7 @@ from p2pkv_tools.bench.progress import measure_matrix
 from p2pkv_tools.bench.report import geomean_ratios, plot, print_tables
 from p2pkv_tools.demo.presets import PRESETS
 
-__all__ = ["QUICK", "add_parser", "parse_size", "run"]
+__all__ = ["QUICK", "RATE_HELP", "add_parser", "parse_size", "run", "tc_rate"]
 
 QUICK = MatrixConfig(
     block_sizes=(64 * KiB, 1 * MiB),
@@ -84,7 +84,14 @@ def _positive_rate(text: str) -> float:
     return value
 
 
-def _tc_rate(text: str) -> int:
+RATE_HELP = ("with --netns: shape the veth to RATE each way with tc, e.g. 25gbit (tc units: "
+             "bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
+"""``--rate``'s help (with :func:`tc_rate` its type), wherever a bench takes ``--rate``."""
+
+
+def tc_rate(text: str) -> int:
+    """``--rate``'s argparse type: :func:`~p2pkv.bench.netns.parse_rate`, its ``ValueError``
+    as the ``ArgumentTypeError`` argparse reports in one line."""
     try:
         return parse_rate(text)
     except ValueError as exc:
@@ -152,9 +159,7 @@ def add_parser(sub: Any) -> None:
                    "namespace of its own, joined by a veth pair, UCX over TCP (nixl's staged "
                    "lane, as across hosts without RDMA); removed afterwards; needs root and "
                    "iproute2")
-    p.add_argument("--rate", type=_tc_rate, metavar="RATE",
-                   help="with --netns: shape the veth to RATE each way with tc, e.g. 25gbit "
-                   "(tc units: bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
+    p.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
     p.set_defaults(func=run)
 
 

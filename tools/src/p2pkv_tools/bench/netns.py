@@ -135,14 +135,18 @@ class Traffic:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Count the bytes sent while the block runs (a block that raises is not counted)."""
+        """Count the bytes sent while the block runs (a block that raises is not counted).
+        A phase entered again adds to its count (a phase that runs in turns, e.g. one tier
+        of several taking turns); once unreadable, it stays None."""
         if self._link is None:
             yield
             return
         before = self._link.sent_bytes()
         yield
         after = self._link.sent_bytes()
-        self.phases[name] = None if before is None or after is None else after - before
+        sent = None if before is None or after is None else after - before
+        so_far = self.phases.get(name, 0)
+        self.phases[name] = None if sent is None or so_far is None else so_far + sent
 
 
 def parse_rate(text: str) -> int:
