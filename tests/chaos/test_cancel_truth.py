@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from chaos_cluster import measured
 from p2pkv.contracts import DataSettings
+from p2pkv.errors import TransferBusy
 from p2pkv.registry import default_registry
 from p2pkv.testing.peers import PeerHost, make_region, pattern
 from p2pkv.testing.waiting import wait_until
@@ -98,7 +99,20 @@ def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
                     break
             assert tid not in done and tid not in failed, "a cancelled read was reported"
 
-            again = local.read_blocks("source", READ, remote)
+            posts: list[int] = []
+
+            def post_again() -> bool:
+                """The fresh read, once it fits: ``TransferBusy`` is back-pressure (nixl's
+                staging blocks stay quarantined until NIXL reports the cancelled read
+                ended), the contract's "retry once reads ended"."""
+                try:
+                    posts.append(local.read_blocks("source", READ, remote))
+                except TransferBusy:
+                    return False
+                return True
+
+            wait_until(post_again, timeout=T, what="the fresh read posted", pumps=[poll])
+            (again,) = posts
             wait_until(lambda: again in done or again in failed, timeout=T,
                        what="a fresh read of the same slots", pumps=[poll])
             assert again in done, "a fresh read of the cancelled read's slots failed"

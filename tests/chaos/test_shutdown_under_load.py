@@ -47,6 +47,10 @@ NIXL_DRAIN = 2.0
 LOAD = 10.0
 LEASE_MARGIN = 2.0
 LEASE = LOAD + LEASE_MARGIN
+UNBOUND = 15.0
+"""``timeouts.unbound_store``: the stores of requests the consumer never fetched (it shut
+down first) end ``unbound_timeout`` at it; shorter than the 60 s default, which the test
+would otherwise wait out."""
 STOP_BOUND = 3 * (DRAIN + NIXL_DRAIN)
 """Nothing hangs: shutdown's documented worst case is ``DRAIN`` then ``NIXL_DRAIN``; the bound
 is three times that, so a loaded machine cannot miss it while a hang still fails."""
@@ -65,7 +69,7 @@ DATA = {
 def spec(kind: str, slots: int, data: str) -> NodeSpec:
     options, env = DATA[data]
     config = tier_config(timeouts={"shutdown_drain": DRAIN, "load": LOAD,
-                                   "lease_margin": LEASE_MARGIN},
+                                   "lease_margin": LEASE_MARGIN, "unbound_store": UNBOUND},
                          data={"drain_timeout": NIXL_DRAIN, **options}, data_transport=data)
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=env, record=True)
 

@@ -25,7 +25,8 @@ def serve(
     handlers: Mapping[str, Callable[..., Any]],
     idle: Callable[[], bool] | None = None,
 ) -> None:
-    """Answer commands until ``("exit", ())`` or a closed pipe.
+    """Answer commands until ``("exit", ())`` or a closed pipe (also one that closes while a
+    reply is on its way: the caller is gone, e.g. an interrupted run).
 
     Between commands ``idle()`` runs (if given); it returns True while it has work, and then
     the pipe is checked without waiting, else with a 50 ms wait. A handler's exception is
@@ -41,9 +42,13 @@ def serve(
         if op == "exit":
             return
         try:
-            conn.send(("ok", handlers[op](*args)))
+            reply: tuple[str, Any] = ("ok", handlers[op](*args))
         except Exception as exc:  # the caller raises it as HelperError
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(reply)
+        except OSError:  # BrokenPipeError: nobody waits for the reply any more
+            return
 
 
 def serve_built(
@@ -77,13 +82,20 @@ def _placed(placement: Placement, target: Callable[..., None], conn: Connection,
     target(conn, *args)
 
 
+STOP_TIMEOUT = 10.0
+"""Seconds :meth:`Helper.stop` waits for a helper to exit before it kills it. Not the reply
+``timeout``: a helper in the middle of a long cell reads ``exit`` only once the cell ends,
+and an interrupted run must not wait for that."""
+
+
 class Helper:
     """A spawned process running ``target(conn, *args)`` (which calls :func:`serve`), in
     ``placement`` (a network namespace and environment, see :mod:`p2pkv_tools.bench.netns`) when
     given, else where this process is.
 
-    Every wait is bounded by ``timeout``. ``daemon`` helpers die with this process; a helper
-    that spawns processes itself must not be daemonic."""
+    Every wait for a reply is bounded by ``timeout``, ``stop`` by :data:`STOP_TIMEOUT`.
+    ``daemon`` helpers die with this process; a helper that spawns processes itself must not
+    be daemonic."""
 
     def __init__(
         self, target: Callable[..., None], args: tuple[Any, ...], *, name: str, daemon: bool,
@@ -129,12 +141,13 @@ class Helper:
         return self.reply(f"reply to {op}")
 
     def stop(self) -> None:
-        """Ask it to exit, then kill it if it has not within ``timeout``."""
+        """Ask it to exit, then kill it if it has not within :data:`STOP_TIMEOUT` (or
+        ``timeout``, when shorter)."""
         try:
             self.conn.send(("exit", ()))
         except (BrokenPipeError, OSError):
             pass
-        self.process.join(self.timeout)
+        self.process.join(min(self.timeout, STOP_TIMEOUT))
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)
