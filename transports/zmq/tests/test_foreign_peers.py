@@ -98,8 +98,8 @@ def test_a_dial_to_a_router_dies_naming_the_foreign_listener(
     conn.send(b"hello")
     wait_until(lambda: not conn.alive, timeout=T, what="the dial to the ROUTER to die",
                pumps=[lambda: t.poll(0.001)])
-    reason = str(conn.close_reason)  # "hung up in the zmq handshake" when the ROUTER found
-    assert "zmq handshake" in reason or "during the handshake" in reason, reason  # it first
+    reason = str(conn.close_reason)  # the same words whichever side found the mismatch
+    assert "hung up in the zmq handshake" in reason, reason
     assert FOREIGN in reason, reason
     assert router.poll(0) == 0  # nothing of ours reached the foreign listener
     _exchange_works(make_transport, t)

@@ -149,6 +149,8 @@ def handshake_reason(key: str, kind: int, value: int, *, curve: bool, timeout: f
         return (f"security handshake failed: {key} closed the connection during the CURVE "
                 "handshake: its server key pair is not the one our server_public_key names, "
                 f"or it runs without CURVE (or it is not a p2pkv zmq listener: {FOREIGN_PEER})")
-    return (f"security handshake failed: {key} closed the connection during the handshake: "
-            "it may require CURVE keys, which we do not have (give both peers the same CURVE "
-            f"options), or it is not a p2pkv zmq listener ({FOREIGN_PEER})")
+    # Without CURVE on our side the likelier cause in a fleet is a foreign listener; the
+    # wording matches foreign_listener_reason's, whichever way libzmq reported the hang-up.
+    return (f"{key} hung up in the zmq handshake: it is not a p2pkv zmq listener "
+            f"({FOREIGN_PEER}), or its security mode differs: it requires CURVE keys, which "
+            "we do not have (give both peers the same CURVE options)")
