@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from p2pkv.contracts import ControlConnection, ControlSettings
+from p2pkv.control_base import OVERSIZED
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.reference import MemoryControlTransport
 
@@ -179,9 +180,10 @@ def test_close_is_seen_by_peer_after_pending_frames(make: Any) -> None:
     assert not conn.alive
     with pytest.raises(ConnectionClosed):
         conn.send(b"more")
-    assert peer.alive  # not yet polled
+    assert peer.alive and peer.close_reason is None  # not yet polled
     b.poll()
     assert not peer.alive
+    assert (conn.close_reason, peer.close_reason) == ("closed", "closed by peer")
     assert list(peer.recv()) == [b"bye"]
     with pytest.raises(ConnectionClosed):
         peer.send(b"x")
@@ -209,6 +211,7 @@ def test_reconnect_after_close_replaces_dead_connection(make: Any) -> None:
     new.send(b"again")
     (fresh,) = b.poll()
     assert fresh is not old_peer and not old_peer.alive
+    assert old_peer.close_reason in ("closed by peer", "replaced by a new connection from the peer")
     assert list(fresh.recv()) == [b"again"]
 
 
@@ -223,7 +226,8 @@ def test_frame_above_receiver_cap_kills_connection(make: Any) -> None:
     conn = a.connect(b.local_address)
     conn.send(b"too long")
     (peer,) = b.poll()
-    assert not peer.alive
+    assert not peer.alive and peer.close_reason == OVERSIZED
+    assert peer.recv() == ()  # nothing above the cap was delivered
     a.poll()
     assert not conn.alive
 

@@ -13,6 +13,7 @@ from typing import Any
 MARKER = "<!-- api-reference -->"
 MODULES = (
     "p2pkv.contracts",
+    "p2pkv.control_base",
     "p2pkv.tier",
     "p2pkv.types",
     "p2pkv.config",

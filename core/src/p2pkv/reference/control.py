@@ -37,20 +37,13 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from p2pkv.addressing import format_address, parse_address
-from p2pkv.contracts import (
-    Capabilities,
-    ControlConnection,
-    ControlSettings,
-    ControlTransport,
-)
-from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
-from p2pkv.logs import module_logger
+from p2pkv.contracts import Capabilities, ControlConnection, ControlSettings
+from p2pkv.control_base import InboxConnection, InboxControlTransport
+from p2pkv.errors import ConfigError, ConnectionClosed, SendQueueFull
 from p2pkv.options import parse_options
 from p2pkv.reference.options import MemoryControlOptions
 
 __all__ = ["MEM_SCHEME", "MemoryConnection", "MemoryControlTransport"]
-
-log = module_logger(__name__)
 
 MEM_SCHEME = "mem://"
 _FIRST_FAKE_PORT = 20000
@@ -86,72 +79,45 @@ class _Hub:
 _HUB = _Hub()
 
 
-class MemoryConnection(ControlConnection):
+class MemoryConnection(InboxConnection):
     """One end of an in-process link. Created only by :class:`MemoryControlTransport`."""
 
     def __init__(self, transport: MemoryControlTransport, peer_address: str) -> None:
-        self._transport = transport
-        self._peer_address = peer_address
+        super().__init__(transport, peer_address)
+        self._owner = transport
         self.peer: MemoryConnection | None = None
         """The other end, once attached."""
         self.out: deque[bytes] = deque()
         """Frames sent by us, not yet moved by the peer transport's poll."""
-        self.inbox: list[bytes] = []
-        self.dead_reason = ""
         self.peer_closed = False
-        self.announced = False
         self.deadline = time.monotonic() + transport.connect_timeout
 
-    @property
-    def peer_address(self) -> str:
-        return self._peer_address
-
-    @property
-    def alive(self) -> bool:
-        return not self.dead_reason
-
-    def send(self, frame: bytes) -> None:
-        if self.dead_reason:
-            raise ConnectionClosed(f"connection to {self._peer_address} is {self.dead_reason}")
-        cap = self._transport.max_frame_bytes
-        if len(frame) > cap:
-            raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds max_frame_bytes={cap}")
+    def _transmit(self, frame: bytes) -> None:
         with _HUB.lock:
-            if len(self.out) >= self._transport.max_queued_frames:
+            if len(self.out) >= self._owner.max_queued_frames:
                 raise SendQueueFull(
-                    f"{len(self.out)} frames to {self._peer_address} wait undelivered "
-                    f"(max_queued_frames={self._transport.max_queued_frames})"
+                    f"{len(self.out)} frames to {self.peer_address} wait undelivered "
+                    f"(max_queued_frames={self._owner.max_queued_frames})"
                 )
             self.out.append(bytes(frame))
             _HUB.wake()
 
-    def recv(self) -> Sequence[bytes]:
-        frames = self.inbox
-        if not frames:
-            return ()  # the idle case allocates nothing
-        self.inbox = []
-        return frames
-
     def close(self) -> None:
         with _HUB.lock:
-            self.kill("closed")
+            super().close()
 
-    def kill(self, reason: str) -> None:
-        """Mark this end dead and tell the peer end (hub lock held). Idempotent."""
-        if self.dead_reason:
-            return
-        self.dead_reason = reason
-        self._transport.forget(self)
+    def _on_end(self) -> None:
+        """Tell the peer end (hub lock held)."""
         if self.peer is not None:
             self.peer.peer_closed = True
             _HUB.wake()
 
     def __repr__(self) -> str:
-        state = "alive" if self.alive else self.dead_reason
-        return f"<MemoryConnection {self._transport.local_address}->{self._peer_address} {state}>"
+        state = "alive" if self.close_reason is None else self.close_reason
+        return f"<MemoryConnection {self._owner.local_address}->{self.peer_address} {state}>"
 
 
-class MemoryControlTransport(ControlTransport):
+class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
     """In-process control transport (see the module docstring for the model).
 
     Options (``control_options``): ``max_queued_frames`` (int > 0, default 1_000_000),
@@ -163,13 +129,9 @@ class MemoryControlTransport(ControlTransport):
 
     def __init__(self, settings: ControlSettings) -> None:
         opts = parse_options(MemoryControlOptions, settings.options, "memory control option")
-        if settings.max_frame_bytes <= 0:
-            raise ConfigError("max_frame_bytes must be > 0")
+        super().__init__(settings.max_frame_bytes)
         self.max_queued_frames = opts.max_queued_frames
         self.connect_timeout = opts.connect_timeout
-        self.max_frame_bytes = settings.max_frame_bytes
-        self._conns: dict[str, MemoryConnection] = {}
-        self._accepted: list[MemoryConnection] = []
         self._closed = False
         self._interrupted = False  # guarded by _HUB.lock
         with _HUB.lock:
@@ -186,7 +148,7 @@ class MemoryControlTransport(ControlTransport):
     def local_address(self) -> str:
         return self._address
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> MemoryConnection:
         if not address.startswith(MEM_SCHEME):
             parse_address(address)
         elif address == MEM_SCHEME:
@@ -199,15 +161,7 @@ class MemoryControlTransport(ControlTransport):
         with _HUB.lock:
             if self._closed:
                 raise ConnectionClosed(f"transport {self._address} is closed")
-            conn = self._conns.get(address)
-            if conn is not None and conn.alive:
-                conn.announced = True
-                return conn
-            conn = MemoryConnection(self, address)
-            conn.announced = True
-            self._conns[address] = conn
-            self._attach(conn)
-            return conn
+            return super().connect(address)
 
     def interrupt(self) -> None:
         """End a waiting ``poll`` now, or the next one (any thread)."""
@@ -229,50 +183,35 @@ class MemoryControlTransport(ControlTransport):
                     _HUB.cond.wait(remaining)
                 finally:
                     _HUB.waiting -= 1
-            if not self._accepted:
-                return []
-            # An inbound connection is announced once, with its first frames buffered (or
-            # dead): one that has not sent anything yet waits for a later poll.
-            self._accepted = [c for c in self._accepted if not c.announced]
-            ready = [c for c in self._accepted if c.inbox or not c.alive]
-            if ready:
-                self._accepted = [c for c in self._accepted if not (c.inbox or not c.alive)]
-                for conn in ready:
-                    conn.announced = True
-            return ready
+            return self._announce()
 
     def close(self) -> None:
         with _HUB.lock:
             if self._closed:
                 return
             self._closed = True
-            for conn in list(self._conns.values()):
-                conn.kill("closed")
-            self._accepted = []
+            super().close()
             if _HUB.listeners.get(self._address) is self:
                 del _HUB.listeners[self._address]
             _HUB.wake()
 
     # -- internals (hub lock held) -------------------------------------------------------
 
-    def forget(self, conn: MemoryConnection) -> None:
-        if self._conns.get(conn.peer_address) is conn:
-            del self._conns[conn.peer_address]
+    def _dial(self, address: str) -> MemoryConnection:
+        conn = MemoryConnection(self, address)
+        self._attach(conn)
+        return conn
 
     def _attach(self, conn: MemoryConnection) -> bool:
         """Pair a dialed connection with an end at the listener, if the listener exists."""
         target = _HUB.listeners.get(conn.peer_address)
         if target is None:
             return False
-        other = target._conns.get(self._address)
-        if other is not None and other.peer is None and other.alive:
-            pass  # both sides dialed before either attached: pair the two dialed ends
-        else:
-            if other is not None:
-                other.kill("replaced by a new connection from the peer")
+        other = target._connections.get(self._address)
+        if other is None or other.peer is not None or not other.alive:
             other = MemoryConnection(target, self._address)
-            target._conns[self._address] = other
-            target._accepted.append(other)
+            target._accept(other)
+        # else both sides dialed before either attached: pair the two dialed ends
         conn.peer, other.peer = other, conn
         _HUB.wake()
         return True
@@ -281,28 +220,19 @@ class MemoryControlTransport(ControlTransport):
         """Attach pending dials, move inbound frames, notice dead peers. True if anything moved."""
         moved = False
         now = time.monotonic()
-        for conn in list(self._conns.values()):
+        for conn in list(self._connections.values()):
             peer = conn.peer
             if peer is None:
                 if self._attach(conn):
                     moved = True
                 elif now > conn.deadline:
-                    conn.kill(f"unreachable: nobody listened on {conn.peer_address}")
+                    conn.end(f"unreachable: nobody listened on {conn.peer_address}")
                     moved = True
                 continue
-            while peer.out:
-                frame = peer.out.popleft()
-                if len(frame) > self.max_frame_bytes:
-                    log.warning(
-                        "frame of %d bytes from %s exceeds max_frame_bytes=%d; closing",
-                        len(frame), conn.peer_address, self.max_frame_bytes,
-                    )
-                    conn.kill("closed: peer sent an oversized frame")
-                    break
-                conn.inbox.append(frame)
+            while peer.out and conn.deliver(peer.out.popleft()):
                 moved = True
             if conn.peer_closed and conn.alive:
-                conn.kill("closed by peer")
+                conn.end("closed by peer")
                 moved = True
         return moved
 
