@@ -29,6 +29,8 @@ registered over, kept for the process lifetime and never progressed again."""
 def drain_leaked() -> None:
     """One drain step of every transport that a ``close`` on this thread left undrained (NIXL
     calls stay on the thread that used the agent); called by each open transport's tick."""
+    if not _LEAKED:
+        return
     thread = threading.get_ident()
     for leaked in list(_LEAKED):
         if leaked.closing_thread == thread:
@@ -41,7 +43,7 @@ class Teardown:
     :func:`drain_leaked`), deciding whether the agent may be destroyed or is retained.
 
     Called on the driver thread only (a leaked one: on the thread that closed it). ``step``
-    is the transport's tick (progress the worker, end what ended), driven while draining.
+    is the transport's tick (:class:`~p2pkv_nixl.progress.Ticker`), driven while draining.
     Owns ``state.zombies`` retries and the release of ``state``'s agent, lists and memory
     (dropped from ``state`` once released). Never raises: NIXL cleanup failures are logged,
     and what does not drain by ``drain_timeout`` is returned as internal transfer ids."""

@@ -118,16 +118,17 @@ from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError, TransportUnavailable
 
-from p2pkv_nixl import library, wire
+from p2pkv_nixl import library
 from p2pkv_nixl.descriptor import MAX_BLOCKS
 from p2pkv_nixl.finality import Finality
 from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.peers import PeerTable
+from p2pkv_nixl.progress import Ticker
 from p2pkv_nixl.reads import Reads
 from p2pkv_nixl.records import Lane, Peer, Read
 from p2pkv_nixl.serving import Server
 from p2pkv_nixl.state import NixlState, log
-from p2pkv_nixl.teardown import Teardown, drain_leaked
+from p2pkv_nixl.teardown import Teardown
 
 __all__ = ["Lane", "NixlDataTransport"]
 
@@ -139,10 +140,11 @@ class NixlDataTransport(DataTransport):
     :class:`~p2pkv_nixl.peers.PeerTable` (peers, remote agents, warm-ups, pings),
     :class:`~p2pkv_nixl.reads.Reads` (our reads on both lanes),
     :class:`~p2pkv_nixl.serving.Server` (serving peers' staged reads),
-    :class:`~p2pkv_nixl.finality.Finality` (ending reads, quarantine) and
+    :class:`~p2pkv_nixl.finality.Finality` (ending reads, quarantine),
+    :class:`~p2pkv_nixl.progress.Ticker` (the tick of ``progress``/``poll``) and
     :class:`~p2pkv_nixl.teardown.Teardown` (drains, release). It implements the base's
-    primitives by delegating to them and runs the tick (``progress``/``poll``) that drives
-    them all; like every data transport it is driven by one thread at a time."""
+    primitives by delegating to them; like every data transport it is driven by one thread
+    at a time."""
 
     name: ClassVar[str] = "nixl"
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -171,7 +173,9 @@ class NixlDataTransport(DataTransport):
         self._finality = Finality(self._state)
         self._reads = Reads(self._state, self._peers, self._finality)
         self._server = Server(self._state)
-        self._teardown = Teardown(self._state, self._peers, self._tick)
+        self._ticker = Ticker(self._state, self._peers, self._reads, self._server,
+                              self._finality)
+        self._teardown = Teardown(self._state, self._peers, self._ticker.tick)
         if options.staging == "never":
             log.warning(
                 "nixl: data option staging='never': every read lands directly in the slots. "
@@ -257,53 +261,7 @@ class NixlDataTransport(DataTransport):
         self._finality.end(reads)
 
     def _progress(self) -> None:
-        self._tick()
+        self._ticker.tick()
 
     def _shutdown(self) -> list[int]:
         return self._teardown.shutdown()
-
-    # -- the tick -------------------------------------------------------------------------
-
-    def _tick(self) -> None:
-        """Drive NIXL's worker: ``get_new_notifs`` is the cheapest call that progresses it (a
-        few microseconds), and it returns the notifications of staged reads: peers' requests
-        (served here with a WRITE) and the answers to ours (a live read is then copied by
-        ``poll``). Then end warm-ups, serving WRITEs and quarantines that ended, release
-        detached records left idle, and probe peers our requests wait for.
-
-        An open transport also takes one drain step for each transport that a ``close`` on
-        this same thread left undrained (NIXL calls stay on the thread that used the agent):
-        what it still runs may need a peer in this process, and a peer that keeps polling ends
-        it, so the leaked transport is then released after all, and its peers see it go."""
-        state = self._state
-        if not self._closed:
-            drain_leaked()
-        notifications = state.progress_worker()
-        if notifications:
-            self._notified(notifications)
-        ended = False
-        for peer in state.peers:
-            if peer.warmup is not None:
-                ended = self._peers.check_warmup(peer) or ended
-            if peer.serving:
-                ended = self._server.check(peer) or ended
-            if peer.quarantined:
-                ended = self._finality.reap(peer) or ended
-        if ended:
-            self._peers.retire_idle()
-        if state.requests:
-            self._peers.probe()
-
-    def _notified(self, notifications: dict[str, list[bytes]]) -> None:
-        """Dispatch notifications by prefix: requests to the server, answers to our reads;
-        anything else (pings, foreign ones) is ignored."""
-        for sender, messages in notifications.items():
-            name = sender.decode() if isinstance(sender, bytes) else str(sender)
-            for raw in messages:
-                message = bytes(raw)
-                if message.startswith(wire.REQUEST):
-                    self._server.serve(name, message)
-                    continue
-                answer = wire.outcome(message)
-                if answer is not None:
-                    self._reads.answered(name, answer)
