@@ -76,11 +76,13 @@ quarantined: it never touches the slots. Ended ids are never reported.
 Bookkeeping: the :class:`~p2pkv.contracts.DataTransport` base owns transfer ids, the
 per-peer read tables, exactly-once reports, the index check (a remote index may repeat, on
 both lanes), the re-add rule and the after-close rule; this module implements its primitives
-and keeps what NIXL needs beyond them (:mod:`p2pkv_nixl.records`): each ``add_peer``'s record
+by delegating to one class per role (see :class:`NixlDataTransport`), which keep what NIXL
+needs beyond them in one shared :class:`~p2pkv_nixl.state.NixlState` and the records of
+:mod:`p2pkv_nixl.records`: each ``add_peer``'s record
 lives on after the base detached it while its warm-up, serving WRITEs or quarantined reads
 still run, and is released by ``progress`` once they ended.
 
-Threading: every NIXL call is made on the caller's (driver) thread; this module starts no
+Threading: every NIXL call is made on the caller's (driver) thread; this package starts no
 thread. With ``enable_prog_thread`` off (the default) nothing progresses NIXL's worker except
 ``progress()``/``poll()``: over ``tcp`` a peer that stops calling them stalls our reads from it
 (its worker serves them), over ``cma`` it does not (ours does the copy).
