@@ -88,15 +88,15 @@ def record() -> Iterator[Callable[[NixlDataTransport], Recorder]]:
     wrapped: list[tuple[NixlDataTransport, Recorder]] = []
 
     def wrap(transport: NixlDataTransport) -> Recorder:
-        recorder = Recorder(transport._agent)
-        transport._agent = recorder
+        recorder = Recorder(transport.state.agent)
+        transport.state.agent = recorder
         wrapped.append((transport, recorder))
         return recorder
 
     yield wrap
     for transport, recorder in reversed(wrapped):
-        if getattr(transport, "_agent", None) is recorder:
-            transport._agent = recorder._agent
+        if getattr(transport.state, "agent", None) is recorder:
+            transport.state.agent = recorder._agent
 
 
 class Local:

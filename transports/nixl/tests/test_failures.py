@@ -4,7 +4,7 @@ nothing is freed under a transfer.
 A producer that is SIGSTOPped before we add it never progresses its UCX worker, so the
 connection cannot finish wiring up: its warm-up READ stays in flight (``PROC``) and our reads
 from it are *held*, unposted, until it ends ``DONE`` (a GET queued on an endpoint still wiring
-up cannot be taken back; see ``NixlDataTransport._post_read``). That is how these tests hold a
+up cannot be taken back; see ``p2pkv_nixl.reads.Reads.post``). That is how these tests hold a
 read "mid-flight" deterministically; ending a held read is final at once. Over the same-host
 ``cma`` lane (these peers' default) our own process executes a posted read as it is posted
 (staged reads over ``tcp`` are tested in ``test_staging``).
@@ -22,7 +22,6 @@ from p2pkv.contracts import EMPTY_POLL
 from p2pkv.errors import PeerRejected, TransferSubmitError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
-from p2pkv_nixl import transport as transport_module
 
 BLOCK = 64 * 1024
 CANARY = 0xCC
@@ -62,15 +61,15 @@ def _stalled_posted(make_local, doomed_tcp, **options):
 
 def _warmup_ids(transport) -> set[int]:
     """Ids of the connection warm-up READs still running (drained like transfers)."""
-    return {peer.warmup_id for peer in transport._peers if peer.warmup is not None}
+    return {peer.warmup_id for peer in transport.state.peers if peer.warmup is not None}
 
 
 def _drained_by_a_neighbour(transport, make_local) -> None:
     """Wait until a leaked ``transport`` is released by the progress of another open transport
     on this thread (a closed transport's own ``progress`` and ``close`` do nothing)."""
-    assert transport.close() == [] and transport in transport_module._LEAKED
+    assert transport.close() == [] and transport.leaked
     neighbour = make_local(num_blocks=1, block_len=BLOCK, seed=9).transport
-    wait_until(lambda: transport not in transport_module._LEAKED, timeout=15.0,
+    wait_until(lambda: not transport.leaked, timeout=15.0,
                what="the leaked transport to drain", pumps=[neighbour.progress])
 
 
@@ -155,7 +154,7 @@ def test_close_ends_held_reads_then_drains_the_warmup_then_releases_in_order(
     consumer, _, ids = _stalled(make_local, doomed)
     t = consumer.transport
     assert len(list(t._reads_in_flight())) == len(ids)
-    [warmup] = [peer.warmup for peer in t._peers]
+    [warmup] = [peer.warmup for peer in t.state.peers]
     recorder = record(t)
     closing = threading.Event()
     recorder.on_check = closing.set
@@ -188,7 +187,7 @@ def test_close_that_cannot_drain_keeps_memory_registered_and_can_retry(
     assert left == _warmup_ids(t) and left
     names = recorder.names()
     assert "deregister_memory" not in names and "release_dlist_handle" not in names
-    assert t in transport_module._LEAKED
+    assert t.leaked
     with pytest.raises(TransferSubmitError):
         t.read_blocks("p", [0], [0])
 
@@ -259,8 +258,8 @@ def _warming(make_local, doomed, **options):
     doomed.pause()  # the cold connection cannot wire up: the READ stays in flight
     t.add_peer("c", peer.descriptor)
     assert t.poll("c") == EMPTY_POLL
-    [registration] = [p for p in t._peers if p.peer_id == "c"]
-    assert t._agent.check_xfer_state(registration.warmup) == "PROC"
+    [registration] = [p for p in t.state.peers if p.peer_id == "c"]
+    assert t.state.agent.check_xfer_state(registration.warmup) == "PROC"
     return t, registration.warmup, fetched
 
 
@@ -281,8 +280,8 @@ def test_close_keeps_the_scratch_registered_and_alive_under_a_running_warmup(
     names = recorder.names()
     assert "deregister_memory" not in names, "memory deregistered under a running READ"
     assert id(warmup) not in [d for n, d in recorder.calls if n == "release_xfer_handle"]
-    assert t in transport_module._LEAKED
-    scratch = weakref.ref(t._scratch)
+    assert t.leaked
+    scratch = weakref.ref(t.state.scratch)
     seen: list[bytes] = []  # the scratch after each state check, the last one saw it end
     recorder.on_check = lambda: seen.append(bytes(scratch()))
 
@@ -293,7 +292,7 @@ def test_close_keeps_the_scratch_registered_and_alive_under_a_running_warmup(
     names = recorder.names()
     assert names.index("release_xfer_handle") < names.index("deregister_memory")
     assert names[-2:] == ["deregister_memory", "deregister_memory"]  # scratch, then region
-    assert t not in transport_module._LEAKED
+    assert not t.leaked
     assert scratch() is None, "the transport still holds its scratch after a clean close"
 
 
@@ -313,7 +312,7 @@ def test_remove_peer_drains_a_running_warmup_like_a_transfer(make_local, doomed,
         what="the removed peer to be released once its warm-up ended", pumps=[t.progress],
     )
     assert _released_once_ended(recorder, warmup)
-    assert bytes(t._scratch) == fetched  # the READ really landed, in memory kept registered
+    assert bytes(t.state.scratch) == fetched  # the READ really landed, in memory kept registered
     assert t.close() == []
 
 
@@ -367,8 +366,8 @@ def test_a_close_left_undrained_is_finished_by_a_peer_polling_on_the_same_thread
     [warmup_id] = _warmup_ids(b)
 
     assert b.close() == [warmup_id]  # `a` did not progress: b's READ from it still runs
-    assert b in transport_module._LEAKED
-    wait_until(lambda: b not in transport_module._LEAKED and not _warmup_ids(a), timeout=15.0,
+    assert b.leaked
+    wait_until(lambda: not b.leaked and not _warmup_ids(a), timeout=15.0,
                what="the leaked peer to drain and go", pumps=[a.progress])
     assert b.close() == []
     assert a.remove_peer("b") == []
@@ -413,7 +412,7 @@ def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
     t.cancel([tid])
     assert time.monotonic() - started < 0.2 + 5.0  # bounded by drain_timeout (plus a busy CI)
     assert "check_xfer_state" in recorder.names()  # it was driven, not just dropped
-    [registration] = [p for p in t._peers if p.peer_id == "p"]
+    [registration] = [p for p in t.state.peers if p.peer_id == "p"]
     assert len(registration.quarantined) == 1
     assert any("still runs after" in r.getMessage() for r in caplog.records)
 

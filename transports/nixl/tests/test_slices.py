@@ -49,7 +49,7 @@ def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(make_loc
     other = make_local(num_blocks=16, block_len=BLOCK, seed=2).transport
     assert RegionDescriptor.decode(other.descriptor(), "o").slices == (16,)  # 4 GiB default
     other.add_peer("t", t.descriptor())
-    agent = other._agent
+    agent = other.state.agent
     span = [(int(other._blocks.ctypes.data), 4 * BLOCK, 0)]
     with pytest.raises(Exception, match="NOT_FOUND"):  # 4 blocks span two of t's slices
         agent.initialize_xfer("READ", agent.get_xfer_descs(span, "DRAM"),
@@ -96,7 +96,7 @@ def test_staged_reads_write_across_both_sides_slices_byte_exact(make_local, host
     source = _blocks(producer.region_bytes())
     t.add_peer("p", producer.descriptor)
     producer.add_peer("c", t.descriptor())  # it serves staged reads
-    assert t.lane("p") == "staged" and t._pool is not None and t._pool.slice_blocks == 3
+    assert t.lane("p") == "staged" and t.state.pool is not None and t.state.pool.slice_blocks == 3
     for local, remote in [
         (list(range(40, 56)), list(range(3, 19))),  # the whole pool, contiguous
         (list(range(16)), list(range(63, 47, -1))),

@@ -47,7 +47,7 @@ def _head(request: int, base: int, capacity: int, block_len: int, count: int,
 
 def _serving(transport) -> bool:
     """Whether the transport runs a WRITE serving a peer's staged read."""
-    return any(peer.serving for peer in transport._peers)
+    return any(peer.serving for peer in transport.state.peers)
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_a_staged_read_is_served_by_the_producers_write_and_lands_exact(pair) ->
     assert done and not failed
     np.testing.assert_array_equal(local.blocks[[9, 3, 4, 5]], source[[0, 15, 7, 8]])
     assert consumer.staging_usage() == {"capacity": 8, "free": 8, "quarantined": 0}
-    assert not consumer._requests and not _serving(producer)
+    assert not consumer.state.requests and not _serving(producer)
     assert producer.remove_peer("c") == [] and consumer.remove_peer("p") == []
 
 
@@ -116,7 +116,7 @@ def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
 ) -> None:
     consumer, producer, local = pair
     before = local.blocks.copy()
-    consumer._agent = _Corrupting(consumer._agent, 1 << 20)  # a source index out of range
+    consumer.state.agent = _Corrupting(consumer.state.agent, 1 << 20)  # a source index out of range
     with caplog.at_level(logging.WARNING, logger="p2pkv.nixl.transport"):
         done, failed = _read(consumer, producer, [0, 1], [0, 1])
     assert failed and not done
@@ -124,7 +124,7 @@ def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
     assert any("refused staged read request" in r.getMessage() and "outside" in r.getMessage()
                for r in caplog.records)
     assert consumer.staging_usage()["free"] == 8
-    consumer._agent = consumer._agent._agent
+    consumer.state.agent = consumer.state.agent._agent
     assert _read(consumer, producer, [0, 1], [0, 1])[0]  # the pair still works
 
 
@@ -154,8 +154,8 @@ def test_malformed_notifications_are_refused_never_raised(pair, message, caplog)
         return any("refused staged read request" in r.getMessage() for r in caplog.records)
 
     with caplog.at_level(logging.WARNING, logger="p2pkv.nixl.transport"):
-        consumer._agent.send_notif(producer.agent_name, message)
-        producer._agent.send_notif(consumer.agent_name, message)
+        consumer.state.agent.send_notif(producer.agent_name, message)
+        producer.state.agent.send_notif(consumer.agent_name, message)
         if message.startswith(wire.REQUEST):
             wait_until(refused, timeout=15.0, what="the request to be refused",
                        pumps=[producer.progress, consumer.progress])

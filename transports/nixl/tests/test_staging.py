@@ -172,7 +172,7 @@ def test_a_cancelled_staged_read_never_lands_when_the_stopped_producer_resumes(
 
     wait_until(lambda: t.staging_usage()["quarantined"] == 0, timeout=30.0,
                what="the quarantined read to end", pumps=[t.progress])
-    np.testing.assert_array_equal(t._pool.blocks, source)  # it did land: in the pool only
+    np.testing.assert_array_equal(t.state.pool.blocks, source)  # it did land: in the pool only
     assert (consumer.blocks == CANARY).all()
     again = t.read_blocks("p", every[::-1], every)  # the pool is whole again
     assert wait_for(t, "p", {again})[0] == {again}

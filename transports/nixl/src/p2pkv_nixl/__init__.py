@@ -1,4 +1,4 @@
-"""p2pkv-nixl: the ``nixl`` data transport for p2pkv (NIXL one-sided reads, UCX by default).
+"""p2pkv-nixl: the ``nixl`` data transport for p2pkv (NIXL reads and writes, UCX by default).
 
 The consumer posts every read (wire 2.0). Reads from a same-host peer over UCX's ``cma`` land
 directly in the slots; all others go through a staging pool, so a cancelled read never lands

@@ -1,6 +1,6 @@
 """The nixl transport's records: a peer's loaded agent, one ``add_peer`` of a peer, a posted
-read, a WRITE serving a peer's staged read. Plain state; :mod:`p2pkv_nixl.transport` owns
-every change (driver thread only)."""
+read, a WRITE serving a peer's staged read. Plain state; the transport's role classes
+change it, each the parts its docstring names (driver thread only)."""
 
 from __future__ import annotations
 
