@@ -134,7 +134,7 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
     over_tcp = error_handling or tls == "tcp"  # else CMA: nothing stays matched-unfinished
     for _attempt in range(5):  # on a loaded machine the read may finish before the pause
         tid = local.t.read_blocks("child", slots, src)
-        read = local.t._registrations["child"].reads[tid]
+        read = local.t.read_handle(tid)
 
         def on_its_way(read: Any = read) -> int:
             return sum(1 for r in receiving if r.read is read and not r.request.completed)
