@@ -79,7 +79,7 @@ from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError, TransportUnavailable
 from p2pkv.logs import module_logger
-from p2pkv.runs import ONE_SLICE, coalesce, slice_counts, slice_starts
+from p2pkv.runs import coalesce, per_slice, region_slice_starts
 
 from p2pkv_ucx import library, tags, wire
 from p2pkv_ucx.options import UcxOptions
@@ -140,14 +140,14 @@ class UcxDataTransport(DataTransport):
         self._max_run = (
             max(1, options.max_message_bytes // self.block_len) if options.coalesce else 1
         )
-        self._slice_blocks = _slice(options.slice_bytes // self.block_len, self.num_blocks)
-        """Blocks per slice of our region (0: one slice); our sends never cross one."""
-        self._slices = _slice_starts(self._slice_blocks, self.num_blocks)
+        self._slice_blocks = min(per_slice(options.slice_bytes, self.block_len), self.num_blocks)
+        """Blocks per slice of our region (``num_blocks``: one slice); sends never cross one."""
+        self._slices = region_slice_starts(self.num_blocks, self._slice_blocks)
         self._instance = secrets.randbits(62) | 1
         self._descriptor = wire.encode_descriptor(wire.Descriptor(
             address, self._instance, self.num_blocks, self.block_len,
             self._max_run, options.endpoint_error_handling,
-            self._slice_blocks or self.num_blocks,
+            self._slice_blocks,
         ))
         self._timeout = options.transfer_timeout if options.transfer_timeout > 0 else math.inf
         self._links = itertools.count(1)
@@ -219,7 +219,7 @@ class UcxDataTransport(DataTransport):
                 f"peer {peer_id!r}: UCX cannot reach its worker ({type(exc).__name__}: {exc})"
             ) from None
         peer = Peer(peer_id, desc, ep, link, min(self._max_run, desc.max_run),
-                    _slice_starts(_slice(desc.slice_blocks, desc.num_blocks), desc.num_blocks))
+                    region_slice_starts(desc.num_blocks, desc.slice_blocks))
         self._control_limit = max(self._control_limit, 64 + 12 * desc.num_blocks)
         self._peers.add(peer)
         self._by_instance[desc.instance] = peer
@@ -620,7 +620,9 @@ class UcxDataTransport(DataTransport):
         if int(ends.max()) > self.num_blocks:
             return f"blocks outside 0..{self.num_blocks - 1}"
         slice_blocks = self._slice_blocks
-        if slice_blocks and (notice.starts // slice_blocks != (ends - 1) // slice_blocks).any():
+        if slice_blocks < self.num_blocks and (
+            notice.starts // slice_blocks != (ends - 1) // slice_blocks
+        ).any():
             return f"a run crossing a slice boundary (slices of {slice_blocks} blocks)"
         return None
 
@@ -726,16 +728,6 @@ class UcxDataTransport(DataTransport):
         self._scratch = None
         self._worker = None
         self._ctx = None
-
-
-def _slice(blocks: int, num_blocks: int) -> int:
-    """Blocks per slice, at least one; 0 when one slice holds the whole region."""
-    return max(1, blocks) if blocks < num_blocks else 0
-
-
-def _slice_starts(blocks: int, num_blocks: int) -> Indexes:
-    """The slice starts of a region of ``num_blocks`` in slices of ``blocks`` (0: one)."""
-    return slice_starts(slice_counts(num_blocks, blocks)) if blocks else ONE_SLICE
 
 
 def _leak(obj: object) -> None:
