@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from p2pkv.runs import coalesce, per_slice, slice_counts, slice_starts
+from p2pkv.runs import (
+    ONE_SLICE,
+    coalesce,
+    per_slice,
+    region_slice_starts,
+    slice_counts,
+    slice_starts,
+)
 
 BLOCK = 4096
 
@@ -25,6 +32,12 @@ def test_slice_layout_rounds_down_to_whole_blocks_at_least_one() -> None:
     assert per_slice(3 * BLOCK + 100, BLOCK) == 3 and per_slice(10, BLOCK) == 1
     assert slice_counts(16, 3) == (3, 3, 3, 3, 3, 1) and slice_counts(7, 7) == (7,)
     assert slice_starts((3, 3, 1)).tolist() == [0, 3, 6]
+
+
+def test_a_region_of_one_slice_is_one_slice_and_others_are_cut_whole() -> None:
+    assert region_slice_starts(7, 7) is ONE_SLICE and region_slice_starts(7, 100) is ONE_SLICE
+    assert region_slice_starts(16, 3).tolist() == [0, 3, 6, 9, 12, 15]
+    assert region_slice_starts(4, 0).tolist() == [0, 1, 2, 3]  # at least one block a slice
 
 
 def test_runs_are_cut_at_both_sides_slice_starts() -> None:

@@ -470,6 +470,21 @@ class DataTransport(_Transport):
         self._end_registration(registration)
         return self._detach_peer(registration.peer)
 
+    def attached_peer(self, peer_id: str) -> AttachedPeer | None:
+        """The backend's record of ``peer_id`` as currently added (what ``_attach_peer``
+        returned), or None when it is not added. A read-only view for tests and diagnostics:
+        the base never hands it out otherwise and callers must not keep it past a
+        ``remove_peer``/re-add. Cheap; driver thread."""
+        registration = self._registrations.get(peer_id)
+        return registration.peer if registration is not None else None
+
+    def read_handle(self, transfer_id: int) -> Any:
+        """The backend's handle of read ``transfer_id`` (what ``_post_read`` returned) while
+        it is in flight (posted, not yet reported, cancelled or ended by a peer removal), or
+        None. A read-only view for tests and diagnostics, like :meth:`attached_peer`."""
+        registration = self._read_owner.get(transfer_id)
+        return registration.reads.get(transfer_id) if registration is not None else None
+
     # -- reads ----------------------------------------------------------------------------
 
     def read_capacity(self, peer_id: str) -> int | None:

@@ -17,7 +17,9 @@ import numpy as np
 
 from p2pkv.data_base import Indexes
 
-__all__ = ["ONE_SLICE", "coalesce", "per_slice", "slice_counts", "slice_starts"]
+__all__ = [
+    "ONE_SLICE", "coalesce", "per_slice", "region_slice_starts", "slice_counts", "slice_starts",
+]
 
 ONE_SLICE: Indexes = np.zeros(1, np.int64)
 """The slice starts of a region registered whole."""
@@ -38,6 +40,16 @@ def slice_starts(counts: Sequence[int]) -> Indexes:
     """The first block of each slice of ``counts``, ascending: block ``i`` lies in slice
     ``searchsorted(starts, i, "right") - 1``."""
     return np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).astype(np.int64)
+
+
+def region_slice_starts(num_blocks: int, blocks: int) -> Indexes:
+    """The slice starts (:func:`slice_starts`) of a region of ``num_blocks`` cut into slices
+    of ``blocks`` (at least one block each, the last the rest): :data:`ONE_SLICE` itself when
+    one slice holds the whole region (``blocks >= num_blocks``), so :func:`coalesce` pays
+    nothing for that side."""
+    if blocks >= num_blocks:
+        return ONE_SLICE
+    return slice_starts(slice_counts(num_blocks, max(1, blocks)))
 
 
 def coalesce(

@@ -58,7 +58,7 @@ def test_blocks_land_exactly_and_contiguous_runs_go_as_one_message(
     before = consumer.blocks.copy()
     src, dst = [3, 4, 5, 6, 20, 9], [10, 11, 12, 13, 0, 30]
     tid = consumer.t.read_blocks("p", dst, src)
-    runs = len(consumer.t._registrations["p"].reads[tid].lengths)
+    runs = len(consumer.t.read_handle(tid).lengths)
     assert runs == (3 if coalesce else 6), "one message per run contiguous on both sides"
     settle([producer, consumer], {consumer: {tid}}, "the read")
     assert tid in consumer.done
@@ -189,7 +189,7 @@ def test_a_read_cancelled_before_it_is_served_is_skipped_and_never_lands(nodes: 
 
 def test_a_producer_refuses_a_read_outside_its_region(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
-    peer = consumer.t._registrations["p"].peer
+    peer = consumer.t.attached_peer("p")
     peer.desc = wire.Descriptor(peer.desc.address, peer.desc.instance, 64, peer.desc.block_len,
                                 peer.desc.max_run, peer.desc.error_handling)  # lie: 64 blocks
     tid = consumer.t.read_blocks("p", [0], [40])
@@ -215,7 +215,7 @@ def test_bad_indexes_are_refused_before_anything_is_sent(
     producer, consumer = _pair(nodes)
     with pytest.raises(TransferSubmitError, match=match):
         consumer.t.read_blocks("p", *args)  # type: ignore[arg-type]
-    assert not consumer.t._live and not consumer.t._loose
+    assert not consumer.t._state.live and not consumer.t._state.loose
     _read(producer, consumer, [0], [0])  # still healthy
 
 
@@ -234,7 +234,7 @@ def test_unknown_peer_and_closed_transport_are_refused(nodes: Make) -> None:
 def test_cancel_ends_a_finished_but_unreported_read_and_ignores_the_rest(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
     tid = consumer.t.read_blocks("p", [1], [2])
-    read = consumer.t._registrations["p"].reads[tid]
+    read = consumer.t.read_handle(tid)
     wait_until(lambda: read.ended, timeout=T, what="the read to finish",
                pumps=[producer.t.progress, consumer.t.progress])
     consumer.t.cancel([tid, 999, tid])
@@ -287,7 +287,7 @@ def test_a_small_staging_budget_still_moves_everything(nodes: Make) -> None:
 
 def test_a_peer_moves_to_a_fresh_link_before_read_ids_wrap(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
-    peer = consumer.t._registrations["p"].peer
+    peer = consumer.t.attached_peer("p")
     peer.next_rid = tags.RID_LIMIT - 1
     old = peer.link
     _read(producer, consumer, [1], [2])
@@ -335,15 +335,15 @@ def test_re_adding_a_peer_behind_a_failed_endpoint_makes_a_fresh_one(nodes: Make
     """A producer paused past UCX's keepalive comes back with the same worker address: the new
     session's add_peer must not keep the dead endpoint (every read would fail forever)."""
     producer, consumer = _pair(nodes)
-    old = consumer.t._registrations["p"].peer
+    old = consumer.t.attached_peer("p")
     old.dead = True  # as the progress loop marks it when the endpoint errors
     with pytest.raises(TransferSubmitError, match="unreachable"):
         consumer.t.read_blocks("p", [1], [2])
     consumer.t.add_peer("p", producer.t.descriptor())  # the new session registers it again
-    assert consumer.t._registrations["p"].peer is not old
+    assert consumer.t.attached_peer("p") is not old
     _read(producer, consumer, [1], [2])
     consumer.t.add_peer("p", producer.t.descriptor())  # healthy: kept as it is
-    assert consumer.t._registrations["p"].peer is not old
+    assert consumer.t.attached_peer("p") is not old
 
 
 def test_a_consumer_that_removes_its_producer_still_drains_the_sends_serving_it(
@@ -358,16 +358,16 @@ def test_a_consumer_that_removes_its_producer_still_drains_the_sends_serving_it(
     consumer = nodes(seed=2, num_blocks=16, block_len=256 * 1024, **opts)
     producer.link("c", consumer, back_as="p")
     tids = [consumer.t.read_blocks("p", [i], [i]) for i in range(8)]
-    wait_until(lambda: len(producer.t._serves) == len(tids), timeout=T,
+    wait_until(lambda: len(producer.t._state.serves) == len(tids), timeout=T,
                what="the producer serving every read",
-               pumps=[producer.t.progress, lambda: consumer.t._worker.progress()])
+               pumps=[producer.t.progress, lambda: consumer.t._state.worker.progress()])
     consumer.t.cancel(tids)
     consumer.blocks[:8] = CANARY
     assert consumer.t.remove_peer("p") == []
-    assert consumer.t._retired, "the consumer released the endpoint the producer still needs"
-    wait_until(lambda: not producer.t._serves and not consumer.t._retired, timeout=T,
+    assert consumer.t._state.retired, "the consumer released the endpoint the producer still needs"
+    wait_until(lambda: not producer.t._state.serves and not consumer.t._state.retired, timeout=T,
                what="the serving sends to drain", pumps=[producer.poll, consumer.poll])
     assert producer.t.remove_peer("c") == []
     assert (consumer.blocks[:8] == CANARY).all()
-    assert not consumer.t._ghosts
+    assert not consumer.t._state.ghosts
     assert consumer.t.close() == [] and producer.t.close() == []

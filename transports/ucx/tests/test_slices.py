@@ -58,7 +58,7 @@ def test_a_producer_refuses_a_run_across_its_slices(nodes: Make) -> None:
     consumer = nodes(num_blocks=32, block_len=BLOCK, seed=2)
     producer.link("c", consumer, back_as="p")
     before = consumer.blocks.copy()
-    consumer.t._registrations["p"].peer.slices = ONE_SLICE  # lie: ignore the producer's slices
+    consumer.t.attached_peer("p").slices = ONE_SLICE  # lie: ignore the producer's slices
     tid = consumer.t.read_blocks("p", list(range(8)), list(range(8)))
     settle([producer, consumer], {consumer: {tid}}, "the refusal")
     assert tid in consumer.failed

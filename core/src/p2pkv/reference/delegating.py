@@ -14,7 +14,7 @@ inner transport's (the driver thread; ``interrupt`` from any thread).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from p2pkv.contracts import (
     ControlConnection,
@@ -24,6 +24,7 @@ from p2pkv.contracts import (
     DataTransport,
     PollResult,
 )
+from p2pkv.data_base import AttachedPeer
 
 __all__ = ["DelegatingControlTransport", "DelegatingDataTransport"]
 
@@ -109,6 +110,12 @@ class DelegatingDataTransport(DataTransport):
 
     def remove_peer(self, peer_id: str) -> list[int]:
         return self.inner.remove_peer(peer_id)
+
+    def attached_peer(self, peer_id: str) -> AttachedPeer | None:
+        return self.inner.attached_peer(peer_id)
+
+    def read_handle(self, transfer_id: int) -> Any:
+        return self.inner.read_handle(transfer_id)
 
     def read_capacity(self, peer_id: str) -> int | None:
         return self.inner.read_capacity(peer_id)
