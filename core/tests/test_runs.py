@@ -15,13 +15,9 @@ from p2pkv.runs import (
     slice_counts,
     slice_starts,
 )
+from slice_oracle import cuts
 
 BLOCK = 4096
-
-
-def _cuts(start: int, length: int, every: int) -> set[int]:
-    """Offsets inside a run of ``length`` blocks from ``start`` where a slice begins."""
-    return {o for o in range(1, length) if (start + o) % every == 0}
 
 
 def _starts(num_blocks: int, every: int) -> np.ndarray:
@@ -45,7 +41,7 @@ def test_runs_are_cut_at_both_sides_slice_starts() -> None:
     _, _, whole = coalesce(first, second)
     assert whole.tolist() == [32]
     fs, ss, lengths = coalesce(first, second, _starts(64, 3), _starts(64, 5))
-    assert len(lengths) == 1 + len(_cuts(16, 32, 3) | _cuts(0, 32, 5))
+    assert len(lengths) == 1 + len(cuts(16, 32, 3) | cuts(0, 32, 5))
     assert lengths.sum() == 32 and (ss - fs == -16).all()
     assert (fs // 3 == (fs + lengths - 1) // 3).all()  # within one slice of the first side
     assert (ss // 5 == (ss + lengths - 1) // 5).all()  # and of the second

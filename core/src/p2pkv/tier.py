@@ -662,7 +662,6 @@ class P2PTier:
         return sum(len(s.client.reads) for s in self._sessions.values())
 
 
-
 def _data_transport(reg: Registry, config: TierConfig, region: memoryview, block_len: int,
                     data: DataTransport | None) -> DataTransport:
     """``data`` if given (its region must be the tier's), else one built over ``region``."""

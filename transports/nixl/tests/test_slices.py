@@ -11,6 +11,7 @@ from p2pkv_nixl import NixlDataTransport
 from p2pkv_nixl.agent import block_dlist
 from p2pkv_nixl.descriptor import RegionDescriptor
 from p2pkv_nixl.slices import MAX_SLICES, region_slices
+from slice_oracle import cuts
 
 BLOCK = 4096
 THREE = 3 * BLOCK + 100  # rounds down to 3 blocks
@@ -19,11 +20,6 @@ FIVE = 5 * BLOCK
 
 def _blocks(region: bytes) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8).reshape(-1, BLOCK)
-
-
-def _cuts(start: int, length: int, every: int) -> set[int]:
-    """Offsets inside a run of ``length`` blocks from ``start`` where a slice begins."""
-    return {o for o in range(1, length) if (start + o) % every == 0}
 
 
 def test_slice_layout_rounds_down_to_whole_blocks_at_least_one() -> None:
@@ -38,8 +34,6 @@ def test_prepared_lists_have_one_row_per_slice() -> None:
     rows = block_dlist(0x1000, (3, 3, 1), 64)
     assert rows.tolist() == [[0x1000, 64, 0, 64, 3], [0x1000 + 192, 64, 0, 64, 3],
                              [0x1000 + 384, 64, 0, 64, 1]]
-
-
 
 
 def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(make_local) -> None:
@@ -71,9 +65,9 @@ def test_direct_reads_cross_slices_byte_exact_one_descriptor_per_piece(
     every = producer_slice // BLOCK
     scattered = np.random.default_rng(3).choice(64, size=40, replace=False).tolist()
     for local, remote, posted in [
-        (list(range(32)), list(range(32)), 1 + len(_cuts(0, 32, 3) | _cuts(0, 32, every))),
+        (list(range(32)), list(range(32)), 1 + len(cuts(0, 32, 3) | cuts(0, 32, every))),
         (list(range(16, 48)), list(range(32)),
-         1 + len(_cuts(16, 32, 3) | _cuts(0, 32, every))),
+         1 + len(cuts(16, 32, 3) | cuts(0, 32, every))),
         (list(range(0, 64, 2)), list(range(32, 64)), 32),
         (scattered, list(range(40)), None),
     ]:

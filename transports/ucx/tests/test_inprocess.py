@@ -215,7 +215,7 @@ def test_bad_indexes_are_refused_before_anything_is_sent(
     producer, consumer = _pair(nodes)
     with pytest.raises(TransferSubmitError, match=match):
         consumer.t.read_blocks("p", *args)  # type: ignore[arg-type]
-    assert not consumer.t._state.live and not consumer.t._state.loose
+    assert not consumer.t.state.live and not consumer.t.state.loose
     _read(producer, consumer, [0], [0])  # still healthy
 
 
@@ -358,16 +358,16 @@ def test_a_consumer_that_removes_its_producer_still_drains_the_sends_serving_it(
     consumer = nodes(seed=2, num_blocks=16, block_len=256 * 1024, **opts)
     producer.link("c", consumer, back_as="p")
     tids = [consumer.t.read_blocks("p", [i], [i]) for i in range(8)]
-    wait_until(lambda: len(producer.t._state.serves) == len(tids), timeout=T,
+    wait_until(lambda: len(producer.t.state.serves) == len(tids), timeout=T,
                what="the producer serving every read",
-               pumps=[producer.t.progress, lambda: consumer.t._state.worker.progress()])
+               pumps=[producer.t.progress, lambda: consumer.t.state.worker.progress()])
     consumer.t.cancel(tids)
     consumer.blocks[:8] = CANARY
     assert consumer.t.remove_peer("p") == []
-    assert consumer.t._state.retired, "the consumer released the endpoint the producer still needs"
-    wait_until(lambda: not producer.t._state.serves and not consumer.t._state.retired, timeout=T,
+    assert consumer.t.state.retired, "the consumer released the endpoint the producer still needs"
+    wait_until(lambda: not producer.t.state.serves and not consumer.t.state.retired, timeout=T,
                what="the serving sends to drain", pumps=[producer.poll, consumer.poll])
     assert producer.t.remove_peer("c") == []
     assert (consumer.blocks[:8] == CANARY).all()
-    assert not consumer.t._state.ghosts
+    assert not consumer.t.state.ghosts
     assert consumer.t.close() == [] and producer.t.close() == []

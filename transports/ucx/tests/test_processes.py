@@ -130,7 +130,7 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
                           **_options(error_handling, tls))
     slots = list(range(16, 112))  # 96 runs: 24 times what staging takes at once (a long read)
     src = np.random.default_rng(1).permutation(128)[:96].tolist()
-    receiving = local.t._state.receiving
+    receiving = local.t.state.receiving
     over_tcp = error_handling or tls == "tcp"  # else CMA: nothing stays matched-unfinished
     for _attempt in range(5):  # on a loaded machine the read may finish before the pause
         tid = local.t.read_blocks("child", slots, src)
@@ -163,7 +163,7 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
     assert (local.blocks[slots] == CANARY).all(), (
         f"bytes of the cancelled read reached its slots ({in_flight} matched runs were "
         f"still being received at the cancel)")
-    wait_until(lambda: not local.t._state.receiving, timeout=T,
+    wait_until(lambda: not local.t.state.receiving, timeout=T,
                what="the cancelled read's runs to end in staging", pumps=[local.poll])
     again = local.t.read_blocks("child", slots, src)
     wait_until(lambda: again in local.done, timeout=T, what="a new read of the same slots",
@@ -202,7 +202,7 @@ def _serve_to_paused_child(spawn: Spawn, **options: Any) -> tuple[Node, Remote]:
     (they cannot finish without our next progress, and then the child takes no payload)."""
     local, remote = spawn(64, 256 * KiB, **options)
     remote.call("read", "local", list(range(32)), list(range(32)))
-    wait_until(lambda: local.t._state.serves, timeout=T, what="us to serve the child's read",
+    wait_until(lambda: local.t.state.serves, timeout=T, what="us to serve the child's read",
                pumps=[local.t.progress])
     remote.child.pause()
     return local, remote

@@ -129,5 +129,3 @@ def test_malformed_notice_is_refused(obj: object) -> None:
         wire.decode_notice(msgpack.packb(obj))
 
 
-
-

@@ -12,18 +12,12 @@ import pytest
 from p2pkv.errors import PeerRejected
 from p2pkv.runs import ONE_SLICE
 from p2pkv_ucx import wire
+from slice_oracle import cuts
 from ucx_helpers import Node, settle
 
 Make = Callable[..., Node]
 BLOCK = 1024
 THREE = 3 * BLOCK + 10  # rounds down to 3 blocks
-
-
-def _cuts(start: int, length: int, every: int) -> set[int]:
-    """Offsets inside a run of ``length`` blocks from ``start`` where a slice begins."""
-    return {o for o in range(1, length) if (start + o) % every == 0}
-
-
 
 
 @pytest.mark.parametrize("producer_blocks", [3, 5], ids=["same-slices", "other-slices"])
@@ -37,9 +31,9 @@ def test_reads_cross_slices_byte_exact_one_message_per_piece(
     scattered = np.random.default_rng(4).choice(64, size=40, replace=False).tolist()
     for dst, src, runs in [
         (list(range(32)), list(range(32)),
-         1 + len(_cuts(0, 32, 3) | _cuts(0, 32, producer_blocks))),
+         1 + len(cuts(0, 32, 3) | cuts(0, 32, producer_blocks))),
         (list(range(16, 48)), list(range(32, 64)),
-         1 + len(_cuts(16, 32, 3) | _cuts(32, 32, producer_blocks))),
+         1 + len(cuts(16, 32, 3) | cuts(32, 32, producer_blocks))),
         (scattered, list(range(40)), None),
     ]:
         sent, received = producer.t.descriptors_posted, consumer.t.descriptors_posted

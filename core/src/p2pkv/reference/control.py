@@ -49,7 +49,6 @@ MEM_SCHEME = "mem://"
 _FIRST_FAKE_PORT = 20000
 
 
-
 class _Hub:
     """Process-wide table of listening memory control transports."""
 

@@ -60,7 +60,6 @@ class Nixl:
     version: str
 
 
-
 def apply_ucx_defaults(environ: Any = None) -> None:
     """Set every :data:`UCX_DEFAULTS` variable the user has not set (``os.environ`` by default)."""
     env = os.environ if environ is None else environ

@@ -8,7 +8,7 @@ import numpy as np
 from p2pkv.contracts import ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferSubmitError
-from p2pkv.runs import coalesce, slice_counts, slice_starts
+from p2pkv.runs import coalesce, region_slice_starts
 
 from p2pkv_nixl import wire
 from p2pkv_nixl.finality import Finality
@@ -90,7 +90,7 @@ class Reads:
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         state.requests[read.request] = read
-        pool_slices = slice_starts(slice_counts(pool.capacity, pool.slice_blocks))
+        pool_slices = region_slice_starts(pool.capacity, pool.slice_blocks)
         stage = read.stage.astype(np.int64)
         self.descriptors_posted += len(coalesce(stage, remote, pool_slices, peer.slices)[2])
 

@@ -27,8 +27,6 @@ MAX_SLICES = 1 << 16
 travels in the descriptor): 64 KiB slices of 4 GiB cover 256 TiB."""
 
 
-
-
 def region_slices(num_blocks: int, block_len: int, slice_bytes: int) -> tuple[int, ...]:
     """The slice counts of our region under data option ``slice_bytes``; ``ConfigError``
     when that makes more than :data:`MAX_SLICES` slices."""
@@ -39,10 +37,6 @@ def region_slices(num_blocks: int, block_len: int, slice_bytes: int) -> tuple[in
             f"blocks of {block_len} B into more than {MAX_SLICES} registrations; raise it"
         )
     return slice_counts(num_blocks, blocks)
-
-
-
-
 
 
 def checked_slices(counts: object, num_blocks: int) -> tuple[int, ...]:

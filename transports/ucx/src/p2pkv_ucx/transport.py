@@ -143,6 +143,12 @@ class UcxDataTransport(DataTransport):
         self._teardown = Teardown(s)
 
     @property
+    def state(self) -> UcxState:
+        """The state the roles share (UCX worker, tables, region layout), for diagnostics and
+        tests: read it; changing it is the roles' job."""
+        return self._state
+
+    @property
     def descriptors_posted(self) -> int:
         """DATA messages posted, counted by the roles in the state (read and written through,
         as the base's attribute)."""
