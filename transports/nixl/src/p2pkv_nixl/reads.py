@@ -8,7 +8,7 @@ import numpy as np
 from p2pkv.contracts import ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferSubmitError
-from p2pkv.runs import coalesce, region_slice_starts
+from p2pkv.runs import coalesce
 
 from p2pkv_nixl import wire
 from p2pkv_nixl.finality import Finality
@@ -90,9 +90,8 @@ class Reads:
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         state.requests[read.request] = read
-        pool_slices = region_slice_starts(pool.capacity, pool.slice_blocks)
         stage = read.stage.astype(np.int64)
-        self.descriptors_posted += len(coalesce(stage, remote, pool_slices, peer.slices)[2])
+        self.descriptors_posted += len(coalesce(stage, remote, pool.slice_starts, peer.slices)[2])
 
     def _post_direct(self, read: Read, remote: Indexes) -> None:
         """Make and post the READ into our slots, one descriptor per run of blocks consecutive

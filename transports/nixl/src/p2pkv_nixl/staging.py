@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferBusy, TransferSubmitError
-from p2pkv.runs import slice_counts
+from p2pkv.runs import region_slice_starts, slice_counts
 
 from p2pkv_nixl.agent import LOCAL, block_dlist, register_slices
 
@@ -66,6 +66,8 @@ class StagingPool:
         self.block_len = block_len
         self.slice_blocks = min(slice_blocks, capacity)
         slices = slice_counts(capacity, self.slice_blocks)
+        self.slice_starts = region_slice_starts(capacity, self.slice_blocks)
+        """The pool's slice starts, for :func:`p2pkv.runs.coalesce` (computed once)."""
         self.array = np.zeros(capacity * block_len, dtype=np.uint8)
         self.blocks = self.array.reshape(capacity, block_len)
         base = int(self.array.ctypes.data)
