@@ -490,20 +490,26 @@ def test_handshake_timeout(h: Any, cluster: Any) -> None:
 # -- pending work, drain, shutdown -------------------------------------------------------------
 
 
-def test_has_pending_work_only_while_work_exists(h: Any, cluster: Any) -> None:
+def test_pending_work_and_engine_work_only_while_work_exists(h: Any, cluster: Any) -> None:
+    """``has_pending_work`` counts a handshake; ``needs_engine``, the work only an engine's
+    calls can do or collect, does not (a tick completes a handshake). A job is both."""
     p, c = pd_pair(cluster)
-    assert not p.tier.has_pending_work() and not c.tier.has_pending_work()
+
+    def work(*nodes: Any) -> list[tuple[bool, bool]]:
+        return [(n.tier.has_pending_work(), n.tier.needs_engine()) for n in nodes]
+
+    assert work(p, c) == [(False, False)] * 2
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     c.tier.on_new_request(cctx)
-    assert c.tier.has_pending_work()  # handshake in progress
+    assert work(c) == [(True, False)]  # handshake in progress
     h.pump([p, c], 3)
-    assert not c.tier.has_pending_work() and not p.tier.has_pending_work()
+    assert work(p, c) == [(False, False)] * 2
     c.load(1, [b"a"], [0], cctx)
-    assert c.tier.has_pending_work()
+    assert work(c) == [(True, True)]
     p.store(2, [b"a"], [0], pctx)
-    assert p.tier.has_pending_work()
+    assert work(p) == [(True, True)]
     h.pump_until([p, c], lambda: 1 in c.results and 2 in p.results)
-    assert not c.tier.has_pending_work() and not p.tier.has_pending_work()
+    assert work(p, c) == [(False, False)] * 2
 
 
 def test_drain_jobs_waits_for_results_and_is_bounded(h: Any, cluster: Any) -> None:

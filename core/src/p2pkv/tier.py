@@ -343,10 +343,20 @@ class P2PTier:
     def has_pending_work(self) -> bool:
         """True while any job, transfer, parked store, probe, handshake or held newcomer is
         outstanding."""
-        if (self._ledger.pending or self._ledger.undelivered or len(self._env.lookup_ends)
-                or len(self._admission)):
+        if len(self._admission) or self.needs_engine():
             return True
         return any(s.busy for s in self._sessions.values())
+
+    @driver_call
+    def needs_engine(self) -> bool:
+        """True while the tier has work for its engine's calls: a job outstanding or a result
+        to hand over, a peer's lookup to answer or end, a round or a pin open, a probe of
+        ours in flight. Unlike :meth:`has_pending_work`, a handshake or a held newcomer does
+        not count: a thread that only ticks the tier completes those alone (vLLM's adapter
+        lets its engine sleep through them, docs/vllm.md "Idle sources")."""
+        if self._ledger.pending or self._ledger.undelivered or len(self._env.lookup_ends):
+            return True
+        return any(s.working for s in self._sessions.values())
 
     @driver_call
     def drain_jobs(self, timeout: float | None = None) -> None:

@@ -1,11 +1,14 @@
 """A child process hosting one real ``vllm.LLM`` engine on the tiny test model (CPU).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process per
-engine, so killing the child kills the engine). The host steps it exactly as vLLM's engine
-core busy loop does: whenever the scheduler has requests or pending connector work
-(``scheduler.has_requests()``, which includes the P2P tier's ``has_pending_work``), else it
-waits for the test's next command. Requests carry ``kv_transfer_params`` through
-``SamplingParams.extra_args``, greedy decoding.
+engine, so killing the child kills the engine). The host runs it as vLLM's engine core
+process does (``EngineCoreProc.run_busy_loop``): an input thread puts the test's commands
+into an input queue; the engine steps whenever the scheduler has requests or pending
+connector work (``scheduler.has_requests()``, which includes the P2P tier's
+``has_pending_work``), else it blocks on that queue, where the P2P tier's idle watcher puts
+vLLM's ``WAKEUP`` when a peer needs the engine (vLLM before 0.33; docs/vllm.md, "Idle
+sources"). An idle engine therefore sleeps as a ``vllm serve`` engine does. Requests carry
+``kv_transfer_params`` through ``SamplingParams.extra_args``, greedy decoding.
 
 Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
 
@@ -48,6 +51,8 @@ import glob
 import logging
 import multiprocessing
 import os
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -68,6 +73,10 @@ ENGINE_ENV = {
 """Environment of every test engine (set before vLLM is imported)."""
 BLOCK_SIZE = 32
 """Tokens per KV block: the CPU attention backend needs a multiple of 32."""
+_COMMAND = "command"
+"""The input queue's kind of item that is a test command (the other: vLLM's ``WAKEUP``)."""
+_GONE = "gone"
+"""The command the input thread queues once the test's end of the pipe closed."""
 STEPS_KEPT = 100_000
 """Step durations the host keeps between two ``steps`` commands (the oldest dropped)."""
 CHURN_PREFIX = "churn-"
@@ -248,6 +257,9 @@ class _Host:
         self.steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=STEPS_KEPT)
         self.scheduled = 0
         """Tokens the scheduler gave the model in the current step."""
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        """The test's commands and vLLM's ``WAKEUP`` requests (the P2P tier's idle watcher
+        finds this queue on the stack of ``has_pending_work``, as in vLLM's engine core)."""
         self._count_scheduled()
 
     def _count_scheduled(self) -> None:
@@ -312,8 +324,56 @@ class _Host:
         jobs = manager._transfer_jobs.values()  # 0.32: (TransferJob, tier); 0.27.1: the job
         return sum(getattr(job, "transfer_job", job).is_promotion for job in jobs)
 
-    def busy(self) -> bool:
+    def has_work(self) -> bool:
+        """Whether the engine must step (vLLM's ``EngineCore.has_work``): requests, or
+        pending connector work (the P2P tier's ``has_pending_work``)."""
         return bool(self.core.scheduler.has_requests())
+
+    def command(self, cmd: tuple[Any, ...]) -> bool:
+        """Carry out one command of the test; False once the host must end."""
+        conn = self.conn
+        if cmd[0] == "submit":
+            self.submit(*cmd[1:])
+        elif cmd[0] == "metrics":
+            conn.send(("metrics", metric_values(self.llm.get_metrics())))
+        elif cmd[0] == "loading":
+            conn.send(("loading", self.loading()))
+        elif cmd[0] == "log":
+            conn.send(("log", list(self.log.lines)))
+        elif cmd[0] == "marks":
+            conn.send(("marks", self.clock.of(cmd[1])))
+        elif cmd[0] == "times":
+            conn.send(("times", dict(self.times.of.get(cmd[1], {}))))
+        elif cmd[0] == "churn":
+            self.configure_churn(*cmd[1:])
+            conn.send(("churn", *self.churn.status()))
+        elif cmd[0] == "steps":
+            conn.send(("steps", self.take_steps()))
+        elif cmd[0] == "shutdown":
+            conn.send(("down", self.shutdown()))
+            return False
+        elif cmd[0] == _GONE:
+            self.shutdown()
+            return False
+        return True
+
+    def run(self) -> None:
+        """vLLM's engine-core busy loop (``EngineCoreProc.run_busy_loop``): while the engine
+        has no work, block on the input queue (the test's commands, and the P2P tier's
+        ``WAKEUP``, a no-op that only ends the wait); then take what else is queued, and
+        step."""
+        while True:
+            while not self.has_work():
+                if not self._handle(_next_input(self.input_queue)):
+                    return
+            while not self.input_queue.empty():
+                if not self._handle(self.input_queue.get_nowait()):
+                    return
+            self.step()
+
+    def _handle(self, item: tuple[Any, Any]) -> bool:
+        kind, cmd = item
+        return self.command(cmd) if kind == _COMMAND else True  # else vLLM's WAKEUP
 
     def shutdown(self) -> list[str]:
         """Shut the engine down; returns the offload regions it left in /dev/shm."""
@@ -359,32 +419,30 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
         conn.send(("failed", traceback.format_exc()))
         raise
     conn.send(("ready",))
+    threading.Thread(target=_read_commands, args=(conn, host.input_queue),
+                     name="llm-host-commands", daemon=True).start()
+    host.run()
+
+
+def _read_commands(conn: Connection, inbox: queue.Queue[tuple[Any, Any]]) -> None:
+    """The host's input thread (vLLM's engine core has one too): the test's commands into
+    the input queue, until ``shutdown`` or the pipe closes (then ``_GONE``)."""
     while True:
-        if conn.poll(0 if host.busy() else 1.0):
-            try:
-                cmd = conn.recv()
-            except EOFError:  # the test went away
-                host.shutdown()
-                return
-            if cmd[0] == "submit":
-                host.submit(*cmd[1:])
-            elif cmd[0] == "metrics":
-                conn.send(("metrics", metric_values(host.llm.get_metrics())))
-            elif cmd[0] == "loading":
-                conn.send(("loading", host.loading()))
-            elif cmd[0] == "log":
-                conn.send(("log", list(host.log.lines)))
-            elif cmd[0] == "marks":
-                conn.send(("marks", host.clock.of(cmd[1])))
-            elif cmd[0] == "times":
-                conn.send(("times", dict(host.times.of.get(cmd[1], {}))))
-            elif cmd[0] == "churn":
-                host.configure_churn(*cmd[1:])
-                conn.send(("churn", *host.churn.status()))
-            elif cmd[0] == "steps":
-                conn.send(("steps", host.take_steps()))
-            elif cmd[0] == "shutdown":
-                conn.send(("down", host.shutdown()))
-                return
-        if host.busy():
-            host.step()
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):  # the test went away
+            inbox.put((_COMMAND, (_GONE,)))
+            return
+        inbox.put((_COMMAND, cmd))
+        if cmd[0] == "shutdown":
+            return
+
+
+def _next_input(inbox: queue.Queue[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """The next input, however long the engine sleeps: the input thread always ends with
+    ``shutdown`` or ``_GONE``, so this wait ends too."""
+    while True:
+        try:
+            return inbox.get(timeout=1.0)
+        except queue.Empty:
+            continue

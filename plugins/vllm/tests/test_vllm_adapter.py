@@ -269,11 +269,13 @@ def test_an_idle_engine_without_a_poll_thread_answers_through_has_pending_work()
 
 class _EngineCore:
     """vLLM's engine loop in miniature: step while ``has_work``, else block on the input
-    queue until something (a client request, or the tier's WAKEUP) arrives."""
+    queue until something (a client request, or the tier's WAKEUP) arrives. A step serves
+    peers from ``parent`` and collects results, as vLLM's tiering manager does."""
 
-    def __init__(self, tier: P2PKVTier) -> None:
+    def __init__(self, tier: P2PKVTier, parent: ParentManager) -> None:
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self.tier = tier
+        self.parent = parent
         self.asleep = threading.Event()
         self.stop = False
         self.woken = 0
@@ -289,20 +291,24 @@ class _EngineCore:
                 self.asleep.clear()
                 self.woken += 1
                 continue
+            self.tier.serve_external_requests(self.parent)
             self.tier.on_schedule_end(STEP)
             self.tier.get_finished_jobs()
 
 
-def test_a_sleeping_engine_is_woken_for_a_peer_and_sleeps_again() -> None:
-    """vLLM before 0.33: the producer's engine sleeps on its input queue; a new peer's dial
-    is read by the tier's idle watcher, which wakes the engine (vLLM's WAKEUP request); the
-    handshake completes and the engine sleeps again. With the tier-poll thread (0.33) there
-    is no watcher."""
+def test_a_sleeping_engine_sleeps_through_a_handshake_and_is_woken_for_a_probe() -> None:
+    """vLLM before 0.33: the producer's engine sleeps on its input queue. A new peer's dial
+    and handshake are completed by the tier's idle watcher alone, the engine still asleep;
+    the peer's probe, which the engine's cache must answer, makes the watcher wake it
+    (vLLM's WAKEUP request); answered, the engine sleeps again. With the tier-poll thread
+    (0.33) there is no watcher."""
     producer, _ = build(MEMORY)
     consumer, _ = build(MEMORY)
-    core = _EngineCore(producer)
+    missing = b"m" * 36
+    core = _EngineCore(producer, PrimaryTierParent({}))
     engine = threading.Thread(target=core.run, daemon=True)
     try:
+        producer.serve_external_requests(core.parent)  # the steps of its own requests
         engine.start()
         assert core.asleep.wait(30), "the idle engine never went to sleep"
         if hasattr(base.SecondaryTierManager, "tolerates_off_thread_polling"):
@@ -310,8 +316,8 @@ def test_a_sleeping_engine_is_woken_for_a_peer_and_sleeps_again() -> None:
             return
         assert producer._watch is not None and core.woken == 0
         host, port = producer._tier.local_address.rsplit(":", 1)
-        hint = ReqContext("warm-1", {"p2pkv_connect": [{"remote_host": host,
-                                                        "remote_port": int(port)}]})
+        peer = {"remote_host": host, "remote_port": int(port)}
+        hint = ReqContext("warm-1", {"p2pkv_connect": [peer]})
         consumer.on_new_request(hint)
         consumer.on_request_finished(hint)
         for _ in range(20_000):  # the consumer's engine steps; the producer's sleeps
@@ -319,8 +325,20 @@ def test_a_sleeping_engine_is_woken_for_a_peer_and_sleeps_again() -> None:
             if consumer._tier.stats()["sessions_ready"]:
                 break
         assert consumer._tier.stats()["sessions_ready"] == 1
-        wait_until(lambda: core.woken >= 1, timeout=30, what="the engine woken for the peer")
-        assert producer._watch.wakeups >= 1
+        assert core.woken == 0 and producer._watch.wakeups == 0  # the handshake: no engine
+
+        ctx = ReqContext("probe-1", {"remote_kv_source": {"kv_request_id": "kv-probe", **peer}})
+        consumer.on_new_request(ctx)
+        answer = LookupResult.RETRY
+        for _ in range(20_000):  # the probe goes out at the step's end; the answer comes back
+            consumer.on_schedule_end(STEP)
+            consumer.get_finished_jobs()
+            answer = consumer.lookup(missing, ctx)
+            if answer is not LookupResult.RETRY:
+                break
+        assert answer is LookupResult.MISS  # answered from the producer engine's cache
+        consumer.on_request_finished(ctx)
+        assert core.woken >= 1 and producer._watch.wakeups >= 1
         wait_until(core.asleep.is_set, timeout=30, what="the engine asleep again")
     finally:
         core.stop = True

@@ -8,12 +8,23 @@ Managers are built exactly as vLLM builds them: ``OffloadingSpecFactory`` ->
 
 Commands (tuples) and replies:
 
-- ``("build", name, dp_rank, tier_keys)`` -> ``("built", p2p_address)``
+- ``("build", name, dp_rank, tier_keys[, idle])`` -> ``("built", p2p_address)``; ``idle``
+  True: vLLM's tier-poll thread on (its default interval; vLLM 0.33) and the manager never
+  stepped, as an engine with no request of its own (only the poll thread serves peers)
+- ``("seed", name, req_id, keys)`` -> ``("seeded", {key: sha256})``: a request of the
+  engine's own (no ``kv_transfer_params``) computed those blocks into its primary tier, where
+  a peer's prefix pull finds them
 - ``("store", name, req_id, kv_id, keys)`` -> ``("stored", {key: sha256 of its chunk})``: a
   prefill's blocks land in the primary tier and cascade into the P2P tier
 - ``("load", name, req_id, kv_id, host, port, keys)`` -> later ``("loaded", req_id,
-  {key: sha256})`` or ``("load_failed", req_id, detail)``: a decode request's lookups, then
-  promotion loads into the primary tier, read back once every key is a primary HIT
+  {key: sha256}, marks)`` or ``("load_failed", req_id, detail)``: a decode request's lookups,
+  then promotion loads into the primary tier, read back once every key is a primary HIT;
+  ``marks``: ``time.monotonic()`` of its first lookup (``lookup``), of the first poll that
+  found every key answered (``answered``: promoting or a HIT) and of its read (``loaded``)
+- ``("pull", name, req_id, kv_id, host, port, keys)``: the same, as a prefix pull
+  (``remote_kv_source``: the peer is probed first)
+- ``("cpu",)`` -> ``("cpu", {thread name: CPU seconds})``: this process's threads
+- ``("steps", name)`` -> ``("steps", n)``: times the host stepped that manager
 - ``("stats", name)`` -> ``("stats", {metric/outcome: total})``
 - ``("shutdown",)`` -> ``("down", leftover_shm_files)``
 
@@ -27,6 +38,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,11 +91,14 @@ def _made(cls: Any, **fields: Any) -> Any:
     return cls(**{k: v for k, v in fields.items() if k in known})
 
 
-def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any]) -> OffloadingConfig:
+def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any],
+                      poll: bool = False) -> OffloadingConfig:
     """A small model-free offloading config: one KV group, one block per chunk. The tier
     entry names ``module_path`` (vLLM 0.30 and later load it from there; 0.27.1 by the type
-    p2pkv-vllm's plugin registers, :func:`p2pkv_vllm.registration.register`)."""
+    p2pkv-vllm's plugin registers, :func:`p2pkv_vllm.registration.register`). vLLM's
+    tier-poll thread (0.33) is off unless ``poll`` (then at vLLM's default interval)."""
     tier = {"type": "P2PKVTier", "module_path": "p2pkv_vllm", **tier_keys}
+    polling = {} if poll else {"tier_poll_interval_s": 0}
     config: OffloadingConfig = _made(
         OffloadingConfig,
         groups=(_made(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layers.0",),
@@ -91,7 +106,7 @@ def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any]) -> Off
         worker_kv_bytes_per_block=CHUNK_BYTES,
         enable_kv_cache_events=False,
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_BYTES,
-                      "tier_poll_interval_s": 0, "secondary_tiers": [tier]},
+                      **polling, "secondary_tiers": [tier]},
         engine_id=f"p2pkv-test-{os.getpid()}-{name}-dp{dp_rank}",
         model=OffloadingModelConfig(name="p2pkv/test-model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
@@ -117,18 +132,26 @@ class _Load:
     ctx: ReqContext
     keys: list[bytes]
     deadline: float
+    marks: dict[str, float]
 
 
 class _Engine:
-    def __init__(self, name: str, dp_rank: int, tier_keys: dict[str, Any]) -> None:
-        config = offloading_config(name, dp_rank, tier_keys)
+    def __init__(self, name: str, dp_rank: int, tier_keys: dict[str, Any],
+                 idle: bool = False) -> None:
+        config = offloading_config(name, dp_rank, tier_keys, poll=idle)
         self.engine_id = config.engine_id
         self.spec = OffloadingSpecFactory.create_spec(config)
         self.manager = self.spec.get_manager()
         self.tier = self.manager.secondary_tiers[0]
         self.totals: dict[str, float] = {}
+        self.idle = idle
+        """Never stepped: only vLLM's tier-poll thread drives the tier."""
+        self.steps = 0
 
     def step(self) -> None:
+        if self.idle:
+            return
+        self.steps += 1
         with locked(self.manager):
             self.manager.on_schedule_end(_STEP)
 
@@ -147,10 +170,24 @@ class _Engine:
                     row.release()
 
     def store(self, req_id: str, kv_id: str, keys: list[bytes]) -> dict[bytes, str]:
+        """A prefill for a decoder (``remote_decoder``): its blocks cascade into the P2P tier,
+        parked until the decoder's fetch names ``kv_id``."""
+        return self._computed(ReqContext(req_id, {"remote_decoder": {"kv_request_id": kv_id}}),
+                              keys, OffloadPolicy.REQUEST_LEVEL)
+
+    def seed(self, req_id: str, keys: list[bytes]) -> dict[bytes, str]:
+        """A request of this engine's own computed ``keys``' blocks: they are stored into
+        the primary tier (no ``kv_transfer_params``), where peers' prefix pulls find them."""
+        return self._computed(ReqContext(req_id, {}), keys, None)
+
+    def _computed(self, ctx: ReqContext, keys: list[bytes],
+                  policy: OffloadPolicy | None) -> dict[bytes, str]:
+        """Request ``ctx`` stored ``keys``' blocks (deterministic content; the request's
+        offload policy must be ``policy`` unless None); their sha256 by key."""
         m = self.manager
-        ctx = ReqContext(req_id, {"remote_decoder": {"kv_request_id": kv_id}})
         with locked(m):
-            assert m.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
+            offloading = m.on_new_request(ctx)
+            assert policy is None or offloading.policy is policy, offloading
             out = m.prepare_store(keys, ctx)
             assert out is not None and list(out.keys_to_store) == keys, out
             digests = {}
@@ -164,23 +201,29 @@ class _Engine:
         return digests
 
     def start_load(self, name: str, req_id: str, kv_id: str, host: str, port: int,
-                   keys: list[bytes]) -> _Load:
+                   keys: list[bytes], kind: str = "remote_prefiller") -> _Load:
+        """A PD consumer's load (``remote_prefiller``) or a prefix pull
+        (``remote_kv_source``) of ``keys`` from the peer at ``host:port``."""
         m = self.manager
-        ctx = ReqContext(req_id, {"remote_prefiller": {
+        ctx = ReqContext(req_id, {kind: {
             "kv_request_id": kv_id, "remote_host": host, "remote_port": port}})
+        began = time.monotonic()
         with locked(m):
             m.on_new_request(ctx)
             first = [m.lookup(k, ctx) for k in keys]
-        # The P2P tier answers a PD consumer's lookups with HIT at once, so every key is
-        # being promoted now (see _PROMOTING).
-        assert all(r in _PROMOTING for r in first), first
-        return _Load(name, ctx, keys, time.monotonic() + LOAD_DEADLINE_S)
+        if kind == "remote_prefiller":
+            # The P2P tier answers a PD consumer's lookups with HIT at once, so every key
+            # is being promoted now (see _PROMOTING).
+            assert all(r in _PROMOTING for r in first), first
+        return _Load(name, ctx, keys, began + LOAD_DEADLINE_S, {"lookup": began})
 
     def poll_load(self, load: _Load) -> tuple[Any, ...] | None:
         """The load's reply once it is over, else None."""
         m = self.manager
         with locked(m):
             results = [m.lookup(k, load.ctx) for k in load.keys]
+            if LookupResult.RETRY not in results:  # the source's answer has arrived
+                load.marks.setdefault("answered", time.monotonic())
             if all(r is LookupResult.HIT for r in results):
                 spec = m.prepare_load(load.keys, load.ctx)
                 with self.rows(slots_of(spec)) as rows:
@@ -188,7 +231,8 @@ class _Engine:
                                for k, r in zip(load.keys, rows, strict=True)}
                 m.complete_load(load.keys, load.ctx)
                 m.on_request_finished(load.ctx)
-                return ("loaded", load.ctx.req_id, digests)
+                load.marks["loaded"] = time.monotonic()
+                return ("loaded", load.ctx.req_id, digests, load.marks)
             if LookupResult.MISS in results or time.monotonic() > load.deadline:
                 m.on_request_finished(load.ctx)
                 return ("load_failed", load.ctx.req_id, [r.name for r in results])
@@ -209,6 +253,23 @@ class _Engine:
         return dict(self.totals)
 
 
+_LOADS = {"load": "remote_prefiller", "pull": "remote_kv_source"}
+"""The load commands and the ``kv_transfer_params`` each request carries."""
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) each live thread of this process has used, by Python
+    thread name (vLLM's tier-poll thread: ``vllm_offload_tier_poll``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for thread in threading.enumerate():
+        with contextlib.suppress(OSError), \
+                open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+            used[thread.name] = (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
 def engine_host(conn: Connection) -> None:
     """Child entry point: serve commands until ``shutdown`` (or the pipe closes)."""
     engines: dict[str, _Engine] = {}
@@ -221,17 +282,25 @@ def engine_host(conn: Connection) -> None:
                 cmd = ("shutdown",)
             op = cmd[0]
             if op == "build":
-                _, name, dp_rank, tier_keys = cmd
-                engine = engines[name] = _Engine(name, dp_rank, tier_keys)
+                name, dp_rank, tier_keys, *idle = cmd[1:]
+                engine = engines[name] = _Engine(name, dp_rank, tier_keys, *idle)
                 conn.send(("built", engine.tier.config_info()["p2pkv_address"]))
             elif op == "store":
                 _, name, req_id, kv_id, keys = cmd
                 conn.send(("stored", engines[name].store(req_id, kv_id, keys)))
-            elif op == "load":
+            elif op == "seed":
+                _, name, req_id, keys = cmd
+                conn.send(("seeded", engines[name].seed(req_id, keys)))
+            elif op in _LOADS:
                 _, name, req_id, kv_id, host, port, keys = cmd
-                loads.append(engines[name].start_load(name, req_id, kv_id, host, port, keys))
+                loads.append(engines[name].start_load(name, req_id, kv_id, host, port, keys,
+                                                      _LOADS[op]))
             elif op == "stats":
                 conn.send(("stats", engines[cmd[1]].stats()))
+            elif op == "cpu":
+                conn.send(("cpu", thread_cpu()))
+            elif op == "steps":
+                conn.send(("steps", engines[cmd[1]].steps))
             elif op == "shutdown":
                 leftovers = []
                 for engine in engines.values():

@@ -146,7 +146,12 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        return (self.state is not State.READY or self.server.busy or self.client.busy)
+        return self.state is not State.READY or self.working
+
+    @property
+    def working(self) -> bool:
+        """Either role has something outstanding (a round, a pin, a lookup, a probe)."""
+        return self.server.busy or self.client.busy
 
     @property
     def idle(self) -> bool:

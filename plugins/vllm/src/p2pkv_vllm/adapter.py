@@ -62,6 +62,7 @@ from p2pkv_vllm.bridge import (
 )
 from p2pkv_vllm.idle import IdleWatch, engine_waker
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
+from p2pkv_vllm.quiet import QuietPolls
 from p2pkv_vllm.release import HIT_SOURCE, NEW_BLOCKS_ONLY, TransferJob, none_hash_seed
 
 __all__ = ["OPTIONAL_FEATURES", "P2PKVTier", "missing_features"]
@@ -231,6 +232,11 @@ class P2PKVTier(SecondaryTierManager):
             self._region.release()
             raise
         self._serial = itertools.count()
+        self._quiet = QuietPolls() if _POLL_THREAD else None
+        """vLLM's tier-poll thread (0.33): rounds that may leave a quiet tier alone."""
+        self._hit_source: ParentHitSource | None = None
+        """The hit source over the parent vLLM last passed (vLLM passes the same one every
+        step and every tier-poll round; built once, not per call)."""
         self._stats = StatsReporter()
         self._failed_loads = FailedLoadLog(log)
         self._loads: dict[int, Any] = {}
@@ -290,8 +296,14 @@ class P2PKVTier(SecondaryTierManager):
     @_engine_call
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Every finished job once; a failed load is logged at WARNING (rate-limited per
-        outcome and peer: vLLM recomputes those blocks), a failed store at DEBUG."""
+        outcome and peer: vLLM recomputes those blocks), a failed store at DEBUG. On vLLM's
+        tier-poll thread a quiet tier ticks at most every ``QUIET_TICK`` (:mod:`.quiet`)."""
+        quiet = self._quiet
+        if quiet is not None and quiet.skip():
+            return []
         results = self._tier.get_finished_jobs()
+        if quiet is not None:
+            quiet.ticked(bool(results) or self._tier.has_pending_work())
         self._stats.jobs_finished(results)
         for result in results:
             ctx = self._loads.pop(result.job_id, None)
@@ -312,14 +324,19 @@ class P2PKVTier(SecondaryTierManager):
 
     @_engine_call
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._quiet is not None:
+            self._quiet.stirred()
         self._tier.on_schedule_end()
 
     @_engine_call
     def serve_external_requests(self, parent: ParentManager) -> None:
-        self._tier.serve_lookups(
-            ParentHitSource(parent, new_context=ReqContext, results=_FROM_VLLM,
-                            serial=self._serial)
-        )
+        source = self._hit_source
+        if source is not None and self._quiet is not None and self._quiet.skip():
+            return  # quiet: no lookup to answer (the first call always serves, see above)
+        if source is None or not source.over(parent):
+            source = self._hit_source = ParentHitSource(
+                parent, new_context=ReqContext, results=_FROM_VLLM, serial=self._serial)
+        self._tier.serve_lookups(source)
 
     @_engine_call
     def has_pending_work(self) -> bool:
@@ -328,8 +345,10 @@ class P2PKVTier(SecondaryTierManager):
         serves peers while the engine sleeps and wakes it when they need it; outside an
         engine loop (no input queue on the stack) it keeps the engine stepping instead,
         paced by a wait of up to ``idle_wait`` for a peer's frame (docs/vllm.md, "Idle
-        sources")."""
-        if self._tier.has_pending_work():
+        sources"). Once the watcher runs, only work for the engine's calls counts
+        (``P2PTier.needs_engine``): the engine sleeps through a peer's handshake, which the
+        watcher completes."""
+        if self._tier.needs_engine() if self._watch else self._tier.has_pending_work():
             return True
         if _POLL_THREAD or not self._idle_wait:  # vLLM's tier-poll thread serves peers
             return False

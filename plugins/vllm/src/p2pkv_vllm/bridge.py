@@ -322,8 +322,9 @@ class ParentHitSource:
     """``p2pkv.tier.LocalHitSource`` over vLLM's ``ParentManager`` (symmetric serving).
 
     Each served remote request gets a synthetic vLLM request context with a unique id (vLLM
-    keys per-request state by id). Valid only during the ``serve_external_requests`` call
-    that built it, like the parent itself.
+    keys per-request state by id). Used only during a ``serve_external_requests`` call that
+    passed its parent (:meth:`over`), like the parent itself; it keeps no state of its own
+    between calls, so one serves every call with the same parent.
     """
 
     def __init__(
@@ -338,6 +339,10 @@ class ParentHitSource:
         self._new_context = new_context
         self._results = results
         self._serial = serial
+
+    def over(self, parent: Any) -> bool:
+        """Whether this source wraps ``parent``."""
+        return self._parent is parent
 
     def begin(self, kv_request_id: str) -> object:
         req_context = self._new_context(f"p2pkv-serve-{next(self._serial)}-{kv_request_id}")

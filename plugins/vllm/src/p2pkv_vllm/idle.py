@@ -8,11 +8,12 @@ keeping the engine busy:
 - while the engine sleeps, a thread of ours (``p2pkv-idle``) drives the tier: it waits
   for control I/O (at most ``wait`` seconds at a time, so it wakes at once on a peer's
   frame and costs nothing in between) and ticks;
-- when the tier then has work that needs the engine (a probe its cache must answer, a fetch
-  whose blocks it must pin, a handshake), the watcher wakes the engine through its input
-  queue with vLLM's own no-op request (``EngineCoreRequestType.WAKEUP``, the one vLLM uses
-  to interrupt that wait at shutdown); the engine then steps, and the tier reports pending
-  work until it is done.
+- when the tier then has work that needs the engine (``P2PTier.needs_engine``: a probe its
+  cache must answer, a fetch whose blocks it must pin, a result vLLM must collect), the
+  watcher wakes the engine through its input queue with vLLM's own no-op request
+  (``EngineCoreRequestType.WAKEUP``, the one vLLM uses to interrupt that wait at shutdown);
+  the engine then steps, and the tier reports pending work until it is done. A peer's
+  handshake needs no engine: the watcher completes it while the engine sleeps.
 
 **Hand-off (the single-driver rule).** One lock: the engine thread holds it inside every
 adapter call (:meth:`IdleWatch.engine`), the watcher only while it ticks, and only between
@@ -129,7 +130,7 @@ class IdleWatch:
                     continue
                 try:
                     self._tier.tick(self._wait)
-                    needed = self._tier.has_pending_work()
+                    needed = self._tier.needs_engine()
                 except Exception:  # the engine's next call meets the same state: it reports
                     log.exception("p2pkv idle watch: ticking the tier failed")
                     needed = True
