@@ -345,7 +345,8 @@ class P2PTier:
         outstanding."""
         if len(self._admission) or self.needs_engine():
             return True
-        return any(s.busy for s in self._sessions.values())
+        # no session is working (needs_engine said so): only a handshake can be left
+        return any(s.state is not State.READY for s in self._sessions.values())
 
     @driver_call
     def needs_engine(self) -> bool:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import math
 import os
-import statistics
 import sys
 import threading
 import time
@@ -48,6 +46,7 @@ from engine_kit import (  # noqa: E402
     prompt,
     running,
 )
+from latency import summary  # noqa: E402
 from llm_host import BLOCK_SIZE  # noqa: E402
 from test_engine_prefix import (  # noqa: E402
     STORED,
@@ -148,14 +147,6 @@ def pull_round(peers: list[Engine], port: int, tokens: list[int],
         took.append({"answer": marks["hit"] - marks["lookup"],
                      "fetch": marks["loaded"] - marks["load"], "pull": whole})
     return took
-
-
-def summary(took: list[float]) -> dict[str, Any]:
-    ordered = sorted(took)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"n": len(took), "p50_ms": round(statistics.median(took) * 1000, 1),
-            "p99_ms": round(p99 * 1000, 1), "max_ms": round(ordered[-1] * 1000, 1),
-            "ms": [round(t * 1000, 1) for t in took]}
 
 
 def test_an_idle_source_answers_many_peers(source: Any, tiny_model: str,

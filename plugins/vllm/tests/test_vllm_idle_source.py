@@ -23,8 +23,6 @@ idle source there is p2pkv's idle watcher, tested with real engines
 
 from __future__ import annotations
 
-import math
-import statistics
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +33,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s vllm)")
 pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s vllm)")
 
+from latency import summary  # noqa: E402
 from p2pkv.testing.child import Child  # noqa: E402
 from test_vllm_two_process import BOOT, TIER, WAIT, keys_for  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager  # noqa: E402
@@ -88,13 +87,6 @@ def pull(peers: Child, name: str, req_id: str, source: tuple[str, int],
     marks = reply[3]
     return {"answer": marks["answered"] - marks["lookup"],
             "fetch": marks["loaded"] - marks["answered"]}
-
-
-def summary(took: list[float]) -> dict[str, Any]:
-    ordered = sorted(took)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"n": len(took), "p50_ms": round(statistics.median(took) * 1000, 1),
-            "p99_ms": round(p99 * 1000, 1), "max_ms": round(ordered[-1] * 1000, 1)}
 
 
 def idle_cpu(src: Child) -> dict[str, float]:

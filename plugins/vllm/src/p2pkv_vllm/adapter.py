@@ -332,7 +332,8 @@ class P2PKVTier(SecondaryTierManager):
     def serve_external_requests(self, parent: ParentManager) -> None:
         source = self._hit_source
         if source is not None and self._quiet is not None and self._quiet.skip():
-            return  # quiet: no lookup to answer (the first call always serves, see above)
+            return  # quiet: no lookup to answer (the first call, which builds the source,
+            #         always serves: the tier learns it has a hit source before any probe)
         if source is None or not source.over(parent):
             source = self._hit_source = ParentHitSource(
                 parent, new_context=ReqContext, results=_FROM_VLLM, serial=self._serial)
