@@ -23,6 +23,8 @@ from p2pkv.options import derived, option, parse_options
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "VLLM_HOST_ENV",
+    "VLLM_PORT_ENV",
     "Flow",
     "Limits",
     "Peers",
@@ -35,6 +37,11 @@ DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5710
 HOST_ENV = ("P2PKV_HOST",)
 PORT_ENV = ("P2PKV_PORT",)
+VLLM_HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", *HOST_ENV)
+"""The host variables under vLLM, first set one wins (vLLM's name first): what the vLLM
+adapter reads, and ``p2pkv probe`` with no address."""
+VLLM_PORT_ENV = ("VLLM_P2P_SIDE_CHANNEL_PORT", *PORT_ENV)
+"""The base-port variables under vLLM (the bound port is base + DP rank)."""
 PEERS_ALLOW_ENV = "P2PKV_PEERS_ALLOW"
 PEERS_CONNECT_ENV = "P2PKV_PEERS_CONNECT"
 PEERS_MAX_DIALED_ENV = ("P2PKV_PEERS_MAX_DIALED", "VLLM_P2P_MAX_PEERS")

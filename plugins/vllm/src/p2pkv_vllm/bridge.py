@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from p2pkv.addressing import format_address
-from p2pkv.config import TierConfig, config_fingerprint
+from p2pkv.config import VLLM_HOST_ENV, VLLM_PORT_ENV, TierConfig, config_fingerprint
 from p2pkv.errors import ConfigError
 from p2pkv.routing import Routing
 from p2pkv.types import Job, JobResult, LookupResult, RequestContext
@@ -46,9 +46,9 @@ __all__ = [
     "zero_edit_keys",
 ]
 
-HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", "P2PKV_HOST")
+HOST_ENV = VLLM_HOST_ENV
 """Environment variables for the bind/advertised host, first set one wins (vLLM's name first)."""
-PORT_ENV = ("VLLM_P2P_SIDE_CHANNEL_PORT", "P2PKV_PORT")
+PORT_ENV = VLLM_PORT_ENV
 """Environment variables for the base port; the bound port is base + DP rank."""
 
 TIER_TYPE = "P2PKVTier"

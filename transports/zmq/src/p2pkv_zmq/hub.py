@@ -21,6 +21,9 @@ connections by their incarnation. Message shapes on the PULL:
   (both dialed at once, below). Sent on the offered PUSH itself, so it follows its open.
 - ``[link, "", "gone", inc]``: "your connection whose PUSH has incarnation ``inc`` is gone";
   with ``inc`` empty: "my PUSH ``link`` is closed" (a connection closed before it was paired).
+- ``[link, "", "probe", nonce]``: ``p2pkv probe`` asks who we are; answered with
+  ``identity`` over a notice PUSH to ``link``'s address, nothing else (no connection, logged
+  at DEBUG only; :mod:`p2pkv_zmq.probe_wire`).
 - anything else (one part, other shapes, a first frame that is not a canonical link id) is
   malformed: dropped, counted in ``dropped_messages``, logged once per sender id.
 
@@ -123,6 +126,7 @@ from p2pkv_zmq.identity import (
 )
 from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.options import ZmqOptions
+from p2pkv_zmq.probe_wire import IDENTITY, PROBE, identity_answer, valid_nonce
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
@@ -137,7 +141,7 @@ _OPEN = b"open"
 _GONE = b"gone"
 _PAIRED = b"paired"
 _PAYLOAD = b""  # what _verb says of [link, frame]
-_VERBS = (_OPEN, _PAIRED, _GONE)
+_VERBS = (_OPEN, _PAIRED, _GONE, PROBE)
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -552,23 +556,37 @@ class ZmqHub:
             if self._send_link(conn.out, conn.link, _GONE, incarnation):
                 _remember(self._told, link, time.monotonic())
             return
+        if self._notify(key, _GONE, incarnation):
+            _remember(self._told, link, time.monotonic())
+
+    def _answer_probe(self, address: str, nonce: bytes) -> None:
+        """Tell the prober at ``address`` who we are (``identity``), over a notice PUSH."""
+        if valid_nonce(nonce):
+            answered = self._notify(address, IDENTITY,
+                                    identity_answer(nonce, curve=self._keys is not None))
+            log.debug("probe from %s: %s", address, "answered" if answered else "not answered")
+
+    def _notify(self, key: str, verb: bytes, arg: bytes) -> bool:
+        """``[our link, "", verb, arg]`` to ``key`` over a notice PUSH dialed for it
+        (rate-limited; skipped, and logged once, beyond the rate); True if it went out."""
         if not self._notices.take(time.monotonic()):
             self._log_once(("notice-rate",), "not telling every stale peer connection it is "
                            "gone: more than %s notices a second (a flood of stale frames?)",
                            _NOTICE_RATE)
-            return
+            return False
         try:
             push = self._sockets.push(key)
         except ResourceUnavailable:
-            return  # out of sockets: the peer's own timeouts end its connection
+            return False  # out of sockets: the peer's own timeouts end its connection
+        sent = False
         try:
             push.connect(tcp_url(*parse_address(key)))
-            if self._send_link(push, link_id(self._local_address, new_incarnation()), _GONE,
-                               incarnation):
-                _remember(self._told, link, time.monotonic())
+            sent = self._send_link(push, link_id(self._local_address, new_incarnation()), verb,
+                                   arg)
         except zmq.ZMQError:
             pass  # an address libzmq cannot dial: nobody there to tell
         push.close(_NOTICE_LINGER_MS)
+        return sent
 
     # -- inbound --------------------------------------------------------------------------
 
@@ -652,7 +670,9 @@ class ZmqHub:
             return
         if fd is not None:
             self._admit(fd)
-        if verb in (_PAIRED, _GONE):
+        if verb == PROBE:
+            self._answer_probe(parsed[0], parts[3])
+        elif verb in (_PAIRED, _GONE):
             self._on_notice(link, verb, parts[3])
         elif link in self._retired:  # its connection ended; the peer may not know yet
             # Normal at every close (frames in flight cross our close): not worth a warning.

@@ -11,6 +11,7 @@ Error messages never include key text.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -21,8 +22,9 @@ from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 from zmq.utils import z85
 
-__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_pair_files",
-           "public_of", "read_key", "read_key_list", "write_fleet_keys", "write_key_pair"]
+__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_fingerprint",
+           "key_pair_files", "public_of", "read_key", "read_key_list", "write_fleet_keys",
+           "write_key_pair"]
 
 log = module_logger(__name__)
 
@@ -62,6 +64,12 @@ def read_key_list(values: tuple[str, ...], option: str) -> frozenset[bytes]:
         else:
             keys.add(z85.decode(read_key(value, f"{option}[{i}]", "public")))
     return frozenset(keys)
+
+
+def key_fingerprint(public: bytes) -> str:
+    """12 hex digits naming a Z85 public key (SHA-256 of its 32 bytes): what ``p2pkv probe``
+    and ``p2pkv keys`` print, so two sides can compare keys without showing them."""
+    return hashlib.sha256(z85.decode(public)).hexdigest()[:12]
 
 
 def public_of(secret: bytes) -> bytes:

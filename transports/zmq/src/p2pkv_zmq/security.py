@@ -31,7 +31,7 @@ from p2pkv.logs import module_logger
 
 from p2pkv_zmq.options import CURVE_DIR_ENV, ZmqOptions
 
-__all__ = ["FLEET_CLIENT", "FLEET_SERVER", "CurveKeys", "curve_keys"]
+__all__ = ["FLEET_CLIENT", "FLEET_SERVER", "CurveKeys", "curve_keys", "fleet_keys"]
 
 log = module_logger(__name__)
 
@@ -71,7 +71,7 @@ def curve_keys(
                               f"contradict each other: unset {CURVE_DIR_ENV} or drop insecure")
         if not curve_supported:
             raise ConfigError(f"{CURVE_DIR_ENV} is set but this libzmq was built without CURVE")
-        return _fleet_keys(Path(directory))
+        return fleet_keys(Path(directory))
     if not options.curve_requested:
         if not options.insecure and not is_loopback_host(bind_host):
             raise ConfigError(
@@ -116,7 +116,7 @@ def curve_keys(
     )
 
 
-def _fleet_keys(directory: Path) -> CurveKeys:
+def fleet_keys(directory: Path) -> CurveKeys:
     """A fleet's keys from ``directory`` (the layout in the module docstring)."""
     from p2pkv_zmq.keys import PUBLIC_SUFFIX, SECRET_SUFFIX, public_of, read_key, read_key_list
 
