@@ -102,9 +102,12 @@ def tier_config_from_keys(
     derived = {"fingerprint": config_fingerprint(run_config), "hash_seed": hash_seed}
     for name in _DERIVED_KEYS:
         keys.setdefault(name, derived[name])
+    aliases = {f"{section}.{name}": alias for alias, (section, name) in UPSTREAM_KEYS.items()
+               if alias in tier_keys}
     try:
         return TierConfig.from_dict(
-            keys, dp_rank=dp_rank, environ=environ, host_env=HOST_ENV, port_env=PORT_ENV
+            keys, dp_rank=dp_rank, environ=environ, host_env=HOST_ENV, port_env=PORT_ENV,
+            also_accepted=(*ENTRY_KEYS, *UPSTREAM_KEYS, IDLE_WAIT_KEY), shown_as=aliases,
         )
     except ConfigError as exc:
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
