@@ -112,6 +112,6 @@ def _range_cover(text: str) -> list[Network] | None:
         return None
     try:
         low, high = ipaddress.ip_address(first.strip()), ipaddress.ip_address(last.strip())
-        return list(ipaddress.summarize_address_range(low, high))  # type: ignore[arg-type]
+        return list(ipaddress.summarize_address_range(low, high))
     except (ValueError, TypeError):
         return None

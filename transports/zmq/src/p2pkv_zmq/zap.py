@@ -9,7 +9,7 @@ the next poll.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import zmq
 from zmq.utils import z85
@@ -28,7 +28,7 @@ class ZapHandler:
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
-        allowed: frozenset[bytes],
+        allowed: Container[bytes],
         on_refused: Callable[[str, str], None],
     ) -> None:
         self._allowed = allowed
