@@ -50,6 +50,12 @@ def fleet(directory: Path) -> Path:
     return directory
 
 
+def keyed(directory: Path) -> str:
+    """What an ok line says of a tier with the keys of ``directory``."""
+    client = read_key(str(directory / "client.key"), "client", "public")
+    return f"keys {fingerprint(directory)}, its client key {key_fingerprint(client)}"
+
+
 def fingerprint(directory: Path) -> str:
     return key_fingerprint(public_of(read_key(str(directory / "server.key_secret"), "s",
                                               "secret")))
@@ -81,7 +87,7 @@ def test_the_p2pkv_engine_passes_with_the_fleets_keys(engines: tuple[Engine, Eng
         status, out, err = p2pkv("probe", *args, env=env)
         assert (status, err) == (0, "")
         assert out == (f"p2pkv tier at {address}: p2pkv {__version__}, control zmq, wire "
-                       f"{WIRE_MAJOR}.{WIRE_MINOR}, CURVE (keys {fingerprint(keys)})\n")
+                       f"{WIRE_MAJOR}.{WIRE_MINOR}, CURVE ({keyed(keys)})\n")
     assert ours.p2pkv_log() == before
 
 

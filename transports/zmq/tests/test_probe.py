@@ -52,6 +52,12 @@ def run_probe_keys(*args: str) -> int:
                           capture_output=True, timeout=T, check=False).returncode
 
 
+def keyed(directory: Path) -> str:
+    """What an ok line says of a tier with the keys of ``directory``."""
+    client = read_key(str(directory / "client.key"), "client", "public")
+    return f"keys {fingerprint(directory)}, its client key {key_fingerprint(client)}"
+
+
 def fingerprint(directory: Path) -> str:
     secret = read_key(str(directory / "server.key_secret"), "server", "secret")
     return key_fingerprint(public_of(secret))
@@ -95,7 +101,7 @@ def test_a_tier_with_the_fleets_keys_passes_and_is_left_undisturbed(
     for _ in range(3):
         status, out, err = run_probe(address, "--curve-dir", str(keys))
         assert (status, err) == (0, ""), err
-        assert out == f"p2pkv tier at {address}: {WHAT}, CURVE (keys {fingerprint(keys)})\n"
+        assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
     assert child.request("log", T)[1] == before  # nothing above DEBUG
     assert child.request("sessions", T) == ("sessions", 0)
 
@@ -109,7 +115,7 @@ def test_the_default_address_and_keys_are_the_tiers_own(
            "VLLM_P2P_SIDE_CHANNEL_PORT": port, CURVE_DIR_ENV: str(keys)}
     status, out, err = run_probe(env=env)
     assert (status, err) == (0, "")
-    assert out == f"p2pkv tier at {address}: {WHAT}, CURVE (keys {fingerprint(keys)})\n"
+    assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
 
 
 def test_every_rank_must_pass(curve_tier: tuple[Child, str], keys: Path) -> None:
@@ -118,7 +124,7 @@ def test_every_rank_must_pass(curve_tier: tuple[Child, str], keys: Path) -> None
     next_rank = f"{host}:{int(port) + 1}"
     status, out, err = run_probe(address, "--ranks", "2", "--curve-dir", str(keys))
     assert status == 1
-    assert out == f"p2pkv tier at {address}: {WHAT}, CURVE (keys {fingerprint(keys)})\n"
+    assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
     assert err.startswith(f"p2pkv probe: {next_rank}: ")
 
 

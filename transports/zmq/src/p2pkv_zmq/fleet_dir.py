@@ -28,18 +28,14 @@ from pathlib import Path
 from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 
-from p2pkv_zmq.keys import PUBLIC_SUFFIX, SECRET_SUFFIX, public_of, read_key, read_key_list
+from p2pkv_zmq.key_files import FLEET_CLIENT, FLEET_SERVER, PUBLIC_SUFFIX, SECRET_SUFFIX
+from p2pkv_zmq.keys import public_of, read_key, read_key_list
 from p2pkv_zmq.options import CURVE_DIR_ENV
 
-__all__ = ["FLEET_CLIENT", "FLEET_SERVER", "RELOAD_INTERVAL", "AllowedView", "KeySet",
-           "LiveKeys", "read_fleet_dir"]
+__all__ = ["RELOAD_INTERVAL", "AllowedView", "KeySet", "LiveKeys", "read_fleet_dir"]
 
 log = module_logger(__name__)
 
-FLEET_SERVER = "server"
-"""Name (``NAME.key``/``NAME.key_secret``) of the listeners' pair in a fleet key directory."""
-FLEET_CLIENT = "client"
-"""Name of the dialers' pair in a fleet key directory."""
 RELOAD_INTERVAL = 1.0
 """Seconds between two looks at the directory (each a few ``stat`` calls)."""
 

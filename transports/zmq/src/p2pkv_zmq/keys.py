@@ -22,17 +22,17 @@ from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 from zmq.utils import z85
 
+from p2pkv_zmq.key_files import FLEET_CLIENT, FLEET_SERVER, PUBLIC_SUFFIX, SECRET_SUFFIX
+
 __all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_fingerprint",
            "key_pair_files", "public_of", "read_key", "read_key_list", "write_fleet_keys",
            "write_key_pair"]
 
 log = module_logger(__name__)
 
-PUBLIC_SUFFIX = ".key"
-SECRET_SUFFIX = ".key_secret"
 _Z85_LEN = 40
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_FLEET_PAIRS = ("server", "client")  # p2pkv_zmq.security.FLEET_SERVER, FLEET_CLIENT
+_FLEET_PAIRS = (FLEET_SERVER, FLEET_CLIENT)
 _LOOSE = 0o027
 """Mode bits a secret key file must not have: any access for others, write for the group. A
 Secret volume's ``defaultMode: 0440`` (owner and the pod's fsGroup read) is accepted."""

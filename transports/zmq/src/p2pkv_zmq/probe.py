@@ -69,6 +69,8 @@ class _Seen:
     identity: Identity | None = None
     refused_tier_key: str = ""
     """The client key the tier's answer presented, refused by our ZAP check."""
+    tier_client_key: bytes = b""
+    """The client key the tier's answer presented, admitted (the tier's current pair)."""
 
 
 def probe(address: str, host: str, port: int, keys: CurveKeys | None, timeout: float
@@ -85,7 +87,7 @@ def probe(address: str, host: str, port: int, keys: CurveKeys | None, timeout: f
     finally:
         ctx.destroy(linger=0)
     if seen.identity is not None:
-        return _verdict(address, seen.identity, keys)
+        return _verdict(address, seen.identity, keys, seen.tier_client_key)
     if seen.failure:
         return ProbeResult(False, f"{address}: {seen.failure}")
     if seen.refused_tier_key:
@@ -158,7 +160,10 @@ def _answer_socket(ctx: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys | None, 
     def refused(_host: str, client: str) -> None:
         seen.refused_tier_key = client
 
-    zap = ZapHandler(ctx, keys.allowed, refused)
+    def admitted(client: bytes) -> None:
+        seen.tier_client_key = client
+
+    zap = ZapHandler(ctx, keys.allowed, refused, admitted)
     answers.zap_domain = b"p2pkv"
     answers.curve_server = True
     answers.curve_secretkey = keys.server_secret
@@ -204,7 +209,8 @@ def _on_answer(parts: list[bytes], nonce: bytes, seen: _Seen) -> None:
         seen.identity = identity
 
 
-def _verdict(address: str, identity: Identity, keys: CurveKeys | None) -> ProbeResult:
+def _verdict(address: str, identity: Identity, keys: CurveKeys | None, tier_client: bytes
+             ) -> ProbeResult:
     what = (f"p2pkv {identity.version}, control {identity.control}, wire "
             f"{identity.wire[0]}.{identity.wire[1]}")
     if identity.wire[0] != WIRE_MAJOR:
@@ -213,8 +219,9 @@ def _verdict(address: str, identity: Identity, keys: CurveKeys | None) -> ProbeR
     if keys is None:
         return ProbeResult(True, f"p2pkv tier at {address}: {what}, no authentication "
                            "(--insecure)")
+    client = f", its client key {key_fingerprint(tier_client)}" if tier_client else ""
     return ProbeResult(True, f"p2pkv tier at {address}: {what}, CURVE (keys "
-                       f"{key_fingerprint(keys.server_public)})")
+                       f"{key_fingerprint(keys.server_public)}{client})")
 
 
 def _named(found: Greeting, keys: CurveKeys | None) -> str:

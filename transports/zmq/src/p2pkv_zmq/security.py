@@ -28,7 +28,8 @@ from p2pkv.addressing import is_loopback_host
 from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 
-from p2pkv_zmq.fleet_dir import FLEET_CLIENT, FLEET_SERVER, AllowedView, KeySet, LiveKeys
+from p2pkv_zmq.fleet_dir import AllowedView, KeySet, LiveKeys
+from p2pkv_zmq.key_files import FLEET_CLIENT, FLEET_SERVER
 from p2pkv_zmq.options import CURVE_DIR_ENV, ZmqOptions
 
 __all__ = ["FLEET_CLIENT", "FLEET_SERVER", "CurveKeys", "curve_keys", "fleet_keys"]
