@@ -46,7 +46,7 @@ def test_the_environment_fills_what_the_entry_lacks() -> None:
     assert TierConfig.from_dict({}, environ=env).peers == Peers(("10.0.0.0/8", "pod.ns"), 9)
     keyed = TierConfig.from_dict({"peers": {"allow": ["::1"]}}, environ=env).peers
     assert keyed == Peers(("::1",), 9)  # the entry's key wins, the other comes from env
-    with pytest.raises(ConfigError, match="P2PKV_PEERS_MAX_DIALED='x' must be an integer in 1..2147483647"):
+    with pytest.raises(ConfigError, match=r"P2PKV_PEERS_MAX_DIALED='x' must be an integer in "):
         TierConfig.from_dict({}, environ={"P2PKV_PEERS_MAX_DIALED": "x"})
     upstream = TierConfig.from_dict({}, environ={"VLLM_P2P_MAX_PEERS": "128"}).peers
     assert upstream.max_dialed == 128  # the built-in tier's variable, read when ours is unset

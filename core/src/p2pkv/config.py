@@ -320,11 +320,15 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
     parse_allow_list(peers.allow, from_env.get("allow"))  # refuses a bad entry now, naming it
     for i, entry in enumerate(peers.connect):
+        where = (f"{PEERS_CONNECT_ENV} entry {entry!r}" if "connect" in from_env
+                 else f"tier config key peers.connect[{i}]")
+        if "$(" in entry:
+            raise ConfigError(f"{where} holds a $(VAR) reference Kubernetes did not expand: "
+                              "define VAR above this variable in the container's env list "
+                              "(only earlier ones expand)")
         try:
             parse_address(entry)
         except ConfigError as exc:
-            where = (f"{PEERS_CONNECT_ENV} entry {entry!r}" if "connect" in from_env
-                     else f"tier config key peers.connect[{i}]")
             raise ConfigError(f"{where}: {exc}") from None
     return peers
 

@@ -66,8 +66,10 @@ class DialPolicy:
             host, _ = parse_address(peer)
         except ConfigError:
             return "it is not host:port, so not on peers.allow"
-        return None if self._allow.allows(host) else ("it is not on peers.allow (add its network to the "
-                                     "tier's peers.allow to let requests name it)")
+        if self._allow.allows(host):
+            return None
+        return ("it is not on peers.allow (add its network to the tier's peers.allow to let "
+                "requests name it)")
 
     def admit(self, peer: str, open_sessions: int,
               dialed: Callable[[], Sequence[tuple[str, bool]]],

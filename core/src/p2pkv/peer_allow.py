@@ -13,6 +13,7 @@ Entries that could never match the peer a router names are refused at start, and
   cover it (``10.0.0.0/24``);
 - a Kubernetes Service's DNS name (a label ``svc``: ``ms-p2p.llm-d.svc.cluster.local``):
   routers name pods by their IP, never by a Service's name; allow the pods' network;
+- a ``$(VAR)`` Kubernetes left unexpanded (``VAR`` defined below the variable using it);
 - anything with a port, a scheme or a space.
 
 A plain host name stays allowed: it matches requests that name that host (p2pkv's own proxy
@@ -22,6 +23,7 @@ may name peers so), never a pod IP.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ __all__ = ["PeerAllowList", "parse_allow_list"]
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _ANY = frozenset({"*", "any", "all", "*.*.*.*"})
 _SERVICE_LABEL = "svc"
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_.])?$")
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,10 @@ def _never_matches(text: str) -> str:
     if cover is not None:
         return (f"is a range, which never matches a peer's address: write it as "
                 f"{', '.join(map(str, cover))}")
-    if any(c in text for c in "/:[] ") or text.startswith(("-", ".")) or not text:
+    if "$(" in text:
+        return ("holds a $(VAR) reference Kubernetes did not expand: define VAR above this "
+                "variable in the container's env list (only earlier ones expand)")
+    if not _HOST_NAME.match(text):
         return ("is neither a network (10.0.0.0/8), an address nor a host name (no port, no "
                 "scheme)")
     if _SERVICE_LABEL in text.lower().rstrip(".").split("."):
