@@ -1,7 +1,8 @@
-"""mkdocs hook: replace ``<!-- api-reference -->`` with the public API of the modules in
-:data:`MODULES`: each name of a module's ``__all__`` with its signature and docstring, and
-for a class its public methods and properties (those it defines or overrides), so the
-reference cannot drift from the code. Docstrings are shown as written (preformatted)."""
+"""The API reference of docs/api.md (written into the page by ``reference_pages.py``): the
+public API of the modules in :data:`MODULES`: each name of a module's ``__all__`` with its
+signature and docstring, and for a class its public methods and properties (those it defines
+or overrides), so the reference cannot drift from the code. Docstrings are shown as written
+(preformatted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-MARKER = "<!-- api-reference -->"
 MODULES = (
     "p2pkv.contracts",
     "p2pkv.control_base",
@@ -69,8 +69,3 @@ def render() -> str:
         sections += [_entry(module, name, getattr(mod, name)) for name in mod.__all__]
     return "\n\n".join(sections)
 
-
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    if MARKER in markdown:
-        return markdown.replace(MARKER, render())
-    return markdown
