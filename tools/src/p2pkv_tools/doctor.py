@@ -70,8 +70,13 @@ def add_parser(sub: Any) -> None:
         help=TOOL_COMMANDS["doctor"],
         description="Everything needed when p2pkv is slow or fails on this host.",
     )
-    p.add_argument("--config", metavar="JSON",
-                   help="tier config (JSON text or @file) whose ports to check")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--config", metavar="JSON",
+                       help="tier config or vLLM secondary_tiers entry (JSON text or @file) "
+                            "whose ports to check, read as the tier reads it")
+    given.add_argument("--kv-transfer-config", metavar="JSON",
+                       help="vLLM's --kv-transfer-config (JSON text or @file): the ports of "
+                            "its p2pkv entries, as the engine's tier reads them")
     p.add_argument("--dp-size", type=_positive_int, default=1,
                    help="data-parallel ranks on this host: check base port .. base+N-1")
     p.add_argument("--no-probe", action="store_true",
@@ -348,26 +353,34 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | None:
+    """The engine entry ``--config`` or ``--kv-transfer-config`` names, as ``(check_config.Entry,
+    connector extra config)``, or None for a plain tier config (or none given). An entry is
+    read by its engine adapter, as at engine start (its environment variables, upstream keys,
+    zero-edit mode). ``ConfigError`` names the option when it cannot be read."""
+    from p2pkv import check_config
+
+    if args.kv_transfer_config:
+        kv = json_object(args.kv_transfer_config, "--kv-transfer-config",
+                         "vLLM's KVTransferConfig")
+    elif args.config:
+        raw = json_object(args.config, "--config", "a tier config, or a vLLM secondary_tiers "
+                          "entry")
+        if "module_path" not in raw and "type" not in raw:
+            return None
+        kv = {"kv_connector_extra_config": {"secondary_tiers": [raw]}}
+    else:
+        return None
+    try:
+        extra, found = check_config.entries(kv)
+    except check_config.BuiltInTier as exc:
+        raise ConfigError(str(exc)) from None
+    return found[0], extra
+
+
 def _config_dict(text: str | None) -> dict[str, Any]:
-    """The ``--config`` value (JSON text, or ``@file`` holding it) as a tier config dict. A
-    vLLM ``secondary_tiers`` entry (with ``type`` and ``module_path``) is accepted as vLLM
-    passes it: the keys only the engine reads are dropped. ``ConfigError`` names the option
-    and the file when it cannot be read or parsed."""
-    if not text:
-        return {}
-    raw = json_object(text, "--config", "a tier config, or a vLLM secondary_tiers entry")
-    module_path = raw.get("module_path")
-    if module_path is None:
-        return raw
-    entry_keys = _ENTRY_KEYS.get(module_path)
-    if entry_keys is None:
-        raise ConfigError(f"--config: module_path {module_path!r} is not a p2pkv engine adapter "
-                          f"(known: {', '.join(_ENTRY_KEYS)})")
-    return {k: v for k, v in raw.items() if k not in entry_keys}
-
-
-_ENTRY_KEYS = {"p2pkv_vllm": ("type", "module_path", "backpressure", "locality")}
-"""Keys of an engine's tier entry that the engine reads, not the tier, by ``module_path``."""
+    """A plain ``--config`` tier config (JSON text, or ``@file`` holding it)."""
+    return {} if not text else json_object(text, "--config", "a tier config")
 
 
 _ENGINE_ENV = {"vLLM": "p2pkv_vllm.bridge"}
@@ -392,11 +405,31 @@ def _source(raw: Mapping[str, Any], key: str, names: Sequence[str]) -> tuple[str
     first variable set (the one ``TierConfig.from_dict`` reads), else the default (changed
     through the first variable)."""
     if key in raw:
-        return f"--config key {key!r}", f"the --config key {key!r}"
+        return f"tier key {key!r}", f"the tier key {key!r}"
     name = next((n for n in names if os.environ.get(n)), None)
     if name is None:
         return "default", names[0]
     return f"{name}={os.environ[name]}", name
+
+
+def entry_listeners(entry: Any, extra: Mapping[str, Any], dp_size: int
+                    ) -> list[dict[str, Any]]:
+    """Where the tier of an engine entry would listen (its adapter's reading of the entry and
+    of this environment), as :func:`listeners` reports it."""
+    try:
+        cfg = entry.adapter.entry_tier_config(entry.keys, extra_config=extra,
+                                              dp_rank=dp_size - 1)
+    except ConfigError as exc:
+        ranks = f" (--dp-size {dp_size}: lower the base port or the DP size)"
+        raise ConfigError(f"{entry.where}: {exc}{ranks if dp_size > 1 else ''}") from None
+    raw = entry.keys
+    host_env, port_env = entry.adapter.HOST_ENV, entry.adapter.PORT_ENV
+    host_from, _ = _source(raw, "host", host_env)
+    port_from, port_change = _source(raw, "port", port_env)
+    ports = [cfg.base_port + r for r in range(dp_size)] if cfg.base_port else [0]
+    return [{"engines": [f"vLLM ({entry.how})"], "host": cfg.host, "ports": ports,
+             "host_from": host_from, "port_from": port_from, "port_change": port_change,
+             "control": cfg.control, "data": cfg.data}]
 
 
 def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
@@ -427,7 +460,9 @@ def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``p2pkv doctor`` shows, as plain data; ``ConfigError`` for bad options."""
     registry = default_registry()
-    listen = listeners(_config_dict(args.config), args.dp_size)
+    engine_entry = _entry_config(args)
+    listen = (entry_listeners(*engine_entry, args.dp_size) if engine_entry is not None
+              else listeners(_config_dict(args.config), args.dp_size))
     lanes: dict[str, Any] = {}
     if not args.no_probe:
         for name in UCX_TRANSPORTS:
