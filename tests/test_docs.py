@@ -6,7 +6,8 @@
   that exists. A block preceded by ``<!-- docs-test: run -->`` is run for real, from the
   repository root, with this interpreter's ``bin`` first on ``PATH`` (``pytest``, ``p2pkv``).
 - A block preceded by ``<!-- docs-test: skip REASON -->`` is skipped, and the reason shows in
-  the test report. Blocks in other languages (``text``, ``mermaid``, ``json``, ...) are data.
+  the test report. Blocks inside a generated reference (``<!-- NAME: generated ... -->``) are
+  signatures and help texts: left alone (a test checks that they match the code). Blocks in other languages (``text``, ``mermaid``, ``json``, ...) are data.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*/*/README.md")])
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(run|skip)\s*(.*?)-->\s*$")
+GENERATED = re.compile(r"<!-- ([a-z-]+): generated .*?<!-- \1: end -->", re.S)
+"""A block of a reference page generated from the code (docs/hooks/reference_pages.py): its
+fences are signatures and help texts, not commands to run."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,12 @@ def _blocks() -> list[Block]:
     out = []
     for path in DOC_FILES:
         text = path.read_text()
+        generated = [g.span() for g in GENERATED.finditer(text)]
         for m in FENCE.finditer(text):
             lang = m.group(1).lower()
             if lang not in ("python", "bash", "console", "sh", "shell"):
+                continue
+            if any(start <= m.start() < end for start, end in generated):
                 continue
             line = text.count("\n", 0, m.start()) + 1
             before = text[: m.start()].rstrip("\n").splitlines()
