@@ -38,10 +38,10 @@ def prometheus_metrics() -> dict[str, str]:
 
 def vllm_metrics() -> dict[str, str]:
     metrics = pytest.importorskip("p2pkv_vllm.metrics")
-    return {
-        metrics.JOBS: "counter",
+    return {  # counters as /metrics shows them: with _total
+        metrics.JOBS + "_total": "counter",
         metrics.JOB_SECONDS: "histogram",
-        **{metrics.PREFIX + name: "counter" for name in metrics.COUNTERS},
+        **{metrics.PREFIX + name + "_total": "counter" for name in metrics.COUNTERS},
         **{metrics.PREFIX + name: "gauge" for name in metrics.GAUGES},
     }
 
