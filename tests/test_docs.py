@@ -7,7 +7,8 @@
   repository root, with this interpreter's ``bin`` first on ``PATH`` (``pytest``, ``p2pkv``).
 - A block preceded by ``<!-- docs-test: skip REASON -->`` is skipped, and the reason shows in
   the test report. Blocks inside a generated reference (``<!-- NAME: generated ... -->``) are
-  signatures and help texts: left alone (a test checks that they match the code). Blocks in other languages (``text``, ``mermaid``, ``json``, ...) are data.
+  signatures and help texts: left alone (a test checks that they match the code). Blocks in
+  other languages (``text``, ``mermaid``, ``json``, ...) are data.
 """
 
 from __future__ import annotations
