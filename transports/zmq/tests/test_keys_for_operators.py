@@ -140,6 +140,8 @@ def test_each_rotation_step_keeps_old_and_new_admitted_until_finish(tmp_path: Pa
     for step, admitted_old in (("begin", True), ("switch", True), ("finish", False)):
         assert p2pkv_main(["keys", "--rotate", step, "--dir", str(keys)]) == 0
         now = read_fleet_dir(keys)
+        if step == "begin":
+            assert read_fleet_dir(keys, "client-next").client_public not in first.allowed
         assert now.server_secret == first.server_secret
         assert (next(iter(first.allowed)) in now.allowed) is admitted_old
         assert len(now.allowed) == (2 if admitted_old else 1)
@@ -171,7 +173,10 @@ def test_a_secret_is_rotated_as_json_without_its_server_fields(tmp_path: Path) -
                            "resourceVersion": "7"},
               "data": {p.name: base64.b64encode(p.read_bytes()).decode()
                        for p in keys.iterdir()}}
-    after = json.loads(rotate_secret(json.dumps(secret), "begin"))
+    text, hint = rotate_secret(json.dumps(secret), "begin")
+    after = json.loads(text)
+    assert hint.endswith("check every pod with `p2pkv probe --client-key client-next`, then "
+                         "run switch")
     assert after["metadata"] == {"name": "p2pkv-curve", "namespace": "llm-d"}
     assert sorted(after["data"]) == ["client-next.key", "client-next.key_secret", "client.key",
                                      "client.key_secret", "server.key", "server.key_secret"]

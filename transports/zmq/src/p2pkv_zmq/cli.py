@@ -99,7 +99,9 @@ def _rotate(args: argparse.Namespace) -> None:
             manifest = Path(args.source).read_text(encoding="utf-8")
         except OSError as exc:
             raise FileExistsError(f"--from {args.source}: {exc.strerror or exc}") from None
-    sys.stdout.write(rotate_secret(manifest, args.rotate))
+    secret, hint = rotate_secret(manifest, args.rotate)
+    sys.stdout.write(secret)
+    print(f"p2pkv keys: {hint}", file=sys.stderr)
 
 
 def _misuse(args: argparse.Namespace) -> str | None:

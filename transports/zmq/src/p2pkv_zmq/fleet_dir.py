@@ -54,12 +54,13 @@ class KeySet:
         return f"KeySet(server_public={self.server_public!r}, allowed={len(self.allowed)})"
 
 
-def read_fleet_dir(directory: Path) -> KeySet:
-    """The keys of a fleet key directory; ``ConfigError`` naming what is missing or
-    unreadable and the fix."""
+def read_fleet_dir(directory: Path, client: str = FLEET_CLIENT) -> KeySet:
+    """The keys of a fleet key directory, dialing with the pair ``client`` (the fleet's, or
+    another one of the directory: ``client-next`` during a rotation); ``ConfigError`` naming
+    what is missing or unreadable and the fix."""
     _check_readable(directory)
     secrets = {}
-    for name in (FLEET_SERVER, FLEET_CLIENT):
+    for name in (FLEET_SERVER, client):
         path = directory / f"{name}{SECRET_SUFFIX}"
         if not path.is_file():
             raise ConfigError(f"{CURVE_DIR_ENV}: no {path.name} in {directory} (a fleet key "
@@ -71,8 +72,8 @@ def read_fleet_dir(directory: Path) -> KeySet:
     if not allowed:
         raise ConfigError(f"{CURVE_DIR_ENV}: no client public key (*{PUBLIC_SUFFIX} other than "
                           f"{FLEET_SERVER}{PUBLIC_SUFFIX}) in {directory}")
-    server, client = secrets[FLEET_SERVER], secrets[FLEET_CLIENT]
-    return KeySet(server, public_of(server), client, public_of(client),
+    server, ours = secrets[FLEET_SERVER], secrets[client]
+    return KeySet(server, public_of(server), ours, public_of(ours),
                   read_key_list(tuple(allowed), f"{CURVE_DIR_ENV}: client keys"))
 
 
@@ -91,10 +92,12 @@ class LiveKeys:
     """The keys of a fleet key directory as they are now (see the module docstring);
     ``clock`` is injectable for tests."""
 
-    def __init__(self, directory: Path, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, directory: Path, *, client: str = FLEET_CLIENT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = directory
+        self._client = client
         self._clock = clock
-        self._keys = read_fleet_dir(directory)
+        self._keys = read_fleet_dir(directory, client)
         self._signature = _signature(directory)
         self._next_look = clock() + RELOAD_INTERVAL
         self._logged: object = None
@@ -112,7 +115,7 @@ class LiveKeys:
 
     def _reload(self, signature: object) -> None:
         try:
-            fresh = read_fleet_dir(self.directory)
+            fresh = read_fleet_dir(self.directory, self._client)
         except ConfigError as exc:
             if self._logged != signature:
                 self._logged = signature

@@ -60,6 +60,9 @@ def add_probe_parser(sub: Any) -> None:
                           help=f"the fleet's key directory (default: ${CURVE_DIR_ENV})")
     security.add_argument("--insecure", action="store_true",
                           help="expect a tier without authentication (insecure: true)")
+    p.add_argument("--client-key", default="client", metavar="NAME",
+                   help="dial with the pair NAME.key_secret of the key directory (default "
+                        "client; client-next checks a rotation's new key, docs/security.md)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"seconds for the dial and the answer (default {DEFAULT_TIMEOUT:g}; a "
                         "failed probe may take as long again to name what answered)")
@@ -130,4 +133,4 @@ def _keys(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) 
 
     if not zmq.has("curve"):
         raise ConfigError("this libzmq was built without CURVE: probe with --insecure only")
-    return fleet_keys(Path(directory))
+    return fleet_keys(Path(directory), args.client_key)

@@ -36,7 +36,7 @@ from p2pkv.errors import ConfigError
 
 from p2pkv_zmq.key_files import FLEET_CLIENT, PUBLIC_SUFFIX, SECRET_SUFFIX
 
-__all__ = ["STEPS", "Step", "rotate", "rotate_dir", "rotate_secret"]
+__all__ = ["STEPS", "Step", "check_hint", "rotate", "rotate_dir", "rotate_secret"]
 
 Step = Literal["begin", "switch", "finish"]
 STEPS: tuple[Step, ...] = ("begin", "switch", "finish")
@@ -78,6 +78,27 @@ def rotate(files: Mapping[str, str], step: Step) -> tuple[dict[str, str], list[s
     return out, [f"{_PREVIOUS}{PUBLIC_SUFFIX}"]
 
 
+def check_hint(step: Step, files: Mapping[str, str]) -> str:
+    """What to check on every pod before the next step, with the key fingerprints (after
+    ``step``, given the file map it left)."""
+    from p2pkv_zmq.keys import key_fingerprint, read_key
+
+    def fingerprint(name: str) -> str:
+        text = files[f"{name}{PUBLIC_SUFFIX}"]
+        key = next((part for part in text.split('"') if len(part) == 40), text.strip())
+        return key_fingerprint(read_key(key, name, "public"))
+
+    if step == "begin":
+        return (f"new client key {fingerprint(_NEXT)} is admitted once this reaches a pod; "
+                f"check every pod with `p2pkv probe --client-key {_NEXT}`, then run switch")
+    if step == "switch":
+        return (f"new dials present client key {fingerprint(_CLIENT)}; check that `p2pkv "
+                f"probe` shows 'its client key {fingerprint(_CLIENT)}' on every pod, then run "
+                "finish")
+    return (f"only client key {fingerprint(_CLIENT)} is admitted for new connections once this "
+            "reaches a pod; restart pods to cut connections made with the old one")
+
+
 def rotate_dir(directory: Path, step: Step) -> list[str]:
     """Apply ``step`` to a fleet key directory in place; returns what it did, one line per
     file. New and changed files first (each written to a temporary name and renamed over),
@@ -98,12 +119,13 @@ def rotate_dir(directory: Path, step: Step) -> list[str]:
     for name in gone:
         (directory / name).unlink()
         done.append(f"removed {directory / name}")
-    return done
+    return [*done, check_hint(step, after)]
 
 
-def rotate_secret(manifest: str, step: Step) -> str:
+def rotate_secret(manifest: str, step: Step) -> tuple[str, str]:
     """A Kubernetes Secret (JSON, as ``kubectl get secret NAME -o json`` prints it) after
-    ``step``, as JSON for ``kubectl apply -f -`` (its server-side fields dropped)."""
+    ``step``, as JSON for ``kubectl apply -f -`` (its server-side fields dropped), and what to
+    check before the next step (:func:`check_hint`)."""
     try:
         secret = json.loads(manifest)
     except ValueError as exc:
@@ -126,7 +148,7 @@ def rotate_secret(manifest: str, step: Step) -> str:
         "data": {name: base64.b64encode(text.encode("ascii")).decode("ascii")
                  for name, text in sorted(after.items())},
     }
-    return json.dumps(out, indent=2) + "\n"
+    return json.dumps(out, indent=2) + "\n", check_hint(step, after)
 
 
 def _replace(path: Path, text: str) -> None:

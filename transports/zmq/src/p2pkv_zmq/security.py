@@ -134,10 +134,10 @@ def curve_keys(
                             read_key_list(options.allowed_client_keys, "allowed_client_keys")))
 
 
-def fleet_keys(directory: Path) -> CurveKeys:
-    """A fleet's keys from ``directory``, followed as it changes (:mod:`p2pkv_zmq.fleet_dir`);
-    ``ConfigError`` naming what is missing or unreadable."""
-    live = LiveKeys(directory)
+def fleet_keys(directory: Path, client: str = FLEET_CLIENT) -> CurveKeys:
+    """A fleet's keys from ``directory``, followed as it changes (:mod:`p2pkv_zmq.fleet_dir`),
+    dialing with the pair ``client``; ``ConfigError`` naming what is missing or unreadable."""
+    live = LiveKeys(directory, client=client)
     log.info("zmq CURVE keys from %s=%s (%d allowed client key(s); re-read when it changes)",
              CURVE_DIR_ENV, directory, len(live.current().allowed))
     return CurveKeys(live)
