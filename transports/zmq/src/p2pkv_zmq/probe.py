@@ -154,6 +154,7 @@ def _answer_socket(ctx: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys | None, 
     them; a refused one is recorded in ``seen``)."""
     answers = ctx.socket(zmq.PULL)
     answers.linger = 0
+    answers.ipv6 = True  # the route to an IPv6 tier starts at an IPv6 address of ours
     if keys is None:
         return answers, None
 
