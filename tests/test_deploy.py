@@ -339,3 +339,16 @@ def test_the_guide_s_shell_command_is_kept() -> None:
     (deployment,) = deployments(parse(kustomize(DEPLOY / "overlay")))
     command = model_server(deployment)["command"]
     assert command[:2] == ["sh", "-c"] and shlex.split(command[2])[-3:] == ["vllm", "serve", "$@"]
+
+
+def test_the_build_context_holds_only_what_the_containerfile_copies() -> None:
+    """``.containerignore`` (and ``.dockerignore``, the same file) excludes everything but
+    the Containerfile's COPY sources: no .venv, .nox, caches or site/ in the context."""
+    ignore = ROOT / ".containerignore"
+    assert (ROOT / ".dockerignore").resolve() == ignore.resolve()
+    patterns = [line for line in ignore.read_text().splitlines()
+                if line and not line.startswith("#")]
+    assert patterns[0] == "*"
+    copied = [line.split()[1] for line in (DEPLOY / "Containerfile").read_text().splitlines()
+              if line.startswith("COPY ")]
+    assert sorted(p[1:] for p in patterns if p.startswith("!")) == sorted(copied)
