@@ -1,0 +1,72 @@
+"""``p2pkv bench --fleet``: run it, print it, write its JSON (see :mod:`fleet`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from p2pkv.errors import ConfigError
+from rich.console import Console
+from rich.markup import escape
+
+from p2pkv_tools.bench.fleet import FULL, PRODUCERS, QUICK, FleetConfig, measure_fleet
+from p2pkv_tools.bench.fleet_report import print_fleet
+from p2pkv_tools.bench.hostinfo import describe_host
+
+__all__ = ["FLEET_FLAGS", "fleet_config", "run_fleet"]
+
+FLEET_FLAGS = {"fleet_sizes": "--fleet-sizes", "fleet_label": "--fleet-label",
+               "no_floods": "--no-floods"}
+"""Options that only ``--fleet`` reads (argparse dest -> flag)."""
+
+
+def fleet_config(args: argparse.Namespace) -> FleetConfig:
+    """What ``--fleet`` measures; ``ConfigError`` names a flag that cannot apply."""
+    config = QUICK if args.quick else FULL
+    if args.fleet_sizes:
+        if min(args.fleet_sizes) < PRODUCERS:
+            raise ConfigError(f"--fleet-sizes: a fleet needs at least {PRODUCERS} peers (the "
+                              f"producers of the fixed-rate loads); give sizes >= {PRODUCERS}")
+        config = replace(config, sizes=tuple(args.fleet_sizes))
+    if args.no_floods:
+        config = replace(config, floods=False)
+    return config
+
+
+def run_fleet(args: argparse.Namespace, console: Console, notes: Console) -> int:
+    """Measure, print the tables (unless the JSON goes to stdout), write the JSON; 1 if a
+    load moved bytes that did not verify."""
+    config = fleet_config(args)
+    started, load = time.time(), os.getloadavg()[0]
+    measured = measure_fleet(config, bool(args.quick),
+                             progress=lambda what: notes.print(f"fleet: {escape(what)}"))
+    doc: dict[str, Any] = {
+        "label": args.fleet_label,
+        "command": "p2pkv bench --fleet " + " ".join(sys.argv[3:]) if sys.argv[1:3] == [
+            "bench", "--fleet"] else "p2pkv bench --fleet",
+        "date": time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(started)),
+        "host": describe_host(),
+        "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)],
+        "config": asdict(config),
+        "quick": bool(args.quick),
+        "elapsed_s": round(time.time() - started, 1),
+        **measured,
+    }
+    if args.json != "-":
+        print_fleet(console, doc, f"p2pkv bench --fleet ({'quick' if args.quick else 'full'})")
+    if args.json:
+        text = json.dumps(doc, indent=2, sort_keys=True)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+    bad = sum(row.get("mismatched", 0) for row in [*doc["sizes"], *doc["floods"]])
+    if bad:
+        notes.print(f"[red]{bad} loads moved bytes that did not verify[/]")
+    return 1 if bad else 0
