@@ -257,8 +257,7 @@ def _established(fleet: _Fleet, config: FleetConfig, base: int, names: list[str]
         first = base + count
         fleet.produce(range(first, first + 4), [newcomer[1]])
         timed = [(config.flood_s / 3, newcomer[0], first + j, "newcomer") for j in range(4)]
-    window = config.flood_s if not names else max(config.flood_s,
-                                                    len(names) / FLOOD_RATE)
+    window = config.flood_s if not names else len(names) / FLOOD_RATE
     result: dict[str, Any] = fleet.tut.call(
         "run", Plan(window, _BLOCKS, timed=timed, closed=closed, flood=names,
                     flood_rate=FLOOD_RATE))
@@ -274,6 +273,7 @@ def _flood_row(kind: str, config: FleetConfig, alone: dict[str, Any],
 
     newcomer = flooded["kinds"].get("newcomer", {})
     flood = flooded["kinds"].get("flood", {})
+    established = flooded["kinds"].get("established", {})
     unloaded, loaded = rps(alone), rps(flooded)
     return {"kind": kind, "names": flooded["flood_issued"],
             "flood_rate": FLOOD_RATE, "window_s": flooded["window_s"],
@@ -283,6 +283,8 @@ def _flood_row(kind: str, config: FleetConfig, alone: dict[str, Any],
             "established_rps_flooded": round(loaded, 1),
             "ratio": round(loaded / unloaded, 3) if unloaded else None,
             "flood_outcomes": flood.get("outcomes", {}),
+            "established_outcomes_flooded": established.get("outcomes", {}),
+            "established_details_flooded": established.get("details", []),
             "newcomer_outcomes": newcomer.get("outcomes", {}),
             **_latencies("newcomer", newcomer),
             "newcomer_details": newcomer.get("details", []),

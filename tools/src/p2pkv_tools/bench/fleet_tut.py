@@ -48,6 +48,8 @@ _GRACE = 30.0
 """Seconds a run waits past its window for the results of the loads it made."""
 _DETAILS = 3
 """Failure details kept per kind."""
+_LONGEST = 120.0
+"""Seconds a flood's window lasts at most."""
 
 
 @dataclass
@@ -65,7 +67,8 @@ class Plan:
     flood: list[str] = field(default_factory=list)
     """Client-named producers that are not there, one load each (1 block, kind ``flood``)."""
     flood_rate: float = 0.0
-    """Flood loads per second."""
+    """Flood loads per second. The window lasts until every one was issued (at most
+    :data:`_LONGEST` seconds)."""
 
 
 @dataclass
@@ -147,9 +150,12 @@ class TierUnderTest:
         cpu = process_usage()["cpu_s"]
         started = time.monotonic()
         flooded = 0
+        window = plan.seconds
         while True:
             now = time.monotonic() - started
-            in_window = now < plan.seconds
+            if flood and now >= window:
+                window = min(now + CADENCE, _LONGEST)  # the flood is not over yet
+            in_window = now < window
             while timed and timed[0][0] <= now:
                 _, producer, request, kind = timed.popleft()
                 self._load(producer, request, plan.blocks, kind)
@@ -162,14 +168,14 @@ class TierUnderTest:
             self._collect()
             if not in_window and not timed and not self._open:
                 break
-            if now > plan.seconds + _GRACE:
+            if now > window + _GRACE:
                 break
             self._tier.tick(_STEP if self._open else 0.0)
             if not self._open:
                 time.sleep(CADENCE)
         wall = time.monotonic() - started
         return {"cpu_s": process_usage()["cpu_s"] - cpu, "wall_s": wall,
-                "window_s": plan.seconds, "mismatched": self._mismatched,
+                "window_s": window, "mismatched": self._mismatched,
                 "left_open": len(self._open), "flood_issued": flooded,
                 "kinds": {k: vars(v) for k, v in self._kinds.items()}}
 

@@ -68,7 +68,7 @@ from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.monitors import LINK_EVENTS, LISTENER_EVENTS, SocketMonitors
 from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.pairing import GONE, MEMORY, OPEN, LinkPairing, classify
-from p2pkv_zmq.poller import Poller
+from p2pkv_zmq.poller import Poller, Readiness
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
@@ -105,6 +105,7 @@ class ZmqHub:
                          "refused_accepts": 0, "inbound_timeouts": 0}
         self.pairing = LinkPairing(self, self.counters)
         self.poller: Poller | None = None
+        self._readiness: Readiness | None = None
         self.monitors: SocketMonitors | None = None
         self._listener: zmq.Socket[bytes] | None = None
         self._listener_monitor: zmq.Socket[bytes] | None = None
@@ -143,17 +144,16 @@ class ZmqHub:
 
     def _listen(self) -> None:
         plan, keys, sockets = self._plan, self._keys, self._sockets
-        zap = None
-        if keys is not None:  # before the listener exists, or libzmq admits everyone
-            zap = self._zap = ZapHandler(sockets.context, keys.allowed, self._on_zap_refusal)
-        listener = self._listener = sockets.listener(plan)
-        poller = self.poller = Poller(listener, self.pairing.routes, self.pairing.news,
-                                      self._on_unrouted, (self._on_sweep, self._next_due))
+        readiness = self._readiness = Readiness()
         monitors = self.monitors = SocketMonitors(
-            poller, self, self._options, curve=keys is not None, counters=self.counters,
+            readiness, self, self._options, curve=keys is not None, counters=self.counters,
             log_once=self._log_once)
-        if zap is not None:
-            poller.watch(zap.socket, zap.serve)
+        if keys is not None:  # before the listener exists, or libzmq admits everyone
+            self._zap = ZapHandler(sockets.context, keys.allowed, monitors.on_zap_refusal)
+            readiness.watch(self._zap.socket, self._zap.serve)
+        listener = self._listener = sockets.listener(plan)
+        self.poller = Poller(readiness, listener, self.pairing.routes, self.pairing.news,
+                             self._on_unrouted, (self._on_sweep, monitors.next_due))
         self._listener_monitor = sockets.monitor(listener, LISTENER_EVENTS)
         monitors.watch_listener(self._listener_monitor)
         endpoint = sockets.bind(listener, plan)
@@ -265,6 +265,8 @@ class ZmqHub:
             self.retire(conn, "transport closed", notify=False)
         if self.poller is not None:
             self.poller.close()
+        if self._readiness is not None:
+            self._readiness.close()
         for sock in (self._listener_monitor, self._zap.socket if self._zap else None,
                      self._listener):
             if sock is not None:
@@ -399,14 +401,6 @@ class ZmqHub:
         examined = self.monitors.on_sweep(now, previous)
         self._log_limit.flush(now)
         return examined
-
-    def _next_due(self) -> float | None:
-        assert self.monitors is not None
-        return self.monitors.next_due()
-
-    def _on_zap_refusal(self, host: str, client: str) -> None:
-        if self.monitors is not None:
-            self.monitors.on_zap_refusal(host, client)
 
     @staticmethod
     def _send(push: zmq.Socket[bytes], link: bytes, verb: bytes, arg: bytes) -> bool:

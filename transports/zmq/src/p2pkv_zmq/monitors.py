@@ -40,7 +40,7 @@ from p2pkv_zmq.dialing import (
 )
 from p2pkv_zmq.gate import InboundGate
 from p2pkv_zmq.options import ZmqOptions
-from p2pkv_zmq.poller import Poller
+from p2pkv_zmq.poller import Readiness
 
 __all__ = ["LINK_EVENTS", "LISTENER_EVENTS", "MonitorOwner", "SocketMonitors"]
 
@@ -79,11 +79,12 @@ class MonitorOwner(Protocol):
 
 
 class SocketMonitors:
-    """The monitors of one hub (see the module docstring). ``counters`` is the hub's."""
+    """The monitors of one hub (see the module docstring): their sockets are watched in the
+    hub's ``readiness`` set. ``counters`` is the hub's."""
 
     def __init__(
         self,
-        poller: Poller,
+        readiness: Readiness,
         owner: MonitorOwner,
         options: ZmqOptions,
         *,
@@ -91,7 +92,7 @@ class SocketMonitors:
         counters: dict[str, int],
         log_once: LogOnce,
     ) -> None:
-        self._poller = poller
+        self._readiness = readiness
         self._owner = owner
         self._options = options
         self._curve = curve
@@ -110,12 +111,12 @@ class SocketMonitors:
         """Follow the new dial ``conn`` (its ``monitor`` set, ``deadline`` its start plus
         ``connect_timeout``)."""
         assert conn.monitor is not None
-        self._poller.watch(conn.monitor, partial(self._on_link_event, conn))
+        self._readiness.watch(conn.monitor, partial(self._on_link_event, conn))
         self._dials.append(conn)
 
     def release(self, monitor: zmq.Socket[bytes]) -> None:
         """Stop following a retired dial's ``monitor`` (before it is closed)."""
-        self._poller.unwatch(monitor)
+        self._readiness.unwatch(monitor)
 
     def _on_link_event(self, conn: ZmqConnection) -> None:
         while conn.monitor is not None:
@@ -181,7 +182,7 @@ class SocketMonitors:
 
     def watch_listener(self, monitor: zmq.Socket[bytes]) -> None:
         self._listener_monitor = monitor
-        self._poller.watch(monitor, self._on_listener_event)
+        self._readiness.watch(monitor, self._on_listener_event)
 
     def admit(self, fd: int) -> None:
         """A well-formed link message came over the inbound TCP connection ``fd``. libzmq

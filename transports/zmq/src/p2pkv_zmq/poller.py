@@ -131,17 +131,19 @@ class Poller:
     (``fd``: the TCP connection a message of three parts or more came over, ``ZMQ_SRCFD``),
     ``on_sweep(now, previous)`` runs the hub's timers (``previous``: when the last sweep was
     due) and returns the entries it examined, ``next_due()`` says when the next one falls due.
+    The sockets to sweep are watched in ``readiness`` (the hub's monitors watch theirs).
     """
 
     def __init__(
         self,
+        readiness: Readiness,
         listener: zmq.Socket[bytes],
         routes: dict[bytes, ZmqConnection],
         news: Callable[[ZmqConnection], None],
         on_unrouted: Callable[[list[bytes], int | None], None],
         timers: tuple[Callable[[float, float], int], Callable[[], float | None]],
     ) -> None:
-        self.readiness = Readiness()
+        self.readiness = readiness
         self._listener = listener
         self._routes = routes
         self._news = news
@@ -159,12 +161,6 @@ class Poller:
         self._next_sweep = 0.0
         self.sweeps = 0
         """Sweeps so far (with ``readiness.work``: the work per sweep)."""
-
-    def watch(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
-        self.readiness.watch(sock, handler)
-
-    def unwatch(self, sock: zmq.Socket[bytes]) -> None:
-        self.readiness.unwatch(sock)
 
     def poll(self, timeout: float) -> None:
         """Read what comes within ``timeout`` seconds, sweeping on time. libzmq waits in
@@ -197,9 +193,9 @@ class Poller:
             pass
 
     def close(self) -> None:
+        """Close the interrupt pipe (the readiness set is its owner's to close)."""
         self._wake_in.close()
         self._wake_out.close()
-        self.readiness.close()
 
     # -- the sweep and the idle wait ------------------------------------------------------------
 
