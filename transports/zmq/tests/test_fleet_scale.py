@@ -178,5 +178,27 @@ def test_take_active_names_the_connections_with_news_once(make_transport: Any) -
     assert b.take_active() == []
 
 
+def test_a_transport_above_descriptor_1024_polls_and_delivers(make_transport: Any) -> None:
+    """A process with many sockets (a tier with hundreds of sessions, or many tiers) gets
+    listener descriptors above ``select``'s limit: short polls still wait, and deliver."""
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        a, b = make_transport(), make_transport()
+        assert b._hub.poller._listener_fd >= 1024
+        a.connect(b.local_address).send(b"high")
+        got: list[Any] = []
+
+        def arrived() -> bool:
+            for _ in range(20):
+                got.extend(b.poll(0.0004))  # under a millisecond: the short wait
+            return bool(got)
+
+        wait_until(arrived, timeout=T, what="the frame", pumps=[lambda: a.poll(0.0)])
+        assert list(got[0].recv()) == [b"high"]
+    finally:
+        for fd in filler:
+            os.close(fd)
+
+
 def _descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))

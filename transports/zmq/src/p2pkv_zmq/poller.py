@@ -47,6 +47,8 @@ MAX_MESSAGES_PER_POLL = 4096
 _NOBLOCK = zmq.NOBLOCK
 _RCVTIMEO = zmq.RCVTIMEO
 _SRCFD = zmq.SRCFD
+_FD_SETSIZE = 1024
+"""The descriptors ``select`` takes are below this (glibc's ``FD_SETSIZE``)."""
 
 Handler = Callable[[], None]
 
@@ -164,8 +166,8 @@ class Poller:
 
     def poll(self, timeout: float) -> None:
         """Read what comes within ``timeout`` seconds, sweeping on time. libzmq waits in
-        whole milliseconds; what is left below one is waited on the PULL's descriptor (with
-        ``select``), so a short ``timeout`` sleeps instead of spinning. Returns after the
+        whole milliseconds; what is left below one is waited on the PULL's descriptor
+        (:meth:`_short_wait`), so a short ``timeout`` sleeps instead of spinning. Returns after the
         first burst of messages or sweep that found something, or at ``timeout``."""
         now = time.monotonic()
         deadline = now + timeout
@@ -181,8 +183,18 @@ class Poller:
             if now >= deadline:
                 return
             if wait_ms <= 0:  # under a millisecond left: libzmq cannot wait that short
-                select.select((self._listener_fd,), (), (), deadline - now)
+                self._short_wait(deadline - now)
                 now = time.monotonic()
+
+    def _short_wait(self, seconds: float) -> None:
+        """Wait ``seconds`` (under a millisecond) on the PULL's descriptor: ``select``, whose
+        timeout has microseconds, for a descriptor below ``FD_SETSIZE``; a plain sleep for
+        one above it (``select`` refuses those: a process with many sockets), after which
+        the next read finds what came."""
+        if self._listener_fd < _FD_SETSIZE:
+            select.select((self._listener_fd,), (), (), seconds)
+        else:
+            time.sleep(seconds)
 
     def interrupt(self) -> None:
         """End an idle wait now, or the next one at its start (any thread). A wait with a
