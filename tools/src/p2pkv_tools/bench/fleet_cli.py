@@ -60,13 +60,19 @@ def run_fleet(args: argparse.Namespace, console: Console, notes: Console) -> int
     if args.json != "-":
         print_fleet(console, doc, f"p2pkv bench --fleet ({'quick' if args.quick else 'full'})")
     if args.json:
-        text = json.dumps(doc, indent=2, sort_keys=True)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+        _write_json(args.json, doc)
     bad = sum(row.get("mismatched", 0) for row in [*doc["sizes"], *doc["floods"]])
     if bad:
         notes.print(f"[red]{bad} loads moved bytes that did not verify[/]")
     return 1 if bad else 0
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    """``doc`` as indented JSON to ``path`` (``-``: stdout)."""
+    if path == "-":
+        json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+        return
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(doc, out, indent=2, sort_keys=True)
+        out.write("\n")
