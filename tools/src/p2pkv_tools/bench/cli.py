@@ -67,6 +67,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    values = _int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"need one positive integer, got {text!r}")
+    return values[0]
+
+
 def _size_list(text: str) -> tuple[int, ...]:
     values = tuple(parse_size(x) for x in text.split(",") if x.strip())
     if not values or any(v <= 0 or v % 8 for v in values):
@@ -172,6 +179,9 @@ def add_parser(sub: Any) -> None:
                    help="with --fleet: a label the JSON and its tables carry (e.g. a commit)")
     p.add_argument("--no-floods", action="store_const", const=True,
                    help="with --fleet: skip the two floods")
+    p.add_argument("--fleet-per-process", type=_positive_int, metavar="N",
+                   help="with --fleet: peers per helper process (default 256; 40 to measure "
+                   "fb4a4b8 or older, whose hub needs fewer than 1024 descriptors a process)")
     p.set_defaults(func=run)
 
 

@@ -46,9 +46,10 @@ from p2pkv_tools.bench.harness import Helper
 
 __all__ = ["FLOOD_PEERS", "FULL", "QUICK", "FleetConfig", "measure_fleet"]
 
-PEERS_PER_PROCESS = 40
-"""Peers per helper process: each peer holds about 20 descriptors, and 40 keep a helper
-below 1024, which ``select`` needs in the hub of fb4a4b8 and older (the "before" runs)."""
+PEERS_PER_PROCESS = 256
+"""Peers per helper process (``--fleet-per-process``). Fewer processes load a shared host
+less. Each peer holds about 20 descriptors: the hub of fb4a4b8 and older needs helpers below
+1024 of them (``select``), so measure it with 40."""
 PRODUCERS = 8
 STORM_TIMEOUT = 120.0
 _STALL = 30.0
@@ -70,6 +71,7 @@ class FleetConfig:
     """What a run measures."""
 
     sizes: tuple[int, ...] = (16, 64, 256, 1000)
+    per_process: int = PEERS_PER_PROCESS
     idle_s: float = 5.0
     rate: float = 100.0
     rate_s: float = 5.0
@@ -100,16 +102,18 @@ def _tier_config(quick: bool) -> dict[str, Any]:
 class _Fleet:
     """The processes of one measurement: the tier under test, the fast helper, the bulk."""
 
-    def __init__(self, stack: ExitStack, peers: int, extra: int, quick: bool) -> None:
-        config = _tier_config(quick)
-        self.tut = _helper(stack, tut_main, (config, _TUT_BLOCKS), "p2pkv-fleet-tut")
-        self.fast = _helper(stack, peers_main, (config,), "p2pkv-fleet-fast")
+    def __init__(self, stack: ExitStack, peers: int, extra: int, config: FleetConfig,
+                 quick: bool) -> None:
+        per_process = config.per_process
+        tier_config = _tier_config(quick)
+        self.tut = _helper(stack, tut_main, (tier_config, _TUT_BLOCKS), "p2pkv-fleet-tut")
+        self.fast = _helper(stack, peers_main, (tier_config,), "p2pkv-fleet-fast")
         bulk = peers - PRODUCERS
-        self.bulk = [_helper(stack, peers_main, (config,), f"p2pkv-fleet-bulk{i}")
-                     for i in range(-(-bulk // PEERS_PER_PROCESS))]
+        self.bulk = [_helper(stack, peers_main, (tier_config,), f"p2pkv-fleet-bulk{i}")
+                     for i in range(-(-bulk // per_process))]
         self.address = self.tut.call("describe")
         for i, helper in enumerate(self.bulk):
-            count = min(PEERS_PER_PROCESS, bulk - i * PEERS_PER_PROCESS)
+            count = min(per_process, bulk - i * per_process)
             helper.send("build", count, _PEER_BLOCKS)
         self.producers = self.fast.call("build", PRODUCERS, _PRODUCER_BLOCKS)
         self.others = self.fast.call("build", extra, _PEER_BLOCKS) if extra else []
@@ -144,7 +148,7 @@ def measure_size(peers: int, config: FleetConfig, quick: bool) -> dict[str, Any]
     """Storm, idle, fixed rate and cold peers with ``peers`` warm peers (module docstring)."""
     load = os.getloadavg()[0]
     with ExitStack() as stack:
-        fleet = _Fleet(stack, peers, config.cold, quick)
+        fleet = _Fleet(stack, peers, config.cold, config, quick)
         row: dict[str, Any] = {"peers": peers, "processes": 2 + len(fleet.bulk)}
         row.update(fleet.storm(peers))
         idle = fleet.tut.call("idle", config.idle_s)
@@ -234,7 +238,7 @@ def measure_floods(config: FleetConfig, quick: bool) -> list[dict[str, Any]]:
     peers = min(config.sizes) if quick else FLOOD_PEERS
     rows = []
     with ExitStack() as stack:
-        fleet = _Fleet(stack, peers, 2, quick)
+        fleet = _Fleet(stack, peers, 2, config, quick)
         fleet.storm(peers)
         base = 3_000_000
         for i, kind in enumerate(("refusing", "black-holed")):

@@ -21,7 +21,7 @@ from p2pkv_tools.bench.hostinfo import describe_host
 __all__ = ["FLEET_FLAGS", "fleet_config", "run_fleet"]
 
 FLEET_FLAGS = {"fleet_sizes": "--fleet-sizes", "fleet_label": "--fleet-label",
-               "no_floods": "--no-floods"}
+               "no_floods": "--no-floods", "fleet_per_process": "--fleet-per-process"}
 """Options that only ``--fleet`` reads (argparse dest -> flag)."""
 
 
@@ -35,6 +35,8 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         config = replace(config, sizes=tuple(args.fleet_sizes))
     if args.no_floods:
         config = replace(config, floods=False)
+    if args.fleet_per_process:
+        config = replace(config, per_process=args.fleet_per_process)
     return config
 
 
