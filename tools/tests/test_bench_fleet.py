@@ -72,6 +72,7 @@ MISUSES = {
     "fleet and control": (("--fleet", "--control"), "separate benchmarks"),
     "too few peers": (("--fleet", "--fleet-sizes", "4"), "--fleet-sizes"),
     "fleet plot": (("--fleet", "--plot", "x.png"), "--fleet has no plot"),
+    "tut path without p2pkv": (("--fleet", "--fleet-tut-path", "/"), "--fleet-tut-path"),
 }
 
 

@@ -180,8 +180,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-floods", action="store_const", const=True,
                    help="with --fleet: skip the two floods")
     p.add_argument("--fleet-per-process", type=_positive_int, metavar="N",
-                   help="with --fleet: peers per helper process (default 256; 40 to measure "
-                   "fb4a4b8 or older, whose hub needs fewer than 1024 descriptors a process)")
+                   help="with --fleet: peers per helper process (default 256)")
+    p.add_argument("--fleet-tut-path", metavar="DIR:DIR",
+                   help="with --fleet: run the tier under test on another checkout's "
+                   "packages (its core/src and transports/zmq/src), against this one's peers")
     p.set_defaults(func=run)
 
 

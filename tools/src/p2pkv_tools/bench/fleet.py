@@ -1,6 +1,10 @@
 """``p2pkv bench --fleet``: one tier under test against N peers in a few processes, and what
 it costs at each N; then two floods of client-named peers.
 
+With ``--fleet-tut-path`` the tier under test imports p2pkv from another checkout (an
+older commit's ``core/src`` and ``transports/zmq/src``), against this branch's peers: the
+"before" runs.
+
 Processes (all on this host, zmq control over loopback, the simulator's shared-memory data,
 :mod:`p2pkv_tools.bench.fleet_data`): the tier under test alone in one
 (:mod:`~p2pkv_tools.bench.fleet_tut`); the N warm peers spread over helpers of at most
@@ -14,7 +18,8 @@ Per N, in fresh processes:
    sessions it reached (``warm_sessions``) when it stalls or :data:`STORM_TIMEOUT` passes.
 2. **Idle.** The tier ticks every 5 ms with N quiet sessions: CPU as a share of one core
    (every thread of its process, zmq's I/O thread too), threads, descriptors, resident
-   memory, and the TCP data segments its sockets carried per second (heartbeats, ``ss``).
+   memory, and the TCP data segments its sockets carried per second (heartbeats, ``ss``);
+   ``idle_sessions``: the ready sessions at its end (fewer than N: the figures are not N's).
 3. **Fixed rate.** PD loads of 4 blocks at ``rate`` per second, spread over the producers:
    latency p50/p99, and CPU per request above the idle CPU of the same window.
 4. **Cold peers.** One load each to peers the tier never contacted, one after another: the
@@ -40,16 +45,16 @@ from typing import Any
 
 import numpy as np
 
+from p2pkv_tools.bench.fleet_boot import tut_entry
 from p2pkv_tools.bench.fleet_peers import peers_main
-from p2pkv_tools.bench.fleet_tut import Plan, tut_main
+from p2pkv_tools.bench.fleet_tut import Plan
 from p2pkv_tools.bench.harness import Helper
 
 __all__ = ["FLOOD_PEERS", "FULL", "QUICK", "FleetConfig", "measure_fleet"]
 
 PEERS_PER_PROCESS = 256
 """Peers per helper process (``--fleet-per-process``). Fewer processes load a shared host
-less. Each peer holds about 20 descriptors: the hub of fb4a4b8 and older needs helpers below
-1024 of them (``select``), so measure it with 40."""
+less; each peer holds about 20 descriptors."""
 PRODUCERS = 8
 STORM_TIMEOUT = 120.0
 _STALL = 30.0
@@ -72,6 +77,8 @@ class FleetConfig:
 
     sizes: tuple[int, ...] = (16, 64, 256, 1000)
     per_process: int = PEERS_PER_PROCESS
+    tut_path: tuple[str, ...] = ()
+    """Directories put first on the tier under test's ``sys.path`` (another commit's)."""
     idle_s: float = 5.0
     rate: float = 100.0
     rate_s: float = 5.0
@@ -106,7 +113,8 @@ class _Fleet:
                  quick: bool) -> None:
         per_process = config.per_process
         tier_config = _tier_config(quick)
-        self.tut = _helper(stack, tut_main, (tier_config, _TUT_BLOCKS), "p2pkv-fleet-tut")
+        self.tut = _helper(stack, tut_entry, (list(config.tut_path), tier_config, _TUT_BLOCKS),
+                           "p2pkv-fleet-tut")
         self.fast = _helper(stack, peers_main, (tier_config,), "p2pkv-fleet-fast")
         bulk = peers - PRODUCERS
         self.bulk = [_helper(stack, peers_main, (tier_config,), f"p2pkv-fleet-bulk{i}")
@@ -149,7 +157,8 @@ def measure_size(peers: int, config: FleetConfig, quick: bool) -> dict[str, Any]
     load = os.getloadavg()[0]
     with ExitStack() as stack:
         fleet = _Fleet(stack, peers, config.cold, config, quick)
-        row: dict[str, Any] = {"peers": peers, "processes": 2 + len(fleet.bulk)}
+        row: dict[str, Any] = {"peers": peers, "processes": 2 + len(fleet.bulk),
+                               "tut_packages": fleet.tut.call("origin")}
         row.update(fleet.storm(peers))
         idle = fleet.tut.call("idle", config.idle_s)
         row.update(_idle_row(idle, peers))
@@ -164,6 +173,7 @@ def _idle_row(idle: dict[str, Any], peers: int) -> dict[str, Any]:
     segments = idle["segments"]
     per_s = None if segments is None else segments / wall
     return {"idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
+            "idle_sessions": idle["sessions"],
             "fds": int(idle["fds"]), "threads": int(idle["threads"]),
             "rss_mib": round(idle["rss_mib"], 1),
             "heartbeat_segments_per_s": None if per_s is None else round(per_s, 1),

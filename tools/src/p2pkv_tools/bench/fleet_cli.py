@@ -21,7 +21,8 @@ from p2pkv_tools.bench.hostinfo import describe_host
 __all__ = ["FLEET_FLAGS", "fleet_config", "run_fleet"]
 
 FLEET_FLAGS = {"fleet_sizes": "--fleet-sizes", "fleet_label": "--fleet-label",
-               "no_floods": "--no-floods", "fleet_per_process": "--fleet-per-process"}
+               "no_floods": "--no-floods", "fleet_per_process": "--fleet-per-process",
+               "fleet_tut_path": "--fleet-tut-path"}
 """Options that only ``--fleet`` reads (argparse dest -> flag)."""
 
 
@@ -37,6 +38,15 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         config = replace(config, floods=False)
     if args.fleet_per_process:
         config = replace(config, per_process=args.fleet_per_process)
+    if args.fleet_tut_path:
+        paths = tuple(os.path.abspath(p) for p in args.fleet_tut_path.split(os.pathsep) if p)
+        missing = [p for p in paths if not os.path.isdir(os.path.join(p, "p2pkv"))
+                   and not os.path.isdir(os.path.join(p, "p2pkv_zmq"))]
+        if not paths or missing:
+            raise ConfigError(f"--fleet-tut-path: {missing or args.fleet_tut_path!r} holds no "
+                              "p2pkv or p2pkv_zmq package; give a checkout's core/src and "
+                              "transports/zmq/src, separated by ':'")
+        config = replace(config, tut_path=paths)
     return config
 
 

@@ -27,6 +27,7 @@ SIZE_COLUMNS = (
     ("heartbeat_segments_per_s", "heartbeat segments/s"),
     ("warm_s", "warm mesh s"),
     ("warm_sessions", "sessions reached"),
+    ("idle_sessions", "sessions idle"),
     ("rate_p99_ms", "p99 at rate ms"),
     ("cold_p50_ms", "cold p50 ms"),
     ("cold_p99_ms", "cold p99 ms"),

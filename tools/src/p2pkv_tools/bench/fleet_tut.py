@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -103,6 +104,11 @@ class TierUnderTest:
     def describe(self) -> str:
         return self._tier.local_address
 
+    def origin(self) -> list[str]:
+        """Where this process imported p2pkv and its control transport from."""
+        found = [sys.modules.get(name) for name in ("p2pkv", "p2pkv_zmq")]
+        return [os.path.dirname(module.__file__ or "") if module else "" for module in found]
+
     def sessions(self) -> int:
         return self._tier.stats().get("sessions_ready", 0)
 
@@ -138,6 +144,7 @@ class TierUnderTest:
         wall = time.monotonic() - started
         after, segments_after = process_usage(), tcp_segments()
         return {"cpu_s": after["cpu_s"] - before["cpu_s"], "wall_s": wall, "ticks": ticks,
+                "sessions": self.sessions(),
                 "threads": after["threads"], "fds": after["fds"], "rss_mib": after["rss_mib"],
                 "segments": (None if segments is None or segments_after is None
                              else segments_after - segments)}
@@ -262,4 +269,4 @@ def tut_main(conn: Connection, tier_config: dict[str, Any], blocks: int) -> None
     """Helper entry: serve a :class:`TierUnderTest`."""
     quiet_logs()
     serve_built(conn, lambda: TierUnderTest(tier_config, blocks),
-                ("describe", "sessions", "warm", "idle", "run"), idle="step")
+                ("describe", "origin", "sessions", "warm", "idle", "run"), idle="step")
