@@ -21,7 +21,8 @@ Per N, in fresh processes:
    memory, and the TCP data segments its sockets carried per second (heartbeats, ``ss``);
    ``idle_sessions``: the ready sessions at its end (fewer than N: the figures are not N's).
 3. **Fixed rate.** PD loads of 4 blocks at ``rate`` per second, spread over the producers:
-   latency p50/p99, and CPU per request above the idle CPU of the same window.
+   latency p50/p99, and the process CPU of the window per request, in all and above the
+   idle CPU of the same time (noisy on a loaded host: idle and loaded are measured apart).
 4. **Cold peers.** One load each to peers the tier never contacted, one after another: the
    p50/p99 of submit to result (dial, handshake, fetch, read).
 
@@ -193,7 +194,8 @@ def _rate_row(fleet: _Fleet, config: FleetConfig, idle: dict[str, Any]) -> dict[
     idle_rate = idle["cpu_s"] / idle["wall_s"]
     spent = result["cpu_s"] - idle_rate * result["wall_s"]
     return {"rate_rps": config.rate, "rate_requests": count,
-            "cpu_per_request_us": round(1e6 * spent / count, 1),
+            "cpu_per_request_us": round(1e6 * result["cpu_s"] / count, 1),
+            "cpu_above_idle_per_request_us": round(1e6 * spent / count, 1),
             **_latencies("rate", kind), "rate_outcomes": kind.get("outcomes", {}),
             "mismatched": result["mismatched"]}
 

@@ -21,6 +21,7 @@ SIZE_COLUMNS = (
     ("peers", "peers"),
     ("idle_cpu_pct", "idle CPU % of a core"),
     ("cpu_per_request_us", "CPU/request µs"),
+    ("cpu_above_idle_per_request_us", "above idle µs"),
     ("fds", "fds"),
     ("threads", "threads"),
     ("rss_mib", "RSS MiB"),
