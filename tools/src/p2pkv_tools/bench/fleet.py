@@ -20,6 +20,8 @@ Per N, in fresh processes:
    (every thread of its process, zmq's I/O thread too), threads, descriptors, resident
    memory, and the TCP data segments its sockets carried per second (heartbeats, ``ss``);
    ``idle_sessions``: the ready sessions at its end (fewer than N: the figures are not N's).
+   CPU per tick is the steadier figure on a loaded host: a starved process ticks less often
+   than every 5 ms (``idle_ticks_per_s``), which lowers its CPU share, not its cost per tick.
 3. **Fixed rate.** PD loads of 4 blocks at ``rate`` per second, spread over the producers:
    latency p50/p99, and the process CPU of the window per request, in all and above the
    idle CPU of the same time (noisy on a loaded host: idle and loaded are measured apart).
@@ -174,6 +176,8 @@ def _idle_row(idle: dict[str, Any], peers: int) -> dict[str, Any]:
     segments = idle["segments"]
     per_s = None if segments is None else segments / wall
     return {"idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
+            "idle_cpu_per_tick_us": round(1e6 * idle["cpu_s"] / max(1, idle["ticks"]), 1),
+            "idle_ticks_per_s": round(idle["ticks"] / wall, 1),
             "idle_sessions": idle["sessions"],
             "fds": int(idle["fds"]), "threads": int(idle["threads"]),
             "rss_mib": round(idle["rss_mib"], 1),

@@ -20,6 +20,8 @@ __all__ = ["FLOOD_COLUMNS", "SIZE_COLUMNS", "main", "markdown", "print_fleet"]
 SIZE_COLUMNS = (
     ("peers", "peers"),
     ("idle_cpu_pct", "idle CPU % of a core"),
+    ("idle_cpu_per_tick_us", "idle CPU/tick µs"),
+    ("idle_ticks_per_s", "ticks/s"),
     ("cpu_per_request_us", "CPU/request µs"),
     ("cpu_above_idle_per_request_us", "above idle µs"),
     ("fds", "fds"),
