@@ -128,6 +128,8 @@ class Side:
         if conn.close_reason is not None:
             return
         conn.close_reason = reason
+        if not notify:
+            conn.out = None  # LINGER 0: what the pairing would queue on it now is lost
         link = self.pairing.forget(conn, self.net.now)
         stream = self.streams[conn]
         if notify:
@@ -304,3 +306,18 @@ def test_news_nobody_takes_is_dropped_and_said() -> None:
     assert a.pairing.take_active() is None
     a.pairing.news(conn)
     assert a.pairing.take_active() == [conn]
+
+
+def test_a_peer_offered_a_dial_that_then_disconnects_is_told_gone() -> None:
+    """Found by the state machine: B offers its dial to A's, then B's dial disconnects. The
+    "gone" for A's offered PUSH must not ride B's dying PUSH (closed at once, it would be
+    lost, and A's connection would stay open while B drops its frames)."""
+    net = Net()
+    a, b = net.sides
+    ours, theirs = a.connect(), b.connect()
+    net.deliver(net.pending()[0])  # our open reaches B, which offers its dial to ours
+    b.retire(theirs, "disconnected", notify=False)
+    a.send(ours)
+    net.drain()
+    assert not ours.alive
+

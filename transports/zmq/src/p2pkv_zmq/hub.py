@@ -315,13 +315,17 @@ class ZmqHub:
     def retire(self, conn: ZmqConnection, reason: str, *, notify: bool = True) -> None:
         """End ``conn`` (idempotent): forget its ids, release its sockets. ``notify``: tell
         the peer on the connection's own PUSH (which lingers to deliver it); for a PUSH that
-        can no longer reach the peer, callers tell its half with ``tell_gone`` instead."""
+        can no longer reach the peer, callers tell its half with ``tell_gone`` instead.
+        Without ``notify`` the PUSH closes at once (``LINGER`` 0), so offers it withdraws
+        are told "gone" by other ways (``pairing.tell_gone``), never queued on it."""
         if conn.close_reason is not None:
             return
         conn.close_reason = reason
         now = time.monotonic()
-        link = self.pairing.forget(conn, now)
         push, monitor = conn.out, conn.monitor
+        if not notify:
+            conn.out = None
+        link = self.pairing.forget(conn, now)
         conn.out = conn.monitor = None
         if push is not None and monitor is not None:
             if self.monitors is not None:
