@@ -13,7 +13,7 @@ inner transport's (the driver thread; ``interrupt`` from any thread).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
 from p2pkv.contracts import (
@@ -55,6 +55,9 @@ class DelegatingControlTransport(ControlTransport):
 
     def close(self) -> None:
         self.inner.close()
+
+    def take_active(self) -> Collection[ControlConnection] | None:
+        return self.inner.take_active()
 
     def batch_sends(self) -> bool:
         return self.inner.batch_sends()

@@ -48,12 +48,19 @@ Individual tests may be overridden or disabled in the subclass like any pytest t
 (``test_x = None`` removes one), but a transport that needs that is not conformant.
 
 Import the suites from here; the modules behind it are ``support`` (what every suite
-shares), ``data`` with its harness ``data_pair``, and ``control``.
+shares), ``data`` with its harness ``data_pair``, ``control``, and ``control_active`` (the
+checks of ``take_active``, which :class:`ControlTransportSuite` includes).
 """
 
-from p2pkv.testing.suites.control import ControlTransportSuite
+from p2pkv.testing.suites.control import ControlTransportSuite as _ControlContract
+from p2pkv.testing.suites.control_active import ActiveConnectionChecks
 from p2pkv.testing.suites.data import DataTransportSuite
 from p2pkv.testing.suites.support import PEER_MODES as PEER_MODES
 from p2pkv.testing.suites.support import installed_transport
 
 __all__ = ["ControlTransportSuite", "DataTransportSuite", "installed_transport"]
+
+
+class ControlTransportSuite(_ControlContract, ActiveConnectionChecks):
+    """The ``ControlTransport``/``ControlConnection`` contract, ``take_active`` included.
+    Subclass and set ``transport``."""
