@@ -52,6 +52,9 @@ class GuardedDataTransport(DelegatingDataTransport):
     def __init__(self, inner: DataTransport, bound: float = DRIVER_BOUND) -> None:
         super().__init__(inner)
         self.bound = bound
+        self._name = _innermost(inner).name
+        """The name the lines give: the real transport's, under any wrappers (recording,
+        fault injection)."""
         self.overruns = 0
         self.slowest: tuple[str, float] = ("", 0.0)
         self._lines = LogLimiter(log, _BURST, _WINDOW, time.monotonic(),
@@ -75,7 +78,7 @@ class GuardedDataTransport(DelegatingDataTransport):
         self._lines.log(time.monotonic(), logging.WARNING,
                         "the %s data transport's %s took %.3fs, over the driver bound (%gs): "
                         "the tier's tick, and every peer's work, waited for it",
-                        self.inner.name, method, took, self.bound)
+                        self._name, method, took, self.bound)
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         self._timed("add_peer", self.inner.add_peer, peer_id, descriptor)
@@ -99,3 +102,9 @@ class GuardedDataTransport(DelegatingDataTransport):
 
     def close(self) -> list[int]:
         return self._timed("close", self.inner.close)
+
+
+def _innermost(transport: DataTransport) -> DataTransport:
+    while isinstance(transport, DelegatingDataTransport):
+        transport = transport.inner
+    return transport

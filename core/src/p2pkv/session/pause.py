@@ -33,6 +33,7 @@ Threading: driver thread only (the watchdog runs its own thread, see its module)
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from p2pkv.session.stop_watch import StopWatch
@@ -47,7 +48,7 @@ class PauseDetector:
     :class:`~p2pkv.session.stop_watch.StopWatch` (started here when there is a ``limit``)
     whether a long one was a stop of the process. ``watch`` replaces it (tests)."""
 
-    __slots__ = ("_clock", "_last", "_watch", "limit", "slow_ticks")
+    __slots__ = ("_clock", "_ident", "_last", "_watch", "limit", "slow_ticks")
 
     def __init__(self, clock: Callable[[], float], limit: float | None, *,
                  watch: StopWatch | None = None) -> None:
@@ -58,6 +59,8 @@ class PauseDetector:
         self._watch = watch if watch is not None or limit is None else StopWatch(clock, limit)
         self.slow_ticks = 0
         """Gaps longer than ``limit`` while the process ran: slow ticks, not pauses."""
+        self._ident = 0
+        """``threading.get_ident()`` of the thread of the latest call (the driver)."""
 
     def gap(self, allowed: float = 0.0) -> float | None:
         """The time since the previous call if it exceeded ``allowed`` (a wait the caller
@@ -66,7 +69,12 @@ class PauseDetector:
         now = self._clock()
         since, self._last = self._last, now
         gap, limit, watch = now - since, self.limit, self._watch
-        if limit is None or watch is None or gap - allowed <= limit:
+        if watch is None:
+            return None
+        ident = threading.get_ident()
+        if ident != self._ident:  # a new driver thread: the watchdog reads its CPU times
+            self._ident, watch.driver = ident, threading.get_native_id()
+        if limit is None or gap - allowed <= limit:
             return None
         if watch.stopped(since, now):
             return gap

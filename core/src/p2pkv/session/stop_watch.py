@@ -16,13 +16,19 @@ Why a thread, and not the time spent inside the tier's own calls subtracted from
 a process stopped *inside* one of those calls would then never be noticed, and a tier spends
 much of its time in them. The thread sees a stop wherever it falls.
 
-The GIL: each wake-up takes the GIL for a few microseconds (a clock read and a compare),
-ten times a second at most. A waiting thread gets the GIL from a Python thread within
-CPython's switch interval (5 ms), so the watchdog keeps beating through a slow call that
-runs Python code or releases the GIL (I/O, a sleep, most native calls). A native call that
-holds the GIL longer than the silence timeout starves the watchdog too, and is taken for a
-stop: the tier's call guard (:mod:`p2pkv.call_guard`) still logs that call as over the
-driver bound.
+The GIL: each wake-up takes the GIL for a few microseconds (a clock read, a compare, one
+read of a ``/proc`` file), ten times a second at most. A waiting thread gets the GIL from a
+Python thread within CPython's switch interval (5 ms), so the watchdog keeps beating through
+a slow call that runs Python code or releases the GIL (I/O, a sleep, most native calls).
+
+Two cases still delay the watchdog without a stop. On a host short of CPU (load far above
+its cores) the driver thread may hold the GIL while it waits for a CPU, and the watchdog
+then waits for both. So a gap of the watchdog counts as a stop only if the driver thread was
+neither running nor waiting for a CPU for longer than the limit meanwhile: Linux counts both
+per thread (``/proc/self/task/<tid>/schedstat``), and a stopped thread does neither. (Where
+that file is missing the watchdog's gap alone decides.) And a native call that holds the GIL
+while it blocks, longer than the silence timeout, starves the watchdog too and is taken for
+a stop: the tier's call guard (:mod:`p2pkv.call_guard`) still logs that call by name.
 
 The thread holds the watch only through a weak reference: a watch that is dropped (its tier
 gone without ``shutdown``) ends its thread within one period. After a ``fork`` the child has
@@ -39,12 +45,27 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["StopWatch", "watch_period"]
+__all__ = ["StopWatch", "runnable_ns", "watch_period"]
 
 _PERIOD_MAX = 0.1
 """The longest the watchdog sleeps (seconds): often enough to see a stop of a fraction of
 any silence timeout, rarely enough to cost nothing measurable."""
 _PERIOD_MIN = 0.005
+
+
+def runnable_ns(tid: int) -> int | None:
+    """Nanoseconds thread ``tid`` (native id) of this process has spent on a CPU or waiting
+    for one, or None when the kernel does not say (no ``schedstat``, no such thread)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as stat:
+            on_cpu, waiting = stat.read().split()[:2]
+        return int(on_cpu) + int(waiting)
+    except (OSError, ValueError):
+        return None
+
+
+_Sample = tuple[float, int, int]
+"""A reading of the driver thread: (``clock``, its native id, :func:`runnable_ns`)."""
 
 
 def watch_period(limit: float) -> float:
@@ -56,13 +77,21 @@ def watch_period(limit: float) -> float:
 class StopWatch:
     """A watchdog that notices when this process did not run for longer than ``limit``
     seconds of ``clock`` (see the module docstring). ``start=False`` runs no thread: a test
-    then calls :meth:`beat` itself."""
+    then calls :meth:`beat` itself. ``runnable`` reads a thread's time on or waiting for a
+    CPU (tests replace it)."""
 
-    __slots__ = ("__weakref__", "_beat", "_clock", "_done", "_stop", "_thread", "limit",
-                 "period")
+    __slots__ = ("__weakref__", "_beat", "_clock", "_done", "_runnable", "_sample", "_stop",
+                 "_thread", "driver", "limit", "period")
 
-    def __init__(self, clock: Callable[[], float], limit: float, *, start: bool = True) -> None:
+    def __init__(self, clock: Callable[[], float], limit: float, *, start: bool = True,
+                 runnable: Callable[[int], int | None] = runnable_ns) -> None:
         self._clock = clock
+        self._runnable = runnable
+        self.driver = 0
+        """The native id of the thread that drives the tier (0: not known yet); set by the
+        pause detector on the driver thread."""
+        self._sample: _Sample | None = None
+        """The driver thread's reading at the watchdog's latest wake-up."""
         self.limit = limit
         self.period = watch_period(limit)
         self._beat = clock()
@@ -75,10 +104,13 @@ class StopWatch:
             self._start()
 
     def beat(self) -> None:
-        """One wake-up of the watchdog: note a gap longer than ``limit`` as a stop."""
+        """One wake-up of the watchdog: note a gap longer than ``limit`` as a stop, unless
+        the driver thread was running or waiting for a CPU all along but for ``limit``."""
         now = self._clock()
         gap, self._beat = now - self._beat, now
-        if gap > self.limit:
+        sample, before = self._read(now), self._sample
+        self._sample = sample
+        if gap > self.limit and not self._ran(before, sample):
             self._stop = (now, gap)
 
     def stopped(self, since: float, now: float) -> bool:
@@ -92,7 +124,22 @@ class StopWatch:
         stop = self._stop
         if stop is not None and stop[0] > since:
             return True
-        return now - self._beat > self.limit
+        if now - self._beat <= self.limit:
+            return False
+        return not self._ran(self._sample, self._read(now))
+
+    def _read(self, now: float) -> _Sample | None:
+        tid = self.driver
+        ns = self._runnable(tid) if tid else None
+        return None if ns is None else (now, tid, ns)
+
+    def _ran(self, before: _Sample | None, after: _Sample | None) -> bool:
+        """Whether the driver thread spent all of ``before..after`` on a CPU or waiting for
+        one, but for ``limit`` (a stopped thread does neither). False when unknown."""
+        if before is None or after is None or before[1] != after[1]:
+            return False
+        elapsed = after[0] - before[0]
+        return elapsed - (after[2] - before[2]) / 1e9 <= self.limit
 
     def close(self) -> None:
         """End the watchdog thread (within one period; not waited for). Idempotent."""
