@@ -192,60 +192,66 @@ def healthy_kept_going(c: Cluster, healthy: Sequence[Req], paused_at: float,
         "the stopped peer's transfers held what the healthy peer's loads needed")
 
 
+def freeze_and_measure(c: Cluster, frozen: Stream, healthy: Stream, remover: Node,
+                       stopped_peer: Node, freeze: Callable[[], float], scenario: str,
+                       where: tuple[str, dict[str, str], float]) -> None:
+    """Both streams warm, a baseline, then ``freeze()`` (it stops ``stopped_peer`` and returns
+    when): stay stopped until ``remover`` removed it and the healthy stream went on, resume,
+    let every load end; report, then assert the healthy peer kept going."""
+    streams = [frozen, healthy]
+    warm(c, streams, 2 * WINDOW)
+    base_from = time.monotonic()
+    run_until(c, streams, lambda: time.monotonic() - base_from >= BASELINE, "the baseline")
+    paused_at = freeze()
+    try:
+        removed = stay_stopped(c, streams, healthy, remover, stopped_peer,
+                               f"{remover.name} removing the stopped {stopped_peer.name} and "
+                               f"the healthy stream going on after that")
+    finally:
+        stopped_peer.child.resume()
+    resumed_at = time.monotonic()
+    wind_down(c, streams)
+    data, lane, timeout = where
+    report(scenario, data, lane, timeout, healthy.admitted, frozen.admitted,
+           (paused_at, resumed_at), base_from, removed)
+    healthy_kept_going(c, healthy.admitted, paused_at, removed)
+
+
 def test_a_stopped_consumer_never_stalls_its_producer_serving_others(
     data: str, lane: dict[str, str], heartbeat: tuple[float, float]
 ) -> None:
-    timeout = heartbeat[1]
     with Cluster() as c:
         p, c1, c2 = c.start(("P", spec("producer", data, lane, heartbeat, record=True)),
                             ("C1", spec("consumer", data, lane, heartbeat, record=True)),
                             ("C2", spec("consumer", data, lane, heartbeat)))
         frozen, healthy = stream(c, p, c1, "frozen", 0), stream(c, p, c2, "healthy", 100_000)
-        streams = [frozen, healthy]
-        warm(c, streams, 2 * WINDOW)
-        base_from = time.monotonic()
-        run_until(c, streams, lambda: time.monotonic() - base_from >= BASELINE, "the baseline")
-        c.reply(c1, ("pause_on_read", c1.pid, p.address, 1), "pause_on_read", timeout=10.0)
-        run_until(c, streams, lambda: stopped(c1), "C1 stopping itself after posting a read")
-        paused_at = time.monotonic()
-        try:
-            removed = stay_stopped(c, streams, healthy, p, c1, "P removing the stopped C1 "
-                                   "and serving C2 after that")
-        finally:
-            c1.child.resume()
-        resumed_at = time.monotonic()
-        wind_down(c, streams)
-        report("frozen consumer", data, lane, timeout, healthy.admitted, frozen.admitted,
-               (paused_at, resumed_at), base_from, removed)
-        healthy_kept_going(c, healthy.admitted, paused_at, removed)
+
+        def freeze() -> float:  # C1 stops itself right after posting a read from P
+            c.reply(c1, ("pause_on_read", c1.pid, p.address, 1), "pause_on_read", timeout=10.0)
+            run_until(c, [frozen, healthy], lambda: stopped(c1), "C1 stopping itself")
+            return time.monotonic()
+
+        freeze_and_measure(c, frozen, healthy, p, c1, freeze, "frozen consumer",
+                           (data, lane, heartbeat[1]))
 
 
 def test_a_stopped_producer_never_stalls_its_consumer_loading_from_others(
     data: str, lane: dict[str, str], heartbeat: tuple[float, float]
 ) -> None:
-    timeout = heartbeat[1]
     with Cluster() as c:
         p1, p2, con = c.start(("P1", spec("producer", data, lane, heartbeat)),
                               ("P2", spec("producer", data, lane, heartbeat)),
                               ("C", spec("consumer", data, lane, heartbeat, record=True)))
         frozen, healthy = stream(c, p1, con, "frozen", 0), stream(c, p2, con, "healthy",
                                                                   100_000)
-        streams = [frozen, healthy]
-        warm(c, streams, 2 * WINDOW)
-        base_from = time.monotonic()
-        run_until(c, streams, lambda: time.monotonic() - base_from >= BASELINE, "the baseline")
-        c.reply(con, ("pause_on_read", p1.pid, p1.address, WINDOW * MAX_BLOCKS // 2),
-                "pause_on_read", timeout=10.0)
-        run_until(c, streams, lambda: any(e[1] == "paused_source" for e in con.data_log),
-                  "C stopping P1 after posting reads from it")
-        paused_at = next(e[0] for e in con.data_log if e[1] == "paused_source")
-        try:
-            removed = stay_stopped(c, streams, healthy, con, p1, "C removing the stopped P1 "
-                                   "and loading from P2 after that")
-        finally:
-            p1.child.resume()
-        resumed_at = time.monotonic()
-        wind_down(c, streams)
-        report("frozen producer", data, lane, timeout, healthy.admitted, frozen.admitted,
-               (paused_at, resumed_at), base_from, removed)
-        healthy_kept_going(c, healthy.admitted, paused_at, removed)
+
+        def freeze() -> float:  # C stops P1 right after posting reads from it
+            c.reply(con, ("pause_on_read", p1.pid, p1.address, WINDOW * MAX_BLOCKS // 2),
+                    "pause_on_read", timeout=10.0)
+            run_until(c, [frozen, healthy],
+                      lambda: any(e[1] == "paused_source" for e in con.data_log),
+                      "C stopping P1 after posting reads from it")
+            return float(next(e[0] for e in con.data_log if e[1] == "paused_source"))
+
+        freeze_and_measure(c, frozen, healthy, con, p1, freeze, "frozen producer",
+                           (data, lane, heartbeat[1]))

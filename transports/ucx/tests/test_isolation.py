@@ -34,6 +34,16 @@ def _warm(consumer: Node, producer: Node, peer: str, slot: int) -> None:
                          lambda: tid in consumer.done)
 
 
+def _star(nodes: Make, center_as: str, **opts: object) -> tuple[Node, Node, Node]:
+    """A center node and two peers of it, ``frozen`` and ``healthy`` (its names for them;
+    they call it ``center_as``), registered both ways."""
+    center = nodes(seed=1, **opts)
+    frozen, healthy = nodes(seed=2, **opts), nodes(seed=3, **opts)
+    frozen.link(center_as, center, back_as="frozen")
+    healthy.link(center_as, center, back_as="healthy")
+    return center, frozen, healthy
+
+
 def test_a_peer_holds_at_most_its_share_of_staging() -> None:
     staging: Staging[str] = Staging(block_len=1, budget=8, largest=2)
     assert staging.share() == 4, "one peer alone: half the budget"
@@ -56,11 +66,8 @@ def test_a_frozen_producer_holds_half_the_staging_and_another_producers_reads_la
     """A frozen producer's runs are half received (it stopped after sending their headers):
     they hold its share of the staging budget (half) and its other runs wait, parked; a
     healthy producer's reads meanwhile land within ``ROUNDS`` rounds."""
-    opts = {"max_message_bytes": BLOCK, "staging_bytes": 4 * BLOCK, "ucx_config": TCP_RNDV}
-    consumer = nodes(seed=1, **opts)
-    frozen, healthy = nodes(seed=2, **opts), nodes(seed=3, **opts)
-    frozen.link("c", consumer, back_as="frozen")
-    healthy.link("c", consumer, back_as="healthy")
+    consumer, frozen, healthy = _star(nodes, "c", max_message_bytes=BLOCK,
+                                      staging_bytes=4 * BLOCK, ucx_config=TCP_RNDV)
     _warm(consumer, frozen, "frozen", 31)
     _warm(consumer, healthy, "healthy", 30)
     stuck = consumer.t.read_blocks("frozen", list(range(8)), list(range(8)))
@@ -107,11 +114,7 @@ def test_a_frozen_peers_half_received_notice_holds_up_no_other_peer(nodes: Make)
     at its producer; another consumer's READs are still applied and served. (NOTICEs of a
     sender that tags them without its instance, as the raw producer of ``test_inprocess``
     does, share one order and still apply.)"""
-    opts = {"ucx_config": {"TLS": "tcp", "RNDV_THRESH": "0"}}
-    producer = nodes(seed=1, **opts)
-    frozen, healthy = nodes(seed=2, **opts), nodes(seed=3, **opts)
-    frozen.link("p", producer, back_as="frozen")
-    healthy.link("p", producer, back_as="healthy")
+    producer, frozen, healthy = _star(nodes, "p", ucx_config={"TLS": "tcp", "RNDV_THRESH": "0"})
     _warm(frozen, producer, "p", 31)
     _warm(healthy, producer, "p", 31)
     frozen.t.read_blocks("p", [0, 1], [0, 1])  # its READ leaves; then it is frozen
