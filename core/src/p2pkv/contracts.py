@@ -6,6 +6,14 @@ never calls back into the core from them, and it never blocks the driver longer 
 contract allows. Transports carry opaque bytes; encoding, validation and the session protocol
 live in the core.
 
+**The driver bound.** While a call runs, the tier's tick waits, and with it every peer's
+work. So no call of a data transport keeps the driver thread longer than
+:data:`DRIVER_BOUND` (0.1 s), whatever a peer does: a peer that is stopped, cut off or slow
+is never waited for. Draining a removed peer's transfers, closing endpoints, deregistering
+memory: started by the call, finished in later ``progress`` calls, and what they still hold
+is shown by :meth:`DataTransport.held` until released. The tier times every data transport
+call and logs one over the bound, naming it (:mod:`p2pkv.call_guard`).
+
 Construction goes through ``create(settings)`` so the registry can build any transport from a
 tier config; ``availability()`` lets ``p2pkv plugins`` explain a transport whose library is
 missing without constructing it.
@@ -16,9 +24,9 @@ from __future__ import annotations
 import itertools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +36,8 @@ from p2pkv.data_base import check_read as _check_read
 from p2pkv.errors import PeerRejected, TransferSubmitError, TransportUnavailable
 
 __all__ = [
+    "DRAIN_GRACE",
+    "DRIVER_BOUND",
     "EMPTY_POLL",
     "Capabilities",
     "ControlConnection",
@@ -43,6 +53,20 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TransportKind = Literal["control", "data"]
+
+DRIVER_BOUND: Final = 0.1
+"""Seconds one call of a data transport may keep the tier's driver thread, at most.
+
+Well under the shortest heartbeat timeout an operator sets (1 s in the docs and the chaos
+suite), so a call never looks like a dead or paused process. A bound on a call, not a speed
+figure: a call is short by design (it never waits for a peer); on a loaded machine it may
+take longer for reasons of the machine's own. The conformance kit checks it with a generous
+margin (``p2pkv.testing.suites``, the isolation checks)."""
+
+DRAIN_GRACE: Final = DRIVER_BOUND / 2
+"""Seconds ``close`` may keep progressing internal transfers so they end cleanly before it
+returns the rest undrained. ``remove_peer`` waits for none: its peer's transfers end in
+later ``progress`` calls."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +154,9 @@ class DataSettings:
     transport's lifetime and must not keep a reference after ``close()`` returns (unless it
     reports undrained transfers, see ``close``). ``options`` is ``data_options``: unknown
     keys must be refused with ``ConfigError`` naming the key. A transport with a drain
-    deadline (how long ``remove_peer``/``close`` wait for internal transfers) calls that option
-    ``drain_timeout``, in seconds.
+    deadline (how long a removed peer's internal transfers may still run, in later
+    ``progress`` calls, before they are given up) calls that option ``drain_timeout``, in
+    seconds. No call waits that long: ``close`` waits at most :data:`DRAIN_GRACE`.
     """
 
     region: memoryview
@@ -243,6 +268,12 @@ class ControlTransport(_Transport):
     def close(self) -> None:
         """Close every connection and stop listening; idempotent."""
 
+    def take_active(self) -> Collection[ControlConnection] | None:
+        """The connections that, since the previous call, received frames or stopped being
+        alive, each listed once. None: this transport does not track them, and the tier
+        visits every connection each tick (as before). Driver thread, after poll()."""
+        return None
+
     def batch_sends(self) -> bool:
         """Ask the transport to batch: from now on ``send`` may leave frames queued until
         :meth:`flush` (or the next ``poll``), so the frames of one tick cost its I/O one
@@ -329,6 +360,16 @@ class DataTransport(_Transport):
     of a tier relies on it (docs/protocol.md, "Shutdown": pins dropped before their lease are
     protected only by this).
 
+    **Isolation: a stopped peer never stalls or fails another.** No call keeps the driver
+    thread longer than :data:`DRIVER_BOUND` because of a peer (see the module docstring):
+    ``remove_peer`` and ``close`` return what still runs instead of waiting for it, and later
+    ``progress`` calls finish it; ``held`` shows it meanwhile. Every bounded resource that
+    peers share (staging, slots, windows, receive queues) gives each peer a share, so a
+    peer frozen with transfers in flight holds at most its share and every other peer's
+    transfers go on. A transport either shares such a resource itself, or declares it
+    (``read_capacity``, ``TransferBusy``) and the tier shares it (docs/configuration.md,
+    "Shares of shared budgets"). The conformance kit checks both rules.
+
     **The base class.** This class is a working base, not only an interface: it owns the
     bookkeeping every transport needs (region checks, transfer ids, per-peer read tables,
     exactly-once reports, scoped ``poll``, final ``cancel``, the re-add rule, ``remove_peer``,
@@ -349,8 +390,10 @@ class DataTransport(_Transport):
     - ``_end_reads(handles)``: end reads finally (see ``cancel``); default: nothing to end.
     - ``_progress()``: drive I/O, serve peers' reads; default: nothing to do.
     - ``_detach_peer(peer)`` / ``_shutdown()``: release a peer / everything (every read
-      already ended); return internal ids still running after the drain deadline; default
+      already ended), never waiting for a peer; return internal ids still running; default
       ``[]``.
+    - ``_held()``: what the transport still holds after the calls that ended its use
+      (see ``held``); default: nothing.
 
     The base's own state (``_blocks``, the region as a ``(num_blocks, block_len)`` uint8
     view for backends; ``_transfer_ids``, the one id sequence internal transfers draw from
@@ -460,15 +503,27 @@ class DataTransport(_Transport):
     def remove_peer(self, peer_id: str) -> list[int]:
         """Forget a peer. Its reads into our region end first, finally (as ``cancel``); they
         are never reported. Returns the ids of the transport's *internal* transfers with that
-        peer (serving its reads of our region, a warm-up) that did not drain within the
-        transport's drain deadline (option ``drain_timeout``, by convention); their resources
-        are kept (never released under a live transfer). Never a read id, never an id ``poll``
-        already reported. An unknown peer, or any peer after ``close``: ``[]``."""
+        peer (serving its reads of our region, a warm-up) still running: never waited for
+        (the peer may be stopped; see :data:`DRIVER_BOUND`), they end in later ``progress``
+        calls or are given up by the transport's drain deadline (option ``drain_timeout``, by
+        convention), and their resources are kept until then (never released under a live
+        transfer; ``held`` shows them). Never a read id, never an id ``poll`` already
+        reported. An unknown peer, or any peer after ``close``: ``[]``."""
         registration = self._registrations.pop(peer_id, None)
         if registration is None:
             return []
         self._end_registration(registration)
         return self._detach_peer(registration.peer)
+
+    def held(self) -> dict[str, int]:
+        """What the transport still holds after the calls that ended its use: internal
+        transfers of removed peers still running, their endpoints, memory kept registered,
+        staging a cancelled read still owns. A debug view by kind (``{"sends": 3}``), only
+        the kinds with a count above zero; ``{}`` when nothing is held. Tests and operators
+        read it to see that a stopped peer's leftovers are accounted for until released
+        (see :data:`DRIVER_BOUND`). Cheap; driver thread; valid after ``close`` too. The
+        base asks the backend's ``_held``."""
+        return {kind: count for kind, count in sorted(self._held().items()) if count > 0}
 
     def attached_peer(self, peer_id: str) -> AttachedPeer | None:
         """The backend's record of ``peer_id`` as currently added (what ``_attach_peer``
@@ -591,8 +646,8 @@ class DataTransport(_Transport):
     def cancel(self, transfer_ids: Sequence[int]) -> None:
         """End reads, finally: on return none of their bytes can land in our region any more,
         and they are never reported. Unknown or already reported ids are ignored. Never
-        blocks longer than the transport's drain deadline; a transport that cannot end a read
-        in that time keeps its bytes out of our blocks by other means (staging) instead."""
+        waits for a peer (:data:`DRIVER_BOUND`): a transport that cannot end a read at once
+        keeps its bytes out of our blocks by other means (staging) instead."""
         handles = []
         for transfer_id in transfer_ids:
             registration = self._read_owner.pop(transfer_id, None)
@@ -604,12 +659,14 @@ class DataTransport(_Transport):
     def close(self) -> list[int]:
         """End every read (as ``cancel``), release peers and deregister the region; idempotent.
 
-        Internal transfers still live after the drain deadline are returned (as for
-        ``remove_peer``), and then the region stays registered (leaked on purpose rather than
-        freed under DMA). A second ``close`` returns ``[]``. After ``close``: ``read_blocks``
-        raises ``TransferSubmitError``, ``add_peer`` raises ``PeerRejected``, ``poll`` returns
-        ``EMPTY_POLL``, ``cancel``/``remove_peer``/``progress`` do nothing. When nothing is
-        left running, the base drops its view of the region (it is the caller's again).
+        Internal transfers may be progressed for :data:`DRAIN_GRACE` at most (a stopped peer
+        is never waited for longer); those still live are returned (as for ``remove_peer``),
+        and then the region stays registered (leaked on purpose rather than freed under DMA;
+        ``held`` says what is kept). A second ``close`` returns ``[]``. After ``close``:
+        ``read_blocks`` raises ``TransferSubmitError``, ``add_peer`` raises ``PeerRejected``,
+        ``poll`` returns ``EMPTY_POLL``, ``cancel``/``remove_peer``/``progress`` do nothing.
+        When nothing is left running, the base drops its view of the region (it is the
+        caller's again).
 
         Peers' reads of the region fail from the moment ``close`` returns (see the class
         docstring): the backend's ``_shutdown`` deregisters it, or stops serving. ``close``
@@ -699,7 +756,8 @@ class DataTransport(_Transport):
 
     def _detach_peer(self, peer: Any) -> list[int]:
         """Release a peer record (removed, or replaced by a new descriptor); its reads have
-        ended. Returns internal ids with it still running after the drain deadline."""
+        ended. Never waits for the peer: returns the internal ids with it still running,
+        which later ``_progress`` calls settle (or give up at the drain deadline)."""
         return []
 
     def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
@@ -717,8 +775,8 @@ class DataTransport(_Transport):
 
     def _end_reads(self, handles: list[Any]) -> None:
         """End posted reads finally: on return none of their bytes can land in our blocks
-        (stop them, or quarantine their staging). At most one drain deadline for the whole
-        call; must not raise. The base has already forgotten them.
+        (stop them, or quarantine their staging). Never waits for a peer; must not raise.
+        The base has already forgotten them.
 
         The default does nothing, which is right only for a backend that finds its reads
         through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
@@ -732,10 +790,16 @@ class DataTransport(_Transport):
         not block; never called after ``close``."""
         return None
 
+    def _held(self) -> Mapping[str, int]:
+        """Counts by kind of what the backend still holds after the calls that ended its
+        use (see ``held``); zero counts may be included. Must not raise. Default: ``{}``."""
+        return {}
+
     def _shutdown(self) -> list[int]:
         """Release every peer still added (``close`` does not call ``_detach_peer`` for
         them), the backend's resources and its registration of the region (every read has
         ended; called once, by ``close``), so that peers' reads of the region fail from now
-        on. Returns internal ids still running after the drain deadline (their memory stays
-        registered); must not raise."""
+        on. May progress internal transfers for :data:`DRAIN_GRACE` at most, never waiting
+        for a stopped peer longer; returns the internal ids still running then (their memory
+        stays registered); must not raise."""
         return []

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from p2pkv.addressing import format_address, parse_address
+from p2pkv.call_guard import GuardedDataTransport
 from p2pkv.config import TierConfig
 from p2pkv.contracts import (
     ControlConnection,
@@ -79,7 +80,7 @@ class P2PTier:
         self._clock = clock
         self._block_len = block_len
         reg = registry if registry is not None else default_registry()
-        self._data = _data_transport(reg, config, region, block_len, data)
+        self._data = GuardedDataTransport(_data_transport(reg, config, region, block_len, data))
         try:
             self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
@@ -434,6 +435,7 @@ class P2PTier:
             log.info("shutdown: %d lookup handle(s) were never released (no serve_lookups call)",
                      owed)
         self._control.close()
+        self._pauses.close()
         undrained = self._data.close()
         if undrained:
             log.error("shutdown: data transport kept its region registered; %d transfer(s) "

@@ -6,7 +6,8 @@ key                       default    meaning
 ``backends``              ``[UCX]``  NIXL backends to create, in order
 ``num_threads``           ``0``      each backend's ``num_threads`` (0: its default)
 ``enable_prog_thread``    ``false``  NIXL's own progress thread (spins a core)
-``drain_timeout``         ``5.0``    seconds ``remove_peer``/``close``/``cancel`` may wait
+``drain_timeout``         ``5.0``    seconds ``cancel`` drives a direct read NIXL would
+                                     not release (``close``: 0.05 s at most)
 ``backend_params``        ``{}``     extra init parameters per backend
 ``warmup``                ``true``   ``add_peer`` wires the connection up with a tiny READ
 ``staging``               ``auto``   ``auto``/``always``/``never``: reads through the
@@ -49,9 +50,11 @@ class NixlOptions:
     """NIXL's own progress thread. Off: it spins a core and halves throughput on small hosts;
     ``progress()``/``poll()`` drive the worker instead, so the caller must tick them."""
     drain_timeout: float = field(default=5.0, metadata=option(ge=0, unit="seconds"))
-    """Seconds ``remove_peer``/``close`` wait for internal transfers (warm-ups; ``close``
-    also for quarantined staged reads), and ``cancel`` for a direct read NIXL would not
-    release."""
+    """Seconds ``cancel`` drives our worker to end a direct read NIXL would not release (on
+    ``cma`` our own process does that copy, so no peer is waited for). ``close`` waits for
+    internal transfers (warm-ups, serving WRITEs, quarantined staged reads) for the smaller
+    of this and :data:`p2pkv.contracts.DRAIN_GRACE`; ``remove_peer`` waits for none (the
+    driver bound, :data:`p2pkv.contracts.DRIVER_BOUND`)."""
     backend_params: Mapping[str, Mapping[str, ParamValue]] = field(default_factory=dict)
     """Extra init parameters per backend, e.g. ``{"UCX": {"ucx_error_handling_mode": "none"}}``."""
     warmup: bool = True

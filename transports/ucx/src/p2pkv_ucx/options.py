@@ -40,8 +40,10 @@ class UcxOptions:
     of it). Failing a read is final at once (its bytes can only land in staging). Keep it
     above the tier's load timeout."""
     drain_timeout: float = field(default=2.0, metadata=_SECONDS)
-    """Seconds ``remove_peer`` and ``close`` keep progressing the sends that serve a peer's
-    reads before returning the ones that did not drain. Reads never wait: they end at once."""
+    """Seconds the sends serving a removed peer's reads may still run, progressed by later
+    pumps, before they are given up (orphaned). ``remove_peer`` never waits for them, and
+    ``close`` at most :data:`p2pkv.contracts.DRAIN_GRACE` (the driver bound). Reads never
+    wait: they end at once."""
     max_message_bytes: int = field(default=8 * 1024 * 1024, metadata=_BYTES)
     """Largest coalesced message: index runs contiguous on both sides of a read travel as one
     message of up to this many bytes (at least one block). Advertised to peers; a read uses
@@ -57,8 +59,9 @@ class UcxOptions:
     """Coalesce contiguous runs (see ``max_message_bytes``); False sends one message per block."""
     staging_bytes: int = field(default=32 * 1024 * 1024, metadata=_BYTES)
     """Bytes of staging buffers the reads of this transport may receive into at once (at least
-    one largest message). Every arriving run is received into staging and copied into its
-    slots only once it arrived whole, which is what makes ``cancel`` final; runs beyond this
+    two largest messages), shared by peers in shares (:mod:`p2pkv_ucx.staging`). Every
+    arriving run is received into staging and copied into its slots only once it arrived
+    whole, which is what makes ``cancel`` final; runs beyond a peer's share or the budget
     wait inside UCX (a rendezvous run moves no payload until taken)."""
     ucx_config: Mapping[str, str] = field(default_factory=dict)
     """UCX settings for this transport's UCX context only, without the ``UCX_`` prefix (for

@@ -22,6 +22,8 @@ import msgpack
 from p2pkv import __version__
 from p2pkv.protocol import WIRE_MAJOR, WIRE_MINOR
 
+from p2pkv_zmq.identity import parse_link_id
+
 __all__ = [
     "IDENTITY",
     "MAX_IDENTITY_BYTES",
@@ -31,6 +33,7 @@ __all__ = [
     "decode_identity",
     "encode_identity",
     "identity_answer",
+    "probe_request",
     "valid_nonce",
 ]
 
@@ -70,6 +73,19 @@ class Identity:
 def valid_nonce(nonce: bytes) -> bool:
     """Whether ``nonce`` may be echoed (its length is within the bounds)."""
     return MIN_NONCE_BYTES <= len(nonce) <= MAX_NONCE_BYTES
+
+
+def probe_request(parts: list[bytes]) -> tuple[bytes, str] | str | None:
+    """Of a message on a tier's PULL: None if it is not a ``probe``; else ``(PROBE, the
+    prober's address)``, or why it is malformed (a bad link id or nonce)."""
+    if len(parts) != 4 or parts[1] != b"" or parts[2] != PROBE:
+        return None
+    parsed = parse_link_id(parts[0])
+    if parsed is None:
+        return "malformed link id in a probe (not a p2pkv probe?)"
+    if not valid_nonce(parts[3]):
+        return f"a probe whose nonce is not {MIN_NONCE_BYTES}..{MAX_NONCE_BYTES} bytes"
+    return PROBE, parsed[0]
 
 
 def encode_identity(identity: Identity) -> bytes:
