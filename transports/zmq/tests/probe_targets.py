@@ -39,7 +39,9 @@ def _command(pipe: Connection) -> Any:
 def tier(pipe: Connection, environ: Mapping[str, str], keys: Mapping[str, Any]) -> None:
     """A ``P2PTier`` (zmq control, memory data) on 127.0.0.1 with ``environ`` set and the
     tier config ``keys``. Answers ``"log"`` with the lines logged above DEBUG since start
-    and ``"sessions"`` with its open sessions."""
+    and ``"sessions"`` with its open sessions. ``"stall"`` stops its ticks (libzmq's own
+    thread runs on, as in a tier whose driver is still starting or stuck) until the next
+    command; both are answered ``("ok",)``."""
     os.environ.update(environ)
     from p2pkv.config import TierConfig
     from p2pkv.tier import P2PTier
@@ -62,6 +64,11 @@ def tier(pipe: Connection, environ: Mapping[str, str], keys: Mapping[str, Any]) 
                 pipe.send(("log", list(lines.lines)))
             elif command == "sessions":
                 pipe.send(("sessions", int(tier.stats()["sessions"])))
+            elif command == "stall":
+                pipe.send(("ok",))
+                pipe.poll(_LIFETIME)
+                pipe.send(("ok",))
+                pipe.recv()
     finally:
         tier.shutdown()
 

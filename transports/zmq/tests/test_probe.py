@@ -128,6 +128,47 @@ def test_every_rank_must_pass(curve_tier: tuple[Child, str], keys: Path) -> None
     assert err.startswith(f"p2pkv probe: {next_rank}: ")
 
 
+def test_a_paused_tier_fails_and_passes_again_when_resumed(keys: Path) -> None:
+    """SIGSTOP: the kernel still accepts TCP, nothing speaks zmq; the probe says so within
+    its timeout. After SIGCONT the next probe passes, and the stale probes opened no session
+    and logged no warning."""
+    with Child(probe_targets.tier, {CURVE_DIR_ENV: str(keys)}, {}) as child:
+        address = started(child)
+        child.pause()
+        try:
+            status, out, err = run_probe(address, "--curve-dir", str(keys), "--timeout", "1")
+        finally:
+            child.resume()
+        assert (status, out) == (1, "")
+        assert err == (f"p2pkv probe: {address}: it accepts TCP connections but sends no zmq "
+                       "greeting: a process stopped (SIGSTOP) or starved of CPU, or not a "
+                       "p2pkv tier\n")
+        status, out, err = run_probe(address, "--curve-dir", str(keys))
+        assert (status, err) == (0, ""), err
+        assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
+        assert child.request("sessions", T) == ("sessions", 0)
+        logged = child.request("log", T)[1]
+        assert not [line for line in logged if not line.startswith("INFO ")], logged
+
+
+def test_a_tier_whose_driver_stalls_is_not_taken_for_other_keys(keys: Path) -> None:
+    """libzmq greets with CURVE, but the handshake waits for the ZAP answer that the tier's
+    driver gives: the line says the tier is stalled, not that its keys differ."""
+    with Child(probe_targets.tier, {CURVE_DIR_ENV: str(keys)}, {}) as child:
+        address = started(child)
+        assert child.request("stall", T) == ("ok",)
+        try:
+            status, out, err = run_probe(address, "--curve-dir", str(keys), "--timeout", "1")
+        finally:
+            assert child.request("go on", T) == ("ok",)
+        assert (status, out) == (1, "")
+        assert err == (f"p2pkv probe: {address}: a CURVE listener that completed no handshake "
+                       "within 0.5 s: a p2pkv tier still starting, or stopped (SIGSTOP) or "
+                       "starved of CPU\n")
+        status, out, err = run_probe(address, "--curve-dir", str(keys))
+        assert (status, err) == (0, ""), err
+
+
 def test_a_closed_port(keys: Path, refused_address: str) -> None:
     status, out, err = run_probe(refused_address, "--curve-dir", str(keys))
     assert (status, out) == (1, "")
@@ -187,8 +228,9 @@ def test_a_curve_tier_with_insecure(curve_tier: tuple[Child, str]) -> None:
 @pytest.mark.parametrize("kind, named", [
     ("ROUTER", f"vLLM's built-in P2P tier (a zmq ROUTER without authentication), not p2pkv: "
                f"{BUILTIN_FIX}"),
-    ("PULL", "a zmq PULL accepted the connection but did not identify itself within 2 s: not "
-             "a p2pkv tier, or a p2pkv older than this probe (without the probe exchange)"),
+    ("PULL", "a zmq PULL accepted the connection but did not identify itself within 2 s: a "
+             "p2pkv tier still starting, stopped (SIGSTOP) or starved of CPU, a p2pkv older "
+             "than this probe, or not a p2pkv tier"),
     ("REP", "a zmq REP without authentication: not a p2pkv tier"),
 ])
 def test_a_plain_zmq_socket(kind: str, named: str) -> None:
@@ -205,7 +247,8 @@ def test_a_tcp_server_that_says_nothing() -> None:
         status, out, err = run_probe(address, "--insecure", "--timeout", "1")
     assert (status, out) == (1, "")
     assert err == (f"p2pkv probe: {address}: it accepts TCP connections but sends no zmq "
-                   "greeting: not a p2pkv tier\n")
+                   "greeting: a process stopped (SIGSTOP) or starved of CPU, or not a p2pkv "
+                   "tier\n")
 
 
 def test_a_server_of_another_protocol(keys: Path) -> None:

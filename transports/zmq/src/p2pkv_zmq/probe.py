@@ -12,12 +12,16 @@ When the dial does not get that far, the probe reads what answers by hand
 ``ROUTER`` without security), a listener of another security mode, or other keys. Every
 outcome is one :class:`ProbeResult` line naming it.
 
-Threading: any thread; own zmq context, closed before returning. Bounded: the dial and the
-answer within ``timeout``, the hand reading after a failure within ``timeout`` more.
+Threading: any thread; own zmq context, closed before returning. Bounded: the whole probe
+ends within ``timeout``. The zmq handshake gets the first half; a dial that has not shaken
+hands by then is *stalled* (a tier still starting, stopped or starved of CPU answers no
+handshake: its ZAP handler runs on its driver thread). The hand reading gets what is left,
+at least that second half; the tier's answer after a handshake, up to the whole ``timeout``.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import socket
 import time
@@ -43,6 +47,10 @@ __all__ = ["ProbeResult", "probe"]
 _EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
            | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_STALLED = "stopped (SIGSTOP) or starved of CPU"
+"""Why a listener may accept TCP and then say nothing in time, as failure lines say it."""
+_MIN_GREET = 0.05
+"""Seconds the hand reading gets at least (it always has about half the timeout)."""
 _BUILTIN_FIX = ("the image lacks p2pkv-vllm, vLLM did not load its plugin (VLLM_PLUGINS), or "
                 "P2PKV_REPLACE_P2P is not 1 on the engine")
 
@@ -71,19 +79,23 @@ class _Seen:
     """The client key the tier's answer presented, refused by our ZAP check."""
     tier_client_key: bytes = b""
     """The client key the tier's answer presented, admitted (the tier's current pair)."""
+    stalled: float = 0.0
+    """Seconds the dial waited for a zmq handshake in vain: half the timeout (0: it did not
+    stall)."""
 
 
 def probe(address: str, host: str, port: int, keys: CurveKeys | None, timeout: float
           ) -> ProbeResult:
     """Probe the tier at ``host:port`` (``address`` as the operator wrote it, for the line):
     CURVE with ``keys``, or plain (``--insecure``) without."""
+    deadline = time.monotonic() + timeout
     try:
         ip = resolve(host)
     except DialFailed as exc:
         return ProbeResult(False, f"{address}: {exc}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        seen = _exchange(ctx, ip, port, keys, timeout)
+        seen = _exchange(ctx, ip, port, keys, deadline, timeout)
     finally:
         ctx.destroy(linger=0)
     if seen.identity is not None:
@@ -96,15 +108,20 @@ def probe(address: str, host: str, port: int, keys: CurveKeys | None, timeout: f
                            "allowed client keys: it mounts another fleet's Secret")
     if seen.handshake:
         return ProbeResult(False, f"{address}: a zmq PULL accepted the connection but did not "
-                           f"identify itself within {timeout:g} s: not a p2pkv tier, or a "
-                           "p2pkv older than this probe (without the probe exchange)")
-    return ProbeResult(False, f"{address}: {_named(greet(ip, port, timeout), keys)}")
+                           f"identify itself within {timeout:g} s: a p2pkv tier still "
+                           f"starting, {_STALLED}, a p2pkv older than this probe, or not a "
+                           "p2pkv tier")
+    found = greet(ip, port, max(deadline - time.monotonic(), _MIN_GREET))
+    return ProbeResult(False, f"{address}: {_named(found, keys, seen.stalled)}")
 
 
 def _exchange(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, port: int,
-              keys: CurveKeys | None, timeout: float) -> _Seen:
-    """Dial, send ``probe`` once the handshake succeeds, wait for ``identity``."""
+              keys: CurveKeys | None, deadline: float, timeout: float) -> _Seen:
+    """Dial, send ``probe`` once the handshake succeeds, wait for ``identity``: the
+    handshake until ``timeout / 2`` before ``deadline`` (else ``stalled``), the answer
+    until ``deadline``."""
     seen = _Seen()
+    shake_by = deadline - timeout / 2
     answers, zap = _answer_socket(ctx, keys, seen)
     local = _local_ip(ip, port)
     answer_port = answers.bind_to_random_port(tcp_url(local, "*").rsplit(":", 1)[0])
@@ -116,13 +133,14 @@ def _exchange(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, port: int,
     poller = zmq.Poller()
     for sock in (monitor, answers, *([zap.socket] if zap else [])):
         poller.register(sock, zmq.POLLIN)
-    deadline = time.monotonic() + timeout
     while seen.identity is None and not seen.failure and not seen.diagnose:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = (deadline if seen.handshake else shake_by) - now
         if left <= 0:
-            seen.diagnose = not seen.handshake
+            if not seen.handshake:
+                seen.diagnose, seen.stalled = True, timeout / 2
             break
-        for sock, _ in poller.poll(max(1, int(left * 1000))):
+        for sock, _ in poller.poll(max(1, math.ceil(left * 1000))):
             if sock is monitor:
                 _on_event(parse_monitor_message(monitor.recv_multipart()), seen, keys, push,
                           [our_link, b"", PROBE, nonce])
@@ -225,8 +243,12 @@ def _verdict(address: str, identity: Identity, keys: CurveKeys | None, tier_clie
                        f"{key_fingerprint(keys.server_public)}{client})")
 
 
-def _named(found: Greeting, keys: CurveKeys | None) -> str:
-    """What :func:`greet` found, as the end of a failure line."""
+def _named(found: Greeting, keys: CurveKeys | None, stalled: float) -> str:
+    """What :func:`greet` found, as the end of a failure line (``stalled``: seconds our dial
+    waited for a handshake in vain, 0 if it failed at once)."""
+    if found.mechanism == "CURVE" and keys is not None and stalled:
+        return (f"a CURVE listener that completed no handshake within {stalled:g} s: a "
+                f"p2pkv tier still starting, or {_STALLED}")
     if found.mechanism:
         return _zmq_listener(found, keys)
     if found.refused:
@@ -237,7 +259,8 @@ def _named(found: Greeting, keys: CurveKeys | None) -> str:
     if found.not_zmq is not None:
         shown = f" ({found.not_zmq!r})" if found.not_zmq else ""
         return f"it answers with bytes that are not zmq{shown}: not a p2pkv tier"
-    return "it accepts TCP connections but sends no zmq greeting: not a p2pkv tier"
+    return (f"it accepts TCP connections but sends no zmq greeting: a process {_STALLED}, "
+            "or not a p2pkv tier")
 
 
 def _zmq_listener(found: Greeting, keys: CurveKeys | None) -> str:
