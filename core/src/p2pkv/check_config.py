@@ -194,17 +194,19 @@ def check(entry: Entry, extra: Mapping[str, Any], dp_size: int, *, bind: bool = 
     return configs[0]
 
 
-def expand(text: str, values: Mapping[str, str], unset: set[str]) -> str:
+def expand(text: str, values: Mapping[str, str], unset: set[str], *,
+           placeholder: bool = True) -> str:
     """``text`` with each ``$(NAME)`` replaced by ``values[NAME]`` as Kubernetes expands a
-    container's arguments (``$$`` is a literal ``$``); a name not in ``values`` becomes
-    :data:`PLACEHOLDER_ADDRESS` and is added to ``unset``."""
+    container's arguments (``$$`` is a literal ``$``); a name not in ``values`` is added to
+    ``unset`` and becomes :data:`PLACEHOLDER_ADDRESS` (or stays as written without
+    ``placeholder``, as the kubelet leaves it)."""
     def one(match: re.Match[str]) -> str:
         name = match.group(1)
         if name is None:
             return "$"
         if name not in values:
             unset.add(name)
-            return PLACEHOLDER_ADDRESS
+            return PLACEHOLDER_ADDRESS if placeholder else match.group(0)
         return values[name]
 
     return _REFERENCE.sub(one, text)

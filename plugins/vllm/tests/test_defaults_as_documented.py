@@ -82,3 +82,33 @@ def test_doctor_refuses_the_builtin_tier_and_names_the_fix(
         "p2pkv doctor: secondary_tiers[0] has type 'p2p': vLLM's built-in P2P tier would be "
         "built, not p2pkv's; set P2PKV_REPLACE_P2P=1 on the engines (and here) to build "
         "p2pkv's tier from it unedited\n")
+
+
+def test_doctor_leaves_the_pods_address_to_the_pod(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guide's entry as written (``$(POD_IP)``, expanded by the kubelet): no port is
+    called taken; the line says where to check instead."""
+    monkeypatch.setenv("P2PKV_REPLACE_P2P", "1")
+    report = doctor("--config", json.dumps({**GUIDE, "host": "$(POD_IP)"}), capsys=capsys)
+    assert report["ports"] == [{
+        "host": "$(POD_IP)", "port": 7777, "free": None,
+        "engines": ["vLLM (type 'p2p' with P2PKV_REPLACE_P2P=1: zero-edit mode)"],
+        "change": "the tier key 'port'",
+        "detail": "not checked: the kubelet expands $(POD_IP) on the pod; run doctor there, "
+                  "or check the entry here with `p2pkv check-config --pod-ip IP --no-bind`"}]
+    capsys.readouterr()
+    assert main(["doctor", "--no-probe", "--config", json.dumps({**GUIDE, "host": "$(POD_IP)"})
+                 ]) == 0
+    assert "port $(POD_IP):7777: not checked: the kubelet expands" in capsys.readouterr().out
+
+
+def test_doctor_expands_the_pods_variables_as_the_kubelet_does(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the pod, ``$(POD_IP)`` is in the environment: doctor checks the address it names."""
+    monkeypatch.setenv("P2PKV_REPLACE_P2P", "1")
+    monkeypatch.setenv("POD_IP", "127.0.0.1")
+    entry = json.dumps({**GUIDE, "host": "$(POD_IP)"})
+    for option, value in (("--config", entry), ("--kv-transfer-config", json.dumps({
+            "kv_connector_extra_config": {"secondary_tiers": [json.loads(entry)]}}))):
+        (where,) = doctor(option, value, capsys=capsys)["listeners"]
+        assert (where["host"], where["ports"]) == ("127.0.0.1", [7777])

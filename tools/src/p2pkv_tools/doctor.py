@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import json
 import os
 import socket
 import subprocess
@@ -226,7 +227,12 @@ def check_ports(host: str, ports: Sequence[int]) -> list[dict[str, Any]]:
     """Whether each ``host:port`` can be bound now (as the ZMQ listener would bind it).
 
     Uses ``SO_REUSEADDR`` like libzmq, so a port in TIME_WAIT counts as free. Port 0 is
-    ephemeral and always free."""
+    ephemeral and always free. A host holding a ``$(VAR)`` reference (llm-d's ``$(POD_IP)``,
+    which the kubelet expands on the pod) is not checked: ``free`` is None."""
+    if "$(" in host:
+        later = (f"not checked: the kubelet expands {host} on the pod; run doctor there, or "
+                 "check the entry here with `p2pkv check-config --pod-ip IP --no-bind`")
+        return [{"host": host, "port": p, "free": None, "detail": later} for p in ports]
     results = []
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
@@ -357,15 +363,21 @@ def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | N
     """The engine entry ``--config`` or ``--kv-transfer-config`` names, as ``(check_config.Entry,
     connector extra config)``, or None for a plain tier config (or none given). An entry is
     read by its engine adapter, as at engine start (its environment variables, upstream keys,
-    zero-edit mode). ``ConfigError`` names the option when it cannot be read."""
+    zero-edit mode; ``$(NAME)`` references expanded from this environment as the kubelet
+    expands them, those unset left as written). ``ConfigError`` names the option when it
+    cannot be read."""
     from p2pkv import check_config
 
+    def read(text: str, option: str, what: str) -> dict[str, Any]:
+        if text.startswith("@"):
+            text = json.dumps(json_object(text, option, what))
+        return json_object(check_config.expand(text, os.environ, set(), placeholder=False),
+                           option, what)
+
     if args.kv_transfer_config:
-        kv = json_object(args.kv_transfer_config, "--kv-transfer-config",
-                         "vLLM's KVTransferConfig")
+        kv = read(args.kv_transfer_config, "--kv-transfer-config", "vLLM's KVTransferConfig")
     elif args.config:
-        raw = json_object(args.config, "--config", "a tier config, or a vLLM secondary_tiers "
-                          "entry")
+        raw = read(args.config, "--config", "a tier config, or a vLLM secondary_tiers entry")
         if "module_path" not in raw and "type" not in raw:
             return None
         kv = {"kv_connector_extra_config": {"secondary_tiers": [raw]}}
@@ -528,7 +540,7 @@ def _hints(report: Mapping[str, Any]) -> list[str]:
     tips = [
         f"{p['host']}:{p['port']} ({', '.join(p['engines'])}) is taken: choose a free base "
         f"port with {p['change']}."
-        for p in report["ports"] if not p["free"]
+        for p in report["ports"] if p["free"] is False
     ]
     vllm = any("vLLM" in where["engines"] for where in report["listeners"])
     if vllm and report["python_hash_seed"] != "set":
@@ -547,7 +559,8 @@ def _print_listeners(console: Console, report: Mapping[str, Any]) -> None:
             f"base port {where['ports'][0]} ({where['port_from']})"
         )
     for p in report["ports"]:
-        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {escape(p['detail'])}"
+        state = ("[green]free[/]" if p["free"] else escape(p["detail"]) if p["free"] is None
+                 else f"[red]NOT free[/]: {escape(p['detail'])}")
         console.print(f"  port {p['host']}:{p['port']}: {state}")
     console.print(f"PYTHONHASHSEED: {report['python_hash_seed']}")
 
@@ -587,6 +600,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"NIXL: {escape(report['nixl_install'])}")
     for tip in [*_advice(report), *_hints(report)]:
         console.print(f"[yellow]hint:[/] {escape(tip)}")
-    failed = [p for p in report["ports"] if not p["free"]] + [
+    failed = [p for p in report["ports"] if p["free"] is False] + [
         c for c in report["plugin_checks"] if not c["ok"]]
     return 1 if failed else 0

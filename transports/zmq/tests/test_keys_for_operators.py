@@ -125,9 +125,11 @@ def test_keys_never_replace_a_fleets_keys_unasked(tmp_path: Path,
     keys = fleet(tmp_path / "keys")
     before = {p.name: p.read_bytes() for p in keys.iterdir()}
     capsys.readouterr()
-    assert p2pkv_main(["keys", "--fleet", "--dir", str(keys)]) == 1
-    assert capsys.readouterr().err == (f"p2pkv keys: {keys / 'server.key'} exists (use --force "
-                                       "to overwrite)\n")
+    assert p2pkv_main(["keys", "--fleet", "--dir", str(keys)]) == 2
+    assert capsys.readouterr().err == (
+        f"p2pkv keys: {keys / 'server.key'} exists: {keys} holds a fleet's keys. Rotate them "
+        f"without an outage (`p2pkv keys --rotate begin --dir {keys}`, docs/security.md), or "
+        "pass --force to replace them (every peer still on the old keys is then refused)\n")
     assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
     assert p2pkv_main(["keys", "--rotate", "begin", "--dir", str(keys), "--force"]) == 2
     assert capsys.readouterr().err == ("p2pkv keys: --rotate replaces only what its step "

@@ -76,10 +76,10 @@ def run_keys(args: argparse.Namespace) -> int:
             public, secret = keys.write_key_pair(Path(args.dir), args.name or "p2pkv",
                                                  force=args.force)
             print(f"public key: {public}\nsecret key: {secret} (keep it private)")
-    except ConfigError as exc:
+    except (ConfigError, FileExistsError) as exc:  # bad input, or keys it would replace
         print(f"p2pkv keys: {exc}", file=sys.stderr)
         return 2
-    except (FileExistsError, OSError) as exc:
+    except OSError as exc:
         print(f"p2pkv keys: {exc}", file=sys.stderr)
         return 1
     return 0

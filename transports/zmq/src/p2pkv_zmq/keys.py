@@ -113,12 +113,16 @@ def key_pair_files() -> tuple[str, str]:
 
 def write_fleet_keys(directory: Path, *, force: bool = False) -> list[Path]:
     """Write a fleet's key directory (``$P2PKV_CURVE_DIR``): the server and the client pair
-    (:mod:`p2pkv_zmq.security`); returns the paths. Refuses to overwrite unless ``force``."""
+    (:mod:`p2pkv_zmq.security`); returns the paths. Refuses to overwrite unless ``force``
+    (``FileExistsError`` naming the rotation instead)."""
     for name in _FLEET_PAIRS if not force else ():
         for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
             if (directory / f"{name}{suffix}").exists():
-                raise FileExistsError(f"{directory / (name + suffix)} exists (use --force to "
-                                      "overwrite)")
+                raise FileExistsError(
+                    f"{directory / (name + suffix)} exists: {directory} holds a fleet's keys. "
+                    f"Rotate them without an outage (`p2pkv keys --rotate begin --dir "
+                    f"{directory}`, docs/security.md), or pass --force to replace them (every "
+                    "peer still on the old keys is then refused)")
     return [path for name in _FLEET_PAIRS
             for path in write_key_pair(directory, name, force=True)]
 
