@@ -21,6 +21,8 @@ from p2pkv_tools.bench.data_transport import (
     parse_bench_data_options,
 )
 from p2pkv_tools.bench.hostinfo import describe_host, environ_restored
+from p2pkv_tools.bench.large_region_cli import add_arguments as add_large_region_arguments
+from p2pkv_tools.bench.large_region_cli import large_region_requested
 from p2pkv_tools.bench.matrix import KiB, MatrixConfig, MiB, available_series
 from p2pkv_tools.bench.netns import parse_rate
 from p2pkv_tools.bench.progress import measure_matrix
@@ -160,6 +162,7 @@ def add_parser(sub: Any) -> None:
                    "lane, as across hosts without RDMA); removed afterwards; needs root and "
                    "iproute2")
     p.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
+    add_large_region_arguments(p, parse_size)
     p.set_defaults(func=run)
 
 
@@ -231,6 +234,10 @@ def _run(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     console = make_console(stderr=to_stdout)
     notes = make_console(stderr=True)
+    if large_region_requested(args):
+        from p2pkv_tools.bench.large_region_cli import run_cli
+
+        return run_cli(args, console, notes)
     registry = default_registry()
     config = _check_options(args, registry)
     from p2pkv_tools.bench.tier_bench import tier_requested
