@@ -84,10 +84,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import engine_kit
 from engine_kit import (
     EXTERNAL_TOKENS,
     P2PKV_TIER,
-    WAIT,
     Engine,
     delta,
     free_port,
@@ -164,6 +164,11 @@ ENGINE_BASE_BYTES = 1024 * MiB
 """What an engine process takes besides its KV cache and CPU tier (Python, torch, vLLM, the
 tier's transports), rounded up from this machine's engines."""
 GiB = 1024 * MiB
+BENCH_WAIT = engine_kit.WAIT
+"""Seconds a request may take with ``llama-bench`` (``engine_kit``'s own)."""
+SHAPE_WAIT = 1800.0
+"""Seconds a request may take with a production shape (``engine_kit.WAIT`` for the run): a
+bf16 8K-token prefill of 36 layers takes minutes on a shared CPU core."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,11 @@ class Settings:
         """The engines' dtype, and so their KV cache's (vLLM's CPU attention keeps the KV in
         the model's dtype: its ``auto``)."""
         return "float32" if self.shape == BENCH_MODEL else "bfloat16"
+
+    @property
+    def wait(self) -> float:
+        """Seconds any one request or answer may take (``engine_kit.WAIT`` for the run)."""
+        return BENCH_WAIT if self.shape == BENCH_MODEL else SHAPE_WAIT
 
     def max_model_len(self) -> int:
         """The longest prompt (a pulled one or the busy stream's) and its output, plus slack."""
@@ -348,10 +358,10 @@ def serve(pair: Pair, tokens: list[int], req_id: str, checks: Checks) -> list[in
     out, cached = source.generate(req_id, tokens, OUTPUT_TOKENS)
     checks.expect(cached == 0, f"{pair.tier} {req_id}: the source hit {cached} tokens")
     held = (len(tokens) - 1) * pair.kv_per_token
-    deadline = time.monotonic() + WAIT
+    deadline = time.monotonic() + engine_kit.WAIT
     while source.metrics().get(STORED, 0.0) - before < held:
         if time.monotonic() > deadline:
-            raise AssertionError(f"{source.name}: {req_id} not stored in {WAIT}s")
+            raise AssertionError(f"{source.name}: {req_id} not stored in {engine_kit.WAIT}s")
     return out
 
 
@@ -365,7 +375,7 @@ def pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks
     consumer, held = pair.consumer, len(tokens) - 1
     before = consumer.metrics()
     consumer.submit(req_id, tokens, OUTPUT_TOKENS, source_params(pair, f"kv-{req_id}"))
-    deadline = time.monotonic() + WAIT
+    deadline = time.monotonic() + engine_kit.WAIT
     while meanwhile is not None and not consumer.child.pending() \
             and time.monotonic() < deadline:
         meanwhile()
@@ -421,14 +431,15 @@ class Stream:
 
     def until(self, done: Callable[[tuple[int, int, int]], bool], what: str) -> None:
         """Top up until ``done(status)`` (at most ``WAIT`` seconds)."""
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + engine_kit.WAIT
         while not done(self.top_up()):
             if time.monotonic() > deadline:
-                raise AssertionError(f"{self.source.name}: {what} not in {WAIT}s {self.status}")
+                raise AssertionError(f"{self.source.name}: {what} not in {engine_kit.WAIT}s "
+                                     f"{self.status}")
 
     def drain(self) -> None:
         """Stop submitting; wait until none is in flight (at most ``WAIT`` seconds)."""
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + engine_kit.WAIT
         while (status := self.source.churn(0))[1]:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.source.name}: stream not drained {status}")
@@ -827,6 +838,7 @@ def run(settings: Settings, model: str,
     at its reader end (:func:`make_pair`). Raises on a harness failure; check failures are
     in ``checks``."""
     settings.validate()
+    engine_kit.WAIT = settings.wait  # every wait of the harness, its own and engine_kit's
     began, load = time.monotonic(), os.getloadavg()
     checks, prompts, traffic = Checks(), Prompts(), Traffic(link)
 

@@ -162,6 +162,11 @@ def add_parser(sub: Any) -> None:
                    "lane, as across hosts without RDMA); removed afterwards; needs root and "
                    "iproute2")
     p.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
+    p.add_argument("--phases", action="store_const", const=True,
+                   help="with --tier: instead of the matrix, PD requests one at a time per "
+                   "block size x blocks per request, each split into queue, control round "
+                   "trip, read and report, with both sides' CPU per request by component, "
+                   "next to raw NIXL's read of the same blocks")
     add_large_region_arguments(p, parse_size)
     p.set_defaults(func=run)
 
