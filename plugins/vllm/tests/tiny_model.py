@@ -57,7 +57,7 @@ BENCH_SHAPE: dict[str, int] = {
 x 2 x 4 bytes)."""
 
 
-def kv_bytes_per_token(arch: str) -> int:
+def kv_bytes_per_token(arch: str = "llama-bench") -> int:
     """KV bytes per token of an engine-benchmark model: layers x KV heads x head dim x 2
     (K and V) x the KV dtype's bytes (4 for ``llama-bench``'s float32, 2 for bf16)."""
     if arch == "llama-bench":
