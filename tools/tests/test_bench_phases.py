@@ -29,6 +29,11 @@ def test_a_record_splits_into_phases_that_add_up() -> None:
     parts = sum(phases[p] for p in PHASES if p != "total")
     assert parts == pytest.approx(phases["total"])
     assert split({"submitted": 1.0, "result": 2.0, "events": []}) is None
+    pieces = split({"submitted": 0.0, "result": 1.0, "events": [
+        ("call", 0.1), ("posted", 0.2), ("ended", 0.4), ("call", 0.5), ("posted", 0.55),
+        ("ended", 0.8)]})
+    assert pieces is not None and pieces["post"] == pytest.approx(0.15)
+    assert pieces["read"] == pytest.approx(0.55) and pieces["report"] == pytest.approx(0.2)
 
 
 def test_components_are_named_by_path_and_the_staged_copies_apart() -> None:

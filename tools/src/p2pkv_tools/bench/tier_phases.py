@@ -13,8 +13,9 @@ phase     from -> to
 control   ``submit_load`` -> the data transport's ``read_blocks`` called: the fetch sent and
           crossing, the producer's answer (its tick, the pin, ``ready``), ``ready``
           crossing back, the consumer's tick that reads it
-post      ``read_blocks`` called -> returned (on UCX's ``cma`` lane the READ copies here)
-read      ``read_blocks`` returned -> the tier saw the read end (on nixl's staged lane: the
+post      inside ``read_blocks`` (on UCX's ``cma`` lane the READ copies there), summed over
+          the calls when the load is read in pieces
+read      the rest until the tier saw the last read end (on nixl's staged lane: the
           producer's WRITE into the pool and the copy into the slots)
 report    read ended -> ``get_finished_jobs`` returned the result
 ========  ==================================================================================
@@ -95,16 +96,19 @@ class PhaseRow:
 
 def split(record: Mapping[str, Any]) -> dict[str, float] | None:
     """A finished load's phases in seconds (:data:`PHASES`), from its side's record (submit
-    and result times, the phase clock's events); None when no read of it ended."""
-    times: dict[str, list[float]] = {"call": [], "posted": [], "ended": []}
-    for kind, t in record["events"]:
-        times[kind].append(t)
-    if not times["call"] or not times["ended"]:
+    and result times, the phase clock's events); None when no read of it ended. A load read
+    in several pieces (a ``ready`` larger than its staging share) posts each in its own
+    ``read_blocks`` call: ``post`` sums the calls, ``read`` is the rest between the first
+    call and the last read's end."""
+    calls = [t for kind, t in record["events"] if kind == "call"]
+    posts = [t for kind, t in record["events"] if kind == "posted"]
+    ended = [t for kind, t in record["events"] if kind == "ended"]
+    if not calls or not ended or len(posts) != len(calls):
         return None
-    call, posted, ended = min(times["call"]), max(times["posted"]), max(times["ended"])
     submitted, result = record["submitted"], record["result"]
-    return {"control": call - submitted, "post": posted - call,
-            "read": max(ended - posted, 0.0), "report": result - ended,
+    post = sum(b - a for a, b in zip(calls, posts, strict=True))
+    return {"control": calls[0] - submitted, "post": post,
+            "read": max(max(ended) - calls[0] - post, 0.0), "report": result - max(ended),
             "total": result - submitted}
 
 
