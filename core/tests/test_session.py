@@ -53,7 +53,7 @@ from p2pkv.protocol import (
     message_type,
 )
 from p2pkv.session import Deadlines, JobLedger, LocalIdentity, Session, SessionEnv, State
-from p2pkv.session.client import LEASE_DRIFT, failure_outcome
+from p2pkv.session.consumer_role import LEASE_DRIFT, failure_outcome
 from p2pkv.session.producers import ProducerDirectory
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
 
@@ -303,15 +303,15 @@ class Rig:
 
     def load(self, job_id: int, kv: str, keys: list[bytes], slots: list[int]) -> None:
         self.ledger.open(job_id, True, kv, PEER)
-        self.session.client.submit(Job(job_id, keys, slots, True, RequestContext("c")), kv)
+        self.session.consumer.submit(Job(job_id, keys, slots, True, RequestContext("c")), kv)
         self.take()
 
     def store(self, job_id: int, kv: str, keys: list[bytes], slots: list[int]) -> None:
         """As the tier does it: to the bound session, else parked."""
         self.ledger.open(job_id, False, kv)
         job = Job(job_id, keys, slots, False, RequestContext("p"))
-        if self.dir.bound(kv) is self.session.server:
-            self.session.server.add_store(kv, job)
+        if self.dir.bound(kv) is self.session.producer:
+            self.session.producer.add_store(kv, job)
         else:
             self.dir.park(kv, job)
         self.take()
@@ -614,16 +614,16 @@ def test_fetch_has_no_slots_and_ready_posts_reads_into_our_slots(consumer: Rig) 
     consumer.feed(Ready("r", 0, [2, 0, 1], [9, 1, 31]))
     assert consumer.data.posted == [(PEER, [6, 4, 5], [9, 1, 31])]
     (rid,) = consumer.data.reads
-    assert consumer.env.owners == {rid: consumer.session.client}
+    assert consumer.env.owners == {rid: consumer.session.consumer}
     assert consumer.results == {} and consumer.sent() == []
     consumer.finish_read(rid)
     assert consumer.results == {1: Outcome.DONE} and consumer.details[1] == ""
     assert consumer.sent() == [Release("r", 0, True)]
     assert consumer.env.counters["blocks_read"] == 3
-    assert consumer.session.client.n_rounds == 0 and consumer.deadlines.next_due() is None
-    consumer.session.client.finish("r")  # only now the producer is told the request is over
+    assert consumer.session.consumer.n_rounds == 0 and consumer.deadlines.next_due() is None
+    consumer.session.consumer.finish("r")  # only now the producer is told the request is over
     assert consumer.sent() == [Fetch("r", 1, [])]
-    assert consumer.session.client.reqs == {}
+    assert consumer.session.consumer.reqs == {}
 
 
 def test_partial_readies_post_one_read_each_and_the_round_ends_after_the_last(
@@ -816,14 +816,14 @@ def test_finish_mid_load_cancels_the_reads_reports_at_once_and_releases(consumer
     consumer.feed(Ready("r", 0, [1], [7]))
     (rid,) = consumer.data.reads
     mark = len(consumer.events)
-    consumer.session.client.finish("r")
+    consumer.session.consumer.finish("r")
     consumer.take()
     assert consumer.results == {1: Outcome.REQUEST_FINISHED}
     events = consumer.since(mark)
     assert events.index(("cancel", [rid])) < events.index(("result", 1,
                                                             Outcome.REQUEST_FINISHED))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]  # then terminal
-    assert "r" not in consumer.env.failed_loads and consumer.session.client.reqs == {}
+    assert "r" not in consumer.env.failed_loads and consumer.session.consumer.reqs == {}
     consumer.feed(Ready("r", 0, [0], [8]))  # crossed our release: ignored
     assert consumer.data.reads == {} and consumer.doom() is None
 
@@ -831,7 +831,7 @@ def test_finish_mid_load_cancels_the_reads_reports_at_once_and_releases(consumer
 def test_finish_before_the_handshake_reports_at_once_and_sends_nothing(rig: Rig) -> None:
     rig.sent()
     rig.load(1, "r", [b"a"], [0])
-    rig.session.client.finish("r")
+    rig.session.consumer.finish("r")
     rig.take()
     assert rig.results == {1: Outcome.REQUEST_FINISHED}
     rig.feed(rig.hello(), HelloAck(7))
@@ -917,7 +917,7 @@ def test_a_ready_for_a_round_that_already_ended_here_is_ignored(consumer: Rig, e
         consumer.feed(Ready("r", 0, [0, 1], [1, 2]))
         consumer.finish_read(next(iter(consumer.data.reads)))
     elif end == "finished":
-        consumer.session.client.finish("r")
+        consumer.session.consumer.finish("r")
     posted = len(consumer.data.posted)
     kv = "elsewhere" if end == "unknown_kv" else "r"
     consumer.feed(Ready(kv, 0, [1], [3]))
@@ -954,7 +954,7 @@ def test_session_death_cancels_reads_and_fails_loads_at_once(consumer: Rig, deat
 
 def test_closing_fails_loads_and_marks_ids(consumer: Rig) -> None:
     consumer.load(1, "r", [b"a"], [0])
-    consumer.session.client.open_request("idle")
+    consumer.session.consumer.open_request("idle")
     consumer.session.close(Outcome.PEER_DEAD, "gone")
     consumer.take()
     assert consumer.results == {1: Outcome.PEER_DEAD} and consumer.details[1] == "gone"
@@ -993,7 +993,7 @@ def test_consumer_wind_down_before_the_handshake(rig: Rig) -> None:
 
 
 def test_symmetric_probes_batch_per_request_and_resolve(consumer: Rig) -> None:
-    client = consumer.session.client
+    client = consumer.session.consumer
     assert client.probe("r", b"a") is LookupResult.RETRY
     assert client.probe("r", b"b") is LookupResult.RETRY
     assert client.probe("q", b"c") is LookupResult.RETRY
@@ -1016,19 +1016,19 @@ def test_symmetric_probes_batch_per_request_and_resolve(consumer: Rig) -> None:
     (LookupResp(0, [True, True]), "lookup_resp.hits: 2 answers for 1 keys"),
 ])
 def test_bad_lookup_responses(consumer: Rig, resp: LookupResp, fragment: str) -> None:
-    consumer.session.client.probe("r", b"a")
-    consumer.session.client.flush_lookups()
+    consumer.session.consumer.probe("r", b"a")
+    consumer.session.consumer.flush_lookups()
     consumer.feed(resp)
     assert fragment in consumer.doom().reason
 
 
 def test_finish_after_probes_only_sends_the_terminal_fetch(consumer: Rig) -> None:
-    consumer.session.client.probe("r", b"a")
-    consumer.session.client.flush_lookups()
+    consumer.session.consumer.probe("r", b"a")
+    consumer.session.consumer.flush_lookups()
     consumer.sent()
-    consumer.session.client.finish("r")
+    consumer.session.consumer.finish("r")
     assert consumer.sent() == [Fetch("r", 0, [])]
-    assert consumer.session.client.lookups == {} and consumer.session.client.reqs == {}
+    assert consumer.session.consumer.state_sizes()["lookups"] == 0 and consumer.session.consumer.reqs == {}
 
 
 # -- producer: matching and ready ----------------------------------------------------------------
@@ -1037,16 +1037,16 @@ def test_finish_after_probes_only_sends_the_terminal_fetch(consumer: Rig) -> Non
 def test_consumer_first_stores_match_as_they_arrive(producer: Rig) -> None:
     producer.feed(Fetch("r", 0, [b"a", b"b", b"c"]))
     assert producer.sent() == []
-    assert producer.dir.bound("r") is producer.session.server
+    assert producer.dir.bound("r") is producer.session.producer
     producer.store(1, "r", [b"b", b"x"], [2, 3])
     assert producer.sent() == [Ready("r", 0, [1], [2])]
     producer.store(2, "r", [b"a", b"c"], [4, 5])
     assert producer.sent() == [Ready("r", 0, [0, 2], [4, 5])]
-    assert producer.session.server.n_pins == 3 and producer.results == {}
+    assert producer.session.producer.n_pins == 3 and producer.results == {}
     producer.feed(Release("r", 0, True))
     producer.take()
     assert producer.results == {2: Outcome.DONE}  # job 1 still offers b"x"
-    assert producer.session.server.n_pins == 0 and producer.env.counters["blocks_sent"] == 3
+    assert producer.session.producer.n_pins == 0 and producer.env.counters["blocks_sent"] == 3
     producer.feed(Fetch("r", 1, []))  # terminal fetch
     producer.take()
     assert producer.results[1] is Outcome.DONE
@@ -1059,7 +1059,7 @@ def test_producer_first_stores_are_replayed_in_order_when_the_fetch_binds(produc
     assert producer.dir.parked_count == 2
     producer.feed(Fetch("r", 0, [b"b", b"a"]))
     assert producer.sent() == [Ready("r", 0, [0, 1], [3, 1])]
-    assert producer.dir.bound("r") is producer.session.server and producer.dir.parked_count == 0
+    assert producer.dir.bound("r") is producer.session.producer and producer.dir.parked_count == 0
     producer.feed(Release("r", 0, True))
     producer.take()
     assert producer.results == {1: Outcome.DONE, 2: Outcome.DONE}
@@ -1072,7 +1072,7 @@ def test_a_fetch_partly_held_readies_the_held_part_and_waits_for_the_rest(produc
     producer.store(2, "r", [b"c"], [4])
     producer.store(3, "r", [b"b"], [5])
     assert producer.sent() == [Ready("r", 0, [2], [4]), Ready("r", 0, [0], [5])]
-    assert producer.session.server.state_sizes()["demand"] == 0
+    assert producer.session.producer.state_sizes()["demand"] == 0
 
 
 def test_a_key_twice_in_one_store_counts_once(producer: Rig) -> None:
@@ -1089,14 +1089,14 @@ def test_untouched_parked_stores_are_released_by_the_terminal_fetch(producer: Ri
     producer.store(1, "r", [b"a"], [1])
     producer.feed(Fetch("r", 0, [b"z"]))
     producer.dir.producer_finished("r")
-    producer.session.server.producer_finished("r")
+    producer.session.producer.producer_finished("r")
     assert producer.sent() == [round_failed(
         "r", 0, "demand_unmet: 1 demanded block(s) were never stored by the producer")]
     producer.feed(Release("r", 0, False))  # what the consumer answers: ignored
     producer.feed(Fetch("r", 1, []))
     producer.take()
     assert producer.results == {1: Outcome.NOTHING_TO_DO}
-    assert producer.session.server.reqs == {} and producer.dir.bound("r") is None
+    assert producer.session.producer.reqs == {} and producer.dir.bound("r") is None
     assert producer.doom() is None
 
 
@@ -1148,7 +1148,7 @@ def test_a_fetch_after_the_terminal_fetch_fails_that_round(producer: Rig) -> Non
 
 def test_terminal_fetch_for_an_unknown_request_leaves_no_state(producer: Rig) -> None:
     producer.feed(Fetch("nobody", 3, []))
-    assert producer.session.server.reqs == {} and producer.dir.bound("r") is None
+    assert producer.session.producer.reqs == {} and producer.dir.bound("r") is None
     assert producer.doom() is None and producer.sent() == []
 
 
@@ -1157,7 +1157,7 @@ def test_fetch_for_a_finished_request_fails_at_once(producer: Rig) -> None:
     producer.feed(Fetch("r", 0, [b"a"]))
     failed = _failed(producer.sent()[0])
     assert failed.reason.startswith("demand_unmet") and "already finished" in failed.reason
-    assert producer.session.server.reqs == {}
+    assert producer.session.producer.reqs == {}
     producer.feed(Release("r", 0, False))  # the consumer's answer: ignored
     assert producer.doom() is None
 
@@ -1168,14 +1168,14 @@ def test_unmet_demand_fails_the_round_at_once_and_its_pins_wait_for_the_release(
     producer.store(1, "r", [b"a"], [3])
     producer.sent()
     producer.dir.producer_finished("r")
-    producer.session.server.producer_finished("r")
+    producer.session.producer.producer_finished("r")
     failed = _failed(producer.sent()[0])
     assert failed.reason.startswith("demand_unmet: 1 demanded block(s)")
-    assert producer.results == {} and producer.session.server.n_pins == 1  # a is pinned
+    assert producer.results == {} and producer.session.producer.n_pins == 1  # a is pinned
     producer.feed(Release("r", 0, False))
     producer.take()
     assert producer.results == {1: Outcome.ABORTED}
-    assert producer.session.server.reqs == {} and producer.dir.bound("r") is None
+    assert producer.session.producer.reqs == {} and producer.dir.bound("r") is None
 
 
 # -- producer: release and the lease -------------------------------------------------------------
@@ -1185,12 +1185,12 @@ def test_release_read_delivers_the_store_jobs(producer: Rig) -> None:
     producer.store(1, "r", [b"a", b"b"], [3, 4])
     producer.feed(Fetch("r", 0, [b"a", b"b"]))
     assert producer.sent() == [Ready("r", 0, [0, 1], [3, 4])]
-    assert producer.session.server.busy and not producer.session.wound_down
+    assert producer.session.producer.busy and not producer.session.wound_down
     producer.feed(Release("r", 0, True))
     producer.take()
     assert producer.results == {1: Outcome.DONE} and producer.details[1] == ""
-    assert producer.session.server.state_sizes()["pins"] == 0
-    assert producer.session.server.n_rounds == 0 and producer.session.wound_down
+    assert producer.session.producer.state_sizes()["pins"] == 0
+    assert producer.session.producer.n_rounds == 0 and producer.session.wound_down
 
 
 def test_release_not_read_aborts_the_store_jobs(producer: Rig) -> None:
@@ -1201,7 +1201,7 @@ def test_release_not_read_aborts_the_store_jobs(producer: Rig) -> None:
     producer.take()
     assert producer.results == {1: Outcome.ABORTED}
     assert producer.details[1] == "the consumer gave the round up"
-    assert producer.session.server.state_sizes()["demand"] == 0  # c is not waited for
+    assert producer.session.producer.state_sizes()["demand"] == 0  # c is not waited for
     producer.store(3, "r", [b"c"], [5])
     assert [m for m in producer.sent() if isinstance(m, Ready)] == [Ready("r", 0, [0], [3])]
 
@@ -1219,7 +1219,7 @@ def test_lease_expiry_without_release_fails_the_pinned_jobs() -> None:
     detail = "the consumer did not release it within the lease (40.0s)"
     assert rig.results == {1: Outcome.TRANSFER_FAILED} and rig.details[1] == detail
     assert rig.sent() == [round_failed("r", 0, f"load_timeout: {detail}")]
-    assert rig.session.server.n_pins == 0 and rig.session.server.n_rounds == 0
+    assert rig.session.producer.n_pins == 0 and rig.session.producer.n_rounds == 0
     rig.feed(Release("r", 0, True))  # late: the round ended here
     rig.take()
     assert rig.doom() is None and len(rig.results) == 1
@@ -1245,12 +1245,12 @@ def test_a_round_its_consumer_gave_up_does_not_hold_demand_forever(producer: Rig
     ends one lease after the fetch arrived."""
     producer.feed(Fetch("r", 0, [b"a", b"b"]))
     producer.tick(producer.timeouts.lease - 0.1)
-    assert producer.sent() == [] and producer.session.server.n_rounds == 1
+    assert producer.sent() == [] and producer.session.producer.n_rounds == 1
     producer.tick(0.2)
     failed = _failed(producer.sent()[0])
     assert failed.reason.startswith("load_timeout:")
-    assert producer.session.server.state_sizes()["demand"] == 0 and producer.doom() is None
-    assert producer.session.server.n_rounds == 0
+    assert producer.session.producer.state_sizes()["demand"] == 0 and producer.doom() is None
+    assert producer.session.producer.n_rounds == 0
 
 
 @pytest.mark.parametrize("end, outcome", [("release_read", Outcome.STORE_TIMEOUT),
@@ -1264,7 +1264,7 @@ def test_a_store_result_waits_while_its_blocks_are_pinned(producer: Rig, end: st
     producer.feed(Fetch("r", 0, [b"a"]))
     producer.tick(30.1)  # the store deadline passes while the consumer may be reading a
     assert producer.results == {}
-    assert producer.session.server.state_sizes()["supply"] == 0  # b is offered no more
+    assert producer.session.producer.state_sizes()["supply"] == 0  # b is offered no more
     if end == "lease":
         producer.tick(9.8)
         assert producer.results == {}
@@ -1314,7 +1314,7 @@ def test_terminal_fetch_aborts_the_rounds_still_pinned(producer: Rig) -> None:
     producer.take()
     assert producer.results == {1: Outcome.ABORTED}
     assert producer.details[1] == "the consumer ended the request"
-    assert producer.session.server.n_pins == 0 and producer.session.server.n_rounds == 0
+    assert producer.session.producer.n_pins == 0 and producer.session.producer.n_rounds == 0
 
 
 # -- producer: session end, shutdown ---------------------------------------------------------------
@@ -1329,7 +1329,7 @@ def test_closing_keeps_the_pins_until_the_lease(producer: Rig) -> None:
     producer.take()
     assert producer.results == {2: Outcome.PEER_DEAD}
     assert producer.session.state is State.CLOSED and producer.dir.bound("r") is None
-    server = producer.session.server
+    server = producer.session.producer
     assert server.n_pins == 1 and server.busy
     producer.tick(34.9)  # 39.9s after the ready: the cut-off consumer may still be reading
     assert 1 not in producer.results
@@ -1346,10 +1346,10 @@ def test_drop_pins_ends_the_wait_for_the_lease_at_once(producer: Rig) -> None:
     producer.session.close(Outcome.SHUTDOWN, "shutdown")
     producer.take()
     assert producer.results == {}
-    assert producer.session.server.drop_pins(Outcome.SHUTDOWN, "tier shut down") == 1
+    assert producer.session.producer.drop_pins(Outcome.SHUTDOWN, "tier shut down") == 1
     producer.take()
     assert producer.results == {1: Outcome.SHUTDOWN}
-    assert producer.session.server.n_pins == 0 and producer.session.server.n_rounds == 0
+    assert producer.session.producer.n_pins == 0 and producer.session.producer.n_rounds == 0
     assert len(producer.deadlines) == 0
 
 
@@ -1452,10 +1452,10 @@ def test_lookup_served_from_the_source_pins_hits_as_supply(consumer: Rig) -> Non
     rig.env.lookup_ends.source_seen = True
     rig.feed(Lookup(0, "r", [b"a", b"b", b"c"]))
     src = Source({b"a": 1, b"c": 3}, retry=frozenset({b"b"}))
-    rig.session.server.serve(src)
+    rig.session.producer.serve(src)
     assert rig.sent() == []  # b is still RETRY
     src.retry.clear()
-    rig.session.server.serve(src)
+    rig.session.producer.serve(src)
     assert rig.sent() == [LookupResp(0, [True, False, True])]
     assert src.calls == ["begin", "pin", "end"]
     rig.feed(Fetch("r", 0, [b"c", b"a"]))
@@ -1472,7 +1472,7 @@ def test_hit_source_failures_answer_miss(consumer: Rig, fail: str) -> None:
     consumer.env.lookup_ends.source_seen = True
     consumer.feed(Lookup(0, "r", [b"a"]))
     src = Source({b"a": 1}, fail=fail)
-    consumer.session.server.serve(src)
+    consumer.session.producer.serve(src)
     assert consumer.sent() == [LookupResp(0, [False])]
     assert src.calls[-1] == ("end" if fail == "pin" else "begin")
 
@@ -1481,7 +1481,7 @@ def test_lookup_deadline_without_serving_answers_miss_and_defers_end(consumer: R
     consumer.env.lookup_ends.source_seen = True
     consumer.feed(Lookup(0, "r", [b"a"]))
     src = Source({}, retry=frozenset({b"a"}))
-    consumer.session.server.serve(src)
+    consumer.session.producer.serve(src)
     consumer.tick(5.1)
     assert consumer.sent() == [LookupResp(0, [False])]
     assert consumer.env.lookup_ends.take() == ["r"]
@@ -1523,12 +1523,12 @@ def test_a_load_end_to_end(ok: bool) -> None:
         assert c.results == {1: Outcome.DONE} and p.results == {1: Outcome.DONE}
     else:
         assert c.results == {1: Outcome.TRANSFER_FAILED} and p.results == {1: Outcome.ABORTED}
-    c.session.client.finish("r")
+    c.session.consumer.finish("r")
     p.dir.producer_finished("r")
-    p.session.server.producer_finished("r")
+    p.session.producer.producer_finished("r")
     _shuttle(c, p)
-    assert p.session.server.reqs == {} and p.dir.bound("r") is None
-    assert c.session.client.reqs == {} and p.session.wound_down and c.session.wound_down
+    assert p.session.producer.reqs == {} and p.dir.bound("r") is None
+    assert c.session.consumer.reqs == {} and p.session.wound_down and c.session.wound_down
     assert c.doom() is None and p.doom() is None
 
 
@@ -1549,11 +1549,11 @@ def test_an_oversize_fetch_fails_its_load_not_the_session(consumer: Rig,
 
 def test_an_oversize_lookup_answers_its_keys_miss(consumer: Rig) -> None:
     consumer.conn.max_frame = 64
-    client = consumer.session.client
+    client = consumer.session.consumer
     for i in range(4):
         assert client.probe("r", bytes([i]) * 20) is LookupResult.RETRY
     client.flush_lookups()
-    assert consumer.sent() == [] and consumer.doom() is None and client.lookups == {}
+    assert consumer.sent() == [] and consumer.doom() is None and client.state_sizes()["lookups"] == 0
     assert client.probe("r", b"\x00" * 20) is LookupResult.MISS
 
 
@@ -1566,6 +1566,6 @@ def test_an_oversize_ready_fails_the_round_and_keeps_the_pins_until_release(
     producer.feed(Fetch("r", 0, keys))
     (msg,) = producer.sent()
     assert _failed(msg).outcome == "submit_failed" and producer.doom() is None
-    assert producer.session.server.n_pins == 60 and producer.results == {}
+    assert producer.session.producer.n_pins == 60 and producer.results == {}
     producer.feed(Release("r", 0, False))
-    assert producer.session.server.n_pins == 0 and producer.results == {1: Outcome.ABORTED}
+    assert producer.session.producer.n_pins == 0 and producer.results == {1: Outcome.ABORTED}
