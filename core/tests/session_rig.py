@@ -39,9 +39,11 @@ from p2pkv.protocol import (
     encode,
     message_type,
 )
-from p2pkv.session import Deadlines, JobLedger, LocalIdentity, Session, SessionEnv, State
+from p2pkv.session.deadlines import Deadlines
+from p2pkv.session.env import LocalIdentity, SessionEnv
+from p2pkv.session.ledger import JobLedger
 from p2pkv.session.producers import ProducerDirectory
-from p2pkv.session.session import Doom
+from p2pkv.session.session import Doom, Session, State
 from p2pkv.types import Job, Outcome, RequestContext
 
 PEER = "peer:1"

@@ -25,9 +25,9 @@ from p2pkv.protocol import (
     decode,
     message_type,
 )
-from p2pkv.session import State
 from p2pkv.session.consumer_role import LEASE_DRIFT
 from p2pkv.session.producer_role import ProducerRole
+from p2pkv.session.session import State
 from p2pkv.types import Outcome
 from session_rig import (
     LIMITS,

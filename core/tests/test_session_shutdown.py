@@ -16,7 +16,7 @@ from p2pkv.protocol import (
     Ready,
     Release,
 )
-from p2pkv.session import State
+from p2pkv.session.session import State
 from p2pkv.types import Outcome
 from session_rig import (
     Rig,
