@@ -27,8 +27,8 @@ EXPORTED = [
     "Limits", "LocalHitSource", "LookupResult", "Outcome", "P2PKVError", "P2PTier", "PeerRejected",
     "Peers", "PollResult", "ProtocolError", "ReadState", "RequestContext", "ResourceUnavailable",
     "SendQueueFull", "TierConfig", "Timeouts", "TransferBusy", "TransferSubmitError",
-    "TransportKind", "TransportUnavailable", "UsageError", "__version__", "format_address",
-    "hookimpl", "option", "parse_address", "parse_options",
+    "TransportKind", "TransportUnavailable", "UsageError", "__version__", "check_read",
+    "format_address", "hookimpl", "option", "parse_address", "parse_options",
 ]
 """``p2pkv.__all__`` (sorted as ruff's RUF022 sorts it)."""
 

@@ -39,6 +39,7 @@ if _typing.TYPE_CHECKING:  # the same names as _SOURCES (a test holds the two eq
     from p2pkv.data_base import AttachedPeer as AttachedPeer
     from p2pkv.data_base import Indexes as Indexes
     from p2pkv.data_base import ReadState as ReadState
+    from p2pkv.data_base import check_read as check_read
     from p2pkv.errors import ConcurrentCall as ConcurrentCall
     from p2pkv.errors import ConfigError as ConfigError
     from p2pkv.errors import ConnectionClosed as ConnectionClosed
@@ -81,7 +82,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                         "ControlTransport", "DataBackend", "DataSettings", "DataTransport",
                         "PollResult", "TransportKind"),
     "p2pkv.control_base": ("OVERSIZED", "InboxConnection", "InboxControlTransport"),
-    "p2pkv.data_base": ("AttachedPeer", "Indexes", "ReadState"),
+    "p2pkv.data_base": ("AttachedPeer", "Indexes", "ReadState", "check_read"),
     "p2pkv.options": ("option", "parse_options"),
     "p2pkv.addressing": ("format_address", "parse_address"),
     "p2pkv.hookspecs": ("PLUGIN_API_VERSION", "CheckResult", "DoctorCheck", "hookimpl"),
@@ -141,6 +142,7 @@ __all__ = [  # _SOURCES' names (a test holds the two equal)
     "TransportUnavailable",
     "UsageError",
     "__version__",
+    "check_read",
     "format_address",
     "hookimpl",
     "option",
