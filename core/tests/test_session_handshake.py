@@ -29,13 +29,7 @@ from p2pkv.session.consumer_role import LEASE_DRIFT
 from p2pkv.session.producer_role import ProducerRole
 from p2pkv.session.session import State
 from p2pkv.types import Outcome
-from session_rig import (
-    LIMITS,
-    OUR_BLOCKS,
-    PEER,
-    Rig,
-    round_failed,
-)
+from session_rig import LIMITS, OUR_BLOCKS, PEER, Rig, round_failed
 
 
 def test_start_sends_our_hello(rig: Rig) -> None:

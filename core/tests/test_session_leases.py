@@ -8,17 +8,9 @@ from __future__ import annotations
 
 import pytest
 from p2pkv.config import Timeouts
-from p2pkv.protocol import (
-    Fetch,
-    Ready,
-    Release,
-)
+from p2pkv.protocol import Fetch, Ready, Release
 from p2pkv.types import Outcome
-from session_rig import (
-    Rig,
-    as_round_failed,
-    round_failed,
-)
+from session_rig import Rig, as_round_failed, round_failed
 
 
 def test_release_read_delivers_the_store_jobs(producer: Rig) -> None:

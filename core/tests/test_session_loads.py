@@ -8,24 +8,10 @@ from __future__ import annotations
 
 import pytest
 from p2pkv.config import Timeouts
-from p2pkv.protocol import (
-    Fetch,
-    HelloAck,
-    Message,
-    Ready,
-    Release,
-)
+from p2pkv.protocol import Fetch, HelloAck, Message, Ready, Release
 from p2pkv.session.consumer_role import LEASE_DRIFT, failure_outcome
 from p2pkv.types import Outcome
-from session_rig import (
-    OUR_BLOCKS,
-    PEER,
-    PEER_BLOCKS,
-    Rig,
-    failed_ids,
-    reads_posted,
-    round_failed,
-)
+from session_rig import OUR_BLOCKS, PEER, PEER_BLOCKS, Rig, failed_ids, reads_posted, round_failed
 
 
 def test_fetch_has_no_slots_and_ready_posts_reads_into_our_slots(consumer: Rig) -> None:

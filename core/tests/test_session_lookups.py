@@ -8,18 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from p2pkv.protocol import (
-    Fetch,
-    Lookup,
-    LookupResp,
-    Ready,
-    Release,
-)
+from p2pkv.protocol import Fetch, Lookup, LookupResp, Ready, Release
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
-from session_rig import (
-    Rig,
-    as_round_failed,
-)
+from session_rig import Rig, as_round_failed
 
 
 def test_symmetric_probes_batch_per_request_and_resolve(consumer: Rig) -> None:

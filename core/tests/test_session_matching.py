@@ -6,17 +6,9 @@ fixtures: ``session_rig.py``.
 
 from __future__ import annotations
 
-from p2pkv.protocol import (
-    Fetch,
-    Ready,
-    Release,
-)
+from p2pkv.protocol import Fetch, Ready, Release
 from p2pkv.types import Outcome
-from session_rig import (
-    Rig,
-    as_round_failed,
-    round_failed,
-)
+from session_rig import Rig, as_round_failed, round_failed
 
 
 def test_consumer_first_stores_match_as_they_arrive(producer: Rig) -> None:

@@ -7,24 +7,10 @@ until the consumer's release or the lease. Rig and fixtures: ``session_rig.py``.
 from __future__ import annotations
 
 import pytest
-from p2pkv.protocol import (
-    Bye,
-    Fetch,
-    HelloAck,
-    Lookup,
-    LookupResp,
-    Ready,
-    Release,
-)
+from p2pkv.protocol import Bye, Fetch, HelloAck, Lookup, LookupResp, Ready, Release
 from p2pkv.session.session import State
 from p2pkv.types import Outcome
-from session_rig import (
-    Rig,
-    as_round_failed,
-    cancelled_at,
-    failed_ids,
-    round_failed,
-)
+from session_rig import Rig, as_round_failed, cancelled_at, failed_ids, round_failed
 
 
 @pytest.mark.parametrize("death", ["conn_dies", "bye", "closed"])

@@ -7,19 +7,9 @@ from __future__ import annotations
 
 import pytest
 from p2pkv.errors import FrameTooLarge, ProtocolError
-from p2pkv.protocol import (
-    Fetch,
-    Ready,
-    Release,
-    encode,
-)
+from p2pkv.protocol import Fetch, Ready, Release, encode
 from p2pkv.types import Outcome
-from session_rig import (
-    OUR_BLOCKS,
-    PEER,
-    Rig,
-    as_round_failed,
-)
+from session_rig import OUR_BLOCKS, PEER, Rig, as_round_failed
 
 
 def _pair() -> tuple[Rig, Rig]:
