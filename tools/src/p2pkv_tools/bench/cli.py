@@ -139,7 +139,7 @@ def add_parser(sub: Any) -> None:
                    help="write results as JSON to PATH ('-' or no value: stdout)")
     p.add_argument("--plot", metavar="PATH.png",
                    help="GB/s vs block size per series, log scale, a panel per batch and "
-                   "concurrency (needs p2pkv[plot])")
+                   "concurrency (needs p2pkv-tools[plot])")
     p.add_argument("--control", action="store_true",
                    help="control plane: round trips vs raw pyzmq, CPU per request")
     p.add_argument("--tier", action="store_true",
@@ -243,7 +243,7 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv[plot]'") from None
+            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv-tools[plot]'") from None
     from p2pkv_tools.bench.tier_bench import tier_requested
 
     if args.control and not tier_requested(args):
