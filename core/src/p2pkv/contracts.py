@@ -390,7 +390,8 @@ class DataBackend(ABC):
 
     def _end_reads(self, handles: list[Any]) -> None:
         """End posted reads finally: on return none of their bytes can land in our blocks
-        (stop them, or quarantine their staging). Never waits for a peer; must not raise. The base has already forgotten them.
+        (stop them, or quarantine their staging). Never waits for a peer; must not raise.
+        The base has already forgotten them.
 
         The default does nothing, which is right only for a backend that finds its reads
         through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
