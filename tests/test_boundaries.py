@@ -207,7 +207,6 @@ TEMPORARY_EXCEPTIONS = {
     # Issue 49: split on other branches of the same turn. The lead removes these entries
     # once those branches are merged (the test fails when an entry is no longer needed).
     "p2pkv.tier.P2PTier": "split by role on the fleet-tier branch",
-    "p2pkv_zmq.hub.ZmqHub": "split by role on the fleet-zmq branch",
 }
 
 

@@ -52,8 +52,8 @@ PUBLIC_MODULES = {
     "p2pkv.testing.strategies": ["binary_frames", "byes", "fetches", "frames", "hello_acks",
                                  "hellos", "hostile_frames", "lookup_resps", "lookups",
                                  "messages", "readies", "releases", "round_faileds"],
-    "p2pkv.testing.suites": ["ControlTransportSuite", "DataTransportSuite",
-                             "installed_transport"],
+    "p2pkv.testing.suites": ["ControlTransportSuite", "DataIsolationSuite",
+                             "DataTransportSuite", "installed_transport"],
     "p2pkv.testing.tier_machine": ["FakeClock", "TierMachine", "TierNode"],
     "p2pkv.testing.waiting": ["WaitTimeout", "pumping_in_background", "quietly", "wait_until"],
 }
