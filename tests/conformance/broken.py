@@ -429,6 +429,25 @@ class DuplicatesFrames(LoopbackControlTransport):
         return super().poll(timeout)
 
 
+class DropsSomeFrames(LoopbackControlTransport):
+    """Loses one frame in 50 (2 %) on live connections: an occasional drop, never a gap
+    large enough for the short delivery tests to be sure to see."""
+
+    dropped = 0
+    """Frames seen across every instance (deterministic: the 37th of every 50 is lost)."""
+
+    def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
+        for end in self.ends:
+            kept = []
+            for frame in end.queue:
+                DropsSomeFrames.dropped += 1
+                if DropsSomeFrames.dropped % 50 != 37:
+                    kept.append(frame)
+            end.queue.clear()
+            end.queue.extend(kept)
+        return super().poll(timeout)
+
+
 class AcceptsTwice(LoopbackControlTransport):
     """Returns each inbound connection from every poll, not once."""
 
@@ -553,6 +572,7 @@ class ForgetsAnActiveConnection(LoopbackControlTransport):
 CONTROL_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "Reorders": (Reorders, ("test_frames_arrive_in_order_each_once",)),
     "DuplicatesFrames": (DuplicatesFrames, ("test_frames_arrive_in_order_each_once",)),
+    "DropsSomeFrames": (DropsSomeFrames, ("test_a_long_stream_loses_no_frame",)),
     "AcceptsTwice": (
         AcceptsTwice, ("test_inbound_connection_is_returned_once_with_its_first_frames",)
     ),

@@ -43,6 +43,7 @@ __all__ = [
     "ControlConnection",
     "ControlSettings",
     "ControlTransport",
+    "DataBackend",
     "DataSettings",
     "DataTransport",
     "PollResult",
@@ -321,10 +322,108 @@ class _Registration:
         self.reads: dict[int, Any] = {}
 
 
+class DataBackend(ABC):
+    """The primitives a data backend implements, declared together; :class:`DataTransport` is
+    the rich base that calls them (its docstring states the contract they serve).
+
+    Required: ``descriptor``, ``_attach_peer``, ``_post_read`` and ``_read_state``. The
+    others have defaults that suit a backend whose reads move bytes only inside its own
+    calls. Every primitive is called on the driver thread only, never after ``close`` (except
+    ``_shutdown``, by it), and must not block beyond a call's contract.
+
+    - ``descriptor()`` (public): our region's descriptor bytes.
+    - ``_attach_peer(peer_id, descriptor)``: the peer's record (anything with a
+      ``num_blocks``), or ``PeerRejected``. Any other exception becomes ``PeerRejected``.
+    - ``_peer_usable(peer)``: whether a record can still serve reads (default: always).
+    - ``_post_read(peer, local, remote)``: post a checked read (int64 arrays of its own) and
+      return a handle. Any exception other than ``TransferSubmitError`` becomes
+      ``TransferSubmitError`` (chained). Nothing of a refused read may land. A read that
+      does not fit a bounded resource now raises ``TransferBusy`` (and the transport
+      answers ``read_capacity``).
+    - ``_read_state(handle)``: a ``ReadState``. Returning ``DONE`` or ``FAILED`` hands the
+      read back (its resources released). An exception fails the read: the base ends it with
+      ``_end_reads`` and reports it failed, never leaves it in flight.
+    - ``_end_reads(handles)``: end reads finally (see ``DataTransport.cancel``); default:
+      nothing to end.
+    - ``_progress()``: drive I/O, serve peers' reads; default: nothing to do.
+    - ``_detach_peer(peer)`` / ``_shutdown()``: release a peer / everything (every read
+      already ended), never waiting for a peer. Each returns internal ids still running;
+      default ``[]``.
+    - ``_held()``: what the transport still holds after the calls that ended its use (see
+      ``DataTransport.held``); default: nothing.
+    """
+
+    @abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
+
+
+    def _attach_peer(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
+        """The peer's record from its descriptor (its ``num_blocks`` bounds remote indexes);
+        ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
+                                  f"_attach_peer")
+
+    def _peer_usable(self, peer: Any) -> bool:
+        """Whether an attached peer record can still serve reads (``add_peer`` with the same
+        descriptor keeps a usable one and replaces an unusable one). The default: always."""
+        return True
+
+    def _detach_peer(self, peer: Any) -> list[int]:
+        """Release a peer record (removed, or replaced by a new descriptor); its reads have
+        ended. Never waits for the peer: returns the internal ids with it still running,
+        which later ``_progress`` calls settle (or give up at the drain deadline)."""
+        return []
+
+    def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
+        """Post a read of the peer's blocks ``remote`` into our blocks ``local`` (checked;
+        the arrays are the backend's to keep); return its handle. Must not block."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither read_blocks nor "
+                                  f"_post_read")
+
+    def _read_state(self, handle: Any) -> ReadState:
+        """Where a posted read stands; called only by ``poll``, at most once per read per
+        poll, never again once it returned ``DONE``/``FAILED`` (the read's resources are
+        released by then, a staged read's bytes copied into its blocks before ``DONE``)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor "
+                                  f"_read_state")
+
+    def _end_reads(self, handles: list[Any]) -> None:
+        """End posted reads finally: on return none of their bytes can land in our blocks
+        (stop them, or quarantine their staging). Never waits for a peer; must not raise.
+        The base has already forgotten them.
+
+        The default does nothing, which is right only for a backend that finds its reads
+        through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
+        read the base forgot is then never touched again. A backend that keeps reads anywhere
+        else (a queue of its own, a thread, the library) implements it, or a cancelled read
+        still lands."""
+        return None
+
+    def _progress(self) -> None:
+        """Drive the backend's I/O, serve peers' reads of our region; report nothing. Must
+        not block; never called after ``close``."""
+        return None
+
+    def _shutdown(self) -> list[int]:
+        """Release every peer still added (``close`` does not call ``_detach_peer`` for
+        them), the backend's resources and its registration of the region (every read has
+        ended; called once, by ``close``), so that peers' reads of the region fail from now
+        on. May progress internal transfers for :data:`DRAIN_GRACE` at most, never waiting
+        for a stopped peer longer; returns the internal ids still running then (their memory
+        stays registered); must not raise."""
+        return []
+
+    def _held(self) -> Mapping[str, int]:
+        """Counts by kind of what the backend still holds after the calls that ended its
+        use (see ``held``); zero counts may be included. Must not raise. Default: ``{}``."""
+        return {}
+
+
 _DataT = TypeVar("_DataT", bound="DataTransport")
 
 
-class DataTransport(_Transport):
+class DataTransport(_Transport, DataBackend):
     """Moves whole blocks of a peer's registered region into ours, posted by us.
 
     **The consumer owns every write into its region** (docs/protocol.md §1): the only transfers that
@@ -373,27 +472,9 @@ class DataTransport(_Transport):
     **The base class.** This class is a working base, not only an interface: it owns the
     bookkeeping every transport needs (region checks, transfer ids, per-peer read tables,
     exactly-once reports, scoped ``poll``, final ``cancel``, the re-add rule, ``remove_peer``,
-    an idempotent ``close`` and the after-close behaviour, the index check, error mapping), and
-    a backend implements primitives, called only on the driver thread:
-
-    - ``descriptor()`` (public, required): our region's descriptor bytes.
-    - ``_attach_peer(peer_id, descriptor)`` (required): the peer's record (anything with a
-      ``num_blocks``), or ``PeerRejected``; any other exception becomes ``PeerRejected``.
-    - ``_post_read(peer, local, remote)`` (required): post a checked read (int64 arrays of
-      its own) and return a handle; any exception other than ``TransferSubmitError`` becomes
-      ``TransferSubmitError`` (chained). Nothing of a refused read may land. A read that
-      does not fit a bounded resource now raises ``TransferBusy`` (and the transport
-      answers ``read_capacity``).
-    - ``_read_state(handle)`` (required): ``ReadState``; returning ``DONE``/``FAILED`` hands
-      the read back (its resources released). An exception fails the read: the base ends it
-      with ``_end_reads`` and reports it failed, never leaves it in flight.
-    - ``_end_reads(handles)``: end reads finally (see ``cancel``); default: nothing to end.
-    - ``_progress()``: drive I/O, serve peers' reads; default: nothing to do.
-    - ``_detach_peer(peer)`` / ``_shutdown()``: release a peer / everything (every read
-      already ended), never waiting for a peer; return internal ids still running; default
-      ``[]``.
-    - ``_held()``: what the transport still holds after the calls that ended its use
-      (see ``held``); default: nothing.
+    an idempotent ``close`` and the after-close behaviour, the index check, error mapping). A
+    backend implements the primitives of :class:`DataBackend`, declared there together, and
+    called only on the driver thread.
 
     The base's own state (``_blocks``, the region as a ``(num_blocks, block_len)`` uint8
     view for backends; ``_transfer_ids``, the one id sequence internal transfers draw from
@@ -465,10 +546,6 @@ class DataTransport(_Transport):
     @property
     def block_len(self) -> int:
         return self._block_len
-
-    @abstractmethod
-    def descriptor(self) -> bytes:
-        """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
 
     # -- peers ----------------------------------------------------------------------------
 
@@ -740,66 +817,3 @@ class DataTransport(_Transport):
         """The handles of every read posted and not yet reported or ended."""
         for registration in self._registrations.values():
             yield from registration.reads.values()
-
-    # -- backend primitives (see the class docstring) -------------------------------------
-
-    def _attach_peer(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
-        """The peer's record from its descriptor (its ``num_blocks`` bounds remote indexes);
-        ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
-                                  f"_attach_peer")
-
-    def _peer_usable(self, peer: Any) -> bool:
-        """Whether an attached peer record can still serve reads (``add_peer`` with the same
-        descriptor keeps a usable one and replaces an unusable one). The default: always."""
-        return True
-
-    def _detach_peer(self, peer: Any) -> list[int]:
-        """Release a peer record (removed, or replaced by a new descriptor); its reads have
-        ended. Never waits for the peer: returns the internal ids with it still running,
-        which later ``_progress`` calls settle (or give up at the drain deadline)."""
-        return []
-
-    def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
-        """Post a read of the peer's blocks ``remote`` into our blocks ``local`` (checked;
-        the arrays are the backend's to keep); return its handle. Must not block."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither read_blocks nor "
-                                  f"_post_read")
-
-    def _read_state(self, handle: Any) -> ReadState:
-        """Where a posted read stands; called only by ``poll``, at most once per read per
-        poll, never again once it returned ``DONE``/``FAILED`` (the read's resources are
-        released by then, a staged read's bytes copied into its blocks before ``DONE``)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor "
-                                  f"_read_state")
-
-    def _end_reads(self, handles: list[Any]) -> None:
-        """End posted reads finally: on return none of their bytes can land in our blocks
-        (stop them, or quarantine their staging). Never waits for a peer; must not raise.
-        The base has already forgotten them.
-
-        The default does nothing, which is right only for a backend that finds its reads
-        through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
-        read the base forgot is then never touched again. A backend that keeps reads anywhere
-        else (a queue of its own, a thread, the library) implements it, or a cancelled read
-        still lands."""
-        return None
-
-    def _progress(self) -> None:
-        """Drive the backend's I/O, serve peers' reads of our region; report nothing. Must
-        not block; never called after ``close``."""
-        return None
-
-    def _held(self) -> Mapping[str, int]:
-        """Counts by kind of what the backend still holds after the calls that ended its
-        use (see ``held``); zero counts may be included. Must not raise. Default: ``{}``."""
-        return {}
-
-    def _shutdown(self) -> list[int]:
-        """Release every peer still added (``close`` does not call ``_detach_peer`` for
-        them), the backend's resources and its registration of the region (every read has
-        ended; called once, by ``close``), so that peers' reads of the region fail from now
-        on. May progress internal transfers for :data:`DRAIN_GRACE` at most, never waiting
-        for a stopped peer longer; returns the internal ids still running then (their memory
-        stays registered); must not raise."""
-        return []

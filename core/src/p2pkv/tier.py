@@ -38,7 +38,7 @@ from p2pkv.registry import Registry, default_registry
 from p2pkv.routing import Routing, parse_routing
 from p2pkv.session.admission import Admission
 from p2pkv.session.deadlines import Deadlines
-from p2pkv.session.env import LocalIdentity, SessionEnv
+from p2pkv.session.env import LocalIdentity, PendingSession, SessionEnv
 from p2pkv.session.intake import JobIntake
 from p2pkv.session.ledger import JobLedger
 from p2pkv.session.pause import PauseDetector
@@ -161,7 +161,7 @@ class P2PTier:
             if isinstance(session, str):
                 self._env.failed_loads.mark(consumer.kv_request_id, session)
             else:
-                session.client.open_request(consumer.kv_request_id)
+                session.consumer.open_request(consumer.kv_request_id)
         if routing.producer is not None:
             self._env.producers.producer_started(routing.producer.kv_request_id)
             return True
@@ -184,7 +184,7 @@ class P2PTier:
             session = self._session_for(consumer.peer)
             if isinstance(session, str):
                 return LookupResult.MISS
-            return session.client.probe(consumer.kv_request_id, key)
+            return session.consumer.probe(consumer.kv_request_id, key)
         finally:
             guard.exit(outermost)
 
@@ -197,10 +197,10 @@ class P2PTier:
         job, kv, _ = admitted
         producers = self._env.producers
         producers.store_seen(kv)
-        server = producers.bound(kv)
-        if server is not None:
-            self._ledger.set_peer(job.job_id, server.peer)
-            server.add_store(kv, job)
+        role = producers.bound(kv)
+        if role is not None:
+            self._ledger.set_peer(job.job_id, role.peer)
+            role.add_store(kv, job)
         else:
             producers.park(kv, job)
 
@@ -224,7 +224,7 @@ class P2PTier:
             self._ledger.close(job.job_id, Outcome.PEER_DEAD, session)
             return
         consumer = self._routing(job.ctx).consumer
-        session.client.submit(job, kv, pull=consumer is not None and consumer.probe)
+        session.consumer.submit(job, kv, pull=consumer is not None and consumer.probe)
 
     @property
     def producer_requests_open(self) -> int:
@@ -308,18 +308,18 @@ class P2PTier:
             self._env.failed_loads.forget(consumer.kv_request_id)
             session = self._sessions.get(consumer.peer)
             if session is not None:
-                session.client.finish(consumer.kv_request_id)
+                session.consumer.finish(consumer.kv_request_id)
         if producer is not None:
-            server = self._env.producers.producer_finished(producer.kv_request_id)
-            if server is not None:
-                server.producer_finished(producer.kv_request_id)
+            role = self._env.producers.producer_finished(producer.kv_request_id)
+            if role is not None:
+                role.producer_finished(producer.kv_request_id)
 
     @driver_call
     def on_schedule_end(self) -> None:
         """Once per engine step: flush batched lookups, report gauges."""
         for session in self._sessions.values():
             if session.ready:
-                session.client.flush_lookups()
+                session.consumer.flush_lookups()
         self._observers.tier_state(
             in_flight_transfers=self._in_flight(),
             parked_stores=self._env.producers.parked_count,
@@ -338,7 +338,7 @@ class P2PTier:
                 log.exception("hit source end() failed for a released lookup")
         for session in list(self._sessions.values()):
             if session.ready:
-                session.server.serve(source)
+                session.producer.serve(source)
 
     @driver_call
     def has_pending_work(self) -> bool:
@@ -420,7 +420,7 @@ class P2PTier:
         for session in list(self._sessions.values()):
             self._close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         for session in list(self._lingering):
-            pinned = session.server.drop_pins(Outcome.SHUTDOWN, "tier shut down")
+            pinned = session.producer.drop_pins(Outcome.SHUTDOWN, "tier shut down")
             log.warning("shutdown: %d block(s) pinned for %s released before its lease ended",
                         pinned, session.peer)
         self._lingering.clear()
@@ -454,7 +454,7 @@ class P2PTier:
             sessions_closing=len(self._lingering),
             in_flight_transfers=self._in_flight(),
             parked_stores=self._env.producers.parked_count,
-            loads_queued=sum(s.client.window.waiting for s in self._sessions.values()),
+            loads_queued=sum(s.consumer.window.waiting for s in self._sessions.values()),
             frames_delayed=c["frames_delayed"],
             reads_waiting=self._env.reads.waiting,
             blocks_sent=c["blocks_sent"],
@@ -490,9 +490,9 @@ class P2PTier:
         quiescent (no job outstanding, nothing in flight); the conformance kit and the leak
         tests assert exactly that, and name the structure that kept something."""
         sizes: dict[str, int] = dict.fromkeys(
-            ("client_requests", "client_rounds", "reads", "queued_rounds", "lookups", "probes",
-             "server_requests", "server_rounds", "server_jobs", "supply", "demand",
-             "pins", "serves"), 0)
+            ("consumer_requests", "consumer_rounds", "reads", "queued_rounds", "lookups",
+             "probes", "producer_requests", "producer_rounds", "producer_jobs", "supply",
+             "demand", "pins", "serves"), 0)
         for session in [*self._sessions.values(), *self._lingering]:
             for k, v in session.state_sizes().items():
                 sizes[k] += v
@@ -593,18 +593,19 @@ class P2PTier:
         self._close(old, Outcome.PEER_DEAD, f"{old.peer} restarted", close_conn=False)
         return self._new_session(old.peer, old.conn, dialed=old.dialed)
 
-    def _reap(self, doomed: list[Session] | None = None) -> None:
+    def _reap(self, doomed: Sequence[PendingSession] | None = None) -> None:
         """Close the sessions doomed or with a dead connection (of ``doomed`` only, if given);
         drop lingering sessions with no pins left."""
         env = self._env
         candidates = list(self._sessions.values()) if doomed is None else doomed
         env.doomed = []
-        for session in candidates:
-            if (self._sessions.get(session.peer) is session
+        for candidate in candidates:
+            session = self._sessions.get(candidate.peer)
+            if (session is not None and session is candidate
                     and (session.doomed is not None or not session.conn.alive)):
                 self._close_unusable(session)
         if self._lingering:
-            self._lingering = {s for s in self._lingering if s.server.n_pins}
+            self._lingering = {s for s in self._lingering if s.producer.n_pins}
 
     def _close(self, session: Session, outcome: Outcome, reason: str, *,
                bye: str | None = None, close_conn: bool = True) -> None:
@@ -613,7 +614,7 @@ class P2PTier:
         if self._sessions.get(session.peer) is session:
             del self._sessions[session.peer]
         session.close(outcome, reason, bye=bye, close_conn=close_conn)
-        if session.server.n_pins:
+        if session.producer.n_pins:
             self._lingering.add(session)
         self._release_data_peer(session)
 
@@ -634,7 +635,7 @@ class P2PTier:
         data.progress()
         env = self._env
         if env.owners:
-            for session in [s for s in self._sessions.values() if s.client.reads]:
+            for session in [s for s in self._sessions.values() if s.consumer.reads]:
                 done, failed = data.poll(session.peer)
                 if done or failed:
                     self._route(done, failed)
@@ -672,7 +673,7 @@ class P2PTier:
                     owner.on_data(tid, ok)
 
     def _in_flight(self) -> int:
-        return sum(len(s.client.reads) for s in self._sessions.values())
+        return sum(len(s.consumer.reads) for s in self._sessions.values())
 
 
 def _data_transport(reg: Registry, config: TierConfig, region: memoryview, block_len: int,

@@ -21,6 +21,8 @@ from p2pkv_tools.bench.data_transport import (
     parse_bench_data_options,
 )
 from p2pkv_tools.bench.hostinfo import describe_host, environ_restored
+from p2pkv_tools.bench.large_region_cli import add_arguments as add_large_region_arguments
+from p2pkv_tools.bench.large_region_cli import large_region_requested
 from p2pkv_tools.bench.matrix import KiB, MatrixConfig, MiB, available_series
 from p2pkv_tools.bench.netns import parse_rate
 from p2pkv_tools.bench.progress import measure_matrix
@@ -137,7 +139,7 @@ def add_parser(sub: Any) -> None:
                    help="write results as JSON to PATH ('-' or no value: stdout)")
     p.add_argument("--plot", metavar="PATH.png",
                    help="GB/s vs block size per series, log scale, a panel per batch and "
-                   "concurrency (needs p2pkv[plot])")
+                   "concurrency (needs p2pkv-tools[plot])")
     p.add_argument("--control", action="store_true",
                    help="control plane: round trips vs raw pyzmq, CPU per request")
     p.add_argument("--tier", action="store_true",
@@ -184,6 +186,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fleet-tut-path", metavar="DIR:DIR",
                    help="with --fleet: run the tier under test on another checkout's "
                    "packages (its core/src and transports/zmq/src), against this one's peers")
+    p.add_argument("--phases", action="store_const", const=True,
+                   help="with --tier: instead of the matrix, PD requests one at a time per "
+                   "block size x blocks per request, each split into queue, control round "
+                   "trip, read and report, with both sides' CPU per request by component, "
+                   "next to raw NIXL's read of the same blocks")
+    add_large_region_arguments(p, parse_size)
     p.set_defaults(func=run)
 
 
@@ -235,7 +243,7 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv[plot]'") from None
+            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv-tools[plot]'") from None
     from p2pkv_tools.bench.tier_bench import tier_requested
 
     if args.control and not tier_requested(args):
@@ -280,6 +288,10 @@ def _run(args: argparse.Namespace) -> int:
         from p2pkv_tools.bench.fleet_cli import run_fleet
 
         return run_fleet(args, console, notes)
+    if large_region_requested(args):
+        from p2pkv_tools.bench.large_region_cli import run_cli
+
+        return run_cli(args, console, notes)
     registry = default_registry()
     config = _check_options(args, registry)
     from p2pkv_tools.bench.tier_bench import tier_requested

@@ -13,20 +13,22 @@ key                       default    meaning
 ``staging``               ``auto``   ``auto``/``always``/``never``: reads through the
                                      staging pool (see :mod:`p2pkv_nixl.staging`)
 ``staging_blocks``        ``256``    blocks in the staging pool (capped at the region's)
-``slice_bytes``           ``4 GiB``  largest NIXL registration: region and pool are
+``slice_bytes``           3.5 GiB    largest NIXL registration: region and pool are
                                      registered in slices of this (whole blocks, at
-                                     least one; see :mod:`p2pkv_nixl.slices`)
+                                     least one; see :mod:`p2pkv_nixl.slices`); env
+                                     ``P2PKV_SLICE_BYTES`` sets the default
 ========================  =========  =====================================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from p2pkv.errors import ConfigError
 from p2pkv.options import option, parse_options
+from p2pkv.runs import SLICE_BYTES, default_slice_bytes
 
 from p2pkv_nixl.descriptor import MAX_BLOCKS
 
@@ -73,16 +75,20 @@ class NixlOptions:
     ``num_blocks``). A read needs as many free blocks as it moves; blocks of a cancelled
     staged read stay quarantined until NIXL reports it ended."""
 
-    slice_bytes: int = field(default=4 * 2**30, metadata=option(ge=1, unit="bytes"))
+    slice_bytes: int = field(default=SLICE_BYTES, metadata=option(ge=1, unit="bytes"))
     """Largest NIXL registration, in bytes: the region (and the staging pool) is registered
     as consecutive slices of this many bytes rounded down to whole blocks (at least one
     block), and no transfer descriptor crosses a slice of either side. RDMA NICs read one
-    huge registration at a fraction of line rate and some truncate one past their limit."""
+    huge registration at a fraction of line rate and some truncate one past their limit.
+    Default 3.5 GiB, or ``P2PKV_SLICE_BYTES`` (:func:`p2pkv.runs.default_slice_bytes`)."""
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> NixlOptions:
-        """Validate ``data_options``; ``ConfigError`` names the offending key."""
+        """Validate ``data_options``; ``ConfigError`` names the offending key (or
+        ``P2PKV_SLICE_BYTES`` when it is malformed and ``slice_bytes`` is not given)."""
         opts = parse_options(cls, options, "nixl data option")
+        if "slice_bytes" not in options:
+            opts = replace(opts, slice_bytes=default_slice_bytes())
         if len(set(opts.backends)) != len(opts.backends):
             raise ConfigError(
                 f"nixl data option 'backends' names a backend twice: {list(opts.backends)}"

@@ -5,7 +5,8 @@ Every key is optional; an unknown key or a value of the wrong type or range rais
 
 ``P2PKV_UCX_ENDPOINT_ERROR_HANDLING`` (``1``/``0``, ``true``/``false``) replaces the default of
 ``endpoint_error_handling`` for processes that cannot pass options (``p2pkv bench`` targets);
-an explicit option still wins.
+an explicit option still wins. ``P2PKV_SLICE_BYTES`` likewise replaces the default of
+``slice_bytes`` (:func:`p2pkv.runs.default_slice_bytes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from p2pkv.errors import ConfigError
 from p2pkv.options import option, parse_options
+from p2pkv.runs import SLICE_BYTES, default_slice_bytes
 
 __all__ = ["ERROR_HANDLING_ENV", "UcxOptions"]
 
@@ -48,7 +50,7 @@ class UcxOptions:
     """Largest coalesced message: index runs contiguous on both sides of a read travel as one
     message of up to this many bytes (at least one block). Advertised to peers; a read uses
     the smaller of the two sides' values."""
-    slice_bytes: int = field(default=4 * 2**30, metadata=_BYTES)
+    slice_bytes: int = field(default=SLICE_BYTES, metadata=_BYTES)
     """No message crosses a boundary of ``slice_bytes`` (rounded down to whole blocks, at
     least one) of our region, nor of the peer's (it advertises its own). ucxx registers no
     region: UCX registers each message's buffer when it sends it (zero-copy rendezvous,
@@ -76,6 +78,8 @@ class UcxOptions:
         ``os.environ``); a malformed variable is refused even when the option is given."""
         env = os.environ if environ is None else environ
         opts = parse_options(cls, options, "ucx data option")
+        if "slice_bytes" not in options:
+            opts = replace(opts, slice_bytes=default_slice_bytes(env))
         raw = env.get(ERROR_HANDLING_ENV)
         if raw is None:
             return opts
