@@ -7,9 +7,8 @@ addresses would make it dial each (vLLM's advisory GHSA-frvg-qw88-hww9 is that p
 its built-in tier). :class:`DialPolicy` bounds it:
 
 - ``peers.allow``: networks (``10.0.0.0/8``, ``fd00::/8``), addresses, or host names the tier
-  may dial; any other peer is refused before any socket exists. A host name matches only
-  itself (case-insensitive): the policy never resolves names, so it costs the engine thread
-  nothing. Empty (the default): any peer.
+  may dial (:mod:`p2pkv.peer_allow`); any other peer is refused before any socket exists.
+  Empty (the default): any peer.
 - ``peers.max_dialed``: sessions this tier dialed that may be open at once. A request naming
   a new peer beyond it first evicts the oldest dialed session still in its handshake (a
   black-holed or refusing address holds one until ``timeouts.handshake``), so a flood of
@@ -22,39 +21,19 @@ limit). Threading: driver thread only.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from p2pkv.addressing import parse_address
 from p2pkv.errors import ConfigError
+from p2pkv.peer_allow import parse_allow_list
 
-__all__ = ["DialPolicy", "PeerLimits", "allow_list"]
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def allow_list(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], frozenset[str]]:
-    """``peers.allow`` as networks and host names; ``ConfigError`` naming a bad entry."""
-    networks: list[Network] = []
-    names: set[str] = set()
-    for i, entry in enumerate(entries):
-        text = entry.strip().strip("[]")
-        try:
-            networks.append(ipaddress.ip_network(text, strict=False))
-            continue
-        except ValueError:
-            pass
-        if not text or any(c in text for c in "/:[] ") or text.startswith(("-", ".")):
-            raise ConfigError(f"tier config key peers.allow[{i}] = {entry!r} is neither a "
-                              "network (10.0.0.0/8), an address nor a host name")
-        names.add(text.lower())
-    return tuple(networks), frozenset(names)
+__all__ = ["DialPolicy", "PeerLimits"]
 
 
 class PeerLimits(Protocol):
-    """What the policy reads of a tier's ``peers`` (``p2pkv.config.Peers``; a Protocol, as
-    config imports this module to check ``peers.allow``)."""
+    """What the policy reads of a tier's ``peers`` (``p2pkv.config.Peers``; a Protocol, so
+    this module needs no config)."""
 
     @property
     def allow(self) -> tuple[str, ...]:
@@ -72,8 +51,7 @@ class DialPolicy:
     it dialed (:meth:`admit`), it keeps no copy of them."""
 
     def __init__(self, peers: PeerLimits) -> None:
-        self._networks, self._names = allow_list(peers.allow)
-        self._open = not peers.allow
+        self._allow = parse_allow_list(peers.allow)
         self.max_dialed = peers.max_dialed
         self.refused = 0
         """Dials refused: not on the allow-list, or every dialed session ready at the cap."""
@@ -82,20 +60,16 @@ class DialPolicy:
 
     def refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not be dialed (outside ``peers.allow``), or None."""
-        if self._open:
+        if self._allow.open:
             return None
         try:
             host, _ = parse_address(peer)
         except ConfigError:
             return "it is not host:port, so not on peers.allow"
-        try:
-            address = ipaddress.ip_address(host.strip("[]"))
-        except ValueError:
-            allowed = host.lower() in self._names
-        else:
-            allowed = any(address in network for network in self._networks)
-        return None if allowed else ("it is not on peers.allow (add its network to the "
-                                     "tier's peers.allow to let requests name it)")
+        if self._allow.allows(host):
+            return None
+        return ("it is not on peers.allow (add its network to the tier's peers.allow to let "
+                "requests name it)")
 
     def admit(self, peer: str, open_sessions: int,
               dialed: Callable[[], Sequence[tuple[str, bool]]],
