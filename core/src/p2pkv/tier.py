@@ -80,7 +80,8 @@ class P2PTier:
         self._clock = clock
         self._block_len = block_len
         reg = registry if registry is not None else default_registry()
-        self._data = GuardedDataTransport(_data_transport(reg, config, region, block_len, data))
+        self._data = self._call_guard = GuardedDataTransport(
+            _data_transport(reg, config, region, block_len, data))
         try:
             self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
@@ -470,7 +471,7 @@ class P2PTier:
             peers_evicted=self._dial_policy.evicted,
             peers_reaped=self._idle.reaped,
             data_held=sum(self._data.held().values()),
-            data_calls_over_bound=self._data.overruns,
+            data_calls_over_bound=self._call_guard.overruns,
             slow_ticks=self._pauses.slow_ticks,
         )
         if self._data.descriptors_posted is not None:
