@@ -80,7 +80,8 @@ class P2PTier:
         self._clock = clock
         self._block_len = block_len
         reg = registry if registry is not None else default_registry()
-        self._data = GuardedDataTransport(_data_transport(reg, config, region, block_len, data))
+        self._data = self._call_guard = GuardedDataTransport(
+            _data_transport(reg, config, region, block_len, data))
         try:
             self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
@@ -443,8 +444,9 @@ class P2PTier:
 
     @driver_call
     def stats(self) -> dict[str, int]:
-        """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers, and
-        ``descriptors_posted`` when the data transport counts them)."""
+        """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers, what
+        the data transport still holds for removed peers and its calls over the driver bound,
+        slow ticks, and ``descriptors_posted`` when the data transport counts them)."""
         c = self._env.counters
         out = {f"jobs_{o.value}": n for o, n in self._ledger.outcomes.items()}
         out.update(
@@ -468,6 +470,9 @@ class P2PTier:
             peers_refused=self._dial_policy.refused,
             peers_evicted=self._dial_policy.evicted,
             peers_reaped=self._idle.reaped,
+            data_held=sum(self._data.held().values()),
+            data_calls_over_bound=self._call_guard.overruns,
+            slow_ticks=self._pauses.slow_ticks,
         )
         if self._data.descriptors_posted is not None:
             out["descriptors_posted"] = self._data.descriptors_posted
