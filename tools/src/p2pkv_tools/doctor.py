@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import json
 import os
 import socket
 import subprocess
@@ -36,7 +35,7 @@ from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import CheckResult, DoctorCheck
-from p2pkv.json_option import json_object
+from p2pkv.json_option import json_object, option_text
 from p2pkv.registry import Registry, default_registry
 from p2pkv.ucx_proto import LaneRow, parse_proto_info
 from rich.console import Console
@@ -369,10 +368,9 @@ def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | N
     from p2pkv import check_config
 
     def read(text: str, option: str, what: str) -> dict[str, Any]:
-        if text.startswith("@"):
-            text = json.dumps(json_object(text, option, what))
-        return json_object(check_config.expand(text, os.environ, set(), placeholder=False),
-                           option, what)
+        expanded = check_config.expand(option_text(text, option), os.environ, set(),
+                                       placeholder=False)
+        return json_object(expanded, option, what)
 
     if args.kv_transfer_config:
         kv = read(args.kv_transfer_config, "--kv-transfer-config", "vLLM's KVTransferConfig")
