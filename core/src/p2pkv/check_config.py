@@ -44,7 +44,7 @@ from p2pkv.json_option import json_object, option_text
 
 __all__ = [
     "ADAPTERS", "PLACEHOLDER_ADDRESS", "BuiltInTier", "Entry", "add_parser", "check",
-    "connector_problem", "entries", "expand", "run",
+    "connector_problem", "data_parallel_size", "entries", "expand", "run",
 ]
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
@@ -122,7 +122,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--kv-transfer-config", required=True, metavar="JSON",
                    help="the JSON given to vllm serve --kv-transfer-config")
-    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+    p.add_argument("--data-parallel-size", type=data_parallel_size, default=1, metavar="N",
                    help="the engine's --data-parallel-size (ports base..base+N-1; default 1)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="a variable of the pod's environment (repeatable); $(NAME) references "
@@ -134,6 +134,20 @@ def add_parser(sub: Any) -> None:
                    help="off the pod: skip listening on the tier's address (only the pod can); "
                         "every other check runs")
     p.set_defaults(func=run)
+
+
+def data_parallel_size(text: str) -> int:
+    """An engine's ``--data-parallel-size`` given on the command line: 1..65535 (each rank
+    has a port), else ``ArgumentTypeError`` quoting at most the first 20 characters."""
+    try:
+        value = int(text)
+    except ValueError:  # not an integer, or more digits than Python reads
+        value = 0
+    if not 1 <= value <= 65535:
+        shown = repr(text) if len(text) <= 20 else f"{text[:20]!r}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535 (one port per "
+                                         f"data-parallel rank), got {shown}")
+    return value
 
 
 def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
@@ -280,8 +294,6 @@ def run(args: argparse.Namespace) -> int:
     """0: every entry would start; 1: the config runs no p2pkv tier (one line on stderr);
     2: the tier would refuse it (one line on stderr), or a usage error (``ConfigError``,
     which the CLI turns into one line and exit status 2)."""
-    if not 1 <= args.data_parallel_size <= 65535:
-        raise ConfigError(f"--data-parallel-size must be 1..65535, got {args.data_parallel_size}")
     unset: set[str] = set()
     pod = _pod_environment(args, unset)
     os.environ.update(pod)

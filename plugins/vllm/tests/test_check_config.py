@@ -2,7 +2,8 @@
 
 Each row is the real ``p2pkv`` console script in a subprocess (the environment of a vLLM
 instance, no vLLM needed): its exit status (0 would start, 1 a valid config that runs no
-p2pkv tier, 2 a config the tier would refuse or a usage error) and, on failure, one stderr line naming the input and the fix. Among the rows:
+p2pkv tier, 2 a config the tier would refuse or a usage error) and, on failure, one stderr
+line naming the input and the fix. Among the rows:
 the two mistakes the docs/vllm.md recipe used to make (``allowed_client_keys`` as a string, a
 public key file as a secret key).
 """

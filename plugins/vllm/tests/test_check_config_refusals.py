@@ -73,6 +73,9 @@ REFUSED: list[tuple[dict[str, Any] | str, dict[str, str], str]] = [
     ({**OURS, "peers": {"allow": ["10.0.0.1:7777"]}}, {}, "tier config key peers.allow[0] = "
      "'10.0.0.1:7777' is neither a network (10.0.0.0/8), an address nor a host name (no port, "
      "no scheme)"),
+    (OURS, {"P2PKV_PEERS_ALLOW": "10.0.0.0/8 10.1.0.0/16"}, "P2PKV_PEERS_ALLOW entry "
+     "'10.0.0.0/8 10.1.0.0/16' holds 2 entries: separate them with commas "
+     "(10.0.0.0/8,10.1.0.0/16)"),
     (OURS, {"P2PKV_PEERS_CONNECT": "ms-p2p.$(POD_NAMESPACE).svc:7777"}, "P2PKV_PEERS_CONNECT "
      "entry 'ms-p2p.$(POD_NAMESPACE).svc:7777' holds a $(VAR) reference Kubernetes did not "
      "expand: define VAR above this variable in the container's env list (only earlier ones "
