@@ -413,3 +413,17 @@ def test_no_doc_pipes_fresh_keys_into_kubectl_apply() -> None:
         for line in path.read_text().splitlines():
             if "p2pkv keys --secret" in line and "|" in line:
                 assert "kubectl create" in line, f"{path.name}: {line}"
+
+
+def test_the_strategies_share_no_object(tmp_path: Path) -> None:
+    """``side-by-side/`` creates only objects of its own: applied beside a fleet switched
+    with ``overlay/`` (a new model, new server keys), it changes none of that fleet's
+    objects, and deleting it deletes none of them."""
+    tree = deploy_tree(tmp_path, "pd")
+    named = {s: {(o["kind"], o["metadata"]["name"]) for o in parse(kustomize(tree / s))}
+             for s in (*STRATEGIES, "guide-base")}
+    assert not named["side-by-side"] & (named["overlay"] | named["guide-base"])
+    (deployment, *_) = deployments(parse(kustomize(tree / "side-by-side")))
+    (service,) = [name for kind, name in named["side-by-side"] if kind == "Service"]
+    connect = env_values(model_server(deployment))["P2PKV_PEERS_CONNECT"]
+    assert connect.startswith(f"{service}.llm-d.svc.cluster.local:")
