@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
@@ -242,6 +242,18 @@ class ControlTransport(_Transport):
     @abstractmethod
     def close(self) -> None:
         """Close every connection and stop listening; idempotent."""
+
+    def take_active(self) -> Collection[ControlConnection] | None:
+        """The connections that, since the previous call, received frames or stopped being
+        alive, each listed once. None: this transport does not track them, and the tier
+        visits every connection each tick (as before). Driver thread, after poll().
+
+        A connection counts as stopped when it dies for any reason, a local ``close``
+        included. A connection whose frames the tier has not drained yet is the tier's to
+        remember: it is listed again only when something new happens to it. With it, a
+        tick costs what its active connections cost, not what all of them cost
+        (docs/design.md, "One driver thread per tier"). The default returns None."""
+        return None
 
     def batch_sends(self) -> bool:
         """Ask the transport to batch: from now on ``send`` may leave frames queued until

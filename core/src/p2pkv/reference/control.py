@@ -11,8 +11,10 @@ Model (what the tests rely on):
   yet. An inbound connection is handed out exactly once: by ``poll`` or, if the caller dialed
   that peer first, by that ``connect``.
 - Frames move only in ``poll``: a frame sent by A sits in the A->B queue until B's transport
-  polls; then ``recv`` on B's connection returns it. An inbound connection is returned by
-  ``poll`` with the frames that arrived with it already buffered.
+  polls; then ``recv`` on B's connection returns it. A poll visits only the connections
+  something happened to (frames, a close, a dial waiting for its listener), so an idle
+  transport polls in constant time however many connections it has. An inbound connection
+  is returned by ``poll`` with the frames that arrived with it already buffered.
 - Dialing an address nobody listens on yet is not an error: frames queue and the connection
   attaches once the address is bound (checked on the dialer's ``poll``), or dies after the
   ``connect_timeout`` option (seconds).
@@ -99,6 +101,8 @@ class MemoryConnection(InboxConnection):
                     f"(max_queued_frames={self._owner.max_queued_frames})"
                 )
             self.out.append(bytes(frame))
+            if self.peer is not None:
+                self.peer.pending()
             _HUB.wake()
 
     def close(self) -> None:
@@ -109,7 +113,13 @@ class MemoryConnection(InboxConnection):
         """Tell the peer end (hub lock held)."""
         if self.peer is not None:
             self.peer.peer_closed = True
+            self.peer.pending()
             _HUB.wake()
+
+    def pending(self) -> None:
+        """Its peer sent frames or ended: its transport's next poll visits this end (hub lock
+        held)."""
+        self._owner._incoming[self] = None
 
     def __repr__(self) -> str:
         state = "alive" if self.close_reason is None else self.close_reason
@@ -133,6 +143,10 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
         self.connect_timeout = opts.connect_timeout
         self._closed = False
         self._interrupted = False  # guarded by _HUB.lock
+        self._attaching: dict[MemoryConnection, None] = {}
+        """Dialed connections whose listener was not there yet (retried every poll)."""
+        self._incoming: dict[MemoryConnection, None] = {}
+        """Our ends whose peer sent frames or ended since the last poll (hub lock)."""
         with _HUB.lock:
             self._address = _local_address(settings)
             if self._address in _HUB.listeners:
@@ -198,7 +212,8 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
 
     def _dial(self, address: str) -> MemoryConnection:
         conn = MemoryConnection(self, address)
-        self._attach(conn)
+        if not self._attach(conn):
+            self._attaching[conn] = None
         return conn
 
     def _attach(self, conn: MemoryConnection) -> bool:
@@ -212,27 +227,38 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
             target._accept(other)
         # else both sides dialed before either attached: pair the two dialed ends
         conn.peer, other.peer = other, conn
+        target._attaching.pop(other, None)
+        conn.pending()  # frames either end sent before the pairing move now
+        other.pending()
         _HUB.wake()
         return True
 
     def _progress(self) -> bool:
-        """Attach pending dials, move inbound frames, notice dead peers. True if anything moved."""
+        """Attach pending dials, move inbound frames, notice dead peers; only the connections
+        something happened to are visited. True if anything moved."""
         moved = False
-        now = time.monotonic()
-        for conn in list(self._connections.values()):
-            peer = conn.peer
-            if peer is None:
-                if self._attach(conn):
-                    moved = True
+        if self._attaching:
+            now = time.monotonic()
+            for conn in list(self._attaching):
+                if not conn.alive or self._attach(conn):
+                    moved = moved or conn.alive
                 elif now > conn.deadline:
                     conn.end(f"unreachable: nobody listened on {conn.peer_address}")
                     moved = True
-                continue
-            while peer.out and conn.deliver(peer.out.popleft()):
-                moved = True
-            if conn.peer_closed and conn.alive:
-                conn.end("closed by peer")
-                moved = True
+                else:
+                    continue
+                del self._attaching[conn]
+        if self._incoming:
+            incoming, self._incoming = self._incoming, {}
+            for conn in incoming:
+                peer = conn.peer
+                if peer is None or not conn.alive:
+                    continue
+                while peer.out and conn.deliver(peer.out.popleft()):
+                    moved = True
+                if conn.peer_closed and conn.alive:
+                    conn.end("closed by peer")
+                    moved = True
         return moved
 
 
