@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -78,53 +81,116 @@ def test_a_bad_time_in_the_environment_names_the_variable(name: str, value: str,
         TierConfig.from_dict({}, environ={name: value})
 
 
+@dataclass(eq=False)
+class Dial:
+    """What the policy reads of a dialed session."""
+
+    peer: str
+    heard: bool = False
+    busy: bool = False
+
+
 class Dialer:
-    """What the tier tells the policy: its dialed sessions, oldest first, ready or not."""
+    """The tier's side: its dialed sessions (dial order) and how recently each was active."""
 
     def __init__(self, max_dialed: int) -> None:
         self.rules = policy(max_dialed=max_dialed)
-        self.open: dict[str, bool] = {}
+        self.open: dict[str, Dial] = {}
+        self.recent: list[str] = []
+        """Least recently active first."""
         self.evicted: list[str] = []
+        self.evicted_heard: list[bool] = []
 
-    def dial(self, peer: str) -> str | None:
-        why = self.rules.admit(peer, len(self.open), lambda: list(self.open.items()),
-                               self.evict)
-        if why is None:
-            self.open[peer] = False
-        return why
+    def count(self) -> int:
+        return len(self.open)
 
-    def evict(self, peer: str, reason: str) -> None:
-        assert "peers.max_dialed" in reason
-        assert self.open.pop(peer) is False, "only a session not ready yet is evicted"
-        self.evicted.append(peer)
+    def unheard(self) -> Iterator[Dial]:
+        return (d for d in self.open.values() if not d.heard)
+
+    def idle(self) -> Iterator[Dial]:
+        return (self.open[p] for p in self.recent if self.open[p].heard and not self.open[p].busy)
+
+    def dial(self, peer: str, *, pd: bool = False) -> str | None:
+        verdict = self.rules.admit(peer, self, pd=pd)
+        if verdict.evict is not None:
+            assert "peers.max_dialed" in verdict.reason
+            self.end(verdict.evict.peer)
+            self.evicted.append(verdict.evict.peer)
+            self.evicted_heard.append(verdict.evict.heard)
+        if verdict.refused is None:
+            self.open[peer] = Dial(peer)
+            self.recent.append(peer)
+        return verdict.refused
+
+    def end(self, peer: str) -> None:
+        del self.open[peer]
+        self.recent.remove(peer)
+
+    def use(self, peer: str) -> None:
+        self.recent.remove(peer)
+        self.recent.append(peer)
 
 
-def test_at_the_cap_the_oldest_handshaking_session_makes_room() -> None:
+def test_at_the_cap_dials_without_progress_make_room_first() -> None:
     dialer = Dialer(max_dialed=3)
     for peer in ("a:1", "b:1", "c:1"):
         assert dialer.dial(peer) is None
-    dialer.open.update({"a:1": True, "c:1": True})
+    dialer.open["a:1"].heard = dialer.open["c:1"].heard = True
     assert dialer.dial("d:1") is None
     assert dialer.evicted == ["b:1"] and dialer.rules.evicted == 1
-    dialer.open["d:1"] = True
-    why = dialer.dial("e:1")
-    assert why is not None and "open and ready (peers.max_dialed)" in why
+
+
+def test_then_the_least_recently_active_idle_session_gives_way() -> None:
+    dialer = Dialer(max_dialed=2)
+    for peer in ("a:1", "b:1"):
+        dialer.dial(peer)
+        dialer.open[peer].heard = True
+    dialer.use("a:1")  # b is now the least recently active
+    assert dialer.dial("c:1") is None
+    assert dialer.evicted == ["b:1"] and dialer.rules.gave_way == 1
+    dialer.open["c:1"].heard = True
+    dialer.open["a:1"].busy = dialer.open["c:1"].busy = True
+
+
+def test_when_every_session_works_a_pd_request_still_dials_and_others_are_refused() -> None:
+    dialer = Dialer(max_dialed=2)
+    for peer in ("a:1", "b:1"):
+        dialer.dial(peer)
+        dialer.open[peer].heard = dialer.open[peer].busy = True
+    why = dialer.dial("pull:1")
+    assert why is not None and "working or hearing their peers (peers.max_dialed)" in why
     assert dialer.rules.refused == 1
-    del dialer.open["a:1"]
-    assert dialer.dial("e:1") is None
+    assert dialer.dial("pd:1", pd=True) is None  # its producer holds blocks for it
+    assert dialer.rules.over_cap == 1 and len(dialer.open) == 3
+    assert dialer.dial("next:1") is None  # the unheard PD dial is the one to make room
+    assert dialer.evicted == ["pd:1"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["admit", "end", "ready"]),
+@given(st.lists(st.tuples(st.sampled_from(["pull", "pd", "end", "heard", "busy", "use"]),
                           st.integers(0, 12)), max_size=80),
        st.integers(1, 5))
-def test_dialed_sessions_never_exceed_the_cap(steps: list[tuple[str, int]], cap: int) -> None:
+def test_dials_stay_within_the_cap_and_progress_is_never_evicted_for_a_dial_without(
+    steps: list[tuple[str, int]], cap: int,
+) -> None:
+    """Only PD requests go beyond the cap, and only when every session is working; a session
+    that heard its peer is never closed while one that did not is open."""
     dialer = Dialer(max_dialed=cap)
     for action, n in steps:
         peer = f"p{n}:1"
-        if action == "admit" and peer not in dialer.open:
-            dialer.dial(peer)
-        elif action == "end":
-            dialer.open.pop(peer, None)
-        elif action == "ready" and peer in dialer.open:
-            dialer.open[peer] = True
-        assert len(dialer.open) <= cap
+        known = dialer.open.get(peer)
+        if action in ("pull", "pd") and known is None:
+            had_unheard = any(not d.heard for d in dialer.open.values())
+            before, evictions = len(dialer.open), len(dialer.evicted)
+            dialer.dial(peer, pd=action == "pd")
+            if len(dialer.evicted) > evictions and had_unheard:
+                assert not dialer.evicted_heard[-1], "a dial with progress was evicted"
+            over = len(dialer.open) > cap
+            assert not over or (action == "pd" and before >= cap)
+        elif known is not None and action == "end":
+            dialer.end(peer)
+        elif known is not None and action == "heard":
+            known.heard = True
+        elif known is not None and action == "busy":
+            known.busy = True
+        elif known is not None and action == "use":
+            dialer.use(peer)

@@ -10,11 +10,15 @@ its built-in tier). :class:`DialPolicy` bounds it:
   may dial; any other peer is refused before any socket exists. A host name matches only
   itself (case-insensitive): the policy never resolves names, so it costs the engine thread
   nothing. Empty (the default): any peer.
-- ``peers.max_dialed``: sessions this tier dialed that may be open at once. A request naming
-  a new peer beyond it first evicts the oldest dialed session still in its handshake (a
-  black-holed or refusing address holds one until ``timeouts.handshake``), so a flood of
-  bogus peers cannot lock legitimate ones out; only when every dialed session is ready is
-  the new peer refused. Sessions peers dialed to us do not count.
+- ``peers.max_dialed``: sessions this tier dialed for requests that may be open at once
+  (warm sessions, :mod:`p2pkv.tiering.warm`, have their own bound; sessions peers dialed to
+  us do not count). At the cap, a request naming a new peer takes the place of, in order:
+  the oldest dial that has heard nothing from its peer yet (a black-holed or refusing
+  address; a dial that is making progress is never evicted for one that is not), else the
+  least recently active idle session (it gives way with a bye). When every dialed session is
+  working or hearing its peer, a PD request (``remote_prefiller``) is still dialed, beyond
+  the cap: its producer holds blocks for it, which refusing would leave parked until
+  ``timeouts.unbound_store``. Any other request is refused.
 
 A refused request recomputes (its lookups MISS, its loads fail ``peer_dead`` naming the
 limit). Threading: driver thread only.
@@ -23,15 +27,18 @@ limit). Threading: driver thread only.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from p2pkv.addressing import parse_address
 from p2pkv.errors import ConfigError
 
-__all__ = ["DialPolicy", "PeerLimits", "allow_list"]
+__all__ = ["DialPolicy", "DialedSessions", "PeerLimits", "Verdict", "allow_list"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+S = TypeVar("S")
+S_co = TypeVar("S_co", covariant=True)
 
 
 def allow_list(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], frozenset[str]]:
@@ -63,13 +70,40 @@ class PeerLimits(Protocol):
 
     @property
     def max_dialed(self) -> int:
-        """Sessions this tier dialed that may be open at once."""
+        """Sessions this tier dialed for requests that may be open at once."""
         ...
 
 
+class DialedSessions(Protocol[S_co]):
+    """What the policy reads of the sessions the tier dialed for requests (warm ones left
+    out): how many are open, and the candidates to make room, in the order they are taken."""
+
+    def count(self) -> int:
+        """Dialed sessions open, warm ones left out."""
+        ...
+
+    def unheard(self) -> Iterator[S_co]:
+        """Those that heard nothing from their peer yet, oldest dial first."""
+        ...
+
+    def idle(self) -> Iterator[S_co]:
+        """Those ready with nothing open, least recently active first."""
+        ...
+
+
+@dataclass(frozen=True)
+class Verdict(Generic[S]):
+    """What :meth:`DialPolicy.admit` decided: dial (nothing set), dial once ``evict`` is
+    closed with ``reason``, or not at all (``refused``: why)."""
+
+    evict: S | None = None
+    reason: str = ""
+    refused: str | None = None
+
+
 class DialPolicy:
-    """``peers`` of one tier: the allow-list and the cap; the tier tells it which sessions
-    it dialed (:meth:`admit`), it keeps no copy of them."""
+    """``peers`` of one tier: the allow-list and the cap; the tier shows it the sessions it
+    dialed (:meth:`admit`), it keeps no copy of them."""
 
     def __init__(self, peers: PeerLimits) -> None:
         self._networks, self._names = allow_list(peers.allow)
@@ -78,7 +112,11 @@ class DialPolicy:
         self.refused = 0
         """Dials refused: not on the allow-list, or every dialed session ready at the cap."""
         self.evicted = 0
-        """Handshaking sessions closed to make room for a new peer."""
+        """Dials that heard nothing from their peer, closed to make room for a new peer."""
+        self.gave_way = 0
+        """Idle sessions closed to make room for a new peer with a request."""
+        self.over_cap = 0
+        """PD requests dialed beyond the cap (every dialed session was working)."""
 
     def refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not be dialed (outside ``peers.allow``), or None."""
@@ -97,31 +135,35 @@ class DialPolicy:
         return None if allowed else ("it is not on peers.allow (add its network to the "
                                      "tier's peers.allow to let requests name it)")
 
-    def admit(self, peer: str, open_sessions: int,
-              dialed: Callable[[], Sequence[tuple[str, bool]]],
-              evict: Callable[[str, str], None]) -> str | None:
-        """Whether the tier may dial a new session to ``peer``: None, or why not.
-        ``open_sessions``: how many sessions the tier has (dialed or not); below the cap
-        that settles it and ``dialed`` is not called. ``dialed()``: the open sessions this
-        tier dialed, oldest first, as (peer, ready). At the cap, the oldest one not ready
-        yet is evicted first (``evict(peer, reason)`` closes it)."""
+    def admit(self, peer: str, dialed: DialedSessions[S], *, pd: bool) -> Verdict[S]:
+        """Whether a request may dial a new session to ``peer`` (the module docstring has
+        the rules): dial as is, dial once ``Verdict.evict`` is closed, or refused (why)."""
         why = self.refusal(peer)
-        if why is None and open_sessions >= self.max_dialed:
-            sessions = dialed()
-            if len(sessions) >= self.max_dialed:
-                why = self._make_room(peer, sessions, evict)
+        if why is None and dialed.count() >= self.max_dialed:
+            return self._at_cap(peer, dialed, pd=pd)
         if why is not None:
             self.refused += 1
-        return why
+            return Verdict(refused=why)
+        return Verdict()
 
-    def _make_room(self, peer: str, dialed: Sequence[tuple[str, bool]],
-                   evict: Callable[[str, str], None]) -> str | None:
-        """Evict the oldest dialed session not ready yet for ``peer``; why not, if none."""
-        victim = next((other for other, ready in dialed if not ready), None)
-        if victim is None:
-            return (f"{self.max_dialed} sessions this tier dialed are open and ready "
-                    f"(peers.max_dialed): raise it if this instance has more peers")
-        self.evicted += 1
-        evict(victim, f"evicted for a new peer, {peer}: {self.max_dialed} sessions this "
-                      "tier dialed are open (peers.max_dialed)")
-        return None
+    def _at_cap(self, peer: str, dialed: DialedSessions[S], *, pd: bool) -> Verdict[S]:
+        cap = self.max_dialed
+        victim = next(dialed.unheard(), None)
+        if victim is not None:
+            self.evicted += 1
+            return Verdict(evict=victim, reason=(
+                f"evicted for a new peer, {peer}: {cap} sessions this tier dialed are open "
+                f"(peers.max_dialed) and this one heard nothing from its peer yet"))
+        victim = next(dialed.idle(), None)
+        if victim is not None:
+            self.gave_way += 1
+            return Verdict(evict=victim, reason=(
+                f"gave way to a new peer with a request, {peer}: {cap} sessions this tier "
+                f"dialed are open (peers.max_dialed)"))
+        if pd:
+            self.over_cap += 1
+            return Verdict()
+        self.refused += 1
+        return Verdict(refused=(
+            f"{cap} sessions this tier dialed are open and working or hearing their peers "
+            f"(peers.max_dialed): raise it if this instance has more peers"))

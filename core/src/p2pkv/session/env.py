@@ -66,7 +66,11 @@ class SessionLink(Protocol):
 
 
 class ReadOwner(Protocol):
-    """Who posted a read: told once when it terminates."""
+    """Who posted a read (the consumer role of the session with ``peer``): told once when
+    it terminates."""
+
+    @property
+    def peer(self) -> str: ...
 
     def on_data(self, tid: int, ok: bool) -> None: ...
 

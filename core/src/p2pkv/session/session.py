@@ -67,11 +67,13 @@ class State(enum.Enum):
 
 
 class Doom(NamedTuple):
-    """Why a session must be closed: the jobs' outcome, the reason, and whether to say bye."""
+    """Why a session must be closed: the jobs' outcome, the reason, whether to say bye, and
+    whether the peer ended it (its ``bye``: it is alive, not lost)."""
 
     outcome: Outcome
     reason: str
     bye: str | None
+    by_peer: bool = False
 
 
 class Session:
@@ -88,6 +90,9 @@ class Session:
         session a peer opened to us logs every close with its reason."""
         self.last_active = env.clock()
         """When a frame last arrived or a request last named the peer (``peers.idle_timeout``)."""
+        self.heard = False
+        """A frame from the peer arrived: the dial made progress (it is never evicted for a
+        dial that has not, and a close is not a failed dial)."""
         self.state = State.HANDSHAKE
         self.acked = False
         """The peer acked our hello."""
@@ -111,12 +116,12 @@ class Session:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Send our hello and arm the handshake deadline."""
+    def start(self, handshake_timeout: float | None = None) -> None:
+        """Send our hello and arm the handshake deadline (``timeouts.handshake``, or the
+        shorter ``handshake_timeout`` of a probe)."""
         env, local = self.env, self.env.local
-        self.timer = env.deadlines.at(
-            env.clock() + env.timeouts.handshake, self._handshake_expired, None
-        )
+        wait = env.timeouts.handshake if handshake_timeout is None else handshake_timeout
+        self.timer = env.deadlines.at(env.clock() + wait, self._handshake_expired, wait)
         self._send_now(Hello(
             wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
             descriptor=local.descriptor, num_blocks=local.num_blocks, block_len=local.block_len,
@@ -169,10 +174,11 @@ class Session:
         """No load round or fetch round of this session is open, no block pinned for it."""
         return not (self.client.n_rounds or self.server.n_rounds or self.server.n_pins)
 
-    def doom(self, outcome: Outcome, reason: str, bye: str | None) -> None:
+    def doom(self, outcome: Outcome, reason: str, bye: str | None, *,
+             by_peer: bool = False) -> None:
         """Mark the session for closing at the tier's next safe point (first reason wins)."""
         if self.doomed is None and self.state in (State.HANDSHAKE, State.READY):
-            self.doomed = Doom(outcome, reason, bye)
+            self.doomed = Doom(outcome, reason, bye, by_peer)
             self.env.doomed.append(self)
 
     def close(self, outcome: Outcome, reason: str, *, bye: str | None = None,
@@ -258,6 +264,7 @@ class Session:
             frames = self.conn.recv()
         if frames:
             self.last_active = self.env.clock()
+            self.heard = True
         for i, frame in enumerate(frames):
             if self.doomed is not None or self.state not in (State.HANDSHAKE, State.READY):
                 return None
@@ -379,9 +386,9 @@ class Session:
             log.warning("peer %s rejected us: %s", self.peer, reason)
             env.counters["handshake_rejections"] += 1
             env.observers.handshake_rejected(peer=self.peer, reason=reason)
-            self.doom(outcome, f"{self.peer} rejected us: {reason}", None)
+            self.doom(outcome, f"{self.peer} rejected us: {reason}", None, by_peer=True)
         else:
-            self.doom(outcome, f"peer said bye: {msg.reason}", None)
+            self.doom(outcome, f"peer said bye: {msg.reason}", None, by_peer=True)
 
     def _maybe_ready(self) -> None:
         if self.state is not State.HANDSHAKE or not self.acked or self.peer_hello is None:
@@ -394,12 +401,12 @@ class Session:
         env.observers.session_opened(peer=self.peer, local=env.local.address)
         self.client.on_session_ready()
 
-    def _handshake_expired(self, _: object) -> None:
+    def _handshake_expired(self, wait: float) -> None:
         self.timer = None
         env = self.env
         env.observers.timeout(kind="handshake", kv_request_id="", peer=self.peer)
         self.doom(Outcome.PEER_DEAD, f"handshake with {self.peer} not complete within "
-                  f"{env.timeouts.handshake}s", "handshake timeout")
+                  f"{wait:g}s", "handshake timeout")
 
     def state_sizes(self) -> dict[str, int]:
         return {**self.client.state_sizes(), **self.server.state_sizes()}
