@@ -88,6 +88,9 @@ class Session:
         """This tier dialed it because a request named the peer: its closing in the
         handshake is logged rate-limited (requests may name thousands of dead peers); a
         session a peer opened to us logs every close with its reason."""
+        self.pre_connect = False
+        """Dialed on the tier's own account (a warm or probe dial, no request waits for it):
+        its closing in the handshake is logged at DEBUG (the warm set reports the peer)."""
         self.last_active = env.clock()
         """When a frame last arrived or a request last named the peer (``peers.idle_timeout``)."""
         self.heard = False
@@ -198,7 +201,9 @@ class Session:
             self.conn.close()
         # closed during the handshake: the peer never answered, or refused us (WARNING: the
         # operator must know); the line's form is the same either way (operators grep it)
-        if handshaking and self.dialed:  # rate-limited: see ``dialed``
+        if handshaking and self.pre_connect:
+            log.debug("session with %s closed: %s", self.peer, reason)
+        elif handshaking and self.dialed:  # rate-limited: see ``dialed``
             env.warnings.log(env.clock(), logging.WARNING, "session with %s closed: %s",
                              self.peer, reason, logger=log)
         else:

@@ -103,6 +103,8 @@ class Dialer(SessionWatcher):
                              handshake_timeout=self.handshake_timeout(peer))
         if kind in _REQUESTS:
             table.touch(session)
+        else:
+            session.pre_connect = True
         return session
 
     def _admission_refusal(self, peer: str, kind: DialKind) -> Refusal | None:

@@ -12,7 +12,8 @@ peer's host becomes suspect for ``timeouts.handshake`` seconds, and
   (``timeouts.handshake / 5``). A live rank answers within milliseconds and is warm again;
   a dead or paused one fails the probe, and its address is backed off (:mod:`.backoff`), so
   requests naming it are refused at once until the backoff passes;
-- every new dial to that host gets the same short deadline.
+- every new dial to that host gets the same short deadline, and each one that fails keeps
+  the host suspect for another ``timeouts.handshake``.
 
 A probe is not a death: a paused pod that resumes is dialed again once the backoff passes
 and served as before. Sessions with work open are not probed (their own heartbeats decide,
@@ -97,8 +98,12 @@ class FailureDomains(SessionWatcher):
             siblings.pop(session, None)
             if not siblings:
                 del self._by_host[host]
-        if lost and session.heard and not self._table.stopping:
+        if not lost or self._table.stopping:
+            return
+        if session.heard:
             self._lost(host, session.peer)
+        elif self.handshake_timeout(session.peer) is not None:
+            self._suspect[host] = self._clock() + self._window  # still failing: stays suspect
 
     def _lost(self, host: str, peer: str) -> None:
         now = self._clock()

@@ -69,6 +69,8 @@ class WarmSet(SessionWatcher):
         self._dialing: dict[Session, None] = {}
         self._told: set[str] = set()
         """Members whose refusal by the allow-list was logged."""
+        self._failing: set[str] = set()
+        """Members whose last dial failed (logged once, until they answer again)."""
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._members
@@ -116,6 +118,7 @@ class WarmSet(SessionWatcher):
 
     def _leave(self, peer: str) -> None:
         del self._members[peer]
+        self._failing.discard(peer)
         self._deadlines.cancel(self._timers.pop(peer, None))
 
     # -- dialing ----------------------------------------------------------------------------
@@ -153,12 +156,21 @@ class WarmSet(SessionWatcher):
     # -- watching sessions ------------------------------------------------------------------
 
     def heard(self, session: Session) -> None:
-        if self._dialing.pop(session, None) is not None:
+        if session.peer in self._failing:
+            self._failing.discard(session.peer)
+            log.info("peers.connect: %s answers again", session.peer)
+        if session in self._dialing:
+            del self._dialing[session]
             self._pump()
 
     def closed(self, session: Session, lost: bool) -> None:
         self._dialing.pop(session, None)
         peer = session.peer
+        if lost and not session.heard and peer in self._members and peer not in self._failing:
+            self._failing.add(peer)
+            log.info("peers.connect: %s does not answer (%s); dialed again with a backoff "
+                     "of up to peers.dial_backoff", peer,
+                     session.conn.close_reason or "no answer within the handshake deadline")
         if peer in self._members:
             until = self._backoff.ready_at(peer)
             wait = 0.0 if until is None else max(0.0, until - self._clock())
