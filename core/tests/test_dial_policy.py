@@ -107,6 +107,9 @@ class Dialer:
     def unheard(self) -> Iterator[Dial]:
         return (d for d in self.open.values() if not d.heard)
 
+    def unheard_count(self) -> int:
+        return sum(1 for d in self.open.values() if not d.heard)
+
     def idle(self) -> Iterator[Dial]:
         return (self.open[p] for p in self.recent if self.open[p].heard and not self.open[p].busy)
 
@@ -131,32 +134,41 @@ class Dialer:
         self.recent.append(peer)
 
 
-def test_at_the_cap_dials_without_progress_make_room_first() -> None:
-    dialer = Dialer(max_dialed=3)
+def dial_heard(dialer: Dialer, *peers: str) -> None:
+    for peer in peers:
+        assert dialer.dial(peer) is None
+        dialer.open[peer].heard = True
+
+
+def test_dials_that_heard_nothing_are_at_most_a_quarter_of_the_cap() -> None:
+    dialer = Dialer(max_dialed=8)
     for peer in ("a:1", "b:1", "c:1"):
         assert dialer.dial(peer) is None
-    dialer.open["a:1"].heard = dialer.open["c:1"].heard = True
-    assert dialer.dial("d:1") is None
-    assert dialer.evicted == ["b:1"] and dialer.rules.evicted == 1
+    assert dialer.evicted == ["a:1"] and dialer.rules.evicted == 1
+    assert sorted(dialer.open) == ["b:1", "c:1"]
+
+
+def test_at_the_cap_a_dial_without_progress_makes_room_first() -> None:
+    dialer = Dialer(max_dialed=8)
+    dial_heard(dialer, *(f"h{i}:1" for i in range(7)))
+    assert dialer.dial("quiet:1") is None
+    assert dialer.dial("new:1") is None
+    assert dialer.evicted == ["quiet:1"] and dialer.rules.evicted == 1
 
 
 def test_then_the_least_recently_active_idle_session_gives_way() -> None:
     dialer = Dialer(max_dialed=2)
-    for peer in ("a:1", "b:1"):
-        dialer.dial(peer)
-        dialer.open[peer].heard = True
+    dial_heard(dialer, "a:1", "b:1")
     dialer.use("a:1")  # b is now the least recently active
     assert dialer.dial("c:1") is None
     assert dialer.evicted == ["b:1"] and dialer.rules.gave_way == 1
-    dialer.open["c:1"].heard = True
-    dialer.open["a:1"].busy = dialer.open["c:1"].busy = True
 
 
 def test_when_every_session_works_a_pd_request_still_dials_and_others_are_refused() -> None:
     dialer = Dialer(max_dialed=2)
+    dial_heard(dialer, "a:1", "b:1")
     for peer in ("a:1", "b:1"):
-        dialer.dial(peer)
-        dialer.open[peer].heard = dialer.open[peer].busy = True
+        dialer.open[peer].busy = True
     why = dialer.dial("pull:1")
     assert why is not None and "working or hearing their peers (peers.max_dialed)" in why
     assert dialer.rules.refused == 1
@@ -168,12 +180,13 @@ def test_when_every_session_works_a_pd_request_still_dials_and_others_are_refuse
 
 @given(st.lists(st.tuples(st.sampled_from(["pull", "pd", "end", "heard", "busy", "use"]),
                           st.integers(0, 12)), max_size=80),
-       st.integers(1, 5))
+       st.integers(1, 12))
 def test_dials_stay_within_the_cap_and_progress_is_never_evicted_for_a_dial_without(
     steps: list[tuple[str, int]], cap: int,
 ) -> None:
     """Only PD requests go beyond the cap, and only when every session is working; a session
-    that heard its peer is never closed while one that did not is open."""
+    that heard its peer is never closed while one that did not is open; dials that heard
+    nothing stay within a quarter of the cap."""
     dialer = Dialer(max_dialed=cap)
     for action, n in steps:
         peer = f"p{n}:1"
@@ -186,6 +199,7 @@ def test_dials_stay_within_the_cap_and_progress_is_never_evicted_for_a_dial_with
                 assert not dialer.evicted_heard[-1], "a dial with progress was evicted"
             over = len(dialer.open) > cap
             assert not over or (action == "pd" and before >= cap)
+            assert dialer.unheard_count() <= dialer.rules.max_unheard
         elif known is not None and action == "end":
             dialer.end(peer)
         elif known is not None and action == "heard":

@@ -109,9 +109,9 @@ def bogus(i: int) -> RequestContext:
 def test_a_flood_of_silent_peers_never_evicts_a_dial_that_heard_its_peer(
     h: Any, cluster: Any,
 ) -> None:
-    c = cluster(peers={"max_dialed": 4}, control_options={"connect_timeout": 3600})
+    c = cluster(peers={"max_dialed": 16}, control_options={"connect_timeout": 3600})
     fresh = cluster()
-    for i in range(4):
+    for i in range(4):  # dials that heard nothing: at most 16 // 4
         c.tier.on_new_request(bogus(i))
     ctx, pctx = c.consumer_ctx("fresh", fresh), fresh.producer_ctx("fresh")
     c.tier.on_new_request(ctx)  # evicts the oldest silent dial
@@ -126,7 +126,7 @@ def test_a_flood_of_silent_peers_never_evicts_a_dial_that_heard_its_peer(
     h.pump_until([c, fresh], lambda: 1 in c.results)
     assert c.outcome(1) is Outcome.DONE
     assert (c.blocks[[0, 1]] == fresh.blocks[[4, 5]]).all()
-    assert c.tier.stats()["sessions"] <= 4 + 1, c.tier.stats()
+    assert c.tier.stats()["sessions"] <= 16 // 4 + 1, c.tier.stats()  # the flood holds 4
 
 
 def test_an_address_whose_dial_failed_is_refused_at_once_until_its_backoff_passes(

@@ -10,6 +10,11 @@ its built-in tier). :class:`DialPolicy` bounds it:
   may dial; any other peer is refused before any socket exists. A host name matches only
   itself (case-insensitive): the policy never resolves names, so it costs the engine thread
   nothing. Empty (the default): any peer.
+- dials that heard nothing from their peer yet (a flood of refusing or black-holed names):
+  at most a quarter of ``peers.max_dialed`` (64 by default) are open at once, each holding
+  sockets until its handshake deadline; a new one beyond that takes the place of the oldest.
+  A healthy peer answers within a round trip, so its dial outlives 64 newer names: it is
+  heard long before, and a dial that heard its peer is never evicted for one that has not.
 - ``peers.max_dialed``: sessions this tier dialed for requests that may be open at once
   (warm sessions, :mod:`p2pkv.tiering.warm`, have their own bound; sessions peers dialed to
   us do not count). At the cap, a request naming a new peer takes the place of, in order:
@@ -34,10 +39,13 @@ from typing import Generic, Protocol, TypeVar
 from p2pkv.addressing import parse_address
 from p2pkv.errors import ConfigError
 
-__all__ = ["DialPolicy", "DialedSessions", "PeerLimits", "Verdict", "allow_list"]
+__all__ = ["UNHEARD_SHARE", "DialPolicy", "DialedSessions", "PeerLimits", "Verdict",
+           "allow_list"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 S = TypeVar("S")
+UNHEARD_SHARE = 4
+"""At most ``max_dialed // UNHEARD_SHARE`` dials that heard nothing yet are open at once."""
 S_co = TypeVar("S_co", covariant=True)
 
 
@@ -86,6 +94,10 @@ class DialedSessions(Protocol[S_co]):
         """Those that heard nothing from their peer yet, oldest dial first."""
         ...
 
+    def unheard_count(self) -> int:
+        """How many :meth:`unheard` yields."""
+        ...
+
     def idle(self) -> Iterator[S_co]:
         """Those ready with nothing open, least recently active first."""
         ...
@@ -109,6 +121,8 @@ class DialPolicy:
         self._networks, self._names = allow_list(peers.allow)
         self._open = not peers.allow
         self.max_dialed = peers.max_dialed
+        self.max_unheard = max(1, peers.max_dialed // UNHEARD_SHARE)
+        """Dials that heard nothing yet open at once (a flood's footprint)."""
         self.refused = 0
         """Dials refused: not on the allow-list, or every dialed session ready at the cap."""
         self.evicted = 0
@@ -139,21 +153,30 @@ class DialPolicy:
         """Whether a request may dial a new session to ``peer`` (the module docstring has
         the rules): dial as is, dial once ``Verdict.evict`` is closed, or refused (why)."""
         why = self.refusal(peer)
-        if why is None and dialed.count() >= self.max_dialed:
-            return self._at_cap(peer, dialed, pd=pd)
         if why is not None:
             self.refused += 1
             return Verdict(refused=why)
+        if dialed.unheard_count() >= self.max_unheard:
+            return self._evict_unheard(peer, dialed, f"{self.max_unheard} dials of this tier "
+                                       f"heard nothing yet (a quarter of peers.max_dialed)")
+        if dialed.count() >= self.max_dialed:
+            return self._at_cap(peer, dialed, pd=pd)
         return Verdict()
+
+    def _evict_unheard(self, peer: str, dialed: DialedSessions[S], why: str) -> Verdict[S]:
+        victim = next(dialed.unheard(), None)
+        if victim is None:
+            return Verdict()
+        self.evicted += 1
+        return Verdict(evict=victim, reason=f"evicted for a new peer, {peer}: {why} and this "
+                       "one heard nothing from its peer yet")
 
     def _at_cap(self, peer: str, dialed: DialedSessions[S], *, pd: bool) -> Verdict[S]:
         cap = self.max_dialed
-        victim = next(dialed.unheard(), None)
-        if victim is not None:
-            self.evicted += 1
-            return Verdict(evict=victim, reason=(
-                f"evicted for a new peer, {peer}: {cap} sessions this tier dialed are open "
-                f"(peers.max_dialed) and this one heard nothing from its peer yet"))
+        verdict = self._evict_unheard(peer, dialed, f"{cap} sessions this tier dialed are open "
+                                      f"(peers.max_dialed)")
+        if verdict.evict is not None:
+            return verdict
         victim = next(dialed.idle(), None)
         if victim is not None:
             self.gave_way += 1

@@ -61,6 +61,8 @@ class _Hub:
         self.waiting = 0
         """Threads waiting on ``cond`` in ``poll`` (changed under the lock)."""
         self.listeners: dict[str, MemoryControlTransport] = {}
+        self.opened = 0
+        """Listeners opened so far (a dial waiting for its listener retries when it grows)."""
         self._ports = itertools.count(_FIRST_FAKE_PORT)
 
     def wake(self) -> None:
@@ -144,7 +146,10 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
         self._closed = False
         self._interrupted = False  # guarded by _HUB.lock
         self._attaching: dict[MemoryConnection, None] = {}
-        """Dialed connections whose listener was not there yet (retried every poll)."""
+        """Dialed connections whose listener was not there yet (retried when a listener
+        opens, ended at their deadline)."""
+        self._attach_seen = -1
+        """``_HUB.opened`` when the waiting dials were last tried."""
         self._incoming: dict[MemoryConnection, None] = {}
         """Our ends whose peer sent frames or ended since the last poll (hub lock)."""
         with _HUB.lock:
@@ -152,6 +157,7 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
             if self._address in _HUB.listeners:
                 raise ConfigError(f"memory address {self._address} is already in use")
             _HUB.listeners[self._address] = self
+            _HUB.opened += 1
 
     @classmethod
     def create(cls, settings: ControlSettings) -> MemoryControlTransport:
@@ -233,21 +239,31 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
         _HUB.wake()
         return True
 
+    def _retry_attaching(self) -> bool:
+        """Attach the waiting dials whose listener opened since the last try; end those past
+        their deadline (the oldest first: they wait in dial order)."""
+        now, retry = time.monotonic(), _HUB.opened != self._attach_seen
+        self._attach_seen = _HUB.opened
+        moved = False
+        for conn in list(self._attaching):
+            if not conn.alive or (retry and self._attach(conn)):
+                moved = moved or conn.alive
+            elif now > conn.deadline:
+                conn.end(f"unreachable: nobody listened on {conn.peer_address}")
+                moved = True
+            elif not retry:
+                break  # the rest were dialed later: not due either
+            else:
+                continue
+            del self._attaching[conn]
+        return moved
+
     def _progress(self) -> bool:
         """Attach pending dials, move inbound frames, notice dead peers; only the connections
         something happened to are visited. True if anything moved."""
         moved = False
         if self._attaching:
-            now = time.monotonic()
-            for conn in list(self._attaching):
-                if not conn.alive or self._attach(conn):
-                    moved = moved or conn.alive
-                elif now > conn.deadline:
-                    conn.end(f"unreachable: nobody listened on {conn.peer_address}")
-                    moved = True
-                else:
-                    continue
-                del self._attaching[conn]
+            moved = self._retry_attaching()
         if self._incoming:
             incoming, self._incoming = self._incoming, {}
             for conn in incoming:

@@ -105,6 +105,8 @@ class SessionEnv:
     """Puts queued control frames on the wire (``ControlTransport.flush`` of a batching
     transport): called before a data-transport call that can take milliseconds
     (``add_peer``, ``remove_peer``), so a peer never waits for our frames meanwhile."""
+    hello: bytes | None = field(default=None, init=False)
+    """Our hello, encoded once (every session sends the same)."""
     reads: ReadGate = field(init=False)
     """Every read the consumer roles post goes through it (shared, bounded resources)."""
     warnings: LogLimiter = field(init=False)

@@ -125,12 +125,15 @@ class Session:
         env, local = self.env, self.env.local
         wait = env.timeouts.handshake if handshake_timeout is None else handshake_timeout
         self.timer = env.deadlines.at(env.clock() + wait, self._handshake_expired, wait)
-        self._send_now(Hello(
-            wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
-            descriptor=local.descriptor, num_blocks=local.num_blocks, block_len=local.block_len,
-            fingerprint=local.fingerprint, hash_seed=local.hash_seed,
-            lease_ms=int(env.timeouts.lease * 1000),
-        ))
+        hello = env.hello
+        if hello is None:  # the same for every peer: encoded once
+            hello = env.hello = encode(Hello(
+                wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
+                descriptor=local.descriptor, num_blocks=local.num_blocks,
+                block_len=local.block_len, fingerprint=local.fingerprint,
+                hash_seed=local.hash_seed, lease_ms=int(env.timeouts.lease * 1000),
+            ))
+        self._send_frame(hello, "hello")
 
     @property
     def read_window(self) -> float:
@@ -227,7 +230,12 @@ class Session:
         """Send (or, behind a full send queue, hold) ``msg``. Only a frame over the size cap
         is refused (False); a full queue is back-pressure (the outbox), a dead connection
         dooms the session."""
-        frame = encode(msg)
+        return self._send_frame(encode(msg), msg, oversize_fails_session=oversize_fails_session)
+
+    def _send_frame(self, frame: bytes, what: Message | str, *,
+                    oversize_fails_session: bool = True) -> bool:
+        """:meth:`_send_now` of an encoded frame (``what``: its message, or its type, for the
+        log)."""
         try:
             if len(frame) > self.env.limits.max_frame_bytes:
                 raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds limits."
@@ -239,7 +247,8 @@ class Session:
             if oversize_fails_session:
                 self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
             else:
-                log.warning("session %s: %s not sent: %s", self.peer, message_type(msg), exc)
+                log.warning("session %s: %s not sent: %s", self.peer,
+                            what if isinstance(what, str) else message_type(what), exc)
             return False
         except Exception as exc:  # ConnectionClosed, OutboxOverflow, ...
             self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)

@@ -121,9 +121,10 @@ class Dialer(SessionWatcher):
         if kind in _REQUESTS:
             verdict = self._policy.admit(peer, _Dialed(self._table, self.warm),
                                          pd=kind is DialKind.PD)
-            if verdict.evict is not None:
-                self._table.close(verdict.evict, Outcome.PEER_DEAD, verdict.reason,
-                                  bye=verdict.reason)
+            victim = verdict.evict
+            if victim is not None:  # a bye only to a peer that ever answered
+                self._table.close(victim, Outcome.PEER_DEAD, verdict.reason,
+                                  bye=verdict.reason if victim.heard else None)
             why = verdict.refused
             if why is not None:
                 env.warnings.log(env.clock(), logging.WARNING, "not dialing %s: %s", peer, why)
@@ -157,6 +158,12 @@ class _Dialed:
 
     def unheard(self) -> Iterator[Session]:
         return (s for s in self._table.unheard if s.peer not in self._warm)
+
+    def unheard_count(self) -> int:
+        unheard = self._table.unheard
+        if not self._warm:
+            return len(unheard)
+        return sum(1 for s in unheard if s.peer not in self._warm)
 
     def idle(self) -> Iterator[Session]:
         return (s for s in self._table.dialed
