@@ -252,7 +252,7 @@ class ControlTransport(_Transport):
         included. A connection whose frames the tier has not drained yet is the tier's to
         remember: it is listed again only when something new happens to it. With it, a
         tick costs what its active connections cost, not what all of them cost
-        (docs/design.md, "One driver thread per tier"). The default returns None."""
+        (:mod:`p2pkv.tiering.tick`). The default returns None."""
         return None
 
     def batch_sends(self) -> bool:

@@ -96,6 +96,8 @@ class Session:
         self.heard = False
         """A frame from the peer arrived: the dial made progress (it is never evicted for a
         dial that has not, and a close is not a failed dial)."""
+        self.frames_in = 0
+        """Frames received so far (the tier tells a visit that brought frames by it)."""
         self.state = State.HANDSHAKE
         self.acked = False
         """The peer acked our hello."""
@@ -279,6 +281,7 @@ class Session:
         if frames:
             self.last_active = self.env.clock()
             self.heard = True
+            self.frames_in += len(frames)
         for i, frame in enumerate(frames):
             if self.doomed is not None or self.state not in (State.HANDSHAKE, State.READY):
                 return None

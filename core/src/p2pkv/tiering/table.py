@@ -156,39 +156,39 @@ class SessionTable:
         the new ones, then close those whose connection died."""
         due = self._due
         if active is None:
-            due.update(dict.fromkeys(self.sessions.values()))
+            visit: Collection[Session] = list(self.sessions.values())
         else:
             by_conn = self._by_conn
             for conn in active:
                 session = by_conn.get(id(conn))
                 if session is not None and session.conn is conn:
                     due[session] = None
-        if not due:
-            return
+            if not due:
+                return
+            visit = due
         self._due = {}
         sessions = self.sessions
-        for session in due:
-            if sessions.get(session.peer) is session:
+        for session in visit:
+            if session.state is not State.CLOSED:
                 self.receive(session)
-        for session in due:
-            if sessions.get(session.peer) is session and (session.doomed is not None
-                                                          or not session.conn.alive):
+        for session in [s for s in visit if s.doomed is not None or not s.conn.alive]:
+            if sessions.get(session.peer) is session:
                 self.close_unusable(session)
 
     def receive(self, session: Session, frames: list[bytes] | None = None) -> None:
         """Hand ``session`` its frames (``frames``, else what its connection holds); a peer
         restart found among them moves the rest to a fresh session."""
-        heard = session.heard
+        heard, count = session.heard, session.frames_in
         rest = session.receive(frames)
-        self._received(session, heard)
+        if session.frames_in != count:
+            self._received(session, heard)
         while rest is not None:
             session = self._restart(session, rest)
             rest = session.receive(rest)
             self._received(session, False)
 
     def _received(self, session: Session, heard_before: bool) -> None:
-        if not session.heard:
-            return
+        """``session`` got frames: it may be working, serving lookups, and was heard."""
         self._work[session] = None
         if session.server.serves:
             self.serving[session] = None
