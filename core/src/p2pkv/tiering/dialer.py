@@ -97,7 +97,8 @@ class Dialer(SessionWatcher):
             conn = self._control.connect(peer)
         except Exception as exc:
             why = f"cannot connect to {peer}: {exc}"
-            self._env.warnings.log(self._env.clock(), logging.WARNING, "%s", why)
+            if kind in _REQUESTS:  # the warm set reports its own peers
+                self._env.warnings.log(self._env.clock(), logging.WARNING, "%s", why)
             return why
         session = table.open(peer, conn, dialed=True,
                              handshake_timeout=self.handshake_timeout(peer))
