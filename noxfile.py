@@ -3,6 +3,9 @@
 Every session runs the tools of the shared ``.venv`` (``venv_backend="none"``) instead of
 building its own environment, so a session starts in a second. Add a session with
 ``@venv_session`` and ``run(session, "<tool>", ...)``; it inherits that setup.
+
+README.md lists the sessions CI does not run; ``tests/test_docs.py`` holds that list to the
+sessions here and to those ``.ci/run`` runs, so a new session is named there too.
 """
 
 from __future__ import annotations

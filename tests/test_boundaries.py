@@ -1,5 +1,6 @@
-"""The import structure of the first-party code: no import cycle, and every import from one
-distribution into another allowed by the map in ``docs/dev/distributions.md``.
+"""The structure of the first-party code: no import cycle, every import from one
+distribution into another allowed by the map in ``docs/dev/distributions.md``, and no class
+above :data:`MAX_METHODS` methods.
 
 The graph is built with ``ast`` from every module of every distribution the map lists: each
 ``import`` and ``from ... import`` statement counts, wherever it is (top level, inside a
@@ -195,3 +196,39 @@ def f():
     assert {"p2pkv.session.sibling", "p2pkv.session.sub.thing", "p2pkv.tier",
             "p2pkv_tools.bench.cli"} <= names
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_METHODS = 30
+"""Methods a class may define in its body (properties and static methods included). A class
+past it holds more than one role: split it into role objects behind a facade."""
+SUITE_PACKAGES = ("p2pkv.testing.suites",)
+"""Conformance suites: pytest classes with one method per test, exempt from the limit."""
+TEMPORARY_EXCEPTIONS: dict[str, str] = {
+    # Classes still to split, each with why (the test fails when an entry is no longer
+    # needed). None is left: issue 49's splits are all merged.
+}
+
+
+def class_sizes(dists: Sequence[Distribution]) -> dict[str, int]:
+    """``module.Class`` -> the methods its body defines, for every class of every module
+    (nested classes too), conformance suites left out."""
+    sizes = {}
+    for dist in dists:
+        for module, path in module_files(dist).items():
+            if module.startswith(SUITE_PACKAGES):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    sizes[f"{module}.{node.name}"] = sum(
+                        isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+    return sizes
+
+
+def test_no_class_holds_more_than_max_methods() -> None:
+    sizes = class_sizes(read_map(MAP.read_text()))
+    assert len(sizes) > 100, "suspiciously few classes found"
+    big = sorted(f"{name}: {n} methods" for name, n in sizes.items()
+                 if n > MAX_METHODS and name not in TEMPORARY_EXCEPTIONS)
+    assert not big, f"classes above {MAX_METHODS} methods (split them by role):\n" + "\n".join(big)
+    stale = sorted(name for name in TEMPORARY_EXCEPTIONS if sizes.get(name, 0) <= MAX_METHODS)
+    assert not stale, f"exceptions no longer needed (remove them): {stale}"

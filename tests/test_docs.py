@@ -162,3 +162,111 @@ def test_the_api_reference_documents_every_public_name() -> None:
         for name in importlib.import_module(module).__all__:
             assert f"### `{module}.{name}`" in text, (module, name)
     assert api_reference.MARKER in (ROOT / "docs" / "api.md").read_text()
+
+
+# -- claims about what CI runs, checked against noxfile.py, .ci/run and the pyprojects ----------
+
+
+def _noxfile() -> tuple[set[str], dict[str, object]]:
+    """The session names of ``noxfile.py`` and its literal module constants."""
+    import ast
+
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    sessions, constants = set(), {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(
+                "session" in ast.unparse(d) for d in node.decorator_list):
+            sessions.add(node.name)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                try:
+                    constants[target.id] = ast.literal_eval(node.value)
+                except ValueError:
+                    pass
+    return sessions, constants
+
+
+def _ci_sessions() -> set[str]:
+    return set(re.findall(r"nox -s (\w+)", (ROOT / ".ci" / "run").read_text()))
+
+
+CI_RUNS_DIRECTLY = {"tests", "lint", "types"}
+"""Sessions whose work ``.ci/run`` does with the tools themselves (scripts/test.sh, ruff,
+mypy), not through nox."""
+
+
+def test_the_readme_lists_exactly_the_sessions_ci_does_not_run() -> None:
+    sessions, _ = _noxfile()
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"Sessions CI does not run[^:]*:(.*?)\.(?:\s|$)", text)
+    assert m, "README.md: no 'Sessions CI does not run ...:' list"
+    listed = set(re.findall(r"`(\w+)`", m.group(1)))
+    ci = _ci_sessions()
+    assert ci <= sessions, f".ci/run names sessions noxfile.py lacks: {ci - sessions}"
+    assert listed == sessions - ci - CI_RUNS_DIRECTLY
+
+
+def test_every_nox_session_the_docs_name_exists() -> None:
+    sessions, _ = _noxfile()
+    for path in DOC_FILES:
+        text = " ".join(path.read_text().split())
+        for name in re.findall(r"nox -s (\w+)", text):
+            assert name in sessions, f"{path.relative_to(ROOT)}: `nox -s {name}` is no session"
+
+
+def _distributions() -> dict[str, dict[str, object]]:
+    import tomllib
+
+    found = {}
+    for path in [*ROOT.glob("*/pyproject.toml"), *ROOT.glob("*/*/pyproject.toml")]:
+        project = tomllib.loads(path.read_text()).get("project")
+        if project:
+            found[project["name"]] = project
+    return found
+
+
+def test_every_install_extra_the_docs_name_exists() -> None:
+    dists = _distributions()
+    sources = [*DOC_FILES, ROOT / "scripts" / "requirements-dev.txt",
+               *ROOT.glob("*/src/**/*.py"), *ROOT.glob("*/*/src/**/*.py")]
+    for path in sources:
+        for dist, extras in re.findall(r"\b(p2pkv[a-z-]*)\[([a-z0-9,_-]+)\]", path.read_text()):
+            if dist not in dists:
+                continue  # a placeholder such as p2pkv[extra]
+            declared = dists[dist].get("optional-dependencies", {})
+            for extra in set(extras.split(",")) - {"extra"}:  # "extra": a placeholder
+                assert extra in declared, (
+                    f"{path.relative_to(ROOT)}: {dist}[{extra}] is no extra of {dist}")
+
+
+def test_the_supported_vllm_releases_are_the_ones_nox_and_ci_run() -> None:
+    import p2pkv_vllm
+
+    _, nox = _noxfile()
+    api = {*nox["VLLM_RELEASES"], nox["VLLM_VERSION"]}  # type: ignore[misc]
+    engines = {*nox["ENGINE_RELEASES"], *nox["ENGINE_OTHER_RELEASES"]}  # type: ignore[misc]
+    assert set(p2pkv_vllm.SUPPORTED_VLLM) == api
+    assert engines <= api
+    source = (ROOT / "plugins" / "vllm" / "src" / "p2pkv_vllm" / "__init__.py").read_text()
+    said = " ".join(source.split("SUPPORTED_VLLM = ", 1)[1].split('"""')[1].split())
+    for release in nox["ENGINE_RELEASES"]:  # type: ignore[attr-defined]
+        assert release in said, f"SUPPORTED_VLLM's docstring omits CI's engine {release}"
+
+
+def test_the_python_claimed_is_the_python_ci_runs() -> None:
+    """Every pyproject requires the Python CI runs (the dev venv's, the nox sessions'),
+    and the docs claim the same; mypy and ruff target it."""
+    import tomllib
+
+    ran = f"{sys.version_info.major}.{sys.version_info.minor}"
+    nox_pythons = set(re.findall(r'python="([0-9.]+)"', (ROOT / "noxfile.py").read_text()))
+    assert nox_pythons == {ran}, f"nox sessions run {nox_pythons}, the dev venv {ran}"
+    for name, project in _distributions().items():
+        assert project.get("requires-python") == f">={ran}", name
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert root["mypy"]["python_version"] == ran
+    assert root["ruff"]["target-version"] == "py" + ran.replace(".", "")
+    for path in [ROOT / "README.md", ROOT / "docs" / "index.md"]:
+        claims = set(re.findall(r"Python >= ([0-9.]+)", path.read_text()))
+        assert claims == {ran}, f"{path.relative_to(ROOT)} claims Python >= {claims}"

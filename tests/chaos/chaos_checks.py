@@ -32,7 +32,7 @@ __all__ = ["LEASE_DRIFT", "Read", "close_problems", "pin_violations", "read_viol
 Entry = tuple[Any, ...]
 
 LEASE_DRIFT = 0.01
-"""``p2pkv.session.client.LEASE_DRIFT``: the share of the lease the consumer keeps back."""
+"""``p2pkv.session.consumer_role.LEASE_DRIFT``: the share of the lease the consumer keeps back."""
 
 
 @dataclass

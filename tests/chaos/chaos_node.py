@@ -117,8 +117,9 @@ class Recorder:
 
     ``read tid peer local remote`` (a read we posted: the peer's blocks ``remote`` into our
     ``local``) · ``end tid ok`` (reported by poll) · ``cancel tid`` (ended by ``cancel``:
-    final) · ``add_peer peer`` (re-adding ends the peer's reads) · ``remove_peer peer
-    undrained`` (ends the peer's reads; ``undrained``: internal transfers kept) ·
+    final) · ``add_peer peer`` (re-adding ends the peer's reads) · ``remove_peer_begin peer``
+    (the call starts) · ``remove_peer peer undrained`` (it returned: the peer's reads ended;
+    ``undrained``: internal transfers kept) ·
     ``close_begin`` · ``close undrained`` (ends every read) · ``submit job_id slots is_load`` ·
     ``result job_id outcome slots is_load`` · ``shutdown_begin`` · ``paused_source pid peer``.
     """
@@ -186,6 +187,7 @@ class RecordingData(DelegatingDataTransport):
                 self.recorder.add("cancel", tid)
 
     def remove_peer(self, peer_id: str) -> list[int]:
+        self.recorder.add("remove_peer_begin", peer_id)
         left = super().remove_peer(peer_id)
         self.recorder.add("remove_peer", peer_id, list(left))
         return left

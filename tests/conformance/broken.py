@@ -429,6 +429,25 @@ class DuplicatesFrames(LoopbackControlTransport):
         return super().poll(timeout)
 
 
+class DropsSomeFrames(LoopbackControlTransport):
+    """Loses one frame in 50 (2 %) on live connections: an occasional drop, never a gap
+    large enough for the short delivery tests to be sure to see."""
+
+    dropped = 0
+    """Frames seen across every instance (deterministic: the 37th of every 50 is lost)."""
+
+    def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
+        for end in self.ends:
+            kept = []
+            for frame in end.queue:
+                DropsSomeFrames.dropped += 1
+                if DropsSomeFrames.dropped % 50 != 37:
+                    kept.append(frame)
+            end.queue.clear()
+            end.queue.extend(kept)
+        return super().poll(timeout)
+
+
 class AcceptsTwice(LoopbackControlTransport):
     """Returns each inbound connection from every poll, not once."""
 
@@ -511,9 +530,49 @@ class IgnoresUnknownOptions(LoopbackControlTransport):
         super().__init__(replace(settings, options={}))
 
 
+class ForgetsAnActiveConnection(LoopbackControlTransport):
+    """``take_active`` forgets one connection whenever several got frames or died."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self._seen: list[LoopbackConnection] = []
+        self._dead: set[int] = set()
+        self._news: list[ControlConnection] = []
+
+    def connect(self, address: str) -> ControlConnection:
+        conn = super().connect(address)
+        self._note(conn)
+        return conn
+
+    def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
+        receiving = [end for end in self._connections.values() if end.queue]
+        fresh = super().poll(timeout)
+        for conn in [*receiving, *fresh]:
+            self._note(conn)
+            self._mark(conn)
+        for conn in self._seen:
+            if not conn.alive and id(conn) not in self._dead:
+                self._dead.add(id(conn))
+                self._mark(conn)
+        return fresh
+
+    def take_active(self) -> list[ControlConnection]:
+        news, self._news = self._news, []
+        return news[:-1] if len(news) > 1 else news
+
+    def _note(self, conn: ControlConnection) -> None:
+        if isinstance(conn, LoopbackConnection) and all(conn is not c for c in self._seen):
+            self._seen.append(conn)
+
+    def _mark(self, conn: ControlConnection) -> None:
+        if all(conn is not c for c in self._news):
+            self._news.append(conn)
+
+
 CONTROL_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "Reorders": (Reorders, ("test_frames_arrive_in_order_each_once",)),
     "DuplicatesFrames": (DuplicatesFrames, ("test_frames_arrive_in_order_each_once",)),
+    "DropsSomeFrames": (DropsSomeFrames, ("test_a_long_stream_loses_no_frame",)),
     "AcceptsTwice": (
         AcceptsTwice, ("test_inbound_connection_is_returned_once_with_its_first_frames",)
     ),
@@ -529,5 +588,8 @@ CONTROL_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     ),
     "IgnoresUnknownOptions": (
         IgnoresUnknownOptions, ("test_unknown_option_is_refused_naming_it",)
+    ),
+    "ForgetsAnActiveConnection": (
+        ForgetsAnActiveConnection, ("test_take_active_never_misses_a_connection",)
     ),
 }

@@ -1,5 +1,6 @@
 """Sabotaged variants of the kit's reference transport (``socket_transport``): each breaks one
-rule that issue #20 found the suites missing, and the suites must catch every one, every time
+rule that issue #20 (and, for the last two, issue #46: a frozen peer stalls others) found the
+suites missing, and the suites must catch every one, every time
 (``test_kit_catches_broken.py``, ``suite_runs.RUNS`` runs each).
 
 Each variant subclasses :class:`SocketDataTransport` and changes one behaviour, named by its
@@ -9,6 +10,8 @@ docstring; everything else is the working transport.
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,6 +149,81 @@ class StarvedIOThread(SocketDataTransport):
         return super().close()
 
 
+class BlocksInRemovePeer(SocketDataTransport):
+    """``remove_peer`` waits, progressing, until every connection peers opened to us has
+    closed, for up to ``WAIT`` seconds: a graceful endpoint close that waits for the peer. A
+    frozen peer never closes, so the call keeps the caller's thread the whole time."""
+
+    WAIT = 2.0
+
+    def remove_peer(self, peer_id: str) -> list[int]:
+        undrained = super().remove_peer(peer_id)
+        deadline = time.monotonic() + self.WAIT
+        while self._served and time.monotonic() < deadline:
+            self.progress()
+        return undrained
+
+
+class SharesBudgetWithoutShares(SocketDataTransport):
+    """Keeps a staging budget of ``BUDGET`` blocks that every peer's reads share, first come
+    first served: reads are admitted in the order they were posted, each once the budget has
+    room, and an admitted read holds its blocks until it ends; an answer lands only for an
+    admitted read. No share per peer, and nothing declared (no ``read_capacity``, no
+    ``TransferBusy``): a peer frozen with reads admitted holds the budget, and every later
+    read of every other peer waits behind them."""
+
+    BUDGET = 4
+
+    def __init__(self, settings: DataSettings) -> None:
+        super().__init__(settings)
+        self._queue: deque[tuple[int, int]] = deque()
+        """(read id, blocks) posted and not admitted yet, in order."""
+        self._admitted: dict[int, int] = {}
+        self._early: dict[int, tuple[bool, bytes]] = {}
+        """Answers that arrived for reads not admitted yet."""
+
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        tid = super().read_blocks(peer_id, local_idxs, remote_idxs)
+        self._queue.append((tid, len(local_idxs)))
+        self._admit()
+        return tid
+
+    def _admit(self) -> None:
+        while self._queue:
+            tid, blocks = self._queue[0]
+            if tid in self._pending and sum(self._admitted.values()) + blocks > self.BUDGET:
+                return
+            self._queue.popleft()
+            if tid in self._pending:
+                self._admitted[tid] = blocks
+                early = self._early.pop(tid, None)
+                if early is not None:
+                    super()._land(tid, *early)
+
+    def _land(self, tid: int, ok: bool, body: bytes) -> None:
+        if tid in self._admitted:
+            super()._land(tid, ok, body)
+        elif tid in self._pending:
+            self._early[tid] = (ok, body)
+
+    def _release(self, ids: Sequence[int]) -> None:
+        for tid in ids:
+            self._admitted.pop(tid, None)
+            self._early.pop(tid, None)
+        self._admit()
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        result = super().poll(peer_id)
+        self._release([*result.done, *result.failed])
+        return result
+
+    def cancel(self, transfer_ids: Sequence[int]) -> None:
+        super().cancel(transfer_ids)
+        self._release(transfer_ids)
+
+
 SABOTAGE: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "ReportsAfterRemovePeer": (ReportsAfterRemovePeer, ("test_remove_peer_is_final",)),
     "RemovePeerKeepsReads": (RemovePeerKeepsReads, ("test_remove_peer_is_final",)),
@@ -156,5 +234,8 @@ SABOTAGE: dict[str, tuple[type[Any], tuple[str, ...]]] = {
                                                     "test_peer_killed_is_survivable")),
     "StarvedIOThread": (StarvedIOThread,
                         ("test_a_read_completes_within_a_bounded_number_of_polls",)),
+    "BlocksInRemovePeer": (BlocksInRemovePeer, ("test_removing_a_frozen_peer_is_bounded",)),
+    "SharesBudgetWithoutShares": (SharesBudgetWithoutShares,
+                                  ("test_a_frozen_source_stalls_no_other_source",)),
 }
 """Variant -> (class, the suite tests that must catch it)."""

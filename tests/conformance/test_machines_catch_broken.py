@@ -38,7 +38,8 @@ DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "AcceptsDuplic
                "CancelLandsLate", "RemovePeerLandsLate", "RemovePeerReturnsReads",
                "CloseNotIdempotent", "AcceptsEmptyRead", "ReusesIds", "NeverNoticesClosedPeer",
                "ReadsAfterPeerClosed"]
-CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "AcceptsTwice", "AcceptsBeforeFirstFrame",
+CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "DropsSomeFrames", "AcceptsTwice",
+                  "AcceptsBeforeFirstFrame",
                   "CloseInvisible", "SendAfterCloseSilently", "NewConnectionEachConnect"]
 
 

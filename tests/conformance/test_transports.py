@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from p2pkv.testing.suites import ControlTransportSuite, DataTransportSuite
+from p2pkv.testing.suites import ControlTransportSuite, DataIsolationSuite, DataTransportSuite
 
 
 class TestMemoryControl(ControlTransportSuite):
@@ -33,3 +33,22 @@ class TestUcxData(DataTransportSuite):
     transport_name = "ucx"
     missing_transport = "skip"
     options = {"drain_timeout": 1.0, "slice_bytes": 768}
+
+
+class TestUcxTcpIsolation(DataIsolationSuite):
+    """The isolation checks over ucx on tcp (a frozen peer's runs stay half received) with a
+    staging budget of two blocks, which the frozen peer's reads could fill."""
+
+    transport_name = "ucx"
+    missing_transport = "skip"
+    options = {"drain_timeout": 1.0, "staging_bytes": 512, "max_message_bytes": 256,
+               "ucx_config": {"TLS": "tcp", "RNDV_THRESH": "128"}}
+
+
+class TestNixlStagedIsolation(DataIsolationSuite):
+    """The isolation checks over nixl's staged lane with a pool of four blocks, which the
+    frozen peer's reads could fill (the tier's read gate shares it)."""
+
+    transport_name = "nixl"
+    missing_transport = "skip"
+    options = {"drain_timeout": 1.0, "staging": "always", "staging_blocks": 4}

@@ -313,7 +313,7 @@ def test_plot_without_matplotlib_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "--quick", "--plot", "x.png"]) == 2
-    assert "pip install 'p2pkv[plot]'" in capsys.readouterr().err
+    assert "pip install 'p2pkv-tools[plot]'" in capsys.readouterr().err
 
 
 def test_control_mode_json(tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ import ipaddress
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["format_address", "is_loopback_host", "parse_address"]
-
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 

@@ -19,8 +19,6 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Child", "stop_all"]
-
 
 def _entry(target: Callable[..., Any], conn: Connection, args: tuple[Any, ...]) -> None:
     try:

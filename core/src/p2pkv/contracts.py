@@ -6,6 +6,14 @@ never calls back into the core from them, and it never blocks the driver longer 
 contract allows. Transports carry opaque bytes; encoding, validation and the session protocol
 live in the core.
 
+**The driver bound.** While a call runs, the tier's tick waits, and with it every peer's
+work. So no call of a data transport keeps the driver thread longer than
+:data:`DRIVER_BOUND` (0.1 s), whatever a peer does: a peer that is stopped, cut off or slow
+is never waited for. Draining a removed peer's transfers, closing endpoints, deregistering
+memory: started by the call, finished in later ``progress`` calls, and what they still hold
+is shown by :meth:`DataTransport.held` until released. The tier times every data transport
+call and logs one over the bound, naming it (:mod:`p2pkv.call_guard`).
+
 Construction goes through ``create(settings)`` so the registry can build any transport from a
 tier config; ``availability()`` lets ``p2pkv plugins`` explain a transport whose library is
 missing without constructing it.
@@ -18,7 +26,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,11 +36,14 @@ from p2pkv.data_base import check_read as _check_read
 from p2pkv.errors import PeerRejected, TransferSubmitError, TransportUnavailable
 
 __all__ = [
+    "DRAIN_GRACE",
+    "DRIVER_BOUND",
     "EMPTY_POLL",
     "Capabilities",
     "ControlConnection",
     "ControlSettings",
     "ControlTransport",
+    "DataBackend",
     "DataSettings",
     "DataTransport",
     "PollResult",
@@ -43,6 +54,20 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TransportKind = Literal["control", "data"]
+
+DRIVER_BOUND: Final = 0.1
+"""Seconds one call of a data transport may keep the tier's driver thread, at most.
+
+Well under the shortest heartbeat timeout an operator sets (1 s in the docs and the chaos
+suite), so a call never looks like a dead or paused process. A bound on a call, not a speed
+figure: a call is short by design (it never waits for a peer); on a loaded machine it may
+take longer for reasons of the machine's own. The conformance kit checks it with a generous
+margin (``p2pkv.testing.suites``, the isolation checks)."""
+
+DRAIN_GRACE: Final = DRIVER_BOUND / 2
+"""Seconds ``close`` may keep progressing internal transfers so they end cleanly before it
+returns the rest undrained. ``remove_peer`` waits for none: its peer's transfers end in
+later ``progress`` calls."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +155,9 @@ class DataSettings:
     transport's lifetime and must not keep a reference after ``close()`` returns (unless it
     reports undrained transfers, see ``close``). ``options`` is ``data_options``: unknown
     keys must be refused with ``ConfigError`` naming the key. A transport with a drain
-    deadline (how long ``remove_peer``/``close`` wait for internal transfers) calls that option
-    ``drain_timeout``, in seconds.
+    deadline (how long a removed peer's internal transfers may still run, in later
+    ``progress`` calls, before they are given up) calls that option ``drain_timeout``, in
+    seconds. No call waits that long: ``close`` waits at most :data:`DRAIN_GRACE`.
     """
 
     region: memoryview
@@ -249,10 +275,11 @@ class ControlTransport(_Transport):
         visits every connection each tick (as before). Driver thread, after poll().
 
         A connection counts as stopped when it dies for any reason, a local ``close``
-        included. A connection whose frames the tier has not drained yet is the tier's to
-        remember: it is listed again only when something new happens to it. With it, a
-        tick costs what its active connections cost, not what all of them cost
-        (:mod:`p2pkv.tiering.tick`). The default returns None."""
+        included; one that ``poll`` just returned with frames buffered is listed. A
+        connection whose frames the tier has not drained yet is the tier's to remember: it
+        is listed again only when something new happens to it. With it, a tick costs what
+        its active connections cost, not what all of them cost (:mod:`p2pkv.tiering.tick`).
+        The default returns None."""
         return None
 
     def batch_sends(self) -> bool:
@@ -302,10 +329,108 @@ class _Registration:
         self.reads: dict[int, Any] = {}
 
 
+class DataBackend(ABC):
+    """The primitives a data backend implements, declared together; :class:`DataTransport` is
+    the rich base that calls them (its docstring states the contract they serve).
+
+    Required: ``descriptor``, ``_attach_peer``, ``_post_read`` and ``_read_state``. The
+    others have defaults that suit a backend whose reads move bytes only inside its own
+    calls. Every primitive is called on the driver thread only, never after ``close`` (except
+    ``_shutdown``, by it), and must not block beyond a call's contract.
+
+    - ``descriptor()`` (public): our region's descriptor bytes.
+    - ``_attach_peer(peer_id, descriptor)``: the peer's record (anything with a
+      ``num_blocks``), or ``PeerRejected``. Any other exception becomes ``PeerRejected``.
+    - ``_peer_usable(peer)``: whether a record can still serve reads (default: always).
+    - ``_post_read(peer, local, remote)``: post a checked read (int64 arrays of its own) and
+      return a handle. Any exception other than ``TransferSubmitError`` becomes
+      ``TransferSubmitError`` (chained). Nothing of a refused read may land. A read that
+      does not fit a bounded resource now raises ``TransferBusy`` (and the transport
+      answers ``read_capacity``).
+    - ``_read_state(handle)``: a ``ReadState``. Returning ``DONE`` or ``FAILED`` hands the
+      read back (its resources released). An exception fails the read: the base ends it with
+      ``_end_reads`` and reports it failed, never leaves it in flight.
+    - ``_end_reads(handles)``: end reads finally (see ``DataTransport.cancel``); default:
+      nothing to end.
+    - ``_progress()``: drive I/O, serve peers' reads; default: nothing to do.
+    - ``_detach_peer(peer)`` / ``_shutdown()``: release a peer / everything (every read
+      already ended), never waiting for a peer. Each returns internal ids still running;
+      default ``[]``.
+    - ``_held()``: what the transport still holds after the calls that ended its use (see
+      ``DataTransport.held``); default: nothing.
+    """
+
+    @abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
+
+
+    def _attach_peer(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
+        """The peer's record from its descriptor (its ``num_blocks`` bounds remote indexes);
+        ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
+                                  f"_attach_peer")
+
+    def _peer_usable(self, peer: Any) -> bool:
+        """Whether an attached peer record can still serve reads (``add_peer`` with the same
+        descriptor keeps a usable one and replaces an unusable one). The default: always."""
+        return True
+
+    def _detach_peer(self, peer: Any) -> list[int]:
+        """Release a peer record (removed, or replaced by a new descriptor); its reads have
+        ended. Never waits for the peer: returns the internal ids with it still running,
+        which later ``_progress`` calls settle (or give up at the drain deadline)."""
+        return []
+
+    def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
+        """Post a read of the peer's blocks ``remote`` into our blocks ``local`` (checked;
+        the arrays are the backend's to keep); return its handle. Must not block."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither read_blocks nor "
+                                  f"_post_read")
+
+    def _read_state(self, handle: Any) -> ReadState:
+        """Where a posted read stands; called only by ``poll``, at most once per read per
+        poll, never again once it returned ``DONE``/``FAILED`` (the read's resources are
+        released by then, a staged read's bytes copied into its blocks before ``DONE``)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor "
+                                  f"_read_state")
+
+    def _end_reads(self, handles: list[Any]) -> None:
+        """End posted reads finally: on return none of their bytes can land in our blocks
+        (stop them, or quarantine their staging). Never waits for a peer; must not raise.
+        The base has already forgotten them.
+
+        The default does nothing, which is right only for a backend that finds its reads
+        through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
+        read the base forgot is then never touched again. A backend that keeps reads anywhere
+        else (a queue of its own, a thread, the library) implements it, or a cancelled read
+        still lands."""
+        return None
+
+    def _progress(self) -> None:
+        """Drive the backend's I/O, serve peers' reads of our region; report nothing. Must
+        not block; never called after ``close``."""
+        return None
+
+    def _shutdown(self) -> list[int]:
+        """Release every peer still added (``close`` does not call ``_detach_peer`` for
+        them), the backend's resources and its registration of the region (every read has
+        ended; called once, by ``close``), so that peers' reads of the region fail from now
+        on. May progress internal transfers for :data:`DRAIN_GRACE` at most, never waiting
+        for a stopped peer longer; returns the internal ids still running then (their memory
+        stays registered); must not raise."""
+        return []
+
+    def _held(self) -> Mapping[str, int]:
+        """Counts by kind of what the backend still holds after the calls that ended its
+        use (see ``held``); zero counts may be included. Must not raise. Default: ``{}``."""
+        return {}
+
+
 _DataT = TypeVar("_DataT", bound="DataTransport")
 
 
-class DataTransport(_Transport):
+class DataTransport(_Transport, DataBackend):
     """Moves whole blocks of a peer's registered region into ours, posted by us.
 
     **The consumer owns every write into its region** (docs/protocol.md §1): the only transfers that
@@ -341,28 +466,22 @@ class DataTransport(_Transport):
     of a tier relies on it (docs/protocol.md, "Shutdown": pins dropped before their lease are
     protected only by this).
 
+    **Isolation: a stopped peer never stalls or fails another.** No call keeps the driver
+    thread longer than :data:`DRIVER_BOUND` because of a peer (see the module docstring):
+    ``remove_peer`` and ``close`` return what still runs instead of waiting for it, and later
+    ``progress`` calls finish it; ``held`` shows it meanwhile. Every bounded resource that
+    peers share (staging, slots, windows, receive queues) gives each peer a share, so a
+    peer frozen with transfers in flight holds at most its share and every other peer's
+    transfers go on. A transport either shares such a resource itself, or declares it
+    (``read_capacity``, ``TransferBusy``) and the tier shares it (docs/configuration.md,
+    "Shares of shared budgets"). The conformance kit checks both rules.
+
     **The base class.** This class is a working base, not only an interface: it owns the
     bookkeeping every transport needs (region checks, transfer ids, per-peer read tables,
     exactly-once reports, scoped ``poll``, final ``cancel``, the re-add rule, ``remove_peer``,
-    an idempotent ``close`` and the after-close behaviour, the index check, error mapping), and
-    a backend implements primitives, called only on the driver thread:
-
-    - ``descriptor()`` (public, required): our region's descriptor bytes.
-    - ``_attach_peer(peer_id, descriptor)`` (required): the peer's record (anything with a
-      ``num_blocks``), or ``PeerRejected``; any other exception becomes ``PeerRejected``.
-    - ``_post_read(peer, local, remote)`` (required): post a checked read (int64 arrays of
-      its own) and return a handle; any exception other than ``TransferSubmitError`` becomes
-      ``TransferSubmitError`` (chained). Nothing of a refused read may land. A read that
-      does not fit a bounded resource now raises ``TransferBusy`` (and the transport
-      answers ``read_capacity``).
-    - ``_read_state(handle)`` (required): ``ReadState``; returning ``DONE``/``FAILED`` hands
-      the read back (its resources released). An exception fails the read: the base ends it
-      with ``_end_reads`` and reports it failed, never leaves it in flight.
-    - ``_end_reads(handles)``: end reads finally (see ``cancel``); default: nothing to end.
-    - ``_progress()``: drive I/O, serve peers' reads; default: nothing to do.
-    - ``_detach_peer(peer)`` / ``_shutdown()``: release a peer / everything (every read
-      already ended); return internal ids still running after the drain deadline; default
-      ``[]``.
+    an idempotent ``close`` and the after-close behaviour, the index check, error mapping). A
+    backend implements the primitives of :class:`DataBackend`, declared there together, and
+    called only on the driver thread.
 
     The base's own state (``_blocks``, the region as a ``(num_blocks, block_len)`` uint8
     view for backends; ``_transfer_ids``, the one id sequence internal transfers draw from
@@ -435,10 +554,6 @@ class DataTransport(_Transport):
     def block_len(self) -> int:
         return self._block_len
 
-    @abstractmethod
-    def descriptor(self) -> bytes:
-        """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
-
     # -- peers ----------------------------------------------------------------------------
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
@@ -472,15 +587,27 @@ class DataTransport(_Transport):
     def remove_peer(self, peer_id: str) -> list[int]:
         """Forget a peer. Its reads into our region end first, finally (as ``cancel``); they
         are never reported. Returns the ids of the transport's *internal* transfers with that
-        peer (serving its reads of our region, a warm-up) that did not drain within the
-        transport's drain deadline (option ``drain_timeout``, by convention); their resources
-        are kept (never released under a live transfer). Never a read id, never an id ``poll``
-        already reported. An unknown peer, or any peer after ``close``: ``[]``."""
+        peer (serving its reads of our region, a warm-up) still running: never waited for
+        (the peer may be stopped; see :data:`DRIVER_BOUND`), they end in later ``progress``
+        calls or are given up by the transport's drain deadline (option ``drain_timeout``, by
+        convention), and their resources are kept until then (never released under a live
+        transfer; ``held`` shows them). Never a read id, never an id ``poll`` already
+        reported. An unknown peer, or any peer after ``close``: ``[]``."""
         registration = self._registrations.pop(peer_id, None)
         if registration is None:
             return []
         self._end_registration(registration)
         return self._detach_peer(registration.peer)
+
+    def held(self) -> dict[str, int]:
+        """What the transport still holds after the calls that ended its use: internal
+        transfers of removed peers still running, their endpoints, memory kept registered,
+        staging a cancelled read still owns. A debug view by kind (``{"sends": 3}``), only
+        the kinds with a count above zero; ``{}`` when nothing is held. Tests and operators
+        read it to see that a stopped peer's leftovers are accounted for until released
+        (see :data:`DRIVER_BOUND`). Cheap; driver thread; valid after ``close`` too. The
+        base asks the backend's ``_held``."""
+        return {kind: count for kind, count in sorted(self._held().items()) if count > 0}
 
     def attached_peer(self, peer_id: str) -> AttachedPeer | None:
         """The backend's record of ``peer_id`` as currently added (what ``_attach_peer``
@@ -603,8 +730,8 @@ class DataTransport(_Transport):
     def cancel(self, transfer_ids: Sequence[int]) -> None:
         """End reads, finally: on return none of their bytes can land in our region any more,
         and they are never reported. Unknown or already reported ids are ignored. Never
-        blocks longer than the transport's drain deadline; a transport that cannot end a read
-        in that time keeps its bytes out of our blocks by other means (staging) instead."""
+        waits for a peer (:data:`DRIVER_BOUND`): a transport that cannot end a read at once
+        keeps its bytes out of our blocks by other means (staging) instead."""
         handles = []
         for transfer_id in transfer_ids:
             registration = self._read_owner.pop(transfer_id, None)
@@ -616,12 +743,14 @@ class DataTransport(_Transport):
     def close(self) -> list[int]:
         """End every read (as ``cancel``), release peers and deregister the region; idempotent.
 
-        Internal transfers still live after the drain deadline are returned (as for
-        ``remove_peer``), and then the region stays registered (leaked on purpose rather than
-        freed under DMA). A second ``close`` returns ``[]``. After ``close``: ``read_blocks``
-        raises ``TransferSubmitError``, ``add_peer`` raises ``PeerRejected``, ``poll`` returns
-        ``EMPTY_POLL``, ``cancel``/``remove_peer``/``progress`` do nothing. When nothing is
-        left running, the base drops its view of the region (it is the caller's again).
+        Internal transfers may be progressed for :data:`DRAIN_GRACE` at most (a stopped peer
+        is never waited for longer); those still live are returned (as for ``remove_peer``),
+        and then the region stays registered (leaked on purpose rather than freed under DMA;
+        ``held`` says what is kept). A second ``close`` returns ``[]``. After ``close``:
+        ``read_blocks`` raises ``TransferSubmitError``, ``add_peer`` raises ``PeerRejected``,
+        ``poll`` returns ``EMPTY_POLL``, ``cancel``/``remove_peer``/``progress`` do nothing.
+        When nothing is left running, the base drops its view of the region (it is the
+        caller's again).
 
         Peers' reads of the region fail from the moment ``close`` returns (see the class
         docstring): the backend's ``_shutdown`` deregisters it, or stops serving. ``close``
@@ -695,59 +824,3 @@ class DataTransport(_Transport):
         """The handles of every read posted and not yet reported or ended."""
         for registration in self._registrations.values():
             yield from registration.reads.values()
-
-    # -- backend primitives (see the class docstring) -------------------------------------
-
-    def _attach_peer(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
-        """The peer's record from its descriptor (its ``num_blocks`` bounds remote indexes);
-        ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
-                                  f"_attach_peer")
-
-    def _peer_usable(self, peer: Any) -> bool:
-        """Whether an attached peer record can still serve reads (``add_peer`` with the same
-        descriptor keeps a usable one and replaces an unusable one). The default: always."""
-        return True
-
-    def _detach_peer(self, peer: Any) -> list[int]:
-        """Release a peer record (removed, or replaced by a new descriptor); its reads have
-        ended. Returns internal ids with it still running after the drain deadline."""
-        return []
-
-    def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
-        """Post a read of the peer's blocks ``remote`` into our blocks ``local`` (checked;
-        the arrays are the backend's to keep); return its handle. Must not block."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither read_blocks nor "
-                                  f"_post_read")
-
-    def _read_state(self, handle: Any) -> ReadState:
-        """Where a posted read stands; called only by ``poll``, at most once per read per
-        poll, never again once it returned ``DONE``/``FAILED`` (the read's resources are
-        released by then, a staged read's bytes copied into its blocks before ``DONE``)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor "
-                                  f"_read_state")
-
-    def _end_reads(self, handles: list[Any]) -> None:
-        """End posted reads finally: on return none of their bytes can land in our blocks
-        (stop them, or quarantine their staging). At most one drain deadline for the whole
-        call; must not raise. The base has already forgotten them.
-
-        The default does nothing, which is right only for a backend that finds its reads
-        through the base (``_reads_in_flight``) and moves bytes only inside its own calls: a
-        read the base forgot is then never touched again. A backend that keeps reads anywhere
-        else (a queue of its own, a thread, the library) implements it, or a cancelled read
-        still lands."""
-        return None
-
-    def _progress(self) -> None:
-        """Drive the backend's I/O, serve peers' reads of our region; report nothing. Must
-        not block; never called after ``close``."""
-        return None
-
-    def _shutdown(self) -> list[int]:
-        """Release every peer still added (``close`` does not call ``_detach_peer`` for
-        them), the backend's resources and its registration of the region (every read has
-        ended; called once, by ``close``), so that peers' reads of the region fail from now
-        on. Returns internal ids still running after the drain deadline (their memory stays
-        registered); must not raise."""
-        return []

@@ -30,22 +30,6 @@ Which one: wrong *input* is a ``ConfigError`` (at create) or ``UsageError`` (at 
 
 from __future__ import annotations
 
-__all__ = [
-    "ConcurrentCall",
-    "ConfigError",
-    "ConnectionClosed",
-    "FrameTooLarge",
-    "P2PKVError",
-    "PeerRejected",
-    "ProtocolError",
-    "ResourceUnavailable",
-    "SendQueueFull",
-    "TransferBusy",
-    "TransferSubmitError",
-    "TransportUnavailable",
-    "UsageError",
-]
-
 
 class P2PKVError(Exception):
     """Base class of every error p2pkv raises deliberately."""

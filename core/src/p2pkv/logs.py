@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["logger_name", "module_logger"]
-
 
 def logger_name(module: str) -> str:
     """``p2pkv_<dist>.<rest>`` -> ``p2pkv.<dist>.<rest>``; other names unchanged."""

@@ -26,8 +26,6 @@ import pluggy
 
 from p2pkv import hookspecs
 
-__all__ = ["Observers", "callers_per_plugin"]
-
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")

@@ -16,8 +16,6 @@ from typing import Generic, TypeVar
 
 from p2pkv.errors import TransportUnavailable
 
-__all__ = ["OptionalLibrary", "missing_extra"]
-
 T = TypeVar("T")
 
 

@@ -46,8 +46,6 @@ from p2pkv.errors import ConfigError
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["Option", "derived", "option", "option_key", "option_keys", "parse_options"]
-
 T = TypeVar("T", bound="DataclassInstance")
 _META = "p2pkv.option"
 _MAX_SHOWN = 80

@@ -39,26 +39,6 @@ from p2pkv.config import Limits
 from p2pkv.errors import ProtocolError
 from p2pkv.types import Outcome
 
-__all__ = [
-    "MAX_REASON_CHARS",
-    "WIRE_MAJOR",
-    "WIRE_MINOR",
-    "Bye",
-    "Fetch",
-    "Hello",
-    "HelloAck",
-    "Lookup",
-    "LookupResp",
-    "Message",
-    "Ready",
-    "Release",
-    "RoundFailed",
-    "Unknown",
-    "decode",
-    "encode",
-    "message_type",
-]
-
 WIRE_MAJOR = 2
 """Bumped only for incompatible changes; peers with another major are rejected. 2.0: the
 consumer reads (``ready``/``release``); producers no longer write into consumers' regions."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["LogLimiter", "TokenBucket"]
-
 
 class TokenBucket:
     """``rate`` tokens a second, at most ``burst`` saved up; starts full at ``now``."""

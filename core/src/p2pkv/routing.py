@@ -31,8 +31,6 @@ from typing import Any
 
 from p2pkv.addressing import format_address
 
-__all__ = ["NO_ROUTING", "ConsumerRoute", "ProducerRoute", "Routing", "parse_routing"]
-
 log = logging.getLogger(__name__)
 
 _PD_CONSUMER = ("remote_prefiller", "prefill")

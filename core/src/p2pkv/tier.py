@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from p2pkv.addressing import format_address, parse_address
+from p2pkv.call_guard import GuardedDataTransport
 from p2pkv.config import TierConfig
 from p2pkv.contracts import (
     ControlConnection,
@@ -88,7 +89,7 @@ class P2PTier:
         self._config = config
         self._clock = clock
         reg = registry if registry is not None else default_registry()
-        self._data = _data_transport(reg, config, region, block_len, data)
+        self._data = GuardedDataTransport(_data_transport(reg, config, region, block_len, data))
         try:
             self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
@@ -144,11 +145,11 @@ class P2PTier:
         self._requests = RequestRouter(config, env, JobIntake(self._ledger, config.limits,
                                        self._data.num_blocks), table, dialer, warm,
                                        self._observers)
-        self._ticker = TickPipeline(self._control, env, table, self._admission,
-                                    PauseDetector(clock, self._control.silence_timeout),
+        pauses = PauseDetector(clock, self._control.silence_timeout)
+        self._ticker = TickPipeline(self._control, env, table, self._admission, pauses,
                                     peer_timers, periodic)
         self._shutdown = Shutdown(self._control, env, table, self._admission, discovery,
-                                  config.timeouts, self._ticker.tick)
+                                  self._ticker.tick, pauses.close)
         self._views = TierViews(env, table, self._admission, policy, backoff, warm, domains,
                                 idle)
 

@@ -14,8 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Job", "JobResult", "LocalHitSource", "LookupResult", "Outcome", "RequestContext"]
-
 
 class LookupResult(enum.Enum):
     """Answer to ``P2PTier.lookup``: present, absent, or ask again after ``on_schedule_end``."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LaneRow", "parse_proto_info"]
-
 
 @dataclass(frozen=True)
 class LaneRow:

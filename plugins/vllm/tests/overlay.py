@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -38,22 +37,23 @@ def render() -> list[dict[str, Any]]:
 def _model_server(objects: list[dict[str, Any]]) -> dict[str, Any]:
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
     (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"]
-                    if c["name"] == "vllm"]
+                    if c["name"] == "modelserver"]
     return dict(container)
 
 
-def _flag(command: str, flag: str) -> str:
-    words = shlex.split(command)
-    return words[words.index(flag) + 1]
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
 
 
 def engine_settings(port: int, peers: list[int], keys: Path) -> EngineSettings:
     """One engine's settings from the rendered overlay. Replaced, as the cluster would fill
     them in or as the CPU test platform needs: ``status.podIP`` -> 127.0.0.1; the namespace
-    -> ``test``; the tier's port 7777 -> ``port`` (engines share one host); the pod CIDR
-    in ``P2PKV_PEERS_ALLOW`` -> 127.0.0.0/8; the headless Service in ``P2PKV_PEERS_CONNECT``
-    -> the engines' addresses ``peers``; the Secret's mount -> ``keys``; and the
-    connector's GPU spec and its 88 GiB CPU budget -> the test's CPU spec (engine_kit)."""
+    -> ``test``; the tier's port (settings.yaml: 7777) -> ``port`` (engines share one host,
+    so each needs its own), through ``VLLM_P2P_SIDE_CHANNEL_PORT`` as the overlay sets it;
+    the pod CIDR in ``P2PKV_PEERS_ALLOW`` -> 127.0.0.0/8; the headless Service in
+    ``P2PKV_PEERS_CONNECT`` -> the engines' addresses ``peers``; the Secret's mount ->
+    ``keys``; and the connector's GPU spec and its 88 GiB CPU budget -> the test's CPU spec
+    (engine_kit)."""
     container = _model_server(render())
     field_values = {"status.podIP": "127.0.0.1", "metadata.namespace": "test"}
     env: dict[str, str] = {}
@@ -61,15 +61,17 @@ def engine_settings(port: int, peers: list[int], keys: Path) -> EngineSettings:
         value = (var["value"] if "value" in var
                  else field_values[var["valueFrom"]["fieldRef"]["fieldPath"]])
         env[var["name"]] = _REF.sub(lambda m: env.get(m.group(1), m.group(0)), str(value))
+    assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "7777", env
     env.update(P2PKV_PEERS_ALLOW="127.0.0.0/8", P2PKV_CURVE_DIR=str(keys),
-               P2PKV_PEERS_CONNECT=",".join(f"127.0.0.1:{p}" for p in peers))
-    command = _REF.sub(lambda m: env.get(m.group(1), m.group(0)), container["args"][0])
-    connector = json.loads(_flag(command, "--kv-transfer-config"))["kv_connector_extra_config"]
+               P2PKV_PEERS_CONNECT=",".join(f"127.0.0.1:{p}" for p in peers),
+               VLLM_P2P_SIDE_CHANNEL_PORT=str(port))
+    args = [_REF.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in container["args"]]
+    connector = json.loads(_flag(args, "--kv-transfer-config"))["kv_connector_extra_config"]
     (tier,) = connector.pop("secondary_tiers")
-    assert tier["port"] == 7777 and tier["host"] == "127.0.0.1", tier
+    assert tier == {"type": "p2p", "host": "127.0.0.1", "port": port}, tier
     for platform_key in ("spec_name", "cpu_bytes_to_use"):
         connector.pop(platform_key)
-    return {**tier, "port": port}, connector, _engine_env(env)
+    return tier, connector, _engine_env(env)
 
 
 def _engine_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]  # engines boot for minutes
 pytest.importorskip("vllm.v1.kv_offload.tiering.base", reason="needs vLLM (nox -s engine)")
 pytest.importorskip("nixl._api", reason="needs NIXL (installed lean by nox -s engine)")
 pytest.importorskip("yaml", reason="needs PyYAML (vLLM's dependency) to read the overlay")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -195,23 +194,3 @@ def poll_log() -> Callable[[NixlDataTransport], PollLog]:
     """``poll_log(transport)``: a kit ``PollLog`` over its ``poll``/``cancel`` (it checks the
     reporting rules on every call)."""
     return lambda transport: PollLog(transport.poll, transport.cancel, "consumer")
-
-
-@pytest.fixture
-def when() -> Iterator[Callable[[threading.Event, Callable[[], None]], None]]:
-    """``when(event, action)``: run ``action`` on a helper thread once ``event`` is set (used to
-    resume a paused peer while the test thread is blocked inside ``close``)."""
-    threads: list[threading.Thread] = []
-
-    def schedule(event: threading.Event, action: Callable[[], None]) -> None:
-        def run() -> None:
-            if event.wait(TIMEOUT):
-                action()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        threads.append(thread)
-
-    yield schedule
-    for thread in threads:
-        thread.join(TIMEOUT)

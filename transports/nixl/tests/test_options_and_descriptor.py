@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from p2pkv.errors import ConfigError, PeerRejected
+from p2pkv.runs import SLICE_BYTES, SLICE_BYTES_ENV
 from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
 from p2pkv_nixl.locality import cma_usable, host_id, tls_allows_cma
 from p2pkv_nixl.options import NixlOptions
@@ -24,6 +25,19 @@ def test_defaults() -> None:
     assert options.drain_timeout == 5.0
     assert options.staging == "auto" and options.staging_blocks == 256
     assert options.init_params("UCX") == {}
+
+
+def test_the_slice_size_default_comes_from_the_environment_and_the_option_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert NixlOptions.parse({}).slice_bytes == SLICE_BYTES == 7 * 2**29  # 3.5 GiB
+    monkeypatch.setenv(SLICE_BYTES_ENV, "1048576")
+    assert NixlOptions.parse({}).slice_bytes == 1048576
+    assert NixlOptions.parse({"slice_bytes": 4096}).slice_bytes == 4096
+    monkeypatch.setenv(SLICE_BYTES_ENV, "4GiB")
+    with pytest.raises(ConfigError, match=f"{SLICE_BYTES_ENV}='4GiB': give the largest"):
+        NixlOptions.parse({})
+    assert NixlOptions.parse({"slice_bytes": 4096}).slice_bytes == 4096
 
 
 def test_values_and_init_params() -> None:

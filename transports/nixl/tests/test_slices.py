@@ -41,7 +41,7 @@ def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(make_loc
     desc = RegionDescriptor.decode(t.descriptor(), "self")
     assert desc.slices == (3, 3, 3, 3, 3, 1)
     other = make_local(num_blocks=16, block_len=BLOCK, seed=2).transport
-    assert RegionDescriptor.decode(other.descriptor(), "o").slices == (16,)  # 4 GiB default
+    assert RegionDescriptor.decode(other.descriptor(), "o").slices == (16,)  # the 3.5 GiB default
     other.add_peer("t", t.descriptor())
     agent = other.state.agent
     span = [(int(other._blocks.ctypes.data), 4 * BLOCK, 0)]

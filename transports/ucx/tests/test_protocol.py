@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from p2pkv.errors import ConfigError
+from p2pkv.runs import SLICE_BYTES, SLICE_BYTES_ENV
 from p2pkv_ucx import tags, wire
 from p2pkv_ucx.options import ERROR_HANDLING_ENV, UcxOptions
 
@@ -44,6 +45,16 @@ def test_environment_sets_the_error_handling_default_and_options_win() -> None:
     assert explicit.endpoint_error_handling is True
     with pytest.raises(ConfigError, match=ERROR_HANDLING_ENV):
         UcxOptions.from_mapping({}, environ={ERROR_HANDLING_ENV: "maybe"})
+
+
+def test_environment_sets_the_slice_size_default_and_options_win() -> None:
+    assert UcxOptions.from_mapping({}, environ={}).slice_bytes == SLICE_BYTES
+    assert UcxOptions.from_mapping({}, environ={SLICE_BYTES_ENV: "65536"}).slice_bytes == 65536
+    explicit = UcxOptions.from_mapping({"slice_bytes": 4096}, environ={SLICE_BYTES_ENV: "65536"})
+    assert explicit.slice_bytes == 4096
+    for bad in ("0", "-1", "1.5", "big"):
+        with pytest.raises(ConfigError, match=SLICE_BYTES_ENV):
+            UcxOptions.from_mapping({}, environ={SLICE_BYTES_ENV: bad})
 
 
 def test_integer_seconds_are_accepted() -> None:

@@ -368,7 +368,7 @@ def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any)
     a, b = make_transport(), make_transport()
     stale = b.connect(a.local_address)
     stale.send(b"stale")
-    wait_until(lambda: stale not in b._hub._connecting, timeout=T, what="b's handshake",
+    wait_until(lambda: stale.progress == "ready", timeout=T, what="b's handshake",
                pumps=[pump(b)])  # the open and the frame are on their way to a
     stale.close()
     fresh = a.connect(b.local_address)  # a dials b while b's closed dial is still arriving

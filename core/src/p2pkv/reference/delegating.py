@@ -2,10 +2,10 @@
 
 :class:`DelegatingControlTransport` and :class:`DelegatingDataTransport` forward every
 member of their contract, optional ones included (``take_active``/``batch_sends``/``flush``/
-``interrupt``/``silence_timeout``; ``read_capacity``/``descriptors_posted``), to ``inner``,
-and report its capabilities. A wrapper that injects faults or records calls subclasses one,
-overrides only the calls it changes and calls ``super()`` for the rest, so a member added to
-a contract is forwarded in one place.
+``interrupt``/``silence_timeout``; ``read_capacity``/``descriptors_posted``/``held``), to
+``inner``, and report its capabilities. A wrapper that injects faults or records calls
+subclasses one, overrides only the calls it changes and calls ``super()`` for the rest, so
+a member added to a contract is forwarded in one place.
 
 Ownership: a wrapper owns its inner transport (its ``close`` closes it). Threading: as the
 inner transport's (the driver thread; ``interrupt`` from any thread).
@@ -122,6 +122,9 @@ class DelegatingDataTransport(DataTransport):
 
     def read_capacity(self, peer_id: str) -> int | None:
         return self.inner.read_capacity(peer_id)
+
+    def held(self) -> dict[str, int]:
+        return self.inner.held()
 
     def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]

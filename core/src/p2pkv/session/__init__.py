@@ -1,8 +1,11 @@
-"""The session protocol engine: one :class:`Session` per peer with a consumer
-(:mod:`~p2pkv.session.client`) and a producer (:mod:`~p2pkv.session.server`) role, plus what
-the tier shares between sessions: the job ledger, the deadline heap, the producer directory
-and the small cross-session records (:mod:`~p2pkv.session.records`). Connection admission
-(:mod:`~p2pkv.session.admission`) and job intake (:mod:`~p2pkv.session.intake`) sit beside."""
+"""The session protocol engine (internal: not part of p2pkv's public API).
+
+One :class:`Session` per peer holds a consumer role (:mod:`~p2pkv.session.consumer_role`)
+and a producer role (:mod:`~p2pkv.session.producer_role`). Beside them sits what the tier
+shares between sessions: the job ledger, the deadline heap, the producer directory and the
+small cross-session records (:mod:`~p2pkv.session.records`). Connection admission
+(:mod:`~p2pkv.session.admission`) and job intake (:mod:`~p2pkv.session.intake`) sit there
+too."""
 
 from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.env import LocalIdentity, ReadOwner, SessionEnv, SessionLink

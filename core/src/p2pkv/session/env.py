@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from p2pkv.config import Flow, Limits, Timeouts
 from p2pkv.contracts import DataTransport
@@ -26,8 +26,6 @@ from p2pkv.session.ledger import JobLedger
 from p2pkv.session.producers import ProducerDirectory
 from p2pkv.session.reads import ReadGate
 from p2pkv.session.records import DataPeerOwners, FailedLoads, LookupEnds
-
-__all__ = ["LocalIdentity", "ReadOwner", "SessionEnv", "SessionLink"]
 
 
 @dataclass(frozen=True)
@@ -75,12 +73,35 @@ class ReadOwner(Protocol):
     def on_data(self, tid: int, ok: bool) -> None: ...
 
 
+class PendingSession(Protocol):
+    """A session on one of the tier's worklists: doomed (to close at the next safe point)
+    or congested (frames held behind a full send queue). The tier finds the session itself
+    by ``peer`` in its table; an entry whose session was replaced is stale."""
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def outbox(self) -> Sized:
+        """The frames held behind a full send queue."""
+        ...
+
+    def flush(self) -> bool:
+        """Send held frames; True once none is held (or the session cannot send any more)."""
+        ...
+
+
 _WARN_BURST = 20  # peer warnings logged at once, and per _WARN_WINDOW on average ...
 _WARN_WINDOW = 10.0  # ... then one "suppressed K" line per this many seconds
 
 
 @dataclass(eq=False)
 class SessionEnv:
+    """Everything a session and its roles share with the tier (see the module docstring).
+
+    The tier builds one and owns it; sessions and roles read it and change it through the
+    methods of its parts. Driver thread only."""
+
     data: DataTransport
     ledger: JobLedger
     deadlines: Deadlines
@@ -97,9 +118,9 @@ class SessionEnv:
     owners: dict[int, ReadOwner] = field(default_factory=dict)
     """Read id -> who posted it (routes ``data.poll`` results)."""
     counters: Counter[str] = field(default_factory=Counter)
-    doomed: list[Any] = field(default_factory=list)
+    doomed: list[PendingSession] = field(default_factory=list)
     """Sessions doomed since the tier's last pass over them (it closes them)."""
-    congested: set[Any] = field(default_factory=set)
+    congested: set[PendingSession] = field(default_factory=set)
     """Sessions holding frames behind a full send queue (the tier flushes them every tick)."""
     flush_control: Callable[[], None] = lambda: None
     """Puts queued control frames on the wire (``ControlTransport.flush`` of a batching

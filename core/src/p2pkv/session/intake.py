@@ -24,8 +24,6 @@ from p2pkv.routing import ConsumerRoute, Routing
 from p2pkv.session.ledger import JobLedger
 from p2pkv.types import Job, Outcome
 
-__all__ = ["JobIntake"]
-
 log = logging.getLogger(__name__)
 
 _BYTES_TYPES = frozenset({bytes})

@@ -18,8 +18,6 @@ from p2pkv.errors import UsageError
 from p2pkv.observers import Observers
 from p2pkv.types import JobResult, Outcome
 
-__all__ = ["JobLedger"]
-
 log = logging.getLogger(__name__)
 
 

@@ -17,8 +17,6 @@ from collections import deque
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import P2PKVError, SendQueueFull
 
-__all__ = ["Outbox", "OutboxOverflow"]
-
 
 class OutboxOverflow(P2PKVError):
     """More frames are held for a peer than ``flow.max_held_frames``: it reads nothing."""

@@ -25,12 +25,11 @@ from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.ledger import JobLedger
 from p2pkv.types import Job, Outcome
 
-__all__ = ["BoundServer", "Claim", "ProducerDirectory"]
 
-
-class BoundServer(Protocol):
+class BoundProducer(Protocol):
     """What the directory and the tier use of the producer role a request is bound to
-    (``p2pkv.session.server.ServerRole``; a Protocol so this module need not import it)."""
+    (``p2pkv.session.producer_role.ProducerRole``; a Protocol so this module need not import
+    it)."""
 
     @property
     def peer(self) -> str:
@@ -66,16 +65,16 @@ class ProducerDirectory:
         self._active: set[str] = set()
         self._tombstones: dict[str, Timer] = {}
         self._parked: dict[str, list[tuple[Job, Timer]]] = {}
-        self._bindings: dict[str, BoundServer] = {}
+        self._bindings: dict[str, BoundProducer] = {}
         self._on_tombstone_expired = self._tombstone_expired
         """Bound once: arming a tombstone allocates no method object."""
 
     # -- bindings ---------------------------------------------------------------------------
 
-    def claim(self, kv_request_id: str, server: BoundServer, *, by_fetch: bool) -> Claim | str:
-        """Bind ``kv_request_id`` to ``server``; a string is the reason it cannot be."""
+    def claim(self, kv_request_id: str, role: BoundProducer, *, by_fetch: bool) -> Claim | str:
+        """Bind ``kv_request_id`` to ``role``; a string is the reason it cannot be."""
         bound = self._bindings.get(kv_request_id)
-        if bound is not None and bound is not server:
+        if bound is not None and bound is not role:
             return f"{kv_request_id!r} is already served to another consumer ({bound.peer})"
         entries = self._parked.pop(kv_request_id, None)
         active = kv_request_id in self._active
@@ -84,22 +83,22 @@ class ProducerDirectory:
         parked: list[Job] = []
         for job, timer in entries or ():
             self._deadlines.cancel(timer)
-            self._ledger.set_peer(job.job_id, server.peer)
+            self._ledger.set_peer(job.job_id, role.peer)
             parked.append(job)
         # A fetch for an id never seen here waits for stores (decoder-first); a lookup-served
         # request only gets more supply while a local producer request is running.
         supply_open = active or (by_fetch and entries is None
                                  and kv_request_id not in self._tombstones)
-        self._bindings[kv_request_id] = server
+        self._bindings[kv_request_id] = role
         return Claim(parked, supply_open)
 
-    def bound(self, kv_request_id: str) -> BoundServer | None:
+    def bound(self, kv_request_id: str) -> BoundProducer | None:
         """The producer role holding state for ``kv_request_id``, if any."""
         return self._bindings.get(kv_request_id)
 
-    def request_gone(self, kv_request_id: str, server: BoundServer) -> None:
-        """``server`` holds no more producer state for ``kv_request_id``."""
-        if self._bindings.get(kv_request_id) is server:
+    def request_gone(self, kv_request_id: str, role: BoundProducer) -> None:
+        """``role`` holds no more producer state for ``kv_request_id``."""
+        if self._bindings.get(kv_request_id) is role:
             del self._bindings[kv_request_id]
         if kv_request_id in self._tombstones:
             self._tombstone(kv_request_id)  # counts from when the last state went away
@@ -124,7 +123,7 @@ class ProducerDirectory:
         if kv_request_id not in self._active and kv_request_id not in self._tombstones:
             self.producer_started(kv_request_id)
 
-    def producer_finished(self, kv_request_id: str) -> BoundServer | None:
+    def producer_finished(self, kv_request_id: str) -> BoundProducer | None:
         """Forget the producer request; returns the role holding its state, if any."""
         self._active.discard(kv_request_id)
         self._tombstone(kv_request_id)

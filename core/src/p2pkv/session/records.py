@@ -11,8 +11,6 @@ Threading: driver thread only.
 
 from __future__ import annotations
 
-__all__ = ["DataPeerOwners", "FailedLoads", "LookupEnds"]
-
 
 class FailedLoads(dict[str, str]):
     """``kv_request_id`` -> why its loads fail (a dict: ``in`` is checked per looked-up

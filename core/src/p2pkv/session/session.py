@@ -42,11 +42,11 @@ from p2pkv.protocol import (
     encode,
     message_type,
 )
-from p2pkv.session.client import LEASE_DRIFT, ClientRole
+from p2pkv.session.consumer_role import LEASE_DRIFT, ConsumerRole
 from p2pkv.session.deadlines import Timer
 from p2pkv.session.env import SessionEnv
 from p2pkv.session.outbox import Outbox
-from p2pkv.session.server import ServerRole
+from p2pkv.session.producer_role import ProducerRole
 from p2pkv.types import Outcome
 
 __all__ = ["Doom", "Session", "State"]
@@ -107,15 +107,15 @@ class Session:
         self.timer: Timer | None = None
         self.outbox = Outbox(conn, env.flow.max_held_frames)
         """Frames the connection's full send queue had no room for (sent as it drains)."""
-        self.client = ClientRole(env, self)
-        self.server = ServerRole(env, self)
+        self.consumer = ConsumerRole(env, self)
+        self.producer = ProducerRole(env, peer, self.send)
         self._handlers: dict[type, Callable[[Any], None]] = {
-            Fetch: self.server.on_fetch,
+            Fetch: self.producer.on_fetch,
             Ready: self._on_ready,
-            Release: self.server.on_release,
-            RoundFailed: self.client.on_round_failed,
-            Lookup: self.server.on_lookup,
-            LookupResp: self.client.on_lookup_resp,
+            Release: self.producer.on_release,
+            RoundFailed: self.consumer.on_round_failed,
+            Lookup: self.producer.on_lookup,
+            LookupResp: self.consumer.on_lookup_resp,
         }
         """Handlers of the messages that need a READY session."""
 
@@ -164,23 +164,23 @@ class Session:
     @property
     def working(self) -> bool:
         """Either role has something outstanding (a round, a pin, a lookup, a probe)."""
-        return self.server.busy or self.client.busy
+        return self.producer.busy or self.consumer.busy
 
     @property
     def idle(self) -> bool:
         """Nothing of either role open: no request, round, lookup or pin."""
-        return not (self.busy or self.client.reqs or self.server.reqs)
+        return not (self.busy or self.consumer.reqs or self.producer.reqs)
 
     def wind_down(self) -> None:
         """The tier is shutting down: our loads fail now (reads cancelled), the peer's rounds
         fail; the tier closes the session once ``wound_down`` (§10)."""
-        self.client.wind_down()
-        self.server.wind_down()
+        self.consumer.wind_down()
+        self.producer.wind_down()
 
     @property
     def wound_down(self) -> bool:
         """No load round or fetch round of this session is open, no block pinned for it."""
-        return not (self.client.n_rounds or self.server.n_rounds or self.server.n_pins)
+        return not (self.consumer.n_rounds or self.producer.n_rounds or self.producer.n_pins)
 
     def doom(self, outcome: Outcome, reason: str, bye: str | None, *,
              by_peer: bool = False) -> None:
@@ -215,8 +215,8 @@ class Session:
             log.log(logging.WARNING if handshaking else logging.INFO,
                     "session with %s closed: %s", self.peer, reason)
         env.observers.session_closed(peer=self.peer, reason=reason)
-        self.client.close(outcome, reason)
-        self.server.close(outcome, reason)
+        self.consumer.close(outcome, reason)
+        self.producer.close(outcome, reason)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -334,7 +334,7 @@ class Session:
 
     def _on_ready(self, msg: Ready) -> None:
         assert self.peer_hello is not None
-        self.client.on_ready(msg, self.peer_hello.num_blocks)
+        self.consumer.on_ready(msg, self.peer_hello.num_blocks)
 
     # -- handshake --------------------------------------------------------------------------
 
@@ -416,7 +416,7 @@ class Session:
         self.state = State.READY
         log.debug("session with %s ready", self.peer)
         env.observers.session_opened(peer=self.peer, local=env.local.address)
-        self.client.on_session_ready()
+        self.consumer.on_session_ready()
 
     def _handshake_expired(self, wait: float) -> None:
         self.timer = None
@@ -426,5 +426,5 @@ class Session:
                   f"{wait:g}s", "handshake timeout")
 
     def state_sizes(self) -> dict[str, int]:
-        return {**self.client.state_sizes(), **self.server.state_sizes()}
+        return {**self.consumer.state_sizes(), **self.producer.state_sizes()}
 

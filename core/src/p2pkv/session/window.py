@@ -21,8 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["LoadWindow", "Windowed"]
-
 
 class Windowed(Protocol):
     """What the window needs of a round: its size in blocks."""

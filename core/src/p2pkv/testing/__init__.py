@@ -6,6 +6,7 @@ See ``docs/plugin-authors.md``. Submodules:
 ``stateful``      hypothesis state machines per contract: ``ControlTransportMachine``,
                   ``DataTransportMachine``
 ``tier_machine``  ``TierMachine``: whole tiers over any (control, data) transport pair
+``harness``       tiers over the reference memory transports on one fake clock, for tests
 ``machine``       ``KitMachine``: the machines' base (settings, step log, teardown after failure)
 ``steps``         the step log: each machine step written down before it runs
 ``isolated``      ``run_machine_in_child``: a machine in a child process, a crash reported

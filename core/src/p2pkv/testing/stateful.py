@@ -63,7 +63,7 @@ from p2pkv.testing.peers import LocalControlPeer, LocalDataPeer, pattern
 from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.steps import step
 from p2pkv.testing.strategies import binary_frames
-from p2pkv.testing.waiting import pumping_in_background, quietly, wait_until
+from p2pkv.testing.waiting import WaitTimeout, pumping_in_background, quietly, wait_until
 
 __all__ = ["ControlTransportMachine", "DataTransportMachine"]
 
@@ -501,10 +501,11 @@ class ControlTransportMachine(KitMachine):
             if sender.peer is None:
                 sender.peer = me
             assert sender.peer == me, f"frames of end {sender_id} arrived at two ends"
-            assert seq == len(end.got), (
-                f"end {me}: frame {seq} of {sender_id} arrived, expected {len(end.got)} "
-                f"(lost, duplicated or reordered)"
-            )
+            due = len(end.got)
+            assert seq <= due, (f"end {me}: frame {seq} of {sender_id} arrived where frame "
+                                f"{due} was due: frames {due}..{seq - 1} were lost")
+            assert seq == due, (f"end {me}: frame {seq} of {sender_id} arrived again after "
+                                f"frame {due - 1} (duplicated or reordered)")
             assert frame == sender.sent[seq], f"frame {seq} of {sender_id} was corrupted"
             end.got.append(frame)
 
@@ -552,11 +553,15 @@ class ControlTransportMachine(KitMachine):
             self._send(end, b"dial")
             self._await_far(end)
 
-    @step(data=st.data(), payload=binary_frames(512))
-    def send(self, data: st.DataObject, payload: bytes) -> None:
+    @step(data=st.data(), payloads=st.lists(binary_frames(512), min_size=1, max_size=8))
+    def send(self, data: st.DataObject, payloads: list[bytes]) -> None:
+        """Send a burst on one end: a frame lost inside it shows as a gap at the far end."""
         end = _pick(data, self._usable(), "end")
         if end is not None:
-            self._send(end, payload)
+            for payload in payloads:
+                self._send(end, payload)
+                if end.over:
+                    break
             self._await_far(end)
 
     @step(rounds=st.integers(1, 3))
@@ -618,10 +623,26 @@ class ControlTransportMachine(KitMachine):
                     return False
             return True
 
-        wait_until(delivered, timeout=self.timeout, pumps=[self._pump],
-                   what="every frame sent on an open connection to arrive")
-
+        try:
+            wait_until(delivered, timeout=self.timeout, pumps=[self._pump],
+                       what="every frame sent on an open connection to arrive")
+        except WaitTimeout:
+            raise AssertionError(self._missing()) from None
         self._await_deaths()
+
+    def _missing(self) -> str:
+        """What never arrived on the open connections, end by end."""
+        lines = []
+        for (node, handle), end in self.ends.items():
+            if self._doomed(end) or not end.sent:
+                continue
+            far = self._far(end)
+            got = 0 if far is None else len(far.got)
+            if got < len(end.sent):
+                lines.append(f"end ({node}, {handle}) -> {end.peer}: {got} of {len(end.sent)} "
+                             f"frames arrived, frames {got}..{len(end.sent) - 1} never did")
+        return (f"within {self.timeout}s, frames sent on open connections were lost "
+                f"(dropped?):\n" + "\n".join(lines))
 
     # Rules wait for what real transports do at their own pace (an accept, a death) before
     # the next rule is drawn: which ends exist and are usable must not depend on timing, or

@@ -72,7 +72,7 @@ class RequestRouter:
                     self._env.failed_loads.mark(consumer.kv_request_id, session)
                 # else: backed off; its loads fail peer_dead at submit, for as long as it is
             else:
-                session.client.open_request(consumer.kv_request_id)
+                session.consumer.open_request(consumer.kv_request_id)
         if routing.producer is not None:
             self._env.producers.producer_started(routing.producer.kv_request_id)
             return True
@@ -90,7 +90,7 @@ class RequestRouter:
         session = self.session_for(consumer)
         if isinstance(session, str):
             return LookupResult.MISS
-        result = session.client.probe(consumer.kv_request_id, key)
+        result = session.consumer.probe(consumer.kv_request_id, key)
         if result is LookupResult.RETRY:
             self._table.probing[session] = None
         return result
@@ -103,11 +103,11 @@ class RequestRouter:
         job, kv, _ = admitted
         producers = self._env.producers
         producers.store_seen(kv)
-        server = producers.bound(kv)
-        if server is not None:
-            self._env.ledger.set_peer(job.job_id, server.peer)
-            server.add_store(kv, job)
-            session = self._table.get(server.peer)
+        role = producers.bound(kv)
+        if role is not None:
+            self._env.ledger.set_peer(job.job_id, role.peer)
+            role.add_store(kv, job)
+            session = self._table.get(role.peer)
             if session is not None:
                 self._table.touch(session)
         else:
@@ -133,7 +133,7 @@ class RequestRouter:
             env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD.value}: {session}")
             ledger.close(job.job_id, Outcome.PEER_DEAD, session)
             return
-        session.client.submit(job, kv, pull=consumer.probe)
+        session.consumer.submit(job, kv, pull=consumer.probe)
 
     def _admit(self, job: Job, *, load: bool) -> tuple[Job, str, str] | None:
         return self._intake.admit(job, self.routing(job.ctx), load=load,
@@ -147,11 +147,11 @@ class RequestRouter:
             self._env.failed_loads.forget(consumer.kv_request_id)
             session = self._table.get(consumer.peer)
             if session is not None:
-                session.client.finish(consumer.kv_request_id)
+                session.consumer.finish(consumer.kv_request_id)
         if producer is not None:
-            server = self._env.producers.producer_finished(producer.kv_request_id)
-            if server is not None:
-                server.producer_finished(producer.kv_request_id)
+            role = self._env.producers.producer_finished(producer.kv_request_id)
+            if role is not None:
+                role.producer_finished(producer.kv_request_id)
 
     def on_schedule_end(self) -> None:
         """See ``P2PTier.on_schedule_end``: sessions with lookups of ours queued send them
@@ -159,7 +159,7 @@ class RequestRouter:
         probing = self._table.probing
         if probing:
             for session in [s for s in probing if s.ready]:
-                session.client.flush_lookups()
+                session.consumer.flush_lookups()
                 del probing[session]
         self._observers.tier_state(
             in_flight_transfers=len(self._env.owners),
@@ -181,6 +181,6 @@ class RequestRouter:
             return
         for session in list(serving):
             if session.ready:
-                session.server.serve(source)
-            if not session.server.serves:
+                session.producer.serve(source)
+            if not session.producer.lookups_waiting:
                 del serving[session]

@@ -3,7 +3,8 @@
 Steps: stop resolving ``peers.connect``; refuse new connections and fail parked stores;
 wind every session down (our loads fail at once, their reads cancelled; the peers' rounds
 fail); tick until every session is wound down or the budget is spent; close every session
-(a bye each), drop the pins still held and answer every job; close the transports.
+(a bye each), drop the pins still held and answer every job; close the control transport,
+stop the pause detector's watchdog thread, close the data transport.
 
 Threading: driver thread only.
 """
@@ -14,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from p2pkv.config import Timeouts
 from p2pkv.contracts import ControlTransport
 from p2pkv.discovery import Discovery
 from p2pkv.session.admission import Admission
@@ -31,18 +31,19 @@ DISCOVERY_JOIN = 1.0
 
 
 class Shutdown:
-    """Runs the steps of the module docstring once; ``tick(timeout)`` is the tier's."""
+    """Runs the steps of the module docstring once; ``tick(timeout)`` is the tier's,
+    ``stop_watch()`` stops the pause detector's watchdog (``PauseDetector.close``)."""
 
     def __init__(self, control: ControlTransport, env: SessionEnv, table: SessionTable,
-                 admission: Admission, discovery: Discovery | None, timeouts: Timeouts,
-                 tick: Callable[[float], None]) -> None:
+                 admission: Admission, discovery: Discovery | None,
+                 tick: Callable[[float], None], stop_watch: Callable[[], None]) -> None:
         self._control = control
         self._env = env
         self._table = table
         self._admission = admission
         self._discovery = discovery
-        self._timeouts = timeouts
         self._tick = tick
+        self._stop_watch = stop_watch
 
     def run(self) -> None:
         """Every step; afterwards the table is closed and every job has its result."""
@@ -62,7 +63,7 @@ class Shutdown:
 
     def _drain_sessions(self) -> None:
         """Tick until every session is wound down or the budget is spent."""
-        drain, clock, sessions = self._timeouts.shutdown_drain, self._env.clock, self._table
+        drain, clock, sessions = self._env.timeouts.shutdown_drain, self._env.clock, self._table
         start, wall = clock(), time.monotonic()
         while (any(not s.wound_down for s in sessions.sessions.values())
                and max(clock() - start, time.monotonic() - wall) < drain):
@@ -73,7 +74,7 @@ class Shutdown:
         for session in list(table.sessions.values()):
             table.close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         for session in list(table.lingering):
-            pinned = session.server.drop_pins(Outcome.SHUTDOWN, "tier shut down")
+            pinned = session.producer.drop_pins(Outcome.SHUTDOWN, "tier shut down")
             log.warning("shutdown: %d block(s) pinned for %s released before its lease ended",
                         pinned, session.peer)
         table.lingering.clear()
@@ -87,6 +88,7 @@ class Shutdown:
             log.info("shutdown: %d lookup handle(s) were never released (no serve_lookups call)",
                      owed)
         self._control.close()
+        self._stop_watch()
         undrained = self._env.data.close()
         if undrained:
             log.error("shutdown: data transport kept its region registered; %d transfer(s) "

@@ -120,7 +120,7 @@ class SessionTable:
                         self._work, self._handshaking):
             members.pop(session, None)
         session.close(outcome, reason, bye=bye, close_conn=close_conn)
-        if session.server.n_pins:
+        if session.producer.n_pins:
             self.lingering.add(session)
         self._release_data_peer(session)
         for watcher in self.watchers:
@@ -190,7 +190,7 @@ class SessionTable:
     def _received(self, session: Session, heard_before: bool) -> None:
         """``session`` got frames: it may be working, serving lookups, and was heard."""
         self._work[session] = None
-        if session.server.serves:
+        if session.producer.lookups_waiting:
             self.serving[session] = None
         if session.dialed and session in self.dialed:
             self.dialed.move_to_end(session)
@@ -210,14 +210,14 @@ class SessionTable:
         """Close the sessions doomed since the last pass; drop lingering sessions with no
         pins left."""
         env = self._env
-        doomed: list[Session] = env.doomed
-        env.doomed = []
-        for session in doomed:
-            if (self.sessions.get(session.peer) is session
+        doomed, env.doomed = env.doomed, []
+        for candidate in doomed:
+            session = self.sessions.get(candidate.peer)
+            if (session is not None and session is candidate
                     and (session.doomed is not None or not session.conn.alive)):
                 self.close_unusable(session)
         if self.lingering:
-            self.lingering = {s for s in self.lingering if s.server.n_pins}
+            self.lingering = {s for s in self.lingering if s.producer.n_pins}
 
     # -- what may be working ----------------------------------------------------------------
 
@@ -252,8 +252,9 @@ class SessionTable:
 
     def ready_count(self) -> int:
         """Sessions ready and not doomed."""
-        doomed_ready = sum(1 for s in self._env.doomed
-                           if s.state is State.READY and self.sessions.get(s.peer) is s)
+        sessions = self.sessions
+        doomed_ready = sum(1 for d in self._env.doomed
+                           if (s := sessions.get(d.peer)) is d and s.state is State.READY)
         return len(self.sessions) - self._unready() - doomed_ready
 
     def _unready(self) -> int:

@@ -21,8 +21,8 @@ from p2pkv.tiering.warm import WarmSet
 
 __all__ = ["TierViews"]
 
-_REQUEST_SIZES = ("client_requests", "client_rounds", "reads", "queued_rounds", "lookups",
-                  "probes", "server_requests", "server_rounds", "server_jobs", "supply",
+_REQUEST_SIZES = ("consumer_requests", "consumer_rounds", "reads", "queued_rounds", "lookups",
+                  "probes", "producer_requests", "producer_rounds", "producer_jobs", "supply",
                   "demand", "pins", "serves")
 
 
@@ -67,7 +67,7 @@ class TierViews:
             sessions_closing=len(table.lingering),
             in_flight_transfers=len(env.owners),
             parked_stores=env.producers.parked_count,
-            loads_queued=sum(s.client.window.waiting for s in table.working()),
+            loads_queued=sum(s.consumer.window.waiting for s in table.working()),
             frames_delayed=c["frames_delayed"],
             reads_waiting=env.reads.waiting,
             blocks_sent=c["blocks_sent"],

@@ -64,6 +64,7 @@ from p2pkv_vllm.idle import IdleWatch, engine_waker
 from p2pkv_vllm.metrics import StatsReporter, metric_definitions
 from p2pkv_vllm.quiet import QuietPolls
 from p2pkv_vllm.release import HIT_SOURCE, NEW_BLOCKS_ONLY, TransferJob, none_hash_seed
+from p2pkv_vllm.start_line import log_start
 
 __all__ = ["OPTIONAL_FEATURES", "P2PKVTier", "missing_features"]
 
@@ -250,6 +251,7 @@ class P2PKVTier(SecondaryTierManager):
         )
         log.info("P2PKVTier run config (fingerprint %s; peers must match it): %s",
                  config.fingerprint, describe_run_config(run))
+        log_start(tier_type, self._tier.local_address, config)
 
     @property
     def block_size_bytes(self) -> int:

@@ -21,6 +21,8 @@ from p2pkv_tools.bench.data_transport import (
     parse_bench_data_options,
 )
 from p2pkv_tools.bench.hostinfo import describe_host, environ_restored
+from p2pkv_tools.bench.large_region_cli import add_arguments as add_large_region_arguments
+from p2pkv_tools.bench.large_region_cli import large_region_requested
 from p2pkv_tools.bench.matrix import KiB, MatrixConfig, MiB, available_series
 from p2pkv_tools.bench.netns import parse_rate
 from p2pkv_tools.bench.progress import measure_matrix
@@ -65,6 +67,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
     return values
+
+
+def _positive_int(text: str) -> int:
+    values = _int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"need one positive integer, got {text!r}")
+    return values[0]
 
 
 def _size_list(text: str) -> tuple[int, ...]:
@@ -130,7 +139,7 @@ def add_parser(sub: Any) -> None:
                    help="write results as JSON to PATH ('-' or no value: stdout)")
     p.add_argument("--plot", metavar="PATH.png",
                    help="GB/s vs block size per series, log scale, a panel per batch and "
-                   "concurrency (needs p2pkv[plot])")
+                   "concurrency (needs p2pkv-tools[plot])")
     p.add_argument("--control", action="store_true",
                    help="control plane: round trips vs raw pyzmq, CPU per request")
     p.add_argument("--tier", action="store_true",
@@ -160,6 +169,29 @@ def add_parser(sub: Any) -> None:
                    "lane, as across hosts without RDMA); removed afterwards; needs root and "
                    "iproute2")
     p.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
+    p.add_argument("--fleet", action="store_true",
+                   help="fleet simulator: one tier under test against N peers in a few "
+                   "processes (zmq control): per N idle CPU, CPU per request at a fixed "
+                   "rate, fds, threads, RSS, heartbeat segments/s, time to a warm mesh after "
+                   "a storm of N starts, p99 of a load to a peer never contacted; then two "
+                   "floods of 10,000 client-named peers (refusing, black-holed)")
+    p.add_argument("--fleet-sizes", type=_int_list, metavar="N,N,...",
+                   help="with --fleet: the fleet sizes (default 16,64,256,1000)")
+    p.add_argument("--fleet-label", metavar="TEXT",
+                   help="with --fleet: a label the JSON and its tables carry (e.g. a commit)")
+    p.add_argument("--no-floods", action="store_const", const=True,
+                   help="with --fleet: skip the two floods")
+    p.add_argument("--fleet-per-process", type=_positive_int, metavar="N",
+                   help="with --fleet: peers per helper process (default 256)")
+    p.add_argument("--fleet-tut-path", metavar="DIR:DIR",
+                   help="with --fleet: run the tier under test on another checkout's "
+                   "packages (its core/src and transports/zmq/src), against this one's peers")
+    p.add_argument("--phases", action="store_const", const=True,
+                   help="with --tier: instead of the matrix, PD requests one at a time per "
+                   "block size x blocks per request, each split into queue, control round "
+                   "trip, read and report, with both sides' CPU per request by component, "
+                   "next to raw NIXL's read of the same blocks")
+    add_large_region_arguments(p, parse_size)
     p.set_defaults(func=run)
 
 
@@ -211,7 +243,7 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv[plot]'") from None
+            raise ConfigError("--plot needs matplotlib: pip install 'p2pkv-tools[plot]'") from None
     from p2pkv_tools.bench.tier_bench import tier_requested
 
     if args.control and not tier_requested(args):
@@ -226,11 +258,40 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
     return config
 
 
+def _fleet_requested(args: argparse.Namespace) -> bool:
+    """``--fleet``; ``ConfigError`` for an option of it without it, or another mode too."""
+    from p2pkv_tools.bench.fleet_cli import FLEET_FLAGS
+    from p2pkv_tools.bench.tier_bench import tier_requested
+
+    if not args.fleet:
+        used = next((flag for dest, flag in FLEET_FLAGS.items()
+                     if getattr(args, dest) is not None), None)
+        if used is not None:
+            raise ConfigError(f"{used} is an option of the fleet simulator: add --fleet")
+        return False
+    if args.control or tier_requested(args):
+        raise ConfigError("--fleet, --tier and --control are separate benchmarks: give one")
+    if args.plot:
+        raise ConfigError("--fleet has no plot: drop --plot (its tables come from --json: "
+                          "python -m p2pkv_tools.bench.fleet_report RUN.json)")
+    if args.json and args.json != "-":
+        check_output_path("--json", args.json)
+    return True
+
+
 def _run(args: argparse.Namespace) -> int:
     # Results (tables) on stdout, unless stdout carries the JSON; progress and notes on stderr.
     to_stdout = args.json == "-"
     console = make_console(stderr=to_stdout)
     notes = make_console(stderr=True)
+    if _fleet_requested(args):
+        from p2pkv_tools.bench.fleet_cli import run_fleet
+
+        return run_fleet(args, console, notes)
+    if large_region_requested(args):
+        from p2pkv_tools.bench.large_region_cli import run_cli
+
+        return run_cli(args, console, notes)
     registry = default_registry()
     config = _check_options(args, registry)
     from p2pkv_tools.bench.tier_bench import tier_requested

@@ -150,7 +150,7 @@ def print_tables(console: Console, results: Sequence[CellResult], title: str) ->
 def plot(results: Sequence[CellResult], path: str, title: str) -> None:
     """Write :func:`figure` of ``results`` to ``path`` as a PNG.
 
-    Needs matplotlib (``pip install 'p2pkv[plot]'``); raises ``ImportError`` otherwise.
+    Needs matplotlib (``pip install 'p2pkv-tools[plot]'``); raises ``ImportError`` otherwise.
     """
     fig = figure(results, title)  # selects the Agg backend before pyplot loads
     import matplotlib.pyplot as plt

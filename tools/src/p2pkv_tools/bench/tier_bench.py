@@ -46,7 +46,7 @@ __all__ = [
 
 TIER_FLAGS = {"tier_control": "--tier-control", "recompute_rate": "--recompute-rate",
               "preset": "--preset", "tp": "--tp", "overload": "--overload",
-              "netns": "--netns", "rate": "--rate"}
+              "netns": "--netns", "rate": "--rate", "phases": "--phases"}
 """Options that only ``--tier`` reads (argparse dest -> flag)."""
 
 

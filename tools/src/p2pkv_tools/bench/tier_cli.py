@@ -8,9 +8,10 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from p2pkv.errors import ConfigError
 from p2pkv.registry import default_registry
 from rich.console import Console
 from rich.markup import escape
@@ -31,6 +32,7 @@ from p2pkv_tools.bench.tier_bench import (
 from p2pkv_tools.bench.tier_crossover import crossover
 from p2pkv_tools.bench.tier_first_pull import FirstPull, measure_first_pulls
 from p2pkv_tools.bench.tier_lane import ORDERS, link_control_options
+from p2pkv_tools.bench.tier_phases import measure_phases, phase_table, plan_from
 from p2pkv_tools.bench.tier_report import (
     link_summary,
     overload_summary,
@@ -46,6 +48,9 @@ __all__ = ["FIRST_PULL_PAIRS", "run_tier"]
 
 FIRST_PULL_PAIRS = {True: 1, False: 3}
 """Fresh pairs per first-pull kind (cold, pre-connected), by ``--quick``."""
+PHASES_CELLS = ((64 * 1024, 2304 * 1024), (1, 32, 256))
+"""``--phases``' default block sizes and batches: one 64 KiB block (the fixed cost), and
+gpt-oss-120b's 32-token vLLM block (2.25 MiB) x 1, 32 and 256 (8,192 tokens, 576 MiB)."""
 
 
 def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
@@ -56,7 +61,30 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
     built, raise ``ConfigError``/``TransportUnavailable`` before anything runs."""
     plan = check_tier_options(args, config, default_registry())
     with open_link(plan.rate_bits) if plan.netns else nullcontext() as link:
+        if args.phases:
+            return _run_phases(args, config, plan, link, console, notes)
         return _run(args, config, plan, link, console, notes)
+
+
+def _run_phases(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan,
+                link: Link | None, console: Console, notes: Console) -> int:
+    """``--phases`` (:mod:`~p2pkv_tools.bench.tier_phases`): one data transport, the
+    matrix's block sizes and batches (defaults: :data:`PHASES_CELLS`); 1 if a cell failed."""
+    if len(plan.data) != 1:
+        raise ConfigError("--phases profiles one data transport: give one in --transports")
+    cells = replace(config, block_sizes=args.block_sizes or PHASES_CELLS[0],
+                    batches=args.batches or PHASES_CELLS[1])
+    link_doc = link.describe() if link else _one_host_link()
+    notes.print(f"link: {escape(link_summary(link_doc))}")
+    phases = plan_from(cells, plan.control, plan.data[0], bool(args.quick))
+    started = time.time()
+    rows = measure_phases(phases, link, lambda line: notes.print(escape(line)))
+    doc = {"host": describe_host(), "link": link_doc, "plan": asdict(phases),
+           "rows": [row.as_row() for row in rows], "elapsed_s": round(time.time() - started, 1)}
+    if args.json != "-":
+        console.print(escape(phase_table(rows)))
+    _write(args, doc)
+    return 1 if any(row.error for row in rows) else 0
 
 
 @dataclass

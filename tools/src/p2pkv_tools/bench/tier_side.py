@@ -18,6 +18,11 @@ each side runs in a spawned process of its own and is driven over a harness pipe
   ``tick``); ``wait`` steps until a result is there and returns the results since the last
   call; ``usage`` reports process CPU time (every thread: the tier, its transports' I/O
   threads) and the tier's ``descriptors_posted`` counter when the tier's stats have one;
+- phases (``--phases``, a side built with ``phases``): ``phases`` returns, per load finished
+  since the last call, when it was submitted, when its reads were posted and ended and when
+  its fetch was sent (:class:`~p2pkv_tools.bench.tier_phases_side.PhaseClock`), and when its
+  result was returned; ``profile(True)``/``profile(False)`` start and stop a cProfile of the
+  driver thread, the latter returning its CPU seconds per component;
 - first pull (:mod:`p2pkv_tools.bench.tier_first_pull`): ``connect(host, port, timeout)`` on the
   consumer -> ``P2PTier.connect``, stepped until its session is ready, while ``accept``
   steps the producer until its side is; ``first_load`` is ``load`` stepped to its result,
@@ -41,6 +46,7 @@ from p2pkv.types import Job, LookupResult, RequestContext
 
 from p2pkv_tools.bench.data_transport import transport_region
 from p2pkv_tools.bench.harness import serve_built
+from p2pkv_tools.bench.tier_phases_side import CpuProfile, PhaseClock, clocked_registry
 from p2pkv_tools.demo.content import BlockRegion
 
 __all__ = ["DESCRIPTORS_STAT", "TierSide", "request_keys", "side_main"]
@@ -70,17 +76,25 @@ def _kv_id(request: int) -> str:
 
 class TierSide:
     """A region of ``region_bytes`` (whole blocks) from the data transport and a tier built
-    from ``tier_config`` over it."""
+    from ``tier_config`` over it; with ``phases``, its reads timed by a
+    :class:`PhaseClock` observer and its driver thread profiled on demand."""
 
-    def __init__(self, tier_config: dict[str, Any], block_len: int, region_bytes: int) -> None:
+    def __init__(self, tier_config: dict[str, Any], block_len: int, region_bytes: int,
+                 phases: bool = False) -> None:
         config = TierConfig.from_dict(tier_config)
-        data = default_registry().transport("data", config.data)
+        self._clock = PhaseClock() if phases else None
+        registry = (clocked_registry(self._clock, config.data) if self._clock
+                    else default_registry())
+        data = registry.transport("data", config.data)
         region = transport_region(data, region_bytes // block_len, block_len,
                                   config.data_options)
         self.region = BlockRegion(region, block_len)
-        self.tier = P2PTier(config, region, block_len)
+        self.tier = P2PTier(config, region, block_len, registry=registry)
         self._open: dict[int, tuple[RequestContext, float]] = {}
         self._finished: list[Finished] = []
+        self._phases: list[dict[str, Any]] = []
+        self._loads: set[int] = set()
+        self._profile = CpuProfile()
 
     def describe(self) -> tuple[str, int]:
         """(the tier's address, blocks in the region)."""
@@ -117,6 +131,7 @@ class TierSide:
                 self._finished.append((request, "lookup_miss", 0.0, key.hex()))
                 return
         self._open[request] = (ctx, time.perf_counter())
+        self._loads.add(request)
         self.tier.submit_load(Job(request, keys, slots, is_load=True, ctx=ctx))
 
     def connect(self, host: str, port: int, timeout: float) -> float:
@@ -167,8 +182,13 @@ class TierSide:
             if entry is None:
                 continue
             ctx, submitted = entry
-            self._finished.append((result.job_id, result.outcome.value,
-                                   time.perf_counter() - submitted, result.detail))
+            now = time.perf_counter()
+            self._finished.append((result.job_id, result.outcome.value, now - submitted,
+                                   result.detail))
+            if self._clock is not None and result.job_id in self._loads:
+                self._loads.discard(result.job_id)
+                self._phases.append({"request": result.job_id, "submitted": submitted,
+                                     "result": now, "events": self._clock.take()})
             self.tier.on_request_finished(ctx)
         self.tier.on_schedule_end()
         if self._open:
@@ -185,13 +205,27 @@ class TierSide:
         done, self._finished = self._finished, []
         return done
 
+    def phases(self) -> list[dict[str, Any]]:
+        """The loads finished since the last call, with their phase clock's events (a side
+        built with ``phases``; else none)."""
+        done, self._phases = self._phases, []
+        return done
+
+    def profile(self, on: bool) -> dict[str, float]:
+        """Start (``on``) or stop the driver thread's profile; stopping returns its CPU
+        seconds per component."""
+        if on:
+            self._profile.start()
+            return {}
+        return self._profile.stop()
+
     def shutdown(self) -> None:
         self.tier.shutdown()
 
 
 def side_main(conn: Connection, tier_config: dict[str, Any], block_len: int,
-              region_bytes: int) -> None:
+              region_bytes: int, phases: bool = False) -> None:
     """Child entry: build the side, then serve commands, stepping while a job is open."""
-    serve_built(conn, lambda: TierSide(tier_config, block_len, region_bytes),
+    serve_built(conn, lambda: TierSide(tier_config, block_len, region_bytes, phases),
                 ("describe", "fill", "verify", "usage", "store", "load", "wait", "connect",
-                 "accept", "first_load"), idle="step")
+                 "accept", "first_load", "phases", "profile"), idle="step")

@@ -6,26 +6,29 @@ key                       default    meaning
 ``backends``              ``[UCX]``  NIXL backends to create, in order
 ``num_threads``           ``0``      each backend's ``num_threads`` (0: its default)
 ``enable_prog_thread``    ``false``  NIXL's own progress thread (spins a core)
-``drain_timeout``         ``5.0``    seconds ``remove_peer``/``close``/``cancel`` may wait
+``drain_timeout``         ``5.0``    seconds ``cancel`` drives a direct read NIXL would
+                                     not release (``close``: 0.05 s at most)
 ``backend_params``        ``{}``     extra init parameters per backend
 ``warmup``                ``true``   ``add_peer`` wires the connection up with a tiny READ
 ``staging``               ``auto``   ``auto``/``always``/``never``: reads through the
                                      staging pool (see :mod:`p2pkv_nixl.staging`)
 ``staging_blocks``        ``256``    blocks in the staging pool (capped at the region's)
-``slice_bytes``           ``4 GiB``  largest NIXL registration: region and pool are
+``slice_bytes``           3.5 GiB    largest NIXL registration: region and pool are
                                      registered in slices of this (whole blocks, at
-                                     least one; see :mod:`p2pkv_nixl.slices`)
+                                     least one; see :mod:`p2pkv_nixl.slices`); env
+                                     ``P2PKV_SLICE_BYTES`` sets the default
 ========================  =========  =====================================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from p2pkv.errors import ConfigError
 from p2pkv.options import option, parse_options
+from p2pkv.runs import SLICE_BYTES, default_slice_bytes
 
 from p2pkv_nixl.descriptor import MAX_BLOCKS
 
@@ -49,9 +52,11 @@ class NixlOptions:
     """NIXL's own progress thread. Off: it spins a core and halves throughput on small hosts;
     ``progress()``/``poll()`` drive the worker instead, so the caller must tick them."""
     drain_timeout: float = field(default=5.0, metadata=option(ge=0, unit="seconds"))
-    """Seconds ``remove_peer``/``close`` wait for internal transfers (warm-ups; ``close``
-    also for quarantined staged reads), and ``cancel`` for a direct read NIXL would not
-    release."""
+    """Seconds ``cancel`` drives our worker to end a direct read NIXL would not release (on
+    ``cma`` our own process does that copy, so no peer is waited for). ``close`` waits for
+    internal transfers (warm-ups, serving WRITEs, quarantined staged reads) for the smaller
+    of this and :data:`p2pkv.contracts.DRAIN_GRACE`; ``remove_peer`` waits for none (the
+    driver bound, :data:`p2pkv.contracts.DRIVER_BOUND`)."""
     backend_params: Mapping[str, Mapping[str, ParamValue]] = field(default_factory=dict)
     """Extra init parameters per backend, e.g. ``{"UCX": {"ucx_error_handling_mode": "none"}}``."""
     warmup: bool = True
@@ -70,16 +75,20 @@ class NixlOptions:
     ``num_blocks``). A read needs as many free blocks as it moves; blocks of a cancelled
     staged read stay quarantined until NIXL reports it ended."""
 
-    slice_bytes: int = field(default=4 * 2**30, metadata=option(ge=1, unit="bytes"))
+    slice_bytes: int = field(default=SLICE_BYTES, metadata=option(ge=1, unit="bytes"))
     """Largest NIXL registration, in bytes: the region (and the staging pool) is registered
     as consecutive slices of this many bytes rounded down to whole blocks (at least one
     block), and no transfer descriptor crosses a slice of either side. RDMA NICs read one
-    huge registration at a fraction of line rate and some truncate one past their limit."""
+    huge registration at a fraction of line rate and some truncate one past their limit.
+    Default 3.5 GiB, or ``P2PKV_SLICE_BYTES`` (:func:`p2pkv.runs.default_slice_bytes`)."""
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> NixlOptions:
-        """Validate ``data_options``; ``ConfigError`` names the offending key."""
+        """Validate ``data_options``; ``ConfigError`` names the offending key (or
+        ``P2PKV_SLICE_BYTES`` when it is malformed and ``slice_bytes`` is not given)."""
         opts = parse_options(cls, options, "nixl data option")
+        if "slice_bytes" not in options:
+            opts = replace(opts, slice_bytes=default_slice_bytes())
         if len(set(opts.backends)) != len(opts.backends):
             raise ConfigError(
                 f"nixl data option 'backends' names a backend twice: {list(opts.backends)}"

@@ -1,6 +1,6 @@
-"""Teardown of the nixl transport: the drains of ``remove_peer`` and ``close``, the release
-of everything registered, and the transports a ``close`` left undrained (leaked) or whose
-agent it could not destroy (retained); see :mod:`p2pkv_nixl.transport`."""
+"""Teardown of the nixl transport: letting a removed peer go, the drain of ``close``, the
+release of everything registered, and the transports a ``close`` left undrained (leaked) or
+whose agent it could not destroy (retained); see :mod:`p2pkv_nixl.transport`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from p2pkv.contracts import DRAIN_GRACE
 
 from p2pkv_nixl.peers import PeerTable
 from p2pkv_nixl.records import Peer
@@ -38,15 +40,16 @@ def drain_leaked() -> None:
 
 
 class Teardown:
-    """Drains and releases: ``detach`` drains a removed peer's records, ``shutdown`` drains
-    everything and releases it (or leaves the transport leaked, drained further by
-    :func:`drain_leaked`), deciding whether the agent may be destroyed or is retained.
+    """Drains and releases: ``detach`` lets a removed peer's records go (released by a later
+    tick once quiescent), ``shutdown`` drains everything and releases it (or leaves the
+    transport leaked, drained further by :func:`drain_leaked`), deciding whether the agent may
+    be destroyed or is retained.
 
     Called on the driver thread only (a leaked one: on the thread that closed it). ``step``
     is the transport's tick (:class:`~p2pkv_nixl.progress.Ticker`), driven while draining.
     Owns ``state.zombies`` retries and the release of ``state``'s agent, lists and memory
     (dropped from ``state`` once released). Never raises: NIXL cleanup failures are logged,
-    and what does not drain by ``drain_timeout`` is returned as internal transfer ids."""
+    and what does not drain within the grace is returned as internal transfer ids."""
 
     def __init__(self, state: NixlState, peers: PeerTable, step: Callable[[], None]) -> None:
         self._state = state
@@ -61,37 +64,43 @@ class Teardown:
         return self in _LEAKED
 
     def detach(self, peer: Peer) -> list[int]:
-        """A removed peer: wait up to ``drain_timeout`` for the warm-ups and serving WRITEs
-        of every record of it and return those still running. A replaced one (the base
-        attached its new record first) is not waited for: it goes once quiescent."""
+        """A removed peer: return the warm-ups and serving WRITEs of every record of it
+        still running, without waiting for them (the peer may be stopped: see the driver
+        bound, :data:`p2pkv.contracts.DRIVER_BOUND`). Its records stay until they are
+        quiescent, released by a later tick. A replaced one (the base attached its new record
+        first) reports nothing: it goes once quiescent too."""
         peer.current = False
         records = self._peers.records(peer.peer_id)
-        undrained = [] if any(p.current for p in records) else self._drain(records, False)
+        undrained = [] if any(p.current for p in records) else sorted(
+            i for p in records for i in p.running(False))
         self._peers.retire_idle()
         return undrained
 
     def _drain(self, peers: Iterable[Peer], quarantine: bool) -> list[int]:
         """Progress until the warm-ups and serving WRITEs (and, with ``quarantine``, the kept
-        reads) of ``peers`` ended, up to ``drain_timeout``. Returns the ids still running."""
+        reads) of ``peers`` ended, for ``DRAIN_GRACE`` at most (``drain_timeout`` if
+        shorter). Returns the ids still running."""
         peers = list(peers)
-        timeout = self._state.options.drain_timeout
+        grace = min(self._state.options.drain_timeout, DRAIN_GRACE)
 
         def running() -> list[int]:
             return sorted(i for p in peers for i in p.running(quarantine))
 
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + grace
         while running() and time.monotonic() < deadline:
             self._step()
         undrained = running()
         if undrained:
-            log.error(
-                "nixl: %d internal transfer(s) still running after %.1fs drain (%s); their "
-                "memory stays registered", len(undrained), timeout, undrained,
+            log.warning(
+                "nixl: %d internal transfer(s) still running after the %.2fs close grace "
+                "(%s); their memory stays registered until they end", len(undrained), grace,
+                undrained,
             )
         return undrained
 
     def shutdown(self) -> list[int]:
-        """Drain every record (warm-ups, serving WRITEs, kept reads) up to ``drain_timeout``,
+        """Drain every record (warm-ups, serving WRITEs, kept reads) for ``DRAIN_GRACE`` at
+        most (never waiting for a stopped peer longer),
         then release everything, unless something still runs: then the transport is leaked
         (everything stays registered, see the transport's module docstring) and those ids
         returned.

@@ -96,19 +96,22 @@ is never left in flight (a staged one is quarantined).
 Internal transfers (ids from the base's sequence, never reported by ``poll``): the connection
 warm-up READ of a direct peer's ``add_peer`` (it lands in an 8-byte scratch buffer), the
 WRITEs serving peers' staged reads, quarantined reads, and handles NIXL refused to release
-after they ended. ``remove_peer`` waits up to ``drain_timeout`` for the peer's warm-ups and
-serving WRITEs and returns those still running; it neither waits for nor returns quarantined
-reads (they write only into our pool, and the peer's registration they need, which keeps its
-agent loaded so its completions still arrive, is released by ``progress`` once they end).
-``close`` waits for all of them and
-returns what still runs; then the agent, region, scratch and pool stay registered (held in a
-module-level list so that not even garbage collection frees them under a transfer). Such a
-leaked transport is drained further by the ``progress`` of any open transport on the same
-thread (its own ``progress`` and a second ``close`` do nothing, as for every closed data
-transport), and released once nothing runs. A clean ``close`` destroys the agent, so its peers see
-a disconnect rather than a silent endpoint, unless a peer may still be reading from us through
-our own UCX worker (any lane but ``cma``): then the agent is retained, idle, for the process
-lifetime, because destroying a worker that serves such reads crashes UCX
+after they ended. ``remove_peer`` waits for none of them (the driver bound,
+:data:`p2pkv.contracts.DRIVER_BOUND`: the peer may be stopped): it returns the peer's
+warm-ups and serving WRITEs still running, and its records stay, each released by a later
+``progress`` once quiescent; it does not return quarantined reads (they write only into our
+pool, and the peer's registration they need, which keeps its agent loaded so its completions
+still arrive, is released by ``progress`` once they end). :meth:`NixlDataTransport.held`
+counts what is still held. ``close`` waits for all of them for
+:data:`p2pkv.contracts.DRAIN_GRACE` at most and returns what still runs; then the agent,
+region, scratch and pool stay registered (held in a module-level list so that not even
+garbage collection frees them under a transfer). Such a leaked transport is drained further
+by the ``progress`` of any open transport on the same thread (its own ``progress`` and a
+second ``close`` do nothing, as for every closed data transport), and released once nothing
+runs. A clean ``close`` destroys the agent, so its peers see a disconnect rather than a
+silent endpoint, unless a peer may still be reading from us through our own UCX worker (any
+lane but ``cma``): then the agent is retained, idle, for the process lifetime, because
+destroying a worker that serves such reads crashes UCX
 (see :meth:`p2pkv_nixl.teardown.Teardown.shutdown`).
 """
 
@@ -236,6 +239,22 @@ class NixlDataTransport(DataTransport):
         if peer is None or peer.lane != "staged" or pool is None:
             return None
         return pool.capacity
+
+    def _held(self) -> dict[str, int]:
+        """Records of removed peers kept until quiescent, with their warm-ups and serving
+        WRITEs still running; ended reads still quarantined (and their pool blocks); handles
+        NIXL refused to release; ``leaked`` while a ``close`` left the transport undrained."""
+        state = self._state
+        detached = [peer for peer in state.peers if not peer.current]
+        return {
+            "detached_peers": len(detached),
+            "warmups": sum(1 for peer in detached if peer.warmup is not None),
+            "serving_writes": sum(len(peer.serving) for peer in detached),
+            "quarantined_reads": sum(len(peer.quarantined) for peer in state.peers),
+            "quarantined_blocks": state.pool.quarantined if state.pool is not None else 0,
+            "unreleased_handles": len(state.zombies),
+            "leaked": int(self.leaked),
+        }
 
     def staging_usage(self) -> dict[str, int]:
         """The staging pool's blocks: ``capacity`` (0 until a staged peer was added),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from p2pkv_ucx import tags, wire
@@ -40,19 +42,27 @@ class Notices:
                 return
             size = found.length
             buf = np.empty(size if size <= limit else 1, np.uint8)  # too big: truncated, dropped
-            s.inbox.append((recv(s.array(buf), found), buf))
+            sender = tags.sender_of(found.sender_tag.value)
+            queue = s.inbox.get(sender)
+            if queue is None:
+                queue = s.inbox[sender] = deque()
+            queue.append((recv(s.array(buf), found), buf))
 
     def handle(self) -> None:
-        """Apply the received NOTICEs, in order of arrival."""
+        """Apply the received NOTICEs, each sender's in order of arrival: one that UCX has not
+        finished receiving holds up only its own sender's later ones."""
         inbox = self._s.inbox
-        while inbox and inbox[0][0].completed:
-            req, buf = inbox.popleft()
-            try:
-                if req.status != OK:
-                    raise ValueError(f"UCX status {req.status}")
-                self.apply(wire.decode_notice(buf.tobytes()))
-            except ValueError as exc:
-                log.warning("ucx: dropped a malformed NOTICE: %s", exc)
+        for sender, queue in list(inbox.items()):
+            while queue and queue[0][0].completed:
+                req, buf = queue.popleft()
+                try:
+                    if req.status != OK:
+                        raise ValueError(f"UCX status {req.status}")
+                    self.apply(wire.decode_notice(buf.tobytes()))
+                except ValueError as exc:
+                    log.warning("ucx: dropped a malformed NOTICE: %s", exc)
+            if not queue:
+                del inbox[sender]
 
     def apply(self, notice: wire.Notice) -> None:
         """Apply a peer's NOTICE: queue a READ, drop what a CANCEL names, fail a REFUSEd read."""

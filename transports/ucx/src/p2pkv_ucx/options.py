@@ -5,7 +5,8 @@ Every key is optional; an unknown key or a value of the wrong type or range rais
 
 ``P2PKV_UCX_ENDPOINT_ERROR_HANDLING`` (``1``/``0``, ``true``/``false``) replaces the default of
 ``endpoint_error_handling`` for processes that cannot pass options (``p2pkv bench`` targets);
-an explicit option still wins.
+an explicit option still wins. ``P2PKV_SLICE_BYTES`` likewise replaces the default of
+``slice_bytes`` (:func:`p2pkv.runs.default_slice_bytes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from p2pkv.errors import ConfigError
 from p2pkv.options import option, parse_options
+from p2pkv.runs import SLICE_BYTES, default_slice_bytes
 
 __all__ = ["ERROR_HANDLING_ENV", "UcxOptions"]
 
@@ -40,13 +42,15 @@ class UcxOptions:
     of it). Failing a read is final at once (its bytes can only land in staging). Keep it
     above the tier's load timeout."""
     drain_timeout: float = field(default=2.0, metadata=_SECONDS)
-    """Seconds ``remove_peer`` and ``close`` keep progressing the sends that serve a peer's
-    reads before returning the ones that did not drain. Reads never wait: they end at once."""
+    """Seconds the sends serving a removed peer's reads may still run, progressed by later
+    pumps, before they are given up (orphaned). ``remove_peer`` never waits for them, and
+    ``close`` at most :data:`p2pkv.contracts.DRAIN_GRACE` (the driver bound). Reads never
+    wait: they end at once."""
     max_message_bytes: int = field(default=8 * 1024 * 1024, metadata=_BYTES)
     """Largest coalesced message: index runs contiguous on both sides of a read travel as one
     message of up to this many bytes (at least one block). Advertised to peers; a read uses
     the smaller of the two sides' values."""
-    slice_bytes: int = field(default=4 * 2**30, metadata=_BYTES)
+    slice_bytes: int = field(default=SLICE_BYTES, metadata=_BYTES)
     """No message crosses a boundary of ``slice_bytes`` (rounded down to whole blocks, at
     least one) of our region, nor of the peer's (it advertises its own). ucxx registers no
     region: UCX registers each message's buffer when it sends it (zero-copy rendezvous,
@@ -57,8 +61,9 @@ class UcxOptions:
     """Coalesce contiguous runs (see ``max_message_bytes``); False sends one message per block."""
     staging_bytes: int = field(default=32 * 1024 * 1024, metadata=_BYTES)
     """Bytes of staging buffers the reads of this transport may receive into at once (at least
-    one largest message). Every arriving run is received into staging and copied into its
-    slots only once it arrived whole, which is what makes ``cancel`` final; runs beyond this
+    two largest messages), shared by peers in shares (:mod:`p2pkv_ucx.staging`). Every
+    arriving run is received into staging and copied into its slots only once it arrived
+    whole, which is what makes ``cancel`` final; runs beyond a peer's share or the budget
     wait inside UCX (a rendezvous run moves no payload until taken)."""
     ucx_config: Mapping[str, str] = field(default_factory=dict)
     """UCX settings for this transport's UCX context only, without the ``UCX_`` prefix (for
@@ -73,6 +78,8 @@ class UcxOptions:
         ``os.environ``); a malformed variable is refused even when the option is given."""
         env = os.environ if environ is None else environ
         opts = parse_options(cls, options, "ucx data option")
+        if "slice_bytes" not in options:
+            opts = replace(opts, slice_bytes=default_slice_bytes(env))
         raw = env.get(ERROR_HANDLING_ENV)
         if raw is None:
             return opts

@@ -103,14 +103,14 @@ class Peers:
 
     def _releasable(self, peer: Peer) -> bool:
         """True when a removed peer's endpoint is no longer needed: none of our sends serve
-        it, and none of its runs is still awaited (a ghost) or being received from it."""
+        it, and none of its runs is still awaited (a ghost), parked or being received."""
         if peer.ep is None:
             return False
         if peer.drains:
             peer.drains = [r for r in peer.drains if not r.completed]
         if not peer.ep.alive:
             self._reads.drop_ghosts(peer)  # nothing more can arrive
-        return not (peer.serves or peer.ghosts or peer.drains or any(
+        return not (peer.serves or peer.ghosts or peer.drains or peer.parked or any(
             r.read.peer is peer and not r.request.completed for r in self._s.receiving))
 
     def _release(self, peer: Peer) -> None:

@@ -105,7 +105,7 @@ class Reads:
         del s.live[read.key]
         peer = read.peer
         peer.live -= 1
-        s.staging.release(read.staged)
+        s.staging.release(peer, read.staged)
         read.staged = 0
         left = len(read.taken) - int(np.count_nonzero(read.taken))
         if coming and left and not peer.dead and peer.ep is not None:

@@ -7,6 +7,7 @@ objects (``Any``: ucxx has no type stubs) are held here until UCX lets go of the
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -50,6 +51,9 @@ class Peer:
     """Our ended reads from it whose runs it may still send (by read key, see ``Ghost``)."""
     drains: list[Any] = field(default_factory=list)
     """Our receives draining its runs of ghosts into scratch (kept while it is retired)."""
+    parked: deque[Any] = field(default_factory=deque)
+    """Probe handles of its runs for our live reads that wait for its share of staging, in
+    order of arrival (:mod:`p2pkv_ucx.receiving`)."""
 
     @property
     def num_blocks(self) -> int:

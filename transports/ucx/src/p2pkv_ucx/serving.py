@@ -111,15 +111,23 @@ class Serving:
         del serve.peer.serves[serve.tid]
         self._peers.release_if_done(serve.peer)
 
-    def drain(self, serves: list[Serve], pump: Callable[[], None]) -> list[int]:
-        """Call ``pump`` until ``serves`` settle or ``drain_timeout`` passes; return the ids
-        still live. Those get the drain deadline as their deadline: the next pump orphans
-        them. The one blocking call of the transport (``remove_peer``, ``close``)."""
+    def let_go(self, serves: list[Serve]) -> list[int]:
+        """The sends serving a peer just removed: never waited for (the peer may be stopped).
+        Those still live get ``drain_timeout`` from now as their deadline (later pumps settle
+        them, or orphan them then); returns their ids."""
+        self._s.worker.progress()  # notice what completed since the last pump
         deadline = time.monotonic() + self._s.opts.drain_timeout
+        left = [serve for serve in serves if not serve.settle()]
+        for serve in left:
+            serve.deadline = min(serve.deadline, deadline)
+        return sorted(serve.tid for serve in left)
+
+    def drain(self, serves: list[Serve], pump: Callable[[], None], seconds: float) -> list[int]:
+        """Call ``pump`` until ``serves`` settle or ``seconds`` pass; return the ids still
+        live (``close`` only, with a grace within the driver bound)."""
+        deadline = time.monotonic() + seconds
         left = [serve for serve in serves if not serve.settle()]
         while left and time.monotonic() < deadline:
             pump()
             left = [serve for serve in left if not serve.settle()]
-        for serve in left:
-            serve.deadline = min(serve.deadline, deadline)
         return sorted(serve.tid for serve in left)

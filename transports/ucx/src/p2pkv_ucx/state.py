@@ -80,9 +80,10 @@ class UcxState:
         self.pending: dict[tuple[int, int, int], tuple[Peer, wire.Read]] = {}
         """READs of this pump's notices, served after the batch (a CANCEL may follow)."""
         self.receiving: list[Receive] = []
-        self.staging = Staging(self.block_len, self.opts.staging_bytes,
-                               self.max_run * self.block_len)
-        self.inbox: deque[tuple[Any, Bytes]] = deque()
+        self.staging: Staging[Peer] = Staging(self.block_len, self.opts.staging_bytes,
+                                              self.max_run * self.block_len)
+        self.inbox: dict[int, deque[tuple[Any, Bytes]]] = {}
+        """NOTICE receives by sender (its tag's sender part), each sender's in order."""
         self.drains: list[Any] = []
         self.scratch: Bytes | None = None
         self.orphans: list[Serve] = []
@@ -107,7 +108,7 @@ class UcxState:
         """Send ``peer`` a NOTICE; returns its request and the payload UCX reads from.
         Raises what ucxx raises (a failed endpoint refuses sends)."""
         data = np.frombuffer(payload, np.uint8)
-        return peer.ep.tag_send(self.array(data), self.tag(tags.kind_tag(tags.NOTICE))), data
+        return peer.ep.tag_send(self.array(data), self.tag(tags.notice_tag(self.instance))), data
 
     def send_notice(self, peer: Peer, payload: bytes) -> None:
         """Send a NOTICE nobody waits for (its payload is kept until UCX is done with it);

@@ -5,7 +5,13 @@ UCX matches tags per *worker*, not per connection, so a tag must say who sent th
 producer; it travels in every READ notice, and the producer tags the data it serves with it::
 
     DATA    00 | link:22 | rid:20 | run:20      one run of read ``rid``, producer -> consumer
-    NOTICE  01 | 0                              READ / CANCEL / REFUSE (payload names sender)
+    NOTICE  01 | sender:62                      READ / CANCEL / REFUSE (payload names sender)
+
+A NOTICE's tag carries its sender's instance id (the payload names it too): the receiver
+applies each sender's notices in order, and one sender's notice that UCX has not finished
+receiving (a rendezvous one, from a peer that stopped mid-send) holds up only that sender's
+later notices, never another peer's. A sender of the first wire-2 release puts 0 there: its
+notices then share one order, as before.
 
 ``rid`` numbers the consumer's reads on one link; when it would wrap the consumer moves the
 peer to a fresh link, and links are never reused, so no DATA tag is ever used twice by one
@@ -24,8 +30,10 @@ __all__ = [
     "RID_LIMIT",
     "data_tag",
     "kind_tag",
+    "notice_tag",
     "read_key",
     "run_of",
+    "sender_of",
     "split",
 ]
 
@@ -44,6 +52,16 @@ KIND_MASK = 3 << _KIND_SHIFT
 def kind_tag(kind: int) -> int:
     """The tag (and, under ``KIND_MASK``, the match pattern) of every message of ``kind``."""
     return kind << _KIND_SHIFT
+
+
+def notice_tag(instance: int) -> int:
+    """The tag of every NOTICE ``instance`` (a 62-bit id) sends."""
+    return kind_tag(NOTICE) | instance
+
+
+def sender_of(tag: int) -> int:
+    """The sender part of a NOTICE's tag (its instance; 0 from an older sender)."""
+    return tag & ~KIND_MASK
 
 
 def data_tag(link: int, rid: int, run: int) -> int:

@@ -21,6 +21,8 @@ class Teardown:
 
     def __init__(self, state: UcxState) -> None:
         self._s = state
+        self.leaked = False
+        """Whether ``finish`` kept the region and UCX objects (something UCX still held)."""
 
     def finish(self, kept: list[int]) -> list[int]:
         """Settle orphans; with ``kept`` (undrained serve ids) or orphans left, leak the state
@@ -34,6 +36,7 @@ class Teardown:
                 "region and UCX objects alive on purpose", len(undrained)
             )
             _leak(s)
+            self.leaked = True
         else:
             self._release()
         return undrained
@@ -45,7 +48,8 @@ class Teardown:
         worker, their staging and scratch alive (leaked); they never touch the region."""
         s = self._s
         cancel = s.lib.cancel
-        receives = [req for req, _ in s.inbox] + s.drains
+        inbox = [entry for queue in s.inbox.values() for entry in queue]
+        receives = [req for req, _ in inbox] + s.drains
         receives += [r.request for r in s.receiving]
         if cancel is not None:
             for req in receives:
@@ -54,7 +58,7 @@ class Teardown:
         s.worker.progress()
         sends = [(r, keep) for r, keep in s.loose if not r.completed]
         if sends or not all(req.completed for req in receives):
-            _leak((s.worker, s.ctx, receives, list(s.inbox), s.scratch,
+            _leak((s.worker, s.ctx, receives, inbox, s.scratch,
                    list(s.receiving), sends))
         for peer in [*s.peers, *s.retired]:
             peer.ep = None

@@ -46,9 +46,15 @@ release), :class:`~p2pkv_ucx.reads.Reads` (our reads and their ghosts),
 :class:`~p2pkv_ucx.records.Read`; serving sends draw their internal ids from the base's id sequence.
 
 Threading and progress: no progress thread. ``poll``/``progress`` call ``worker.progress()``
-on the caller's (driver) thread; ucxx never calls back into Python here. Nothing blocks
-except ``remove_peer`` and ``close``, which progress unfinished *sends* for at most
-``drain_timeout``; reads never wait.
+on the caller's (driver) thread; ucxx never calls back into Python here. Nothing waits for
+a peer (the driver bound, :data:`p2pkv.contracts.DRIVER_BOUND`): ``remove_peer`` returns the
+sends still serving the peer at once, and later pumps settle them or give them up
+``drain_timeout`` later; ``close`` progresses them for :data:`p2pkv.contracts.DRAIN_GRACE`
+at most. Reads never wait. :meth:`UcxDataTransport.held` shows what is still held.
+
+Staging is shared by shares (:mod:`p2pkv_ucx.staging`): a peer stopped with runs half
+received holds at most its share of ``staging_bytes``, and runs beyond a peer's share wait,
+parked, so the other peers' reads keep landing.
 
 Cost of a pump: O(runs being received + sends being served + peers); reads whose data has not
 started arriving cost nothing, however many are outstanding. ``poll(peer)`` adds the base's
@@ -74,7 +80,7 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
-from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
+from p2pkv.contracts import DRAIN_GRACE, Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError, TransportUnavailable
 
@@ -178,12 +184,12 @@ class UcxDataTransport(DataTransport):
         return peer
 
     def _detach_peer(self, peer: Peer) -> list[int]:
-        """Stop serving the peer (its reads have ended, their producer was told); progress
-        our sends serving its reads up to ``drain_timeout`` and return the ids of those still
-        live. Its endpoint stays (retired) until UCX is done with them and the runs of its
-        ghosts arrived or expired."""
+        """Stop serving the peer (its reads have ended, their producer was told) and return
+        the ids of our sends still serving it, without waiting for them (later pumps settle
+        them, or orphan them ``drain_timeout`` from now). Its endpoint stays (retired) until
+        UCX is done with them and the runs of its ghosts arrived or expired."""
         self._peers.forget(peer)
-        kept = self._serving.drain(list(peer.serves.values()), self._pump)
+        kept = self._serving.let_go(list(peer.serves.values()))
         self._peers.retire(peer)
         return kept
 
@@ -209,12 +215,31 @@ class UcxDataTransport(DataTransport):
         self._pump()
 
     def _shutdown(self) -> list[int]:
-        """Drain our serving sends up to ``drain_timeout``, then release UCX; if a send is
-        still live, return the ids and keep the region and UCX objects on purpose."""
+        """Drain our serving sends for ``DRAIN_GRACE`` at most (``drain_timeout`` if
+        shorter), then release UCX; if a send is still live, return the ids and keep the
+        region and UCX objects on purpose."""
         s = self._state
         s.pending.clear()
-        kept = self._serving.drain(list(s.serves.values()), self._pump)
+        grace = min(s.opts.drain_timeout, DRAIN_GRACE)
+        kept = self._serving.drain(list(s.serves.values()), self._pump, grace)
+        self._receiving.drop_parked()
         return self._teardown.finish(kept)
+
+    def _held(self) -> dict[str, int]:
+        """Sends still serving removed peers, sends given up and kept until UCX lets go
+        (orphans), removed peers' endpoints kept for them, ended reads whose runs are still
+        awaited (ghosts) or still being received, receives draining into scratch, and
+        ``leaked`` once a ``close`` kept the region and UCX objects."""
+        s = self._state
+        return {
+            "sends_to_removed_peers": sum(len(peer.serves) for peer in s.retired),
+            "orphaned_sends": len(s.orphans),
+            "retired_endpoints": len(s.retired),
+            "ghost_reads": len(s.ghosts),
+            "ended_receives": sum(1 for r in s.receiving if r.read.ended),
+            "draining_receives": len(s.drains),
+            "leaked": int(self._teardown.leaked),
+        }
 
     def _pump(self) -> None:
         """All I/O: progress UCX, take notices and runs, serve reads, land completed runs."""

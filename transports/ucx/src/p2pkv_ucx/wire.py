@@ -7,8 +7,9 @@ Wire version 2 (p2pkv wire 2.0, "the consumer owns every write into its region")
   message, the blocks per slice of our region (no message crosses a slice boundary, see
   ``slice_bytes`` in :mod:`p2pkv_ucx.options`), and whether our endpoints use UCX error
   handling (both sides must agree: UCX cannot connect endpoints of different modes, it hangs).
-- **NOTICE** messages (tag kind NOTICE), each naming its sender by instance id; UCX keeps
-  them in order, and the receiver handles them in that order:
+- **NOTICE** messages (tag kind NOTICE, with the sender's instance id in the tag's other
+  bits, :func:`p2pkv_ucx.tags.notice_tag`), each naming its sender by instance id; UCX keeps
+  each sender's in order, and the receiver handles each sender's in that order:
 
   - READ ``(link, rid, starts, lengths)``, consumer → producer: "send me your blocks
     ``starts[i] .. starts[i] + lengths[i] - 1`` as one DATA message each, tagged with

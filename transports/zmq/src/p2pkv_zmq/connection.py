@@ -11,23 +11,38 @@ message), and a frame waits at most until the call that queued it returns. Witho
 connection, in order, for the next flush or poll, and ``send`` refuses more
 (``SendQueueFull``) until they got through.
 
+Progress of a dial (:attr:`ZmqConnection.progress`), as the hub's monitor of our PUSH reports
+it: ``"dialing"`` until the TCP connection is up, ``"connected"`` while the ZMTP handshake runs
+(CURVE included), ``"ready"`` once it completed and our frames reach the peer's listener. A
+dial to a refused or black-holed address never leaves ``"dialing"``; a peer that accepts TCP
+but does not speak ZMTP stays ``"connected"`` until ``handshake_timeout``. A dead connection
+keeps the stage it reached. A connection the peer dialed first is ours dialing back, so it
+starts at ``"dialing"`` too.
+
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
-fills ``inbox`` and retires the connection (``close_reason`` set, sockets released); the
-connection never does I/O except ``send``/``push``, and knows of the hub only its
-:class:`Owner` side (``retire``, and ``queued``: frames to push) and the limits it was given.
+fills ``inbox``, advances ``progress`` and retires the connection (``close_reason`` set,
+sockets released); the connection never does I/O except ``send``/``push``, and knows of the
+hub only its :class:`Owner` side (``retire``, and ``queued``: frames to push) and the limits
+it was given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import zmq
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ConnectionClosed, FrameTooLarge, SendQueueFull
 
-__all__ = ["LinkLimits", "Owner", "PeerAddress", "ZmqConnection"]
+__all__ = ["CONNECTED", "DIALING", "READY", "LinkLimits", "Owner", "PeerAddress", "Progress",
+           "ZmqConnection"]
+
+Progress = Literal["dialing", "connected", "ready"]
+DIALING: Progress = "dialing"
+CONNECTED: Progress = "connected"
+READY: Progress = "ready"
 
 _NOBLOCK = zmq.NOBLOCK
 _NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
@@ -107,6 +122,10 @@ class ZmqConnection(ControlConnection):
         self.inbox: list[bytes] = []
         self.deadline = deadline
         self.close_reason: str | None = None
+        self.listed = False
+        """Listed for the next ``take_active`` already (the hub's news, see
+        :mod:`p2pkv_zmq.pairing`)."""
+        self._progress: Progress = DIALING
         self._max_frame = limits.max_frame_bytes
         self._unsent: list[bytes] = []
         """Frames ``send`` accepted that are not handed to libzmq yet, oldest first."""
@@ -131,6 +150,18 @@ class ZmqConnection(ControlConnection):
     @property
     def alive(self) -> bool:
         return self.close_reason is None
+
+    @property
+    def progress(self) -> Progress:
+        """How far our dial got: ``"dialing"``, ``"connected"`` or ``"ready"`` (see the
+        module docstring). A caller that must choose which pending dial to give up can keep
+        those that made progress: they reach a live peer."""
+        return self._progress
+
+    def reached(self, stage: Progress) -> None:
+        """The hub's monitor saw our PUSH reach ``stage`` (never moves back)."""
+        if stage == READY or self._progress == DIALING:
+            self._progress = stage
 
     def send(self, frame: bytes) -> None:
         """Queue ``frame`` for the next push (see the module docstring). ``SendQueueFull``

@@ -78,6 +78,13 @@ class InboundGate:
         """True while any accepted connection has not proven itself."""
         return bool(self._unproven)
 
+    @property
+    def next_deadline(self) -> float | None:
+        """When the first unproven connection falls due, None if there is none."""
+        for entry in self._unproven.values():
+            return entry.deadline
+        return None
+
     def accepted(self, fd: int, now: float, handshakes: int) -> None:
         """The listener accepted a connection on ``fd`` (its monitor says so), after
         ``handshakes`` handshake outcomes (a running count the caller keeps). A connection
@@ -98,16 +105,20 @@ class InboundGate:
         """A well-formed link message came over ``fd``: a peer, let it be."""
         self._unproven.pop(fd, None)
 
-    def expire(self, due: float) -> None:
-        """Shut down every unproven connection whose deadline is at or before ``due``.
-        Call it only right after draining the listener's monitor."""
+    def expire(self, due: float) -> int:
+        """Shut down every unproven connection whose deadline is at or before ``due``; the
+        number of entries examined. Call it only right after draining the listener's
+        monitor."""
+        examined = 0
         while self._unproven:
             fd, entry = next(iter(self._unproven.items()))
+            examined += 1
             if entry.deadline > due:
-                return
+                return examined
             del self._unproven[fd]
             if entry.peer is not None and _shut_down(fd, entry.peer):
                 self._on_close(_text(entry.peer))
+        return examined
 
 
 def _text(peer: tuple[Any, ...]) -> str:

@@ -35,7 +35,7 @@ Model (what callers and tests rely on):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from p2pkv.contracts import (
@@ -117,6 +117,10 @@ class ZmqControlTransport(ControlTransport):
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
         """See :meth:`p2pkv_zmq.hub.ZmqHub.poll`."""
         return self._hub.poll(timeout)
+
+    def take_active(self) -> Collection[ControlConnection] | None:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.take_active`."""
+        return self._hub.take_active()
 
     def batch_sends(self) -> bool:
         """See :meth:`p2pkv_zmq.hub.ZmqHub.batch_sends`."""

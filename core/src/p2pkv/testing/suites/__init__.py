@@ -39,21 +39,42 @@ which a subclass may override instead):
                          watching a canary in its slots (data; default 0.5)
 ``poll_budget``          polls of each side within which one read, alone in an idle process,
                          must complete (data; default 100)
+``isolation_rounds``     rounds within which a healthy peer's reads complete while another
+                         peer is frozen with transfers in flight (data; default 100)
+``call_margin``          ``remove_peer``/``close`` with a frozen peer return within this many
+                         driver bounds (``DRIVER_BOUND``, 0.1 s; data; default 5)
 
 The data suites read from the peer into the transport under test (the consumer owns every
 write into its region) and, while waiting on a read, always keep the peer side progressing and
 polling (a two-sided peer serves reads from there; its ``poll`` must report nothing).
 
+``DataTransportSuite`` includes the isolation checks of ``DataIsolationSuite`` (a peer frozen
+mid-transfer never stalls another peer's transfers; ``remove_peer`` and ``close`` never wait
+for it); subclass ``DataIsolationSuite`` alone to run only those, e.g. with options that make
+the transport's shared budgets small enough for the kit's region to fill.
+
 Individual tests may be overridden or disabled in the subclass like any pytest test
 (``test_x = None`` removes one), but a transport that needs that is not conformant.
 
 Import the suites from here; the modules behind it are ``support`` (what every suite
-shares), ``data`` with its harness ``data_pair``, and ``control``.
+shares), ``data_fixtures`` (what the data suites share), ``data`` with its harness
+``data_pair``, ``isolation`` with its harness ``isolation_pair``, ``control``, and
+``control_active`` (the checks of ``take_active``, which :class:`ControlTransportSuite`
+includes).
 """
 
-from p2pkv.testing.suites.control import ControlTransportSuite
+from p2pkv.testing.suites.control import ControlTransportSuite as _ControlContract
+from p2pkv.testing.suites.control_active import ActiveConnectionChecks
 from p2pkv.testing.suites.data import DataTransportSuite
+from p2pkv.testing.suites.isolation import DataIsolationSuite
 from p2pkv.testing.suites.support import PEER_MODES as PEER_MODES
 from p2pkv.testing.suites.support import installed_transport
 
-__all__ = ["ControlTransportSuite", "DataTransportSuite", "installed_transport"]
+__all__ = [
+    "ControlTransportSuite", "DataIsolationSuite", "DataTransportSuite", "installed_transport",
+]
+
+
+class ControlTransportSuite(_ControlContract, ActiveConnectionChecks):
+    """The ``ControlTransport``/``ControlConnection`` contract, ``take_active`` included.
+    Subclass and set ``transport``."""

@@ -20,11 +20,62 @@ from p2pkv.contracts import (
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge
 from p2pkv.testing.peers import ControlPeer, LocalControlPeer, PeerHost, pattern
 from p2pkv.testing.suites.support import _SuiteBase
-from p2pkv.testing.waiting import quietly, wait_until
+from p2pkv.testing.waiting import WaitTimeout, quietly, wait_until
 
 __all__ = ["ControlTransportSuite"]
 
 T = TypeVar("T")
+
+STREAM_FRAMES = 600
+"""Frames each way in the long-stream test: a transport that loses one frame in a hundred
+passes it with a chance of about 1e-5."""
+STREAM_BATCH = 50
+"""Frames sent before the long-stream test waits for them (a send queue may be bounded)."""
+
+
+class _Stream:
+    """Frames expected on one end, in order, each once, checked as they arrive.
+
+    A frame out of place fails at once, naming the frames lost, duplicated or reordered. A
+    wait that times out names the frames still missing, not only the time waited."""
+
+    def __init__(self, what: str, source: Callable[[], Sequence[bytes]]) -> None:
+        self.what = what
+        self.source = source
+        self.expected: list[bytes] = []
+        self.got = 0
+
+    def check(self) -> bool:
+        """Take what arrived; True once every expected frame is here."""
+        for frame in self.source():
+            self._place(frame)
+        return self.got == len(self.expected)
+
+    def wait(self, pumps: Sequence[Callable[[], object]], timeout: float) -> None:
+        try:
+            wait_until(self.check, timeout=timeout, what=self.what, pumps=pumps)
+        except WaitTimeout:
+            due = len(self.expected)
+            raise AssertionError(
+                f"{self.what}: {self.got} of {due} frames arrived within {timeout}s; "
+                f"frames {self.got}..{due - 1} never did (dropped, or the connection stalled)"
+            ) from None
+
+    def _place(self, frame: bytes) -> None:
+        due = self.got
+        if due < len(self.expected) and frame == self.expected[due]:
+            self.got += 1
+            return
+        try:
+            index = self.expected.index(frame)
+        except ValueError:
+            raise AssertionError(f"{self.what}: a frame never sent arrived where frame {due} "
+                                 f"was due (corrupted or misdelivered)") from None
+        if index > due:
+            raise AssertionError(f"{self.what}: frame {index} arrived where frame {due} was "
+                                 f"due: frames {due}..{index - 1} were lost")
+        raise AssertionError(f"{self.what}: frame {index} arrived again after frame {due - 1} "
+                             f"(duplicated or reordered)")
 
 
 class _ControlPair:
@@ -204,13 +255,35 @@ class ControlTransportSuite(_SuiteBase):
     def test_frames_arrive_in_order_each_once(self, pair: _ControlPair) -> None:
         frames = self._frames(40)
         conn, handle = pair.dial_peer(frames)
-        got = pair.receive(lambda: pair.peer.frames(handle), len(frames), "40 frames")
-        assert got == frames, "frames must arrive intact, in order, each exactly once"
+        ours = _Stream("40 frames, at the peer", lambda: pair.peer.frames(handle))
+        ours.expected += frames
+        ours.wait(pair.pumps(), self.timeout)
         reply = self._frames(7)[::-1]
         for frame in reply:
             pair.peer.send(handle, frame)
-        back = pair.receive(lambda: pair.recv(conn), len(reply), "the peer's replies")
-        assert back == reply
+        theirs = _Stream("the peer's replies, at us", lambda: pair.recv(conn))
+        theirs.expected += reply
+        theirs.wait(pair.pumps(), self.timeout)
+
+    def test_a_long_stream_loses_no_frame(self, pair: _ControlPair) -> None:
+        """600 small frames each way, in batches, arrive in order, each once. A transport
+        that loses an occasional frame (one in a hundred) fails here, naming the frames
+        lost, where the short tests would likely pass it."""
+        frames = [i.to_bytes(4, "big") + pattern(i, i % 61).tobytes()
+                  for i in range(STREAM_FRAMES)]
+        conn, handle = pair.dial_peer(frames[:1])
+        ours = _Stream("a long stream, at the peer", lambda: pair.peer.frames(handle))
+        theirs = _Stream("a long stream from the peer, at us", lambda: pair.recv(conn))
+        ours.expected.append(frames[0])
+        for start in range(1, STREAM_FRAMES, STREAM_BATCH):
+            for frame in frames[start:start + STREAM_BATCH]:
+                conn.send(frame)
+                ours.expected.append(frame)
+                pair.peer.send(handle, frame)
+                theirs.expected.append(frame)
+            pair.transport.flush()
+            ours.wait(pair.pumps(), self.timeout)
+            theirs.wait(pair.pumps(), self.timeout)
 
     def test_batched_frames_arrive_in_order_each_once(self, pair: _ControlPair) -> None:
         """A transport that batches (``batch_sends()`` True) delivers what ``send`` queued
@@ -227,8 +300,9 @@ class ControlTransportSuite(_SuiteBase):
             elif i % 11 == 5:
                 pair.poll_local(0.0)
         pair.transport.flush()
-        got = pair.receive(lambda: pair.peer.frames(handle), len(frames), "40 batched frames")
-        assert got == frames, "batched frames must arrive intact, in order, each exactly once"
+        batched = _Stream("40 batched frames, at the peer", lambda: pair.peer.frames(handle))
+        batched.expected += frames
+        batched.wait(pair.pumps(), self.timeout)
 
     def test_inbound_connection_is_returned_once_with_its_first_frames(
         self, pair: _ControlPair

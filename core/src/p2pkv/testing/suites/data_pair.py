@@ -75,6 +75,12 @@ class _DataPair:
             self._sources[peer] = peer.region_bytes()
         return self._sources[peer]
 
+    def rewritten(self, peer_id: str) -> None:
+        """The peer's region was changed on purpose (a read of its own landed in it): note
+        its region afresh (only while it runs)."""
+        peer = self.peers[peer_id]
+        self._sources[peer] = peer.region_bytes()
+
     def kill(self, peer_id: str, end: Callable[[], object]) -> None:
         """Make the peer dead with ``end`` (close it, SIGKILL its process); never pumped again."""
         self.source(peer_id)

@@ -270,7 +270,7 @@ class ProxyApp:
             reply = await asyncio.wait_for(
                 self._fetch("POST", url, data=json.dumps(payload).encode(),
                             headers={"content-type": "application/json"}), timeout)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return 0, b""
         return reply.status, reply.body
 
@@ -377,7 +377,7 @@ class ProxyApp:
         timeout = self.config.timeouts.connect
         try:
             reply = await asyncio.wait_for(self._fetch("GET", f"{url}/health"), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no /health answer in {timeout:g}s"
         except aiohttp.ClientError as exc:
             return f"unreachable: {_describe(exc)}"
@@ -435,7 +435,7 @@ class ProxyApp:
                 self._fetch("GET", f"{decoder.url}/v1/models", headers=headers),
                 t.connect + t.idle,
             )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             await exchange.error(
                 502, f"decoder {decoder.url} unreachable: {_describe(exc)}",
                 kind="bad_gateway", upstream=decoder.url,
@@ -459,7 +459,7 @@ class ProxyApp:
                     kind="invalid_request_error",
                 )
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 record.outcome = "client_timeout"
                 await exchange.error(408, "request body not received in time",
                                      kind="invalid_request_error")
@@ -591,7 +591,7 @@ class ProxyApp:
                 ),
                 timeout,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             outcome = _PrefillOutcome(False, f"timeout after {timeout:g}s")
         except aiohttp.ClientError as exc:
             outcome = _PrefillOutcome(False, f"unreachable: {_describe(exc)}")
@@ -646,7 +646,7 @@ class ProxyApp:
                 ),
                 timeout,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _UpstreamError(504, "decoder_timeout",
                                  f"decoder {url} sent no response in {timeout:g}s", url) from None
         except aiohttp.ClientError as exc:
@@ -661,7 +661,7 @@ class ProxyApp:
             try:
                 async for chunk in response.content.iter_any():
                     await exchange.body(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 exchange.record.outcome = "decode_stream_error"
                 log.warning("decode stream %s broke after %d bytes: %s; dropping the client "
                             "connection", exchange.record.kv_request_id, exchange.record.bytes,

@@ -245,12 +245,8 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read proxy config file {path!r}: {exc.strerror}") from None
     try:
         if path.endswith(".toml"):
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                raise ConfigError(
-                    f"{path}: TOML needs Python >= 3.11; use a .json config file"
-                ) from None
+            import tomllib
+
             parsed: Any = tomllib.loads(data.decode())
         else:
             parsed = json.loads(data)

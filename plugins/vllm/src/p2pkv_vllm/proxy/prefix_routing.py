@@ -110,7 +110,7 @@ class PrefixRouter:
         try:
             decision = await asyncio.wait_for(self._decide(path, body),
                                               self._settings.lookup_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             decision = self._decision({}, 0, "timeout")
         self.counters.update({"decisions": 1, f"lookup_{decision.lookup}": 1,
                               "with_source": decision.source is not None,

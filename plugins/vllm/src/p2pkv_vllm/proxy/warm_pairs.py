@@ -132,7 +132,7 @@ class PairWarmer:
                 await self._wait_healthy(pair, deadline)
                 began = time.monotonic()
                 await self._warm(pair)
-            except (OSError, ValueError, LookupError, TypeError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError, ValueError, LookupError, TypeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 self._status[pair.name] = {"state": "failed", "reason": reason}
                 log.warning("warm pair %s failed: %s", pair.name, reason)
@@ -147,14 +147,14 @@ class PairWarmer:
         for url in (pair.producer.upstream.url, pair.consumer.upstream.url):
             while not await self._healthy(url):
                 if time.monotonic() + HEALTH_POLL > deadline:
-                    raise asyncio.TimeoutError(f"{url} not healthy within warm_pairs_wait")
+                    raise TimeoutError(f"{url} not healthy within warm_pairs_wait")
                 await asyncio.sleep(HEALTH_POLL)
 
     async def _healthy(self, url: str) -> bool:
         try:
             status, _ = await asyncio.wait_for(self._call("GET", f"{url}/health", None, {}),
                                                self._config.timeouts.connect)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             return False
         return 200 <= status < 300
 
