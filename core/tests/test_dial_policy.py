@@ -1,4 +1,5 @@
-"""``peers``: which peers requests may make the tier dial (allow-list, cap, eviction)."""
+"""``peers``: which peers requests may make the tier dial (allow-list, cap, eviction, the
+budget of new dials)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from p2pkv.config import Peers, TierConfig
-from p2pkv.dial_policy import DialPolicy
+from p2pkv.dial_policy import GRACE, DialPolicy
 from p2pkv.errors import ConfigError
 
 
 def policy(*allow: str, max_dialed: int = 256) -> DialPolicy:
-    return DialPolicy(Peers(allow=allow, max_dialed=max_dialed))
+    return DialPolicy(Peers(allow=allow, max_dialed=max_dialed), 0.0)
 
 
 @pytest.mark.parametrize(("peer", "allowed"), [
@@ -86,44 +87,58 @@ class Dial:
     """What the policy reads of a dialed session."""
 
     peer: str
+    at: float
     heard: bool = False
+    connected: bool = False
     busy: bool = False
 
 
+WAIT = "wait"
+
+
 class Dialer:
-    """The tier's side: its dialed sessions (dial order) and how recently each was active."""
+    """The tier's side: its dialed sessions (dial order), how recently each was active, and
+    the clock (``now``)."""
 
     def __init__(self, max_dialed: int) -> None:
         self.rules = policy(max_dialed=max_dialed)
+        self.now = 0.0
         self.open: dict[str, Dial] = {}
         self.recent: list[str] = []
         """Least recently active first."""
-        self.evicted: list[str] = []
-        self.evicted_heard: list[bool] = []
+        self.evicted: list[Dial] = []
 
     def count(self) -> int:
         return len(self.open)
 
-    def unheard(self) -> Iterator[Dial]:
-        return (d for d in self.open.values() if not d.heard)
-
     def unheard_count(self) -> int:
         return sum(1 for d in self.open.values() if not d.heard)
+
+    def stalled(self, dialed_before: float) -> Iterator[Dial]:
+        return (d for d in self.open.values()
+                if not (d.heard or d.connected) and d.at <= dialed_before)
 
     def idle(self) -> Iterator[Dial]:
         return (self.open[p] for p in self.recent if self.open[p].heard and not self.open[p].busy)
 
     def dial(self, peer: str, *, pd: bool = False) -> str | None:
-        verdict = self.rules.admit(peer, self, pd=pd)
+        """None: dialed; else why not (``WAIT``: put off)."""
+        verdict = self.rules.admit(peer, self, self.now, pd=pd)
+        if verdict.wait:
+            assert verdict.evict is None and verdict.refused is None
+            return WAIT
         if verdict.evict is not None:
             assert "peers.max_dialed" in verdict.reason
             self.end(verdict.evict.peer)
-            self.evicted.append(verdict.evict.peer)
-            self.evicted_heard.append(verdict.evict.heard)
+            self.evicted.append(verdict.evict)
         if verdict.refused is None:
-            self.open[peer] = Dial(peer)
+            self.open[peer] = Dial(peer, self.now)
             self.recent.append(peer)
         return verdict.refused
+
+    def hear(self, peer: str) -> None:
+        self.open[peer].heard = True
+        self.rules.answered()
 
     def end(self, peer: str) -> None:
         del self.open[peer]
@@ -137,23 +152,56 @@ class Dialer:
 def dial_heard(dialer: Dialer, *peers: str) -> None:
     for peer in peers:
         assert dialer.dial(peer) is None
-        dialer.open[peer].heard = True
+        dialer.hear(peer)
 
 
-def test_dials_that_heard_nothing_are_at_most_a_quarter_of_the_cap() -> None:
-    dialer = Dialer(max_dialed=8)
-    for peer in ("a:1", "b:1", "c:1"):
-        assert dialer.dial(peer) is None
-    assert dialer.evicted == ["a:1"] and dialer.rules.evicted == 1
+def test_a_new_dial_spends_a_token_and_one_whose_peer_answers_gives_it_back() -> None:
+    dialer = Dialer(max_dialed=8)  # 2 new dials a second, 2 saved up
+    assert dialer.dial("a:1") is None and dialer.dial("b:1") is None
+    assert dialer.dial("c:1") == WAIT  # the budget is spent
+    assert dialer.rules.next_dial(dialer.now) == pytest.approx(0.5)
+    dialer.hear("a:1")  # a healthy peer answers: its token is back at once
+    assert dialer.dial("c:1") is None
+    dialer.now = 0.4
+    assert dialer.dial("d:1") == WAIT
+    dialer.now = 0.5  # a token refilled
+    dialer.hear("b:1")
+    assert dialer.dial("d:1") is None
+
+
+def test_a_dial_without_progress_makes_way_only_after_the_grace() -> None:
+    dialer = Dialer(max_dialed=8)  # at most 2 dials that heard nothing
+    assert dialer.dial("a:1") is None and dialer.dial("b:1") is None
+    dialer.now = GRACE / 2  # a token is back, but both dials are young
+    assert dialer.dial("c:1") == WAIT and not dialer.evicted
+    dialer.now = GRACE
+    assert dialer.dial("c:1") is None
+    assert [d.peer for d in dialer.evicted] == ["a:1"] and dialer.rules.evicted == 1
     assert sorted(dialer.open) == ["b:1", "c:1"]
+
+
+def test_a_connected_dial_is_never_evicted_for_one_without_progress() -> None:
+    dialer = Dialer(max_dialed=8)
+    assert dialer.dial("a:1") is None and dialer.dial("b:1") is None
+    dialer.open["a:1"].connected = True  # its handshake is under way
+    dialer.now = 10 * GRACE
+    assert dialer.dial("c:1") is None
+    assert [d.peer for d in dialer.evicted] == ["b:1"]
+    dialer.open["c:1"].connected = True
+    dialer.now = 20 * GRACE
+    assert dialer.dial("d:1") == WAIT  # nothing stalled: wait, evict nobody
+    assert len(dialer.evicted) == 1
 
 
 def test_at_the_cap_a_dial_without_progress_makes_room_first() -> None:
     dialer = Dialer(max_dialed=8)
-    dial_heard(dialer, *(f"h{i}:1" for i in range(7)))
+    for i in range(7):
+        dialer.now = i
+        dial_heard(dialer, f"h{i}:1")
     assert dialer.dial("quiet:1") is None
+    dialer.now += GRACE
     assert dialer.dial("new:1") is None
-    assert dialer.evicted == ["quiet:1"] and dialer.rules.evicted == 1
+    assert [d.peer for d in dialer.evicted] == ["quiet:1"] and dialer.rules.evicted == 1
 
 
 def test_then_the_least_recently_active_idle_session_gives_way() -> None:
@@ -161,10 +209,11 @@ def test_then_the_least_recently_active_idle_session_gives_way() -> None:
     dial_heard(dialer, "a:1", "b:1")
     dialer.use("a:1")  # b is now the least recently active
     assert dialer.dial("c:1") is None
-    assert dialer.evicted == ["b:1"] and dialer.rules.gave_way == 1
+    assert [d.peer for d in dialer.evicted] == ["b:1"] and dialer.rules.gave_way == 1
 
 
-def test_when_every_session_works_a_pd_request_still_dials_and_others_are_refused() -> None:
+def test_when_every_session_works_a_pd_request_still_dials_and_others_wait_or_are_refused(
+) -> None:
     dialer = Dialer(max_dialed=2)
     dial_heard(dialer, "a:1", "b:1")
     for peer in ("a:1", "b:1"):
@@ -174,36 +223,51 @@ def test_when_every_session_works_a_pd_request_still_dials_and_others_are_refuse
     assert dialer.rules.refused == 1
     assert dialer.dial("pd:1", pd=True) is None  # its producer holds blocks for it
     assert dialer.rules.over_cap == 1 and len(dialer.open) == 3
-    assert dialer.dial("next:1") is None  # the unheard PD dial is the one to make room
-    assert dialer.evicted == ["pd:1"]
+    assert dialer.dial("next:1") == WAIT  # the PD dial may still free a place
+    dialer.now = 2 * GRACE
+    assert dialer.dial("next:1") is None  # it made no progress: it makes room
+    assert [d.peer for d in dialer.evicted] == ["pd:1"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["pull", "pd", "end", "heard", "busy", "use"]),
+@given(st.lists(st.tuples(st.sampled_from(["pull", "pd", "end", "heard", "connected", "busy",
+                                           "use", "later"]),
                           st.integers(0, 12)), max_size=80),
        st.integers(1, 12))
-def test_dials_stay_within_the_cap_and_progress_is_never_evicted_for_a_dial_without(
+def test_dials_stay_within_the_cap_and_the_budget_and_progress_is_never_evicted(
     steps: list[tuple[str, int]], cap: int,
 ) -> None:
-    """Only PD requests go beyond the cap, and only when every session is working; a session
-    that heard its peer is never closed while one that did not is open; dials that heard
-    nothing stay within a quarter of the cap."""
+    """Only PD requests go beyond the cap, and only when every session is working; a dial
+    that heard or connected its peer, or is younger than the grace, is never closed for a
+    new one; dials that heard nothing stay within a quarter of the cap; new dials that were
+    never answered stay within the budget."""
     dialer = Dialer(max_dialed=cap)
+    spent = 0
     for action, n in steps:
         peer = f"p{n}:1"
         known = dialer.open.get(peer)
         if action in ("pull", "pd") and known is None:
-            had_unheard = any(not d.heard for d in dialer.open.values())
             before, evictions = len(dialer.open), len(dialer.evicted)
-            dialer.dial(peer, pd=action == "pd")
-            if len(dialer.evicted) > evictions and had_unheard:
-                assert not dialer.evicted_heard[-1], "a dial with progress was evicted"
+            stalled = next(dialer.stalled(dialer.now - GRACE), None) is not None
+            if dialer.dial(peer, pd=action == "pd") is None:
+                spent += 1
+            for victim in dialer.evicted[evictions:]:
+                assert not victim.heard or not stalled, "a heard session left before a stall"
+                assert victim.heard or not victim.connected, "a connected dial was evicted"
+                assert victim.heard or dialer.now - victim.at >= GRACE, "a young dial evicted"
             over = len(dialer.open) > cap
             assert not over or (action == "pd" and before >= cap)
             assert dialer.unheard_count() <= dialer.rules.max_unheard
+            budget = dialer.rules.max_unheard
+            assert spent <= budget + budget * dialer.now
+        elif action == "later":
+            dialer.now += n / 8
         elif known is not None and action == "end":
             dialer.end(peer)
-        elif known is not None and action == "heard":
-            known.heard = True
+        elif known is not None and action == "heard" and not known.heard:
+            dialer.hear(peer)
+            spent -= 1
+        elif known is not None and action == "connected":
+            known.connected = True
         elif known is not None and action == "busy":
             known.busy = True
         elif known is not None and action == "use":

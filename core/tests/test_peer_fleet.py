@@ -6,8 +6,9 @@ address); the tier keeps sessions to ``peers.warm`` of them, and a request namin
 peer, or one outside the Service, is served: warm sessions are not counted in
 ``peers.max_dialed``, an idle dialed session gives way to a peer with a request, and a PD
 request is dialed beyond the cap rather than refused. A dial that heard its peer is never
-evicted for one that has not; an address whose dial failed is backed off, so requests naming
-it cost no dial until the backoff passes.
+evicted for one that has not (the requests a flood holds wait: ``test_dial_queue.py``); an
+address whose dial failed is backed off, so requests naming it cost no dial until the
+backoff passes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from p2pkv.dial_policy import GRACE
 from p2pkv.testing.waiting import wait_until
 from p2pkv.types import Outcome, RequestContext
 
@@ -111,14 +113,17 @@ def test_a_flood_of_silent_peers_never_evicts_a_dial_that_heard_its_peer(
 ) -> None:
     c = cluster(peers={"max_dialed": 16}, control_options={"connect_timeout": 3600})
     fresh = cluster()
-    for i in range(4):  # dials that heard nothing: at most 16 // 4
+    for i in range(4):  # the budget (16 // 4 new dials) and the places of silent dials
         c.tier.on_new_request(bogus(i))
     ctx, pctx = c.consumer_ctx("fresh", fresh), fresh.producer_ctx("fresh")
-    c.tier.on_new_request(ctx)  # evicts the oldest silent dial
+    c.tier.on_new_request(ctx)  # waits: no token, no place
     c.load(1, h.keys("fresh", 2), [0, 1], ctx)
-    h.pump([c, fresh], 2)  # the fresh producer's hello arrives: its dial made progress
-    assert c.tier.stats()["peers_dialing"] == 3  # the fresh dial heard its peer
-    for i in range(4, 200):  # the flood goes on: each new name evicts a silent dial
+    assert c.tier.stats()["peers_waiting"] == 1
+    h.advance(c.clock, [c, fresh], GRACE)  # tokens again; the oldest silent dial makes way
+    stats = c.tier.stats()
+    assert stats["peers_evicted"] == 1 and stats["peers_dialing"] == 3, stats  # fresh heard
+    for i in range(4, 200):  # the flood goes on: each name waits or replaces a stalled dial
+        c.clock.advance(0.05)
         c.tier.on_new_request(bogus(i))
         c.collect()
     fresh.tier.on_new_request(pctx)
@@ -126,7 +131,8 @@ def test_a_flood_of_silent_peers_never_evicts_a_dial_that_heard_its_peer(
     h.pump_until([c, fresh], lambda: 1 in c.results)
     assert c.outcome(1) is Outcome.DONE
     assert (c.blocks[[0, 1]] == fresh.blocks[[4, 5]]).all()
-    assert c.tier.stats()["sessions"] <= 16 // 4 + 1, c.tier.stats()  # the flood holds 4
+    stats = c.tier.stats()  # the flood holds 4 dials and 16 waiting names at most
+    assert stats["sessions"] <= 16 // 4 + 1 and stats["peers_waiting"] <= 16, stats
 
 
 def test_an_address_whose_dial_failed_is_refused_at_once_until_its_backoff_passes(

@@ -10,20 +10,27 @@ its built-in tier). :class:`DialPolicy` bounds it:
   may dial; any other peer is refused before any socket exists. A host name matches only
   itself (case-insensitive): the policy never resolves names, so it costs the engine thread
   nothing. Empty (the default): any peer.
-- dials that heard nothing from their peer yet (a flood of refusing or black-holed names):
-  at most a quarter of ``peers.max_dialed`` (64 by default) are open at once, each holding
-  sockets until its handshake deadline; a new one beyond that takes the place of the oldest.
-  A healthy peer answers within a round trip, so its dial outlives 64 newer names: it is
-  heard long before, and a dial that heard its peer is never evicted for one that has not.
+- **A budget of new dials**: a request's dial of a new peer spends a token of a bucket that
+  refills at a quarter of ``peers.max_dialed`` per second (64/s by default, as many saved
+  up); a dial whose peer answers gives its token back. Healthy peers are dialed as fast as
+  they answer; names that never answer cost at most 64 dials a second, each a few hundred
+  microseconds of the engine thread (its sockets opened and closed).
+- **Dials that heard nothing from their peer yet** (a flood of refusing or black-holed names
+  holds one each until it fails or its handshake deadline): at most that same quarter are
+  open at once. A new one beyond that takes the place of the oldest that made no progress
+  for :data:`GRACE` seconds (libzmq has not even connected it). A dial that is making
+  progress (connected, or heard its peer) is never evicted for one that has not, nor is a
+  dial younger than :data:`GRACE`.
+- A request that finds no token or no place **waits** (:mod:`p2pkv.tiering.dial_queue`),
+  its loads within their own deadlines, rather than fail.
 - ``peers.max_dialed``: sessions this tier dialed for requests that may be open at once
   (warm sessions, :mod:`p2pkv.tiering.warm`, have their own bound; sessions peers dialed to
   us do not count). At the cap, a request naming a new peer takes the place of, in order:
-  the oldest dial that has heard nothing from its peer yet (a black-holed or refusing
-  address; a dial that is making progress is never evicted for one that is not), else the
-  least recently active idle session (it gives way with a bye). When every dialed session is
-  working or hearing its peer, a PD request (``remote_prefiller``) is still dialed, beyond
-  the cap: its producer holds blocks for it, which refusing would leave parked until
-  ``timeouts.unbound_store``. Any other request is refused.
+  the oldest dial that made no progress (as above), else the least recently active idle
+  session (it gives way with a bye). When every dialed session is working or hearing its
+  peer, a PD request (``remote_prefiller``) is still dialed, beyond the cap: its producer
+  holds blocks for it, which refusing would leave parked until ``timeouts.unbound_store``.
+  Any other request waits while a dial in progress may still free a place, else is refused.
 
 A refused request recomputes (its lookups MISS, its loads fail ``peer_dead`` naming the
 limit). Threading: driver thread only.
@@ -38,14 +45,19 @@ from typing import Generic, Protocol, TypeVar
 
 from p2pkv.addressing import parse_address
 from p2pkv.errors import ConfigError
+from p2pkv.ratelimit import TokenBucket
 
-__all__ = ["UNHEARD_SHARE", "DialPolicy", "DialedSessions", "PeerLimits", "Verdict",
+__all__ = ["GRACE", "UNHEARD_SHARE", "DialPolicy", "DialedSessions", "PeerLimits", "Verdict",
            "allow_list"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 S = TypeVar("S")
 UNHEARD_SHARE = 4
-"""At most ``max_dialed // UNHEARD_SHARE`` dials that heard nothing yet are open at once."""
+"""At most ``max_dialed // UNHEARD_SHARE`` dials that heard nothing yet are open at once, and
+as many new dials a second spend the budget."""
+GRACE = 1.0
+"""Seconds a dial may go without progress before a new one may take its place: a healthy
+peer connects within a round trip, even on a loaded host."""
 S_co = TypeVar("S_co", covariant=True)
 
 
@@ -90,12 +102,13 @@ class DialedSessions(Protocol[S_co]):
         """Dialed sessions open, warm ones left out."""
         ...
 
-    def unheard(self) -> Iterator[S_co]:
-        """Those that heard nothing from their peer yet, oldest dial first."""
+    def unheard_count(self) -> int:
+        """Those that heard nothing from their peer yet."""
         ...
 
-    def unheard_count(self) -> int:
-        """How many :meth:`unheard` yields."""
+    def stalled(self, dialed_before: float) -> Iterator[S_co]:
+        """Those that heard nothing and made no progress, dialed before ``dialed_before`` (a
+        clock reading), oldest dial first."""
         ...
 
     def idle(self) -> Iterator[S_co]:
@@ -106,27 +119,32 @@ class DialedSessions(Protocol[S_co]):
 @dataclass(frozen=True)
 class Verdict(Generic[S]):
     """What :meth:`DialPolicy.admit` decided: dial (nothing set), dial once ``evict`` is
-    closed with ``reason``, or not at all (``refused``: why)."""
+    closed with ``reason``, wait for a free dial (``wait``), or not at all (``refused``:
+    why). A dial spent a token of the budget: :meth:`DialPolicy.answered` gives it back."""
 
     evict: S | None = None
     reason: str = ""
     refused: str | None = None
+    wait: bool = False
 
 
 class DialPolicy:
-    """``peers`` of one tier: the allow-list and the cap; the tier shows it the sessions it
-    dialed (:meth:`admit`), it keeps no copy of them."""
+    """``peers`` of one tier: the allow-list, the cap and the budget of new dials; the tier
+    shows it the sessions it dialed (:meth:`admit`), it keeps no copy of them. ``now`` is
+    the tier's clock at construction (the budget starts full)."""
 
-    def __init__(self, peers: PeerLimits) -> None:
+    def __init__(self, peers: PeerLimits, now: float) -> None:
         self._networks, self._names = allow_list(peers.allow)
         self._open = not peers.allow
         self.max_dialed = peers.max_dialed
         self.max_unheard = max(1, peers.max_dialed // UNHEARD_SHARE)
-        """Dials that heard nothing yet open at once (a flood's footprint)."""
+        """Dials that heard nothing yet open at once (a flood's footprint), and new dials a
+        second that the budget allows."""
+        self._budget = TokenBucket(self.max_unheard, self.max_unheard, now)
         self.refused = 0
         """Dials refused: not on the allow-list, or every dialed session ready at the cap."""
         self.evicted = 0
-        """Dials that heard nothing from their peer, closed to make room for a new peer."""
+        """Dials that made no progress, closed to make room for a new peer."""
         self.gave_way = 0
         """Idle sessions closed to make room for a new peer with a request."""
         self.over_cap = 0
@@ -149,32 +167,59 @@ class DialPolicy:
         return None if allowed else ("it is not on peers.allow (add its network to the "
                                      "tier's peers.allow to let requests name it)")
 
-    def admit(self, peer: str, dialed: DialedSessions[S], *, pd: bool) -> Verdict[S]:
-        """Whether a request may dial a new session to ``peer`` (the module docstring has
-        the rules): dial as is, dial once ``Verdict.evict`` is closed, or refused (why)."""
+    def screen(self, peer: str) -> str | None:
+        """:meth:`refusal`, counted in ``refused``: a request named ``peer``."""
         why = self.refusal(peer)
         if why is not None:
             self.refused += 1
-            return Verdict(refused=why)
-        if dialed.unheard_count() >= self.max_unheard:
-            return self._evict_unheard(peer, dialed, f"{self.max_unheard} dials of this tier "
-                                       f"heard nothing yet (a quarter of peers.max_dialed)")
-        if dialed.count() >= self.max_dialed:
-            return self._at_cap(peer, dialed, pd=pd)
-        return Verdict()
+        return why
 
-    def _evict_unheard(self, peer: str, dialed: DialedSessions[S], why: str) -> Verdict[S]:
-        victim = next(dialed.unheard(), None)
-        if victim is None:
+    def admit(self, peer: str, dialed: DialedSessions[S], now: float, *,
+              pd: bool) -> Verdict[S]:
+        """Whether a request may dial a new session to ``peer`` at ``now`` (the module
+        docstring has the rules): dial as is, dial once ``Verdict.evict`` is closed, wait, or
+        refused (why). A dial spends a token of the budget."""
+        why = self.screen(peer)
+        if why is not None:
+            return Verdict(refused=why)
+        budget = self._budget
+        if not budget.take(now):
+            return Verdict(wait=True)
+        if dialed.unheard_count() >= self.max_unheard:
+            verdict = self._evict_stalled(peer, dialed, now, f"{self.max_unheard} dials of "
+                                          "this tier heard nothing yet (a quarter of "
+                                          "peers.max_dialed)")
+        elif dialed.count() >= self.max_dialed:
+            verdict = self._at_cap(peer, dialed, now, pd=pd)
+        else:
             return Verdict()
+        if verdict.wait or verdict.refused is not None:
+            budget.put_back()
+        return verdict
+
+    def answered(self) -> None:
+        """A dial that spent a token heard its peer: the token returns to the budget."""
+        self._budget.put_back()
+
+    def next_dial(self, now: float) -> float:
+        """Seconds from ``now`` until the budget allows a new dial (0.0: at once)."""
+        return self._budget.wait(now)
+
+    def _evict_stalled(self, peer: str, dialed: DialedSessions[S], now: float,
+                       why: str) -> Verdict[S]:
+        """Evict the oldest dial without progress for :data:`GRACE` seconds, else wait."""
+        victim = next(dialed.stalled(now - GRACE), None)
+        if victim is None:
+            return Verdict(wait=True)
         self.evicted += 1
         return Verdict(evict=victim, reason=f"evicted for a new peer, {peer}: {why} and this "
-                       "one heard nothing from its peer yet")
+                       f"one made no progress in {GRACE:g}s (not connected, nothing heard)")
 
-    def _at_cap(self, peer: str, dialed: DialedSessions[S], *, pd: bool) -> Verdict[S]:
+    def _at_cap(self, peer: str, dialed: DialedSessions[S], now: float, *,
+                pd: bool) -> Verdict[S]:
         cap = self.max_dialed
-        verdict = self._evict_unheard(peer, dialed, f"{cap} sessions this tier dialed are open "
-                                      f"(peers.max_dialed)")
+        verdict = self._evict_stalled(peer, dialed, now, f"{cap} sessions this tier dialed "
+                                      "are open (peers.max_dialed)")
         if verdict.evict is not None:
             return verdict
         victim = next(dialed.idle(), None)
@@ -186,6 +231,8 @@ class DialPolicy:
         if pd:
             self.over_cap += 1
             return Verdict()
+        if dialed.unheard_count():  # a dial still making progress may free a place
+            return Verdict(wait=True)
         self.refused += 1
         return Verdict(refused=(
             f"{cap} sessions this tier dialed are open and working or hearing their peers "

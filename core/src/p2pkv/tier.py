@@ -47,6 +47,7 @@ from p2pkv.session.pause import PauseDetector
 from p2pkv.session.producers import ProducerDirectory
 from p2pkv.session.session import Session
 from p2pkv.tiering.backoff import DialBackoff
+from p2pkv.tiering.dial_queue import DialQueue
 from p2pkv.tiering.dialer import Dialer, DialKind
 from p2pkv.tiering.domains import FailureDomains
 from p2pkv.tiering.requests import RequestRouter
@@ -127,18 +128,19 @@ class P2PTier:
         config, env, table, clock = self._config, self._env, self._table, self._clock
         peers, peer_timers = config.peers, Deadlines()
         backoff = DialBackoff(peers.dial_backoff)
-        policy = DialPolicy(peers)
-        dialer = Dialer(self._control, table, self._admission, env, policy, backoff)
         warm = WarmSet(peers.warm, peers.max_handshakes, table, peer_timers, clock, backoff)
+        queue = DialQueue(env, peers.max_dialed, peer_timers, warm.listed)
+        dialer = Dialer(self._control, table, self._admission, env,
+                        DialPolicy(peers, clock()), backoff, queue, peer_timers)
         domains = FailureDomains(table, clock, config.timeouts.handshake)
         idle = IdleReaper(peers.idle_timeout, peer_timers, clock, self._reap, warm.__contains__)
         dialer.warm, dialer.handshake_timeout = warm, domains.handshake_timeout
-        warm.dial = lambda peer: dialer.session_for(peer, DialKind.WARM)
-        domains.redial = lambda peer: dialer.session_for(peer, DialKind.PROBE)
+        warm.dial = lambda peer: dialer.own_dial(peer, DialKind.WARM)
+        domains.redial = lambda peer: dialer.own_dial(peer, DialKind.PROBE)
         table.watchers.extend((dialer, warm, domains, idle))
         discovery = (Discovery(peers.connect, peers.resolve_interval, self.local_address)
                      if peers.connect else None)
-        periodic = [env.warnings.flush]
+        periodic = [env.warnings.flush, dialer.drain]
         if discovery is not None:
             periodic.append(lambda now: _discovered(discovery, warm, now))
         self._dialer = dialer
@@ -148,10 +150,9 @@ class P2PTier:
         pauses = PauseDetector(clock, self._control.silence_timeout)
         self._ticker = TickPipeline(self._control, env, table, self._admission, pauses,
                                     peer_timers, periodic)
-        self._shutdown = Shutdown(self._control, env, table, self._admission, discovery,
+        self._shutdown = Shutdown(self._control, env, table, self._admission, discovery, queue,
                                   self._ticker.tick, pauses.close)
-        self._views = TierViews(env, table, self._admission, policy, backoff, warm, domains,
-                                idle)
+        self._views = TierViews(env, table, self._admission, dialer, warm, domains, idle)
 
     def _reap(self, session: Session, reason: str) -> None:
         self._table.close(session, Outcome.PEER_DEAD, reason, bye=reason)

@@ -47,7 +47,7 @@ MEMORY = 1024
 
 class FailureDomains(SessionWatcher):
     """Suspect hosts and their probes (see the module docstring). ``redial(peer)`` dials a
-    probe (the dialer's ``session_for`` with ``DialKind.PROBE``)."""
+    probe (the dialer's ``own_dial`` with ``DialKind.PROBE``)."""
 
     def __init__(self, table: SessionTable, clock: Callable[[], float],
                  handshake: float) -> None:

@@ -3,7 +3,9 @@
 Each call finds the sessions it concerns (the dialer, by the peer the routing names; the
 producer directory, by ``kv_request_id``) and marks them touched in the table, so the tier's
 views of pending work visit only sessions something happened to. A consumer request naming
-a peer of ``peers.connect`` also makes it a member of the warm set.
+a peer of ``peers.connect`` also makes it a member of the warm set. A request whose peer
+waits for a dial (:mod:`.dial_queue`) waits with it: its PD lookups hit, its symmetric
+lookups say RETRY, its loads stay open within their deadlines.
 
 Threading: driver thread only (``P2PTier`` holds the guard).
 """
@@ -18,7 +20,7 @@ from p2pkv.routing import ConsumerRoute, Routing, parse_routing
 from p2pkv.session.env import SessionEnv
 from p2pkv.session.intake import JobIntake
 from p2pkv.session.session import Session
-from p2pkv.tiering.dialer import Dialer, DialKind, Refusal
+from p2pkv.tiering.dialer import Dialer, DialKind, Queued, Refusal
 from p2pkv.tiering.table import SessionTable
 from p2pkv.tiering.warm import WarmSet
 from p2pkv.types import Job, LocalHitSource, LookupResult, Outcome, RequestContext
@@ -53,11 +55,12 @@ class RequestRouter:
             )
         return routing
 
-    def session_for(self, consumer: ConsumerRoute) -> Session | str:
-        """The session to the request's producer (dialing it if needed), or why not."""
+    def session_for(self, consumer: ConsumerRoute) -> Session | str | Queued:
+        """The session to the request's producer (dialing it if needed), why not, or
+        ``QUEUED``: the request waits for the dial."""
         self._warm.named(consumer.peer)
         kind = DialKind.REQUEST if consumer.probe else DialKind.PD
-        return self._dialer.session_for(consumer.peer, kind)
+        return self._dialer.session_for(consumer.peer, kind, consumer.kv_request_id)
 
     def on_new_request(self, ctx: RequestContext) -> bool:
         """See ``P2PTier.on_new_request``."""
@@ -71,7 +74,7 @@ class RequestRouter:
                 if not (isinstance(session, Refusal) and session.passing):
                     self._env.failed_loads.mark(consumer.kv_request_id, session)
                 # else: backed off; its loads fail peer_dead at submit, for as long as it is
-            else:
+            elif session is not Queued.QUEUED:
                 session.consumer.open_request(consumer.kv_request_id)
         if routing.producer is not None:
             self._env.producers.producer_started(routing.producer.kv_request_id)
@@ -90,6 +93,8 @@ class RequestRouter:
         session = self.session_for(consumer)
         if isinstance(session, str):
             return LookupResult.MISS
+        if session is Queued.QUEUED:
+            return LookupResult.RETRY
         result = session.consumer.probe(consumer.kv_request_id, key)
         if result is LookupResult.RETRY:
             self._table.probing[session] = None
@@ -128,12 +133,18 @@ class RequestRouter:
             return
         consumer = self.routing(job.ctx).consumer
         assert consumer is not None  # admitted as a load: it has consumer routing
+        queue = self._dialer.queue
+        if consumer.peer in queue:  # it waits for a dial: the load waits with it
+            queue.add_load(consumer.peer, kv, job, consumer.probe)
+            return
         session = self.session_for(consumer)
         if isinstance(session, str):
             env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD.value}: {session}")
             ledger.close(job.job_id, Outcome.PEER_DEAD, session)
-            return
-        session.consumer.submit(job, kv, pull=consumer.probe)
+        elif session is Queued.QUEUED:
+            self._dialer.queue.add_load(consumer.peer, kv, job, consumer.probe)
+        else:
+            session.consumer.submit(job, kv, pull=consumer.probe)
 
     def _admit(self, job: Job, *, load: bool) -> tuple[Job, str, str] | None:
         return self._intake.admit(job, self.routing(job.ctx), load=load,
@@ -148,6 +159,8 @@ class RequestRouter:
             session = self._table.get(consumer.peer)
             if session is not None:
                 session.consumer.finish(consumer.kv_request_id)
+            elif consumer.peer in self._dialer.queue:
+                self._dialer.queue.finish(consumer.peer, consumer.kv_request_id)
         if producer is not None:
             role = self._env.producers.producer_finished(producer.kv_request_id)
             if role is not None:

@@ -1,6 +1,7 @@
 """Shutting the tier down within ``timeouts.shutdown_drain`` (docs/protocol.md §10).
 
-Steps: stop resolving ``peers.connect``; refuse new connections and fail parked stores;
+Steps: stop resolving ``peers.connect``; refuse new connections, fail parked stores and the
+loads waiting for a dial;
 wind every session down (our loads fail at once, their reads cancelled; the peers' rounds
 fail); tick until every session is wound down or the budget is spent; close every session
 (a bye each), drop the pins still held and answer every job; close the control transport,
@@ -19,6 +20,7 @@ from p2pkv.contracts import ControlTransport
 from p2pkv.discovery import Discovery
 from p2pkv.session.admission import Admission
 from p2pkv.session.env import SessionEnv
+from p2pkv.tiering.dial_queue import DialQueue
 from p2pkv.tiering.table import SessionTable
 from p2pkv.types import Outcome
 
@@ -35,13 +37,14 @@ class Shutdown:
     ``stop_watch()`` stops the pause detector's watchdog (``PauseDetector.close``)."""
 
     def __init__(self, control: ControlTransport, env: SessionEnv, table: SessionTable,
-                 admission: Admission, discovery: Discovery | None,
+                 admission: Admission, discovery: Discovery | None, queue: DialQueue,
                  tick: Callable[[float], None], stop_watch: Callable[[], None]) -> None:
         self._control = control
         self._env = env
         self._table = table
         self._admission = admission
         self._discovery = discovery
+        self._queue = queue
         self._tick = tick
         self._stop_watch = stop_watch
 
@@ -58,6 +61,7 @@ class Shutdown:
         self._table.stopping = True
         self._admission.stop()
         self._env.producers.fail_parked(Outcome.SHUTDOWN, "tier shut down")
+        self._queue.fail_all(Outcome.SHUTDOWN, "tier shut down")
         for session in self._table.sessions.values():
             session.wind_down()
 

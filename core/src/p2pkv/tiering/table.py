@@ -65,8 +65,9 @@ class SessionTable:
         """Closed sessions with blocks still pinned for their consumer (until the lease)."""
         self.dialed: OrderedDict[Session, None] = OrderedDict()
         """Sessions this tier dialed, least recently active first."""
-        self.unheard: dict[Session, None] = {}
-        """Dialed sessions whose peer sent nothing yet, oldest first."""
+        self.unheard: dict[Session, float] = {}
+        """Dialed sessions whose peer sent nothing yet, oldest first, with when each was
+        dialed."""
         self.probing: dict[Session, None] = {}
         """Sessions with lookups of ours to send at ``on_schedule_end``."""
         self.serving: dict[Session, None] = {}
@@ -95,7 +96,7 @@ class SessionTable:
         self._due[session] = None
         if dialed:
             self.dialed[session] = None
-            self.unheard[session] = None
+            self.unheard[session] = self._env.clock()
         session.start(handshake_timeout)
         for watcher in self.watchers:
             watcher.opened(session)

@@ -10,11 +10,10 @@ Threading: driver thread only.
 
 from __future__ import annotations
 
-from p2pkv.dial_policy import DialPolicy
 from p2pkv.idle_reaper import IdleReaper
 from p2pkv.session.admission import Admission
 from p2pkv.session.env import SessionEnv
-from p2pkv.tiering.backoff import DialBackoff
+from p2pkv.tiering.dialer import Dialer
 from p2pkv.tiering.domains import FailureDomains
 from p2pkv.tiering.table import SessionTable
 from p2pkv.tiering.warm import WarmSet
@@ -30,13 +29,14 @@ class TierViews:
     """Reads the roles' state; changes nothing but the table's lazily pruned sets."""
 
     def __init__(self, env: SessionEnv, table: SessionTable, admission: Admission,
-                 policy: DialPolicy, backoff: DialBackoff, warm: WarmSet,
-                 domains: FailureDomains, idle: IdleReaper) -> None:
+                 dialer: Dialer, warm: WarmSet, domains: FailureDomains,
+                 idle: IdleReaper) -> None:
         self._env = env
         self._table = table
         self._admission = admission
-        self._policy = policy
-        self._backoff = backoff
+        self._policy = dialer.policy
+        self._backoff = dialer.backoff
+        self._queue = dialer.queue
         self._warm = warm
         self._domains = domains
         self._idle = idle
@@ -52,7 +52,7 @@ class TierViews:
     def has_pending_work(self) -> bool:
         """See ``P2PTier.has_pending_work``."""
         return (bool(len(self._admission)) or self.needs_engine()
-                or self._table.any_handshaking())
+                or self._table.any_handshaking() or bool(len(self._queue)))
 
     def stats(self) -> dict[str, int]:
         """See ``P2PTier.stats``."""
@@ -98,6 +98,9 @@ class TierViews:
             "peers_warm": len(self._warm),
             "peers_warm_ready": self._warm.ready(),
             "peers_dialing": len(self._table.unheard),
+            "peers_waiting": len(self._queue),
+            "peers_waited": self._queue.queued,
+            "peers_wait_failed": self._queue.failed,
             "peers_suspected": domains.suspected,
             "peers_probed": domains.probed,
         }
@@ -115,6 +118,7 @@ class TierViews:
             jobs_open=env.ledger.pending, results_waiting=env.ledger.undelivered,
             owners=len(env.owners), timers=len(env.deadlines),
             sessions_lingering=len(table.lingering), newcomers=len(self._admission),
+            dial_queue=len(self._queue), dial_queue_loads=self._queue.loads(),
             reads_waiting=env.reads.waiting,
             frames_held=sum(len(s.outbox) for s in env.congested),
         )

@@ -48,7 +48,7 @@ REDIAL_JITTER = 1.0
 
 class WarmSet(SessionWatcher):
     """The members (a collection of peer addresses) and their dialing; ``dial(peer)`` opens
-    a warm session (the dialer's ``session_for`` with ``DialKind.WARM``)."""
+    a warm session (the dialer's ``own_dial`` with ``DialKind.WARM``)."""
 
     def __init__(self, size: int, max_handshakes: int, table: SessionTable,
                  deadlines: Deadlines, clock: Callable[[], float], backoff: DialBackoff,
@@ -80,6 +80,10 @@ class WarmSet(SessionWatcher):
 
     def __len__(self) -> int:
         return len(self._members)
+
+    def listed(self, peer: str) -> bool:
+        """``peers.connect``'s latest answer lists ``peer``."""
+        return peer in self._candidates
 
     def ready(self) -> int:
         """Members with a ready session."""
