@@ -10,7 +10,8 @@ Commands (over a harness pipe):
 - ``idle(seconds)``: tick quietly for ``seconds``; the process's CPU, threads, descriptors and
   resident memory, and the TCP data segments its sockets sent and received (``ss``).
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
-  the outcomes, latencies (submit to result) and a few failure details, and the CPU spent.
+  the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
+  (in all, and within the window).
 
 Loads name their producer in the request's routing, as llm-d's router does; keys and
 ``kv_request_id`` come from the request number (:func:`~p2pkv_tools.bench.fleet_peers.fleet_kv_id`).
@@ -155,6 +156,7 @@ class TierUnderTest:
         timed = deque(sorted(plan.timed))
         closed, flood = deque(plan.closed), deque(plan.flood)
         cpu = process_usage()["cpu_s"]
+        window_cpu: float | None = None
         started = time.monotonic()
         flooded = 0
         window = plan.seconds
@@ -163,6 +165,8 @@ class TierUnderTest:
             if flood and now >= window:
                 window = min(now + CADENCE, _LONGEST)  # the flood is not over yet
             in_window = now < window
+            if not in_window and window_cpu is None:
+                window_cpu = process_usage()["cpu_s"] - cpu
             while timed and timed[0][0] <= now:
                 _, producer, request, kind = timed.popleft()
                 self._load(producer, request, plan.blocks, kind)
@@ -182,7 +186,7 @@ class TierUnderTest:
                 time.sleep(CADENCE)
         wall = time.monotonic() - started
         return {"cpu_s": process_usage()["cpu_s"] - cpu, "wall_s": wall,
-                "window_s": window, "mismatched": self._mismatched,
+                "window_s": window, "window_cpu_s": window_cpu, "mismatched": self._mismatched,
                 "left_open": len(self._open), "flood_issued": flooded,
                 "kinds": {k: vars(v) for k, v in self._kinds.items()}}
 
