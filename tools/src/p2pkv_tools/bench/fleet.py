@@ -18,7 +18,8 @@ Per N, in fresh processes:
    sessions it reached (``warm_sessions``) when it stalls or :data:`STORM_TIMEOUT` passes.
 2. **Idle.** The tier ticks every 5 ms with N quiet sessions: CPU as a share of one core
    (every thread of its process, zmq's I/O thread too), threads, descriptors, resident
-   memory, and the TCP data segments its sockets carried per second (heartbeats, ``ss``);
+   memory, the TCP data segments its sockets carried per second (heartbeats, ``ss``), and
+   the Python calls of a quiet tick (counted apart: the work, not the time);
    ``idle_sessions``: the ready sessions at its end (fewer than N: the figures are not N's).
    CPU per tick is the steadier figure on a loaded host: a starved process ticks less often
    than every 5 ms (``idle_ticks_per_s``), which lowers its CPU share, not its cost per tick.
@@ -179,6 +180,7 @@ def _idle_row(idle: dict[str, Any], peers: int) -> dict[str, Any]:
     return {"idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
             "idle_cpu_per_tick_us": round(1e6 * idle["cpu_s"] / max(1, idle["ticks"]), 1),
             "idle_ticks_per_s": round(idle["ticks"] / wall, 1),
+            "idle_calls_per_tick": round(idle["calls_per_tick"], 1),
             "idle_sessions": idle["sessions"],
             "fds": int(idle["fds"]), "threads": int(idle["threads"]),
             "rss_mib": round(idle["rss_mib"], 1),

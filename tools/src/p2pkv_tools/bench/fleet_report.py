@@ -22,6 +22,7 @@ SIZE_COLUMNS = (
     ("idle_cpu_pct", "idle CPU % of a core"),
     ("idle_cpu_per_tick_us", "idle CPU/tick µs"),
     ("idle_ticks_per_s", "ticks/s"),
+    ("idle_calls_per_tick", "idle calls/tick"),
     ("cpu_per_request_us", "CPU/request µs"),
     ("cpu_above_idle_per_request_us", "above idle µs"),
     ("fds", "fds"),

@@ -8,7 +8,8 @@ Commands (over a harness pipe):
 - ``describe()``: the tier's address; ``sessions()``: its ready sessions; ``warm(...)``:
   tick until a number of sessions is ready, and say when.
 - ``idle(seconds)``: tick quietly for ``seconds``; the process's CPU, threads, descriptors and
-  resident memory, and the TCP data segments its sockets sent and received (``ss``).
+  resident memory, the TCP data segments its sockets sent and received (``ss``), and the
+  Python calls of a quiet tick.
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
   the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
   (in all, and within the window).
@@ -27,6 +28,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from types import FrameType
 from typing import Any
 
 from p2pkv.addressing import parse_address
@@ -40,7 +42,7 @@ from p2pkv_tools.bench.harness import serve_built
 from p2pkv_tools.bench.tier_side import request_keys
 from p2pkv_tools.demo.content import BlockRegion
 
-__all__ = ["CADENCE", "Plan", "TierUnderTest", "tcp_segments", "tut_main"]
+__all__ = ["CADENCE", "COUNTED_TICKS", "Plan", "TierUnderTest", "tcp_segments", "tut_main"]
 
 CADENCE = 0.005
 """Seconds between the ticks of a quiet tier."""
@@ -52,6 +54,8 @@ _DETAILS = 3
 """Failure details kept per kind."""
 _LONGEST = 120.0
 """Seconds a flood's window lasts at most."""
+COUNTED_TICKS = 200
+"""Quiet ticks whose Python calls ``idle`` counts (the zmq hub sweeps every other one)."""
 
 
 @dataclass
@@ -134,7 +138,9 @@ class TierUnderTest:
         return False
 
     def idle(self, seconds: float) -> dict[str, Any]:
-        """Tick quietly every :data:`CADENCE` for ``seconds``."""
+        """Tick quietly every :data:`CADENCE` for ``seconds``; then count the Python calls
+        of :data:`COUNTED_TICKS` more (``sys.setprofile``: calls of Python and of C
+        functions), apart, so the counting costs the CPU figures nothing."""
         before, segments = process_usage(), tcp_segments()
         started = time.monotonic()
         ticks = 0
@@ -145,10 +151,28 @@ class TierUnderTest:
         wall = time.monotonic() - started
         after, segments_after = process_usage(), tcp_segments()
         return {"cpu_s": after["cpu_s"] - before["cpu_s"], "wall_s": wall, "ticks": ticks,
+                "calls_per_tick": self._calls_per_tick(COUNTED_TICKS),
                 "sessions": self.sessions(),
                 "threads": after["threads"], "fds": after["fds"], "rss_mib": after["rss_mib"],
                 "segments": (None if segments is None or segments_after is None
                              else segments_after - segments)}
+
+    def _calls_per_tick(self, ticks: int) -> float:
+        """Python calls per quiet tick over ``ticks`` ticks, :data:`CADENCE` apart."""
+        calls = 0
+
+        def count(frame: FrameType, event: str, arg: object) -> None:
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        tick = self._tier.tick
+        for _ in range(ticks):
+            sys.setprofile(count)
+            tick(0.0)
+            sys.setprofile(None)
+            time.sleep(CADENCE)
+        return calls / ticks
 
     def run(self, plan: Plan) -> dict[str, Any]:
         """Run ``plan`` (see :class:`Plan`); results per kind and the CPU spent."""
