@@ -129,9 +129,11 @@ class Peers:
     allow: tuple[str, ...] = ()
     """Networks, addresses or host names the tier may dial; empty: any peer."""
     max_dialed: int = field(default=256, metadata=_COUNT)
-    """Sessions this tier dialed that may be open at once (each holds 3 zmq sockets of the
-    control transport's context, whose default cap is 1,023); a new peer beyond it evicts
-    the oldest one still in its handshake, or is refused."""
+    """Sessions this tier dialed for requests that may be open at once (each holds 3 zmq
+    sockets of the control transport's context, whose default cap is 1,023); a new peer
+    beyond it takes the place of a dial that made no progress or of an idle session, else
+    waits or is refused. A quarter of it bounds new dials a second and dials that heard
+    nothing; as many peers may wait for a dial."""
     connect: tuple[str, ...] = ()
     """``host:port`` of peers to keep sessions to before any request names them; a host
     name is resolved every ``resolve_interval`` (a headless Service: every pod). Env
