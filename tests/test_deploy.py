@@ -232,6 +232,30 @@ def test_pods_prove_their_tier_with_the_fleet_s_keys(renders: list[Render]) -> N
                                                         "defaultMode": 0o440}
 
 
+INTERPRETER_STARTS = 5.0
+"""Seconds a probe's ``timeoutSeconds`` keeps for starting its two Python processes on a busy
+node (p2pkv's and the API check's), beyond the timeouts they are given."""
+
+
+def test_each_probe_ends_within_its_timeout_seconds(renders: list[Render]) -> None:
+    """``p2pkv probe --timeout T`` ends within T (every rank at once: docs/cli.md); the API
+    check after it within its own ``timeout=``: together they fit the kubelet's bound."""
+    from p2pkv_zmq.probe_cli import DEFAULT_TIMEOUT
+
+    for _, objects, _ in renders:
+        for deployment in deployments(objects):
+            server = model_server(deployment)
+            for probe in ("startupProbe", "readinessProbe"):
+                script = server[probe]["exec"]["command"][2]
+                ours, _, api = script.partition(" && ")
+                args = shlex.split(ours)
+                timeout = (float(flag(args, "--timeout")) if "--timeout" in args
+                           else DEFAULT_TIMEOUT)
+                (api_timeout,) = map(float, re.findall(r"timeout=([0-9.]+)", api))
+                budget = timeout + api_timeout + INTERPRETER_STARTS
+                assert budget <= server[probe]["timeoutSeconds"], (probe, script)
+
+
 def test_peers_service_and_network_policy_cover_exactly_the_pool(
     renders: list[Render],
 ) -> None:

@@ -50,7 +50,7 @@ def test_the_environment_fills_what_the_entry_lacks() -> None:
     assert TierConfig.from_dict({}, environ=env).peers == Peers(("10.0.0.0/8", "pod.ns"), 9)
     keyed = TierConfig.from_dict({"peers": {"allow": ["::1"]}}, environ=env).peers
     assert keyed == Peers(("::1",), 9)  # the entry's key wins, the other comes from env
-    with pytest.raises(ConfigError, match="P2PKV_PEERS_MAX_DIALED='x' must be a positive"):
+    with pytest.raises(ConfigError, match=r"P2PKV_PEERS_MAX_DIALED='x' must be an integer in "):
         TierConfig.from_dict({}, environ={"P2PKV_PEERS_MAX_DIALED": "x"})
     upstream = TierConfig.from_dict({}, environ={"VLLM_P2P_MAX_PEERS": "128"}).peers
     assert upstream.max_dialed == 128  # the built-in tier's variable, read when ours is unset
@@ -71,10 +71,11 @@ def test_the_environment_sets_the_handshake_deadline_and_the_idle_time() -> None
 
 
 @pytest.mark.parametrize(("name", "value", "bound"), [
-    ("P2PKV_HANDSHAKE_TIMEOUT", "0", "> 0"),
-    ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "soon", "> 0"),
-    ("P2PKV_PEERS_IDLE_TIMEOUT", "-1", ">= 0"),
-    ("VLLM_P2P_IDLE_TIMEOUT_S", "inf", ">= 0"),
+    ("P2PKV_HANDSHAKE_TIMEOUT", "0", "above 0, at most 86400"),
+    ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "soon", "above 0, at most 86400"),
+    ("P2PKV_PEERS_IDLE_TIMEOUT", "-1", "from 0, at most 86400"),
+    ("VLLM_P2P_IDLE_TIMEOUT_S", "inf", "from 0, at most 86400"),
+    ("P2PKV_HANDSHAKE_TIMEOUT", "1e300", "above 0, at most 86400"),
 ])
 def test_a_bad_time_in_the_environment_names_the_variable(name: str, value: str,
                                                           bound: str) -> None:

@@ -93,7 +93,9 @@ def test_addresses_are_dialed_as_they_are() -> None:
 
 
 def test_connect_entries_and_their_variable_are_checked() -> None:
-    with pytest.raises(ConfigError, match=r"peers.connect\[0\].*P2PKV_PEERS_CONNECT"):
+    with pytest.raises(ConfigError, match=r"^tier config key peers.connect\[0\]: malformed"):
         TierConfig.from_dict({"peers": {"connect": ["no-port"]}})
+    with pytest.raises(ConfigError, match=r"^P2PKV_PEERS_CONNECT entry 'no-port': malformed"):
+        TierConfig.from_dict({}, environ={"P2PKV_PEERS_CONNECT": "a:1,no-port"})
     peers = TierConfig.from_dict({}, environ={"P2PKV_PEERS_CONNECT": "a.svc:7777, 10.0.0.1:7"})
     assert peers.peers.connect == ("a.svc:7777", "10.0.0.1:7")

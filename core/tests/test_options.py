@@ -62,7 +62,10 @@ def test_keys_follow_the_metadata() -> None:
         ({"count": True}, "shape key 'count' must be an integer, got True"),
         ({"count": 2.0}, "shape key 'count' must be an integer, got 2.0"),
         ({"count": 0}, "shape key 'count' must be in 1..10, got 0"),
-        ({"seconds": -1}, "shape key 'seconds' must be >= 0 seconds, got -1"),
+        ({"seconds": -1}, "shape key 'seconds' must be in 0..1000000 seconds, got -1"),
+        ({"seconds": 1e300}, "shape key 'seconds' must be in 0..1000000 seconds, got 1e+300"),
+        ({"count": 10**5000}, "shape key 'count' must be in 1..10, got an integer of about 5001 "
+         "digits"),
         ({"seconds": float("inf")}, "shape key 'seconds' must be a finite number, got inf"),
         ({"seconds": False}, "shape key 'seconds' must be a finite number, got False"),
         ({"name": " "}, "shape key 'name' must be a non-empty string or null, got ' '"),

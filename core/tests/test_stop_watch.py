@@ -178,7 +178,8 @@ def test_a_slow_transport_call_is_not_taken_for_a_pause(
 ) -> None:
     """A consumer with a load open; its data transport blocks one tick for twice the silence
     timeout. The tick after it sees the gap, but the process ran: its sessions stay, the call
-    is logged as over the driver bound, and the load completes once its producer stores."""
+    is logged as over the driver bound (both counted in the tier's stats), and the load
+    completes once its producer stores."""
     h = tier_harness
     clock: Any = time.monotonic
     made = [TierNode(clock, control=_SilentMemoryControl, data=_StallingMemoryData,
@@ -199,6 +200,9 @@ def test_a_slow_transport_call_is_not_taken_for_a_pause(
         assert "a slow tick, not a pause" in caplog.text
         assert "progress took" in caplog.text and "over the driver bound" in caplog.text
         assert "process paused?" not in caplog.text
+        stats = c.tier.stats()
+        assert stats["slow_ticks"] == 1 and stats["data_calls_over_bound"] >= 1
+        assert stats["data_held"] == 0, "the memory transport holds nothing for removed peers"
         p.store(2, h.keys("r", 2), [4, 5], pctx)
         h.pump_until([p, c], lambda: c.outcome(1) is not None)
         assert c.outcome(1) is Outcome.DONE

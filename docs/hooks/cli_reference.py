@@ -1,4 +1,5 @@
-"""mkdocs hook: replace ``<!-- cli-reference -->`` with the help of every ``p2pkv`` command.
+"""The CLI reference of docs/cli.md: the help of every ``p2pkv`` command (written into the
+page by ``reference_pages.py``).
 
 The text is what ``p2pkv <command> --help`` prints, taken from the parser the CLI builds
 (``p2pkv.cli.build_parser`` over the installed plugins), so the reference cannot drift from
@@ -11,12 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator
-from typing import Any
 
 from p2pkv.cli import build_parser
 from p2pkv.registry import default_registry
 
-MARKER = "<!-- cli-reference -->"
 WIDTH = "100"
 
 
@@ -43,8 +42,3 @@ def render() -> str:
             os.environ["COLUMNS"] = previous
     return "\n\n".join(sections)
 
-
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    if MARKER in markdown:
-        return markdown.replace(MARKER, render())
-    return markdown

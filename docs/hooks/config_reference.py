@@ -1,4 +1,5 @@
-"""mkdocs hook: replace ``<!-- config-reference -->`` with tables generated from TierConfig.
+"""The configuration reference of docs/configuration.md: tables generated from TierConfig
+(written into the page by ``reference_pages.py``).
 
 The tables come from the dataclasses in ``p2pkv.config`` (field names, defaults, and the
 docstring under each field), so the reference cannot drift from the code. The top-level table
@@ -16,8 +17,6 @@ from typing import Any
 
 from p2pkv import config
 from p2pkv.options import option_key
-
-MARKER = "<!-- config-reference -->"
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -86,8 +85,3 @@ def render() -> str:
     ]
     return "\n".join(parts)
 
-
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    if MARKER in markdown:
-        return markdown.replace(MARKER, render())
-    return markdown

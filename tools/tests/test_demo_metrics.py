@@ -78,7 +78,7 @@ def test_dump_prints_the_metrics_of_both_processes_after_the_run(tmp_path: Path)
     proc, summary = _demo(tmp_path, "--metrics", "dump")
     samples = _dumped(proc.stdout)
     stats = summary["tier_stats"]
-    assert _value(samples, "p2pkv_bytes_sent_total") == summary["bytes"]
+    assert _value(samples, "p2pkv_bytes_read_total") == summary["bytes"]
     loads = stats["consumer"]["jobs_done"]
     assert _value(samples, "p2pkv_jobs_total", kind="load", outcome="done") == loads
     assert _value(samples, "p2pkv_jobs_total", kind="store", outcome="done") == (

@@ -12,18 +12,27 @@ p2pkv engine adapter (``"module_path": "p2pkv_vllm"``) the way the tier will at 
   tier itself (``P2PTier``) on an ephemeral port of the configured host and closing it, so
   the messages are the tier's own.
 
-Run it on the engine's host, in the engine's environment. Exit status: 0 when every entry
-would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to stderr), 1 when the tier would
-refuse the config (one line on stderr: the entry and the tier's message), 2 for a usage
-error (the JSON is not an object, it has no p2pkv entry, p2pkv-vllm is missing, a bad flag).
+Run it on the engine's host, in the engine's environment. Off the pod, ``--env NAME=VALUE``
+sets the pod's variables, ``$(NAME)`` references in the JSON and in those values expand as
+Kubernetes expands them (``--pod-ip`` sets ``$(POD_IP)``; a reference left unset becomes the
+placeholder address :data:`PLACEHOLDER_ADDRESS`, said on stderr), and ``--no-bind`` skips
+what only the pod can do: listening on its address (every other check still runs).
+
+Exit status: 0 when every entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to
+stderr), 1 when the tier would refuse the config (one line on stderr: the entry and the
+tier's message), 2 for a usage error (the JSON is not an object or holds an unreadable
+number, it has no p2pkv entry, p2pkv-vllm is missing, a bad flag).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
+import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,8 +42,8 @@ from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object
 
 __all__ = [
-    "ADAPTERS", "BuiltInTier", "Entry", "add_parser", "check",
-    "connector_problem", "entries", "run",
+    "ADAPTERS", "PLACEHOLDER_ADDRESS", "BuiltInTier", "Entry", "add_parser", "check",
+    "connector_problem", "entries", "expand", "run",
 ]
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
@@ -42,6 +51,12 @@ ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""
 _INSTALL = {"p2pkv_vllm": "p2pkv-vllm"}
 _PROBE_BLOCK = 4096
+PLACEHOLDER_ADDRESS = "192.0.2.1"
+"""What an unset ``$(VAR)`` becomes off the pod: an address reserved for documentation
+(RFC 5737), never a real peer."""
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_POD_ONLY = ("listening on the tier's address and port", "the key files as the pod mounts "
+             "them", "the transports' libraries as the image has them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +122,15 @@ def add_parser(sub: Any) -> None:
                    help="the JSON given to vllm serve --kv-transfer-config")
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="the engine's --data-parallel-size (ports base..base+N-1; default 1)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable of the pod's environment (repeatable); $(NAME) references "
+                        "expand as Kubernetes expands them")
+    p.add_argument("--pod-ip", metavar="ADDRESS",
+                   help=f"the value of $(POD_IP) (default: the placeholder "
+                        f"{PLACEHOLDER_ADDRESS} when the config refers to it)")
+    p.add_argument("--no-bind", action="store_true",
+                   help="off the pod: skip listening on the tier's address (only the pod can); "
+                        "every other check runs")
     p.set_defaults(func=run)
 
 
@@ -145,9 +169,12 @@ def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | 
     return extra, found
 
 
-def check(entry: Entry, extra: Mapping[str, Any], dp_size: int) -> TierConfig:
+def check(entry: Entry, extra: Mapping[str, Any], dp_size: int, *, bind: bool = True
+          ) -> TierConfig:
     """Check one entry for every DP rank, then build and close its tier once (port 0).
-    Returns rank 0's config; raises ``P2PKVError`` (with the tier's message) or ``OSError``."""
+    Returns rank 0's config; raises ``P2PKVError`` (with the tier's message) or ``OSError``.
+    ``bind=False``: a host that is not this machine's is not listened on (the transports,
+    their options and keys are still checked; the control transport binds last)."""
     tier_type = entry.keys.get("type")
     if "module_path" in entry.keys and tier_type not in _TYPES:
         raise ConfigError(f"'type' is {tier_type!r}: vLLM loads the class named by 'type' from "
@@ -159,8 +186,44 @@ def check(entry: Entry, extra: Mapping[str, Any], dp_size: int) -> TierConfig:
     from p2pkv.tier import P2PTier
 
     probe = dataclasses.replace(configs[0], base_port=0)
-    P2PTier(probe, memoryview(bytearray(_PROBE_BLOCK)), _PROBE_BLOCK).shutdown()
+    try:
+        P2PTier(probe, memoryview(bytearray(_PROBE_BLOCK)), _PROBE_BLOCK).shutdown()
+    except ConfigError as exc:
+        if bind or getattr(exc.__cause__, "errno", None) != errno.EADDRNOTAVAIL:
+            raise
     return configs[0]
+
+
+def expand(text: str, values: Mapping[str, str], unset: set[str], *,
+           placeholder: bool = True) -> str:
+    """``text`` with each ``$(NAME)`` replaced by ``values[NAME]`` as Kubernetes expands a
+    container's arguments (``$$`` is a literal ``$``); a name not in ``values`` is added to
+    ``unset`` and becomes :data:`PLACEHOLDER_ADDRESS` (or stays as written without
+    ``placeholder``, as the kubelet leaves it)."""
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "$"
+        if name not in values:
+            unset.add(name)
+            return PLACEHOLDER_ADDRESS if placeholder else match.group(0)
+        return values[name]
+
+    return _REFERENCE.sub(one, text)
+
+
+def _pod_environment(args: argparse.Namespace, unset: set[str]) -> dict[str, str]:
+    """The ``--env`` variables (and ``POD_IP`` from ``--pod-ip``), each value expanded
+    against those before it, as Kubernetes does; ``ConfigError`` for a malformed one."""
+    values: dict[str, str] = {}
+    if args.pod_ip is not None:
+        values["POD_IP"] = args.pod_ip
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError(f"--env {item!r}: expected NAME=VALUE")
+        values[name] = expand(value, values, unset)
+    return values
 
 
 def connector_problem(kv_transfer_config: Mapping[str, Any], extra: Mapping[str, Any]
@@ -180,6 +243,9 @@ def connector_problem(kv_transfer_config: Mapping[str, Any], extra: Mapping[str,
 
 
 def _refusal(entry: Entry, exc: BaseException) -> str:
+    if getattr(exc.__cause__, "errno", None) == errno.EADDRNOTAVAIL:
+        return (f"{entry.where}: {exc} (not an address of this machine: run check-config on "
+                f"the pod, or add --no-bind to check everything else here)")
     return f"{entry.where}: {exc}"
 
 
@@ -194,10 +260,20 @@ def _hints(environ: Mapping[str, str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """0: every entry would start; 1: the tier would refuse it (one line on stderr);
     usage errors raise ``ConfigError`` (the CLI exits 2)."""
-    if args.data_parallel_size < 1:
-        raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    kv_transfer_config = json_object(args.kv_transfer_config, "--kv-transfer-config",
-                                     "vLLM's KVTransferConfig")
+    if not 1 <= args.data_parallel_size <= 65535:
+        raise ConfigError(f"--data-parallel-size must be 1..65535, got {args.data_parallel_size}")
+    unset: set[str] = set()
+    pod = _pod_environment(args, unset)
+    os.environ.update(pod)
+    text = args.kv_transfer_config
+    if text.startswith("@"):
+        text = json.dumps(json_object(text, "--kv-transfer-config", "vLLM's KVTransferConfig"))
+    kv_transfer_config = json_object(expand(text, {**os.environ, **pod}, unset),
+                                     "--kv-transfer-config", "vLLM's KVTransferConfig")
+    for name in sorted(unset):
+        print_error("p2pkv check-config: note", f"$({name}) is unset here: checked as "
+                    f"{PLACEHOLDER_ADDRESS} (set it with --env {name}=VALUE"
+                    f"{' or --pod-ip' if name == 'POD_IP' else ''})")
     try:
         extra, found = entries(kv_transfer_config)
     except BuiltInTier as exc:
@@ -209,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for entry in found:
         try:
-            config = check(entry, extra, args.data_parallel_size)
+            config = check(entry, extra, args.data_parallel_size, bind=not args.no_bind)
         except (P2PKVError, OSError) as exc:
             print_error("p2pkv check-config", _refusal(entry, exc))
             return 1
@@ -218,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
               f"{config.control}, data {config.data}, host "
               f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
               f"{args.data_parallel_size - 1})")
+        if args.no_bind:
+            print(f"{entry.where}: not checked here (--no-bind), only on the pod: "
+                  f"{'; '.join(_POD_ONLY)}")
     for hint in _hints(os.environ):
         print_error("p2pkv check-config: hint", hint)
     return 0

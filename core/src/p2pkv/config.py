@@ -16,13 +16,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2pkv.addressing import format_address, parse_address
-from p2pkv.dial_policy import allow_list
 from p2pkv.errors import ConfigError
-from p2pkv.options import derived, option, parse_options
+from p2pkv.options import derived, option, parse_options, shown
+from p2pkv.peer_allow import parse_allow_list
 
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "VLLM_HOST_ENV",
+    "VLLM_PORT_ENV",
     "Flow",
     "Limits",
     "Peers",
@@ -35,6 +37,11 @@ DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5710
 HOST_ENV = ("P2PKV_HOST",)
 PORT_ENV = ("P2PKV_PORT",)
+VLLM_HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", *HOST_ENV)
+"""The host variables under vLLM, first set one wins (vLLM's name first): what the vLLM
+adapter reads, and ``p2pkv probe`` with no address."""
+VLLM_PORT_ENV = ("VLLM_P2P_SIDE_CHANNEL_PORT", *PORT_ENV)
+"""The base-port variables under vLLM (the bound port is base + DP rank)."""
 PEERS_ALLOW_ENV = "P2PKV_PEERS_ALLOW"
 PEERS_CONNECT_ENV = "P2PKV_PEERS_CONNECT"
 PEERS_MAX_DIALED_ENV = ("P2PKV_PEERS_MAX_DIALED", "VLLM_P2P_MAX_PEERS")
@@ -46,8 +53,13 @@ HANDSHAKE_TIMEOUT_ENV = ("P2PKV_HANDSHAKE_TIMEOUT", "VLLM_P2P_HANDSHAKE_TIMEOUT_
 """``timeouts.handshake`` when the tier entry has none; first set wins."""
 
 
-_SECONDS = option(gt=0, unit="seconds")
-_COUNT = option(gt=0)
+MAX_SECONDS = 86400.0
+"""Upper bound of every timeout and interval of the tier (a day): no KV transfer waits that
+long, and a bound keeps every deadline and the hello's ``lease_ms`` finite."""
+MAX_COUNT = 2**31 - 1
+"""Upper bound of every count and size of the tier (what a C ``int`` holds)."""
+_SECONDS = option(gt=0, le=MAX_SECONDS, unit="seconds")
+_COUNT = option(gt=0, le=MAX_COUNT)
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,8 @@ class Peers:
     ``P2PKV_PEERS_CONNECT`` (comma-separated)."""
     resolve_interval: float = field(default=30.0, metadata=_SECONDS)
     """Seconds between resolutions of ``connect``'s names (and re-dials of ended sessions)."""
-    idle_timeout: float = field(default=300.0, metadata=option(ge=0, unit="seconds"))
+    idle_timeout: float = field(default=300.0, metadata=option(ge=0, le=MAX_SECONDS,
+                                                                unit="seconds"))
     """A session this tier dialed that carried nothing for this long is closed (its sockets
     and data peer freed; the next request naming the peer dials again). Sessions to
     ``connect``'s peers are kept. 0: never. Env ``P2PKV_PEERS_IDLE_TIMEOUT`` (else
@@ -227,15 +240,21 @@ class TierConfig:
         environ: Mapping[str, str] | None = None,
         host_env: Sequence[str] = HOST_ENV,
         port_env: Sequence[str] = PORT_ENV,
+        also_accepted: tuple[str, ...] = (),
+        shown_as: Mapping[str, str] | None = None,
     ) -> TierConfig:
         """Validate a tier config dict: its keys, then ``host``/``port`` from the environment
         where the dict has none, then the port of this data-parallel rank.
 
         ``host_env``/``port_env`` name the environment variables consulted, first match wins
         (engine adapters put their own names first). ``environ`` defaults to ``os.environ``.
+        ``also_accepted`` and ``shown_as`` go to :func:`p2pkv.options.parse_options`: keys an
+        adapter reads itself (listed as valid), and the names the operator wrote for keys an
+        adapter moved (named in messages).
         """
         keys: Mapping[str, Any] = {} if d is None else d
-        parsed = parse_options(cls, keys, "tier config key")
+        parsed = parse_options(cls, keys, "tier config key", also_accepted=also_accepted,
+                               shown_as=shown_as)
         env = os.environ if environ is None else environ
         if "host" in keys:
             host, host_source = parsed.host, "key 'host'"
@@ -268,16 +287,20 @@ def _env_number(env: Mapping[str, str], names: Sequence[str], what: str, *,
         return None
     variable = source.removeprefix("environment variable ")
     if integer:
-        if not text.strip().isdigit() or int(text) < 1:
-            raise ConfigError(f"{variable}={text!r} must be a positive integer ({what})")
-        return int(text)
+        digits = text.strip()
+        if not digits.isdigit() or len(digits) > 10 or not 0 < int(digits) <= MAX_COUNT:
+            raise ConfigError(f"{variable}={shown(text)} must be an integer in 1..{MAX_COUNT} "
+                              f"({what})")
+        return int(digits)
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{variable}={text!r} must be a number {bound} ({what})")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) \
+            or value > MAX_SECONDS:
+        low = "from 0" if zero_ok else "above 0"
+        raise ConfigError(f"{variable}={shown(text)} must be a number {low}, at most "
+                          f"{MAX_SECONDS:g} ({what})")
     return value
 
 
@@ -293,10 +316,12 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
     """``peers`` with the keys its entry lacks taken from the environment."""
     given = raw if isinstance(raw, Mapping) else {}
     values: dict[str, Any] = {}
+    from_env: dict[str, str] = {}
     for key, name in (("allow", PEERS_ALLOW_ENV), ("connect", PEERS_CONNECT_ENV)):
         listed = env.get(name, "")
         if key not in given and listed.strip():
             values[key] = [part.strip() for part in listed.split(",") if part.strip()]
+            from_env[key] = name
     numbers = (("max_dialed", PEERS_MAX_DIALED_ENV, "sessions this tier may dial", False),
                ("idle_timeout", PEERS_IDLE_TIMEOUT_ENV,
                 "seconds before an unused dialed session closes; 0: never", True))
@@ -307,13 +332,18 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
             values[key] = value
     if values:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
-    allow_list(peers.allow)  # refuses a malformed entry now, naming it
+    parse_allow_list(peers.allow, from_env.get("allow"))  # refuses a bad entry now, naming it
     for i, entry in enumerate(peers.connect):
+        where = (f"{PEERS_CONNECT_ENV} entry {entry!r}" if "connect" in from_env
+                 else f"tier config key peers.connect[{i}]")
+        if "$(" in entry:
+            raise ConfigError(f"{where} holds a $(VAR) reference Kubernetes did not expand: "
+                              "define VAR above this variable in the container's env list "
+                              "(only earlier ones expand)")
         try:
             parse_address(entry)
         except ConfigError as exc:
-            raise ConfigError(f"tier config key peers.connect[{i}]: {exc} (or set "
-                              f"{PEERS_CONNECT_ENV})") from None
+            raise ConfigError(f"{where}: {exc}") from None
     return peers
 
 

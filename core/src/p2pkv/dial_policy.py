@@ -7,9 +7,8 @@ addresses would make it dial each (vLLM's advisory GHSA-frvg-qw88-hww9 is that p
 its built-in tier). :class:`DialPolicy` bounds it:
 
 - ``peers.allow``: networks (``10.0.0.0/8``, ``fd00::/8``), addresses, or host names the tier
-  may dial; any other peer is refused before any socket exists. A host name matches only
-  itself (case-insensitive): the policy never resolves names, so it costs the engine thread
-  nothing. Empty (the default): any peer.
+  may dial (:mod:`p2pkv.peer_allow`); any other peer is refused before any socket exists.
+  Empty (the default): any peer.
 - **A budget of new dials**: a request's dial of a new peer spends a token of a bucket that
   refills at a quarter of ``peers.max_dialed`` per second (64/s by default, as many saved
   up); a dial whose peer answers gives its token back. Healthy peers are dialed as fast as
@@ -38,19 +37,17 @@ limit). Threading: driver thread only.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from p2pkv.addressing import parse_address
 from p2pkv.errors import ConfigError
+from p2pkv.peer_allow import parse_allow_list
 from p2pkv.ratelimit import TokenBucket
 
-__all__ = ["GRACE", "UNHEARD_SHARE", "DialPolicy", "DialedSessions", "PeerLimits", "Verdict",
-           "allow_list"]
+__all__ = ["GRACE", "UNHEARD_SHARE", "DialPolicy", "DialedSessions", "PeerLimits", "Verdict"]
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 S = TypeVar("S")
 UNHEARD_SHARE = 4
 """At most ``max_dialed // UNHEARD_SHARE`` dials that heard nothing yet are open at once, and
@@ -61,27 +58,9 @@ peer connects within a round trip, even on a loaded host."""
 S_co = TypeVar("S_co", covariant=True)
 
 
-def allow_list(entries: tuple[str, ...]) -> tuple[tuple[Network, ...], frozenset[str]]:
-    """``peers.allow`` as networks and host names; ``ConfigError`` naming a bad entry."""
-    networks: list[Network] = []
-    names: set[str] = set()
-    for i, entry in enumerate(entries):
-        text = entry.strip().strip("[]")
-        try:
-            networks.append(ipaddress.ip_network(text, strict=False))
-            continue
-        except ValueError:
-            pass
-        if not text or any(c in text for c in "/:[] ") or text.startswith(("-", ".")):
-            raise ConfigError(f"tier config key peers.allow[{i}] = {entry!r} is neither a "
-                              "network (10.0.0.0/8), an address nor a host name")
-        names.add(text.lower())
-    return tuple(networks), frozenset(names)
-
-
 class PeerLimits(Protocol):
-    """What the policy reads of a tier's ``peers`` (``p2pkv.config.Peers``; a Protocol, as
-    config imports this module to check ``peers.allow``)."""
+    """What the policy reads of a tier's ``peers`` (``p2pkv.config.Peers``; a Protocol, so
+    this module needs no config)."""
 
     @property
     def allow(self) -> tuple[str, ...]:
@@ -134,8 +113,7 @@ class DialPolicy:
     the tier's clock at construction (the budget starts full)."""
 
     def __init__(self, peers: PeerLimits, now: float) -> None:
-        self._networks, self._names = allow_list(peers.allow)
-        self._open = not peers.allow
+        self._allow = parse_allow_list(peers.allow)
         self.max_dialed = peers.max_dialed
         self.max_unheard = max(1, peers.max_dialed // UNHEARD_SHARE)
         """Dials that heard nothing yet open at once (a flood's footprint), and new dials a
@@ -152,20 +130,16 @@ class DialPolicy:
 
     def refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not be dialed (outside ``peers.allow``), or None."""
-        if self._open:
+        if self._allow.open:
             return None
         try:
             host, _ = parse_address(peer)
         except ConfigError:
             return "it is not host:port, so not on peers.allow"
-        try:
-            address = ipaddress.ip_address(host.strip("[]"))
-        except ValueError:
-            allowed = host.lower() in self._names
-        else:
-            allowed = any(address in network for network in self._networks)
-        return None if allowed else ("it is not on peers.allow (add its network to the "
-                                     "tier's peers.allow to let requests name it)")
+        if self._allow.allows(host):
+            return None
+        return ("it is not on peers.allow (add its network to the tier's peers.allow to let "
+                "requests name it)")
 
     def screen(self, peer: str) -> str | None:
         """:meth:`refusal`, counted in ``refused``: a request named ``peer``."""

@@ -29,6 +29,9 @@ def json_object(text: str, option: str, what: str) -> dict[str, Any]:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{option} is not valid JSON: {exc}") from exc
+    except ValueError:  # an integer beyond Python's digit limit (4300 digits)
+        raise ConfigError(f"{option} holds an integer of thousands of digits: no setting "
+                          "takes such a number") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{option} must be a JSON object ({what})")
     return raw

@@ -25,6 +25,9 @@ The field's annotation is the type a value must have:
 
 Field metadata (:func:`option`) adds the config key when it differs from the field name, the
 bounds of a number (``ge``, ``gt``, ``le``), ``nonblank`` and the unit named in messages;
+a number without an upper bound of its own still has one: :data:`MAX_SECONDS` for a field in
+``seconds``, :data:`MAX_INTEGER` for an integer (so no value overflows a C integer or a
+millisecond count, and none ends in a traceback);
 :func:`derived` marks a field that is not a key at all (set by the code). Every refusal is one
 :class:`~p2pkv.errors.ConfigError` naming ``where``, the key and what would be valid: an
 unknown key (with the closest valid one), a value of the wrong type, or out of bounds.
@@ -49,6 +52,13 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")
 _META = "p2pkv.option"
 _MAX_SHOWN = 80
+MAX_SECONDS = 1_000_000.0
+"""The largest value of a field in seconds without an ``le`` of its own (11.5 days): libzmq
+and the tier turn seconds into milliseconds in 32-bit integers, and no wait of p2pkv's is
+meant to be longer."""
+MAX_INTEGER = 2**63 - 1
+"""The largest integer any field takes without an ``le`` of its own (what msgpack and C
+carry)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,9 @@ def option_keys(cls: type[DataclassInstance]) -> tuple[str, ...]:
     return tuple(k for f in dataclasses.fields(cls) if (k := option_key(f)) is not None)
 
 
-def parse_options(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
+def parse_options(cls: type[T], raw: Mapping[str, Any], where: str, *,
+                  also_accepted: tuple[str, ...] = (), shown_as: Mapping[str, str] | None = None
+                  ) -> T:
     """Read ``raw`` into a ``cls`` (a dataclass): each key present is checked against its
     field's type and metadata, absent keys keep their defaults.
 
@@ -114,15 +126,33 @@ def parse_options(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
     option(s) ['x']; valid keys: ..." and "zmq control option 'insecure' must be true or
     false, got 'yes'". Raises ``ConfigError``; a field type this parser cannot read is a
     programming error (``TypeError``).
+
+    ``also_accepted``: keys the caller reads itself before (an engine's own keys, aliases),
+    listed among the valid keys of an unknown-key message. ``shown_as``: a key path
+    (``timeouts.unbound_store``) -> the name the operator wrote (an alias such as
+    ``unbound_store_timeout_s``), used in messages about that key instead of the path.
     """
-    return _parse(cls, raw, where, "")
+    context = _Context(where, also_accepted, dict(shown_as or {}))
+    return _parse(cls, raw, context, "")
 
 
-def _parse(cls: type[T], raw: object, where: str, prefix: str) -> T:
+@dataclass(frozen=True)
+class _Context:
+    where: str
+    also_accepted: tuple[str, ...]
+    shown_as: dict[str, str]
+
+    def name(self, path: str) -> str:
+        """How a message names the key at ``path``."""
+        alias = self.shown_as.get(path)
+        return f"{self.where} {path!r}" if alias is None else f"key {alias!r}"
+
+
+def _parse(cls: type[T], raw: object, where: _Context, prefix: str) -> T:
     if not isinstance(raw, Mapping):
         name = prefix.rstrip(".")
-        what = f"{where} {name!r}" if name else where
-        raise ConfigError(f"{what} must be a mapping, got {_shown(raw)}")
+        what = where.name(name) if name else where.where
+        raise ConfigError(f"{what} must be a mapping, got {shown(raw)}")
     fields = {key: f for f in dataclasses.fields(cls) if (key := option_key(f)) is not None}
     _refuse_unknown(raw, list(fields), where, prefix)
     hints = typing.get_type_hints(cls)
@@ -134,16 +164,18 @@ def _parse(cls: type[T], raw: object, where: str, prefix: str) -> T:
     return cls(**values)
 
 
-def _refuse_unknown(raw: Mapping[Any, Any], keys: list[str], where: str, prefix: str) -> None:
+def _refuse_unknown(raw: Mapping[Any, Any], keys: list[str], where: _Context,
+                    prefix: str) -> None:
     unknown = sorted(str(k) for k in raw if k not in keys)
     if not unknown:
         return
-    shown = [prefix + k for k in unknown]
+    named = [prefix + k for k in unknown]
     scope = f" of {prefix.rstrip('.')!r}" if prefix else ""
-    guess = difflib.get_close_matches(unknown[0], keys, n=1)
+    valid = keys + ([k for k in where.also_accepted if k not in keys] if not prefix else [])
+    guess = difflib.get_close_matches(unknown[0], valid, n=1)
     hint = f"; did you mean {prefix + guess[0]!r}?" if guess else ""
     raise ConfigError(
-        f"unknown {where}(s) {shown}; valid keys{scope}: {', '.join(keys)}{hint}"
+        f"unknown {where.where}(s) {named}; valid keys{scope}: {', '.join(valid)}{hint}"
     )
 
 
@@ -151,7 +183,7 @@ class _Mismatch(Exception):
     """A value is not of the expected type (:func:`_describe` says what was expected)."""
 
 
-def _field_value(tp: Any, rule: Option, value: Any, where: str, name: str) -> Any:
+def _field_value(tp: Any, rule: Option, value: Any, where: _Context, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _parse(tp, value, where, name + ".")  # type: ignore[arg-type]
     try:
@@ -159,11 +191,12 @@ def _field_value(tp: Any, rule: Option, value: Any, where: str, name: str) -> An
     except _Mismatch:
         blank = rule.nonblank and _accepts(tp, value)  # the type is right, but it is blank
         expected = _describe(tp, nonblank=blank)
-        raise ConfigError(f"{where} {name!r} must be {expected}, got {_shown(value)}") from None
+        raise ConfigError(f"{where.name(name)} must be {expected}, got {shown(value)}"
+                          ) from None
     bound = _violated_bound(rule, result)
     if bound:
         unit = f" {rule.unit}" if rule.unit else ""
-        raise ConfigError(f"{where} {name!r} must be {bound}{unit}, got {_shown(value)}")
+        raise ConfigError(f"{where.name(name)} must be {bound}{unit}, got {shown(value)}")
     return result
 
 
@@ -175,9 +208,14 @@ def _accepts(tp: Any, value: Any) -> bool:
     return True
 
 
-def _shown(value: object) -> str:
-    """``repr(value)``, cut short: a message stays one readable line."""
-    text = repr(value)
+def shown(value: object) -> str:
+    """``repr(value)``, cut short: a message stays one readable line (an integer too long to
+    print is named by its number of digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's digit limit for str()
+        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits" \
+            if isinstance(value, int) else "a value too large to show"
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
@@ -185,16 +223,20 @@ def _violated_bound(rule: Option, value: Any) -> str:
     """The bound ``value`` breaks ("> 0", "in 1..10"), or "" (also for a non-number)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return ""
+    le = rule.le
+    if le is None:
+        le = MAX_SECONDS if rule.unit == "seconds" else MAX_INTEGER if isinstance(value, int) \
+            else None
     low_ok = rule.ge is None or value >= rule.ge
-    high_ok = rule.le is None or value <= rule.le
-    if rule.ge is not None and rule.le is not None and not (low_ok and high_ok):
-        return f"in {_number(rule.ge)}..{_number(rule.le)}"
+    high_ok = le is None or value <= le
+    if rule.ge is not None and le is not None and not (low_ok and high_ok):
+        return f"in {_number(rule.ge)}..{_number(le)}"
     if rule.ge is not None and not low_ok:
         return f">= {_number(rule.ge)}"
     if rule.gt is not None and not value > rule.gt:
         return f"> {_number(rule.gt)}"
-    if rule.le is not None and not high_ok:
-        return f"<= {_number(rule.le)}"
+    if le is not None and not high_ok:
+        return f"<= {_number(le)}"
     return ""
 
 

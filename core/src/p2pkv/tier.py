@@ -54,7 +54,7 @@ from p2pkv.tiering.requests import RequestRouter
 from p2pkv.tiering.shutdown import Shutdown
 from p2pkv.tiering.table import SessionTable
 from p2pkv.tiering.tick import TickPipeline
-from p2pkv.tiering.views import TierViews
+from p2pkv.tiering.views import Isolation, TierViews
 from p2pkv.tiering.warm import WarmSet
 from p2pkv.types import Job, JobResult, LocalHitSource, LookupResult, Outcome, RequestContext
 
@@ -90,7 +90,8 @@ class P2PTier:
         self._config = config
         self._clock = clock
         reg = registry if registry is not None else default_registry()
-        self._data = GuardedDataTransport(_data_transport(reg, config, region, block_len, data))
+        self._data = self._call_guard = GuardedDataTransport(
+            _data_transport(reg, config, region, block_len, data))
         try:
             self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
@@ -152,7 +153,8 @@ class P2PTier:
                                     peer_timers, periodic)
         self._shutdown = Shutdown(self._control, env, table, self._admission, discovery, queue,
                                   self._ticker.tick, pauses.close)
-        self._views = TierViews(env, table, self._admission, dialer, warm, domains, idle)
+        self._views = TierViews(env, table, self._admission, dialer, warm, domains, idle,
+                                Isolation(self._call_guard, pauses))
 
     def _reap(self, session: Session, reason: str) -> None:
         self._table.close(session, Outcome.PEER_DEAD, reason, bye=reason)
@@ -305,8 +307,9 @@ class P2PTier:
     @driver_call
     def stats(self) -> dict[str, int]:
         """Counters and gauges (jobs by outcome, bytes, sessions, in-flight transfers, the
-        peer policy's ``peers_*``, and ``descriptors_posted`` when the data transport counts
-        them; docs/observability.md)."""
+        peer policy's ``peers_*``, what the data transport still holds for removed peers and
+        its calls over the driver bound, slow ticks, and ``descriptors_posted`` when the data
+        transport counts them; docs/observability.md)."""
         return self._views.stats()
 
     @driver_call

@@ -53,7 +53,7 @@ def test_metrics_match_a_demo_run(tmp_path: Path) -> None:
     stats = summary["tier_stats"]
     samples = _samples(metrics_dir)
 
-    assert _total(samples, "p2pkv_bytes_sent_total") == summary["bytes"]
+    assert _total(samples, "p2pkv_bytes_read_total") == summary["bytes"]
     assert _total(samples, "p2pkv_jobs_total", kind="load") == stats["consumer"]["jobs_done"]
     assert _total(samples, "p2pkv_jobs_total", kind="store") == stats["producer"]["jobs_done"]
     assert _total(samples, "p2pkv_jobs_total") == _total(samples, "p2pkv_jobs_total",

@@ -10,63 +10,19 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from html.parser import HTMLParser
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
 markdown = pytest.importorskip("markdown")
 
-ROOT = Path(__file__).resolve().parents[3]
-PAGE = ROOT / "docs" / "observability.md"
-HOOKS = ("include_readme", "config_reference")
-
-
-def _hook(name: str) -> ModuleType:
-    """A mkdocs hook of docs/hooks (on ``sys.path``: pytest's ``pythonpath``)."""
-    return importlib.import_module(name)
-
-
-class _Tables(HTMLParser):
-    """Rows of every HTML table, cell texts stripped."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables: list[list[list[str]]] = []
-        self._cell: list[str] | None = None
-
-    def handle_starttag(self, tag: str, attrs: object) -> None:
-        if tag == "table":
-            self.tables.append([])
-        elif tag == "tr":
-            self.tables[-1].append([])
-        elif tag in ("td", "th"):
-            self._cell = []
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("td", "th") and self._cell is not None:
-            self.tables[-1][-1].append("".join(self._cell).strip())
-            self._cell = None
-
-    def handle_data(self, data: str) -> None:
-        if self._cell is not None:
-            self._cell.append(data)
+from documented_metrics import PAGE  # noqa: E402
+from documented_metrics import documented as documented_with  # noqa: E402
 
 
 def documented() -> dict[str, str]:
     """Metric name -> documented type, from the metric tables of the rendered page."""
-    text = PAGE.read_text()
-    for name in HOOKS:
-        text = _hook(name).on_page_markdown(text)
-    parser = _Tables()
-    parser.feed(markdown.markdown(text, extensions=["tables"]))
-    found: dict[str, str] = {}
-    for header, *rows in (t for t in parser.tables if t):
-        if header[:2] == ["metric", "type"]:
-            found.update({row[0]: row[1] for row in rows})
-    return found
+    return documented_with("")
 
 
 def prometheus_metrics() -> dict[str, str]:
@@ -82,10 +38,10 @@ def prometheus_metrics() -> dict[str, str]:
 
 def vllm_metrics() -> dict[str, str]:
     metrics = pytest.importorskip("p2pkv_vllm.metrics")
-    return {
-        metrics.JOBS: "counter",
+    return {  # counters as /metrics shows them: with _total
+        metrics.JOBS + "_total": "counter",
         metrics.JOB_SECONDS: "histogram",
-        **{metrics.PREFIX + name: "counter" for name in metrics.COUNTERS},
+        **{metrics.PREFIX + name + "_total": "counter" for name in metrics.COUNTERS},
         **{metrics.PREFIX + name: "gauge" for name in metrics.GAUGES},
     }
 

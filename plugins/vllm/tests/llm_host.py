@@ -17,6 +17,8 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   ``("done", req_id, output_token_ids, num_cached_tokens)``;
 - ``("metrics",)`` -> ``("metrics", {name or name{k=v,...}: value})`` (vLLM's own
   Prometheus metrics, counters and gauges);
+- ``("exposition",)`` -> ``("exposition", text)``: the Prometheus text of the process's
+  default registry, where vLLM keeps its metrics: what its ``/metrics`` serves;
 - ``("loading",)`` -> ``("loading", n)``: promotion jobs open in the tiering manager (loads
   from the secondary tier into the CPU tier), read from the manager itself (its private
   ``_transfer_jobs``, shaped differently on 0.27.1 and 0.32): vLLM 0.27.1 has no gauge of
@@ -336,6 +338,10 @@ class _Host:
             self.submit(*cmd[1:])
         elif cmd[0] == "metrics":
             conn.send(("metrics", metric_values(self.llm.get_metrics())))
+        elif cmd[0] == "exposition":
+            import prometheus_client
+
+            conn.send(("exposition", prometheus_client.generate_latest().decode()))
         elif cmd[0] == "loading":
             conn.send(("loading", self.loading()))
         elif cmd[0] == "log":

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OVERLAY", "EngineSettings", "engine_settings", "render"]
+__all__ = ["OVERLAY", "EngineSettings", "engine_settings", "probe_command", "render"]
 
 OVERLAY = Path(__file__).resolve().parents[3] / "deploy" / "llm-d" / "overlay"
 _REF = re.compile(r"\$\((\w+)\)")
@@ -39,6 +39,17 @@ def _model_server(objects: list[dict[str, Any]]) -> dict[str, Any]:
     (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"]
                     if c["name"] == "modelserver"]
     return dict(container)
+
+
+def probe_command() -> list[str]:
+    """The model server's probe command (its startup and readiness probes run the same), up
+    to the ``&&`` after which it asks vLLM's HTTP API: ``[shell, "-c", "p2pkv probe ..."]``."""
+    container = _model_server(render())
+    shell, flag, script = container["startupProbe"]["exec"]["command"]
+    assert container["readinessProbe"]["exec"]["command"] == [shell, flag, script]
+    probe, _, api = script.partition(" && ")
+    assert probe.startswith("p2pkv probe ") and "/v1/models" in api, script
+    return [shell, flag, probe]
 
 
 def _flag(args: list[str], flag: str) -> str:

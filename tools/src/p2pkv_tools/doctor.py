@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import json
 import os
 import socket
 import subprocess
@@ -70,8 +71,13 @@ def add_parser(sub: Any) -> None:
         help=TOOL_COMMANDS["doctor"],
         description="Everything needed when p2pkv is slow or fails on this host.",
     )
-    p.add_argument("--config", metavar="JSON",
-                   help="tier config (JSON text or @file) whose ports to check")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--config", metavar="JSON",
+                       help="tier config or vLLM secondary_tiers entry (JSON text or @file) "
+                            "whose ports to check, read as the tier reads it")
+    given.add_argument("--kv-transfer-config", metavar="JSON",
+                       help="vLLM's --kv-transfer-config (JSON text or @file): the ports of "
+                            "its p2pkv entries, as the engine's tier reads them")
     p.add_argument("--dp-size", type=_positive_int, default=1,
                    help="data-parallel ranks on this host: check base port .. base+N-1")
     p.add_argument("--no-probe", action="store_true",
@@ -221,7 +227,12 @@ def check_ports(host: str, ports: Sequence[int]) -> list[dict[str, Any]]:
     """Whether each ``host:port`` can be bound now (as the ZMQ listener would bind it).
 
     Uses ``SO_REUSEADDR`` like libzmq, so a port in TIME_WAIT counts as free. Port 0 is
-    ephemeral and always free."""
+    ephemeral and always free. A host holding a ``$(VAR)`` reference (llm-d's ``$(POD_IP)``,
+    which the kubelet expands on the pod) is not checked: ``free`` is None."""
+    if "$(" in host:
+        later = (f"not checked: the kubelet expands {host} on the pod; run doctor there, or "
+                 "check the entry here with `p2pkv check-config --pod-ip IP --no-bind`")
+        return [{"host": host, "port": p, "free": None, "detail": later} for p in ports]
     results = []
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
@@ -348,26 +359,40 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | None:
+    """The engine entry ``--config`` or ``--kv-transfer-config`` names, as ``(check_config.Entry,
+    connector extra config)``, or None for a plain tier config (or none given). An entry is
+    read by its engine adapter, as at engine start (its environment variables, upstream keys,
+    zero-edit mode; ``$(NAME)`` references expanded from this environment as the kubelet
+    expands them, those unset left as written). ``ConfigError`` names the option when it
+    cannot be read."""
+    from p2pkv import check_config
+
+    def read(text: str, option: str, what: str) -> dict[str, Any]:
+        if text.startswith("@"):
+            text = json.dumps(json_object(text, option, what))
+        return json_object(check_config.expand(text, os.environ, set(), placeholder=False),
+                           option, what)
+
+    if args.kv_transfer_config:
+        kv = read(args.kv_transfer_config, "--kv-transfer-config", "vLLM's KVTransferConfig")
+    elif args.config:
+        raw = read(args.config, "--config", "a tier config, or a vLLM secondary_tiers entry")
+        if "module_path" not in raw and "type" not in raw:
+            return None
+        kv = {"kv_connector_extra_config": {"secondary_tiers": [raw]}}
+    else:
+        return None
+    try:
+        extra, found = check_config.entries(kv)
+    except check_config.BuiltInTier as exc:
+        raise ConfigError(str(exc)) from None
+    return found[0], extra
+
+
 def _config_dict(text: str | None) -> dict[str, Any]:
-    """The ``--config`` value (JSON text, or ``@file`` holding it) as a tier config dict. A
-    vLLM ``secondary_tiers`` entry (with ``type`` and ``module_path``) is accepted as vLLM
-    passes it: the keys only the engine reads are dropped. ``ConfigError`` names the option
-    and the file when it cannot be read or parsed."""
-    if not text:
-        return {}
-    raw = json_object(text, "--config", "a tier config, or a vLLM secondary_tiers entry")
-    module_path = raw.get("module_path")
-    if module_path is None:
-        return raw
-    entry_keys = _ENTRY_KEYS.get(module_path)
-    if entry_keys is None:
-        raise ConfigError(f"--config: module_path {module_path!r} is not a p2pkv engine adapter "
-                          f"(known: {', '.join(_ENTRY_KEYS)})")
-    return {k: v for k, v in raw.items() if k not in entry_keys}
-
-
-_ENTRY_KEYS = {"p2pkv_vllm": ("type", "module_path", "backpressure", "locality")}
-"""Keys of an engine's tier entry that the engine reads, not the tier, by ``module_path``."""
+    """A plain ``--config`` tier config (JSON text, or ``@file`` holding it)."""
+    return {} if not text else json_object(text, "--config", "a tier config")
 
 
 _ENGINE_ENV = {"vLLM": "p2pkv_vllm.bridge"}
@@ -392,11 +417,31 @@ def _source(raw: Mapping[str, Any], key: str, names: Sequence[str]) -> tuple[str
     first variable set (the one ``TierConfig.from_dict`` reads), else the default (changed
     through the first variable)."""
     if key in raw:
-        return f"--config key {key!r}", f"the --config key {key!r}"
+        return f"tier key {key!r}", f"the tier key {key!r}"
     name = next((n for n in names if os.environ.get(n)), None)
     if name is None:
         return "default", names[0]
     return f"{name}={os.environ[name]}", name
+
+
+def entry_listeners(entry: Any, extra: Mapping[str, Any], dp_size: int
+                    ) -> list[dict[str, Any]]:
+    """Where the tier of an engine entry would listen (its adapter's reading of the entry and
+    of this environment), as :func:`listeners` reports it."""
+    try:
+        cfg = entry.adapter.entry_tier_config(entry.keys, extra_config=extra,
+                                              dp_rank=dp_size - 1)
+    except ConfigError as exc:
+        ranks = f" (--dp-size {dp_size}: lower the base port or the DP size)"
+        raise ConfigError(f"{entry.where}: {exc}{ranks if dp_size > 1 else ''}") from None
+    raw = entry.keys
+    host_env, port_env = entry.adapter.HOST_ENV, entry.adapter.PORT_ENV
+    host_from, _ = _source(raw, "host", host_env)
+    port_from, port_change = _source(raw, "port", port_env)
+    ports = [cfg.base_port + r for r in range(dp_size)] if cfg.base_port else [0]
+    return [{"engines": [f"vLLM ({entry.how})"], "host": cfg.host, "ports": ports,
+             "host_from": host_from, "port_from": port_from, "port_change": port_change,
+             "control": cfg.control, "data": cfg.data}]
 
 
 def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
@@ -427,7 +472,9 @@ def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``p2pkv doctor`` shows, as plain data; ``ConfigError`` for bad options."""
     registry = default_registry()
-    listen = listeners(_config_dict(args.config), args.dp_size)
+    engine_entry = _entry_config(args)
+    listen = (entry_listeners(*engine_entry, args.dp_size) if engine_entry is not None
+              else listeners(_config_dict(args.config), args.dp_size))
     lanes: dict[str, Any] = {}
     if not args.no_probe:
         for name in UCX_TRANSPORTS:
@@ -493,7 +540,7 @@ def _hints(report: Mapping[str, Any]) -> list[str]:
     tips = [
         f"{p['host']}:{p['port']} ({', '.join(p['engines'])}) is taken: choose a free base "
         f"port with {p['change']}."
-        for p in report["ports"] if not p["free"]
+        for p in report["ports"] if p["free"] is False
     ]
     vllm = any("vLLM" in where["engines"] for where in report["listeners"])
     if vllm and report["python_hash_seed"] != "set":
@@ -512,7 +559,8 @@ def _print_listeners(console: Console, report: Mapping[str, Any]) -> None:
             f"base port {where['ports'][0]} ({where['port_from']})"
         )
     for p in report["ports"]:
-        state = "[green]free[/]" if p["free"] else f"[red]NOT free[/]: {escape(p['detail'])}"
+        state = ("[green]free[/]" if p["free"] else escape(p["detail"]) if p["free"] is None
+                 else f"[red]NOT free[/]: {escape(p['detail'])}")
         console.print(f"  port {p['host']}:{p['port']}: {state}")
     console.print(f"PYTHONHASHSEED: {report['python_hash_seed']}")
 
@@ -552,6 +600,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"NIXL: {escape(report['nixl_install'])}")
     for tip in [*_advice(report), *_hints(report)]:
         console.print(f"[yellow]hint:[/] {escape(tip)}")
-    failed = [p for p in report["ports"] if not p["free"]] + [
+    failed = [p for p in report["ports"] if p["free"] is False] + [
         c for c in report["plugin_checks"] if not c["ok"]]
     return 1 if failed else 0

@@ -57,7 +57,7 @@ def test_keys_command_writes_a_usable_pair(
     assert zmq.auth.load_certificate(str(keydir / "alice.key"))[0] == public
     assert stat.S_IMODE(os.stat(keydir / "alice.key_secret").st_mode) == 0o600
     capsys.readouterr()
-    assert p2pkv_main(["keys", "--dir", str(keydir), "--name", "alice"]) == 1
+    assert p2pkv_main(["keys", "--dir", str(keydir), "--name", "alice"]) == 2
     assert "exists" in capsys.readouterr().err
     assert p2pkv_main(["keys", "--dir", str(keydir), "--name", "alice", "--force"]) == 0
     assert zmq.auth.load_certificate(str(keydir / "alice.key"))[0] != public

@@ -157,7 +157,7 @@ def test_keys_fleet_writes_the_directory_and_refuses_to_overwrite(
 ) -> None:
     assert p2pkv_main(["keys", "--fleet", "--dir", str(tmp_path / "k")]) == 0
     assert f"{CURVE_DIR_ENV}=" in capsys.readouterr().out
-    assert p2pkv_main(["keys", "--fleet", "--dir", str(tmp_path / "k")]) == 1
+    assert p2pkv_main(["keys", "--fleet", "--dir", str(tmp_path / "k")]) == 2
     assert "exists" in capsys.readouterr().err
     monkeypatch.setenv(CURVE_DIR_ENV, str(tmp_path / "k"))
     a, b = make_transport(), make_transport()

@@ -10,19 +10,33 @@ Threading: driver thread only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from p2pkv.call_guard import GuardedDataTransport
 from p2pkv.idle_reaper import IdleReaper
 from p2pkv.session.admission import Admission
 from p2pkv.session.env import SessionEnv
+from p2pkv.session.pause import PauseDetector
 from p2pkv.tiering.dialer import Dialer
 from p2pkv.tiering.domains import FailureDomains
 from p2pkv.tiering.table import SessionTable
 from p2pkv.tiering.warm import WarmSet
 
-__all__ = ["TierViews"]
+__all__ = ["Isolation", "TierViews"]
 
 _REQUEST_SIZES = ("consumer_requests", "consumer_rounds", "reads", "queued_rounds", "lookups",
                   "probes", "producer_requests", "producer_rounds", "producer_jobs", "supply",
                   "demand", "pins", "serves")
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """The tier's guards whose counters ``stats`` reports (docs/reliability.md).
+    ``call_guard`` is the guard the tier built around its data transport: tests may swap
+    ``env.data`` for a wrapper, and the overruns are still read from the guard."""
+
+    call_guard: GuardedDataTransport
+    pauses: PauseDetector
 
 
 class TierViews:
@@ -30,7 +44,7 @@ class TierViews:
 
     def __init__(self, env: SessionEnv, table: SessionTable, admission: Admission,
                  dialer: Dialer, warm: WarmSet, domains: FailureDomains,
-                 idle: IdleReaper) -> None:
+                 idle: IdleReaper, isolation: Isolation) -> None:
         self._env = env
         self._table = table
         self._admission = admission
@@ -40,6 +54,7 @@ class TierViews:
         self._warm = warm
         self._domains = domains
         self._idle = idle
+        self._isolation = isolation
 
     def needs_engine(self) -> bool:
         """See ``P2PTier.needs_engine``."""
@@ -78,6 +93,9 @@ class TierViews:
             submit_failures=c["submit_failures"],
             protocol_errors=c["protocol_errors"],
             handshake_rejections=c["handshake_rejections"],
+            data_held=sum(env.data.held().values()),
+            data_calls_over_bound=self._isolation.call_guard.overruns,
+            slow_ticks=self._isolation.pauses.slow_ticks,
             **self._peer_stats(),
         )
         descriptors = env.data.descriptors_posted

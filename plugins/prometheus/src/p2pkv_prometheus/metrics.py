@@ -3,7 +3,7 @@
 Label values are bounded: ``outcome`` is an ``Outcome`` value, ``reason`` keeps only the first
 word of a free-text reason, ``kind`` is a timeout kind. No per-request or per-peer labels.
 Quantities the vLLM adapter also reports carry the same words in their names
-(``bytes_sent``, ``in_flight_transfers``, ``parked_stores``, ``sessions``, ...). Every metric
+(``bytes_read``, ``in_flight_transfers``, ``parked_stores``, ``sessions``, ...). Every metric
 is listed, with type, labels and meaning, in docs/observability.md (a test checks it).
 """
 
@@ -35,10 +35,9 @@ class Metrics:
         self.transfers = Counter(
             "p2pkv_transfers", "Data transfers finished, by result.", ["result"], registry=registry
         )
-        self.bytes_sent = Counter(
-            "p2pkv_bytes_sent", "Bytes moved by successful transfers (counted by the consumer that "
-            "read them).",
-            registry=registry,
+        self.bytes_read = Counter(
+            "p2pkv_bytes_read", "Bytes of this tier's reads that completed (peers' blocks read "
+            "into our region for loads).", registry=registry,
         )
         self.transfer_seconds = Histogram(
             "p2pkv_transfer_duration_seconds", "Time from submit to completion of a transfer.",

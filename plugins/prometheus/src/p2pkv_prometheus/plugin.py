@@ -56,7 +56,7 @@ def p2pkv_transfer_finished(
     m = metrics()
     m.transfers.labels(result="ok" if success else "failed").inc()
     if success:
-        m.bytes_sent.inc(nbytes)
+        m.bytes_read.inc(nbytes)
     m.transfer_seconds.observe(seconds)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from p2pkv.addressing import format_address
-from p2pkv.config import TierConfig, config_fingerprint
+from p2pkv.config import VLLM_HOST_ENV, VLLM_PORT_ENV, TierConfig, config_fingerprint
 from p2pkv.errors import ConfigError
 from p2pkv.routing import Routing
 from p2pkv.types import Job, JobResult, LookupResult, RequestContext
@@ -46,9 +46,9 @@ __all__ = [
     "zero_edit_keys",
 ]
 
-HOST_ENV = ("VLLM_P2P_SIDE_CHANNEL_HOST", "P2PKV_HOST")
+HOST_ENV = VLLM_HOST_ENV
 """Environment variables for the bind/advertised host, first set one wins (vLLM's name first)."""
-PORT_ENV = ("VLLM_P2P_SIDE_CHANNEL_PORT", "P2PKV_PORT")
+PORT_ENV = VLLM_PORT_ENV
 """Environment variables for the base port; the bound port is base + DP rank."""
 
 TIER_TYPE = "P2PKVTier"
@@ -102,9 +102,12 @@ def tier_config_from_keys(
     derived = {"fingerprint": config_fingerprint(run_config), "hash_seed": hash_seed}
     for name in _DERIVED_KEYS:
         keys.setdefault(name, derived[name])
+    aliases = {f"{section}.{name}": alias for alias, (section, name) in UPSTREAM_KEYS.items()
+               if alias in tier_keys}
     try:
         return TierConfig.from_dict(
-            keys, dp_rank=dp_rank, environ=environ, host_env=HOST_ENV, port_env=PORT_ENV
+            keys, dp_rank=dp_rank, environ=environ, host_env=HOST_ENV, port_env=PORT_ENV,
+            also_accepted=(*ENTRY_KEYS, *UPSTREAM_KEYS, IDLE_WAIT_KEY), shown_as=aliases,
         )
     except ConfigError as exc:
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None

@@ -23,6 +23,10 @@ fails validation never makes us dial. Our own close sends "gone" on the connecti
 which lingers as long to deliver it; a dial that never connected closes at once (its peer
 never saw it, and a flood of such dials would keep ``max_sockets`` full).
 
+``p2pkv probe`` sends ``[link, "", "probe", nonce]`` (:mod:`p2pkv_zmq.probe_wire`): the hub
+answers ``identity`` over a notice PUSH to ``link``'s address (same rate limit), opens no
+connection and logs at DEBUG only.
+
 Liveness: a connection dies when its PUSH disconnects (the peer closed its listener, crashed,
 or missed heartbeats; the peer's half is then told "gone"), gets "gone", or its dial fails:
 the first refused TCP connect (libzmq retries; we do not: nothing listens, or a peer that just
@@ -70,6 +74,7 @@ from p2pkv_zmq.monitors import LINK_EVENTS, LISTENER_EVENTS, SocketMonitors
 from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.pairing import GONE, MEMORY, OPEN, LinkPairing, classify
 from p2pkv_zmq.poller import Poller, Readiness
+from p2pkv_zmq.probe_wire import IDENTITY, identity_answer, probe_request
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
@@ -364,6 +369,11 @@ class ZmqHub:
     def notice(self, address: str, incarnation: bytes) -> bool:
         """A "gone" for ``address``'s PUSH of ``incarnation`` over a PUSH dialed for it
         (rate-limited; skipped, and logged once, beyond the rate)."""
+        return self._notify(address, GONE, incarnation)
+
+    def _notify(self, address: str, verb: bytes, arg: bytes) -> bool:
+        """``[our link, "", verb, arg]`` over a PUSH dialed to ``address`` for that one
+        message (rate-limited: :meth:`notice`)."""
         if not self._notices.take(time.monotonic()):
             self._log_once(("notice-rate",), "not telling every stale peer connection it is "
                            "gone: more than %s notices a second (a flood of stale frames?)",
@@ -375,8 +385,7 @@ class ZmqHub:
             return False  # out of sockets: the peer's own timeouts end its connection
         try:
             push.connect(tcp_url(*parse_address(address)))
-            sent = self._send(push, link_id(self._local_address, new_incarnation()), GONE,
-                              incarnation)
+            sent = self._send(push, link_id(self._local_address, new_incarnation()), verb, arg)
         except zmq.ZMQError:
             sent = False  # an address libzmq cannot dial: nobody there to tell
         push.close(_NOTICE_LINGER_MS)
@@ -397,13 +406,23 @@ class ZmqHub:
         """A message that is not payload of a paired connection; ``fd``: the descriptor of
         the TCP connection a link message came over, which a well-formed one proves to the
         gate (every dialing socket of a p2pkv peer starts with one: open, paired, gone)."""
-        kind = classify(parts)
+        probe = probe_request(parts)
+        kind = classify(parts) if probe is None else probe
         if isinstance(kind, str):
             self.dropped(parts[0], kind)
             return
         if fd is not None and self.monitors is not None:
             self.monitors.admit(fd)
-        self.pairing.on_message(parts, kind[0], kind[1], time.monotonic())
+        if probe is None:
+            self.pairing.on_message(parts, kind[0], kind[1], time.monotonic())
+        else:
+            self._answer_probe(kind[1], parts[3])
+
+    def _answer_probe(self, address: str, nonce: bytes) -> None:
+        """Tell the prober at ``address`` who we are; no connection, DEBUG only."""
+        answer = identity_answer(nonce, curve=self._keys is not None)
+        sent = self._notify(address, IDENTITY, answer)
+        log.debug("probe from %s: %s", address, "answered" if sent else "not answered")
 
     def _on_sweep(self, now: float, previous: float) -> int:
         assert self.monitors is not None

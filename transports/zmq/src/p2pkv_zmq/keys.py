@@ -11,6 +11,7 @@ Error messages never include key text.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -21,16 +22,20 @@ from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 from zmq.utils import z85
 
-__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_pair_files",
-           "public_of", "read_key", "read_key_list", "write_fleet_keys", "write_key_pair"]
+from p2pkv_zmq.key_files import FLEET_CLIENT, FLEET_SERVER, PUBLIC_SUFFIX, SECRET_SUFFIX
+
+__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_fingerprint",
+           "key_pair_files", "public_of", "read_key", "read_key_list", "write_fleet_keys",
+           "write_key_pair"]
 
 log = module_logger(__name__)
 
-PUBLIC_SUFFIX = ".key"
-SECRET_SUFFIX = ".key_secret"
 _Z85_LEN = 40
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_FLEET_PAIRS = ("server", "client")  # p2pkv_zmq.security.FLEET_SERVER, FLEET_CLIENT
+_FLEET_PAIRS = (FLEET_SERVER, FLEET_CLIENT)
+_LOOSE = 0o027
+"""Mode bits a secret key file must not have: any access for others, write for the group. A
+Secret volume's ``defaultMode: 0440`` (owner and the pod's fsGroup read) is accepted."""
 _LINE = re.compile(r"""^\s*(public|secret)-key\s*=\s*["']?([^"'\s]+)["']?\s*$""")
 
 Kind = Literal["public", "secret"]
@@ -57,11 +62,17 @@ def read_key_list(values: tuple[str, ...], option: str) -> frozenset[bytes]:
         if path is not None and path.is_dir():
             files = sorted(path.glob(f"*{PUBLIC_SUFFIX}"))
             if not files:
-                raise ConfigError(f"zmq option {option!r}: no *{PUBLIC_SUFFIX} files in {path}")
+                raise ConfigError(f"{_named(option)}: no *{PUBLIC_SUFFIX} files in {path}")
             keys.update(z85.decode(_from_file(f, option, "public")) for f in files)
         else:
             keys.add(z85.decode(read_key(value, f"{option}[{i}]", "public")))
     return frozenset(keys)
+
+
+def key_fingerprint(public: bytes) -> str:
+    """12 hex digits naming a Z85 public key (SHA-256 of its 32 bytes): what ``p2pkv probe``
+    and ``p2pkv keys`` print, so two sides can compare keys without showing them."""
+    return hashlib.sha256(z85.decode(public)).hexdigest()[:12]
 
 
 def public_of(secret: bytes) -> bytes:
@@ -102,12 +113,16 @@ def key_pair_files() -> tuple[str, str]:
 
 def write_fleet_keys(directory: Path, *, force: bool = False) -> list[Path]:
     """Write a fleet's key directory (``$P2PKV_CURVE_DIR``): the server and the client pair
-    (:mod:`p2pkv_zmq.security`); returns the paths. Refuses to overwrite unless ``force``."""
+    (:mod:`p2pkv_zmq.security`); returns the paths. Refuses to overwrite unless ``force``
+    (``FileExistsError`` naming the rotation instead)."""
     for name in _FLEET_PAIRS if not force else ():
         for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX):
             if (directory / f"{name}{suffix}").exists():
-                raise FileExistsError(f"{directory / (name + suffix)} exists (use --force to "
-                                      "overwrite)")
+                raise FileExistsError(
+                    f"{directory / (name + suffix)} exists: {directory} holds a fleet's keys. "
+                    f"Rotate them without an outage (`p2pkv keys --rotate begin --dir "
+                    f"{directory}`, docs/security.md), or pass --force to replace them (every "
+                    "peer still on the old keys is then refused)")
     return [path for name in _FLEET_PAIRS
             for path in write_key_pair(directory, name, force=True)]
 
@@ -148,19 +163,33 @@ def _write(path: Path, mode: int, text: str) -> None:
     os.chmod(path, mode)  # O_CREAT's mode does not apply to an existing file
 
 
+def _named(option: str) -> str:
+    """How a message names where a key came from: an environment variable as is, else the
+    zmq option."""
+    return option if option.startswith("P2PKV_") else f"zmq option {option!r}"
+
+
 def _from_file(path: Path, option: str, kind: Kind) -> bytes:
     try:
         text = path.read_text(encoding="ascii")
+    except PermissionError:
+        raise ConfigError(
+            f"{_named(option)}: cannot read key file {path}: this process (uid {os.getuid()}, "
+            f"gid {os.getgid()}) may not read it: give it read access (a Secret volume: the "
+            "pod's securityContext.fsGroup and the volume's defaultMode 0440)") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"zmq option {option!r}: cannot read key file {path}: {exc}") from exc
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{_named(option)}: cannot read key file {path}: {why}") from None
     found = {m.group(1): m.group(2) for m in map(_LINE.match, text.splitlines()) if m}
     value = found.get(kind) if found else text.strip()
     if value is None:
         fix = (": give the NAME.key_secret file `p2pkv keys` wrote (NAME.key is its public "
                "half, for the peers' allowed_client_keys)" if kind == "secret" else "")
-        raise ConfigError(f"zmq option {option!r}: {path} holds no {kind} key{fix}")
-    if kind == "secret" and os.stat(path).st_mode & 0o077:
-        log.warning("CURVE secret key file %s is readable by other users (chmod 600 it)", path)
+        raise ConfigError(f"{_named(option)}: {path} holds no {kind} key{fix}")
+    if kind == "secret" and os.stat(path).st_mode & _LOOSE:
+        log.warning("CURVE secret key file %s is readable or writable by every user: set the "
+                    "Secret volume's defaultMode to 0400 (or 0440 with the pod's fsGroup); "
+                    "outside Kubernetes, chmod 600 it", path)
     return _checked(value, option, str(path))
 
 
@@ -171,5 +200,5 @@ def _checked(value: str, option: str, where: str) -> bytes:
     except Exception:  # any decoding failure means "not a key"
         ok = False
     if not ok:
-        raise ConfigError(f"zmq option {option!r}: {where} is not a {_Z85_LEN}-character Z85 key")
+        raise ConfigError(f"{_named(option)}: {where} is not a {_Z85_LEN}-character Z85 key")
     return raw

@@ -21,39 +21,57 @@ is on its allow-list. Traffic is encrypted both ways.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Set
 from pathlib import Path
 
 from p2pkv.addressing import is_loopback_host
 from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 
+from p2pkv_zmq.fleet_dir import AllowedView, KeySet, LiveKeys
+from p2pkv_zmq.key_files import FLEET_CLIENT, FLEET_SERVER
 from p2pkv_zmq.options import CURVE_DIR_ENV, ZmqOptions
 
-__all__ = ["FLEET_CLIENT", "FLEET_SERVER", "CurveKeys", "curve_keys"]
+__all__ = ["FLEET_CLIENT", "FLEET_SERVER", "CurveKeys", "curve_keys", "fleet_keys"]
 
 log = module_logger(__name__)
 
 _REQUIRED = ("server_secret_key", "client_secret_key", "allowed_client_keys")
-FLEET_SERVER = "server"
-"""Name (``NAME.key``/``NAME.key_secret``) of the listeners' pair in a fleet key directory."""
-FLEET_CLIENT = "client"
-"""Name of the dialers' pair in a fleet key directory."""
 
 
-@dataclass(frozen=True, repr=False)
 class CurveKeys:
-    """Z85 keys (40 bytes) for our sockets; ``allowed`` holds raw 32-byte client keys."""
+    """The CURVE keys of our sockets: fixed (from the key options), or a fleet directory's as
+    they are now (:class:`~p2pkv_zmq.fleet_dir.LiveKeys`: the client pair and the allowed
+    keys follow the directory). Keys are Z85 (40 bytes); ``allowed`` is a view of the raw
+    32-byte client keys admitted at each lookup. Driver thread only."""
 
-    server_secret: bytes
-    server_public: bytes
-    client_secret: bytes
-    client_public: bytes
-    allowed: frozenset[bytes]
+    def __init__(self, keys: KeySet | LiveKeys) -> None:
+        self._keys = keys
+        self.allowed: Set[bytes] = AllowedView(self.current)
+
+    def current(self) -> KeySet:
+        """The keys now."""
+        keys = self._keys
+        return keys if isinstance(keys, KeySet) else keys.current()
+
+    @property
+    def server_secret(self) -> bytes:
+        return self.current().server_secret
+
+    @property
+    def server_public(self) -> bytes:
+        return self.current().server_public
+
+    @property
+    def client_secret(self) -> bytes:
+        return self.current().client_secret
+
+    @property
+    def client_public(self) -> bytes:
+        return self.current().client_public
 
     def __repr__(self) -> str:  # never print secrets
-        return f"CurveKeys(server_public={self.server_public!r}, allowed={len(self.allowed)})"
+        return f"CurveKeys({self.current()!r})"
 
 
 def curve_keys(
@@ -64,14 +82,18 @@ def curve_keys(
 
     Raises ``ConfigError`` when the options break the policy above or a key cannot be read.
     """
-    directory = environ.get(CURVE_DIR_ENV, "")
+    directory = environ.get(CURVE_DIR_ENV)
+    if directory is not None and not directory.strip():
+        raise ConfigError(f"{CURVE_DIR_ENV} is set but empty: set it to the directory where the "
+                          "fleet's key Secret is mounted, or unset it (a tier without keys must "
+                          "say insecure: true)")
     if not options.curve_requested and directory:
         if options.insecure:
             raise ConfigError(f"zmq option insecure: true and {CURVE_DIR_ENV}={directory!r} "
                               f"contradict each other: unset {CURVE_DIR_ENV} or drop insecure")
         if not curve_supported:
             raise ConfigError(f"{CURVE_DIR_ENV} is set but this libzmq was built without CURVE")
-        return _fleet_keys(Path(directory))
+        return fleet_keys(Path(directory))
     if not options.curve_requested:
         if not options.insecure and not is_loopback_host(bind_host):
             raise ConfigError(
@@ -107,38 +129,15 @@ def curve_keys(
         if options.server_public_key
         else public_of(server_secret)
     )
-    return CurveKeys(
-        server_secret=server_secret,
-        server_public=server_public,
-        client_secret=client_secret,
-        client_public=public_of(client_secret),
-        allowed=read_key_list(options.allowed_client_keys, "allowed_client_keys"),
-    )
+    return CurveKeys(KeySet(server_secret, server_public, client_secret,
+                            public_of(client_secret),
+                            read_key_list(options.allowed_client_keys, "allowed_client_keys")))
 
 
-def _fleet_keys(directory: Path) -> CurveKeys:
-    """A fleet's keys from ``directory`` (the layout in the module docstring)."""
-    from p2pkv_zmq.keys import PUBLIC_SUFFIX, SECRET_SUFFIX, public_of, read_key, read_key_list
-
-    if not directory.is_dir():
-        raise ConfigError(f"{CURVE_DIR_ENV}={str(directory)!r} is not a directory: mount the "
-                          "fleet's key Secret there (`p2pkv keys --secret NAME` writes one)")
-    secrets = {}
-    for name in (FLEET_SERVER, FLEET_CLIENT):
-        path = directory / f"{name}{SECRET_SUFFIX}"
-        if not path.is_file():
-            raise ConfigError(f"{CURVE_DIR_ENV}: no {path.name} in {directory} (a fleet key "
-                              "directory holds the server and client pairs `p2pkv keys "
-                              "--fleet` or `--secret` writes)")
-        secrets[name] = read_key(str(path), f"{CURVE_DIR_ENV}: {path.name}", "secret")
-    allowed = [str(path) for path in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))
-               if path.name != f"{FLEET_SERVER}{PUBLIC_SUFFIX}"]
-    if not allowed:
-        raise ConfigError(f"{CURVE_DIR_ENV}: no client public key (*{PUBLIC_SUFFIX} other than "
-                          f"{FLEET_SERVER}{PUBLIC_SUFFIX}) in {directory}")
-    server, client = secrets[FLEET_SERVER], secrets[FLEET_CLIENT]
-    log.info("zmq CURVE keys from %s=%s (%d allowed client key file(s))", CURVE_DIR_ENV,
-             directory, len(allowed))
-    return CurveKeys(server_secret=server, server_public=public_of(server),
-                     client_secret=client, client_public=public_of(client),
-                     allowed=read_key_list(tuple(allowed), f"{CURVE_DIR_ENV}: client keys"))
+def fleet_keys(directory: Path, client: str = FLEET_CLIENT) -> CurveKeys:
+    """A fleet's keys from ``directory``, followed as it changes (:mod:`p2pkv_zmq.fleet_dir`),
+    dialing with the pair ``client``; ``ConfigError`` naming what is missing or unreadable."""
+    live = LiveKeys(directory, client=client)
+    log.info("zmq CURVE keys from %s=%s (%d allowed client key(s); re-read when it changes)",
+             CURVE_DIR_ENV, directory, len(live.current().allowed))
+    return CurveKeys(live)

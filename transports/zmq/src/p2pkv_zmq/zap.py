@@ -9,7 +9,7 @@ the next poll.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import zmq
 from zmq.utils import z85
@@ -23,16 +23,19 @@ _KEY_BYTES = 32
 
 class ZapHandler:
     """Owns the ZAP REP socket. ``on_refused(peer_ip, client)`` is called for each refusal
-    (``client`` is the Z85 public key, or the mechanism name when it is not CURVE)."""
+    (``client`` is the Z85 public key, or the mechanism name when it is not CURVE), and
+    ``on_admitted(client)``, if given, for each client admitted (its Z85 public key)."""
 
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
-        allowed: frozenset[bytes],
+        allowed: Container[bytes],
         on_refused: Callable[[str, str], None],
+        on_admitted: Callable[[bytes], None] | None = None,
     ) -> None:
         self._allowed = allowed
         self._on_refused = on_refused
+        self._on_admitted = on_admitted
         self.socket: zmq.Socket[bytes] = ctx.socket(zmq.REP)
         self.socket.linger = 0
         try:
@@ -57,6 +60,8 @@ class ZapHandler:
         address, mechanism, credentials = request[3], request[5], request[6:]
         key = credentials[0] if mechanism == b"CURVE" and credentials else b""
         if len(key) == _KEY_BYTES and key in self._allowed:
+            if self._on_admitted is not None:
+                self._on_admitted(z85.encode(key))
             return [_VERSION, request_id, b"200", b"OK", z85.encode(key), b""]
         if len(key) == _KEY_BYTES:
             who = z85.encode(key).decode()

@@ -224,16 +224,17 @@ def parse_prefiller(spec: str, *, environ: Mapping[str, str] | None = None) -> P
     """``URL[,p2p_host=H][,p2p_port=P][,dp_size=N]``.
 
     ``p2p_host`` defaults to the URL's host, ``p2p_port`` to ``$VLLM_P2P_SIDE_CHANNEL_PORT``
-    or 5710 (the tier's own default), ``dp_size`` to 1.
+    or 5710 (the tier's own default; a decoder's too), ``dp_size`` to 1.
     """
     url, opts = _split_spec(spec, _PREFILLER_KEYS[1:], "--prefiller")
     return _prefiller_from({"url": url, **opts}, f"--prefiller {spec!r}", environ=environ)
 
 
-def parse_decoder(spec: str) -> Decoder:
-    """``URL[,dp_size=N][,kv_events=E][,kv_replay=E][,p2p_host=H][,p2p_port=P]``."""
+def parse_decoder(spec: str, *, environ: Mapping[str, str] | None = None) -> Decoder:
+    """``URL[,dp_size=N][,kv_events=E][,kv_replay=E][,p2p_host=H][,p2p_port=P]``;
+    ``p2p_port`` defaults as a prefiller's does."""
     url, opts = _split_spec(spec, _DECODER_KEYS[1:], "--decoder")
-    return _decoder_from({"url": url, **opts}, f"--decoder {spec!r}")
+    return _decoder_from({"url": url, **opts}, f"--decoder {spec!r}", environ=environ)
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -330,10 +331,7 @@ def _prefiller_from(
     host = raw.get("p2p_host") or urlsplit(url).hostname
     if not isinstance(host, str):
         raise ConfigError(f"{source}: p2p_host must be a string, got {host!r}")
-    env = os.environ if environ is None else environ
-    port = _positive_int(
-        raw.get("p2p_port", env.get(P2P_PORT_ENV) or DEFAULT_PORT), f"{source}: p2p_port"
-    )
+    port = _positive_int(raw.get("p2p_port", _default_port(environ)), f"{source}: p2p_port")
     dp_size = _positive_int(raw.get("dp_size", 1), f"{source}: dp_size")
     if port + dp_size - 1 > 65535:
         raise ConfigError(f"{source}: p2p_port {port} + dp_size {dp_size} exceeds 65535")
@@ -341,7 +339,14 @@ def _prefiller_from(
                      **_kv_event_endpoints(raw, source))
 
 
-def _decoder_from(raw: Any, source: str) -> Decoder:
+def _default_port(environ: Mapping[str, str] | None) -> Any:
+    """An instance's ``p2p_port`` when it gives none: ``$VLLM_P2P_SIDE_CHANNEL_PORT`` (the
+    variable vLLM's tier reads; the proxy runs in the engines' environment), else 5710."""
+    return (os.environ if environ is None else environ).get(P2P_PORT_ENV) or DEFAULT_PORT
+
+
+def _decoder_from(raw: Any, source: str, *, environ: Mapping[str, str] | None = None
+                  ) -> Decoder:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source} must be a table/object with at least 'url'")
     _only(raw, _DECODER_KEYS, source)
@@ -352,7 +357,8 @@ def _decoder_from(raw: Any, source: str) -> Decoder:
         url=_url(raw.get("url"), source),
         dp_size=_positive_int(raw.get("dp_size", 1), f"{source}: dp_size"),
         p2p_host=host.strip("[]") if host else None,
-        p2p_port=_positive_int(raw.get("p2p_port", DEFAULT_PORT), f"{source}: p2p_port"),
+        p2p_port=_positive_int(raw.get("p2p_port", _default_port(environ)),
+                               f"{source}: p2p_port"),
         **_kv_event_endpoints(raw, source),
     )
 
