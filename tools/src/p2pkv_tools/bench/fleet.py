@@ -179,6 +179,8 @@ def _idle_row(idle: dict[str, Any], peers: int) -> dict[str, Any]:
     per_s = None if segments is None else segments / wall
     return {"idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
             "idle_cpu_per_tick_us": round(1e6 * idle["cpu_s"] / max(1, idle["ticks"]), 1),
+            "idle_tick_thread_us": round(1e6 * idle["tick_thread_cpu_s"] / max(1, idle["ticks"]),
+                                         1),
             "idle_ticks_per_s": round(idle["ticks"] / wall, 1),
             "idle_calls_per_tick": round(idle["calls_per_tick"], 1),
             "idle_sessions": idle["sessions"],

@@ -21,6 +21,7 @@ SIZE_COLUMNS = (
     ("peers", "peers"),
     ("idle_cpu_pct", "idle CPU % of a core"),
     ("idle_cpu_per_tick_us", "idle CPU/tick µs"),
+    ("idle_tick_thread_us", "tick thread CPU/tick µs"),
     ("idle_ticks_per_s", "ticks/s"),
     ("idle_calls_per_tick", "idle calls/tick"),
     ("cpu_per_request_us", "CPU/request µs"),

@@ -7,9 +7,9 @@ Commands (over a harness pipe):
 
 - ``describe()``: the tier's address; ``sessions()``: its ready sessions; ``warm(...)``:
   tick until a number of sessions is ready, and say when.
-- ``idle(seconds)``: tick quietly for ``seconds``; the process's CPU, threads, descriptors and
-  resident memory, the TCP data segments its sockets sent and received (``ss``), and the
-  Python calls of a quiet tick.
+- ``idle(seconds)``: tick quietly for ``seconds``; the process's CPU (and the ticking
+  thread's alone), threads, descriptors and resident memory, the TCP data segments its
+  sockets sent and received (``ss``), and the Python calls of a quiet tick.
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
   the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
   (in all, and within the window).
@@ -142,15 +142,16 @@ class TierUnderTest:
         of :data:`COUNTED_TICKS` more (``sys.setprofile``: calls of Python and of C
         functions), apart, so the counting costs the CPU figures nothing."""
         before, segments = process_usage(), tcp_segments()
-        started = time.monotonic()
+        started, thread_cpu = time.monotonic(), time.thread_time()
         ticks = 0
         while (now := time.monotonic()) - started < seconds:
             self._tier.tick(0.0)
             ticks += 1
             time.sleep(max(0.0, started + ticks * CADENCE - now))
-        wall = time.monotonic() - started
+        wall, thread_cpu = time.monotonic() - started, time.thread_time() - thread_cpu
         after, segments_after = process_usage(), tcp_segments()
         return {"cpu_s": after["cpu_s"] - before["cpu_s"], "wall_s": wall, "ticks": ticks,
+                "tick_thread_cpu_s": thread_cpu,
                 "calls_per_tick": self._calls_per_tick(COUNTED_TICKS),
                 "sessions": self.sessions(),
                 "threads": after["threads"], "fds": after["fds"], "rss_mib": after["rss_mib"],
