@@ -632,7 +632,11 @@ class ControlTransportMachine(KitMachine):
         close (quietly, no waiting: the failure stays the reported error)."""
         try:
             if not self.teardown_after_failure():
-                self._settle()
+                try:
+                    self._settle()
+                except AssertionError as exc:
+                    self.log_failure(exc)
+                    raise
         finally:
             for i, node in enumerate(self.nodes):
                 if i not in self.gone:
