@@ -29,8 +29,8 @@ from p2pkv import (
 __all__ = ["LoopbackConnection", "LoopbackControlTransport"]
 
 _LISTENERS: dict[str, LoopbackControlTransport] = {}
-_PORTS = itertools.count(40000)
-"""Where port 0 starts looking for a number nobody in this process listens on."""
+_PORTS = itertools.cycle(range(40000, 65536))
+"""The numbers port 0 tries, in turn, for one nobody in this process listens on."""
 
 
 class LoopbackConnection(InboxConnection):
@@ -75,9 +75,11 @@ class LoopbackControlTransport(InboxControlTransport[LoopbackConnection]):
                 raise ConfigError(f"loopback address {address} is already in use; change "
                                   f"{settings.port_setting}")
             return address
-        while (address := format_address(settings.host, next(_PORTS))) in _LISTENERS:
-            pass
-        return address
+        for _ in range(65536 - 40000):
+            address = format_address(settings.host, next(_PORTS))
+            if address not in _LISTENERS:
+                return address
+        raise ConfigError(f"loopback: every port of {settings.host} is taken")
 
     @classmethod
     def create(cls, settings: ControlSettings) -> LoopbackControlTransport:
