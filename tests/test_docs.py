@@ -285,3 +285,52 @@ def test_the_python_claimed_is_the_python_ci_runs() -> None:
     for path in [ROOT / "README.md", ROOT / "docs" / "index.md"]:
         claims = set(re.findall(r"Python >= ([0-9.]+)", path.read_text()))
         assert claims == {ran}, f"{path.relative_to(ROOT)} claims Python >= {claims}"
+
+
+AUTHOR_PATH = [ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "plugin-authors.md"]
+"""The pages a plugin author reads first; with the example plugin, they use public names only."""
+PUBLIC_PACKAGES = ("p2pkv.testing", "p2pkv.reference", "p2pkv.hookspecs")
+LOGGERS = {"p2pkv.call_guard"}
+"""Internal modules named as loggers (what an operator greps), not as imports."""
+
+
+def _is_public(dotted: str) -> bool:
+    """``p2pkv`` itself, a name it exports, or anything in a public package."""
+    import p2pkv
+
+    parts = dotted.split(".")
+    if parts[0] != "p2pkv":
+        return True  # another package: the author's own, numpy, ...
+    if len(parts) == 1 or parts[1] in p2pkv.__all__:
+        return True
+    return any(dotted == pkg or dotted.startswith(pkg + ".") for pkg in PUBLIC_PACKAGES)
+
+
+def _imported(code: str) -> list[str]:
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
+def test_the_plugin_authors_path_uses_public_names_only() -> None:
+    """The author's pages and the example plugin import only what ``p2pkv`` exports (or the
+    public packages), and name no internal module, so nothing they copy breaks on a move."""
+    internal = []
+    for block in BLOCKS:
+        if block.path in AUTHOR_PATH and block.lang == "python":
+            internal += [f"{block.id}: {m}" for m in _imported(block.code) if not _is_public(m)]
+    for path in AUTHOR_PATH[2:]:
+        for name in re.findall(r"`(p2pkv(?:\.\w+)+)", path.read_text()):
+            if not _is_public(name) and name not in LOGGERS:
+                internal.append(f"{path.relative_to(ROOT)}: `{name}`")
+    for path in sorted((ROOT / "tests" / "example_plugin" / "src").rglob("*.py")):
+        internal += [f"{path.relative_to(ROOT)}: {m}" for m in _imported(path.read_text())
+                     if not _is_public(m)]
+    assert not internal, "internal names on the plugin author's path (export them, or use "\
+        "p2pkv's):\n" + "\n".join(internal)

@@ -20,6 +20,7 @@ import p2pkv
 import pytest
 
 EXPORTED = [
+    "DRAIN_GRACE", "DRIVER_BOUND",  # the driver bound a transport keeps (plugin-authors.md)
     "EMPTY_POLL", "OVERSIZED", "PLUGIN_API_VERSION", "AttachedPeer", "Capabilities", "CheckResult",
     "ConcurrentCall", "ConfigError", "ConnectionClosed", "ControlConnection", "ControlSettings",
     "ControlTransport", "DataBackend", "DataSettings", "DataTransport", "DoctorCheck", "Flow",

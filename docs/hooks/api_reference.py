@@ -7,8 +7,12 @@ surface itself is pinned by ``core/tests/test_public_api.py``, not here."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import inspect
+import itertools
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +50,9 @@ def _members(cls: type) -> Iterator[tuple[str, Any]]:
 
 
 def _entry(module: str, name: str, obj: Any) -> str:
+    if typing.get_origin(obj) is not None:  # a type alias: as written, not the origin's doc
+        written = _assignments(_defining_module(module, name)).get(name, (repr(obj), None))[0]
+        return _constant(module, name, f"{name} = {written}")
     if inspect.isclass(obj):
         parts = [f"### `{module}.{name}`", f"```python\nclass {_signature(name, obj)}\n```",
                  _doc(obj)]
@@ -57,7 +64,43 @@ def _entry(module: str, name: str, obj: Any) -> str:
         return "\n\n".join(parts)
     if callable(obj):
         return f"### `{module}.{name}`\n\n```python\n{_signature(name, obj)}\n```\n\n{_doc(obj)}"
-    return f"### `{module}.{name}`\n\n```python\n{_value(name, obj)}\n```"
+    return _constant(module, name, _value(name, obj))
+
+
+def _constant(module: str, name: str, shown: str) -> str:
+    """A constant or alias, with the docstring written under its assignment, if any."""
+    entry = f"### `{module}.{name}`\n\n```python\n{shown}\n```"
+    doc = _assignments(_defining_module(module, name)).get(name, ("", None))[1]
+    return entry if doc is None else f"{entry}\n\n```text\n{doc}\n```"
+
+
+def _defining_module(module: str, name: str) -> str:
+    """Where ``name`` is assigned: ``p2pkv`` re-exports names of internal modules."""
+    mod = importlib.import_module(module)
+    return str(getattr(mod, "_MODULE_OF", {}).get(name, module))
+
+
+@functools.cache
+def _assignments(module: str) -> dict[str, tuple[str, str | None]]:
+    """Module-level ``NAME = value``: name -> (the value as written, the docstring under it)."""
+    try:
+        source = inspect.getsource(importlib.import_module(module))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body
+    found: dict[str, tuple[str, str | None]] = {}
+    for node, after in itertools.pairwise([*body, ast.Pass()]):
+        if not isinstance(node, (ast.AnnAssign, ast.Assign)):
+            continue
+        target: ast.expr = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
+        value = node.value
+        if not isinstance(target, ast.Name) or value is None:
+            continue
+        doc = None
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            doc = inspect.cleandoc(str(after.value.value))
+        found[target.id] = (ast.get_source_segment(source, value) or "", doc)
+    return found
 
 
 def _value(name: str, obj: Any) -> str:
@@ -75,4 +118,3 @@ def render() -> str:
         sections.append(f"## `{module}`\n\n{_doc(mod)}")
         sections += [_entry(module, name, getattr(mod, name)) for name in mod.__all__]
     return "\n\n".join(sections)
-

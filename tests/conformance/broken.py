@@ -413,7 +413,7 @@ class Reorders(LoopbackControlTransport):
     """Delivers the frames of each poll in reverse order."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in self.ends:
+        for end in self._connections.values():
             end.queue.reverse()
         return super().poll(timeout)
 
@@ -422,7 +422,7 @@ class DuplicatesFrames(LoopbackControlTransport):
     """Delivers every frame twice."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in self.ends:
+        for end in self._connections.values():
             doubled = [f for frame in end.queue for f in (frame, frame)]
             end.queue.clear()
             end.queue.extend(doubled)
@@ -433,19 +433,36 @@ class DropsSomeFrames(LoopbackControlTransport):
     """Loses one frame in 50 (2 %) on live connections: an occasional drop, never a gap
     large enough for the short delivery tests to be sure to see."""
 
+    every: int = 50
     dropped = 0
-    """Frames seen across every instance (deterministic: the 37th of every 50 is lost)."""
+    """Frames seen across every instance (deterministic: the 37th of every ``every``)."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in self.ends:
+        cls = type(self)
+        for end in self._connections.values():
             kept = []
             for frame in end.queue:
-                DropsSomeFrames.dropped += 1
-                if DropsSomeFrames.dropped % 50 != 37:
+                cls.dropped += 1
+                if cls.dropped % cls.every != 37:
                     kept.append(frame)
             end.queue.clear()
             end.queue.extend(kept)
         return super().poll(timeout)
+
+
+class DropsRareFrames(DropsSomeFrames):
+    """Loses one frame in 100 (1 %), as a flaky link of a real transport might."""
+
+    every = 100
+    dropped = 0
+
+
+class NotHostPort(LoopbackControlTransport):
+    """Reports its address in a scheme of its own, which no request can name."""
+
+    @property
+    def local_address(self) -> str:
+        return "loop://" + super().local_address
 
 
 class AcceptsTwice(LoopbackControlTransport):
@@ -462,21 +479,22 @@ class AcceptsBeforeFirstFrame(LoopbackControlTransport):
     """Returns an inbound connection before any of its frames arrived."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        early = [end for end in self._unannounced if not end.inbox and not end.dead]
-        self._unannounced = [end for end in self._unannounced if end not in early]
+        early = [end for end in self._accepted if not end.inbox and end.alive]
+        self._accepted = [end for end in self._accepted if end not in early]
         return [*early, *super().poll(timeout)]
 
 
 class _HalfCloseConnection(LoopbackConnection):
     def close(self) -> None:
-        self.dead = True
-        self.owner.ends.discard(self)
+        if self.close_reason is None:  # ``end`` without telling the peer (``_on_end``)
+            self.close_reason = "closed"
+            self._transport._forget(self)
 
 
 class CloseInvisible(LoopbackControlTransport):
     """Closing a connection marks only our end dead; the peer never learns."""
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         conn.__class__ = _HalfCloseConnection
         return conn
@@ -484,17 +502,18 @@ class CloseInvisible(LoopbackControlTransport):
 
 class _NoCapConnection(LoopbackConnection):
     def send(self, frame: bytes) -> None:
-        cap, self.owner.max_frame_bytes = self.owner.max_frame_bytes, 1 << 40
+        owner = self._transport
+        cap, owner.max_frame_bytes = owner.max_frame_bytes, 1 << 40
         try:
             super().send(frame)
         finally:
-            self.owner.max_frame_bytes = cap
+            owner.max_frame_bytes = cap
 
 
 class NoFrameCap(LoopbackControlTransport):
     """Sends frames of any size."""
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         conn.__class__ = _NoCapConnection
         return conn
@@ -509,7 +528,7 @@ class _SilentConnection(LoopbackConnection):
 class SendAfterCloseSilently(LoopbackControlTransport):
     """``send`` on a closed connection drops the frame instead of raising."""
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         conn.__class__ = _SilentConnection
         return conn
@@ -518,8 +537,8 @@ class SendAfterCloseSilently(LoopbackControlTransport):
 class NewConnectionEachConnect(LoopbackControlTransport):
     """``connect`` opens another connection even when a live one exists."""
 
-    def connect(self, address: str) -> ControlConnection:
-        self._dialed.pop(address, None)
+    def connect(self, address: str) -> LoopbackConnection:
+        self._connections.pop(address, None)
         return super().connect(address)
 
 
@@ -539,7 +558,7 @@ class ForgetsAnActiveConnection(LoopbackControlTransport):
         self._dead: set[int] = set()
         self._news: list[ControlConnection] = []
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         self._note(conn)
         return conn
@@ -573,6 +592,8 @@ CONTROL_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "Reorders": (Reorders, ("test_frames_arrive_in_order_each_once",)),
     "DuplicatesFrames": (DuplicatesFrames, ("test_frames_arrive_in_order_each_once",)),
     "DropsSomeFrames": (DropsSomeFrames, ("test_a_long_stream_loses_no_frame",)),
+    "DropsRareFrames": (DropsRareFrames, ("test_a_long_stream_loses_no_frame",)),
+    "NotHostPort": (NotHostPort, ("test_local_address_is_host_port",)),
     "AcceptsTwice": (
         AcceptsTwice, ("test_inbound_connection_is_returned_once_with_its_first_frames",)
     ),

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
 import broken
 import sabotage
-from suite_runs import RUNS, Outcomes, caught_runs, run_suites
+from suite_runs import CRASHES, RUNS, Outcomes, caught_runs, run_suites
 
 # The module fixture runs every variant through the suites in one pytest subprocess (bounded
 # by its own timeout); the first test pays for it.
@@ -68,6 +68,14 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Outcomes:
 def test_the_correct_transport_passes(outcomes: Outcomes, cls: str) -> None:
     failed = [t for t, o in outcomes[cls].items() if o == "failed"]
     assert outcomes[cls] and not failed, f"{cls}: the correct transport failed {failed}"
+
+
+def test_no_variant_crashes_in_its_own_code(outcomes: Outcomes) -> None:
+    """A variant that raises ``AttributeError`` (written against an old transport) would
+    fail its tests without showing its defect: such a failure is no catch."""
+    crashed = sorted(f"{cls}.{test}" for cls, tests in outcomes.items()
+                     for test, outcome in tests.items() if outcome == "crashed")
+    assert not crashed, f"variants crashed in their own code ({', '.join(CRASHES)}): {crashed}"
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

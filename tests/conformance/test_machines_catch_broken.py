@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
+from p2pkv.testing.profiles import PROFILE
 from p2pkv.testing.stateful import ControlTransportMachine, DataTransportMachine
 
 pytest.importorskip("p2pkv_loopback", reason="the example plugin (tests/example_plugin) is needed")
@@ -38,9 +39,12 @@ DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "AcceptsDuplic
                "CancelLandsLate", "RemovePeerLandsLate", "RemovePeerReturnsReads",
                "CloseNotIdempotent", "AcceptsEmptyRead", "ReusesIds", "NeverNoticesClosedPeer",
                "ReadsAfterPeerClosed"]
-CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "DropsSomeFrames", "AcceptsTwice",
-                  "AcceptsBeforeFirstFrame",
-                  "CloseInvisible", "SendAfterCloseSilently", "NewConnectionEachConnect"]
+CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "DropsSomeFrames", "DropsRareFrames",
+                  "AcceptsTwice", "AcceptsBeforeFirstFrame", "CloseInvisible",
+                  "SendAfterCloseSilently"]
+# Not NewConnectionEachConnect: the acceptor's base replaces the older connection from the
+# same address, so the machine sees a connection die, which the contract allows. The suite's
+# test_connect_returns_the_live_connection catches it.
 
 
 def machine(base: type, transport: type, run_seed: int) -> Any:
@@ -53,7 +57,9 @@ def caught(base: type, transport: type) -> int | None:
     for run_seed in SEEDS:
         try:
             run_state_machine_as_test(machine(base, transport, run_seed), settings=FIND)
-        except Exception:  # any failure of the run is a catch
+        except (AttributeError, NameError, ImportError):  # the variant broke: no catch
+            raise
+        except Exception:  # any other failure of the run is a catch
             return run_seed
     return None
 
@@ -77,6 +83,34 @@ def test_the_data_machine_catches(variant: str) -> None:
 def test_the_control_machine_catches(variant: str) -> None:
     cls, _ = broken.CONTROL_VARIANTS[variant]
     assert caught(ControlTransportMachine, cls) is not None, f"{variant} passed {len(SEEDS)} runs"
+
+
+RARE_DROP_SEEDS = (1, 8, 11)
+"""Runs in which the machine missed a 1 % loss before it streamed frames and drained before
+closes (run alone: 12 of seeds 0..19 caught then, 18 now)."""
+
+
+def test_the_control_machine_catches_a_rare_drop_with_the_kit_profile(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One frame in 100 lost, under the kit's own profile (what an author runs, smaller than
+    ``FIND``): a run fails, and the kit's log names the frames lost (hypothesis may report
+    the failure as flaky, its replay losing another frame). Which runs catch it depends on
+    what earlier tests left in the process (as for ``caught``): one of three must."""
+    kit = settings(settings.get_profile(PROFILE), database=None)
+    caught = []
+    for run_seed in RARE_DROP_SEEDS:
+        broken.DropsRareFrames.dropped = 0
+        caplog.clear()
+        try:
+            run_state_machine_as_test(
+                machine(ControlTransportMachine, broken.DropsRareFrames, run_seed), settings=kit
+            )
+        except Exception:  # any failure of the run is the catch; the log must name it
+            logged = [r.getMessage() for r in caplog.records if r.name == "p2pkv.testing"]
+            assert any("were lost" in m or "never did" in m for m in logged), logged
+            caught.append(run_seed)
+    assert caught, f"a 1 % loss passed runs {RARE_DROP_SEEDS} of the kit's profile"
 
 
 SOCKETS = {"timeout": 2.0}  # real sockets: the dead-peer wait is bounded by this

@@ -23,6 +23,8 @@ if _typing.TYPE_CHECKING:  # the same names as _SOURCES (a test holds the two eq
     from p2pkv.config import Peers as Peers
     from p2pkv.config import TierConfig as TierConfig
     from p2pkv.config import Timeouts as Timeouts
+    from p2pkv.contracts import DRAIN_GRACE as DRAIN_GRACE
+    from p2pkv.contracts import DRIVER_BOUND as DRIVER_BOUND
     from p2pkv.contracts import EMPTY_POLL as EMPTY_POLL
     from p2pkv.contracts import Capabilities as Capabilities
     from p2pkv.contracts import ControlConnection as ControlConnection
@@ -78,9 +80,10 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                      "SendQueueFull", "TransferBusy", "TransferSubmitError",
                      "TransportUnavailable", "UsageError"),
     # what a transport plugin implements, and the bases it builds on
-    "p2pkv.contracts": ("EMPTY_POLL", "Capabilities", "ControlConnection", "ControlSettings",
-                        "ControlTransport", "DataBackend", "DataSettings", "DataTransport",
-                        "PollResult", "TransportKind"),
+    "p2pkv.contracts": ("DRAIN_GRACE", "DRIVER_BOUND", "EMPTY_POLL", "Capabilities",
+                        "ControlConnection", "ControlSettings", "ControlTransport",
+                        "DataBackend", "DataSettings", "DataTransport", "PollResult",
+                        "TransportKind"),
     "p2pkv.control_base": ("OVERSIZED", "InboxConnection", "InboxControlTransport"),
     "p2pkv.data_base": ("AttachedPeer", "Indexes", "ReadState", "check_read"),
     "p2pkv.options": ("option", "parse_options"),
@@ -97,6 +100,8 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
     __version__ = "0.0.0"
 
 __all__ = [  # _SOURCES' names (a test holds the two equal)
+    "DRAIN_GRACE",
+    "DRIVER_BOUND",
     "EMPTY_POLL",
     "OVERSIZED",
     "PLUGIN_API_VERSION",

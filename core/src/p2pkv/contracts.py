@@ -247,7 +247,10 @@ class ControlTransport(_Transport):
     @property
     @abstractmethod
     def local_address(self) -> str:
-        """The address peers dial to reach us (``host:port``, ``[v6]:port``, ``mem://...``)."""
+        """The address peers dial to reach us: ``host:port`` or ``[v6]:port``.
+
+        The tier dials only that form (a request names its producer by host and port); a
+        medium without IP addresses maps it onto its own (docs/plugin-authors.md)."""
 
     @abstractmethod
     def connect(self, address: str) -> ControlConnection:

@@ -67,10 +67,12 @@ class InboxConnection(ControlConnection):
 
     @property
     def peer_address(self) -> str:
+        """The peer's dialable address (its ``local_address``), also for an accepted end."""
         return self._peer_address
 
     @property
     def alive(self) -> bool:
+        """True until :meth:`end` ran (closed here, by the peer, or found dead)."""
         return self.close_reason is None
 
     def send(self, frame: bytes) -> None:
@@ -128,7 +130,10 @@ class InboxControlTransport(ControlTransport, Generic[_C]):
 
     Owns the table of connections by peer address and the accepted connections not yet
     handed out. Subclasses implement ``create``, ``local_address``, ``_dial`` and ``poll``
-    (moving frames, then returning ``self._announce()``), and extend ``close``.
+    (moving frames, then returning ``self._announce()``), and extend ``close``. An inbound
+    connection is registered with ``_accept(conn)`` only, its ``peer_address`` being the
+    dialer's ``local_address``. ``_connections`` (peer address -> live connection) is
+    theirs to read, never to write. All on the driver thread.
     """
 
     def __init__(self, max_frame_bytes: int) -> None:

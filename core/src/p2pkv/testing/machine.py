@@ -9,11 +9,17 @@ It gives every machine three things:
   (:mod:`p2pkv.testing.steps`), and the teardown is logged as a step of its own;
 - a teardown that never replaces a failure: :meth:`KitMachine.teardown_after_failure` tells
   a machine's ``teardown`` that a step or invariant failed, so that it only closes what it
-  opened (quietly, without waiting for anything) and the failure stays the reported error.
+  opened (quietly, without waiting for anything) and the failure stays the reported error;
+- a failure logged as it happens (logger ``p2pkv.testing``, ERROR): a transport that fails
+  at random (a rare lost frame) fails differently when hypothesis replays the example, and
+  hypothesis then reports its own ``FlakyFailure`` or ``FlakyStrategyDefinition``. The log
+  keeps the kit's message, which names what went wrong (pytest shows it under "Captured
+  log").
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -24,6 +30,8 @@ from p2pkv.testing.profiles import machine_settings
 
 __all__ = ["KitMachine"]
 
+log = logging.getLogger("p2pkv.testing")
+
 
 class KitMachine(RuleBasedStateMachine):
     """Base of the kit's machines (see the module docstring)."""
@@ -33,9 +41,9 @@ class KitMachine(RuleBasedStateMachine):
         cls.TestCase.settings = machine_settings()
 
     def __init__(self) -> None:
-        log = steps.current()
-        if log is not None:
-            log.example(type(self).__name__)
+        step_log = steps.current()
+        if step_log is not None:
+            step_log.example(type(self).__name__)
         super().__init__()
         self._handled_before = sys.exc_info()[1]
         """The exception being handled when the machine was built (the run's own caller
@@ -46,8 +54,15 @@ class KitMachine(RuleBasedStateMachine):
         because a step or an invariant failed. Hypothesis calls ``teardown`` from a
         ``finally`` clause, so the failure is the exception being handled then: a teardown
         that raised or waited out a deadline on top of it would become the reported error."""
-        log = steps.current()
-        if log is not None:
-            log.step("teardown", "")
+        step_log = steps.current()
+        if step_log is not None:
+            step_log.step("teardown", "")
         handled = sys.exc_info()[1]
-        return handled is not None and handled is not self._handled_before
+        failed = handled is not None and handled is not self._handled_before
+        if failed and isinstance(handled, Exception):  # not hypothesis' own StopTest
+            self.log_failure(handled)
+        return failed
+
+    def log_failure(self, error: BaseException | None) -> None:
+        """Log ``error``, a failure of this example (see the module docstring)."""
+        log.error("%s failed: %s: %s", type(self).__name__, type(error).__name__, error)

@@ -34,12 +34,14 @@ Rules are logged before they run while a step log is open (:mod:`p2pkv.testing.s
 :func:`p2pkv.testing.isolated.run_machine_in_child` runs a machine in a child process, for a
 transport that may crash it.
 
-:class:`ControlTransportMachine` -- rules: dial, send (either way), pump, close a connection
-from either end, kill (close) a peer transport, redial. Model: for every connection, the frames
-sent each way. Invariants: each end receives exactly a prefix of what the other end sent, in
-order, with nothing from another connection; every inbound connection is accepted once; a
-closed end refuses sends; at teardown every frame sent on a live connection has arrived and
-every closed connection is seen dead by the other end.
+:class:`ControlTransportMachine` -- rules: dial, send a burst or a stream of small frames
+(either way), pump, close a connection from either end, kill (close) a peer transport, redial.
+Model: for every connection, the frames sent each way. Invariants: each end receives exactly a
+prefix of what the other end sent, in order, with nothing from another connection; every
+inbound connection is accepted once; a closed end refuses sends; at teardown every frame sent
+on a live connection has arrived and every closed connection is seen dead by the other end.
+A close or kill may first wait for its connections' frames (drawn): a frame lost before a
+close would otherwise pass as lost by the close. A lost frame fails naming it.
 
 Machines use same-process peers only. They run with the kit's recommended hypothesis
 settings unless you load a profile of your own (:mod:`p2pkv.testing.profiles`).
@@ -464,6 +466,10 @@ class ControlTransportMachine(KitMachine):
             return far.over or far.node in self.gone
         return end.target is None or end.target in self.gone
 
+    def _touches(self, end: _End, node: int) -> bool:
+        """Whether ``end`` is on ``node`` or leads to it."""
+        return node in (end.node, end.target) or (end.peer is not None and end.peer[0] == node)
+
     def _usable(self) -> list[_End]:
         return [e for e in self.ends.values() if e.node not in self.gone and not e.over]
 
@@ -564,16 +570,31 @@ class ControlTransportMachine(KitMachine):
                     break
             self._await_far(end)
 
+    @step(data=st.data(), count=st.integers(16, 64))
+    def stream(self, data: st.DataObject, count: int) -> None:
+        """Send a run of small frames on one end: a rare drop shows as a gap among them."""
+        end = _pick(data, self._usable(), "end")
+        if end is not None:
+            for seq in range(count):
+                self._send(end, b"stream %d" % seq)
+                if end.over:
+                    break
+            self._await_far(end)
+
     @step(rounds=st.integers(1, 3))
     def pump(self, rounds: int) -> None:
         for _ in range(rounds):
             self._pump()
 
-    @step(data=st.data())
-    def close_connection(self, data: st.DataObject) -> None:
+    @step(data=st.data(), drain=st.booleans())
+    def close_connection(self, data: st.DataObject, drain: bool) -> None:
+        """Close one end; with ``drain``, first wait for every frame sent on it either way
+        (a frame lost before a close is otherwise allowed: the close may lose it)."""
         end = _pick(data, self._usable(), "end")
         if end is None:
             return
+        if drain:
+            self._await_delivery([end, *filter(None, [self._far(end)])])
         node = self.nodes[end.node]
         node.close_conn(end.handle)
         node.close_conn(end.handle)  # idempotent
@@ -584,10 +605,14 @@ class ControlTransportMachine(KitMachine):
             self._await_deaths()
 
     @precondition(lambda self: len(self.gone) < self.node_count - 2)
-    @step(victim=st.integers(1, 5))
-    def kill_node(self, victim: int) -> None:
+    @step(victim=st.integers(1, 5), drain=st.booleans())
+    def kill_node(self, victim: int, drain: bool) -> None:
+        """Close a peer transport; with ``drain``, first wait for every frame sent to or
+        from it (as ``close_connection``)."""
         victim = 1 + victim % (self.node_count - 1)
         if victim not in self.gone:
+            if drain:
+                self._await_delivery([e for e in self.ends.values() if self._touches(e, victim)])
             self.nodes[victim].close()
             self.nodes[victim].close()  # idempotent
             self.gone.add(victim)
@@ -607,40 +632,48 @@ class ControlTransportMachine(KitMachine):
         close (quietly, no waiting: the failure stays the reported error)."""
         try:
             if not self.teardown_after_failure():
-                self._settle()
+                try:
+                    self._settle()
+                except AssertionError as exc:
+                    self.log_failure(exc)
+                    raise
         finally:
             for i, node in enumerate(self.nodes):
                 if i not in self.gone:
                     quietly(node.close)
 
     def _settle(self) -> None:
-        def delivered() -> bool:
-            for end in self.ends.values():
-                if self._doomed(end) or not end.sent:
-                    continue
-                far = self._far(end)
-                if far is None or len(far.got) < len(end.sent):
-                    return False
-            return True
-
-        try:
-            wait_until(delivered, timeout=self.timeout, pumps=[self._pump],
-                       what="every frame sent on an open connection to arrive")
-        except WaitTimeout:
-            raise AssertionError(self._missing()) from None
+        self._await_delivery(list(self.ends.values()))
         self._await_deaths()
 
-    def _missing(self) -> str:
-        """What never arrived on the open connections, end by end."""
-        lines = []
-        for (node, handle), end in self.ends.items():
+    def _undelivered(self, ends: Sequence[_End]) -> list[tuple[_End, int]]:
+        """Each end of ``ends`` on an open connection whose far end has not received all
+        it sent, with how many frames arrived."""
+        short = []
+        for end in ends:
             if self._doomed(end) or not end.sent:
                 continue
             far = self._far(end)
             got = 0 if far is None else len(far.got)
             if got < len(end.sent):
-                lines.append(f"end ({node}, {handle}) -> {end.peer}: {got} of {len(end.sent)} "
-                             f"frames arrived, frames {got}..{len(end.sent) - 1} never did")
+                short.append((end, got))
+        return short
+
+    def _await_delivery(self, ends: Sequence[_End]) -> None:
+        """Wait (bounded) until every frame sent on ``ends`` arrived; else fail naming the
+        frames that never did."""
+        try:
+            wait_until(lambda: not self._undelivered(ends), timeout=self.timeout,
+                       pumps=[self._pump],
+                       what="every frame sent on an open connection to arrive")
+        except WaitTimeout:
+            raise AssertionError(self._missing(ends)) from None
+
+    def _missing(self, ends: Sequence[_End]) -> str:
+        """What never arrived on the open connections of ``ends``, end by end."""
+        lines = [f"end ({end.node}, {end.handle}) -> {end.peer}: {got} of {len(end.sent)} "
+                 f"frames arrived, frames {got}..{len(end.sent) - 1} never did"
+                 for end, got in self._undelivered(ends)]
         return (f"within {self.timeout}s, frames sent on open connections were lost "
                 f"(dropped?):\n" + "\n".join(lines))
 

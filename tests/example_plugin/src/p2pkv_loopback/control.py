@@ -1,12 +1,14 @@
 """The ``loopback`` control transport: framed channels between transports of one process.
 
-Addresses are ``loop://N``. ``connect`` pairs two connection ends at once; a frame sent on one
-end waits in the other end's queue until the receiving transport's ``poll`` moves it to the
-inbox (so ``recv`` does no I/O). ``poll`` visits only the ends with frames queued, so it costs
-the same with one connection or thousands. Frame caps, one connection per peer, handing an
-inbound end out once and listing active connections (``take_active``) come from
-:mod:`p2pkv.control_base`. Closing an end kills both ends; closing a transport closes its
-ends.
+Addresses are ``host:port``, as the tier routes (docs/plugin-authors.md, "Addresses and non-IP
+media"): the medium has no ports, so port 0 takes the next number free in this process, and a
+port already taken is refused. ``connect`` pairs two connection ends at once; a frame sent on
+one end waits in the other end's queue until the receiving transport's ``poll`` moves it to
+the inbox (so ``recv`` does no I/O). ``poll`` visits only the ends with frames queued, so it
+costs the same with one connection or thousands. Frame caps, one connection per peer, handing
+an inbound end out once and listing active connections (``take_active``) come from
+:class:`p2pkv.InboxControlTransport`. Closing an end kills both ends;
+closing a transport closes its ends.
 """
 
 from __future__ import annotations
@@ -16,14 +18,21 @@ from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
-from p2pkv.contracts import Capabilities, ControlConnection, ControlSettings
-from p2pkv.control_base import InboxConnection, InboxControlTransport
-from p2pkv.errors import ConfigError
+from p2pkv import (
+    Capabilities,
+    ConfigError,
+    ControlConnection,
+    ControlSettings,
+    InboxConnection,
+    InboxControlTransport,
+    format_address,
+)
 
 __all__ = ["LoopbackConnection", "LoopbackControlTransport"]
 
 _LISTENERS: dict[str, LoopbackControlTransport] = {}
-_NAMES = itertools.count(1)
+_PORTS = itertools.cycle(range(40000, 65536))
+"""The numbers port 0 tries, in turn, for one nobody in this process listens on."""
 
 
 class LoopbackConnection(InboxConnection):
@@ -58,11 +67,26 @@ class LoopbackControlTransport(InboxControlTransport[LoopbackConnection]):
             raise ConfigError(
                 f"loopback control takes no options, got {sorted(settings.options)}"
             )
+        address = self._free_address(settings)
         super().__init__(settings.max_frame_bytes)
         self.queued: dict[LoopbackConnection, None] = {}
         """Our ends with frames in their queue (moved to their inbox by the next poll)."""
-        self._address = f"loop://{next(_NAMES)}"
-        _LISTENERS[self._address] = self
+        self._address = address
+        _LISTENERS[address] = self
+
+    @staticmethod
+    def _free_address(settings: ControlSettings) -> str:
+        if settings.port:
+            address = format_address(settings.host, settings.port)
+            if address in _LISTENERS:
+                raise ConfigError(f"loopback address {address} is already in use; change "
+                                  f"{settings.port_setting}")
+            return address
+        for _ in range(65536 - 40000):
+            address = format_address(settings.host, next(_PORTS))
+            if address not in _LISTENERS:
+                return address
+        raise ConfigError(f"loopback: every port of {settings.host} is taken")
 
     @classmethod
     def create(cls, settings: ControlSettings) -> LoopbackControlTransport:

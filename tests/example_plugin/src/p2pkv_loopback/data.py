@@ -1,6 +1,6 @@
 """The ``loopback`` data transport: reads blocks between regions registered in one process.
 
-The worked example of ``docs/plugin-authors.md``: the :class:`~p2pkv.contracts.DataTransport`
+The worked example of ``docs/plugin-authors.md``: the :class:`p2pkv.DataTransport`
 base keeps the books (transfer ids, per-peer reads, exactly-once reports, index checks, ending
 reads, close), so this module only describes its region, attaches peers, posts reads,
 progresses them and tells their state.
@@ -26,9 +26,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from p2pkv.contracts import Capabilities, DataSettings, DataTransport, ReadState
-from p2pkv.data_base import Indexes
-from p2pkv.errors import ConfigError, PeerRejected
+from p2pkv import (
+    Capabilities,
+    ConfigError,
+    DataSettings,
+    DataTransport,
+    Indexes,
+    PeerRejected,
+    ReadState,
+)
 
 __all__ = ["LoopbackDataTransport"]
 

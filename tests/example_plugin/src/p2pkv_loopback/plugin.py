@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from p2pkv.hookspecs import hookimpl
+from p2pkv import hookimpl
 
 P2PKV_PLUGIN_API = 1
 P2PKV_TEST_ONLY = True

@@ -136,7 +136,7 @@ class _ControlPair:
         wait_until(
             lambda: _gather(handles, self.peer.accepted()),
             timeout=self.timeout,
-            what="the peer to accept our connection",
+            what="the peer's poll to return our connection with its first frame (lost?)",
             pumps=self.pumps(),
         )
         assert len(handles) == 1
@@ -220,6 +220,21 @@ class ControlTransportSuite(_SuiteBase):
         t = local.transport
         assert t.name and t.kind == "control"
         assert isinstance(t.local_address, str) and t.local_address
+
+    def test_local_address_is_host_port(self, local: LocalControlPeer) -> None:
+        """The tier dials ``host:port`` only (a request names its producer so): an address
+        of another form could never be reached through a router."""
+        from p2pkv.addressing import parse_address
+
+        address = local.transport.local_address
+        try:
+            parse_address(address)
+        except ConfigError as exc:
+            raise AssertionError(
+                f"local_address {address!r} is not host:port ({exc}); the tier dials only "
+                "host:port: map it onto your medium (docs/plugin-authors.md, 'Addresses and "
+                "non-IP media')"
+            ) from None
 
     def test_unknown_option_is_refused_naming_it(
         self,
