@@ -226,9 +226,9 @@ def datas(faults: FaultInjector) -> Iterator[tuple[FaultyDataTransport, Any, np.
     src_buf = np.arange(4 * BLOCK, dtype=np.uint8)
     dst_buf = np.zeros(4 * BLOCK, dtype=np.uint8)
     dst = faults.data(
-        MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK)), local="dst"
+        MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK)), local="dst"
     )
-    src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
+    src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
     dst.add_peer("src", src.descriptor())
     yield dst, src, dst_buf
     dst.close()
@@ -280,8 +280,8 @@ def test_data_partition(faults: FaultInjector, datas: Any) -> None:
 def test_cancel_remove_peer_readd_and_close_are_final(faults: FaultInjector) -> None:
     src_buf, dst_buf = np.arange(4 * BLOCK, dtype=np.uint8), np.zeros(4 * BLOCK, np.uint8)
     opts = {"completion_polls": 2}
-    dst = faults.data(MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK, opts)))
-    src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
+    dst = faults.data(MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK, opts)))
+    src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
     dst.add_peer("src", src.descriptor())
     faults.arm(Fault.FAIL_COMPLETION)  # would turn any late report into a failure: none comes
     t1 = dst.read_blocks("src", [0], [0])

@@ -30,7 +30,7 @@ def make() -> Iterator[Any]:
     def make(
         buf: np.ndarray, block_len: int = BLOCK, **options: Any
     ) -> MemoryDataTransport:
-        t = MemoryDataTransport.create(DataSettings(memoryview(buf), block_len, options))
+        t = MemoryDataTransport.create(DataSettings(buf.data, block_len, options))
         made.append(t)
         return t
 
@@ -79,8 +79,8 @@ def test_reads_land_byte_exactly_at_scattered_local_indexes(make: Any) -> None:
 )
 def test_any_read_lands_exactly(pairs: list[tuple[int, int]]) -> None:
     src_buf, dst_buf = region(8), region(12, fill=0)
-    src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
-    dst = MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK))
+    src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
+    dst = MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK))
     try:
         dst.add_peer("src", src.descriptor())
         local = [p[0] for p in pairs]
@@ -290,7 +290,7 @@ def test_readd_peer_ends_the_old_registrations_reads(make: Any) -> None:
 def test_close_ends_reads_and_refuses_later_calls(make: Any) -> None:
     src_buf, dst_buf = region(8), region(8, fill=0)
     dst = MemoryDataTransport.create(
-        DataSettings(memoryview(dst_buf), BLOCK, {"completion_polls": 1})
+        DataSettings(dst_buf.data, BLOCK, {"completion_polls": 1})
     )
     src = make(src_buf)
     dst.add_peer("src", src.descriptor())

@@ -52,7 +52,7 @@ def spec(dp_rank: int = 0) -> Any:
 
 def region() -> tuple[np.ndarray, memoryview]:
     arr = np.zeros((CHUNKS, CHUNK), dtype=np.uint8)
-    return arr, memoryview(arr)
+    return arr, arr.data
 
 
 def build(keys: dict[str, Any], dp_rank: int = 0) -> tuple[P2PKVTier, np.ndarray]:
