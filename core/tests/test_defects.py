@@ -9,7 +9,7 @@ import operator
 import threading
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import msgpack
 import pytest
@@ -88,7 +88,7 @@ def test_defect_01_missing_transport_library_fails_fast_at_construction() -> Non
         name: ClassVar[str] = "missing"
 
         @classmethod
-        def create(cls, settings: DataSettings) -> MemoryDataTransport:
+        def create(cls, settings: DataSettings) -> NoReturn:
             raise TransportUnavailable("missing", "p2pkv-missing", "libfoo not importable")
 
     class Plugin:

@@ -413,7 +413,7 @@ class Reorders(LoopbackControlTransport):
     """Delivers the frames of each poll in reverse order."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in self.ends:
+        for end in self._connections.values():
             end.queue.reverse()
         return super().poll(timeout)
 
@@ -422,7 +422,7 @@ class DuplicatesFrames(LoopbackControlTransport):
     """Delivers every frame twice."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in self.ends:
+        for end in self._connections.values():
             doubled = [f for frame in end.queue for f in (frame, frame)]
             end.queue.clear()
             end.queue.extend(doubled)
@@ -437,7 +437,7 @@ class DropsSomeFrames(LoopbackControlTransport):
     """Frames seen across every instance (deterministic: the 37th of every 50 is lost)."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in self.ends:
+        for end in self._connections.values():
             kept = []
             for frame in end.queue:
                 DropsSomeFrames.dropped += 1
@@ -462,21 +462,22 @@ class AcceptsBeforeFirstFrame(LoopbackControlTransport):
     """Returns an inbound connection before any of its frames arrived."""
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        early = [end for end in self._unannounced if not end.inbox and not end.dead]
-        self._unannounced = [end for end in self._unannounced if end not in early]
+        early = [end for end in self._accepted if not end.inbox and end.alive]
+        self._accepted = [end for end in self._accepted if end not in early]
         return [*early, *super().poll(timeout)]
 
 
 class _HalfCloseConnection(LoopbackConnection):
     def close(self) -> None:
-        self.dead = True
-        self.owner.ends.discard(self)
+        if self.close_reason is None:  # our end only: the peer is never told
+            self.close_reason = "closed"
+            self._transport._forget(self)
 
 
 class CloseInvisible(LoopbackControlTransport):
     """Closing a connection marks only our end dead; the peer never learns."""
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         conn.__class__ = _HalfCloseConnection
         return conn
@@ -484,17 +485,17 @@ class CloseInvisible(LoopbackControlTransport):
 
 class _NoCapConnection(LoopbackConnection):
     def send(self, frame: bytes) -> None:
-        cap, self.owner.max_frame_bytes = self.owner.max_frame_bytes, 1 << 40
+        cap, self._transport.max_frame_bytes = self._transport.max_frame_bytes, 1 << 40
         try:
             super().send(frame)
         finally:
-            self.owner.max_frame_bytes = cap
+            self._transport.max_frame_bytes = cap
 
 
 class NoFrameCap(LoopbackControlTransport):
     """Sends frames of any size."""
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         conn.__class__ = _NoCapConnection
         return conn
@@ -509,7 +510,7 @@ class _SilentConnection(LoopbackConnection):
 class SendAfterCloseSilently(LoopbackControlTransport):
     """``send`` on a closed connection drops the frame instead of raising."""
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         conn.__class__ = _SilentConnection
         return conn
@@ -518,8 +519,8 @@ class SendAfterCloseSilently(LoopbackControlTransport):
 class NewConnectionEachConnect(LoopbackControlTransport):
     """``connect`` opens another connection even when a live one exists."""
 
-    def connect(self, address: str) -> ControlConnection:
-        self._dialed.pop(address, None)
+    def connect(self, address: str) -> LoopbackConnection:
+        self._connections.pop(address, None)
         return super().connect(address)
 
 
@@ -539,7 +540,7 @@ class ForgetsAnActiveConnection(LoopbackControlTransport):
         self._dead: set[int] = set()
         self._news: list[ControlConnection] = []
 
-    def connect(self, address: str) -> ControlConnection:
+    def connect(self, address: str) -> LoopbackConnection:
         conn = super().connect(address)
         self._note(conn)
         return conn

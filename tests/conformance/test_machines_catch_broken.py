@@ -40,7 +40,12 @@ DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "AcceptsDuplic
                "ReadsAfterPeerClosed"]
 CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "DropsSomeFrames", "AcceptsTwice",
                   "AcceptsBeforeFirstFrame",
-                  "CloseInvisible", "SendAfterCloseSilently", "NewConnectionEachConnect"]
+                  "CloseInvisible", "SendAfterCloseSilently",
+                  # The suite catches it (test_kit_catches_broken.py); the machine never
+                  # compares a second connect with the first. Its earlier catch was an
+                  # AttributeError in the variant, found once mypy checked broken.py.
+                  pytest.param("NewConnectionEachConnect", marks=pytest.mark.xfail(
+                      strict=True, reason="the control machine does not check connect reuse"))]
 
 
 def machine(base: type, transport: type, run_seed: int) -> Any:

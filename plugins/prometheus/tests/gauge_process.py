@@ -41,7 +41,8 @@ def main(sessions: int, how: str) -> None:
         from p2pkv_prometheus import plugin
 
         plugin.p2pkv_tier_state(in_flight_transfers=0, parked_stores=0, sessions=0)
-    ctx = mp.get_context(how)
+    assert how in ("fork", "spawn"), how
+    ctx = mp.get_context("fork" if how == "fork" else "spawn")
     ready, done = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=child, args=(sessions, ready, done))
     proc.start()

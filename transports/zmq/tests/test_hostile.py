@@ -31,7 +31,9 @@ class Harness:
         self.home = self.ctx.socket(zmq.PULL)
         self.home.linger = 0
         self.home.bind("tcp://127.0.0.1:*")
-        port = self.home.last_endpoint.decode().rsplit(":", 1)[1]
+        endpoint = self.home.last_endpoint
+        assert isinstance(endpoint, bytes)
+        port = endpoint.decode().rsplit(":", 1)[1]
         self.link = f"127.0.0.1:{port}#{secrets.token_hex(8)}".encode()
         self.good = self._push()
         self.good.send_multipart([self.link, b"", b"open", b""])

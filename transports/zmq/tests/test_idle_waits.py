@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -80,9 +81,13 @@ def test_a_long_poll_returns_at_each_frame(make_transport: Any) -> None:
     _, b, out, inbound = established(make_transport)
     got: list[bytes] = []
     for i in range(3):
-        with later(lambda i=i: out.send(b"frame-%d" % i)):
-            long_polls_until(b, lambda _, n=i + 1: got.extend(inbound.recv()) or len(got) >= n,
-                             f"frame {i}")
+
+        def arrived(_: object, n: int = i + 1) -> bool:
+            got.extend(inbound.recv())
+            return len(got) >= n
+
+        with later(partial(out.send, b"frame-%d" % i)):
+            long_polls_until(b, arrived, f"frame {i}")
     assert got == [b"frame-%d" % i for i in range(3)]
 
 
