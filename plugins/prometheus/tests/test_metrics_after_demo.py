@@ -20,7 +20,6 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
 
-
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """Scraped values by (name, sorted labels)."""
 

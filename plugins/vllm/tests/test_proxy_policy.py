@@ -137,7 +137,7 @@ def test_indexer_client_speaks_rfc_1403_query() -> None:
 PROMPT = list(range(100, 120))  # 5 blocks of 4
 
 
-def holds(tokens: list[int], hashes: list[int], block_size: int = BS) -> KVEventBatch:
+def holds(tokens: list[int], hashes: list[bytes | int], block_size: int = BS) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[BlockStored(
         block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=block_size,
         lora_id=None, medium="GPU", lora_name=None)])
@@ -247,7 +247,7 @@ def test_proxy_tokenizes_text_prompts_and_reports_refused_instances(kit: Any) ->
                 while True:
                     pub_p.publish(KVEventBatch(ts=0.0, events=[]))
                     async with client.get("/ready") as r:
-                        body = await r.json()
+                        body: dict[str, Any] = await r.json()
                     if body.get("prefix_index_refused"):
                         return body
                     await asyncio.sleep(0.02)

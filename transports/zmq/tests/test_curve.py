@@ -121,7 +121,7 @@ def test_refusal_is_logged_once_per_peer_not_per_attempt(
     caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     server = make_transport(options=curve(keydir, "alice"))
     public, secret = zmq.auth.load_certificate(str(keydir / "mallory.key_secret"))
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     attempts = []
     for _ in range(5):  # five connection attempts from the same host with the same key
         raw = ctx.socket(zmq.DEALER)

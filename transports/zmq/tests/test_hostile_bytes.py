@@ -66,16 +66,16 @@ def _wait_closed_by_peer(socks: list[tuple[str, socket.socket]], deadline: float
             selector.register(sock, selectors.EVENT_READ, kind)
         while selector.get_map() and time.monotonic() < deadline:
             for key, _ in selector.select(max(0.0, deadline - time.monotonic())):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
                 try:
-                    if sock.recv(65536):
+                    if ready.recv(65536):
                         continue  # the listener's own greeting: not closed yet
                 except BlockingIOError:
                     continue
                 except ConnectionResetError:
                     pass
-                selector.unregister(sock)
+                selector.unregister(ready)
         return [key.data for key in selector.get_map().values()]
 
 

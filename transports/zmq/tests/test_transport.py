@@ -314,7 +314,7 @@ def test_reconnecting_over_a_dead_connection_replaces_it(make_transport: Any) ->
 
 def test_stale_frames_without_open_are_dropped_and_answered_gone(make_transport: Any) -> None:
     a = make_transport()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     home = ctx.socket(zmq.PULL)  # the stale dialer's own listener, where "gone" must arrive
     home.linger = 0
     home.bind("tcp://127.0.0.1:*")
@@ -389,7 +389,7 @@ def test_an_accepted_peer_that_stops_listening_is_dead_at_once(
     # just before, since libzmq closes a listening descriptor asynchronously (in its I/O
     # thread), so a dial right after zmq_close may still connect, and then disconnect.
     a = make_transport()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)
     raw.linger = 0
     link = f"{refused_address}#0123456789abcdef".encode()

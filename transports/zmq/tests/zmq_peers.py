@@ -42,7 +42,7 @@ def _serve_requests(pipe: Connection, t: Any) -> bool:
         except (EOFError, OSError):
             return True
         if command != "resources":
-            return command == "stop"
+            return bool(command == "stop")
         pipe.send(("resources", len(os.listdir("/proc/self/fd")), _resident_bytes(), t.stats()))
 
 
