@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.connection import ZmqConnection
 from p2pkv_zmq.identity import parse_link_id
+from zmq_fixtures import MakeTransport
 
 T = 5.0
 CAP = 4096
@@ -77,7 +78,7 @@ class Harness:
 
 
 @pytest.fixture
-def harness(make_transport: Any) -> Iterator[Harness]:
+def harness(make_transport: MakeTransport) -> Iterator[Harness]:
     h = Harness(make_transport(max_frame_bytes=CAP))
     yield h
     h.close()
