@@ -22,8 +22,6 @@ from hypothesis.stateful import RuleBasedStateMachine
 from p2pkv.testing import steps
 from p2pkv.testing.profiles import machine_settings
 
-__all__ = ["KitMachine"]
-
 
 class KitMachine(RuleBasedStateMachine):
     """Base of the kit's machines (see the module docstring)."""
