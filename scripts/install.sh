@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv with every p2pkv distribution (editable), the transport libraries and the dev
-# tools. Idempotent; safe to re-run. Needs only python3 (>= 3.10) and pip, plus PyPI access.
+# tools. Idempotent; safe to re-run. Needs only python3 (>= 3.11, the version CI runs), pip
+# and PyPI access.
 #
 # NIXL and UCXX are installed lean: `pip install nixl` would pull torch and the CUDA stack
 # (about 6 GB) because nixl-cu12 declares torch although it never imports it. We install

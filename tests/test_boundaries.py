@@ -203,10 +203,9 @@ MAX_METHODS = 30
 past it holds more than one role: split it into role objects behind a facade."""
 SUITE_PACKAGES = ("p2pkv.testing.suites",)
 """Conformance suites: pytest classes with one method per test, exempt from the limit."""
-TEMPORARY_EXCEPTIONS = {
-    # Issue 49: split on other branches of the same turn. The lead removes these entries
-    # once those branches are merged (the test fails when an entry is no longer needed).
-    "p2pkv.tier.P2PTier": "split by role on the fleet-tier branch",
+TEMPORARY_EXCEPTIONS: dict[str, str] = {
+    # Classes still to split, each with why (the test fails when an entry is no longer
+    # needed). None is left: issue 49's splits are all merged.
 }
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -376,3 +378,52 @@ def test_the_build_context_holds_only_what_the_containerfile_copies() -> None:
     copied = [line.split()[1] for line in (DEPLOY / "Containerfile").read_text().splitlines()
               if line.startswith("COPY ")]
     assert sorted(p[1:] for p in patterns if p.startswith("!")) == sorted(copied)
+
+
+def _fenced_blocks(path: Path) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_the_readme_s_check_of_the_rendered_entry_passes(tmp_path: Path) -> None:
+    """deploy/llm-d/README.md's commands that check the overlay's rendered entry off the pod,
+    run as written from a directory holding ``deploy/``: the entry's unquoted
+    ``$(VLLM_P2P_SIDE_CHANNEL_PORT)`` expands and the tier would start (exit 0)."""
+    pytest.importorskip("p2pkv_vllm")
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    (block,) = [b for b in _fenced_blocks(DEPLOY / "README.md")
+                if "check-config --kv-transfer-config @kv-transfer-config.json" in b]
+    (tmp_path / "deploy").symlink_to(ROOT / "deploy")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("P2PKV_", "VLLM_P2P_"))}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
+                                   str(Path(kubectl).parent), env.get("PATH", "")])
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "ok: p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1" in done.stdout
+    assert "ports 7777..7777" in done.stdout
+
+
+def test_no_doc_pipes_fresh_keys_into_kubectl_apply() -> None:
+    """``p2pkv keys --secret`` writes fresh keys: applied over an existing Secret they would
+    replace the fleet's keys without a word. Every doc creates the Secret instead."""
+    docs = [ROOT / "README.md", DEPLOY / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for path in docs:
+        for line in path.read_text().splitlines():
+            if "p2pkv keys --secret" in line and "|" in line:
+                assert "kubectl create" in line, f"{path.name}: {line}"
+
+
+def test_the_strategies_share_no_object(tmp_path: Path) -> None:
+    """``side-by-side/`` creates only objects of its own: applied beside a fleet switched
+    with ``overlay/`` (a new model, new server keys), it changes none of that fleet's
+    objects, and deleting it deletes none of them."""
+    tree = deploy_tree(tmp_path, "pd")
+    named = {s: {(o["kind"], o["metadata"]["name"]) for o in parse(kustomize(tree / s))}
+             for s in (*STRATEGIES, "guide-base")}
+    assert not named["side-by-side"] & (named["overlay"] | named["guide-base"])
+    (deployment, *_) = deployments(parse(kustomize(tree / "side-by-side")))
+    (service,) = [name for kind, name in named["side-by-side"] if kind == "Service"]
+    connect = env_values(model_server(deployment))["P2PKV_PEERS_CONNECT"]
+    assert connect.startswith(f"{service}.llm-d.svc.cluster.local:")

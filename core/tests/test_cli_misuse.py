@@ -69,7 +69,13 @@ ROWS = {
         ("doctor", "--no-probe", "--dp-size", "2"),
         ("VLLM_P2P_SIDE_CHANNEL_PORT", "--dp-size 2"),
         env={"VLLM_P2P_SIDE_CHANNEL_PORT": "65535"}, needs=("p2pkv_vllm",)),
-    "doctor dp size zero": Misuse(("doctor", "--dp-size", "0"), ("--dp-size", ">= 1")),
+    "doctor dp size zero": Misuse(("doctor", "--dp-size", "0"), ("--dp-size", "1..65535")),
+    "doctor dp size of 5,000 digits": Misuse(
+        ("doctor", "--data-parallel-size", "9" * 5000), ("--data-parallel-size", "1..65535",
+                                                         "(5000 characters)")),
+    "check-config dp size of 5,000 digits": Misuse(
+        ("check-config", "--kv-transfer-config", "{}", "--data-parallel-size", "9" * 5000),
+        ("--data-parallel-size", "1..65535", "(5000 characters)")),
     "demo json into a missing directory": Misuse(
         ("demo", "--json", "/nonexistent/dir/x.json"), ("--json /nonexistent/dir/x.json",
                                                         "does not exist")),

@@ -1,17 +1,21 @@
-"""``peers``: which peers requests may make the tier dial (allow-list, cap, eviction)."""
+"""``peers``: which peers requests may make the tier dial (allow-list, cap, eviction, the
+budget of new dials)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from p2pkv.config import Peers, TierConfig
-from p2pkv.dial_policy import DialPolicy
+from p2pkv.dial_policy import GRACE, DialPolicy
 from p2pkv.errors import ConfigError
 
 
 def policy(*allow: str, max_dialed: int = 256) -> DialPolicy:
-    return DialPolicy(Peers(allow=allow, max_dialed=max_dialed))
+    return DialPolicy(Peers(allow=allow, max_dialed=max_dialed), 0.0)
 
 
 @pytest.mark.parametrize(("peer", "allowed"), [
@@ -79,53 +83,193 @@ def test_a_bad_time_in_the_environment_names_the_variable(name: str, value: str,
         TierConfig.from_dict({}, environ={name: value})
 
 
+@dataclass(eq=False)
+class Dial:
+    """What the policy reads of a dialed session."""
+
+    peer: str
+    at: float
+    heard: bool = False
+    connected: bool = False
+    busy: bool = False
+
+
+WAIT = "wait"
+
+
 class Dialer:
-    """What the tier tells the policy: its dialed sessions, oldest first, ready or not."""
+    """The tier's side: its dialed sessions (dial order), how recently each was active, and
+    the clock (``now``)."""
 
     def __init__(self, max_dialed: int) -> None:
         self.rules = policy(max_dialed=max_dialed)
-        self.open: dict[str, bool] = {}
-        self.evicted: list[str] = []
+        self.now = 0.0
+        self.open: dict[str, Dial] = {}
+        self.recent: list[str] = []
+        """Least recently active first."""
+        self.evicted: list[Dial] = []
 
-    def dial(self, peer: str) -> str | None:
-        why = self.rules.admit(peer, len(self.open), lambda: list(self.open.items()),
-                               self.evict)
-        if why is None:
-            self.open[peer] = False
-        return why
+    def count(self) -> int:
+        return len(self.open)
 
-    def evict(self, peer: str, reason: str) -> None:
-        assert "peers.max_dialed" in reason
-        assert self.open.pop(peer) is False, "only a session not ready yet is evicted"
-        self.evicted.append(peer)
+    def unheard_count(self) -> int:
+        return sum(1 for d in self.open.values() if not d.heard)
+
+    def stalled(self, dialed_before: float) -> Iterator[Dial]:
+        return (d for d in self.open.values()
+                if not (d.heard or d.connected) and d.at <= dialed_before)
+
+    def idle(self) -> Iterator[Dial]:
+        return (self.open[p] for p in self.recent if self.open[p].heard and not self.open[p].busy)
+
+    def dial(self, peer: str, *, pd: bool = False) -> str | None:
+        """None: dialed; else why not (``WAIT``: put off)."""
+        verdict = self.rules.admit(peer, self, self.now, pd=pd)
+        if verdict.wait:
+            assert verdict.evict is None and verdict.refused is None
+            return WAIT
+        if verdict.evict is not None:
+            assert "peers.max_dialed" in verdict.reason
+            self.end(verdict.evict.peer)
+            self.evicted.append(verdict.evict)
+        if verdict.refused is None:
+            self.open[peer] = Dial(peer, self.now)
+            self.recent.append(peer)
+        return verdict.refused
+
+    def hear(self, peer: str) -> None:
+        self.open[peer].heard = True
+        self.rules.answered()
+
+    def end(self, peer: str) -> None:
+        del self.open[peer]
+        self.recent.remove(peer)
+
+    def use(self, peer: str) -> None:
+        self.recent.remove(peer)
+        self.recent.append(peer)
 
 
-def test_at_the_cap_the_oldest_handshaking_session_makes_room() -> None:
-    dialer = Dialer(max_dialed=3)
-    for peer in ("a:1", "b:1", "c:1"):
+def dial_heard(dialer: Dialer, *peers: str) -> None:
+    for peer in peers:
         assert dialer.dial(peer) is None
-    dialer.open.update({"a:1": True, "c:1": True})
+        dialer.hear(peer)
+
+
+def test_a_new_dial_spends_a_token_and_one_whose_peer_answers_gives_it_back() -> None:
+    dialer = Dialer(max_dialed=8)  # 2 new dials a second, 2 saved up
+    assert dialer.dial("a:1") is None and dialer.dial("b:1") is None
+    assert dialer.dial("c:1") == WAIT  # the budget is spent
+    assert dialer.rules.next_dial(dialer.now) == pytest.approx(0.5)
+    dialer.hear("a:1")  # a healthy peer answers: its token is back at once
+    assert dialer.dial("c:1") is None
+    dialer.now = 0.4
+    assert dialer.dial("d:1") == WAIT
+    dialer.now = 0.5  # a token refilled
+    dialer.hear("b:1")
     assert dialer.dial("d:1") is None
-    assert dialer.evicted == ["b:1"] and dialer.rules.evicted == 1
-    dialer.open["d:1"] = True
-    why = dialer.dial("e:1")
-    assert why is not None and "open and ready (peers.max_dialed)" in why
+
+
+def test_a_dial_without_progress_makes_way_only_after_the_grace() -> None:
+    dialer = Dialer(max_dialed=8)  # at most 2 dials that heard nothing
+    assert dialer.dial("a:1") is None and dialer.dial("b:1") is None
+    dialer.now = GRACE / 2  # a token is back, but both dials are young
+    assert dialer.dial("c:1") == WAIT and not dialer.evicted
+    dialer.now = GRACE
+    assert dialer.dial("c:1") is None
+    assert [d.peer for d in dialer.evicted] == ["a:1"] and dialer.rules.evicted == 1
+    assert sorted(dialer.open) == ["b:1", "c:1"]
+
+
+def test_a_connected_dial_is_never_evicted_for_one_without_progress() -> None:
+    dialer = Dialer(max_dialed=8)
+    assert dialer.dial("a:1") is None and dialer.dial("b:1") is None
+    dialer.open["a:1"].connected = True  # its handshake is under way
+    dialer.now = 10 * GRACE
+    assert dialer.dial("c:1") is None
+    assert [d.peer for d in dialer.evicted] == ["b:1"]
+    dialer.open["c:1"].connected = True
+    dialer.now = 20 * GRACE
+    assert dialer.dial("d:1") == WAIT  # nothing stalled: wait, evict nobody
+    assert len(dialer.evicted) == 1
+
+
+def test_at_the_cap_a_dial_without_progress_makes_room_first() -> None:
+    dialer = Dialer(max_dialed=8)
+    for i in range(7):
+        dialer.now = i
+        dial_heard(dialer, f"h{i}:1")
+    assert dialer.dial("quiet:1") is None
+    dialer.now += GRACE
+    assert dialer.dial("new:1") is None
+    assert [d.peer for d in dialer.evicted] == ["quiet:1"] and dialer.rules.evicted == 1
+
+
+def test_then_the_least_recently_active_idle_session_gives_way() -> None:
+    dialer = Dialer(max_dialed=2)
+    dial_heard(dialer, "a:1", "b:1")
+    dialer.use("a:1")  # b is now the least recently active
+    assert dialer.dial("c:1") is None
+    assert [d.peer for d in dialer.evicted] == ["b:1"] and dialer.rules.gave_way == 1
+
+
+def test_when_every_session_works_a_pd_request_still_dials_and_others_wait_or_are_refused(
+) -> None:
+    dialer = Dialer(max_dialed=2)
+    dial_heard(dialer, "a:1", "b:1")
+    for peer in ("a:1", "b:1"):
+        dialer.open[peer].busy = True
+    why = dialer.dial("pull:1")
+    assert why is not None and "working or hearing their peers (peers.max_dialed)" in why
     assert dialer.rules.refused == 1
-    del dialer.open["a:1"]
-    assert dialer.dial("e:1") is None
+    assert dialer.dial("pd:1", pd=True) is None  # its producer holds blocks for it
+    assert dialer.rules.over_cap == 1 and len(dialer.open) == 3
+    assert dialer.dial("next:1") == WAIT  # the PD dial may still free a place
+    dialer.now = 2 * GRACE
+    assert dialer.dial("next:1") is None  # it made no progress: it makes room
+    assert [d.peer for d in dialer.evicted] == ["pd:1"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["admit", "end", "ready"]),
+@given(st.lists(st.tuples(st.sampled_from(["pull", "pd", "end", "heard", "connected", "busy",
+                                           "use", "later"]),
                           st.integers(0, 12)), max_size=80),
-       st.integers(1, 5))
-def test_dialed_sessions_never_exceed_the_cap(steps: list[tuple[str, int]], cap: int) -> None:
+       st.integers(1, 12))
+def test_dials_stay_within_the_cap_and_the_budget_and_progress_is_never_evicted(
+    steps: list[tuple[str, int]], cap: int,
+) -> None:
+    """Only PD requests go beyond the cap, and only when every session is working; a dial
+    that heard or connected its peer, or is younger than the grace, is never closed for a
+    new one; dials that heard nothing stay within a quarter of the cap; new dials that were
+    never answered stay within the budget."""
     dialer = Dialer(max_dialed=cap)
+    spent = 0
     for action, n in steps:
         peer = f"p{n}:1"
-        if action == "admit" and peer not in dialer.open:
-            dialer.dial(peer)
-        elif action == "end":
-            dialer.open.pop(peer, None)
-        elif action == "ready" and peer in dialer.open:
-            dialer.open[peer] = True
-        assert len(dialer.open) <= cap
+        known = dialer.open.get(peer)
+        if action in ("pull", "pd") and known is None:
+            before, evictions = len(dialer.open), len(dialer.evicted)
+            stalled = next(dialer.stalled(dialer.now - GRACE), None) is not None
+            if dialer.dial(peer, pd=action == "pd") is None:
+                spent += 1
+            for victim in dialer.evicted[evictions:]:
+                assert not victim.heard or not stalled, "a heard session left before a stall"
+                assert victim.heard or not victim.connected, "a connected dial was evicted"
+                assert victim.heard or dialer.now - victim.at >= GRACE, "a young dial evicted"
+            over = len(dialer.open) > cap
+            assert not over or (action == "pd" and before >= cap)
+            assert dialer.unheard_count() <= dialer.rules.max_unheard
+            budget = dialer.rules.max_unheard
+            assert spent <= budget + budget * dialer.now
+        elif action == "later":
+            dialer.now += n / 8
+        elif known is not None and action == "end":
+            dialer.end(peer)
+        elif known is not None and action == "heard" and not known.heard:
+            dialer.hear(peer)
+            spent -= 1
+        elif known is not None and action == "connected":
+            known.connected = True
+        elif known is not None and action == "busy":
+            known.busy = True
+        elif known is not None and action == "use":
+            dialer.use(peer)

@@ -44,16 +44,35 @@ class Claimant:
 
 
 class Arriving(DelegatingControlTransport):
-    """A node's control transport whose next ``poll`` also returns ``pending`` connections."""
+    """A node's control transport whose next ``poll`` also returns ``pending`` connections.
+    It tracks no active connections (claimants are not the inner transport's): the tier
+    visits every session each tick."""
 
-    def __init__(self, node: Any) -> None:
-        super().__init__(node.tier._control)
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
         self.pending: list[Any] = []
-        node.tier._control = self
 
     def poll(self, timeout: float = 0.0) -> list[Any]:
         got, self.pending = [*super().poll(timeout), *self.pending], []
         return got
+
+    def take_active(self) -> None:
+        return None
+
+
+class Arrivals:
+    """Wraps a node's control transport in an :class:`Arriving` as the node is built (the
+    node's ``faults`` hook)."""
+
+    def __init__(self) -> None:
+        self.arriving: Arriving | None = None
+
+    def control(self, inner: Any) -> Arriving:
+        self.arriving = Arriving(inner)
+        return self.arriving
+
+    def data(self, inner: Any, *, local: str) -> Any:
+        return inner
 
 
 def hello_from(node: Any, epoch: int) -> bytes:
@@ -63,8 +82,10 @@ def hello_from(node: Any, epoch: int) -> bytes:
 
 def live_pair(h: Any, cluster: Any) -> tuple[Any, Any, Arriving]:
     """A producer with a ready session to a consumer (one request done), its control wrapped."""
-    p, c = cluster(), cluster()
-    arriving = Arriving(p)
+    arrivals = Arrivals()
+    p, c = cluster(faults=arrivals), cluster()
+    assert arrivals.arriving is not None
+    arriving = arrivals.arriving
     p.store(1, h.keys("r", 2), [0, 1], p.producer_ctx("r"))
     c.load(2, h.keys("r", 2), [4, 5], c.consumer_ctx("r", p))
     h.pump_until([p, c], lambda: 2 in c.results)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from chaos_cluster import (
     Cluster,
     admit_held,
@@ -35,6 +36,7 @@ RSS_BOUND = 128 * 2**20
 HEARTBEAT_TIMEOUT = 10.0
 """The default: 65 processes start and serve on two cores."""
 T = 300.0
+pytestmark = pytest.mark.timeout(3 * T)  # 65 processes start on two cores before the run
 
 
 def spec(kind: str, slots: int, data: str) -> NodeSpec:

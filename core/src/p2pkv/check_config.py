@@ -19,9 +19,11 @@ placeholder address :data:`PLACEHOLDER_ADDRESS`, said on stderr), and ``--no-bin
 what only the pod can do: listening on its address (every other check still runs).
 
 Exit status: 0 when every entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to
-stderr), 1 when the tier would refuse the config (one line on stderr: the entry and the
-tier's message), 2 for a usage error (the JSON is not an object or holds an unreadable
-number, it has no p2pkv entry, p2pkv-vllm is missing, a bad flag).
+stderr); 1 when the config is valid but runs no p2pkv tier (vLLM's built-in P2P tier, a
+connector or spec that never reads ``secondary_tiers``); 2 when the config cannot work or
+cannot be read: the tier would refuse it (one line on stderr: the entry and the tier's
+message), the JSON is not an object or holds an unreadable number, it has no p2pkv entry,
+p2pkv-vllm is missing, a bad flag.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import argparse
 import dataclasses
 import errno
 import importlib
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -39,11 +40,11 @@ from typing import Any
 from p2pkv.cli_support import print_error
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
-from p2pkv.json_option import json_object
+from p2pkv.json_option import json_object, option_text
 
 __all__ = [
     "ADAPTERS", "PLACEHOLDER_ADDRESS", "BuiltInTier", "Entry", "add_parser", "check",
-    "connector_problem", "entries", "expand", "run",
+    "connector_problem", "data_parallel_size", "entries", "expand", "run",
 ]
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
@@ -76,8 +77,8 @@ class Entry:
 
 
 class BuiltInTier(P2PKVError):
-    """The config is vLLM's built-in P2P tier without the opt-in: vLLM would not build
-    p2pkv's tier (exit 1, like a connector that never reads the tiers)."""
+    """The config is vLLM's built-in P2P tier without the opt-in: valid, but vLLM would not
+    build p2pkv's tier (exit 1, like a connector that never reads the tiers)."""
 
 
 REPLACE_ENV = "P2PKV_REPLACE_P2P"
@@ -116,11 +117,12 @@ def add_parser(sub: Any) -> None:
         "check-config",
         help="validate vLLM's --kv-transfer-config for the p2pkv tier without starting vLLM",
         description="Check the p2pkv secondary tiers of a vLLM --kv-transfer-config (and this "
-                    "environment) as the tier will at engine start. Exit 1 if it would refuse.",
+                    "environment) as the tier will at engine start. Exit 2 if the tier would "
+                    "refuse it, 1 if it runs no p2pkv tier (vLLM's built-in one).",
     )
     p.add_argument("--kv-transfer-config", required=True, metavar="JSON",
                    help="the JSON given to vllm serve --kv-transfer-config")
-    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+    p.add_argument("--data-parallel-size", type=data_parallel_size, default=1, metavar="N",
                    help="the engine's --data-parallel-size (ports base..base+N-1; default 1)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="a variable of the pod's environment (repeatable); $(NAME) references "
@@ -132,6 +134,20 @@ def add_parser(sub: Any) -> None:
                    help="off the pod: skip listening on the tier's address (only the pod can); "
                         "every other check runs")
     p.set_defaults(func=run)
+
+
+def data_parallel_size(text: str) -> int:
+    """An engine's ``--data-parallel-size`` given on the command line: 1..65535 (each rank
+    has a port), else ``ArgumentTypeError`` quoting at most the first 20 characters."""
+    try:
+        value = int(text)
+    except ValueError:  # not an integer, or more digits than Python reads
+        value = 0
+    if not 1 <= value <= 65535:
+        shown = repr(text) if len(text) <= 20 else f"{text[:20]!r}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535 (one port per "
+                                         f"data-parallel rank), got {shown}")
+    return value
 
 
 def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
@@ -257,19 +273,31 @@ def _hints(environ: Mapping[str, str]) -> list[str]:
     return []
 
 
+def _expanded_config(text: str, pod: Mapping[str, str], unset: set[str]) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` (text or ``@file``) parsed after its ``$(NAME)``
+    references expand, as the kubelet expands them before vLLM reads the JSON: an overlay's
+    ``"port":$(VLLM_P2P_SIDE_CHANNEL_PORT)`` is JSON only once expanded. ``ConfigError``
+    names an unset reference that left the JSON unreadable."""
+    option = "--kv-transfer-config"
+    text = expand(option_text(text, option), {**os.environ, **pod}, unset)
+    try:
+        return json_object(text, option, "vLLM's KVTransferConfig")
+    except ConfigError as exc:
+        if not unset:
+            raise
+        names = ", ".join(f"$({name})" for name in sorted(unset - {"POD_IP"} or unset))
+        raise ConfigError(f"{exc} ({names} unset here: give the pod's value with --env "
+                          f"NAME=VALUE)") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    """0: every entry would start; 1: the tier would refuse it (one line on stderr);
-    usage errors raise ``ConfigError`` (the CLI exits 2)."""
-    if not 1 <= args.data_parallel_size <= 65535:
-        raise ConfigError(f"--data-parallel-size must be 1..65535, got {args.data_parallel_size}")
+    """0: every entry would start; 1: the config runs no p2pkv tier (one line on stderr);
+    2: the tier would refuse it (one line on stderr), or a usage error (``ConfigError``,
+    which the CLI turns into one line and exit status 2)."""
     unset: set[str] = set()
     pod = _pod_environment(args, unset)
     os.environ.update(pod)
-    text = args.kv_transfer_config
-    if text.startswith("@"):
-        text = json.dumps(json_object(text, "--kv-transfer-config", "vLLM's KVTransferConfig"))
-    kv_transfer_config = json_object(expand(text, {**os.environ, **pod}, unset),
-                                     "--kv-transfer-config", "vLLM's KVTransferConfig")
+    kv_transfer_config = _expanded_config(args.kv_transfer_config, pod, unset)
     for name in sorted(unset):
         print_error("p2pkv check-config: note", f"$({name}) is unset here: checked as "
                     f"{PLACEHOLDER_ADDRESS} (set it with --env {name}=VALUE"
@@ -288,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
             config = check(entry, extra, args.data_parallel_size, bind=not args.no_bind)
         except (P2PKVError, OSError) as exc:
             print_error("p2pkv check-config", _refusal(entry, exc))
-            return 1
+            return 2
         last = config.base_port + args.data_parallel_size - 1 if config.base_port else 0
         print(f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
               f"{config.control}, data {config.data}, host "

@@ -19,6 +19,12 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+FIRST_MESSAGE_BOUND = 120.0
+"""Seconds the child's first message may take at least, whatever timeout the caller gives.
+
+A spawned interpreter imports the transports' libraries before it can answer; on a busy
+2-core machine that alone has taken over 10 s. Later messages get the caller's timeout."""
+
 
 def _entry(target: Callable[..., Any], conn: Connection, args: tuple[Any, ...]) -> None:
     try:
@@ -37,6 +43,7 @@ class Child:
             target=_entry, args=(target, child_conn, args), name=name, daemon=True
         )
         self._child_conn = child_conn
+        self._heard = False
 
     def start(self) -> Child:
         self.process.start()
@@ -62,16 +69,23 @@ class Child:
         return self._conn.poll(0)
 
     def recv(self, timeout: float, what: str = "a message") -> Any:
-        """Next object from the child; ``TimeoutError`` if none within ``timeout`` seconds."""
+        """Next object from the child; ``TimeoutError`` if none within ``timeout`` seconds.
+
+        The first message waits at least ``FIRST_MESSAGE_BOUND``: the child's start-up is
+        load, not a failure."""
+        if not self._heard:
+            timeout = max(timeout, FIRST_MESSAGE_BOUND)
         if not self._conn.poll(timeout):
             state = "alive" if self.process.is_alive() else f"exited {self.process.exitcode}"
             raise TimeoutError(f"child {self.process.name} ({state}) sent no {what} in {timeout}s")
         try:
-            return self._conn.recv()
+            message = self._conn.recv()
         except EOFError:
             raise EOFError(
                 f"child {self.process.name} closed its pipe (exit {self.process.exitcode})"
             ) from None
+        self._heard = True
+        return message
 
     def request(self, obj: Any, timeout: float, what: str = "a reply") -> Any:
         self.send(obj)

@@ -141,9 +141,11 @@ class Peers:
     allow: tuple[str, ...] = ()
     """Networks, addresses or host names the tier may dial; empty: any peer."""
     max_dialed: int = field(default=256, metadata=_COUNT)
-    """Sessions this tier dialed that may be open at once (each holds 3 zmq sockets of the
-    control transport's context, whose default cap is 1,023); a new peer beyond it evicts
-    the oldest one still in its handshake, or is refused."""
+    """Sessions this tier dialed for requests that may be open at once (each holds 3 zmq
+    sockets of the control transport's context, whose default cap is 1,023); a new peer
+    beyond it takes the place of a dial that made no progress or of an idle session, else
+    waits or is refused. A quarter of it bounds new dials a second and dials that heard
+    nothing; as many peers may wait for a dial."""
     connect: tuple[str, ...] = ()
     """``host:port`` of peers to keep sessions to before any request names them; a host
     name is resolved every ``resolve_interval`` (a headless Service: every pod). Env
@@ -156,6 +158,18 @@ class Peers:
     and data peer freed; the next request naming the peer dials again). Sessions to
     ``connect``'s peers are kept. 0: never. Env ``P2PKV_PEERS_IDLE_TIMEOUT`` (else
     ``VLLM_P2P_IDLE_TIMEOUT_S``)."""
+    warm: int = field(default=32, metadata=option(ge=0))
+    """Peers of ``connect`` kept connected at most (the warm set): those requests named
+    most recently, filled up with a random sample. Warm sessions do not count in
+    ``max_dialed``. 32 keeps the full mesh of every fleet the field runs today (16 pods,
+    3 x DP8) and a bounded set beyond. 0: pre-connect nothing."""
+    max_handshakes: int = field(default=16, metadata=_COUNT)
+    """Pre-connect dials of this tier in their handshake at once (requests' dials never wait
+    for it): many tiers starting together spread their dials."""
+    dial_backoff: float = field(default=10.0, metadata=_SECONDS)
+    """The longest wait, in seconds, before an address whose dial failed is dialed again
+    (from 1 s, doubling per failure in a row); requests naming it meanwhile are refused at
+    once."""
 
 
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:

@@ -272,7 +272,14 @@ class ControlTransport(_Transport):
     def take_active(self) -> Collection[ControlConnection] | None:
         """The connections that, since the previous call, received frames or stopped being
         alive, each listed once. None: this transport does not track them, and the tier
-        visits every connection each tick (as before). Driver thread, after poll()."""
+        visits every connection each tick (as before). Driver thread, after poll().
+
+        A connection counts as stopped when it dies for any reason, a local ``close``
+        included; one that ``poll`` just returned with frames buffered is listed. A
+        connection whose frames the tier has not drained yet is the tier's to remember: it
+        is listed again only when something new happens to it. With it, a tick costs what
+        its active connections cost, not what all of them cost (:mod:`p2pkv.tiering.tick`).
+        The default returns None."""
         return None
 
     def batch_sends(self) -> bool:

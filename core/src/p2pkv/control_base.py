@@ -13,6 +13,9 @@ transport, and they are the same everywhere; :class:`InboxControlTransport` and
   finds its first frames buffered (or finds it dead), or by a ``connect`` to that peer that
   came first. An inbound connection that replaces a live one for the same address ends the
   old one.
+- **Active connections.** ``take_active`` lists each connection that received a frame
+  (``deliver``) or ended (``end``) since the previous call, once, so the tier visits only
+  those (:meth:`~p2pkv.contracts.ControlTransport.take_active`).
 
 What is left to a subclass is its medium: how a connection puts a frame on its way
 (:meth:`InboxConnection._transmit`) and tells its peer it ended
@@ -28,7 +31,7 @@ calls; the base holds none.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Generic, TypeVar
 
 from p2pkv.contracts import ControlConnection, ControlTransport
@@ -95,6 +98,7 @@ class InboxConnection(ControlConnection):
             return
         self.close_reason = reason
         self._transport._forget(self)
+        self._transport._active[self] = None
         self._on_end()
 
     def deliver(self, frame: bytes) -> bool:
@@ -107,6 +111,7 @@ class InboxConnection(ControlConnection):
             self.end(OVERSIZED)
             return False
         self.inbox.append(frame)
+        self._transport._active[self] = None
         return True
 
     @abstractmethod
@@ -134,6 +139,8 @@ class InboxControlTransport(ControlTransport, Generic[_C]):
         """One connection per peer address, dialed or accepted."""
         self._accepted: list[_C] = []
         """Inbound connections not handed out yet."""
+        self._active: dict[InboxConnection, None] = {}
+        """Connections that received frames or ended since the last ``take_active``."""
 
     def connect(self, address: str) -> _C:
         known = self._connections.get(address)
@@ -144,6 +151,15 @@ class InboxControlTransport(ControlTransport, Generic[_C]):
         conn.announced = True
         self._connections[address] = conn
         return conn
+
+    def take_active(self) -> Collection[InboxConnection]:
+        """The connections that received frames or ended since the previous call, once
+        each, in the order that first happened to them."""
+        active = self._active
+        if not active:
+            return ()  # the idle case allocates nothing
+        self._active = {}
+        return active.keys()
 
     def close(self) -> None:
         """End every connection; subclasses also stop listening."""

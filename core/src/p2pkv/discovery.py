@@ -4,9 +4,8 @@ Under llm-d no router sends p2pkv's ``p2pkv_connect`` hint, so without this ever
 pods pays the dial, the hellos and the data-peer setup on a user's request. Each entry of
 ``peers.connect`` is ``host:port``: an address is dialed as is; a host name is resolved every
 ``peers.resolve_interval`` seconds (a Kubernetes headless Service answers with one address
-per ready pod), and every address it resolves to is dialed. The tier keeps a session to each
-(re-dialing one that ended, at most once per interval), within ``peers.allow`` and
-``peers.max_dialed`` like any dial; its own address is skipped.
+per ready pod). The tier's warm set (:mod:`p2pkv.tiering.warm`) keeps sessions to a bounded
+number of those addresses, within ``peers.allow``; its own address is skipped.
 
 Threading: names are resolved on a thread of this module (``p2pkv-discovery``), never on
 the engine's; the driver thread only takes the latest answer (:meth:`Discovery.due`). A

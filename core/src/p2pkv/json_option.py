@@ -12,19 +12,26 @@ from typing import Any
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["json_object"]
+__all__ = ["json_object", "option_text"]
+
+
+def option_text(text: str, option: str) -> str:
+    """``text`` itself, or the content of the file ``@path`` names (``ConfigError`` naming
+    the option and the file when it cannot be read)."""
+    if not text.startswith("@"):
+        return text
+    try:
+        with open(text[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"{option} {text}: cannot read {text[1:]!r}: "
+                          f"{exc.strerror or exc}") from exc
 
 
 def json_object(text: str, option: str, what: str) -> dict[str, Any]:
     """Parse ``text`` (or the file ``@path`` names) as a JSON object; ``what`` names what the
     object must be in the error ("a tier config", "vLLM's KVTransferConfig")."""
-    if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ConfigError(f"{option} {text}: cannot read {text[1:]!r}: "
-                              f"{exc.strerror or exc}") from exc
+    text = option_text(text, option)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -14,7 +14,8 @@ Entries that could never match the peer a router names are refused at start, and
 - a Kubernetes Service's DNS name (a label ``svc``: ``ms-p2p.llm-d.svc.cluster.local``):
   routers name pods by their IP, never by a Service's name; allow the pods' network;
 - a ``$(VAR)`` Kubernetes left unexpanded (``VAR`` defined below the variable using it);
-- anything with a port, a scheme or a space.
+- several entries separated by spaces or semicolons: the list is comma-separated;
+- anything with a port or a scheme.
 
 A plain host name stays allowed: it matches requests that name that host (p2pkv's own proxy
 may name peers so), never a pod IP.
@@ -97,8 +98,10 @@ def _never_matches(text: str) -> str:
         return ("holds a $(VAR) reference Kubernetes did not expand: define VAR above this "
                 "variable in the container's env list (only earlier ones expand)")
     if not _HOST_NAME.match(text):
-        return ("is neither a network (10.0.0.0/8), an address nor a host name (no port, no "
-                "scheme)")
+        parts = re.split(r"[\s;]+", text)
+        return (f"holds {len(parts)} entries: separate them with commas ({','.join(parts)})"
+                if len(parts) > 1 else "is neither a network (10.0.0.0/8), an address nor a "
+                "host name (no port, no scheme)")
     if _SERVICE_LABEL in text.lower().rstrip(".").split("."):
         return ("is a Kubernetes Service's name, which never matches: routers name pods by "
                 "their IP; give the pods' network (the cluster's pod CIDR, e.g. 10.0.0.0/8)")

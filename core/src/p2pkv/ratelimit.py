@@ -29,6 +29,15 @@ class TokenBucket:
         self._tokens -= 1.0
         return True
 
+    def put_back(self) -> None:
+        """Return a token :meth:`take` spent (never above ``burst``)."""
+        self._tokens = min(self._burst, self._tokens + 1.0)
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`take` can spend a token (0.0: at once)."""
+        missing = 1.0 - (self._tokens + (now - self._stamp) * self._rate)
+        return max(0.0, missing / self._rate)
+
 
 class LogLimiter:
     """At most ``burst`` lines at once and ``burst`` per ``window`` seconds on average; lines

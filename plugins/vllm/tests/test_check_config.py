@@ -1,8 +1,9 @@
 """``p2pkv check-config`` on vLLM's ``--kv-transfer-config``, as an operator runs it.
 
 Each row is the real ``p2pkv`` console script in a subprocess (the environment of a vLLM
-instance, no vLLM needed): its exit status (0 would start, 1 the tier would refuse, 2 a
-usage error) and, on failure, one stderr line naming the input and the fix. Among the rows:
+instance, no vLLM needed): its exit status (0 would start, 1 a valid config that runs no
+p2pkv tier, 2 a config the tier would refuse or a usage error) and, on failure, one stderr
+line naming the input and the fix. Among the rows:
 the two mistakes the docs/vllm.md recipe used to make (``allowed_client_keys`` as a string, a
 public key file as a secret key).
 """
@@ -90,7 +91,7 @@ def test_old_recipe_mistake_allowed_client_keys_as_a_string(keys: Path) -> None:
                "allowed_client_keys": str(keys / "clients")}
     proc = p2pkv("check-config", "--kv-transfer-config",
                  kv_config(keys, control_options=options))
-    refused(proc, 1, "secondary_tiers[0]", "'allowed_client_keys'", "list")
+    refused(proc, 2, "secondary_tiers[0]", "'allowed_client_keys'", "list")
 
 
 def test_old_recipe_mistake_a_public_key_file_as_the_secret_key(keys: Path) -> None:
@@ -99,7 +100,7 @@ def test_old_recipe_mistake_a_public_key_file_as_the_secret_key(keys: Path) -> N
                "allowed_client_keys": [str(keys / "clients")]}
     proc = p2pkv("check-config", "--kv-transfer-config",
                  kv_config(keys, control_options=options))
-    refused(proc, 1, "'server_secret_key'", "server.key holds no secret key", ".key_secret")
+    refused(proc, 2, "'server_secret_key'", "server.key holds no secret key", ".key_secret")
 
 
 def test_another_connector_would_start_without_the_tier(keys: Path) -> None:
@@ -129,13 +130,13 @@ def test_the_default_spec_would_start_without_the_tier(keys: Path) -> None:
     ids=["key typo", "locality", "type", "transport name", "data option",
          "last DP rank's port"],
 )
-def test_a_config_the_tier_would_refuse_exits_1(keys: Path, tier: dict[str, Any],
+def test_a_config_the_tier_would_refuse_exits_2(keys: Path, tier: dict[str, Any],
                                                 extra: dict[str, Any] | None,
                                                 env: dict[str, str], names: tuple[str, ...]
                                                 ) -> None:
     proc = p2pkv("check-config", "--kv-transfer-config", kv_config(keys, extra=extra, **tier),
                  "--data-parallel-size", "2", **env)
-    refused(proc, 1, "secondary_tiers[0]", *names)
+    refused(proc, 2, "secondary_tiers[0]", *names)
 
 
 @pytest.mark.parametrize(

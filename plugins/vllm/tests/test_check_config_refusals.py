@@ -1,11 +1,12 @@
 """``p2pkv check-config`` refuses what cannot work, in one line naming what the operator set,
 and checks llm-d's guide entry off the pod (issue 45, item 4).
 
-Each row runs the real command in a subprocess: its exit status (0 would start, 1 the tier
-would refuse, 2 check-config cannot read its input) and its exact stderr. Allow-list entries
-that never match a peer; numbers no setting takes (thousands of digits, 1e300, negative, NaN);
-unknown keys (the suggestion lists every accepted key, upstream's included); upstream keys and
-environment variables named as written; the guide's ``$(POD_IP)`` entry checked off the pod.
+Each row runs the real command in a subprocess: its exit status (0 would start; 2 the tier
+would refuse it, or check-config cannot read it: misuse of the config) and its exact stderr.
+Allow-list entries that never match a peer; numbers no setting takes (thousands of digits,
+1e300, negative, NaN); unknown keys (the suggestion lists every accepted key, upstream's
+included); upstream keys and environment variables named as written; the guide's
+``$(POD_IP)`` entry checked off the pod, and an overlay's entry read from a file.
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ def config(entry: dict[str, Any] | str) -> str:
 
 
 def check(entry: dict[str, Any] | str, *args: str, **env: str) -> tuple[int, str, str]:
+    return check_text(config(entry), *args, **env)
+
+
+def check_text(kv_transfer_config: str, *args: str, **env: str) -> tuple[int, str, str]:
+    """``p2pkv check-config --kv-transfer-config TEXT ARGS`` in a clean environment plus
+    ``env``: (exit status, stdout, stderr)."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("P2PKV_", "VLLM_P2P_", "POD_"))}
     base.update({"UCX_NET_DEVICES": "lo", "PYTHONHASHSEED": "0"}, **env)
     command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "p2pkv.cli"]
-    done = subprocess.run([*command, "check-config", "--kv-transfer-config", config(entry),
-                           *args], env=base, capture_output=True, text=True, timeout=60,
-                          check=False)
+    done = subprocess.run([*command, "check-config", "--kv-transfer-config",
+                           kv_transfer_config, *args], env=base, capture_output=True,
+                          text=True, timeout=60, check=False)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -66,6 +73,9 @@ REFUSED: list[tuple[dict[str, Any] | str, dict[str, str], str]] = [
     ({**OURS, "peers": {"allow": ["10.0.0.1:7777"]}}, {}, "tier config key peers.allow[0] = "
      "'10.0.0.1:7777' is neither a network (10.0.0.0/8), an address nor a host name (no port, "
      "no scheme)"),
+    (OURS, {"P2PKV_PEERS_ALLOW": "10.0.0.0/8 10.1.0.0/16"}, "P2PKV_PEERS_ALLOW entry "
+     "'10.0.0.0/8 10.1.0.0/16' holds 2 entries: separate them with commas "
+     "(10.0.0.0/8,10.1.0.0/16)"),
     (OURS, {"P2PKV_PEERS_CONNECT": "ms-p2p.$(POD_NAMESPACE).svc:7777"}, "P2PKV_PEERS_CONNECT "
      "entry 'ms-p2p.$(POD_NAMESPACE).svc:7777' holds a $(VAR) reference Kubernetes did not "
      "expand: define VAR above this variable in the container's env list (only earlier ones "
@@ -92,7 +102,7 @@ REFUSED: list[tuple[dict[str, Any] | str, dict[str, str], str]] = [
 @pytest.mark.parametrize("entry, env, message", REFUSED)
 def test_what_cannot_work_is_refused_naming_what_was_set(
         entry: dict[str, Any] | str, env: dict[str, str], message: str) -> None:
-    assert check(entry, **env) == (1, "", f"{P}{message}\n")
+    assert check(entry, **env) == (2, "", f"{P}{message}\n")
 
 
 def test_a_number_of_thousands_of_digits_is_unreadable_input() -> None:
@@ -104,7 +114,7 @@ def test_a_number_of_thousands_of_digits_is_unreadable_input() -> None:
 def test_an_empty_curve_dir_is_refused() -> None:
     status, out, err = check({**OURS, "data": "memory", "host": "127.0.0.1"},
                              P2PKV_CURVE_DIR="")
-    assert (status, out) == (1, "")
+    assert (status, out) == (2, "")
     assert err == ("p2pkv check-config: secondary_tiers[0]: P2PKV_CURVE_DIR is set but empty: "
                    "set it to the directory where the fleet's key Secret is mounted, or unset "
                    "it (a tier without keys must say insecure: true)\n")
@@ -126,7 +136,7 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
         "the tier's address and port; the key files as the pod mounts them; the transports' "
         "libraries as the image has them\n")
     status, out, err = check(GUIDE, *pod)
-    assert (status, out) == (1, "")
+    assert (status, out) == (2, "")
     assert err == (
         "p2pkv check-config: note: $(POD_IP) is unset here: checked as 192.0.2.1 (set it with "
         "--env POD_IP=VALUE or --pod-ip)\n"
@@ -141,9 +151,28 @@ def test_pod_variables_expand_in_order_as_kubernetes_expands_them() -> None:
                              "--env", "P2PKV_REPLACE_P2P=1", "--env", "ADDR=127.0.0.1",
                              "--env", "HOST_OF_POD=$(ADDR)", "--env",
                              "P2PKV_PEERS_ALLOW=127.0.0.0/8,$$(literal)")
-    assert (status, out) == (1, "")
+    assert (status, out) == (2, "")
     assert err == (f"{P}P2PKV_PEERS_ALLOW entry '$(literal)' holds a $(VAR) reference "
                    "Kubernetes did not expand: define VAR above this variable in the "
                    "container's env list (only earlier ones expand)\n")
     assert check(OURS, "--env", "NOT A NAME") == (
         2, "", "p2pkv check-config: --env 'NOT A NAME': expected NAME=VALUE\n")
+
+
+def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Path) -> None:
+    """The overlay's port is ``$(VLLM_P2P_SIDE_CHANNEL_PORT)`` outside a JSON string: the
+    kubelet expands it before vLLM parses the JSON, and so does check-config, from ``@file``
+    as from text. Left unset, the one line names it and the fix (exit 2)."""
+    path = tmp_path / "kv-transfer-config.json"
+    path.write_text(config('{"type": "p2p", "host": "$(POD_IP)", '
+                           '"port": $(VLLM_P2P_SIDE_CHANNEL_PORT)}'))
+    pod = ("--env", "P2PKV_REPLACE_P2P=1", "--pod-ip", "10.1.2.3", "--no-bind")
+    status, out, err = check_text(f"@{path}", *pod, "--env", "VLLM_P2P_SIDE_CHANNEL_PORT=7900")
+    assert status == 0, err
+    assert "host 10.1.2.3, ports 7900..7900" in out
+    status, out, err = check_text(f"@{path}", *pod)
+    assert (status, out) == (2, "")
+    assert err.startswith("p2pkv check-config: --kv-transfer-config is not valid JSON: ")
+    assert err.endswith(" ($(VLLM_P2P_SIDE_CHANNEL_PORT) unset here: give the pod's value "
+                        "with --env NAME=VALUE)\n")
+    assert err.count("\n") == 1

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import json
 import os
 import socket
 import subprocess
@@ -31,12 +30,13 @@ from importlib import metadata
 from typing import Any
 
 from p2pkv import __version__
+from p2pkv.check_config import data_parallel_size
 from p2pkv.cli import TOOL_COMMANDS, make_console, print_json
 from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import CheckResult, DoctorCheck
-from p2pkv.json_option import json_object
+from p2pkv.json_option import json_object, option_text
 from p2pkv.registry import Registry, default_registry
 from p2pkv.ucx_proto import LaneRow, parse_proto_info
 from rich.console import Console
@@ -78,8 +78,10 @@ def add_parser(sub: Any) -> None:
     given.add_argument("--kv-transfer-config", metavar="JSON",
                        help="vLLM's --kv-transfer-config (JSON text or @file): the ports of "
                             "its p2pkv entries, as the engine's tier reads them")
-    p.add_argument("--dp-size", type=_positive_int, default=1,
-                   help="data-parallel ranks on this host: check base port .. base+N-1")
+    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size",
+                   type=data_parallel_size, default=1, metavar="N",
+                   help="data-parallel ranks on this host (the engine's "
+                        "--data-parallel-size): check base port .. base+N-1")
     p.add_argument("--no-probe", action="store_true",
                    help="skip the UCX lane probe (it starts a subprocess for a few seconds)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -349,16 +351,6 @@ def nixl_install_note() -> str:
 # -- the command ----------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | None:
     """The engine entry ``--config`` or ``--kv-transfer-config`` names, as ``(check_config.Entry,
     connector extra config)``, or None for a plain tier config (or none given). An entry is
@@ -369,10 +361,9 @@ def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | N
     from p2pkv import check_config
 
     def read(text: str, option: str, what: str) -> dict[str, Any]:
-        if text.startswith("@"):
-            text = json.dumps(json_object(text, option, what))
-        return json_object(check_config.expand(text, os.environ, set(), placeholder=False),
-                           option, what)
+        expanded = check_config.expand(option_text(text, option), os.environ, set(),
+                                       placeholder=False)
+        return json_object(expanded, option, what)
 
     if args.kv_transfer_config:
         kv = read(args.kv_transfer_config, "--kv-transfer-config", "vLLM's KVTransferConfig")

@@ -104,7 +104,7 @@ def test_a_staged_read_counts_the_descriptors_its_request_asks_for(
     make_local: MakeLocal, local: list[int], remote: list[int], posted: int
 ) -> None:
     """``descriptors_posted`` counts a staged read too, on the consumer: the runs of the
-    producer's WRITE its request asks for (:mod:`p2pkv_nixl.runs`, cut at both sides'
+    producer's WRITE its request asks for (:func:`p2pkv.runs.coalesce`, cut at both sides'
     slices), however our own slots lie."""
     consumer = make_local(num_blocks=16, block_len=BLOCK, seed=1, staging="always",
                           staging_blocks=8, slice_bytes=3 * BLOCK).transport
@@ -181,13 +181,22 @@ def test_requests_from_an_agent_the_producer_did_not_add_are_ignored(
                           drain_timeout=0.2).transport
     producer = make_local(num_blocks=16, block_len=BLOCK, seed=4).transport
     stranger.add_peer("p", producer.descriptor())  # the producer never adds it
+    def warnings() -> int:
+        return sum("ignoring staged read requests" in r.getMessage() for r in caplog.records)
+
+    def pump() -> None:
+        producer.progress()
+        assert not stranger.poll("p").done
+
     with caplog.at_level(logging.WARNING, logger="p2pkv.nixl.transport"):
         tid = stranger.read_blocks("p", [0], [0])
+        # the request arrives when it arrives on a busy host: wait for its warning, then
+        # progress on (a repeated request would warn again)
+        wait_until(warnings, timeout=15.0, what="the stranger's request", pumps=[pump])
         for _ in range(200):
-            producer.progress()
-            assert not stranger.poll("p").done
+            pump()
     assert not _serving(producer)
-    assert sum("ignoring staged read requests" in r.getMessage() for r in caplog.records) == 1
+    assert warnings() == 1
     stranger.cancel([tid])
     assert stranger.staging_usage()["quarantined"] == 1  # never answered: stays quarantined
     assert producer.close() == []  # its agent goes: the stranger's probe sees a disconnect

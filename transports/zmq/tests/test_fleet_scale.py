@@ -1,7 +1,8 @@
 """What a hub costs at fleet scale, as work done, never time: a sweep with 1,000 quiet
 connections examines what it examines with 10; pending dials cost no socket per repeated
-request; ``progress`` tells a dial that reached a listener from one that did not; and
-``take_active`` names exactly the connections with news.
+request; ``progress`` tells a dial that reached a listener from one that did not; a dial
+that never connected closes without lingering; and ``take_active`` names exactly the
+connections with news.
 
 The quiet connections are real dials to one raw pyzmq PULL bound on many loopback ports
 (each dial completes its ZMTP handshake, then nothing is sent: heartbeats are libzmq's). A
@@ -202,3 +203,40 @@ def test_a_transport_above_descriptor_1024_polls_and_delivers(make_transport: An
 
 def _descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+
+class _ClosedWith:
+    """Stands in for a connection's PUSH and records the linger its ``close`` got."""
+
+    def __init__(self, push: Any) -> None:
+        self._push = push
+        self.linger: int | None = None
+
+    def close(self, linger: int | None = None) -> None:
+        self.linger = linger
+        self._push.close(linger)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._push, name)
+
+
+def test_a_dial_that_never_connected_closes_without_lingering(
+    make_transport: Any, raw_pull: Any, black_hole: str,
+) -> None:
+    """A dial closed before it connected tells its peer nothing (the peer never saw it) and
+    closes at once: a flood of such dials, each closed for the next, must not keep its
+    sockets lingering (they count in ``max_sockets``). A connected one lingers to deliver
+    its last message."""
+    _, bind = raw_pull
+    t = make_transport(connect_timeout=600.0)
+    hole, ready = t.connect(black_hole), t.connect(bind())
+    wait_until(lambda: ready.progress == "ready", timeout=T, what="the handshake",
+               pumps=[lambda: t.poll(0.01)])
+    assert hole.progress == "dialing"
+    spies = [_ClosedWith(conn.out) for conn in (hole, ready)]
+    hole.out, ready.out = spies
+    hole.close()
+    ready.close()
+    assert spies[0].linger == 0
+    assert spies[1].linger is not None and spies[1].linger > 0

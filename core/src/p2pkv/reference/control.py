@@ -11,8 +11,10 @@ Model (what the tests rely on):
   yet. An inbound connection is handed out exactly once: by ``poll`` or, if the caller dialed
   that peer first, by that ``connect``.
 - Frames move only in ``poll``: a frame sent by A sits in the A->B queue until B's transport
-  polls; then ``recv`` on B's connection returns it. An inbound connection is returned by
-  ``poll`` with the frames that arrived with it already buffered.
+  polls; then ``recv`` on B's connection returns it. A poll visits only the connections
+  something happened to (frames, a close, a dial waiting for its listener), so an idle
+  transport polls in constant time however many connections it has. An inbound connection
+  is returned by ``poll`` with the frames that arrived with it already buffered.
 - Dialing an address nobody listens on yet is not an error: frames queue and the connection
   attaches once the address is bound (checked on the dialer's ``poll``), or dies after the
   ``connect_timeout`` option (seconds).
@@ -59,6 +61,8 @@ class _Hub:
         self.waiting = 0
         """Threads waiting on ``cond`` in ``poll`` (changed under the lock)."""
         self.listeners: dict[str, MemoryControlTransport] = {}
+        self.opened = 0
+        """Listeners opened so far (a dial waiting for its listener retries when it grows)."""
         self._ports = itertools.count(_FIRST_FAKE_PORT)
 
     def wake(self) -> None:
@@ -99,6 +103,8 @@ class MemoryConnection(InboxConnection):
                     f"(max_queued_frames={self._owner.max_queued_frames})"
                 )
             self.out.append(bytes(frame))
+            if self.peer is not None:
+                self.peer.pending()
             _HUB.wake()
 
     def close(self) -> None:
@@ -109,7 +115,13 @@ class MemoryConnection(InboxConnection):
         """Tell the peer end (hub lock held)."""
         if self.peer is not None:
             self.peer.peer_closed = True
+            self.peer.pending()
             _HUB.wake()
+
+    def pending(self) -> None:
+        """Its peer sent frames or ended: its transport's next poll visits this end (hub lock
+        held)."""
+        self._owner._incoming[self] = None
 
     def __repr__(self) -> str:
         state = "alive" if self.close_reason is None else self.close_reason
@@ -133,11 +145,19 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
         self.connect_timeout = opts.connect_timeout
         self._closed = False
         self._interrupted = False  # guarded by _HUB.lock
+        self._attaching: dict[MemoryConnection, None] = {}
+        """Dialed connections whose listener was not there yet (retried when a listener
+        opens, ended at their deadline)."""
+        self._attach_seen = -1
+        """``_HUB.opened`` when the waiting dials were last tried."""
+        self._incoming: dict[MemoryConnection, None] = {}
+        """Our ends whose peer sent frames or ended since the last poll (hub lock)."""
         with _HUB.lock:
             self._address = _local_address(settings)
             if self._address in _HUB.listeners:
                 raise ConfigError(f"memory address {self._address} is already in use")
             _HUB.listeners[self._address] = self
+            _HUB.opened += 1
 
     @classmethod
     def create(cls, settings: ControlSettings) -> MemoryControlTransport:
@@ -198,7 +218,8 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
 
     def _dial(self, address: str) -> MemoryConnection:
         conn = MemoryConnection(self, address)
-        self._attach(conn)
+        if not self._attach(conn):
+            self._attaching[conn] = None
         return conn
 
     def _attach(self, conn: MemoryConnection) -> bool:
@@ -212,27 +233,48 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
             target._accept(other)
         # else both sides dialed before either attached: pair the two dialed ends
         conn.peer, other.peer = other, conn
+        target._attaching.pop(other, None)
+        conn.pending()  # frames either end sent before the pairing move now
+        other.pending()
         _HUB.wake()
         return True
 
-    def _progress(self) -> bool:
-        """Attach pending dials, move inbound frames, notice dead peers. True if anything moved."""
+    def _retry_attaching(self) -> bool:
+        """Attach the waiting dials whose listener opened since the last try; end those past
+        their deadline (the oldest first: they wait in dial order)."""
+        now, retry = time.monotonic(), _HUB.opened != self._attach_seen
+        self._attach_seen = _HUB.opened
         moved = False
-        now = time.monotonic()
-        for conn in list(self._connections.values()):
-            peer = conn.peer
-            if peer is None:
-                if self._attach(conn):
-                    moved = True
-                elif now > conn.deadline:
-                    conn.end(f"unreachable: nobody listened on {conn.peer_address}")
-                    moved = True
+        for conn in list(self._attaching):
+            if not conn.alive or (retry and self._attach(conn)):
+                moved = moved or conn.alive
+            elif now > conn.deadline:
+                conn.end(f"unreachable: nobody listened on {conn.peer_address}")
+                moved = True
+            elif not retry:
+                break  # the rest were dialed later: not due either
+            else:
                 continue
-            while peer.out and conn.deliver(peer.out.popleft()):
-                moved = True
-            if conn.peer_closed and conn.alive:
-                conn.end("closed by peer")
-                moved = True
+            del self._attaching[conn]
+        return moved
+
+    def _progress(self) -> bool:
+        """Attach pending dials, move inbound frames, notice dead peers; only the connections
+        something happened to are visited. True if anything moved."""
+        moved = False
+        if self._attaching:
+            moved = self._retry_attaching()
+        if self._incoming:
+            incoming, self._incoming = self._incoming, {}
+            for conn in incoming:
+                peer = conn.peer
+                if peer is None or not conn.alive:
+                    continue
+                while peer.out and conn.deliver(peer.out.popleft()):
+                    moved = True
+                if conn.peer_closed and conn.alive:
+                    conn.end("closed by peer")
+                    moved = True
         return moved
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -250,6 +250,8 @@ class FaultyControlTransport(DelegatingControlTransport):
         self.faults = faults
         self.polls = 0
         self._wrapped: dict[ControlConnection, FaultyConnection] = {}
+        self._tracking = False
+        """The tier reads ``take_active``: dead connections are forgotten only there."""
 
     def connect(self, address: str) -> ControlConnection:
         conn = self._wrap(self.inner.connect(address))
@@ -267,8 +269,24 @@ class FaultyControlTransport(DelegatingControlTransport):
                 inner.close()
             else:
                 accepted.append(self._wrap(inner))
-        self._wrapped = {k: c for k, c in self._wrapped.items() if c.alive}
+        if not self._tracking:  # else take_active forgets them, once it has listed them
+            self._forget_dead()
         return accepted
+
+    def take_active(self) -> Collection[ControlConnection] | None:
+        """The inner transport's active connections, as the wrapped ones the tier knows (a
+        fault's kill closes the inner connection, so the inner transport lists it too)."""
+        active = self.inner.take_active()
+        if active is None:
+            return None
+        self._tracking = True
+        wrapped = self._wrapped
+        out = [conn for inner in active if (conn := wrapped.get(inner)) is not None]
+        self._forget_dead()
+        return out
+
+    def _forget_dead(self) -> None:
+        self._wrapped = {k: c for k, c in self._wrapped.items() if c.alive}
 
     def enforce_partitions(self) -> None:
         for conn in self._wrapped.values():

@@ -75,9 +75,12 @@ class ConsumerRole:
         """Track ``kv`` from ``on_new_request`` on (so a session death marks it failed)."""
         self._request(kv)
 
-    def submit(self, job: Job, kv: str, *, pull: bool = False) -> None:
+    def submit(self, job: Job, kv: str, *, pull: bool = False,
+               deadline: float | None = None) -> None:
         """Start a load round for ``job`` (already recorded in the ledger). ``pull``: a
-        prefix pull (``remote_kv_source``), which waits behind PD loads for the window."""
+        prefix pull (``remote_kv_source``), which waits behind PD loads for the window.
+        ``deadline``: when the load fails ``load_timeout`` (default: ``timeouts.load`` from
+        now; a load that waited for its peer's dial keeps the one it had)."""
         req = self._request(kv)
         env = self.env
         conflict = req.conflict(job, env.ledger)
@@ -86,7 +89,9 @@ class ConsumerRole:
             return
         rnd = req.open_round(job)
         self.n_rounds += 1
-        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.load, self._on_load_timeout, rnd)
+        if deadline is None:
+            deadline = env.clock() + env.timeouts.load
+        rnd.timer = env.deadlines.at(deadline, self._on_load_timeout, rnd)
         self.window.wait(rnd, pull=pull)
         self._open_rounds()
 

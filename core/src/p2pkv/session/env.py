@@ -64,7 +64,11 @@ class SessionLink(Protocol):
 
 
 class ReadOwner(Protocol):
-    """Who posted a read: told once when it terminates."""
+    """Who posted a read (the consumer role of the session with ``peer``): told once when
+    it terminates."""
+
+    @property
+    def peer(self) -> str: ...
 
     def on_data(self, tid: int, ok: bool) -> None: ...
 
@@ -122,6 +126,8 @@ class SessionEnv:
     """Puts queued control frames on the wire (``ControlTransport.flush`` of a batching
     transport): called before a data-transport call that can take milliseconds
     (``add_peer``, ``remove_peer``), so a peer never waits for our frames meanwhile."""
+    hello: bytes | None = field(default=None, init=False)
+    """Our hello, encoded once (every session sends the same)."""
     reads: ReadGate = field(init=False)
     """Every read the consumer roles post goes through it (shared, bounded resources)."""
     warnings: LogLimiter = field(init=False)

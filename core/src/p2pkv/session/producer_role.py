@@ -175,6 +175,11 @@ class ProducerRole:
         return self._rounds.pinned
 
     @property
+    def lookups_waiting(self) -> int:
+        """The peer's lookups waiting for ``serve_lookups`` (or their deadline)."""
+        return len(self._lookups)
+
+    @property
     def busy(self) -> bool:
         """Rounds, pins or lookups outstanding (a reason for the engine to keep ticking)."""
         rounds = self._rounds

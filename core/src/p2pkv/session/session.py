@@ -67,11 +67,13 @@ class State(enum.Enum):
 
 
 class Doom(NamedTuple):
-    """Why a session must be closed: the jobs' outcome, the reason, and whether to say bye."""
+    """Why a session must be closed: the jobs' outcome, the reason, whether to say bye, and
+    whether the peer ended it (its ``bye``: it is alive, not lost)."""
 
     outcome: Outcome
     reason: str
     bye: str | None
+    by_peer: bool = False
 
 
 class Session:
@@ -86,8 +88,16 @@ class Session:
         """This tier dialed it because a request named the peer: its closing in the
         handshake is logged rate-limited (requests may name thousands of dead peers); a
         session a peer opened to us logs every close with its reason."""
+        self.pre_connect = False
+        """Dialed on the tier's own account (a warm or probe dial, no request waits for it):
+        its closing in the handshake is logged at DEBUG (the warm set reports the peer)."""
         self.last_active = env.clock()
         """When a frame last arrived or a request last named the peer (``peers.idle_timeout``)."""
+        self.heard = False
+        """A frame from the peer arrived: the dial made progress (it is never evicted for a
+        dial that has not, and a close is not a failed dial)."""
+        self.frames_in = 0
+        """Frames received so far (the tier tells a visit that brought frames by it)."""
         self.state = State.HANDSHAKE
         self.acked = False
         """The peer acked our hello."""
@@ -111,18 +121,21 @@ class Session:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Send our hello and arm the handshake deadline."""
+    def start(self, handshake_timeout: float | None = None) -> None:
+        """Send our hello and arm the handshake deadline (``timeouts.handshake``, or the
+        shorter ``handshake_timeout`` of a probe)."""
         env, local = self.env, self.env.local
-        self.timer = env.deadlines.at(
-            env.clock() + env.timeouts.handshake, self._handshake_expired, None
-        )
-        self._send_now(Hello(
-            wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
-            descriptor=local.descriptor, num_blocks=local.num_blocks, block_len=local.block_len,
-            fingerprint=local.fingerprint, hash_seed=local.hash_seed,
-            lease_ms=int(env.timeouts.lease * 1000),
-        ))
+        wait = env.timeouts.handshake if handshake_timeout is None else handshake_timeout
+        self.timer = env.deadlines.at(env.clock() + wait, self._handshake_expired, wait)
+        hello = env.hello
+        if hello is None:  # the same for every peer: encoded once
+            hello = env.hello = encode(Hello(
+                wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
+                descriptor=local.descriptor, num_blocks=local.num_blocks,
+                block_len=local.block_len, fingerprint=local.fingerprint,
+                hash_seed=local.hash_seed, lease_ms=int(env.timeouts.lease * 1000),
+            ))
+        self._send_frame(hello, "hello")
 
     @property
     def read_window(self) -> float:
@@ -169,10 +182,11 @@ class Session:
         """No load round or fetch round of this session is open, no block pinned for it."""
         return not (self.consumer.n_rounds or self.producer.n_rounds or self.producer.n_pins)
 
-    def doom(self, outcome: Outcome, reason: str, bye: str | None) -> None:
+    def doom(self, outcome: Outcome, reason: str, bye: str | None, *,
+             by_peer: bool = False) -> None:
         """Mark the session for closing at the tier's next safe point (first reason wins)."""
         if self.doomed is None and self.state in (State.HANDSHAKE, State.READY):
-            self.doomed = Doom(outcome, reason, bye)
+            self.doomed = Doom(outcome, reason, bye, by_peer)
             self.env.doomed.append(self)
 
     def close(self, outcome: Outcome, reason: str, *, bye: str | None = None,
@@ -192,7 +206,9 @@ class Session:
             self.conn.close()
         # closed during the handshake: the peer never answered, or refused us (WARNING: the
         # operator must know); the line's form is the same either way (operators grep it)
-        if handshaking and self.dialed:  # rate-limited: see ``dialed``
+        if handshaking and self.pre_connect:
+            log.debug("session with %s closed: %s", self.peer, reason)
+        elif handshaking and self.dialed:  # rate-limited: see ``dialed``
             env.warnings.log(env.clock(), logging.WARNING, "session with %s closed: %s",
                              self.peer, reason, logger=log)
         else:
@@ -216,7 +232,12 @@ class Session:
         """Send (or, behind a full send queue, hold) ``msg``. Only a frame over the size cap
         is refused (False); a full queue is back-pressure (the outbox), a dead connection
         dooms the session."""
-        frame = encode(msg)
+        return self._send_frame(encode(msg), msg, oversize_fails_session=oversize_fails_session)
+
+    def _send_frame(self, frame: bytes, what: Message | str, *,
+                    oversize_fails_session: bool = True) -> bool:
+        """:meth:`_send_now` of an encoded frame (``what``: its message, or its type, for the
+        log)."""
         try:
             if len(frame) > self.env.limits.max_frame_bytes:
                 raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds limits."
@@ -228,7 +249,8 @@ class Session:
             if oversize_fails_session:
                 self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
             else:
-                log.warning("session %s: %s not sent: %s", self.peer, message_type(msg), exc)
+                log.warning("session %s: %s not sent: %s", self.peer,
+                            what if isinstance(what, str) else message_type(what), exc)
             return False
         except Exception as exc:  # ConnectionClosed, OutboxOverflow, ...
             self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
@@ -258,6 +280,8 @@ class Session:
             frames = self.conn.recv()
         if frames:
             self.last_active = self.env.clock()
+            self.heard = True
+            self.frames_in += len(frames)
         for i, frame in enumerate(frames):
             if self.doomed is not None or self.state not in (State.HANDSHAKE, State.READY):
                 return None
@@ -379,9 +403,9 @@ class Session:
             log.warning("peer %s rejected us: %s", self.peer, reason)
             env.counters["handshake_rejections"] += 1
             env.observers.handshake_rejected(peer=self.peer, reason=reason)
-            self.doom(outcome, f"{self.peer} rejected us: {reason}", None)
+            self.doom(outcome, f"{self.peer} rejected us: {reason}", None, by_peer=True)
         else:
-            self.doom(outcome, f"peer said bye: {msg.reason}", None)
+            self.doom(outcome, f"peer said bye: {msg.reason}", None, by_peer=True)
 
     def _maybe_ready(self) -> None:
         if self.state is not State.HANDSHAKE or not self.acked or self.peer_hello is None:
@@ -394,12 +418,12 @@ class Session:
         env.observers.session_opened(peer=self.peer, local=env.local.address)
         self.consumer.on_session_ready()
 
-    def _handshake_expired(self, _: object) -> None:
+    def _handshake_expired(self, wait: float) -> None:
         self.timer = None
         env = self.env
         env.observers.timeout(kind="handshake", kv_request_id="", peer=self.peer)
         self.doom(Outcome.PEER_DEAD, f"handshake with {self.peer} not complete within "
-                  f"{env.timeouts.handshake}s", "handshake timeout")
+                  f"{wait:g}s", "handshake timeout")
 
     def state_sizes(self) -> dict[str, int]:
         return {**self.consumer.state_sizes(), **self.producer.state_sizes()}

@@ -2,9 +2,11 @@
 
 Addresses are ``loop://N``. ``connect`` pairs two connection ends at once; a frame sent on one
 end waits in the other end's queue until the receiving transport's ``poll`` moves it to the
-inbox (so ``recv`` does no I/O). Frame caps, one connection per peer and handing an inbound
-end out once come from :mod:`p2pkv.control_base`. Closing an end kills both ends; closing a
-transport closes its ends.
+inbox (so ``recv`` does no I/O). ``poll`` visits only the ends with frames queued, so it costs
+the same with one connection or thousands. Frame caps, one connection per peer, handing an
+inbound end out once and listing active connections (``take_active``) come from
+:mod:`p2pkv.control_base`. Closing an end kills both ends; closing a transport closes its
+ends.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ class LoopbackConnection(InboxConnection):
 
     def __init__(self, owner: LoopbackControlTransport, peer_address: str) -> None:
         super().__init__(owner, peer_address)
+        self.owner = owner
         self.other: LoopbackConnection | None = None
         self.queue: deque[bytes] = deque()
         """Frames sent to us, not yet moved to the inbox by our transport's poll."""
 
     def _transmit(self, frame: bytes) -> None:
-        assert self.other is not None  # a live end is paired
-        self.other.queue.append(bytes(frame))
+        other = self.other
+        assert other is not None  # a live end is paired
+        other.queue.append(bytes(frame))
+        other.owner.queued[other] = None
 
     def _on_end(self) -> None:
         if self.other is not None:
@@ -54,6 +59,8 @@ class LoopbackControlTransport(InboxControlTransport[LoopbackConnection]):
                 f"loopback control takes no options, got {sorted(settings.options)}"
             )
         super().__init__(settings.max_frame_bytes)
+        self.queued: dict[LoopbackConnection, None] = {}
+        """Our ends with frames in their queue (moved to their inbox by the next poll)."""
         self._address = f"loop://{next(_NAMES)}"
         _LISTENERS[self._address] = self
 
@@ -77,8 +84,9 @@ class LoopbackControlTransport(InboxControlTransport[LoopbackConnection]):
         return ours
 
     def poll(self, timeout: float = 0.0) -> Sequence[ControlConnection]:
-        for end in list(self._connections.values()):
-            while end.queue and end.deliver(end.queue.popleft()):
+        queued, self.queued = self.queued, {}
+        for end in queued:
+            while end.alive and end.queue and end.deliver(end.queue.popleft()):
                 pass
         return self._announce()
 

@@ -18,7 +18,8 @@ Per N, in fresh processes:
    sessions it reached (``warm_sessions``) when it stalls or :data:`STORM_TIMEOUT` passes.
 2. **Idle.** The tier ticks every 5 ms with N quiet sessions: CPU as a share of one core
    (every thread of its process, zmq's I/O thread too), threads, descriptors, resident
-   memory, and the TCP data segments its sockets carried per second (heartbeats, ``ss``);
+   memory, the TCP data segments its sockets carried per second (heartbeats, ``ss``), and
+   the Python calls of a quiet tick (counted apart: the work, not the time);
    ``idle_sessions``: the ready sessions at its end (fewer than N: the figures are not N's).
    CPU per tick is the steadier figure on a loaded host: a starved process ticks less often
    than every 5 ms (``idle_ticks_per_s``), which lowers its CPU share, not its cost per tick.
@@ -31,7 +32,8 @@ Per N, in fresh processes:
 Floods (once, with :data:`FLOOD_PEERS` warm peers): established traffic (a closed loop of
 loads over the producers) alone, then with 10,000 loads naming distinct peers that refuse
 (``127.x.y.z`` at a closed port) or drop SYNs (a listener whose accept queue is full), at
-:data:`FLOOD_RATE` per second; the established throughput as a ratio of the run alone, and
+:data:`FLOOD_RATE` per second, then alone again; the established throughput as a ratio of
+the mean of the runs alone (a shared host drifts), the tier's CPU within each window, and
 the outcomes of the first loads to a healthy newcomer contacted during the flood.
 
 Timings are wall clock on a shared host; every figure carries the load average around it.
@@ -177,7 +179,10 @@ def _idle_row(idle: dict[str, Any], peers: int) -> dict[str, Any]:
     per_s = None if segments is None else segments / wall
     return {"idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
             "idle_cpu_per_tick_us": round(1e6 * idle["cpu_s"] / max(1, idle["ticks"]), 1),
+            "idle_tick_thread_us": round(1e6 * idle["tick_thread_cpu_s"] / max(1, idle["ticks"]),
+                                         1),
             "idle_ticks_per_s": round(idle["ticks"] / wall, 1),
+            "idle_calls_per_tick": round(idle["calls_per_tick"], 1),
             "idle_sessions": idle["sessions"],
             "fds": int(idle["fds"]), "threads": int(idle["threads"]),
             "rss_mib": round(idle["rss_mib"], 1),
@@ -258,11 +263,13 @@ def measure_floods(config: FleetConfig, quick: bool) -> list[dict[str, Any]]:
         fleet.storm(peers)
         base = 3_000_000
         for i, kind in enumerate(("refusing", "black-holed")):
-            alone = _established(fleet, config, base + 2 * i * 10**5, [])
+            first = base + 3 * i * 10**5
+            before = _established(fleet, config, first, [])
             with flood_names(kind, config.flood_names) as names:
-                flooded = _established(fleet, config, base + (2 * i + 1) * 10**5, names,
+                flooded = _established(fleet, config, first + 10**5, names,
                                        newcomer=(fleet.others[i], PRODUCERS + i))
-            rows.append(_flood_row(kind, config, alone, flooded))
+            after = _established(fleet, config, first + 2 * 10**5, [])
+            rows.append(_flood_row(kind, (before, after), flooded))
     return rows
 
 
@@ -287,21 +294,30 @@ def _established(fleet: _Fleet, config: FleetConfig, base: int, names: list[str]
     return result
 
 
-def _flood_row(kind: str, config: FleetConfig, alone: dict[str, Any],
-               flooded: dict[str, Any]) -> dict[str, Any]:
-    def rps(result: dict[str, Any]) -> float:
-        done = result["kinds"].get("established", {}).get("outcomes", {}).get("done", 0)
-        return float(done) / float(result["window_s"])
+def _rps(result: dict[str, Any]) -> float:
+    """Established loads done per second of the run's window."""
+    done = result["kinds"].get("established", {}).get("outcomes", {}).get("done", 0)
+    return float(done) / float(result["window_s"])
 
+
+def _window_cpu_pct(result: dict[str, Any]) -> float:
+    """The tier's CPU within the run's window, as a share of one core."""
+    return round(100 * float(result["window_cpu_s"]) / float(result["window_s"]), 1)
+
+
+def _flood_row(kind: str, alone: tuple[dict[str, Any], dict[str, Any]],
+               flooded: dict[str, Any]) -> dict[str, Any]:
     newcomer = flooded["kinds"].get("newcomer", {})
     flood = flooded["kinds"].get("flood", {})
     established = flooded["kinds"].get("established", {})
-    unloaded, loaded = rps(alone), rps(flooded)
+    unloaded = sum(_rps(run) for run in alone) / len(alone)
+    loaded = _rps(flooded)
     return {"kind": kind, "names": flooded["flood_issued"],
             "flood_rate": FLOOD_RATE, "window_s": flooded["window_s"],
-            "cpu_pct_alone": round(100 * alone["cpu_s"] / alone["wall_s"], 1),
-            "cpu_pct_flooded": round(100 * flooded["cpu_s"] / flooded["wall_s"], 1),
+            "cpu_pct_alone": round(sum(_window_cpu_pct(run) for run in alone) / len(alone), 1),
+            "cpu_pct_flooded": _window_cpu_pct(flooded),
             "established_rps_alone": round(unloaded, 1),
+            "established_rps_alone_runs": [round(_rps(run), 1) for run in alone],
             "established_rps_flooded": round(loaded, 1),
             "ratio": round(loaded / unloaded, 3) if unloaded else None,
             "flood_outcomes": flood.get("outcomes", {}),
@@ -310,7 +326,7 @@ def _flood_row(kind: str, config: FleetConfig, alone: dict[str, Any],
             "newcomer_outcomes": newcomer.get("outcomes", {}),
             **_latencies("newcomer", newcomer),
             "newcomer_details": newcomer.get("details", []),
-            "mismatched": alone["mismatched"] + flooded["mismatched"]}
+            "mismatched": sum(run["mismatched"] for run in (*alone, flooded))}
 
 
 def measure_fleet(config: FleetConfig, quick: bool,

@@ -7,10 +7,12 @@ Commands (over a harness pipe):
 
 - ``describe()``: the tier's address; ``sessions()``: its ready sessions; ``warm(...)``:
   tick until a number of sessions is ready, and say when.
-- ``idle(seconds)``: tick quietly for ``seconds``; the process's CPU, threads, descriptors and
-  resident memory, and the TCP data segments its sockets sent and received (``ss``).
+- ``idle(seconds)``: tick quietly for ``seconds``; the process's CPU (and the ticking
+  thread's alone), threads, descriptors and resident memory, the TCP data segments its
+  sockets sent and received (``ss``), and the Python calls of a quiet tick.
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
-  the outcomes, latencies (submit to result) and a few failure details, and the CPU spent.
+  the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
+  (in all, and within the window).
 
 Loads name their producer in the request's routing, as llm-d's router does; keys and
 ``kv_request_id`` come from the request number (:func:`~p2pkv_tools.bench.fleet_peers.fleet_kv_id`).
@@ -26,6 +28,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from types import FrameType
 from typing import Any
 
 from p2pkv.addressing import parse_address
@@ -39,7 +42,7 @@ from p2pkv_tools.bench.harness import serve_built
 from p2pkv_tools.bench.tier_side import request_keys
 from p2pkv_tools.demo.content import BlockRegion
 
-__all__ = ["CADENCE", "Plan", "TierUnderTest", "tcp_segments", "tut_main"]
+__all__ = ["CADENCE", "COUNTED_TICKS", "Plan", "TierUnderTest", "tcp_segments", "tut_main"]
 
 CADENCE = 0.005
 """Seconds between the ticks of a quiet tier."""
@@ -51,6 +54,8 @@ _DETAILS = 3
 """Failure details kept per kind."""
 _LONGEST = 120.0
 """Seconds a flood's window lasts at most."""
+COUNTED_TICKS = 200
+"""Quiet ticks whose Python calls ``idle`` counts (the zmq hub sweeps every other one)."""
 
 
 @dataclass
@@ -133,21 +138,42 @@ class TierUnderTest:
         return False
 
     def idle(self, seconds: float) -> dict[str, Any]:
-        """Tick quietly every :data:`CADENCE` for ``seconds``."""
+        """Tick quietly every :data:`CADENCE` for ``seconds``; then count the Python calls
+        of :data:`COUNTED_TICKS` more (``sys.setprofile``: calls of Python and of C
+        functions), apart, so the counting costs the CPU figures nothing."""
         before, segments = process_usage(), tcp_segments()
-        started = time.monotonic()
+        started, thread_cpu = time.monotonic(), time.thread_time()
         ticks = 0
         while (now := time.monotonic()) - started < seconds:
             self._tier.tick(0.0)
             ticks += 1
             time.sleep(max(0.0, started + ticks * CADENCE - now))
-        wall = time.monotonic() - started
+        wall, thread_cpu = time.monotonic() - started, time.thread_time() - thread_cpu
         after, segments_after = process_usage(), tcp_segments()
         return {"cpu_s": after["cpu_s"] - before["cpu_s"], "wall_s": wall, "ticks": ticks,
+                "tick_thread_cpu_s": thread_cpu,
+                "calls_per_tick": self._calls_per_tick(COUNTED_TICKS),
                 "sessions": self.sessions(),
                 "threads": after["threads"], "fds": after["fds"], "rss_mib": after["rss_mib"],
                 "segments": (None if segments is None or segments_after is None
                              else segments_after - segments)}
+
+    def _calls_per_tick(self, ticks: int) -> float:
+        """Python calls per quiet tick over ``ticks`` ticks, :data:`CADENCE` apart."""
+        calls = 0
+
+        def count(frame: FrameType, event: str, arg: object) -> None:
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        tick = self._tier.tick
+        for _ in range(ticks):
+            sys.setprofile(count)
+            tick(0.0)
+            sys.setprofile(None)
+            time.sleep(CADENCE)
+        return calls / ticks
 
     def run(self, plan: Plan) -> dict[str, Any]:
         """Run ``plan`` (see :class:`Plan`); results per kind and the CPU spent."""
@@ -155,6 +181,7 @@ class TierUnderTest:
         timed = deque(sorted(plan.timed))
         closed, flood = deque(plan.closed), deque(plan.flood)
         cpu = process_usage()["cpu_s"]
+        window_cpu: float | None = None
         started = time.monotonic()
         flooded = 0
         window = plan.seconds
@@ -163,6 +190,8 @@ class TierUnderTest:
             if flood and now >= window:
                 window = min(now + CADENCE, _LONGEST)  # the flood is not over yet
             in_window = now < window
+            if not in_window and window_cpu is None:
+                window_cpu = process_usage()["cpu_s"] - cpu
             while timed and timed[0][0] <= now:
                 _, producer, request, kind = timed.popleft()
                 self._load(producer, request, plan.blocks, kind)
@@ -182,7 +211,7 @@ class TierUnderTest:
                 time.sleep(CADENCE)
         wall = time.monotonic() - started
         return {"cpu_s": process_usage()["cpu_s"] - cpu, "wall_s": wall,
-                "window_s": window, "mismatched": self._mismatched,
+                "window_s": window, "window_cpu_s": window_cpu, "mismatched": self._mismatched,
                 "left_open": len(self._open), "flood_issued": flooded,
                 "kinds": {k: vars(v) for k, v in self._kinds.items()}}
 

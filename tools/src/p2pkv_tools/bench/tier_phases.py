@@ -20,10 +20,11 @@ read      the rest until the tier saw the last read end (on nixl's staged lane: 
 report    read ended -> ``get_finished_jobs`` returned the result
 ========  ==================================================================================
 
-Each side's process CPU per request, and its driver thread's CPU per request by component
-(a cProfile, which slows Python code: read the shares, not the sum), are taken over the timed
-requests. Raw NIXL's READ and WRITE of the same blocks (one in flight) run first, in the
-same run, as the reference. Every destination byte is checked after the last request.
+The phases and each side's process CPU per request are taken over the timed requests,
+unprofiled. Then as many requests again run under a cProfile of each driver thread, for its
+CPU per request by component (the profile slows Python code: read the shares, not the sum).
+Raw NIXL's READ and WRITE of the same blocks (one in flight) run first, in the same run, as
+the reference. Every destination byte is checked after the last request.
 """
 
 from __future__ import annotations
@@ -148,25 +149,39 @@ def _each(sides: Mapping[str, Helper], op: str, *args: Any) -> dict[str, Any]:
 
 def _timed(plan: PhasesPlan, sides: Mapping[str, Helper], route: tuple[str, int],
            slots: tuple[list[int], list[int]], row: PhaseRow) -> None:
-    """The warm-up and the timed requests, profiled; their figures into ``row``."""
-    producer, consumer = sides[PRODUCER], sides[CONSUMER]
-    for r in range(plan.warmup + plan.requests):
-        if r == plan.warmup:
-            _each(sides, "profile", True)
-            consumer.call("phases")
-            cpu = {role: usage[0] for role, usage in _each(sides, "usage").items()}
-        outcome = _request(producer, consumer, r + 1, route, slots, plan.timeout)
-        if outcome != "done":
-            row.error = f"request {r + 1}: {outcome}"
-            return
-    per = 1e6 / plan.requests
+    """The warm-up, the timed requests (unprofiled: the phases and the CPU per request),
+    then as many profiled (the components); their figures into ``row``."""
+    consumer = sides[CONSUMER]
+    n = plan.requests
+    if not _run(plan, sides, route, slots, row, 1, plan.warmup):
+        return
+    consumer.call("phases")
+    cpu = {role: usage[0] for role, usage in _each(sides, "usage").items()}
+    if not _run(plan, sides, route, slots, row, plan.warmup + 1, n):
+        return
+    per = 1e6 / n
     row.cpu_us = {role: (usage[0] - cpu[role]) * per
                   for role, usage in _each(sides, "usage").items()}
-    row.components_us = {role: {k: v * per for k, v in seconds.items()}
-                         for role, seconds in _each(sides, "profile", False).items()}
     split_ok = [s for s in map(split, consumer.call("phases")) if s is not None]
     row.requests = len(split_ok)
     row.phases_us = {p: statistics.median(s[p] for s in split_ok) * 1e6 for p in PHASES}
+    _each(sides, "profile", True)
+    if not _run(plan, sides, route, slots, row, plan.warmup + n + 1, n):
+        return
+    row.components_us = {role: {k: v * per for k, v in seconds.items()}
+                         for role, seconds in _each(sides, "profile", False).items()}
+
+
+def _run(plan: PhasesPlan, sides: Mapping[str, Helper], route: tuple[str, int],
+         slots: tuple[list[int], list[int]], row: PhaseRow, first: int, count: int) -> bool:
+    """Requests ``first`` .. ``first + count - 1``, one at a time; False (``row.error`` set)
+    at the first that fails."""
+    for r in range(first, first + count):
+        outcome = _request(sides[PRODUCER], sides[CONSUMER], r, route, slots, plan.timeout)
+        if outcome != "done":
+            row.error = f"request {r}: {outcome}"
+            return False
+    return True
 
 
 def _cell(plan: PhasesPlan, row: PhaseRow, link: Link | None) -> None:

@@ -14,7 +14,6 @@ from p2pkv_nixl import wire
 from p2pkv_nixl.finality import Finality
 from p2pkv_nixl.peers import PeerTable
 from p2pkv_nixl.records import Peer, Read
-from p2pkv_nixl.runs import descs
 from p2pkv_nixl.state import NixlState, log
 
 __all__ = ["Reads"]
@@ -94,21 +93,20 @@ class Reads:
         self.descriptors_posted += len(coalesce(stage, remote, pool.slice_starts, peer.slices)[2])
 
     def _post_direct(self, read: Read, remote: Indexes) -> None:
-        """Make and post the READ into our slots, one descriptor per run of blocks consecutive
-        on both sides; ``TransferSubmitError`` if NIXL refuses, with nothing of it left able
+        """Make and post the READ into our slots from the prepared lists of both regions
+        (ours, and the peer's made by ``add_peer``): NIXL merges the blocks consecutive on
+        both sides within one slice into one descriptor, as :func:`p2pkv.runs.coalesce`
+        counts them. ``TransferSubmitError`` if NIXL refuses, with nothing of it left able
         to land."""
         state, peer = self._state, read.peer
-        agent, block_len = state.agent, state.block_len
-        local_starts, remote_starts, lengths = coalesce(read.local, remote, state.slices,
-                                                        peer.slices)
+        agent = state.agent
         try:
-            read.handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(descs(state.base, local_starts, lengths, block_len), "DRAM"),
-                agent.get_xfer_descs(descs(peer.base, remote_starts, lengths, block_len), "DRAM"),
-                peer.remote.name,
+            read.handle = agent.make_prepped_xfer(
+                "READ", state.local, read.local.astype(np.int32), peer.dlist,
+                remote.astype(np.int32),
             )
-            self.descriptors_posted += len(lengths)
+            self.descriptors_posted += len(coalesce(read.local, remote, state.slices,
+                                                    peer.slices)[2])
             xfer_state = agent.transfer(read.handle)
         except Exception as exc:
             state.note_failure(peer.remote, exc)

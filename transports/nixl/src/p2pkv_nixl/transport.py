@@ -201,7 +201,7 @@ class NixlDataTransport(DataTransport):
 
     @property
     def descriptors_posted(self) -> int:
-        """NIXL descriptors of our reads, by the :mod:`p2pkv_nixl.runs` rule (one per run of
+        """NIXL descriptors of our reads, by the :func:`p2pkv.runs.coalesce` rule (one per run of
         blocks consecutive on both sides and within one slice of each, so a contiguous read
         within one slice of each side counts 1): a direct read's READ as posted, a staged
         read's WRITE (posted by the producer) as its request asks for it, its source blocks

@@ -20,7 +20,8 @@ Telling a peer link "gone" goes over a PUSH of ours to that address when one exi
 a notice PUSH dialed for that one message (``LINGER`` ``_NOTICE_LINGER_MS``, then libzmq drops
 it). Notices are rate-limited (``_NOTICE_RATE`` per second, bursts of as many). A message that
 fails validation never makes us dial. Our own close sends "gone" on the connection's PUSH,
-which lingers as long to deliver it.
+which lingers as long to deliver it; a dial that never connected closes at once (its peer
+never saw it, and a flood of such dials would keep ``max_sockets`` full).
 
 ``p2pkv probe`` sends ``[link, "", "probe", nonce]`` (:mod:`p2pkv_zmq.probe_wire`): the hub
 answers ``identity`` over a notice PUSH to ``link``'s address (same rate limit), opens no
@@ -59,7 +60,7 @@ from p2pkv.errors import ConfigError, ConnectionClosed, ResourceUnavailable
 from p2pkv.logs import module_logger
 from p2pkv.ratelimit import LogLimiter, TokenBucket
 
-from p2pkv_zmq.connection import LinkLimits, PeerAddress, ZmqConnection
+from p2pkv_zmq.connection import DIALING, LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.dialing import DialFailed, DialFailures, resolve
 from p2pkv_zmq.identity import (
     MAX_LINK_ID_BYTES,
@@ -322,10 +323,14 @@ class ZmqHub:
         the peer on the connection's own PUSH (which lingers to deliver it); for a PUSH that
         can no longer reach the peer, callers tell its half with ``tell_gone`` instead.
         Without ``notify`` the PUSH closes at once (``LINGER`` 0), so offers it withdraws
-        are told "gone" by other ways (``pairing.tell_gone``), never queued on it."""
+        are told "gone" by other ways (``pairing.tell_gone``), never queued on it. A fresh
+        dial that never connected is never notified: its peer never saw it, and a lingering
+        socket to a black-holed address would hold one of ``max_sockets`` for nothing."""
         if conn.close_reason is not None:
             return
         conn.close_reason = reason
+        if conn.progress == DIALING and conn.remote_link is None:
+            notify = False
         now = time.monotonic()
         push, monitor = conn.out, conn.monitor
         if not notify:
