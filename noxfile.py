@@ -55,7 +55,7 @@ def lint(session: nox.Session) -> None:
 
 @venv_session
 def types(session: nox.Session) -> None:
-    """mypy as configured in the root pyproject.toml (strict on core)."""
+    """mypy as configured in the root pyproject.toml (strict on the packages and the tests)."""
     run(session, "mypy", *session.posargs)
 
 

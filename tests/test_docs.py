@@ -153,6 +153,7 @@ def test_the_cli_reference_has_every_command() -> None:
     text = cli_reference.render()
     parser = build_parser(default_registry())
     (commands,) = [a for a in parser._actions if a.dest == "command"]
+    assert commands.choices is not None
     for name in ["", *(f" {c}" for c in commands.choices)]:
         assert f"### `p2pkv{name}`\n\n```text\nusage: p2pkv{name}" in text, name
 
@@ -250,6 +251,7 @@ def test_every_install_extra_the_docs_name_exists() -> None:
             if dist not in dists:
                 continue  # a placeholder such as p2pkv[extra]
             declared = dists[dist].get("optional-dependencies", {})
+            assert isinstance(declared, dict)
             for extra in set(extras.split(",")) - {"extra"}:  # "extra": a placeholder
                 assert extra in declared, (
                     f"{path.relative_to(ROOT)}: {dist}[{extra}] is no extra of {dist}")

@@ -14,14 +14,14 @@ Type-checked by mypy (root pyproject.toml).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from child_python import RunPython, run_python
 from p2pkv.testing import harness
 from session_rig import Rig
 
@@ -42,31 +42,8 @@ def fixture_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def python_env(site: Path | None = None, **extra: str) -> dict[str, str]:
-    """The environment for a child interpreter: ``site`` on PYTHONPATH, P2PKV_* cleared."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PKV_")}
-    env.pop("PYTHONPATH", None)
-    if site is not None:
-        env["PYTHONPATH"] = str(site)
-    env.update(extra)
-    return env
-
-
-def run_python(
-    *args: str, site: Path | None = None, timeout: float = 60, **env: str
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args],
-        env=python_env(site, **env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.fixture(name="run_python")
-def run_python_fixture() -> Callable[..., subprocess.CompletedProcess[str]]:
+def run_python_fixture() -> RunPython:
     """:func:`run_python`, for tests (``--import-mode=importlib`` cannot import conftest)."""
     return run_python
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import p2pkv
 import pytest
+from child_python import RunPython
 from p2pkv import cli
 from p2pkv.registry import PluginFailure, Registry
 
@@ -18,27 +18,27 @@ CLI = ("-m", "p2pkv.cli")
 SCRIPT = Path(sys.executable).parent / "p2pkv"
 
 
-def test_version(run_python: Any) -> None:
+def test_version(run_python: RunPython) -> None:
     proc = run_python(*CLI, "--version")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"p2pkv {p2pkv.__version__}"
     assert p2pkv.__version__ != "0.0.0"
 
 
-def test_console_script_is_installed(run_python: Any) -> None:
+def test_console_script_is_installed(run_python: RunPython) -> None:
     if not SCRIPT.exists():
         pytest.skip("p2pkv console script not installed next to this interpreter")
     proc = run_python(str(SCRIPT), "--version")
     assert proc.returncode == 0 and proc.stdout.startswith("p2pkv "), proc.stderr
 
 
-def test_no_command_prints_help(run_python: Any) -> None:
+def test_no_command_prints_help(run_python: RunPython) -> None:
     proc = run_python(*CLI)
     assert proc.returncode == 2
     assert "plugins" in proc.stdout
 
 
-def test_plugins_json_lists_memory_transports(run_python: Any) -> None:
+def test_plugins_json_lists_memory_transports(run_python: RunPython) -> None:
     proc = run_python(*CLI, "plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -55,7 +55,7 @@ def test_plugins_json_lists_memory_transports(run_python: Any) -> None:
         assert row["install"] == f"pip install {row['distribution']}"
 
 
-def test_plugins_json_reports_missing_known_transports(run_python: Any) -> None:
+def test_plugins_json_reports_missing_known_transports(run_python: RunPython) -> None:
     proc = run_python(*CLI, "plugins", "--json", P2PKV_DISABLE_PLUGINS="memory")
     report = json.loads(proc.stdout)
     missing = {(r["kind"], r["name"]): r["install"] for r in report["not_installed"]}
@@ -63,7 +63,7 @@ def test_plugins_json_reports_missing_known_transports(run_python: Any) -> None:
     assert missing[("data", "memory")] == "pip install p2pkv-memory"
 
 
-def test_plugins_table(run_python: Any) -> None:
+def test_plugins_table(run_python: RunPython) -> None:
     proc = run_python(*CLI, "plugins", COLUMNS="200")
     assert proc.returncode == 0, proc.stderr
     memory_rows = [line for line in proc.stdout.splitlines() if " memory " in line]
@@ -71,7 +71,9 @@ def test_plugins_table(run_python: Any) -> None:
     assert all("p2pkv-memory" in line and "available" in line for line in memory_rows)
 
 
-def test_plugins_table_shows_failures_and_conflicts(fixture_site: Path, run_python: Any) -> None:
+def test_plugins_table_shows_failures_and_conflicts(
+    fixture_site: Path, run_python: RunPython
+) -> None:
     proc = run_python(*CLI, "plugins", site=fixture_site, COLUMNS="200")
     assert proc.returncode == 0, proc.stderr
     out = " ".join(proc.stdout.split())
@@ -83,7 +85,7 @@ def test_plugins_table_shows_failures_and_conflicts(fixture_site: Path, run_pyth
     assert "p2pkv-fixture-good" in out and "p2pkv-fixture-dup" in out
 
 
-def test_trace_hooks_shows_the_registration_hooks(run_python: Any) -> None:
+def test_trace_hooks_shows_the_registration_hooks(run_python: RunPython) -> None:
     cli = (str(SCRIPT),) if SCRIPT.exists() else CLI
     proc = run_python(*cli, "plugins", "--json", P2PKV_TRACE_HOOKS="1")
     assert proc.returncode == 0, proc.stderr
@@ -93,15 +95,15 @@ def test_trace_hooks_shows_the_registration_hooks(run_python: Any) -> None:
 
 
 def test_a_disabled_plugin_is_listed_and_named_by_errors(
-    fixture_site: Path, run_python: Any
+    fixture_site: Path, run_python: RunPython
 ) -> None:
-    disabled = {"P2PKV_DISABLE_PLUGINS": "fixture_shm", "COLUMNS": "200"}
-    proc = run_python(*CLI, "plugins", site=fixture_site, **disabled)
+    proc = run_python(*CLI, "plugins", site=fixture_site,
+                      P2PKV_DISABLE_PLUGINS="fixture_shm", COLUMNS="200")
     assert proc.returncode == 0, proc.stderr
     assert ("plugin fixture_shm (p2pkv-fixture-shm) not loaded: disabled by "
             "P2PKV_DISABLE_PLUGINS") in " ".join(proc.stdout.split())
     proc = run_python(*CLI, "demo", "--control", "memory", "--data", "fixture_shm",
-                      site=fixture_site, **disabled)
+                      site=fixture_site, P2PKV_DISABLE_PLUGINS="fixture_shm", COLUMNS="200")
     assert proc.returncode == 2
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("p2pkv demo:")]
     assert line.startswith("p2pkv demo: unknown data transport 'fixture_shm'")
@@ -130,20 +132,22 @@ def test_a_tool_command_with_p2pkv_tools_broken_names_its_failure(
                                        "ImportError: x); see 'p2pkv plugins'\n")
 
 
-def test_a_tool_command_with_p2pkv_tools_disabled_names_the_variable(run_python: Any) -> None:
+def test_a_tool_command_with_p2pkv_tools_disabled_names_the_variable(run_python: RunPython) -> None:
     proc = run_python(*CLI, "bench", "--quick", P2PKV_DISABLE_PLUGINS="tools")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("p2pkv bench: p2pkv-tools is installed but P2PKV_DISABLE_PLUGINS "
                            "blocks it; remove 'tools' from that variable\n")
 
 
-def test_unknown_arguments_of_an_installed_command_are_still_refused(run_python: Any) -> None:
+def test_unknown_arguments_of_an_installed_command_are_still_refused(run_python: RunPython) -> None:
     proc = run_python(*CLI, "plugins", "--bogus")
     assert proc.returncode == 2
     assert proc.stderr == "p2pkv: unrecognized arguments: --bogus (see 'p2pkv --help')\n"
 
 
-def test_doctor_runs_and_prints_the_plugins_checks(fixture_site: Path, run_python: Any) -> None:
+def test_doctor_runs_and_prints_the_plugins_checks(
+    fixture_site: Path, run_python: RunPython
+) -> None:
     proc = run_python(*CLI, "doctor", "--no-probe", "--config", '{"port": 0}',
                       site=fixture_site, COLUMNS="200")
     assert proc.returncode == 1, proc.stderr  # a plugin's check failed

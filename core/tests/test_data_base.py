@@ -112,7 +112,8 @@ def test_check_read_finds_a_repeat_in_a_long_read() -> None:
 
 def test_check_read_returns_fresh_int64_arrays() -> None:
     given = np.array([1, 2], np.uint32)
-    local, remote = check_read(given, [np.int16(3), 3], 8, 4)  # a remote block may repeat
+    # Numpy arrays and integers are indexes too (typed Sequence[int]); a remote block may repeat.
+    local, remote = check_read(given, [np.int16(3), 3], 8, 4)  # type: ignore[arg-type,list-item]
     assert local.dtype == remote.dtype == np.int64
     assert local.tolist() == [1, 2] and remote.tolist() == [3, 3]
     given[0] = 7

@@ -5,9 +5,11 @@ Each test is named after the defect and fails on the behaviour the reference des
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar, NoReturn
 
 import msgpack
 import pytest
@@ -27,13 +29,9 @@ from p2pkv.reference.data import MemoryDataTransport
 from p2pkv.reference.delegating import DelegatingDataTransport
 from p2pkv.reference.faults import Fault, FaultInjector
 from p2pkv.registry import Registry
+from p2pkv.testing import harness as h
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, LookupResult, Outcome, RequestContext
-
-
-@pytest.fixture
-def h(tier_harness: Any) -> Any:
-    return tier_harness
 
 
 class Recording(DelegatingDataTransport):
@@ -73,11 +71,11 @@ class Recording(DelegatingDataTransport):
         return super().close()
 
 
-def recording_node(cluster: Any, **data_options: Any) -> tuple[Any, Recording]:
+def recording_node(cluster: h.Cluster, **data_options: Any) -> tuple[Any, Recording]:
     node = cluster(data_options=data_options)
     rec = Recording(node.data)
     node.data = rec
-    node.tier._data = rec
+    node.tier._data = rec  # type: ignore[assignment]  # records, then delegates to the guard
     node.tier._env.data = rec
     return node, rec
 
@@ -85,12 +83,12 @@ def recording_node(cluster: Any, **data_options: Any) -> tuple[Any, Recording]:
 # 1 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_01_missing_transport_library_fails_fast_at_construction(h: Any) -> None:
+def test_defect_01_missing_transport_library_fails_fast_at_construction() -> None:
     class Missing(MemoryDataTransport):
         name: ClassVar[str] = "missing"
 
         @classmethod
-        def create(cls, settings: DataSettings) -> MemoryDataTransport:
+        def create(cls, settings: DataSettings) -> NoReturn:
             raise TransportUnavailable("missing", "p2pkv-missing", "libfoo not importable")
 
     class Plugin:
@@ -111,7 +109,7 @@ def test_defect_01_missing_transport_library_fails_fast_at_construction(h: Any) 
 # 2 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_02_a_refused_read_fails_both_sides_at_once(h: Any, cluster: Any) -> None:
+def test_defect_02_a_refused_read_fails_both_sides_at_once(cluster: h.Cluster) -> None:
     faults = FaultInjector(seed=2)
     p, c = cluster(faults=faults), cluster(faults=faults)
     try:
@@ -130,7 +128,7 @@ def test_defect_02_a_refused_read_fails_both_sides_at_once(h: Any, cluster: Any)
 # 3 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_03_store_timeout_then_finalize_reports_once(h: Any, cluster: Any) -> None:
+def test_defect_03_store_timeout_then_finalize_reports_once(cluster: h.Cluster) -> None:
     p, c = cluster(timeouts={"store": 20}), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
@@ -150,8 +148,8 @@ def test_defect_03_store_timeout_then_finalize_reports_once(h: Any, cluster: Any
 # 4 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_04_messages_before_the_handshake_close_that_session_only(h: Any,
-                                                                        cluster: Any) -> None:
+def test_defect_04_messages_before_the_handshake_close_that_session_only(
+        cluster: h.Cluster) -> None:
     p, good = cluster(), cluster()
     with h.RawPeer(p) as rogue:
         msgs = rogue.send(Fetch("r", 0, [b"a"]))  # before any hello
@@ -166,7 +164,7 @@ def test_defect_04_messages_before_the_handshake_close_that_session_only(h: Any,
     assert good.outcome(2) is Outcome.DONE
 
 
-def test_defect_04_a_second_hello_does_not_re_register_the_peer(h: Any, cluster: Any) -> None:
+def test_defect_04_a_second_hello_does_not_re_register_the_peer(cluster: h.Cluster) -> None:
     with h.RawPeer(cluster()) as peer:
         peer.send(peer.hello())
         msgs = peer.send(peer.hello())  # same incarnation again
@@ -176,7 +174,7 @@ def test_defect_04_a_second_hello_does_not_re_register_the_peer(h: Any, cluster:
 # 5 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_05_the_tier_runs_no_threads_of_its_own(h: Any, cluster: Any) -> None:
+def test_defect_05_the_tier_runs_no_threads_of_its_own(cluster: h.Cluster) -> None:
     before = set(threading.enumerate())
     p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
@@ -190,7 +188,7 @@ def test_defect_05_the_tier_runs_no_threads_of_its_own(h: Any, cluster: Any) -> 
 
 
 def test_defect_06_shutdown_never_closes_the_data_plane_under_a_live_read(
-        h: Any, cluster: Any) -> None:
+        cluster: h.Cluster) -> None:
     c, rec = recording_node(cluster, completion_polls=4)
     p = cluster()
     try:
@@ -209,7 +207,7 @@ def test_defect_06_shutdown_never_closes_the_data_plane_under_a_live_read(
 
 
 def test_defect_06_a_dead_peer_is_removed_only_after_its_reads_ended(
-        h: Any, cluster: Any) -> None:
+        cluster: h.Cluster) -> None:
     faults = FaultInjector(seed=6)
     c = cluster(faults=faults, data_options={"completion_polls": 3})
     rec = Recording(c.data.inner)
@@ -235,7 +233,7 @@ def test_defect_06_a_dead_peer_is_removed_only_after_its_reads_ended(
 # 7 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(h: Any, cluster: Any) -> None:
+def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(cluster: h.Cluster) -> None:
     a, b = cluster(), cluster()
     assert a.address != b.address and a.port and b.port  # port 0 -> read back what was bound
     cctx = b.consumer_ctx("r", a)
@@ -249,13 +247,13 @@ def test_defect_07_ports_are_bound_not_probed_and_time_is_injected(h: Any, clust
 # 8 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_08_a_hello_from_another_identity_is_rejected(h: Any, cluster: Any) -> None:
+def test_defect_08_a_hello_from_another_identity_is_rejected(cluster: h.Cluster) -> None:
     with h.RawPeer(cluster()) as peer:
         msgs = peer.send(peer.hello(address="0.0.0.0:5710"))
         assert isinstance(msgs[-1], Bye) and "not the connection's peer address" in msgs[-1].reason
 
 
-def test_defect_08_one_peer_is_one_session_in_both_directions(h: Any, cluster: Any) -> None:
+def test_defect_08_one_peer_is_one_session_in_both_directions(cluster: h.Cluster) -> None:
     a, b = cluster(), cluster()
     for src, dst, kv in ((a, b, "ab"), (b, a, "ba")):
         src.store(1 if kv == "ab" else 3, [kv.encode()], [0], src.producer_ctx(kv))
@@ -267,8 +265,7 @@ def test_defect_08_one_peer_is_one_session_in_both_directions(h: Any, cluster: A
 # 9 ----------------------------------------------------------------------------------------------
 
 
-def test_defect_09_a_load_of_a_finished_request_is_reported_not_dropped(h: Any,
-                                                                        cluster: Any) -> None:
+def test_defect_09_a_load_of_a_finished_request_is_reported_not_dropped(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     cctx = c.consumer_ctx("r", p)
     c.tier.on_new_request(cctx)
@@ -282,7 +279,7 @@ def test_defect_09_a_load_of_a_finished_request_is_reported_not_dropped(h: Any,
 # 10 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_10_several_loads_per_request_each_complete(h: Any, cluster: Any) -> None:
+def test_defect_10_several_loads_per_request_each_complete(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     ks = h.keys("r", 4)
@@ -299,7 +296,7 @@ def test_defect_10_several_loads_per_request_each_complete(h: Any, cluster: Any)
 # 11 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_11_terminal_empty_fetch_leaves_no_zombie(h: Any, cluster: Any) -> None:
+def test_defect_11_terminal_empty_fetch_leaves_no_zombie(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     for _ in range(2):  # the same id twice: the second must not be a "duplicate fetch"
         cctx = c.consumer_ctx("s", p, probe=True)
@@ -319,7 +316,7 @@ def test_defect_11_terminal_empty_fetch_leaves_no_zombie(h: Any, cluster: Any) -
 # 12 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(h: Any, cluster: Any) -> None:
+def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
@@ -336,7 +333,7 @@ def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(h: Any, cl
 
 
 def test_defect_13_producer_requests_store_every_block_including_prefix_hits(
-        h: Any, cluster: Any) -> None:
+        cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     assert p.tier.on_new_request(p.producer_ctx("r")) is True
     assert p.tier.on_new_request(c.consumer_ctx("q", p)) is False
@@ -351,19 +348,20 @@ def test_defect_13_producer_requests_store_every_block_including_prefix_hits(
 # 14 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_14_duplicate_keys_in_a_fetch_are_refused(h: Any, cluster: Any) -> None:
+def test_defect_14_duplicate_keys_in_a_fetch_are_refused(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     with pytest.raises(ValueError, match="duplicate keys"):
         c.tier.submit_load(Job(1, [b"a", b"a"], [0, 1], True, c.consumer_ctx("r", p)))
     with h.RawPeer(p) as peer:
         (hello, _) = peer.send(peer.hello())
+        assert isinstance(hello, Hello)
         msgs = peer.send(msgpack.packb({"type": "hello_ack", "epoch": hello.epoch}),
                          Fetch("r", 0, [b"a", b"a"]))
         assert isinstance(msgs[-1], Bye) and "duplicate key" in msgs[-1].reason
 
 
 def test_defect_14_a_failing_completion_check_fails_the_transfer_promptly(
-        h: Any, cluster: Any) -> None:
+        cluster: h.Cluster) -> None:
     faults = FaultInjector(seed=14)
     p, c = cluster(faults=faults), cluster(faults=faults)
     try:
@@ -380,8 +378,7 @@ def test_defect_14_a_failing_completion_check_fails_the_transfer_promptly(
 # 15 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_15_a_dead_connection_is_closed_and_the_peer_redialled(h: Any,
-                                                                     cluster: Any) -> None:
+def test_defect_15_a_dead_connection_is_closed_and_the_peer_redialled(cluster: h.Cluster) -> None:
     faults = FaultInjector(seed=15)
     p, c = cluster(faults=faults), cluster(faults=faults)
     try:
@@ -405,8 +402,7 @@ def test_defect_15_a_dead_connection_is_closed_and_the_peer_redialled(h: Any,
 # 16 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_16_finishing_a_symmetric_consumer_cancels_its_probes(h: Any,
-                                                                    cluster: Any) -> None:
+def test_defect_16_finishing_a_symmetric_consumer_cancels_its_probes(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     cctx = c.consumer_ctx("s", p, probe=True)
     c.tier.on_new_request(cctx)
@@ -421,7 +417,7 @@ def test_defect_16_finishing_a_symmetric_consumer_cancels_its_probes(h: Any,
 # 17 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, cluster: Any) -> None:
+def test_defect_17_prefiller_first_requests_leave_no_binding(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster()
     for i in range(40):
         kv = f"r{i}"
@@ -431,7 +427,7 @@ def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, cluster: An
         p.store(2 * i, [kv.encode()], [i % 8], pctx)
         p.tier.on_request_finished(pctx)  # the prefill is over before the decode fetches
         c.load(2 * i + 1, [kv.encode()], [i % 8], cctx)
-        h.pump_until([p, c], lambda i=i: 2 * i + 1 in c.results)
+        h.pump_until([p, c], partial(operator.contains, c.results, 2 * i + 1))
         c.tier.on_request_finished(cctx)
     h.pump([p, c], 3)
     assert p.tier.state_sizes()["bindings"] == 0
@@ -441,8 +437,7 @@ def test_defect_17_prefiller_first_requests_leave_no_binding(h: Any, cluster: An
 # 18 ---------------------------------------------------------------------------------------------
 
 
-def test_defect_18_an_idle_tier_asks_for_no_ticks_and_polls_nothing(h: Any,
-                                                                     cluster: Any) -> None:
+def test_defect_18_an_idle_tier_asks_for_no_ticks_and_polls_nothing(cluster: h.Cluster) -> None:
     c, rec = recording_node(cluster)
     p = cluster()
     try:

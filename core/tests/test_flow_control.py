@@ -5,23 +5,18 @@ is a request conflict at once (docs/configuration.md, "Flow control")."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 from p2pkv.reference.control import MemoryControlTransport
+from p2pkv.reference.data import MemoryDataTransport
 from p2pkv.session.outbox import Outbox, OutboxOverflow
 from p2pkv.session.pause import PauseDetector
 from p2pkv.session.window import LoadWindow
+from p2pkv.testing import harness as h
 from p2pkv.types import Outcome
 
 
-@pytest.fixture
-def h(tier_harness: Any) -> Any:
-    return tier_harness
-
-
-def _pd_burst(h: Any, p: Any, c: Any, count: int, nblocks: int, first_job: int = 0,
+def _pd_burst(p: h.Node, c: h.Node, count: int, nblocks: int, first_job: int = 0,
               tag: str = "b", dst_base: int = 0) -> dict[int, tuple[list[int], list[int]]]:
     """Stage ``count`` PD requests on ``p`` (stored) and submit all their loads on ``c`` at
     once; returns load job id -> (producer slots, consumer slots)."""
@@ -41,7 +36,7 @@ def _pd_burst(h: Any, p: Any, c: Any, count: int, nblocks: int, first_job: int =
     return jobs
 
 
-def _assert_all_done(p: Any, c: Any, jobs: dict[int, tuple[list[int], list[int]]],
+def _assert_all_done(p: h.Node, c: h.Node, jobs: dict[int, tuple[list[int], list[int]]],
                      tag: str = "b", first_job: int = 0) -> None:
     """Every load done and byte-exact; then both sides finish the requests."""
     failed = {j: c.results[j] for j in jobs if c.outcome(j) is not Outcome.DONE}
@@ -55,12 +50,12 @@ def _assert_all_done(p: Any, c: Any, jobs: dict[int, tuple[list[int], list[int]]
 
 
 def test_a_burst_beyond_the_window_and_the_send_queue_waits_and_all_succeed(
-    h: Any, cluster: Any
+    cluster: h.Cluster
 ) -> None:
     opts = {"control_options": {"max_queued_frames": 4}, "num_blocks": 1200,
             "flow": {"window_rounds": 40, "window_blocks": 400}}
     p, c = cluster(**opts), cluster(**opts)
-    jobs = _pd_burst(h, p, c, 300, 4)
+    jobs = _pd_burst(p, c, 300, 4)
     h.pump_until([p, c], lambda: all(j in c.results for j in jobs), rounds=2000)
     _assert_all_done(p, c, jobs)
     stats = c.tier.stats()
@@ -70,25 +65,25 @@ def test_a_burst_beyond_the_window_and_the_send_queue_waits_and_all_succeed(
     h.assert_clean(c)
 
 
-def test_a_window_limited_transport_posts_reads_as_room_frees(h: Any, cluster: Any) -> None:
+def test_a_window_limited_transport_posts_reads_as_room_frees(cluster: h.Cluster) -> None:
     """Reads that do not fit the data transport's capacity now wait in the tier; a ready
     larger than the capacity is cut into reads that fit."""
     data = {"read_capacity": 6, "completion_polls": 2}
     p = cluster(num_blocks=512)
     c = cluster(num_blocks=512, data_options=data)
-    jobs = _pd_burst(h, p, c, 40, 9)
+    jobs = _pd_burst(p, c, 40, 9)
     h.pump_until([p, c], lambda: all(j in c.results for j in jobs), rounds=3000)
     _assert_all_done(p, c, jobs)
     h.pump([p, c], 10)
     h.assert_clean(c)
 
 
-def test_one_producers_burst_never_fails_another_producers_loads(h: Any, cluster: Any) -> None:
+def test_one_producers_burst_never_fails_another_producers_loads(cluster: h.Cluster) -> None:
     data = {"read_capacity": 8, "completion_polls": 3}
     busy, calm = cluster(num_blocks=1024), cluster(num_blocks=64)
     c = cluster(num_blocks=1024, data_options=data)
-    burst = _pd_burst(h, busy, c, 200, 4, tag="burst")
-    quiet = _pd_burst(h, calm, c, 10, 4, first_job=10_000, tag="calm", dst_base=800)
+    burst = _pd_burst(busy, c, 200, 4, tag="burst")
+    quiet = _pd_burst(calm, c, 10, 4, first_job=10_000, tag="calm", dst_base=800)
     h.pump_until([busy, calm, c], lambda: all(j in c.results for j in quiet), rounds=3000)
     _assert_all_done(calm, c, quiet, "calm", 10_000)
     assert sum(j in c.results for j in burst) < len(burst)  # the burst was still going
@@ -96,7 +91,7 @@ def test_one_producers_burst_never_fails_another_producers_loads(h: Any, cluster
     _assert_all_done(busy, c, burst, "burst")
 
 
-def test_a_load_that_waited_out_its_deadline_in_the_queue_says_so(h: Any, cluster: Any) -> None:
+def test_a_load_that_waited_out_its_deadline_in_the_queue_says_so(cluster: h.Cluster) -> None:
     p = cluster(flow={"window_rounds": 1, "window_blocks": 64}, timeouts={"load": 5.0})
     c = cluster(flow={"window_rounds": 1, "window_blocks": 64}, timeouts={"load": 5.0})
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
@@ -111,7 +106,7 @@ def test_a_load_that_waited_out_its_deadline_in_the_queue_says_so(h: Any, cluste
     assert "flow.window_rounds=1" in c.results[2].detail
 
 
-def test_pd_loads_overtake_waiting_prefix_pulls(h: Any, cluster: Any) -> None:
+def test_pd_loads_overtake_waiting_prefix_pulls(cluster: h.Cluster) -> None:
     opts = {"flow": {"window_rounds": 1, "window_blocks": 64}, "num_blocks": 64}
     p, c = cluster(**opts), cluster(**opts)
     order: list[int] = []
@@ -137,7 +132,7 @@ def test_pd_loads_overtake_waiting_prefix_pulls(h: Any, cluster: Any) -> None:
 
 
 def test_a_load_of_keys_whose_result_was_not_taken_yet_conflicts_at_once(
-    h: Any, cluster: Any
+    cluster: h.Cluster
 ) -> None:
     p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
@@ -188,7 +183,8 @@ class _Conn:
     """A control connection whose send queue holds ``room`` frames until drained."""
 
     def __init__(self, room: int) -> None:
-        self.room, self.sent = room, []
+        self.room = room
+        self.sent: list[bytes] = []
 
     def send(self, frame: bytes) -> None:
         from p2pkv.errors import SendQueueFull
@@ -234,11 +230,11 @@ class _SilentMemoryControl(MemoryControlTransport):
         return 2.0
 
 
-def test_a_resumed_consumer_ends_its_pre_pause_loads_at_once(h: Any) -> None:
+def test_a_resumed_consumer_ends_its_pre_pause_loads_at_once() -> None:
     from p2pkv.testing.tier_machine import FakeClock, TierNode
 
     clock = FakeClock()
-    made = [TierNode(clock, control=_SilentMemoryControl, data=h.MemoryDataTransport,
+    made = [TierNode(clock, control=_SilentMemoryControl, data=MemoryDataTransport,
                      registry=h.REGISTRY, seed=i) for i in range(2)]
     p, c = made
     try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from child_python import RunPython
 
 HEAVY = ("zmq", "nixl", "nixl_cu12", "ucxx", "ucp")
 
@@ -30,7 +30,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy)))
         "from p2pkv.registry import Registry; Registry.load()",
     ],
 )
-def test_no_transport_library_is_imported(imports: str, run_python: Any) -> None:
+def test_no_transport_library_is_imported(imports: str, run_python: RunPython) -> None:
     proc = run_python("-c", PROBE.format(imports=imports, heavy=HEAVY))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
@@ -45,7 +45,7 @@ def test_no_transport_library_is_imported(imports: str, run_python: Any) -> None
         "from p2pkv.registry import Registry; Registry.load()",
     ],
 )
-def test_rich_is_not_imported(imports: str, run_python: Any) -> None:
+def test_rich_is_not_imported(imports: str, run_python: RunPython) -> None:
     proc = run_python("-c", PROBE.format(imports=imports, heavy=("rich",)))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
@@ -66,7 +66,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_console_script_without_rich_names_the_extra(run_python: Any) -> None:
+def test_console_script_without_rich_names_the_extra(run_python: RunPython) -> None:
     script = Path(sys.executable).parent / "p2pkv"
     if not script.exists():
         pytest.skip("p2pkv console script not installed next to this interpreter")

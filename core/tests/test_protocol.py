@@ -126,11 +126,12 @@ def test_message_type_names() -> None:
 
 
 def _frame(kind: str, **fields: Any) -> bytes:
-    return msgpack.packb({"type": kind, **fields}, use_bin_type=True)
+    frame: bytes = msgpack.packb({"type": kind, **fields}, use_bin_type=True)
+    return frame
 
 
 def _valid(kind: str) -> dict[str, Any]:
-    return {
+    valid: dict[str, dict[str, Any]] = {
         "hello": {"wire": [WIRE_MAJOR, WIRE_MINOR], "epoch": 1, "address": "h:1",
                   "descriptor": b"d", "num_blocks": 4, "block_len": 8, "fingerprint": "",
                   "hash_seed": ""},
@@ -142,7 +143,8 @@ def _valid(kind: str) -> dict[str, Any]:
         "lookup": {"seq": 0, "kv_request_id": "r", "keys": [b"k"]},
         "lookup_resp": {"seq": 0, "hits": [True]},
         "bye": {"reason": "x"},
-    }[kind]
+    }
+    return valid[kind]
 
 
 @pytest.mark.parametrize("kind", ["hello", "hello_ack", "fetch", "ready", "release",

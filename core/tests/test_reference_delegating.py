@@ -32,9 +32,9 @@ def test_every_member_of_the_contract_is_forwarded(contract: type, wrapper: type
 
 def test_a_delegating_data_transport_moves_the_inner_transports_bytes() -> None:
     region, source_region = np.zeros(4 * 16, np.uint8), np.arange(4 * 16, dtype=np.uint8)
-    inner = MemoryDataTransport.create(DataSettings(memoryview(region), 16))
+    inner = MemoryDataTransport.create(DataSettings(region.data, 16))
     with DelegatingDataTransport(inner) as ours, \
-            MemoryDataTransport.create(DataSettings(memoryview(source_region), 16)) as peer:
+            MemoryDataTransport.create(DataSettings(source_region.data, 16)) as peer:
         assert (ours.num_blocks, ours.block_len) == (4, 16)
         assert ours.capabilities == MemoryDataTransport.capabilities
         ours.add_peer("p", peer.descriptor())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,8 +24,12 @@ def faults() -> FaultInjector:
     return FaultInjector(seed=1234)
 
 
+Controls = tuple[FaultyControlTransport, MemoryControlTransport]
+"""The ``controls`` fixture: a fault-injected transport and a plain one."""
+
+
 @pytest.fixture
-def controls(faults: FaultInjector) -> Iterator[tuple[FaultyControlTransport, Any]]:
+def controls(faults: FaultInjector) -> Iterator[Controls]:
     a = faults.control(MemoryControlTransport.create(ControlSettings("127.0.0.1", 0)))
     b = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
     yield a, b
@@ -34,7 +37,9 @@ def controls(faults: FaultInjector) -> Iterator[tuple[FaultyControlTransport, An
     b.close()
 
 
-def link(a: FaultyControlTransport, b: Any) -> tuple[ControlConnection, ControlConnection]:
+def link(
+    a: FaultyControlTransport, b: MemoryControlTransport
+) -> tuple[ControlConnection, ControlConnection]:
     conn = a.connect(b.local_address)
     conn.send(b"hello")
     (peer,) = b.poll()
@@ -42,12 +47,12 @@ def link(a: FaultyControlTransport, b: Any) -> tuple[ControlConnection, ControlC
     return conn, peer
 
 
-def deliver(b: Any, peer: ControlConnection) -> list[bytes]:
+def deliver(b: MemoryControlTransport, peer: ControlConnection) -> list[bytes]:
     b.poll()
     return list(peer.recv())
 
 
-def test_no_rule_no_fault(controls: Any) -> None:
+def test_no_rule_no_fault(controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     for i in range(5):
@@ -56,7 +61,7 @@ def test_no_rule_no_fault(controls: Any) -> None:
     assert a.capabilities == b.capabilities and conn.alive
 
 
-def test_drop_next_frame_only(faults: FaultInjector, controls: Any) -> None:
+def test_drop_next_frame_only(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     rule = faults.arm(Fault.DROP, peer=b.local_address, count=1)
@@ -66,7 +71,7 @@ def test_drop_next_frame_only(faults: FaultInjector, controls: Any) -> None:
     assert rule.fired == 1
 
 
-def test_rule_for_another_peer_does_not_fire(faults: FaultInjector, controls: Any) -> None:
+def test_rule_for_another_peer_does_not_fire(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     rule = faults.arm(Fault.DROP, peer="10.0.0.1:1")
@@ -75,7 +80,7 @@ def test_rule_for_another_peer_does_not_fire(faults: FaultInjector, controls: An
     assert rule.fired == 0
 
 
-def test_delay_holds_for_n_polls(faults: FaultInjector, controls: Any) -> None:
+def test_delay_holds_for_n_polls(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.arm(Fault.DELAY, count=1, polls=2)
@@ -88,7 +93,7 @@ def test_delay_holds_for_n_polls(faults: FaultInjector, controls: Any) -> None:
     assert deliver(b, peer) == [b"late"]
 
 
-def test_duplicate(faults: FaultInjector, controls: Any) -> None:
+def test_duplicate(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.arm(Fault.DUPLICATE, count=1)
@@ -97,7 +102,7 @@ def test_duplicate(faults: FaultInjector, controls: Any) -> None:
     assert deliver(b, peer) == [b"x", b"x", b"y"]
 
 
-def test_reorder_swaps_with_next_frame(faults: FaultInjector, controls: Any) -> None:
+def test_reorder_swaps_with_next_frame(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.arm(Fault.REORDER, count=1)
@@ -107,7 +112,7 @@ def test_reorder_swaps_with_next_frame(faults: FaultInjector, controls: Any) -> 
     assert deliver(b, peer) == [b"2", b"1", b"3"]
 
 
-def test_reordered_frame_is_released_by_poll(faults: FaultInjector, controls: Any) -> None:
+def test_reordered_frame_is_released_by_poll(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.arm(Fault.REORDER, count=1)
@@ -117,7 +122,7 @@ def test_reordered_frame_is_released_by_poll(faults: FaultInjector, controls: An
     assert deliver(b, peer) == [b"only"]
 
 
-def test_kill_rule_kills_both_ends(faults: FaultInjector, controls: Any) -> None:
+def test_kill_rule_kills_both_ends(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.arm(Fault.KILL, count=1)
@@ -130,7 +135,7 @@ def test_kill_rule_kills_both_ends(faults: FaultInjector, controls: Any) -> None
         conn.send(b"y")
 
 
-def test_kill_now(faults: FaultInjector, controls: Any) -> None:
+def test_kill_now(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.kill(conn)
@@ -141,12 +146,12 @@ def test_kill_now(faults: FaultInjector, controls: Any) -> None:
         faults.kill(peer)
 
 
-def test_connect_returns_the_same_wrapper(controls: Any) -> None:
+def test_connect_returns_the_same_wrapper(controls: Controls) -> None:
     a, b = controls
     assert a.connect(b.local_address) is a.connect(b.local_address)
 
 
-def test_partition_kills_and_blocks_until_healed(faults: FaultInjector, controls: Any) -> None:
+def test_partition_kills_and_blocks_until_healed(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     faults.partition(a.local_address, b.local_address)
@@ -199,7 +204,7 @@ def test_arm_validates(faults: FaultInjector) -> None:
         faults.arm(Fault.DELAY, polls=0)
 
 
-def test_disarm(faults: FaultInjector, controls: Any) -> None:
+def test_disarm(faults: FaultInjector, controls: Controls) -> None:
     a, b = controls
     conn, peer = link(a, b)
     rule = faults.arm(Fault.DROP)
@@ -220,22 +225,26 @@ def test_wrappers_cannot_be_created_from_settings() -> None:
 # -- data faults -----------------------------------------------------------------------------
 
 
+Datas = tuple[FaultyDataTransport, MemoryDataTransport, np.ndarray]
+"""The ``datas`` fixture: (wrapped consumer, producer, the consumer's buffer)."""
+
+
 @pytest.fixture
-def datas(faults: FaultInjector) -> Iterator[tuple[FaultyDataTransport, Any, np.ndarray]]:
+def datas(faults: FaultInjector) -> Iterator[Datas]:
     """(wrapped consumer "dst", producer, consumer's buffer); the consumer reads from "src"."""
     src_buf = np.arange(4 * BLOCK, dtype=np.uint8)
     dst_buf = np.zeros(4 * BLOCK, dtype=np.uint8)
     dst = faults.data(
-        MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK)), local="dst"
+        MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK)), local="dst"
     )
-    src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
+    src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
     dst.add_peer("src", src.descriptor())
     yield dst, src, dst_buf
     dst.close()
     src.close()
 
 
-def test_data_wrapper_delegates(datas: Any) -> None:
+def test_data_wrapper_delegates(datas: Datas) -> None:
     dst, src, dst_buf = datas
     assert (dst.num_blocks, dst.block_len) == (4, BLOCK)
     assert dst.capabilities == src.capabilities
@@ -246,7 +255,7 @@ def test_data_wrapper_delegates(datas: Any) -> None:
     assert dst_buf[2 * BLOCK] == BLOCK
 
 
-def test_fail_submit_posts_nothing(faults: FaultInjector, datas: Any) -> None:
+def test_fail_submit_posts_nothing(faults: FaultInjector, datas: Datas) -> None:
     dst, _src, dst_buf = datas
     faults.arm(Fault.FAIL_SUBMIT, peer="src", count=1)
     with pytest.raises(TransferSubmitError, match="injected"):
@@ -256,7 +265,7 @@ def test_fail_submit_posts_nothing(faults: FaultInjector, datas: Any) -> None:
     dst.read_blocks("src", [1], [1])  # count used up
 
 
-def test_fail_completion(faults: FaultInjector, datas: Any) -> None:
+def test_fail_completion(faults: FaultInjector, datas: Datas) -> None:
     dst, *_ = datas
     faults.arm(Fault.FAIL_COMPLETION, peer="src", count=1)
     first = dst.read_blocks("src", [0], [0])
@@ -265,7 +274,7 @@ def test_fail_completion(faults: FaultInjector, datas: Any) -> None:
     assert (list(result.done), list(result.failed)) == ([second], [first])
 
 
-def test_data_partition(faults: FaultInjector, datas: Any) -> None:
+def test_data_partition(faults: FaultInjector, datas: Datas) -> None:
     dst, *_ = datas
     in_flight = dst.read_blocks("src", [0], [0])
     faults.partition("dst", "src")
@@ -280,8 +289,8 @@ def test_data_partition(faults: FaultInjector, datas: Any) -> None:
 def test_cancel_remove_peer_readd_and_close_are_final(faults: FaultInjector) -> None:
     src_buf, dst_buf = np.arange(4 * BLOCK, dtype=np.uint8), np.zeros(4 * BLOCK, np.uint8)
     opts = {"completion_polls": 2}
-    dst = faults.data(MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK, opts)))
-    src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
+    dst = faults.data(MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK, opts)))
+    src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
     dst.add_peer("src", src.descriptor())
     faults.arm(Fault.FAIL_COMPLETION)  # would turn any late report into a failure: none comes
     t1 = dst.read_blocks("src", [0], [0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,9 +13,12 @@ from p2pkv.control_base import OVERSIZED
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.reference import MemoryControlTransport
 
+MakeControl = Callable[..., MemoryControlTransport]
+"""The ``make`` fixture: ``make(host, port, **options)``, closed after the test."""
+
 
 @pytest.fixture
-def make() -> Iterator[Any]:
+def make() -> Iterator[MakeControl]:
     made: list[MemoryControlTransport] = []
 
     def make(host: str = "127.0.0.1", port: int = 0, **kw: Any) -> MemoryControlTransport:
@@ -45,25 +48,25 @@ def accept_one(
     return conn
 
 
-def test_port_zero_gets_unique_addresses(make: Any) -> None:
+def test_port_zero_gets_unique_addresses(make: MakeControl) -> None:
     a, b = make(), make()
     assert a.local_address != b.local_address
     assert a.local_address.startswith("127.0.0.1:")
 
 
-def test_explicit_port_and_ipv6_formatting(make: Any) -> None:
+def test_explicit_port_and_ipv6_formatting(make: MakeControl) -> None:
     assert make("::1", 40001).local_address == "[::1]:40001"
     assert make("localhost", 40001).local_address == "localhost:40001"
 
 
-def test_address_in_use_is_refused(make: Any) -> None:
+def test_address_in_use_is_refused(make: MakeControl) -> None:
     name = f"mem://{uuid.uuid4().hex}"
     make(name)
     with pytest.raises(ConfigError, match="already in use"):
         make(name)
 
 
-def test_closed_transport_frees_its_address(make: Any) -> None:
+def test_closed_transport_frees_its_address(make: MakeControl) -> None:
     name = f"mem://{uuid.uuid4().hex}"
     make(name).close()
     assert make(name).local_address == name
@@ -79,18 +82,18 @@ def test_closed_transport_frees_its_address(make: Any) -> None:
         ({"connect_timeout": -1.0}, "connect_timeout"),
     ],
 )
-def test_bad_options_name_the_key(make: Any, options: dict[str, Any], key: str) -> None:
+def test_bad_options_name_the_key(make: MakeControl, options: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         make(**options)
 
 
 @pytest.mark.parametrize("address", ["nocolon", "host:notaport", "host:70000", "mem://"])
-def test_connect_to_malformed_address(make: Any, address: str) -> None:
+def test_connect_to_malformed_address(make: MakeControl, address: str) -> None:
     with pytest.raises(ConfigError):
         make().connect(address)
 
 
-def test_frames_arrive_in_order_and_inbound_is_accepted_once_with_frames(make: Any) -> None:
+def test_frames_arrive_in_order_and_inbound_is_accepted_once_with_frames(make: MakeControl) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
     frames = [f"frame-{i}".encode() for i in range(100)]
@@ -105,7 +108,7 @@ def test_frames_arrive_in_order_and_inbound_is_accepted_once_with_frames(make: A
     assert list(conn.recv()) == [b"reply"]
 
 
-def test_recv_returns_only_what_poll_moved(make: Any) -> None:
+def test_recv_returns_only_what_poll_moved(make: MakeControl) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
     conn.send(b"a")
@@ -118,12 +121,12 @@ def test_recv_returns_only_what_poll_moved(make: Any) -> None:
     assert list(peer.recv()) == []
 
 
-def test_connect_returns_the_live_connection(make: Any) -> None:
+def test_connect_returns_the_live_connection(make: MakeControl) -> None:
     a, b = make(), make()
     assert a.connect(b.local_address) is a.connect(b.local_address)
 
 
-def test_connect_returns_unpolled_inbound_and_poll_then_skips_it(make: Any) -> None:
+def test_connect_returns_unpolled_inbound_and_poll_then_skips_it(make: MakeControl) -> None:
     a, b = make(), make()
     a.connect(b.local_address).send(b"hello")
     back = b.connect(a.local_address)
@@ -134,7 +137,7 @@ def test_connect_returns_unpolled_inbound_and_poll_then_skips_it(make: Any) -> N
     assert list(a.connect(b.local_address).recv()) == [b"hi"]
 
 
-def test_simultaneous_dial_gives_one_connection_per_side(make: Any) -> None:
+def test_simultaneous_dial_gives_one_connection_per_side(make: MakeControl) -> None:
     a, b = make(), make()
     ab = a.connect(b.local_address)
     ba = b.connect(a.local_address)
@@ -145,7 +148,7 @@ def test_simultaneous_dial_gives_one_connection_per_side(make: Any) -> None:
     assert list(ab.recv()) == [b"from b"]
 
 
-def test_dial_before_listen_attaches_later(make: Any) -> None:
+def test_dial_before_listen_attaches_later(make: MakeControl) -> None:
     name = f"mem://{uuid.uuid4().hex}"
     a = make()
     conn = a.connect(name)
@@ -158,7 +161,7 @@ def test_dial_before_listen_attaches_later(make: Any) -> None:
     assert list(peer.recv()) == [b"early"]
 
 
-def test_dial_to_nobody_dies_after_connect_timeout(make: Any) -> None:
+def test_dial_to_nobody_dies_after_connect_timeout(make: MakeControl) -> None:
     a = make(connect_timeout=0.01)
     conn = a.connect(f"mem://{uuid.uuid4().hex}")
     for _ in range(1000):
@@ -170,7 +173,7 @@ def test_dial_to_nobody_dies_after_connect_timeout(make: Any) -> None:
         conn.send(b"x")
 
 
-def test_close_is_seen_by_peer_after_pending_frames(make: Any) -> None:
+def test_close_is_seen_by_peer_after_pending_frames(make: MakeControl) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
     peer = accept_one(b, conn)
@@ -189,7 +192,7 @@ def test_close_is_seen_by_peer_after_pending_frames(make: Any) -> None:
         peer.send(b"x")
 
 
-def test_transport_close_kills_connections_on_both_sides(make: Any) -> None:
+def test_transport_close_kills_connections_on_both_sides(make: MakeControl) -> None:
     a, b = make(), make()
     conn = a.connect(b.local_address)
     peer = accept_one(b, conn)
@@ -201,7 +204,7 @@ def test_transport_close_kills_connections_on_both_sides(make: Any) -> None:
     assert b.poll() == []
 
 
-def test_reconnect_after_close_replaces_dead_connection(make: Any) -> None:
+def test_reconnect_after_close_replaces_dead_connection(make: MakeControl) -> None:
     a, b = make(), make()
     old = a.connect(b.local_address)
     old_peer = accept_one(b, old)
@@ -215,13 +218,13 @@ def test_reconnect_after_close_replaces_dead_connection(make: Any) -> None:
     assert list(fresh.recv()) == [b"again"]
 
 
-def test_oversized_frame_is_refused_before_sending(make: Any) -> None:
+def test_oversized_frame_is_refused_before_sending(make: MakeControl) -> None:
     a, b = make(max_frame_bytes=8), make()
     with pytest.raises(FrameTooLarge, match="max_frame_bytes"):
         a.connect(b.local_address).send(b"123456789")
 
 
-def test_frame_above_receiver_cap_kills_connection(make: Any) -> None:
+def test_frame_above_receiver_cap_kills_connection(make: MakeControl) -> None:
     a, b = make(), make(max_frame_bytes=4)
     conn = a.connect(b.local_address)
     conn.send(b"too long")
@@ -232,7 +235,7 @@ def test_frame_above_receiver_cap_kills_connection(make: Any) -> None:
     assert not conn.alive
 
 
-def test_bounded_queue(make: Any) -> None:
+def test_bounded_queue(make: MakeControl) -> None:
     a, b = make(max_queued_frames=2), make()
     conn = a.connect(b.local_address)
     conn.send(b"1")
@@ -245,27 +248,27 @@ def test_bounded_queue(make: Any) -> None:
     assert list(peer.recv()) == [b"1", b"2", b"3"]
 
 
-def test_send_copies_the_frame(make: Any) -> None:
+def test_send_copies_the_frame(make: MakeControl) -> None:
     a, b = make(), make()
     buf = bytearray(b"abc")
-    a.connect(b.local_address).send(buf)
+    a.connect(b.local_address).send(buf)  # type: ignore[arg-type]  # a mutable buffer, on purpose
     buf[:] = b"xyz"
     assert list(accept_one(b).recv()) == [b"abc"]
 
 
-def test_poll_timeout_returns_when_nothing_happens(make: Any) -> None:
+def test_poll_timeout_returns_when_nothing_happens(make: MakeControl) -> None:
     a = make()
     assert a.poll(0.01) == []
 
 
-def test_cannot_connect_to_itself(make: Any) -> None:
+def test_cannot_connect_to_itself(make: MakeControl) -> None:
     a = make()
     with pytest.raises(ConfigError):
         a.connect(a.local_address)
 
 
 @pytest.mark.timeout(60)
-def test_interrupt_ends_a_waiting_poll_from_another_thread(make: Any) -> None:
+def test_interrupt_ends_a_waiting_poll_from_another_thread(make: MakeControl) -> None:
     t = make()
     t.interrupt()  # before a poll: that poll ends at once
     assert t.poll(120.0) == []

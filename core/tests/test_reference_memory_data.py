@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -23,14 +23,18 @@ def region(num_blocks: int, block_len: int = BLOCK, fill: int | None = None) -> 
     return np.full(num_blocks * block_len, fill, dtype=np.uint8)
 
 
+MakeData = Callable[..., MemoryDataTransport]
+"""The ``make`` fixture: ``make(buf, block_len, **options)``, closed after the test."""
+
+
 @pytest.fixture
-def make() -> Iterator[Any]:
+def make() -> Iterator[MakeData]:
     made: list[MemoryDataTransport] = []
 
     def make(
         buf: np.ndarray, block_len: int = BLOCK, **options: Any
     ) -> MemoryDataTransport:
-        t = MemoryDataTransport.create(DataSettings(memoryview(buf), block_len, options))
+        t = MemoryDataTransport.create(DataSettings(buf.data, block_len, options))
         made.append(t)
         return t
 
@@ -39,7 +43,8 @@ def make() -> Iterator[Any]:
         t.close()
 
 
-def pair(make: Any, **options: Any) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+def pair(make: MakeData, **options: Any) -> tuple[MemoryDataTransport, MemoryDataTransport,
+                                                 np.ndarray, np.ndarray]:
     """(consumer, producer, consumer's buffer (12 zero blocks), producer's buffer (8 blocks))."""
     src_buf, dst_buf = region(8), region(12, fill=0)
     src, dst = make(src_buf), make(dst_buf, **options)
@@ -51,7 +56,7 @@ def blocks(buf: np.ndarray) -> np.ndarray:
     return buf.reshape(-1, BLOCK)
 
 
-def test_shape_and_capabilities(make: Any) -> None:
+def test_shape_and_capabilities(make: MakeData) -> None:
     t = make(region(8))
     assert (t.num_blocks, t.block_len) == (8, BLOCK)
     caps = t.capabilities
@@ -59,7 +64,7 @@ def test_shape_and_capabilities(make: Any) -> None:
     assert t.kind == "data" and t.name == "memory"
 
 
-def test_reads_land_byte_exactly_at_scattered_local_indexes(make: Any) -> None:
+def test_reads_land_byte_exactly_at_scattered_local_indexes(make: MakeData) -> None:
     dst, _src, dst_buf, src_buf = pair(make)
     before = src_buf.copy()
     tid = dst.read_blocks("src", [11, 3, 7], [0, 5, 2])
@@ -79,8 +84,8 @@ def test_reads_land_byte_exactly_at_scattered_local_indexes(make: Any) -> None:
 )
 def test_any_read_lands_exactly(pairs: list[tuple[int, int]]) -> None:
     src_buf, dst_buf = region(8), region(12, fill=0)
-    src = MemoryDataTransport.create(DataSettings(memoryview(src_buf), BLOCK))
-    dst = MemoryDataTransport.create(DataSettings(memoryview(dst_buf), BLOCK))
+    src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
+    dst = MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK))
     try:
         dst.add_peer("src", src.descriptor())
         local = [p[0] for p in pairs]
@@ -95,15 +100,16 @@ def test_any_read_lands_exactly(pairs: list[tuple[int, int]]) -> None:
         dst.close()
 
 
-def test_numpy_indexes_are_accepted(make: Any) -> None:
+def test_numpy_indexes_are_accepted(make: MakeData) -> None:
     dst, _src, dst_buf, src_buf = pair(make)
-    dst.read_blocks("src", np.array([3, 4]), np.array([1, 2], dtype=np.uint32))
-    dst.read_blocks("src", [np.int64(5), np.int32(6)], [np.uint8(3), 4])
+    # Accepted though the contract types them Sequence[int]: the point of this test.
+    dst.read_blocks("src", np.array([3, 4]), np.array([1, 2], dtype=np.uint32))  # type: ignore[arg-type]
+    dst.read_blocks("src", [np.int64(5), np.int32(6)], [np.uint8(3), 4])  # type: ignore[list-item]
     dst.poll("src")
     assert np.array_equal(blocks(dst_buf)[3:7], blocks(src_buf)[1:5])
 
 
-def test_completion_polls_copy_at_completion(make: Any) -> None:
+def test_completion_polls_copy_at_completion(make: MakeData) -> None:
     dst, _src, dst_buf, src_buf = pair(make, completion_polls=2)
     tid = dst.read_blocks("src", [0], [1])
     assert dst.poll("src") == ((), ())
@@ -114,7 +120,7 @@ def test_completion_polls_copy_at_completion(make: Any) -> None:
     assert (blocks(dst_buf)[0] == 77).all()
 
 
-def test_poll_is_scoped_per_peer(make: Any) -> None:
+def test_poll_is_scoped_per_peer(make: MakeData) -> None:
     dst = make(region(8, fill=0))
     a, b = make(region(8)), make(region(8))
     dst.add_peer("a", a.descriptor())
@@ -144,7 +150,7 @@ def test_poll_is_scoped_per_peer(make: Any) -> None:
     ],
 )
 def test_indexes_checked_before_anything_is_posted(
-    make: Any, local: Any, remote: Any, match: str
+    make: MakeData, local: Any, remote: Any, match: str
 ) -> None:
     dst, _src, dst_buf, _src_buf = pair(make)
     with pytest.raises(TransferSubmitError, match=match):
@@ -153,7 +159,7 @@ def test_indexes_checked_before_anything_is_posted(
     assert not dst_buf.any()
 
 
-def test_the_same_remote_block_may_fill_two_slots(make: Any) -> None:
+def test_the_same_remote_block_may_fill_two_slots(make: MakeData) -> None:
     dst, _src, dst_buf, src_buf = pair(make)
     tid = dst.read_blocks("src", [0, 1], [4, 4])
     assert dst.poll("src").done == [tid]
@@ -161,13 +167,13 @@ def test_the_same_remote_block_may_fill_two_slots(make: Any) -> None:
     assert np.array_equal(blocks(dst_buf)[1], blocks(src_buf)[4])
 
 
-def test_unknown_peer_is_a_submit_error(make: Any) -> None:
+def test_unknown_peer_is_a_submit_error(make: MakeData) -> None:
     dst = make(region(8))
     with pytest.raises(TransferSubmitError, match="unknown peer"):
         dst.read_blocks("nobody", [0], [0])
 
 
-def test_ids_are_unique(make: Any) -> None:
+def test_ids_are_unique(make: MakeData) -> None:
     dst, *_ = pair(make)
     ids = [dst.read_blocks("src", [0], [0]) for _ in range(5)]
     assert len(set(ids)) == 5
@@ -187,19 +193,19 @@ def test_ids_are_unique(make: Any) -> None:
          "not registered in this process"),
     ],
 )
-def test_malformed_descriptor_is_rejected(make: Any, descriptor: bytes, match: str) -> None:
+def test_malformed_descriptor_is_rejected(make: MakeData, descriptor: bytes, match: str) -> None:
     with pytest.raises(PeerRejected, match=match):
         make(region(8)).add_peer("p", descriptor)
 
 
-def test_mismatched_block_len_is_rejected(make: Any) -> None:
+def test_mismatched_block_len_is_rejected(make: MakeData) -> None:
     a = make(region(8))
     b = make(region(8, block_len=32), block_len=32)
     with pytest.raises(PeerRejected, match="block_len 32 does not match ours \\(16\\)"):
         a.add_peer("b", b.descriptor())
 
 
-def test_descriptor_shape_must_match_region(make: Any) -> None:
+def test_descriptor_shape_must_match_region(make: MakeData) -> None:
     a, b = make(region(8)), make(region(8))
     desc = msgpack.unpackb(b.descriptor())
     desc["num_blocks"] = 99
@@ -217,7 +223,7 @@ def test_descriptor_shape_must_match_region(make: Any) -> None:
         ({"drain_polls": 2}, "drain_polls"),  # nothing to drain: reads end at once
     ],
 )
-def test_bad_options_name_the_key(make: Any, options: dict[str, Any], key: str) -> None:
+def test_bad_options_name_the_key(make: MakeData, options: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         make(region(8), **options)
 
@@ -240,7 +246,7 @@ def test_bad_region_is_a_config_error(buf: memoryview, block_len: int, match: st
 # -- ending reads: final, never copied, never reported ---------------------------------------
 
 
-def test_cancel_is_final(make: Any) -> None:
+def test_cancel_is_final(make: MakeData) -> None:
     dst, _src, dst_buf, _src_buf = pair(make, completion_polls=1)
     tid = dst.read_blocks("src", [0], [0])
     assert dst.cancel([tid, 999]) is None
@@ -249,7 +255,7 @@ def test_cancel_is_final(make: Any) -> None:
     assert not dst_buf.any(), "a cancelled read copied"
 
 
-def test_cancel_of_a_reported_id_is_ignored(make: Any) -> None:
+def test_cancel_of_a_reported_id_is_ignored(make: MakeData) -> None:
     dst, *_ = pair(make)
     tid = dst.read_blocks("src", [0], [0])
     assert dst.poll("src").done == [tid]
@@ -257,7 +263,7 @@ def test_cancel_of_a_reported_id_is_ignored(make: Any) -> None:
     assert dst.poll(None) == ((), ())
 
 
-def test_remove_peer_ends_its_reads_finally(make: Any) -> None:
+def test_remove_peer_ends_its_reads_finally(make: MakeData) -> None:
     dst, src, dst_buf, _src_buf = pair(make, completion_polls=2)
     other = make(region(8))
     dst.add_peer("other", other.descriptor())
@@ -274,7 +280,7 @@ def test_remove_peer_ends_its_reads_finally(make: Any) -> None:
     assert dst.remove_peer("never-added") == []
 
 
-def test_readd_peer_ends_the_old_registrations_reads(make: Any) -> None:
+def test_readd_peer_ends_the_old_registrations_reads(make: MakeData) -> None:
     dst = make(region(8, fill=0), completion_polls=1)
     a, b = make(region(8)), make(region(4))
     dst.add_peer("p", a.descriptor())
@@ -287,10 +293,10 @@ def test_readd_peer_ends_the_old_registrations_reads(make: Any) -> None:
     assert old  # ended, never reported
 
 
-def test_close_ends_reads_and_refuses_later_calls(make: Any) -> None:
+def test_close_ends_reads_and_refuses_later_calls(make: MakeData) -> None:
     src_buf, dst_buf = region(8), region(8, fill=0)
     dst = MemoryDataTransport.create(
-        DataSettings(memoryview(dst_buf), BLOCK, {"completion_polls": 1})
+        DataSettings(dst_buf.data, BLOCK, {"completion_polls": 1})
     )
     src = make(src_buf)
     dst.add_peer("src", src.descriptor())
@@ -307,7 +313,7 @@ def test_close_ends_reads_and_refuses_later_calls(make: Any) -> None:
     assert not dst_buf.any()
 
 
-def test_read_from_a_closed_region_fails(make: Any) -> None:
+def test_read_from_a_closed_region_fails(make: MakeData) -> None:
     dst, src, *_ = pair(make, completion_polls=1)
     eager = make(region(8))
     eager.add_peer("src", src.descriptor())
@@ -321,7 +327,7 @@ def test_read_from_a_closed_region_fails(make: Any) -> None:
         make(region(8)).add_peer("src", src.descriptor())
 
 
-def test_a_closed_consumer_is_not_readable(make: Any) -> None:
+def test_a_closed_consumer_is_not_readable(make: MakeData) -> None:
     dst, src, *_ = pair(make)
     src.add_peer("dst", dst.descriptor())
     dst.close()

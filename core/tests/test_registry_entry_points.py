@@ -8,18 +8,24 @@ No loader is monkeypatched.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from child_python import RunPython
 
 PROBE = str(Path(__file__).parent / "fixture_plugins" / "probe.py")
 
 
+Probe = Callable[..., dict[str, Any]]
+"""The ``probe`` fixture: ``probe(*lookups, site=..., **env)``, the child's JSON report."""
+
+
 @pytest.fixture
-def probe(fixture_site: Path, run_python: Any) -> Any:
+def probe(fixture_site: Path, run_python: RunPython) -> Probe:
     def probe(*lookups: str, site: Path | None = fixture_site, **env: str) -> dict[str, Any]:
-        proc = run_python(PROBE, *lookups, site=site, **env)
+        proc = run_python(PROBE, *lookups, site=site, timeout=60, **env)
         assert proc.returncode == 0, proc.stderr
         result: dict[str, Any] = json.loads(proc.stdout)
         result["stderr"] = proc.stderr
@@ -34,7 +40,7 @@ def failure(result: dict[str, Any], plugin: str) -> tuple[str, str]:
     return matches[0]
 
 
-def test_good_plugin_and_memory_load_from_entry_points(probe: Any) -> None:
+def test_good_plugin_and_memory_load_from_entry_points(probe: Probe) -> None:
     result = probe("control:fixture", "control:memory", "data:memory")
     assert result["control"]["fixture"] == "p2pkv-fixture-good"
     assert result["control"]["memory"] == "p2pkv-memory"
@@ -44,7 +50,7 @@ def test_good_plugin_and_memory_load_from_entry_points(probe: Any) -> None:
     assert result["lookups"]["data:memory"] == "ok p2pkv.reference.data.MemoryDataTransport"
 
 
-def test_duplicate_name_is_refused_naming_both_distributions(probe: Any) -> None:
+def test_duplicate_name_is_refused_naming_both_distributions(probe: Probe) -> None:
     result = probe("data:fixture")
     assert "fixture" not in result["data"]
     assert sorted(result["conflicts"]["data:fixture"]) == [
@@ -58,7 +64,7 @@ def test_duplicate_name_is_refused_naming_both_distributions(probe: Any) -> None
     assert "claimed by both" in result["stderr"]
 
 
-def test_broken_import_is_reported_not_fatal(probe: Any) -> None:
+def test_broken_import_is_reported_not_fatal(probe: Probe) -> None:
     result = probe()
     dist, reason = failure(result, "fixture_broken")
     assert dist == "p2pkv-fixture-broken"
@@ -67,7 +73,7 @@ def test_broken_import_is_reported_not_fatal(probe: Any) -> None:
     assert "fixture_broken" not in result["plugins"]
 
 
-def test_wrong_plugin_api_version_is_refused(probe: Any) -> None:
+def test_wrong_plugin_api_version_is_refused(probe: Probe) -> None:
     result = probe()
     dist, reason = failure(result, "fixture_oldapi")
     assert dist == "p2pkv-fixture-oldapi"
@@ -75,7 +81,7 @@ def test_wrong_plugin_api_version_is_refused(probe: Any) -> None:
     assert "fixture_oldapi" not in result["plugins"]
 
 
-def test_disable_plugins_blocks_named_plugins(probe: Any) -> None:
+def test_disable_plugins_blocks_named_plugins(probe: Probe) -> None:
     result = probe(
         "data:fixture", "data:memory", P2PKV_DISABLE_PLUGINS="fixture_dup, memory,fixture_broken"
     )
@@ -89,7 +95,7 @@ def test_disable_plugins_blocks_named_plugins(probe: Any) -> None:
     assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'memory'" in message
 
 
-def test_misspelled_hook_is_refused_naming_it(probe: Any) -> None:
+def test_misspelled_hook_is_refused_naming_it(probe: Probe) -> None:
     result = probe()
     dist, reason = failure(result, "fixture_typo")
     assert dist == "p2pkv-fixture-typo"
@@ -100,7 +106,7 @@ def test_misspelled_hook_is_refused_naming_it(probe: Any) -> None:
     assert result["control"]["fixture"] == "p2pkv-fixture-good"  # the others still load
 
 
-def test_a_transport_of_a_disabled_plugin_names_the_variable(probe: Any) -> None:
+def test_a_transport_of_a_disabled_plugin_names_the_variable(probe: Probe) -> None:
     assert probe("data:fixture_shm")["lookups"]["data:fixture_shm"].startswith("ok ")
     message = probe("data:fixture_shm", P2PKV_DISABLE_PLUGINS="fixture_shm")["lookups"][
         "data:fixture_shm"]
@@ -109,14 +115,14 @@ def test_a_transport_of_a_disabled_plugin_names_the_variable(probe: Any) -> None
     assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'fixture_shm' from that variable" in message
 
 
-def test_unknown_name_suggests_the_closest(probe: Any) -> None:
+def test_unknown_name_suggests_the_closest(probe: Probe) -> None:
     result = probe("data:memroy", "control:fixtur")
     assert "did you mean 'memory'?" in result["lookups"]["data:memroy"]
     assert "installed: " in result["lookups"]["data:memroy"]
     assert "did you mean 'fixture'?" in result["lookups"]["control:fixtur"]
 
 
-def test_without_fixture_site_only_real_plugins_load(probe: Any) -> None:
+def test_without_fixture_site_only_real_plugins_load(probe: Probe) -> None:
     result = probe(site=None)
     assert "fixture" not in result["control"]
     assert not [f for f in result["failures"] if "fixture" in f[1]]

@@ -15,6 +15,7 @@ from p2pkv.reference.control import MemoryControlTransport
 from p2pkv.reference.data import MemoryDataTransport
 from p2pkv.session.pause import PauseDetector
 from p2pkv.session.stop_watch import StopWatch, watch_period
+from p2pkv.testing import harness as h
 from p2pkv.testing.tier_machine import TierNode
 from p2pkv.types import Outcome
 
@@ -174,14 +175,13 @@ class _StallingMemoryData(MemoryDataTransport):
 
 
 def test_a_slow_transport_call_is_not_taken_for_a_pause(
-    tier_harness: Any, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A consumer with a load open; its data transport blocks one tick for twice the silence
     timeout. The tick after it sees the gap, but the process ran: its sessions stay, the call
     is logged as over the driver bound (both counted in the tier's stats), and the load
     completes once its producer stores."""
-    h = tier_harness
-    clock: Any = time.monotonic
+    clock: Any = time.monotonic  # real time: the stall is a real one
     made = [TierNode(clock, control=_SilentMemoryControl, data=_StallingMemoryData,
                      registry=h.REGISTRY, seed=i) for i in range(2)]
     p, c = made

@@ -12,13 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
+from p2pkv.testing import harness as h
 from p2pkv.types import Outcome
-
-
-@pytest.fixture
-def h(tier_harness: Any) -> Any:
-    return tier_harness
 
 
 class Watched:
@@ -26,10 +21,11 @@ class Watched:
     ``(name, "close")`` into a shared list and running ``on_progress`` after each
     ``progress()``."""
 
-    def __init__(self, node: Any, name: str, events: list[tuple[Any, ...]],
+    def __init__(self, node: h.Node, name: str, events: list[tuple[Any, ...]],
                  on_progress: Callable[[], object] | None = None) -> None:
         self.inner, self.name, self.events, self.on_progress = node.data, name, events, on_progress
-        node.data = node.tier._data = node.tier._env.data = self
+        # A duck-typed stand-in (attribute access falls through to the real transport).
+        node.data = node.tier._data = node.tier._env.data = self  # type: ignore[assignment]
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.inner, attr)
@@ -57,7 +53,7 @@ SLOW_READS = {"completion_polls": 8}
 """Reads stay in flight for 8 polls."""
 
 
-def read_in_flight(h: Any, p: Any, c: Any) -> None:
+def read_in_flight(p: h.Node, c: h.Node) -> None:
     """Consumer-first request ``r``: load 1 into slots 0-1, then store 2; the consumer's read
     of it is in flight."""
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
@@ -70,11 +66,11 @@ def read_in_flight(h: Any, p: Any, c: Any) -> None:
     assert c.tier.stats()["in_flight_transfers"] == 1
 
 
-def test_consumer_cancels_its_reads_before_releasing_its_region(h: Any, cluster: Any) -> None:
+def test_consumer_cancels_its_reads_before_releasing_its_region(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster(data_options=SLOW_READS)
     events: list[tuple[Any, ...]] = []
     Watched(c, "C", events, on_progress=p.collect)
-    read_in_flight(h, p, c)
+    read_in_flight(p, c)
     before = c.blocks[0:2].copy()
     c.shutdown()
     kinds = [e[1] for e in events]
@@ -87,12 +83,12 @@ def test_consumer_cancels_its_reads_before_releasing_its_region(h: Any, cluster:
 
 
 def test_producer_keeps_its_pins_until_the_consumer_released_them(
-        h: Any, cluster: Any) -> None:
+        cluster: h.Cluster) -> None:
     p, c = cluster(), cluster(data_options=SLOW_READS)
     events: list[tuple[Any, ...]] = []
     Watched(c, "C", events)
     Watched(p, "P", events, on_progress=c.collect)
-    read_in_flight(h, p, c)
+    read_in_flight(p, c)
     p.shutdown()
     assert 1 in c.results and c.outcome(1) is Outcome.PEER_DEAD
     assert "the producer is shutting down" in c.results[1].detail
@@ -102,7 +98,7 @@ def test_producer_keeps_its_pins_until_the_consumer_released_them(
     assert p.tier.state_sizes()["pins"] == 0
 
 
-def test_a_fetch_during_wind_down_fails_at_once(h: Any, cluster: Any) -> None:
+def test_a_fetch_during_wind_down_fails_at_once(cluster: h.Cluster) -> None:
     p, c, late = cluster(), cluster(data_options=SLOW_READS), cluster()
     pctx0, lctx0 = p.producer_ctx("r0"), late.consumer_ctx("r0", p)
     p.store(10, h.keys("r0", 1), [8], pctx0)
@@ -117,7 +113,7 @@ def test_a_fetch_during_wind_down_fails_at_once(h: Any, cluster: Any) -> None:
         late.collect()
 
     Watched(p, "P", [], on_progress=late_asks)
-    read_in_flight(h, p, c)
+    read_in_flight(p, c)
     stopping.append(True)
     p.shutdown()
     h.pump_until([late], lambda: 12 in late.results)

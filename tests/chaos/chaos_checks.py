@@ -74,6 +74,7 @@ def reads(log: Sequence[Entry]) -> list[Read]:
     def end(r: Read, t: float, i: int, how: str) -> None:
         r.ended, r.ended_at, r.how = t, i, how
 
+    r: Read | None
     for i, e in enumerate(log):
         t, op = e[0], e[1]
         if op == "read":
@@ -104,6 +105,7 @@ def _jobs(log: Sequence[Entry], all_reads: list[Read]) -> tuple[dict[int, _Job],
     owner: dict[int, _Job] = {}
     by_at = {r.at: r for r in all_reads}
     found: list[str] = []
+    job: _Job | None
     for i, e in enumerate(log):
         t, op = e[0], e[1]
         if op == "submit":

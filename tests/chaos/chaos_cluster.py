@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import psutil
@@ -378,6 +378,7 @@ class Cluster:
             return 0
         handled = 0
         for conn in wait(list(live), timeout=timeout):
+            assert isinstance(conn, Connection)
             node = live[conn]
             try:
                 while conn.poll(0):

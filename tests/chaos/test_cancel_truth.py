@@ -54,7 +54,7 @@ def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
     blocks = region.reshape(BLOCKS, BLOCK)
     source_bytes = pattern(SEED, BLOCKS * BLOCK).reshape(BLOCKS, BLOCK)
     remote = READ[::-1]  # every destination block gets a different source block
-    local = cls.create(DataSettings(memoryview(region), BLOCK, {}))
+    local = cls.create(DataSettings(region.data, BLOCK, {}))
     done: list[int] = []
     failed: list[int] = []
     try:

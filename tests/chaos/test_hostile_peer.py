@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from pathlib import Path
 
 from chaos_cluster import Cluster, Outstanding, Stream, measured, requests, tier_config
 from chaos_hostile import HostileClient, draw
@@ -41,7 +42,7 @@ T = 60.0
 FD_SLACK = 2
 
 
-def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -> None:
+def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path: Path) -> None:
     log = tmp_path / "producer.log"
     limits = Limits(max_frame_bytes=FRAME_CAP)
     pool = draw(p2st.hostile_frames(limits), 1500, seed=1)
@@ -97,7 +98,7 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path) -
 
         def hostile_gone() -> bool:
             rep = c.report(p)
-            return rep["stats"]["sessions"] == 1 and rep["control"]["connections"] <= 1
+            return bool(rep["stats"]["sessions"] == 1 and rep["control"]["connections"] <= 1)
         c.wait(hostile_gone, timeout=T, what="hostile sessions and connections closed")
         report = c.report(p)
         seen: list[int] = []

@@ -135,7 +135,7 @@ def wind_down(c: Cluster, streams: Sequence[Stream]) -> None:
 
 def stopped(node: Node) -> bool:
     try:
-        return psutil.Process(node.pid).status() == psutil.STATUS_STOPPED
+        return bool(psutil.Process(node.pid).status() == psutil.STATUS_STOPPED)
     except psutil.NoSuchProcess:
         return False
 

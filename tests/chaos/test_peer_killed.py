@@ -21,6 +21,7 @@ as soon as the consumer reports reads from it posted. The kill lands with them s
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from chaos_checks import pin_violations, read_violations
 from chaos_cluster import (
@@ -40,7 +41,7 @@ from p2pkv_tools.demo.roles import RoleSetup
 
 BLOCK = 256 * 1024
 MAX_BLOCKS = 12
-DATA = {
+DATA: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "nixl": ({"staging_blocks": 1 << 20}, {"UCX_TLS": "tcp"}),
     "ucx": ({"ucx_config": {"TLS": "tcp"}}, {}),
 }
@@ -173,10 +174,10 @@ def test_consumer_killed_mid_transfer_fails_its_stores_without_freeing_live_slot
         assert not early, early[:5]
         pinned = [r for r in failed if r not in later]
         held_for = sorted(r.stored[0][0] - killed_at for r in pinned)
-        timing = Counter()
+        timing: dict[str, float] = {}
         for r in failed:
             o = r.store_outcome or ""
-            timing[o] = max(timing[o], r.stored[0][0] - killed_at)
+            timing[o] = max(timing.get(o, 0), r.stored[0][0] - killed_at)
         measured(f"[{data}] consumer killed with {len(stalled)} read(s) of it in flight: "
                  f"{len(failed)} store job(s) failed "
                  f"{dict(Counter(r.store_outcome for r in failed))}; those offered to it "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from functools import partial
 
 from chaos_checks import pin_violations, read_violations
 from chaos_cluster import (
@@ -98,6 +99,10 @@ def held_loads(c: Cluster, p: Node, con: Node) -> list[Req]:
     return recs
 
 
+def _loaded(rec: Req) -> bool:
+    return bool(rec.loaded)
+
+
 def probe_until_served(c: Cluster, p: Node, con: Node, first_index: int,
                        timeout: float) -> tuple[float, list[Req]]:
     """Admit one consumer-first request at a time until one succeeds; returns when it did
@@ -109,7 +114,7 @@ def probe_until_served(c: Cluster, p: Node, con: Node, first_index: int,
                           run_id=f"probe{len(probes)}", first_index=first_index + len(probes))
         (rec,) = c.flow.admit([req], p, con)
         probes.append(rec)
-        c.wait(lambda r=rec: bool(r.loaded), timeout=T, what="a probe's load", recs=[rec])
+        c.wait(partial(_loaded, rec), timeout=T, what="a probe's load", recs=[rec])
         if rec.load_outcome == "done":
             return rec.loaded[0].done_at, probes
     raise AssertionError(f"no request succeeded within {timeout}s of the resume: "

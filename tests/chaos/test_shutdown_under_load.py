@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 from chaos_checks import close_problems, pin_violations, read_violations
 from chaos_cluster import (
@@ -59,7 +60,7 @@ READS_POSTED = 30.0
 """Longest wait for the consumer to post its first reads from the producer (it pauses the
 producer itself as it posts them, so this bounds only a failure)."""
 T = 60.0
-DATA = {
+DATA: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "nixl": ({"staging_blocks": 1 << 20}, {"UCX_TLS": "tcp"}),
     "ucx": ({"ucx_config": {"TLS": "tcp"}}, {}),
 }

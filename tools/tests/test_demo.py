@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ from p2pkv_tools.demo.workload import ORDERS, PromptDistribution, make_stream, p
 SMALL = ["--requests", "9", "--region", "64M", "--max-tokens", "384", "--quiet"]
 
 
-def _run_demo(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+def _run_demo(tmp_path: Path,
+              *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "summary.json"
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
     proc = subprocess.run(
@@ -32,7 +34,7 @@ def _run_demo(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[
     return proc, summary
 
 
-def _check_clean_run(proc: subprocess.CompletedProcess[str], summary: dict) -> None:
+def _check_clean_run(proc: subprocess.CompletedProcess[str], summary: dict[str, Any]) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary["requests"] == 9
     assert summary["failures"] == 0, summary["failure_details"]
@@ -116,7 +118,7 @@ def test_tensor_parallelism_sizes_the_chunk_of_every_rank() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"block_bytes": 12}, {"tokens_per_block": 0}])
-def test_bad_preset_overrides_are_refused(kwargs: dict) -> None:
+def test_bad_preset_overrides_are_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         resolve_preset("llama-3-8b", **kwargs)
     with pytest.raises(ConfigError, match="choose one of"):

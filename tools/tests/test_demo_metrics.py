@@ -105,7 +105,7 @@ def test_port_serves_the_live_roles_during_the_run(
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     scraped: dict[str, str] = {}
-    real_replay = demo_cli.replay
+    real_replay = demo_cli.replay  # type: ignore[attr-defined]  # patched where cli reads it
 
     def replay_then_scrape(*args: Any, **kwargs: Any) -> Any:
         result = real_replay(*args, **kwargs)

@@ -14,8 +14,6 @@ import argparse
 
 from p2pkv.hookspecs import hookimpl
 
-__all__ = ["p2pkv_cli_commands"]
-
 
 @hookimpl(tryfirst=True)  # before the plugins', so `p2pkv --help` lists the built-ins first
 def p2pkv_cli_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -30,8 +30,6 @@ from p2pkv.contracts import DRIVER_BOUND, DataTransport, PollResult
 from p2pkv.ratelimit import LogLimiter
 from p2pkv.reference.delegating import DelegatingDataTransport
 
-__all__ = ["GuardedDataTransport"]
-
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")

@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import errno
 import importlib
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -202,11 +203,16 @@ def check(entry: Entry, extra: Mapping[str, Any], dp_size: int, *, bind: bool = 
     from p2pkv.tier import P2PTier
 
     probe = dataclasses.replace(configs[0], base_port=0)
+    guard_log = logging.getLogger("p2pkv.call_guard")
+    level = guard_log.level
+    guard_log.setLevel(logging.ERROR)  # a slow call of this throwaway tier serves no peer
     try:
         P2PTier(probe, memoryview(bytearray(_PROBE_BLOCK)), _PROBE_BLOCK).shutdown()
     except ConfigError as exc:
         if bind or getattr(exc.__cause__, "errno", None) != errno.EADDRNOTAVAIL:
             raise
+    finally:
+        guard_log.setLevel(level)
     return configs[0]
 
 

@@ -13,8 +13,6 @@ from p2pkv.cli_support import make_console, print_json
 from p2pkv.contracts import TransportKind
 from p2pkv.registry import DISABLE_ENV, TEST_PLUGINS_ENV, Registry, default_registry
 
-__all__ = ["add_parser", "plugin_report", "print_report"]
-
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plugins", help="list registered transports and why others are unavailable")

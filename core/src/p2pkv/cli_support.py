@@ -22,15 +22,6 @@ from p2pkv.registry import Registry
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = [
-    "check_output_path",
-    "configure_logging",
-    "make_console",
-    "print_error",
-    "print_json",
-    "usable_transport",
-]
-
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

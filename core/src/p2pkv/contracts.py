@@ -26,7 +26,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Final, Literal, NamedTuple, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -516,7 +516,7 @@ class DataTransport(_Transport, DataBackend):
         self._closed = False
 
     @classmethod
-    def create(cls, settings: DataSettings) -> DataTransport:
+    def create(cls, settings: DataSettings) -> Self:
         """Register ``settings.region``. Raises ``ConfigError`` or ``TransportUnavailable``.
         Default: ``cls(settings)``."""
         return cls(settings)

@@ -17,10 +17,6 @@ import numpy.typing as npt
 
 from p2pkv.errors import ConfigError, TransferSubmitError
 
-__all__ = [
-    "AttachedPeer", "Indexes", "ReadState", "allocated_region", "check_read", "region_blocks",
-]
-
 Indexes = npt.NDArray[np.int64]
 """Block indexes as the base hands them to a backend: a 1-D int64 array of its own."""
 

@@ -20,8 +20,6 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from p2pkv.errors import ConcurrentCall
 
-__all__ = ["DriverGuard", "HasDriverGuard", "driver_call"]
-
 P = ParamSpec("P")
 R = TypeVar("R")
 

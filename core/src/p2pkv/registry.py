@@ -39,17 +39,6 @@ from p2pkv.contracts import ControlTransport, DataTransport, TransportKind
 from p2pkv.errors import ConfigError
 from p2pkv.observers import Observers, callers_per_plugin
 
-__all__ = [
-    "DISABLE_ENV",
-    "INTERNAL_PLUGIN",
-    "KNOWN_TRANSPORTS",
-    "TEST_PLUGINS_ENV",
-    "PluginFailure",
-    "Registry",
-    "TransportEntry",
-    "default_registry",
-]
-
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "P2PKV_DISABLE_PLUGINS"

@@ -23,11 +23,6 @@ import numpy as np
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError
 
-__all__ = [
-    "ONE_SLICE", "SLICE_BYTES", "SLICE_BYTES_ENV", "coalesce", "default_slice_bytes",
-    "per_slice", "region_slice_starts", "slice_counts", "slice_starts",
-]
-
 SLICE_BYTES = 7 * 2**29
 """The default largest registration: 3.5 GiB. Reads from one RDMA registration larger than
 about 4 GiB ran at 6.0 instead of 9.3 GB/s on 100 GbE RoCE, and LMCache registers slices of

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+from multiprocessing.context import ForkContext, SpawnContext
 from multiprocessing.synchronize import Event
 
 DEADLINE = 30.0
@@ -41,7 +42,9 @@ def main(sessions: int, how: str) -> None:
         from p2pkv_prometheus import plugin
 
         plugin.p2pkv_tier_state(in_flight_transfers=0, parked_stores=0, sessions=0)
-    ctx = mp.get_context(how)
+    assert how in ("fork", "spawn"), how
+    ctx: ForkContext | SpawnContext = (
+        mp.get_context("fork") if how == "fork" else mp.get_context("spawn"))
     ready, done = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=child, args=(sessions, ready, done))
     proc.start()

@@ -47,7 +47,7 @@ def _finish(proc: subprocess.Popen[str]) -> None:
 
 def _scrape(directory: Path) -> dict[str, float]:
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(directory))
+    MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
     return {s.name: s.value for family in registry.collect() for s in family.samples}
 
 

@@ -20,18 +20,21 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""Scraped values by (name, sorted labels)."""
 
-def _samples(directory: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+
+def _samples(directory: Path) -> Samples:
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(directory))
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
+    out: Samples = {}
     for family in registry.collect():
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
 
-def _total(samples: dict, name: str, **labels: str) -> float:
+def _total(samples: Samples, name: str, **labels: str) -> float:
     return sum(
         v for (n, lab), v in samples.items()
         if n == name and all(dict(lab).get(k) == want for k, want in labels.items())

@@ -145,6 +145,9 @@ class MemcpyOffloadingWorker(OffloadingWorker):
 class CpuTieringOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` whose worker is :class:`MemcpyOffloadingWorker`."""
 
+    _worker: OffloadingWorker | None
+    """Set by vLLM's base; built here on first use."""
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if getattr(self.config, "canonical_layout", False):  # 0.31+ only
             raise NotImplementedError("CpuTieringOffloadingSpec: no canonical layout")

@@ -163,9 +163,9 @@ class _PullClock:
                     self._mark(req_id, "loaded")
             return results
 
-        P2PKVTier.lookup = timed_lookup  # type: ignore[method-assign]
-        P2PKVTier.submit_load = timed_submit_load  # type: ignore[method-assign]
-        P2PKVTier.get_finished_jobs = timed_finished  # type: ignore[method-assign]
+        P2PKVTier.lookup = timed_lookup  # type: ignore[method-assign,assignment]
+        P2PKVTier.submit_load = timed_submit_load  # type: ignore[method-assign,assignment]
+        P2PKVTier.get_finished_jobs = timed_finished  # type: ignore[method-assign,assignment]
 
     def _mark(self, req_id: str, mark: str) -> None:
         self.marks.setdefault(req_id, {}).setdefault(mark, time.monotonic())

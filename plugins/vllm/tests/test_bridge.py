@@ -117,7 +117,8 @@ def test_transfer_jobs_map_onto_p2pkv_jobs() -> None:
     ids = np.array([4, 7], dtype=np.int32)
     load = job_of(FakeTransferJob(3, [b"k1", b"k2"], ids, True), ctx)
     assert (load.job_id, load.keys, load.is_load, load.ctx) == (3, [b"k1", b"k2"], True, ctx)
-    assert load.block_ids is ids  # the tier normalises once; no copy here
+    # The tier normalises once; no copy here (an array, though typed Sequence[int]).
+    assert load.block_ids is ids  # type: ignore[comparison-overlap]
     store = job_of(FakeTransferJob(4, (b"k",), np.array([1], np.int32), False), ctx)
     assert store.keys == (b"k",) and store.is_load is False
     assert job_of(FakeTransferJob(5, {b"k"}, np.array([1], np.int32), False), ctx).keys == [b"k"]
@@ -153,6 +154,7 @@ def test_parent_hit_source_follows_the_parent_protocol() -> None:
     )
     h1 = source.begin("kv1")
     h2 = source.begin("kv1")
+    assert isinstance(h1, FakeReqContext) and isinstance(h2, FakeReqContext)
     assert h1.req_id != h2.req_id and "kv1" in h1.req_id  # vLLM keys request state by id
     assert [source.lookup(h1, k) for k in (b"a", b"b", b"c", b"d")] == [
         LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.RETRY]

@@ -170,6 +170,7 @@ def test_a_flood_of_bogus_peers_leaves_real_pd_traffic_whole(
         per_real = max(1, FLOOD // REAL)
         traffic.phase("warm", 0, False)  # the P-D session and both engines' caches warm
         pid = decoder.child.process.pid
+        assert pid is not None
         baseline = process_usage(pid)
         before = decoder.metrics()
         rates = {

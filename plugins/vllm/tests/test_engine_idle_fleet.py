@@ -51,14 +51,13 @@ from llm_host import BLOCK_SIZE  # noqa: E402
 from test_engine_prefix import (  # noqa: E402
     STORED,
     complete,
-    counter,
     remove_regions,
     server,
     server_env,
     wait_all_ready,
     wait_stored,
 )
-from test_engine_recipe import CPU_SERVER, started  # noqa: E402
+from test_engine_recipe import CPU_SERVER, counter, started  # noqa: E402
 
 PEERS = int(os.environ.get("P2PKV_FLEET_PEERS", "16"))
 """Peers that pull from the idle source (``P2PKV_FLEET_PEERS``)."""

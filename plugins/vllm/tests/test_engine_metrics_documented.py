@@ -27,8 +27,8 @@ PREFIX = "vllm:kv_offload_p2pkv_"
 @pytest.fixture(scope="module")
 def pair(tiny_model: str) -> Iterator[tuple[Engine, Engine]]:
     with running(Engine("pre", tiny_model, {**P2PKV_TIER, "port": free_port()}),
-                 Engine("dec", tiny_model, {**P2PKV_TIER, "port": free_port()})) as engines:
-        yield engines
+                 Engine("dec", tiny_model, {**P2PKV_TIER, "port": free_port()})) as (pre, dec):
+        yield pre, dec
 
 
 def test_the_adapters_metrics_are_documented_as_exposed(pair: tuple[Engine, Engine]) -> None:

@@ -253,8 +253,8 @@ def test_killed_prefiller_the_decoder_recomputes(reference: Reference, pair: Pai
 def mixed(tiny_model: str) -> Iterator[Pair]:
     """Two engines from the guide's entry: vLLM's built-in tier, and p2pkv's (the opt-in)."""
     with running(Engine("builtin", tiny_model, tier(GUIDE_TIER)),
-                 Engine("ours", tiny_model, tier(GUIDE_TIER), REPLACE_P2P)) as engines:
-        yield engines
+                 Engine("ours", tiny_model, tier(GUIDE_TIER), REPLACE_P2P)) as (builtin, ours):
+        yield builtin, ours
 
 
 BUILTIN_ANSWER = 30.0

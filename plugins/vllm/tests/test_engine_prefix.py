@@ -233,7 +233,9 @@ def access_record(log: Path, kv_request_id: str) -> dict[str, Any]:
         return None
 
     try:
-        return wait_until(record, timeout=WAIT, what=f"the access record of {kv_request_id}")
+        found = wait_until(record, timeout=WAIT, what=f"the access record of {kv_request_id}")
+        assert found is not None  # wait_until returns a truthy value
+        return found
     except WaitTimeout as exc:
         raise AssertionError(f"{exc}; the log:\n{log.read_text()[-4000:]}") from None
 
@@ -277,7 +279,9 @@ def warm_up(cluster: Cluster, producer: Server, consumer: Server) -> dict[str, A
 
     with started(args, log, cluster.env):
         try:
-            return wait_until(settled, timeout=WAIT, what="the proxy's warm-up")
+            warm = wait_until(settled, timeout=WAIT, what="the proxy's warm-up")
+            assert warm is not None  # wait_until returns a truthy value
+            return warm
         except WaitTimeout as exc:
             raise AssertionError(f"no warm-up in {WAIT}s:\n{log.read_text()}") from exc
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -55,7 +55,7 @@ class VLLMStylePublisher:
 
     def __init__(self, *, buffer_steps: int = 100, pub_port: int = 0,
                  replay_port: int = 0) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self.endpoint = _bind(self._pub, pub_port)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -105,7 +105,7 @@ def stored(n: int) -> KVEventBatch:
 
 
 def collect_until(sub: KVEventSubscriber, done: Callable[[list[Update]], bool],
-                  nudge: Callable[[], None] | None = None) -> list[Update]:
+                  nudge: Callable[[], object] | None = None) -> list[Update]:
     """Poll ``sub`` (calling ``nudge`` between polls) until ``done(updates)``, bounded."""
     updates: list[Update] = []
     deadline = time.monotonic() + WAIT
@@ -122,9 +122,9 @@ def seqs(updates: list[Update]) -> list[int]:
 
 
 @pytest.fixture
-def publisher() -> VLLMStylePublisher:
+def publisher() -> Iterator[VLLMStylePublisher]:
     pub = VLLMStylePublisher()
-    yield pub  # type: ignore[misc]
+    yield pub
     pub.close()
 
 
@@ -248,7 +248,7 @@ def test_publisher_restart_resets_and_replays_the_new_stream() -> None:
 
 
 def test_replay_timeout_is_bounded_and_counted() -> None:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     pub.bind("tcp://127.0.0.1:0")
     silent = ctx.socket(zmq.ROUTER)  # accepts the request, never answers

@@ -29,6 +29,7 @@ from p2pkv_vllm.proxy.config import (
 from p2pkv_vllm.proxy.prefix_probe import wait_until_cached
 from p2pkv_vllm.proxy.prefix_routing import PrefixRouter
 from p2pkv_vllm.proxy.prompt_tokens import PromptTokens
+from proxy_kit import Kit
 from test_kv_events import VLLMStylePublisher
 
 BS = 4
@@ -137,14 +138,14 @@ def test_indexer_client_speaks_rfc_1403_query() -> None:
 PROMPT = list(range(100, 120))  # 5 blocks of 4
 
 
-def holds(tokens: list[int], hashes: list[int], block_size: int = BS) -> KVEventBatch:
+def holds(tokens: list[int], hashes: list[bytes | int], block_size: int = BS) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[BlockStored(
         block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=block_size,
         lora_id=None, medium="GPU", lora_name=None)])
 
 
 @contextlib.asynccontextmanager
-async def prefix_cluster(kit: Any, pre: Any, dec: Any, pub_p: VLLMStylePublisher,
+async def prefix_cluster(kit: type[Kit], pre: Any, dec: Any, pub_p: VLLMStylePublisher,
                          pub_d: VLLMStylePublisher,
                          mode: Mode = Mode.PREFILLER_FIRST) -> AsyncIterator[Any]:
     async with kit.serving(pre) as p_url, kit.serving(dec) as d_url:
@@ -178,7 +179,7 @@ async def wait_indexed(client: aiohttp.ClientSession, pubs: list[VLLMStylePublis
 
 @pytest.mark.parametrize("mode", [Mode.PREFILLER_FIRST, Mode.SYMMETRIC])
 def test_proxy_routes_by_prefix_and_names_the_holder_as_source(
-        kit: Any, caplog: pytest.LogCaptureFixture, mode: Mode) -> None:
+        kit: type[Kit], caplog: pytest.LogCaptureFixture, mode: Mode) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
     pub_p, pub_d = VLLMStylePublisher(), VLLMStylePublisher()
@@ -227,7 +228,7 @@ def test_proxy_routes_by_prefix_and_names_the_holder_as_source(
         pub_d.close()
 
 
-def test_proxy_tokenizes_text_prompts_and_reports_refused_instances(kit: Any) -> None:
+def test_proxy_tokenizes_text_prompts_and_reports_refused_instances(kit: type[Kit]) -> None:
     async def with_tokenize(fake: Any, seen: Any, send: Any) -> None:
         if seen.path == "/tokenize":
             await kit.send_json(send, 200, {"tokens": PROMPT, "count": len(PROMPT),
@@ -247,7 +248,7 @@ def test_proxy_tokenizes_text_prompts_and_reports_refused_instances(kit: Any) ->
                 while True:
                     pub_p.publish(KVEventBatch(ts=0.0, events=[]))
                     async with client.get("/ready") as r:
-                        body = await r.json()
+                        body: dict[str, Any] = await r.json()
                     if body.get("prefix_index_refused"):
                         return body
                     await asyncio.sleep(0.02)

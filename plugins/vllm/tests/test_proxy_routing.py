@@ -28,6 +28,7 @@ from p2pkv_vllm.proxy.config import (
     ProxyConfig,
     ProxyTimeouts,
 )
+from proxy_kit import Kit
 
 COMPLETION = {
     "model": "m",
@@ -61,7 +62,7 @@ async def fetch(client: aiohttp.ClientSession, method: str, path: str, **kwargs:
 
 
 @contextlib.asynccontextmanager
-async def proxy_for(kit: Any, config: ProxyConfig) -> AsyncIterator[aiohttp.ClientSession]:
+async def proxy_for(kit: type[Kit], config: ProxyConfig) -> AsyncIterator[aiohttp.ClientSession]:
     """Serve a ProxyApp for ``config``; yields a client session pointed at it."""
     app = ProxyApp(config)
     async with (
@@ -78,7 +79,7 @@ async def proxy_for(kit: Any, config: ProxyConfig) -> AsyncIterator[aiohttp.Clie
 
 @contextlib.asynccontextmanager
 async def cluster(
-    kit: Any,
+    kit: type[Kit],
     *,
     prefillers: list[Any],
     decoders: list[Any],
@@ -118,7 +119,7 @@ def access(caplog: pytest.LogCaptureFixture) -> Callable[[], list[dict[str, Any]
 
 
 def test_prefiller_first_legs_carry_exactly_the_right_params_and_headers(
-    kit: Any, access: Callable[[], list[dict[str, Any]]]
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]]
 ) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
@@ -161,7 +162,7 @@ def test_prefiller_first_legs_carry_exactly_the_right_params_and_headers(
     assert rec["kv_request_id"].startswith("p2pkv-")
 
 
-def test_every_request_gets_a_fresh_kv_request_id(kit: Any) -> None:
+def test_every_request_gets_a_fresh_kv_request_id(kit: type[Kit]) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
     async def main() -> None:
@@ -179,7 +180,7 @@ def test_every_request_gets_a_fresh_kv_request_id(kit: Any) -> None:
     kit.run(main)
 
 
-def test_dp_round_robin_and_port_offsets(kit: Any) -> None:
+def test_dp_round_robin_and_port_offsets(kit: type[Kit]) -> None:
     pa, pb = kit.FakeVLLM("pa"), kit.FakeVLLM("pb")
     dc = kit.FakeVLLM("dc")
 
@@ -222,7 +223,7 @@ def test_dp_round_robin_and_port_offsets(kit: Any) -> None:
     kit.run(main)
 
 
-def test_decoder_first_starts_the_decode_leg_before_the_prefill_finishes(kit: Any) -> None:
+def test_decoder_first_starts_the_decode_leg_before_the_prefill_finishes(kit: type[Kit]) -> None:
     dec = kit.FakeVLLM("dec")
 
     async def prefill_after_decode_arrived(fake: Any, seen: Any, send: Any) -> None:
@@ -249,7 +250,7 @@ def test_decoder_first_starts_the_decode_leg_before_the_prefill_finishes(kit: An
     kit.run(main)
 
 
-def test_symmetric_mode_probes_the_prefillers_cache(kit: Any) -> None:
+def test_symmetric_mode_probes_the_prefillers_cache(kit: type[Kit]) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
     async def main() -> None:
@@ -268,7 +269,7 @@ def test_symmetric_mode_probes_the_prefillers_cache(kit: Any) -> None:
     kit.run(main)
 
 
-def test_models_and_health(kit: Any) -> None:
+def test_models_and_health(kit: type[Kit]) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
     async def main() -> None:
@@ -293,7 +294,7 @@ def test_models_and_health(kit: Any) -> None:
 # -- streaming ------------------------------------------------------------------------------
 
 
-def test_streaming_relay_is_byte_exact(kit: Any) -> None:
+def test_streaming_relay_is_byte_exact(kit: type[Kit]) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
     # Awkward boundaries: an event split mid-line, a multi-byte character split in two.
     text = 'data: {"text": "h\u00e9llo \u4e16\u754c"}\n\n'.encode()
@@ -323,7 +324,7 @@ def test_streaming_relay_is_byte_exact(kit: Any) -> None:
     kit.run(main)
 
 
-def test_stream_is_relayed_chunk_by_chunk_not_buffered(kit: Any) -> None:
+def test_stream_is_relayed_chunk_by_chunk_not_buffered(kit: type[Kit]) -> None:
     pre = kit.FakeVLLM("pre")
     second_chunk_allowed = asyncio.Event()
 
@@ -349,7 +350,9 @@ def test_stream_is_relayed_chunk_by_chunk_not_buffered(kit: Any) -> None:
     kit.run(main)
 
 
-def test_200_concurrent_requests(kit: Any, access: Callable[[], list[dict[str, Any]]]) -> None:
+def test_200_concurrent_requests(
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]]
+) -> None:
     pres = [kit.FakeVLLM("p0"), kit.FakeVLLM("p1")]
     decs = [kit.FakeVLLM("d0"), kit.FakeVLLM("d1")]
 
@@ -393,7 +396,7 @@ def test_200_concurrent_requests(kit: Any, access: Callable[[], list[dict[str, A
 
 @pytest.mark.parametrize("mode", [Mode.PREFILLER_FIRST, Mode.DECODER_FIRST])
 def test_prefill_error_then_decoder_recomputes(
-    kit: Any, access: Callable[[], list[dict[str, Any]]], mode: Mode
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]], mode: Mode
 ) -> None:
     pre = kit.FakeVLLM("pre", kit.status(500))
 
@@ -425,7 +428,7 @@ def test_prefill_error_then_decoder_recomputes(
 
 @pytest.mark.parametrize("mode", [Mode.PREFILLER_FIRST, Mode.DECODER_FIRST])
 def test_prefill_error_with_fail_policy_is_a_502_naming_the_prefiller(
-    kit: Any, access: Callable[[], list[dict[str, Any]]], mode: Mode
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]], mode: Mode
 ) -> None:
     pre = kit.FakeVLLM("pre", kit.status(503))
     dec = kit.FakeVLLM("dec", kit.hang)
@@ -447,7 +450,7 @@ def test_prefill_error_with_fail_policy_is_a_502_naming_the_prefiller(
     assert access()[0]["outcome"] == "prefill_failed"
 
 
-def test_prefill_client_error_is_relayed_under_fail_policy(kit: Any) -> None:
+def test_prefill_client_error_is_relayed_under_fail_policy(kit: type[Kit]) -> None:
     pre = kit.FakeVLLM("pre", kit.status(400, "prompt too long"))
     dec = kit.FakeVLLM("dec")
 
@@ -464,7 +467,7 @@ def test_prefill_client_error_is_relayed_under_fail_policy(kit: Any) -> None:
 
 
 @pytest.mark.parametrize("policy", [PrefillFailure.RECOMPUTE, PrefillFailure.FAIL])
-def test_prefill_timeout_cancels_the_leg(kit: Any, policy: PrefillFailure) -> None:
+def test_prefill_timeout_cancels_the_leg(kit: type[Kit], policy: PrefillFailure) -> None:
     pre, dec = kit.FakeVLLM("pre", kit.hang), kit.FakeVLLM("dec")
 
     async def main() -> None:
@@ -488,7 +491,7 @@ def test_prefill_timeout_cancels_the_leg(kit: Any, policy: PrefillFailure) -> No
 
 
 @pytest.mark.parametrize("policy", [PrefillFailure.RECOMPUTE, PrefillFailure.FAIL])
-def test_unreachable_prefiller(kit: Any, policy: PrefillFailure) -> None:
+def test_unreachable_prefiller(kit: type[Kit], policy: PrefillFailure) -> None:
     dec = kit.FakeVLLM("dec")
     dead_url, held = kit.refused_url()
 
@@ -515,7 +518,7 @@ def test_unreachable_prefiller(kit: Any, policy: PrefillFailure) -> None:
 
 
 def test_unreachable_decoder_is_a_502_naming_it(
-    kit: Any, access: Callable[[], list[dict[str, Any]]]
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]]
 ) -> None:
     pre = kit.FakeVLLM("pre")
     dead_url, held = kit.refused_url()
@@ -537,7 +540,7 @@ def test_unreachable_decoder_is_a_502_naming_it(
     assert access()[0]["outcome"] == "decoder_unreachable"
 
 
-def test_silent_decoder_is_a_504(kit: Any) -> None:
+def test_silent_decoder_is_a_504(kit: type[Kit]) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec", kit.hang)
 
     async def main() -> None:
@@ -554,7 +557,7 @@ def test_silent_decoder_is_a_504(kit: Any) -> None:
 
 
 def test_decoder_stream_breaking_midway_drops_the_client_connection(
-    kit: Any, access: Callable[[], list[dict[str, Any]]]
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]]
 ) -> None:
     pre = kit.FakeVLLM("pre")
 
@@ -577,7 +580,7 @@ def test_decoder_stream_breaking_midway_drops_the_client_connection(
 
 @pytest.mark.parametrize("mode", [Mode.PREFILLER_FIRST, Mode.DECODER_FIRST])
 def test_client_disconnect_during_prefill_cancels_both_legs(
-    kit: Any, access: Callable[[], list[dict[str, Any]]], mode: Mode
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]], mode: Mode
 ) -> None:
     pre = kit.FakeVLLM("pre", kit.hang)
     dec = kit.FakeVLLM("dec", kit.hang)
@@ -605,7 +608,7 @@ def test_client_disconnect_during_prefill_cancels_both_legs(
 
 
 def test_client_disconnect_mid_stream_cancels_the_decode_leg(
-    kit: Any, access: Callable[[], list[dict[str, Any]]]
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]]
 ) -> None:
     pre = kit.FakeVLLM("pre")
 
@@ -631,7 +634,7 @@ def test_client_disconnect_mid_stream_cancels_the_decode_leg(
 
 
 def test_request_deadline_bounds_everything(
-    kit: Any, access: Callable[[], list[dict[str, Any]]]
+    kit: type[Kit], access: Callable[[], list[dict[str, Any]]]
 ) -> None:
     pre = kit.FakeVLLM("pre")
 
@@ -655,7 +658,7 @@ def test_request_deadline_bounds_everything(
     assert access()[0]["outcome"] == "deadline"
 
 
-def test_oversized_body_is_refused(kit: Any) -> None:
+def test_oversized_body_is_refused(kit: type[Kit]) -> None:
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")
 
     async def main() -> None:
@@ -669,7 +672,7 @@ def test_oversized_body_is_refused(kit: Any) -> None:
     kit.run(main)
 
 
-def test_least_inflight_policy_end_to_end(kit: Any) -> None:
+def test_least_inflight_policy_end_to_end(kit: type[Kit]) -> None:
     pres = [kit.FakeVLLM("p0"), kit.FakeVLLM("p1")]
     dec = kit.FakeVLLM("dec")
 
@@ -688,7 +691,7 @@ def test_config_replace_keeps_validation() -> None:
         replace(cfg, decoders=())
 
 
-def test_p2pkv_proxy_command_end_to_end(kit: Any) -> None:
+def test_p2pkv_proxy_command_end_to_end(kit: type[Kit]) -> None:
     """The installed ``p2pkv proxy`` (plugin hook -> CLI -> uvicorn) routes a request and
     writes its access log; SIGTERM stops it."""
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec")

@@ -6,6 +6,7 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -125,7 +126,8 @@ def test_config_file_json_and_toml(tmp_path: Path) -> None:
         ({"prefillers": "http://p:1"}, "prefillers must be a list"),
     ],
 )
-def test_config_file_errors_name_the_key(tmp_path: Path, doc: dict, needle: str) -> None:
+def test_config_file_errors_name_the_key(tmp_path: Path, doc: dict[str, Any],
+                                         needle: str) -> None:
     base = {"prefillers": [{"url": "http://p:1"}], "decoders": [{"url": "http://d:1"}]}
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**base, **doc}))

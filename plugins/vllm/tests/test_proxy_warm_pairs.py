@@ -14,6 +14,7 @@ from p2pkv_vllm.cli_plugin import config_from_args, p2pkv_cli_commands
 from p2pkv_vllm.proxy.app import ProxyApp
 from p2pkv_vllm.proxy.config import Decoder, Prefiller, ProxyConfig
 from p2pkv_vllm.proxy.warm_pairs import PROMPT_TOKENS, pairs
+from proxy_kit import Kit
 
 P1, P2 = Prefiller("http://p1:1", "p1", 5710), Prefiller("http://p2:1", "p2", 5720, dp_size=2)
 HOLDER = Decoder("http://d1:1", p2p_host="d1", p2p_port=6200, kv_events="tcp://d1:5557")
@@ -54,7 +55,7 @@ async def warm_status(client: aiohttp.ClientSession, timeout: float = 10.0) -> A
     return await asyncio.wait_for(loop(), timeout)
 
 
-def run_warm_up(kit: Any, consumer_behavior: Any) -> tuple[Any, Any, Any]:
+def run_warm_up(kit: type[Kit], consumer_behavior: Any) -> tuple[Any, Any, Any]:
     """A proxy with ``warm_pairs`` over one prefiller and one decoder; returns the warm-up
     status and what the two fakes saw."""
     pre, dec = kit.FakeVLLM("pre"), kit.FakeVLLM("dec", consumer_behavior)
@@ -70,7 +71,7 @@ def run_warm_up(kit: Any, consumer_behavior: Any) -> tuple[Any, Any, Any]:
     return kit.run(main), pre.generate_requests(), dec.generate_requests()
 
 
-def test_a_warm_up_is_one_tiny_pd_request_naming_the_producer(kit: Any) -> None:
+def test_a_warm_up_is_one_tiny_pd_request_naming_the_producer(kit: type[Kit]) -> None:
     status, (prefill,), (decode,) = run_warm_up(kit, kit.reply)
     (state,) = status.values()
     assert state["state"] == "warm" and state["ms"] > 0
@@ -84,7 +85,7 @@ def test_a_warm_up_is_one_tiny_pd_request_naming_the_producer(kit: Any) -> None:
     assert len(prefill.body["prompt"]) == PROMPT_TOKENS
 
 
-def test_a_failed_warm_up_is_reported_not_retried(kit: Any) -> None:
+def test_a_failed_warm_up_is_reported_not_retried(kit: type[Kit]) -> None:
     refuse = kit.status(500, "no tier")
 
     async def behave(fake: Any, seen: Any, send: Any) -> None:

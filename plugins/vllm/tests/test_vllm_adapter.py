@@ -52,7 +52,7 @@ def spec(dp_rank: int = 0) -> Any:
 
 def region() -> tuple[np.ndarray, memoryview]:
     arr = np.zeros((CHUNKS, CHUNK), dtype=np.uint8)
-    return arr, memoryview(arr)
+    return arr, arr.data
 
 
 def build(keys: dict[str, Any], dp_rank: int = 0) -> tuple[P2PKVTier, np.ndarray]:
@@ -122,7 +122,8 @@ def test_the_release_s_features_and_vllm_s_localities() -> None:
     """0.33.0 has every optional feature; 0.32.0 lacks the tier-poll thread and
     config_info, 0.27.1 every one of them; the tier runs on each."""
     release = tuple(int(p) for p in vllm.__version__.split(".")[:2])
-    lacking = {(0, 33): (), (0, 32): ("tolerates_off_thread_polling", "config_info")}
+    lacking: dict[tuple[int, ...], tuple[str, ...]] = {
+        (0, 33): (), (0, 32): ("tolerates_off_thread_polling", "config_info")}
     names = lacking.get(release, tuple(OPTIONAL_FEATURES))
     expected = [OPTIONAL_FEATURES[n] for n in names]
     assert missing_features() == expected

@@ -84,7 +84,8 @@ def pair() -> Iterator[tuple[Child, Child, dict[int, tuple[str, int]]]]:
 def stats(child: Child, name: str) -> dict[str, Any]:
     kind, totals = child.request(("stats", name), WAIT, "stats")
     assert kind == "stats"
-    return totals
+    by_name: dict[str, Any] = totals
+    return by_name
 
 
 @pytest.mark.parametrize("dp_rank", DP_RANKS, ids=["dp0", "dp1"])

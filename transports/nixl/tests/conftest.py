@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from p2pkv.contracts import DataSettings
-from p2pkv.testing.peers import PeerHost, pattern
+from nixl_fixtures import Local, MakeLocal, MakePollLog, MakeRecorder, Recorder, WaitFor
+from p2pkv.testing.peers import PeerHost
 from p2pkv.testing.polllog import PollLog
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
@@ -27,62 +27,8 @@ TIMEOUT = 15.0
 """Seconds any single expected event may take on a busy 2-core machine."""
 
 
-class Recorder:
-    """Wraps a transport's NIXL agent and records the calls that matter for ordering.
-
-    ``calls`` holds ``(method, detail)``: the state for ``check_xfer_state``, ``id(handle)``
-    for ``transfer``/``release_xfer_handle``/``initialize_xfer``, the result otherwise.
-    ``state`` maps ``id(handle)`` to the last state NIXL reported. With ``refuse_release`` set,
-    releasing a transfer handle raises (a backend refusing to free it); ``on_check`` runs after
-    every state check.
-    """
-
-    RECORDED = (
-        "make_prepped_xfer", "initialize_xfer", "transfer", "check_xfer_state",
-        "release_xfer_handle", "release_dlist_handle", "remove_remote_agent",
-        "deregister_memory", "add_remote_agent", "send_notif",
-    )
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-        self.calls: list[tuple[str, Any]] = []
-        self.state: dict[int, str] = {}
-        self.refuse_release = False
-        self.on_check: Callable[[], None] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self._agent, name)
-        if name not in self.RECORDED:
-            return target
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if name == "release_xfer_handle" and self.refuse_release:
-                self.calls.append(("release_refused", id(args[0])))
-                raise RuntimeError("NIXL_ERR_UNKNOWN (simulated refusal)")
-            result = target(*args, **kwargs)
-            if name in ("transfer", "check_xfer_state"):
-                self.state[id(args[0])] = result
-            if name == "check_xfer_state":
-                detail: Any = result
-            elif name in ("transfer", "release_xfer_handle"):
-                detail = id(args[0])
-            elif name == "initialize_xfer":
-                detail = id(result)
-            else:
-                detail = result
-            self.calls.append((name, detail))
-            if name == "check_xfer_state" and self.on_check is not None:
-                self.on_check()
-            return result
-
-        return call
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
-
-
 @pytest.fixture
-def record() -> Iterator[Callable[[NixlDataTransport], Recorder]]:
+def record() -> Iterator[MakeRecorder]:
     """``record(transport)`` wraps its agent in a :class:`Recorder` (unwrapped afterwards)."""
     wrapped: list[tuple[NixlDataTransport, Recorder]] = []
 
@@ -98,19 +44,8 @@ def record() -> Iterator[Callable[[NixlDataTransport], Recorder]]:
             transport.state.agent = recorder._agent
 
 
-class Local:
-    """A transport in this process over a patterned region; closed by the fixture."""
-
-    def __init__(self, num_blocks: int, block_len: int, options: dict[str, Any], seed: int):
-        self.array = pattern(seed, num_blocks * block_len)
-        self.blocks = self.array.reshape(num_blocks, block_len)
-        self.transport = NixlDataTransport.create(
-            DataSettings(memoryview(self.array), block_len, options)
-        )
-
-
 @pytest.fixture
-def make_local() -> Iterator[Callable[..., Local]]:
+def make_local() -> Iterator[MakeLocal]:
     made: list[Local] = []
 
     def make(num_blocks: int = 64, block_len: int = 4096, seed: int = 1, **options: Any) -> Local:
@@ -184,13 +119,13 @@ def _wait_for(
 
 
 @pytest.fixture
-def wait_for() -> Callable[..., tuple[set[int], set[int]]]:
+def wait_for() -> WaitFor:
     """``wait_for(transport, peer_id, ids)`` -> (done, failed) once every id ended."""
     return _wait_for
 
 
 @pytest.fixture
-def poll_log() -> Callable[[NixlDataTransport], PollLog]:
+def poll_log() -> MakePollLog:
     """``poll_log(transport)``: a kit ``PollLog`` over its ``poll``/``cancel`` (it checks the
     reporting rules on every call)."""
     return lambda transport: PollLog(transport.poll, transport.cancel, "consumer")

@@ -15,11 +15,14 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
-from p2pkv.contracts import EMPTY_POLL
+from nixl_fixtures import Local, MakeLocal, MakePollLog, MakeRecorder, Recorder, WaitFor
+from p2pkv.contracts import EMPTY_POLL, PollResult
 from p2pkv.errors import PeerRejected, TransferSubmitError
+from p2pkv.testing.peers import ChildDataPeer, PeerHost
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
@@ -27,7 +30,8 @@ BLOCK = 64 * 1024
 CANARY = 0xCC
 
 
-def _stalled(make_local, doomed, **options):
+def _stalled(make_local: MakeLocal, doomed: PeerHost,
+             **options: Any) -> tuple[Local, ChildDataPeer, set[int]]:
     """A consumer with reads in flight from a paused producer: (consumer, producer, ids)."""
     consumer = make_local(num_blocks=16, block_len=BLOCK, **options)
     producer = doomed.data_peer(NixlDataTransport, 16, BLOCK, {})
@@ -39,7 +43,8 @@ def _stalled(make_local, doomed, **options):
     return consumer, producer, ids
 
 
-def _stalled_posted(make_local, doomed_tcp, **options):
+def _stalled_posted(make_local: MakeLocal, doomed_tcp: PeerHost,
+                    **options: Any) -> tuple[Local, ChildDataPeer, set[int]]:
     """As ``_stalled``, but with reads posted: the connection to a tcp-only producer is wired
     up before it is paused, and the consumer reads it directly (``staging: never``), so its
     stopped worker, which executes our GETs over tcp, keeps them in flight (``PROC``). (Over
@@ -59,12 +64,12 @@ def _stalled_posted(make_local, doomed_tcp, **options):
     return consumer, producer, ids
 
 
-def _warmup_ids(transport) -> set[int]:
+def _warmup_ids(transport: NixlDataTransport) -> set[int]:
     """Ids of the connection warm-up READs still running (drained like transfers)."""
     return {peer.warmup_id for peer in transport.state.peers if peer.warmup is not None}
 
 
-def _drained_by_a_neighbour(transport, make_local) -> None:
+def _drained_by_a_neighbour(transport: NixlDataTransport, make_local: MakeLocal) -> None:
     """Wait until a leaked ``transport`` is released by the progress of another open transport
     on this thread (a closed transport's own ``progress`` and ``close`` do nothing)."""
     assert transport.close() == [] and transport.leaked
@@ -73,10 +78,10 @@ def _drained_by_a_neighbour(transport, make_local) -> None:
                what="the leaked transport to drain", pumps=[neighbour.progress])
 
 
-def _poll_for(transport, peer_id: str, seconds: float) -> list:
+def _poll_for(transport: NixlDataTransport, peer_id: str, seconds: float) -> list[PollResult]:
     """Poll ``peer_id`` throughout a bounded observation window of ``seconds`` (yielding the
     CPU a millisecond between polls, so the producer runs); every non-empty result seen."""
-    seen = []
+    seen: list[PollResult] = []
     pause = threading.Event()  # never set: a bounded yield, not a wait for anything
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -87,7 +92,9 @@ def _poll_for(transport, peer_id: str, seconds: float) -> list:
     return seen
 
 
-def test_killing_the_producer_mid_read_ends_its_reads(make_local, doomed, wait_for) -> None:
+def test_killing_the_producer_mid_read_ends_its_reads(
+    make_local: MakeLocal, doomed: PeerHost, wait_for: WaitFor
+) -> None:
     consumer, producer, ids = _stalled(make_local, doomed)
     t = consumer.transport
 
@@ -103,7 +110,9 @@ def test_killing_the_producer_mid_read_ends_its_reads(make_local, doomed, wait_f
     assert t.close() == []
 
 
-def test_cancel_of_direct_reads_is_final(make_local, doomed, poll_log) -> None:
+def test_cancel_of_direct_reads_is_final(
+    make_local: MakeLocal, doomed: PeerHost, poll_log: MakePollLog
+) -> None:
     """Cancelled while the producer is stopped, then the slots refilled: when the producer
     resumes nothing lands in them and nothing is reported."""
     consumer, _, ids = _stalled(make_local, doomed)
@@ -127,8 +136,9 @@ def test_cancel_of_direct_reads_is_final(make_local, doomed, poll_log) -> None:
     assert t.close() == []
 
 
-def test_reads_held_for_the_wire_up_are_posted_once_it_is_done(make_local, doomed,
-                                                                wait_for) -> None:
+def test_reads_held_for_the_wire_up_are_posted_once_it_is_done(
+    make_local: MakeLocal, doomed: PeerHost, wait_for: WaitFor
+) -> None:
     consumer, producer, ids = _stalled(make_local, doomed)
     t = consumer.transport
     held = list(t._reads_in_flight())
@@ -146,7 +156,7 @@ def test_reads_held_for_the_wire_up_are_posted_once_it_is_done(make_local, doome
 
 
 def test_held_reads_end_without_a_nixl_call_and_close_releases_in_order(
-    make_local, doomed, record
+    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder
 ) -> None:
     """Reads held for the wire-up end without a NIXL call (none was posted); the warm-up is
     released once it ended; then close releases the peer's descriptor list and agent, our
@@ -175,7 +185,7 @@ def test_held_reads_end_without_a_nixl_call_and_close_releases_in_order(
 
 
 def test_close_that_cannot_drain_keeps_memory_registered_and_can_retry(
-    make_local, doomed, record, poll_log
+    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder, poll_log: MakePollLog
 ) -> None:
     consumer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
     t = consumer.transport
@@ -199,7 +209,7 @@ def test_close_that_cannot_drain_keeps_memory_registered_and_can_retry(
 
 
 def test_remove_peer_that_cannot_drain_its_warmup_reports_it_and_ends_the_reads(
-    make_local, doomed, record, poll_log
+    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder, poll_log: MakePollLog
 ) -> None:
     consumer, _, ids = _stalled(make_local, doomed, drain_timeout=0.2)
     t = consumer.transport
@@ -225,7 +235,7 @@ def test_remove_peer_that_cannot_drain_its_warmup_reports_it_and_ends_the_reads(
 
 
 def test_a_handle_nixl_will_not_release_keeps_the_region(
-    make_local, host, record, wait_for
+    make_local: MakeLocal, host: PeerHost, record: MakeRecorder, wait_for: WaitFor
 ) -> None:
     consumer = make_local(num_blocks=16, block_len=BLOCK)
     t = consumer.transport
@@ -249,7 +259,8 @@ def test_a_handle_nixl_will_not_release_keeps_the_region(
     producer.close()
 
 
-def _warming(make_local, doomed, **options):
+def _warming(make_local: MakeLocal, doomed: PeerHost,
+             **options: Any) -> tuple[NixlDataTransport, Any, bytes]:
     """A reader whose connection warm-up READ from a paused peer is in flight:
     (transport, warm-up handle, the 8 bytes the READ fetches once the peer wakes up)."""
     reader = make_local(num_blocks=4, block_len=BLOCK, **options)
@@ -265,14 +276,14 @@ def _warming(make_local, doomed, **options):
     return t, registration.warmup, fetched
 
 
-def _released_once_ended(recorder, handle) -> bool:
+def _released_once_ended(recorder: Recorder, handle: object) -> bool:
     """The handle was released once, after NIXL last reported it terminal (never under PROC)."""
     released = [d for n, d in recorder.calls if n == "release_xfer_handle"]
     return released.count(id(handle)) == 1 and recorder.state.get(id(handle)) in ("DONE", "ERR")
 
 
 def test_close_keeps_the_scratch_registered_and_alive_under_a_running_warmup(
-    make_local, doomed, record
+    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder
 ) -> None:
     t, warmup, fetched = _warming(make_local, doomed, drain_timeout=0.2)
     recorder = record(t)
@@ -285,7 +296,13 @@ def test_close_keeps_the_scratch_registered_and_alive_under_a_running_warmup(
     assert t.leaked
     scratch = weakref.ref(t.state.scratch)
     seen: list[bytes] = []  # the scratch after each state check, the last one saw it end
-    recorder.on_check = lambda: seen.append(bytes(scratch()))
+
+    def check() -> None:
+        region = scratch()
+        assert region is not None
+        seen.append(bytes(region))
+
+    recorder.on_check = check
 
     doomed.resume()
     _drained_by_a_neighbour(t, make_local)  # it progresses what the closed one kept
@@ -298,7 +315,9 @@ def test_close_keeps_the_scratch_registered_and_alive_under_a_running_warmup(
     assert scratch() is None, "the transport still holds its scratch after a clean close"
 
 
-def test_remove_peer_drains_a_running_warmup_like_a_transfer(make_local, doomed, record) -> None:
+def test_remove_peer_drains_a_running_warmup_like_a_transfer(
+    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder
+) -> None:
     t, warmup, fetched = _warming(make_local, doomed, drain_timeout=0.2)
     recorder = record(t)
 
@@ -318,7 +337,9 @@ def test_remove_peer_drains_a_running_warmup_like_a_transfer(make_local, doomed,
     assert t.close() == []
 
 
-def test_a_warmup_handle_nixl_will_not_release_keeps_the_scratch(make_local, host, record):
+def test_a_warmup_handle_nixl_will_not_release_keeps_the_scratch(
+    make_local: MakeLocal, host: PeerHost, record: MakeRecorder
+) -> None:
     consumer = make_local(num_blocks=4, block_len=BLOCK, drain_timeout=0.2)
     t = consumer.transport
     producer = host.data_peer(NixlDataTransport, 4, BLOCK, {})
@@ -337,7 +358,7 @@ def test_a_warmup_handle_nixl_will_not_release_keeps_the_scratch(make_local, hos
     producer.close()
 
 
-def test_a_closed_transport_disconnects_its_peers(make_local) -> None:
+def test_a_closed_transport_disconnects_its_peers(make_local: MakeLocal) -> None:
     """A clean close destroys the NIXL agent and its UCX worker: a peer's warm-up READ that was
     waiting on it fails (disconnect) instead of staying in flight on a silent endpoint."""
     reader = make_local(num_blocks=4, block_len=BLOCK, seed=1, drain_timeout=0.2)
@@ -356,7 +377,7 @@ def test_a_closed_transport_disconnects_its_peers(make_local) -> None:
 
 
 def test_a_close_left_undrained_is_finished_by_a_peer_polling_on_the_same_thread(
-    make_local,
+    make_local: MakeLocal,
 ) -> None:
     """Two peers in one thread warm each other up; one closes while the other is silent, so
     its warm-up cannot drain and it is leaked. The survivor's progress drives it to the end:
@@ -377,7 +398,7 @@ def test_a_close_left_undrained_is_finished_by_a_peer_polling_on_the_same_thread
 
 
 def test_cancel_ignores_unknown_and_reported_ids_and_nothing_runs_after_close(
-    make_local, host, wait_for
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor
 ) -> None:
     consumer = make_local(num_blocks=4, block_len=BLOCK)
     t = consumer.transport
@@ -385,7 +406,7 @@ def test_cancel_ignores_unknown_and_reported_ids_and_nothing_runs_after_close(
     t.add_peer("p", producer.descriptor)
     tid = t.read_blocks("p", [0], [0])
     assert wait_for(t, "p", {tid})[0] == {tid}
-    assert t.cancel([tid, 10**9, np.int64(tid)]) is None
+    assert t.cancel([tid, 10**9, np.int64(tid)]) is None  # type: ignore[list-item]
     assert t.close() == []
     assert t.close() == []
     assert t.poll("p") == EMPTY_POLL and t.poll() == EMPTY_POLL
@@ -399,7 +420,8 @@ def test_cancel_ignores_unknown_and_reported_ids_and_nothing_runs_after_close(
 
 
 def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
-    make_local, doomed_tcp, record, caplog, wait_for
+    make_local: MakeLocal, doomed_tcp: PeerHost, record: MakeRecorder, caplog:
+    pytest.LogCaptureFixture, wait_for: WaitFor
 ) -> None:
     """NIXL refusing to release a cancelled direct read (it could not cancel it): cancel drives
     our worker up to drain_timeout; a read still running then is kept aside (logged as an

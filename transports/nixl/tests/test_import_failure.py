@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 PROBE = textwrap.dedent(
     """
@@ -54,16 +55,17 @@ BLOCKER = textwrap.dedent(
 )
 
 
-def _run(setup: str, env: dict[str, str] | None = None) -> dict:
+def _run(setup: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", PROBE.format(setup=setup)],
         capture_output=True, text=True, timeout=60, env=env, check=False,
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
-def _assert_unavailable(out: dict, cause: str) -> None:
+def _assert_unavailable(out: dict[str, Any], cause: str) -> None:
     assert out["nixl_imported_by_plugin"] is False
     kind, message, package = out["availability"]
     assert kind == "TransportUnavailable"

@@ -85,8 +85,8 @@ def test_raw_write_lands_what_the_reader_asked_for_in_its_slots() -> None:
     block, blocks = 4096, 32
     source = np.random.default_rng(3).integers(0, 256, (blocks, block), dtype=np.uint8)
     dest = np.zeros_like(source)
-    writer = RawNixlWrite.create(DataSettings(memoryview(source).cast("B"), block))
-    reader = RawNixlWrite.create(DataSettings(memoryview(dest).cast("B"), block))
+    writer = RawNixlWrite.create(DataSettings(source.data.cast("B"), block))
+    reader = RawNixlWrite.create(DataSettings(dest.data.cast("B"), block))
     try:
         reader.add_peer("source", writer.descriptor())
         writer.add_peer("reader", reader.descriptor())

@@ -3,10 +3,13 @@ for most of it)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nixl_fixtures import MakeLocal
 from p2pkv.errors import ConfigError, PeerRejected
 from p2pkv.runs import SLICE_BYTES, SLICE_BYTES_ENV
 from p2pkv_nixl.descriptor import MAX_BLOCKS, RegionDescriptor
@@ -88,12 +91,12 @@ def test_values_and_init_params() -> None:
         ({"stageing": "auto"}, "'stageing'"),
     ],
 )
-def test_bad_options_are_refused_naming_the_key(options: dict, names: str) -> None:
+def test_bad_options_are_refused_naming_the_key(options: dict[str, Any], names: str) -> None:
     with pytest.raises(ConfigError, match=names):
         NixlOptions.parse(options)
 
 
-def test_unknown_backend_is_a_config_error(make_local) -> None:
+def test_unknown_backend_is_a_config_error(make_local: MakeLocal) -> None:
     with pytest.raises(ConfigError, match=r"'NOPE' is not available here; available: .*UCX"):
         make_local(backends=["NOPE"])
 
@@ -124,7 +127,8 @@ def _with(**changes: object) -> bytes:
             del fields[key]
         else:
             fields[key] = value
-    return msgpack.packb(fields, use_bin_type=True)
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return packed
 
 
 def test_roundtrip_and_extra_keys_are_ignored() -> None:
@@ -210,7 +214,7 @@ def test_valid_descriptors_roundtrip(
     assert RegionDescriptor.decode(desc.encode(), "p") == desc
 
 
-def test_add_peer_rejections_from_a_live_transport(make_local) -> None:
+def test_add_peer_rejections_from_a_live_transport(make_local: MakeLocal) -> None:
     local = make_local(num_blocks=8, block_len=4096)
     t = local.transport
     own = RegionDescriptor.decode(t.descriptor(), "self")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+from nixl_fixtures import MakeLocal, WaitFor
 from p2pkv.errors import ConfigError, PeerRejected
+from p2pkv.testing.peers import PeerHost
 from p2pkv_nixl import NixlDataTransport
 from p2pkv_nixl.agent import block_dlist
 from p2pkv_nixl.descriptor import RegionDescriptor
@@ -36,7 +38,9 @@ def test_prepared_lists_have_one_row_per_slice() -> None:
                              [0x1000 + 384, 64, 0, 64, 1]]
 
 
-def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(make_local) -> None:
+def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(
+    make_local: MakeLocal
+) -> None:
     t = make_local(num_blocks=16, block_len=BLOCK, slice_bytes=THREE).transport
     desc = RegionDescriptor.decode(t.descriptor(), "self")
     assert desc.slices == (3, 3, 3, 3, 3, 1)
@@ -53,7 +57,7 @@ def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(make_loc
 
 @pytest.mark.parametrize("producer_slice", [THREE, FIVE], ids=["same-slices", "other-slices"])
 def test_direct_reads_cross_slices_byte_exact_one_descriptor_per_piece(
-    make_local, host, wait_for, producer_slice
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor, producer_slice: int
 ) -> None:
     consumer = make_local(num_blocks=64, block_len=BLOCK, seed=10, staging="never",
                           slice_bytes=THREE)
@@ -81,7 +85,9 @@ def test_direct_reads_cross_slices_byte_exact_one_descriptor_per_piece(
     producer.close()
 
 
-def test_staged_reads_write_across_both_sides_slices_byte_exact(make_local, host, wait_for) -> None:
+def test_staged_reads_write_across_both_sides_slices_byte_exact(
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor
+) -> None:
     consumer = make_local(num_blocks=64, block_len=BLOCK, seed=4, staging="always",
                           staging_blocks=16, slice_bytes=THREE)
     t = consumer.transport
@@ -108,7 +114,9 @@ def test_staged_reads_write_across_both_sides_slices_byte_exact(make_local, host
     [([8, 8], "covers 16 blocks, the region has 8"), ([4, 0, 4], "not a positive integer"),
      ("8", "not a list"), (None, "not a list")],
 )
-def test_a_malformed_slice_list_is_rejected_at_add_peer(make_local, slices, says) -> None:
+def test_a_malformed_slice_list_is_rejected_at_add_peer(
+    make_local: MakeLocal, slices: object, says: str
+) -> None:
     t = make_local(num_blocks=8, block_len=BLOCK).transport
     peer = make_local(num_blocks=8, block_len=BLOCK, seed=2, slice_bytes=THREE).transport
     fields = msgpack.unpackb(peer.descriptor(), raw=False)

@@ -15,10 +15,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from nixl_fixtures import Local, MakeLocal
 from p2pkv.testing.waiting import wait_until
-from p2pkv_nixl import wire
+from p2pkv_nixl import NixlDataTransport, wire
 
 BLOCK = 4096
+
+Pair = tuple[NixlDataTransport, NixlDataTransport, Local]
+"""The ``pair`` fixture: (consumer, producer, the consumer's :class:`Local`)."""
 
 
 class _Corrupting:
@@ -45,13 +49,13 @@ def _head(request: int, base: int, capacity: int, block_len: int, count: int,
                                   slice_blocks)
 
 
-def _serving(transport) -> bool:
+def _serving(transport: NixlDataTransport) -> bool:
     """Whether the transport runs a WRITE serving a peer's staged read."""
     return any(peer.serving for peer in transport.state.peers)
 
 
 @pytest.fixture
-def pair(make_local):
+def pair(make_local: MakeLocal) -> Pair:
     """(consumer, producer, consumer Local): the consumer stages every read."""
     consumer = make_local(num_blocks=16, block_len=BLOCK, seed=1, staging="always",
                           staging_blocks=8)
@@ -61,7 +65,8 @@ def pair(make_local):
     return consumer.transport, producer.transport, consumer
 
 
-def _read(consumer, producer, local, remote) -> tuple[set[int], set[int]]:
+def _read(consumer: NixlDataTransport, producer: NixlDataTransport, local: list[int],
+          remote: list[int]) -> tuple[set[int], set[int]]:
     tid = consumer.read_blocks("p", local, remote)
     done: set[int] = set()
     failed: set[int] = set()
@@ -78,7 +83,7 @@ def _read(consumer, producer, local, remote) -> tuple[set[int], set[int]]:
     return done, failed
 
 
-def test_a_staged_read_is_served_by_the_producers_write_and_lands_exact(pair) -> None:
+def test_a_staged_read_is_served_by_the_producers_write_and_lands_exact(pair: Pair) -> None:
     consumer, producer, local = pair
     assert consumer.lane("p") == "staged"
     source = producer._blocks.copy()
@@ -96,7 +101,7 @@ def test_a_staged_read_is_served_by_the_producers_write_and_lands_exact(pair) ->
     ([0, 1, 2, 3], [7, 8, 9, 10], 2),  # the pool's slices of 3 blocks cut the run at block 3
 ])
 def test_a_staged_read_counts_the_descriptors_its_request_asks_for(
-    make_local, local, remote, posted
+    make_local: MakeLocal, local: list[int], remote: list[int], posted: int
 ) -> None:
     """``descriptors_posted`` counts a staged read too, on the consumer: the runs of the
     producer's WRITE its request asks for (:func:`p2pkv.runs.coalesce`, cut at both sides'
@@ -112,7 +117,7 @@ def test_a_staged_read_counts_the_descriptors_its_request_asks_for(
 
 
 def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
-    pair, caplog
+    pair: Pair, caplog: pytest.LogCaptureFixture
 ) -> None:
     consumer, producer, local = pair
     before = local.blocks.copy()
@@ -148,7 +153,9 @@ def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
         b"something else entirely",
     ],
 )
-def test_malformed_notifications_are_refused_never_raised(pair, message, caplog) -> None:
+def test_malformed_notifications_are_refused_never_raised(
+    pair: Pair, message: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     consumer, producer, _ = pair
     def refused() -> bool:
         return any("refused staged read request" in r.getMessage() for r in caplog.records)
@@ -168,7 +175,7 @@ def test_malformed_notifications_are_refused_never_raised(pair, message, caplog)
 
 
 def test_requests_from_an_agent_the_producer_did_not_add_are_ignored(
-    make_local, caplog
+    make_local: MakeLocal, caplog: pytest.LogCaptureFixture
 ) -> None:
     stranger = make_local(num_blocks=16, block_len=BLOCK, seed=3, staging="always",
                           drain_timeout=0.2).transport

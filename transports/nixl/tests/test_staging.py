@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
+from nixl_fixtures import MakeLocal, MakeRecorder, WaitFor
 from p2pkv.errors import ConfigError, TransferBusy, TransferSubmitError
+from p2pkv.testing.peers import ChildDataPeer, PeerHost
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
@@ -23,12 +26,12 @@ MiB = 1 << 20
 CANARY = 0xCC
 
 
-def _source(peer, block_len: int) -> np.ndarray:
+def _source(peer: ChildDataPeer, block_len: int) -> np.ndarray:
     return np.frombuffer(peer.region_bytes(), dtype=np.uint8).reshape(-1, block_len)
 
 
 def test_auto_reads_a_same_host_cma_peer_directly_and_a_tcp_peer_through_staging(
-    make_local, host, tcp_host
+    make_local: MakeLocal, host: PeerHost, tcp_host: PeerHost
 ) -> None:
     consumer = make_local(num_blocks=8, block_len=4096)
     t = consumer.transport
@@ -51,7 +54,8 @@ def test_auto_reads_a_same_host_cma_peer_directly_and_a_tcp_peer_through_staging
     [("always", "staged", "staged"), ("never", "direct", "direct")],
 )
 def test_the_staging_option_overrides_the_lane(
-    make_local, host, tcp_host, caplog, staging, near, tcp
+    make_local: MakeLocal, host: PeerHost, tcp_host: PeerHost, caplog: pytest.LogCaptureFixture,
+    staging: str, near: str, tcp: str
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="p2pkv.nixl.transport"):
         t = make_local(num_blocks=8, block_len=4096, staging=staging).transport
@@ -66,7 +70,9 @@ def test_the_staging_option_overrides_the_lane(
         peer.close()
 
 
-def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -> None:
+def test_staged_reads_over_tcp_land_byte_exact(
+    make_local: MakeLocal, tcp_host: PeerHost, wait_for: WaitFor
+) -> None:
     consumer = make_local(num_blocks=96, block_len=64 * 1024, seed=3, staging_blocks=64)
     t = consumer.transport
     before = consumer.blocks.copy()
@@ -80,7 +86,8 @@ def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -
     remote = np.random.default_rng(6).permutation(80)[:64]
 
     first = t.read_blocks("p", slots[:40].tolist(), remote[:40].tolist())
-    second = t.read_blocks("p", slots[40:], remote[40:])  # the rest of the pool
+    # The rest of the pool, indexed by numpy arrays (accepted, though typed Sequence[int]).
+    second = t.read_blocks("p", slots[40:], remote[40:])  # type: ignore[arg-type]
     done, failed = wait_for(t, "p", {first, second})
 
     assert done == {first, second} and not failed
@@ -92,7 +99,7 @@ def test_staged_reads_over_tcp_land_byte_exact(make_local, tcp_host, wait_for) -
 
 
 def test_a_full_staging_pool_says_busy_and_an_oversized_read_is_refused(
-    make_local, host, record, wait_for
+    make_local: MakeLocal, host: PeerHost, record: MakeRecorder, wait_for: WaitFor
 ) -> None:
     t = make_local(num_blocks=16, block_len=4096, staging="always", staging_blocks=4).transport
     producer = host.data_peer(NixlDataTransport, 16, 4096, {})
@@ -117,14 +124,15 @@ def test_a_full_staging_pool_says_busy_and_an_oversized_read_is_refused(
 def test_staging_options_are_validated() -> None:
     from p2pkv.contracts import DataSettings
 
-    for options, key in [({"staging": "sometimes"}, "'staging'"),
-                         ({"staging_blocks": 0}, "'staging_blocks'"),
-                         ({"staging_blocks": 2.5}, "'staging_blocks'")]:
+    bad: list[tuple[dict[str, Any], str]] = [({"staging": "sometimes"}, "'staging'"),
+                                             ({"staging_blocks": 0}, "'staging_blocks'"),
+                                             ({"staging_blocks": 2.5}, "'staging_blocks'")]
+    for options, key in bad:
         with pytest.raises(ConfigError, match=key):
             NixlDataTransport.create(DataSettings(memoryview(bytearray(8192)), 4096, options))
 
 
-def _poll_quietly(transport, peer_id: str, seconds: float) -> None:
+def _poll_quietly(transport: NixlDataTransport, peer_id: str, seconds: float) -> None:
     """Poll ``peer_id`` throughout a bounded window of ``seconds``, yielding the CPU a
     millisecond between polls; fails if anything is reported."""
     pause = threading.Event()  # never set: a bounded yield, not a wait for anything
@@ -136,7 +144,7 @@ def _poll_quietly(transport, peer_id: str, seconds: float) -> None:
 
 
 def test_a_cancelled_staged_read_never_lands_when_the_stopped_producer_resumes(
-    make_local, tcp_host, wait_for, monkeypatch
+    make_local: MakeLocal, tcp_host: PeerHost, wait_for: WaitFor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """UCX_TLS=tcp on both sides. A 64 MiB read is posted, the producer is SIGSTOPped right
     after, the read cancelled and our slots filled with a canary. Once the producer resumes,
@@ -172,6 +180,7 @@ def test_a_cancelled_staged_read_never_lands_when_the_stopped_producer_resumes(
 
     wait_until(lambda: t.staging_usage()["quarantined"] == 0, timeout=30.0,
                what="the quarantined read to end", pumps=[t.progress])
+    assert t.state.pool is not None
     np.testing.assert_array_equal(t.state.pool.blocks, source)  # it did land: in the pool only
     assert (consumer.blocks == CANARY).all()
     again = t.read_blocks("p", every[::-1], every)  # the pool is whole again
@@ -181,7 +190,7 @@ def test_a_cancelled_staged_read_never_lands_when_the_stopped_producer_resumes(
 
 
 def test_control_without_staging_a_cancelled_tcp_read_does_land(
-    make_local, tcp_host, wait_for, monkeypatch
+    make_local: MakeLocal, tcp_host: PeerHost, wait_for: WaitFor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Why staging exists (and a check that the test above can fail): the same cancelled read
     with ``staging: never`` lands in the slots once the producer resumes, although its handle
@@ -211,7 +220,7 @@ def test_control_without_staging_a_cancelled_tcp_read_does_land(
 
 
 def test_a_producer_refuses_the_staged_requests_of_a_peer_it_removed(
-    make_local, tcp_host, wait_for, monkeypatch
+    make_local: MakeLocal, tcp_host: PeerHost, wait_for: WaitFor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The producer dropped us (its session ended: we were paused, or cut off) and our
     requests arrive afterwards: they are answered "failed" at once, so a live read fails and

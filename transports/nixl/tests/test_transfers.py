@@ -6,14 +6,17 @@ The consumer (this process) posts every read; the producers live in a ``PeerHost
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
+from nixl_fixtures import MakeLocal, MakePollLog, MakeRecorder, WaitFor
 from p2pkv.contracts import DataSettings
 from p2pkv.errors import TransferSubmitError
 from p2pkv.runs import coalesce
-from p2pkv.testing.peers import pattern
+from p2pkv.testing.peers import PeerHost, pattern
 from p2pkv.testing.waiting import wait_until
 from p2pkv_nixl import NixlDataTransport
 
@@ -29,7 +32,7 @@ def _blocks(region: bytes) -> np.ndarray:
     ids=["auto-direct", "always-staged"],
 )
 def test_256_blocks_land_byte_exact_at_scattered_slots(
-    make_local, host, wait_for, options, lane
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor, options: dict[str, Any], lane: str
 ) -> None:
     consumer = make_local(num_blocks=512, block_len=BLOCK, seed=7, **options)
     before = consumer.blocks.copy()
@@ -54,10 +57,10 @@ def test_256_blocks_land_byte_exact_at_scattered_slots(
 
 
 @pytest.fixture(scope="module")
-def consumer_and_small_peer(host):
+def consumer_and_small_peer(host: PeerHost) -> Iterator[SimpleNamespace]:
     """A 128-block consumer registered with a 32-block producer (remote bound != local)."""
     array = pattern(1, 128 * BLOCK)
-    transport = NixlDataTransport.create(DataSettings(memoryview(array), BLOCK))
+    transport = NixlDataTransport.create(DataSettings(array.data, BLOCK))
     small = host.data_peer(NixlDataTransport, 32, BLOCK, {})
     small.fill(2)
     transport.add_peer("small", small.descriptor)
@@ -94,7 +97,8 @@ def consumer_and_small_peer(host):
     ],
 )
 def test_bad_indexes_are_refused_before_anything_is_posted(
-    consumer_and_small_peer, record, local_idxs, remote_idxs, says
+    consumer_and_small_peer: SimpleNamespace, record: MakeRecorder, local_idxs: object,
+    remote_idxs: object, says: str
 ) -> None:
     consumer = consumer_and_small_peer
     recorder = record(consumer.transport)
@@ -106,7 +110,7 @@ def test_bad_indexes_are_refused_before_anything_is_posted(
 
 
 def test_numpy_indexes_and_repeated_sources_are_accepted(
-    consumer_and_small_peer, host, wait_for
+    consumer_and_small_peer: SimpleNamespace, host: PeerHost, wait_for: WaitFor
 ) -> None:
     """Numpy integers (in lists, or 1-D arrays) are indexes like ints; one source block may
     be read into several of our blocks (only destinations must be distinct)."""
@@ -124,7 +128,7 @@ def test_numpy_indexes_and_repeated_sources_are_accepted(
 
 @pytest.mark.parametrize("staging", ["never", "always"])
 def test_a_repeated_source_fills_every_slot_it_is_named_for_on_both_lanes(
-    make_local, host, wait_for, staging
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor, staging: str
 ) -> None:
     """Repeated remote indexes, scattered and in runs, over the direct READ and over the
     staged request (the producer WRITEs one source block into several pool blocks)."""
@@ -145,7 +149,7 @@ def test_a_repeated_source_fills_every_slot_it_is_named_for_on_both_lanes(
 
 
 def test_poll_is_scoped_when_two_peers_share_the_transport(
-    make_local, host, wait_for, poll_log
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor, poll_log: MakePollLog
 ) -> None:
     consumer = make_local(num_blocks=64, block_len=BLOCK, seed=5)
     t = consumer.transport
@@ -190,7 +194,9 @@ def test_poll_is_scoped_when_two_peers_share_the_transport(
     [{}, {"enable_prog_thread": True, "warmup": False}, {"staging": "always"}],
     ids=["default", "prog-thread", "staged"],
 )
-def test_contiguous_runs_and_repeated_reads(make_local, host, wait_for, options) -> None:
+def test_contiguous_runs_and_repeated_reads(
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor, options: Any
+) -> None:
     consumer = make_local(num_blocks=64, block_len=BLOCK, seed=9, **options)
     producer = host.data_peer(NixlDataTransport, 64, BLOCK, {})
     producer.fill(19)
@@ -199,7 +205,8 @@ def test_contiguous_runs_and_repeated_reads(make_local, host, wait_for, options)
     producer.add_peer("c", consumer.transport.descriptor())
     ids = {
         consumer.transport.read_blocks("p", list(range(32, 64)), list(range(0, 32))),
-        consumer.transport.read_blocks("p", np.arange(0, 32), np.arange(32, 64, dtype=np.int32)),
+        consumer.transport.read_blocks(  # numpy index arrays: accepted, though typed Sequence[int]
+            "p", np.arange(0, 32), np.arange(32, 64, dtype=np.int32)),  # type: ignore[arg-type]
     }
     done, failed = wait_for(consumer.transport, "p", ids)
     assert done == ids and not failed
@@ -209,7 +216,8 @@ def test_contiguous_runs_and_repeated_reads(make_local, host, wait_for, options)
 
 
 def test_re_adding_a_peer_ends_its_reads_and_replaces_it_once_quiescent(
-    make_local, doomed, record, wait_for, poll_log
+    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder, wait_for: WaitFor, poll_log:
+    MakePollLog
 ) -> None:
     """A new incarnation (another descriptor) replaces the peer at once: the old read ends
     finally and is never reported; the old record goes once its warm-up READ ended."""
@@ -258,7 +266,7 @@ def test_runs_join_pairs_consecutive_on_both_sides() -> None:
 
 
 def test_a_contiguous_read_posts_one_descriptor_a_scattered_one_one_per_block(
-    make_local, host, wait_for
+    make_local: MakeLocal, host: PeerHost, wait_for: WaitFor
 ) -> None:
     consumer = make_local(num_blocks=64, block_len=BLOCK, seed=10, staging="never")
     t = consumer.transport

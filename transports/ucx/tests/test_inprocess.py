@@ -12,6 +12,7 @@ import pytest
 from p2pkv.errors import PeerRejected, TransferSubmitError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_ucx import tags, wire
+from p2pkv_ucx.records import Peer
 from ucx_helpers import Node, RawProducer, T, settle
 
 Make = Callable[..., Node]
@@ -190,6 +191,7 @@ def test_a_read_cancelled_before_it_is_served_is_skipped_and_never_lands(nodes: 
 def test_a_producer_refuses_a_read_outside_its_region(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
     peer = consumer.t.attached_peer("p")
+    assert isinstance(peer, Peer)
     peer.desc = wire.Descriptor(peer.desc.address, peer.desc.instance, 64, peer.desc.block_len,
                                 peer.desc.max_run, peer.desc.error_handling)  # lie: 64 blocks
     tid = consumer.t.read_blocks("p", [0], [40])
@@ -288,6 +290,7 @@ def test_a_small_staging_budget_still_moves_everything(nodes: Make) -> None:
 def test_a_peer_moves_to_a_fresh_link_before_read_ids_wrap(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
     peer = consumer.t.attached_peer("p")
+    assert isinstance(peer, Peer)
     peer.next_rid = tags.RID_LIMIT - 1
     old = peer.link
     _read(producer, consumer, [1], [2])
@@ -336,6 +339,7 @@ def test_re_adding_a_peer_behind_a_failed_endpoint_makes_a_fresh_one(nodes: Make
     session's add_peer must not keep the dead endpoint (every read would fail forever)."""
     producer, consumer = _pair(nodes)
     old = consumer.t.attached_peer("p")
+    assert isinstance(old, Peer)
     old.dead = True  # as the progress loop marks it when the endpoint errors
     with pytest.raises(TransferSubmitError, match="unreachable"):
         consumer.t.read_blocks("p", [1], [2])

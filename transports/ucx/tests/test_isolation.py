@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from p2pkv_ucx.records import Peer
 from p2pkv_ucx.staging import Staging
 from ucx_helpers import Node, T
 
@@ -72,8 +73,10 @@ def test_a_frozen_producer_holds_half_the_staging_and_another_producers_reads_la
     _warm(consumer, healthy, "healthy", 30)
     stuck = consumer.t.read_blocks("frozen", list(range(8)), list(range(8)))
     staging = consumer.t.state.staging
+    frozen_peer = consumer.t.attached_peer("frozen")
+    assert isinstance(frozen_peer, Peer)
     taken = _rounds_until([frozen.t.progress, consumer.t.progress],
-                          lambda: staging.held_by(consumer.t.attached_peer("frozen")) > 0)
+                          lambda: staging.held_by(frozen_peer) > 0)
     assert taken, "the frozen producer's runs never started"
     # frozen from here on: never progressed again
     ids = {consumer.t.read_blocks("healthy", [16 + i], [i]) for i in range(8)}
@@ -83,6 +86,7 @@ def test_a_frozen_producer_holds_half_the_staging_and_another_producers_reads_la
     assert ids <= consumer.done
     assert (consumer.blocks[16:24] == healthy.blocks[:8]).all()
     peer = consumer.t.attached_peer("frozen")
+    assert isinstance(peer, Peer)
     assert 0 < staging.held_by(peer) <= staging.budget // 2
     assert peer.parked, "the frozen producer's runs beyond its share wait, parked"
     consumer.t.cancel([stuck])

@@ -148,8 +148,11 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
         if not read.ended:
             break
         remote.child.resume()
-        wait_until(lambda tid=tid: tid in local.done | local.failed, timeout=T,
-                   what="the read that finished too early", pumps=[local.poll])
+
+        def ended(tid: int = tid) -> bool:
+            return tid in local.done | local.failed
+
+        wait_until(ended, timeout=T, what="the read that finished too early", pumps=[local.poll])
     assert not read.ended, f"the read ended before the pause 5 times ({read.outcome})"
     in_flight = on_its_way()
     assert in_flight or not over_tcp, "the case UCX cannot cancel was not reached"

@@ -12,6 +12,7 @@ import pytest
 from p2pkv.errors import PeerRejected
 from p2pkv.runs import ONE_SLICE
 from p2pkv_ucx import wire
+from p2pkv_ucx.records import Peer
 from slice_oracle import cuts
 from ucx_helpers import Node, settle
 
@@ -52,7 +53,9 @@ def test_a_producer_refuses_a_run_across_its_slices(nodes: Make) -> None:
     consumer = nodes(num_blocks=32, block_len=BLOCK, seed=2)
     producer.link("c", consumer, back_as="p")
     before = consumer.blocks.copy()
-    consumer.t.attached_peer("p").slices = ONE_SLICE  # lie: ignore the producer's slices
+    peer = consumer.t.attached_peer("p")
+    assert isinstance(peer, Peer)
+    peer.slices = ONE_SLICE  # lie: ignore the producer's slices
     tid = consumer.t.read_blocks("p", list(range(8)), list(range(8)))
     settle([producer, consumer], {consumer: {tid}}, "the refusal")
     assert tid in consumer.failed

@@ -3,6 +3,9 @@ configs through the registry like an engine adapter would; bytes checked exactly
 
 from __future__ import annotations
 
+import operator
+from functools import partial
+
 import numpy as np
 import pytest
 import ucx_programs
@@ -52,7 +55,7 @@ def test_tier_pair_over_zmq_and_ucx_moves_blocks_exactly(error_handling: bool) -
                 if not round_ % 2:
                     tick()
                     producer.request(store, T, "the store to be submitted")
-                wait_until(lambda r=round_: 200 + r in results, timeout=T,
+                wait_until(partial(operator.contains, results, 200 + round_), timeout=T,
                            what=f"the load of {kv}", pumps=[tick])
                 assert results[200 + round_].outcome is Outcome.DONE, results[200 + round_]
                 assert (blocks[dst] == produced[src]).all(), f"{kv}: bytes differ"
@@ -62,6 +65,7 @@ def test_tier_pair_over_zmq_and_ucx_moves_blocks_exactly(error_handling: bool) -
                 and len(r) == 3 and r,
                 timeout=T, what="the producer's three store results", pumps=[tick],
             )
+            assert stores
             assert set(stores.values()) == {Outcome.DONE.value}, stores
         finally:
             producer.send(("exit",))

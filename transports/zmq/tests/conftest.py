@@ -8,24 +8,24 @@ this directory is on ``sys.path`` (pytest's ``pythonpath``, root pyproject.toml)
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 from p2pkv.contracts import ControlSettings
 from p2pkv_zmq import ZmqControlTransport
-
-MakeTransport = Callable[..., Any]
+from zmq_fixtures import MakeTransport
 
 
 @pytest.fixture
 def make_transport() -> Iterator[MakeTransport]:
     """``make_transport(host="127.0.0.1", port=0, max_frame_bytes=..., **options)``; the
     transport's default options unless given (``options=zmq_peers.FAST`` for quick liveness)."""
-    made: list[Any] = []
+    made: list[ZmqControlTransport] = []
 
     def make(host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = 1 << 20,
-             dp_rank: int = 0, options: Mapping[str, Any] | None = None, **kw: Any) -> Any:
+             dp_rank: int = 0, options: Mapping[str, Any] | None = None,
+             **kw: Any) -> ZmqControlTransport:
         opts = {**(options or {}), **kw}
         t = ZmqControlTransport.create(
             ControlSettings(host, port, max_frame_bytes=max_frame_bytes, options=opts,

@@ -17,6 +17,7 @@ from p2pkv.cli import main as p2pkv_main
 from p2pkv.errors import ConfigError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.dialing import DIAL_BACKOFF
+from zmq_fixtures import MakeTransport
 
 T = 5.0
 
@@ -63,7 +64,7 @@ def test_keys_command_writes_a_usable_pair(
     assert zmq.auth.load_certificate(str(keydir / "alice.key"))[0] != public
 
 
-def test_right_keys_connect_both_ways(make_transport: Any, keydir: Path) -> None:
+def test_right_keys_connect_both_ways(make_transport: MakeTransport, keydir: Path) -> None:
     server = make_transport(options=curve(keydir, "alice"))
     public, secret = zmq.auth.load_certificate(str(keydir / "alice.key_secret"))
     assert secret is not None
@@ -89,7 +90,7 @@ def test_right_keys_connect_both_ways(make_transport: Any, keydir: Path) -> None
 
 @pytest.mark.parametrize("who", ["wrong client key", "no keys", "wrong server key"])
 def test_unauthenticated_peer_delivers_nothing(
-    make_transport: Any, keydir: Path, caplog: pytest.LogCaptureFixture, who: str,
+    make_transport: MakeTransport, keydir: Path, caplog: pytest.LogCaptureFixture, who: str,
 ) -> None:
     server = make_transport(options=curve(keydir, "alice"))
     if who == "wrong client key":
@@ -116,12 +117,12 @@ def test_unauthenticated_peer_delivers_nothing(
 
 
 def test_refusal_is_logged_once_per_peer_not_per_attempt(
-    make_transport: Any, keydir: Path, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport, keydir: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     server = make_transport(options=curve(keydir, "alice"))
     public, secret = zmq.auth.load_certificate(str(keydir / "mallory.key_secret"))
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     attempts = []
     for _ in range(5):  # five connection attempts from the same host with the same key
         raw = ctx.socket(zmq.DEALER)
@@ -142,7 +143,9 @@ def test_refusal_is_logged_once_per_peer_not_per_attempt(
     assert len(mine) == 1, refusals(caplog)
 
 
-def test_non_loopback_bind_without_keys_is_refused_before_binding(make_transport: Any) -> None:
+def test_non_loopback_bind_without_keys_is_refused_before_binding(
+    make_transport: MakeTransport
+) -> None:
     fds = len(os.listdir("/proc/self/fd"))
     for host in ("0.0.0.0", "::", socket.gethostname(), "192.0.2.2"):
         with pytest.raises(ConfigError, match="insecure") as err:
@@ -152,7 +155,7 @@ def test_non_loopback_bind_without_keys_is_refused_before_binding(make_transport
 
 
 def test_insecure_is_allowed_and_warned_at_every_start(
-    make_transport: Any, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     for _ in range(2):
@@ -161,7 +164,7 @@ def test_insecure_is_allowed_and_warned_at_every_start(
     assert len(warnings) == 2 and all(r.levelno == logging.WARNING for r in warnings)
 
 
-def test_keys_allow_a_non_loopback_bind(make_transport: Any, keydir: Path) -> None:
+def test_keys_allow_a_non_loopback_bind(make_transport: MakeTransport, keydir: Path) -> None:
     server = make_transport("0.0.0.0", advertise="127.0.0.1", options=curve(keydir, "alice"))
     client = make_transport(options=curve(keydir, "alice"))
     client.connect(server.local_address).send(b"over CURVE")
@@ -172,7 +175,7 @@ def test_keys_allow_a_non_loopback_bind(make_transport: Any, keydir: Path) -> No
 
 
 def test_curve_option_errors_are_clear_and_never_echo_keys(
-    make_transport: Any, keydir: Path,
+    make_transport: MakeTransport, keydir: Path,
 ) -> None:
     full = curve(keydir, "alice")
     with pytest.raises(ConfigError, match="allowed_client_keys"):
@@ -198,7 +201,7 @@ def test_curve_option_errors_are_clear_and_never_echo_keys(
 @pytest.mark.parametrize("mismatch", ["different server key pair", "keys on the listener only",
                                       "keys on the dialer only", "client key not allowed"])
 def test_a_curve_mismatch_is_named_on_the_dialing_side(
-    make_transport: Any, keydir: Path, mismatch: str,
+    make_transport: MakeTransport, keydir: Path, mismatch: str,
 ) -> None:
     """The dialer's connection dies fast with a reason naming the security mismatch, not a
     bare disconnect (the listener alone used to say why)."""

@@ -14,6 +14,7 @@ import pytest
 from p2pkv.errors import ConnectionClosed
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.dialing import DIAL_BACKOFF
+from zmq_fixtures import MakeTransport
 
 T = 5.0
 FAR = 3600.0
@@ -33,7 +34,7 @@ def _dead(t: Any, address: str, within: float = WAIT) -> str:
 
 
 def test_a_refused_dial_is_dead_at_once_and_says_refused(
-    make_transport: Any, refused_address: str,
+    make_transport: MakeTransport, refused_address: str,
 ) -> None:
     t = make_transport(connect_timeout=FAR, handshake_timeout=FAR)
     reason = _dead(t, refused_address)
@@ -41,7 +42,7 @@ def test_a_refused_dial_is_dead_at_once_and_says_refused(
 
 
 def test_repeated_dials_to_a_refused_port_back_off_through_the_negative_cache(
-    make_transport: Any, refused_address: str,
+    make_transport: MakeTransport, refused_address: str,
 ) -> None:
     t = make_transport(connect_timeout=FAR, handshake_timeout=FAR)
     reasons = [_dead(t, refused_address) for _ in range(20)]
@@ -55,7 +56,7 @@ def test_repeated_dials_to_a_refused_port_back_off_through_the_negative_cache(
 
 
 def test_an_unresolvable_host_is_dead_at_once_and_says_no_such_host(
-    make_transport: Any,
+    make_transport: MakeTransport,
 ) -> None:
     t = make_transport(connect_timeout=FAR, handshake_timeout=FAR)
     reason = _dead(t, "no-such-host.invalid:5710")
@@ -66,7 +67,7 @@ def test_an_unresolvable_host_is_dead_at_once_and_says_no_such_host(
 
 
 def test_a_listener_that_never_speaks_zmtp_times_out_the_handshake(
-    make_transport: Any,
+    make_transport: MakeTransport,
 ) -> None:
     """Something accepts TCP but never answers the greeting (not a p2pkv port): dead after
     handshake_timeout, named as such, not after connect_timeout."""

@@ -14,6 +14,7 @@ from p2pkv.cli import main as p2pkv_main
 from p2pkv.errors import ConfigError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.options import CURVE_DIR_ENV
+from zmq_fixtures import MakeTransport
 
 T = 5.0
 
@@ -58,7 +59,7 @@ def dial(sender: Any, receiver: Any, frame: bytes) -> tuple[Any, list[Any]]:
 
 
 def test_replicas_sharing_the_secret_connect_with_curve(
-    make_transport: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CURVE_DIR_ENV, str(mounted_secret("p2pkv-curve", tmp_path / "s", capsys)))
@@ -71,7 +72,7 @@ def test_replicas_sharing_the_secret_connect_with_curve(
 
 
 def test_another_fleets_keys_are_refused(
-    make_transport: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CURVE_DIR_ENV, str(mounted_secret("ours", tmp_path / "ours", capsys)))
@@ -82,7 +83,7 @@ def test_another_fleets_keys_are_refused(
 
 
 def test_per_instance_client_keys_sit_beside_the_fleet_pairs(
-    make_transport: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fleet = mounted_secret("fleet", tmp_path / "fleet", capsys)
@@ -107,7 +108,7 @@ def test_per_instance_client_keys_sit_beside_the_fleet_pairs(
     ("no client key", "no client public key"),
 ])
 def test_a_broken_key_directory_names_what_is_missing(
-    make_transport: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch, setup: str, message: str,
 ) -> None:
     directory = tmp_path / "missing"
@@ -122,7 +123,7 @@ def test_a_broken_key_directory_names_what_is_missing(
 
 
 def test_insecure_and_a_key_directory_contradict(
-    make_transport: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CURVE_DIR_ENV, str(mounted_secret("s", tmp_path / "s", capsys)))
@@ -131,7 +132,7 @@ def test_insecure_and_a_key_directory_contradict(
 
 
 def test_no_keys_on_a_routable_host_names_the_variable(
-    make_transport: Any, monkeypatch: pytest.MonkeyPatch,
+    make_transport: MakeTransport, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(CURVE_DIR_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"set {CURVE_DIR_ENV} to a directory"):
@@ -152,7 +153,7 @@ def test_keys_misuse_is_one_line_naming_the_fix(
 
 
 def test_keys_fleet_writes_the_directory_and_refuses_to_overwrite(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], make_transport: Any,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make_transport: MakeTransport,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert p2pkv_main(["keys", "--fleet", "--dir", str(tmp_path / "k")]) == 0

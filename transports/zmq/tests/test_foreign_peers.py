@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zmq
 from p2pkv.testing.waiting import wait_until
+from zmq_fixtures import MakeTransport
 
 T = 30.0
 """Bound of every wait. It is longer than the transport's 10 s handshake timeout, so the
@@ -45,7 +46,7 @@ def _upstream_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> zmq.Sock
     return sock
 
 
-def _exchange_works(make_transport: Any, listener: Any) -> None:
+def _exchange_works(make_transport: MakeTransport, listener: Any) -> None:
     """A p2pkv peer dials ``listener`` and its first frame arrives with the connection."""
     peer = make_transport()
     peer.connect(listener.local_address).send(b"still serving")
@@ -57,7 +58,8 @@ def _exchange_works(make_transport: Any, listener: Any) -> None:
 
 
 def test_a_dealer_dialing_the_listener_is_named_and_the_listener_serves_on(
-    make_transport: Any, ctx: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport, ctx: zmq.Context[zmq.Socket[bytes]], caplog:
+    pytest.LogCaptureFixture
 ) -> None:
     """Each dial is named: certainly, at WARNING, when libzmq ended it with no handshake
     outcome; else (the DEALER found the mismatch first) in the listener's one INFO line about
@@ -87,7 +89,7 @@ def test_a_dealer_dialing_the_listener_is_named_and_the_listener_serves_on(
 
 
 def test_a_dial_to_a_router_dies_naming_the_foreign_listener(
-    make_transport: Any, ctx: zmq.Context[zmq.Socket[bytes]],
+    make_transport: MakeTransport, ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """The dial dies in its handshake, and the reason names the built-in tier either way
     (no outcome: the ROUTER refused our PUSH; a failure: our side refused first)."""
@@ -106,7 +108,7 @@ def test_a_dial_to_a_router_dies_naming_the_foreign_listener(
 
 
 def test_a_raw_tcp_probe_is_not_named_foreign(
-    make_transport: Any, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A connect-and-close (a kubelet TCP probe, a port scan) fails its handshake as a
     client that left: never named a foreign zmq peer, no warning (one INFO line)."""

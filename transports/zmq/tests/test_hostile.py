@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.connection import ZmqConnection
 from p2pkv_zmq.identity import parse_link_id
+from zmq_fixtures import MakeTransport
 
 T = 5.0
 CAP = 4096
@@ -31,7 +32,9 @@ class Harness:
         self.home = self.ctx.socket(zmq.PULL)
         self.home.linger = 0
         self.home.bind("tcp://127.0.0.1:*")
-        port = self.home.last_endpoint.decode().rsplit(":", 1)[1]
+        endpoint = self.home.last_endpoint
+        assert isinstance(endpoint, bytes)
+        port = endpoint.decode().rsplit(":", 1)[1]
         self.link = f"127.0.0.1:{port}#{secrets.token_hex(8)}".encode()
         self.good = self._push()
         self.good.send_multipart([self.link, b"", b"open", b""])
@@ -75,7 +78,7 @@ class Harness:
 
 
 @pytest.fixture
-def harness(make_transport: Any) -> Iterator[Harness]:
+def harness(make_transport: MakeTransport) -> Iterator[Harness]:
     h = Harness(make_transport(max_frame_bytes=CAP))
     yield h
     h.close()

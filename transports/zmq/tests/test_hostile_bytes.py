@@ -19,6 +19,7 @@ import zmq_peers
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq import hub
+from zmq_fixtures import MakeTransport
 
 T = 10.0  # generous: the child starts on a busy 2-core machine
 HANDSHAKE = 0.5  # the listener's handshake_timeout
@@ -66,16 +67,16 @@ def _wait_closed_by_peer(socks: list[tuple[str, socket.socket]], deadline: float
             selector.register(sock, selectors.EVENT_READ, kind)
         while selector.get_map() and time.monotonic() < deadline:
             for key, _ in selector.select(max(0.0, deadline - time.monotonic())):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
                 try:
-                    if sock.recv(65536):
+                    if ready.recv(65536):
                         continue  # the listener's own greeting: not closed yet
                 except BlockingIOError:
                     continue
                 except ConnectionResetError:
                     pass
-                selector.unregister(sock)
+                selector.unregister(ready)
         return [key.data for key in selector.get_map().values()]
 
 
@@ -93,7 +94,7 @@ def _echo(t: Any, conn: Any, word: bytes) -> None:
 
 
 def test_hostile_connections_are_closed_within_the_handshake_timeout(
-    make_transport: Any,
+    make_transport: MakeTransport,
 ) -> None:
     options = {"handshake_timeout": HANDSHAKE}
     with Child(zmq_peers.sitter, 0, None, options, name="hostile-target") as child:
@@ -129,7 +130,7 @@ def test_hostile_connections_are_closed_within_the_handshake_timeout(
 
 
 def test_a_flood_of_hostile_messages_logs_a_bounded_number_of_warnings(
-    make_transport: Any, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Every message below carries a different sender id, so logging once per sender would
     log each of them: the log is capped in all, whatever the keys."""

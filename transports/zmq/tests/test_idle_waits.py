@@ -15,11 +15,13 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import pytest
 from p2pkv.config import TierConfig
 from p2pkv.tier import P2PTier
+from zmq_fixtures import MakeTransport
 
 LONG = 120.0
 """A poll's timeout: far beyond ``GUARD``, so only the event can end it in time."""
@@ -56,7 +58,7 @@ def later(action: Callable[[], object]) -> Iterator[None]:
         thread.join(GUARD)
 
 
-def established(make_transport: Any) -> tuple[Any, Any, Any, Any]:
+def established(make_transport: MakeTransport) -> tuple[Any, Any, Any, Any]:
     """``a`` dialed ``b``, both waiting in long polls only: a's connection and b's, after
     a frame each way."""
     a, b = make_transport(), make_transport()
@@ -72,40 +74,44 @@ def established(make_transport: Any) -> tuple[Any, Any, Any, Any]:
     return a, b, out, inbound
 
 
-def test_a_long_poll_returns_a_new_peer_with_its_first_frame(make_transport: Any) -> None:
+def test_a_long_poll_returns_a_new_peer_with_its_first_frame(make_transport: MakeTransport) -> None:
     established(make_transport)
 
 
-def test_a_long_poll_returns_at_each_frame(make_transport: Any) -> None:
+def test_a_long_poll_returns_at_each_frame(make_transport: MakeTransport) -> None:
     _, b, out, inbound = established(make_transport)
     got: list[bytes] = []
     for i in range(3):
-        with later(lambda i=i: out.send(b"frame-%d" % i)):
-            long_polls_until(b, lambda _, n=i + 1: got.extend(inbound.recv()) or len(got) >= n,
-                             f"frame {i}")
+
+        def arrived(_: object, n: int = i + 1) -> bool:
+            got.extend(inbound.recv())
+            return len(got) >= n
+
+        with later(partial(out.send, b"frame-%d" % i)):
+            long_polls_until(b, arrived, f"frame {i}")
     assert got == [b"frame-%d" % i for i in range(3)]
 
 
-def test_a_long_poll_sees_the_peer_close_the_connection(make_transport: Any) -> None:
+def test_a_long_poll_sees_the_peer_close_the_connection(make_transport: MakeTransport) -> None:
     _, b, out, inbound = established(make_transport)
     with later(out.close):
         long_polls_until(b, lambda _: not inbound.alive, "the peer's close")
 
 
-def test_a_long_poll_sees_the_peer_transport_vanish(make_transport: Any) -> None:
+def test_a_long_poll_sees_the_peer_transport_vanish(make_transport: MakeTransport) -> None:
     a, b, _, inbound = established(make_transport)
     with later(a.close):  # no "gone" on its connections: b's monitors tell
         long_polls_until(b, lambda _: not inbound.alive, "the peer's disconnect")
 
 
-def test_an_interrupt_from_another_thread_ends_a_long_poll(make_transport: Any) -> None:
+def test_an_interrupt_from_another_thread_ends_a_long_poll(make_transport: MakeTransport) -> None:
     _, b, _, _ = established(make_transport)
     for _ in range(3):  # each interrupt ends one wait; a poll returns nothing new
         with later(b.interrupt):
             assert b.poll(LONG) == ()
 
 
-def test_an_interrupt_before_a_poll_ends_that_poll(make_transport: Any) -> None:
+def test_an_interrupt_before_a_poll_ends_that_poll(make_transport: MakeTransport) -> None:
     _, b, _, _ = established(make_transport)
     b.interrupt()
     b.interrupt()  # pending interrupts are one

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any
 
 import zmq
 import zmq_peers
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
+from zmq_fixtures import MakeTransport
 
 T = 10.0
 LISTENER_RCVHWM = 1000
@@ -32,7 +32,7 @@ def _client(ctx: zmq.Context[zmq.Socket[bytes]], target: str, rid: bytes) -> zmq
 
 
 def test_a_connection_reusing_a_live_routing_id_is_read_like_any_other(
-    make_transport: Any,
+    make_transport: MakeTransport,
 ) -> None:
     """A ROUTER listener parked (or, with ``ROUTER_HANDOVER``, took over and kept) one of two
     connections announcing the same id; the PULL listener reads both."""

@@ -10,6 +10,7 @@ import zmq
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.identity import link_id, new_incarnation
 from p2pkv_zmq.probe_wire import IDENTITY, PROBE, decode_identity
+from zmq_fixtures import MakeTransport
 
 T = 10.0
 
@@ -27,7 +28,7 @@ def _prober(ctx: zmq.Context[zmq.Socket[bytes]], tier: str
 
 
 def test_a_probe_is_answered_at_the_probers_address_and_opens_nothing(
-        make_transport: Any) -> None:
+        make_transport: MakeTransport) -> None:
     t = make_transport(insecure=True)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
@@ -47,7 +48,7 @@ def test_a_probe_is_answered_at_the_probers_address_and_opens_nothing(
         ctx.destroy(linger=0)
 
 
-def test_a_probe_with_a_bad_nonce_is_dropped(make_transport: Any) -> None:
+def test_a_probe_with_a_bad_nonce_is_dropped(make_transport: MakeTransport) -> None:
     t = make_transport(insecure=True)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:

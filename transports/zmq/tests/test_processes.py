@@ -9,6 +9,7 @@ import zmq_peers
 from p2pkv.errors import SendQueueFull
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
+from zmq_fixtures import MakeTransport
 from zmq_peers import FAST
 
 T = 10.0  # generous: children start on a busy 2-core machine
@@ -36,7 +37,7 @@ def address_of(child: Child) -> str:
 
 
 def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
-    make_transport: Any,
+    make_transport: MakeTransport,
 ) -> None:
     p = make_transport()
     plan = {"B": 10_000, "C": 2_000}  # frames each way per peer
@@ -84,7 +85,9 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
             b.send("stop")
 
 
-def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(make_transport: Any) -> None:
+def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(
+    make_transport: MakeTransport
+) -> None:
     p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-1") as first:
         address = address_of(first)
@@ -107,7 +110,7 @@ def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(make_transpor
         second.send("stop")
 
 
-def test_dialed_peer_sigkill_is_detected(make_transport: Any) -> None:
+def test_dialed_peer_sigkill_is_detected(make_transport: MakeTransport) -> None:
     p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, None, FAST, name="sitter-dialed") as child:
         conn = p.connect(address_of(child))
@@ -117,7 +120,7 @@ def test_dialed_peer_sigkill_is_detected(make_transport: Any) -> None:
                    what="alive False after SIGKILL", pumps=[lambda: p.poll(0.01)])
 
 
-def test_silent_peer_is_detected_by_heartbeats(make_transport: Any) -> None:
+def test_silent_peer_is_detected_by_heartbeats(make_transport: MakeTransport) -> None:
     p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-frozen") as child:
         conn = accept_one(p)

@@ -40,7 +40,7 @@ class Consumer:
             "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
             "control_options": control_options or {},
             "timeouts": {"handshake": FAR, "load": FAR}})
-        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN)
+        self.tier = P2PTier(config, self.region.data, BLOCK_LEN)
         self.results: dict[int, JobResult] = {}
 
     def load_from(self, job_id: int, host: str, port: int) -> JobResult:

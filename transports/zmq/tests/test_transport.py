@@ -14,7 +14,9 @@ from p2pkv.contracts import ControlSettings
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge, SendQueueFull
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq import ZmqControlTransport
+from p2pkv_zmq.connection import ZmqConnection
 from p2pkv_zmq.hub import ZmqHub
+from zmq_fixtures import MakeTransport
 
 T = 5.0  # seconds any single expected event may take
 
@@ -31,7 +33,7 @@ def accept_one(listener: Any, *others: Any) -> Any:
     return got[0]
 
 
-def connected(make_transport: Any) -> tuple[Any, Any, Any, Any]:
+def connected(make_transport: MakeTransport) -> tuple[Any, Any, Any, Any]:
     """Two transports ``a``, ``b``; a's connection to b after one frame ``x``; b's side."""
     a, b = make_transport(), make_transport()
     out = a.connect(b.local_address)
@@ -53,7 +55,7 @@ def test_capabilities_and_name() -> None:
     assert ZmqControlTransport.availability() is None
 
 
-def test_exchange_both_ways_in_order(make_transport: Any) -> None:
+def test_exchange_both_ways_in_order(make_transport: MakeTransport) -> None:
     a, b = make_transport(), make_transport()
     out = a.connect(b.local_address)
     assert out.peer_address == b.local_address and out.alive
@@ -71,14 +73,16 @@ def test_exchange_both_ways_in_order(make_transport: Any) -> None:
     assert b.connect(a.local_address) is inbound
 
 
-def test_inbound_is_returned_with_its_first_frame(make_transport: Any) -> None:
+def test_inbound_is_returned_with_its_first_frame(make_transport: MakeTransport) -> None:
     a, b = make_transport(), make_transport()
     a.connect(b.local_address).send(b"first")
     conn = accept_one(b, a)
     assert list(conn.recv()) == [b"first"]
 
 
-def test_dialing_each_other_at_once_gives_one_connection_each(make_transport: Any) -> None:
+def test_dialing_each_other_at_once_gives_one_connection_each(
+    make_transport: MakeTransport
+) -> None:
     a, b = make_transport(), make_transport()
     ab, ba = a.connect(b.local_address), b.connect(a.local_address)
     ab.send(b"from a")
@@ -90,7 +94,7 @@ def test_dialing_each_other_at_once_gives_one_connection_each(make_transport: An
     assert a.stats()["connections"] == 1 == b.stats()["connections"]
 
 
-def test_connect_normalises_the_address(make_transport: Any) -> None:
+def test_connect_normalises_the_address(make_transport: MakeTransport) -> None:
     a, b = make_transport(), make_transport()
     port = b.local_address.rsplit(":", 1)[1]
     conn = a.connect(f" 127.0.0.1:{port}")
@@ -99,7 +103,7 @@ def test_connect_normalises_the_address(make_transport: Any) -> None:
         a.connect("no-port")
 
 
-def test_ipv6_loopback(make_transport: Any) -> None:
+def test_ipv6_loopback(make_transport: MakeTransport) -> None:
     a, b = make_transport("::1"), make_transport("[::1]")
     assert a.local_address.startswith("[::1]:")
     port = b.local_address.rsplit(":", 1)[1]
@@ -113,13 +117,13 @@ def test_ipv6_loopback(make_transport: Any) -> None:
     assert drain(out, 1, a, b) == [b"v6 back"]
 
 
-def test_port_zero_is_ephemeral_and_reported(make_transport: Any) -> None:
+def test_port_zero_is_ephemeral_and_reported(make_transport: MakeTransport) -> None:
     a = make_transport()
     host, port = a.local_address.rsplit(":", 1)
     assert host == "127.0.0.1" and 0 < int(port) < 65536
 
 
-def test_port_in_use_names_port_rank_and_env_var(make_transport: Any) -> None:
+def test_port_in_use_names_port_rank_and_env_var(make_transport: MakeTransport) -> None:
     a = make_transport()
     port = int(a.local_address.rsplit(":", 1)[1])
     fds_before = len(os.listdir("/proc/self/fd"))
@@ -132,7 +136,7 @@ def test_port_in_use_names_port_rank_and_env_var(make_transport: Any) -> None:
     a.connect(a.local_address)  # the first owner still works
 
 
-def test_data_parallel_ranks_get_distinct_ports(make_transport: Any) -> None:
+def test_data_parallel_ranks_get_distinct_ports(make_transport: MakeTransport) -> None:
     for _attempt in range(20):  # a base whose next ranks happen to be taken: try another
         base = random.randrange(20000, 60000)
         made: list[Any] = []
@@ -152,7 +156,7 @@ def test_data_parallel_ranks_get_distinct_ports(make_transport: Any) -> None:
     pytest.fail("no free base port found in 20 attempts")
 
 
-def test_unknown_and_bad_options_are_refused_by_name(make_transport: Any) -> None:
+def test_unknown_and_bad_options_are_refused_by_name(make_transport: MakeTransport) -> None:
     with pytest.raises(ConfigError, match="heartbeat_intervall"):
         make_transport(heartbeat_intervall=1)
     with pytest.raises(ConfigError, match="max_queued_frames"):
@@ -163,7 +167,7 @@ def test_unknown_and_bad_options_are_refused_by_name(make_transport: Any) -> Non
         make_transport(insecure="yes")
 
 
-def test_wildcard_bind_needs_advertise(make_transport: Any) -> None:
+def test_wildcard_bind_needs_advertise(make_transport: MakeTransport) -> None:
     with pytest.raises(ConfigError, match="advertise"):
         make_transport("0.0.0.0", insecure=True)
     a = make_transport("0.0.0.0", insecure=True, advertise="127.0.0.1")
@@ -175,12 +179,12 @@ def test_wildcard_bind_needs_advertise(make_transport: Any) -> None:
     assert drain(b.connect(a.local_address), 1, a, b) == [b"and back"]
 
 
-def test_advertise_with_port_is_used_verbatim(make_transport: Any) -> None:
+def test_advertise_with_port_is_used_verbatim(make_transport: MakeTransport) -> None:
     a = make_transport(advertise="LocalHost:6000")
     assert a.local_address == "localhost:6000"
 
 
-def test_frame_cap_on_send(make_transport: Any) -> None:
+def test_frame_cap_on_send(make_transport: MakeTransport) -> None:
     a, b = make_transport(max_frame_bytes=1000), make_transport(max_frame_bytes=1000)
     out = a.connect(b.local_address)
     with pytest.raises(FrameTooLarge):
@@ -190,7 +194,7 @@ def test_frame_cap_on_send(make_transport: Any) -> None:
 
 
 def test_oversized_inbound_frame_is_refused_and_kills_only_that_connection(
-    make_transport: Any,
+    make_transport: MakeTransport,
 ) -> None:
     small, big, other = (make_transport(max_frame_bytes=1000),
                          make_transport(max_frame_bytes=10_000), make_transport())
@@ -205,7 +209,7 @@ def test_oversized_inbound_frame_is_refused_and_kills_only_that_connection(
     assert list(accept_one(small, other).recv()) == [b"still serving"]
 
 
-def test_full_send_queue_raises_and_never_blocks(make_transport: Any) -> None:
+def test_full_send_queue_raises_and_never_blocks(make_transport: MakeTransport) -> None:
     with socket.socket() as silent:  # accepts TCP, never speaks ZMTP: nothing leaves the queue
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
@@ -220,7 +224,7 @@ def test_full_send_queue_raises_and_never_blocks(make_transport: Any) -> None:
         assert conn.alive
 
 
-def test_unreachable_peer_dies_after_connect_timeout(make_transport: Any) -> None:
+def test_unreachable_peer_dies_after_connect_timeout(make_transport: MakeTransport) -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
@@ -233,7 +237,7 @@ def test_unreachable_peer_dies_after_connect_timeout(make_transport: Any) -> Non
             conn.send(b"after")
 
 
-def test_close_is_idempotent_and_visible_to_the_peer(make_transport: Any) -> None:
+def test_close_is_idempotent_and_visible_to_the_peer(make_transport: MakeTransport) -> None:
     a, b, out, inbound = connected(make_transport)
     out.close()
     out.close()
@@ -245,7 +249,7 @@ def test_close_is_idempotent_and_visible_to_the_peer(make_transport: Any) -> Non
     assert list(inbound.recv()) == [b"x"], "frames received before the close stay readable"
 
 
-def test_accepted_side_close_is_visible_to_the_dialer(make_transport: Any) -> None:
+def test_accepted_side_close_is_visible_to_the_dialer(make_transport: MakeTransport) -> None:
     a, b, out, inbound = connected(make_transport)
     inbound.close()
     wait_until(lambda: not out.alive, timeout=T, what="the dialer to see the close",
@@ -256,7 +260,7 @@ def test_accepted_side_close_is_visible_to_the_dialer(make_transport: Any) -> No
     assert list(accept_one(b, a).recv()) == [b"again"]
 
 
-def test_transport_close_is_visible_and_idempotent(make_transport: Any) -> None:
+def test_transport_close_is_visible_and_idempotent(make_transport: MakeTransport) -> None:
     a, b, out, inbound = connected(make_transport)
     b.close()
     b.close()
@@ -268,7 +272,7 @@ def test_transport_close_is_visible_and_idempotent(make_transport: Any) -> None:
                pumps=[pump(a)])
 
 
-def test_close_with_frames_queued_to_nobody_returns(make_transport: Any) -> None:
+def test_close_with_frames_queued_to_nobody_returns(make_transport: MakeTransport) -> None:
     a = make_transport()
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -280,7 +284,9 @@ def test_close_with_frames_queued_to_nobody_returns(make_transport: Any) -> None
     assert not conn.alive
 
 
-def test_restarted_peer_at_the_same_address_is_a_fresh_connection(make_transport: Any) -> None:
+def test_restarted_peer_at_the_same_address_is_a_fresh_connection(
+    make_transport: MakeTransport
+) -> None:
     a = make_transport()
     b = make_transport()
     port = int(b.local_address.rsplit(":", 1)[1])
@@ -299,7 +305,7 @@ def test_restarted_peer_at_the_same_address_is_a_fresh_connection(make_transport
     assert list(old.recv()) == [], "nothing of the new life may reach the old connection"
 
 
-def test_reconnecting_over_a_dead_connection_replaces_it(make_transport: Any) -> None:
+def test_reconnecting_over_a_dead_connection_replaces_it(make_transport: MakeTransport) -> None:
     a, b = make_transport(), make_transport()
     first = a.connect(b.local_address)
     first.send(b"1")
@@ -312,9 +318,11 @@ def test_reconnecting_over_a_dead_connection_replaces_it(make_transport: Any) ->
     assert list(accept_one(b, a).recv()) == [b"2"]
 
 
-def test_stale_frames_without_open_are_dropped_and_answered_gone(make_transport: Any) -> None:
+def test_stale_frames_without_open_are_dropped_and_answered_gone(
+    make_transport: MakeTransport
+) -> None:
     a = make_transport()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     home = ctx.socket(zmq.PULL)  # the stale dialer's own listener, where "gone" must arrive
     home.linger = 0
     home.bind("tcp://127.0.0.1:*")
@@ -336,7 +344,7 @@ def test_stale_frames_without_open_are_dropped_and_answered_gone(make_transport:
         home.close()
 
 
-def test_monitor_endpoints_never_collide(make_transport: Any) -> None:
+def test_monitor_endpoints_never_collide(make_transport: MakeTransport) -> None:
     a, b = make_transport(), make_transport()
     for i in range(30):  # every dial takes a fresh inproc monitor name
         conn = a.connect(b.local_address)
@@ -364,9 +372,10 @@ def test_create_returns_the_zmq_implementation() -> None:
         t.close()
 
 
-def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any) -> None:
+def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: MakeTransport) -> None:
     a, b = make_transport(), make_transport()
     stale = b.connect(a.local_address)
+    assert isinstance(stale, ZmqConnection)
     stale.send(b"stale")
     wait_until(lambda: stale.progress == "ready", timeout=T, what="b's handshake",
                pumps=[pump(b)])  # the open and the frame are on their way to a
@@ -383,13 +392,13 @@ def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Any)
 
 
 def test_an_accepted_peer_that_stops_listening_is_dead_at_once(
-    make_transport: Any, refused_address: str
+    make_transport: MakeTransport, refused_address: str
 ) -> None:
     # The peer's address refuses connections when we dial back: not a zmq listener closed
     # just before, since libzmq closes a listening descriptor asynchronously (in its I/O
     # thread), so a dial right after zmq_close may still connect, and then disconnect.
     a = make_transport()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)
     raw.linger = 0
     link = f"{refused_address}#0123456789abcdef".encode()
@@ -408,14 +417,14 @@ def test_an_accepted_peer_that_stops_listening_is_dead_at_once(
         raw.close()
 
 
-def test_the_default_host_localhost_binds_and_is_dialable(make_transport: Any) -> None:
+def test_the_default_host_localhost_binds_and_is_dialable(make_transport: MakeTransport) -> None:
     a, b = make_transport("localhost"), make_transport("LOCALHOST")
     assert a.local_address.startswith("localhost:")
     a.connect(b.local_address).send(b"by name")
     assert list(accept_one(b, a).recv()) == [b"by name"]
 
 
-def test_batched_sends_leave_at_the_flush_in_order(make_transport: Any) -> None:
+def test_batched_sends_leave_at_the_flush_in_order(make_transport: MakeTransport) -> None:
     """With ``batch_sends``, frames wait in their connection until ``flush`` (the receiver
     polls and gets none), then arrive in order without the sender polling again."""
     a, b, out, inbound = connected(make_transport)
@@ -430,7 +439,9 @@ def test_batched_sends_leave_at_the_flush_in_order(make_transport: Any) -> None:
     assert drain(inbound, 3, b) == [b"batched-%d" % i for i in range(3)]
 
 
-def test_batched_sends_to_a_full_queue_refuse_and_never_block(make_transport: Any) -> None:
+def test_batched_sends_to_a_full_queue_refuse_and_never_block(
+    make_transport: MakeTransport
+) -> None:
     with socket.socket() as silent:  # accepts TCP, never speaks ZMTP: nothing leaves the queue
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)

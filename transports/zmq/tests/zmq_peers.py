@@ -42,7 +42,7 @@ def _serve_requests(pipe: Connection, t: Any) -> bool:
         except (EOFError, OSError):
             return True
         if command != "resources":
-            return command == "stop"
+            return bool(command == "stop")
         pipe.send(("resources", len(os.listdir("/proc/self/fd")), _resident_bytes(), t.stats()))
 
 
@@ -112,7 +112,7 @@ def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, 
     region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len, np.uint8)
     config = TierConfig.from_dict({"control": "zmq", "data": data, "host": "127.0.0.1",
                                    "port": 0, "control_options": dict(control_options or {})})
-    tier = P2PTier(config, memoryview(region), block_len)
+    tier = P2PTier(config, region.data, block_len)
     pipe.send(("address", tier.local_address))
     contexts: dict[str, RequestContext] = {}
     deadline = time.monotonic() + _LIFETIME

@@ -32,10 +32,10 @@ class Peer:
         self.region = bytearray(NUM_BLOCKS * BLOCK_LEN)
         self.blocks = np.frombuffer(self.region, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
-        config = TierConfig.from_dict({
+        tier_config = TierConfig.from_dict({
             "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0, **config,
         })
-        self.tier = P2PTier(config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY,
+        self.tier = P2PTier(tier_config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY,
                              clock=clock)
         self.host, self.port = parse_address(self.tier.local_address)
         self.results: dict[int, JobResult] = {}

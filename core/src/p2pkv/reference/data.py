@@ -40,9 +40,6 @@ from p2pkv.errors import PeerRejected, TransferBusy, TransferSubmitError
 from p2pkv.options import parse_options
 from p2pkv.reference.options import MemoryDataOptions
 
-__all__ = ["MemoryDataTransport"]
-
-
 _REGIONS: dict[str, npt.NDArray[np.uint8]] = {}
 _REGIONS_LOCK = threading.Lock()
 

@@ -14,7 +14,7 @@ inner transport's (the driver thread; ``interrupt`` from any thread).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from p2pkv.contracts import (
     ControlConnection,
@@ -85,7 +85,7 @@ class DelegatingDataTransport(DataTransport):
         vars(self)["capabilities"] = inner.capabilities
 
     @classmethod
-    def create(cls, settings: DataSettings) -> DataTransport:
+    def create(cls, settings: DataSettings) -> NoReturn:
         raise TypeError(f"{cls.__name__} wraps a transport instance: build the inner one first")
 
     @property

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 
 from p2pkv.options import option
 
-__all__ = ["MemoryControlOptions", "MemoryDataOptions"]
-
 
 @dataclass(frozen=True)
 class MemoryControlOptions:

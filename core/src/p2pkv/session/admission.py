@@ -25,8 +25,6 @@ from p2pkv.session.env import SessionEnv
 from p2pkv.session.session import Session
 from p2pkv.types import Outcome
 
-__all__ = ["NEWCOMER_MAX_FRAMES", "Admission"]
-
 log = logging.getLogger(__name__)
 
 NEWCOMER_MAX_FRAMES = 4

@@ -16,8 +16,6 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Deadlines", "Timer"]
-
 Timer = tuple[float, int]
 """One armed deadline, ``(when, seq)``; cancel it through :meth:`Deadlines.cancel`."""
 

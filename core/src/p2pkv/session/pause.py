@@ -38,8 +38,6 @@ from collections.abc import Callable
 
 from p2pkv.session.stop_watch import StopWatch
 
-__all__ = ["PauseDetector"]
-
 log = logging.getLogger(__name__)
 
 

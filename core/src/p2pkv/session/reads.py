@@ -34,8 +34,6 @@ from typing import Protocol
 from p2pkv.contracts import DataTransport
 from p2pkv.errors import TransferBusy
 
-__all__ = ["HeldRead", "ReadGate", "ReadPoster"]
-
 
 class DataHolder(Protocol):
     """Where the gate finds the data transport (the session env: tests may swap it)."""

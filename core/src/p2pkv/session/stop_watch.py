@@ -45,8 +45,6 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["StopWatch", "runnable_ns", "watch_period"]
-
 _PERIOD_MAX = 0.1
 """The longest the watchdog sleeps (seconds): often enough to see a stop of a fraction of
 any silence timeout, rarely enough to cost nothing measurable."""

@@ -142,7 +142,7 @@ class RawPeer:
         return [decode(f, self.node.limits) for f in self.conn.recv()]
 
 
-def pump(nodes: Iterable[Node], rounds: int = 6) -> None:
+def pump(nodes: Iterable[TierNode], rounds: int = 6) -> None:
     """Tick every node ``rounds`` times, collecting results."""
     nodes = list(nodes)
     for _ in range(rounds):
@@ -150,7 +150,7 @@ def pump(nodes: Iterable[Node], rounds: int = 6) -> None:
             n.collect()
 
 
-def pump_until(nodes: Iterable[Node], cond: Callable[[], object], rounds: int = 50) -> None:
+def pump_until(nodes: Iterable[TierNode], cond: Callable[[], object], rounds: int = 50) -> None:
     """Tick until ``cond()`` holds; fails the test after ``rounds`` passes."""
     nodes = list(nodes)
     for _ in range(rounds):
@@ -161,7 +161,7 @@ def pump_until(nodes: Iterable[Node], cond: Callable[[], object], rounds: int = 
     assert cond(), "condition not reached within the pump budget"
 
 
-def advance(clock: FakeClock, nodes: Iterable[Node], seconds: float, rounds: int = 4) -> None:
+def advance(clock: FakeClock, nodes: Iterable[TierNode], seconds: float, rounds: int = 4) -> None:
     """Move the clock ``seconds`` on, then pump ``rounds`` times."""
     clock.advance(seconds)
     pump(nodes, rounds)
@@ -172,7 +172,7 @@ def keys(kv: str, n: int, start: int = 0) -> list[bytes]:
     return [f"{kv}/{i}".encode() for i in range(start, start + n)]
 
 
-def probe_until(node: Node, key: bytes, ctx: RequestContext, others: Iterable[Node],
+def probe_until(node: TierNode, key: bytes, ctx: RequestContext, others: Iterable[TierNode],
                 rounds: int = 10) -> LookupResult:
     """Symmetric lookup: call, flush at schedule end, pump, until not RETRY."""
     others = list(others)
@@ -185,7 +185,7 @@ def probe_until(node: Node, key: bytes, ctx: RequestContext, others: Iterable[No
     return node.tier.lookup(key, ctx)
 
 
-def assert_clean(*nodes: Node) -> None:
+def assert_clean(*nodes: TierNode) -> None:
     """No per-request state is left (the tombstones of finished producers excepted, which
     expire by their deadline, and their timers)."""
     for n in nodes:

@@ -25,8 +25,6 @@ import pytest
 with contextlib.suppress(ImportError):  # hypothesis comes with p2pkv[testing]
     from p2pkv.testing import profiles  # noqa: F401 - registers the hypothesis profile "p2pkv"
 
-__all__ = ["pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
-
 BY_NAME_MODULE = Path(__file__).with_name("by_name.py")
 
 

@@ -25,8 +25,6 @@ from typing import Any, TypeVar
 from hypothesis.stateful import rule
 from hypothesis.strategies import DataObject, SearchStrategy
 
-__all__ = ["ENV", "StepLog", "current", "step"]
-
 ENV = "P2PKV_MACHINE_STEPS"
 """The environment variable naming the step log's file."""
 

@@ -24,8 +24,6 @@ from p2pkv.contracts import ControlConnection, ControlTransport
 from p2pkv.testing.peers import ControlPeer, LocalControlPeer
 from p2pkv.testing.waiting import wait_until
 
-__all__ = ["ActiveConnectionChecks"]
-
 _PEERS = 4
 """Peers of one check: we dial the even ones, the odd ones dial us."""
 _ROUNDS = 12

@@ -19,8 +19,6 @@ from p2pkv.testing.suites.data_pair import _block, _DataPair, _keep_pumping
 from p2pkv.testing.suites.isolation import DataIsolationSuite
 from p2pkv.testing.waiting import wait_until
 
-__all__ = ["DataTransportSuite"]
-
 _NO_SWITCH = 5.0
 """Seconds of CPython's switch interval during the poll-budget test: longer than its loop
 takes, so no thread is handed the GIL by time alone."""

@@ -15,8 +15,6 @@ from p2pkv.testing.suites.data_pair import _DataPair
 from p2pkv.testing.suites.support import _SuiteBase
 from p2pkv.testing.waiting import quietly
 
-__all__ = ["DataSuiteBase"]
-
 
 class DataSuiteBase(_SuiteBase):
     """The data suites' base: knobs and fixtures, no tests."""

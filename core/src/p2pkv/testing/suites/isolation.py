@@ -41,8 +41,6 @@ from p2pkv.testing.suites.data_pair import _DataPair
 from p2pkv.testing.suites.isolation_pair import IsolationPair, timed
 from p2pkv.testing.waiting import quietly
 
-__all__ = ["DataIsolationSuite"]
-
 _TRIES = 3
 """Calls (or transports, for ``close``) whose fastest must be within the call limit."""
 _SERVE_ROUNDS = 3

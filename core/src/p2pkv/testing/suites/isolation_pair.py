@@ -18,8 +18,6 @@ from p2pkv.testing.peers import DataPeer
 from p2pkv.testing.suites.data_pair import _DataPair
 from p2pkv.testing.waiting import wait_until
 
-__all__ = ["Frozen", "IsolationPair", "timed"]
-
 P = ParamSpec("P")
 R = TypeVar("R")
 

@@ -13,8 +13,6 @@ from p2pkv.contracts import Capabilities, TransportKind
 from p2pkv.errors import ConfigError
 from p2pkv.testing.peers import PeerHost
 
-__all__ = ["PEER_MODES", "installed_transport"]
-
 PEER_MODES = ("same-process", "child-process")
 
 
