@@ -36,7 +36,8 @@ RSS_BOUND = 128 * 2**20
 HEARTBEAT_TIMEOUT = 10.0
 """The default: 65 processes start and serve on two cores."""
 T = 300.0
-pytestmark = pytest.mark.timeout(3 * T)  # 65 processes start on two cores before the run
+pytestmark = [pytest.mark.timeout(3 * T),  # 65 processes start on two cores before the run
+              pytest.mark.chaos_slow]
 
 
 def spec(kind: str, slots: int, data: str) -> NodeSpec:

@@ -77,7 +77,8 @@ def lane(request: pytest.FixtureRequest, data: str) -> dict[str, str]:
     return {"UCX_TLS": "tcp"} if request.param == "tcp" else {}
 
 
-@pytest.fixture(params=sorted(HEARTBEATS))
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.chaos_slow) if name == "default"
+                        else name for name in sorted(HEARTBEATS)])
 def heartbeat(request: pytest.FixtureRequest) -> tuple[float, float]:
     interval, timeout = HEARTBEATS[request.param]
     return interval, timeout
