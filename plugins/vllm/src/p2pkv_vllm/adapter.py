@@ -326,9 +326,14 @@ class P2PKVTier(SecondaryTierManager):
 
     @_engine_call
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The tier's last call of a schedule (vLLM's manager calls it last). Where the idle
+        watcher runs (vLLM before 0.33), it drives the tier while the engine computes the
+        step, so a peer's fetch is answered within that step (:meth:`IdleWatch.lend`)."""
         if self._quiet is not None:
             self._quiet.stirred()
         self._tier.on_schedule_end()
+        if self._watch is not None:
+            self._watch.lend()
 
     @_engine_call
     def serve_external_requests(self, parent: ParentManager) -> None:
@@ -401,7 +406,10 @@ class P2PKVTier(SecondaryTierManager):
     ) -> dict[str, OffloadingMetricMetadata]:
         return metric_definitions()
 
+    @_engine_call
     def get_stats(self) -> Any:
+        """The tier's counters for vLLM's metrics (vLLM 0.32 asks after a step's compute,
+        while the idle watcher may hold the tier: it takes the tier back first)."""
         return self._stats.report(self._tier.stats())
 
     @classmethod
