@@ -18,6 +18,9 @@ keeping the engine busy:
   to its next call), the watcher drives the tier too, but never wakes the engine. So a
   peer's fetch of blocks pinned earlier gets its ``ready`` within the step it arrives in,
   not at the next step's end. A probe still waits for the engine: its cache answers it.
+  While lent with work in flight (``needs_engine``), it ticks every :data:`LENT_PACE` at
+  least: a peer's read over tcp needs this side's data progress (NIXL without its
+  progress thread), which no control frame signals.
 
 **Hand-off (the single-driver rule).** One lock: the engine thread holds it inside every
 adapter call (:meth:`IdleWatch.engine`), the watcher only while it ticks, and only between
@@ -56,6 +59,9 @@ THREAD_NAME = "p2pkv-idle"
 """The watcher's thread name, in Python and (Linux, 15 bytes at most) in the OS, where
 ``top -H`` and ``/proc/<pid>/task/*/comm`` show it apart from the engine's threads."""
 _PR_SET_NAME = 15
+LENT_PACE = 0.001
+"""Seconds the watcher waits at most per tick while lent to a computing engine with work in
+flight (a pin, a round, a result): the pace of the data progress a peer's read may need."""
 
 
 def engine_waker(frame: FrameType | None = None) -> Callable[[], None] | None:
@@ -137,18 +143,22 @@ class IdleWatch:
 
     def _run(self) -> None:
         _name_os_thread(THREAD_NAME)
+        needed = False
         while not self._stopped:
             if not self._asleep.wait(timeout=1.0):
                 continue
             with self._lock:
                 if self._stopped or not self._asleep.is_set():
                     continue
+                wait = LENT_PACE if needed and not self._wakes else self._wait
                 try:
-                    self._tier.tick(self._wait)
+                    self._tier.tick(wait)
                     needed = self._tier.needs_engine()
                 except Exception:  # the engine's next call meets the same state: it reports
                     log.exception("p2pkv idle watch: ticking the tier failed")
                     needed = True
+                    if not self._wakes:  # lent: stop here, not retry every LENT_PACE
+                        self._asleep.clear()
             if needed and self._wakes and self._asleep.is_set():
                 self._asleep.clear()
                 self.wakeups += 1
