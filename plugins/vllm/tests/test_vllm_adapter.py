@@ -351,7 +351,8 @@ def test_a_sleeping_engine_sleeps_through_a_handshake_and_is_woken_for_a_probe()
 class _BusyEngine:
     """A busy source's engine in miniature, stepped by the test. ``has_work`` is its loop's
     check (vLLM's loop on the stack: the tier starts its idle watcher); ``step`` is one
-    schedule pass in vLLM 0.32's order. Between two steps the engine computes: no tier call."""
+    schedule pass in vLLM 0.32's order, calls after ``on_schedule_end`` included. Between two
+    steps the engine computes: no tier call."""
 
     def __init__(self, tier: P2PKVTier, parent: ParentManager) -> None:
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
@@ -365,10 +366,14 @@ class _BusyEngine:
 
     def step(self) -> None:
         self.steps += 1
-        for r in self.tier.get_finished_jobs():
-            self.results[r.job_id] = r.success
+        self.collect()
         self.tier.serve_external_requests(self.parent)
         self.tier.on_schedule_end(STEP)
+        self.collect()  # vLLM 0.32's prepare_store, after the schedule's end
+
+    def collect(self) -> None:
+        for r in self.tier.get_finished_jobs():
+            self.results[r.job_id] = r.success
 
 
 def test_a_busy_source_answers_a_fetch_within_the_step_it_arrives_in() -> None:
