@@ -349,6 +349,86 @@ def test_a_sleeping_engine_sleeps_through_a_handshake_and_is_woken_for_a_probe()
         consumer.shutdown()
 
 
+class _BusyEngine:
+    """A busy source's engine in miniature, stepped by the test. ``has_work`` is its loop's
+    check (vLLM's loop on the stack: the tier starts its idle watcher); ``step`` is one
+    schedule pass in vLLM 0.32's order, calls after ``on_schedule_end`` included. Between two
+    steps the engine computes: no tier call."""
+
+    def __init__(self, tier: P2PKVTier, parent: ParentManager) -> None:
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.tier = tier
+        self.parent = parent
+        self.steps = 0
+        self.results: dict[int, bool] = {}
+
+    def has_work(self) -> bool:
+        return self.tier.has_pending_work()
+
+    def step(self) -> None:
+        self.steps += 1
+        self.collect()
+        self.tier.serve_external_requests(self.parent)
+        self.tier.on_schedule_end(STEP)
+        self.collect()  # vLLM 0.32's prepare_store, after the schedule's end
+
+    def collect(self) -> None:
+        for r in self.tier.get_finished_jobs():
+            self.results[r.job_id] = r.success
+
+
+def test_a_busy_source_answers_a_fetch_within_the_step_it_arrives_in() -> None:
+    """vLLM before 0.33 calls a tier only in its schedule pass, so a fetch that arrived while
+    a busy source computed waited for its next pass. The idle watcher now drives the tier
+    from ``on_schedule_end`` to the engine's next call: the consumer's load completes while
+    the source stays inside one step (no source hook called, no WAKEUP queued). The probe
+    before it is answered by the source's cache at a step's end, as before."""
+    source, s_arr = build(MEMORY)
+    consumer, c_arr = build(MEMORY)
+    have = b"h" * 36
+    s_arr[6] = 77
+    engine = _BusyEngine(source, PrimaryTierParent({have: 6}))
+    try:
+        assert engine.has_work() is False  # idle until its first request
+        if hasattr(base.SecondaryTierManager, "tolerates_off_thread_polling"):
+            assert source._watch is None  # vLLM's tier-poll thread serves peers
+            return
+        assert source._watch is not None
+        host, port = source._tier.local_address.rsplit(":", 1)
+        ctx = ReqContext("busy-1", {"remote_kv_source": {
+            "kv_request_id": "kv-busy", "remote_host": host, "remote_port": int(port)}})
+        consumer.on_new_request(ctx)
+
+        def probed() -> LookupResult | None:
+            engine.step()  # busy: it steps, and answers the probe at a step's end
+            consumer.on_schedule_end(STEP)
+            consumer.get_finished_jobs()
+            answer = consumer.lookup(have, ctx)
+            return None if answer is LookupResult.RETRY else answer
+
+        assert wait_until(probed, timeout=60, what="the probe answered") is LookupResult.HIT
+        steps, wakeups = engine.steps, source._watch.wakeups
+        consumer.submit_load(job(1, [have], [3], True, ctx))
+        loaded: dict[int, bool] = {}
+
+        def load_done() -> bool:  # the consumer's steps only: the source computes
+            consumer.on_schedule_end(STEP)
+            loaded.update((r.job_id, r.success) for r in consumer.get_finished_jobs())
+            return 1 in loaded
+
+        wait_until(load_done, timeout=60, what="the fetch answered within the source's step")
+        assert loaded == {1: True} and (c_arr[3] == 77).all()
+        assert (engine.steps, source._watch.wakeups) == (steps, wakeups)
+        assert engine.input_queue.empty()  # the watcher never woke the computing engine
+        consumer.on_request_finished(ctx)
+        wait_until(lambda: 101 in engine.results, timeout=60, what="the pinned store job",
+                   pumps=[engine.step])
+        assert engine.results[101] is True  # collected at the next step, once, as before
+    finally:
+        source.shutdown()
+        consumer.shutdown()
+
+
 def test_a_preconnect_hint_opens_the_session_before_the_first_pull() -> None:
     producer, p_arr = build(MEMORY)
     consumer, c_arr = build(MEMORY)

@@ -120,14 +120,18 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 def _engine_call(method: _Method) -> _Method:
     """Run ``method`` with the tier handed to the engine thread when an :class:`IdleWatch`
-    drives it while the engine sleeps (vLLM before 0.33); a plain call otherwise."""
+    drives it while the engine sleeps or computes (vLLM before 0.33); a plain call
+    otherwise. After a schedule's end, each call lends the tier back to the watcher."""
     @functools.wraps(method)
     def call(self: P2PKVTier, *args: Any, **kwargs: Any) -> Any:
         watch = self._watch
         if watch is None:
             return method(self, *args, **kwargs)
         with watch.engine():
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
+            if self._lending:
+                watch.lend()
+            return result
     return cast(_Method, call)
 
 
@@ -186,6 +190,10 @@ class P2PKVTier(SecondaryTierManager):
         cache_hit_source: ClassVar[Any] = HIT_SOURCE
     # Peers' fetches and lookups must be answered between engine steps too.
     tolerates_off_thread_polling: ClassVar[bool] = True
+    _lending = False
+    """From a schedule's end to the next schedule's first request call: the engine's calls
+    lend the tier to the idle watcher as they return (vLLM 0.32 makes some after
+    ``on_schedule_end``, e.g. ``get_finished_jobs`` from ``prepare_store``)."""
 
     def __init__(
         self,
@@ -269,6 +277,7 @@ class P2PKVTier(SecondaryTierManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Parse the request's routing; a pre-connect hint (``p2pkv_connect``, see
         ``bridge.PRECONNECT_KEY``) opens sessions to the peers it names."""
+        self._lending = False
         if not self._seed_checked:
             self._check_hash_seed()
         ctx = context_of(req_context)
@@ -280,6 +289,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_engine_call
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
+        self._lending = False
         return _TO_VLLM[self._tier.lookup(key, context_of(req_context))]
 
     @_engine_call
@@ -290,6 +300,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_engine_call
     def submit_load(self, job_metadata: TransferJob) -> None:
+        self._lending = False
         job = job_of(job_metadata, context_of(job_metadata.req_context))
         self._loads[job.job_id] = job.ctx
         self._tier.submit_load(job)
@@ -326,12 +337,17 @@ class P2PKVTier(SecondaryTierManager):
 
     @_engine_call
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The tier's last call of a schedule (vLLM's manager calls it last). Where the idle
+        watcher runs (vLLM before 0.33), it drives the tier while the engine computes the
+        step, so a peer's fetch is answered within that step (:meth:`IdleWatch.lend`)."""
         if self._quiet is not None:
             self._quiet.stirred()
         self._tier.on_schedule_end()
+        self._lending = True
 
     @_engine_call
     def serve_external_requests(self, parent: ParentManager) -> None:
+        self._lending = False
         source = self._hit_source
         if source is not None and self._quiet is not None and self._quiet.skip():
             return  # quiet: no lookup to answer (the first call, which builds the source,
@@ -351,6 +367,7 @@ class P2PKVTier(SecondaryTierManager):
         sources"). Once the watcher runs, only work for the engine's calls counts
         (``P2PTier.needs_engine``): the engine sleeps through a peer's handshake, which the
         watcher completes."""
+        self._lending = False  # between steps: the engine sleeps, or steps again
         if self._tier.needs_engine() if self._watch else self._tier.has_pending_work():
             return True
         if _POLL_THREAD or not self._idle_wait:  # vLLM's tier-poll thread serves peers
@@ -401,7 +418,10 @@ class P2PKVTier(SecondaryTierManager):
     ) -> dict[str, OffloadingMetricMetadata]:
         return metric_definitions()
 
+    @_engine_call
     def get_stats(self) -> Any:
+        """The tier's counters for vLLM's metrics (vLLM 0.32 asks after a step's compute,
+        while the idle watcher may hold the tier: it takes the tier back first)."""
         return self._stats.report(self._tier.stats())
 
     @classmethod

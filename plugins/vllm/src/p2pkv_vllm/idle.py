@@ -13,11 +13,19 @@ keeping the engine busy:
   watcher wakes the engine through its input queue with vLLM's own no-op request
   (``EngineCoreRequestType.WAKEUP``, the one vLLM uses to interrupt that wait at shutdown);
   the engine then steps, and the tier reports pending work until it is done. A peer's
-  handshake needs no engine: the watcher completes it while the engine sleeps.
+  handshake needs no engine: the watcher completes it while the engine sleeps;
+- while the engine computes a step (:meth:`IdleWatch.lend`, from the end of its schedule
+  to its next call), the watcher drives the tier too, but never wakes the engine. So a
+  peer's fetch of blocks pinned earlier gets its ``ready`` within the step it arrives in,
+  not at the next step's end. A probe still waits for the engine: its cache answers it.
+  While lent with work in flight (``needs_engine``), it ticks every :data:`LENT_PACE` at
+  least: a peer's read over tcp needs this side's data progress (NIXL without its
+  progress thread), which no control frame signals.
 
 **Hand-off (the single-driver rule).** One lock: the engine thread holds it inside every
 adapter call (:meth:`IdleWatch.engine`), the watcher only while it ticks, and only between
-:meth:`IdleWatch.sleep` (the engine is about to block) and the engine's next call. So
+:meth:`IdleWatch.sleep` (the engine is about to block) or :meth:`IdleWatch.lend` (the engine
+is about to compute) and the engine's next call. So
 exactly one thread is ever inside the tier, and ``DriverGuard`` still refuses anything else.
 An engine call that arrives while the watcher ticks first interrupts the tick's wait
 (``P2PTier.interrupt``, the tier's one cross-thread call), then waits for the tick to return;
@@ -51,6 +59,9 @@ THREAD_NAME = "p2pkv-idle"
 """The watcher's thread name, in Python and (Linux, 15 bytes at most) in the OS, where
 ``top -H`` and ``/proc/<pid>/task/*/comm`` show it apart from the engine's threads."""
 _PR_SET_NAME = 15
+LENT_PACE = 0.001
+"""Seconds the watcher waits at most per tick while lent to a computing engine with work in
+flight (a pin, a round, a result): the pace of the data progress a peer's read may need."""
 
 
 def engine_waker(frame: FrameType | None = None) -> Callable[[], None] | None:
@@ -83,6 +94,9 @@ class IdleWatch:
         self._wait = wait
         self._lock = threading.RLock()
         self._asleep = threading.Event()
+        """Set while the watcher may drive the tier (the engine sleeps or computes)."""
+        self._wakes = True
+        """Whether the watcher wakes the engine when the tier needs it (False while lent)."""
         self._stopped = False
         self.wakeups = 0
         """Times the watcher woke the engine for a peer."""
@@ -108,6 +122,13 @@ class IdleWatch:
 
     def sleep(self) -> None:
         """The engine reported no pending work and is about to block: watch for peers."""
+        self._wakes = True
+        self._asleep.set()
+
+    def lend(self) -> None:
+        """The engine ended its schedule and computes until its next call: drive the tier
+        meanwhile, without waking the engine (it calls again once its step ends)."""
+        self._wakes = False
         self._asleep.set()
 
     def close(self, timeout: float) -> None:
@@ -122,19 +143,23 @@ class IdleWatch:
 
     def _run(self) -> None:
         _name_os_thread(THREAD_NAME)
+        needed = False
         while not self._stopped:
             if not self._asleep.wait(timeout=1.0):
                 continue
             with self._lock:
                 if self._stopped or not self._asleep.is_set():
                     continue
+                wait = LENT_PACE if needed and not self._wakes else self._wait
                 try:
-                    self._tier.tick(self._wait)
+                    self._tier.tick(wait)
                     needed = self._tier.needs_engine()
                 except Exception:  # the engine's next call meets the same state: it reports
                     log.exception("p2pkv idle watch: ticking the tier failed")
                     needed = True
-            if needed and self._asleep.is_set():
+                    if not self._wakes:  # lent: stop here, not retry every LENT_PACE
+                        self._asleep.clear()
+            if needed and self._wakes and self._asleep.is_set():
                 self._asleep.clear()
                 self.wakeups += 1
                 self._wake()
