@@ -12,12 +12,9 @@ waiting peer, load or dial, and the queue's bound keeps a name's cost flat.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from types import FrameType
-
 from p2pkv.testing.harness import Cluster, Node
 from p2pkv.types import RequestContext
+from test_idle_cost import calls
 
 FACTOR = 1.5
 """A flooded tier's calls per tick, or per new name, at most this many times a quiet one's."""
@@ -34,23 +31,6 @@ def flood_name(node: Node, i: int) -> None:
         "kv_request_id": f"flood-{i}", "remote_host": host, "remote_port": 9}})
     node.tier.on_new_request(ctx)
     node.load(1_000_000 + i, [f"f{i}".encode()], [i % 60], ctx)
-
-
-def calls(work: Callable[[], None]) -> int:
-    """Python calls (and C calls) ``work`` makes."""
-    made = 0
-
-    def count(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal made
-        if event in ("call", "c_call"):
-            made += 1
-
-    sys.setprofile(count)
-    try:
-        work()
-    finally:
-        sys.setprofile(None)
-    return made
 
 
 def flooded(cluster: Cluster, names: int) -> tuple[float, float]:
