@@ -13,7 +13,7 @@ inbound sessions both take part.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -116,24 +116,28 @@ def engine_step(tier: Any, source: LocalHitSource) -> None:
     tier.stats()
 
 
+def calls(work: Callable[[], object]) -> int:
+    """Python calls (and C calls) ``work`` makes."""
+    made = 0
+
+    def count(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal made
+        if event in ("call", "c_call"):
+            made += 1
+
+    sys.setprofile(count)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return made
+
+
 def calls_per_step(tier: Any) -> float:
     source = NoHits()
     for _ in range(3):  # what the first steps learn (sessions seen idle) is not the steady state
         engine_step(tier, source)
-    calls = 0
-
-    def count(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal calls
-        if event in ("call", "c_call"):
-            calls += 1
-
-    sys.setprofile(count)
-    try:
-        for _ in range(STEPS):
-            engine_step(tier, source)
-    finally:
-        sys.setprofile(None)
-    return calls / STEPS
+    return calls(lambda: [engine_step(tier, source) for _ in range(STEPS)]) / STEPS
 
 
 def test_a_quiet_step_costs_the_same_with_1000_sessions_as_with_10(h: Any, cluster: Any) -> None:
