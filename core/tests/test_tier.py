@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +29,8 @@ class Source:
 
     ids = itertools.count(10_000)
 
-    def __init__(self, node: Any, have: dict[bytes, int], retry: set[bytes] = frozenset()) -> None:
+    def __init__(self, node: Any, have: dict[bytes, int],
+                 retry: Collection[bytes] = frozenset()) -> None:
         self.node, self.have, self.retry = node, have, set(retry)
         self.begun: list[str] = []
         self.ended: list[object] = []
@@ -285,7 +287,7 @@ def test_jobs_without_a_route_finish_at_once(h: Any, cluster: Any) -> None:
     (Job(1, [b"a"], [64], True, RequestContext("r")), "not a slot"),
     (Job(1, [b"a", b"a"], [0, 1], True, RequestContext("r")), "duplicate keys"),
     (Job(1, [b"a", b"b"], [1, 1], True, RequestContext("r")), "duplicate block ids"),
-    (Job(1, ["a"], [1], True, RequestContext("r")), "keys must be"),
+    (Job(1, ["a"], [1], True, RequestContext("r")), "keys must be"),  # type: ignore[list-item]
     (Job(1, [b"a"], [0], False, RequestContext("r")), "is_load=True"),
 ])
 def test_malformed_load_jobs_raise_and_record_nothing(h: Any, cluster: Any, job: Job,
@@ -309,9 +311,10 @@ def test_numpy_block_ids_are_accepted(h: Any, cluster: Any) -> None:
     p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.submitted.add(1)
-    p.tier.submit_store(Job(1, h.keys("r", 3), np.array([5, 6, 7]), False, pctx))
+    p.tier.submit_store(Job(1, h.keys("r", 3), np.array([5, 6, 7]), False, pctx))  # type: ignore[arg-type]
     c.submitted.add(2)
-    c.tier.submit_load(Job(2, h.keys("r", 3), np.array([1, 2, 3], dtype=np.int32), True, cctx))
+    c.tier.submit_load(Job(2, h.keys("r", 3), np.array([1, 2, 3], dtype=np.int32), True,  # type: ignore[arg-type]
+                          cctx))
     h.pump_until([p, c], lambda: 1 in p.results and 2 in c.results)
     assert c.outcome(2) is Outcome.DONE and (c.blocks[1:4] == p.blocks[5:8]).all()
 

@@ -37,13 +37,14 @@ ROW_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     assert main(["bench", "--quick", "--json", str(out)]) == 0
-    return json.loads(out.read_text())
+    doc: dict[str, Any] = json.loads(out.read_text())
+    return doc
 
 
-def test_quick_json_structure(quick_doc: dict) -> None:
+def test_quick_json_structure(quick_doc: dict[str, Any]) -> None:
     assert {"host", "config", "series", "rows", "summary", "unavailable"} <= set(quick_doc)
     assert quick_doc["host"]["cores"] >= 1
     rows = quick_doc["rows"]
@@ -52,7 +53,7 @@ def test_quick_json_structure(quick_doc: dict) -> None:
         assert set(row) == ROW_KEYS
 
 
-def test_every_cell_moved_verified_bytes(quick_doc: dict) -> None:
+def test_every_cell_moved_verified_bytes(quick_doc: dict[str, Any]) -> None:
     for row in quick_doc["rows"]:
         if row["skipped"]:
             continue
@@ -64,7 +65,7 @@ def test_every_cell_moved_verified_bytes(quick_doc: dict) -> None:
         assert len(row["rep_gbps"]) == row["reps"], where
 
 
-def test_series_cover_baselines_and_installed_transports(quick_doc: dict) -> None:
+def test_series_cover_baselines_and_installed_transports(quick_doc: dict[str, Any]) -> None:
     series = set(quick_doc["series"])
     assert "memcpy" in series
     registry = default_registry()
@@ -256,7 +257,7 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "multiples of 8" in capsys.readouterr().err
 
 
-def test_plot(quick_doc: dict, tmp_path: Path) -> None:
+def test_plot(quick_doc: dict[str, Any], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
     plot([CellResult(**row) for row in quick_doc["rows"]], str(out), "quick")

@@ -84,7 +84,7 @@ def test_misuse_is_one_line_and_exit_2(argv: list[str], says: str,
     try:
         status = main(["bench", *argv])
     except SystemExit as exited:  # argparse refuses a flag's value itself
-        status = exited.code
+        status = exited.code  # type: ignore[assignment]
     assert status == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and says in err[0], err

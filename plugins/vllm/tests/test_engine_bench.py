@@ -37,7 +37,6 @@ from engine_bench import (  # noqa: E402
     TIERS,
     WARM_TOKENS,
     Settings,
-    kv_bytes_per_token,
     main,
     render,
     run,
@@ -49,6 +48,7 @@ from p2pkv_tools.bench.netns import (  # noqa: E402
     open_link,
     parse_rate,
 )
+from tiny_model import kv_bytes_per_token  # noqa: E402
 
 COST_KEYS = ("prefillMicrosecondsPerToken", "transferMicrosecondsPerToken", "transferFixedMs",
              "sourceWaitMs")

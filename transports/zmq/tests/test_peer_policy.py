@@ -242,7 +242,7 @@ def test_a_peer_named_by_a_host_name_is_connected_before_any_request() -> None:
         config = TierConfig.from_dict({
             "control": "zmq", "data": "nixl", "host": "127.0.0.1", "port": 0,
             "peers": {"connect": [f"localhost:{port}"], "resolve_interval": 0.5}})
-        consumer = P2PTier(config, memoryview(region), block_len)
+        consumer = P2PTier(config, region.data, block_len)
         try:
             wait_until(lambda: consumer.stats()["sessions_ready"] >= 1, timeout=T,
                        what="the session to the named peer", pumps=[lambda: consumer.tick(0.01)])
