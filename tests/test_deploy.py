@@ -49,8 +49,9 @@ def kustomize(directory: Path) -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
     if out.returncode != 0:
         raise RenderFailed(out.stderr)
     return out.stdout
@@ -68,8 +69,11 @@ def role_copy(deployment: dict[str, Any], role: str) -> dict[str, Any]:
     """The guide's Deployment as the model server of ``role`` (P/D: one Deployment each)."""
     made = copy.deepcopy(deployment)
     made["metadata"]["name"] = role
-    for labels in (made["metadata"]["labels"], made["spec"]["selector"]["matchLabels"],
-                   made["spec"]["template"]["metadata"]["labels"]):
+    for labels in (
+        made["metadata"]["labels"],
+        made["spec"]["selector"]["matchLabels"],
+        made["spec"]["template"]["metadata"]["labels"],
+    ):
         labels["llm-d.ai/role"] = role
     if role == "prefill":  # P/D: the routing sidecar runs beside the decoders only
         del made["spec"]["template"]["spec"]["initContainers"]
@@ -83,8 +87,11 @@ def deploy_tree(tmp: Path, base: str = "aggregated", image: str = SPELLINGS[0]) 
     path = tree / "guide-base" / "deployment.yaml"
     (deployment,) = parse(path.read_text())
     deployment["spec"]["template"]["spec"]["containers"][0]["image"] = image
-    docs = ([role_copy(deployment, "prefill"), role_copy(deployment, "decode")]
-            if base == "pd" else [deployment])
+    docs = (
+        [role_copy(deployment, "prefill"), role_copy(deployment, "decode")]
+        if base == "pd"
+        else [deployment]
+    )
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return tree
 
@@ -94,19 +101,24 @@ def deployments(objects: Objects) -> list[dict[str, Any]]:
 
 
 def model_server(deployment: dict[str, Any]) -> dict[str, Any]:
-    (server,) = [c for c in deployment["spec"]["template"]["spec"]["containers"]
-                 if c["name"] == "modelserver"]
+    (server,) = [
+        c
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "modelserver"
+    ]
     return dict(server)
 
 
-def env_values(container: dict[str, Any], pod_ip: str = "10.1.2.3",
-               namespace: str = "llm-d") -> dict[str, str]:
+def env_values(
+    container: dict[str, Any], pod_ip: str = "10.1.2.3", namespace: str = "llm-d"
+) -> dict[str, str]:
     """The container's environment as the kubelet builds it (field refs filled in)."""
     fields = {"status.podIP": pod_ip, "metadata.namespace": namespace}
     env: dict[str, str] = {}
     for var in container["env"]:
-        value = (var["value"] if "value" in var
-                 else fields[var["valueFrom"]["fieldRef"]["fieldPath"]])
+        value = (
+            var["value"] if "value" in var else fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        )
         env[var["name"]] = _REF.sub(lambda m: env.get(m.group(1), m.group(0)), str(value))
     return env
 
@@ -140,13 +152,16 @@ def test_every_object_is_valid_against_the_kubernetes_schemas(
 ) -> None:
     for strategy, objects, _ in renders:
         assert sorted(o["kind"] for o in objects) == sorted(
-            ["NetworkPolicy", "Service"] + ["Deployment"] * len(deployments(objects)))
+            ["NetworkPolicy", "Service"] + ["Deployment"] * len(deployments(objects))
+        )
         for obj in objects:
             try:
                 kubernetes_validate.validate(obj, KUBERNETES, strict=True)
             except kubernetes_validate.ValidationError as exc:
-                raise AssertionError(f"{strategy}: {obj['kind']} {obj['metadata']['name']}: "
-                                     f"{exc.message} at {list(exc.path)}") from None
+                raise AssertionError(
+                    f"{strategy}: {obj['kind']} {obj['metadata']['name']}: "
+                    f"{exc.message} at {list(exc.path)}"
+                ) from None
 
 
 def test_no_deployment_rolls_across_tiers(renders: list[Render]) -> None:
@@ -177,8 +192,9 @@ def test_the_model_server_image_is_replaced_whatever_its_spelling(
             pod = deployment["spec"]["template"]["spec"]
             guide_pod = guide["spec"]["template"]["spec"]
             for key in ("containers", "initContainers"):  # the patch added no container
-                assert [c["name"] for c in pod.get(key, [])] == \
-                    [c["name"] for c in guide_pod.get(key, [])], (strategy, key)
+                assert [c["name"] for c in pod.get(key, [])] == [
+                    c["name"] for c in guide_pod.get(key, [])
+                ], (strategy, key)
             assert model_server(deployment)["image"] == BUILT_IMAGE
             images = [c["image"] for c in pod["containers"] + pod.get("initContainers", [])]
             assert not [i for i in images if "vllm-openai:" in i or "p2pkv-model-server" in i]
@@ -227,11 +243,16 @@ def test_pods_prove_their_tier_with_the_fleet_s_keys(renders: list[Render]) -> N
                 assert "/v1/models" in command[2]  # and vLLM's API serves, as the guide's probe
             env = env_values(server)
             mounts = {m["name"]: m for m in server["volumeMounts"]}
-            assert mounts["p2pkv-curve"] == {"name": "p2pkv-curve", "readOnly": True,
-                                             "mountPath": env["P2PKV_CURVE_DIR"]}
+            assert mounts["p2pkv-curve"] == {
+                "name": "p2pkv-curve",
+                "readOnly": True,
+                "mountPath": env["P2PKV_CURVE_DIR"],
+            }
             volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
-            assert volumes["p2pkv-curve"]["secret"] == {"secretName": "p2pkv-curve",
-                                                        "defaultMode": 0o440}
+            assert volumes["p2pkv-curve"]["secret"] == {
+                "secretName": "p2pkv-curve",
+                "defaultMode": 0o440,
+            }
 
 
 INTERPRETER_STARTS = 5.0
@@ -251,8 +272,7 @@ def test_each_probe_ends_within_its_timeout_seconds(renders: list[Render]) -> No
                 script = server[probe]["exec"]["command"][2]
                 ours, _, api = script.partition(" && ")
                 args = shlex.split(ours)
-                timeout = (float(flag(args, "--timeout")) if "--timeout" in args
-                           else DEFAULT_TIMEOUT)
+                timeout = float(flag(args, "--timeout")) if "--timeout" in args else DEFAULT_TIMEOUT
                 (api_timeout,) = map(float, re.findall(r"timeout=([0-9.]+)", api))
                 budget = timeout + api_timeout + INTERPRETER_STARTS
                 assert budget <= server[probe]["timeoutSeconds"], (probe, script)
@@ -273,16 +293,21 @@ def test_peers_service_and_network_policy_cover_exactly_the_pool(
         p2p = [rule for rule in spec["ingress"] if rule.get("from")]
         assert len(p2p) == 1 and p2p[0]["from"] == [{"podSelector": {"matchLabels": {POOL: pool}}}]
         base = service["spec"]["ports"][0]["port"]
-        assert {(p["port"], p["endPort"]) for p in p2p[0]["ports"]} == {(base, base + 7),
-                                                                        (37000, 37099)}
-        others = [p["port"] for rule in spec["ingress"] if not rule.get("from")
-                  for p in rule["ports"]]
+        assert {(p["port"], p["endPort"]) for p in p2p[0]["ports"]} == {
+            (base, base + 7),
+            (37000, 37099),
+        }
+        others = [
+            p["port"] for rule in spec["ingress"] if not rule.get("from") for p in rule["ports"]
+        ]
         assert not [p for p in others if base <= p <= base + 7 or 37000 <= p <= 37099], strategy
         for deployment in deployments(objects):
             env = env_values(model_server(deployment))
             assert env["UCX_TCP_PORT_RANGE"] == "37000-37099"
-            assert env["P2PKV_PEERS_CONNECT"] == \
-                f"{service['metadata']['name']}.llm-d.svc.cluster.local:{base}"
+            assert (
+                env["P2PKV_PEERS_CONNECT"]
+                == f"{service['metadata']['name']}.llm-d.svc.cluster.local:{base}"
+            )
 
 
 SETTINGS = {"p2pPorts": "9100-9103", "model": "Qwen/Qwen3-0.6B", "peersAllow": "10.42.0.0/16"}
@@ -290,8 +315,7 @@ SETTINGS = {"p2pPorts": "9100-9103", "model": "Qwen/Qwen3-0.6B", "peersAllow": "
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("base", BASES)
-def test_one_edit_of_settings_reaches_every_place(strategy: str, base: str,
-                                                  tmp_path: Path) -> None:
+def test_one_edit_of_settings_reaches_every_place(strategy: str, base: str, tmp_path: Path) -> None:
     tree = deploy_tree(tmp_path, base)
     path = tree / strategy / "settings.yaml"
     (settings,) = parse(path.read_text())
@@ -325,11 +349,15 @@ def test_one_edit_of_settings_reaches_every_place(strategy: str, base: str,
 def test_a_guide_whose_arguments_differ_stops_the_render(tmp_path: Path) -> None:
     tree = deploy_tree(tmp_path)
     path = tree / "guide-base" / "deployment.yaml"
-    path.write_text(path.read_text().replace('"offload_prompt_only":false',
-                                             '"offload_prompt_only":true'))
+    path.write_text(
+        path.read_text().replace('"offload_prompt_only":false', '"offload_prompt_only":true')
+    )
     for strategy in STRATEGIES:
-        with pytest.raises(RenderFailed, match=r"testing value /spec/template/spec/containers/0"
-                                               r"/args/4 failed"):
+        with pytest.raises(
+            RenderFailed,
+            match=r"testing value /spec/template/spec/containers/0"
+            r"/args/4 failed",
+        ):
             kustomize(tree / strategy)
 
 
@@ -343,7 +371,9 @@ def test_the_way_back_recreates_the_guide_s_deployment(tmp_path: Path) -> None:
 
 
 def test_check_config_accepts_what_the_overlay_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     pytest.importorskip("p2pkv_vllm")
     from p2pkv.cli import main
@@ -372,11 +402,15 @@ def test_the_build_context_holds_only_what_the_containerfile_copies() -> None:
     the Containerfile's COPY sources: no .venv, .nox, caches or site/ in the context."""
     ignore = ROOT / ".containerignore"
     assert (ROOT / ".dockerignore").resolve() == ignore.resolve()
-    patterns = [line for line in ignore.read_text().splitlines()
-                if line and not line.startswith("#")]
+    patterns = [
+        line for line in ignore.read_text().splitlines() if line and not line.startswith("#")
+    ]
     assert patterns[0] == "*"
-    copied = [line.split()[1] for line in (DEPLOY / "Containerfile").read_text().splitlines()
-              if line.startswith("COPY ")]
+    copied = [
+        line.split()[1]
+        for line in (DEPLOY / "Containerfile").read_text().splitlines()
+        if line.startswith("COPY ")
+    ]
     assert sorted(p[1:] for p in patterns if p.startswith("!")) == sorted(copied)
 
 
@@ -392,14 +426,25 @@ def test_the_readme_s_check_of_the_rendered_entry_passes(tmp_path: Path) -> None
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    (block,) = [b for b in _fenced_blocks(DEPLOY / "README.md")
-                if "check-config --kv-transfer-config @kv-transfer-config.json" in b]
+    (block,) = [
+        b
+        for b in _fenced_blocks(DEPLOY / "README.md")
+        if "check-config --kv-transfer-config @kv-transfer-config.json" in b
+    ]
     (tmp_path / "deploy").symlink_to(ROOT / "deploy")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("P2PKV_", "VLLM_P2P_"))}
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
-                                   str(Path(kubectl).parent), env.get("PATH", "")])
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180, check=False)
+    env["PATH"] = os.pathsep.join(
+        [str(Path(sys.executable).parent), str(Path(kubectl).parent), env.get("PATH", "")]
+    )
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "ok: p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1" in done.stdout
     assert "ports 7777..7777" in done.stdout
@@ -420,8 +465,10 @@ def test_the_strategies_share_no_object(tmp_path: Path) -> None:
     with ``overlay/`` (a new model, new server keys), it changes none of that fleet's
     objects, and deleting it deletes none of them."""
     tree = deploy_tree(tmp_path, "pd")
-    named = {s: {(o["kind"], o["metadata"]["name"]) for o in parse(kustomize(tree / s))}
-             for s in (*STRATEGIES, "guide-base")}
+    named = {
+        s: {(o["kind"], o["metadata"]["name"]) for o in parse(kustomize(tree / s))}
+        for s in (*STRATEGIES, "guide-base")
+    }
     assert not named["side-by-side"] & (named["overlay"] | named["guide-base"])
     (deployment, *_) = deployments(parse(kustomize(tree / "side-by-side")))
     (service,) = [name for kind, name in named["side-by-side"] if kind == "Service"]

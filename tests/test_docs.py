@@ -61,8 +61,14 @@ def _blocks() -> list[Block]:
             before = text[: m.start()].rstrip("\n").splitlines()
             d = DIRECTIVE.search(before[-1]) if before else None
             out.append(
-                Block(path, line, lang, m.group(2), d.group(1) if d else "",
-                      d.group(2).strip() if d else "")
+                Block(
+                    path,
+                    line,
+                    lang,
+                    m.group(2),
+                    d.group(1) if d else "",
+                    d.group(2).strip() if d else "",
+                )
             )
     return out
 
@@ -122,7 +128,10 @@ def test_doc_block(block: Block) -> None:
         pytest.skip(block.reason)
     if block.lang == "python":
         proc = subprocess.run(
-            [sys.executable, "-c", block.code], cwd=ROOT, capture_output=True, text=True,
+            [sys.executable, "-c", block.code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
             timeout=90,
         )
         assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout}\n{proc.stderr}"
@@ -130,8 +139,12 @@ def test_doc_block(block: Block) -> None:
     if block.directive == "run":
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         proc = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", block.code], cwd=ROOT, capture_output=True,
-            text=True, timeout=300, env={**os.environ, "PATH": path},
+            ["bash", "-euo", "pipefail", "-c", block.code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PATH": path},
         )
         assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout}\n{proc.stderr}"
         return
@@ -177,7 +190,8 @@ def test_the_committed_reference_pages_match_the_code() -> None:
     import reference_pages
 
     assert reference_pages.main(["--check"]) == 0, [
-        str(path.relative_to(ROOT)) for path in reference_pages.stale()]
+        str(path.relative_to(ROOT)) for path in reference_pages.stale()
+    ]
 
 
 # -- claims about what CI runs, checked against noxfile.py, .ci/run and the pyprojects ----------
@@ -191,7 +205,8 @@ def _noxfile() -> tuple[set[str], dict[str, object]]:
     sessions, constants = set(), {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and any(
-                "session" in ast.unparse(d) for d in node.decorator_list):
+            "session" in ast.unparse(d) for d in node.decorator_list
+        ):
             sessions.add(node.name)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
             target = node.targets[0]
@@ -244,8 +259,12 @@ def _distributions() -> dict[str, dict[str, object]]:
 
 def test_every_install_extra_the_docs_name_exists() -> None:
     dists = _distributions()
-    sources = [*DOC_FILES, ROOT / "scripts" / "requirements-dev.txt",
-               *ROOT.glob("*/src/**/*.py"), *ROOT.glob("*/*/src/**/*.py")]
+    sources = [
+        *DOC_FILES,
+        ROOT / "scripts" / "requirements-dev.txt",
+        *ROOT.glob("*/src/**/*.py"),
+        *ROOT.glob("*/*/src/**/*.py"),
+    ]
     for path in sources:
         for dist, extras in re.findall(r"\b(p2pkv[a-z-]*)\[([a-z0-9,_-]+)\]", path.read_text()):
             if dist not in dists:
@@ -254,7 +273,8 @@ def test_every_install_extra_the_docs_name_exists() -> None:
             assert isinstance(declared, dict)
             for extra in set(extras.split(",")) - {"extra"}:  # "extra": a placeholder
                 assert extra in declared, (
-                    f"{path.relative_to(ROOT)}: {dist}[{extra}] is no extra of {dist}")
+                    f"{path.relative_to(ROOT)}: {dist}[{extra}] is no extra of {dist}"
+                )
 
 
 def test_the_supported_vllm_releases_are_the_ones_nox_and_ci_run() -> None:
@@ -332,7 +352,12 @@ def test_the_plugin_authors_path_uses_public_names_only() -> None:
             if not _is_public(name) and name not in LOGGERS:
                 internal.append(f"{path.relative_to(ROOT)}: `{name}`")
     for path in sorted((ROOT / "tests" / "example_plugin" / "src").rglob("*.py")):
-        internal += [f"{path.relative_to(ROOT)}: {m}" for m in _imported(path.read_text())
-                     if not _is_public(m)]
-    assert not internal, "internal names on the plugin author's path (export them, or use "\
+        internal += [
+            f"{path.relative_to(ROOT)}: {m}"
+            for m in _imported(path.read_text())
+            if not _is_public(m)
+        ]
+    assert not internal, (
+        "internal names on the plugin author's path (export them, or use "
         "p2pkv's):\n" + "\n".join(internal)
+    )

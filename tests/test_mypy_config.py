@@ -22,17 +22,32 @@ def _linked() -> dict[Path, str]:
 
 
 def test_every_checked_helper_directory_is_linked() -> None:
-    checked = [d for d in CONFIG["pytest"]["ini_options"]["pythonpath"]
-               if any(d == f or d.startswith(f"{f}/") for f in MYPY["files"])]
+    checked = [
+        d
+        for d in CONFIG["pytest"]["ini_options"]["pythonpath"]
+        if any(d == f or d.startswith(f"{f}/") for f in MYPY["files"])
+    ]
     missing = [d for d in checked if (ROOT / d).resolve() not in _linked()]
     assert not missing, f"add a link in .mypy/ and to mypy_path for: {missing}"
 
 
 def test_every_helper_is_checked_strictly() -> None:
-    strict = {name for override in MYPY["overrides"] if override.get("strict")
-              for name in override["module"]}
-    ignored = {name for override in MYPY["overrides"] if override.get("ignore_errors")
-               for name in override["module"]}
-    helpers = {path.stem for directory in _linked() for path in directory.glob("*.py")
-               if not path.stem.startswith(("test_", "conftest"))}
+    strict = {
+        name
+        for override in MYPY["overrides"]
+        if override.get("strict")
+        for name in override["module"]
+    }
+    ignored = {
+        name
+        for override in MYPY["overrides"]
+        if override.get("ignore_errors")
+        for name in override["module"]
+    }
+    helpers = {
+        path.stem
+        for directory in _linked()
+        for path in directory.glob("*.py")
+        if not path.stem.startswith(("test_", "conftest"))
+    }
     assert helpers - ignored <= strict, sorted(helpers - ignored - strict)

@@ -23,16 +23,22 @@ class Recorded:
         self.gauges: dict[str, float] = {}
         self.observed: list[tuple[str, float, tuple[str, ...]]] = []
 
-    def increase_counter(self, counter_name: str, counter_increase_value: float = 1,
-                         labelvalues: tuple[str, ...] = ()) -> None:
+    def increase_counter(
+        self,
+        counter_name: str,
+        counter_increase_value: float = 1,
+        labelvalues: tuple[str, ...] = (),
+    ) -> None:
         self.counters.append((counter_name, counter_increase_value, labelvalues))
 
-    def set_gauge(self, gauge_name: str, gauge_value: float,
-                  labelvalues: tuple[str, ...] = ()) -> None:
+    def set_gauge(
+        self, gauge_name: str, gauge_value: float, labelvalues: tuple[str, ...] = ()
+    ) -> None:
         self.gauges[gauge_name] = gauge_value
 
-    def observe_histogram(self, histogram_name: str, histogram_value: float,
-                          labelvalues: tuple[str, ...] = ()) -> None:
+    def observe_histogram(
+        self, histogram_name: str, histogram_value: float, labelvalues: tuple[str, ...] = ()
+    ) -> None:
         self.observed.append((histogram_name, histogram_value, labelvalues))
 
 
@@ -72,7 +78,8 @@ def test_counters_are_deltas_and_gauges_snapshots_next_to_the_histogram() -> Non
     reporter.jobs_finished([JobResult(7, Outcome.LOAD_TIMEOUT)])
     first = _fill(reporter, {"jobs_load_timeout": 1, "bytes_sent": 4096, "sessions": 2})
     assert first.counters == [
-        (metrics.JOBS, 1, ("load_timeout",)), (metrics.PREFIX + "bytes_sent", 4096, ()),
+        (metrics.JOBS, 1, ("load_timeout",)),
+        (metrics.PREFIX + "bytes_sent", 4096, ()),
     ]
     assert first.gauges == {metrics.PREFIX + "sessions": 2}
     assert [labels for _, _, labels in first.observed] == [("load", "load_timeout")]
@@ -98,6 +105,10 @@ def test_buckets_match_the_prometheus_plugin() -> None:
     prometheus = pytest.importorskip("p2pkv_prometheus.metrics")
     registry = pytest.importorskip("prometheus_client").CollectorRegistry()
     prometheus.Metrics(registry).job_seconds.labels(kind="load")
-    bounds = [float(s.labels["le"]) for family in registry.collect() for s in family.samples
-              if s.name == "p2pkv_job_duration_seconds_bucket"]
+    bounds = [
+        float(s.labels["le"])
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "p2pkv_job_duration_seconds_bucket"
+    ]
     assert tuple(bounds) == (*metrics.JOB_SECONDS_BUCKETS, float("inf"))

@@ -39,5 +39,6 @@ def run_python(
 class RunPython(Protocol):
     """:func:`run_python`: ``python *args`` with ``site`` on PYTHONPATH and ``env`` set."""
 
-    def __call__(self, *args: str, site: Path | None = None, timeout: float = 60,
-                 **env: str) -> subprocess.CompletedProcess[str]: ...
+    def __call__(
+        self, *args: str, site: Path | None = None, timeout: float = 60, **env: str
+    ) -> subprocess.CompletedProcess[str]: ...

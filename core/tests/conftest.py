@@ -34,8 +34,17 @@ def fixture_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the fixture plugin distributions, installed (not editable)."""
     target = tmp_path_factory.mktemp("fixture-site")
     cmd = [
-        sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-        "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target),
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--target",
+        str(target),
         *(str(FIXTURE_PLUGINS / d) for d in FIXTURE_DISTS),
     ]
     subprocess.run(cmd, check=True, timeout=120, capture_output=True)

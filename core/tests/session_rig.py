@@ -140,8 +140,9 @@ class FakeData(DataTransport):
         self.peers.pop(peer_id, None)
         return []
 
-    def read_blocks(self, peer_id: str, local_idxs: Sequence[int],
-                    remote_idxs: Sequence[int]) -> int:
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
         local, remote = list(local_idxs), list(remote_idxs)
         if self.fail_submit:
             raise TransferSubmitError("refused")
@@ -207,8 +208,9 @@ class LoggingLedger(JobLedger):
 class Rig:
     """One session under test plus everything around it."""
 
-    def __init__(self, *, timeouts: Timeouts | None = None, peer_blocks: int = PEER_BLOCKS,
-                 **local: Any) -> None:
+    def __init__(
+        self, *, timeouts: Timeouts | None = None, peer_blocks: int = PEER_BLOCKS, **local: Any
+    ) -> None:
         self.now = 100.0
         self.events: list[Event] = []
         self.conn = FakeConn(self.events)
@@ -216,16 +218,29 @@ class Rig:
         self.deadlines = Deadlines()
         self.ledger = LoggingLedger(self.events, self.clock, Observers())
         self.timeouts = timeouts or Timeouts()
-        self.dir = ProducerDirectory(self.ledger, self.deadlines, self.clock, self.timeouts,
-                                     Observers())
-        ident: dict[str, Any] = {"address": "me:1", "epoch": 7, "descriptor": b"ours",
-                                 "num_blocks": OUR_BLOCKS, "block_len": 16, "fingerprint": "",
-                                 "hash_seed": ""}
+        self.dir = ProducerDirectory(
+            self.ledger, self.deadlines, self.clock, self.timeouts, Observers()
+        )
+        ident: dict[str, Any] = {
+            "address": "me:1",
+            "epoch": 7,
+            "descriptor": b"ours",
+            "num_blocks": OUR_BLOCKS,
+            "block_len": 16,
+            "fingerprint": "",
+            "hash_seed": "",
+        }
         ident.update(local)
         self.env = SessionEnv(
-            data=self.data, ledger=self.ledger, deadlines=self.deadlines, clock=self.clock,
-            observers=Observers(), timeouts=self.timeouts, limits=LIMITS,
-            local=LocalIdentity(**ident), producers=self.dir,
+            data=self.data,
+            ledger=self.ledger,
+            deadlines=self.deadlines,
+            clock=self.clock,
+            observers=Observers(),
+            timeouts=self.timeouts,
+            limits=LIMITS,
+            local=LocalIdentity(**ident),
+            producers=self.dir,
         )
         self.session = Session(self.env, PEER, self.conn)
         self.session.start()
@@ -252,9 +267,16 @@ class Rig:
         return out  # type: ignore[return-value]
 
     def hello(self, **over: Any) -> Hello:
-        fields: dict[str, Any] = {"wire": (WIRE_MAJOR, WIRE_MINOR), "epoch": 99, "address": PEER,
-                                  "descriptor": b"theirs", "num_blocks": PEER_BLOCKS,
-                                  "block_len": 16, "fingerprint": "", "hash_seed": ""}
+        fields: dict[str, Any] = {
+            "wire": (WIRE_MAJOR, WIRE_MINOR),
+            "epoch": 99,
+            "address": PEER,
+            "descriptor": b"theirs",
+            "num_blocks": PEER_BLOCKS,
+            "block_len": 16,
+            "fingerprint": "",
+            "hash_seed": "",
+        }
         fields.update(over)
         return Hello(**fields)
 

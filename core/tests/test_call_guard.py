@@ -21,8 +21,7 @@ class _SlowRemove(MemoryDataTransport):
 
 def _pair(cls: type[MemoryDataTransport]) -> tuple[GuardedDataTransport, MemoryDataTransport]:
     ours = cls.create(DataSettings(np.zeros(64, np.uint8).data, 16))
-    theirs = MemoryDataTransport.create(DataSettings(np.arange(64, dtype=np.uint8).data,
-                                                     16))
+    theirs = MemoryDataTransport.create(DataSettings(np.arange(64, dtype=np.uint8).data, 16))
     guarded = GuardedDataTransport(ours, bound=0.01)
     guarded.add_peer("p", theirs.descriptor())
     return guarded, theirs

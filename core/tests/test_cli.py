@@ -79,8 +79,10 @@ def test_plugins_table_shows_failures_and_conflicts(
     out = " ".join(proc.stdout.split())
     assert "plugin fixture_broken (p2pkv-fixture-broken) failed" in out
     assert "plugin fixture_oldapi (p2pkv-fixture-oldapi) failed" in out
-    assert ("plugin fixture_typo (p2pkv-fixture-typo) failed: implements unknown hook "
-            "'p2pkv_transprots' (did you mean 'p2pkv_transports'?)") in out
+    assert (
+        "plugin fixture_typo (p2pkv-fixture-typo) failed: implements unknown hook "
+        "'p2pkv_transprots' (did you mean 'p2pkv_transports'?)"
+    ) in out
     assert "data transport 'fixture' refused: claimed by" in out
     assert "p2pkv-fixture-good" in out and "p2pkv-fixture-dup" in out
 
@@ -97,13 +99,24 @@ def test_trace_hooks_shows_the_registration_hooks(run_python: RunPython) -> None
 def test_a_disabled_plugin_is_listed_and_named_by_errors(
     fixture_site: Path, run_python: RunPython
 ) -> None:
-    proc = run_python(*CLI, "plugins", site=fixture_site,
-                      P2PKV_DISABLE_PLUGINS="fixture_shm", COLUMNS="200")
+    proc = run_python(
+        *CLI, "plugins", site=fixture_site, P2PKV_DISABLE_PLUGINS="fixture_shm", COLUMNS="200"
+    )
     assert proc.returncode == 0, proc.stderr
-    assert ("plugin fixture_shm (p2pkv-fixture-shm) not loaded: disabled by "
-            "P2PKV_DISABLE_PLUGINS") in " ".join(proc.stdout.split())
-    proc = run_python(*CLI, "demo", "--control", "memory", "--data", "fixture_shm",
-                      site=fixture_site, P2PKV_DISABLE_PLUGINS="fixture_shm", COLUMNS="200")
+    assert (
+        "plugin fixture_shm (p2pkv-fixture-shm) not loaded: disabled by P2PKV_DISABLE_PLUGINS"
+    ) in " ".join(proc.stdout.split())
+    proc = run_python(
+        *CLI,
+        "demo",
+        "--control",
+        "memory",
+        "--data",
+        "fixture_shm",
+        site=fixture_site,
+        P2PKV_DISABLE_PLUGINS="fixture_shm",
+        COLUMNS="200",
+    )
     assert proc.returncode == 2
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("p2pkv demo:")]
     assert line.startswith("p2pkv demo: unknown data transport 'fixture_shm'")
@@ -128,15 +141,19 @@ def test_a_tool_command_with_p2pkv_tools_broken_names_its_failure(
     reg.failures.append(PluginFailure("tools", "p2pkv-tools", "import failed: ImportError: x"))
     monkeypatch.setattr(cli, "default_registry", lambda: reg)
     assert cli.main(["demo"]) == 2
-    assert capsys.readouterr().err == ("p2pkv demo: p2pkv-tools failed to load (import failed: "
-                                       "ImportError: x); see 'p2pkv plugins'\n")
+    assert capsys.readouterr().err == (
+        "p2pkv demo: p2pkv-tools failed to load (import failed: "
+        "ImportError: x); see 'p2pkv plugins'\n"
+    )
 
 
 def test_a_tool_command_with_p2pkv_tools_disabled_names_the_variable(run_python: RunPython) -> None:
     proc = run_python(*CLI, "bench", "--quick", P2PKV_DISABLE_PLUGINS="tools")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("p2pkv bench: p2pkv-tools is installed but P2PKV_DISABLE_PLUGINS "
-                           "blocks it; remove 'tools' from that variable\n")
+    assert proc.stderr == (
+        "p2pkv bench: p2pkv-tools is installed but P2PKV_DISABLE_PLUGINS "
+        "blocks it; remove 'tools' from that variable\n"
+    )
 
 
 def test_unknown_arguments_of_an_installed_command_are_still_refused(run_python: RunPython) -> None:
@@ -148,18 +165,26 @@ def test_unknown_arguments_of_an_installed_command_are_still_refused(run_python:
 def test_doctor_runs_and_prints_the_plugins_checks(
     fixture_site: Path, run_python: RunPython
 ) -> None:
-    proc = run_python(*CLI, "doctor", "--no-probe", "--config", '{"port": 0}',
-                      site=fixture_site, COLUMNS="200")
+    proc = run_python(
+        *CLI, "doctor", "--no-probe", "--config", '{"port": 0}', site=fixture_site, COLUMNS="200"
+    )
     assert proc.returncode == 1, proc.stderr  # a plugin's check failed
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stdout.splitlines()
     assert "check fixture passes (fixture_shm): ok: all good" in lines
     assert "check fixture fails (fixture_shm): FAILED: set FIXTURE=1 to fix it" in lines
-    assert ("check fixture raises (fixture_shm): FAILED: the check raised RuntimeError: "
-            "fixture check bug (on purpose)") in lines
-    proc = run_python(*CLI, "doctor", "--no-probe", "--json", "--config", '{"port": 0}',
-                      site=fixture_site)
+    assert (
+        "check fixture raises (fixture_shm): FAILED: the check raised RuntimeError: "
+        "fixture check bug (on purpose)"
+    ) in lines
+    proc = run_python(
+        *CLI, "doctor", "--no-probe", "--json", "--config", '{"port": 0}', site=fixture_site
+    )
     checks = {c["check"]: c for c in json.loads(proc.stdout)["plugin_checks"]}
-    assert checks["fixture passes"] == {"plugin": "fixture_shm", "check": "fixture passes",
-                                        "ok": True, "detail": "all good"}
+    assert checks["fixture passes"] == {
+        "plugin": "fixture_shm",
+        "check": "fixture passes",
+        "ok": True,
+        "detail": "all good",
+    }
     assert not checks["fixture raises"]["ok"]

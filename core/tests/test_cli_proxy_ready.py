@@ -65,8 +65,11 @@ def _get(url: str) -> tuple[int, dict[str, Any]]:
 def _start_proxy(*args: str) -> tuple[subprocess.Popen[str], str]:
     script = Path(sys.executable).parent / "p2pkv"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "p2pkv.cli"]
-    proc = subprocess.Popen([*command, "proxy", "--port", "0", "--connect-timeout", "2", *args],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*command, "proxy", "--port", "0", "--connect-timeout", "2", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stderr is not None
     stderr = proc.stderr
@@ -90,8 +93,9 @@ def _start_proxy(*args: str) -> tuple[subprocess.Popen[str], str]:
 def test_ready_reflects_the_backends(refused: str) -> None:
     live_prefiller, prefiller_url = _backend()
     live_decoder, decoder_url = _backend()
-    proc, proxy = _start_proxy("--prefiller", prefiller_url, "--prefiller", refused,
-                               "--decoder", decoder_url)
+    proc, proxy = _start_proxy(
+        "--prefiller", prefiller_url, "--prefiller", refused, "--decoder", decoder_url
+    )
     try:
         status, body = _get(f"{proxy}/ready")
         assert status == 200 and body["status"] == "degraded", body

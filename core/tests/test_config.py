@@ -130,9 +130,13 @@ def test_full_config() -> None:
         ({"data_options": "x"}, {}, 0, "'data_options' must be a mapping, got 'x'"),
         ({"timeouts": 3}, {}, 0, "'timeouts' must be a mapping"),
         ({"limits": []}, {}, 0, "'limits' must be a mapping"),
-        ({"timeouts": {"lod": 1}}, {}, 0,
-         r"unknown tier config key\(s\) \['timeouts.lod'\]; valid keys of 'timeouts': "
-         r"handshake, load, .*; did you mean 'timeouts.load'\?"),
+        (
+            {"timeouts": {"lod": 1}},
+            {},
+            0,
+            r"unknown tier config key\(s\) \['timeouts.lod'\]; valid keys of 'timeouts': "
+            r"handshake, load, .*; did you mean 'timeouts.load'\?",
+        ),
         ({"timeouts": {"load": "1"}}, {}, 0, "'timeouts.load' must be a finite number, got '1'"),
         ({"timeouts": {"load": True}}, {}, 0, "'timeouts.load' must be a finite number"),
         ({"timeouts": {"load": float("nan")}}, {}, 0, "'timeouts.load' must be a finite number"),
@@ -143,8 +147,9 @@ def test_full_config() -> None:
         ({"hash_seed": b"x"}, {}, 0, "'hash_seed' must be a string"),
     ],
 )
-def test_rejections_name_the_key(d: dict[str, Any], env: dict[str, str], dp_rank: Any,
-                                 match: str) -> None:
+def test_rejections_name_the_key(
+    d: dict[str, Any], env: dict[str, str], dp_rank: Any, match: str
+) -> None:
     with pytest.raises(ConfigError, match=match):
         TierConfig.from_dict(d, dp_rank=dp_rank, environ=env)
 

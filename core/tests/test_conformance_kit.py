@@ -48,15 +48,17 @@ def test_poll_log_accepts_a_correct_history() -> None:
     assert log.done == {1} and log.failed == {2} and not log.pending
 
 
-@pytest.mark.parametrize(("results", "scope", "message"), [
-    ((PollResult([1], [1]),), None, "both done and failed"),
-    ((PollResult([1], []), PollResult([1], [])), None, "reported twice"),
-    ((PollResult([7], []),), None, "no read of ours"),
-    ((PollResult([2], []),), "a", "poll('a') reported transfer 2 of peer 'b'"),
-    ((PollResult([1, 1], []),), None, "repeated in one poll"),
-])
-def test_poll_log_rejects(results: tuple[PollResult, ...], scope: str | None,
-                          message: str) -> None:
+@pytest.mark.parametrize(
+    ("results", "scope", "message"),
+    [
+        ((PollResult([1], [1]),), None, "both done and failed"),
+        ((PollResult([1], []), PollResult([1], [])), None, "reported twice"),
+        ((PollResult([7], []),), None, "no read of ours"),
+        ((PollResult([2], []),), "a", "poll('a') reported transfer 2 of peer 'b'"),
+        ((PollResult([1, 1], []),), None, "repeated in one poll"),
+    ],
+)
+def test_poll_log_rejects(results: tuple[PollResult, ...], scope: str | None, message: str) -> None:
     log, _ = log_with(*results)
     with pytest.raises(AssertionError, match=re.escape(message)):
         for _ in results:
@@ -108,8 +110,15 @@ def test_poll_log_never_reports_internal_ids() -> None:
 
 def test_wait_until_returns_the_value_and_pumps() -> None:
     pumped: list[int] = []
-    assert wait_until(lambda: len(pumped) >= 3 and "ok", timeout=5, what="three pumps",
-                      pumps=[lambda: pumped.append(1)]) == "ok"
+    assert (
+        wait_until(
+            lambda: len(pumped) >= 3 and "ok",
+            timeout=5,
+            what="three pumps",
+            pumps=[lambda: pumped.append(1)],
+        )
+        == "ok"
+    )
 
 
 def test_wait_until_names_what_it_waited_for() -> None:
@@ -179,8 +188,21 @@ def test_child_pause_resume_and_kill() -> None:
 
 def test_plugin_refuses_bad_options_json(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--p2pkv-transport", "x", "--p2pkv-options", "[1",
-         "-p", "no:cacheprovider"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=str(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--p2pkv-transport",
+            "x",
+            "--p2pkv-options",
+            "[1",
+            "-p",
+            "no:cacheprovider",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=str(tmp_path),
     )
     assert proc.returncode != 0 and "--p2pkv-options" in proc.stderr + proc.stdout

@@ -11,8 +11,13 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol import Message, Unknown, decode, encode
 from p2pkv.testing import strategies as p2st
 
-SMALL = Limits(max_frame_bytes=1 << 16, max_keys_per_message=8, max_key_bytes=16,
-               max_request_id_chars=24, max_descriptor_bytes=128)
+SMALL = Limits(
+    max_frame_bytes=1 << 16,
+    max_keys_per_message=8,
+    max_key_bytes=16,
+    max_request_id_chars=24,
+    max_descriptor_bytes=128,
+)
 
 
 @pytest.mark.parametrize("limits", [Limits(), SMALL], ids=["default", "small"])

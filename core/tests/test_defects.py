@@ -49,8 +49,9 @@ class Recording(DelegatingDataTransport):
         self.log.append(("remove_peer", len(self.in_flight)))
         return super().remove_peer(peer_id)
 
-    def read_blocks(self, peer_id: str, local_idxs: Sequence[int],
-                    remote_idxs: Sequence[int]) -> int:
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
         tid = super().read_blocks(peer_id, local_idxs, remote_idxs)
         self.in_flight.add(tid)
         return tid
@@ -149,7 +150,8 @@ def test_defect_03_store_timeout_then_finalize_reports_once(cluster: h.Cluster) 
 
 
 def test_defect_04_messages_before_the_handshake_close_that_session_only(
-        cluster: h.Cluster) -> None:
+    cluster: h.Cluster,
+) -> None:
     p, good = cluster(), cluster()
     with h.RawPeer(p) as rogue:
         msgs = rogue.send(Fetch("r", 0, [b"a"]))  # before any hello
@@ -188,7 +190,8 @@ def test_defect_05_the_tier_runs_no_threads_of_its_own(cluster: h.Cluster) -> No
 
 
 def test_defect_06_shutdown_never_closes_the_data_plane_under_a_live_read(
-        cluster: h.Cluster) -> None:
+    cluster: h.Cluster,
+) -> None:
     c, rec = recording_node(cluster, completion_polls=4)
     p = cluster()
     try:
@@ -206,8 +209,7 @@ def test_defect_06_shutdown_never_closes_the_data_plane_under_a_live_read(
         p.shutdown()
 
 
-def test_defect_06_a_dead_peer_is_removed_only_after_its_reads_ended(
-        cluster: h.Cluster) -> None:
+def test_defect_06_a_dead_peer_is_removed_only_after_its_reads_ended(cluster: h.Cluster) -> None:
     faults = FaultInjector(seed=6)
     c = cluster(faults=faults, data_options={"completion_polls": 3})
     rec = Recording(c.data.inner)
@@ -333,15 +335,23 @@ def test_defect_12_late_fetch_for_a_reaped_request_is_refused_at_once(cluster: h
 
 
 def test_defect_13_producer_requests_store_every_block_including_prefix_hits(
-        cluster: h.Cluster) -> None:
+    cluster: h.Cluster,
+) -> None:
     p, c = cluster(), cluster()
     assert p.tier.on_new_request(p.producer_ctx("r")) is True
     assert p.tier.on_new_request(c.consumer_ctx("q", p)) is False
     assert p.tier.on_new_request(RequestContext("plain")) is False
-    both = RequestContext("b", {"remote_decoder": {"kv_request_id": "x"},
-                                "remote_kv_source": {"kv_request_id": "y",
-                                                     "remote_host": c.host,
-                                                     "remote_port": c.port}})
+    both = RequestContext(
+        "b",
+        {
+            "remote_decoder": {"kv_request_id": "x"},
+            "remote_kv_source": {
+                "kv_request_id": "y",
+                "remote_host": c.host,
+                "remote_port": c.port,
+            },
+        },
+    )
     assert p.tier.on_new_request(both) is True
 
 
@@ -355,13 +365,15 @@ def test_defect_14_duplicate_keys_in_a_fetch_are_refused(cluster: h.Cluster) -> 
     with h.RawPeer(p) as peer:
         (hello, _) = peer.send(peer.hello())
         assert isinstance(hello, Hello)
-        msgs = peer.send(msgpack.packb({"type": "hello_ack", "epoch": hello.epoch}),
-                         Fetch("r", 0, [b"a", b"a"]))
+        msgs = peer.send(
+            msgpack.packb({"type": "hello_ack", "epoch": hello.epoch}), Fetch("r", 0, [b"a", b"a"])
+        )
         assert isinstance(msgs[-1], Bye) and "duplicate key" in msgs[-1].reason
 
 
 def test_defect_14_a_failing_completion_check_fails_the_transfer_promptly(
-        cluster: h.Cluster) -> None:
+    cluster: h.Cluster,
+) -> None:
     faults = FaultInjector(seed=14)
     p, c = cluster(faults=faults), cluster(faults=faults)
     try:

@@ -18,17 +18,20 @@ def policy(*allow: str, max_dialed: int = 256) -> DialPolicy:
     return DialPolicy(Peers(allow=allow, max_dialed=max_dialed), 0.0)
 
 
-@pytest.mark.parametrize(("peer", "allowed"), [
-    ("10.1.2.3:7777", True),
-    ("11.0.0.1:7777", False),
-    ("[fd00::5]:7777", True),
-    ("[fe80::1]:7777", False),
-    ("192.168.0.9:1", True),
-    ("192.168.0.10:1", False),
-    ("Prefill-0.P2PKV:7777", True),
-    ("prefill-1.p2pkv:7777", False),
-    ("not-an-address", False),
-])
+@pytest.mark.parametrize(
+    ("peer", "allowed"),
+    [
+        ("10.1.2.3:7777", True),
+        ("11.0.0.1:7777", False),
+        ("[fd00::5]:7777", True),
+        ("[fe80::1]:7777", False),
+        ("192.168.0.9:1", True),
+        ("192.168.0.10:1", False),
+        ("Prefill-0.P2PKV:7777", True),
+        ("prefill-1.p2pkv:7777", False),
+        ("not-an-address", False),
+    ],
+)
 def test_the_allow_list_matches_networks_addresses_and_names(peer: str, allowed: bool) -> None:
     rules = policy("10.0.0.0/8", "fd00::/8", "192.168.0.9", "prefill-0.p2pkv")
     assert (rules.refusal(peer) is None) is allowed
@@ -57,28 +60,38 @@ def test_the_environment_fills_what_the_entry_lacks() -> None:
 
 
 def test_the_environment_sets_the_handshake_deadline_and_the_idle_time() -> None:
-    ours = {"P2PKV_HANDSHAKE_TIMEOUT": "4.5", "P2PKV_PEERS_IDLE_TIMEOUT": "0",
-            "VLLM_P2P_HANDSHAKE_TIMEOUT_S": "30", "VLLM_P2P_IDLE_TIMEOUT_S": "300"}
+    ours = {
+        "P2PKV_HANDSHAKE_TIMEOUT": "4.5",
+        "P2PKV_PEERS_IDLE_TIMEOUT": "0",
+        "VLLM_P2P_HANDSHAKE_TIMEOUT_S": "30",
+        "VLLM_P2P_IDLE_TIMEOUT_S": "300",
+    }
     config = TierConfig.from_dict({}, environ=ours)
     assert (config.timeouts.handshake, config.peers.idle_timeout) == (4.5, 0.0)  # ours first
-    upstream = TierConfig.from_dict({}, environ={"VLLM_P2P_HANDSHAKE_TIMEOUT_S": "30",
-                                                 "VLLM_P2P_IDLE_TIMEOUT_S": "120"})
+    upstream = TierConfig.from_dict(
+        {}, environ={"VLLM_P2P_HANDSHAKE_TIMEOUT_S": "30", "VLLM_P2P_IDLE_TIMEOUT_S": "120"}
+    )
     assert (upstream.timeouts.handshake, upstream.peers.idle_timeout) == (30.0, 120.0)
-    keyed = TierConfig.from_dict({"timeouts": {"handshake": 2}, "peers": {"idle_timeout": 9}},
-                                 environ=ours)
+    keyed = TierConfig.from_dict(
+        {"timeouts": {"handshake": 2}, "peers": {"idle_timeout": 9}}, environ=ours
+    )
     assert (keyed.timeouts.handshake, keyed.peers.idle_timeout) == (2, 9)  # keys win
     assert TierConfig.from_dict({}, environ={}).peers.idle_timeout == 300.0
 
 
-@pytest.mark.parametrize(("name", "value", "bound"), [
-    ("P2PKV_HANDSHAKE_TIMEOUT", "0", "above 0, at most 86400"),
-    ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "soon", "above 0, at most 86400"),
-    ("P2PKV_PEERS_IDLE_TIMEOUT", "-1", "from 0, at most 86400"),
-    ("VLLM_P2P_IDLE_TIMEOUT_S", "inf", "from 0, at most 86400"),
-    ("P2PKV_HANDSHAKE_TIMEOUT", "1e300", "above 0, at most 86400"),
-])
-def test_a_bad_time_in_the_environment_names_the_variable(name: str, value: str,
-                                                          bound: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "value", "bound"),
+    [
+        ("P2PKV_HANDSHAKE_TIMEOUT", "0", "above 0, at most 86400"),
+        ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "soon", "above 0, at most 86400"),
+        ("P2PKV_PEERS_IDLE_TIMEOUT", "-1", "from 0, at most 86400"),
+        ("VLLM_P2P_IDLE_TIMEOUT_S", "inf", "from 0, at most 86400"),
+        ("P2PKV_HANDSHAKE_TIMEOUT", "1e300", "above 0, at most 86400"),
+    ],
+)
+def test_a_bad_time_in_the_environment_names_the_variable(
+    name: str, value: str, bound: str
+) -> None:
     with pytest.raises(ConfigError, match=f"{name}={value!r} must be a number {bound}"):
         TierConfig.from_dict({}, environ={name: value})
 
@@ -116,8 +129,9 @@ class Dialer:
         return sum(1 for d in self.open.values() if not d.heard)
 
     def stalled(self, dialed_before: float) -> Iterator[Dial]:
-        return (d for d in self.open.values()
-                if not (d.heard or d.connected) and d.at <= dialed_before)
+        return (
+            d for d in self.open.values() if not (d.heard or d.connected) and d.at <= dialed_before
+        )
 
     def idle(self) -> Iterator[Dial]:
         return (self.open[p] for p in self.recent if self.open[p].heard and not self.open[p].busy)
@@ -213,8 +227,7 @@ def test_then_the_least_recently_active_idle_session_gives_way() -> None:
     assert [d.peer for d in dialer.evicted] == ["b:1"] and dialer.rules.gave_way == 1
 
 
-def test_when_every_session_works_a_pd_request_still_dials_and_others_wait_or_are_refused(
-) -> None:
+def test_when_every_session_works_a_pd_request_still_dials_and_others_wait_or_are_refused() -> None:
     dialer = Dialer(max_dialed=2)
     dial_heard(dialer, "a:1", "b:1")
     for peer in ("a:1", "b:1"):
@@ -230,12 +243,19 @@ def test_when_every_session_works_a_pd_request_still_dials_and_others_wait_or_ar
     assert [d.peer for d in dialer.evicted] == ["pd:1"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["pull", "pd", "end", "heard", "connected", "busy",
-                                           "use", "later"]),
-                          st.integers(0, 12)), max_size=80),
-       st.integers(1, 12))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["pull", "pd", "end", "heard", "connected", "busy", "use", "later"]),
+            st.integers(0, 12),
+        ),
+        max_size=80,
+    ),
+    st.integers(1, 12),
+)
 def test_dials_stay_within_the_cap_and_the_budget_and_progress_is_never_evicted(
-    steps: list[tuple[str, int]], cap: int,
+    steps: list[tuple[str, int]],
+    cap: int,
 ) -> None:
     """Only PD requests go beyond the cap, and only when every session is working; a dial
     that heard or connected its peer, or is younger than the grace, is never closed for a

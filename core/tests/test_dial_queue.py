@@ -28,8 +28,16 @@ SMALL = {"max_dialed": 4}
 
 def silent(i: int, *, loads: Node | None = None) -> RequestContext:
     """A PD request naming an address nobody listens on (with a load from ``loads``)."""
-    ctx = RequestContext(f"silent-{i}", {"remote_prefiller": {
-        "kv_request_id": f"silent-{i}", "remote_host": "127.0.0.1", "remote_port": 1 + i}})
+    ctx = RequestContext(
+        f"silent-{i}",
+        {
+            "remote_prefiller": {
+                "kv_request_id": f"silent-{i}",
+                "remote_host": "127.0.0.1",
+                "remote_port": 1 + i,
+            }
+        },
+    )
     if loads is not None:
         loads.tier.on_new_request(ctx)
         loads.load(1000 + i, [f"s{i}".encode()], [60], ctx)
@@ -38,8 +46,7 @@ def silent(i: int, *, loads: Node | None = None) -> RequestContext:
 
 def consumer(cluster: Cluster, **timeouts: float) -> Node:
     """A consumer whose one new dial a second is spent by a silent address already."""
-    c = cluster(peers=SMALL, control_options={"connect_timeout": 3600},
-                timeouts=timeouts or {})
+    c = cluster(peers=SMALL, control_options={"connect_timeout": 3600}, timeouts=timeouts or {})
     c.tier.on_new_request(silent(0))
     assert c.tier.stats()["peers_dialing"] == 1
     return c
@@ -120,8 +127,16 @@ def test_a_full_queue_of_peers_named_twice_refuses_a_name_at_once(cluster: Clust
     c = consumer(cluster)
     for i in range(1, 5):  # each named by two requests: the queue keeps them
         for kv in ("a", "b"):
-            ctx = RequestContext(f"{kv}{i}", {"remote_prefiller": {
-                "kv_request_id": f"{kv}{i}", "remote_host": "127.0.0.1", "remote_port": 1 + i}})
+            ctx = RequestContext(
+                f"{kv}{i}",
+                {
+                    "remote_prefiller": {
+                        "kv_request_id": f"{kv}{i}",
+                        "remote_host": "127.0.0.1",
+                        "remote_port": 1 + i,
+                    }
+                },
+            )
             c.tier.on_new_request(ctx)
     silent(5, loads=c)  # named once, into a full queue: the worst, it does not wait
     c.collect()
@@ -153,10 +168,13 @@ def test_a_waiting_symmetric_lookup_says_retry_then_answers(cluster: Cluster) ->
     assert probe_until(c, b"sym/0", ctx, [fresh]) is LookupResult.MISS  # fresh has no block
 
 
-@pytest.mark.parametrize(("end", "outcome"), [("finish", Outcome.REQUEST_FINISHED),
-                                               ("shutdown", Outcome.SHUTDOWN)])
+@pytest.mark.parametrize(
+    ("end", "outcome"), [("finish", Outcome.REQUEST_FINISHED), ("shutdown", Outcome.SHUTDOWN)]
+)
 def test_waiting_loads_end_with_their_request_or_the_tier(
-    cluster: Cluster, end: str, outcome: Outcome,
+    cluster: Cluster,
+    end: str,
+    outcome: Outcome,
 ) -> None:
     c = consumer(cluster)
     ctx = silent(1, loads=c)

@@ -34,8 +34,9 @@ class FakeDns:
 
 def first_answer(discovery: Discovery, now: float = 0.0) -> list[str]:
     got: list[str] = []
-    wait_until(lambda: got.extend(discovery.due(now)) or got, timeout=T,
-               what="the first resolution")
+    wait_until(
+        lambda: got.extend(discovery.due(now)) or got, timeout=T, what="the first resolution"
+    )
     return got
 
 
@@ -58,8 +59,7 @@ def test_a_changed_answer_is_due_at_once() -> None:
         assert first_answer(discovery) == ["10.0.0.1:7777"]
         dns.answers["prefill.svc"] = ["10.0.0.1", "10.0.0.9"]  # a pod came up
         got: list[str] = []
-        wait_until(lambda: got.extend(discovery.due(0.0)) or got, timeout=T,
-                   what="the new pod")
+        wait_until(lambda: got.extend(discovery.due(0.0)) or got, timeout=T, what="the new pod")
         assert got == ["10.0.0.1:7777", "10.0.0.9:7777"]
     finally:
         discovery.close(T)

@@ -49,7 +49,8 @@ def ranks(h: Any, cluster: Any, n: int) -> tuple[Any, list[Any]]:
 
 
 def test_a_lost_rank_gets_its_quiet_siblings_probed_and_live_ones_answer(
-    h: Any, cluster: Any,
+    h: Any,
+    cluster: Any,
 ) -> None:
     c, rs = ranks(h, cluster, 4)
     c.tier.peer_connection(rs[0].address).close()  # rank 0 lost
@@ -61,7 +62,8 @@ def test_a_lost_rank_gets_its_quiet_siblings_probed_and_live_ones_answer(
 
 
 def test_a_paused_sibling_fails_its_probe_then_is_served_again_once_resumed(
-    h: Any, cluster: Any,
+    h: Any,
+    cluster: Any,
 ) -> None:
     c, rs = ranks(h, cluster, 3)
     live, paused = [c, rs[0], rs[1]], rs[2]  # rank 2 stops ticking: paused

@@ -27,8 +27,16 @@ NAMES = 50
 def flood_name(node: Node, i: int) -> None:
     """A PD request naming a silent address (its own for ``i`` >= 1), with a one-block load."""
     host = f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256 or 1}"
-    ctx = RequestContext(f"flood-{i}", {"remote_prefiller": {
-        "kv_request_id": f"flood-{i}", "remote_host": host, "remote_port": 9}})
+    ctx = RequestContext(
+        f"flood-{i}",
+        {
+            "remote_prefiller": {
+                "kv_request_id": f"flood-{i}",
+                "remote_host": host,
+                "remote_port": 9,
+            }
+        },
+    )
     node.tier.on_new_request(ctx)
     node.load(1_000_000 + i, [f"f{i}".encode()], [i % 60], ctx)
 

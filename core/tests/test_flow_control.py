@@ -16,8 +16,15 @@ from p2pkv.testing import harness as h
 from p2pkv.types import Outcome
 
 
-def _pd_burst(p: h.Node, c: h.Node, count: int, nblocks: int, first_job: int = 0,
-              tag: str = "b", dst_base: int = 0) -> dict[int, tuple[list[int], list[int]]]:
+def _pd_burst(
+    p: h.Node,
+    c: h.Node,
+    count: int,
+    nblocks: int,
+    first_job: int = 0,
+    tag: str = "b",
+    dst_base: int = 0,
+) -> dict[int, tuple[list[int], list[int]]]:
     """Stage ``count`` PD requests on ``p`` (stored) and submit all their loads on ``c`` at
     once; returns load job id -> (producer slots, consumer slots)."""
     jobs: dict[int, tuple[list[int], list[int]]] = {}
@@ -36,8 +43,13 @@ def _pd_burst(p: h.Node, c: h.Node, count: int, nblocks: int, first_job: int = 0
     return jobs
 
 
-def _assert_all_done(p: h.Node, c: h.Node, jobs: dict[int, tuple[list[int], list[int]]],
-                     tag: str = "b", first_job: int = 0) -> None:
+def _assert_all_done(
+    p: h.Node,
+    c: h.Node,
+    jobs: dict[int, tuple[list[int], list[int]]],
+    tag: str = "b",
+    first_job: int = 0,
+) -> None:
     """Every load done and byte-exact; then both sides finish the requests."""
     failed = {j: c.results[j] for j in jobs if c.outcome(j) is not Outcome.DONE}
     assert not failed, f"{len(failed)} loads did not succeed, e.g. {next(iter(failed.values()))}"
@@ -50,10 +62,13 @@ def _assert_all_done(p: h.Node, c: h.Node, jobs: dict[int, tuple[list[int], list
 
 
 def test_a_burst_beyond_the_window_and_the_send_queue_waits_and_all_succeed(
-    cluster: h.Cluster
+    cluster: h.Cluster,
 ) -> None:
-    opts = {"control_options": {"max_queued_frames": 4}, "num_blocks": 1200,
-            "flow": {"window_rounds": 40, "window_blocks": 400}}
+    opts = {
+        "control_options": {"max_queued_frames": 4},
+        "num_blocks": 1200,
+        "flow": {"window_rounds": 40, "window_blocks": 400},
+    }
     p, c = cluster(**opts), cluster(**opts)
     jobs = _pd_burst(p, c, 300, 4)
     h.pump_until([p, c], lambda: all(j in c.results for j in jobs), rounds=2000)
@@ -132,7 +147,7 @@ def test_pd_loads_overtake_waiting_prefix_pulls(cluster: h.Cluster) -> None:
 
 
 def test_a_load_of_keys_whose_result_was_not_taken_yet_conflicts_at_once(
-    cluster: h.Cluster
+    cluster: h.Cluster,
 ) -> None:
     p, c = cluster(), cluster()
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
@@ -234,8 +249,16 @@ def test_a_resumed_consumer_ends_its_pre_pause_loads_at_once() -> None:
     from p2pkv.testing.tier_machine import FakeClock, TierNode
 
     clock = FakeClock()
-    made = [TierNode(clock, control=_SilentMemoryControl, data=MemoryDataTransport,
-                     registry=h.REGISTRY, seed=i) for i in range(2)]
+    made = [
+        TierNode(
+            clock,
+            control=_SilentMemoryControl,
+            data=MemoryDataTransport,
+            registry=h.REGISTRY,
+            seed=i,
+        )
+        for i in range(2)
+    ]
     p, c = made
     try:
         cctx = c.consumer_ctx("r", p)

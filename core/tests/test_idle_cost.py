@@ -60,8 +60,18 @@ class QuietPeer:
 
     def _hello(self) -> bytes:
         data = self.data
-        return encode(Hello((WIRE_MAJOR, WIRE_MINOR), 7, self.ctl.local_address,
-                            data.descriptor(), data.num_blocks, data.block_len, "", ""))
+        return encode(
+            Hello(
+                (WIRE_MAJOR, WIRE_MINOR),
+                7,
+                self.ctl.local_address,
+                data.descriptor(),
+                data.num_blocks,
+                data.block_len,
+                "",
+                "",
+            )
+        )
 
     def close(self) -> None:
         self.ctl.close()

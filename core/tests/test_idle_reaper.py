@@ -30,8 +30,9 @@ class Reaping:
         self.now = 0.0
         self.timers = Deadlines()
         self.closed: list[str] = []
-        self.reaper = IdleReaper(idle_timeout, self.timers, lambda: self.now, self.close,
-                                 kept.__contains__)
+        self.reaper = IdleReaper(
+            idle_timeout, self.timers, lambda: self.now, self.close, kept.__contains__
+        )
 
     def close(self, session: Any, reason: str) -> None:
         assert "peers.idle_timeout" in reason
@@ -52,9 +53,13 @@ class Reaping:
 
 def test_only_idle_ready_dialed_sessions_not_kept_are_reaped() -> None:
     r = Reaping(100.0, kept=frozenset({"kept"}))
-    sessions = [FakeSession("idle"), FakeSession("theirs", dialed=False),
-                FakeSession("handshaking", ready=False), FakeSession("working", idle=False),
-                FakeSession("kept")]
+    sessions = [
+        FakeSession("idle"),
+        FakeSession("theirs", dialed=False),
+        FakeSession("handshaking", ready=False),
+        FakeSession("working", idle=False),
+        FakeSession("kept"),
+    ]
     r.open(*sessions)
     assert r.at(99.0) == []
     assert r.at(100.0) == ["idle"]

@@ -76,8 +76,18 @@ class Arrivals:
 
 
 def hello_from(node: Any, epoch: int) -> bytes:
-    return encode(Hello((WIRE_MAJOR, WIRE_MINOR), epoch, node.address, node.data.descriptor(),
-                        node.data.num_blocks, node.data.block_len, "", ""))
+    return encode(
+        Hello(
+            (WIRE_MAJOR, WIRE_MINOR),
+            epoch,
+            node.address,
+            node.data.descriptor(),
+            node.data.num_blocks,
+            node.data.block_len,
+            "",
+            "",
+        )
+    )
 
 
 def live_pair(h: Any, cluster: Any) -> tuple[Any, Any, Arriving]:

@@ -37,35 +37,63 @@ def parse(**raw: Any) -> Shape:
 
 def test_defaults_and_values() -> None:
     assert parse() == Shape()
-    got = parse(flag=True, count=3, seconds=2, name=" x ", mode="b", names=["p", " q"],
-                params={"k": "v"}, anything={"k": [1]}, inner={"depth": 4}, alias=7)
+    got = parse(
+        flag=True,
+        count=3,
+        seconds=2,
+        name=" x ",
+        mode="b",
+        names=["p", " q"],
+        params={"k": "v"},
+        anything={"k": [1]},
+        inner={"depth": 4},
+        alias=7,
+    )
     assert got == Shape(True, 3, 2.0, "x", "b", ("p", "q"), {"k": "v"}, {"k": [1]}, Inner(4), 7)
     assert isinstance(got.seconds, float) and isinstance(got.names, tuple)
     assert parse(name=None).name is None
 
 
 def test_keys_follow_the_metadata() -> None:
-    assert option_keys(Shape) == ("flag", "count", "seconds", "name", "mode", "names",
-                                  "params", "anything", "inner", "alias")
+    assert option_keys(Shape) == (
+        "flag",
+        "count",
+        "seconds",
+        "name",
+        "mode",
+        "names",
+        "params",
+        "anything",
+        "inner",
+        "alias",
+    )
 
 
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"flga": 1}, "unknown shape key(s) ['flga']; valid keys: flag, count, seconds, name, "
-                      "mode, names, params, anything, inner, alias; did you mean 'flag'?"),
+        (
+            {"flga": 1},
+            "unknown shape key(s) ['flga']; valid keys: flag, count, seconds, name, "
+            "mode, names, params, anything, inner, alias; did you mean 'flag'?",
+        ),
         ({"computed": 1}, "unknown shape key(s) ['computed']"),
         ({"renamed": 1}, "unknown shape key(s) ['renamed']"),
-        ({"inner": {"dpth": 1}}, "unknown shape key(s) ['inner.dpth']; valid keys of 'inner': "
-                                 "depth; did you mean 'inner.depth'?"),
+        (
+            {"inner": {"dpth": 1}},
+            "unknown shape key(s) ['inner.dpth']; valid keys of 'inner': "
+            "depth; did you mean 'inner.depth'?",
+        ),
         ({"flag": 1}, "shape key 'flag' must be true or false, got 1"),
         ({"count": True}, "shape key 'count' must be an integer, got True"),
         ({"count": 2.0}, "shape key 'count' must be an integer, got 2.0"),
         ({"count": 0}, "shape key 'count' must be in 1..10, got 0"),
         ({"seconds": -1}, "shape key 'seconds' must be in 0..1000000 seconds, got -1"),
         ({"seconds": 1e300}, "shape key 'seconds' must be in 0..1000000 seconds, got 1e+300"),
-        ({"count": 10**5000}, "shape key 'count' must be in 1..10, got an integer of about 5001 "
-         "digits"),
+        (
+            {"count": 10**5000},
+            "shape key 'count' must be in 1..10, got an integer of about 5001 digits",
+        ),
         ({"seconds": float("inf")}, "shape key 'seconds' must be a finite number, got inf"),
         ({"seconds": False}, "shape key 'seconds' must be a finite number, got False"),
         ({"name": " "}, "shape key 'name' must be a non-empty string or null, got ' '"),

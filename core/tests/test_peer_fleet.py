@@ -46,7 +46,8 @@ def pd_request(h: Any, p: Any, c: Any, kv: str, job: int, others: Iterable[Any] 
 
 
 def test_a_service_of_300_ranks_keeps_a_bounded_warm_set_and_serves_any_other_rank(
-    h: Any, cluster: Any,
+    h: Any,
+    cluster: Any,
 ) -> None:
     service = [cluster() for _ in range(SERVICE)]
     c = cluster(peers={"connect": [p.address for p in service], "resolve_interval": 30})
@@ -56,8 +57,12 @@ def test_a_service_of_300_ranks_keeps_a_bounded_warm_set_and_serves_any_other_ra
         c.clock.advance(0.05)
         h.pump(everyone, 1)
 
-    wait_until(lambda: c.tier.stats()["peers_warm_ready"] == 32, timeout=T,
-               what="32 warm sessions", pumps=[step])
+    wait_until(
+        lambda: c.tier.stats()["peers_warm_ready"] == 32,
+        timeout=T,
+        what="32 warm sessions",
+        pumps=[step],
+    )
     stats = c.tier.stats()
     assert stats["peers_warm"] == 32 and stats["sessions"] == 32, stats
     outside = next(p for p in service if c.tier.peer_connection(p.address) is None)
@@ -80,7 +85,8 @@ def test_an_idle_session_gives_way_to_a_peer_with_a_request(h: Any, cluster: Any
 
 
 def test_when_every_dialed_session_works_a_pd_request_dials_beyond_the_cap(
-    h: Any, cluster: Any,
+    h: Any,
+    cluster: Any,
 ) -> None:
     """A pull is refused; a PD request is served, so its producer's blocks are fetched, not
     left parked until ``timeouts.unbound_store``."""
@@ -104,12 +110,21 @@ def test_when_every_dialed_session_works_a_pd_request_dials_beyond_the_cap(
 
 def bogus(i: int) -> RequestContext:
     """A PD request naming a peer nobody listens on (its dial never hears anything)."""
-    return RequestContext(f"bogus-{i}", {"remote_prefiller": {
-        "kv_request_id": f"bogus-{i}", "remote_host": "127.0.0.1", "remote_port": 1 + i}})
+    return RequestContext(
+        f"bogus-{i}",
+        {
+            "remote_prefiller": {
+                "kv_request_id": f"bogus-{i}",
+                "remote_host": "127.0.0.1",
+                "remote_port": 1 + i,
+            }
+        },
+    )
 
 
 def test_a_flood_of_silent_peers_never_evicts_a_dial_that_heard_its_peer(
-    h: Any, cluster: Any,
+    h: Any,
+    cluster: Any,
 ) -> None:
     c = cluster(peers={"max_dialed": 16}, control_options={"connect_timeout": 3600})
     fresh = cluster()
@@ -136,7 +151,8 @@ def test_a_flood_of_silent_peers_never_evicts_a_dial_that_heard_its_peer(
 
 
 def test_an_address_whose_dial_failed_is_refused_at_once_until_its_backoff_passes(
-    h: Any, cluster: Any,
+    h: Any,
+    cluster: Any,
 ) -> None:
     c = cluster(control_options={"connect_timeout": 0.001}, peers={"dial_backoff": 8})
     gone = cluster()
@@ -144,8 +160,12 @@ def test_an_address_whose_dial_failed_is_refused_at_once_until_its_backoff_passe
     gone.shutdown()  # nothing listens there any more
     ctx = c.consumer_ctx("a", gone)
     c.tier.on_new_request(ctx)
-    wait_until(lambda: c.tier.stats()["sessions"] == 0, timeout=T, pumps=[c.collect],
-               what="the dial to fail (nobody listens)")
+    wait_until(
+        lambda: c.tier.stats()["sessions"] == 0,
+        timeout=T,
+        pumps=[c.collect],
+        what="the dial to fail (nobody listens)",
+    )
     for i in range(20):
         late = c.consumer_ctx(f"late{i}", gone)
         c.tier.on_new_request(late)

@@ -31,8 +31,13 @@ from p2pkv.testing.strategies import hostile_frames, messages
 from p2pkv.types import Outcome
 
 LIMITS = Limits()
-SMALL = Limits(max_frame_bytes=4096, max_keys_per_message=4, max_key_bytes=8,
-               max_request_id_chars=5, max_descriptor_bytes=16)
+SMALL = Limits(
+    max_frame_bytes=4096,
+    max_keys_per_message=4,
+    max_key_bytes=8,
+    max_request_id_chars=5,
+    max_descriptor_bytes=16,
+)
 
 
 @given(messages())
@@ -48,13 +53,35 @@ def test_hostile_bytes_raise_only_protocol_errors(frame: bytes) -> None:
         pass
 
 
-@given(st.dictionaries(st.sampled_from(["type", "kv_request_id", "round", "keys", "slots",
-                                         "pos", "read", "epoch", "seq", "hits", "reason",
-                                         "wire"]),
-                       st.one_of(st.none(), st.integers(-3, 3), st.text(max_size=3),
-                                 st.binary(max_size=3), st.booleans(),
-                                 st.lists(st.integers(0, 3), max_size=3)),
-                       max_size=8))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "type",
+                "kv_request_id",
+                "round",
+                "keys",
+                "slots",
+                "pos",
+                "read",
+                "epoch",
+                "seq",
+                "hits",
+                "reason",
+                "wire",
+            ]
+        ),
+        st.one_of(
+            st.none(),
+            st.integers(-3, 3),
+            st.text(max_size=3),
+            st.binary(max_size=3),
+            st.booleans(),
+            st.lists(st.integers(0, 3), max_size=3),
+        ),
+        max_size=8,
+    )
+)
 def test_hostile_maps_raise_only_protocol_errors(d: dict[str, Any]) -> None:
     try:
         decode(msgpack.packb(d), LIMITS)
@@ -69,23 +96,44 @@ def _outcome(decoder: Any, frame: bytes, limits: Limits) -> Any:
         return str(exc)
 
 
-@given(st.one_of(hostile_frames(SMALL), hostile_frames(), messages().map(encode),
-                 st.builds(lambda d: msgpack.packb(d, use_bin_type=True),
-                           st.dictionaries(st.sampled_from(["type", "kv_request_id", "round",
-                                                            "keys", "pos", "slots", "read",
-                                                            "seq", "hits", "epoch"]),
-                                           st.one_of(st.sampled_from(["fetch", "ready",
-                                                                      "release", "lookup",
-                                                                      "lookup_resp",
-                                                                      "hello_ack"]),
-                                                     st.integers(-2, 2**32),
-                                                     st.text(max_size=6),
-                                                     st.lists(st.integers(-1, 2**32),
-                                                              max_size=5),
-                                                     st.lists(st.binary(max_size=9),
-                                                              max_size=5),
-                                                     st.booleans(), st.lists(st.booleans())),
-                                           max_size=6))))
+@given(
+    st.one_of(
+        hostile_frames(SMALL),
+        hostile_frames(),
+        messages().map(encode),
+        st.builds(
+            lambda d: msgpack.packb(d, use_bin_type=True),
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "type",
+                        "kv_request_id",
+                        "round",
+                        "keys",
+                        "pos",
+                        "slots",
+                        "read",
+                        "seq",
+                        "hits",
+                        "epoch",
+                    ]
+                ),
+                st.one_of(
+                    st.sampled_from(
+                        ["fetch", "ready", "release", "lookup", "lookup_resp", "hello_ack"]
+                    ),
+                    st.integers(-2, 2**32),
+                    st.text(max_size=6),
+                    st.lists(st.integers(-1, 2**32), max_size=5),
+                    st.lists(st.binary(max_size=9), max_size=5),
+                    st.booleans(),
+                    st.lists(st.booleans()),
+                ),
+                max_size=6,
+            ),
+        ),
+    )
+)
 def test_the_fast_decoder_agrees_with_the_strict_one(frame: bytes) -> None:
     """Whichever decoder takes a frame, it decodes to the same message or fails alike."""
     for limits in (LIMITS, SMALL):
@@ -101,15 +149,15 @@ def test_unknown_fields_and_big_maps_take_the_strict_path() -> None:
     padded = {**_valid("release"), **{f"x{i}": i for i in range(70)}}
     with pytest.raises(ProtocolError, match="not a valid msgpack"):  # over 64 map entries
         decode(_frame("release", **padded), LIMITS)
-    assert decode(_frame("release", **_valid("release"), later=1), LIMITS) == Release(
-        "r", 0, True)
+    assert decode(_frame("release", **_valid("release"), later=1), LIMITS) == Release("r", 0, True)
 
 
 def test_frames_are_the_msgpack_map_of_the_fields() -> None:
     msg = Ready("r", 3, [0, 1], [7, 2**31])
-    assert encode(msg) == msgpack.packb({"type": "ready", "kv_request_id": "r", "round": 3,
-                                         "pos": [0, 1], "slots": [7, 2**31]},
-                                        use_bin_type=True)
+    assert encode(msg) == msgpack.packb(
+        {"type": "ready", "kv_request_id": "r", "round": 3, "pos": [0, 1], "slots": [7, 2**31]},
+        use_bin_type=True,
+    )
 
 
 def test_keys_stay_bytes_and_slots_stay_ints() -> None:
@@ -132,9 +180,16 @@ def _frame(kind: str, **fields: Any) -> bytes:
 
 def _valid(kind: str) -> dict[str, Any]:
     valid: dict[str, dict[str, Any]] = {
-        "hello": {"wire": [WIRE_MAJOR, WIRE_MINOR], "epoch": 1, "address": "h:1",
-                  "descriptor": b"d", "num_blocks": 4, "block_len": 8, "fingerprint": "",
-                  "hash_seed": ""},
+        "hello": {
+            "wire": [WIRE_MAJOR, WIRE_MINOR],
+            "epoch": 1,
+            "address": "h:1",
+            "descriptor": b"d",
+            "num_blocks": 4,
+            "block_len": 8,
+            "fingerprint": "",
+            "hash_seed": "",
+        },
         "hello_ack": {"epoch": 1},
         "fetch": {"kv_request_id": "r", "round": 0, "keys": [b"k"]},
         "ready": {"kv_request_id": "r", "round": 0, "pos": [0], "slots": [3]},
@@ -147,8 +202,20 @@ def _valid(kind: str) -> dict[str, Any]:
     return valid[kind]
 
 
-@pytest.mark.parametrize("kind", ["hello", "hello_ack", "fetch", "ready", "release",
-                                  "round_failed", "lookup", "lookup_resp", "bye"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "hello",
+        "hello_ack",
+        "fetch",
+        "ready",
+        "release",
+        "round_failed",
+        "lookup",
+        "lookup_resp",
+        "bye",
+    ],
+)
 def test_valid_templates_decode_and_unknown_fields_are_ignored(kind: str) -> None:
     decoded = decode(_frame(kind, **_valid(kind), future_field=[1, 2]), LIMITS)
     assert message_type(decoded) == kind
@@ -200,10 +267,12 @@ BAD: list[tuple[str, str, Any, str]] = [
 ]
 
 
-@pytest.mark.parametrize("kind, field, value, expected", BAD,
-                         ids=[f"{k}.{f}={v!r:.20}" for k, f, v, _ in BAD])
-def test_every_validation_error_names_the_field(kind: str, field: str, value: Any,
-                                                expected: str) -> None:
+@pytest.mark.parametrize(
+    "kind, field, value, expected", BAD, ids=[f"{k}.{f}={v!r:.20}" for k, f, v, _ in BAD]
+)
+def test_every_validation_error_names_the_field(
+    kind: str, field: str, value: Any, expected: str
+) -> None:
     body = _valid(kind)
     if value == "<missing>":
         del body[field]
@@ -214,14 +283,22 @@ def test_every_validation_error_names_the_field(kind: str, field: str, value: An
     assert expected in str(info.value)
 
 
-@pytest.mark.parametrize("kind, field, value, expected", [
-    ("fetch", "keys", [b"a", b"b", b"c", b"d", b"e"], "fetch.keys: 5 entries exceeds the cap of 4"),
-    ("fetch", "keys", [b"123456789"], "fetch.keys[0]: key of 9 bytes is outside 1..8"),
-    ("fetch", "kv_request_id", "abcdef", "fetch.kv_request_id: 6 characters exceeds"),
-    ("hello", "descriptor", b"x" * 17, "hello.descriptor: 17 bytes exceeds the cap of 16"),
-    ("lookup_resp", "hits", [True] * 5, "lookup_resp.hits: 5 entries exceeds"),
-    ("ready", "pos", [0] * 5, "ready.pos: 5 entries exceeds"),
-])
+@pytest.mark.parametrize(
+    "kind, field, value, expected",
+    [
+        (
+            "fetch",
+            "keys",
+            [b"a", b"b", b"c", b"d", b"e"],
+            "fetch.keys: 5 entries exceeds the cap of 4",
+        ),
+        ("fetch", "keys", [b"123456789"], "fetch.keys[0]: key of 9 bytes is outside 1..8"),
+        ("fetch", "kv_request_id", "abcdef", "fetch.kv_request_id: 6 characters exceeds"),
+        ("hello", "descriptor", b"x" * 17, "hello.descriptor: 17 bytes exceeds the cap of 16"),
+        ("lookup_resp", "hits", [True] * 5, "lookup_resp.hits: 5 entries exceeds"),
+        ("ready", "pos", [0] * 5, "ready.pos: 5 entries exceeds"),
+    ],
+)
 def test_caps_from_limits(kind: str, field: str, value: Any, expected: str) -> None:
     body = _valid(kind)
     body[field] = value
@@ -270,37 +347,57 @@ def test_encode_refuses_non_messages() -> None:
 _OUTCOMES = st.sampled_from([o.value for o in Outcome]) | st.text(max_size=MAX_TAG_CHARS)
 
 
-@given(st.builds(RoundFailed, kv_request_id=st.text(min_size=1, max_size=8),
-                 round=st.integers(0, 2**64 - 1), reason=st.text(min_size=1, max_size=40),
-                 outcome=_OUTCOMES)
-       | st.builds(Bye, reason=st.text(max_size=40), outcome=_OUTCOMES))
+@given(
+    st.builds(
+        RoundFailed,
+        kv_request_id=st.text(min_size=1, max_size=8),
+        round=st.integers(0, 2**64 - 1),
+        reason=st.text(min_size=1, max_size=40),
+        outcome=_OUTCOMES,
+    )
+    | st.builds(Bye, reason=st.text(max_size=40), outcome=_OUTCOMES)
+)
 def test_wire_2_1_outcome_fields_round_trip(msg: Message) -> None:
     assert decode(encode(msg), LIMITS) == msg
 
 
-@pytest.mark.parametrize("reason, outcome", [
-    ("demand_unmet: 1 block missing", "demand_unmet"), ("load_timeout", "load_timeout"),
-    ("something new", "something new"),
-])
-def test_a_wire_2_0_round_failed_takes_its_outcome_from_the_reason(reason: str,
-                                                                   outcome: str) -> None:
+@pytest.mark.parametrize(
+    "reason, outcome",
+    [
+        ("demand_unmet: 1 block missing", "demand_unmet"),
+        ("load_timeout", "load_timeout"),
+        ("something new", "something new"),
+    ],
+)
+def test_a_wire_2_0_round_failed_takes_its_outcome_from_the_reason(
+    reason: str, outcome: str
+) -> None:
     frame = _frame("round_failed", kv_request_id="r", round=0, reason=reason)
     assert decode(frame, LIMITS) == RoundFailed("r", 0, reason, outcome)
 
 
-@pytest.mark.parametrize("reason, outcome", [
-    ("rejected: block_len 32", Outcome.PEER_REJECTED),
-    ("protocol error: ready.slots", Outcome.PROTOCOL_ERROR),
-    ("shutdown", Outcome.PEER_DEAD), ("", Outcome.PEER_DEAD),
-])
-def test_a_wire_2_0_bye_takes_its_outcome_from_the_reason(reason: str,
-                                                          outcome: Outcome) -> None:
+@pytest.mark.parametrize(
+    "reason, outcome",
+    [
+        ("rejected: block_len 32", Outcome.PEER_REJECTED),
+        ("protocol error: ready.slots", Outcome.PROTOCOL_ERROR),
+        ("shutdown", Outcome.PEER_DEAD),
+        ("", Outcome.PEER_DEAD),
+    ],
+)
+def test_a_wire_2_0_bye_takes_its_outcome_from_the_reason(reason: str, outcome: Outcome) -> None:
     assert decode(_frame("bye", reason=reason), LIMITS) == Bye(reason, outcome.value)
 
 
 def test_the_outcome_field_wins_over_the_reason() -> None:
-    frame = _frame("round_failed", kv_request_id="r", round=0, reason="demand_unmet: x",
-                   outcome="request_conflict")
+    frame = _frame(
+        "round_failed",
+        kv_request_id="r",
+        round=0,
+        reason="demand_unmet: x",
+        outcome="request_conflict",
+    )
     assert decode(frame, LIMITS) == RoundFailed("r", 0, "demand_unmet: x", "request_conflict")
-    assert decode(_frame("bye", reason="rejected: x", outcome="peer_dead"),
-                  LIMITS) == Bye("rejected: x", "peer_dead")
+    assert decode(_frame("bye", reason="rejected: x", outcome="peer_dead"), LIMITS) == Bye(
+        "rejected: x", "peer_dead"
+    )

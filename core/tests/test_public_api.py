@@ -20,41 +20,130 @@ import p2pkv
 import pytest
 
 EXPORTED = [
-    "DRAIN_GRACE", "DRIVER_BOUND",  # the driver bound a transport keeps (plugin-authors.md)
-    "EMPTY_POLL", "OVERSIZED", "PLUGIN_API_VERSION", "AttachedPeer", "Capabilities", "CheckResult",
-    "ConcurrentCall", "ConfigError", "ConnectionClosed", "ControlConnection", "ControlSettings",
-    "ControlTransport", "DataBackend", "DataSettings", "DataTransport", "DoctorCheck", "Flow",
-    "FrameTooLarge", "InboxConnection", "InboxControlTransport", "Indexes", "Job", "JobResult",
-    "Limits", "LocalHitSource", "LookupResult", "Outcome", "P2PKVError", "P2PTier", "PeerRejected",
-    "Peers", "PollResult", "ProtocolError", "ReadState", "RequestContext", "ResourceUnavailable",
-    "SendQueueFull", "TierConfig", "Timeouts", "TransferBusy", "TransferSubmitError",
-    "TransportKind", "TransportUnavailable", "UsageError", "__version__", "check_read",
-    "format_address", "hookimpl", "option", "parse_address", "parse_options",
+    "DRAIN_GRACE",
+    "DRIVER_BOUND",  # the driver bound a transport keeps (plugin-authors.md)
+    "EMPTY_POLL",
+    "OVERSIZED",
+    "PLUGIN_API_VERSION",
+    "AttachedPeer",
+    "Capabilities",
+    "CheckResult",
+    "ConcurrentCall",
+    "ConfigError",
+    "ConnectionClosed",
+    "ControlConnection",
+    "ControlSettings",
+    "ControlTransport",
+    "DataBackend",
+    "DataSettings",
+    "DataTransport",
+    "DoctorCheck",
+    "Flow",
+    "FrameTooLarge",
+    "InboxConnection",
+    "InboxControlTransport",
+    "Indexes",
+    "Job",
+    "JobResult",
+    "Limits",
+    "LocalHitSource",
+    "LookupResult",
+    "Outcome",
+    "P2PKVError",
+    "P2PTier",
+    "PeerRejected",
+    "Peers",
+    "PollResult",
+    "ProtocolError",
+    "ReadState",
+    "RequestContext",
+    "ResourceUnavailable",
+    "SendQueueFull",
+    "TierConfig",
+    "Timeouts",
+    "TransferBusy",
+    "TransferSubmitError",
+    "TransportKind",
+    "TransportUnavailable",
+    "UsageError",
+    "__version__",
+    "check_read",
+    "format_address",
+    "hookimpl",
+    "option",
+    "parse_address",
+    "parse_options",
 ]
 """``p2pkv.__all__`` (sorted as ruff's RUF022 sorts it)."""
 
 PUBLIC_MODULES = {
-    "p2pkv.hookspecs": ["PLUGIN_API_VERSION", "PROJECT", "CheckResult", "DoctorCheck",
-                        "hookimpl", "hookspec"],
-    "p2pkv.reference": ["Fault", "FaultInjector", "FaultRule", "MemoryConnection",
-                        "MemoryControlTransport", "MemoryDataTransport"],
+    "p2pkv.hookspecs": [
+        "PLUGIN_API_VERSION",
+        "PROJECT",
+        "CheckResult",
+        "DoctorCheck",
+        "hookimpl",
+        "hookspec",
+    ],
+    "p2pkv.reference": [
+        "Fault",
+        "FaultInjector",
+        "FaultRule",
+        "MemoryConnection",
+        "MemoryControlTransport",
+        "MemoryDataTransport",
+    ],
     "p2pkv.reference.delegating": ["DelegatingControlTransport", "DelegatingDataTransport"],
     "p2pkv.testing.child": ["Child", "stop_all"],
-    "p2pkv.testing.harness": ["REGISTRY", "Cluster", "Node", "RawPeer", "advance",
-                              "assert_clean", "config", "keys", "probe_until", "pump",
-                              "pump_until"],
+    "p2pkv.testing.harness": [
+        "REGISTRY",
+        "Cluster",
+        "Node",
+        "RawPeer",
+        "advance",
+        "assert_clean",
+        "config",
+        "keys",
+        "probe_until",
+        "pump",
+        "pump_until",
+    ],
     "p2pkv.testing.isolated": ["run_machine_in_child"],
-    "p2pkv.testing.peers": ["ChildControlPeer", "ChildDataPeer", "ControlPeer", "DataPeer",
-                            "LocalControlPeer", "LocalDataPeer", "PeerHost", "RemotePeerError",
-                            "make_region"],
+    "p2pkv.testing.peers": [
+        "ChildControlPeer",
+        "ChildDataPeer",
+        "ControlPeer",
+        "DataPeer",
+        "LocalControlPeer",
+        "LocalDataPeer",
+        "PeerHost",
+        "RemotePeerError",
+        "make_region",
+    ],
     "p2pkv.testing.polllog": ["PollLog"],
     "p2pkv.testing.profiles": ["PROFILE", "machine_settings"],
     "p2pkv.testing.stateful": ["ControlTransportMachine", "DataTransportMachine"],
-    "p2pkv.testing.strategies": ["binary_frames", "byes", "fetches", "frames", "hello_acks",
-                                 "hellos", "hostile_frames", "lookup_resps", "lookups",
-                                 "messages", "readies", "releases", "round_faileds"],
-    "p2pkv.testing.suites": ["ControlTransportSuite", "DataIsolationSuite",
-                             "DataTransportSuite", "installed_transport"],
+    "p2pkv.testing.strategies": [
+        "binary_frames",
+        "byes",
+        "fetches",
+        "frames",
+        "hello_acks",
+        "hellos",
+        "hostile_frames",
+        "lookup_resps",
+        "lookups",
+        "messages",
+        "readies",
+        "releases",
+        "round_faileds",
+    ],
+    "p2pkv.testing.suites": [
+        "ControlTransportSuite",
+        "DataIsolationSuite",
+        "DataTransportSuite",
+        "installed_transport",
+    ],
     "p2pkv.testing.tier_machine": ["FakeClock", "TierMachine", "TierNode"],
     "p2pkv.testing.waiting": ["WaitTimeout", "pumping_in_background", "quietly", "wait_until"],
 }
@@ -84,8 +173,11 @@ def test_no_other_public_looking_name_in_the_namespace() -> None:
     """Submodules show up as attributes once imported; anything else must be exported."""
     for name in EXPORTED:
         getattr(p2pkv, name)
-    extra = {name for name, value in vars(p2pkv).items()
-             if not name.startswith("_") and not inspect.ismodule(value)} - set(EXPORTED)
+    extra = {
+        name
+        for name, value in vars(p2pkv).items()
+        if not name.startswith("_") and not inspect.ismodule(value)
+    } - set(EXPORTED)
     assert not extra, f"public-looking names not in p2pkv.__all__: {sorted(extra)}"
     assert set(EXPORTED) <= set(dir(p2pkv))
 
@@ -94,8 +186,13 @@ def test_the_type_checking_imports_match_the_lazy_table() -> None:
     """mypy and editors read the ``if TYPE_CHECKING:`` imports; the runtime reads
     ``_SOURCES``. Both must name the same (module, name) pairs, each as ``name as name``."""
     tree = ast.parse(INIT.read_text())
-    (block,) = [n for n in tree.body if isinstance(n, ast.If)
-                and isinstance(n.test, ast.Attribute) and n.test.attr == "TYPE_CHECKING"]
+    (block,) = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.If)
+        and isinstance(n.test, ast.Attribute)
+        and n.test.attr == "TYPE_CHECKING"
+    ]
     imported = set()
     for node in block.body:
         assert isinstance(node, ast.ImportFrom) and node.module, ast.dump(node)
@@ -109,10 +206,13 @@ def test_the_type_checking_imports_match_the_lazy_table() -> None:
 
 def test_import_p2pkv_stays_light() -> None:
     """``import p2pkv`` loads no numpy, pluggy or msgspec until a name needs them."""
-    code = ("import json, sys, p2pkv; print(json.dumps(sorted({m.split('.')[0] "
-            "for m in sys.modules} & {'numpy', 'pluggy', 'msgspec', 'msgpack'})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, check=True)
+    code = (
+        "import json, sys, p2pkv; print(json.dumps(sorted({m.split('.')[0] "
+        "for m in sys.modules} & {'numpy', 'pluggy', 'msgspec', 'msgpack'})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert json.loads(proc.stdout) == []
 
 

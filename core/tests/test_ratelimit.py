@@ -12,8 +12,13 @@ def test_the_log_limiter_summarizes_what_it_suppressed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv.test.ratelimit")
-    limiter = LogLimiter(logging.getLogger("p2pkv.test.ratelimit"), burst=3, window=10.0, now=0.0,
-                         what="test warnings")
+    limiter = LogLimiter(
+        logging.getLogger("p2pkv.test.ratelimit"),
+        burst=3,
+        window=10.0,
+        now=0.0,
+        what="test warnings",
+    )
     for i in range(100):
         limiter.log(i * 0.001, logging.WARNING, "hostile %d", i)
     assert [r.getMessage() for r in caplog.records] == ["hostile 0", "hostile 1", "hostile 2"]

@@ -16,15 +16,22 @@ NOT_FORWARDED = {"create", "availability", "allocate_region", "check_read"}
 
 
 def contract_members(contract: type) -> set[str]:
-    return {name for name, _ in inspect.getmembers(contract)
-            if not name.startswith("_") and name not in NOT_FORWARDED
-            and name not in {"name", "kind", "capabilities"}}
+    return {
+        name
+        for name, _ in inspect.getmembers(contract)
+        if not name.startswith("_")
+        and name not in NOT_FORWARDED
+        and name not in {"name", "kind", "capabilities"}
+    }
 
 
-@pytest.mark.parametrize(("contract", "wrapper"), [
-    (ControlTransport, DelegatingControlTransport),
-    (DataTransport, DelegatingDataTransport),
-])
+@pytest.mark.parametrize(
+    ("contract", "wrapper"),
+    [
+        (ControlTransport, DelegatingControlTransport),
+        (DataTransport, DelegatingDataTransport),
+    ],
+)
 def test_every_member_of_the_contract_is_forwarded(contract: type, wrapper: type) -> None:
     missing = {m for m in contract_members(contract) if m not in vars(wrapper)}
     assert not missing, f"{wrapper.__name__} does not forward {sorted(missing)}"
@@ -33,8 +40,10 @@ def test_every_member_of_the_contract_is_forwarded(contract: type, wrapper: type
 def test_a_delegating_data_transport_moves_the_inner_transports_bytes() -> None:
     region, source_region = np.zeros(4 * 16, np.uint8), np.arange(4 * 16, dtype=np.uint8)
     inner = MemoryDataTransport.create(DataSettings(region.data, 16))
-    with DelegatingDataTransport(inner) as ours, \
-            MemoryDataTransport.create(DataSettings(source_region.data, 16)) as peer:
+    with (
+        DelegatingDataTransport(inner) as ours,
+        MemoryDataTransport.create(DataSettings(source_region.data, 16)) as peer,
+    ):
         assert (ours.num_blocks, ours.block_len) == (4, 16)
         assert ours.capabilities == MemoryDataTransport.capabilities
         ours.add_peer("p", peer.descriptor())

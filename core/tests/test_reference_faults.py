@@ -234,9 +234,7 @@ def datas(faults: FaultInjector) -> Iterator[Datas]:
     """(wrapped consumer "dst", producer, consumer's buffer); the consumer reads from "src"."""
     src_buf = np.arange(4 * BLOCK, dtype=np.uint8)
     dst_buf = np.zeros(4 * BLOCK, dtype=np.uint8)
-    dst = faults.data(
-        MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK)), local="dst"
-    )
+    dst = faults.data(MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK)), local="dst")
     src = MemoryDataTransport.create(DataSettings(src_buf.data, BLOCK))
     dst.add_peer("src", src.descriptor())
     yield dst, src, dst_buf

@@ -31,9 +31,7 @@ MakeData = Callable[..., MemoryDataTransport]
 def make() -> Iterator[MakeData]:
     made: list[MemoryDataTransport] = []
 
-    def make(
-        buf: np.ndarray, block_len: int = BLOCK, **options: Any
-    ) -> MemoryDataTransport:
+    def make(buf: np.ndarray, block_len: int = BLOCK, **options: Any) -> MemoryDataTransport:
         t = MemoryDataTransport.create(DataSettings(buf.data, block_len, options))
         made.append(t)
         return t
@@ -43,8 +41,9 @@ def make() -> Iterator[MakeData]:
         t.close()
 
 
-def pair(make: MakeData, **options: Any) -> tuple[MemoryDataTransport, MemoryDataTransport,
-                                                 np.ndarray, np.ndarray]:
+def pair(
+    make: MakeData, **options: Any
+) -> tuple[MemoryDataTransport, MemoryDataTransport, np.ndarray, np.ndarray]:
     """(consumer, producer, consumer's buffer (12 zero blocks), producer's buffer (8 blocks))."""
     src_buf, dst_buf = region(8), region(12, fill=0)
     src, dst = make(src_buf), make(dst_buf, **options)
@@ -79,7 +78,9 @@ def test_reads_land_byte_exactly_at_scattered_local_indexes(make: MakeData) -> N
 @given(
     st.lists(
         st.tuples(st.integers(0, 11), st.integers(0, 7)),
-        min_size=1, max_size=12, unique_by=lambda p: p[0],
+        min_size=1,
+        max_size=12,
+        unique_by=lambda p: p[0],
     )
 )
 def test_any_read_lands_exactly(pairs: list[tuple[int, int]]) -> None:
@@ -185,12 +186,18 @@ def test_ids_are_unique(make: MakeData) -> None:
         (b"\xc1garbage", "malformed"),
         (msgpack.packb([1, 2]), "not a memory transport descriptor"),
         (msgpack.packb({"transport": "nixl"}), "not a memory transport descriptor"),
-        (msgpack.packb({"transport": "memory", "region": 1, "num_blocks": 1, "block_len": 16}),
-         "needs region"),
-        (msgpack.packb({"transport": "memory", "region": "x", "num_blocks": 0, "block_len": 16}),
-         "needs region"),
-        (msgpack.packb({"transport": "memory", "region": "x", "num_blocks": 4, "block_len": 16}),
-         "not registered in this process"),
+        (
+            msgpack.packb({"transport": "memory", "region": 1, "num_blocks": 1, "block_len": 16}),
+            "needs region",
+        ),
+        (
+            msgpack.packb({"transport": "memory", "region": "x", "num_blocks": 0, "block_len": 16}),
+            "needs region",
+        ),
+        (
+            msgpack.packb({"transport": "memory", "region": "x", "num_blocks": 4, "block_len": 16}),
+            "not registered in this process",
+        ),
     ],
 )
 def test_malformed_descriptor_is_rejected(make: MakeData, descriptor: bytes, match: str) -> None:
@@ -295,9 +302,7 @@ def test_readd_peer_ends_the_old_registrations_reads(make: MakeData) -> None:
 
 def test_close_ends_reads_and_refuses_later_calls(make: MakeData) -> None:
     src_buf, dst_buf = region(8), region(8, fill=0)
-    dst = MemoryDataTransport.create(
-        DataSettings(dst_buf.data, BLOCK, {"completion_polls": 1})
-    )
+    dst = MemoryDataTransport.create(DataSettings(dst_buf.data, BLOCK, {"completion_polls": 1}))
     src = make(src_buf)
     dst.add_peer("src", src.descriptor())
     dst.read_blocks("src", [0], [0])

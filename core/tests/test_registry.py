@@ -185,8 +185,9 @@ def test_observer_methods_have_the_hookspecs_signatures() -> None:
 
 def test_trace_hooks_logs_calls(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="p2pkv.hooks"):
-        reg = Registry.from_plugins([("p", Plugin(_Data)), ("obs", Observer())],
-                                    environ={"P2PKV_TRACE_HOOKS": "1"})
+        reg = Registry.from_plugins(
+            [("p", Plugin(_Data)), ("obs", Observer())], environ={"P2PKV_TRACE_HOOKS": "1"}
+        )
         reg.observers.session_opened(peer="a:1", local="b:2")
     assert "hook p2pkv_transports() -> p" in caplog.text  # registration goes through pluggy
     assert "hook p2pkv_session_opened(peer='a:1', local='b:2') -> obs" in caplog.text
@@ -251,8 +252,7 @@ def test_bench_baselines_survive_a_raising_plugin(caplog: pytest.LogCaptureFixtu
 
     for order in ([("ok", Offers()), ("bad", Raises())], [("bad", Raises()), ("ok", Offers())]):
         with caplog.at_level(logging.ERROR, logger="p2pkv.registry"):
-            assert Registry.from_plugins(order, environ={}).bench_baselines() == {
-                "dat": Baseline}
+            assert Registry.from_plugins(order, environ={}).bench_baselines() == {"dat": Baseline}
         assert "p2pkv_bench_baselines of bad raised" in caplog.text
 
 

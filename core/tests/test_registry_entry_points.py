@@ -109,7 +109,8 @@ def test_misspelled_hook_is_refused_naming_it(probe: Probe) -> None:
 def test_a_transport_of_a_disabled_plugin_names_the_variable(probe: Probe) -> None:
     assert probe("data:fixture_shm")["lookups"]["data:fixture_shm"].startswith("ok ")
     message = probe("data:fixture_shm", P2PKV_DISABLE_PLUGINS="fixture_shm")["lookups"][
-        "data:fixture_shm"]
+        "data:fixture_shm"
+    ]
     assert message.startswith("ConfigError: unknown data transport 'fixture_shm'")
     assert "plugin 'fixture_shm' (p2pkv-fixture-shm) may provide it" in message
     assert "P2PKV_DISABLE_PLUGINS blocks it; remove 'fixture_shm' from that variable" in message

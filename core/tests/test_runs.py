@@ -61,7 +61,10 @@ def test_runs_coalesce_only_what_is_consecutive_on_both_sides() -> None:
     second = np.array([5, 6, 7, 9, 0, 1, 2, 3], np.int64)
     fs, ss, lengths = coalesce(first, second, max_run=64)
     assert list(zip(fs.tolist(), ss.tolist(), lengths.tolist(), strict=True)) == [
-        (0, 5, 3), (3, 9, 1), (10, 0, 3), (20, 3, 1)
+        (0, 5, 3),
+        (3, 9, 1),
+        (10, 0, 3),
+        (20, 3, 1),
     ]
 
 
@@ -72,12 +75,16 @@ def test_runs_cover_the_read_exactly(
     n = data.draw(st.integers(0, 60))
     first = np.array(data.draw(st.lists(st.integers(0, 79), min_size=n, max_size=n)), np.int64)
     second = np.array(data.draw(st.permutations(range(80)))[:n], np.int64)
-    fs, ss, lengths = coalesce(first, second, _starts(80, first_every),
-                               _starts(80, second_every), max_run)
+    fs, ss, lengths = coalesce(
+        first, second, _starts(80, first_every), _starts(80, second_every), max_run
+    )
     assert lengths.sum() == n and (lengths >= 1).all()
     assert max_run == 0 or (lengths <= max_run).all()
     assert (fs // first_every == (fs + lengths - 1) // first_every).all()
     assert (ss // second_every == (ss + lengths - 1) // second_every).all()
-    rebuilt = [(int(fs[r] + k), int(ss[r] + k))
-               for r in range(len(lengths)) for k in range(int(lengths[r]))]
+    rebuilt = [
+        (int(fs[r] + k), int(ss[r] + k))
+        for r in range(len(lengths))
+        for k in range(int(lengths[r]))
+    ]
     assert rebuilt == list(zip(first.tolist(), second.tolist(), strict=True))

@@ -34,15 +34,24 @@ from session_rig import LIMITS, OUR_BLOCKS, PEER, Rig, round_failed
 
 def test_start_sends_our_hello(rig: Rig) -> None:
     (hello,) = rig.sent()
-    assert hello == Hello((WIRE_MAJOR, WIRE_MINOR), 7, "me:1", b"ours", OUR_BLOCKS, 16, "", "",
-                          lease_ms=int(rig.timeouts.lease * 1000))
+    assert hello == Hello(
+        (WIRE_MAJOR, WIRE_MINOR),
+        7,
+        "me:1",
+        b"ours",
+        OUR_BLOCKS,
+        16,
+        "",
+        "",
+        lease_ms=int(rig.timeouts.lease * 1000),
+    )
     assert (WIRE_MAJOR, WIRE_MINOR) == (2, 1)
 
 
-@pytest.mark.parametrize("after, outcome", [(4.9, Outcome.DONE),
-                                            (5.0, Outcome.TRANSFER_FAILED)])
+@pytest.mark.parametrize("after, outcome", [(4.9, Outcome.DONE), (5.0, Outcome.TRANSFER_FAILED)])
 def test_a_shorter_lease_announced_by_the_producer_bounds_our_reads(
-        rig: Rig, after: float, outcome: Outcome) -> None:
+    rig: Rig, after: float, outcome: Outcome
+) -> None:
     """Peers configured with different leases: the consumer trusts the shorter one (5 s here,
     less the drift allowance), never its own longer one."""
     rig.feed(rig.hello(lease_ms=5000), HelloAck(7))
@@ -75,16 +84,20 @@ def test_rounds_submitted_before_the_handshake_are_sent_once_ready(rig: Rig) -> 
     assert rig.sent() == [HelloAck(99), Fetch("r", 0, [b"a"])]
 
 
-@pytest.mark.parametrize("over, fragment", [
-    ({"wire": (1, 0)}, f"wire version 1.0 is incompatible with ours {WIRE_MAJOR}.{WIRE_MINOR}"),
-    ({"wire": (1, 7)}, "wire version 1.7 is incompatible"),
-    ({"wire": (WIRE_MAJOR + 1, 0)}, "major versions differ"),
-    ({"block_len": 32}, "block_len 32"),
-    ({"hash_seed": "42"}, "seed"),
-    ({"address": "other:2"}, "not the connection's peer address"),
-])
-def test_incompatible_hello_is_rejected_with_a_bye_that_says_why(rig: Rig, over: dict[str, Any],
-                                                                 fragment: str) -> None:
+@pytest.mark.parametrize(
+    "over, fragment",
+    [
+        ({"wire": (1, 0)}, f"wire version 1.0 is incompatible with ours {WIRE_MAJOR}.{WIRE_MINOR}"),
+        ({"wire": (1, 7)}, "wire version 1.7 is incompatible"),
+        ({"wire": (WIRE_MAJOR + 1, 0)}, "major versions differ"),
+        ({"block_len": 32}, "block_len 32"),
+        ({"hash_seed": "42"}, "seed"),
+        ({"address": "other:2"}, "not the connection's peer address"),
+    ],
+)
+def test_incompatible_hello_is_rejected_with_a_bye_that_says_why(
+    rig: Rig, over: dict[str, Any], fragment: str
+) -> None:
     rig.sent()
     rig.feed(rig.hello(**over))
     doom = rig.doomed()
@@ -119,10 +132,18 @@ def test_data_transport_refusing_the_descriptor_rejects_the_peer(rig: Rig) -> No
     assert len(rig.env.data_peers) == 0
 
 
-@pytest.mark.parametrize("msg", [
-    Fetch("r", 0, [b"a"]), Lookup(0, "r", [b"a"]), Ready("r", 0, [0], [1]),
-    Release("r", 0, True), round_failed("r", 0, "demand_unmet: x"), LookupResp(0, [True]),
-], ids=lambda m: message_type(m))
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Fetch("r", 0, [b"a"]),
+        Lookup(0, "r", [b"a"]),
+        Ready("r", 0, [0], [1]),
+        Release("r", 0, True),
+        round_failed("r", 0, "demand_unmet: x"),
+        LookupResp(0, [True]),
+    ],
+    ids=lambda m: message_type(m),
+)
 def test_messages_before_the_handshake_are_protocol_errors(rig: Rig, msg: Message) -> None:
     rig.feed(rig.hello(), msg)  # peer hello seen, but our hello not acked yet
     doom = rig.doomed()
@@ -150,26 +171,36 @@ def test_hello_with_a_new_epoch_hands_the_frames_back_for_a_fresh_session(rig: R
     assert rig.doom() is None
 
 
-@pytest.mark.parametrize("reason, outcome", [
-    ("rejected: block_len", Outcome.PEER_REJECTED),
-    ("protocol error: x", Outcome.PROTOCOL_ERROR),
-    ("shutdown", Outcome.PEER_DEAD),
-])
-def test_bye_from_a_wire_2_0_peer_names_its_outcome_in_the_reason(rig: Rig, reason: str,
-                                                                  outcome: Outcome) -> None:
+@pytest.mark.parametrize(
+    "reason, outcome",
+    [
+        ("rejected: block_len", Outcome.PEER_REJECTED),
+        ("protocol error: x", Outcome.PROTOCOL_ERROR),
+        ("shutdown", Outcome.PEER_DEAD),
+    ],
+)
+def test_bye_from_a_wire_2_0_peer_names_its_outcome_in_the_reason(
+    rig: Rig, reason: str, outcome: Outcome
+) -> None:
     rig.feed_raw(type="bye", reason=reason)
     assert rig.doomed().outcome is outcome and rig.doomed().bye is None
 
 
-@pytest.mark.parametrize("bye, outcome, fragment", [
-    (Bye("block_len 32 differs", "peer_rejected"), Outcome.PEER_REJECTED,
-     "rejected us: block_len 32 differs"),
-    (Bye("rejected: seed", "peer_rejected"), Outcome.PEER_REJECTED, "rejected us: seed"),
-    (Bye("bad frame", "protocol_error"), Outcome.PROTOCOL_ERROR, "peer said bye: bad frame"),
-    (Bye("rejected: but the field says otherwise", "peer_dead"), Outcome.PEER_DEAD, "bye"),
-    (Bye("x", "done"), Outcome.PEER_DEAD, "peer said bye: x"),
-    (Bye("x", "from_the_future"), Outcome.PEER_DEAD, "peer said bye: x"),
-])
+@pytest.mark.parametrize(
+    "bye, outcome, fragment",
+    [
+        (
+            Bye("block_len 32 differs", "peer_rejected"),
+            Outcome.PEER_REJECTED,
+            "rejected us: block_len 32 differs",
+        ),
+        (Bye("rejected: seed", "peer_rejected"), Outcome.PEER_REJECTED, "rejected us: seed"),
+        (Bye("bad frame", "protocol_error"), Outcome.PROTOCOL_ERROR, "peer said bye: bad frame"),
+        (Bye("rejected: but the field says otherwise", "peer_dead"), Outcome.PEER_DEAD, "bye"),
+        (Bye("x", "done"), Outcome.PEER_DEAD, "peer said bye: x"),
+        (Bye("x", "from_the_future"), Outcome.PEER_DEAD, "peer said bye: x"),
+    ],
+)
 def test_bye_outcome_field_decides(rig: Rig, bye: Bye, outcome: Outcome, fragment: str) -> None:
     rig.feed(bye)
     assert rig.doomed().outcome is outcome and fragment in rig.doomed().reason
@@ -216,20 +247,34 @@ def test_malformed_frames_doom_only_this_session(rig: Rig) -> None:
     assert rig.env.counters["protocol_errors"] == 1
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"type": "ready", "kv_request_id": "r", "round": 0, "pos": [0], "slots": [1, 2]},
-     "ready.slots: 2 slots for 1 positions"),
-    ({"type": "ready", "kv_request_id": "r", "round": 0, "pos": [], "slots": []},
-     "ready.pos: must not be empty"),
-    ({"type": "release", "kv_request_id": "r", "round": 0, "read": 1},
-     "release.read: expected a boolean, got int"),
-    ({"type": "round_failed", "kv_request_id": "r", "round": 0, "reason": ""},
-     "round_failed.reason: must not be empty"),
-    ({"type": "fetch", "kv_request_id": "r", "round": 0, "keys": ["a"]},
-     "fetch.keys[0]: expected bytes, got str"),
-])
-def test_malformed_messages_are_protocol_errors_naming_the_field(rig: Rig, body: dict[str, Any],
-                                                                 fragment: str) -> None:
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (
+            {"type": "ready", "kv_request_id": "r", "round": 0, "pos": [0], "slots": [1, 2]},
+            "ready.slots: 2 slots for 1 positions",
+        ),
+        (
+            {"type": "ready", "kv_request_id": "r", "round": 0, "pos": [], "slots": []},
+            "ready.pos: must not be empty",
+        ),
+        (
+            {"type": "release", "kv_request_id": "r", "round": 0, "read": 1},
+            "release.read: expected a boolean, got int",
+        ),
+        (
+            {"type": "round_failed", "kv_request_id": "r", "round": 0, "reason": ""},
+            "round_failed.reason: must not be empty",
+        ),
+        (
+            {"type": "fetch", "kv_request_id": "r", "round": 0, "keys": ["a"]},
+            "fetch.keys[0]: expected bytes, got str",
+        ),
+    ],
+)
+def test_malformed_messages_are_protocol_errors_naming_the_field(
+    rig: Rig, body: dict[str, Any], fragment: str
+) -> None:
     rig.handshake()
     rig.feed_raw(**body)
     doom = rig.doomed()
@@ -237,8 +282,7 @@ def test_malformed_messages_are_protocol_errors_naming_the_field(rig: Rig, body:
     assert doom.reason.startswith("protocol error: ") and doom.bye == doom.reason
 
 
-def test_consecutive_internal_errors_reach_the_threshold(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consecutive_internal_errors_reach_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(self: ProducerRole, msg: Release) -> None:
         raise RuntimeError("bug")
 

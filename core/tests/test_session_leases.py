@@ -85,11 +85,17 @@ def test_a_round_its_consumer_gave_up_does_not_hold_demand_forever(producer: Rig
     assert producer.session.producer.n_rounds == 0
 
 
-@pytest.mark.parametrize("end, outcome", [("release_read", Outcome.STORE_TIMEOUT),
-                                          ("release_not_read", Outcome.ABORTED),
-                                          ("lease", Outcome.TRANSFER_FAILED)])
-def test_a_store_result_waits_while_its_blocks_are_pinned(producer: Rig, end: str,
-                                                          outcome: Outcome) -> None:
+@pytest.mark.parametrize(
+    "end, outcome",
+    [
+        ("release_read", Outcome.STORE_TIMEOUT),
+        ("release_not_read", Outcome.ABORTED),
+        ("lease", Outcome.TRANSFER_FAILED),
+    ],
+)
+def test_a_store_result_waits_while_its_blocks_are_pinned(
+    producer: Rig, end: str, outcome: Outcome
+) -> None:
     """The store deadline passing while a block is being read withdraws the rest from the
     supply; the release (or the lease) decides: read but incomplete -> store_timeout."""
     producer.store(1, "r", [b"a", b"b"], [3, 4])
@@ -107,8 +113,7 @@ def test_a_store_result_waits_while_its_blocks_are_pinned(producer: Rig, end: st
     assert producer.results == {1: outcome}
 
 
-def test_release_read_for_a_round_with_unannounced_keys_is_a_protocol_error(
-        producer: Rig) -> None:
+def test_release_read_for_a_round_with_unannounced_keys_is_a_protocol_error(producer: Rig) -> None:
     producer.store(1, "r", [b"a"], [3])
     producer.feed(Fetch("r", 0, [b"a", b"b"]))
     producer.feed(Release("r", 0, True))

@@ -33,7 +33,8 @@ def test_fetch_has_no_slots_and_ready_posts_reads_into_our_slots(consumer: Rig) 
 
 
 def test_partial_readies_post_one_read_each_and_the_round_ends_after_the_last(
-        consumer: Rig) -> None:
+    consumer: Rig,
+) -> None:
     consumer.load(1, "r", [b"a", b"b", b"c", b"d"], [4, 5, 6, 7])
     consumer.sent()
     consumer.feed(Ready("r", 0, [1], [20]))
@@ -69,25 +70,37 @@ def test_rounds_of_one_request_complete_independently(consumer: Rig) -> None:
     assert len(consumer.results) == 2 and consumer.doom() is None
 
 
-@pytest.mark.parametrize("value, outcome", [
-    ("demand_unmet", Outcome.DEMAND_UNMET), ("submit_failed", Outcome.SUBMIT_FAILED),
-    ("request_conflict", Outcome.REQUEST_CONFLICT), ("shutdown", Outcome.SHUTDOWN),
-    ("peer_dead", Outcome.PEER_DEAD), ("load_timeout", Outcome.LOAD_TIMEOUT),
-    ("done", Outcome.TRANSFER_FAILED), ("nothing_to_do", Outcome.TRANSFER_FAILED),
-    ("gibberish", Outcome.TRANSFER_FAILED), ("", Outcome.TRANSFER_FAILED),
-])
+@pytest.mark.parametrize(
+    "value, outcome",
+    [
+        ("demand_unmet", Outcome.DEMAND_UNMET),
+        ("submit_failed", Outcome.SUBMIT_FAILED),
+        ("request_conflict", Outcome.REQUEST_CONFLICT),
+        ("shutdown", Outcome.SHUTDOWN),
+        ("peer_dead", Outcome.PEER_DEAD),
+        ("load_timeout", Outcome.LOAD_TIMEOUT),
+        ("done", Outcome.TRANSFER_FAILED),
+        ("nothing_to_do", Outcome.TRANSFER_FAILED),
+        ("gibberish", Outcome.TRANSFER_FAILED),
+        ("", Outcome.TRANSFER_FAILED),
+    ],
+)
 def test_round_failed_outcomes(value: str, outcome: Outcome) -> None:
     assert failure_outcome(value) is outcome
 
 
-@pytest.mark.parametrize("reason, outcome", [
-    ("demand_unmet: 1 demanded block(s) were never stored", Outcome.DEMAND_UNMET),
-    ("peer_dead: the producer is shutting down", Outcome.PEER_DEAD),
-    ("load_timeout: the consumer did not release it", Outcome.LOAD_TIMEOUT),
-    ("something new", Outcome.TRANSFER_FAILED),
-])
-def test_round_failed_cancels_the_reads_and_releases(consumer: Rig, reason: str,
-                                                     outcome: Outcome) -> None:
+@pytest.mark.parametrize(
+    "reason, outcome",
+    [
+        ("demand_unmet: 1 demanded block(s) were never stored", Outcome.DEMAND_UNMET),
+        ("peer_dead: the producer is shutting down", Outcome.PEER_DEAD),
+        ("load_timeout: the consumer did not release it", Outcome.LOAD_TIMEOUT),
+        ("something new", Outcome.TRANSFER_FAILED),
+    ],
+)
+def test_round_failed_cancels_the_reads_and_releases(
+    consumer: Rig, reason: str, outcome: Outcome
+) -> None:
     consumer.load(1, "r", [b"a", b"b"], [4, 5])
     consumer.sent()
     consumer.feed(Ready("r", 0, [0], [3]))
@@ -114,8 +127,7 @@ def test_a_failed_read_fails_the_round_and_cancels_its_other_reads(consumer: Rig
     assert consumer.details[1] == f"read {bad} failed"
     assert consumer.data.cancelled == [[other]] and consumer.data.reads == {}
     events = consumer.since(mark)
-    assert events.index(("cancel", [other])) < events.index(("result", 1,
-                                                              Outcome.TRANSFER_FAILED))
+    assert events.index(("cancel", [other])) < events.index(("result", 1, Outcome.TRANSFER_FAILED))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]
     assert consumer.env.counters["transfers_failed"] == 1
     assert str(consumer.env.failed_loads.get("r")).startswith("transfer_failed: ")
@@ -179,12 +191,16 @@ LEASE_LIMIT = Timeouts().lease * (1 - LEASE_DRIFT)
 """How long after its fetch a read is still accepted (the default lease, less the drift)."""
 
 
-@pytest.mark.parametrize("after, outcome", [
-    (LEASE_LIMIT - 0.05, Outcome.DONE),
-    (LEASE_LIMIT + 0.05, Outcome.TRANSFER_FAILED),
-])
-def test_a_read_is_accepted_only_within_the_lease_of_the_fetch(consumer: Rig, after: float,
-                                                               outcome: Outcome) -> None:
+@pytest.mark.parametrize(
+    "after, outcome",
+    [
+        (LEASE_LIMIT - 0.05, Outcome.DONE),
+        (LEASE_LIMIT + 0.05, Outcome.TRANSFER_FAILED),
+    ],
+)
+def test_a_read_is_accepted_only_within_the_lease_of_the_fetch(
+    consumer: Rig, after: float, outcome: Outcome
+) -> None:
     """We were paused with a read in flight (no timer ran); on waking the tier polls the data
     plane before it fires timers, so the read's completion is judged on the lease."""
     consumer.load(1, "r", [b"a"], [4])
@@ -227,8 +243,7 @@ def test_finish_mid_load_cancels_the_reads_reports_at_once_and_releases(consumer
     consumer.take()
     assert consumer.results == {1: Outcome.REQUEST_FINISHED}
     events = consumer.since(mark)
-    assert events.index(("cancel", [rid])) < events.index(("result", 1,
-                                                            Outcome.REQUEST_FINISHED))
+    assert events.index(("cancel", [rid])) < events.index(("result", 1, Outcome.REQUEST_FINISHED))
     assert consumer.sent() == [Release("r", 0, False), Fetch("r", 1, [])]  # then terminal
     assert "r" not in consumer.env.failed_loads and consumer.session.consumer.reqs == {}
     consumer.feed(Ready("r", 0, [0], [8]))  # crossed our release: ignored
@@ -245,8 +260,7 @@ def test_finish_before_the_handshake_reports_at_once_and_sends_nothing(rig: Rig)
     assert rig.sent() == [HelloAck(99)]
 
 
-def test_a_failed_load_ends_the_request_with_the_producer_and_marks_the_id(
-        consumer: Rig) -> None:
+def test_a_failed_load_ends_the_request_with_the_producer_and_marks_the_id(consumer: Rig) -> None:
     consumer.load(1, "r", [b"a"], [0])
     consumer.sent()
     consumer.feed(round_failed("r", 0, "transfer_failed: x"))
@@ -263,21 +277,29 @@ def test_a_load_of_keys_already_being_loaded_is_a_request_conflict(consumer: Rig
     consumer.load(2, "r", [b"b", b"c"], [2, 3])
     consumer.take()
     assert consumer.results == {2: Outcome.REQUEST_CONFLICT}
-    assert "1 of its blocks are already being loaded for request 'r' by job 1" in \
-        consumer.details[2]
+    assert (
+        "1 of its blocks are already being loaded for request 'r' by job 1" in consumer.details[2]
+    )
     assert consumer.sent() == [Fetch("r", 0, [b"a", b"b"])]  # job 1 goes on
     assert "r" not in consumer.env.failed_loads
     consumer.load(3, "r", [b"c"], [3])
     assert consumer.sent() == [Fetch("r", 1, [b"c"])]
 
 
-@pytest.mark.parametrize("msg, fragment", [
-    (Ready("r", 5, [0], [1]), "ready.round: round 5 of 'r' was never sent"),
-    (Ready("r", 1, [0], [1]), "ready.round: round 1 of 'r' was never sent"),
-    (round_failed("r", 3, "demand_unmet: x"), "round_failed.round: round 3 of 'r' was never sent"),
-])
-def test_messages_for_a_round_never_sent_are_protocol_errors(consumer: Rig, msg: Message,
-                                                             fragment: str) -> None:
+@pytest.mark.parametrize(
+    "msg, fragment",
+    [
+        (Ready("r", 5, [0], [1]), "ready.round: round 5 of 'r' was never sent"),
+        (Ready("r", 1, [0], [1]), "ready.round: round 1 of 'r' was never sent"),
+        (
+            round_failed("r", 3, "demand_unmet: x"),
+            "round_failed.round: round 3 of 'r' was never sent",
+        ),
+    ],
+)
+def test_messages_for_a_round_never_sent_are_protocol_errors(
+    consumer: Rig, msg: Message, fragment: str
+) -> None:
     consumer.load(1, "r", [b"a"], [0])
     consumer.feed(msg)
     doom = consumer.doomed()
@@ -285,16 +307,25 @@ def test_messages_for_a_round_never_sent_are_protocol_errors(consumer: Rig, msg:
     assert consumer.data.posted == []
 
 
-@pytest.mark.parametrize("readies, fragment", [
-    ([Ready("r", 0, [0, 0], [1, 2])], "ready.pos: position 0 is outside the round's 2 key(s) "
-                                      "or was already announced"),
-    ([Ready("r", 0, [1], [1]), Ready("r", 0, [0, 1], [2, 3])], "ready.pos: position 1"),
-    ([Ready("r", 0, [2], [1])], "ready.pos: position 2 is outside the round's 2 key(s)"),
-    ([Ready("r", 0, [0], [PEER_BLOCKS])],
-     f"ready.slots: slot {PEER_BLOCKS} is outside the producer's region 0..{PEER_BLOCKS - 1}"),
-])
-def test_bad_readies_are_protocol_errors(consumer: Rig, readies: list[Ready],
-                                         fragment: str) -> None:
+@pytest.mark.parametrize(
+    "readies, fragment",
+    [
+        (
+            [Ready("r", 0, [0, 0], [1, 2])],
+            "ready.pos: position 0 is outside the round's 2 key(s) or was already announced",
+        ),
+        ([Ready("r", 0, [1], [1]), Ready("r", 0, [0, 1], [2, 3])], "ready.pos: position 1"),
+        ([Ready("r", 0, [2], [1])], "ready.pos: position 2 is outside the round's 2 key(s)"),
+        (
+            [Ready("r", 0, [0], [PEER_BLOCKS])],
+            f"ready.slots: slot {PEER_BLOCKS} is outside the producer's region "
+            f"0..{PEER_BLOCKS - 1}",
+        ),
+    ],
+)
+def test_bad_readies_are_protocol_errors(
+    consumer: Rig, readies: list[Ready], fragment: str
+) -> None:
     consumer.load(1, "r", [b"a", b"b"], [4, 5])
     consumer.feed(*readies)
     doom = consumer.doomed()

@@ -32,10 +32,13 @@ def test_symmetric_probes_batch_per_request_and_resolve(consumer: Rig) -> None:
     assert client.probe("q", b"c") is LookupResult.MISS and consumer.doom() is None
 
 
-@pytest.mark.parametrize("resp, fragment", [
-    (LookupResp(5, [True]), "lookup_resp.seq: 5 was never sent"),
-    (LookupResp(0, [True, True]), "lookup_resp.hits: 2 answers for 1 keys"),
-])
+@pytest.mark.parametrize(
+    "resp, fragment",
+    [
+        (LookupResp(5, [True]), "lookup_resp.seq: 5 was never sent"),
+        (LookupResp(0, [True, True]), "lookup_resp.hits: 2 answers for 1 keys"),
+    ],
+)
 def test_bad_lookup_responses(consumer: Rig, resp: LookupResp, fragment: str) -> None:
     consumer.session.consumer.probe("r", b"a")
     consumer.session.consumer.flush_lookups()
@@ -61,8 +64,9 @@ def test_lookup_without_a_source_answers_all_miss_at_once(producer: Rig) -> None
 
 
 class Source:
-    def __init__(self, have: dict[bytes, int], retry: frozenset[bytes] = frozenset(),
-                 fail: str = "") -> None:
+    def __init__(
+        self, have: dict[bytes, int], retry: frozenset[bytes] = frozenset(), fail: str = ""
+    ) -> None:
         self.have, self.retry, self.fail = have, set(retry), fail
         self.calls: list[str] = []
 

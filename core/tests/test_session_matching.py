@@ -67,8 +67,9 @@ def test_untouched_parked_stores_are_released_by_the_terminal_fetch(producer: Ri
     producer.feed(Fetch("r", 0, [b"z"]))
     producer.dir.producer_finished("r")
     producer.session.producer.producer_finished("r")
-    assert producer.sent() == [round_failed(
-        "r", 0, "demand_unmet: 1 demanded block(s) were never stored by the producer")]
+    assert producer.sent() == [
+        round_failed("r", 0, "demand_unmet: 1 demanded block(s) were never stored by the producer")
+    ]
     producer.feed(Release("r", 0, False))  # what the consumer answers: ignored
     producer.feed(Fetch("r", 1, []))
     producer.take()
@@ -115,8 +116,9 @@ def test_a_key_demanded_twice_fails_that_round_and_the_session_goes_on(producer:
 
 
 def test_a_fetch_after_the_terminal_fetch_fails_that_round(producer: Rig) -> None:
-    producer.feed(Fetch("r", 0, [b"a"]), Release("r", 0, False), Fetch("r", 1, []),
-                  Fetch("r", 2, [b"a"]))
+    producer.feed(
+        Fetch("r", 0, [b"a"]), Release("r", 0, False), Fetch("r", 1, []), Fetch("r", 2, [b"a"])
+    )
     assert producer.doom() is None
     failed = as_round_failed(producer.sent()[-1])
     assert failed.round == 2
@@ -140,7 +142,8 @@ def test_fetch_for_a_finished_request_fails_at_once(producer: Rig) -> None:
 
 
 def test_unmet_demand_fails_the_round_at_once_and_its_pins_wait_for_the_release(
-        producer: Rig) -> None:
+    producer: Rig,
+) -> None:
     producer.feed(Fetch("r", 0, [b"a", b"b"]))
     producer.store(1, "r", [b"a"], [3])
     producer.sent()

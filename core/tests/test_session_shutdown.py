@@ -120,8 +120,10 @@ def test_producer_wind_down_fails_open_rounds_for_the_consumer(producer: Rig) ->
     producer.session.wind_down()
     producer.take()
     detail = "peer_dead: the producer is shutting down"
-    assert sorted(producer.sent(), key=repr) == [round_failed("q", 0, detail),
-                                                 round_failed("r", 0, detail)]
+    assert sorted(producer.sent(), key=repr) == [
+        round_failed("q", 0, detail),
+        round_failed("r", 0, detail),
+    ]
     assert producer.results == {2: Outcome.SHUTDOWN}  # the pinned job waits for its release
     assert not producer.session.wound_down
     producer.feed(Fetch("r", 1, [b"z"]))  # later fetches fail at once
@@ -134,7 +136,8 @@ def test_producer_wind_down_fails_open_rounds_for_the_consumer(producer: Rig) ->
 
 
 def test_a_release_read_crossing_the_wind_down_round_failed_is_no_protocol_error(
-        producer: Rig) -> None:
+    producer: Rig,
+) -> None:
     producer.store(1, "r", [b"a"], [3])
     producer.feed(Fetch("r", 0, [b"a"]))
     assert producer.sent() == [Ready("r", 0, [0], [3])]
@@ -146,8 +149,7 @@ def test_a_release_read_crossing_the_wind_down_round_failed_is_no_protocol_error
     assert producer.session.wound_down
 
 
-def test_a_pinned_job_read_before_the_wind_down_reached_the_consumer_is_done(
-        producer: Rig) -> None:
+def test_a_pinned_job_read_before_the_wind_down_reached_the_consumer_is_done(producer: Rig) -> None:
     producer.store(1, "r", [b"a"], [3])
     producer.feed(Fetch("r", 0, [b"a"]))
     producer.session.wind_down()
@@ -156,7 +158,8 @@ def test_a_pinned_job_read_before_the_wind_down_reached_the_consumer_is_done(
 
 
 def test_the_release_for_a_fetch_refused_during_wind_down_is_not_a_protocol_error(
-        producer: Rig) -> None:
+    producer: Rig,
+) -> None:
     producer.feed(Fetch("r", 0, [b"a"]))
     producer.store(1, "r", [b"a"], [3])  # pinned for round 0: the request state stays
     producer.session.wind_down()

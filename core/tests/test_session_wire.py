@@ -55,8 +55,9 @@ def test_a_load_end_to_end(ok: bool) -> None:
 
 
 @pytest.mark.parametrize("error", [FrameTooLarge, ProtocolError])  # ProtocolError: older
-def test_an_oversize_fetch_fails_its_load_not_the_session(consumer: Rig,
-                                                          error: type[Exception]) -> None:
+def test_an_oversize_fetch_fails_its_load_not_the_session(
+    consumer: Rig, error: type[Exception]
+) -> None:
     consumer.conn.max_frame, consumer.conn.too_large = 64, error
     consumer.load(1, "r", [b"k" * 40, b"j" * 40], [0, 1])
     assert consumer.results == {1: Outcome.SUBMIT_FAILED}
@@ -66,8 +67,7 @@ def test_an_oversize_fetch_fails_its_load_not_the_session(consumer: Rig,
     assert consumer.sent() == [Fetch("q", 0, [b"a"])]
 
 
-def test_an_oversize_ready_fails_the_round_and_keeps_the_pins_until_release(
-        producer: Rig) -> None:
+def test_an_oversize_ready_fails_the_round_and_keeps_the_pins_until_release(producer: Rig) -> None:
     keys = [b"%02d" % i for i in range(60)]
     producer.store(1, "r", keys, list(range(60)))
     producer.conn.max_frame = 150  # a round_failed fits, a ready for 60 blocks does not

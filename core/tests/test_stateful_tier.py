@@ -41,12 +41,18 @@ class MemoryTiers(TierMachine):
         may have in flight at once (0: unbounded; else a window-limited transport whose
         reads wait in the tier's read gate)."""
         n = self.N_NODES
-        polls = data.draw(st.lists(st.sampled_from([0, 1, 2, 12]), min_size=n, max_size=n),
-                          label="completion_polls")
-        capacity = data.draw(st.lists(st.sampled_from([0, 0, 1, 3, 8]), min_size=n,
-                                      max_size=n), label="read_capacity")
-        return [{"completion_polls": p, "read_capacity": c}
-                for p, c in zip(polls, capacity, strict=True)]
+        polls = data.draw(
+            st.lists(st.sampled_from([0, 1, 2, 12]), min_size=n, max_size=n),
+            label="completion_polls",
+        )
+        capacity = data.draw(
+            st.lists(st.sampled_from([0, 0, 1, 3, 8]), min_size=n, max_size=n),
+            label="read_capacity",
+        )
+        return [
+            {"completion_polls": p, "read_capacity": c}
+            for p, c in zip(polls, capacity, strict=True)
+        ]
 
 
 class TwoTiers(MemoryTiers):
@@ -59,14 +65,18 @@ class ThreeTiers(MemoryTiers):
 
 def _settings(examples: int, steps: int) -> settings:
     scale = 10 if DEEP else 1
-    return settings(max_examples=examples * scale, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow,
-                                           HealthCheck.filter_too_much])
+    return settings(
+        max_examples=examples * scale,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
 
 
 @pytest.mark.hypothesis
 @pytest.mark.timeout(3600 if DEEP else 120)
-@pytest.mark.parametrize("machine, examples", [(TwoTiers, 30), (ThreeTiers, 20)],
-                         ids=["two", "three"])
+@pytest.mark.parametrize(
+    "machine, examples", [(TwoTiers, 30), (ThreeTiers, 20)], ids=["two", "three"]
+)
 def test_tiers_keep_their_promises_under_faults(machine: type, examples: int) -> None:
     run_state_machine_as_test(machine, settings=_settings(examples, 60))

@@ -182,8 +182,16 @@ def test_a_slow_transport_call_is_not_taken_for_a_pause(
     is logged as over the driver bound (both counted in the tier's stats), and the load
     completes once its producer stores."""
     clock: Any = time.monotonic  # real time: the stall is a real one
-    made = [TierNode(clock, control=_SilentMemoryControl, data=_StallingMemoryData,
-                     registry=h.REGISTRY, seed=i) for i in range(2)]
+    made = [
+        TierNode(
+            clock,
+            control=_SilentMemoryControl,
+            data=_StallingMemoryData,
+            registry=h.REGISTRY,
+            seed=i,
+        )
+        for i in range(2)
+    ]
     p, c = made
     try:
         pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)

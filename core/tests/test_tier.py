@@ -29,8 +29,9 @@ class Source:
 
     ids = itertools.count(10_000)
 
-    def __init__(self, node: Any, have: dict[bytes, int],
-                 retry: Collection[bytes] = frozenset()) -> None:
+    def __init__(
+        self, node: Any, have: dict[bytes, int], retry: Collection[bytes] = frozenset()
+    ) -> None:
         self.node, self.have, self.retry = node, have, set(retry)
         self.begun: list[str] = []
         self.ended: list[object] = []
@@ -158,7 +159,8 @@ def test_blocks_the_consumer_never_needs_are_released_by_its_finish(h: Any, clus
 
 
 def test_one_producer_serves_two_consumers_and_both_roles_share_a_session(
-        h: Any, cluster: Any) -> None:
+    h: Any, cluster: Any
+) -> None:
     a, b, c = cluster(), cluster(), cluster()
     for i, cons in enumerate((b, c)):
         kv = f"r{i}"
@@ -173,8 +175,9 @@ def test_one_producer_serves_two_consumers_and_both_roles_share_a_session(
     a.tier.on_new_request(cctx)
     b.store(7, h.keys("back", 2), [30, 31], pctx)
     a.load(8, h.keys("back", 2), [60, 61], cctx)
-    h.pump_until([a, b, c], lambda: len(a.results) == 3 and len(b.results) == 2
-                 and len(c.results) == 1)
+    h.pump_until(
+        [a, b, c], lambda: len(a.results) == 3 and len(b.results) == 2 and len(c.results) == 1
+    )
     assert all(r.outcome is Outcome.DONE for n in (a, b, c) for r in n.results.values())
     assert (b.blocks[0:4] == a.blocks[0:4]).all() and (c.blocks[0:4] == a.blocks[4:8]).all()
     assert (a.blocks[60:62] == b.blocks[30:32]).all()
@@ -282,16 +285,20 @@ def test_jobs_without_a_route_finish_at_once(h: Any, cluster: Any) -> None:
     assert c.outcome(5) is Outcome.NOTHING_TO_DO
 
 
-@pytest.mark.parametrize("job, match", [
-    (Job(1, [b"a", b"b"], [0], True, RequestContext("r")), "keys but"),
-    (Job(1, [b"a"], [64], True, RequestContext("r")), "not a slot"),
-    (Job(1, [b"a", b"a"], [0, 1], True, RequestContext("r")), "duplicate keys"),
-    (Job(1, [b"a", b"b"], [1, 1], True, RequestContext("r")), "duplicate block ids"),
-    (Job(1, ["a"], [1], True, RequestContext("r")), "keys must be"),  # type: ignore[list-item]
-    (Job(1, [b"a"], [0], False, RequestContext("r")), "is_load=True"),
-])
-def test_malformed_load_jobs_raise_and_record_nothing(h: Any, cluster: Any, job: Job,
-                                                      match: str) -> None:
+@pytest.mark.parametrize(
+    "job, match",
+    [
+        (Job(1, [b"a", b"b"], [0], True, RequestContext("r")), "keys but"),
+        (Job(1, [b"a"], [64], True, RequestContext("r")), "not a slot"),
+        (Job(1, [b"a", b"a"], [0, 1], True, RequestContext("r")), "duplicate keys"),
+        (Job(1, [b"a", b"b"], [1, 1], True, RequestContext("r")), "duplicate block ids"),
+        (Job(1, ["a"], [1], True, RequestContext("r")), "keys must be"),  # type: ignore[list-item]
+        (Job(1, [b"a"], [0], False, RequestContext("r")), "is_load=True"),
+    ],
+)
+def test_malformed_load_jobs_raise_and_record_nothing(
+    h: Any, cluster: Any, job: Job, match: str
+) -> None:
     p, c = pd_pair(cluster)
     job.ctx = c.consumer_ctx("r", p)
     with pytest.raises(ValueError, match=match):
@@ -313,8 +320,15 @@ def test_numpy_block_ids_are_accepted(h: Any, cluster: Any) -> None:
     p.submitted.add(1)
     p.tier.submit_store(Job(1, h.keys("r", 3), np.array([5, 6, 7]), False, pctx))  # type: ignore[arg-type]
     c.submitted.add(2)
-    c.tier.submit_load(Job(2, h.keys("r", 3), np.array([1, 2, 3], dtype=np.int32), True,  # type: ignore[arg-type]
-                          cctx))
+    c.tier.submit_load(
+        Job(
+            2,
+            h.keys("r", 3),
+            np.array([1, 2, 3], dtype=np.int32),  # type: ignore[arg-type]
+            True,
+            cctx,
+        )
+    )
     h.pump_until([p, c], lambda: 1 in p.results and 2 in c.results)
     assert c.outcome(2) is Outcome.DONE and (c.blocks[1:4] == p.blocks[5:8]).all()
 
@@ -388,8 +402,7 @@ def test_unmet_demand_fails_when_the_producer_request_finishes(h: Any, cluster: 
     h.assert_clean(p, c)
 
 
-def test_fetch_after_the_producer_finished_with_too_little_fails_fast(h: Any,
-                                                                       cluster: Any) -> None:
+def test_fetch_after_the_producer_finished_with_too_little_fails_fast(h: Any, cluster: Any) -> None:
     p, c = pd_pair(cluster)
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     p.tier.on_new_request(pctx)
@@ -555,8 +568,9 @@ def test_shutdown_answers_every_job_exactly_once(h: Any, cluster: Any) -> None:
     assert c.outcome(5) is Outcome.SHUTDOWN
 
 
-def test_producer_shutdown_with_a_read_in_flight_leaves_the_slot_final(h: Any,
-                                                                       cluster: Any) -> None:
+def test_producer_shutdown_with_a_read_in_flight_leaves_the_slot_final(
+    h: Any, cluster: Any
+) -> None:
     p, c = pd_pair(cluster, data_options={"completion_polls": 3})
     pctx, cctx = p.producer_ctx("r"), c.consumer_ctx("r", p)
     c.load(1, [b"a"], [0], cctx)
@@ -565,8 +579,9 @@ def test_producer_shutdown_with_a_read_in_flight_leaves_the_slot_final(h: Any,
     p.tier.tick()  # ready out
     c.tier.tick()  # read posted, completes after 3 polls
     assert c.tier.stats()["in_flight_transfers"] == 1
-    p.tier._config = replace(p.tier._config, timeouts=replace(p.tier._config.timeouts,
-                                                               shutdown_drain=0.05))
+    p.tier._config = replace(
+        p.tier._config, timeouts=replace(p.tier._config.timeouts, shutdown_drain=0.05)
+    )
     p.shutdown()
     assert p.outcome(2) is Outcome.SHUTDOWN
     h.pump_until([c], lambda: 1 in c.results)
@@ -600,11 +615,15 @@ def test_tier_builds_its_transports_from_the_config(h: Any) -> None:
         tier.shutdown()
 
 
-@pytest.mark.parametrize("size, block_len, match", [
-    (100, 16, "multiple"), (0, 16, "multiple"), (64, 0, "block_len"),
-])
-def test_bad_region_shapes_are_config_errors(h: Any, size: int, block_len: int,
-                                             match: str) -> None:
+@pytest.mark.parametrize(
+    "size, block_len, match",
+    [
+        (100, 16, "multiple"),
+        (0, 16, "multiple"),
+        (64, 0, "block_len"),
+    ],
+)
+def test_bad_region_shapes_are_config_errors(h: Any, size: int, block_len: int, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         P2PTier(h.config(), memoryview(bytearray(size)), block_len, registry=h.REGISTRY)
 
@@ -649,21 +668,37 @@ def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, cluster: Any
         def p2pkv_tier_state(self, sessions: int) -> None:
             seen.append(("tier_state", {"sessions": sessions}))
 
-    names = ("session_opened", "session_closed", "transfer_submitted", "transfer_finished",
-             "job_finished", "timeout", "tier_state")
+    names = (
+        "session_opened",
+        "session_closed",
+        "transfer_submitted",
+        "transfer_finished",
+        "job_finished",
+        "timeout",
+        "tier_state",
+    )
     plugin = Plugin()
     import p2pkv_memory.plugin as memory_plugin
 
     reg = Registry.from_plugins([("memory", memory_plugin), ("obs", plugin)])
     assert reg.observers.enabled
-    tiers = [P2PTier(h.config(), memoryview(bytearray(8 * 16)), 16, registry=reg,
-                     clock=cluster.clock)
-             for _ in range(2)]
+    tiers = [
+        P2PTier(h.config(), memoryview(bytearray(8 * 16)), 16, registry=reg, clock=cluster.clock)
+        for _ in range(2)
+    ]
     p, c = tiers
     try:
         host, port = p.local_address.rsplit(":", 1)
-        cctx = RequestContext("c", {"remote_prefiller": {
-            "kv_request_id": "r", "remote_host": host, "remote_port": int(port)}})
+        cctx = RequestContext(
+            "c",
+            {
+                "remote_prefiller": {
+                    "kv_request_id": "r",
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            },
+        )
         pctx = RequestContext("p", {"remote_decoder": {"kv_request_id": "r"}})
         p.submit_store(Job(1, [b"a"], [0], False, pctx))
         c.submit_load(Job(2, [b"a"], [0], True, cctx))
@@ -683,12 +718,16 @@ def test_observers_see_sessions_transfers_jobs_and_timeouts(h: Any, cluster: Any
     assert set(names) <= kinds
     jobs = [kw for name, kw in seen if name == "job_finished"]
     assert sorted((kw["job_id"], kw["outcome"]) for kw in jobs) == [
-        (1, "done"), (2, "done"), (3, "load_timeout")]
+        (1, "done"),
+        (2, "done"),
+        (3, "load_timeout"),
+    ]
     assert any(kw["kind"] == "load" for name, kw in seen if name == "timeout")
 
 
 def test_a_hello_with_a_new_epoch_on_a_live_connection_restarts_the_session(
-        h: Any, cluster: Any) -> None:
+    h: Any, cluster: Any
+) -> None:
     from p2pkv.addressing import parse_address
     from p2pkv.protocol import Fetch, Hello, HelloAck
 
@@ -698,8 +737,10 @@ def test_a_hello_with_a_new_epoch_on_a_live_connection_restarts_the_session(
         assert isinstance(ours, Hello) and ack == HelloAck(1)
         peer.send(HelloAck(ours.epoch))
         host, port = parse_address(peer.ctl.local_address)
-        cctx = RequestContext("c", {"remote_prefiller": {
-            "kv_request_id": "r", "remote_host": host, "remote_port": port}})
+        cctx = RequestContext(
+            "c",
+            {"remote_prefiller": {"kv_request_id": "r", "remote_host": host, "remote_port": port}},
+        )
         c.load(1, [b"a"], [0], cctx)
         assert peer.send() == [Fetch("r", 0, [b"a"])]
         msgs = peer.send(peer.hello(epoch=2))  # the peer restarted behind the same connection
@@ -709,8 +750,21 @@ def test_a_hello_with_a_new_epoch_on_a_live_connection_restarts_the_session(
         assert c.tier.stats()["sessions"] == 1
         peer.send(HelloAck(ours.epoch))
         assert c.tier.lookup(b"a", cctx) is LookupResult.MISS  # "r" failed until it finishes
-        c.load(2, [b"b"], [1], RequestContext("c2", {"remote_prefiller": {
-            "kv_request_id": "q", "remote_host": host, "remote_port": port}}))
+        c.load(
+            2,
+            [b"b"],
+            [1],
+            RequestContext(
+                "c2",
+                {
+                    "remote_prefiller": {
+                        "kv_request_id": "q",
+                        "remote_host": host,
+                        "remote_port": port,
+                    }
+                },
+            ),
+        )
         assert peer.send() == [Fetch("q", 0, [b"b"])]  # the new session works
 
 
@@ -727,19 +781,24 @@ def test_numpy_integer_block_ids_in_a_list_are_accepted(h: Any, cluster: Any) ->
 
 
 @pytest.mark.parametrize("ids, match", [([True], "not an integer"), ([1.0], "not an integer")])
-def test_block_ids_that_are_not_integers_raise(h: Any, cluster: Any, ids: list[Any],
-                                               match: str) -> None:
+def test_block_ids_that_are_not_integers_raise(
+    h: Any, cluster: Any, ids: list[Any], match: str
+) -> None:
     p, c = pd_pair(cluster)
     with pytest.raises(ValueError, match=match):
         c.tier.submit_load(Job(1, [b"a"], ids, True, c.consumer_ctx("r", p)))
 
 
-@pytest.mark.parametrize("limits, fragment", [
-    ({"max_keys_per_message": 8}, "16 blocks exceed limits.max_keys_per_message=8"),
-    ({"max_frame_bytes": 600}, "would exceed limits.max_frame_bytes=600"),
-])
+@pytest.mark.parametrize(
+    "limits, fragment",
+    [
+        ({"max_keys_per_message": 8}, "16 blocks exceed limits.max_keys_per_message=8"),
+        ({"max_frame_bytes": 600}, "would exceed limits.max_frame_bytes=600"),
+    ],
+)
 def test_a_job_over_the_limits_fails_and_the_engine_call_returns(
-        h: Any, cluster: Any, limits: dict[str, int], fragment: str) -> None:
+    h: Any, cluster: Any, limits: dict[str, int], fragment: str
+) -> None:
     p, c = pd_pair(cluster, limits=limits)
     ks = h.keys("r", 16)
     c.load(1, ks, list(range(16)), c.consumer_ctx("r", p))
@@ -762,8 +821,9 @@ def test_two_loads_of_the_same_keys_fail_only_the_second_job(h: Any, cluster: An
         c.load(100 + i, h.keys(kv, 2), [20 + 2 * i, 21 + 2 * i], c.consumer_ctx(kv, p))
     h.pump([p, c], 2)
     assert c.outcome(2) is Outcome.REQUEST_CONFLICT
-    assert "2 of its blocks are already being loaded for request 'dup' by job 1" in \
-        c.results[2].detail
+    assert (
+        "2 of its blocks are already being loaded for request 'dup' by job 1" in c.results[2].detail
+    )
     p.store(3, ks, [0, 1, 2, 3], p.producer_ctx("dup"))
     for i, kv in enumerate(others):
         p.store(200 + i, h.keys(kv, 2), [10 + i, 40 + i], p.producer_ctx(kv))
@@ -805,8 +865,10 @@ def test_a_load_that_cannot_dial_names_the_real_cause(h: Any, cluster: Any) -> N
     """Memory control across processes (both at the same address): the dial fails at
     ``on_new_request``; the load's detail says why instead of blaming an earlier load."""
     c = cluster()
-    ctx = RequestContext("r1", {"remote_prefiller": {
-        "kv_request_id": "r1", "remote_host": c.host, "remote_port": c.port}})
+    ctx = RequestContext(
+        "r1",
+        {"remote_prefiller": {"kv_request_id": "r1", "remote_host": c.host, "remote_port": c.port}},
+    )
     c.tier.on_new_request(ctx)
     c.load(1, [b"a"], [0], ctx)
     c.collect()

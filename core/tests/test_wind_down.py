@@ -21,8 +21,13 @@ class Watched:
     ``(name, "close")`` into a shared list and running ``on_progress`` after each
     ``progress()``."""
 
-    def __init__(self, node: h.Node, name: str, events: list[tuple[Any, ...]],
-                 on_progress: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        node: h.Node,
+        name: str,
+        events: list[tuple[Any, ...]],
+        on_progress: Callable[[], object] | None = None,
+    ) -> None:
         self.inner, self.name, self.events, self.on_progress = node.data, name, events, on_progress
         # A duck-typed stand-in (attribute access falls through to the real transport).
         node.data = node.tier._data = node.tier._env.data = self  # type: ignore[assignment]
@@ -82,8 +87,7 @@ def test_consumer_cancels_its_reads_before_releasing_its_region(cluster: h.Clust
     assert p.outcome(2) is Outcome.ABORTED  # released unread
 
 
-def test_producer_keeps_its_pins_until_the_consumer_released_them(
-        cluster: h.Cluster) -> None:
+def test_producer_keeps_its_pins_until_the_consumer_released_them(cluster: h.Cluster) -> None:
     p, c = cluster(), cluster(data_options=SLOW_READS)
     events: list[tuple[Any, ...]] = []
     Watched(c, "C", events)

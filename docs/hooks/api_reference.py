@@ -54,13 +54,18 @@ def _entry(module: str, name: str, obj: Any) -> str:
         written = _assignments(_defining_module(module, name)).get(name, (repr(obj), None))[0]
         return _constant(module, name, f"{name} = {written}")
     if inspect.isclass(obj):
-        parts = [f"### `{module}.{name}`", f"```python\nclass {_signature(name, obj)}\n```",
-                 _doc(obj)]
+        parts = [
+            f"### `{module}.{name}`",
+            f"```python\nclass {_signature(name, obj)}\n```",
+            _doc(obj),
+        ]
         for member, value in _members(obj):
             target = value.fget if isinstance(value, property) else value
             shown = member if isinstance(value, property) else _signature(member, target)
-            parts += [f"**`{shown}`**" + (" (property)" if isinstance(value, property) else ""),
-                      _doc(target)]
+            parts += [
+                f"**`{shown}`**" + (" (property)" if isinstance(value, property) else ""),
+                _doc(target),
+            ]
         return "\n\n".join(parts)
     if callable(obj):
         return f"### `{module}.{name}`\n\n```python\n{_signature(name, obj)}\n```\n\n{_doc(obj)}"

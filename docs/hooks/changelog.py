@@ -30,8 +30,10 @@ CHANGELOG = ROOT / "docs" / "changelog.md"
 MARKER = "<!-- changelog-fragments -->"
 CATEGORIES = ("added", "changed", "deprecated", "removed", "fixed", "security")
 """Keep a Changelog's categories, in the order a section lists them."""
-NAME = re.compile(r"(?P<issue>[1-9][0-9]*)\.(?P<slug>[a-z0-9]+(?:-[a-z0-9]+)*)"
-                  r"\.(?P<category>[a-z]+)\.md")
+NAME = re.compile(
+    r"(?P<issue>[1-9][0-9]*)\.(?P<slug>[a-z0-9]+(?:-[a-z0-9]+)*)"
+    r"\.(?P<category>[a-z]+)\.md"
+)
 IGNORED = {"README.md"}
 """Files in ``docs/changes/`` that are not fragments."""
 
@@ -60,11 +62,14 @@ def problems(directory: Path | None = None) -> list[str]:
             continue
         m = NAME.fullmatch(path.name)
         if m is None:
-            found.append(f"{path.name}: not <issue>.<slug>.<category>.md (issue a number, slug "
-                         f"lower-case words joined by '-')")
+            found.append(
+                f"{path.name}: not <issue>.<slug>.<category>.md (issue a number, slug "
+                f"lower-case words joined by '-')"
+            )
         elif m["category"] not in CATEGORIES:
-            found.append(f"{path.name}: category {m['category']!r} is not one of "
-                         f"{', '.join(CATEGORIES)}")
+            found.append(
+                f"{path.name}: category {m['category']!r} is not one of {', '.join(CATEGORIES)}"
+            )
         elif not path.is_file() or not path.read_text().strip():
             found.append(f"{path.name}: empty (write a few short sentences)")
         elif path.read_text().lstrip().startswith("#"):
@@ -109,8 +114,9 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     return markdown.replace(MARKER, render_section("Unreleased", by_category(fragments())))
 
 
-def release(version: str, date: str, changelog: Path = CHANGELOG,
-            directory: Path = CHANGES) -> list[Path]:
+def release(
+    version: str, date: str, changelog: Path = CHANGELOG, directory: Path = CHANGES
+) -> list[Path]:
     """Write the fragments into ``changelog`` as ``version``'s section; returns the fragment
     files, deleted. An existing ``## version`` section gets the new items first in each
     category."""
@@ -125,7 +131,7 @@ def release(version: str, date: str, changelog: Path = CHANGELOG,
     else:
         end = re.compile(r"^## ", re.M).search(text, m.end())
         stop = end.start() if end else len(text)
-        text = text[:m.start()] + _merged(text[m.start():stop], grouped) + text[stop:]
+        text = text[: m.start()] + _merged(text[m.start() : stop], grouped) + text[stop:]
     changelog.write_text(text)
     paths = [directory / f"{i.issue}.{i.slug}.{i.category}.md" for i in items]
     for path in paths:
@@ -144,9 +150,10 @@ def _merged(section: str, grouped: dict[str, list[str]]) -> str:
         if title in section:
             section = section.replace(title, title + "\n".join(new) + "\n", 1)
             continue
-        later = [f"### {c.capitalize()}\n" for c in CATEGORIES[CATEGORIES.index(category) + 1:]]
-        at = min((section.index(t) for t in later if t in section),
-                 default=len(section.rstrip("\n")) + 1)
+        later = [f"### {c.capitalize()}\n" for c in CATEGORIES[CATEGORIES.index(category) + 1 :]]
+        at = min(
+            (section.index(t) for t in later if t in section), default=len(section.rstrip("\n")) + 1
+        )
         block = title + "\n".join(new) + "\n\n"
         section = section[:at] + block + section[at:]
     return section

@@ -33,12 +33,13 @@ def render() -> str:
     os.environ["COLUMNS"] = WIDTH  # argparse wraps at the terminal's width
     try:
         parser = build_parser(default_registry())
-        sections = [f"### `{prog}`\n\n```text\n{text.rstrip()}\n```"
-                    for prog, text in _commands(parser, "p2pkv")]
+        sections = [
+            f"### `{prog}`\n\n```text\n{text.rstrip()}\n```"
+            for prog, text in _commands(parser, "p2pkv")
+        ]
     finally:
         if previous is None:
             os.environ.pop("COLUMNS", None)
         else:
             os.environ["COLUMNS"] = previous
     return "\n\n".join(sections)
-

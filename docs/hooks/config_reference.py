@@ -84,4 +84,3 @@ def render() -> str:
         _table(config.Peers, "peers."),
     ]
     return "\n".join(parts)
-

@@ -35,9 +35,11 @@ def _renderers() -> dict[str, tuple[str, Callable[[], str]]]:
     import cli_reference
     import config_reference
 
-    return {"docs/cli.md": ("cli-reference", cli_reference.render),
-            "docs/configuration.md": ("config-reference", config_reference.render),
-            "docs/api.md": ("api-reference", api_reference.render)}
+    return {
+        "docs/cli.md": ("cli-reference", cli_reference.render),
+        "docs/configuration.md": ("config-reference", config_reference.render),
+        "docs/api.md": ("api-reference", api_reference.render),
+    }
 
 
 def begin(name: str) -> str:

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LEASE_DRIFT", "Read", "close_problems", "pin_violations", "read_violations",
-           "reads"]
+__all__ = ["LEASE_DRIFT", "Read", "close_problems", "pin_violations", "read_violations", "reads"]
 
 Entry = tuple[Any, ...]
 
@@ -127,8 +126,10 @@ def _jobs(log: Sequence[Entry], all_reads: list[Read]) -> tuple[dict[int, _Job],
             owners = {id(owner.get(s)): owner.get(s) for s in r.local}
             if len(owners) != 1 or None in owners.values():
                 free = sorted(s for s in r.local if s not in owner)
-                found.append(f"read {r.tid} from {r.peer} at {t:.6f} into slots {sorted(r.local)}"
-                             f" not owned by one open load (unowned: {free})")
+                found.append(
+                    f"read {r.tid} from {r.peer} at {t:.6f} into slots {sorted(r.local)}"
+                    f" not owned by one open load (unowned: {free})"
+                )
                 continue
             (job,) = owners.values()
             assert job is not None
@@ -147,9 +148,11 @@ def read_violations(log: Sequence[Entry]) -> list[str]:
         for r in job.reads:
             if r.ended_at > job.result_at:
                 when = "never" if math.isinf(r.ended) else f"{r.ended:.6f} ({r.how})"
-                found.append(f"load job {job.job_id} answered {job.result} at "
-                             f"{job.result_t:.6f} while its read {r.tid} from {r.peer} was "
-                             f"live (posted {r.posted:.6f}, ended {when})")
+                found.append(
+                    f"load job {job.job_id} answered {job.result} at "
+                    f"{job.result_t:.6f} while its read {r.tid} from {r.peer} was "
+                    f"live (posted {r.posted:.6f}, ended {when})"
+                )
     return found
 
 
@@ -161,12 +164,19 @@ def close_problems(log: Sequence[Entry]) -> list[str]:
     return [f"close() could not drain {e[2]}: region left registered" for e in closes if e[2]]
 
 
-def pin_violations(producer_log: Sequence[Entry], consumer_log: Sequence[Entry],
-                   producer_address: str, lease: float) -> list[str]:
+def pin_violations(
+    producer_log: Sequence[Entry],
+    consumer_log: Sequence[Entry],
+    producer_address: str,
+    lease: float,
+) -> list[str]:
     """Store jobs of the producer answered (slots handed back to its engine) while a read of
     the consumer from them was live, before the lease since the consumer's fetch had passed."""
-    results = [(e[0], e[2], e[3], frozenset(e[4])) for e in producer_log
-               if e[1] == "result" and e[4] and not e[5]]
+    results = [
+        (e[0], e[2], e[3], frozenset(e[4]))
+        for e in producer_log
+        if e[1] == "result" and e[4] and not e[5]
+    ]
     mine = reads(consumer_log)
     _jobs(consumer_log, mine)
     found: list[str] = []
@@ -180,8 +190,10 @@ def pin_violations(producer_log: Sequence[Entry], consumer_log: Sequence[Entry],
         if outcome == "done":  # the consumer released it as read: its reads had all ended
             continue
         if r.ended > t and t < r.job_submitted + lease * (1 - LEASE_DRIFT):
-            found.append(f"store job {job_id} answered {outcome} at {t:.6f}, "
-                         f"{t - r.job_submitted:.3f}s after the consumer submitted load "
-                         f"{r.job} (lease {lease}s), while its read {r.tid} of those slots was "
-                         f"live (posted {r.posted:.6f}, ended {r.ended:.6f} {r.how})")
+            found.append(
+                f"store job {job_id} answered {outcome} at {t:.6f}, "
+                f"{t - r.job_submitted:.3f}s after the consumer submitted load "
+                f"{r.job} (lease {lease}s), while its read {r.tid} of those slots was "
+                f"live (posted {r.posted:.6f}, ended {r.ended:.6f} {r.how})"
+            )
     return found

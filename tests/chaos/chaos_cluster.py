@@ -22,9 +22,23 @@ from p2pkv_tools.demo.roles import Evicted, Loaded, Stored, Submitted
 from p2pkv_tools.demo.workload import DemoRequest, PromptDistribution, make_stream
 
 __all__ = [
-    "HEARTBEAT", "MEASUREMENTS", "Cluster", "Flow", "Node", "Outstanding", "Stream", "Usage",
-    "admit_held", "all_done", "live_reads", "measured", "not_done", "region_blocks", "requests",
-    "stall_reads", "tier_config",
+    "HEARTBEAT",
+    "MEASUREMENTS",
+    "Cluster",
+    "Flow",
+    "Node",
+    "Outstanding",
+    "Stream",
+    "Usage",
+    "admit_held",
+    "all_done",
+    "live_reads",
+    "measured",
+    "not_done",
+    "region_blocks",
+    "requests",
+    "stall_reads",
+    "tier_config",
 ]
 
 START_TIMEOUT = 60.0  # a node loads NIXL/UCX on a busy 2-core machine
@@ -37,19 +51,33 @@ def measured(line: str) -> None:
     """Record one line of measurements for the terminal summary."""
     MEASUREMENTS.append(line)
 
-HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "heartbeat_ttl": 1.0,
-             "connect_timeout": 2.0}
+
+HEARTBEAT = {
+    "heartbeat_interval": 0.2,
+    "heartbeat_timeout": 1.0,
+    "heartbeat_ttl": 1.0,
+    "connect_timeout": 2.0,
+}
 """Short control-plane heartbeats: a silent peer is dead about a second after it fell silent."""
 
 
-def tier_config(host: str = "127.0.0.1", *, port: int = 0,
-                timeouts: dict[str, float] | None = None, control: dict[str, Any] | None = None,
-                data: dict[str, Any] | None = None, limits: dict[str, int] | None = None,
-                data_transport: str = "nixl") -> dict[str, Any]:
+def tier_config(
+    host: str = "127.0.0.1",
+    *,
+    port: int = 0,
+    timeouts: dict[str, float] | None = None,
+    control: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    limits: dict[str, int] | None = None,
+    data_transport: str = "nixl",
+) -> dict[str, Any]:
     """A zmq + nixl (or ``data_transport``) tier config with short heartbeats (ephemeral port
     unless given)."""
     return {
-        "control": "zmq", "data": data_transport, "host": host, "port": port,
+        "control": "zmq",
+        "data": data_transport,
+        "host": host,
+        "port": port,
         "control_options": {**HEARTBEAT, **(control or {})},
         "data_options": {"drain_timeout": 2.0, **(data or {})},
         "timeouts": {"shutdown_drain": 3.0, **(timeouts or {})},
@@ -57,12 +85,25 @@ def tier_config(host: str = "127.0.0.1", *, port: int = 0,
     }
 
 
-def requests(count: int, *, max_blocks: int, orders: dict[str, float], run_id: str,
-             first_index: int = 0, seed: int = 0) -> list[DemoRequest]:
+def requests(
+    count: int,
+    *,
+    max_blocks: int,
+    orders: dict[str, float],
+    run_id: str,
+    first_index: int = 0,
+    seed: int = 0,
+) -> list[DemoRequest]:
     """``count`` requests of 1..``max_blocks`` blocks with unique ids and indexes."""
-    stream = make_stream(count, PromptDistribution("uniform", 1, max_blocks * 16 + 15),
-                         tokens_per_block=16, max_blocks=max_blocks, orders=orders,
-                         seed=seed, run_id=run_id)
+    stream = make_stream(
+        count,
+        PromptDistribution("uniform", 1, max_blocks * 16 + 15),
+        tokens_per_block=16,
+        max_blocks=max_blocks,
+        orders=orders,
+        seed=seed,
+        run_id=run_id,
+    )
     return [replace(r, index=r.index + first_index) for r in stream]
 
 
@@ -190,11 +231,13 @@ class Req:
     def describe(self) -> str:
         load = self.loaded[0] if self.loaded else None
         store = self.stored[0][1] if self.stored else None
-        return (f"#{self.req.index} {self.req.kv_request_id} {self.req.order} "
-                f"{self.producer.name}->{self.consumer.name}: "
-                f"load={load.outcome + ' ' + load.detail if load else None} "
-                f"store={store.outcome + ' ' + store.detail if store else None} "
-                f"evicted={self.evicted} undelivered={self.undeliverable}")
+        return (
+            f"#{self.req.index} {self.req.kv_request_id} {self.req.order} "
+            f"{self.producer.name}->{self.consumer.name}: "
+            f"load={load.outcome + ' ' + load.detail if load else None} "
+            f"store={store.outcome + ' ' + store.detail if store else None} "
+            f"evicted={self.evicted} undelivered={self.undeliverable}"
+        )
 
 
 class Flow:
@@ -301,11 +344,11 @@ class Flow:
                 out.append(f"reported twice: {r.describe()}")
             for ev in r.loaded:
                 if ev.bad_blocks:
-                    out.append(f"{ev.bad_blocks} of {ev.blocks} blocks had wrong bytes: "
-                               f"{r.describe()}")
+                    out.append(
+                        f"{ev.bad_blocks} of {ev.blocks} blocks had wrong bytes: {r.describe()}"
+                    )
                 if ev.outcome == "done" and ev.blocks != r.req.hits:
-                    out.append(f"loaded {ev.blocks} blocks, expected {r.req.hits}: "
-                               f"{r.describe()}")
+                    out.append(f"loaded {ev.blocks} blocks, expected {r.req.hits}: {r.describe()}")
         return out
 
 
@@ -313,8 +356,14 @@ class Stream:
     """Keeps up to ``window`` of ``reqs`` in flight between ``producer`` and ``consumer``,
     admitting more (in one pipe message per node) as earlier ones finish."""
 
-    def __init__(self, cluster: Cluster, reqs: Iterable[DemoRequest], producer: Node,
-                 consumer: Node, window: int) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        reqs: Iterable[DemoRequest],
+        producer: Node,
+        consumer: Node,
+        window: int,
+    ) -> None:
         self.cluster = cluster
         self.pending = list(reqs)[::-1]  # popped from the end: first request first
         self.producer = producer
@@ -342,8 +391,7 @@ class Stream:
 
     def run(self, timeout: float, what: str) -> None:
         """Step until every request finished; ``Outstanding`` after ``timeout`` seconds."""
-        self.cluster.wait(lambda: self.step(0.01), timeout=timeout, what=what,
-                          recs=self.active)
+        self.cluster.wait(lambda: self.step(0.01), timeout=timeout, what=what, recs=self.active)
 
 
 class Cluster:
@@ -399,17 +447,28 @@ class Cluster:
         else:
             node.replies.append(msg)
 
-    def wait(self, condition: Callable[[], object], *, timeout: float, what: str,
-             recs: Iterable[Req] | None = None) -> None:
+    def wait(
+        self,
+        condition: Callable[[], object],
+        *,
+        timeout: float,
+        what: str,
+        recs: Iterable[Req] | None = None,
+    ) -> None:
         """Pump until ``condition()`` holds; ``Outstanding`` after ``timeout`` seconds, listing
         the unfinished requests of ``recs`` (default: all)."""
         started = time.monotonic()
         while not condition():
             waited = time.monotonic() - started
-            if (waited > timeout or any(n.fatal for n in self.nodes)
-                    or any(n.died() for n in self.nodes)):
-                raise Outstanding(f"{what}: not reached (waited {waited:.1f}s of {timeout}s); "
-                                  f"{self.flow.outstanding(recs)}{self._fatal()}")
+            if (
+                waited > timeout
+                or any(n.fatal for n in self.nodes)
+                or any(n.died() for n in self.nodes)
+            ):
+                raise Outstanding(
+                    f"{what}: not reached (waited {waited:.1f}s of {timeout}s); "
+                    f"{self.flow.outstanding(recs)}{self._fatal()}"
+                )
             self.pump(0.02)
 
     def _fatal(self) -> str:
@@ -422,8 +481,11 @@ class Cluster:
         node.replies.clear()
         if not node.send(cmd):
             raise AssertionError(f"{node.name} is gone; cannot send {cmd[0]}")
-        self.wait(lambda: any(r[0] == kind for r in node.replies) or not node.alive,
-                  timeout=timeout, what=f"{node.name} answering {cmd[0]}")
+        self.wait(
+            lambda: any(r[0] == kind for r in node.replies) or not node.alive,
+            timeout=timeout,
+            what=f"{node.name} answering {cmd[0]}",
+        )
         for r in node.replies:
             if r[0] == kind:
                 return r[2]
@@ -442,8 +504,9 @@ class Cluster:
         rep: dict[str, Any] = self.reply(node, ("canary", op), "canary", timeout)
         return rep
 
-    def watch_canaries(self, nodes: Sequence[Node], seconds: float, *,
-                       step: Callable[[], object] = lambda: None) -> int:
+    def watch_canaries(
+        self, nodes: Sequence[Node], seconds: float, *, step: Callable[[], object] = lambda: None
+    ) -> int:
         """Check the canaries of ``nodes`` again and again for ``seconds`` while they keep
         ticking (``step`` runs between checks: routing, new requests); fails at the first
         changed byte. Returns how many checks were made."""
@@ -456,15 +519,20 @@ class Cluster:
                 assert not rep["changed"], (
                     f"{rep['changed_bytes']} canary byte(s) changed in {len(rep['changed'])} of "
                     f"{node.name}'s {rep['slots']} canaried slots ({rep['changed'][:10]}): a "
-                    f"transfer wrote into slots its engine had been handed back")
+                    f"transfer wrote into slots its engine had been handed back"
+                )
             if time.monotonic() >= end:
                 return checks
             step()
             self.pump(0.05)
 
-    def stop(self, node: Node, timeout: float = 30.0,
-             on_stopping: Callable[[], object] = lambda: None,
-             resume: Sequence[Node] = ()) -> dict[str, Any]:
+    def stop(
+        self,
+        node: Node,
+        timeout: float = 30.0,
+        on_stopping: Callable[[], object] = lambda: None,
+        resume: Sequence[Node] = (),
+    ) -> dict[str, Any]:
         """Shut the node's tier down (its leftovers arrive as ordinary events) and end it.
         ``resume``: paused nodes (``node`` among them, possibly) resumed right after the stop
         command went out, so a paused node shuts down with what was in flight when it
@@ -475,17 +543,24 @@ class Cluster:
             raise AssertionError(f"{node.name} is gone; cannot stop it")
         for other in resume:
             other.child.resume()
-        self.wait(lambda: any(r[0] == "stopping" for r in node.replies) or not node.alive,
-                  timeout=timeout, what=f"{node.name} starting its shutdown")
+        self.wait(
+            lambda: any(r[0] == "stopping" for r in node.replies) or not node.alive,
+            timeout=timeout,
+            what=f"{node.name} starting its shutdown",
+        )
         on_stopping()
-        self.wait(lambda: any(r[0] == "stopped" for r in node.replies) or not node.alive,
-                  timeout=timeout, what=f"{node.name} shutting down")
+        self.wait(
+            lambda: any(r[0] == "stopped" for r in node.replies) or not node.alive,
+            timeout=timeout,
+            what=f"{node.name} shutting down",
+        )
         stopped = [r for r in node.replies if r[0] == "stopped"]
         if not stopped:
             node.child.process.join(timeout)
             code = node.child.process.exitcode
-            raise AssertionError(f"{node.name} died while shutting down (exit code {code})"
-                                 f"{self._fatal()}")
+            raise AssertionError(
+                f"{node.name} died while shutting down (exit code {code}){self._fatal()}"
+            )
         rep: dict[str, Any] = stopped[0][2]
         node.child.process.join(timeout)
         node.gone_at = node.gone_at or time.monotonic()
@@ -499,14 +574,17 @@ class Cluster:
         def quiet() -> bool:
             nonlocal reports
             reports = [self.report(n) for n in nodes]
-            return all(not r["pending_work"] and not any(r["state_sizes"].values())
-                       for r in reports)
+            return all(
+                not r["pending_work"] and not any(r["state_sizes"].values()) for r in reports
+            )
 
         deadline = time.monotonic() + timeout
         while not quiet():
             if time.monotonic() > deadline:
-                leftover = {n.name: {k: v for k, v in r["state_sizes"].items() if v}
-                            for n, r in zip(nodes, reports, strict=True)}
+                leftover = {
+                    n.name: {k: v for k, v in r["state_sizes"].items() if v}
+                    for n, r in zip(nodes, reports, strict=True)
+                }
                 raise Outstanding(f"{what}: state left after {timeout}s: {leftover}")
             self.pump(0.05)
         return reports
@@ -519,8 +597,10 @@ def region_blocks(reqs: Iterable[DemoRequest]) -> int:
 
 def all_done(recs: Iterable[Req]) -> bool:
     """Every load and every store (symmetric requests: no store half) ended DONE."""
-    return all(r.load_outcome == "done" and (r.req.order == "symmetric"
-               or r.store_outcome == "done") for r in recs)
+    return all(
+        r.load_outcome == "done" and (r.req.order == "symmetric" or r.store_outcome == "done")
+        for r in recs
+    )
 
 
 def not_done(recs: Iterable[Req]) -> list[str]:
@@ -543,8 +623,13 @@ def live_reads(node: Node, source: str | None = None) -> set[int]:
     return set(live)
 
 
-def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, Node]], *,
-               warm: int, timeout: float) -> list[list[Req]]:
+def admit_held(
+    c: Cluster,
+    groups: Sequence[tuple[Sequence[DemoRequest], Node, Node]],
+    *,
+    warm: int,
+    timeout: float,
+) -> list[list[Req]]:
     """Admit consumer-first requests (one group per producer/consumer pair) with their store
     halves held until every load is submitted, then release the first ``warm`` of each group and
     wait until those are done: sessions up, data endpoints wired. The rest stay held (for
@@ -556,13 +641,18 @@ def admit_held(c: Cluster, groups: Sequence[tuple[Sequence[DemoRequest], Node, N
     first = [r for group in recs for r in group[:warm]]
     chosen = {id(r) for r in first}
     c.flow.release_stores(lambda r: id(r) in chosen)
-    c.wait(lambda: all_done(first), timeout=timeout,
-           what=f"the first {warm} requests of each group", recs=first)
+    c.wait(
+        lambda: all_done(first),
+        timeout=timeout,
+        what=f"the first {warm} requests of each group",
+        recs=first,
+    )
     return recs
 
 
-def stall_reads(c: Cluster, reader: Node, source: Node, release: Iterable[Req],
-                timeout: float) -> set[int]:
+def stall_reads(
+    c: Cluster, reader: Node, source: Node, release: Iterable[Req], timeout: float
+) -> set[int]:
     """Release the held stores of ``release`` and have ``source`` paused (SIGSTOP) right after
     the (recording) ``reader`` posted reads from it for half of its own blocks: the reader
     itself stops it (``pause_on_read``), so the reads it posts next (offers already on their
@@ -574,15 +664,21 @@ def stall_reads(c: Cluster, reader: Node, source: Node, release: Iterable[Req],
     the reader has stopped ``source`` the moment it posted those reads."""
     release = list(release)
     wanted = {id(r) for r in release}
-    ours = region_blocks([r.req for r in release
-                          if r.consumer is reader and r.producer is source])
-    c.reply(reader, ("pause_on_read", source.pid, source.address, max(1, ours // 2)),
-            "pause_on_read", timeout=10.0)
+    ours = region_blocks([r.req for r in release if r.consumer is reader and r.producer is source])
+    c.reply(
+        reader,
+        ("pause_on_read", source.pid, source.address, max(1, ours // 2)),
+        "pause_on_read",
+        timeout=10.0,
+    )
     c.flow.hold_stores = False
     c.flow.release_stores(lambda r: id(r) in wanted)
     try:
-        c.wait(lambda: any(e[1] == "paused_source" for e in reader.data_log), timeout=timeout,
-               what=f"{reader.name} reading from {source.name}")
+        c.wait(
+            lambda: any(e[1] == "paused_source" for e in reader.data_log),
+            timeout=timeout,
+            what=f"{reader.name} reading from {source.name}",
+        )
     finally:
         source.child.pause()  # already stopped by the reader, or it never read: stop it now
     c.report(reader)  # every entry the reader logged before now has arrived

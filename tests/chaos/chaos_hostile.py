@@ -35,8 +35,13 @@ def draw(strategy: st.SearchStrategy[bytes], n: int, seed: int) -> list[bytes]:
     out: list[bytes] = []
 
     @hypothesis_seed(seed)
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(frame: bytes) -> None:
         out.append(frame)
@@ -106,11 +111,15 @@ class HostileClient:
         or ``routing_id`` (also announced as the socket's ZMTP routing id), or with no link id
         at all, including fake opens, pairings and "gone" for connections that never
         existed."""
-        rid = routing_id or self.rng.choice([
-            None, secrets.token_bytes(self.rng.randint(1, 255)), self._rid(),
-            f"{self._claim()}#{secrets.token_hex(3)}".encode(),
-            b"not-an-address#" + secrets.token_hex(8).encode(),
-        ])
+        rid = routing_id or self.rng.choice(
+            [
+                None,
+                secrets.token_bytes(self.rng.randint(1, 255)),
+                self._rid(),
+                f"{self._claim()}#{secrets.token_hex(3)}".encode(),
+                b"not-an-address#" + secrets.token_hex(8).encode(),
+            ]
+        )
         sock = self._socket(rid)
         prefix = [] if rid is None else [rid]
         for _ in range(count):
@@ -120,11 +129,12 @@ class HostileClient:
             elif shape == 1:
                 parts = [b"", secrets.token_bytes(self.rng.randint(0, 8))]
             elif shape == 2:
-                parts = [b"", self.rng.choice([b"gone", b"paired"]),
-                         secrets.token_hex(8).encode()]
+                parts = [b"", self.rng.choice([b"gone", b"paired"]), secrets.token_hex(8).encode()]
             else:
-                parts = [secrets.token_bytes(self.rng.randint(0, 300))
-                         for _ in range(self.rng.randint(1, 5))]
+                parts = [
+                    secrets.token_bytes(self.rng.randint(0, 300))
+                    for _ in range(self.rng.randint(1, 5))
+                ]
             sock.send_multipart(prefix + parts)
             self.frames_sent += len(parts)
 
@@ -148,15 +158,22 @@ class HostileClient:
         self.ctx.term()
 
 
-def intruder_main(conn: Connection, netns: str | None, target: str, claim: str,
-                  curve: tuple[bytes, bytes, bytes] | None, frames: list[bytes],
-                  timeout: float) -> None:
+def intruder_main(
+    conn: Connection,
+    netns: str | None,
+    target: str,
+    claim: str,
+    curve: tuple[bytes, bytes, bytes] | None,
+    frames: list[bytes],
+    timeout: float,
+) -> None:
     """Child entry (``p2pkv.testing.child.Child``): from ``netns``, dial ``target`` like a p2pkv
     peer (open, then ``frames``), with CURVE keys ``(server_public, public, secret)`` or none.
     Reports ``("refused", event_names)`` once the security handshake failed, or
     ``("connected", [])`` if it succeeded; nothing waits longer than ``timeout``."""
     if netns is not None:
         from chaos_node import enter_netns
+
         enter_netns(netns)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
@@ -164,8 +181,11 @@ def intruder_main(conn: Connection, netns: str | None, target: str, claim: str,
     link = f"{claim}#{secrets.token_hex(8)}".encode()
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
-    failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    failed = (
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
     monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(f"tcp://{target}")
     sock.send_multipart([link, b"", b"open", b""])
@@ -175,6 +195,7 @@ def intruder_main(conn: Connection, netns: str | None, target: str, claim: str,
     outcome = "timeout"
     if monitor.poll(int(timeout * 1000)):
         from zmq.utils.monitor import parse_monitor_message
+
         event = parse_monitor_message(monitor.recv_multipart())
         seen.append(str(zmq.Event(event["event"]).name))
         outcome = "connected" if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"

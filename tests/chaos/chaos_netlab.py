@@ -87,9 +87,14 @@ class NetLab:
         n = next(_SEQ)
         tag = f"{os.getpid() % 100000}x{n}"
         subnet = f"10.123.{(os.getpid() + n) % 250}"
-        lab = cls(a=f"p2pkv-chaos-{tag}a", b=f"p2pkv-chaos-{tag}b",
-                  dev_a=f"pkv{tag}a"[:15], dev_b=f"pkv{tag}b"[:15],
-                  addr_a=f"{subnet}.1", addr_b=f"{subnet}.2")
+        lab = cls(
+            a=f"p2pkv-chaos-{tag}a",
+            b=f"p2pkv-chaos-{tag}b",
+            dev_a=f"pkv{tag}a"[:15],
+            dev_b=f"pkv{tag}b"[:15],
+            addr_a=f"{subnet}.1",
+            addr_b=f"{subnet}.2",
+        )
         try:
             lab._up()
         except BaseException:
@@ -101,8 +106,20 @@ class NetLab:
         self._created = True
         _ip("netns", "add", self.a)
         _ip("netns", "add", self.b)
-        _ip("link", "add", self.dev_a, "netns", self.a, "type", "veth",
-            "peer", "name", self.dev_b, "netns", self.b)
+        _ip(
+            "link",
+            "add",
+            self.dev_a,
+            "netns",
+            self.a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.dev_b,
+            "netns",
+            self.b,
+        )
         for ns, dev, addr in ((self.a, self.dev_a, self.addr_a), (self.b, self.dev_b, self.addr_b)):
             _ip("addr", "add", f"{addr}/24", "dev", dev, netns=ns)
             _ip("link", "set", "lo", "up", netns=ns)
@@ -130,8 +147,7 @@ class NetLab:
 
     def _qdisc(self, *spec: str) -> None:
         for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
-            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
-                   *spec]
+            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *spec]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT)
             if done.returncode:
                 raise NetLabUnavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
@@ -152,16 +168,21 @@ class NetLab:
             raise AssertionError(f"{exc}; still: {problem[0]}") from None
 
     def _unusable(self) -> str | None:
-        ends = ((self.a, self.dev_a, self.addr_a, self.addr_b),
-                (self.b, self.dev_b, self.addr_b, self.addr_a))
+        ends = (
+            (self.a, self.dev_a, self.addr_a, self.addr_b),
+            (self.b, self.dev_b, self.addr_b, self.addr_a),
+        )
         for ns, dev, addr, other in ends:
             link = _out("ip", "-n", ns, "-o", "link", "show", "dev", dev)
             if "state UP" not in link or "LOWER_UP" not in link:
                 return f"{ns}/{dev}: {link.strip() or 'missing'}"
             if f"inet {addr}/" not in _out("ip", "-n", ns, "-o", "-4", "addr", "show", "dev", dev):
                 return f"{ns}/{dev} has no address {addr} yet"
-            probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _DIAL_PROBE,
-                                    other], capture_output=True, timeout=_CMD_TIMEOUT)
+            probe = subprocess.run(
+                ["ip", "netns", "exec", ns, sys.executable, "-c", _DIAL_PROBE, other],
+                capture_output=True,
+                timeout=_CMD_TIMEOUT,
+            )
             if probe.returncode:
                 return f"{other} does not answer from {ns}"
         return None

@@ -65,8 +65,15 @@ from p2pkv_tools.bench.netns import join_namespace as enter_netns
 from p2pkv_tools.demo.roles import ConsumerRole, Event, ProducerRole, RoleSetup, _Load
 
 __all__ = [
-    "CANARY", "Again", "AuditedTier", "NodeSpec", "Recorded", "Recorder", "RecordingData",
-    "enter_netns", "node_main",
+    "CANARY",
+    "Again",
+    "AuditedTier",
+    "NodeSpec",
+    "Recorded",
+    "Recorder",
+    "RecordingData",
+    "enter_netns",
+    "node_main",
 ]
 
 _LIFETIME = 900.0  # seconds: a node never outlives this, whatever happens to its parent
@@ -132,7 +139,7 @@ class Recorder:
         self.entries.append((time.monotonic(), op, *fields))
 
     def take_new(self) -> list[tuple[Any, ...]]:
-        new = self.entries[self._sent:]
+        new = self.entries[self._sent :]
         self._sent = len(self.entries)
         return new
 
@@ -154,12 +161,14 @@ class RecordingData(DelegatingDataTransport):
         super().add_peer(peer_id, descriptor)
         self.recorder.add("add_peer", peer_id)
 
-    def read_blocks(self, peer_id: str, local_idxs: Sequence[int],
-                    remote_idxs: Sequence[int]) -> int:
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
         tid = super().read_blocks(peer_id, local_idxs, remote_idxs)
         self._live.add(tid)
-        self.recorder.add("read", tid, peer_id, [int(i) for i in local_idxs],
-                          [int(i) for i in remote_idxs])
+        self.recorder.add(
+            "read", tid, peer_id, [int(i) for i in local_idxs], [int(i) for i in remote_idxs]
+        )
         if self.pause_on_read is not None and self.pause_on_read[1] == peer_id:
             pid, peer, n = self.pause_on_read
             n -= len(local_idxs)
@@ -252,8 +261,9 @@ class AuditedTier(P2PTier):
     def unanswered(self) -> list[int]:
         """Submitted job ids without a result so far."""
         counts = self._results_per_id
-        return [i for i, s in enumerate(self._submitted)
-                if s and (i >= len(counts) or not counts[i])]
+        return [
+            i for i, s in enumerate(self._submitted) if s and (i >= len(counts) or not counts[i])
+        ]
 
 
 def _grow(buf: bytearray, index: int) -> None:
@@ -284,15 +294,27 @@ class _ChaosEngine:
         if self.recorder is not None:
             data = self.recording = RecordingData(data, self.recorder)
         try:
-            self.control = registry.transport("control", config.control).create(ControlSettings(
-                config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
-                options=config.control_options, handshake_timeout=config.timeouts.handshake,
-            ))
+            self.control = registry.transport("control", config.control).create(
+                ControlSettings(
+                    config.host,
+                    config.port,
+                    max_frame_bytes=config.limits.max_frame_bytes,
+                    options=config.control_options,
+                    handshake_timeout=config.timeouts.handshake,
+                )
+            )
         except BaseException:
             data.close()
             raise
-        return AuditedTier(config, self.buf.data, self.block_len, registry=registry,
-                           control=self.control, data=data, recorder=self.recorder)
+        return AuditedTier(
+            config,
+            self.buf.data,
+            self.block_len,
+            registry=registry,
+            control=self.control,
+            data=data,
+            recorder=self.recorder,
+        )
 
     # -- canaries ---------------------------------------------------------------------------
 
@@ -320,8 +342,12 @@ class _ChaosEngine:
                 changed.append(slot)
                 expected = np.full(row.shape, want, np.uint64)
                 nbytes += int(np.count_nonzero(row.view(np.uint8) != expected.view(np.uint8)))
-        return {"slots": len(self.canaries), "changed": changed, "changed_bytes": nbytes,
-                "oldest": min(self.canaries.values(), default=None)}
+        return {
+            "slots": len(self.canaries),
+            "changed": changed,
+            "changed_bytes": nbytes,
+            "oldest": min(self.canaries.values(), default=None),
+        }
 
     def canary(self, op: str) -> dict[str, Any]:
         if op == "failed":
@@ -367,11 +393,18 @@ class ChaosConsumer(_ChaosEngine, ConsumerRole):
         first = next((ld for ld in self._loads.values() if ld.req.index == req.index), None)
         if first is None:
             raise ValueError(f"load_again: request {req.index} has no open load")
-        again = _Load(req, first.ctx, list(first.keys), self.take_slots(len(first.keys)),
-                      self.next_job_id(), time.monotonic())
+        again = _Load(
+            req,
+            first.ctx,
+            list(first.keys),
+            self.take_slots(len(first.keys)),
+            self.next_job_id(),
+            time.monotonic(),
+        )
         self._again[again.job_id] = again
-        self.tier.submit_load(Job(again.job_id, again.keys, again.slots, is_load=True,
-                                  ctx=again.ctx))
+        self.tier.submit_load(
+            Job(again.job_id, again.keys, again.slots, is_load=True, ctx=again.ctx)
+        )
         return []
 
     def _finished(self, result: JobResult) -> list[Any]:
@@ -383,8 +416,16 @@ class ChaosConsumer(_ChaosEngine, ConsumerRole):
             else:
                 self.region.poison(again.slots)
             self.free_slots(again.slots)
-            return [Again(again.req.index, result.outcome.value, result.detail, again.started,
-                          time.monotonic(), bad)]
+            return [
+                Again(
+                    again.req.index,
+                    result.outcome.value,
+                    result.detail,
+                    again.started,
+                    time.monotonic(),
+                    bad,
+                )
+            ]
         load = self._loads.get(result.job_id)
         events = super()._finished(result)
         if load is not None and self.canary_mode and result.outcome is not Outcome.DONE:
@@ -431,8 +472,12 @@ def node_main(conn: Connection, spec: NodeSpec) -> None:
         enter_netns(spec.netns)
     os.environ.update(spec.env)
     if spec.log_path is not None:
-        logging.basicConfig(filename=spec.log_path, level=logging.INFO, force=True,
-                            format="%(created).6f %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            filename=spec.log_path,
+            level=logging.INFO,
+            force=True,
+            format="%(created).6f %(levelname)s %(name)s: %(message)s",
+        )
     recorder = Recorder() if spec.record else None
     try:
         cls = ChaosProducer if spec.kind == "producer" else ChaosConsumer

@@ -51,8 +51,9 @@ class Fleet:
 
     def __init__(self, specs: Iterable[HostSpec], name: str = "fleet") -> None:
         self.specs = list(specs)
-        self.hosts = [Child(host_main, spec, name=f"{name}-{i}")
-                      for i, spec in enumerate(self.specs)]
+        self.hosts = [
+            Child(host_main, spec, name=f"{name}-{i}") for i, spec in enumerate(self.specs)
+        ]
         self.addresses: dict[TierRef, str] = {}
         self.results: dict[TierRef, dict[int, Result]] = {}
         self.floods: dict[TierRef, dict[str, int]] = {}
@@ -63,8 +64,9 @@ class Fleet:
             host.start()
         deadline = time.monotonic() + START_TIMEOUT
         for h, host in enumerate(self.hosts):
-            kind, addresses = host.recv(max(1.0, deadline - time.monotonic()),
-                                        f"host {h}'s addresses")
+            kind, addresses = host.recv(
+                max(1.0, deadline - time.monotonic()), f"host {h}'s addresses"
+            )
             assert kind == "bound", kind
             for t, address in enumerate(addresses):
                 self.addresses[(h, t)] = address
@@ -93,12 +95,12 @@ class Fleet:
             self.send(h, ("start", overrides((h, 0)) if overrides else {}))
         return at
 
-    def load(self, ref: TierRef, job: int, kv: str, peer: str, keys: list[bytes],
-             slots: list[int]) -> None:
+    def load(
+        self, ref: TierRef, job: int, kv: str, peer: str, keys: list[bytes], slots: list[int]
+    ) -> None:
         self.send(ref[0], ("load", ref[1], job, kv, peer, keys, slots))
 
-    def store(self, ref: TierRef, job: int, kv: str, keys: list[bytes],
-              slots: list[int]) -> None:
+    def store(self, ref: TierRef, job: int, kv: str, keys: list[bytes], slots: list[int]) -> None:
         self.send(ref[0], ("store", ref[1], job, kv, keys, slots))
 
     def finish(self, ref: TierRef, kv: str, peer: str | None) -> None:
@@ -110,8 +112,11 @@ class Fleet:
     def pump(self, timeout: float = 0.0) -> list[tuple[Any, ...]]:
         """Route every message waiting (at most ``timeout`` for the first); the stats
         replies are returned."""
-        conns: dict[Connection, int] = {self.hosts[h]._conn: h  # the parent's end
-                                        for h in range(len(self.hosts)) if h not in self.gone}
+        conns: dict[Connection, int] = {
+            self.hosts[h]._conn: h  # the parent's end
+            for h in range(len(self.hosts))
+            if h not in self.gone
+        }
         replies = []
         for ready in wait(list(conns), timeout):
             assert isinstance(ready, Connection)

@@ -144,9 +144,19 @@ class _Tier:
         self.region = ShmRegion(spec.num_blocks, spec.block_len)
         settings = DataSettings(memoryview(self.region.map), spec.block_len)
         self.data = ShmDataTransport(settings, self.region.name)
-        self.control = default_registry().transport("control", "zmq").create(ControlSettings(
-            host, port, max_frame_bytes=config.limits.max_frame_bytes,
-            options=config.control_options, handshake_timeout=config.timeouts.handshake))
+        self.control = (
+            default_registry()
+            .transport("control", "zmq")
+            .create(
+                ControlSettings(
+                    host,
+                    port,
+                    max_frame_bytes=config.limits.max_frame_bytes,
+                    options=config.control_options,
+                    handshake_timeout=config.timeouts.handshake,
+                )
+            )
+        )
         self.block_len = spec.block_len
         self.tier: P2PTier | None = None
         self.loads: dict[int, tuple[list[bytes], list[int]]] = {}
@@ -154,14 +164,27 @@ class _Tier:
 
     def start(self, overrides: Mapping[str, Any]) -> None:
         config = TierConfig.from_dict({**self.base, **overrides})
-        self.tier = P2PTier(config, memoryview(self.region.map), self.block_len,
-                            control=self.control, data=self.data)
+        self.tier = P2PTier(
+            config,
+            memoryview(self.region.map),
+            self.block_len,
+            control=self.control,
+            data=self.data,
+        )
 
     def load(self, job: int, kv: str, peer: str, keys: list[bytes], slots: list[int]) -> None:
         assert self.tier is not None
         host, _, port = peer.rpartition(":")
-        ctx = RequestContext(f"c-{kv}", {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
+        ctx = RequestContext(
+            f"c-{kv}",
+            {
+                "remote_prefiller": {
+                    "kv_request_id": kv,
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            },
+        )
         self.loads[job] = (keys, slots)
         self.tier.on_new_request(ctx)
         self.tier.submit_load(Job(job, keys, slots, True, ctx))
@@ -182,8 +205,13 @@ class _Tier:
             params: dict[str, Any] = {"remote_decoder": {"kv_request_id": kv}}
         else:
             host, _, port = peer.rpartition(":")
-            params = {"remote_prefiller": {"kv_request_id": kv, "remote_host": host,
-                                           "remote_port": int(port)}}
+            params = {
+                "remote_prefiller": {
+                    "kv_request_id": kv,
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            }
         self.tier.on_request_finished(RequestContext(f"f-{kv}", params))
 
     def results(self) -> list[tuple[int, str, str, int]]:
@@ -196,8 +224,11 @@ class _Tier:
             if load is not None and r.success:
                 keys, slots = load
                 blocks = self.region.blocks
-                bad = sum(1 for k, s in zip(keys, slots, strict=True)
-                          if not np.array_equal(blocks[s], content(k, self.block_len)))
+                bad = sum(
+                    1
+                    for k, s in zip(keys, slots, strict=True)
+                    if not np.array_equal(blocks[s], content(k, self.block_len))
+                )
             out.append((r.job_id, r.outcome.value, r.detail, bad))
         return out
 
@@ -228,8 +259,16 @@ class _Flooding:
             self.sent += 1
             host = f"127.{1 + i // 62500}.{i // 250 % 250}.{2 + i % 250}"
             kv = f"bogus-{i}"
-            ctx = RequestContext(kv, {"remote_prefiller": {
-                "kv_request_id": kv, "remote_host": host, "remote_port": spec.port}})
+            ctx = RequestContext(
+                kv,
+                {
+                    "remote_prefiller": {
+                        "kv_request_id": kv,
+                        "remote_host": host,
+                        "remote_port": spec.port,
+                    }
+                },
+            )
             tier.on_new_request(ctx)
             tier.lookup(b"k", ctx)
             if i % spec.load_every == 0:
@@ -312,7 +351,12 @@ def _command(conn: Connection, tiers: list[_Tier], cmd: tuple[Any, ...]) -> None
     elif kind == "flood":
         tiers[cmd[1]].flood = _Flooding(cmd[2])
     elif kind == "stats":
-        conn.send(("stats", time.monotonic(),
-                   [t.tier.stats() if t.tier is not None else {} for t in tiers]))
+        conn.send(
+            (
+                "stats",
+                time.monotonic(),
+                [t.tier.stats() if t.tier is not None else {} for t in tiers],
+            )
+        )
     else:
         raise ValueError(f"unknown command {cmd!r}")

@@ -33,8 +33,19 @@ from p2pkv_tools.bench.netns import PREFIX, open_link, parse_rate
 
 RATE = "2gbit"
 ONE_CELL = ("--quick", "--block-sizes", "64K", "--batches", "4", "--concurrency", "1")
-ENDLESS = ("--block-sizes", "64K", "--batches", "4", "--concurrency", "1", "--reps", "200",
-           "--bytes-per-rep", "1G", "--no-memcpy")
+ENDLESS = (
+    "--block-sizes",
+    "64K",
+    "--batches",
+    "4",
+    "--concurrency",
+    "1",
+    "--reps",
+    "200",
+    "--bytes-per-rep",
+    "1G",
+    "--no-memcpy",
+)
 """A run that cannot end by itself before the signal: 200 repetitions of 1 GB per cell."""
 T = 60.0
 
@@ -53,10 +64,12 @@ def _needs_namespaces() -> None:
 
 
 def _namespaces(prefix: str) -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                            timeout=20, check=True).stdout
-    return [line.split()[0] for line in listed.splitlines()
-            if line.strip() and line.startswith(prefix)]
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=20, check=True
+    ).stdout
+    return [
+        line.split()[0] for line in listed.splitlines() if line.strip() and line.startswith(prefix)
+    ]
 
 
 def _cli(*args: str) -> list[str]:
@@ -70,8 +83,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     prefix = f"{PREFIX}{os.getpid()}-"
     assert _namespaces(prefix) == []
     out = tmp_path_factory.mktemp("netns") / "tier.json"
-    assert main(["bench", "--tier", "--netns", "--rate", RATE, *ONE_CELL,
-                 "--json", str(out)]) == 0
+    assert main(["bench", "--tier", "--netns", "--rate", RATE, *ONE_CELL, "--json", str(out)]) == 0
     doc: dict[str, Any] = json.loads(out.read_text())
     return doc
 
@@ -125,8 +137,12 @@ def test_the_link_is_built_as_described_and_removed_on_failure() -> None:
         names = {link.source.netns, link.reader.netns}
         assert names <= set(_namespaces(PREFIX))
         for end in (link.source, link.reader):
-            qdisc = subprocess.run(["tc", "-n", end.netns, "qdisc", "show", "dev", end.device],
-                                   capture_output=True, text=True, timeout=20).stdout
+            qdisc = subprocess.run(
+                ["tc", "-n", end.netns, "qdisc", "show", "dev", end.device],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout
             assert link.qdisc is not None and f"qdisc {link.qdisc}" in qdisc
         raise RuntimeError("failed inside")
     assert names.isdisjoint(_namespaces(PREFIX))
@@ -139,17 +155,22 @@ def test_an_interrupted_run_removes_its_namespaces(signum: int, tmp_path: Path) 
     with the status of that signal, its namespaces are gone, and none of the processes that
     were in them is left."""
     _needs_namespaces()
-    proc = subprocess.Popen(_cli("--tier", "--netns", *ENDLESS, "--json",
-                                 str(tmp_path / "x.json")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cli("--tier", "--netns", *ENDLESS, "--json", str(tmp_path / "x.json")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     prefix = f"{PREFIX}{proc.pid}-"
     inside: dict[int, psutil.Process] = {}  # taken while the pids are surely the run's
     populated_ends: set[str] = set()
     try:
+
         def populated() -> bool:
             for name in (f"{prefix}a", f"{prefix}b"):
-                pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
-                                      text=True, timeout=20).stdout.split()
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=20
+                ).stdout.split()
                 for pid in map(int, pids):
                     populated_ends.add(name)
                     if pid not in inside and (process := _process(pid)) is not None:

@@ -45,7 +45,9 @@ T = 60.0
 
 @pytest.mark.parametrize("lanes", ["default", "tcp"])
 def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
-    data: str, lanes: str, monkeypatch: pytest.MonkeyPatch,
+    data: str,
+    lanes: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if lanes == "tcp":
         monkeypatch.setenv("UCX_TLS", "tcp")  # before either side exists (the child inherits it)
@@ -78,8 +80,10 @@ def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
                 local.progress()  # the read is under way (never reported by progress)
             host.pause()
             try:
-                landed = sum(np.array_equal(blocks[s], source_bytes[r])
-                             for s, r in zip(READ, remote, strict=True))
+                landed = sum(
+                    np.array_equal(blocks[s], source_bytes[r])
+                    for s, r in zip(READ, remote, strict=True)
+                )
                 local.cancel([tid])
                 canary = pattern(SEED + 1, len(READ) * BLOCK).reshape(len(READ), BLOCK)
                 blocks[DEST] = canary  # the engine reuses the slots at once
@@ -94,7 +98,8 @@ def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
                 assert np.array_equal(blocks[DEST], canary), (
                     f"bytes landed in our blocks {time.monotonic() - resumed:.3f}s after the "
                     f"source resumed, from a read cancelled while it was stopped "
-                    f"({int((blocks[DEST] != canary).sum())} bytes changed)")
+                    f"({int((blocks[DEST] != canary).sum())} bytes changed)"
+                )
                 if time.monotonic() - resumed >= WINDOW:
                     break
             assert tid not in done and tid not in failed, "a cancelled read was reported"
@@ -113,15 +118,22 @@ def test_a_cancelled_read_never_lands_after_its_paused_source_resumes(
 
             wait_until(post_again, timeout=T, what="the fresh read posted", pumps=[poll])
             (again,) = posts
-            wait_until(lambda: again in done or again in failed, timeout=T,
-                       what="a fresh read of the same slots", pumps=[poll])
+            wait_until(
+                lambda: again in done or again in failed,
+                timeout=T,
+                what="a fresh read of the same slots",
+                pumps=[poll],
+            )
             assert again in done, "a fresh read of the cancelled read's slots failed"
             assert np.array_equal(blocks[DEST], source_bytes[remote]), (
-                "a fresh read into the cancelled read's slots did not bring the source's bytes")
-            measured(f"[{data}, {lanes} lanes] read of {len(READ)} x {BLOCK >> 20} MiB "
-                     f"cancelled with its source stopped ({landed} blocks had landed before "
-                     f"the cancel): canary intact over {checks} checks in {WINDOW}s after the "
-                     f"resume; a fresh read of the slots exact")
+                "a fresh read into the cancelled read's slots did not bring the source's bytes"
+            )
+            measured(
+                f"[{data}, {lanes} lanes] read of {len(READ)} x {BLOCK >> 20} MiB "
+                f"cancelled with its source stopped ({landed} blocks had landed before "
+                f"the cancel): canary intact over {checks} checks in {WINDOW}s after the "
+                f"resume; a fresh read of the slots exact"
+            )
     finally:
         undrained = local.close()
     assert undrained == [], f"close() left internal transfers undrained: {undrained}"

@@ -33,15 +33,22 @@ T = 60.0
 
 
 def spec(kind: str, data: str, env: dict[str, str]) -> NodeSpec:
-    config = tier_config(data_transport=data, timeouts={"load": 20.0, "handshake": 10.0},
-                         control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
-                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT})
+    config = tier_config(
+        data_transport=data,
+        timeouts={"load": 20.0, "handshake": 10.0},
+        control={"heartbeat_timeout": HEARTBEAT_TIMEOUT, "heartbeat_ttl": HEARTBEAT_TIMEOUT},
+    )
     return NodeSpec(kind, RoleSetup(config, BLOCK, 2000 * MAX_BLOCKS), env=env)
 
 
 def _loads(c: Cluster, p: Node, con: Node, run: str, first: int) -> list[Req]:
-    return c.flow.admit(requests(OPEN, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                                 run_id=run, first_index=first), p, con)
+    return c.flow.admit(
+        requests(
+            OPEN, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id=run, first_index=first
+        ),
+        p,
+        con,
+    )
 
 
 def _one_round(c: Cluster, nodes: tuple[Node, Node, Node], no: int) -> float:
@@ -50,8 +57,7 @@ def _one_round(c: Cluster, nodes: tuple[Node, Node, Node], no: int) -> float:
     p, q, con = nodes
     c.flow.hold_stores = True
     before = _loads(c, p, con, f"pre{no}", 10_000 * (no + 1))
-    c.wait(lambda: len(c.flow.held) == len(before), timeout=T, what="loads submitted",
-           recs=before)
+    c.wait(lambda: len(c.flow.held) == len(before), timeout=T, what="loads submitted", recs=before)
     c.flow.hold_stores = False
     con.child.pause()
     c.flow.release_stores()  # the producer answers while the consumer is stopped
@@ -60,16 +66,22 @@ def _one_round(c: Cluster, nodes: tuple[Node, Node, Node], no: int) -> float:
         c.pump(0.05)
     con.child.resume()
     resumed = time.monotonic()
-    c.wait(lambda: all(r.loaded for r in before), timeout=T, what="pre-pause loads ending",
-           recs=before)
+    c.wait(
+        lambda: all(r.loaded for r in before), timeout=T, what="pre-pause loads ending", recs=before
+    )
     ended = max(r.loaded[0].done_at for r in before) - resumed
-    stale = [r.describe() for r in before if r.load_outcome == "done" or
-             "paused" not in r.loaded[0].detail]
+    stale = [
+        r.describe()
+        for r in before
+        if r.load_outcome == "done" or "paused" not in r.loaded[0].detail
+    ]
     assert not stale, f"round {no}: loads not ended by the pause detection: {stale[:3]}"
-    after = (_loads(c, p, con, f"p{no}", 10_000 * (no + 1) + 1000)
-             + _loads(c, q, con, f"q{no}", 10_000 * (no + 1) + 2000))
-    c.wait(lambda: all(r.finished for r in after), timeout=T, what="loads after the resume",
-           recs=after)
+    after = _loads(c, p, con, f"p{no}", 10_000 * (no + 1) + 1000) + _loads(
+        c, q, con, f"q{no}", 10_000 * (no + 1) + 2000
+    )
+    c.wait(
+        lambda: all(r.finished for r in after), timeout=T, what="loads after the resume", recs=after
+    )
     assert not c.flow.problems(after), c.flow.problems(after)[:3]
     assert all_done(after), f"round {no}: {not_done(after)[:3]}"
     return ended
@@ -79,16 +91,21 @@ def test_a_resumed_consumer_ends_pre_pause_loads_at_once_and_serves_again(
     data: str, lane: dict[str, str]
 ) -> None:
     with Cluster() as c:
-        nodes = c.start(("P", spec("producer", data, lane)), ("Q", spec("producer", data, lane)),
-                        ("C", spec("consumer", data, lane)))
+        nodes = c.start(
+            ("P", spec("producer", data, lane)),
+            ("Q", spec("producer", data, lane)),
+            ("C", spec("consumer", data, lane)),
+        )
         p, q, con = nodes
         warm = _loads(c, p, con, "warm", 0) + _loads(c, q, con, "warmq", 1000)
         c.wait(lambda: all(r.finished for r in warm), timeout=T, what="warm-up", recs=warm)
         assert all_done(warm), not_done(warm)
         ends = [_one_round(c, (p, q, con), no) for no in range(ROUNDS)]
         stats = c.report(con)["stats"]
-        measured(f"consumer resumed {data}/{lane.get('UCX_TLS', 'default')}: pre-pause loads "
-                 f"ended {max(ends) * 1e3:.0f} ms after the resume at worst over {ROUNDS} "
-                 f"rounds (median {sorted(ends)[len(ends) // 2] * 1e3:.0f} ms)")
+        measured(
+            f"consumer resumed {data}/{lane.get('UCX_TLS', 'default')}: pre-pause loads "
+            f"ended {max(ends) * 1e3:.0f} ms after the resume at worst over {ROUNDS} "
+            f"rounds (median {sorted(ends)[len(ends) // 2] * 1e3:.0f} ms)"
+        )
         assert max(ends) <= END_BOUND, ends
         assert "jobs_submit_failed" not in stats, stats

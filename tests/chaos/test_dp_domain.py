@@ -36,9 +36,14 @@ DEATH_BOUND = 3 * HEARTBEAT_TIMEOUT
 HANDSHAKE = 10.0
 T = 120.0
 CONFIG = {
-    "control": "zmq", "data": "memory",
-    "control_options": {"heartbeat_interval": 0.4, "heartbeat_timeout": HEARTBEAT_TIMEOUT,
-                        "heartbeat_ttl": HEARTBEAT_TIMEOUT, "connect_timeout": HANDSHAKE},
+    "control": "zmq",
+    "data": "memory",
+    "control_options": {
+        "heartbeat_interval": 0.4,
+        "heartbeat_timeout": HEARTBEAT_TIMEOUT,
+        "heartbeat_ttl": HEARTBEAT_TIMEOUT,
+        "connect_timeout": HANDSHAKE,
+    },
     "timeouts": {"shutdown_drain": 2.0, "handshake": HANDSHAKE, "load": 60.0},
 }
 POD, BYSTANDER, CONSUMER = "127.0.2.1", "127.0.3.1", "127.0.4.1"
@@ -81,8 +86,11 @@ class Pod:
 
 
 def specs() -> list[HostSpec]:
-    return [*(HostSpec(1, CONFIG, host=POD) for _ in range(RANKS)),
-            HostSpec(1, CONFIG, host=BYSTANDER), HostSpec(1, CONFIG, host=CONSUMER)]
+    return [
+        *(HostSpec(1, CONFIG, host=POD) for _ in range(RANKS)),
+        HostSpec(1, CONFIG, host=BYSTANDER),
+        HostSpec(1, CONFIG, host=CONSUMER),
+    ]
 
 
 @pytest.mark.parametrize("how", ["killed", "paused"])
@@ -111,17 +119,23 @@ def test_an_8_rank_pod_going_as_a_unit_fails_loads_on_every_rank_fast(how: str) 
         assert served.outcome == "done" and not served.bad_blocks, served
         resumed = serve_again(pod, how)
         stats = fleet.stats()[pod.consumer]
-        measured(f"DP8 pod {how}: {len(open_loads)} open loads failed peer_dead within "
-                 f"{ended_in:.2f}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s); new loads to "
-                 f"each of its {RANKS} ranks failed peer_dead within {slowest:.2f}s "
-                 f"(handshake timeout {HANDSHAKE}s; {stats['peers_probed']} quiet ranks "
-                 f"probed){resumed}")
+        measured(
+            f"DP8 pod {how}: {len(open_loads)} open loads failed peer_dead within "
+            f"{ended_in:.2f}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s); new loads to "
+            f"each of its {RANKS} ranks failed peer_dead within {slowest:.2f}s "
+            f"(handshake timeout {HANDSHAKE}s; {stats['peers_probed']} quiet ranks "
+            f"probed){resumed}"
+        )
 
 
 def fast_failure(detail: str) -> bool:
     """A load that failed by what the dial learnt, not by waiting out the full handshake."""
-    return ("refused" in detail or "peers.dial_backoff" in detail
-            or f"within {HANDSHAKE * 0.2:g}s" in detail or "lost" in detail)
+    return (
+        "refused" in detail
+        or "peers.dial_backoff" in detail
+        or f"within {HANDSHAKE * 0.2:g}s" in detail
+        or "lost" in detail
+    )
 
 
 def serve_again(pod: Pod, how: str) -> str:

@@ -36,40 +36,64 @@ RSS_BOUND = 128 * 2**20
 HEARTBEAT_TIMEOUT = 10.0
 """The default: 65 processes start and serve on two cores."""
 T = 300.0
-pytestmark = [pytest.mark.timeout(3 * T),  # 65 processes start on two cores before the run
-              pytest.mark.chaos_slow]
+pytestmark = [
+    pytest.mark.timeout(3 * T),  # 65 processes start on two cores before the run
+    pytest.mark.chaos_slow,
+]
 
 
 def spec(kind: str, slots: int, data: str) -> NodeSpec:
-    config = tier_config(data_transport=data, timeouts={"load": 120.0, "handshake": 60.0},
-                         control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
-                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT, "connect_timeout": 60.0})
+    config = tier_config(
+        data_transport=data,
+        timeouts={"load": 120.0, "handshake": 60.0},
+        control={
+            "heartbeat_timeout": HEARTBEAT_TIMEOUT,
+            "heartbeat_ttl": HEARTBEAT_TIMEOUT,
+            "connect_timeout": 60.0,
+        },
+    )
     env = {"UCX_TLS": "tcp,self"}  # reads as across hosts (nixl: staged)
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=env)
 
 
 def test_many_producers_fan_in_to_one_consumer(data: str) -> None:
-    groups = [requests(PER_PRODUCER + WARM, max_blocks=4, orders={"consumer_first": 1},
-                       run_id=f"fan{i}", first_index=100 * i) for i in range(PRODUCERS)]
+    groups = [
+        requests(
+            PER_PRODUCER + WARM,
+            max_blocks=4,
+            orders={"consumer_first": 1},
+            run_id=f"fan{i}",
+            first_index=100 * i,
+        )
+        for i in range(PRODUCERS)
+    ]
     with Cluster() as c:
         *producers, con = c.start(
             *((f"P{i}", spec("producer", region_blocks(g), data)) for i, g in enumerate(groups)),
-            ("C", spec("consumer", sum(region_blocks(g) for g in groups), data)))
-        recs = admit_held(c, [(g, p, con) for g, p in zip(groups, producers, strict=True)],
-                          warm=WARM, timeout=T)
+            ("C", spec("consumer", sum(region_blocks(g) for g in groups), data)),
+        )
+        recs = admit_held(
+            c, [(g, p, con) for g, p in zip(groups, producers, strict=True)], warm=WARM, timeout=T
+        )
         before, rss = con.usage(), c.live_rss(con)
         burst = [r for group in recs for r in group[WARM:]]
         c.flow.release_stores()
-        c.wait(lambda: all(r.finished for r in burst), timeout=T,
-               what=f"{len(burst)} loads from {PRODUCERS} producers", recs=burst)
+        c.wait(
+            lambda: all(r.finished for r in burst),
+            timeout=T,
+            what=f"{len(burst)} loads from {PRODUCERS} producers",
+            recs=burst,
+        )
         assert not c.flow.problems(burst), c.flow.problems(burst)[:5]
         assert all_done(burst), not_done(burst)[:5]
         after, grew = con.usage(), c.live_rss(con) - rss
         stats = c.report(con)["stats"]
         assert stats["sessions"] == PRODUCERS and "jobs_peer_dead" not in stats, stats
-        measured(f"fan-in {data}: {len(burst)} loads from {PRODUCERS} producers all done; "
-                 f"consumer fds {before.fds}->{after.fds}, threads {before.threads}->"
-                 f"{after.threads}, live RSS +{grew / 2**20:.1f} MiB")
+        measured(
+            f"fan-in {data}: {len(burst)} loads from {PRODUCERS} producers all done; "
+            f"consumer fds {before.fds}->{after.fds}, threads {before.threads}->"
+            f"{after.threads}, live RSS +{grew / 2**20:.1f} MiB"
+        )
         assert after.fds - before.fds <= FD_BOUND, (before, after)
         assert after.threads - before.threads <= THREAD_BOUND, (before, after)
         assert grew < RSS_BOUND, grew

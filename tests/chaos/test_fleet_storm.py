@@ -41,13 +41,19 @@ def test_64_tiers_started_at_once_warm_up_and_fail_no_request() -> None:
             fleet.store(producer, 100_000 + n, kv, keys, [0, 1, 2, 3])
 
         def done() -> bool:
-            return all(n in fleet.results[c] and 100_000 + n in fleet.results[p]
-                       for n, (c, p) in enumerate(pairs))
+            return all(
+                n in fleet.results[c] and 100_000 + n in fleet.results[p]
+                for n, (c, p) in enumerate(pairs)
+            )
 
         fleet.wait(done, T, "every request of the storm")
         served = time.monotonic() - started
-        failed = [(ref, r) for ref, got in fleet.results.items() for r in got.values()
-                  if r.outcome != "done" or r.bad_blocks]
+        failed = [
+            (ref, r)
+            for ref, got in fleet.results.items()
+            for r in got.values()
+            if r.outcome != "done" or r.bad_blocks
+        ]
         assert not failed, failed[:5]
         for n, (c, p) in enumerate(pairs):
             fleet.finish(c, f"storm-{n}", fleet.addresses[p])
@@ -55,11 +61,13 @@ def test_64_tiers_started_at_once_warm_up_and_fail_no_request() -> None:
         warm_at = wait_warm(fleet, started)
         stats = fleet.stats()
         sessions = sum(s["sessions"] for s in stats.values())
-        measured(f"storm: {TIERS} tiers (in {HOSTS} processes) started at once with "
-                 f"peers.connect naming all {TIERS}: every request served in {served:.1f}s, "
-                 f"fully warm ({WARM} warm peers each) {warm_at:.1f}s after the start; "
-                 f"{sessions} session ends in the fleet (a full mesh: "
-                 f"{TIERS * (TIERS - 1)})")
+        measured(
+            f"storm: {TIERS} tiers (in {HOSTS} processes) started at once with "
+            f"peers.connect naming all {TIERS}: every request served in {served:.1f}s, "
+            f"fully warm ({WARM} warm peers each) {warm_at:.1f}s after the start; "
+            f"{sessions} session ends in the fleet (a full mesh: "
+            f"{TIERS * (TIERS - 1)})"
+        )
 
 
 def wait_warm(fleet: Fleet, started: float) -> float:
@@ -69,7 +77,8 @@ def wait_warm(fleet: Fleet, started: float) -> float:
         stats = fleet.stats()
         if all(s["peers_warm_ready"] >= WARM for s in stats.values()):
             return time.monotonic() - started
-        cold = {ref: s["peers_warm_ready"] for ref, s in stats.items()
-                if s["peers_warm_ready"] < WARM}
+        cold = {
+            ref: s["peers_warm_ready"] for ref, s in stats.items() if s["peers_warm_ready"] < WARM
+        }
         assert time.monotonic() < deadline, f"not warm after {T}s: {cold}"
         fleet.pump(0.5)

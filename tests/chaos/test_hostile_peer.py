@@ -47,19 +47,33 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path: P
     limits = Limits(max_frame_bytes=FRAME_CAP)
     pool = draw(p2st.hostile_frames(limits), 1500, seed=1)
     valid_early = draw(p2st.frames(limits), 300, seed=2)  # legal messages, illegal moment
-    reqs = requests(2000, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1,
-                    "producer_first": 1}, run_id="hostile")
+    reqs = requests(
+        2000,
+        max_blocks=MAX_BLOCKS,
+        orders={"consumer_first": 1, "producer_first": 1},
+        run_id="hostile",
+    )
     slots = WINDOW * MAX_BLOCKS * 2
-    producer = NodeSpec("producer", RoleSetup(
-        tier_config(limits={"max_frame_bytes": FRAME_CAP}, control=PATIENT), BLOCK, slots),
-        log_path=str(log))
-    consumer = NodeSpec("consumer", RoleSetup(tier_config(control=PATIENT), BLOCK, slots),
-                        log_path=str(tmp_path / "consumer.log"))
+    producer = NodeSpec(
+        "producer",
+        RoleSetup(
+            tier_config(limits={"max_frame_bytes": FRAME_CAP}, control=PATIENT), BLOCK, slots
+        ),
+        log_path=str(log),
+    )
+    consumer = NodeSpec(
+        "consumer",
+        RoleSetup(tier_config(control=PATIENT), BLOCK, slots),
+        log_path=str(tmp_path / "consumer.log"),
+    )
     with Cluster() as c:
         p, con = c.start(("P", producer), ("C", consumer))
         real = Stream(c, reqs, p, con, WINDOW)
-        c.wait(lambda: real.step() or real.finished >= 2 * WINDOW, timeout=T,
-               what="real traffic warmed up")
+        c.wait(
+            lambda: real.step() or real.finished >= 2 * WINDOW,
+            timeout=T,
+            what="real traffic warmed up",
+        )
         rss_before = c.live_rss(p)
         done_before = real.finished
 
@@ -92,13 +106,15 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path: P
         real.run(T, "the real requests")
         recs = real.admitted
         assert all(r.load_outcome == "done" and r.store_outcome == "done" for r in recs), [
-            r.describe() for r in recs if r.load_outcome != "done"][:5]
+            r.describe() for r in recs if r.load_outcome != "done"
+        ][:5]
         assert not c.flow.problems(), c.flow.problems()[:5]
         assert done_during > 0, "no real request completed during the flood"
 
         def hostile_gone() -> bool:
             rep = c.report(p)
             return bool(rep["stats"]["sessions"] == 1 and rep["control"]["connections"] <= 1)
+
         c.wait(hostile_gone, timeout=T, what="hostile sessions and connections closed")
         report = c.report(p)
         seen: list[int] = []
@@ -115,8 +131,7 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path: P
         stats, hub = report["stats"], report["control"]
         text = log.read_text()
         closed = re.findall(r"session with 127\.0\.0\.1:\d+ closed: (.+)", text)
-        held = re.findall(r"closed a held connection claiming address 127\.0\.0\.1:\d+: (.+)",
-                          text)
+        held = re.findall(r"closed a held connection claiming address 127\.0\.0\.1:\d+: (.+)", text)
         errors = re.findall(r"protocol error from 127\.0\.0\.1:\d+: .+; closing the session", text)
         # Every hostile connection the producer accepted became a session (or more: a second
         # hello with another epoch restarts it), or was held because it claimed the address of
@@ -124,14 +139,16 @@ def test_hostile_flood_never_crashes_the_tier_or_starves_a_real_peer(tmp_path: P
         # the real consumer's stays open.
         assert len(closed) + len(held) >= hub["accepted"] - 1, (len(closed), len(held), hub)
         assert len(errors) >= stats["protocol_errors"] > 0, (len(errors), stats)  # late frames
-        measured(f"hostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
-                 f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
-                 f"errors, {stats['handshake_rejections']} rejected handshakes, "
-                 f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "
-                 f"completed during the flood, {len(recs)} in all, all verified; producer live "
-                 f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB "
-                 f"(peak RSS {peak >> 20} MiB), "
-                 f"{hub['refused_accepts']} connections refused while out of sockets")
+        measured(
+            f"hostile flood: {hostile.frames_sent} frames in {flood_s:.1f}s, "
+            f"{hostile.sessions} hostile sessions: {stats['protocol_errors']} protocol "
+            f"errors, {stats['handshake_rejections']} rejected handshakes, "
+            f"{hub['dropped_messages']} link messages dropped; {done_during} real requests "
+            f"completed during the flood, {len(recs)} in all, all verified; producer live "
+            f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB "
+            f"(peak RSS {peak >> 20} MiB), "
+            f"{hub['refused_accepts']} connections refused while out of sockets"
+        )
 
 
 def test_reused_routing_id_flood_keeps_memory_bounded() -> None:
@@ -151,38 +168,60 @@ def test_reused_routing_id_flood_keeps_memory_bounded() -> None:
                 c.pump(0)
         finally:
             hostile.close()
-        c.wait(lambda: c.report(p)["control"]["connections"] == 0, timeout=T,
-               what="hostile connections gone")
+        c.wait(
+            lambda: c.report(p)["control"]["connections"] == 0,
+            timeout=T,
+            what="hostile connections gone",
+        )
         after = c.live_rss(p)
         assert p.alive and not p.fatal
         assert after - before < RSS_GROWTH, f"live RSS {before >> 20} -> {after >> 20} MiB"
         fds: list[int] = []
         with contextlib.suppress(Outstanding):  # libzmq closes sockets asynchronously
-            c.wait(lambda: fds.append(p.usage().fds) or fds[-1] <= fds_before + FD_SLACK,
-                   timeout=10.0, what="the producer's file descriptors back to their level")
+            c.wait(
+                lambda: fds.append(p.usage().fds) or fds[-1] <= fds_before + FD_SLACK,
+                timeout=10.0,
+                what="the producer's file descriptors back to their level",
+            )
         assert fds[-1] <= fds_before + FD_SLACK, f"open fds {fds_before} -> {fds[-1]}"
 
 
 def test_claiming_a_live_peers_address_does_not_disrupt_it() -> None:
     """A connection claiming the consumer's address is held, not obeyed (protocol §4.1 item 6):
     the real consumer's loads all complete."""
-    reqs = requests(400, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1,
-                    "producer_first": 1}, run_id="impostor")
+    reqs = requests(
+        400,
+        max_blocks=MAX_BLOCKS,
+        orders={"consumer_first": 1, "producer_first": 1},
+        run_id="impostor",
+    )
     slots = WINDOW * MAX_BLOCKS * 2
     with Cluster() as c:
-        p, con = c.start(("P", NodeSpec("producer", RoleSetup(tier_config(), BLOCK, slots))),
-                         ("C", NodeSpec("consumer", RoleSetup(tier_config(), BLOCK, slots))))
+        p, con = c.start(
+            ("P", NodeSpec("producer", RoleSetup(tier_config(), BLOCK, slots))),
+            ("C", NodeSpec("consumer", RoleSetup(tier_config(), BLOCK, slots))),
+        )
         real = Stream(c, reqs, p, con, WINDOW)
-        c.wait(lambda: real.step() or real.finished >= 2 * WINDOW, timeout=T,
-               what="real traffic warmed up")
+        c.wait(
+            lambda: real.step() or real.finished >= 2 * WINDOW,
+            timeout=T,
+            what="real traffic warmed up",
+        )
         impostor = HostileClient(p.address, seed=5)
         try:
             impostor.impersonate(con.address, [b"\x80"])
-            c.wait(lambda: real.step() or real.finished >= 4 * WINDOW, timeout=T,
-                   what="more real requests after the impostor's frame")
+            c.wait(
+                lambda: real.step() or real.finished >= 4 * WINDOW,
+                timeout=T,
+                what="more real requests after the impostor's frame",
+            )
             real.pending.clear()
-            c.wait(lambda: (real.step(), all(r.loaded for r in real.admitted))[1], timeout=T,
-                   what="every admitted real load ended", recs=real.active)
+            c.wait(
+                lambda: (real.step(), all(r.loaded for r in real.admitted))[1],
+                timeout=T,
+                what="every admitted real load ended",
+                recs=real.active,
+            )
         finally:
             impostor.close()
         failed = [r.describe() for r in real.admitted if r.load_outcome != "done"]

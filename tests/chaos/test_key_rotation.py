@@ -66,8 +66,14 @@ class SecretMount:
 
 
 def p2pkv_keys(*args: str, stdin: str = "") -> str:
-    done = subprocess.run([sys.executable, "-m", "p2pkv.cli", "keys", *args], input=stdin,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pkv.cli", "keys", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -75,10 +81,14 @@ def p2pkv_keys(*args: str, stdin: str = "") -> str:
 def fresh_secret() -> dict[str, object]:
     """``p2pkv keys --secret`` as ``kubectl get secret -o json`` would give it back."""
     manifest = p2pkv_keys("--secret", "p2pkv-curve", "--namespace", "llm-d").splitlines()
-    data = dict(line.strip().split(": ", 1) for line in manifest[manifest.index("data:") + 1:])
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": "p2pkv-curve", "namespace": "llm-d", "resourceVersion": "1"},
-            "data": data}
+    data = dict(line.strip().split(": ", 1) for line in manifest[manifest.index("data:") + 1 :])
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": "p2pkv-curve", "namespace": "llm-d", "resourceVersion": "1"},
+        "data": data,
+    }
 
 
 def files(secret: dict[str, object]) -> dict[str, str]:
@@ -102,8 +112,11 @@ def keys_dir(data: dict[str, str], into: Path) -> Path:
 
 
 def spec(kind: str, mount: Path) -> NodeSpec:
-    return NodeSpec(kind, RoleSetup(tier_config("127.0.0.1"), BLOCK, 40 * MAX_BLOCKS),
-                    env={"P2PKV_CURVE_DIR": str(mount)})
+    return NodeSpec(
+        kind,
+        RoleSetup(tier_config("127.0.0.1"), BLOCK, 40 * MAX_BLOCKS),
+        env={"P2PKV_CURVE_DIR": str(mount)},
+    )
 
 
 def probed(node: Node, directory: Path) -> str:
@@ -123,8 +136,9 @@ def until(streams: list[Stream], done: Callable[[], bool], what: str) -> None:
 
 def rotated(secret: dict[str, object], step: str, mount: SecretMount) -> dict[str, object]:
     """``kubectl get secret -o json | p2pkv keys --rotate STEP --from - | kubectl apply``."""
-    after: dict[str, object] = json.loads(p2pkv_keys("--rotate", step, "--from", "-",
-                                                     stdin=json.dumps(secret)))
+    after: dict[str, object] = json.loads(
+        p2pkv_keys("--rotate", step, "--from", "-", stdin=json.dumps(secret))
+    )
     mount.publish(after)
     return after
 
@@ -136,40 +150,97 @@ def test_a_client_key_rotation_fails_no_load(tmp_path: Path) -> None:
     before = keys_dir(files(original), tmp_path / "before")
     old_client = client_fingerprint(files(original))
     with Cluster() as c:
-        p0, c0 = c.start(("P0", spec("producer", mount.root)),
-                         ("C0", spec("consumer", mount.root)))
-        streams = [Stream(c, requests(10_000, max_blocks=MAX_BLOCKS, orders={
-            "consumer_first": 1, "producer_first": 1}, run_id="rot0"), p0, c0, window=4)]
+        p0, c0 = c.start(("P0", spec("producer", mount.root)), ("C0", spec("consumer", mount.root)))
+        streams = [
+            Stream(
+                c,
+                requests(
+                    10_000,
+                    max_blocks=MAX_BLOCKS,
+                    orders={"consumer_first": 1, "producer_first": 1},
+                    run_id="rot0",
+                ),
+                p0,
+                c0,
+                window=4,
+            )
+        ]
 
         begun = files(rotated(original, "begin", mount))
-        with_next = keys_dir({**begun, "client.key": begun["client-next.key"],
-                              "client.key_secret": begun["client-next.key_secret"],
-                              "client-previous.key": begun["client.key"]}, tmp_path / "next")
-        until(streams, lambda: probed(p0, with_next).startswith("p2pkv tier at"),
-              "P0 admits the new client key")
+        with_next = keys_dir(
+            {
+                **begun,
+                "client.key": begun["client-next.key"],
+                "client.key_secret": begun["client-next.key_secret"],
+                "client-previous.key": begun["client.key"],
+            },
+            tmp_path / "next",
+        )
+        until(
+            streams,
+            lambda: probed(p0, with_next).startswith("p2pkv tier at"),
+            "P0 admits the new client key",
+        )
 
         switched = rotated({**original, "data": begun}, "switch", mount)
         new_client = client_fingerprint(files(switched))
         current = keys_dir(files(switched), tmp_path / "switched")
-        until(streams, lambda: f"its client key {new_client})" in probed(c0, current),
-              "C0 presents the new client key")
+        until(
+            streams,
+            lambda: f"its client key {new_client})" in probed(c0, current),
+            "C0 presents the new client key",
+        )
         (p1,) = c.start(("P1", spec("producer", mount.root)))
-        streams.append(Stream(c, requests(40, max_blocks=MAX_BLOCKS, orders={
-            "consumer_first": 1}, run_id="rot1", first_index=100_000), p1, c0, window=4))
+        streams.append(
+            Stream(
+                c,
+                requests(
+                    40,
+                    max_blocks=MAX_BLOCKS,
+                    orders={"consumer_first": 1},
+                    run_id="rot1",
+                    first_index=100_000,
+                ),
+                p1,
+                c0,
+                window=4,
+            )
+        )
 
         rotated(switched, "finish", mount)
-        until(streams, lambda: "refused this fleet's client key" in probed(p0, before),
-              "P0 refuses the old client key")
+        until(
+            streams,
+            lambda: "refused this fleet's client key" in probed(p0, before),
+            "P0 refuses the old client key",
+        )
         (p2,) = c.start(("P2", spec("producer", mount.root)))
-        streams.append(Stream(c, requests(40, max_blocks=MAX_BLOCKS, orders={
-            "consumer_first": 1}, run_id="rot2", first_index=200_000), p2, c0, window=4))
-        until(streams, lambda: all(not s.pending and not s.active for s in streams[1:]),
-              "the loads from the producers started mid-rotation")
+        streams.append(
+            Stream(
+                c,
+                requests(
+                    40,
+                    max_blocks=MAX_BLOCKS,
+                    orders={"consumer_first": 1},
+                    run_id="rot2",
+                    first_index=200_000,
+                ),
+                p2,
+                c0,
+                window=4,
+            )
+        )
+        until(
+            streams,
+            lambda: all(not s.pending and not s.active for s in streams[1:]),
+            "the loads from the producers started mid-rotation",
+        )
         streams[0].pending.clear()
         streams[0].run(T, "the loads in flight from P0")
         recs = [r for s in streams for r in s.admitted]
         failed = [r.describe() for r in recs if r.load_outcome != "done"]
         assert not failed, failed[:10]
         assert not c.flow.problems(recs), c.flow.problems(recs)[:10]
-        measured(f"client key rotation {old_client} -> {new_client}: {len(recs)} loads, "
-                 f"0 failed (one consumer throughout; 2 of 3 producers started mid-rotation)")
+        measured(
+            f"client key rotation {old_client} -> {new_client}: {len(recs)} loads, "
+            f"0 failed (one consumer throughout; 2 of 3 producers started mid-rotation)"
+        )

@@ -47,21 +47,32 @@ T = 120.0
 
 
 def spec(kind: str, slots: int, data: str, *, record: bool = False) -> NodeSpec:
-    config = tier_config(data_transport=data,
-                         control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
-                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT})
+    config = tier_config(
+        data_transport=data,
+        control={"heartbeat_timeout": HEARTBEAT_TIMEOUT, "heartbeat_ttl": HEARTBEAT_TIMEOUT},
+    )
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), record=record)
 
 
 def test_two_of_six_producers_killed_with_300_requests_in_flight(data: str) -> None:
-    groups = [requests(PER_PRODUCER + WARM, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                       run_id=f"six{i}", first_index=1000 * i) for i in range(PRODUCERS)]
+    groups = [
+        requests(
+            PER_PRODUCER + WARM,
+            max_blocks=MAX_BLOCKS,
+            orders={"consumer_first": 1},
+            run_id=f"six{i}",
+            first_index=1000 * i,
+        )
+        for i in range(PRODUCERS)
+    ]
     with Cluster() as c:
         *producers, con = c.start(
             *((f"P{i}", spec("producer", region_blocks(g), data)) for i, g in enumerate(groups)),
-            ("C", spec("consumer", sum(region_blocks(g) for g in groups), data, record=True)))
-        recs = admit_held(c, [(g, p, con) for g, p in zip(groups, producers, strict=True)],
-                          warm=WARM, timeout=T)
+            ("C", spec("consumer", sum(region_blocks(g) for g in groups), data, record=True)),
+        )
+        recs = admit_held(
+            c, [(g, p, con) for g, p in zip(groups, producers, strict=True)], warm=WARM, timeout=T
+        )
         victims, live = producers[:KILLED], producers[KILLED:]
         open_ = [r for group in recs for r in group[WARM:]]
         assert len(open_) == PRODUCERS * PER_PRODUCER
@@ -73,9 +84,12 @@ def test_two_of_six_producers_killed_with_300_requests_in_flight(data: str) -> N
         released_at = time.monotonic()
         c.flow.release_stores()
         killed_at = min(v.kill() for v in victims)
-        c.wait(lambda: all(r.loaded for r in of_victims) and all(r.finished for r in of_live),
-               timeout=T, what="every load of the killed producers and every request of the "
-               "live ones ended", recs=open_)
+        c.wait(
+            lambda: all(r.loaded for r in of_victims) and all(r.finished for r in of_live),
+            timeout=T,
+            what="every load of the killed producers and every request of the live ones ended",
+            recs=open_,
+        )
 
         assert not c.flow.problems(), c.flow.problems()[:5]
         assert all_done(of_live), not_done(of_live)[:5]
@@ -87,7 +101,8 @@ def test_two_of_six_producers_killed_with_300_requests_in_flight(data: str) -> N
         failed_in = [r.loaded[0].done_at - killed_at for r in of_victims]
         assert max(failed_in) <= DEATH_BOUND, (
             f"loads of the killed producers failed up to {max(failed_in):.2f}s after the kill "
-            f"(bound {DEATH_BOUND}s)")
+            f"(bound {DEATH_BOUND}s)"
+        )
         rep = c.report(con)
         assert not rep["anomalies"], rep["anomalies"]
         for p in live:
@@ -96,10 +111,12 @@ def test_two_of_six_producers_killed_with_300_requests_in_flight(data: str) -> N
         assert not violations, violations[:5]
         latency = sorted(r.loaded[0].done_at - released_at for r in of_live)
         blocks = sum(r.req.num_blocks for r in of_live)
-        measured(f"[{data}] {PRODUCERS} producers, {len(open_)} requests in flight, {KILLED} "
-                 f"producers SIGKILLed: their {len(of_victims)} loads failed "
-                 f"{dict(Counter(r.load_outcome for r in of_victims))} "
-                 f"{min(failed_in):.2f}-{max(failed_in):.2f}s after the kill (bound "
-                 f"{DEATH_BOUND}s); the live producers' {len(of_live)} requests all done "
-                 f"({after_kill} of them ended after the kill; {blocks} blocks verified, the "
-                 f"last {latency[-1]:.2f}s after the stores were released; none timed out)")
+        measured(
+            f"[{data}] {PRODUCERS} producers, {len(open_)} requests in flight, {KILLED} "
+            f"producers SIGKILLed: their {len(of_victims)} loads failed "
+            f"{dict(Counter(r.load_outcome for r in of_victims))} "
+            f"{min(failed_in):.2f}-{max(failed_in):.2f}s after the kill (bound "
+            f"{DEATH_BOUND}s); the live producers' {len(of_live)} requests all done "
+            f"({after_kill} of them ended after the kill; {blocks} blocks verified, the "
+            f"last {latency[-1]:.2f}s after the stores were released; none timed out)"
+        )

@@ -99,7 +99,8 @@ class Traffic:
 
 
 def test_floods_of_refusing_and_black_holed_peers_reach_no_real_traffic(
-    refusing: int, black_hole: int,
+    refusing: int,
+    black_hole: int,
 ) -> None:
     specs = [HostSpec(1, CONFIG) for _ in range(2 + 2)]  # consumer, producer, two new ones
     with Fleet(specs, name="flood") as fleet:
@@ -107,16 +108,20 @@ def test_floods_of_refusing_and_black_holed_peers_reach_no_real_traffic(
         fleet.start()
         traffic = Traffic(fleet, consumer)
         unloaded = traffic.rate(producer, BASELINE)
-        lines = [f"floods of {FLOOD} client-named peers: real traffic {unloaded:.0f} req/s "
-                 f"unloaded"]
-        for kind, port, fresh in (("refusing", refusing, (2, 0)),
-                                  ("black-holed", black_hole, (3, 0))):
+        lines = [
+            f"floods of {FLOOD} client-named peers: real traffic {unloaded:.0f} req/s unloaded"
+        ]
+        for kind, port, fresh in (
+            ("refusing", refusing, (2, 0)),
+            ("black-holed", black_hole, (3, 0)),
+        ):
             lines.append(flood(fleet, traffic, kind, port, fresh, unloaded))
         measured("; ".join(lines))
 
 
-def flood(fleet: Fleet, traffic: Traffic, kind: str, port: int, fresh: TierRef,
-          unloaded: float) -> str:
+def flood(
+    fleet: Fleet, traffic: Traffic, kind: str, port: int, fresh: TierRef, unloaded: float
+) -> str:
     """One flood with traffic running and a new producer's first requests in its middle."""
     consumer, producer = traffic.consumer, (1, 0)
     fleet.flood(consumer, Flood(port, FLOOD))
@@ -129,12 +134,13 @@ def flood(fleet: Fleet, traffic: Traffic, kind: str, port: int, fresh: TierRef,
             first = [traffic.request(fresh) for _ in range(FIRST)]
     seconds = time.monotonic() - began
     rate = (traffic.done - before) / seconds
-    fleet.wait(lambda: not traffic.open or not traffic.step(producer), T,
-               "the requests in flight")
+    fleet.wait(lambda: not traffic.open or not traffic.step(producer), T, "the requests in flight")
     got = fleet.results[consumer]
     assert first and all(got[j].outcome == "done" for j in first), [got.get(j) for j in first]
     outcomes = fleet.floods.pop(consumer)
     assert not {"done", "load_timeout"} & set(outcomes), outcomes
-    return (f"{kind}: {FLOOD} names in {seconds:.1f}s, real traffic {rate:.0f} req/s "
-            f"({rate / unloaded:.2f}x), the new producer's first {FIRST} requests served, "
-            f"bogus loads {outcomes}")
+    return (
+        f"{kind}: {FLOOD} names in {seconds:.1f}s, real traffic {rate:.0f} req/s "
+        f"({rate / unloaded:.2f}x), the new producer's first {FIRST} requests served, "
+        f"bogus loads {outcomes}"
+    )

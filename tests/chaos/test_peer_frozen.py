@@ -42,8 +42,10 @@ BLOCK = 512 * 1024
 MAX_BLOCKS = 8
 WINDOW = 16
 """Loads in flight per stream: about 72 blocks (36 MiB), far more than the shared budgets."""
-BUDGETS = {"ucx": {"staging_bytes": 16 * BLOCK, "max_message_bytes": 4 * BLOCK},
-           "nixl": {"staging_blocks": 16}}
+BUDGETS = {
+    "ucx": {"staging_bytes": 16 * BLOCK, "max_message_bytes": 4 * BLOCK},
+    "nixl": {"staging_blocks": 16},
+}
 """Each node's staging (the budget a consumer's peers share), 16 blocks: a stopped producer's
 transfers in flight can fill it. Over tcp ucx takes it for every run whose header arrived,
 and those of a stopped producer never complete; nixl's staged lane holds it per read."""
@@ -77,31 +79,49 @@ def lane(request: pytest.FixtureRequest, data: str) -> dict[str, str]:
     return {"UCX_TLS": "tcp"} if request.param == "tcp" else {}
 
 
-@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.chaos_slow) if name == "default"
-                        else name for name in sorted(HEARTBEATS)])
+@pytest.fixture(
+    params=[
+        pytest.param(name, marks=pytest.mark.chaos_slow) if name == "default" else name
+        for name in sorted(HEARTBEATS)
+    ]
+)
 def heartbeat(request: pytest.FixtureRequest) -> tuple[float, float]:
     interval, timeout = HEARTBEATS[request.param]
     return interval, timeout
 
 
-def spec(kind: str, data: str, env: dict[str, str], heartbeat: tuple[float, float], *,
-         record: bool = False) -> NodeSpec:
+def spec(
+    kind: str,
+    data: str,
+    env: dict[str, str],
+    heartbeat: tuple[float, float],
+    *,
+    record: bool = False,
+) -> NodeSpec:
     interval, timeout = heartbeat
-    config = tier_config(data_transport=data, timeouts={"load": 60.0, "handshake": 10.0},
-                         data=BUDGETS[data],
-                         control={"heartbeat_interval": interval, "heartbeat_timeout": timeout,
-                                  "heartbeat_ttl": timeout})
+    config = tier_config(
+        data_transport=data,
+        timeouts={"load": 60.0, "handshake": 10.0},
+        data=BUDGETS[data],
+        control={
+            "heartbeat_interval": interval,
+            "heartbeat_timeout": timeout,
+            "heartbeat_ttl": timeout,
+        },
+    )
     logs = os.environ.get("P2PKV_CHAOS_LOGS")  # a directory: each node logs into a file there
     log_path = f"{logs}/{kind}-{time.monotonic_ns()}.log" if logs else None
-    return NodeSpec(kind, RoleSetup(config, BLOCK, SLOTS), env=env, record=record,
-                    log_path=log_path)
+    return NodeSpec(
+        kind, RoleSetup(config, BLOCK, SLOTS), env=env, record=record, log_path=log_path
+    )
 
 
 def stream(c: Cluster, producer: Node, consumer: Node, run: str, first: int) -> Stream:
     """Producer-first requests: the blocks are there when the load asks, so every load of the
     window has its reads in flight at once."""
-    reqs = requests(STREAM, max_blocks=MAX_BLOCKS, orders={"producer_first": 1}, run_id=run,
-                    first_index=first)
+    reqs = requests(
+        STREAM, max_blocks=MAX_BLOCKS, orders={"producer_first": 1}, run_id=run, first_index=first
+    )
     return Stream(c, reqs, producer, consumer, WINDOW)
 
 
@@ -110,19 +130,24 @@ def step_all(streams: Sequence[Stream]) -> None:
         s.step(0.005)
 
 
-def run_until(c: Cluster, streams: Sequence[Stream], done: Callable[[], bool],
-              what: str) -> None:
+def run_until(c: Cluster, streams: Sequence[Stream], done: Callable[[], bool], what: str) -> None:
     """Step every stream until ``done()`` holds (bounded by ``T``)."""
+
     def reached() -> bool:
         step_all(streams)
         return done()
+
     c.wait(reached, timeout=T, what=what)
 
 
 def warm(c: Cluster, streams: Sequence[Stream], count: int) -> None:
     """Step until every stream finished ``count`` requests (sessions up, endpoints wired)."""
-    run_until(c, streams, lambda: all(s.finished >= count for s in streams),
-              f"{count} requests done on every stream")
+    run_until(
+        c,
+        streams,
+        lambda: all(s.finished >= count for s in streams),
+        f"{count} requests done on every stream",
+    )
 
 
 def wind_down(c: Cluster, streams: Sequence[Stream]) -> None:
@@ -130,8 +155,12 @@ def wind_down(c: Cluster, streams: Sequence[Stream]) -> None:
     pinned may wait for its lease: not needed here)."""
     for s in streams:
         s.pending = []
-    run_until(c, streams, lambda: all(r.loaded for s in streams for r in s.admitted),
-              "the streams' loads ending")
+    run_until(
+        c,
+        streams,
+        lambda: all(r.loaded for s in streams for r in s.admitted),
+        "the streams' loads ending",
+    )
 
 
 def stopped(node: Node) -> bool:
@@ -175,22 +204,38 @@ def done_after(recs: Sequence[Req], t: float) -> int:
     return sum(1 for r in recs if r.loaded and r.loaded[0].done_at > t)
 
 
-def stay_stopped(c: Cluster, streams: Sequence[Stream], healthy: Stream, remover: Node,
-                 stopped_peer: Node, what: str) -> tuple[float, float]:
+def stay_stopped(
+    c: Cluster,
+    streams: Sequence[Stream],
+    healthy: Stream,
+    remover: Node,
+    stopped_peer: Node,
+    what: str,
+) -> tuple[float, float]:
     """Keep streaming, the peer stopped, until ``remover`` removed it (its session died) and
     the healthy stream completed ``AFTER_LOADS`` loads after that; returns the removal."""
+
     def enough() -> bool:
         removed = removal(remover, stopped_peer)
         return removed is not None and done_after(healthy.admitted, removed[1]) >= AFTER_LOADS
+
     run_until(c, streams, enough, what)
     removed = removal(remover, stopped_peer)
     assert removed is not None
     return removed
 
 
-def report(scenario: str, data: str, lane: dict[str, str], timeout: float,
-           healthy: Sequence[Req], frozen: Sequence[Req], window: tuple[float, float],
-           base_from: float, removed: tuple[float, float]) -> None:
+def report(
+    scenario: str,
+    data: str,
+    lane: dict[str, str],
+    timeout: float,
+    healthy: Sequence[Req],
+    frozen: Sequence[Req],
+    window: tuple[float, float],
+    base_from: float,
+    removed: tuple[float, float],
+) -> None:
     paused_at, resumed_at = window
     done_at = completions(healthy)
     failed = Counter(r.load_outcome for r in healthy if r.load_outcome != "done")
@@ -203,17 +248,28 @@ def report(scenario: str, data: str, lane: dict[str, str], timeout: float,
         f" healthy loads done before it {len([t for t in done_at if paused_at < t < removed[0]])}"
         f" ({fresh(healthy, paused_at, removed)} started after the stop),"
         f" after it {len([t for t in done_at if removed[1] < t < resumed_at])}; stopped "
-        f"peer's loads {dict(Counter(r.load_outcome for r in frozen))}")
+        f"peer's loads {dict(Counter(r.load_outcome for r in frozen))}"
+    )
 
 
 def fresh(recs: Sequence[Req], paused_at: float, removed: tuple[float, float]) -> int:
     """Loads the consumer started after the stop and completed before the removal began."""
-    return sum(1 for r in recs if r.loaded and r.loaded[0].done_at < removed[0]
-               and r.submitted.get(r.consumer.name, 0.0) > paused_at)
+    return sum(
+        1
+        for r in recs
+        if r.loaded
+        and r.loaded[0].done_at < removed[0]
+        and r.submitted.get(r.consumer.name, 0.0) > paused_at
+    )
 
 
-def healthy_kept_going(c: Cluster, healthy: Sequence[Req], paused_at: float,
-                       removed: tuple[float, float], timeout: float) -> None:
+def healthy_kept_going(
+    c: Cluster,
+    healthy: Sequence[Req],
+    paused_at: float,
+    removed: tuple[float, float],
+    timeout: float,
+) -> None:
     """0 failed, and ``FRESH`` loads started after the stop done before the stopped peer's
     removal (its session died of heartbeat loss): loads done while it was stopped."""
     healthy_verdict(c, healthy)
@@ -221,12 +277,20 @@ def healthy_kept_going(c: Cluster, healthy: Sequence[Req], paused_at: float,
     assert done >= FRESH[timeout], (
         f"the healthy peer started and completed {done} load(s) between the stop and the "
         f"stopped peer's removal, fewer than {FRESH[timeout]}: the stopped peer's transfers "
-        f"held what the healthy peer's loads needed")
+        f"held what the healthy peer's loads needed"
+    )
 
 
-def freeze_and_measure(c: Cluster, frozen: Stream, healthy: Stream, remover: Node,
-                       stopped_peer: Node, freeze: Callable[[], float], scenario: str,
-                       where: tuple[str, dict[str, str], float]) -> None:
+def freeze_and_measure(
+    c: Cluster,
+    frozen: Stream,
+    healthy: Stream,
+    remover: Node,
+    stopped_peer: Node,
+    freeze: Callable[[], float],
+    scenario: str,
+    where: tuple[str, dict[str, str], float],
+) -> None:
     """Both streams warm, a baseline, then ``freeze()`` (it stops ``stopped_peer`` and returns
     when): stay stopped until ``remover`` removed it and the healthy stream went on, resume,
     let every load end; report, then assert the healthy peer kept going."""
@@ -236,16 +300,31 @@ def freeze_and_measure(c: Cluster, frozen: Stream, healthy: Stream, remover: Nod
     run_until(c, streams, lambda: time.monotonic() - base_from >= BASELINE, "the baseline")
     paused_at = freeze()
     try:
-        removed = stay_stopped(c, streams, healthy, remover, stopped_peer,
-                               f"{remover.name} removing the stopped {stopped_peer.name} and "
-                               f"the healthy stream going on after that")
+        removed = stay_stopped(
+            c,
+            streams,
+            healthy,
+            remover,
+            stopped_peer,
+            f"{remover.name} removing the stopped {stopped_peer.name} and "
+            f"the healthy stream going on after that",
+        )
     finally:
         stopped_peer.child.resume()
     resumed_at = time.monotonic()
     wind_down(c, streams)
     data, lane, timeout = where
-    report(scenario, data, lane, timeout, healthy.admitted, frozen.admitted,
-           (paused_at, resumed_at), base_from, removed)
+    report(
+        scenario,
+        data,
+        lane,
+        timeout,
+        healthy.admitted,
+        frozen.admitted,
+        (paused_at, resumed_at),
+        base_from,
+        removed,
+    )
     healthy_kept_going(c, healthy.admitted, paused_at, removed, timeout)
 
 
@@ -253,9 +332,11 @@ def test_a_stopped_consumer_never_stalls_its_producer_serving_others(
     data: str, lane: dict[str, str], heartbeat: tuple[float, float]
 ) -> None:
     with Cluster() as c:
-        p, c1, c2 = c.start(("P", spec("producer", data, lane, heartbeat, record=True)),
-                            ("C1", spec("consumer", data, lane, heartbeat, record=True)),
-                            ("C2", spec("consumer", data, lane, heartbeat)))
+        p, c1, c2 = c.start(
+            ("P", spec("producer", data, lane, heartbeat, record=True)),
+            ("C1", spec("consumer", data, lane, heartbeat, record=True)),
+            ("C2", spec("consumer", data, lane, heartbeat)),
+        )
         frozen, healthy = stream(c, p, c1, "frozen", 0), stream(c, p, c2, "healthy", 100_000)
 
         def freeze() -> float:  # C1 stops itself right after posting a read from P
@@ -263,27 +344,37 @@ def test_a_stopped_consumer_never_stalls_its_producer_serving_others(
             run_until(c, [frozen, healthy], lambda: stopped(c1), "C1 stopping itself")
             return time.monotonic()
 
-        freeze_and_measure(c, frozen, healthy, p, c1, freeze, "frozen consumer",
-                           (data, lane, heartbeat[1]))
+        freeze_and_measure(
+            c, frozen, healthy, p, c1, freeze, "frozen consumer", (data, lane, heartbeat[1])
+        )
 
 
 def test_a_stopped_producer_never_stalls_its_consumer_loading_from_others(
     data: str, lane: dict[str, str], heartbeat: tuple[float, float]
 ) -> None:
     with Cluster() as c:
-        p1, p2, con = c.start(("P1", spec("producer", data, lane, heartbeat)),
-                              ("P2", spec("producer", data, lane, heartbeat)),
-                              ("C", spec("consumer", data, lane, heartbeat, record=True)))
-        frozen, healthy = stream(c, p1, con, "frozen", 0), stream(c, p2, con, "healthy",
-                                                                  100_000)
+        p1, p2, con = c.start(
+            ("P1", spec("producer", data, lane, heartbeat)),
+            ("P2", spec("producer", data, lane, heartbeat)),
+            ("C", spec("consumer", data, lane, heartbeat, record=True)),
+        )
+        frozen, healthy = stream(c, p1, con, "frozen", 0), stream(c, p2, con, "healthy", 100_000)
 
         def freeze() -> float:  # C stops P1 right after posting reads from it
-            c.reply(con, ("pause_on_read", p1.pid, p1.address, WINDOW * MAX_BLOCKS // 2),
-                    "pause_on_read", timeout=10.0)
-            run_until(c, [frozen, healthy],
-                      lambda: any(e[1] == "paused_source" for e in con.data_log),
-                      "C stopping P1 after posting reads from it")
+            c.reply(
+                con,
+                ("pause_on_read", p1.pid, p1.address, WINDOW * MAX_BLOCKS // 2),
+                "pause_on_read",
+                timeout=10.0,
+            )
+            run_until(
+                c,
+                [frozen, healthy],
+                lambda: any(e[1] == "paused_source" for e in con.data_log),
+                "C stopping P1 after posting reads from it",
+            )
             return float(next(e[0] for e in con.data_log if e[1] == "paused_source"))
 
-        freeze_and_measure(c, frozen, healthy, con, p1, freeze, "frozen producer",
-                           (data, lane, heartbeat[1]))
+        freeze_and_measure(
+            c, frozen, healthy, con, p1, freeze, "frozen producer", (data, lane, heartbeat[1])
+        )

@@ -69,11 +69,16 @@ T = 60.0
 
 
 def spec(kind: str, slots: int, data: str) -> NodeSpec:
-    config = tier_config(timeouts={"unbound_store": 2 * PAUSE, "handshake": 10.0, "load": LOAD,
-                                   "lease_margin": LEASE_MARGIN},
-                         control={"heartbeat_timeout": HEARTBEAT_TIMEOUT,
-                                  "heartbeat_ttl": HEARTBEAT_TIMEOUT},
-                         data_transport=data)
+    config = tier_config(
+        timeouts={
+            "unbound_store": 2 * PAUSE,
+            "handshake": 10.0,
+            "load": LOAD,
+            "lease_margin": LEASE_MARGIN,
+        },
+        control={"heartbeat_timeout": HEARTBEAT_TIMEOUT, "heartbeat_ttl": HEARTBEAT_TIMEOUT},
+        data_transport=data,
+    )
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), record=True)
 
 
@@ -81,8 +86,9 @@ def start(c: Cluster, data: str) -> tuple[Node, Node]:
     """A producer and a consumer with sessions up (10 requests done)."""
     slots = 200 * MAX_BLOCKS
     p, con = c.start(("P", spec("producer", slots, data)), ("C", spec("consumer", slots, data)))
-    warm = c.flow.admit(requests(10, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                                 run_id="warm"), p, con)
+    warm = c.flow.admit(
+        requests(10, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="warm"), p, con
+    )
     c.wait(lambda: all(r.finished for r in warm), timeout=T, what="warm-up requests", recs=warm)
     assert all_done(warm), not_done(warm)
     return p, con
@@ -92,8 +98,17 @@ def held_loads(c: Cluster, p: Node, con: Node) -> list[Req]:
     """``OPEN`` consumer-first requests whose loads are submitted (fetches sent) and whose
     stores are held by the router."""
     c.flow.hold_stores = True
-    recs = c.flow.admit(requests(OPEN, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                                 run_id="held", first_index=100), p, con)
+    recs = c.flow.admit(
+        requests(
+            OPEN,
+            max_blocks=MAX_BLOCKS,
+            orders={"consumer_first": 1},
+            run_id="held",
+            first_index=100,
+        ),
+        p,
+        con,
+    )
     c.wait(lambda: len(c.flow.held) == len(recs), timeout=T, what="loads submitted", recs=recs)
     c.flow.hold_stores = False
     return recs
@@ -103,26 +118,35 @@ def _loaded(rec: Req) -> bool:
     return bool(rec.loaded)
 
 
-def probe_until_served(c: Cluster, p: Node, con: Node, first_index: int,
-                       timeout: float) -> tuple[float, list[Req]]:
+def probe_until_served(
+    c: Cluster, p: Node, con: Node, first_index: int, timeout: float
+) -> tuple[float, list[Req]]:
     """Admit one consumer-first request at a time until one succeeds; returns when it did
     (monotonic) and every probe admitted."""
     probes: list[Req] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        (req,) = requests(1, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                          run_id=f"probe{len(probes)}", first_index=first_index + len(probes))
+        (req,) = requests(
+            1,
+            max_blocks=MAX_BLOCKS,
+            orders={"consumer_first": 1},
+            run_id=f"probe{len(probes)}",
+            first_index=first_index + len(probes),
+        )
         (rec,) = c.flow.admit([req], p, con)
         probes.append(rec)
         c.wait(partial(_loaded, rec), timeout=T, what="a probe's load", recs=[rec])
         if rec.load_outcome == "done":
             return rec.loaded[0].done_at, probes
-    raise AssertionError(f"no request succeeded within {timeout}s of the resume: "
-                         f"{[r.describe() for r in probes[-5:]]}")
+    raise AssertionError(
+        f"no request succeeded within {timeout}s of the resume: "
+        f"{[r.describe() for r in probes[-5:]]}"
+    )
 
 
-def recover(c: Cluster, p: Node, con: Node, resumed_at: float, before: list[Req],
-            watch: list[Node]) -> tuple[float, list[Req], list[float], int]:
+def recover(
+    c: Cluster, p: Node, con: Node, resumed_at: float, before: list[Req], watch: list[Node]
+) -> tuple[float, list[Req], list[float], int]:
     """After a resume: the first new request succeeds within ``RECOVERY_BOUND`` (earlier
     probes, on a stale session, failed fast); the canaries of ``watch`` are checked again and
     again until ``WATCH`` seconds after the resume; every job from before the pause and every
@@ -133,17 +157,34 @@ def recover(c: Cluster, p: Node, con: Node, resumed_at: float, before: list[Req]
     recovery = served_at - resumed_at
     assert recovery <= RECOVERY_BOUND, (
         f"first success {recovery:.2f}s after the resume (bound {RECOVERY_BOUND}s); "
-        f"probes: {[r.describe() for r in probes]}")
+        f"probes: {[r.describe() for r in probes]}"
+    )
     failed_in = [r.loaded[0].done_at - r.loaded[0].submitted_at for r in probes[:-1]]
     slow = [r.describe() for r, s in zip(probes, failed_in, strict=False) if s > FAST_FAILURE]
     assert not slow, f"probes on a stale session failed slowly: {slow}"
-    c.wait(lambda: all(r.finished for r in before + probes), timeout=T,
-           what="every job submitted before the pause, and every probe, ending",
-           recs=before + probes)
-    again = c.flow.admit(requests(20, max_blocks=MAX_BLOCKS, orders={
-        "consumer_first": 1, "producer_first": 1}, run_id="after", first_index=2000), p, con)
-    c.wait(lambda: all(r.finished for r in again), timeout=T,
-           what="requests after the recovery", recs=again)
+    c.wait(
+        lambda: all(r.finished for r in before + probes),
+        timeout=T,
+        what="every job submitted before the pause, and every probe, ending",
+        recs=before + probes,
+    )
+    again = c.flow.admit(
+        requests(
+            20,
+            max_blocks=MAX_BLOCKS,
+            orders={"consumer_first": 1, "producer_first": 1},
+            run_id="after",
+            first_index=2000,
+        ),
+        p,
+        con,
+    )
+    c.wait(
+        lambda: all(r.finished for r in again),
+        timeout=T,
+        what="requests after the recovery",
+        recs=again,
+    )
     assert all_done(again), not_done(again)
     checks += c.watch_canaries(watch, 0)  # and once more, with every job of the pause ended
     return recovery, probes, [round(s, 3) for s in failed_in], checks
@@ -163,7 +204,8 @@ def audit(c: Cluster, p: Node, con: Node) -> None:
 
 
 def test_producer_paused_past_the_heartbeat_timeout_fails_fast_and_lands_nothing_late(
-        data: str) -> None:
+    data: str,
+) -> None:
     with Cluster() as c:
         p, con = start(c, data)
         recs = held_loads(c, p, con)
@@ -172,11 +214,16 @@ def test_producer_paused_past_the_heartbeat_timeout_fails_fast_and_lands_nothing
         paused_at = time.monotonic()
         try:
             c.flow.release_stores()  # queued in the paused producer's pipe
-            c.wait(lambda: all(r.loaded for r in recs), timeout=PAUSE,
-                   what="loads failing while the producer is paused", recs=recs)
+            c.wait(
+                lambda: all(r.loaded for r in recs),
+                timeout=PAUSE,
+                what="loads failing while the producer is paused",
+                recs=recs,
+            )
             canaried = c.canary(con, "check")
-            c.wait(lambda: time.monotonic() - paused_at >= PAUSE, timeout=2 * PAUSE,
-                   what="the pause")
+            c.wait(
+                lambda: time.monotonic() - paused_at >= PAUSE, timeout=2 * PAUSE, what="the pause"
+            )
         finally:
             p.child.resume()
         resumed_at = time.monotonic()
@@ -184,22 +231,24 @@ def test_producer_paused_past_the_heartbeat_timeout_fails_fast_and_lands_nothing
         assert not [r.describe() for r in recs if r.load_outcome == "done"]
         failed_in = [r.loaded[0].done_at - paused_at for r in recs]
         assert max(failed_in) <= DEATH_BOUND, (
-            f"loads failed up to {max(failed_in):.2f}s after the pause (bound {DEATH_BOUND}s)")
+            f"loads failed up to {max(failed_in):.2f}s after the pause (bound {DEATH_BOUND}s)"
+        )
         assert canaried["slots"] == sum(r.req.num_blocks for r in recs), canaried
         recovery, probes, probe_s, checks = recover(c, p, con, resumed_at, recs, [con])
         audit(c, p, con)
-        measured(f"[{data}] producer paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s) "
-                 f"with {len(recs)} loads open: all failed "
-                 f"{dict(Counter(r.load_outcome for r in recs))} "
-                 f"{min(failed_in):.2f}-{max(failed_in):.2f}s after the pause; "
-                 f"{canaried['slots']} canaried slots intact over {checks} checks in the "
-                 f"{WATCH}s after the resume; first new request done {recovery:.2f}s after the "
-                 f"resume ({len(probes)} probe(s), earlier ones failed in {probe_s} s); "
-                 f"stores {dict(Counter(r.store_outcome for r in recs))}; 20 more all done")
+        measured(
+            f"[{data}] producer paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s) "
+            f"with {len(recs)} loads open: all failed "
+            f"{dict(Counter(r.load_outcome for r in recs))} "
+            f"{min(failed_in):.2f}-{max(failed_in):.2f}s after the pause; "
+            f"{canaried['slots']} canaried slots intact over {checks} checks in the "
+            f"{WATCH}s after the resume; first new request done {recovery:.2f}s after the "
+            f"resume ({len(probes)} probe(s), earlier ones failed in {probe_s} s); "
+            f"stores {dict(Counter(r.store_outcome for r in recs))}; 20 more all done"
+        )
 
 
-def test_consumer_paused_past_the_heartbeat_timeout_stores_resolve_by_the_lease(
-        data: str) -> None:
+def test_consumer_paused_past_the_heartbeat_timeout_stores_resolve_by_the_lease(data: str) -> None:
     with Cluster() as c:
         p, con = start(c, data)
         recs = held_loads(c, p, con)
@@ -209,8 +258,9 @@ def test_consumer_paused_past_the_heartbeat_timeout_stores_resolve_by_the_lease(
         paused_at = time.monotonic()
         try:
             c.flow.release_stores()  # the producer offers them to the paused consumer
-            c.wait(lambda: time.monotonic() - paused_at >= PAUSE, timeout=2 * PAUSE,
-                   what="the pause")
+            c.wait(
+                lambda: time.monotonic() - paused_at >= PAUSE, timeout=2 * PAUSE, what="the pause"
+            )
         finally:
             con.child.resume()
         resumed_at = time.monotonic()
@@ -219,40 +269,60 @@ def test_consumer_paused_past_the_heartbeat_timeout_stores_resolve_by_the_lease(
         stored_in = [r.stored[0][0] - paused_at for r in recs]
         assert max(stored_in) <= 3 * LEASE, (
             f"store jobs resolved up to {max(stored_in):.2f}s after the pause: later than the "
-            f"lease ({LEASE}s) after their offer")
+            f"lease ({LEASE}s) after their offer"
+        )
         canaried = c.canary(p, "check")
         assert canaried["slots"] >= sum(r.req.num_blocks for r in recs), canaried
         audit(c, p, con)
-        measured(f"[{data}] consumer paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s) "
-                 f"with {len(recs)} loads open: loads "
-                 f"{dict(Counter(r.load_outcome for r in recs))}, stores "
-                 f"{dict(Counter(r.store_outcome for r in recs))} resolved "
-                 f"{min(stored_in):.2f}-{max(stored_in):.2f}s after the pause (lease {LEASE}s); "
-                 f"producer's {canaried['slots']} canaried slots and the consumer's intact over "
-                 f"{checks} checks; first new request done {recovery:.2f}s after the resume "
-                 f"({len(probes)} probe(s), earlier ones failed in {probe_s} s); 20 more all "
-                 f"done")
+        measured(
+            f"[{data}] consumer paused {PAUSE}s (heartbeat timeout {HEARTBEAT_TIMEOUT}s) "
+            f"with {len(recs)} loads open: loads "
+            f"{dict(Counter(r.load_outcome for r in recs))}, stores "
+            f"{dict(Counter(r.store_outcome for r in recs))} resolved "
+            f"{min(stored_in):.2f}-{max(stored_in):.2f}s after the pause (lease {LEASE}s); "
+            f"producer's {canaried['slots']} canaried slots and the consumer's intact over "
+            f"{checks} checks; first new request done {recovery:.2f}s after the resume "
+            f"({len(probes)} probe(s), earlier ones failed in {probe_s} s); 20 more all "
+            f"done"
+        )
 
 
-def test_a_zombie_producer_moves_no_byte_into_a_session_the_consumer_gave_up(
-        data: str) -> None:
+def test_a_zombie_producer_moves_no_byte_into_a_session_the_consumer_gave_up(data: str) -> None:
     with Cluster() as c:
         p, con = start(c, data)
         c.flow.hold_loads = True
-        recs = c.flow.admit(requests(30, max_blocks=MAX_BLOCKS, orders={"producer_first": 1},
-                                     run_id="zombie", first_index=100), p, con)
-        c.wait(lambda: all("P" in r.submitted for r in recs), timeout=T,
-               what="the producer holding the blocks", recs=recs)
+        recs = c.flow.admit(
+            requests(
+                30,
+                max_blocks=MAX_BLOCKS,
+                orders={"producer_first": 1},
+                run_id="zombie",
+                first_index=100,
+            ),
+            p,
+            con,
+        )
+        c.wait(
+            lambda: all("P" in r.submitted for r in recs),
+            timeout=T,
+            what="the producer holding the blocks",
+            recs=recs,
+        )
         c.flow.hold_loads = False
         c.canary(con, "failed")
         p.child.pause()
         paused_at = time.monotonic()
         try:
             c.flow.send_loads(recs)  # their fetches queue up in the paused producer's socket
-            c.wait(lambda: all(r.loaded for r in recs), timeout=PAUSE,
-                   what="the consumer giving the paused producer's loads up", recs=recs)
-            c.wait(lambda: time.monotonic() - paused_at >= PAUSE, timeout=2 * PAUSE,
-                   what="the pause")
+            c.wait(
+                lambda: all(r.loaded for r in recs),
+                timeout=PAUSE,
+                what="the consumer giving the paused producer's loads up",
+                recs=recs,
+            )
+            c.wait(
+                lambda: time.monotonic() - paused_at >= PAUSE, timeout=2 * PAUSE, what="the pause"
+            )
         finally:
             p.child.resume()
         resumed_at = time.monotonic()
@@ -268,11 +338,13 @@ def test_a_zombie_producer_moves_no_byte_into_a_session_the_consumer_gave_up(
         assert not late, f"the consumer read from the zombie after giving its loads up: {late}"
         audit(c, p, con)
         stored_in = [round(r.stored[0][0] - resumed_at, 2) for r in recs]
-        measured(f"[{data}] zombie producer: paused {PAUSE}s with {len(recs)} fetches queued in "
-                 f"its socket; the consumer gave them up "
-                 f"{dict(Counter(r.load_outcome for r in recs))} within {max(failed_in):.2f}s; "
-                 f"after the resume its stores ended "
-                 f"{dict(Counter(r.store_outcome for r in recs))} {min(stored_in)}-"
-                 f"{max(stored_in)}s after it; {canaried['slots']} canaried slots intact over "
-                 f"{checks} checks in the {WATCH}s after the resume; first new request done "
-                 f"{recovery:.2f}s after the resume")
+        measured(
+            f"[{data}] zombie producer: paused {PAUSE}s with {len(recs)} fetches queued in "
+            f"its socket; the consumer gave them up "
+            f"{dict(Counter(r.load_outcome for r in recs))} within {max(failed_in):.2f}s; "
+            f"after the resume its stores ended "
+            f"{dict(Counter(r.store_outcome for r in recs))} {min(stored_in)}-"
+            f"{max(stored_in)}s after it; {canaried['slots']} canaried slots intact over "
+            f"{checks} checks in the {WATCH}s after the resume; first new request done "
+            f"{recovery:.2f}s after the resume"
+        )

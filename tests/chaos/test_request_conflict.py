@@ -32,29 +32,38 @@ T = 60.0
 def test_a_second_load_of_the_same_keys_fails_request_conflict_and_nothing_else(
     data: str,
 ) -> None:
-    reqs = requests(OTHERS + 1, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                    run_id="conflict")
+    reqs = requests(
+        OTHERS + 1, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1}, run_id="conflict"
+    )
     slots = 2 * region_blocks(reqs)
     config = tier_config(data_transport=data)
     with Cluster() as c:
-        p, con = c.start(("P", NodeSpec("producer", RoleSetup(config, BLOCK, slots))),
-                         ("C", NodeSpec("consumer", RoleSetup(config, BLOCK, slots),
-                                        record=True)))
-        warm = c.flow.admit(requests(5, max_blocks=MAX_BLOCKS, orders={"consumer_first": 1},
-                                     run_id="warm", first_index=500), p, con)
+        p, con = c.start(
+            ("P", NodeSpec("producer", RoleSetup(config, BLOCK, slots))),
+            ("C", NodeSpec("consumer", RoleSetup(config, BLOCK, slots), record=True)),
+        )
+        warm = c.flow.admit(
+            requests(
+                5,
+                max_blocks=MAX_BLOCKS,
+                orders={"consumer_first": 1},
+                run_id="warm",
+                first_index=500,
+            ),
+            p,
+            con,
+        )
         c.wait(lambda: all(r.finished for r in warm), timeout=T, what="warm-up", recs=warm)
         c.flow.hold_stores = True  # every load stays open until the second one was refused
         recs = c.flow.admit(reqs, p, con)
-        c.wait(lambda: len(c.flow.held) == len(recs), timeout=T, what="loads submitted",
-               recs=recs)
+        c.wait(lambda: len(c.flow.held) == len(recs), timeout=T, what="loads submitted", recs=recs)
         target, others = recs[0], recs[1:]
         assert con.send(("load_again", target.req, p.address))
         c.wait(lambda: bool(target.again), timeout=T, what="the second load's result")
         assert not any(r.loaded for r in recs), "a load ended before its blocks were stored"
         c.flow.hold_stores = False
         c.flow.release_stores()
-        c.wait(lambda: all(r.finished for r in recs), timeout=T, what="every request",
-               recs=recs)
+        c.wait(lambda: all(r.finished for r in recs), timeout=T, what="every request", recs=recs)
 
         (again,) = target.again
         assert again.outcome == "request_conflict", again
@@ -68,7 +77,9 @@ def test_a_second_load_of_the_same_keys_fails_request_conflict_and_nothing_else(
             assert not rep["stats"].get("jobs_peer_dead"), (node.name, rep["stats"])
         violations = read_violations(con.data_log)
         assert not violations, violations[:5]
-        measured(f"[{data}] second load of {target.req.num_blocks} keys under "
-                 f"{target.req.kv_request_id!r}: {again.outcome} in "
-                 f"{(again.done_at - again.submitted_at) * 1000:.1f} ms ({again.detail}); its "
-                 f"first load and the {len(others)} other requests on the session all done")
+        measured(
+            f"[{data}] second load of {target.req.num_blocks} keys under "
+            f"{target.req.kv_request_id!r}: {again.outcome} in "
+            f"{(again.done_at - again.submitted_at) * 1000:.1f} ms ({again.detail}); its "
+            f"first load and the {len(others)} other requests on the session all done"
+        )

@@ -70,9 +70,16 @@ DATA: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 
 def spec(kind: str, slots: int, data: str) -> NodeSpec:
     options, env = DATA[data]
-    config = tier_config(timeouts={"shutdown_drain": DRAIN, "load": LOAD,
-                                   "lease_margin": LEASE_MARGIN, "unbound_store": UNBOUND},
-                         data={"drain_timeout": NIXL_DRAIN, **options}, data_transport=data)
+    config = tier_config(
+        timeouts={
+            "shutdown_drain": DRAIN,
+            "load": LOAD,
+            "lease_margin": LEASE_MARGIN,
+            "unbound_store": UNBOUND,
+        },
+        data={"drain_timeout": NIXL_DRAIN, **options},
+        data_transport=data,
+    )
     return NodeSpec(kind, RoleSetup(config, BLOCK, slots), env=env, record=True)
 
 
@@ -86,12 +93,17 @@ def loaded_with_reads_in_flight(c: Cluster, p: Node, con: Node) -> tuple[list[Re
     return recs, len(stalled)
 
 
-def check_resolved(c: Cluster, p: Node, con: Node, recs: list[Req],
-                   report: dict[str, object], took: float) -> None:
+def check_resolved(
+    c: Cluster, p: Node, con: Node, recs: list[Req], report: dict[str, object], took: float
+) -> None:
     """Every job of both sides resolved exactly once, bytes verified, nothing unanswered, the
     recorded order of events on both sides."""
-    c.wait(lambda: all(r.loaded and r.stored for r in recs), timeout=T + LEASE,
-           what="every load and store resolved", recs=recs)
+    c.wait(
+        lambda: all(r.loaded and r.stored for r in recs),
+        timeout=T + LEASE,
+        what="every load and store resolved",
+        recs=recs,
+    )
     for r in recs:
         assert len(r.loaded) == 1 and len(r.stored) == 1, r.describe()
     assert not c.flow.problems(recs), c.flow.problems(recs)
@@ -106,8 +118,10 @@ def check_resolved(c: Cluster, p: Node, con: Node, recs: list[Req],
 
 def test_producer_shutdown_with_reads_in_flight(data: str) -> None:
     with Cluster() as c:
-        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS, data)),
-                         ("C", spec("consumer", 60 * MAX_BLOCKS, data)))
+        p, con = c.start(
+            ("P", spec("producer", 60 * MAX_BLOCKS, data)),
+            ("C", spec("consumer", 60 * MAX_BLOCKS, data)),
+        )
         try:
             recs, stalled = loaded_with_reads_in_flight(c, p, con)
             asked = time.monotonic()
@@ -121,17 +135,21 @@ def test_producer_shutdown_with_reads_in_flight(data: str) -> None:
         # registered under them, never freed. Reported; a close that never ran fails.
         undrained = close_problems(p.data_log)
         assert "the data transport was never closed" not in undrained, undrained
-        measured(f"[{data}] producer shut down with {stalled} read(s) from it in flight in "
-                 f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, "
-                 f"stores {dict(Counter(r.store_outcome for r in recs[10:]))}; no store "
-                 f"answered under a live read, the consumer's reads all ended before their "
-                 f"loads' results; close: {undrained or 'everything drained'}")
+        measured(
+            f"[{data}] producer shut down with {stalled} read(s) from it in flight in "
+            f"{took:.2f}s: loads {dict(Counter(r.load_outcome for r in recs[10:]))}, "
+            f"stores {dict(Counter(r.store_outcome for r in recs[10:]))}; no store "
+            f"answered under a live read, the consumer's reads all ended before their "
+            f"loads' results; close: {undrained or 'everything drained'}"
+        )
 
 
 def test_consumer_shutdown_with_reads_in_flight(data: str) -> None:
     with Cluster() as c:
-        p, con = c.start(("P", spec("producer", 60 * MAX_BLOCKS, data)),
-                         ("C", spec("consumer", 60 * MAX_BLOCKS, data)))
+        p, con = c.start(
+            ("P", spec("producer", 60 * MAX_BLOCKS, data)),
+            ("C", spec("consumer", 60 * MAX_BLOCKS, data)),
+        )
         try:
             recs, stalled = loaded_with_reads_in_flight(c, p, con)  # the producer is paused
             asked = time.monotonic()
@@ -142,8 +160,10 @@ def test_consumer_shutdown_with_reads_in_flight(data: str) -> None:
         check_resolved(c, p, con, recs, report, took)
         assert not close_problems(con.data_log), close_problems(con.data_log)
         assert not c.report(p)["anomalies"]
-        measured(f"[{data}] consumer shut down with {stalled} read(s) in flight in {took:.2f}s: "
-                 f"loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
-                 f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its reads ended "
-                 f"(cancelled) before their loads' results and its region was released with "
-                 f"nothing undrained; no store answered under a live read")
+        measured(
+            f"[{data}] consumer shut down with {stalled} read(s) in flight in {took:.2f}s: "
+            f"loads {dict(Counter(r.load_outcome for r in recs[10:]))}, stores "
+            f"{dict(Counter(r.store_outcome for r in recs[10:]))}; its reads ended "
+            f"(cancelled) before their loads' results and its region was released with "
+            f"nothing undrained; no store answered under a live read"
+        )

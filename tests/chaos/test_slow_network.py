@@ -40,16 +40,28 @@ T = 120.0
 
 def host_spec(lab: NetLab, kind: str, side: str, slots: int) -> NodeSpec:
     netns, dev, addr = lab.host(side)
-    config = tier_config(addr, control={"insecure": True}, timeouts={
-        "load": LOAD, "lease_margin": LEASE_MARGIN, "unbound_store": UNBOUND,
-        "store": 2 * LOAD})
-    return NodeSpec(kind, RoleSetup(config, BLOCK, slots), netns=netns,
-                    env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev})
+    config = tier_config(
+        addr,
+        control={"insecure": True},
+        timeouts={
+            "load": LOAD,
+            "lease_margin": LEASE_MARGIN,
+            "unbound_store": UNBOUND,
+            "store": 2 * LOAD,
+        },
+    )
+    return NodeSpec(
+        kind,
+        RoleSetup(config, BLOCK, slots),
+        netns=netns,
+        env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev},
+    )
 
 
 @pytest.mark.parametrize("link", ["netem", "tbf"])
 def test_requests_complete_and_timeouts_fire_as_configured_over_a_slow_link(
-    netlab: NetLab, link: str,
+    netlab: NetLab,
+    link: str,
 ) -> None:
     if shutil.which("tc") is None:
         pytest.skip("tc (iproute2) is not installed")
@@ -62,30 +74,49 @@ def test_requests_complete_and_timeouts_fire_as_configured_over_a_slow_link(
             shaping = f"tbf {RATE_MBIT} Mbit/s"
     except NetLabUnavailable as exc:
         pytest.skip(f"tc {link} unavailable in this kernel: {exc}")
-    reqs = requests(100, max_blocks=MAX_BLOCKS, orders={
-        "consumer_first": 2, "producer_first": 2, "symmetric": 1}, run_id="slow")
+    reqs = requests(
+        100,
+        max_blocks=MAX_BLOCKS,
+        orders={"consumer_first": 2, "producer_first": 2, "symmetric": 1},
+        run_id="slow",
+    )
     window = 24
     with Cluster() as c:
-        p, con = c.start(("P", host_spec(netlab, "producer", "a", 2 * window * MAX_BLOCKS)),
-                         ("C", host_spec(netlab, "consumer", "b", 2 * window * MAX_BLOCKS)))
+        p, con = c.start(
+            ("P", host_spec(netlab, "producer", "a", 2 * window * MAX_BLOCKS)),
+            ("C", host_spec(netlab, "consumer", "b", 2 * window * MAX_BLOCKS)),
+        )
         stream = Stream(c, reqs, p, con, window)
         stream.run(T, "requests over the slow link")
         assert all_done(stream.admitted), not_done(stream.admitted)
         assert not c.flow.problems(), c.flow.problems()
-        latency = sorted(r.loaded[0].done_at - r.loaded[0].submitted_at for r in stream.admitted
-                         if r.loaded[0].blocks)
+        latency = sorted(
+            r.loaded[0].done_at - r.loaded[0].submitted_at
+            for r in stream.admitted
+            if r.loaded[0].blocks
+        )
 
         c.flow.hold_stores = c.flow.hold_loads = True
-        orphans = requests(4, max_blocks=MAX_BLOCKS, orders={
-            "consumer_first": 1, "producer_first": 1}, run_id="orphan", first_index=1000)
+        orphans = requests(
+            4,
+            max_blocks=MAX_BLOCKS,
+            orders={"consumer_first": 1, "producer_first": 1},
+            run_id="orphan",
+            first_index=1000,
+        )
         recs = c.flow.admit(orphans, p, con)
         loads = [r for r in recs if r.req.order == "consumer_first"]
         stores = [r for r in recs if r.req.order == "producer_first"]
-        c.wait(lambda: all(r.loaded for r in loads) and all(r.stored for r in stores),
-               timeout=LOAD + UNBOUND + 4 * MARGIN, what="orphaned halves timing out", recs=recs)
+        c.wait(
+            lambda: all(r.loaded for r in loads) and all(r.stored for r in stores),
+            timeout=LOAD + UNBOUND + 4 * MARGIN,
+            what="orphaned halves timing out",
+            recs=recs,
+        )
         assert {r.load_outcome for r in loads} == {"load_timeout"}, [r.describe() for r in loads]
         assert {r.store_outcome for r in stores} == {"unbound_timeout"}, [
-            r.describe() for r in stores]
+            r.describe() for r in stores
+        ]
         load_s = [r.loaded[0].done_at - r.loaded[0].submitted_at for r in loads]
         store_s = [r.stored[0][0] - r.admitted for r in stores]
         assert all(LOAD <= s <= LOAD + MARGIN for s in load_s), load_s
@@ -94,9 +125,11 @@ def test_requests_complete_and_timeouts_fire_as_configured_over_a_slow_link(
             rep = c.report(node)
             assert not rep["anomalies"], (node.name, rep["anomalies"])
             assert rep["stats"]["sessions"] == 1 and not rep["stats"].get("jobs_peer_dead"), rep
-        measured(f"{shaping}: {len(reqs)} requests "
-                 f"{dict(Counter(r.req.order for r in stream.admitted))} done, load latency p50 "
-                 f"{latency[len(latency) // 2] * 1000:.0f} ms, max {latency[-1] * 1000:.0f} ms, no "
-                 f"session lost; load timeout {LOAD}s fired after "
-                 f"{[round(s, 2) for s in load_s]} s, unbound-store timeout {UNBOUND}s after "
-                 f"{[round(s, 2) for s in store_s]} s")
+        measured(
+            f"{shaping}: {len(reqs)} requests "
+            f"{dict(Counter(r.req.order for r in stream.admitted))} done, load latency p50 "
+            f"{latency[len(latency) // 2] * 1000:.0f} ms, max {latency[-1] * 1000:.0f} ms, no "
+            f"session lost; load timeout {LOAD}s fired after "
+            f"{[round(s, 2) for s in load_s]} s, unbound-store timeout {UNBOUND}s after "
+            f"{[round(s, 2) for s in store_s]} s"
+        )

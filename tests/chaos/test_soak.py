@@ -32,13 +32,20 @@ THREAD_GROWTH = 2
 
 @pytest.mark.timeout(400)
 def test_soak_20000_requests_exactly_once_verified_with_bounded_resources() -> None:
-    reqs = requests(COUNT, max_blocks=MAX_BLOCKS, orders={
-        "consumer_first": 2, "producer_first": 2, "symmetric": 1}, run_id="soak", seed=11)
+    reqs = requests(
+        COUNT,
+        max_blocks=MAX_BLOCKS,
+        orders={"consumer_first": 2, "producer_first": 2, "symmetric": 1},
+        run_id="soak",
+        seed=11,
+    )
     slots = WINDOW * MAX_BLOCKS * 2
     config = tier_config(timeouts={"unbound_store": UNBOUND})
     with Cluster() as c:
-        p, con = c.start(("P", NodeSpec("producer", RoleSetup(config, BLOCK, slots))),
-                         ("C", NodeSpec("consumer", RoleSetup(config, BLOCK, slots))))
+        p, con = c.start(
+            ("P", NodeSpec("producer", RoleSetup(config, BLOCK, slots))),
+            ("C", NodeSpec("consumer", RoleSetup(config, BLOCK, slots))),
+        )
         warm = Stream(c, reqs[:WARMUP], p, con, WINDOW)
         warm.run(120.0, "warm-up requests")
         base = {n.name: (c.live_rss(n), n.usage()) for n in (p, con)}
@@ -50,8 +57,12 @@ def test_soak_20000_requests_exactly_once_verified_with_bounded_resources() -> N
         recs = warm.admitted + soak.admitted
         assert len(recs) == COUNT
         assert not c.flow.problems(), c.flow.problems()[:10]
-        bad = [r.describe() for r in recs if r.load_outcome != "done"
-               or (r.req.order != "symmetric" and r.store_outcome != "done")]
+        bad = [
+            r.describe()
+            for r in recs
+            if r.load_outcome != "done"
+            or (r.req.order != "symmetric" and r.store_outcome != "done")
+        ]
         assert not bad, (len(bad), bad[:10])
         reports = c.settle([p, con], timeout=UNBOUND + 30.0, what="idle tiers")
         for node, rep in zip((p, con), reports, strict=True):
@@ -67,7 +78,9 @@ def test_soak_20000_requests_exactly_once_verified_with_bounded_resources() -> N
             assert use1.threads - use0.threads <= THREAD_GROWTH, (node.name, use0, use1)
         orders = Counter(r.req.order for r in recs)
         blocks = sum(r.loaded[0].blocks for r in recs)
-        measured(f"soak: {COUNT} requests {dict(orders)}, {blocks} blocks verified; "
-                 f"{COUNT - WARMUP} after warm-up in {elapsed:.1f}s "
-                 f"({(COUNT - WARMUP) / elapsed:.0f}/s); growth (live RSS bytes, fds, threads): "
-                 f"{growth}; no per-request state left")
+        measured(
+            f"soak: {COUNT} requests {dict(orders)}, {blocks} blocks verified; "
+            f"{COUNT - WARMUP} after warm-up in {elapsed:.1f}s "
+            f"({(COUNT - WARMUP) / elapsed:.0f}/s); growth (live RSS bytes, fds, threads): "
+            f"{growth}; no per-request state left"
+        )

@@ -58,7 +58,10 @@ class NoBoundsCheck(LoopbackDataTransport):
     """Posts reads without checking block indexes (numpy wraps negatives, fails late)."""
 
     def check_read(
-        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        self,
+        local_idxs: Sequence[int],
+        remote_idxs: Sequence[int],
+        peer_num_blocks: int,
         peer_id: str = "",
     ) -> tuple[Any, Any]:
         return np.asarray(local_idxs, np.int64), np.asarray(remote_idxs, np.int64)
@@ -74,12 +77,15 @@ class AcceptsDuplicateLocal(LoopbackDataTransport):
     """Accepts a read that names one of our blocks twice (two sources for one slot)."""
 
     def check_read(
-        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        self,
+        local_idxs: Sequence[int],
+        remote_idxs: Sequence[int],
+        peer_num_blocks: int,
         peer_id: str = "",
     ) -> tuple[Any, Any]:
         local, remote = list(local_idxs), list(remote_idxs)
         unique = list(dict.fromkeys(local))
-        super().check_read(unique, remote[:len(unique)], peer_num_blocks, peer_id)
+        super().check_read(unique, remote[: len(unique)], peer_num_blocks, peer_id)
         return np.asarray(local, np.int64), np.asarray(remote, np.int64)
 
 
@@ -236,7 +242,10 @@ class AcceptsEmptyRead(LoopbackDataTransport):
     """Posts a read of no blocks (and reports it done) instead of refusing it."""
 
     def check_read(
-        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        self,
+        local_idxs: Sequence[int],
+        remote_idxs: Sequence[int],
+        peer_num_blocks: int,
         peer_id: str = "",
     ) -> tuple[Any, Any]:
         if len(local_idxs) == 0 and len(remote_idxs) == 0:
@@ -330,37 +339,42 @@ DATA_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "IgnoresPeerInPoll": (IgnoresPeerInPoll, ("test_poll_is_scoped_by_peer",)),
     "NoBoundsCheck": (NoBoundsCheck, ("test_bad_indexes_are_refused_before_posting",)),
     "AcceptsDuplicateLocal": (
-        AcceptsDuplicateLocal, ("test_bad_indexes_are_refused_before_posting",)
+        AcceptsDuplicateLocal,
+        ("test_bad_indexes_are_refused_before_posting",),
     ),
     "SpillsIntoNextBlock": (
-        SpillsIntoNextBlock, ("test_reads_are_byte_exact_at_scattered_indexes",)
+        SpillsIntoNextBlock,
+        ("test_reads_are_byte_exact_at_scattered_indexes",),
     ),
     "StillWrites": (StillWrites, ("test_reads_are_byte_exact_at_scattered_indexes",)),
     "ReportsTwice": (ReportsTwice, ("test_each_read_reported_exactly_once",)),
     "ReportsCancelled": (
-        ReportsCancelled, ("test_cancelled_read_is_never_reported", "test_cancel_is_final")
+        ReportsCancelled,
+        ("test_cancelled_read_is_never_reported", "test_cancel_is_final"),
     ),
     "CancelLandsLate": (CancelLandsLate, ("test_cancel_is_final",)),
     "RemovePeerLandsLate": (RemovePeerLandsLate, ("test_remove_peer_is_final",)),
     "RemovePeerReturnsReads": (RemovePeerReturnsReads, ("test_remove_peer_is_final",)),
     "ForgetsOnProgress": (ForgetsOnProgress, ("test_progress_reports_and_forgets_nothing",)),
     "AcceptsMismatchedPeer": (AcceptsMismatchedPeer, ("test_mismatched_descriptor_is_refused",)),
-    "RaisesRawErrorsOnGarbage": (
-        RaisesRawErrorsOnGarbage, ("test_garbage_descriptor_is_refused",)
-    ),
+    "RaisesRawErrorsOnGarbage": (RaisesRawErrorsOnGarbage, ("test_garbage_descriptor_is_refused",)),
     "CloseNotIdempotent": (
-        CloseNotIdempotent, ("test_close_is_idempotent_and_releases_the_region",)
+        CloseNotIdempotent,
+        ("test_close_is_idempotent_and_releases_the_region",),
     ),
     "KeepsRegionAfterClose": (
-        KeepsRegionAfterClose, ("test_close_is_idempotent_and_releases_the_region",)
+        KeepsRegionAfterClose,
+        ("test_close_is_idempotent_and_releases_the_region",),
     ),
     "IgnoresUnknownDataOptions": (
-        IgnoresUnknownDataOptions, ("test_unknown_option_is_refused_naming_it",)
+        IgnoresUnknownDataOptions,
+        ("test_unknown_option_is_refused_naming_it",),
     ),
     "AcceptsEmptyRead": (AcceptsEmptyRead, ("test_bad_indexes_are_refused_before_posting",)),
     "ReusesIds": (ReusesIds, ("test_each_read_reported_exactly_once",)),
     "ReaddSameDescriptorDropsReads": (
-        ReaddSameDescriptorDropsReads, ("test_re_adding_the_same_descriptor_keeps_its_reads",)
+        ReaddSameDescriptorDropsReads,
+        ("test_re_adding_the_same_descriptor_keeps_its_reads",),
     ),
     "ReplaceLandsLate": (ReplaceLandsLate, ("test_replacing_a_peer_ends_its_reads",)),
     "NeverNoticesClosedPeer": (NeverNoticesClosedPeer, ("test_reads_of_a_closed_peer_fail",)),
@@ -595,7 +609,8 @@ CONTROL_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "DropsRareFrames": (DropsRareFrames, ("test_a_long_stream_loses_no_frame",)),
     "NotHostPort": (NotHostPort, ("test_local_address_is_host_port",)),
     "AcceptsTwice": (
-        AcceptsTwice, ("test_inbound_connection_is_returned_once_with_its_first_frames",)
+        AcceptsTwice,
+        ("test_inbound_connection_is_returned_once_with_its_first_frames",),
     ),
     "AcceptsBeforeFirstFrame": (
         AcceptsBeforeFirstFrame,
@@ -605,12 +620,12 @@ CONTROL_VARIANTS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "NoFrameCap": (NoFrameCap, ("test_frame_size_cap",)),
     "SendAfterCloseSilently": (SendAfterCloseSilently, ("test_close_is_idempotent",)),
     "NewConnectionEachConnect": (
-        NewConnectionEachConnect, ("test_connect_returns_the_live_connection",)
+        NewConnectionEachConnect,
+        ("test_connect_returns_the_live_connection",),
     ),
-    "IgnoresUnknownOptions": (
-        IgnoresUnknownOptions, ("test_unknown_option_is_refused_naming_it",)
-    ),
+    "IgnoresUnknownOptions": (IgnoresUnknownOptions, ("test_unknown_option_is_refused_naming_it",)),
     "ForgetsAnActiveConnection": (
-        ForgetsAnActiveConnection, ("test_take_active_never_misses_a_connection",)
+        ForgetsAnActiveConnection,
+        ("test_take_active_never_misses_a_connection",),
     ),
 }

@@ -20,7 +20,8 @@ from p2pkv.testing.suites import installed_transport
 
 NAMES = os.environ.get("P2PKV_REPEAT_TRANSPORTS", "memory,loopback").split(",")
 ATTRS: dict[str, dict[str, Any]] = {
-    "memory": {"timeout": 2.0}, "loopback": {"timeout": 2.0},
+    "memory": {"timeout": 2.0},
+    "loopback": {"timeout": 2.0},
     "nixl": {"options": {"drain_timeout": 1.0}},
     "ucx": {"options": {"drain_timeout": 1.0}},
 }
@@ -29,8 +30,11 @@ ATTRS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("run", range(20))
 @pytest.mark.parametrize("name", NAMES)
 def test_data_machine(name: str, run: int) -> None:
-    machine: Any = type(f"{name}DataMachine", (DataTransportMachine,),
-                        {"transport": installed_transport("data", name), **ATTRS.get(name, {})})
+    machine: Any = type(
+        f"{name}DataMachine",
+        (DataTransportMachine,),
+        {"transport": installed_transport("data", name), **ATTRS.get(name, {})},
+    )
     run_state_machine_as_test(
         machine, settings=settings(settings.get_profile("default"), deadline=None)
     )

@@ -228,14 +228,22 @@ SABOTAGE: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "ReportsAfterRemovePeer": (ReportsAfterRemovePeer, ("test_remove_peer_is_final",)),
     "RemovePeerKeepsReads": (RemovePeerKeepsReads, ("test_remove_peer_is_final",)),
     "SocketRemovePeerReturnsReads": (SocketRemovePeerReturnsReads, ("test_remove_peer_is_final",)),
-    "DoneBeforeLanding": (DoneBeforeLanding, ("test_each_read_reported_exactly_once",
-                                              "test_poll_none_drains_every_peer")),
-    "NeverNoticesDeadPeer": (NeverNoticesDeadPeer, ("test_reads_of_a_closed_peer_fail",
-                                                    "test_peer_killed_is_survivable")),
-    "StarvedIOThread": (StarvedIOThread,
-                        ("test_a_read_completes_within_a_bounded_number_of_polls",)),
+    "DoneBeforeLanding": (
+        DoneBeforeLanding,
+        ("test_each_read_reported_exactly_once", "test_poll_none_drains_every_peer"),
+    ),
+    "NeverNoticesDeadPeer": (
+        NeverNoticesDeadPeer,
+        ("test_reads_of_a_closed_peer_fail", "test_peer_killed_is_survivable"),
+    ),
+    "StarvedIOThread": (
+        StarvedIOThread,
+        ("test_a_read_completes_within_a_bounded_number_of_polls",),
+    ),
     "BlocksInRemovePeer": (BlocksInRemovePeer, ("test_removing_a_frozen_peer_is_bounded",)),
-    "SharesBudgetWithoutShares": (SharesBudgetWithoutShares,
-                                  ("test_a_frozen_source_stalls_no_other_source",)),
+    "SharesBudgetWithoutShares": (
+        SharesBudgetWithoutShares,
+        ("test_a_frozen_source_stalls_no_other_source",),
+    ),
 }
 """Variant -> (class, the suite tests that must catch it)."""

@@ -121,8 +121,11 @@ class SocketDataTransport(DataTransport):
         return self._block_len
 
     def descriptor(self) -> bytes:
-        desc = {"socket": self._address, "num_blocks": self._num_blocks,
-                "block_len": self._block_len}
+        desc = {
+            "socket": self._address,
+            "num_blocks": self._num_blocks,
+            "block_len": self._block_len,
+        }
         return json.dumps(desc).encode()
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
@@ -213,7 +216,7 @@ class SocketDataTransport(DataTransport):
             end = _REQUEST.size + count * _INDEX.size
             if len(link.rx) < end:
                 return
-            idxs = [i for (i,) in _INDEX.iter_unpack(bytes(link.rx[_REQUEST.size:end]))]
+            idxs = [i for (i,) in _INDEX.iter_unpack(bytes(link.rx[_REQUEST.size : end]))]
             del link.rx[:end]
             ok = all(i < self._num_blocks for i in idxs)
             payload = self._blocks[idxs].tobytes() if ok else b""
@@ -227,7 +230,7 @@ class SocketDataTransport(DataTransport):
             end = _ANSWER.size + count * self._block_len
             if len(link.rx) < end:
                 return
-            body = bytes(link.rx[_ANSWER.size:end])
+            body = bytes(link.rx[_ANSWER.size : end])
             del link.rx[:end]
             self._land(tid, bool(ok), body)
 

@@ -53,14 +53,16 @@ def add_suites(
     to ``namespace``, with ``attrs`` (timeouts), and ``Test<name>`` over ``correct``."""
     union = {t for _, tests in variants.values() for t in tests}
     classes: dict[str, tuple[type, Mapping[str, Any], set[str]]] = {
-        f"Test{name}": (correct, {}, union)}
+        f"Test{name}": (correct, {}, union)
+    }
     for variant, (cls, expected) in variants.items():
         for run in range(1, RUNS + 1):
             classes[f"Test{variant}Run{run}"] = (cls, attrs, set(expected))
     for test, (transport, knobs, tests) in classes.items():
         assert test not in namespace, f"two variants are named {test[4:]}: rename one"
-        namespace[test] = type(test, (suite,),
-                               {"transport": transport, **knobs, **_only(suite, tests)})
+        namespace[test] = type(
+            test, (suite,), {"transport": transport, **knobs, **_only(suite, tests)}
+        )
 
 
 def run_suites(tmp: Path, source: str, timeout: float) -> tuple[Outcomes, str]:
@@ -71,10 +73,28 @@ def run_suites(tmp: Path, source: str, timeout: float) -> tuple[Outcomes, str]:
     env = {k: v for k, v in os.environ.items() if k in _ENV_KEPT}
     env["PYTHONPATH"] = str(Path(__file__).parent)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "test_suite_run.py", "-q", "-p", "no:cacheprovider",
-         "-o", "addopts=", "--tb=no", "--timeout=60", f"--junitxml={report}",
-         "--rootdir", str(tmp)],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "test_suite_run.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "--tb=no",
+            "--timeout=60",
+            f"--junitxml={report}",
+            "--rootdir",
+            str(tmp),
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert report.exists(), f"the suite run produced no report:\n{tail}"
@@ -100,6 +120,8 @@ def run_suites(tmp: Path, source: str, timeout: float) -> tuple[Outcomes, str]:
 
 def caught_runs(outcomes: Outcomes, variant: str, expected: tuple[str, ...]) -> list[int]:
     """The runs of ``variant`` in which at least one of the ``expected`` tests failed."""
-    return [run for run in range(1, RUNS + 1)
-            if any(outcomes.get(f"Test{variant}Run{run}", {}).get(t) == "failed"
-                   for t in expected)]
+    return [
+        run
+        for run in range(1, RUNS + 1)
+        if any(outcomes.get(f"Test{variant}Run{run}", {}).get(t) == "failed" for t in expected)
+    ]

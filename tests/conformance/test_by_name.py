@@ -19,11 +19,29 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     tmp = tmp_path_factory.mktemp("by_name")
     report = tmp / "report.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-         "--p2pkv-transport", "loopback", "--p2pkv-transport", "lopback",
-         "-k", "loopback or (lopback and shape)",  # the misspelt name: one test is enough
-         f"--junitxml={report}", "--rootdir", str(tmp)],
-        cwd=tmp, capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--tb=short",
+            "--p2pkv-transport",
+            "loopback",
+            "--p2pkv-transport",
+            "lopback",
+            "-k",
+            "loopback or (lopback and shape)",  # the misspelt name: one test is enough
+            f"--junitxml={report}",
+            "--rootdir",
+            str(tmp),
+        ],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert report.exists(), f"no report:\n{proc.stdout}\n{proc.stderr}"
     return proc, report
@@ -47,8 +65,12 @@ def test_an_installed_transport_passes_by_name(
     _, report = run
     found = cases(report, "loopback")
     kinds = {key.split("::")[0] for key in found}
-    assert kinds == {"TestControlTransport", "TestDataTransport", "TestControlMachine",
-                     "TestDataMachine"}, "both kinds should run, suite and state machine"
+    assert kinds == {
+        "TestControlTransport",
+        "TestDataTransport",
+        "TestControlMachine",
+        "TestDataMachine",
+    }, "both kinds should run, suite and state machine"
     failed = [k for k, c in found.items() if failed_case(c)]
     assert not failed, failed
     passed = [k for k, c in found.items() if c.find("skipped") is None]
@@ -67,9 +89,26 @@ def test_an_unknown_name_fails_with_the_registry_hint(
 
 def test_a_kind_not_asked_for_is_deselected(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
-         "--p2pkv-transport", "loopback", "--p2pkv-kind", "data", "--rootdir", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--co",
+            "--p2pkv-transport",
+            "loopback",
+            "--p2pkv-kind",
+            "data",
+            "--rootdir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout
     assert "TestDataTransport" in proc.stdout and "TestDataMachine" in proc.stdout
@@ -79,9 +118,26 @@ def test_a_kind_not_asked_for_is_deselected(tmp_path: Path) -> None:
 
 def test_the_machines_run_in_a_child_on_request(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-         "--p2pkv-transport", "loopback", "--p2pkv-machine-child", "-k", "Machine",
-         "--rootdir", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--tb=short",
+            "--p2pkv-transport",
+            "loopback",
+            "--p2pkv-machine-child",
+            "-k",
+            "Machine",
+            "--rootdir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout + proc.stderr

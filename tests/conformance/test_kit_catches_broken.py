@@ -50,8 +50,12 @@ SUITE_RUN = textwrap.dedent(
     """
 )
 
-VARIANTS = {**broken.DATA_VARIANTS, **broken.SOCKET_VARIANTS, **sabotage.SABOTAGE,
-            **broken.CONTROL_VARIANTS}
+VARIANTS = {
+    **broken.DATA_VARIANTS,
+    **broken.SOCKET_VARIANTS,
+    **sabotage.SABOTAGE,
+    **broken.CONTROL_VARIANTS,
+}
 _tail: list[str] = []
 
 
@@ -73,8 +77,12 @@ def test_the_correct_transport_passes(outcomes: Outcomes, cls: str) -> None:
 def test_no_variant_crashes_in_its_own_code(outcomes: Outcomes) -> None:
     """A variant that raises ``AttributeError`` (written against an old transport) would
     fail its tests without showing its defect: such a failure is no catch."""
-    crashed = sorted(f"{cls}.{test}" for cls, tests in outcomes.items()
-                     for test, outcome in tests.items() if outcome == "crashed")
+    crashed = sorted(
+        f"{cls}.{test}"
+        for cls, tests in outcomes.items()
+        for test, outcome in tests.items()
+        if outcome == "crashed"
+    )
     assert not crashed, f"variants crashed in their own code ({', '.join(CRASHES)}): {crashed}"
 
 

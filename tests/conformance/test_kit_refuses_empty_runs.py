@@ -32,21 +32,29 @@ SUITE_RUN = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("cls", "says"), [
-    ("TestClaimsNoDram", "memory_kinds must include 'DRAM'"),
-    ("TestNoWayToBuildAPeer", "claim cross_process (peers then run in a child process) or "
-                              "allow same-process pairs"),
-    ("TestMisspeltName", "did you mean 'loopback'"),
-])
+@pytest.mark.parametrize(
+    ("cls", "says"),
+    [
+        ("TestClaimsNoDram", "memory_kinds must include 'DRAM'"),
+        (
+            "TestNoWayToBuildAPeer",
+            "claim cross_process (peers then run in a child process) or allow same-process pairs",
+        ),
+        ("TestMisspeltName", "did you mean 'loopback'"),
+    ],
+)
 def test_a_run_that_would_skip_the_pair_tests_fails_naming_the_fix(
     tmp_path: Path, cls: str, says: str
 ) -> None:
     outcomes, _ = run_suites(tmp_path, SUITE_RUN, timeout=300)
     results = list(outcomes[cls].values())
-    assert results.count("failed") > results.count("passed") + results.count("skipped"), (
-        outcomes[cls])
-    messages = {problem.get("message", "")
-                for case in ET.parse(tmp_path / "report.xml").iter("testcase")
-                if case.get("classname", "").endswith(cls)
-                for problem in [*case.iter("failure"), *case.iter("error")]}
+    assert results.count("failed") > results.count("passed") + results.count("skipped"), outcomes[
+        cls
+    ]
+    messages = {
+        problem.get("message", "")
+        for case in ET.parse(tmp_path / "report.xml").iter("testcase")
+        if case.get("classname", "").endswith(cls)
+        for problem in [*case.iter("failure"), *case.iter("error")]
+    }
     assert any(says in m for m in messages), messages

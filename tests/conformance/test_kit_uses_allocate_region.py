@@ -78,6 +78,7 @@ class TestShmOnlyTransport(DataTransportSuite):
 
 @pytest.mark.hypothesis
 def test_data_machine_on_shm_regions() -> None:
-    machine: Any = type("ShmMachine", (DataTransportMachine,),
-                        {"transport": ShmOnlyTransport, "timeout": 5.0})
+    machine: Any = type(
+        "ShmMachine", (DataTransportMachine,), {"transport": ShmOnlyTransport, "timeout": 5.0}
+    )
     run_state_machine_as_test(machine)

@@ -24,8 +24,11 @@ FEW = settings(max_examples=5, stateful_step_count=25, deadline=None, phases=[Ph
 
 
 def machine(transport: type) -> Any:
-    return type(f"{transport.__name__}Machine", (DataTransportMachine,),
-                {"transport": transport, "timeout": 2.0})
+    return type(
+        f"{transport.__name__}Machine",
+        (DataTransportMachine,),
+        {"transport": transport, "timeout": 2.0},
+    )
 
 
 def test_a_passing_machine_passes_in_its_child() -> None:
@@ -50,7 +53,7 @@ def test_a_crash_is_reported_with_its_steps_and_seed() -> None:
     assert re.fullmatch(r"example \d+: state = CrashesOnThirdReadMachine\(\)", shown[0]), report
     reads = [line for line in shown if re.search(r"step \d+: read\(", line)]
     assert len(reads) == 3, report  # the third read crashed: it is logged, nothing after it
-    assert "step" not in "".join(shown[shown.index(reads[-1]) + 1:]), report
+    assert "step" not in "".join(shown[shown.index(reads[-1]) + 1 :]), report
     assert "replay: run_machine_in_child(CrashesOnThirdReadMachine, seed=3)" in report
     assert crash_report() == report, "the same seed must replay the same steps"
 
@@ -60,8 +63,9 @@ def test_the_step_log_records_each_step_before_it_runs(
 ) -> None:
     log = tmp_path / "steps.log"
     monkeypatch.setenv(steps.ENV, str(log))
-    run_state_machine_as_test(machine(LoopbackDataTransport),
-                              settings=settings(FEW, max_examples=2))
+    run_state_machine_as_test(
+        machine(LoopbackDataTransport), settings=settings(FEW, max_examples=2)
+    )
     lines = log.read_text().splitlines()
     assert lines[0] == "example 1: state = LoopbackDataTransportMachine()"
     assert any(line.startswith("example 2: ") for line in lines)

@@ -29,27 +29,54 @@ from socket_transport import SocketDataTransport
 # ``SEEDS`` runs, a correct transport must pass all of them. The suites catch each variant
 # deterministically (test_kit_catches_broken.py).
 SEEDS = (3, 0, 1, 2, 4, 5)
-FIND = settings(max_examples=40, stateful_step_count=25, deadline=None, database=None,
-                phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow],
-                report_multiple_bugs=False)
+FIND = settings(
+    max_examples=40,
+    stateful_step_count=25,
+    deadline=None,
+    database=None,
+    phases=[Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+    report_multiple_bugs=False,
+)
 FAST = {"timeout": 0.2, "liveness_timeout": 0.2}  # loopback events are immediate
 
-DATA_CAUGHT = ["EarlyDone", "IgnoresPeerInPoll", "NoBoundsCheck", "AcceptsDuplicateLocal",
-               "SpillsIntoNextBlock", "StillWrites", "ReportsTwice", "ReportsCancelled",
-               "CancelLandsLate", "RemovePeerLandsLate", "RemovePeerReturnsReads",
-               "CloseNotIdempotent", "AcceptsEmptyRead", "ReusesIds", "NeverNoticesClosedPeer",
-               "ReadsAfterPeerClosed"]
-CONTROL_CAUGHT = ["Reorders", "DuplicatesFrames", "DropsSomeFrames", "DropsRareFrames",
-                  "AcceptsTwice", "AcceptsBeforeFirstFrame", "CloseInvisible",
-                  "SendAfterCloseSilently"]
+DATA_CAUGHT = [
+    "EarlyDone",
+    "IgnoresPeerInPoll",
+    "NoBoundsCheck",
+    "AcceptsDuplicateLocal",
+    "SpillsIntoNextBlock",
+    "StillWrites",
+    "ReportsTwice",
+    "ReportsCancelled",
+    "CancelLandsLate",
+    "RemovePeerLandsLate",
+    "RemovePeerReturnsReads",
+    "CloseNotIdempotent",
+    "AcceptsEmptyRead",
+    "ReusesIds",
+    "NeverNoticesClosedPeer",
+    "ReadsAfterPeerClosed",
+]
+CONTROL_CAUGHT = [
+    "Reorders",
+    "DuplicatesFrames",
+    "DropsSomeFrames",
+    "DropsRareFrames",
+    "AcceptsTwice",
+    "AcceptsBeforeFirstFrame",
+    "CloseInvisible",
+    "SendAfterCloseSilently",
+]
 # Not NewConnectionEachConnect: the acceptor's base replaces the older connection from the
 # same address, so the machine sees a connection die, which the contract allows. The suite's
 # test_connect_returns_the_live_connection catches it.
 
 
 def machine(base: type, transport: type, run_seed: int) -> Any:
-    return seed(run_seed)(type(f"{transport.__name__}Machine", (base,),
-                               {"transport": transport, **FAST}))
+    return seed(run_seed)(
+        type(f"{transport.__name__}Machine", (base,), {"transport": transport, **FAST})
+    )
 
 
 def caught(base: type, transport: type) -> int | None:
@@ -64,10 +91,14 @@ def caught(base: type, transport: type) -> int | None:
     return None
 
 
-@pytest.mark.parametrize(("base", "transport"), [
-    (DataTransportMachine, LoopbackDataTransport),
-    (ControlTransportMachine, LoopbackControlTransport),
-], ids=["data", "control"])
+@pytest.mark.parametrize(
+    ("base", "transport"),
+    [
+        (DataTransportMachine, LoopbackDataTransport),
+        (ControlTransportMachine, LoopbackControlTransport),
+    ],
+    ids=["data", "control"],
+)
 def test_the_correct_loopback_passes(base: type, transport: type) -> None:
     for run_seed in SEEDS:
         run_state_machine_as_test(machine(base, transport, run_seed), settings=FIND)
@@ -117,16 +148,20 @@ SOCKETS = {"timeout": 2.0}  # real sockets: the dead-peer wait is bounded by thi
 
 
 def test_the_data_machine_passes_the_socket_reference() -> None:
-    machine: Any = type("SocketMachine", (DataTransportMachine,),
-                        {"transport": SocketDataTransport, **SOCKETS})
+    machine: Any = type(
+        "SocketMachine", (DataTransportMachine,), {"transport": SocketDataTransport, **SOCKETS}
+    )
     run_state_machine_as_test(seed(SEEDS[0])(machine), settings=FIND)
 
 
 def test_the_data_machine_notices_a_dead_peer_never_reported() -> None:
     """The sabotaged socket transport never sees a peer's connection die: the machine's
     ``kill_peer`` waits (bounded by ``timeout``) for the closed peer's reads to end."""
-    machine: Any = type("DeafMachine", (DataTransportMachine,),
-                        {"transport": sabotage.NeverNoticesDeadPeer, **SOCKETS})
+    machine: Any = type(
+        "DeafMachine",
+        (DataTransportMachine,),
+        {"transport": sabotage.NeverNoticesDeadPeer, **SOCKETS},
+    )
     with pytest.raises(WaitTimeout, match="which closed, to end"):
         run_state_machine_as_test(seed(SEEDS[0])(machine), settings=FIND)
 

@@ -23,10 +23,19 @@ class TestSocketReference(DataTransportSuite):
 def test_data_machine_over_sockets() -> None:
     """Reads complete when the kernel delivers: the machine must not let that timing reach
     hypothesis (it would raise ``FlakyStrategyDefinition``)."""
-    machine: Any = type("SocketDataMachine", (DataTransportMachine,),
-                        {"transport": SocketDataTransport, "timeout": 5.0})
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=15, stateful_step_count=30, deadline=None, derandomize=True,
-        phases=[p for p in Phase if p is not Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow],
-    ))
+    machine: Any = type(
+        "SocketDataMachine",
+        (DataTransportMachine,),
+        {"transport": SocketDataTransport, "timeout": 5.0},
+    )
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=15,
+            stateful_step_count=30,
+            deadline=None,
+            derandomize=True,
+            phases=[p for p in Phase if p is not Phase.shrink],
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

@@ -21,9 +21,14 @@ def _settings(examples: int, steps: int = 25) -> settings:
     """ci: derandomized, no shrinking (a failing run stays short; its example is printed
     unshrunk). deep: 10x the examples, random, shrunk."""
     phases = list(Phase) if SCALE > 1 else [p for p in Phase if p is not Phase.shrink]
-    return settings(max_examples=examples * SCALE, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow], derandomize=SCALE == 1,
-                    phases=phases)
+    return settings(
+        max_examples=examples * SCALE,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        derandomize=SCALE == 1,
+        phases=phases,
+    )
 
 
 IN_PROCESS = {"timeout": 2.0, "liveness_timeout": 2.0}  # short: a failure shrinks quickly
@@ -39,8 +44,10 @@ DATA: dict[str, tuple[dict[str, Any], int]] = {
 CONTROL: dict[str, tuple[dict[str, Any], int]] = {
     "loopback": ({"options": {}, **IN_PROCESS}, 25),
     "memory": ({"options": {}, **IN_PROCESS}, 25),
-    "zmq": ({"options": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0,
-                         "heartbeat_ttl": 3.0}}, 6),
+    "zmq": (
+        {"options": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0, "heartbeat_ttl": 3.0}},
+        6,
+    ),
 }
 
 
@@ -48,8 +55,11 @@ CONTROL: dict[str, tuple[dict[str, Any], int]] = {
 @pytest.mark.parametrize("name", sorted(DATA))
 def test_data_machine(name: str) -> None:
     attrs, examples = DATA[name]
-    machine: Any = type(f"{name}DataMachine", (DataTransportMachine,),
-                        {"transport": installed_transport("data", name), **attrs})
+    machine: Any = type(
+        f"{name}DataMachine",
+        (DataTransportMachine,),
+        {"transport": installed_transport("data", name), **attrs},
+    )
     run_state_machine_as_test(machine, settings=_settings(examples))
 
 
@@ -57,6 +67,9 @@ def test_data_machine(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CONTROL))
 def test_control_machine(name: str) -> None:
     attrs, examples = CONTROL[name]
-    machine: Any = type(f"{name}ControlMachine", (ControlTransportMachine,),
-                        {"transport": installed_transport("control", name), **attrs})
+    machine: Any = type(
+        f"{name}ControlMachine",
+        (ControlTransportMachine,),
+        {"transport": installed_transport("control", name), **attrs},
+    )
     run_state_machine_as_test(machine, settings=_settings(examples))

@@ -41,8 +41,12 @@ class TestUcxTcpIsolation(DataIsolationSuite):
 
     transport_name = "ucx"
     missing_transport = "skip"
-    options = {"drain_timeout": 1.0, "staging_bytes": 512, "max_message_bytes": 256,
-               "ucx_config": {"TLS": "tcp", "RNDV_THRESH": "128"}}
+    options = {
+        "drain_timeout": 1.0,
+        "staging_bytes": 512,
+        "max_message_bytes": 256,
+        "ucx_config": {"TLS": "tcp", "RNDV_THRESH": "128"},
+    }
 
 
 class TestNixlStagedIsolation(DataIsolationSuite):

@@ -30,9 +30,28 @@ from p2pkv_tools.bench.runner import CellPlan, CellResult, CellTimeout, measure_
 from p2pkv_tools.bench.target import LocalTarget
 
 ROW_KEYS = {
-    "series", "impl", "transport", "block_size", "batch", "concurrency", "requests", "reps",
-    "gbps", "gbps_min", "gbps_max", "p50_us", "p99_us", "mean_us", "bytes_moved",
-    "bytes_verified", "verified", "ratio_raw", "ratio_memcpy", "error", "skipped", "rep_gbps",
+    "series",
+    "impl",
+    "transport",
+    "block_size",
+    "batch",
+    "concurrency",
+    "requests",
+    "reps",
+    "gbps",
+    "gbps_min",
+    "gbps_max",
+    "p50_us",
+    "p99_us",
+    "mean_us",
+    "bytes_moved",
+    "bytes_verified",
+    "verified",
+    "ratio_raw",
+    "ratio_memcpy",
+    "error",
+    "skipped",
+    "rep_gbps",
 }
 
 
@@ -79,8 +98,12 @@ def test_series_cover_baselines_and_installed_transports(quick_doc: dict[str, An
     by_cell = {(r["series"], r["block_size"], r["batch"], r["concurrency"]) for r in rows}
     for r in rows:
         if r["impl"] == "p2pkv" and f"raw {r['transport']}" in series:
-            assert (f"raw {r['transport']}", r["block_size"], r["batch"], r["concurrency"]) \
-                in by_cell
+            assert (
+                f"raw {r['transport']}",
+                r["block_size"],
+                r["batch"],
+                r["concurrency"],
+            ) in by_cell
             assert r["ratio_raw"] is not None
         if r["impl"] != "memcpy":
             assert r["ratio_memcpy"] is not None
@@ -177,8 +200,15 @@ def test_reads_of_a_two_sided_baseline_are_served_by_the_progressing_target() ->
     lane = EndpointLane(spec, registry, np.zeros(256 * 1024, np.uint8).data, target)
     lane.open(4096)
     try:
-        plan = CellPlan(block_size=4096, batch=4, concurrency=2, requests=12, reps=2,
-                        deadline=5.0, working_set=64 * 1024)
+        plan = CellPlan(
+            block_size=4096,
+            batch=4,
+            concurrency=2,
+            requests=12,
+            reps=2,
+            deadline=5.0,
+            working_set=64 * 1024,
+        )
         result = measure_cell(lane, plan, np.random.default_rng(0))
         assert result.error == "" and result.verified
         assert result.bytes_verified > 0
@@ -199,8 +229,7 @@ def test_reads_the_target_never_serves_time_out_and_are_cancelled(
     lane = EndpointLane(spec, registry, np.zeros(64 * 1024, np.uint8).data, target)
     lane.open(4096)
     try:
-        plan = CellPlan(block_size=4096, batch=2, concurrency=2, requests=4, reps=1,
-                        deadline=0.2)
+        plan = CellPlan(block_size=4096, batch=2, concurrency=2, requests=4, reps=1, deadline=0.2)
         with pytest.raises(CellTimeout):
             measure_cell(lane, plan, np.random.default_rng(0))
         assert target.state._sources[spec.label].endpoint.to_serve == []
@@ -240,10 +269,12 @@ def test_sizes_and_geomean() -> None:
     assert parse_size("4MiB") == 4 << 20
     assert parse_size("1g") == 1 << 30
     rows = [
-        CellResult("p2pkv nixl", "p2pkv", "nixl", 1, 1, 1, gbps=1.0, ratio_raw=0.5,
-                   ratio_memcpy=0.25),
-        CellResult("p2pkv nixl", "p2pkv", "nixl", 2, 1, 1, gbps=1.0, ratio_raw=2.0,
-                   ratio_memcpy=0.25),
+        CellResult(
+            "p2pkv nixl", "p2pkv", "nixl", 1, 1, 1, gbps=1.0, ratio_raw=0.5, ratio_memcpy=0.25
+        ),
+        CellResult(
+            "p2pkv nixl", "p2pkv", "nixl", 2, 1, 1, gbps=1.0, ratio_raw=2.0, ratio_memcpy=0.25
+        ),
     ]
     g = geomean_ratios(rows)["p2pkv nixl"]
     assert g["ratio_raw"] == pytest.approx(1.0)
@@ -270,14 +301,27 @@ def _synthetic_results() -> list[CellResult]:
     for block in (64 << 10, 1 << 20):
         for batch in (1, 16):
             for conc in (1, 4):
-                for series, impl, gbps in (("memcpy", "memcpy", 20.0),
-                                           ("raw ucx", "raw", 0.06), ("p2pkv ucx", "p2pkv", 0.04)):
+                for series, impl, gbps in (
+                    ("memcpy", "memcpy", 20.0),
+                    ("raw ucx", "raw", 0.06),
+                    ("p2pkv ucx", "p2pkv", 0.04),
+                ):
                     if impl == "memcpy" and conc != 1:
                         continue  # as the matrix runs it
                     rate = gbps * conc * (1 + block / (1 << 20))
-                    rows.append(CellResult(series, impl, "ucx" if impl != "memcpy" else "memcpy",
-                                           block, batch, conc, gbps=rate, gbps_min=rate * 0.9,
-                                           gbps_max=rate * 1.1))
+                    rows.append(
+                        CellResult(
+                            series,
+                            impl,
+                            "ucx" if impl != "memcpy" else "memcpy",
+                            block,
+                            batch,
+                            conc,
+                            gbps=rate,
+                            gbps_min=rate * 0.9,
+                            gbps_max=rate * 1.1,
+                        )
+                    )
     return rows
 
 
@@ -288,7 +332,8 @@ def test_plot_shows_every_concurrency_on_log_axes_with_the_legend_outside(
     fig = figure(_synthetic_results(), "synthetic")
     axes = fig.axes
     assert sorted(ax.get_title() for ax in axes) == sorted(
-        f"batch {b}, concurrency {c}" for b in (1, 16) for c in (1, 4))
+        f"batch {b}, concurrency {c}" for b in (1, 16) for c in (1, 4)
+    )
     assert {ax.get_yscale() for ax in axes} == {"log"}
     for ax in axes:  # memcpy (run at concurrency 1) is the reference in every panel
         assert ax.get_legend_handles_labels()[1] == ["memcpy", "raw ucx", "p2pkv ucx"]

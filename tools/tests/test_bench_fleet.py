@@ -19,11 +19,25 @@ from p2pkv_tools.bench.fleet import QUICK
 from p2pkv_tools.bench.fleet_report import FLOOD_COLUMNS, SIZE_COLUMNS, markdown
 
 SIZE_FIELDS = {key for key, _ in SIZE_COLUMNS} | {
-    "processes", "rate_rps", "rate_requests", "rate_p50_ms", "rate_outcomes", "cold_outcomes",
-    "cold_details", "heartbeat_segments_per_s_per_session", "mismatched"}
+    "processes",
+    "rate_rps",
+    "rate_requests",
+    "rate_p50_ms",
+    "rate_outcomes",
+    "cold_outcomes",
+    "cold_details",
+    "heartbeat_segments_per_s_per_session",
+    "mismatched",
+}
 FLOOD_FIELDS = {key for key, _ in FLOOD_COLUMNS} | {
-    "flood_rate", "window_s", "cpu_pct_alone", "flood_outcomes", "newcomer_p50_ms",
-    "newcomer_details", "mismatched"}
+    "flood_rate",
+    "window_s",
+    "cpu_pct_alone",
+    "flood_outcomes",
+    "newcomer_p50_ms",
+    "newcomer_details",
+    "mismatched",
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +46,7 @@ def fleet_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if entry is None or entry.cls.availability() is not None:
         pytest.skip("needs the zmq control transport")
     out = tmp_path_factory.mktemp("fleet") / "fleet.json"
-    assert main(["bench", "--fleet", "--quick", "--fleet-label", "test",
-                 "--json", str(out)]) == 0
+    assert main(["bench", "--fleet", "--quick", "--fleet-label", "test", "--json", str(out)]) == 0
     doc: dict[str, Any] = json.loads(out.read_text())
     return doc
 
@@ -58,8 +71,13 @@ def test_quick_json_has_both_floods_with_the_newcomer(fleet_doc: dict[str, Any])
 def test_the_doc_tables_come_from_the_json(fleet_doc: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / "run.json"
     path.write_text(json.dumps(fleet_doc))
-    proc = subprocess.run([sys.executable, "-m", "p2pkv_tools.bench.fleet_report", str(path)],
-                          capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2pkv_tools.bench.fleet_report", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert proc.stdout == markdown(fleet_doc) + "\n"
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 + len(fleet_doc["sizes"]) + len(fleet_doc["floods"])

@@ -43,8 +43,14 @@ def test_a_6_gib_region_in_slices_reads_byte_exact_at_every_offset(
     if not _usable("ucx" if lane == "ucx" else "nixl"):
         pytest.skip(f"{lane}: transport not installed here")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    config = LargeRegionConfig(region_bytes=6 * GiB, block_len=MiB, run_blocks=8, reps=1,
-                               slice_bytes=(DEFAULT, ODD_SLICE), lanes=(lane,))
+    config = LargeRegionConfig(
+        region_bytes=6 * GiB,
+        block_len=MiB,
+        run_blocks=8,
+        reps=1,
+        slice_bytes=(DEFAULT, ODD_SLICE),
+        lanes=(lane,),
+    )
     doc = run_large_region(config, print)
     print(f"\n{render(doc)}")
     assert [row["slice_bytes"] for row in doc["rows"]] == [SLICE_BYTES, ODD_SLICE]
@@ -71,16 +77,22 @@ def test_the_offset_classes_cover_the_region_ends_4_gib_and_slice_boundaries() -
     assert small == {"start", "mid-region", "end", "scattered"}  # one slice, below 4 GiB
 
 
-@pytest.mark.parametrize(("argv", "says"), [
-    (["--lanes", "nixl"], "--lanes apply to --large-region only: add it"),
-    (["--large-region", "--tier"], "--large-region is a mode of its own: drop --tier"),
-    (["--large-region", "--lanes", "rdma"], "unknown lane(s) ['rdma']"),
-    (["--large-region", "--region", "64M", "--run-blocks", "16", "--block-sizes", "2M"],
-     "holds fewer than 4 runs"),
-    (["--large-region", "--slice-bytes", "0"], "a slice size must be positive"),
-])
-def test_misuse_is_one_line_and_exit_2(argv: list[str], says: str,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--lanes", "nixl"], "--lanes apply to --large-region only: add it"),
+        (["--large-region", "--tier"], "--large-region is a mode of its own: drop --tier"),
+        (["--large-region", "--lanes", "rdma"], "unknown lane(s) ['rdma']"),
+        (
+            ["--large-region", "--region", "64M", "--run-blocks", "16", "--block-sizes", "2M"],
+            "holds fewer than 4 runs",
+        ),
+        (["--large-region", "--slice-bytes", "0"], "a slice size must be positive"),
+    ],
+)
+def test_misuse_is_one_line_and_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     try:
         status = main(["bench", *argv])
     except SystemExit as exited:  # argparse refuses a flag's value itself

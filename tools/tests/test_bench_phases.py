@@ -15,13 +15,16 @@ from p2pkv_tools.bench.tier_phases import PHASES, split
 from p2pkv_tools.bench.tier_phases_side import component
 
 pytestmark = pytest.mark.skipif(
-    default_registry().transport("data", "nixl").availability() is not None,
-    reason="needs NIXL")
+    default_registry().transport("data", "nixl").availability() is not None, reason="needs NIXL"
+)
 
 
 def test_a_record_splits_into_phases_that_add_up() -> None:
-    record = {"submitted": 10.0, "result": 10.9,
-              "events": [("call", 10.2), ("posted", 10.5), ("ended", 10.6)]}
+    record = {
+        "submitted": 10.0,
+        "result": 10.9,
+        "events": [("call", 10.2), ("posted", 10.5), ("ended", 10.6)],
+    }
     phases = split(record)
     assert phases is not None
     assert phases["control"] == pytest.approx(0.2) and phases["post"] == pytest.approx(0.3)
@@ -29,9 +32,20 @@ def test_a_record_splits_into_phases_that_add_up() -> None:
     parts = sum(phases[p] for p in PHASES if p != "total")
     assert parts == pytest.approx(phases["total"])
     assert split({"submitted": 1.0, "result": 2.0, "events": []}) is None
-    pieces = split({"submitted": 0.0, "result": 1.0, "events": [
-        ("call", 0.1), ("posted", 0.2), ("ended", 0.4), ("call", 0.5), ("posted", 0.55),
-        ("ended", 0.8)]})
+    pieces = split(
+        {
+            "submitted": 0.0,
+            "result": 1.0,
+            "events": [
+                ("call", 0.1),
+                ("posted", 0.2),
+                ("ended", 0.4),
+                ("call", 0.5),
+                ("posted", 0.55),
+                ("ended", 0.8),
+            ],
+        }
+    )
     assert pieces is not None and pieces["post"] == pytest.approx(0.15)
     assert pieces["read"] == pytest.approx(0.55) and pieces["report"] == pytest.approx(0.2)
 
@@ -47,12 +61,26 @@ def test_components_are_named_by_path_and_the_staged_copies_apart() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_quick_form_splits_every_pull_and_checks_its_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     out = tmp_path / "phases.json"
-    status = main(["bench", "--tier", "--phases", "--quick", "--block-sizes", "64K",
-                   "--batches", "1,8", "--json", str(out)])
+    status = main(
+        [
+            "bench",
+            "--tier",
+            "--phases",
+            "--quick",
+            "--block-sizes",
+            "64K",
+            "--batches",
+            "1,8",
+            "--json",
+            str(out),
+        ]
+    )
     print(capsys.readouterr().out)
     assert status == 0
     doc = json.loads(out.read_text())
@@ -69,12 +97,16 @@ def test_the_quick_form_splits_every_pull_and_checks_its_bytes(
             assert "session protocol" in row["components_us"][side]
 
 
-@pytest.mark.parametrize(("argv", "says"), [
-    (["--phases"], "--phases is an option of the tier bench: add --tier"),
-    (["--tier", "--phases", "--transports", "nixl,ucx"], "--phases profiles one data"),
-])
-def test_misuse_is_one_line_and_exit_2(argv: list[str], says: str,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--phases"], "--phases is an option of the tier bench: add --tier"),
+        (["--tier", "--phases", "--transports", "nixl,ucx"], "--phases profiles one data"),
+    ],
+)
+def test_misuse_is_one_line_and_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["bench", *argv]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and says in err[0], err

@@ -29,8 +29,14 @@ from p2pkv_tools.bench.tier_lane import ORDERS, TierLane
 Doc = tuple[dict[str, Any], Path]
 """The quick run's JSON document and where its plot went."""
 
-TIER_KEYS = {"order", "producer_cpu_us", "consumer_cpu_us", "descriptors_per_request",
-             "raw_series", "ratios_raw"}
+TIER_KEYS = {
+    "order",
+    "producer_cpu_us",
+    "consumer_cpu_us",
+    "descriptors_per_request",
+    "raw_series",
+    "ratios_raw",
+}
 
 
 def _needs_nixl_and_zmq() -> None:
@@ -46,8 +52,17 @@ def tier_doc(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
     _needs_nixl_and_zmq()
     out = tmp_path_factory.mktemp("tier") / "tier.json"
     png = out.with_suffix(".png")
-    args = ["bench", "--tier", "--quick", "--json", str(out), "--recompute-rate", "20000",
-            "--preset", "qwen2.5-7b"]
+    args = [
+        "bench",
+        "--tier",
+        "--quick",
+        "--json",
+        str(out),
+        "--recompute-rate",
+        "20000",
+        "--preset",
+        "qwen2.5-7b",
+    ]
     try:
         import matplotlib  # noqa: F401
 
@@ -64,8 +79,11 @@ def test_quick_json_has_every_cell_in_both_orders(tier_doc: Doc) -> None:
     cells = {(r["block_size"], r["batch"], r["concurrency"]) for r in doc["rows"]}
     assert len(cells) == 8  # 2 block sizes x 2 batches x 2 concurrencies
     for cell in cells:
-        orders = sorted(r["order"] for r in doc["rows"]
-                        if (r["block_size"], r["batch"], r["concurrency"]) == cell)
+        orders = sorted(
+            r["order"]
+            for r in doc["rows"]
+            if (r["block_size"], r["batch"], r["concurrency"]) == cell
+        )
         assert orders == sorted(ORDERS)
     for row in doc["rows"]:
         assert set(row) >= TIER_KEYS
@@ -98,8 +116,13 @@ def test_first_pulls_are_reported_cold_after_connect_and_after_discovery(tier_do
     assert first["transport"] == "nixl" and first["errors"] == []
     samples = first["samples"]
     assert {k: len(v) for k, v in samples.items()} == {
-        "cold_ms": 1, "handshake_ms": 1, "after_connect_ms": 1, "connect_ms": 1,
-        "after_discovery_ms": 1, "discovery_ms": 1}
+        "cold_ms": 1,
+        "handshake_ms": 1,
+        "after_connect_ms": 1,
+        "connect_ms": 1,
+        "after_discovery_ms": 1,
+        "discovery_ms": 1,
+    }
     assert first["first_pull_ms"] == samples["cold_ms"][0] > 0
     assert 0 < first["first_pull_handshake_ms"] <= first["first_pull_ms"]
     assert first["first_pull_after_connect_ms"] > 0 and first["connect_ms"] > 0
@@ -124,8 +147,11 @@ def test_ratios_are_against_the_faster_raw_baseline_of_the_same_cell(tier_doc: D
     """``ratio_raw`` is to the faster of raw READ and raw WRITE in the cell, named in
     ``raw_series``; ``ratios_raw`` keeps the ratio to each."""
     doc, _ = tier_doc
-    gbps = {(r["series"], r["block_size"], r["batch"], r["concurrency"]): r["gbps"]
-            for r in doc["baseline_rows"] if r["gbps"] > 0}
+    gbps = {
+        (r["series"], r["block_size"], r["batch"], r["concurrency"]): r["gbps"]
+        for r in doc["baseline_rows"]
+        if r["gbps"] > 0
+    }
     for row in doc["rows"]:
         assert row["ratio_memcpy"] is not None
         cell = (row["block_size"], row["batch"], row["concurrency"])
@@ -163,15 +189,31 @@ def test_the_cost_model_prints_as_router_yaml() -> None:
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    model = {"prefillMicrosecondsPerToken": 50.0, "transferMicrosecondsPerToken": 0.0153,
-             "transferFixedMs": 0.742, "minCachedTokenDelta": 22}
-    print_cost_model(console, {"preset": "llama-3-8b", "recompute_tokens_per_s": 20000,
-                               "orders": [{"order": ORDERS[0], "cost_model": model},
-                                          {"order": ORDERS[1], "tokens": None, "why": "x"}]})
+    model = {
+        "prefillMicrosecondsPerToken": 50.0,
+        "transferMicrosecondsPerToken": 0.0153,
+        "transferFixedMs": 0.742,
+        "minCachedTokenDelta": 22,
+    }
+    print_cost_model(
+        console,
+        {
+            "preset": "llama-3-8b",
+            "recompute_tokens_per_s": 20000,
+            "orders": [
+                {"order": ORDERS[0], "cost_model": model},
+                {"order": ORDERS[1], "tokens": None, "why": "x"},
+            ],
+        },
+    )
     lines = console.export_text().splitlines()
-    assert lines[1:6] == ["minCachedTokenDelta: 22", "costModel:",
-                          "  prefillMicrosecondsPerToken: 50.0",
-                          "  transferMicrosecondsPerToken: 0.0153", "  transferFixedMs: 0.742"]
+    assert lines[1:6] == [
+        "minCachedTokenDelta: 22",
+        "costModel:",
+        "  prefillMicrosecondsPerToken: 50.0",
+        "  transferMicrosecondsPerToken: 0.0153",
+        "  transferFixedMs: 0.742",
+    ]
     assert lines[0].startswith("# llm-d EPP") and lines[6].lstrip().startswith("# sourceWaitMs")
     assert len(lines) == 7  # nothing for an order without a fit
 
@@ -192,8 +234,9 @@ def test_a_wrong_byte_fails_the_cell(monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_nixl_and_zmq()
     monkeypatch.setenv("UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES", "lo"))
     lane = _WrongSource("zmq", "nixl", 4 * 1024 * 1024, timeout=60.0)
-    plan = CellPlan(block_size=64 * 1024, batch=2, concurrency=1, requests=2, reps=1,
-                    warmup=0, rep_seconds=0.1)
+    plan = CellPlan(
+        block_size=64 * 1024, batch=2, concurrency=1, requests=2, reps=1, warmup=0, rep_seconds=0.1
+    )
     try:
         lane.open(plan.block_size)
         result = measure_cell(lane, plan, np.random.default_rng(0))
@@ -231,22 +274,31 @@ def test_misuse_ends_in_one_line(case: str, tmp_path: Path) -> None:
     env.update(COLUMNS="60", UCX_NET_DEVICES="lo")
     if case in NO_TOOLS:
         env["PATH"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "p2pkv.cli", "bench", *args], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2pkv.cli", "bench", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and named in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
-def test_netns_not_as_root_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_netns_not_as_root_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _needs_nixl_and_zmq()
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["bench", "--tier", "--netns", "--quick"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert lines == ["p2pkv bench: --netns needs root and iproute2 (ip, tc): this process "
-                     "runs as uid 1000, not root"]
+    assert lines == [
+        "p2pkv bench: --netns needs root and iproute2 (ip, tc): this process "
+        "runs as uid 1000, not root"
+    ]
 
 
 def test_traffic_adds_up_a_phase_entered_in_turns(monkeypatch: pytest.MonkeyPatch) -> None:

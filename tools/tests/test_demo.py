@@ -22,13 +22,18 @@ from p2pkv_tools.demo.workload import ORDERS, PromptDistribution, make_stream, p
 SMALL = ["--requests", "9", "--region", "64M", "--max-tokens", "384", "--quiet"]
 
 
-def _run_demo(tmp_path: Path,
-              *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _run_demo(
+    tmp_path: Path, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "summary.json"
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
     proc = subprocess.run(
         [sys.executable, "-m", "p2pkv.cli", "demo", *SMALL, "--json", str(out), *extra],
-        capture_output=True, text=True, timeout=150, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        check=False,
     )
     summary = json.loads(out.read_text()) if out.exists() else {}
     return proc, summary
@@ -127,8 +132,11 @@ def test_bad_preset_overrides_are_refused(kwargs: dict[str, Any]) -> None:
 
 def test_stream_mixes_orders_and_clips_lengths() -> None:
     stream = make_stream(
-        10, PromptDistribution.parse("lognormal:1024:1.5"), tokens_per_block=16,
-        max_blocks=40, orders=parse_orders("consumer_first=2,producer_first=2,symmetric=1"),
+        10,
+        PromptDistribution.parse("lognormal:1024:1.5"),
+        tokens_per_block=16,
+        max_blocks=40,
+        orders=parse_orders("consumer_first=2,producer_first=2,symmetric=1"),
     )
     assert [r.order for r in stream].count("symmetric") == 2
     assert {r.order for r in stream} == set(ORDERS)

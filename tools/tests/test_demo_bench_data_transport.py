@@ -21,11 +21,40 @@ from p2pkv.contracts import DataSettings, DataTransport
 from p2pkv.errors import ConfigError
 from p2pkv.registry import default_registry
 
-DEMO = ["demo", "--requests", "3", "--region", "16M", "--max-tokens", "256", "--quiet",
-        "--data", "memory", "--control", "memory"]
-BENCH = ["bench", "--transports", "memory", "--no-raw", "--block-sizes", "64K", "--batches",
-         "1,2", "--concurrency", "1", "--reps", "1", "--warmup", "0", "--region", "1M",
-         "--bytes-per-rep", "256K"]
+DEMO = [
+    "demo",
+    "--requests",
+    "3",
+    "--region",
+    "16M",
+    "--max-tokens",
+    "256",
+    "--quiet",
+    "--data",
+    "memory",
+    "--control",
+    "memory",
+]
+BENCH = [
+    "bench",
+    "--transports",
+    "memory",
+    "--no-raw",
+    "--block-sizes",
+    "64K",
+    "--batches",
+    "1,2",
+    "--concurrency",
+    "1",
+    "--reps",
+    "1",
+    "--warmup",
+    "0",
+    "--region",
+    "1M",
+    "--bytes-per-rep",
+    "256K",
+]
 OPTIONS = {"completion_polls": 1}
 
 
@@ -165,8 +194,18 @@ def test_bench_takes_each_transports_own_options_in_one_run(
     pytest.importorskip("p2pkv_loopback", reason="the example plugin is needed")
     out = tmp_path / "bench.json"
     two = ["--transports", "memory,loopback", "--batches", "1", "--no-memcpy"]
-    code = main([*BENCH, *two, "--json", str(out), "--data-options", "{}",
-                 "--data-options", f"memory={json.dumps(OPTIONS)}"])
+    code = main(
+        [
+            *BENCH,
+            *two,
+            "--json",
+            str(out),
+            "--data-options",
+            "{}",
+            "--data-options",
+            f"memory={json.dumps(OPTIONS)}",
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["data_options"] == {"memory": OPTIONS, "loopback": {}}
@@ -178,10 +217,12 @@ def test_bench_takes_each_transports_own_options_in_one_run(
 
 @pytest.mark.parametrize(
     ("values", "says"),
-    [(["nixl={}"], "names 'nixl', which is not in --transports memory: add it there"),
-     (["memory={}", "memory={}"], "names 'memory' twice"),
-     (["{}", "{}"], "gives options for every transport twice"),
-     (["memory=[1]"], "JSON object")],
+    [
+        (["nixl={}"], "names 'nixl', which is not in --transports memory: add it there"),
+        (["memory={}", "memory={}"], "names 'memory' twice"),
+        (["{}", "{}"], "gives options for every transport twice"),
+        (["memory=[1]"], "JSON object"),
+    ],
     ids=["not in --transports", "twice", "plain twice", "not an object"],
 )
 def test_misnamed_per_transport_options_are_one_line(

@@ -48,14 +48,15 @@ needs_default_transports = pytest.mark.skipif(
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
     }
 
 
 def _dumped(stdout: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The samples ``--metrics dump`` printed after the summary (its header line included)."""
     assert HEADER in stdout, stdout
-    return _samples(stdout[stdout.index(HEADER):])
+    return _samples(stdout[stdout.index(HEADER) :])
 
 
 def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
@@ -67,7 +68,10 @@ def _demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str],
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     proc = subprocess.run(
         [sys.executable, "-m", "p2pkv.cli", "demo", *SMALL, "--json", str(out), *args],
-        env={**env, "UCX_NET_DEVICES": "lo"}, capture_output=True, text=True, timeout=120,
+        env={**env, "UCX_NET_DEVICES": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())
@@ -81,18 +85,21 @@ def test_dump_prints_the_metrics_of_both_processes_after_the_run(tmp_path: Path)
     assert _value(samples, "p2pkv_bytes_read_total") == summary["bytes"]
     loads = stats["consumer"]["jobs_done"]
     assert _value(samples, "p2pkv_jobs_total", kind="load", outcome="done") == loads
-    assert _value(samples, "p2pkv_jobs_total", kind="store", outcome="done") == (
-        stats["producer"]["jobs_done"])
+    assert (
+        _value(samples, "p2pkv_jobs_total", kind="store", outcome="done")
+        == (stats["producer"]["jobs_done"])
+    )
     assert _value(samples, "p2pkv_job_duration_seconds_count", kind="load") == loads
     assert not {name for name, _ in samples} & set(GAUGES), "gauges of exited roles remain"
 
 
 def test_dump_in_the_one_process_mode(tmp_path: Path) -> None:
-    proc, summary = _demo(tmp_path, "--metrics", "dump", "--control", "memory",
-                          "--data", "memory")
+    proc, summary = _demo(tmp_path, "--metrics", "dump", "--control", "memory", "--data", "memory")
     samples = _dumped(proc.stdout)
-    assert _value(samples, "p2pkv_jobs_total", kind="load", outcome="done") == (
-        summary["tier_stats"]["consumer"]["jobs_done"])
+    assert (
+        _value(samples, "p2pkv_jobs_total", kind="load", outcome="done")
+        == (summary["tier_stats"]["consumer"]["jobs_done"])
+    )
 
 
 @needs_default_transports
@@ -122,8 +129,10 @@ def test_port_serves_the_live_roles_during_the_run(
     summary = json.loads(out.read_text())
     samples = _samples(scraped["text"])
     assert _value(samples, "p2pkv_sessions") >= 2  # one per live role at least
-    assert _value(samples, "p2pkv_jobs_total", kind="load", outcome="done") == (
-        summary["tier_stats"]["consumer"]["jobs_done"])
+    assert (
+        _value(samples, "p2pkv_jobs_total", kind="load", outcome="done")
+        == (summary["tier_stats"]["consumer"]["jobs_done"])
+    )
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(scraped["url"], timeout=5)
 
@@ -135,11 +144,13 @@ def test_missing_plugin_is_refused_before_the_run(
 
     without = Registry.from_plugins([])
     monkeypatch.setattr(demo_metrics, "default_registry", lambda: without)
-    assert main(["demo", *SMALL, "--control", "memory", "--data", "memory",
-                 "--metrics", "dump"]) == 2
+    assert (
+        main(["demo", *SMALL, "--control", "memory", "--data", "memory", "--metrics", "dump"]) == 2
+    )
     out, err = capsys.readouterr()
-    assert err.strip() == ("p2pkv demo: --metrics needs the p2pkv-prometheus plugin: "
-                           "pip install p2pkv-prometheus")
+    assert err.strip() == (
+        "p2pkv demo: --metrics needs the p2pkv-prometheus plugin: pip install p2pkv-prometheus"
+    )
     assert out == ""  # refused before the run was even announced
 
 
@@ -148,8 +159,12 @@ def test_a_port_in_use_is_refused_before_the_run(capsys: pytest.CaptureFixture[s
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert main(["demo", *SMALL, "--control", "memory", "--data", "memory",
-                     "--metrics", str(port)]) == 2
+        assert (
+            main(
+                ["demo", *SMALL, "--control", "memory", "--data", "memory", "--metrics", str(port)]
+            )
+            == 2
+        )
     out, err = capsys.readouterr()
     assert f"--metrics {port}: cannot serve on 127.0.0.1:{port}" in err
     assert "0 picks a free one" in err

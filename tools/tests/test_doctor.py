@@ -54,8 +54,12 @@ def test_parse_proto_info_keeps_peer_endpoints() -> None:
         ("A intra-node cfg#1", "8185..inf", "tcp/lo"),
     ]
     summary = summarize_lanes(rows)
-    assert summary[0] == {"operation": "RMA write (data)", "size_range": "0..inf",
-                          "protocol": "zero-copy", "lanes": "cma/memory"}
+    assert summary[0] == {
+        "operation": "RMA write (data)",
+        "size_range": "0..inf",
+        "protocol": "zero-copy",
+        "lanes": "cma/memory",
+    }
     assert summary[1]["operation"].startswith("active messages")
     assert summary[1]["protocol"] == "short, multi-frag copy-in"
 
@@ -149,8 +153,11 @@ class Checks:
 
     @hookimpl
     def p2pkv_doctor_checks(self) -> list[object]:
-        return [DoctorCheck("fine", lambda: CheckResult(True)), "not a check",
-                DoctorCheck("wrong result", lambda: "ok")]  # type: ignore[arg-type,return-value]
+        return [
+            DoctorCheck("fine", lambda: CheckResult(True)),
+            "not a check",
+            DoctorCheck("wrong result", lambda: "ok"),  # type: ignore[arg-type,return-value]
+        ]
 
 
 class RaisingChecks:
@@ -162,12 +169,15 @@ class RaisingChecks:
 
 
 def test_plugin_checks_report_every_plugins_failures_as_rows() -> None:
-    registry = Registry.from_plugins([("raising", RaisingChecks()), ("checks", Checks())],
-                                     environ={})
+    registry = Registry.from_plugins(
+        [("raising", RaisingChecks()), ("checks", Checks())], environ={}
+    )
     rows = {(r["plugin"], r["check"]): (r["ok"], r["detail"]) for r in plugin_checks(registry)}
     assert rows == {
         ("raising", "p2pkv_doctor_checks"): (
-            False, "the hook raised ImportError: no module named 'gone'"),
+            False,
+            "the hook raised ImportError: no module named 'gone'",
+        ),
         ("checks", "fine"): (True, ""),
         ("checks", "'not a check'"): (False, "'not a check' is not a p2pkv.hookspecs.DoctorCheck"),
         ("checks", "wrong result"): (False, "the check returned 'ok', not a CheckResult"),

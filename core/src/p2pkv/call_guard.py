@@ -55,11 +55,11 @@ class GuardedDataTransport(DelegatingDataTransport):
         fault injection)."""
         self.overruns = 0
         self.slowest: tuple[str, float] = ("", 0.0)
-        self._lines = LogLimiter(log, _BURST, _WINDOW, time.monotonic(),
-                                 "data transport calls over the driver bound")
+        self._lines = LogLimiter(
+            log, _BURST, _WINDOW, time.monotonic(), "data transport calls over the driver bound"
+        )
 
-    def _timed(self, method: str, call: Callable[P, R], *args: P.args,
-               **kwargs: P.kwargs) -> R:
+    def _timed(self, method: str, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``call(*args, **kwargs)``, timed; an overrun of the bound is counted and logged."""
         started = time.perf_counter()
         try:
@@ -73,10 +73,16 @@ class GuardedDataTransport(DelegatingDataTransport):
         self.overruns += 1
         if took > self.slowest[1]:
             self.slowest = (method, took)
-        self._lines.log(time.monotonic(), logging.WARNING,
-                        "the %s data transport's %s took %.3fs, over the driver bound (%gs): "
-                        "the tier's tick, and every peer's work, waited for it",
-                        self._name, method, took, self.bound)
+        self._lines.log(
+            time.monotonic(),
+            logging.WARNING,
+            "the %s data transport's %s took %.3fs, over the driver bound (%gs): "
+            "the tier's tick, and every peer's work, waited for it",
+            self._name,
+            method,
+            took,
+            self.bound,
+        )
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> None:
         self._timed("add_peer", self.inner.add_peer, peer_id, descriptor)
@@ -84,10 +90,10 @@ class GuardedDataTransport(DelegatingDataTransport):
     def remove_peer(self, peer_id: str) -> list[int]:
         return self._timed("remove_peer", self.inner.remove_peer, peer_id)
 
-    def read_blocks(self, peer_id: str, local_idxs: Sequence[int],
-                    remote_idxs: Sequence[int]) -> int:
-        return self._timed("read_blocks", self.inner.read_blocks, peer_id, local_idxs,
-                           remote_idxs)
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
+        return self._timed("read_blocks", self.inner.read_blocks, peer_id, local_idxs, remote_idxs)
 
     def progress(self) -> None:
         self._timed("progress", self.inner.progress)

@@ -44,8 +44,17 @@ from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object, option_text
 
 __all__ = [
-    "ADAPTERS", "PLACEHOLDER_ADDRESS", "BuiltInTier", "Entry", "add_parser", "check",
-    "connector_problem", "data_parallel_size", "entries", "expand", "run",
+    "ADAPTERS",
+    "PLACEHOLDER_ADDRESS",
+    "BuiltInTier",
+    "Entry",
+    "add_parser",
+    "check",
+    "connector_problem",
+    "data_parallel_size",
+    "entries",
+    "expand",
+    "run",
 ]
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
@@ -57,8 +66,11 @@ PLACEHOLDER_ADDRESS = "192.0.2.1"
 """What an unset ``$(VAR)`` becomes off the pod: an address reserved for documentation
 (RFC 5737), never a real peer."""
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-_POD_ONLY = ("listening on the tier's address and port", "the key files as the pod mounts "
-             "them", "the transports' libraries as the image has them")
+_POD_ONLY = (
+    "listening on the tier's address and port",
+    "the key files as the pod mounts them",
+    "the transports' libraries as the image has them",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,22 +130,42 @@ def add_parser(sub: Any) -> None:
         "check-config",
         help="validate vLLM's --kv-transfer-config for the p2pkv tier without starting vLLM",
         description="Check the p2pkv secondary tiers of a vLLM --kv-transfer-config (and this "
-                    "environment) as the tier will at engine start. Exit 2 if the tier would "
-                    "refuse it, 1 if it runs no p2pkv tier (vLLM's built-in one).",
+        "environment) as the tier will at engine start. Exit 2 if the tier would "
+        "refuse it, 1 if it runs no p2pkv tier (vLLM's built-in one).",
     )
-    p.add_argument("--kv-transfer-config", required=True, metavar="JSON",
-                   help="the JSON given to vllm serve --kv-transfer-config")
-    p.add_argument("--data-parallel-size", type=data_parallel_size, default=1, metavar="N",
-                   help="the engine's --data-parallel-size (ports base..base+N-1; default 1)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="a variable of the pod's environment (repeatable); $(NAME) references "
-                        "expand as Kubernetes expands them")
-    p.add_argument("--pod-ip", metavar="ADDRESS",
-                   help=f"the value of $(POD_IP) (default: the placeholder "
-                        f"{PLACEHOLDER_ADDRESS} when the config refers to it)")
-    p.add_argument("--no-bind", action="store_true",
-                   help="off the pod: skip listening on the tier's address (only the pod can); "
-                        "every other check runs")
+    p.add_argument(
+        "--kv-transfer-config",
+        required=True,
+        metavar="JSON",
+        help="the JSON given to vllm serve --kv-transfer-config",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=data_parallel_size,
+        default=1,
+        metavar="N",
+        help="the engine's --data-parallel-size (ports base..base+N-1; default 1)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable of the pod's environment (repeatable); $(NAME) references "
+        "expand as Kubernetes expands them",
+    )
+    p.add_argument(
+        "--pod-ip",
+        metavar="ADDRESS",
+        help=f"the value of $(POD_IP) (default: the placeholder "
+        f"{PLACEHOLDER_ADDRESS} when the config refers to it)",
+    )
+    p.add_argument(
+        "--no-bind",
+        action="store_true",
+        help="off the pod: skip listening on the tier's address (only the pod can); "
+        "every other check runs",
+    )
     p.set_defaults(func=run)
 
 
@@ -146,21 +178,25 @@ def data_parallel_size(text: str) -> int:
         value = 0
     if not 1 <= value <= 65535:
         shown = repr(text) if len(text) <= 20 else f"{text[:20]!r}... ({len(text)} characters)"
-        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535 (one port per "
-                                         f"data-parallel rank), got {shown}")
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in 1..65535 (one port per data-parallel rank), got {shown}"
+        )
     return value
 
 
-def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
-            ) -> tuple[Mapping[str, Any], list[Entry]]:
+def entries(
+    kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> tuple[Mapping[str, Any], list[Entry]]:
     """The connector's extra config and its p2pkv tier entries; ``ConfigError`` when there
     are none or an adapter is missing (the engine would start without the tier, or fail)."""
     environ = os.environ if environ is None else environ
     extra = kv_transfer_config.get("kv_connector_extra_config") or {}
     tiers = extra.get("secondary_tiers") if isinstance(extra, Mapping) else None
     if not isinstance(tiers, list):
-        raise ConfigError("kv_connector_extra_config.secondary_tiers is missing or not a list: "
-                          "add the tier as one entry of it (docs/vllm.md)")
+        raise ConfigError(
+            "kv_connector_extra_config.secondary_tiers is missing or not a list: "
+            "add the tier as one entry of it (docs/vllm.md)"
+        )
     found = []
     for index, keys in enumerate(tiers):
         built = _adapter_of(keys, environ) if isinstance(keys, Mapping) else None
@@ -170,32 +206,40 @@ def entries(kv_transfer_config: Mapping[str, Any], environ: Mapping[str, str] | 
         try:
             adapter = importlib.import_module(ADAPTERS[module_path])
         except ModuleNotFoundError as exc:  # the chain names the module (maybe a dependency)
-            raise ConfigError(f"secondary_tiers[{index}] is built by {module_path!r}, which is "
-                              f"not installed: pip install {_INSTALL[module_path]}") from exc
+            raise ConfigError(
+                f"secondary_tiers[{index}] is built by {module_path!r}, which is "
+                f"not installed: pip install {_INSTALL[module_path]}"
+            ) from exc
         found.append(Entry(index, keys, adapter, how))
     if not found:
-        upstream = [i for i, k in enumerate(tiers)
-                    if isinstance(k, Mapping) and k.get("type") == _UPSTREAM]
+        upstream = [
+            i for i, k in enumerate(tiers) if isinstance(k, Mapping) and k.get("type") == _UPSTREAM
+        ]
         if upstream:
-            raise BuiltInTier(f"secondary_tiers[{upstream[0]}] has type 'p2p': vLLM's built-in "
-                              f"P2P tier would be built, not p2pkv's; set {REPLACE_ENV}=1 on "
-                              f"the engines (and here) to build p2pkv's tier from it unedited")
-        raise ConfigError(f"no secondary_tiers entry has module_path "
-                          f"{' or '.join(map(repr, ADAPTERS))} or type "
-                          f"{' or '.join(map(repr, _TYPES))}: nothing for p2pkv to check")
+            raise BuiltInTier(
+                f"secondary_tiers[{upstream[0]}] has type 'p2p': vLLM's built-in "
+                f"P2P tier would be built, not p2pkv's; set {REPLACE_ENV}=1 on "
+                f"the engines (and here) to build p2pkv's tier from it unedited"
+            )
+        raise ConfigError(
+            f"no secondary_tiers entry has module_path "
+            f"{' or '.join(map(repr, ADAPTERS))} or type "
+            f"{' or '.join(map(repr, _TYPES))}: nothing for p2pkv to check"
+        )
     return extra, found
 
 
-def check(entry: Entry, extra: Mapping[str, Any], dp_size: int, *, bind: bool = True
-          ) -> TierConfig:
+def check(entry: Entry, extra: Mapping[str, Any], dp_size: int, *, bind: bool = True) -> TierConfig:
     """Check one entry for every DP rank, then build and close its tier once (port 0).
     Returns rank 0's config; raises ``P2PKVError`` (with the tier's message) or ``OSError``.
     ``bind=False``: a host that is not this machine's is not listened on (the transports,
     their options and keys are still checked; the control transport binds last)."""
     tier_type = entry.keys.get("type")
     if "module_path" in entry.keys and tier_type not in _TYPES:
-        raise ConfigError(f"'type' is {tier_type!r}: vLLM loads the class named by 'type' from "
-                          f"module_path; use {entry.adapter.TIER_TYPE!r}")
+        raise ConfigError(
+            f"'type' is {tier_type!r}: vLLM loads the class named by 'type' from "
+            f"module_path; use {entry.adapter.TIER_TYPE!r}"
+        )
     configs: list[TierConfig] = [
         entry.adapter.entry_tier_config(entry.keys, extra_config=extra, dp_rank=rank)
         for rank in range(dp_size)
@@ -216,12 +260,14 @@ def check(entry: Entry, extra: Mapping[str, Any], dp_size: int, *, bind: bool = 
     return configs[0]
 
 
-def expand(text: str, values: Mapping[str, str], unset: set[str], *,
-           placeholder: bool = True) -> str:
+def expand(
+    text: str, values: Mapping[str, str], unset: set[str], *, placeholder: bool = True
+) -> str:
     """``text`` with each ``$(NAME)`` replaced by ``values[NAME]`` as Kubernetes expands a
     container's arguments (``$$`` is a literal ``$``); a name not in ``values`` is added to
     ``unset`` and becomes :data:`PLACEHOLDER_ADDRESS` (or stays as written without
     ``placeholder``, as the kubelet leaves it)."""
+
     def one(match: re.Match[str]) -> str:
         name = match.group(1)
         if name is None:
@@ -248,34 +294,43 @@ def _pod_environment(args: argparse.Namespace, unset: set[str]) -> dict[str, str
     return values
 
 
-def connector_problem(kv_transfer_config: Mapping[str, Any], extra: Mapping[str, Any]
-                      ) -> str | None:
+def connector_problem(
+    kv_transfer_config: Mapping[str, Any], extra: Mapping[str, Any]
+) -> str | None:
     """Why vLLM would never build the tiers of this config (None if it would): only the
     OffloadingConnector with a tiering spec reads ``secondary_tiers``. An out-of-tree spec
     (``spec_module_path``) is taken to be a tiering spec."""
     connector = kv_transfer_config.get("kv_connector")
     if connector != "OffloadingConnector":
-        return (f"kv_connector is {connector!r}: only the OffloadingConnector reads "
-                f"secondary_tiers; set \"kv_connector\": \"OffloadingConnector\"")
+        return (
+            f"kv_connector is {connector!r}: only the OffloadingConnector reads "
+            f'secondary_tiers; set "kv_connector": "OffloadingConnector"'
+        )
     spec = extra.get("spec_name", "CPUOffloadingSpec")
     if spec != "TieringOffloadingSpec" and "spec_module_path" not in extra:
-        return (f"kv_connector_extra_config.spec_name is {spec!r}: only TieringOffloadingSpec "
-                f"reads secondary_tiers; set \"spec_name\": \"TieringOffloadingSpec\"")
+        return (
+            f"kv_connector_extra_config.spec_name is {spec!r}: only TieringOffloadingSpec "
+            f'reads secondary_tiers; set "spec_name": "TieringOffloadingSpec"'
+        )
     return None
 
 
 def _refusal(entry: Entry, exc: BaseException) -> str:
     if getattr(exc.__cause__, "errno", None) == errno.EADDRNOTAVAIL:
-        return (f"{entry.where}: {exc} (not an address of this machine: run check-config on "
-                f"the pod, or add --no-bind to check everything else here)")
+        return (
+            f"{entry.where}: {exc} (not an address of this machine: run check-config on "
+            f"the pod, or add --no-bind to check everything else here)"
+        )
     return f"{entry.where}: {exc}"
 
 
 def _hints(environ: Mapping[str, str]) -> list[str]:
     if environ.get("PYTHONHASHSEED") in (None, "", "random"):
-        return ["PYTHONHASHSEED is unset or random: with a non-cryptographic "
-                "prefix_caching_hash_algo no two instances ever match each other's blocks; "
-                "set it to one value on every instance"]
+        return [
+            "PYTHONHASHSEED is unset or random: with a non-cryptographic "
+            "prefix_caching_hash_algo no two instances ever match each other's blocks; "
+            "set it to one value on every instance"
+        ]
     return []
 
 
@@ -292,8 +347,9 @@ def _expanded_config(text: str, pod: Mapping[str, str], unset: set[str]) -> dict
         if not unset:
             raise
         names = ", ".join(f"$({name})" for name in sorted(unset - {"POD_IP"} or unset))
-        raise ConfigError(f"{exc} ({names} unset here: give the pod's value with --env "
-                          f"NAME=VALUE)") from None
+        raise ConfigError(
+            f"{exc} ({names} unset here: give the pod's value with --env NAME=VALUE)"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -305,9 +361,12 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(pod)
     kv_transfer_config = _expanded_config(args.kv_transfer_config, pod, unset)
     for name in sorted(unset):
-        print_error("p2pkv check-config: note", f"$({name}) is unset here: checked as "
-                    f"{PLACEHOLDER_ADDRESS} (set it with --env {name}=VALUE"
-                    f"{' or --pod-ip' if name == 'POD_IP' else ''})")
+        print_error(
+            "p2pkv check-config: note",
+            f"$({name}) is unset here: checked as "
+            f"{PLACEHOLDER_ADDRESS} (set it with --env {name}=VALUE"
+            f"{' or --pod-ip' if name == 'POD_IP' else ''})",
+        )
     try:
         extra, found = entries(kv_transfer_config)
     except BuiltInTier as exc:
@@ -324,13 +383,17 @@ def run(args: argparse.Namespace) -> int:
             print_error("p2pkv check-config", _refusal(entry, exc))
             return 2
         last = config.base_port + args.data_parallel_size - 1 if config.base_port else 0
-        print(f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
-              f"{config.control}, data {config.data}, host "
-              f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
-              f"{args.data_parallel_size - 1})")
+        print(
+            f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
+            f"{config.control}, data {config.data}, host "
+            f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
+            f"{args.data_parallel_size - 1})"
+        )
         if args.no_bind:
-            print(f"{entry.where}: not checked here (--no-bind), only on the pod: "
-                  f"{'; '.join(_POD_ONLY)}")
+            print(
+                f"{entry.where}: not checked here (--no-bind), only on the pod: "
+                f"{'; '.join(_POD_ONLY)}"
+            )
     for hint in _hints(os.environ):
         print_error("p2pkv check-config: hint", hint)
     return 0

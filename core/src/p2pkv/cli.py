@@ -73,7 +73,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
-        "--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
         help="Python log level for p2pkv (default WARNING); before or after the command",
     )
 
@@ -114,8 +117,9 @@ def _add_missing_tools(registry: Registry, sub: Any) -> None:
         raise ConfigError(fix)
 
     for name in missing:
-        p = sub.add_parser(name, help=f"{TOOL_COMMANDS[name]} (needs {TOOLS_DISTRIBUTION})",
-                           add_help=False)
+        p = sub.add_parser(
+            name, help=f"{TOOL_COMMANDS[name]} (needs {TOOLS_DISTRIBUTION})", add_help=False
+        )
         p.set_defaults(func=not_installed, accepts_any=True)
 
 

@@ -39,16 +39,25 @@ def plugin_report(registry: Registry) -> dict[str, Any]:
                 }
             )
     missing = [
-        {"name": name, "kind": kind, "distribution": dist, "install": f"pip install {dist}",
-         "disabled": dist in registry.disabled.values(), "fix": registry.install_hint(dist)}
+        {
+            "name": name,
+            "kind": kind,
+            "distribution": dist,
+            "install": f"pip install {dist}",
+            "disabled": dist in registry.disabled.values(),
+            "fix": registry.install_hint(dist),
+        }
         for kind, name, dist in registry.missing_known()
     ]
     skipped = [
         {"plugin": name, "distribution": dist, "reason": f"disabled by {DISABLE_ENV}"}
         for name, dist in sorted(registry.disabled.items())
     ] + [
-        {"plugin": name, "distribution": dist,
-         "reason": f"test-only, hidden ({TEST_PLUGINS_ENV}=1 loads it)"}
+        {
+            "plugin": name,
+            "distribution": dist,
+            "reason": f"test-only, hidden ({TEST_PLUGINS_ENV}=1 loads it)",
+        }
         for name, dist in sorted(registry.hidden.items())
     ]
     failures = [
@@ -59,8 +68,13 @@ def plugin_report(registry: Registry) -> dict[str, Any]:
         {"kind": kind, "name": name, "distributions": dists}
         for (kind, name), dists in sorted(registry.conflicts.items())
     ]
-    return {"transports": rows, "not_installed": missing, "skipped_plugins": skipped,
-            "failed_plugins": failures, "conflicts": conflicts}
+    return {
+        "transports": rows,
+        "not_installed": missing,
+        "skipped_plugins": skipped,
+        "failed_plugins": failures,
+        "conflicts": conflicts,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,20 +93,31 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         table.add_column(col)
     for row in report["transports"]:
         caps = ", ".join(k for k, v in row["capabilities"].items() if v is True)
-        status = ("[green]available[/]" if row["available"]
-                  else f"[red]unavailable[/]: {escape(row['reason'])}")
+        status = (
+            "[green]available[/]"
+            if row["available"]
+            else f"[red]unavailable[/]: {escape(row['reason'])}"
+        )
         table.add_row(row["name"], row["kind"], row["distribution"], row["version"], status, caps)
     for row in report["not_installed"]:
-        state = (f"[yellow]disabled[/] by {DISABLE_ENV}" if row["disabled"]
-                 else f"[yellow]not installed[/]: {escape(row['fix'])}")
+        state = (
+            f"[yellow]disabled[/] by {DISABLE_ENV}"
+            if row["disabled"]
+            else f"[yellow]not installed[/]: {escape(row['fix'])}"
+        )
         table.add_row(row["name"], row["kind"], row["distribution"], "-", state, "")
     console.print(table)
     for p in report["skipped_plugins"]:
-        console.print(f"[yellow]plugin {p['plugin']} ({p['distribution']}) not loaded:[/] "
-                      f"{escape(p['reason'])}")
+        console.print(
+            f"[yellow]plugin {p['plugin']} ({p['distribution']}) not loaded:[/] "
+            f"{escape(p['reason'])}"
+        )
     for f in report["failed_plugins"]:
-        console.print(f"[red]plugin {f['plugin']} ({f['distribution']}) failed:[/] "
-                      f"{escape(f['reason'])}")
+        console.print(
+            f"[red]plugin {f['plugin']} ({f['distribution']}) failed:[/] {escape(f['reason'])}"
+        )
     for c in report["conflicts"]:
-        console.print(f"[red]{c['kind']} transport {c['name']!r} refused: claimed by "
-                      f"{' and '.join(c['distributions'])}[/]")
+        console.print(
+            f"[red]{c['kind']} transport {c['name']!r} refused: claimed by "
+            f"{' and '.join(c['distributions'])}[/]"
+        )

@@ -152,8 +152,9 @@ class Peers:
     ``P2PKV_PEERS_CONNECT`` (comma-separated)."""
     resolve_interval: float = field(default=30.0, metadata=_SECONDS)
     """Seconds between resolutions of ``connect``'s names (and re-dials of ended sessions)."""
-    idle_timeout: float = field(default=300.0, metadata=option(ge=0, le=MAX_SECONDS,
-                                                                unit="seconds"))
+    idle_timeout: float = field(
+        default=300.0, metadata=option(ge=0, le=MAX_SECONDS, unit="seconds")
+    )
     """A session this tier dialed that carried nothing for this long is closed (its sockets
     and data peer freed; the next request naming the peer dials again). Sessions to
     ``connect``'s peers are kept. 0: never. Env ``P2PKV_PEERS_IDLE_TIMEOUT`` (else
@@ -253,8 +254,9 @@ class TierConfig:
         adapter moved (named in messages).
         """
         keys: Mapping[str, Any] = {} if d is None else d
-        parsed = parse_options(cls, keys, "tier config key", also_accepted=also_accepted,
-                               shown_as=shown_as)
+        parsed = parse_options(
+            cls, keys, "tier config key", also_accepted=also_accepted, shown_as=shown_as
+        )
         env = os.environ if environ is None else environ
         if "host" in keys:
             host, host_source = parsed.host, "key 'host'"
@@ -277,8 +279,14 @@ class TierConfig:
         )
 
 
-def _env_number(env: Mapping[str, str], names: Sequence[str], what: str, *,
-                zero_ok: bool = False, integer: bool = False) -> float | None:
+def _env_number(
+    env: Mapping[str, str],
+    names: Sequence[str],
+    what: str,
+    *,
+    zero_ok: bool = False,
+    integer: bool = False,
+) -> float | None:
     """The number the first set of ``names`` holds, or None; ``ConfigError`` naming the
     variable if it is not a number in range (> 0, or >= 0 with ``zero_ok``; with
     ``integer``, a positive integer)."""
@@ -289,26 +297,30 @@ def _env_number(env: Mapping[str, str], names: Sequence[str], what: str, *,
     if integer:
         digits = text.strip()
         if not digits.isdigit() or len(digits) > 10 or not 0 < int(digits) <= MAX_COUNT:
-            raise ConfigError(f"{variable}={shown(text)} must be an integer in 1..{MAX_COUNT} "
-                              f"({what})")
+            raise ConfigError(
+                f"{variable}={shown(text)} must be an integer in 1..{MAX_COUNT} ({what})"
+            )
         return int(digits)
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) \
-            or value > MAX_SECONDS:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or value > MAX_SECONDS:
         low = "from 0" if zero_ok else "above 0"
-        raise ConfigError(f"{variable}={shown(text)} must be a number {low}, at most "
-                          f"{MAX_SECONDS:g} ({what})")
+        raise ConfigError(
+            f"{variable}={shown(text)} must be a number {low}, at most {MAX_SECONDS:g} ({what})"
+        )
     return value
 
 
 def _timeouts_from_env(timeouts: Timeouts, raw: Any, env: Mapping[str, str]) -> Timeouts:
     """``timeouts`` with ``handshake`` from the environment if its entry lacks it."""
     given = raw if isinstance(raw, Mapping) else {}
-    seconds = None if "handshake" in given else _env_number(
-        env, HANDSHAKE_TIMEOUT_ENV, "seconds a peer has to complete the handshake")
+    seconds = (
+        None
+        if "handshake" in given
+        else _env_number(env, HANDSHAKE_TIMEOUT_ENV, "seconds a peer has to complete the handshake")
+    )
     return timeouts if seconds is None else replace(timeouts, handshake=seconds)
 
 
@@ -322,24 +334,38 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
         if key not in given and listed.strip():
             values[key] = [part.strip() for part in listed.split(",") if part.strip()]
             from_env[key] = name
-    numbers = (("max_dialed", PEERS_MAX_DIALED_ENV, "sessions this tier may dial", False),
-               ("idle_timeout", PEERS_IDLE_TIMEOUT_ENV,
-                "seconds before an unused dialed session closes; 0: never", True))
+    numbers = (
+        ("max_dialed", PEERS_MAX_DIALED_ENV, "sessions this tier may dial", False),
+        (
+            "idle_timeout",
+            PEERS_IDLE_TIMEOUT_ENV,
+            "seconds before an unused dialed session closes; 0: never",
+            True,
+        ),
+    )
     for key, names, what, seconds in numbers:
-        value = None if key in given else _env_number(env, names, what, zero_ok=seconds,
-                                                      integer=not seconds)
+        value = (
+            None
+            if key in given
+            else _env_number(env, names, what, zero_ok=seconds, integer=not seconds)
+        )
         if value is not None:
             values[key] = value
     if values:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
     parse_allow_list(peers.allow, from_env.get("allow"))  # refuses a bad entry now, naming it
     for i, entry in enumerate(peers.connect):
-        where = (f"{PEERS_CONNECT_ENV} entry {entry!r}" if "connect" in from_env
-                 else f"tier config key peers.connect[{i}]")
+        where = (
+            f"{PEERS_CONNECT_ENV} entry {entry!r}"
+            if "connect" in from_env
+            else f"tier config key peers.connect[{i}]"
+        )
         if "$(" in entry:
-            raise ConfigError(f"{where} holds a $(VAR) reference Kubernetes did not expand: "
-                              "define VAR above this variable in the container's env list "
-                              "(only earlier ones expand)")
+            raise ConfigError(
+                f"{where} holds a $(VAR) reference Kubernetes did not expand: "
+                "define VAR above this variable in the container's env list "
+                "(only earlier ones expand)"
+            )
         try:
             parse_address(entry)
         except ConfigError as exc:

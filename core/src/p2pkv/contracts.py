@@ -367,12 +367,12 @@ class DataBackend(ABC):
     def descriptor(self) -> bytes:
         """Opaque bytes a peer passes to its ``add_peer`` to be able to read from our region."""
 
-
     def _attach_peer(self, peer_id: str, descriptor: bytes) -> AttachedPeer:
         """The peer's record from its descriptor (its ``num_blocks`` bounds remote indexes);
         ``PeerRejected`` saying why (malformed, another ``block_len``, unreachable)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither add_peer nor "
-                                  f"_attach_peer")
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither add_peer nor _attach_peer"
+        )
 
     def _peer_usable(self, peer: Any) -> bool:
         """Whether an attached peer record can still serve reads (``add_peer`` with the same
@@ -388,15 +388,15 @@ class DataBackend(ABC):
     def _post_read(self, peer: Any, local: Indexes, remote: Indexes) -> Any:
         """Post a read of the peer's blocks ``remote`` into our blocks ``local`` (checked;
         the arrays are the backend's to keep); return its handle. Must not block."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither read_blocks nor "
-                                  f"_post_read")
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither read_blocks nor _post_read"
+        )
 
     def _read_state(self, handle: Any) -> ReadState:
         """Where a posted read stands; called only by ``poll``, at most once per read per
         poll, never again once it returned ``DONE``/``FAILED`` (the read's resources are
         released by then, a staged read's bytes copied into its blocks before ``DONE``)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor "
-                                  f"_read_state")
+        raise NotImplementedError(f"{type(self).__name__} implements neither poll nor _read_state")
 
     def _end_reads(self, handles: list[Any]) -> None:
         """End posted reads finally: on return none of their bytes can land in our blocks
@@ -643,7 +643,10 @@ class DataTransport(_Transport, DataBackend):
         return None
 
     def check_read(
-        self, local_idxs: Sequence[int], remote_idxs: Sequence[int], peer_num_blocks: int,
+        self,
+        local_idxs: Sequence[int],
+        remote_idxs: Sequence[int],
+        peer_num_blocks: int,
         peer_id: str = "",
     ) -> tuple[Indexes, Indexes]:
         """``p2pkv.data_base.check_read`` against our ``num_blocks``: the one index rule of

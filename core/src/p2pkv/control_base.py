@@ -108,8 +108,12 @@ class InboxConnection(ControlConnection):
         above our cap, end the connection with a logged reason. True if delivered."""
         cap = self._transport.max_frame_bytes
         if len(frame) > cap:
-            log.warning("frame of %d bytes from %s exceeds max_frame_bytes=%d; closing",
-                        len(frame), self._peer_address, cap)
+            log.warning(
+                "frame of %d bytes from %s exceeds max_frame_bytes=%d; closing",
+                len(frame),
+                self._peer_address,
+                cap,
+            )
             self.end(OVERSIZED)
             return False
         self.inbox.append(frame)

@@ -43,8 +43,11 @@ class AttachedPeer(Protocol):
 
 
 def check_read(
-    local_idxs: Sequence[int], remote_idxs: Sequence[int], num_blocks: int,
-    peer_num_blocks: int, peer_id: str = "",
+    local_idxs: Sequence[int],
+    remote_idxs: Sequence[int],
+    num_blocks: int,
+    peer_num_blocks: int,
+    peer_id: str = "",
 ) -> tuple[Indexes, Indexes]:
     """Both index lists of a read, checked, as fresh int64 arrays ``(local, remote)``.
 
@@ -93,8 +96,10 @@ def allocated_region(
     region = cls.allocate_region(num_blocks, block_len, options)
     nbytes = num_blocks * block_len
     if not isinstance(region, memoryview) or region.nbytes != nbytes or region.readonly:
-        raise ConfigError(f"{cls.__name__}.allocate_region({num_blocks}, {block_len}) must "
-                          f"return a writable memoryview of {nbytes} bytes, got {region!r}")
+        raise ConfigError(
+            f"{cls.__name__}.allocate_region({num_blocks}, {block_len}) must "
+            f"return a writable memoryview of {nbytes} bytes, got {region!r}"
+        )
     return region
 
 
@@ -107,7 +112,8 @@ def _indexes(idxs: Sequence[int], what: str, peer_id: str) -> Indexes:
     arr = np.asarray(idxs)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TransferSubmitError(
-            f"{_side(what, peer_id)} block indexes must be a flat sequence of integers")
+            f"{_side(what, peer_id)} block indexes must be a flat sequence of integers"
+        )
     if arr.dtype == np.int64 and type(idxs) in _FRESH:
         return arr  # numpy built it from the list: already ours
     return arr.astype(np.int64)  # a copy: the caller may reuse its array
@@ -117,8 +123,7 @@ def _within(arr: Indexes, limit: int, what: str, peer_id: str) -> None:
     if int(arr.view(np.uint64).max()) < limit:  # negatives wrap above any limit
         return
     bad = int(arr[(arr < 0) | (arr >= limit)][0])
-    raise TransferSubmitError(
-        f"{_side(what, peer_id)} block index {bad} is outside 0..{limit - 1}")
+    raise TransferSubmitError(f"{_side(what, peer_id)} block index {bad} is outside 0..{limit - 1}")
 
 
 def _distinct(local: Indexes) -> None:

@@ -138,8 +138,10 @@ class DialPolicy:
             return "it is not host:port, so not on peers.allow"
         if self._allow.allows(host):
             return None
-        return ("it is not on peers.allow (add its network to the tier's peers.allow to let "
-                "requests name it)")
+        return (
+            "it is not on peers.allow (add its network to the tier's peers.allow to let "
+            "requests name it)"
+        )
 
     def screen(self, peer: str) -> str | None:
         """:meth:`refusal`, counted in ``refused``: a request named ``peer``."""
@@ -148,8 +150,7 @@ class DialPolicy:
             self.refused += 1
         return why
 
-    def admit(self, peer: str, dialed: DialedSessions[S], now: float, *,
-              pd: bool) -> Verdict[S]:
+    def admit(self, peer: str, dialed: DialedSessions[S], now: float, *, pd: bool) -> Verdict[S]:
         """Whether a request may dial a new session to ``peer`` at ``now`` (the module
         docstring has the rules): dial as is, dial once ``Verdict.evict`` is closed, wait, or
         refused (why). A dial spends a token of the budget."""
@@ -160,9 +161,14 @@ class DialPolicy:
         if not budget.take(now):
             return Verdict(wait=True)
         if dialed.unheard_count() >= self.max_unheard:
-            verdict = self._evict_stalled(peer, dialed, now, f"{self.max_unheard} dials of "
-                                          "this tier heard nothing yet (a quarter of "
-                                          "peers.max_dialed)")
+            verdict = self._evict_stalled(
+                peer,
+                dialed,
+                now,
+                f"{self.max_unheard} dials of "
+                "this tier heard nothing yet (a quarter of "
+                "peers.max_dialed)",
+            )
         elif dialed.count() >= self.max_dialed:
             verdict = self._at_cap(peer, dialed, now, pd=pd)
         else:
@@ -179,35 +185,46 @@ class DialPolicy:
         """Seconds from ``now`` until the budget allows a new dial (0.0: at once)."""
         return self._budget.wait(now)
 
-    def _evict_stalled(self, peer: str, dialed: DialedSessions[S], now: float,
-                       why: str) -> Verdict[S]:
+    def _evict_stalled(
+        self, peer: str, dialed: DialedSessions[S], now: float, why: str
+    ) -> Verdict[S]:
         """Evict the oldest dial without progress for :data:`GRACE` seconds, else wait."""
         victim = next(dialed.stalled(now - GRACE), None)
         if victim is None:
             return Verdict(wait=True)
         self.evicted += 1
-        return Verdict(evict=victim, reason=f"evicted for a new peer, {peer}: {why} and this "
-                       f"one made no progress in {GRACE:g}s (not connected, nothing heard)")
+        return Verdict(
+            evict=victim,
+            reason=f"evicted for a new peer, {peer}: {why} and this "
+            f"one made no progress in {GRACE:g}s (not connected, nothing heard)",
+        )
 
-    def _at_cap(self, peer: str, dialed: DialedSessions[S], now: float, *,
-                pd: bool) -> Verdict[S]:
+    def _at_cap(self, peer: str, dialed: DialedSessions[S], now: float, *, pd: bool) -> Verdict[S]:
         cap = self.max_dialed
-        verdict = self._evict_stalled(peer, dialed, now, f"{cap} sessions this tier dialed "
-                                      "are open (peers.max_dialed)")
+        verdict = self._evict_stalled(
+            peer, dialed, now, f"{cap} sessions this tier dialed are open (peers.max_dialed)"
+        )
         if verdict.evict is not None:
             return verdict
         victim = next(dialed.idle(), None)
         if victim is not None:
             self.gave_way += 1
-            return Verdict(evict=victim, reason=(
-                f"gave way to a new peer with a request, {peer}: {cap} sessions this tier "
-                f"dialed are open (peers.max_dialed)"))
+            return Verdict(
+                evict=victim,
+                reason=(
+                    f"gave way to a new peer with a request, {peer}: {cap} sessions this tier "
+                    f"dialed are open (peers.max_dialed)"
+                ),
+            )
         if pd:
             self.over_cap += 1
             return Verdict()
         if dialed.unheard_count():  # a dial still making progress may free a place
             return Verdict(wait=True)
         self.refused += 1
-        return Verdict(refused=(
-            f"{cap} sessions this tier dialed are open and working or hearing their peers "
-            f"(peers.max_dialed): raise it if this instance has more peers"))
+        return Verdict(
+            refused=(
+                f"{cap} sessions this tier dialed are open and working or hearing their peers "
+                f"(peers.max_dialed): raise it if this instance has more peers"
+            )
+        )

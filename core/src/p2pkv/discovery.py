@@ -39,8 +39,13 @@ def resolve_all(host: str) -> list[str]:
 class Discovery:
     """The addresses of ``entries`` to keep sessions to, refreshed every ``interval`` s."""
 
-    def __init__(self, entries: Sequence[str], interval: float, own_address: str,
-                 resolver: Resolver = resolve_all) -> None:
+    def __init__(
+        self,
+        entries: Sequence[str],
+        interval: float,
+        own_address: str,
+        resolver: Resolver = resolve_all,
+    ) -> None:
         self._entries = [parse_address(entry) for entry in entries]
         self._interval = interval
         self._own = own_address
@@ -64,8 +69,11 @@ class Discovery:
             if not changed and now < self._next_due:
                 return []
             self._seen = self._version
-            found = [format_address(address, port)
-                     for (_, port), addresses in self._answers.items() for address in addresses]
+            found = [
+                format_address(address, port)
+                for (_, port), addresses in self._answers.items()
+                for address in addresses
+            ]
         self._next_due = now + self._interval
         return [address for address in dict.fromkeys(found) if address != self._own]
 
@@ -87,8 +95,13 @@ class Discovery:
         except OSError as exc:
             if host not in self._failing:
                 self._failing.add(host)
-                log.warning("peers.connect: %s does not resolve (%s); keeping its last "
-                            "answer and trying again every %g s", host, exc, self._interval)
+                log.warning(
+                    "peers.connect: %s does not resolve (%s); keeping its last "
+                    "answer and trying again every %g s",
+                    host,
+                    exc,
+                    self._interval,
+                )
             return
         if host in self._failing:
             self._failing.discard(host)

@@ -45,9 +45,7 @@ class TransportUnavailable(P2PKVError):
     ``package`` is the pip requirement that provides the transport's library.
     """
 
-    def __init__(
-        self, transport: str, package: str, cause: str, *, fix: str | None = None
-    ) -> None:
+    def __init__(self, transport: str, package: str, cause: str, *, fix: str | None = None) -> None:
         self.transport = transport
         self.package = package
         self.cause = cause

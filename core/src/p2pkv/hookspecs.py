@@ -7,6 +7,7 @@ A plugin is a module (or object) named by an entry point in the ``p2pkv`` group.
 
     P2PKV_PLUGIN_API = 1
 
+
     @hookimpl
     def p2pkv_transports():
         return [MyDataTransport]

@@ -36,8 +36,14 @@ class IdleReaper(SessionWatcher):
     """Closes dialed sessions idle for ``idle_timeout`` (0: none, ever) through ``close``;
     ``kept(peer)``: whether the peer's session is kept warm."""
 
-    def __init__(self, idle_timeout: float, deadlines: Deadlines, clock: Callable[[], float],
-                 close: Callable[[Session, str], None], kept: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        idle_timeout: float,
+        deadlines: Deadlines,
+        clock: Callable[[], float],
+        close: Callable[[Session, str], None],
+        kept: Callable[[str], bool],
+    ) -> None:
         self.idle_timeout = idle_timeout
         self._recheck = min(idle_timeout / 4, RECHECK)
         self._deadlines = deadlines

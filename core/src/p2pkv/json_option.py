@@ -24,8 +24,9 @@ def option_text(text: str, option: str) -> str:
         with open(text[1:], encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise ConfigError(f"{option} {text}: cannot read {text[1:]!r}: "
-                          f"{exc.strerror or exc}") from exc
+        raise ConfigError(
+            f"{option} {text}: cannot read {text[1:]!r}: {exc.strerror or exc}"
+        ) from exc
 
 
 def json_object(text: str, option: str, what: str) -> dict[str, Any]:
@@ -37,8 +38,9 @@ def json_object(text: str, option: str, what: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{option} is not valid JSON: {exc}") from exc
     except ValueError:  # an integer beyond Python's digit limit (4300 digits)
-        raise ConfigError(f"{option} holds an integer of thousands of digits: no setting "
-                          "takes such a number") from None
+        raise ConfigError(
+            f"{option} holds an integer of thousands of digits: no setting takes such a number"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{option} must be a JSON object ({what})")
     return raw

@@ -47,8 +47,10 @@ class _hook(Generic[P]):
 
     def __set_name__(self, owner: type, name: str) -> None:
         if self.hook_name != f"p2pkv_{name}":
-            raise TypeError(f"{owner.__name__}.{name} is declared from hookspec "
-                            f"{self.hook_name}; name it {self.hook_name.removeprefix('p2pkv_')}")
+            raise TypeError(
+                f"{owner.__name__}.{name} is declared from hookspec "
+                f"{self.hook_name}; name it {self.hook_name.removeprefix('p2pkv_')}"
+            )
 
     @overload
     def __get__(self, instance: None, owner: type) -> _hook[P]: ...
@@ -107,8 +109,13 @@ class Observers:
         if count == 1:
             log.exception("observer %s of plugin %s raised; ignored", hook_name, plugin)
         elif str(count).rstrip("0") == "1":  # 10, 100, 1000, ...
-            log.error("observer %s of plugin %s has raised %d times; ignored", hook_name,
-                      plugin, count, exc_info=True)
+            log.error(
+                "observer %s of plugin %s has raised %d times; ignored",
+                hook_name,
+                plugin,
+                count,
+                exc_info=True,
+            )
 
 
 def callers_per_plugin(pm: pluggy.PluginManager, hook_name: str) -> dict[str, Any]:

@@ -51,6 +51,8 @@ def missing_extra(module: str, extra: str) -> str | None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        return (f"{module} is not installed ({exc}); it comes with the {extra!r} extra: "
-                f"pip install 'p2pkv[{extra}]'")
+        return (
+            f"{module} is not installed ({exc}); it comes with the {extra!r} extra: "
+            f"pip install 'p2pkv[{extra}]'"
+        )
     return None

@@ -10,6 +10,7 @@ read by :func:`parse_options`, so every surface refuses the same misuse with the
         timeout: float = field(default=5.0, metadata=option(gt=0, unit="seconds"))
         mode: Literal["fast", "safe"] = "safe"
 
+
     parse_options(FooOptions, {"depth": 4}, "foo data option")
 
 The field's annotation is the type a value must have:
@@ -116,9 +117,14 @@ def option_keys(cls: type[DataclassInstance]) -> tuple[str, ...]:
     return tuple(k for f in dataclasses.fields(cls) if (k := option_key(f)) is not None)
 
 
-def parse_options(cls: type[T], raw: Mapping[str, Any], where: str, *,
-                  also_accepted: tuple[str, ...] = (), shown_as: Mapping[str, str] | None = None
-                  ) -> T:
+def parse_options(
+    cls: type[T],
+    raw: Mapping[str, Any],
+    where: str,
+    *,
+    also_accepted: tuple[str, ...] = (),
+    shown_as: Mapping[str, str] | None = None,
+) -> T:
     """Read ``raw`` into a ``cls`` (a dataclass): each key present is checked against its
     field's type and metadata, absent keys keep their defaults.
 
@@ -164,8 +170,7 @@ def _parse(cls: type[T], raw: object, where: _Context, prefix: str) -> T:
     return cls(**values)
 
 
-def _refuse_unknown(raw: Mapping[Any, Any], keys: list[str], where: _Context,
-                    prefix: str) -> None:
+def _refuse_unknown(raw: Mapping[Any, Any], keys: list[str], where: _Context, prefix: str) -> None:
     unknown = sorted(str(k) for k in raw if k not in keys)
     if not unknown:
         return
@@ -191,8 +196,7 @@ def _field_value(tp: Any, rule: Option, value: Any, where: _Context, name: str) 
     except _Mismatch:
         blank = rule.nonblank and _accepts(tp, value)  # the type is right, but it is blank
         expected = _describe(tp, nonblank=blank)
-        raise ConfigError(f"{where.name(name)} must be {expected}, got {shown(value)}"
-                          ) from None
+        raise ConfigError(f"{where.name(name)} must be {expected}, got {shown(value)}") from None
     bound = _violated_bound(rule, result)
     if bound:
         unit = f" {rule.unit}" if rule.unit else ""
@@ -214,8 +218,11 @@ def shown(value: object) -> str:
     try:
         text = repr(value)
     except ValueError:  # an int beyond Python's digit limit for str()
-        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits" \
-            if isinstance(value, int) else "a value too large to show"
+        return (
+            f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+            if isinstance(value, int)
+            else "a value too large to show"
+        )
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
@@ -225,8 +232,13 @@ def _violated_bound(rule: Option, value: Any) -> str:
         return ""
     le = rule.le
     if le is None:
-        le = MAX_SECONDS if rule.unit == "seconds" else MAX_INTEGER if isinstance(value, int) \
+        le = (
+            MAX_SECONDS
+            if rule.unit == "seconds"
+            else MAX_INTEGER
+            if isinstance(value, int)
             else None
+        )
     low_ok = rule.ge is None or value >= rule.ge
     high_ok = le is None or value <= le
     if rule.ge is not None and le is not None and not (low_ok and high_ok):
@@ -291,8 +303,10 @@ def _scalar(tp: type, value: Any, nonblank: bool) -> Any:
 
 
 _WORDS: dict[Any, tuple[str, str]] = {
-    bool: ("true or false", "true or false"), int: ("an integer", "integers"),
-    float: ("a finite number", "finite numbers"), str: ("a string", "strings"),
+    bool: ("true or false", "true or false"),
+    int: ("an integer", "integers"),
+    float: ("a finite number", "finite numbers"),
+    str: ("a string", "strings"),
     type(None): ("null", "null"),
 }
 _NONBLANK = ("a non-empty string", "non-empty strings")

@@ -77,8 +77,11 @@ def parse_allow_list(entries: Sequence[str], variable: str | None = None) -> Pee
             pass
         problem = _never_matches(text)
         if problem:
-            where = (f"{variable} entry {entry!r}" if variable is not None
-                     else f"tier config key peers.allow[{i}] = {entry!r}")
+            where = (
+                f"{variable} entry {entry!r}"
+                if variable is not None
+                else f"tier config key peers.allow[{i}] = {entry!r}"
+            )
             raise ConfigError(f"{where} {problem}")
         names.add(text.lower().rstrip("."))
     return PeerAllowList(tuple(networks), frozenset(names))
@@ -88,23 +91,34 @@ def _never_matches(text: str) -> str:
     """Why the entry ``text`` (not a network) can never match a peer, with the fix; ""
     when it is a usable host name."""
     if text.lower() in _ANY:
-        return ("would allow nothing, not everything: leave peers.allow empty (unset) to "
-                "allow any peer, or give the pods' network (10.0.0.0/8)")
+        return (
+            "would allow nothing, not everything: leave peers.allow empty (unset) to "
+            "allow any peer, or give the pods' network (10.0.0.0/8)"
+        )
     cover = _range_cover(text)
     if cover is not None:
-        return (f"is a range, which never matches a peer's address: write it as "
-                f"{', '.join(map(str, cover))}")
+        return (
+            f"is a range, which never matches a peer's address: write it as "
+            f"{', '.join(map(str, cover))}"
+        )
     if "$(" in text:
-        return ("holds a $(VAR) reference Kubernetes did not expand: define VAR above this "
-                "variable in the container's env list (only earlier ones expand)")
+        return (
+            "holds a $(VAR) reference Kubernetes did not expand: define VAR above this "
+            "variable in the container's env list (only earlier ones expand)"
+        )
     if not _HOST_NAME.match(text):
         parts = re.split(r"[\s;]+", text)
-        return (f"holds {len(parts)} entries: separate them with commas ({','.join(parts)})"
-                if len(parts) > 1 else "is neither a network (10.0.0.0/8), an address nor a "
-                "host name (no port, no scheme)")
+        return (
+            f"holds {len(parts)} entries: separate them with commas ({','.join(parts)})"
+            if len(parts) > 1
+            else "is neither a network (10.0.0.0/8), an address nor a "
+            "host name (no port, no scheme)"
+        )
     if _SERVICE_LABEL in text.lower().rstrip(".").split("."):
-        return ("is a Kubernetes Service's name, which never matches: routers name pods by "
-                "their IP; give the pods' network (the cluster's pod CIDR, e.g. 10.0.0.0/8)")
+        return (
+            "is a Kubernetes Service's name, which never matches: routers name pods by "
+            "their IP; give the pods' network (the cluster's pod CIDR, e.g. 10.0.0.0/8)"
+        )
     return ""
 
 
@@ -113,9 +127,12 @@ def _range_cover(text: str) -> list[Network] | None:
     if text.count("*") and "." in text:
         parts = text.split(".")
         fixed = [p for p in parts if p != "*"]
-        if len(parts) == 4 and parts[len(fixed):] == ["*"] * (4 - len(fixed)):
-            text = ".".join(fixed + ["0"] * (4 - len(fixed))) + "-" + ".".join(
-                fixed + ["255"] * (4 - len(fixed)))
+        if len(parts) == 4 and parts[len(fixed) :] == ["*"] * (4 - len(fixed)):
+            text = (
+                ".".join(fixed + ["0"] * (4 - len(fixed)))
+                + "-"
+                + ".".join(fixed + ["255"] * (4 - len(fixed)))
+            )
     first, dash, last = text.partition("-")
     if not dash:
         return None

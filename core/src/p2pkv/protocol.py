@@ -59,8 +59,7 @@ U32 = Annotated[int, msgspec.Meta(ge=0, lt=_U32)]
 Key = Annotated[bytes, msgspec.Meta(min_length=1)]
 
 
-class _Wire(msgspec.Struct, frozen=True, gc=False, tag_field="type",
-            forbid_unknown_fields=True):
+class _Wire(msgspec.Struct, frozen=True, gc=False, tag_field="type", forbid_unknown_fields=True):
     """A message: a msgpack map of ``type`` (the tag) and the fields. Unknown fields are
     refused here only by the fast decoder, which hands such frames to the strict one."""
 
@@ -229,8 +228,9 @@ class _Fields:
             raise self.err(field, f"expected a boolean, got {_tname(v)}")
         return v
 
-    def str_(self, field: str, max_chars: int, *, default: str | None = None,
-             nonempty: bool = False) -> str:
+    def str_(
+        self, field: str, max_chars: int, *, default: str | None = None, nonempty: bool = False
+    ) -> str:
         if default is not None and field not in self.d:
             return default
         v = self.get(field)
@@ -265,8 +265,7 @@ class _Fields:
             return values
         for i, v in enumerate(values):
             if type(v) is not int or not 0 <= v < _U32:
-                raise self.err(f"{field}[{i}]", f"expected an integer in 0..{_U32 - 1}, "
-                                                f"got {v!r}")
+                raise self.err(f"{field}[{i}]", f"expected an integer in 0..{_U32 - 1}, got {v!r}")
         return values
 
     def keys(self, field: str, limits: Limits) -> list[bytes]:
@@ -367,9 +366,13 @@ def _round_failed(f: _Fields, limits: Limits) -> RoundFailed:
 
 def _bye(f: _Fields, limits: Limits) -> Bye:
     reason = f.str_("reason", MAX_REASON_CHARS)
-    wire_2_0 = (Outcome.PEER_REJECTED if reason.startswith("rejected: ") else
-                Outcome.PROTOCOL_ERROR if reason.startswith("protocol error") else
-                Outcome.PEER_DEAD)
+    wire_2_0 = (
+        Outcome.PEER_REJECTED
+        if reason.startswith("rejected: ")
+        else Outcome.PROTOCOL_ERROR
+        if reason.startswith("protocol error")
+        else Outcome.PEER_DEAD
+    )
     return Bye(reason, f.str_("outcome", MAX_TAG_CHARS, default=wire_2_0.value))
 
 
@@ -413,7 +416,8 @@ def _rid_ok(kv: str, limits: Limits) -> bool:
 def _keys_ok(keys: list[bytes], limits: Limits) -> bool:
     """Within the count and length caps (msgspec checked the types and that none is empty)."""
     return len(keys) <= limits.max_keys_per_message and (
-        not keys or max(map(len, keys)) <= limits.max_key_bytes)
+        not keys or max(map(len, keys)) <= limits.max_key_bytes
+    )
 
 
 def _fetch_ok(m: Fetch, limits: Limits) -> bool:
@@ -422,8 +426,11 @@ def _fetch_ok(m: Fetch, limits: Limits) -> bool:
 
 def _ready_ok(m: Ready, limits: Limits) -> bool:
     n = len(m.pos)
-    return (_rid_ok(m.kv_request_id, limits) and 0 < n <= limits.max_keys_per_message
-            and len(m.slots) == n)
+    return (
+        _rid_ok(m.kv_request_id, limits)
+        and 0 < n <= limits.max_keys_per_message
+        and len(m.slots) == n
+    )
 
 
 def _release_ok(m: Release, limits: Limits) -> bool:

@@ -47,8 +47,9 @@ class LogLimiter:
     appears once the flood has stopped. Lines below the logger's level cost nothing and use
     no budget."""
 
-    def __init__(self, logger: logging.Logger, burst: int, window: float, now: float,
-                 what: str) -> None:
+    def __init__(
+        self, logger: logging.Logger, burst: int, window: float, now: float, what: str
+    ) -> None:
         self._log = logger
         self._what = what
         self._window = window
@@ -56,8 +57,9 @@ class LogLimiter:
         self._suppressed = 0
         self._since = now  # when the first line the next summary counts was suppressed
 
-    def log(self, now: float, level: int, msg: str, *args: object,
-            logger: logging.Logger | None = None) -> None:
+    def log(
+        self, now: float, level: int, msg: str, *args: object, logger: logging.Logger | None = None
+    ) -> None:
         """Log ``msg % args`` within the budget, to ``logger`` (default: the limiter's own,
         which the summary line always goes to)."""
         target = self._log if logger is None else logger
@@ -75,6 +77,10 @@ class LogLimiter:
         """Log the summary of suppressed lines if there are any and a window has passed."""
         if not self._suppressed or now - self._since < self._window:
             return
-        self._log.warning("suppressed %d similar %s in the last %.0f s (the counters are in "
-                          "stats())", self._suppressed, self._what, now - self._since)
+        self._log.warning(
+            "suppressed %d similar %s in the last %.0f s (the counters are in stats())",
+            self._suppressed,
+            self._what,
+            now - self._since,
+        )
         self._suppressed = 0

@@ -175,12 +175,16 @@ class Registry:
             self.pm.check_pending()
         except pluggy.PluginValidationError:
             specs = [n for n in dir(hookspecs) if n.startswith(f"{hookspecs.PROJECT}_")]
-            unknown = sorted(c.name for c in self.pm.get_hookcallers(plugin) or ()
-                             if not c.has_spec())
-            return [f"implements unknown hook {hook!r}"
-                    + "".join(f" (did you mean {m!r}?)"
-                              for m in difflib.get_close_matches(hook, specs, n=1))
-                    for hook in unknown]
+            unknown = sorted(
+                c.name for c in self.pm.get_hookcallers(plugin) or () if not c.has_spec()
+            )
+            return [
+                f"implements unknown hook {hook!r}"
+                + "".join(
+                    f" (did you mean {m!r}?)" for m in difflib.get_close_matches(hook, specs, n=1)
+                )
+                for hook in unknown
+            ]
         return []
 
     def _add_transport(self, tcls: Any, plugin: str, dist: str, version: str) -> None:
@@ -191,8 +195,10 @@ class Registry:
             "data": DataTransport,
         }
         base = bases.get(str(kind))
-        if base is None or not isinstance(tname, str) or not (
-            isinstance(tcls, type) and issubclass(tcls, base)
+        if (
+            base is None
+            or not isinstance(tname, str)
+            or not (isinstance(tcls, type) and issubclass(tcls, base))
         ):
             self._fail(
                 plugin, dist, f"{tcls!r} is not a ControlTransport/DataTransport with a name"
@@ -208,7 +214,10 @@ class Registry:
             self.conflicts[key] = [first.distribution, dist]
             log.error(
                 "%s transport %r is claimed by both %s and %s; refusing both",
-                kind, tname, first.distribution, dist,
+                kind,
+                tname,
+                first.distribution,
+                dist,
             )
             return
         table[tname] = TransportEntry(tcls, plugin, dist, version)
@@ -242,8 +251,10 @@ class Registry:
             msg += f"; {name!r} is provided by {dist}: {self.install_hint(dist)}"
         for plugin, plugin_dist in sorted(self.disabled.items()):
             if name in (plugin, plugin_dist.removeprefix("p2pkv-")):
-                msg += (f"; plugin {plugin!r} ({plugin_dist}) may provide it: "
-                        f"{self.install_hint(plugin_dist)}")
+                msg += (
+                    f"; plugin {plugin!r} ({plugin_dist}) may provide it: "
+                    f"{self.install_hint(plugin_dist)}"
+                )
         raise ConfigError(msg)
 
     def install_hint(self, dist: str) -> str:
@@ -252,8 +263,10 @@ class Registry:
         blocked = sorted(name for name, d in self.disabled.items() if d == dist)
         if blocked:
             names = " and ".join(repr(n) for n in blocked)
-            return (f"{dist} is installed but {DISABLE_ENV} blocks it; remove {names} from "
-                    "that variable")
+            return (
+                f"{dist} is installed but {DISABLE_ENV} blocks it; remove {names} from "
+                "that variable"
+            )
         return f"pip install {dist}"
 
     def entries(self, kind: TransportKind) -> dict[str, TransportEntry]:
@@ -275,8 +288,7 @@ class Registry:
         found: dict[str, type[Any]] = {}
         for plugin, outcome in self._call_each("p2pkv_bench_baselines"):
             if isinstance(outcome, Exception):
-                log.error("p2pkv_bench_baselines of %s raised; ignored", plugin,
-                          exc_info=outcome)
+                log.error("p2pkv_bench_baselines of %s raised; ignored", plugin, exc_info=outcome)
                 continue
             for cls in (cls for result in outcome for cls in result or []):
                 name = getattr(cls, "name", None)
@@ -303,15 +315,24 @@ class Registry:
         whole CLI down."""
         for plugin, outcome in self._call_each("p2pkv_cli_commands", subparsers=subparsers):
             if isinstance(outcome, Exception):
-                self._fail(plugin, self.distribution(plugin), "p2pkv_cli_commands failed: "
-                           f"{type(outcome).__name__}: {outcome}")
+                self._fail(
+                    plugin,
+                    self.distribution(plugin),
+                    f"p2pkv_cli_commands failed: {type(outcome).__name__}: {outcome}",
+                )
 
     def doctor_checks(self) -> list[tuple[str, list[Any] | Exception]]:
         """Per plugin implementing ``p2pkv_doctor_checks``: what it returned (meant to be
         ``DoctorCheck`` objects; ``p2pkv doctor`` checks), or the exception it raised."""
-        return [(plugin, outcome if isinstance(outcome, Exception)
-                 else [check for result in outcome for check in result or []])
-                for plugin, outcome in self._call_each("p2pkv_doctor_checks")]
+        return [
+            (
+                plugin,
+                outcome
+                if isinstance(outcome, Exception)
+                else [check for result in outcome for check in result or []],
+            )
+            for plugin, outcome in self._call_each("p2pkv_doctor_checks")
+        ]
 
     def distribution(self, plugin: str) -> str:
         """The distribution plugin ``plugin`` was loaded from (``?`` when not known)."""
@@ -338,9 +359,12 @@ def _new_manager(env: Mapping[str, str]) -> pluggy.PluginManager:
         trace.setLevel(min(trace.getEffectiveLevel(), logging.INFO))
 
         def before(hook_name: str, impls: Sequence[HookImpl], kwargs: Mapping[str, Any]) -> None:
-            trace.info("hook %s(%s) -> %s", hook_name,
-                       ", ".join(f"{k}={reprlib.repr(v)}" for k, v in kwargs.items()),
-                       ", ".join(impl.plugin_name for impl in impls))
+            trace.info(
+                "hook %s(%s) -> %s",
+                hook_name,
+                ", ".join(f"{k}={reprlib.repr(v)}" for k, v in kwargs.items()),
+                ", ".join(impl.plugin_name for impl in impls),
+            )
 
         def after(outcome: Any, hook_name: str, impls: Any, kwargs: Any) -> None:
             trace.debug("hook %s done", hook_name)

@@ -38,9 +38,18 @@ _SYM_CONSUMER = ("remote_kv_source", "p2p")
 _PRODUCER = ("remote_decoder", "decode")
 _ROUTING_KEYS = (*_PD_CONSUMER, *_SYM_CONSUMER, *_PRODUCER)
 _ROUTING_KEY_SET = frozenset(_ROUTING_KEYS)
-_OTHER_CONNECTORS_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
-                          "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
-                          "remote_dp_size", "remote_tp_size", "tp_size")
+_OTHER_CONNECTORS_KEYS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "remote_dp_size",
+    "remote_tp_size",
+    "tp_size",
+)
 """Keys other KV connectors of vLLM put in ``kv_transfer_params`` (NixlConnector and the
 like): never a misspelling of ours, however close."""
 _SEEN_KEYS: dict[str, str] = dict.fromkeys(_OTHER_CONNECTORS_KEYS, "")
@@ -127,9 +136,13 @@ def _warn_misspelt(params: Mapping[str, Any], req_id: str) -> None:
         close = difflib.get_close_matches(key, _ROUTING_KEYS, n=1, cutoff=0.8)
         _SEEN_KEYS[key] = close[0] if close else ""
         if close:
-            log.warning("request %s: kv_transfer_params key %r is not a p2pkv routing key "
-                        "(ignored); did you mean %r? (logged once per key)", req_id or "?",
-                        key, close[0])
+            log.warning(
+                "request %s: kv_transfer_params key %r is not a p2pkv routing key "
+                "(ignored); did you mean %r? (logged once per key)",
+                req_id or "?",
+                key,
+                close[0],
+            )
 
 
 def _pick(params: Mapping[str, Any], names: tuple[str, str]) -> tuple[str, Any] | None:

@@ -40,9 +40,12 @@ def default_slice_bytes(environ: Mapping[str, str] | None = None) -> int:
         return SLICE_BYTES
     text = raw.strip()
     if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{SLICE_BYTES_ENV}={raw!r}: give the largest registration in whole "
-                          f"bytes, at least 1 (e.g. {SLICE_BYTES} for 3.5 GiB)")
+        raise ConfigError(
+            f"{SLICE_BYTES_ENV}={raw!r}: give the largest registration in whole "
+            f"bytes, at least 1 (e.g. {SLICE_BYTES} for 3.5 GiB)"
+        )
     return int(text)
+
 
 ONE_SLICE: Indexes = np.zeros(1, np.int64)
 """The slice starts of a region registered whole."""
@@ -76,8 +79,11 @@ def region_slice_starts(num_blocks: int, blocks: int) -> Indexes:
 
 
 def coalesce(
-    first: Indexes, second: Indexes,
-    first_slices: Indexes = ONE_SLICE, second_slices: Indexes = ONE_SLICE, max_run: int = 0,
+    first: Indexes,
+    second: Indexes,
+    first_slices: Indexes = ONE_SLICE,
+    second_slices: Indexes = ONE_SLICE,
+    max_run: int = 0,
 ) -> tuple[Indexes, Indexes, Indexes]:
     """``(first starts, second starts, lengths)`` of the runs of the block pairs
     ``(first[i], second[i])``, in order, covering the pairs exactly.

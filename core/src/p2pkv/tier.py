@@ -91,7 +91,8 @@ class P2PTier:
         self._clock = clock
         reg = registry if registry is not None else default_registry()
         self._data = self._call_guard = GuardedDataTransport(
-            _data_transport(reg, config, region, block_len, data))
+            _data_transport(reg, config, region, block_len, data)
+        )
         try:
             self._control = control if control is not None else _control_transport(reg, config)
         except BaseException:
@@ -104,24 +105,38 @@ class P2PTier:
         if self._control.batch_sends():  # then frames leave as each public call returns
             self._guard.on_exit = self._env.flush_control = self._control.flush
         self._table = SessionTable(self._env)
-        self._admission = Admission(self._env, self._table.sessions, start=self._table.start,
-                                    close=self._table.close,
-                                    close_unusable=self._table.close_unusable)
+        self._admission = Admission(
+            self._env,
+            self._table.sessions,
+            start=self._table.start,
+            close=self._table.close,
+            close_unusable=self._table.close_unusable,
+        )
         self._build_roles()
 
     def _session_env(self, deadlines: Deadlines) -> SessionEnv:
         config, data = self._config, self._data
         return SessionEnv(
-            data=data, ledger=self._ledger, deadlines=deadlines, clock=self._clock,
-            observers=self._observers, timeouts=config.timeouts, limits=config.limits,
-            flow=config.flow, local=LocalIdentity(
-                address=self._control.local_address, epoch=secrets.randbits(64),
-                descriptor=data.descriptor(), num_blocks=data.num_blocks,
-                block_len=data.block_len, fingerprint=config.fingerprint,
+            data=data,
+            ledger=self._ledger,
+            deadlines=deadlines,
+            clock=self._clock,
+            observers=self._observers,
+            timeouts=config.timeouts,
+            limits=config.limits,
+            flow=config.flow,
+            local=LocalIdentity(
+                address=self._control.local_address,
+                epoch=secrets.randbits(64),
+                descriptor=data.descriptor(),
+                num_blocks=data.num_blocks,
+                block_len=data.block_len,
+                fingerprint=config.fingerprint,
                 hash_seed=config.hash_seed,
             ),
-            producers=ProducerDirectory(self._ledger, deadlines, self._clock,
-                                        config.timeouts, self._observers),
+            producers=ProducerDirectory(
+                self._ledger, deadlines, self._clock, config.timeouts, self._observers
+            ),
         )
 
     def _build_roles(self) -> None:
@@ -131,30 +146,64 @@ class P2PTier:
         backoff = DialBackoff(peers.dial_backoff)
         warm = WarmSet(peers.warm, peers.max_handshakes, table, peer_timers, clock, backoff)
         queue = DialQueue(env, peers.max_dialed, peer_timers, warm.listed)
-        dialer = Dialer(self._control, table, self._admission, env,
-                        DialPolicy(peers, clock()), backoff, queue, peer_timers)
+        dialer = Dialer(
+            self._control,
+            table,
+            self._admission,
+            env,
+            DialPolicy(peers, clock()),
+            backoff,
+            queue,
+            peer_timers,
+        )
         domains = FailureDomains(table, clock, config.timeouts.handshake)
         idle = IdleReaper(peers.idle_timeout, peer_timers, clock, self._reap, warm.__contains__)
         dialer.warm, dialer.handshake_timeout = warm, domains.handshake_timeout
         warm.dial = lambda peer: dialer.own_dial(peer, DialKind.WARM)
         domains.redial = lambda peer: dialer.own_dial(peer, DialKind.PROBE)
         table.watchers.extend((dialer, warm, domains, idle))
-        discovery = (Discovery(peers.connect, peers.resolve_interval, self.local_address)
-                     if peers.connect else None)
+        discovery = (
+            Discovery(peers.connect, peers.resolve_interval, self.local_address)
+            if peers.connect
+            else None
+        )
         periodic = [env.warnings.flush, dialer.drain]
         if discovery is not None:
             periodic.append(lambda now: _discovered(discovery, warm, now))
         self._dialer = dialer
-        self._requests = RequestRouter(config, env, JobIntake(self._ledger, config.limits,
-                                       self._data.num_blocks), table, dialer, warm,
-                                       self._observers)
+        self._requests = RequestRouter(
+            config,
+            env,
+            JobIntake(self._ledger, config.limits, self._data.num_blocks),
+            table,
+            dialer,
+            warm,
+            self._observers,
+        )
         pauses = PauseDetector(clock, self._control.silence_timeout)
-        self._ticker = TickPipeline(self._control, env, table, self._admission, pauses,
-                                    peer_timers, periodic)
-        self._shutdown = Shutdown(self._control, env, table, self._admission, discovery, queue,
-                                  self._ticker.tick, pauses.close)
-        self._views = TierViews(env, table, self._admission, dialer, warm, domains, idle,
-                                Isolation(self._call_guard, pauses))
+        self._ticker = TickPipeline(
+            self._control, env, table, self._admission, pauses, peer_timers, periodic
+        )
+        self._shutdown = Shutdown(
+            self._control,
+            env,
+            table,
+            self._admission,
+            discovery,
+            queue,
+            self._ticker.tick,
+            pauses.close,
+        )
+        self._views = TierViews(
+            env,
+            table,
+            self._admission,
+            dialer,
+            warm,
+            domains,
+            idle,
+            Isolation(self._call_guard, pauses),
+        )
 
     def _reap(self, session: Session, reason: str) -> None:
         self._table.close(session, Outcome.PEER_DEAD, reason, bye=reason)
@@ -274,8 +323,10 @@ class P2PTier:
     def drain_jobs(self, timeout: float | None = None) -> None:
         """Tick until every submitted job has a result (never aborts anything)."""
         t = self._config.timeouts
-        budget = timeout if timeout is not None else (
-            max(t.lease, t.store, t.unbound_store) + t.shutdown_drain
+        budget = (
+            timeout
+            if timeout is not None
+            else (max(t.lease, t.store, t.unbound_store) + t.shutdown_drain)
         )
         start, wall = self._clock(), time.monotonic()
         warned = False
@@ -283,13 +334,19 @@ class P2PTier:
             self._ticker.tick(0.001)
             elapsed = max(self._clock() - start, time.monotonic() - wall)
             if elapsed >= budget:
-                log.warning("drain_jobs: %d job(s) still pending after %.1fs; returning",
-                            self._ledger.pending, elapsed)
+                log.warning(
+                    "drain_jobs: %d job(s) still pending after %.1fs; returning",
+                    self._ledger.pending,
+                    elapsed,
+                )
                 return
             if not warned and elapsed >= _DRAIN_WARN_S:
                 warned = True
-                log.warning("drain_jobs: still waiting for %d job(s) after %.0fs",
-                            self._ledger.pending, elapsed)
+                log.warning(
+                    "drain_jobs: still waiting for %d job(s) after %.0fs",
+                    self._ledger.pending,
+                    elapsed,
+                )
 
     @driver_call
     def shutdown(self) -> list[JobResult]:
@@ -338,8 +395,13 @@ def _discovered(discovery: Discovery, warm: WarmSet, now: float) -> None:
         warm.discovered(wanted)
 
 
-def _data_transport(reg: Registry, config: TierConfig, region: memoryview, block_len: int,
-                    data: DataTransport | None) -> DataTransport:
+def _data_transport(
+    reg: Registry,
+    config: TierConfig,
+    region: memoryview,
+    block_len: int,
+    data: DataTransport | None,
+) -> DataTransport:
     """``data`` if given (its region must be the tier's), else one built over ``region``."""
     if data is None:
         built: DataTransport = reg.transport("data", config.data).create(
@@ -348,16 +410,24 @@ def _data_transport(reg: Registry, config: TierConfig, region: memoryview, block
         return built
     nbytes = memoryview(region).nbytes
     if data.block_len != block_len or data.num_blocks * block_len != nbytes:
-        raise ConfigError(f"data transport region is {data.num_blocks}x{data.block_len}, the "
-                          f"tier's is {nbytes} bytes in blocks of {block_len}")
+        raise ConfigError(
+            f"data transport region is {data.num_blocks}x{data.block_len}, the "
+            f"tier's is {nbytes} bytes in blocks of {block_len}"
+        )
     return data
 
 
 def _control_transport(reg: Registry, config: TierConfig) -> ControlTransport:
-    control: ControlTransport = reg.transport("control", config.control).create(ControlSettings(
-        config.host, config.port, max_frame_bytes=config.limits.max_frame_bytes,
-        options=config.control_options, dp_rank=config.dp_rank,
-        handshake_timeout=config.timeouts.handshake,
-        host_setting=config.host_setting, port_setting=config.port_setting,
-    ))
+    control: ControlTransport = reg.transport("control", config.control).create(
+        ControlSettings(
+            config.host,
+            config.port,
+            max_frame_bytes=config.limits.max_frame_bytes,
+            options=config.control_options,
+            dp_rank=config.dp_rank,
+            handshake_timeout=config.timeouts.handshake,
+            host_setting=config.host_setting,
+            port_setting=config.port_setting,
+        )
+    )
     return control

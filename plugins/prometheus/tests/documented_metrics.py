@@ -60,6 +60,8 @@ def documented(prefix: str) -> dict[str, str]:
 def exposed(text: str, prefix: str) -> dict[str, str]:
     """Metric name -> type of the families in a Prometheus text exposition whose names start
     with ``prefix``, named as the exposition shows them (a counter with its ``_total``)."""
-    return {family.name + ("_total" if family.type == "counter" else ""): family.type
-            for family in text_string_to_metric_families(text)
-            if family.name.startswith(prefix)}
+    return {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith(prefix)
+    }

@@ -44,7 +44,8 @@ def main(sessions: int, how: str) -> None:
         plugin.p2pkv_tier_state(in_flight_transfers=0, parked_stores=0, sessions=0)
     assert how in ("fork", "spawn"), how
     ctx: ForkContext | SpawnContext = (
-        mp.get_context("fork") if how == "fork" else mp.get_context("spawn"))
+        mp.get_context("fork") if how == "fork" else mp.get_context("spawn")
+    )
     ready, done = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=child, args=(sessions, ready, done))
     proc.start()

@@ -21,8 +21,9 @@ def serve(pipe: Connection, requests: int) -> None:
     from p2pkv.types import Job, RequestContext
 
     def tier() -> P2PTier:
-        config = TierConfig.from_dict({"control": "zmq", "data": "memory", "host": "127.0.0.1",
-                                       "port": 0})
+        config = TierConfig.from_dict(
+            {"control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0}
+        )
         return P2PTier(config, memoryview(bytearray(_BLOCK * _BLOCKS)), _BLOCK)
 
     producer, consumer = tier(), tier()
@@ -31,8 +32,16 @@ def serve(pipe: Connection, requests: int) -> None:
     for n in range(requests):
         kv = f"scrape-{n}"
         store = RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}})
-        load = RequestContext(f"c-{kv}", {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": host, "remote_port": int(port)}})
+        load = RequestContext(
+            f"c-{kv}",
+            {
+                "remote_prefiller": {
+                    "kv_request_id": kv,
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            },
+        )
         producer.on_new_request(store)
         consumer.on_new_request(load)
         producer.submit_store(Job(2 * n, [b"k%d" % n], [n % _BLOCKS], False, store))

@@ -27,8 +27,12 @@ DEADLINE = 30.0
 def _start(sessions: int, how: str, directory: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
     proc = subprocess.Popen(
-        [sys.executable, str(HELPER), str(sessions), how], env=env, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, str(HELPER), str(sessions), how],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     assert proc.stdout is not None
     readable, _, _ = select.select([proc.stdout], [], [], DEADLINE)

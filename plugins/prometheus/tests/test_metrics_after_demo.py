@@ -36,7 +36,8 @@ def _samples(directory: Path) -> Samples:
 
 def _total(samples: Samples, name: str, **labels: str) -> float:
     return sum(
-        v for (n, lab), v in samples.items()
+        v
+        for (n, lab), v in samples.items()
         if n == name and all(dict(lab).get(k) == want for k, want in labels.items())
     )
 
@@ -47,9 +48,23 @@ def test_metrics_match_a_demo_run(tmp_path: Path) -> None:
     summary_path = tmp_path / "demo.json"
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "UCX_NET_DEVICES": "lo"}
     proc = subprocess.run(
-        [sys.executable, "-m", "p2pkv.cli", "demo", "--requests", "8", "--preset", "tiny",
-         "--quiet", "--json", str(summary_path)],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "p2pkv.cli",
+            "demo",
+            "--requests",
+            "8",
+            "--preset",
+            "tiny",
+            "--quiet",
+            "--json",
+            str(summary_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(summary_path.read_text())
@@ -59,14 +74,16 @@ def test_metrics_match_a_demo_run(tmp_path: Path) -> None:
     assert _total(samples, "p2pkv_bytes_read_total") == summary["bytes"]
     assert _total(samples, "p2pkv_jobs_total", kind="load") == stats["consumer"]["jobs_done"]
     assert _total(samples, "p2pkv_jobs_total", kind="store") == stats["producer"]["jobs_done"]
-    assert _total(samples, "p2pkv_jobs_total") == _total(samples, "p2pkv_jobs_total",
-                                                          outcome="done")
+    assert _total(samples, "p2pkv_jobs_total") == _total(
+        samples, "p2pkv_jobs_total", outcome="done"
+    )
     assert _total(samples, "p2pkv_transfers_total", result="failed") == 0
     assert _total(samples, "p2pkv_transfers_total", result="ok") >= summary["requests"]
     assert _total(samples, "p2pkv_sessions_opened_total") >= 2  # one per side at least
     assert _total(samples, "p2pkv_protocol_errors_total") == 0
-    assert _total(samples, "p2pkv_job_duration_seconds_count", kind="load") == (
-        stats["consumer"]["jobs_done"]
+    assert (
+        _total(samples, "p2pkv_job_duration_seconds_count", kind="load")
+        == (stats["consumer"]["jobs_done"])
     )
     gauges = {"p2pkv_sessions", "p2pkv_in_flight_transfers", "p2pkv_parked_stores"}
     assert not gauges & {name for name, _ in samples}, "gauges of exited processes remain"

@@ -51,8 +51,11 @@ def proxy_metrics() -> dict[str, str]:
     return dict.fromkeys(metrics.METRICS, "counter")
 
 
-@pytest.mark.parametrize("registered", [prometheus_metrics, vllm_metrics, proxy_metrics],
-                         ids=["p2pkv-prometheus", "vllm-adapter", "proxy"])
+@pytest.mark.parametrize(
+    "registered",
+    [prometheus_metrics, vllm_metrics, proxy_metrics],
+    ids=["p2pkv-prometheus", "vllm-adapter", "proxy"],
+)
 def test_every_registered_metric_is_documented_with_its_type(
     registered: Callable[[], dict[str, str]],
 ) -> None:
@@ -70,6 +73,5 @@ def test_no_stale_metric_names_are_documented() -> None:
     if importlib.util.find_spec("p2pkv_vllm") is not None:
         registered |= vllm_metrics() | proxy_metrics()
         families.append("vllm:kv_offload_p2pkv_")
-    stale = sorted(n for n in documented()
-                   if n.startswith(tuple(families)) and n not in registered)
+    stale = sorted(n for n in documented() if n.startswith(tuple(families)) and n not in registered)
     assert not stale, f"documented but not registered: {stale}"

@@ -32,9 +32,15 @@ def test_every_exposed_metric_is_documented_as_exposed() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=T) as reply:
             text = reply.read().decode()
         child.send("stop")
-    scraped = {name: kind for name, kind in exposed(text, "p2pkv_").items()
-               if not name.endswith("_created")}
+    scraped = {
+        name: kind
+        for name, kind in exposed(text, "p2pkv_").items()
+        if not name.endswith("_created")
+    }
     assert "p2pkv_jobs_total" in scraped and "p2pkv_bytes_read_total" in scraped, scraped
-    tier_metrics = {name: kind for name, kind in documented("p2pkv_").items()
-                    if not name.startswith("p2pkv_proxy_")}  # p2pkv proxy's, not a tier's
+    tier_metrics = {
+        name: kind
+        for name, kind in documented("p2pkv_").items()
+        if not name.startswith("p2pkv_proxy_")
+    }  # p2pkv proxy's, not a tier's
     assert scraped == tier_metrics

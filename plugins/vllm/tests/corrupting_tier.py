@@ -39,7 +39,8 @@ class CorruptingP2PKVTier(P2PKVTier):
             with self._primary_kv_view.cast("B") as flat:
                 region = np.frombuffer(flat, dtype=np.uint8)
                 for chunk in chunks:
-                    region[chunk * size:(chunk + 1) * size] = self._noise.integers(
-                        0, 256, size, dtype=np.uint8)
+                    region[chunk * size : (chunk + 1) * size] = self._noise.integers(
+                        0, 256, size, dtype=np.uint8
+                    )
                 del region
         return results

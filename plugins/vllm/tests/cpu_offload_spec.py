@@ -49,13 +49,20 @@ def _worker_region(spec: TieringOffloadingSpec, rank: int) -> SharedOffloadRegio
     """This worker's slot (``rank``) of ``spec``'s shared offload region, in the release's
     spelling."""
     if _REGION_IN_CHUNKS:
-        return SharedOffloadRegion(engine_id=spec._engine_id, num_chunks=spec.num_chunks,
-                                   rank=rank, kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-                                   cpu_page_size=spec.cpu_page_size_per_worker)
-    return SharedOffloadRegion(engine_id=spec._engine_id,  # type: ignore[call-arg]
-                               num_blocks=spec.num_blocks,  # type: ignore[attr-defined]
-                               rank=rank, kv_bytes_per_block=spec.kv_bytes_per_chunk,
-                               cpu_page_size=spec.cpu_page_size_per_worker)
+        return SharedOffloadRegion(
+            engine_id=spec._engine_id,
+            num_chunks=spec.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )
+    return SharedOffloadRegion(
+        engine_id=spec._engine_id,  # type: ignore[call-arg]
+        num_blocks=spec.num_blocks,  # type: ignore[attr-defined]
+        rank=rank,
+        kv_bytes_per_block=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
 
 
 def _worker_view(region: SharedOffloadRegion, tensor_page_bytes: int) -> torch.Tensor:
@@ -73,8 +80,9 @@ class MemcpyOffloadingWorker(OffloadingWorker):
     call.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
-                 region: SharedOffloadRegion) -> None:
+    def __init__(
+        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: SharedOffloadRegion
+    ) -> None:
         self._region = region
         self._blocks_per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
@@ -109,18 +117,21 @@ class MemcpyOffloadingWorker(OffloadingWorker):
         self._host.clear()
         self._region.cleanup()
 
-    def _copy(self, src_spec: BlockIDsLoadStoreSpec, dst_spec: BlockIDsLoadStoreSpec,
-              *, to_host: bool) -> int:
+    def _copy(
+        self, src_spec: BlockIDsLoadStoreSpec, dst_spec: BlockIDsLoadStoreSpec, *, to_host: bool
+    ) -> int:
         """Copy every group's pages from src to dst blocks; returns the bytes copied."""
         device_spec = src_spec if to_host else dst_spec
         assert isinstance(device_spec, GPULoadStoreSpec)
-        src_tensors, dst_tensors = ((self._device, self._host) if to_host
-                                    else (self._host, self._device))
+        src_tensors, dst_tensors = (
+            (self._device, self._host) if to_host else (self._host, self._device)
+        )
         src_per_chunk = 1 if to_host else self._blocks_per_chunk
         dst_per_chunk = self._blocks_per_chunk if to_host else 1
         src_at = dst_at = copied = 0
-        for group, (size, first) in enumerate(zip(device_spec.group_sizes,
-                                                  device_spec.block_indices, strict=True)):
+        for group, (size, first) in enumerate(
+            zip(device_spec.group_sizes, device_spec.block_indices, strict=True)
+        ):
             if size == 0:
                 continue
             src_skip, dst_skip = first % src_per_chunk, first % dst_per_chunk
@@ -129,10 +140,20 @@ class MemcpyOffloadingWorker(OffloadingWorker):
             for ref in self._refs[group]:
                 src_ptrs = np.empty(size, dtype=np.uint64)
                 dst_ptrs = np.empty(size, dtype=np.uint64)
-                compute_sub_block_ptrs(src_spec.block_ids[src_at:src_at + src_n], src_per_chunk,
-                                       src_ptrs, src_tensors[ref.tensor_idx], src_skip)
-                compute_sub_block_ptrs(dst_spec.block_ids[dst_at:dst_at + dst_n], dst_per_chunk,
-                                       dst_ptrs, dst_tensors[ref.tensor_idx], dst_skip)
+                compute_sub_block_ptrs(
+                    src_spec.block_ids[src_at : src_at + src_n],
+                    src_per_chunk,
+                    src_ptrs,
+                    src_tensors[ref.tensor_idx],
+                    src_skip,
+                )
+                compute_sub_block_ptrs(
+                    dst_spec.block_ids[dst_at : dst_at + dst_n],
+                    dst_per_chunk,
+                    dst_ptrs,
+                    dst_tensors[ref.tensor_idx],
+                    dst_skip,
+                )
                 for src, dst in zip(src_ptrs.tolist(), dst_ptrs.tolist(), strict=True):
                     ctypes.memmove(dst, src, ref.page_size_bytes)
                 copied += size * ref.page_size_bytes

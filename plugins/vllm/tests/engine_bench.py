@@ -198,8 +198,15 @@ class Settings:
         shape's (``SHAPE_*``)."""
         if shape == BENCH_MODEL:
             return cls(release_label=release_label)
-        return cls(SHAPE_LENGTHS, SHAPE_REPS, release_label, churn_tokens=SHAPE_CHURN_TOKENS,
-                   shape=shape, busy=False, recompute_max=SHAPE_RECOMPUTE_MAX)
+        return cls(
+            SHAPE_LENGTHS,
+            SHAPE_REPS,
+            release_label,
+            churn_tokens=SHAPE_CHURN_TOKENS,
+            shape=shape,
+            busy=False,
+            recompute_max=SHAPE_RECOMPUTE_MAX,
+        )
 
     @property
     def kv_per_token(self) -> int:
@@ -228,8 +235,12 @@ class Settings:
 
     def engine_args(self) -> dict[str, Any]:
         """``vllm.LLM`` arguments: long prompts, a KV cache for a few of them."""
-        return {"max_model_len": self.max_model_len(), "max_num_batched_tokens": STEP_TOKENS,
-                "kv_cache_memory_bytes": self._memory(0), "dtype": self.dtype}
+        return {
+            "max_model_len": self.max_model_len(),
+            "max_num_batched_tokens": STEP_TOKENS,
+            "kv_cache_memory_bytes": self._memory(0),
+            "dtype": self.dtype,
+        }
 
     def cpu_bytes(self) -> int:
         """A CPU tier that holds the longest prompt a few times over."""
@@ -239,8 +250,12 @@ class Settings:
         """What the four engines take (bytes): each its KV cache, CPU tier and
         ``ENGINE_BASE_BYTES``; the JSON's ``config.memory``."""
         engine = self._memory(0) + self._memory(1) + ENGINE_BASE_BYTES
-        return {"kv_cache": self._memory(0), "cpu_tier": self._memory(1),
-                "engine": engine, "engines": 4 * engine}
+        return {
+            "kv_cache": self._memory(0),
+            "cpu_tier": self._memory(1),
+            "engine": engine,
+            "engines": 4 * engine,
+        }
 
     def measures(self, kind: str, n: int) -> bool:
         """Whether a repetition at length ``n`` measures ``kind`` (``recompute``, ``busy``)."""
@@ -322,10 +337,17 @@ def make_pair(tier: str, model: str, settings: Settings, link: Link | None = Non
     """The (unstarted) source and consumer of ``tier`` on ``model``, each with its own port;
     with a ``link``, the source at its source end and the consumer at its reader end."""
     ends = (link.source, link.reader) if link is not None else (None, None)
-    source, consumer = (Engine(f"{tier}-{role}", model, tier_entry(tier, end, link),
-                               engine_args=settings.engine_args(),
-                               cpu_bytes=settings.cpu_bytes(), placement=end)
-                        for role, end in zip(("source", "consumer"), ends, strict=True))
+    source, consumer = (
+        Engine(
+            f"{tier}-{role}",
+            model,
+            tier_entry(tier, end, link),
+            engine_args=settings.engine_args(),
+            cpu_bytes=settings.cpu_bytes(),
+            placement=end,
+        )
+        for role, end in zip(("source", "consumer"), ends, strict=True)
+    )
     return Pair(tier, source, consumer, settings.kv_per_token)
 
 
@@ -345,9 +367,13 @@ def only(active: Pair, pairs: Sequence[Pair], traffic: Traffic) -> Iterator[None
 
 
 def source_params(pair: Pair, kv_request_id: str) -> dict[str, Any]:
-    return {"remote_kv_source": {"kv_request_id": kv_request_id,
-                                 "remote_host": pair.source.host,
-                                 "remote_port": pair.source.port}}
+    return {
+        "remote_kv_source": {
+            "kv_request_id": kv_request_id,
+            "remote_host": pair.source.host,
+            "remote_port": pair.source.port,
+        }
+    }
 
 
 def serve(pair: Pair, tokens: list[int], req_id: str, checks: Checks) -> list[int]:
@@ -365,8 +391,14 @@ def serve(pair: Pair, tokens: list[int], req_id: str, checks: Checks) -> list[in
     return out
 
 
-def pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks: Checks,
-         meanwhile: Callable[[], object] | None = None) -> float:
+def pull(
+    pair: Pair,
+    tokens: list[int],
+    req_id: str,
+    expected: list[int],
+    checks: Checks,
+    meanwhile: Callable[[], object] | None = None,
+) -> float:
     """``B`` gets ``tokens`` with ``remote_kv_source`` naming ``A``: its TTFT (s). Checked:
     all ``len - 1`` prompt tokens came from ``A`` (cached and vLLM's external counter, no
     local hits) and ``B``'s tokens equal ``A``'s. ``meanwhile`` (a call that blocks for a
@@ -376,31 +408,35 @@ def pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks
     before = consumer.metrics()
     consumer.submit(req_id, tokens, OUTPUT_TOKENS, source_params(pair, f"kv-{req_id}"))
     deadline = time.monotonic() + engine_kit.WAIT
-    while meanwhile is not None and not consumer.child.pending() \
-            and time.monotonic() < deadline:
+    while meanwhile is not None and not consumer.child.pending() and time.monotonic() < deadline:
         meanwhile()
     out, cached = consumer.result(req_id)
     after = consumer.metrics()
     external, local = delta(after, before, EXTERNAL_TOKENS), delta(after, before, LOCAL_HITS)
     checks.pulls[pair.tier] = checks.pulls.get(pair.tier, 0) + 1
-    if checks.expect((cached, external, local) == (held, held, 0),
-                     f"{pair.tier} {req_id}: {cached} cached, {external} external, {local} "
-                     f"local tokens of {held}"):
+    if checks.expect(
+        (cached, external, local) == (held, held, 0),
+        f"{pair.tier} {req_id}: {cached} cached, {external} external, {local} "
+        f"local tokens of {held}",
+    ):
         checks.full_pulls[pair.tier] = checks.full_pulls.get(pair.tier, 0) + 1
         checks.pulled_tokens[pair.tier] = checks.pulled_tokens.get(pair.tier, 0) + held
     checks.expect(out == expected, f"{pair.tier} {req_id}: tokens differ from the source's")
     return consumer.ttft(req_id)
 
 
-def local_hit(pair: Pair, tokens: list[int], req_id: str, expected: list[int],
-              checks: Checks) -> float:
+def local_hit(
+    pair: Pair, tokens: list[int], req_id: str, expected: list[int], checks: Checks
+) -> float:
     """``B`` gets a prompt it holds: its TTFT (s); a local hit of ``len - 1`` tokens."""
     consumer, held = pair.consumer, len(tokens) - 1
     before = consumer.metrics()
     out, cached = consumer.generate(req_id, tokens, OUTPUT_TOKENS)
     external = delta(consumer.metrics(), before, EXTERNAL_TOKENS)
-    checks.expect((cached, external) == (held, 0),
-                  f"{pair.tier} {req_id}: local hit {cached} cached, {external} external")
+    checks.expect(
+        (cached, external) == (held, 0),
+        f"{pair.tier} {req_id}: local hit {cached} cached, {external} external",
+    )
     checks.expect(out == expected, f"{pair.tier} {req_id}: tokens differ from the source's")
     return consumer.ttft(req_id)
 
@@ -434,8 +470,9 @@ class Stream:
         deadline = time.monotonic() + engine_kit.WAIT
         while not done(self.top_up()):
             if time.monotonic() > deadline:
-                raise AssertionError(f"{self.source.name}: {what} not in {engine_kit.WAIT}s "
-                                     f"{self.status}")
+                raise AssertionError(
+                    f"{self.source.name}: {what} not in {engine_kit.WAIT}s {self.status}"
+                )
 
     def drain(self) -> None:
         """Stop submitting; wait until none is in flight (at most ``WAIT`` seconds)."""
@@ -445,8 +482,9 @@ class Stream:
                 raise AssertionError(f"{self.source.name}: stream not drained {status}")
 
 
-def busy_pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int],
-              stream: Stream, checks: Checks) -> tuple[float, list[float]]:
+def busy_pull(
+    pair: Pair, tokens: list[int], req_id: str, expected: list[int], stream: Stream, checks: Checks
+) -> tuple[float, list[float]]:
     """:func:`pull` while ``A`` runs its own ``stream`` of long prefills (started, and one of
     them finished, before the pull; topped up while it runs; drained after): ``B``'s TTFT
     (s) and the wall times of ``A``'s steps meanwhile that ran the model."""
@@ -455,8 +493,9 @@ def busy_pull(pair: Pair, tokens: list[int], req_id: str, expected: list[int],
     base = stream.top_up()[0]
     stream.until(lambda status: status[0] > base, "a stream request finished")
     ttft = pull(pair, tokens, req_id, expected, checks, stream.top_up)
-    checks.expect(stream.top_up()[1] == CHURN_INFLIGHT,
-                  f"{pair.tier} {req_id}: the source's stream ran dry")
+    checks.expect(
+        stream.top_up()[1] == CHURN_INFLIGHT, f"{pair.tier} {req_id}: the source's stream ran dry"
+    )
     stream.drain()
     return ttft, [seconds for seconds, tokens in source.steps() if tokens > 0]
 
@@ -483,8 +522,9 @@ def marks_ms(pair: Pair, req_id: str) -> dict[str, float]:
     return out
 
 
-def repetition(pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompts,
-               checks: Checks) -> dict[str, Any]:
+def repetition(
+    pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompts, checks: Checks
+) -> dict[str, Any]:
     """One repetition at pulled length ``n`` (idle, local, and what ``settings.measures``:
     recompute, busy): times in ms (None: not measured), ``A``'s median step while busy, and
     p2pkv's pull marks."""
@@ -492,9 +532,15 @@ def repetition(pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompt
     expected = serve(pair, shared, f"{tag}-a", checks)
     idle = pull(pair, shared, f"{tag}-idle", expected, checks)
     local = local_hit(pair, shared, f"{tag}-local", expected, checks)
-    out: dict[str, Any] = {"idle": idle * 1e3, "local": local * 1e3, "recompute": None,
-                           "busy": None, "source_step": None,
-                           "idle_marks": marks_ms(pair, f"{tag}-idle"), "busy_marks": {}}
+    out: dict[str, Any] = {
+        "idle": idle * 1e3,
+        "local": local * 1e3,
+        "recompute": None,
+        "busy": None,
+        "source_step": None,
+        "idle_marks": marks_ms(pair, f"{tag}-idle"),
+        "busy_marks": {},
+    }
     if settings.measures("recompute", n):
         fresh = recompute(pair, prompts.fresh(n + 1), f"{tag}-recompute", checks)
         out["recompute"] = fresh * 1e3
@@ -503,13 +549,17 @@ def repetition(pair: Pair, n: int, tag: str, settings: Settings, prompts: Prompt
         busy_expected = serve(pair, busy_prompt, f"{tag}-busy-a", checks)
         stream = Stream(pair.source, prompts, settings.churn_tokens)
         busy, steps = busy_pull(pair, busy_prompt, f"{tag}-busy", busy_expected, stream, checks)
-        out.update(busy=busy * 1e3, busy_marks=marks_ms(pair, f"{tag}-busy"),
-                   source_step=statistics.median(steps) * 1e3 if steps else None)
+        out.update(
+            busy=busy * 1e3,
+            busy_marks=marks_ms(pair, f"{tag}-busy"),
+            source_step=statistics.median(steps) * 1e3 if steps else None,
+        )
     return out
 
 
-def first_pull(pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts,
-               checks: Checks, traffic: Traffic) -> dict[str, Any]:
+def first_pull(
+    pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts, checks: Checks, traffic: Traffic
+) -> dict[str, Any]:
     """The first pull of the fresh pair (``B`` first serves one local request): TTFT ms."""
     tag = f"{pair.tier}-first"
     with only(pair, pairs, traffic):
@@ -520,9 +570,14 @@ def first_pull(pair: Pair, pairs: Sequence[Pair], n: int, prompts: Prompts,
         return {"tokens": n, "ttft_ms": ttft * 1e3, "marks": marks_ms(pair, f"{tag}-b")}
 
 
-def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks: Checks,
-            progress: Callable[[str], None],
-            traffic: Traffic) -> dict[str, dict[int, list[dict[str, Any]]]]:
+def measure(
+    pairs: Sequence[Pair],
+    settings: Settings,
+    prompts: Prompts,
+    checks: Checks,
+    progress: Callable[[str], None],
+    traffic: Traffic,
+) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """Every repetition of every length, the tiers alternating (their order swapped every
     repetition), each with the other pairs paused (the link's bytes meanwhile counted as its
     tier's): tier -> length -> repetitions."""
@@ -538,9 +593,14 @@ def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks:
                     warm(pair, prompts, tag, checks)
                     result = repetition(pair, n, tag, settings, prompts, checks)
                 samples[pair.tier].setdefault(n, []).append(result)
-                progress(f"{tag}: " + ", ".join(
-                    f"{kind} {result[kind]:.1f} ms" for kind in ("idle", "local", "busy")
-                    if result[kind] is not None))
+                progress(
+                    f"{tag}: "
+                    + ", ".join(
+                        f"{kind} {result[kind]:.1f} ms"
+                        for kind in ("idle", "local", "busy")
+                        if result[kind] is not None
+                    )
+                )
     return samples
 
 
@@ -549,8 +609,11 @@ def measure(pairs: Sequence[Pair], settings: Settings, prompts: Prompts, checks:
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Median, half the range, and the samples (ms)."""
-    return {"median": statistics.median(values), "half_range": (max(values) - min(values)) / 2,
-            "samples": [round(v, 3) for v in values]}
+    return {
+        "median": statistics.median(values),
+        "half_range": (max(values) - min(values)) / 2,
+        "samples": [round(v, 3) for v in values],
+    }
 
 
 KINDS = ("idle", "local", "recompute", "busy", "source_step")
@@ -566,8 +629,11 @@ def length_row(n: int, reps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     row["transfer_ms"] = idle - local
     row["prefill_ms"] = row["recompute"]["median"] - local if row["recompute"] else None
     row["busy_extra_ms"] = row["busy"]["median"] - idle if row["busy"] else None
-    row["p2pkv_marks"] = [{"idle": r["idle_marks"], "busy": r["busy_marks"]} for r in reps
-                          if r["idle_marks"] or r["busy_marks"]]
+    row["p2pkv_marks"] = [
+        {"idle": r["idle_marks"], "busy": r["busy_marks"]}
+        for r in reps
+        if r["idle_marks"] or r["busy_marks"]
+    ]
     return row
 
 
@@ -576,8 +642,7 @@ def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | Non
     than two distinct ``x``."""
     if len({x for x, _ in points}) < 2:
         return None
-    slope, intercept = statistics.linear_regression([x for x, _ in points],
-                                                    [y for _, y in points])
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
     return intercept, slope
 
 
@@ -587,8 +652,9 @@ def cost_model(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     measured recomputes (else its values, and ``minCachedTokenDelta``, are None), and
     ``sourceWaitMs`` busy rows (else None)."""
     transfer = line_fit([(r["tokens"], r["transfer_ms"]) for r in rows])
-    prefill = line_fit([(r["tokens"], r["prefill_ms"]) for r in rows
-                        if r["prefill_ms"] is not None])
+    prefill = line_fit(
+        [(r["tokens"], r["prefill_ms"]) for r in rows if r["prefill_ms"] is not None]
+    )
     waits = [r["busy_extra_ms"] for r in rows if r["busy_extra_ms"] is not None]
     wait = round(statistics.median(waits), 3) if waits else None
     if transfer is None:
@@ -604,14 +670,20 @@ def cost_model(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "transferFixedMs": round(max(fixed_ms, 0.0), 3),
         "sourceWaitMs": wait,
         "minCachedTokenDelta": max(1, delta_tokens) if delta_tokens is not None else None,
-        "fit": {"transfer_intercept_ms": fixed_ms, "transfer_slope_us_per_token":
-                per_token_ms * 1e3, "prefill_intercept_ms": prefill[0] if prefill else None,
-                "prefill_slope_us_per_token": prefill_us},
+        "fit": {
+            "transfer_intercept_ms": fixed_ms,
+            "transfer_slope_us_per_token": per_token_ms * 1e3,
+            "prefill_intercept_ms": prefill[0] if prefill else None,
+            "prefill_slope_us_per_token": prefill_us,
+        },
     }
 
 
-RATIO_KEYS = {"transferFixedMs": "fixed cost", "transferMicrosecondsPerToken": "per-token cost",
-              "sourceWaitMs": "busy source extra wait"}
+RATIO_KEYS = {
+    "transferFixedMs": "fixed cost",
+    "transferMicrosecondsPerToken": "per-token cost",
+    "sourceWaitMs": "busy source extra wait",
+}
 
 
 def ratios(tiers: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
@@ -620,24 +692,33 @@ def ratios(tiers: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
     ours, theirs = tiers.get("p2pkv"), tiers.get(BUILTIN)
     if ours is None or theirs is None:
         return {}
-    pairs = {key: (ours["cost_model"].get(key), theirs["cost_model"].get(key))
-             for key in RATIO_KEYS}
+    pairs = {
+        key: (ours["cost_model"].get(key), theirs["cost_model"].get(key)) for key in RATIO_KEYS
+    }
     pairs["first_pull_ms"] = (ours["first_pull"]["ttft_ms"], theirs["first_pull"]["ttft_ms"])
-    return {key: (a / b if a is not None and b is not None and b > 0 else None)
-            for key, (a, b) in pairs.items()}
+    return {
+        key: (a / b if a is not None and b is not None and b > 0 else None)
+        for key, (a, b) in pairs.items()
+    }
 
 
-def summarize(samples: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
-              first: Mapping[str, Mapping[str, Any]],
-              entries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def summarize(
+    samples: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
+    first: Mapping[str, Mapping[str, Any]],
+    entries: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
     """Per tier: its entry (``entries``: the source's, its port dropped), first pull,
     per-length rows and costModel."""
     tiers = {}
     for tier, by_length in samples.items():
         rows = [length_row(n, reps) for n, reps in by_length.items()]
         entry = {key: value for key, value in entries[tier].items() if key != "port"}
-        tiers[tier] = {"entry": entry, "first_pull": dict(first[tier]), "lengths": rows,
-                       "cost_model": cost_model(rows)}
+        tiers[tier] = {
+            "entry": entry,
+            "first_pull": dict(first[tier]),
+            "lengths": rows,
+            "cost_model": cost_model(rows),
+        }
     return tiers
 
 
@@ -650,15 +731,20 @@ def raw_matrix(kv_per_token: int) -> MatrixConfig:
     at least 32 MiB and two requests; the raw NIXL baselines only (READ and WRITE), no
     memcpy."""
     request = RAW_TOKENS * kv_per_token
-    return MatrixConfig(block_sizes=(BLOCK_SIZE * kv_per_token,),
-                        batches=(RAW_TOKENS // BLOCK_SIZE,), concurrency=(1,), reps=3,
-                        warmup=1, bytes_per_rep=max(32 * MiB, 2 * request),
-                        region_bytes=max(64 * MiB, 4 * request),
-                        transports=("nixl",), memcpy=False)
+    return MatrixConfig(
+        block_sizes=(BLOCK_SIZE * kv_per_token,),
+        batches=(RAW_TOKENS // BLOCK_SIZE,),
+        concurrency=(1,),
+        reps=3,
+        warmup=1,
+        bytes_per_rep=max(32 * MiB, 2 * request),
+        region_bytes=max(64 * MiB, 4 * request),
+        transports=("nixl",),
+        memcpy=False,
+    )
 
 
-def raw_nixl(link: Link, traffic: Traffic, checks: Checks,
-             kv_per_token: int) -> dict[str, Any]:
+def raw_nixl(link: Link, traffic: Traffic, checks: Checks, kv_per_token: int) -> dict[str, Any]:
     """Raw NIXL over ``link`` at :func:`raw_matrix`'s cell, with ``p2pkv bench --tier
     --netns``'s baselines (``run_baselines``): the reader at the link's reader end, the
     target at its source end, each with the end's UCX settings (the engines'), every byte
@@ -666,37 +752,60 @@ def raw_nixl(link: Link, traffic: Traffic, checks: Checks,
     or moves bytes that do not verify is a failed check. Returns the JSON's ``raw_nixl``."""
     config = raw_matrix(kv_per_token)
     with traffic.phase(RAW_PHASE):
-        rows, unavailable = run_baselines(config, ("nixl",), default_registry(),
-                                          lambda c, series: run_matrix(c, series, link=link))
+        rows, unavailable = run_baselines(
+            config,
+            ("nixl",),
+            default_registry(),
+            lambda c, series: run_matrix(c, series, link=link),
+        )
     for label, why in unavailable.items():
         checks.expect(False, f"{label} over the link: {why}")
     for row in rows:
-        checks.expect(not row.error and row.verified,
-                      f"{row.series} over the link: {row.error or 'bytes did not verify'}")
+        checks.expect(
+            not row.error and row.verified,
+            f"{row.series} over the link: {row.error or 'bytes did not verify'}",
+        )
     keys = ("series", "gbps", "p50_us", "bytes_moved", "bytes_verified", "verified", "error")
-    return {"block_size": config.block_sizes[0], "batch": config.batches[0], "concurrency": 1,
-            "rows": [{key: row.as_row()[key] for key in keys} for row in rows],
-            "unavailable": unavailable}
+    return {
+        "block_size": config.block_sizes[0],
+        "batch": config.batches[0],
+        "concurrency": 1,
+        "rows": [{key: row.as_row()[key] for key in keys} for row in rows],
+        "unavailable": unavailable,
+    }
 
 
-def link_report(link: Link | None, traffic: Traffic, checks: Checks,
-                raw: Mapping[str, Any] | None, kv_per_token: int) -> dict[str, Any]:
+def link_report(
+    link: Link | None,
+    traffic: Traffic,
+    checks: Checks,
+    raw: Mapping[str, Any] | None,
+    kv_per_token: int,
+) -> dict[str, Any]:
     """The JSON's ``link``: one host (the engines' UCX settings), or the veth
     (``Link.describe``) with ``carried_bytes`` (what its source end sent per phase: the raw
     baselines, then each tier over all its turns), ``kv_bytes_pulled`` (per tier, the KV its
     full pulls brought) and ``raw_nixl``. A tier whose count is unreadable or below its KV
     is a failed check (its data did not cross the veth)."""
     if link is None:
-        return {"kind": "one host", "UCX_TLS": os.environ.get("UCX_TLS"),
-                "UCX_NET_DEVICES": ENGINE_ENV["UCX_NET_DEVICES"]}
-    pulled = {tier: tokens * kv_per_token
-              for tier, tokens in checks.pulled_tokens.items()}
+        return {
+            "kind": "one host",
+            "UCX_TLS": os.environ.get("UCX_TLS"),
+            "UCX_NET_DEVICES": ENGINE_ENV["UCX_NET_DEVICES"],
+        }
+    pulled = {tier: tokens * kv_per_token for tier, tokens in checks.pulled_tokens.items()}
     for tier, kv in pulled.items():
         carried = traffic.phases.get(tier)
-        checks.expect(carried is not None and carried >= kv,
-                      f"{tier}: the veth carried {carried} bytes, its pulls {kv} bytes of KV")
-    return {**link.describe(), "carried_bytes": dict(traffic.phases), "kv_bytes_pulled": pulled,
-            "raw_nixl": raw}
+        checks.expect(
+            carried is not None and carried >= kv,
+            f"{tier}: the veth carried {carried} bytes, its pulls {kv} bytes of KV",
+        )
+    return {
+        **link.describe(),
+        "carried_bytes": dict(traffic.phases),
+        "kv_bytes_pulled": pulled,
+        "raw_nixl": raw,
+    }
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -728,12 +837,22 @@ def length_tables(tiers: Mapping[str, Mapping[str, Any]]) -> str:
     idle_cols = ("idle", "local", "recompute", "transfer_ms")
     busy_cols = ("busy", "busy_extra_ms", "source_step")
     out = []
-    for title, cols in (("idle source (ms, median±half range)", idle_cols),
-                        ("busy source (ms)", busy_cols)):
-        header = ["tokens", *(f"{c.removesuffix('_ms')} {TIER_TITLE.get(name, name)}"
-                              for c in cols for name in names)]
-        lines = [[str(n), *(cell(rows[name].get(n, {}).get(c)) for c in cols for name in names)]
-                 for n in tokens]
+    for title, cols in (
+        ("idle source (ms, median±half range)", idle_cols),
+        ("busy source (ms)", busy_cols),
+    ):
+        header = [
+            "tokens",
+            *(
+                f"{c.removesuffix('_ms')} {TIER_TITLE.get(name, name)}"
+                for c in cols
+                for name in names
+            ),
+        ]
+        lines = [
+            [str(n), *(cell(rows[name].get(n, {}).get(c)) for c in cols for name in names)]
+            for n in tokens
+        ]
         out.append(table(title, header, lines))
     return "\n\n".join(out)
 
@@ -742,18 +861,32 @@ def yaml_block(tier: str, doc: Mapping[str, Any], label: str, shape: str) -> str
     """The tier's costModel as YAML for the EPP's ``p2p-source-producer`` parameters (a
     value not measured is a comment)."""
     model = doc["cost_model"]
-    head = (f"# llm-d EPP p2p-source-producer, from engine_bench ({TIER_TITLE.get(tier, tier)},"
-            f" {label}, {shape} on CPU)")
+    head = (
+        f"# llm-d EPP p2p-source-producer, from engine_bench ({TIER_TITLE.get(tier, tier)},"
+        f" {label}, {shape} on CPU)"
+    )
     if "why" in model:
         return f"{head}\n# no fit: {model['why']}"
     delta_tokens = model["minCachedTokenDelta"]
-    lines = [head, f"minCachedTokenDelta: {delta_tokens}" if delta_tokens is not None else
-             "# minCachedTokenDelta: none (no prefill fit, or pulling a token costs more "
-             "than computing it)", "costModel:"]
-    lines += [f"  {key}: {model[key]}" if model[key] is not None else
-              f"  # {key}: not measured in this run" for key in
-              ("prefillMicrosecondsPerToken", "transferMicrosecondsPerToken",
-               "transferFixedMs", "sourceWaitMs")]
+    lines = [
+        head,
+        f"minCachedTokenDelta: {delta_tokens}"
+        if delta_tokens is not None
+        else "# minCachedTokenDelta: none (no prefill fit, or pulling a token costs more "
+        "than computing it)",
+        "costModel:",
+    ]
+    lines += [
+        f"  {key}: {model[key]}"
+        if model[key] is not None
+        else f"  # {key}: not measured in this run"
+        for key in (
+            "prefillMicrosecondsPerToken",
+            "transferMicrosecondsPerToken",
+            "transferFixedMs",
+            "sourceWaitMs",
+        )
+    ]
     lines.append("  # requeueMs: not measured here (the router's requeue)")
     return "\n".join(lines)
 
@@ -764,35 +897,57 @@ def link_lines(link: Mapping[str, Any]) -> str:
     lines = [f"link: {link_summary(link)}"]
     raw = link.get("raw_nixl")
     if raw is not None:
-        rates = ", ".join(f"{r['series']} {r['gbps']:.2f} GB/s" if not r["error"] else
-                          f"{r['series']} failed" for r in raw["rows"])
-        lines.append(f"raw NIXL over this link ({raw['batch']} x {raw['block_size'] // 1024} "
-                     f"KiB per request, {raw['concurrency']} in flight): {rates or 'none ran'}")
+        rates = ", ".join(
+            f"{r['series']} {r['gbps']:.2f} GB/s" if not r["error"] else f"{r['series']} failed"
+            for r in raw["rows"]
+        )
+        lines.append(
+            f"raw NIXL over this link ({raw['batch']} x {raw['block_size'] // 1024} "
+            f"KiB per request, {raw['concurrency']} in flight): {rates or 'none ran'}"
+        )
     pulled = link.get("kv_bytes_pulled", {})
     if pulled:
-        lines.append("KV the pulls brought: " + ", ".join(
-            f"{TIER_TITLE.get(t, t)} {n / 1e6:,.1f} MB" for t, n in pulled.items()))
+        lines.append(
+            "KV the pulls brought: "
+            + ", ".join(f"{TIER_TITLE.get(t, t)} {n / 1e6:,.1f} MB" for t, n in pulled.items())
+        )
     return "\n".join(lines)
 
 
 def render(doc: Mapping[str, Any]) -> str:
     """The whole report as text."""
     tiers = doc["tiers"]
-    parts = [link_lines(doc["link"]), length_tables(tiers),
-             "first pull of a fresh pair (ms): " + ", ".join(
-        f"{TIER_TITLE.get(t, t)} {v['first_pull']['ttft_ms']:.1f} "
-        f"({v['first_pull']['tokens']} tokens)" for t, v in tiers.items())]
+    parts = [
+        link_lines(doc["link"]),
+        length_tables(tiers),
+        "first pull of a fresh pair (ms): "
+        + ", ".join(
+            f"{TIER_TITLE.get(t, t)} {v['first_pull']['ttft_ms']:.1f} "
+            f"({v['first_pull']['tokens']} tokens)"
+            for t, v in tiers.items()
+        ),
+    ]
     shape = doc["config"]["model"]["arch"]
     parts += [yaml_block(tier, tiers[tier], doc["release"], shape) for tier in tiers]
     if doc["ratios"]:
-        parts.append("p2pkv / built-in: " + ", ".join(
-            f"{RATIO_KEYS.get(k, k.replace('_ms', ''))} "
-            + (f"{v:.2f}x" if v is not None else "-") for k, v in doc["ratios"].items()))
+        parts.append(
+            "p2pkv / built-in: "
+            + ", ".join(
+                f"{RATIO_KEYS.get(k, k.replace('_ms', ''))} "
+                + (f"{v:.2f}x" if v is not None else "-")
+                for k, v in doc["ratios"].items()
+            )
+        )
     checks = doc["checks"]
-    parts.append(f"checks: {sum(checks['full_pulls'].values())} of "
-                 f"{sum(checks['pulls'].values())} pulls brought the whole prefix; "
-                 + (f"{len(checks['failures'])} FAILED: {checks['failures'][:5]}"
-                    if checks["failures"] else "tokens equal the source's everywhere"))
+    parts.append(
+        f"checks: {sum(checks['full_pulls'].values())} of "
+        f"{sum(checks['pulls'].values())} pulls brought the whole prefix; "
+        + (
+            f"{len(checks['failures'])} FAILED: {checks['failures'][:5]}"
+            if checks["failures"]
+            else "tokens equal the source's everywhere"
+        )
+    )
     return "\n\n".join(parts)
 
 
@@ -805,8 +960,7 @@ def stop(pairs: Sequence[Pair]) -> list[str]:
     at the same time); returns the offload regions they left. ``TimeoutError`` when an
     engine did not answer its shutdown within ``engine_kit.WAIT`` (every engine is stopped
     all the same, killed past the timeout)."""
-    return (shutdown_all([p.source for p in pairs])
-            + shutdown_all([p.consumer for p in pairs]))
+    return shutdown_all([p.source for p in pairs]) + shutdown_all([p.consumer for p in pairs])
 
 
 def vllm_release() -> str:
@@ -819,21 +973,32 @@ def vllm_release() -> str:
 
 def build_model(out: Path, shape: str = BENCH_MODEL) -> str:
     """Build model ``shape`` into ``out`` (``tiny_model.py`` in a subprocess)."""
-    subprocess.run([sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out),
-                    shape], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "tiny_model.py"), str(out), shape],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return str(out)
 
 
 def model_doc(settings: Settings) -> dict[str, Any]:
     """The JSON's ``config.model``: the shape, its geometry, dtype and KV bytes per token."""
     geometry = BENCH_SHAPE if settings.shape == BENCH_MODEL else KV_SHAPES[settings.shape]
-    return {"arch": settings.shape, **geometry, "dtype": settings.dtype,
-            "kv_bytes_per_token": settings.kv_per_token}
+    return {
+        "arch": settings.shape,
+        **geometry,
+        "dtype": settings.dtype,
+        "kv_bytes_per_token": settings.kv_per_token,
+    }
 
 
-def run(settings: Settings, model: str,
-        progress: Callable[[str], None] = lambda line: None,
-        link: Link | None = None) -> dict[str, Any]:
+def run(
+    settings: Settings,
+    model: str,
+    progress: Callable[[str], None] = lambda line: None,
+    link: Link | None = None,
+) -> dict[str, Any]:
     """Start the pairs, measure, shut them down: the report (see the JSON fields in
     docs/benchmarks.md). With a ``link`` (``p2pkv_tools.bench.netns``), raw NIXL is measured over
     it first (:func:`raw_nixl`), then each source runs at its source end and each consumer
@@ -849,14 +1014,20 @@ def run(settings: Settings, model: str,
 
     raw = raw_nixl(link, traffic, checks, settings.kv_per_token) if link is not None else None
     if raw is not None:
-        note("raw NIXL over the link: " + ", ".join(
-            f"{r['series']} {r['gbps']:.2f} GB/s{' FAILED' * bool(r['error'])}"
-            for r in raw["rows"]))
+        note(
+            "raw NIXL over the link: "
+            + ", ".join(
+                f"{r['series']} {r['gbps']:.2f} GB/s{' FAILED' * bool(r['error'])}"
+                for r in raw["rows"]
+            )
+        )
     pairs = [make_pair(tier, model, settings, link) for tier in TIERS]
     with running(*(e for p in pairs for e in p.engines)):
         note("engines ready")
-        first = {p.tier: first_pull(p, pairs, settings.lengths[0], prompts, checks, traffic)
-                 for p in pairs}
+        first = {
+            p.tier: first_pull(p, pairs, settings.lengths[0], prompts, checks, traffic)
+            for p in pairs
+        }
         samples = measure(pairs, settings, prompts, checks, note, traffic)
         try:
             leftovers = stop(pairs)
@@ -870,18 +1041,30 @@ def run(settings: Settings, model: str,
         "release": settings.release_label or vllm_release(),
         "link": link_doc,
         "host": {"cpus": os.cpu_count(), "load_before": load, "load_after": os.getloadavg()},
-        "config": {"lengths": list(settings.lengths), "reps": settings.reps,
-                   "quick": settings.quick, "output_tokens": OUTPUT_TOKENS,
-                   "churn_tokens": settings.churn_tokens, "churn_inflight": CHURN_INFLIGHT,
-                   "churn_queued": CHURN_QUEUED, "step_tokens": STEP_TOKENS,
-                   "model": model_doc(settings),
-                   "busy": settings.busy, "recompute_max": settings.recompute_max,
-                   "engine_args": settings.engine_args(),
-                   "cpu_bytes_to_use": settings.cpu_bytes(), "memory": settings.memory()},
+        "config": {
+            "lengths": list(settings.lengths),
+            "reps": settings.reps,
+            "quick": settings.quick,
+            "output_tokens": OUTPUT_TOKENS,
+            "churn_tokens": settings.churn_tokens,
+            "churn_inflight": CHURN_INFLIGHT,
+            "churn_queued": CHURN_QUEUED,
+            "step_tokens": STEP_TOKENS,
+            "model": model_doc(settings),
+            "busy": settings.busy,
+            "recompute_max": settings.recompute_max,
+            "engine_args": settings.engine_args(),
+            "cpu_bytes_to_use": settings.cpu_bytes(),
+            "memory": settings.memory(),
+        },
         "tiers": tiers,
         "ratios": ratios(tiers),
-        "checks": {"failures": checks.failures, "pulls": checks.pulls,
-                   "full_pulls": checks.full_pulls, "pulled_tokens": checks.pulled_tokens},
+        "checks": {
+            "failures": checks.failures,
+            "pulls": checks.pulls,
+            "full_pulls": checks.full_pulls,
+            "pulled_tokens": checks.pulled_tokens,
+        },
         "elapsed_s": round(time.monotonic() - began, 1),
     }
 
@@ -889,43 +1072,71 @@ def run(settings: Settings, model: str,
 def parse(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """The command line: the run's settings, and the arguments (``json``, ``model``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"lengths {QUICK_LENGTHS}, {QUICK_REPS} repetition")
-    parser.add_argument("--shape", choices=SHAPES, default=BENCH_MODEL,
-                        help="the model: llama-bench (2 KiB of KV per token, the default) or "
-                        "a served model's KV geometry in bf16 (gpt-oss-120b-kv: 72 KiB per "
-                        "token, llama-3-8b-kv: 128 KiB)")
-    parser.add_argument("--lengths", help="pulled tokens, comma-separated multiples of 32 "
-                        f"(default {','.join(map(str, LENGTHS))}; a production shape "
-                        f"{','.join(map(str, SHAPE_LENGTHS))})")
-    parser.add_argument("--reps", type=int, help=f"repetitions per length (default {REPS}; "
-                        f"a production shape {SHAPE_REPS})")
-    parser.add_argument("--busy", action=argparse.BooleanOptionalAction, default=None,
-                        help="measure the busy-source rows (default: on for llama-bench, off "
-                        "for a production shape)")
-    parser.add_argument("--recompute-max", type=int, metavar="TOKENS",
-                        help="measure recomputes up to this length only (0: every length; "
-                        f"default 0, a production shape {SHAPE_RECOMPUTE_MAX})")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, {QUICK_REPS} repetition"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default=BENCH_MODEL,
+        help="the model: llama-bench (2 KiB of KV per token, the default) or "
+        "a served model's KV geometry in bf16 (gpt-oss-120b-kv: 72 KiB per "
+        "token, llama-3-8b-kv: 128 KiB)",
+    )
+    parser.add_argument(
+        "--lengths",
+        help="pulled tokens, comma-separated multiples of 32 "
+        f"(default {','.join(map(str, LENGTHS))}; a production shape "
+        f"{','.join(map(str, SHAPE_LENGTHS))})",
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        help=f"repetitions per length (default {REPS}; a production shape {SHAPE_REPS})",
+    )
+    parser.add_argument(
+        "--busy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the busy-source rows (default: on for llama-bench, off "
+        "for a production shape)",
+    )
+    parser.add_argument(
+        "--recompute-max",
+        type=int,
+        metavar="TOKENS",
+        help="measure recomputes up to this length only (0: every length; "
+        f"default 0, a production shape {SHAPE_RECOMPUTE_MAX})",
+    )
     parser.add_argument("--json", help="write the report as JSON to this path")
     parser.add_argument("--release-label", default="", help="names the vLLM release")
     parser.add_argument("--model", help="a built model of --shape (default: built now)")
-    parser.add_argument("--netns", action="store_true",
-                        help="each tier's source and consumer in a network namespace of its "
-                        "own, joined by a veth, UCX over TCP (as p2pkv bench --tier --netns); "
-                        "raw NIXL measured over it too; removed afterwards; needs root and "
-                        "iproute2")
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="each tier's source and consumer in a network namespace of its "
+        "own, joined by a veth, UCX over TCP (as p2pkv bench --tier --netns); "
+        "raw NIXL measured over it too; removed afterwards; needs root and "
+        "iproute2",
+    )
     parser.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
     args = parser.parse_args(argv)
     if args.rate is not None and not args.netns:
         parser.error("--rate shapes the link of --netns: add --netns")
     settings = Settings.for_shape(args.shape, args.release_label)
     if args.quick:
-        settings = replace(Settings.quick_form(args.release_label), shape=args.shape,
-                           busy=settings.busy, churn_tokens=min(settings.churn_tokens,
-                                                                QUICK_CHURN_TOKENS))
-    changes = {"lengths": tuple(int(x) for x in args.lengths.split(",")) if args.lengths
-               else None, "reps": args.reps, "busy": args.busy,
-               "recompute_max": args.recompute_max}
+        settings = replace(
+            Settings.quick_form(args.release_label),
+            shape=args.shape,
+            busy=settings.busy,
+            churn_tokens=min(settings.churn_tokens, QUICK_CHURN_TOKENS),
+        )
+    changes = {
+        "lengths": tuple(int(x) for x in args.lengths.split(",")) if args.lengths else None,
+        "reps": args.reps,
+        "busy": args.busy,
+        "recompute_max": args.recompute_max,
+    }
     return replace(settings, **{k: v for k, v in changes.items() if v is not None}), args
 
 
@@ -944,9 +1155,11 @@ def memory_refusal(settings: Settings) -> str | None:
     need, have = settings.memory()["engines"], available_memory()
     if have is None or need <= have:
         return None
-    return (f"the four engines need about {need / GiB:.1f} GiB ({settings.shape} up to "
-            f"{max(settings.lengths)} tokens) and this host has {have / GiB:.1f} GiB "
-            f"available: free memory, or pull shorter --lengths")
+    return (
+        f"the four engines need about {need / GiB:.1f} GiB ({settings.shape} up to "
+        f"{max(settings.lengths)} tokens) and this host has {have / GiB:.1f} GiB "
+        f"available: free memory, or pull shorter --lengths"
+    )
 
 
 @contextlib.contextmanager
@@ -968,8 +1181,7 @@ def measured(settings: Settings, args: argparse.Namespace, link: Link | None) ->
     """:func:`run` with the model (``--model`` or built now), progress on stderr."""
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp, stdout_to_stderr():
         model = args.model or build_model(Path(tmp) / settings.shape, settings.shape)
-        return run(settings, model, lambda line: print(line, file=sys.stderr, flush=True),
-                   link)
+        return run(settings, model, lambda line: print(line, file=sys.stderr, flush=True), link)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

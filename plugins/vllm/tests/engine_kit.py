@@ -31,10 +31,17 @@ STOP = 10.0
 are killed (``Child.stop``'s default)."""
 
 P2PKV_TIER = {
-    "type": "P2PKVTier", "module_path": "p2pkv_vllm", "control": "zmq", "data": "nixl",
+    "type": "P2PKVTier",
+    "module_path": "p2pkv_vllm",
+    "control": "zmq",
+    "data": "nixl",
     "host": "127.0.0.1",
-    "control_options": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0,
-                        "heartbeat_ttl": 3.0, "connect_timeout": 5.0},
+    "control_options": {
+        "heartbeat_interval": 0.5,
+        "heartbeat_timeout": 3.0,
+        "heartbeat_ttl": 3.0,
+        "connect_timeout": 5.0,
+    },
     "timeouts": {"handshake": 10, "load": 20},
 }
 """The tier entry the tests run (plus a ``port``)."""
@@ -85,18 +92,25 @@ CPU_BYTES = 16 * 1024 * 1024
 otherwise."""
 
 
-def kv_transfer_config(engine_id: str, tiers: Sequence[Mapping[str, Any]],
-                       extra: Mapping[str, Any] | None = None,
-                       cpu_bytes: int = CPU_BYTES) -> dict[str, Any]:
+def kv_transfer_config(
+    engine_id: str,
+    tiers: Sequence[Mapping[str, Any]],
+    extra: Mapping[str, Any] | None = None,
+    cpu_bytes: int = CPU_BYTES,
+) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a test engine: OffloadingConnector, the CPU tiering
     spec with a CPU tier of ``cpu_bytes``, ``tiers`` as its secondary tiers, and ``extra``
     connector keys."""
     return {
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
         "kv_connector_extra_config": {
             **(extra or {}),
-            "spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "cpu_offload_spec",
-            "cpu_bytes_to_use": cpu_bytes, "secondary_tiers": [dict(t) for t in tiers],
+            "spec_name": "CpuTieringOffloadingSpec",
+            "spec_module_path": "cpu_offload_spec",
+            "cpu_bytes_to_use": cpu_bytes,
+            "secondary_tiers": [dict(t) for t in tiers],
         },
     }
 
@@ -122,22 +136,33 @@ class Engine:
     size of its CPU tier, ``placement`` a network namespace the process enters before it
     builds the engine (``p2pkv_tools.bench.netns``; None: this host's)."""
 
-    def __init__(self, name: str, model: str, tier: Mapping[str, Any] | None,
-                 env: Mapping[str, str] | None = None,
-                 extra: Mapping[str, Any] | None = None,
-                 engine_args: Mapping[str, Any] | None = None,
-                 cpu_bytes: int = CPU_BYTES, placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        tier: Mapping[str, Any] | None,
+        env: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        engine_args: Mapping[str, Any] | None = None,
+        cpu_bytes: int = CPU_BYTES,
+        placement: Placement | None = None,
+    ) -> None:
         self.name = name
         self.engine_id = f"p2pkv-engine-{os.getpid()}-{next(_SERIAL)}-{name}"
         self.tier = dict(tier) if tier is not None else None
         self.runs_p2pkv = tier is not None and (
-            tier["type"] != "p2p" or (env or {}).get("P2PKV_REPLACE_P2P") == "1")
+            tier["type"] != "p2p" or (env or {}).get("P2PKV_REPLACE_P2P") == "1"
+        )
         """Whether the tier entry builds p2pkv's tier (an explicit entry, or ``p2p`` with
         the zero-edit opt-in)."""
-        config = (kv_transfer_config(self.engine_id, [tier], extra, cpu_bytes)
-                  if tier is not None else None)
-        self.child = Child(llm_host, model, config, dict(env or {}), dict(engine_args or {}),
-                           placement, name=name)
+        config = (
+            kv_transfer_config(self.engine_id, [tier], extra, cpu_bytes)
+            if tier is not None
+            else None
+        )
+        self.child = Child(
+            llm_host, model, config, dict(env or {}), dict(engine_args or {}), placement, name=name
+        )
 
     @property
     def port(self) -> int:
@@ -158,8 +183,13 @@ class Engine:
         reply = self.child.recv(BOOT, f"engine {self.name} ready")
         assert reply[0] == "ready", f"engine {self.name} failed to start:\n{reply[1]}"
 
-    def submit(self, req_id: str, tokens: Sequence[int], max_tokens: int,
-               params: Mapping[str, Any] | None = None) -> None:
+    def submit(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        max_tokens: int,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
         self.child.send(("submit", req_id, list(tokens), max_tokens, params))
 
     def result(self, req_id: str) -> tuple[list[int], int]:
@@ -168,8 +198,13 @@ class Engine:
         assert (kind, done_id) == ("done", req_id)
         return tokens, cached
 
-    def generate(self, req_id: str, tokens: Sequence[int], max_tokens: int,
-                 params: Mapping[str, Any] | None = None) -> tuple[list[int], int]:
+    def generate(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        max_tokens: int,
+        params: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], int]:
         self.submit(req_id, tokens, max_tokens, params)
         return self.result(req_id)
 
@@ -213,8 +248,12 @@ class Engine:
         times = self.times(req_id)
         return times["first_token"] - times["submitted"]
 
-    def churn(self, inflight: int, prompts: Sequence[Sequence[int]] = (),
-              params: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
+    def churn(
+        self,
+        inflight: int,
+        prompts: Sequence[Sequence[int]] = (),
+        params: Mapping[str, Any] | None = None,
+    ) -> tuple[int, int, int]:
         """Keep ``inflight`` of ``prompts`` (queued after any still queued) in flight on this
         engine as its own one-token requests with ``kv_transfer_params`` ``params``, results
         not reported; ``inflight`` 0 drops the queue. Returns the stream's (finished, in
@@ -256,8 +295,7 @@ class Engine:
         interrupted mid-request); at most ``WAIT`` seconds."""
         deadline = time.monotonic() + WAIT
         while True:
-            reply = self.child.recv(max(0.0, deadline - time.monotonic()),
-                                    f"{self.name} shutdown")
+            reply = self.child.recv(max(0.0, deadline - time.monotonic()), f"{self.name} shutdown")
             if reply[0] == "down":
                 return list(reply[1])
 
@@ -295,9 +333,16 @@ class Engine:
 def pd_params(kv_request_id: str, producer: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
     """The prefill leg's and the decode leg's ``kv_transfer_params`` (as ``p2pkv proxy``
     sets them)."""
-    return ({"remote_decoder": {"kv_request_id": kv_request_id}},
-            {"remote_prefiller": {"kv_request_id": kv_request_id, "remote_host": "127.0.0.1",
-                                  "remote_port": producer.port}})
+    return (
+        {"remote_decoder": {"kv_request_id": kv_request_id}},
+        {
+            "remote_prefiller": {
+                "kv_request_id": kv_request_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": producer.port,
+            }
+        },
+    )
 
 
 def shutdown_all(engines: Sequence[Engine]) -> list[str]:

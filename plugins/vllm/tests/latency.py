@@ -13,6 +13,10 @@ def summary(took: Sequence[float]) -> dict[str, Any]:
     maximum of ``took`` (seconds), in milliseconds, and every sample in order."""
     ordered = sorted(took)
     p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"n": len(took), "p50_ms": round(statistics.median(took) * 1000, 1),
-            "p99_ms": round(p99 * 1000, 1), "max_ms": round(ordered[-1] * 1000, 1),
-            "ms": [round(t * 1000, 1) for t in took]}
+    return {
+        "n": len(took),
+        "p50_ms": round(statistics.median(took) * 1000, 1),
+        "p99_ms": round(p99 * 1000, 1),
+        "max_ms": round(ordered[-1] * 1000, 1),
+        "ms": [round(t * 1000, 1) for t in took],
+    }

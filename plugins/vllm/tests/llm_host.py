@@ -85,14 +85,22 @@ CHURN_PREFIX = "churn-"
 """Request ids of the ``churn`` stream (its results are not sent to the test)."""
 
 
-def engine_kwargs(model: str, kv_transfer_config: dict[str, Any] | None,
-                  engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    model: str, kv_transfer_config: dict[str, Any] | None, engine_args: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``vllm.LLM`` arguments of a small deterministic CPU engine (``engine_args`` added,
     e.g. ``kv_cache_dtype``)."""
     return {
-        "model": model, "dtype": "float32", "block_size": BLOCK_SIZE, "max_model_len": 1024,
-        "max_num_seqs": 4, "enforce_eager": True, "seed": 0, "disable_log_stats": False,
-        "kv_cache_memory_bytes": 32 * 1024 * 1024, "kv_transfer_config": kv_transfer_config,
+        "model": model,
+        "dtype": "float32",
+        "block_size": BLOCK_SIZE,
+        "max_model_len": 1024,
+        "max_num_seqs": 4,
+        "enforce_eager": True,
+        "seed": 0,
+        "disable_log_stats": False,
+        "kv_cache_memory_bytes": 32 * 1024 * 1024,
+        "kv_transfer_config": kv_transfer_config,
         **(engine_args or {}),
     }
 
@@ -105,8 +113,11 @@ def metric_values(metrics: list[Any]) -> dict[str, float]:
         value = getattr(metric, "value", None)
         if not isinstance(value, (int, float)):
             continue
-        labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items())
-                          if k not in ("engine", "model_name"))
+        labels = ",".join(
+            f"{k}={v}"
+            for k, v in sorted(metric.labels.items())
+            if k not in ("engine", "model_name")
+        )
         out[f"{metric.name}{{{labels}}}" if labels else metric.name] = float(value)
     return out
 
@@ -173,8 +184,7 @@ class _PullClock:
     def of(self, req_id: str) -> dict[str, float]:
         """The marks of the request the test submitted as ``req_id`` (vLLM may have
         suffixed its id)."""
-        return next((marks for key, marks in self.marks.items() if key.startswith(req_id)),
-                    {})
+        return next((marks for key, marks in self.marks.items() if key.startswith(req_id)), {})
 
 
 class _Times:
@@ -213,8 +223,9 @@ class _Churn:
         self.finished = 0
         self.serial = 0
 
-    def configure(self, inflight: int, prompts: Sequence[Sequence[int]],
-                  params: Any = None) -> None:
+    def configure(
+        self, inflight: int, prompts: Sequence[Sequence[int]], params: Any = None
+    ) -> None:
         """Keep ``inflight`` in flight from now on (0: drop the queue); queue ``prompts``;
         requests submitted from now on carry ``params``."""
         self.inflight, self.params = max(0, inflight), params
@@ -240,8 +251,9 @@ class _Churn:
 
 
 class _Host:
-    def __init__(self, conn: Connection, model: str, kv_transfer_config: Any,
-                 engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self, conn: Connection, model: str, kv_transfer_config: Any, engine_args: dict[str, Any]
+    ) -> None:
         from vllm import LLM
 
         self.log = _P2PKVLog()
@@ -281,13 +293,15 @@ class _Host:
         from vllm import SamplingParams
 
         extra = {"kv_transfer_params": params} if params else None
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                  extra_args=extra)  # random weights: EOS means nothing
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+        )  # random weights: EOS means nothing
         self.llm.llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, sampling)
         self.times.submitted(req_id)
 
-    def configure_churn(self, inflight: int, prompts: Sequence[Sequence[int]],
-                        params: Any = None) -> None:
+    def configure_churn(
+        self, inflight: int, prompts: Sequence[Sequence[int]], params: Any = None
+    ) -> None:
         """The ``churn`` command: reconfigure the stream, then fill it up."""
         self.churn.configure(inflight, prompts, params)
         self.fill_churn()
@@ -312,8 +326,9 @@ class _Host:
                 continue
             self.times.output(out.request_id, len(out.outputs[0].token_ids), out.finished)
             if out.finished:
-                self.conn.send(("done", out.request_id, list(out.outputs[0].token_ids),
-                                out.num_cached_tokens))
+                self.conn.send(
+                    ("done", out.request_id, list(out.outputs[0].token_ids), out.num_cached_tokens)
+                )
 
     def take_steps(self) -> list[tuple[float, int]]:
         """The steps since the last call (cleared): seconds and scheduled tokens each."""
@@ -403,9 +418,14 @@ def register_test_tiers(kv_transfer_config: Any) -> None:
             SecondaryTierFactory.register_tier(tier["type"], tier["module_path"], tier["type"])
 
 
-def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
-             env: dict[str, str], engine_args: dict[str, Any] | None = None,
-             placement: Placement | None = None) -> None:
+def llm_host(
+    conn: Connection,
+    model: str,
+    kv_transfer_config: Any,
+    env: dict[str, str],
+    engine_args: dict[str, Any] | None = None,
+    placement: Placement | None = None,
+) -> None:
     """Child entry point: build the engine, then serve commands until ``shutdown``. With a
     ``placement`` (``p2pkv_tools.bench.netns``) the process first enters that network namespace,
     whose environment (``UCX_TLS``, ``UCX_NET_DEVICES``) goes over ``ENGINE_ENV`` and
@@ -425,8 +445,9 @@ def llm_host(conn: Connection, model: str, kv_transfer_config: Any,
         conn.send(("failed", traceback.format_exc()))
         raise
     conn.send(("ready",))
-    threading.Thread(target=_read_commands, args=(conn, host.input_queue),
-                     name="llm-host-commands", daemon=True).start()
+    threading.Thread(
+        target=_read_commands, args=(conn, host.input_queue), name="llm-host-commands", daemon=True
+    ).start()
     host.run()
 
 

@@ -29,15 +29,23 @@ def render() -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         raise RuntimeError("kubectl is not installed")
-    out = subprocess.run([kubectl, "kustomize", str(OVERLAY)], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [kubectl, "kustomize", str(OVERLAY)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def _model_server(objects: list[dict[str, Any]]) -> dict[str, Any]:
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
-    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"]
-                    if c["name"] == "modelserver"]
+    (container,) = [
+        c
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "modelserver"
+    ]
     return dict(container)
 
 
@@ -69,13 +77,19 @@ def engine_settings(port: int, peers: list[int], keys: Path) -> EngineSettings:
     field_values = {"status.podIP": "127.0.0.1", "metadata.namespace": "test"}
     env: dict[str, str] = {}
     for var in container["env"]:
-        value = (var["value"] if "value" in var
-                 else field_values[var["valueFrom"]["fieldRef"]["fieldPath"]])
+        value = (
+            var["value"]
+            if "value" in var
+            else field_values[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        )
         env[var["name"]] = _REF.sub(lambda m: env.get(m.group(1), m.group(0)), str(value))
     assert env["VLLM_P2P_SIDE_CHANNEL_PORT"] == "7777", env
-    env.update(P2PKV_PEERS_ALLOW="127.0.0.0/8", P2PKV_CURVE_DIR=str(keys),
-               P2PKV_PEERS_CONNECT=",".join(f"127.0.0.1:{p}" for p in peers),
-               VLLM_P2P_SIDE_CHANNEL_PORT=str(port))
+    env.update(
+        P2PKV_PEERS_ALLOW="127.0.0.0/8",
+        P2PKV_CURVE_DIR=str(keys),
+        P2PKV_PEERS_CONNECT=",".join(f"127.0.0.1:{p}" for p in peers),
+        VLLM_P2P_SIDE_CHANNEL_PORT=str(port),
+    )
     args = [_REF.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in container["args"]]
     connector = json.loads(_flag(args, "--kv-transfer-config"))["kv_connector_extra_config"]
     (tier,) = connector.pop("secondary_tiers")

@@ -60,30 +60,49 @@ async def reply(fake: FakeVLLM, seen: Seen, send: Send) -> None:
         await start_stream(send, *fake.stream_chunks)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
-    await send_json(send, 200, {"id": fake.name,
-                                "choices": [{"index": 0, "text": f"{fake.name} ok"}],
-                                "kv_request_id": seen.headers.get("x-request-id")})
+    await send_json(
+        send,
+        200,
+        {
+            "id": fake.name,
+            "choices": [{"index": 0, "text": f"{fake.name} ok"}],
+            "kv_request_id": seen.headers.get("x-request-id"),
+        },
+    )
 
 
 async def start_stream(send: Send, *chunks: bytes) -> None:
     """Start a 200 event stream and send ``chunks`` (each its own body message), unfinished."""
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+        }
+    )
     for chunk in chunks:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
 async def send_json(send: Send, status: int, obj: Any) -> None:
     data = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
 def status(code: int, message: str = "upstream says no") -> Behavior:
     async def behave(fake: FakeVLLM, seen: Seen, send: Any) -> None:
         await send_json(send, code, {"error": {"message": message, "code": code}})
+
     return behave
 
 
@@ -118,6 +137,7 @@ class FakeVLLM:
 
     async def wait_for(self, predicate: Callable[[], T], what: str, timeout: float = WAIT) -> T:
         """Wait until ``predicate()`` is truthy, re-checking on every arrival/disconnect."""
+
         async def loop() -> T:
             while True:
                 value = predicate()
@@ -125,11 +145,13 @@ class FakeVLLM:
                     return value
                 self.changed.clear()
                 await self.changed.wait()
+
         try:
             return await asyncio.wait_for(loop(), timeout)
         except TimeoutError:
-            raise AssertionError(f"{self.name}: timed out after {timeout}s waiting for {what}") \
-                from None
+            raise AssertionError(
+                f"{self.name}: timed out after {timeout}s waiting for {what}"
+            ) from None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -212,6 +234,8 @@ class Kit:
     @staticmethod
     def run(main: Callable[[], Awaitable[T]], timeout: float = 60.0) -> T:
         """Run one async scenario on a fresh event loop, bounded by ``timeout``."""
+
         async def bounded() -> T:
             return await asyncio.wait_for(main(), timeout)
+
         return asyncio.run(bounded())

@@ -31,14 +31,19 @@ RUN = {"model_name": "m", "dtype": "bfloat16", "tokens_per_hash": 16}
 
 
 def config(keys: dict[str, Any], env: dict[str, str] | None = None, dp_rank: int = 0) -> Any:
-    return tier_config_from_keys(keys, dp_rank=dp_rank, run_config=RUN, hash_seed="seed",
-                                 environ=env or {})
+    return tier_config_from_keys(
+        keys, dp_rank=dp_rank, run_config=RUN, hash_seed="seed", environ=env or {}
+    )
 
 
 def test_defaults_follow_vllm_env_names_then_p2pkv_then_builtin() -> None:
     assert config({}).address == "localhost:5710"
-    env = {"VLLM_P2P_SIDE_CHANNEL_HOST": "10.0.0.5", "VLLM_P2P_SIDE_CHANNEL_PORT": "6000",
-           "P2PKV_HOST": "ignored", "P2PKV_PORT": "1"}
+    env = {
+        "VLLM_P2P_SIDE_CHANNEL_HOST": "10.0.0.5",
+        "VLLM_P2P_SIDE_CHANNEL_PORT": "6000",
+        "P2PKV_HOST": "ignored",
+        "P2PKV_PORT": "1",
+    }
     assert config({}, env).address == "10.0.0.5:6000"
     assert config({}, {"P2PKV_HOST": "h", "P2PKV_PORT": "7000"}).address == "h:7000"
 
@@ -149,23 +154,36 @@ class FakeParent:
 def test_parent_hit_source_follows_the_parent_protocol() -> None:
     parent = FakeParent({b"a": "HIT", b"b": "MISS", b"c": "HIT_PENDING", b"d": "RETRY"})
     source = ParentHitSource(
-        parent, new_context=FakeReqContext,
-        results={"HIT": LookupResult.HIT, "MISS": LookupResult.MISS}, serial=itertools.count(),
+        parent,
+        new_context=FakeReqContext,
+        results={"HIT": LookupResult.HIT, "MISS": LookupResult.MISS},
+        serial=itertools.count(),
     )
     h1 = source.begin("kv1")
     h2 = source.begin("kv1")
     assert isinstance(h1, FakeReqContext) and isinstance(h2, FakeReqContext)
     assert h1.req_id != h2.req_id and "kv1" in h1.req_id  # vLLM keys request state by id
     assert [source.lookup(h1, k) for k in (b"a", b"b", b"c", b"d")] == [
-        LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.RETRY]
+        LookupResult.HIT,
+        LookupResult.MISS,
+        LookupResult.RETRY,
+        LookupResult.RETRY,
+    ]
     job = source.pin(h1, [b"a"])
     assert isinstance(job, Job)
     assert (job.job_id, job.keys, job.block_ids, job.is_load) == (99, [b"a"], [0], False)
     assert type(job.block_ids[0]) is int
     source.end(h1)
-    assert parent.calls == [("new", h1.req_id), ("new", h2.req_id), ("lookup", b"a"),
-                            ("lookup", b"b"), ("lookup", b"c"), ("lookup", b"d"),
-                            ("pin", [b"a"]), ("end", h1.req_id)]
+    assert parent.calls == [
+        ("new", h1.req_id),
+        ("new", h2.req_id),
+        ("lookup", b"a"),
+        ("lookup", b"b"),
+        ("lookup", b"c"),
+        ("lookup", b"d"),
+        ("pin", [b"a"]),
+        ("end", h1.req_id),
+    ]
 
 
 def test_import_works_without_vllm_and_the_tier_explains_itself() -> None:
@@ -182,13 +200,15 @@ def test_import_works_without_vllm_and_the_tier_explains_itself() -> None:
 
 
 def test_an_entry_is_checked_as_the_adapter_checks_it_without_vllm() -> None:
-    entry = {"type": "P2PKVTier", "module_path": "p2pkv_vllm", "locality": "REMOTE",
-             "port": 6000}
-    cfg = entry_tier_config(entry, extra_config={}, dp_rank=1,
-                            environ={"PYTHONHASHSEED": "7"})
+    entry = {"type": "P2PKVTier", "module_path": "p2pkv_vllm", "locality": "REMOTE", "port": 6000}
+    cfg = entry_tier_config(entry, extra_config={}, dp_rank=1, environ={"PYTHONHASHSEED": "7"})
     assert (cfg.port, cfg.hash_seed, cfg.fingerprint) == (6001, "7", "")
-    accepted = entry_tier_config({"type": "P2PKVTier", "backpressure": {}},
-                                 extra_config={"backpressure": {"x": 1}}, dp_rank=0, environ={})
+    accepted = entry_tier_config(
+        {"type": "P2PKVTier", "backpressure": {}},
+        extra_config={"backpressure": {"x": 1}},
+        dp_rank=0,
+        environ={},
+    )
     assert accepted.port == 5710  # vLLM's block: it limits what vLLM may drop, not the tier
     with pytest.raises(ConfigError, match="locality 'MARS' is not one of LOCAL, REMOTE"):
         entry_tier_config({"locality": "MARS"}, extra_config={}, dp_rank=0, environ={})
@@ -203,14 +223,14 @@ class _Clock:
 
 
 def _failed_load(log: FailedLoadLog, outcome: Outcome, peer: str) -> None:
-    params = {"remote_prefiller": {"kv_request_id": "kv", "remote_host": peer,
-                                   "remote_port": 5710}}
+    params = {"remote_prefiller": {"kv_request_id": "kv", "remote_host": peer, "remote_port": 5710}}
     ctx = RequestContext("req-1", params, parse_routing(params))
     log.failed(JobResult(1, outcome, "detail"), ctx)
 
 
 def test_failed_loads_warn_once_per_outcome_and_peer_per_window(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import logging
 
     clock = _Clock()
@@ -225,26 +245,36 @@ def test_failed_loads_warn_once_per_outcome_and_peer_per_window(
     lines = [r.getMessage() for r in caplog.records]
     assert all(r.levelname == "WARNING" for r in caplog.records)
     assert len(lines) == 4, lines
-    assert lines[0] == ("P2PKVTier load from 10.0.0.1:5710 failed (peer_dead) for request "
-                        "req-1: vLLM recomputes its blocks: detail")
+    assert lines[0] == (
+        "P2PKVTier load from 10.0.0.1:5710 failed (peer_dead) for request "
+        "req-1: vLLM recomputes its blocks: detail"
+    )
     assert "(load_timeout)" in lines[1] and "10.0.0.2:5710" in lines[2]
     assert lines[3].endswith("(2 more like it since the last such line)")
 
 
 def test_a_preconnect_hint_names_its_peers_and_a_bad_one_only_logs(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import logging
 
-    good = [{"remote_host": "10.0.0.1", "remote_port": 5710},
-            {"remote_host": "::1", "remote_port": "5711"},
-            {"remote_host": "10.0.0.1", "remote_port": 5710}]
+    good = [
+        {"remote_host": "10.0.0.1", "remote_port": 5710},
+        {"remote_host": "::1", "remote_port": "5711"},
+        {"remote_host": "10.0.0.1", "remote_port": 5710},
+    ]
     assert preconnect_peers({"p2pkv_connect": good}) == ["10.0.0.1:5710", "[::1]:5711"]
     assert preconnect_peers({"remote_decoder": {"kv_request_id": "k"}}) == []
     assert preconnect_peers(None) == []
     with caplog.at_level(logging.WARNING, logger="p2pkv_vllm.bridge"):
         assert preconnect_peers({"p2pkv_connect": "10.0.0.1:5710"}, "r1") == []
-        bad = [{"remote_host": "", "remote_port": 1}, {"remote_host": "h", "remote_port": 0},
-               {"remote_host": "h", "remote_port": True}, "h:1", good[0]]
+        bad = [
+            {"remote_host": "", "remote_port": 1},
+            {"remote_host": "h", "remote_port": 0},
+            {"remote_host": "h", "remote_port": True},
+            "h:1",
+            good[0],
+        ]
         assert preconnect_peers({"p2pkv_connect": bad}, "r2") == ["10.0.0.1:5710"]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 5, lines

@@ -25,9 +25,11 @@ pytest.importorskip("nixl._api", reason="needs NIXL (scripts/install.sh installs
 
 SCRIPT = Path(sys.executable).parent / "p2pkv"
 P = "p2pkv check-config: secondary_tiers[0]: P2PKVTier secondary_tiers entry: "
-VALID_KEYS = ("type, control, data, host, port, control_options, data_options, timeouts, "
-              "limits, flow, peers, fingerprint, hash_seed, module_path, backpressure, "
-              "locality, backends, num_threads, unbound_store_timeout_s, idle_wait")
+VALID_KEYS = (
+    "type, control, data, host, port, control_options, data_options, timeouts, "
+    "limits, flow, peers, fingerprint, hash_seed, module_path, backpressure, "
+    "locality, backends, num_threads, unbound_store_timeout_s, idle_wait"
+)
 OURS = {"type": "P2PKVTier", "module_path": "p2pkv_vllm", "data": "memory"}
 GUIDE = {"type": "p2p", "host": "$(POD_IP)", "port": 7777}
 """llm-d's P2P guide's entry, as its Deployment spells it."""
@@ -35,9 +37,11 @@ GUIDE = {"type": "p2p", "host": "$(POD_IP)", "port": 7777}
 
 def config(entry: dict[str, Any] | str) -> str:
     text = entry if isinstance(entry, str) else json.dumps(entry)
-    return ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
-            '"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", '
-            f'"secondary_tiers": [{text}]}}}}')
+    return (
+        '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", '
+        f'"secondary_tiers": [{text}]}}}}'
+    )
 
 
 def check(entry: dict[str, Any] | str, *args: str, **env: str) -> tuple[int, str, str]:
@@ -47,85 +51,156 @@ def check(entry: dict[str, Any] | str, *args: str, **env: str) -> tuple[int, str
 def check_text(kv_transfer_config: str, *args: str, **env: str) -> tuple[int, str, str]:
     """``p2pkv check-config --kv-transfer-config TEXT ARGS`` in a clean environment plus
     ``env``: (exit status, stdout, stderr)."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("P2PKV_", "VLLM_P2P_", "POD_"))}
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("P2PKV_", "VLLM_P2P_", "POD_"))
+    }
     base.update({"UCX_NET_DEVICES": "lo", "PYTHONHASHSEED": "0"}, **env)
     command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "p2pkv.cli"]
-    done = subprocess.run([*command, "check-config", "--kv-transfer-config",
-                           kv_transfer_config, *args], env=base, capture_output=True,
-                          text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [*command, "check-config", "--kv-transfer-config", kv_transfer_config, *args],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return done.returncode, done.stdout, done.stderr
 
 
 REFUSED: list[tuple[dict[str, Any] | str, dict[str, str], str]] = [
-    (OURS, {"P2PKV_PEERS_ALLOW": "*"}, "P2PKV_PEERS_ALLOW entry '*' would allow nothing, not "
-     "everything: leave peers.allow empty (unset) to allow any peer, or give the pods' network "
-     "(10.0.0.0/8)"),
-    (OURS, {"P2PKV_PEERS_ALLOW": "10.1.0.0/16,10.0.0.0-10.0.0.255"}, "P2PKV_PEERS_ALLOW entry "
-     "'10.0.0.0-10.0.0.255' is a range, which never matches a peer's address: write it as "
-     "10.0.0.0/24"),
-    (OURS, {"P2PKV_PEERS_ALLOW": "10.0.*.*"}, "P2PKV_PEERS_ALLOW entry '10.0.*.*' is a range, "
-     "which never matches a peer's address: write it as 10.0.0.0/16"),
-    ({**OURS, "peers": {"allow": ["ms-p2p.llm-d.svc.cluster.local"]}}, {}, "tier config key "
-     "peers.allow[0] = 'ms-p2p.llm-d.svc.cluster.local' is a Kubernetes Service's name, which "
-     "never matches: routers name pods by their IP; give the pods' network (the cluster's pod "
-     "CIDR, e.g. 10.0.0.0/8)"),
-    ({**OURS, "peers": {"allow": ["10.0.0.1:7777"]}}, {}, "tier config key peers.allow[0] = "
-     "'10.0.0.1:7777' is neither a network (10.0.0.0/8), an address nor a host name (no port, "
-     "no scheme)"),
-    (OURS, {"P2PKV_PEERS_ALLOW": "10.0.0.0/8 10.1.0.0/16"}, "P2PKV_PEERS_ALLOW entry "
-     "'10.0.0.0/8 10.1.0.0/16' holds 2 entries: separate them with commas "
-     "(10.0.0.0/8,10.1.0.0/16)"),
-    (OURS, {"P2PKV_PEERS_CONNECT": "ms-p2p.$(POD_NAMESPACE).svc:7777"}, "P2PKV_PEERS_CONNECT "
-     "entry 'ms-p2p.$(POD_NAMESPACE).svc:7777' holds a $(VAR) reference Kubernetes did not "
-     "expand: define VAR above this variable in the container's env list (only earlier ones "
-     "expand)"),
-    (OURS, {"P2PKV_PEERS_MAX_DIALED": "9" * 5000}, f"P2PKV_PEERS_MAX_DIALED='{'9' * 76}... "
-     "must be an integer in 1..2147483647 (sessions this tier may dial)"),
-    (OURS, {"P2PKV_PEERS_IDLE_TIMEOUT": "1e300"}, "P2PKV_PEERS_IDLE_TIMEOUT='1e300' must be a "
-     "number from 0, at most 86400 (seconds before an unused dialed session closes; 0: never)"),
-    ({**OURS, "timeouts": {"load": 1e300}}, {}, "tier config key 'timeouts.load' must be <= "
-     "86400 seconds, got 1e+300"),
-    ({**OURS, "timeouts": {"load": -1}}, {}, "tier config key 'timeouts.load' must be > 0 "
-     "seconds, got -1"),
-    ('{"type": "P2PKVTier", "module_path": "p2pkv_vllm", "timeouts": {"load": NaN}}', {},
-     "tier config key 'timeouts.load' must be a finite number, got nan"),
-    ({**OURS, "limits": {"max_frame_bytes": 2**40}}, {}, "tier config key "
-     "'limits.max_frame_bytes' must be <= 2147483647, got 1099511627776"),
-    ({**OURS, "unbound_store_timeout_s": -5}, {}, "key 'unbound_store_timeout_s' must be > 0 "
-     "seconds, got -5"),
-    ({**OURS, "num_thread": 4}, {}, f"unknown tier config key(s) ['num_thread']; valid keys: "
-     f"{VALID_KEYS}; did you mean 'num_threads'?"),
+    (
+        OURS,
+        {"P2PKV_PEERS_ALLOW": "*"},
+        "P2PKV_PEERS_ALLOW entry '*' would allow nothing, not "
+        "everything: leave peers.allow empty (unset) to allow any peer, or give the pods' network "
+        "(10.0.0.0/8)",
+    ),
+    (
+        OURS,
+        {"P2PKV_PEERS_ALLOW": "10.1.0.0/16,10.0.0.0-10.0.0.255"},
+        "P2PKV_PEERS_ALLOW entry "
+        "'10.0.0.0-10.0.0.255' is a range, which never matches a peer's address: write it as "
+        "10.0.0.0/24",
+    ),
+    (
+        OURS,
+        {"P2PKV_PEERS_ALLOW": "10.0.*.*"},
+        "P2PKV_PEERS_ALLOW entry '10.0.*.*' is a range, "
+        "which never matches a peer's address: write it as 10.0.0.0/16",
+    ),
+    (
+        {**OURS, "peers": {"allow": ["ms-p2p.llm-d.svc.cluster.local"]}},
+        {},
+        "tier config key "
+        "peers.allow[0] = 'ms-p2p.llm-d.svc.cluster.local' is a Kubernetes Service's name, which "
+        "never matches: routers name pods by their IP; give the pods' network (the cluster's pod "
+        "CIDR, e.g. 10.0.0.0/8)",
+    ),
+    (
+        {**OURS, "peers": {"allow": ["10.0.0.1:7777"]}},
+        {},
+        "tier config key peers.allow[0] = "
+        "'10.0.0.1:7777' is neither a network (10.0.0.0/8), an address nor a host name (no port, "
+        "no scheme)",
+    ),
+    (
+        OURS,
+        {"P2PKV_PEERS_ALLOW": "10.0.0.0/8 10.1.0.0/16"},
+        "P2PKV_PEERS_ALLOW entry "
+        "'10.0.0.0/8 10.1.0.0/16' holds 2 entries: separate them with commas "
+        "(10.0.0.0/8,10.1.0.0/16)",
+    ),
+    (
+        OURS,
+        {"P2PKV_PEERS_CONNECT": "ms-p2p.$(POD_NAMESPACE).svc:7777"},
+        "P2PKV_PEERS_CONNECT "
+        "entry 'ms-p2p.$(POD_NAMESPACE).svc:7777' holds a $(VAR) reference Kubernetes did not "
+        "expand: define VAR above this variable in the container's env list (only earlier ones "
+        "expand)",
+    ),
+    (
+        OURS,
+        {"P2PKV_PEERS_MAX_DIALED": "9" * 5000},
+        f"P2PKV_PEERS_MAX_DIALED='{'9' * 76}... "
+        "must be an integer in 1..2147483647 (sessions this tier may dial)",
+    ),
+    (
+        OURS,
+        {"P2PKV_PEERS_IDLE_TIMEOUT": "1e300"},
+        "P2PKV_PEERS_IDLE_TIMEOUT='1e300' must be a "
+        "number from 0, at most 86400 (seconds before an unused dialed session closes; 0: never)",
+    ),
+    (
+        {**OURS, "timeouts": {"load": 1e300}},
+        {},
+        "tier config key 'timeouts.load' must be <= 86400 seconds, got 1e+300",
+    ),
+    (
+        {**OURS, "timeouts": {"load": -1}},
+        {},
+        "tier config key 'timeouts.load' must be > 0 seconds, got -1",
+    ),
+    (
+        '{"type": "P2PKVTier", "module_path": "p2pkv_vllm", "timeouts": {"load": NaN}}',
+        {},
+        "tier config key 'timeouts.load' must be a finite number, got nan",
+    ),
+    (
+        {**OURS, "limits": {"max_frame_bytes": 2**40}},
+        {},
+        "tier config key 'limits.max_frame_bytes' must be <= 2147483647, got 1099511627776",
+    ),
+    (
+        {**OURS, "unbound_store_timeout_s": -5},
+        {},
+        "key 'unbound_store_timeout_s' must be > 0 seconds, got -5",
+    ),
+    (
+        {**OURS, "num_thread": 4},
+        {},
+        f"unknown tier config key(s) ['num_thread']; valid keys: "
+        f"{VALID_KEYS}; did you mean 'num_threads'?",
+    ),
 ]
 
 
 @pytest.mark.parametrize("entry, env, message", REFUSED)
 def test_what_cannot_work_is_refused_naming_what_was_set(
-        entry: dict[str, Any] | str, env: dict[str, str], message: str) -> None:
+    entry: dict[str, Any] | str, env: dict[str, str], message: str
+) -> None:
     assert check(entry, **env) == (2, "", f"{P}{message}\n")
 
 
 def test_a_number_of_thousands_of_digits_is_unreadable_input() -> None:
     entry = '{"type": "P2PKVTier", "module_path": "p2pkv_vllm", "port": ' + "9" * 5000 + "}"
-    assert check(entry) == (2, "", "p2pkv check-config: --kv-transfer-config holds an integer "
-                                   "of thousands of digits: no setting takes such a number\n")
+    assert check(entry) == (
+        2,
+        "",
+        "p2pkv check-config: --kv-transfer-config holds an integer "
+        "of thousands of digits: no setting takes such a number\n",
+    )
 
 
 def test_an_empty_curve_dir_is_refused() -> None:
-    status, out, err = check({**OURS, "data": "memory", "host": "127.0.0.1"},
-                             P2PKV_CURVE_DIR="")
+    status, out, err = check({**OURS, "data": "memory", "host": "127.0.0.1"}, P2PKV_CURVE_DIR="")
     assert (status, out) == (2, "")
-    assert err == ("p2pkv check-config: secondary_tiers[0]: P2PKV_CURVE_DIR is set but empty: "
-                   "set it to the directory where the fleet's key Secret is mounted, or unset "
-                   "it (a tier without keys must say insecure: true)\n")
+    assert err == (
+        "p2pkv check-config: secondary_tiers[0]: P2PKV_CURVE_DIR is set but empty: "
+        "set it to the directory where the fleet's key Secret is mounted, or unset "
+        "it (a tier without keys must say insecure: true)\n"
+    )
 
 
 def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
     """The guide's ``$(POD_IP)`` entry, zero-edit mode, the fleet's keys: with --no-bind it
     is checked here, and the lines say what only the pod can check."""
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "p2pkv.cli", "keys", "--fleet", "--dir", str(keys)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "p2pkv.cli", "keys", "--fleet", "--dir", str(keys)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     pod = ["--env", "P2PKV_REPLACE_P2P=1", "--env", f"P2PKV_CURVE_DIR={keys}"]
     status, out, err = check(GUIDE, *pod, "--pod-ip", "10.1.2.3", "--no-bind")
     assert (status, err) == (0, "")
@@ -134,7 +209,8 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
         "zero-edit mode): control zmq, data nixl, host 10.1.2.3, ports 7777..7777 (DP ranks "
         "0..0)\nsecondary_tiers[0]: not checked here (--no-bind), only on the pod: listening on "
         "the tier's address and port; the key files as the pod mounts them; the transports' "
-        "libraries as the image has them\n")
+        "libraries as the image has them\n"
+    )
     status, out, err = check(GUIDE, *pod)
     assert (status, out) == (2, "")
     assert err == (
@@ -143,20 +219,33 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
         "p2pkv check-config: secondary_tiers[0]: cannot listen on 192.0.2.1:0: Cannot assign "
         "requested address (addr='tcp://192.0.2.1:*'); check the tier config key 'host' (not "
         "an address of this machine: run check-config on the pod, or add --no-bind to check "
-        "everything else here)\n")
+        "everything else here)\n"
+    )
 
 
 def test_pod_variables_expand_in_order_as_kubernetes_expands_them() -> None:
-    status, out, err = check({"type": "p2p", "host": "$(HOST_OF_POD)", "port": 7777},
-                             "--env", "P2PKV_REPLACE_P2P=1", "--env", "ADDR=127.0.0.1",
-                             "--env", "HOST_OF_POD=$(ADDR)", "--env",
-                             "P2PKV_PEERS_ALLOW=127.0.0.0/8,$$(literal)")
+    status, out, err = check(
+        {"type": "p2p", "host": "$(HOST_OF_POD)", "port": 7777},
+        "--env",
+        "P2PKV_REPLACE_P2P=1",
+        "--env",
+        "ADDR=127.0.0.1",
+        "--env",
+        "HOST_OF_POD=$(ADDR)",
+        "--env",
+        "P2PKV_PEERS_ALLOW=127.0.0.0/8,$$(literal)",
+    )
     assert (status, out) == (2, "")
-    assert err == (f"{P}P2PKV_PEERS_ALLOW entry '$(literal)' holds a $(VAR) reference "
-                   "Kubernetes did not expand: define VAR above this variable in the "
-                   "container's env list (only earlier ones expand)\n")
+    assert err == (
+        f"{P}P2PKV_PEERS_ALLOW entry '$(literal)' holds a $(VAR) reference "
+        "Kubernetes did not expand: define VAR above this variable in the "
+        "container's env list (only earlier ones expand)\n"
+    )
     assert check(OURS, "--env", "NOT A NAME") == (
-        2, "", "p2pkv check-config: --env 'NOT A NAME': expected NAME=VALUE\n")
+        2,
+        "",
+        "p2pkv check-config: --env 'NOT A NAME': expected NAME=VALUE\n",
+    )
 
 
 def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Path) -> None:
@@ -164,8 +253,9 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
     kubelet expands it before vLLM parses the JSON, and so does check-config, from ``@file``
     as from text. Left unset, the one line names it and the fix (exit 2)."""
     path = tmp_path / "kv-transfer-config.json"
-    path.write_text(config('{"type": "p2p", "host": "$(POD_IP)", '
-                           '"port": $(VLLM_P2P_SIDE_CHANNEL_PORT)}'))
+    path.write_text(
+        config('{"type": "p2p", "host": "$(POD_IP)", "port": $(VLLM_P2P_SIDE_CHANNEL_PORT)}')
+    )
     pod = ("--env", "P2PKV_REPLACE_P2P=1", "--pod-ip", "10.1.2.3", "--no-bind")
     status, out, err = check_text(f"@{path}", *pod, "--env", "VLLM_P2P_SIDE_CHANNEL_PORT=7900")
     assert status == 0, err
@@ -173,6 +263,7 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
     status, out, err = check_text(f"@{path}", *pod)
     assert (status, out) == (2, "")
     assert err.startswith("p2pkv check-config: --kv-transfer-config is not valid JSON: ")
-    assert err.endswith(" ($(VLLM_P2P_SIDE_CHANNEL_PORT) unset here: give the pod's value "
-                        "with --env NAME=VALUE)\n")
+    assert err.endswith(
+        " ($(VLLM_P2P_SIDE_CHANNEL_PORT) unset here: give the pod's value with --env NAME=VALUE)\n"
+    )
     assert err.count("\n") == 1

@@ -50,8 +50,12 @@ from p2pkv_tools.bench.netns import (  # noqa: E402
 )
 from tiny_model import kv_bytes_per_token  # noqa: E402
 
-COST_KEYS = ("prefillMicrosecondsPerToken", "transferMicrosecondsPerToken", "transferFixedMs",
-             "sourceWaitMs")
+COST_KEYS = (
+    "prefillMicrosecondsPerToken",
+    "transferMicrosecondsPerToken",
+    "transferFixedMs",
+    "sourceWaitMs",
+)
 PULLS_PER_REPETITION = 3
 """A warm-up pull after the pair resumes, the idle pull, the busy-source pull."""
 
@@ -61,8 +65,9 @@ def finite(value: Any) -> bool:
 
 
 @pytest.mark.engine_bench_quick
-def test_the_quick_form_measures_both_tiers(tiny_models: Callable[[str], str],
-                                            record_property: Any) -> None:
+def test_the_quick_form_measures_both_tiers(
+    tiny_models: Callable[[str], str], record_property: Any
+) -> None:
     settings = Settings.quick_form()
     doc = run(settings, tiny_models("llama-bench"), progress=print)
     print(f"\n{render(doc)}")
@@ -89,15 +94,20 @@ RATE = "2gbit"
 
 def namespaces() -> list[str]:
     """This process's link namespaces that exist now."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                            timeout=20, check=True).stdout
-    return [line.split()[0] for line in listed.splitlines()
-            if line.startswith(f"{PREFIX}{os.getpid()}-")]
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=20, check=True
+    ).stdout
+    return [
+        line.split()[0]
+        for line in listed.splitlines()
+        if line.startswith(f"{PREFIX}{os.getpid()}-")
+    ]
 
 
 @pytest.mark.engine_bench_netns
-def test_the_quick_form_across_a_veth(tiny_models: Callable[[str], str],
-                                      record_property: Any) -> None:
+def test_the_quick_form_across_a_veth(
+    tiny_models: Callable[[str], str], record_property: Any
+) -> None:
     try:
         check_tools(shaped=True)
     except NetnsUnavailable as exc:
@@ -130,10 +140,13 @@ def test_the_quick_form_across_a_veth(tiny_models: Callable[[str], str],
 
 
 @pytest.mark.engine_bench_netns
-def test_netns_without_root_ends_in_one_line(monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_netns_without_root_ends_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["--quick", "--netns"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert lines == ["engine_bench: --netns needs root and iproute2 (ip, tc): this process "
-                     "runs as uid 1000, not root"]
+    assert lines == [
+        "engine_bench: --netns needs root and iproute2 (ip, tc): this process "
+        "runs as uid 1000, not root"
+    ]

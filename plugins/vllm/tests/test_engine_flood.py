@@ -90,8 +90,9 @@ class Traffic:
     """Real PD requests from a producer to ``D``, flood requests to ``D`` before each decode
     leg; ``D``'s results arrive in any order."""
 
-    def __init__(self, prefiller: Engine, decoder: Engine, reference: Engine,
-                 ports: tuple[int, int]) -> None:
+    def __init__(
+        self, prefiller: Engine, decoder: Engine, reference: Engine, ports: tuple[int, int]
+    ) -> None:
         self.prefiller, self.decoder, self.reference = prefiller, decoder, reference
         self.ports = ports
         self.sent = 0
@@ -105,13 +106,19 @@ class Traffic:
         params = None
         if naming_peers:
             host = f"127.{1 + i // 62500}.{i // 250 % 250}.{2 + i % 250}"
-            params = {"remote_prefiller": {"kv_request_id": f"bogus-{i}", "remote_host": host,
-                                           "remote_port": self.ports[i % 2]}}
+            params = {
+                "remote_prefiller": {
+                    "kv_request_id": f"bogus-{i}",
+                    "remote_host": host,
+                    "remote_port": self.ports[i % 2],
+                }
+            }
         self.decoder.submit(f"flood-{i}", prompt(10_000_000 + i, BOGUS_TOKENS), 1, params)
         self.flood_open += 1
 
-    def real(self, tag: str, seed: int, producer: Engine, per_real: int,
-             naming_peers: bool) -> None:
+    def real(
+        self, tag: str, seed: int, producer: Engine, per_real: int, naming_peers: bool
+    ) -> None:
         """One PD request through ``producer`` and ``D`` (``per_real`` flood requests sent
         just before its decode leg): its tokens must equal the reference engine's."""
         tokens = prompt(seed, 200)
@@ -146,8 +153,9 @@ class Traffic:
             self.flood_open -= 1
         return [], 0
 
-    def phase(self, name: str, per_real: int, naming_peers: bool,
-              first_contact: Engine | None = None) -> float:
+    def phase(
+        self, name: str, per_real: int, naming_peers: bool, first_contact: Engine | None = None
+    ) -> float:
         """``REAL`` PD requests (``first_contact``, if given, is the middle one's producer):
         real requests per second, the phase's flood requests all answered."""
         began = time.monotonic()
@@ -160,7 +168,8 @@ class Traffic:
 
 
 def test_a_flood_of_bogus_peers_leaves_real_pd_traffic_whole(
-    tiny_model: str, bogus_ports: tuple[int, int],
+    tiny_model: str,
+    bogus_ports: tuple[int, int],
 ) -> None:
     engines = [Engine("reference", tiny_model, None)]
     for name in ("p", "d", "f"):
@@ -185,17 +194,23 @@ def test_a_flood_of_bogus_peers_leaves_real_pd_traffic_whole(
         deadline = time.monotonic() + SETTLE
         while True:
             usage = process_usage(pid)
-            if (usage[0] <= baseline[0] and usage[1] <= baseline[1]
-                    and usage[2] <= baseline[2] + 64 * 1024):
+            if (
+                usage[0] <= baseline[0]
+                and usage[1] <= baseline[1]
+                and usage[2] <= baseline[2] + 64 * 1024
+            ):
                 break
-            assert time.monotonic() < deadline, f"D's (fds, threads, RSS KiB) {usage} " \
-                                                f"not back to {baseline} in {SETTLE}s"
+            assert time.monotonic() < deadline, (
+                f"D's (fds, threads, RSS KiB) {usage} not back to {baseline} in {SETTLE}s"
+            )
             decoder.metrics()  # a round trip to D: its engine thread steps meanwhile
         warnings = [line for line in decoder.p2pkv_log() if "WARNING" in line]
-        print(f"\nengine flood: {per_real * REAL} requests naming bogus peers, {REAL} real PD "
-              f"requests per phase; real requests/s: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in rates.items())
-              + f"; bogus/unloaded {rates['bogus flood'] / rates['unloaded']:.2f}, "
-              f"bogus/plain {rates['bogus flood'] / rates['plain flood']:.2f}; "
-              f"D logged {len(warnings)} warnings; D at baseline: {usage} vs {baseline}")
+        print(
+            f"\nengine flood: {per_real * REAL} requests naming bogus peers, {REAL} real PD "
+            f"requests per phase; real requests/s: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in rates.items())
+            + f"; bogus/unloaded {rates['bogus flood'] / rates['unloaded']:.2f}, "
+            f"bogus/plain {rates['bogus flood'] / rates['plain flood']:.2f}; "
+            f"D logged {len(warnings)} warnings; D at baseline: {usage} vs {baseline}"
+        )
         assert len(warnings) <= log_budget(time.monotonic() - flood_began), len(warnings)

@@ -78,14 +78,25 @@ def source(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     a, base, env = server("a"), server("base"), server_env()
     tmp = tmp_path_factory.mktemp("fleet")
     offloading_only = kv_transfer_config(base.engine_id(), [])
-    base_args = [*CPU_SERVER.format(python=sys.executable, model=tiny_model).split(),
-                 "--port", str(base.http), "--host", "127.0.0.1",
-                 "--kv-transfer-config", json.dumps(offloading_only)]
+    base_args = [
+        *CPU_SERVER.format(python=sys.executable, model=tiny_model).split(),
+        "--port",
+        str(base.http),
+        "--host",
+        "127.0.0.1",
+        "--kv-transfer-config",
+        json.dumps(offloading_only),
+    ]
     try:
-        with started(a.args(tiny_model), tmp / "a.log", env) as proc, \
-                started(base_args, tmp / "base.log", env) as base_proc:
-            wait_all_ready({"a": f"{a.url}/health", "base": f"{base.url}/health"},
-                           [proc, base_proc], [tmp / "a.log", tmp / "base.log"])
+        with (
+            started(a.args(tiny_model), tmp / "a.log", env) as proc,
+            started(base_args, tmp / "base.log", env) as base_proc,
+        ):
+            wait_all_ready(
+                {"a": f"{a.url}/health", "base": f"{base.url}/health"},
+                [proc, base_proc],
+                [tmp / "a.log", tmp / "base.log"],
+            )
             yield a, proc.pid, base.url, base_proc.pid
     finally:
         remove_regions(a, base)
@@ -117,16 +128,19 @@ def idle_cpu(*pids: int) -> list[dict[str, float]]:
     spent = time.monotonic() - began
     shares = []
     for pid, was in zip(pids, before, strict=True):
-        used = {name: (now - was.get(name, 0.0)) / spent
-                for name, now in thread_cpu(pid).items()}
-        busy = {name: round(share, 4) for name, share in
-                sorted(used.items(), key=lambda item: -item[1]) if share >= 0.0005}
+        used = {name: (now - was.get(name, 0.0)) / spent for name, now in thread_cpu(pid).items()}
+        busy = {
+            name: round(share, 4)
+            for name, share in sorted(used.items(), key=lambda item: -item[1])
+            if share >= 0.0005
+        }
         shares.append({"total": round(sum(used.values()), 4), **busy})
     return shares
 
 
-def pull_round(peers: list[Engine], port: int, tokens: list[int],
-               name: str) -> list[dict[str, float]]:
+def pull_round(
+    peers: list[Engine], port: int, tokens: list[int], name: str
+) -> list[dict[str, float]]:
     """Each peer pulls ``tokens``' prefix from the source, one after another, the source idle
     ``BETWEEN`` seconds before each; per pull, seconds from its first lookup to its first
     HIT (``answer``), from its load's submit to its result (``fetch``) and of the whole
@@ -136,20 +150,31 @@ def pull_round(peers: list[Engine], port: int, tokens: list[int],
     for i, peer in enumerate(peers):
         threading.Event().wait(BETWEEN)  # A idle before each pull
         req_id = f"{name}-{i}"
-        params = {"remote_kv_source": {"kv_request_id": req_id,
-                                       "remote_host": "127.0.0.1", "remote_port": port}}
+        params = {
+            "remote_kv_source": {
+                "kv_request_id": req_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": port,
+            }
+        }
         sent = time.monotonic()
         _, cached = peer.generate(req_id, tokens, 1, params)
         whole = time.monotonic() - sent
         assert cached == held, f"{name}, peer {i}: {cached} of {held} tokens from the source"
         marks = peer.pull_marks(req_id)
-        took.append({"answer": marks["hit"] - marks["lookup"],
-                     "fetch": marks["loaded"] - marks["load"], "pull": whole})
+        took.append(
+            {
+                "answer": marks["hit"] - marks["lookup"],
+                "fetch": marks["loaded"] - marks["load"],
+                "pull": whole,
+            }
+        )
     return took
 
 
-def test_an_idle_source_answers_many_peers(source: Any, tiny_model: str,
-                                           record_property: Any) -> None:
+def test_an_idle_source_answers_many_peers(
+    source: Any, tiny_model: str, record_property: Any
+) -> None:
     a, pid, base_url, base_pid = source
     prompts = [prompt(90 + i, 460) for i in range(PROMPTS)]
     for tokens in prompts:
@@ -158,18 +183,21 @@ def test_an_idle_source_answers_many_peers(source: Any, tiny_model: str,
         complete(base_url, tiny_model, tokens, 1)
         wait_stored(a, stored)
     cpu_alone, cpu_vllm = idle_cpu(pid, base_pid)
-    peers = [Engine(f"peer{i}", tiny_model, {**P2PKV_TIER, "port": free_port()})
-             for i in range(PEERS)]
+    peers = [
+        Engine(f"peer{i}", tiny_model, {**P2PKV_TIER, "port": free_port()}) for i in range(PEERS)
+    ]
     with running(*peers):
         fresh = pull_round(peers, a.p2p, prompts[0], "fresh")
-        connected = [pull for i, tokens in enumerate(prompts[1:], 1)
-                     for pull in pull_round(peers, a.p2p, tokens, f"connected{i}")]
+        connected = [
+            pull
+            for i, tokens in enumerate(prompts[1:], 1)
+            for pull in pull_round(peers, a.p2p, tokens, f"connected{i}")
+        ]
         (cpu_with_peers,) = idle_cpu(pid)
     result = {
         "peers": PEERS,
         "fresh_peer": {kind: summary([p[kind] for p in fresh]) for kind in fresh[0]},
-        "connected_peer": {kind: summary([p[kind] for p in connected])
-                           for kind in connected[0]},
+        "connected_peer": {kind: summary([p[kind] for p in connected]) for kind in connected[0]},
         "same_server_without_p2pkv_idle_cpu": cpu_vllm,
         "source_idle_cpu_no_peer": cpu_alone,
         f"source_idle_cpu_{PEERS}_peers": cpu_with_peers,

@@ -65,10 +65,10 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 """Shape -> (the tiny model's architecture, engine arguments)."""
 CPU_CANNOT = {
     ("mla", "0.27.1"): "vLLM 0.27.1's CPU platform: NotImplementedError: MLA is not "
-                       "supported on CPU. (0.32 runs it)",
+    "supported on CPU. (0.32 runs it)",
     ("gpt-oss", "0.27.1"): "vLLM 0.27.1's CPU attention (cpu_attention_with_kv_cache) on "
-                           "gpt-oss's sinks: RuntimeError: expected scalar type BFloat16 but "
-                           "found Float (0.32 runs it)",
+    "gpt-oss's sinks: RuntimeError: expected scalar type BFloat16 but "
+    "found Float (0.32 runs it)",
 }
 """(shape, vLLM release) -> why the CPU backend of that release cannot serve the shape at
 all, with or without a connector (measured)."""
@@ -81,8 +81,9 @@ choice between two tokens whose log-probabilities differ by 1e-4 (measured: MLA'
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
-def shape(request: pytest.FixtureRequest, tiny_models: Callable[[str], str]
-          ) -> tuple[str, dict[str, Any]]:
+def shape(
+    request: pytest.FixtureRequest, tiny_models: Callable[[str], str]
+) -> tuple[str, dict[str, Any]]:
     """(the model directory, engine arguments) of one shape."""
     import vllm
 
@@ -105,13 +106,19 @@ def ref(shape: tuple[str, dict[str, Any]]) -> Iterator[Engine]:
 def pair(shape: tuple[str, dict[str, Any]]) -> Iterator[Pair]:
     """A p2pkv prefiller and decoder serving the shape."""
     model, args = shape
-    with running(*(Engine(name, model, {**P2PKV_TIER, "port": free_port()}, engine_args=args)
-                   for name in ("pre", "dec"))) as (pre, dec):
+    with running(
+        *(
+            Engine(name, model, {**P2PKV_TIER, "port": free_port()}, engine_args=args)
+            for name in ("pre", "dec")
+        )
+    ) as (pre, dec):
         yield pre, dec
 
 
-def test_a_busy_source_shares_its_prefix(reference: Reference, pair: Pair  # noqa: F811
-                                         ) -> None:
+def test_a_busy_source_shares_its_prefix(
+    reference: Reference,  # noqa: F811
+    pair: Pair,
+) -> None:
     """``remote_kv_source`` from a source decoding a request of its own; then every chunk
     the consumer's CPU tier holds (the pulls of every test of the shape) is byte for byte a
     chunk of its source's: the bytes are checked apart from the tokens."""
@@ -121,8 +128,13 @@ def test_a_busy_source_shares_its_prefix(reference: Reference, pair: Pair  # noq
     before = source.metrics(), consumer.metrics()
     source.submit("own-request", tokens, SOURCE_TOKENS)
     source.wait_metric(STORED, before[0].get(STORED, 0) + 1)
-    params = {"remote_kv_source": {"kv_request_id": "kv-shared", "remote_host": "127.0.0.1",
-                                   "remote_port": source.port}}
+    params = {
+        "remote_kv_source": {
+            "kv_request_id": "kv-shared",
+            "remote_host": "127.0.0.1",
+            "remote_port": source.port,
+        }
+    }
     out, cached = consumer.generate("reuse", tokens, MAX_TOKENS, params)
     assert out == expected
     assert cached == full_blocks(tokens) * BLOCK_SIZE
@@ -138,10 +150,17 @@ def test_a_kv_dtype_mismatch_is_refused_at_the_handshake(tiny_model: str) -> Non
     run-config fingerprints differ, the handshake refuses naming what can differ, the decoder
     recomputes; each engine logged its run config at start, so the two can be compared."""
     tier = {**P2PKV_TIER, "timeouts": {"handshake": 10, "load": 60}}
-    with running(Engine("pre", tiny_model, {**tier, "port": free_port()},
-                        engine_args={"kv_cache_dtype": "fp8"}),
-                 Engine("dec", tiny_model, {**tier, "port": free_port()},
-                        engine_args={"kv_cache_dtype": "fp8_e5m2"})) as (pre, dec):
+    with running(
+        Engine(
+            "pre", tiny_model, {**tier, "port": free_port()}, engine_args={"kv_cache_dtype": "fp8"}
+        ),
+        Engine(
+            "dec",
+            tiny_model,
+            {**tier, "port": free_port()},
+            engine_args={"kv_cache_dtype": "fp8_e5m2"},
+        ),
+    ) as (pre, dec):
         tokens = prompt(31)
         prefill, decode = pd_params("kv-mismatch", pre)
         before = dec.metrics()
@@ -150,11 +169,13 @@ def test_a_kv_dtype_mismatch_is_refused_at_the_handshake(tiny_model: str) -> Non
         assert cached == 0 and len(out) == MAX_TOKENS
         assert delta(dec.metrics(), before, EXTERNAL_TOKENS) == 0
         lines = pre.p2pkv_log() + dec.p2pkv_log()
-        assert any("config fingerprint" in line and "KV cache dtype" in line
-                   for line in lines), lines
+        assert any("config fingerprint" in line and "KV cache dtype" in line for line in lines), (
+            lines
+        )
         for engine, dtype in ((pre, "fp8"), (dec, "fp8_e5m2")):  # what each runs, logged
-            assert any("run config" in line and f"dtype={dtype}," in line
-                       for line in engine.p2pkv_log()), engine.p2pkv_log()
+            assert any(
+                "run config" in line and f"dtype={dtype}," in line for line in engine.p2pkv_log()
+            ), engine.p2pkv_log()
 
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
@@ -168,9 +189,10 @@ def test_tp1_and_tp2_without_the_canonical_layout_are_refused(tiny_model: str) -
     decoder loaded them and decoded wrong tokens). Their run-config fingerprints differ
     (``tp_size``), the handshake refuses at once, the decoder recomputes: its tokens equal
     the prefiller's own for the prompt."""
-    with running(Engine("pre", tiny_model, {**P2PKV_TIER, "port": free_port()}),
-                 Engine("dec", tiny_model, {**P2PKV_TIER, "port": free_port()},
-                        engine_args=TP2)) as (pre, dec):
+    with running(
+        Engine("pre", tiny_model, {**P2PKV_TIER, "port": free_port()}),
+        Engine("dec", tiny_model, {**P2PKV_TIER, "port": free_port()}, engine_args=TP2),
+    ) as (pre, dec):
         tokens = prompt(32)
         prefill, decode = pd_params("kv-tp", pre)
         before = dec.metrics()

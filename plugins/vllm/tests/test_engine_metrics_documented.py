@@ -26,8 +26,10 @@ PREFIX = "vllm:kv_offload_p2pkv_"
 
 @pytest.fixture(scope="module")
 def pair(tiny_model: str) -> Iterator[tuple[Engine, Engine]]:
-    with running(Engine("pre", tiny_model, {**P2PKV_TIER, "port": free_port()}),
-                 Engine("dec", tiny_model, {**P2PKV_TIER, "port": free_port()})) as (pre, dec):
+    with running(
+        Engine("pre", tiny_model, {**P2PKV_TIER, "port": free_port()}),
+        Engine("dec", tiny_model, {**P2PKV_TIER, "port": free_port()}),
+    ) as (pre, dec):
         yield pre, dec
 
 
@@ -39,7 +41,8 @@ def test_the_adapters_metrics_are_documented_as_exposed(pair: tuple[Engine, Engi
     dec.generate("dec-metrics-doc", tokens, 4, decode)
     kind, text = dec.child.request(("exposition",), WAIT, "the decoder's metrics")
     assert kind == "exposition"
-    scraped = {name: k for name, k in exposed(text, PREFIX).items()
-               if not name.endswith("_created")}
+    scraped = {
+        name: k for name, k in exposed(text, PREFIX).items() if not name.endswith("_created")
+    }
     assert f"{PREFIX}jobs_total" in scraped, sorted(scraped)
     assert scraped == documented(PREFIX)

@@ -67,7 +67,8 @@ def pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def test_a_second_turn_pulls_the_first_turns_generated_tokens(
-    reference: Reference, pair: Pair,  # noqa: F811 - the fixture imported above
+    reference: Reference,  # noqa: F811 - the fixture imported above
+    pair: Pair,
 ) -> None:
     """Turn 1 (150 prompt tokens, 100 generated) on the source; turn 2 (turn 1, its answer and
     20 new tokens) on the other engine with ``remote_kv_source`` naming the source: the
@@ -85,8 +86,13 @@ def test_a_second_turn_pulls_the_first_turns_generated_tokens(
         assert time.monotonic() < deadline, f"the source did not store {held} blocks in {WAIT}s"
     second = conversation + prompt(42, 20)
     before = consumer.metrics()
-    params = {"remote_kv_source": {"kv_request_id": "kv-turn-2", "remote_host": "127.0.0.1",
-                                   "remote_port": source.port}}
+    params = {
+        "remote_kv_source": {
+            "kv_request_id": "kv-turn-2",
+            "remote_host": "127.0.0.1",
+            "remote_port": source.port,
+        }
+    }
     out, cached = consumer.generate("turn-2", second, MAX_TOKENS, params)
     assert out == reference(second)
     assert cached == held * BLOCK_SIZE

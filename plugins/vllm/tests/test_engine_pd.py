@@ -97,8 +97,9 @@ def ref(tiny_model: str) -> Iterator[Engine]:
 def pair(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Pair]:
     """A prefiller and a decoder of one row (see ``ROWS``)."""
     entry, env = ROWS[request.param]
-    with running(Engine("pre", tiny_model, tier(entry), env),
-                 Engine("dec", tiny_model, tier(entry), env)) as (pre, dec):
+    with running(
+        Engine("pre", tiny_model, tier(entry), env), Engine("dec", tiny_model, tier(entry), env)
+    ) as (pre, dec):
         yield pre, dec
 
 
@@ -106,8 +107,10 @@ def pair(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[Pair]:
 def corrupting(tiny_model: str) -> Iterator[Pair]:
     """A p2pkv prefiller, and a decoder whose tier corrupts the blocks it loads."""
     bad = tier(P2PKV_TIER, type="CorruptingP2PKVTier", module_path="corrupting_tier")
-    with running(Engine("pre", tiny_model, tier(P2PKV_TIER)),
-                 Engine("bad", tiny_model, bad)) as (pre, dec):
+    with running(Engine("pre", tiny_model, tier(P2PKV_TIER)), Engine("bad", tiny_model, bad)) as (
+        pre,
+        dec,
+    ):
         yield pre, dec
 
 
@@ -133,8 +136,13 @@ def label(engine: Engine) -> str:
     return f"tier=1:{engine.tier['type']}"
 
 
-def came_over_the_tier(pre: Engine, dec: Engine, tokens: list[int],
-                       before: tuple[dict[str, float], dict[str, float]], cached: int) -> None:
+def came_over_the_tier(
+    pre: Engine,
+    dec: Engine,
+    tokens: list[int],
+    before: tuple[dict[str, float], dict[str, float]],
+    cached: int,
+) -> None:
     """vLLM's counters (and p2pkv's jobs, on a p2pkv row) say the prompt's blocks came over
     the P2P tier. The per-tier counters (P2P-sourced tokens, bytes read = bytes written) are
     checked on the releases that have them (:func:`full_counters`)."""
@@ -154,8 +162,9 @@ def came_over_the_tier(pre: Engine, dec: Engine, tokens: list[int],
             assert delta(after[0], before[0], JOBS_DONE) == 1
 
 
-def prefill_then_decode(pre: Engine, dec: Engine, name: str, tokens: list[int]
-                        ) -> tuple[list[int], int]:
+def prefill_then_decode(
+    pre: Engine, dec: Engine, name: str, tokens: list[int]
+) -> tuple[list[int], int]:
     """The prefill leg to its end, then the decode leg: the decoder's tokens and cached
     token count."""
     prefill, decode = pd_params(f"kv-{name}", pre)
@@ -211,8 +220,13 @@ def test_symmetric_a_busy_source_shares_its_prefix(reference: Reference, pair: P
     before = source.metrics(), consumer.metrics()
     source.submit("own-request", tokens, SOURCE_TOKENS)
     source.wait_metric(STORED, before[0].get(STORED, 0) + 1)  # its prompt is in its CPU tier
-    params = {"remote_kv_source": {"kv_request_id": "kv-symmetric", "remote_host": "127.0.0.1",
-                                   "remote_port": source.port}}
+    params = {
+        "remote_kv_source": {
+            "kv_request_id": "kv-symmetric",
+            "remote_host": "127.0.0.1",
+            "remote_port": source.port,
+        }
+    }
     out, cached = consumer.generate("reuse", tokens, MAX_TOKENS, params)
     assert out == expected
     after = consumer.metrics()
@@ -252,8 +266,10 @@ def test_killed_prefiller_the_decoder_recomputes(reference: Reference, pair: Pai
 @pytest.fixture(scope="module")
 def mixed(tiny_model: str) -> Iterator[Pair]:
     """Two engines from the guide's entry: vLLM's built-in tier, and p2pkv's (the opt-in)."""
-    with running(Engine("builtin", tiny_model, tier(GUIDE_TIER)),
-                 Engine("ours", tiny_model, tier(GUIDE_TIER), REPLACE_P2P)) as (builtin, ours):
+    with running(
+        Engine("builtin", tiny_model, tier(GUIDE_TIER)),
+        Engine("ours", tiny_model, tier(GUIDE_TIER), REPLACE_P2P),
+    ) as (builtin, ours):
         yield builtin, ours
 
 
@@ -279,7 +295,9 @@ def named_and_not_leaking(ours: Engine, fds: int) -> list[str]:
 
 
 def test_a_p2pkv_decoder_refuses_a_builtin_prefiller(
-    reference: Reference, mixed: Pair, record_property: Any,
+    reference: Reference,
+    mixed: Pair,
+    record_property: Any,
 ) -> None:
     """p2pkv dials the built-in tier's ROUTER: the dial dies in its handshake, the load
     fails at once naming the other implementation, vLLM recomputes (three requests)."""
@@ -303,7 +321,9 @@ def test_a_p2pkv_decoder_refuses_a_builtin_prefiller(
 
 
 def test_a_builtin_decoder_dialing_p2pkv(
-    reference: Reference, mixed: Pair, record_property: Any,
+    reference: Reference,
+    mixed: Pair,
+    record_property: Any,
 ) -> None:
     """Last (it kills the built-in engine): the built-in tier dials p2pkv's PULL. p2pkv
     names it and serves on without a leak; what the built-in decoder does is recorded

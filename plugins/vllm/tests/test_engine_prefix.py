@@ -108,18 +108,32 @@ class Server:
 
     def args(self, model: str) -> list[str]:
         tier = {**P2PKV_TIER, "port": self.p2p}
-        events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{self.events}",
-                  "replay_endpoint": f"tcp://*:{self.replay}"}
-        return [*CPU_SERVER.format(python=sys.executable, model=model).split(),
-                "--port", str(self.http), "--host", "127.0.0.1",
-                "--kv-transfer-config", json.dumps(kv_transfer_config(self.engine_id(), [tier])),
-                "--kv-events-config", json.dumps(events)]
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+        }
+        return [
+            *CPU_SERVER.format(python=sys.executable, model=model).split(),
+            "--port",
+            str(self.http),
+            "--host",
+            "127.0.0.1",
+            "--kv-transfer-config",
+            json.dumps(kv_transfer_config(self.engine_id(), [tier])),
+            "--kv-events-config",
+            json.dumps(events),
+        ]
 
     def spec(self, **extra: str) -> str:
         """Its ``--prefiller``/``--decoder`` spec for the proxy."""
-        opts = {"p2p_port": str(self.p2p), "kv_events": f"tcp://127.0.0.1:{self.events}",
-                "kv_replay": f"tcp://127.0.0.1:{self.replay}", **extra}
+        opts = {
+            "p2p_port": str(self.p2p),
+            "kv_events": f"tcp://127.0.0.1:{self.events}",
+            "kv_replay": f"tcp://127.0.0.1:{self.replay}",
+            **extra,
+        }
         return ",".join([self.url, *(f"{k}={v}" for k, v in opts.items())])
 
     def metrics(self) -> str:
@@ -136,8 +150,12 @@ def server_env() -> dict[str, str]:
     """The environment of a test ``vllm serve``: the engines' own, this directory importable
     (the CPU offloading spec), this venv's executables first, and the engine core in its own
     process as vLLM runs it."""
-    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(Path(__file__).parent),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "PYTHONPATH": str(Path(__file__).parent),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
     return env
 
@@ -163,8 +181,9 @@ class Cluster:
     """Server name -> the pid of its ``vllm serve`` (its engine core is a child)."""
 
 
-def wait_all_ready(urls: dict[str, str], procs: list[subprocess.Popen[Any]],
-                   logs: list[Path]) -> None:
+def wait_all_ready(
+    urls: dict[str, str], procs: list[subprocess.Popen[Any]], logs: list[Path]
+) -> None:
     """Until every ``GET url`` answers 200 (bounded by ``BOOT``); a process that exits
     first fails the test with its log."""
     deadline = time.monotonic() + BOOT
@@ -172,8 +191,9 @@ def wait_all_ready(urls: dict[str, str], procs: list[subprocess.Popen[Any]],
     while pending:
         for proc, log in zip(procs, logs, strict=True):
             if proc.poll() is not None:
-                raise AssertionError(f"{log.name} exited {proc.returncode}:\n"
-                                     f"{log.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"{log.name} exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+                )
         pending = {n: u for n, u in pending.items() if get(u, timeout=2.0)[0] != 200}
         if pending and time.monotonic() > deadline:
             raise AssertionError(f"not ready in {BOOT}s: {sorted(pending)}")
@@ -190,33 +210,57 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     a, b, c = server("a"), server("b"), server("c")
     env = server_env()
     proxy_port = free_port()
-    proxy_args = ["p2pkv", "proxy", "--port", str(proxy_port), "--policy", "prefix-aware",
-                  "--min-cached-tokens-delta", str(DELTA),
-                  "--prefiller", b.spec(), "--prefiller", c.spec(),
-                  "--decoder", a.spec(p2p_host="127.0.0.1")]
+    proxy_args = [
+        "p2pkv",
+        "proxy",
+        "--port",
+        str(proxy_port),
+        "--policy",
+        "prefix-aware",
+        "--min-cached-tokens-delta",
+        str(DELTA),
+        "--prefiller",
+        b.spec(),
+        "--prefiller",
+        c.spec(),
+        "--decoder",
+        a.spec(p2p_host="127.0.0.1"),
+    ]
     logs = [tmp / f"{s.name}.log" for s in (a, b, c)] + [tmp / "proxy.log"]
     try:
         with contextlib.ExitStack() as stack:
-            procs = [stack.enter_context(started(s.args(tiny_model), log, env))
-                     for s, log in zip((a, b, c), logs[:3], strict=True)]
+            procs = [
+                stack.enter_context(started(s.args(tiny_model), log, env))
+                for s, log in zip((a, b, c), logs[:3], strict=True)
+            ]
             procs.append(stack.enter_context(started(proxy_args, logs[3], env)))
             proxy = f"http://127.0.0.1:{proxy_port}"
-            wait_all_ready({s.name: f"{s.url}/health" for s in (a, b, c)} | {
-                "proxy": f"{proxy}/health"}, procs, logs)
+            wait_all_ready(
+                {s.name: f"{s.url}/health" for s in (a, b, c)} | {"proxy": f"{proxy}/health"},
+                procs,
+                logs,
+            )
             pids = {s.name: p.pid for s, p in zip((a, b, c), procs, strict=False)}
             yield Cluster(a, b, c, proxy, logs[3], env, tmp, pids)
     finally:
         remove_regions(a, b, c)
 
 
-def complete(base: str, model: str, tokens: list[int], max_tokens: int = MAX_TOKENS,
-             ignore_eos: bool = False) -> tuple[str, str]:
+def complete(
+    base: str, model: str, tokens: list[int], max_tokens: int = MAX_TOKENS, ignore_eos: bool = False
+) -> tuple[str, str]:
     """A greedy completion of ``tokens``: its text and the proxy's ``x-kv-request-id``
     (empty from an engine)."""
-    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": ignore_eos}
-    request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": ignore_eos,
+    }
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=WAIT) as resp:
         text = str(json.loads(resp.read())["choices"][0]["text"])
         return text, resp.headers.get("x-kv-request-id", "")
@@ -225,6 +269,7 @@ def complete(base: str, model: str, tokens: list[int], max_tokens: int = MAX_TOK
 def access_record(log: Path, kv_request_id: str) -> dict[str, Any]:
     """The proxy's access-log record of one request (one JSON line, written right after
     the response ends: polled, at most ``WAIT`` seconds)."""
+
     def record() -> dict[str, Any] | None:
         for line in log.read_text().splitlines():
             if line.startswith("{") and kv_request_id in line:
@@ -245,15 +290,24 @@ def pd_pull(producer: Server, consumer: Server, model: str, tokens: list[int]) -
     ``consumer`` pulling from it); returns the decode leg's seconds, the first pull's cost
     included."""
     kv_id = new_kv_request_id()
-    legs = ((producer, producer_params(kv_id)),
-            (consumer, pull_params(kv_id, P2PPeer(producer.slot, "127.0.0.1", producer.p2p))))
+    legs = (
+        (producer, producer_params(kv_id)),
+        (consumer, pull_params(kv_id, P2PPeer(producer.slot, "127.0.0.1", producer.p2p))),
+    )
     took = 0.0
     for server, params in legs:
-        body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": params}
-        request = urllib.request.Request(f"{server.url}/v1/completions",
-                                         json.dumps(body).encode(),
-                                         {"content-type": "application/json"})
+        body = {
+            "model": model,
+            "prompt": tokens,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": params,
+        }
+        request = urllib.request.Request(
+            f"{server.url}/v1/completions",
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )
         began = time.monotonic()
         with urllib.request.urlopen(request, timeout=WAIT) as resp:
             resp.read()
@@ -265,8 +319,17 @@ def warm_up(cluster: Cluster, producer: Server, consumer: Server) -> dict[str, A
     """Run ``p2pkv proxy --warm-pairs`` over one prefiller and one decoder until its
     ``/ready`` says the pair is done (bounded); returns that pair's status."""
     port = free_port()
-    args = ["p2pkv", "proxy", "--port", str(port), "--warm-pairs",
-            "--prefiller", producer.spec(), "--decoder", consumer.spec()]
+    args = [
+        "p2pkv",
+        "proxy",
+        "--port",
+        str(port),
+        "--warm-pairs",
+        "--prefiller",
+        producer.spec(),
+        "--decoder",
+        consumer.spec(),
+    ]
     log = cluster.tmp / "warm-proxy.log"
 
     def settled() -> dict[str, Any] | None:
@@ -298,15 +361,18 @@ def warm_ab(cluster: Cluster, tiny_model: str) -> dict[str, Any]:
 
 
 def test_warm_pairs_take_the_session_setup_off_the_first_pull(
-        cluster: Cluster, warm_ab: dict[str, Any], tiny_model: str,
-        record_property: Any) -> None:
+    cluster: Cluster, warm_ab: dict[str, Any], tiny_model: str, record_property: Any
+) -> None:
     """The first pull of C <- B (a cold pair: no test pulls between them before) and of
     A <- B (warmed) are timed, then C <- B's second pull (its session open by then)."""
     a, b, c = cluster.a, cluster.b, cluster.c
     before = a.metrics()
     times = {"warm_up_ms": warm_ab["ms"]}
-    for name, consumer, seed in (("cold_first_pull", c, 43), ("warm_first_pull", a, 44),
-                                 ("cold_pair_second_pull", c, 45)):
+    for name, consumer, seed in (
+        ("cold_first_pull", c, 43),
+        ("warm_first_pull", a, 44),
+        ("cold_pair_second_pull", c, 45),
+    ):
         times[f"{name}_ms"] = round(pd_pull(b, consumer, tiny_model, prompt(seed)) * 1000, 1)
     record_property("first_pull_ms", times)
     print(f"\nfirst pull between fresh instances: {times}")
@@ -353,8 +419,12 @@ def test_a_shared_prefix_is_pulled_from_its_holder(cluster: Cluster, tiny_model:
 def test_a_prompt_nobody_holds_goes_without_a_source(cluster: Cluster, tiny_model: str) -> None:
     _, kv_id = complete(cluster.proxy, tiny_model, FRESH)
     record = access_record(cluster.proxy_log, kv_id)
-    assert (record["source"], record["source_tokens"], record["matched_tokens"],
-            record["prefix_lookup"]) == ("", 0, 0, "miss")
+    assert (
+        record["source"],
+        record["source_tokens"],
+        record["matched_tokens"],
+        record["prefix_lookup"],
+    ) == ("", 0, 0, "miss")
     assert record["prefiller"] in (cluster.b.slot, cluster.c.slot)  # a round-robin tie
 
 
@@ -371,10 +441,12 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-@pytest.mark.parametrize(("gap", "consumer"), [(5.0, "c"), (20.0, "b")],
-                         ids=["idle 5s, a fresh peer", "idle 20s"])
-def test_an_idle_source_answers_a_pull(cluster: Cluster, tiny_model: str, gap: float,
-                                       consumer: str, record_property: Any) -> None:
+@pytest.mark.parametrize(
+    ("gap", "consumer"), [(5.0, "c"), (20.0, "b")], ids=["idle 5s, a fresh peer", "idle 20s"]
+)
+def test_an_idle_source_answers_a_pull(
+    cluster: Cluster, tiny_model: str, gap: float, consumer: str, record_property: Any
+) -> None:
     """llm-d's verification gate: ``A`` serves a long prompt, then stays idle ``gap``
     seconds (the scenario, not a settling delay; ``A``'s CPU is measured over it), then a
     second engine pulls it with a hand-made ``remote_kv_source``: every full block of the
@@ -390,10 +462,18 @@ def test_an_idle_source_answers_a_pull(cluster: Cluster, tiny_model: str, gap: f
     idle_cpu = (cpu_seconds(cluster.pids["a"]) - cpu_before) / (time.monotonic() - began)
     before = pulling.metrics()
     params = with_kv_source(None, new_kv_request_id(), P2PPeer(a.slot, "127.0.0.1", a.p2p))
-    body = {"model": tiny_model, "prompt": tokens, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": params}
-    request = urllib.request.Request(f"{pulling.url}/v1/completions", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+    body = {
+        "model": tiny_model,
+        "prompt": tokens,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": params,
+    }
+    request = urllib.request.Request(
+        f"{pulling.url}/v1/completions",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
     sent = time.monotonic()
     with urllib.request.urlopen(request, timeout=WAIT) as resp:
         resp.read()
@@ -401,12 +481,23 @@ def test_an_idle_source_answers_a_pull(cluster: Cluster, tiny_model: str, gap: f
     after = pulling.metrics()
     grown = counter(after, EXTERNAL_HITS) - counter(before, EXTERNAL_HITS)
     held = full_blocks(tokens) * BLOCK_SIZE
-    load_s = (counter(after, LOAD_SECONDS, kind="load", suffix="_sum")
-              - counter(before, LOAD_SECONDS, kind="load", suffix="_sum"))
-    record_property("idle_source", {"gap_s": gap, "source_cpu_fraction": round(idle_cpu, 4),
-                                    "pull_s": round(took, 3), "load_job_s": round(load_s, 4),
-                                    "hits": grown, "held": held})
-    print(f"\nidle source ({gap:.0f}s): CPU {idle_cpu:.1%} of a core while idle, pull "
-          f"{took * 1000:.0f} ms (its tier load job {load_s * 1000:.1f} ms), "
-          f"{grown:.0f}/{held} prefix tokens external")
+    load_s = counter(after, LOAD_SECONDS, kind="load", suffix="_sum") - counter(
+        before, LOAD_SECONDS, kind="load", suffix="_sum"
+    )
+    record_property(
+        "idle_source",
+        {
+            "gap_s": gap,
+            "source_cpu_fraction": round(idle_cpu, 4),
+            "pull_s": round(took, 3),
+            "load_job_s": round(load_s, 4),
+            "hits": grown,
+            "held": held,
+        },
+    )
+    print(
+        f"\nidle source ({gap:.0f}s): CPU {idle_cpu:.1%} of a core while idle, pull "
+        f"{took * 1000:.0f} ms (its tier load job {load_s * 1000:.1f} ms), "
+        f"{grown:.0f}/{held} prefix tokens external"
+    )
     assert grown == held

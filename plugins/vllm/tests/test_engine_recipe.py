@@ -40,18 +40,22 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
 MARKER = "<!-- recipe:"
-CPU_SERVER = ("{python} -m vllm.entrypoints.openai.api_server --model {model} --dtype float32 "
-              "--block-size 32 --max-model-len 1024 --max-num-seqs 4 --enforce-eager "
-              "--seed 0 --kv-cache-memory-bytes 33554432")
-PROMPTS = ("The quick brown fox jumps over the lazy dog near the riverbank. " * 3,
-           "Peer to peer KV cache blocks move between prefillers and decoders. " * 3)
+CPU_SERVER = (
+    "{python} -m vllm.entrypoints.openai.api_server --model {model} --dtype float32 "
+    "--block-size 32 --max-model-len 1024 --max-num-seqs 4 --enforce-eager "
+    "--seed 0 --kv-cache-memory-bytes 33554432"
+)
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog near the riverbank. " * 3,
+    "Peer to peer KV cache blocks move between prefillers and decoders. " * 3,
+)
 MAX_TOKENS = 12
 
 
 def recipe() -> str:
     """The bash block that follows the marker on the page."""
     text = DOC.read_text(encoding="utf-8")
-    after = text[text.index(MARKER):]
+    after = text[text.index(MARKER) :]
     match = re.search(r"```bash\n(.*?)```", after, re.S)
     assert match, f"no bash block after {MARKER!r} in {DOC}"
     return match.group(1)
@@ -72,11 +76,15 @@ def substitutions(tmp: Path, model: str, ports: dict[str, int]) -> list[tuple[st
         (":8200", f":{ports['decoder']}"),
         ("--port 8192", f"--port {ports['proxy']}"),
         ("vllm serve $MODEL", CPU_SERVER.format(python=sys.executable, model=model)),
-        ('"spec_name": "TieringOffloadingSpec",',
-         '"spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "cpu_offload_spec",'),
+        (
+            '"spec_name": "TieringOffloadingSpec",',
+            '"spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "cpu_offload_spec",',
+        ),
         ("21474836480", str(16 * 1024 * 1024)),
-        ('"kv_role": "kv_both",', f'"kv_role": "kv_both", "engine_id": "{engine_prefix()}'
-                                  '\'"$1"\'",'),
+        (
+            '"kv_role": "kv_both",',
+            f'"kv_role": "kv_both", "engine_id": "{engine_prefix()}\'"$1"\'",',
+        ),
     ]
 
 
@@ -127,8 +135,9 @@ def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
 
 def complete(base: str, model: str, text: str) -> str:
     body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0}
-    request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=WAIT) as resp:
         return str(json.loads(resp.read())["choices"][0]["text"])
 
@@ -152,20 +161,24 @@ def wait_until(proc: subprocess.Popen[Any], log: Path, what: str, check: Any) ->
             proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             if time.monotonic() > deadline:
-                raise AssertionError(f"{what} not reached in {BOOT}s; log:\n"
-                                     f"{log.read_text()[-4000:]}") from None
+                raise AssertionError(
+                    f"{what} not reached in {BOOT}s; log:\n{log.read_text()[-4000:]}"
+                ) from None
             continue
-        raise AssertionError(f"the recipe exited {proc.returncode} before {what}; log:\n"
-                             f"{log.read_text()[-4000:]}")
+        raise AssertionError(
+            f"the recipe exited {proc.returncode} before {what}; log:\n{log.read_text()[-4000:]}"
+        )
 
 
 @contextlib.contextmanager
-def started(args: list[str] | str, log: Path, env: dict[str, str]) -> Iterator[
-        subprocess.Popen[Any]]:
+def started(
+    args: list[str] | str, log: Path, env: dict[str, str]
+) -> Iterator[subprocess.Popen[Any]]:
     """A process group of ours, ended (TERM, then KILL) by its id on exit."""
     with log.open("w") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         yield proc
     finally:
@@ -180,8 +193,11 @@ def started(args: list[str] | str, log: Path, env: dict[str, str]) -> Iterator[
 
 
 def remove_regions() -> list[str]:
-    files = [f"/dev/shm/{name}" for name in os.listdir("/dev/shm")
-             if name.startswith(f"vllm_offload_{engine_prefix()}")]
+    files = [
+        f"/dev/shm/{name}"
+        for name in os.listdir("/dev/shm")
+        if name.startswith(f"vllm_offload_{engine_prefix()}")
+    ]
     for path in files:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -189,12 +205,21 @@ def remove_regions() -> list[str]:
 
 
 def test_the_pd_recipe_runs_as_written(tiny_model: str, tmp_path: Path) -> None:
-    ports = {"p2p": pair_free(("127.0.0.1", "127.0.0.2")), "prefiller": free_port(),
-             "decoder": free_port(), "proxy": free_port(), "decoder_first": free_port()}
+    ports = {
+        "p2p": pair_free(("127.0.0.1", "127.0.0.2")),
+        "prefiller": free_port(),
+        "decoder": free_port(),
+        "proxy": free_port(),
+        "decoder_first": free_port(),
+    }
     script = runnable(recipe(), substitutions(tmp_path, tiny_model, ports))
-    env = {**os.environ, **ENGINE_ENV, "MODEL": tiny_model,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": str(Path(__file__).parent)}
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "MODEL": tiny_model,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(Path(__file__).parent),
+    }
     del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # servers run their engine cores as vLLM does
     env.pop("PYTHONHASHSEED", None)  # the recipe exports it
     prefiller = f"http://127.0.0.1:{ports['prefiller']}"
@@ -203,23 +228,37 @@ def test_the_pd_recipe_runs_as_written(tiny_model: str, tmp_path: Path) -> None:
     try:
         with started(["bash", "-euo", "pipefail", "-c", script], log, env) as proc:
             proxy = f"http://127.0.0.1:{ports['proxy']}"
-            wait_until(proc, log, "the proxy's /ready",
-                       lambda: '"ready"' in get(f"{proxy}/ready")[1])
-            args = ["p2pkv", "proxy", "--port", str(ports["decoder_first"]),
-                    "--mode", "decoder-first", "--prefiller",
-                    f"{prefiller},p2p_host=127.0.0.1,p2p_port={ports['p2p']},dp_size=2",
-                    "--decoder", f"{decoder},dp_size=2"]
+            wait_until(
+                proc, log, "the proxy's /ready", lambda: '"ready"' in get(f"{proxy}/ready")[1]
+            )
+            args = [
+                "p2pkv",
+                "proxy",
+                "--port",
+                str(ports["decoder_first"]),
+                "--mode",
+                "decoder-first",
+                "--prefiller",
+                f"{prefiller},p2p_host=127.0.0.1,p2p_port={ports['p2p']},dp_size=2",
+                "--decoder",
+                f"{decoder},dp_size=2",
+            ]
             with started(args, tmp_path / "proxy2.log", env):
                 second = f"http://127.0.0.1:{ports['decoder_first']}"
-                wait_until(proc, log, "the second proxy's /ready",
-                           lambda: '"ready"' in get(f"{second}/ready")[1])
+                wait_until(
+                    proc,
+                    log,
+                    "the second proxy's /ready",
+                    lambda: '"ready"' in get(f"{second}/ready")[1],
+                )
                 check_answers(tiny_model, prefiller, decoder, (proxy, second), log)
     finally:
         remove_regions()
 
 
-def check_answers(model: str, prefiller: str, decoder: str, proxies: tuple[str, ...],
-                  log: Path) -> None:
+def check_answers(
+    model: str, prefiller: str, decoder: str, proxies: tuple[str, ...], log: Path
+) -> None:
     """Each prompt through each proxy: the prefiller's own answer, its blocks over the tier."""
     hits = 0
     for proxy in proxies:

@@ -34,30 +34,45 @@ from p2pkv_vllm.start_line import START_PREFIX  # noqa: E402
 from p2pkv_zmq.keys import write_fleet_keys  # noqa: E402
 from test_engine_recipe import CPU_SERVER, started, wait_until  # noqa: E402
 
-LOGGING_VARIABLES = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING",
-                     "VLLM_ENABLE_V1_MULTIPROCESSING")
+LOGGING_VARIABLES = (
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+)
 
 
 def default_logging_env(extra: dict[str, str]) -> dict[str, str]:
     """A ``vllm serve`` environment with vLLM's logging left at its defaults."""
-    env = {**os.environ, **ENGINE_ENV, **extra, "PYTHONPATH": str(Path(__file__).parent),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        **extra,
+        "PYTHONPATH": str(Path(__file__).parent),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     for name in LOGGING_VARIABLES:
         env.pop(name, None)
     return env
 
 
-def serve_args(model: str, engine_id: str, tier: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> list[str]:
+def serve_args(
+    model: str, engine_id: str, tier: dict[str, Any], extra: dict[str, Any] | None = None
+) -> list[str]:
     config = kv_transfer_config(engine_id, [tier], extra)
-    return [*CPU_SERVER.format(python=sys.executable, model=model).split(),
-            "--port", str(free_port()), "--host", "127.0.0.1",
-            "--kv-transfer-config", json.dumps(config)]
+    return [
+        *CPU_SERVER.format(python=sys.executable, model=model).split(),
+        "--port",
+        str(free_port()),
+        "--host",
+        "127.0.0.1",
+        "--kv-transfer-config",
+        json.dumps(config),
+    ]
 
 
 def start_lines(log: Path) -> list[str]:
-    return [line for line in log.read_text(errors="replace").splitlines()
-            if START_PREFIX in line]
+    return [line for line in log.read_text(errors="replace").splitlines() if START_PREFIX in line]
 
 
 @contextlib.contextmanager
@@ -73,7 +88,8 @@ def regions_removed(*engine_ids: str) -> Iterator[None]:
 
 
 def test_vllm_serve_prints_the_start_line_at_default_logging(
-    tiny_model: str, tmp_path: Path,
+    tiny_model: str,
+    tmp_path: Path,
 ) -> None:
     try:
         render()
@@ -85,29 +101,44 @@ def test_vllm_serve_prints_the_start_line_at_default_logging(
     tier, connector, overlay_env = engine_settings(guide_port, [guide_port], keys)
     ids = (f"p2pkv-start-{os.getpid()}-explicit", f"p2pkv-start-{os.getpid()}-guide")
     runs = {
-        "explicit": (serve_args(tiny_model, ids[0], {**P2PKV_TIER, "port": explicit_port}),
-                     default_logging_env({})),
-        "guide": (serve_args(tiny_model, ids[1], tier, connector),
-                  default_logging_env(overlay_env)),
+        "explicit": (
+            serve_args(tiny_model, ids[0], {**P2PKV_TIER, "port": explicit_port}),
+            default_logging_env({}),
+        ),
+        "guide": (
+            serve_args(tiny_model, ids[1], tier, connector),
+            default_logging_env(overlay_env),
+        ),
     }
     logs = {name: tmp_path / f"{name}.log" for name in runs}
     with regions_removed(*ids), contextlib.ExitStack() as stack:
-        procs = {name: stack.enter_context(started(args, logs[name], env))
-                 for name, (args, env) in runs.items()}
+        procs = {
+            name: stack.enter_context(started(args, logs[name], env))
+            for name, (args, env) in runs.items()
+        }
         for name, proc in procs.items():
-            wait_until(proc, logs[name], f"{name}'s start line",
-                       lambda log=logs[name]: bool(start_lines(log)))
+            wait_until(
+                proc,
+                logs[name],
+                f"{name}'s start line",
+                lambda log=logs[name]: bool(start_lines(log)),
+            )
     (explicit,) = start_lines(logs["explicit"])
     (guide,) = start_lines(logs["guide"])
     for line in (explicit, guide):
         assert "INFO" in line.split(START_PREFIX)[0], line  # vLLM's prefix and level
-    assert f"address 127.0.0.1:{explicit_port} (dp rank 0), control zmq, data nixl, " \
-           "security none (loopback bind), peers allow=any" in explicit
+    assert (
+        f"address 127.0.0.1:{explicit_port} (dp rank 0), control zmq, data nixl, "
+        "security none (loopback bind), peers allow=any" in explicit
+    )
     assert explicit.endswith("entry type 'P2PKVTier'")
-    assert f"address 127.0.0.1:{guide_port} (dp rank 0), control zmq, data nixl, security " \
-           f"CURVE (fleet keys from P2PKV_CURVE_DIR={keys}), peers allow=127.0.0.0/8 " \
-           f"connect=127.0.0.1:{guide_port}" in guide
-    assert guide.endswith("entry type 'p2p' (P2PKV_REPLACE_P2P=1: p2pkv in place of vLLM's "
-                          "built-in P2P tier)")
+    assert (
+        f"address 127.0.0.1:{guide_port} (dp rank 0), control zmq, data nixl, security "
+        f"CURVE (fleet keys from P2PKV_CURVE_DIR={keys}), peers allow=127.0.0.0/8 "
+        f"connect=127.0.0.1:{guide_port}" in guide
+    )
+    assert guide.endswith(
+        "entry type 'p2p' (P2PKV_REPLACE_P2P=1: p2pkv in place of vLLM's built-in P2P tier)"
+    )
     for log in logs.values():  # p2pkv's own INFO records (p2pkv.* loggers) stay quiet
         assert "P2PKVTier run config" not in log.read_text(errors="replace")

@@ -42,8 +42,11 @@ def test_lent_to_a_computing_engine_it_paces_work_in_flight_and_never_wakes() ->
     try:
         tier.needed = True
         watch.lend()  # the engine ended its schedule and computes
-        wait_until(lambda: tier.waits.count(LENT_PACE) >= 3, timeout=30,
-                   what="the lent watcher pacing the tier's work in flight")
+        wait_until(
+            lambda: tier.waits.count(LENT_PACE) >= 3,
+            timeout=30,
+            what="the lent watcher pacing the tier's work in flight",
+        )
         assert woken == [] and watch.wakeups == 0
         with watch.engine():  # the step's end: the engine takes the tier back
             taken = len(tier.waits)
@@ -52,8 +55,11 @@ def test_lent_to_a_computing_engine_it_paces_work_in_flight_and_never_wakes() ->
 
         tier.needed = False
         watch.lend()
-        wait_until(lambda: tier.waits[-1] == IDLE_WAIT, timeout=30,
-                   what="the lent watcher waiting long once nothing is in flight")
+        wait_until(
+            lambda: tier.waits[-1] == IDLE_WAIT,
+            timeout=30,
+            what="the lent watcher waiting long once nothing is in flight",
+        )
         assert woken == []
         with watch.engine():
             pass

@@ -53,8 +53,7 @@ def _bind(sock: zmq.Socket[bytes], port: int) -> str:
 class VLLMStylePublisher:
     """PUB + replay ROUTER on 127.0.0.1; the ROUTER is served by its own thread."""
 
-    def __init__(self, *, buffer_steps: int = 100, pub_port: int = 0,
-                 replay_port: int = 0) -> None:
+    def __init__(self, *, buffer_steps: int = 100, pub_port: int = 0, replay_port: int = 0) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self.endpoint = _bind(self._pub, pub_port)
@@ -99,13 +98,27 @@ class VLLMStylePublisher:
 
 
 def stored(n: int) -> KVEventBatch:
-    return KVEventBatch(ts=time.time(), events=[BlockStored(
-        block_hashes=[n], parent_block_hash=None, token_ids=[n] * 4, block_size=4,
-        lora_id=None, medium="GPU", lora_name=None)])
+    return KVEventBatch(
+        ts=time.time(),
+        events=[
+            BlockStored(
+                block_hashes=[n],
+                parent_block_hash=None,
+                token_ids=[n] * 4,
+                block_size=4,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        ],
+    )
 
 
-def collect_until(sub: KVEventSubscriber, done: Callable[[list[Update]], bool],
-                  nudge: Callable[[], object] | None = None) -> list[Update]:
+def collect_until(
+    sub: KVEventSubscriber,
+    done: Callable[[list[Update]], bool],
+    nudge: Callable[[], object] | None = None,
+) -> list[Update]:
     """Poll ``sub`` (calling ``nudge`` between polls) until ``done(updates)``, bounded."""
     updates: list[Update] = []
     deadline = time.monotonic() + WAIT
@@ -134,21 +147,36 @@ def joined(pub: VLLMStylePublisher, sub: KVEventSubscriber) -> list[Update]:
 
 
 def test_wire_format_round_trips_and_rejects_bad_payloads() -> None:
-    batch = KVEventBatch(ts=1.0, events=[
-        BlockStored(block_hashes=[b"\x01" * 32, 7], parent_block_hash=None,
-                    token_ids=[1, 2, 3, 4], block_size=2, lora_id=None, medium="CPU",
-                    lora_name=None),
-        BlockRemoved(block_hashes=[7], medium="CPU"), AllBlocksCleared()],
-        data_parallel_rank=1)
+    batch = KVEventBatch(
+        ts=1.0,
+        events=[
+            BlockStored(
+                block_hashes=[b"\x01" * 32, 7],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=2,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            ),
+            BlockRemoved(block_hashes=[7], medium="CPU"),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=1,
+    )
     raw = encode_batch(batch)
-    assert msgspec.msgpack.decode(raw)[1][1] == {"type": "BlockRemoved", "block_hashes": [7],
-                                                 "medium": "CPU"}
+    assert msgspec.msgpack.decode(raw)[1][1] == {
+        "type": "BlockRemoved",
+        "block_hashes": [7],
+        "medium": "CPU",
+    }
     assert decode_batch(raw) == batch
     bad = msgspec.msgpack.encode([1.0, [{"type": "BlockMoved", "block_hashes": []}], 0])
     with pytest.raises(msgspec.ValidationError):
         decode_batch(bad)
-    strict = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": ["x"],
-                                            "medium": None}], 0])
+    strict = msgspec.msgpack.encode(
+        [1.0, [{"type": "BlockRemoved", "block_hashes": ["x"], "medium": None}], 0]
+    )
     with pytest.raises(msgspec.ValidationError):
         decode_batch(strict)
     newer = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared", "future": 1}]])
@@ -236,9 +264,12 @@ def test_publisher_restart_resets_and_replays_the_new_stream() -> None:
         old.close()
         new = VLLMStylePublisher(pub_port=pub_port, replay_port=replay_port)
         try:
-            updates = collect_until(sub, lambda u: any(isinstance(x, Reset) for x in u)
-                                    and bool(seqs(u)), lambda: new.publish(stored(1)))
-            after = updates[[isinstance(x, Reset) for x in updates].index(True) + 1:]
+            updates = collect_until(
+                sub,
+                lambda u: any(isinstance(x, Reset) for x in u) and bool(seqs(u)),
+                lambda: new.publish(stored(1)),
+            )
+            after = updates[[isinstance(x, Reset) for x in updates].index(True) + 1 :]
             assert seqs(after) == list(range(len(seqs(after))))  # from 0, consecutive
             assert sub.stats.restarts == 1
         finally:
@@ -253,13 +284,17 @@ def test_replay_timeout_is_bounded_and_counted() -> None:
     pub.bind("tcp://127.0.0.1:0")
     silent = ctx.socket(zmq.ROUTER)  # accepts the request, never answers
     silent.bind("tcp://127.0.0.1:0")
-    sub = KVEventSubscriber(pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                            silent.getsockopt_string(zmq.LAST_ENDPOINT), replay_timeout=0.2)
+    sub = KVEventSubscriber(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        silent.getsockopt_string(zmq.LAST_ENDPOINT),
+        replay_timeout=0.2,
+    )
     try:
         payload = encode_batch(stored(1))
         began = time.monotonic()
-        updates = collect_until(sub, bool, lambda: pub.send_multipart(
-            [b"", (7).to_bytes(8, "big"), payload]))
+        updates = collect_until(
+            sub, bool, lambda: pub.send_multipart([b"", (7).to_bytes(8, "big"), payload])
+        )
         assert time.monotonic() - began < WAIT
         assert seqs(updates)[0] == 7 and sub.stats.replay_failures >= 1
         assert sub.stats.lost >= 7
@@ -278,17 +313,34 @@ def test_against_vllms_own_publisher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # tcp://*:0 binds the node IP
     from engine_kit import free_port  # vLLM 0.30 cannot bind port 0 ("tcp://*:0")
 
-    vpub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{free_port()}",
-                                       replay_endpoint=f"tcp://*:{free_port()}")
+    vpub = kv_events.ZmqEventPublisher(
+        0, endpoint=f"tcp://*:{free_port()}", replay_endpoint=f"tcp://*:{free_port()}"
+    )
     config = vpub.get_publisher_config()
     # 0.30 reports its bind addresses ("tcp://*:port"), later releases resolved ones
-    sub = KVEventSubscriber(config.endpoint.replace("*", "127.0.0.1"),
-                            config.replay_endpoint.replace("*", "127.0.0.1"))
+    sub = KVEventSubscriber(
+        config.endpoint.replace("*", "127.0.0.1"), config.replay_endpoint.replace("*", "127.0.0.1")
+    )
     try:
+
         def nudge() -> None:
-            vpub.publish(kv_events.KVEventBatch(ts=1.0, events=[kv_events.BlockStored(
-                block_hashes=[b"h" * 32], parent_block_hash=None, token_ids=[1, 2],
-                block_size=2, lora_id=None, medium="GPU", lora_name=None)]))
+            vpub.publish(
+                kv_events.KVEventBatch(
+                    ts=1.0,
+                    events=[
+                        kv_events.BlockStored(
+                            block_hashes=[b"h" * 32],
+                            parent_block_hash=None,
+                            token_ids=[1, 2],
+                            block_size=2,
+                            lora_id=None,
+                            medium="GPU",
+                            lora_name=None,
+                        )
+                    ],
+                )
+            )
+
         updates = collect_until(sub, bool, nudge)
         batch = next(u for u in updates if isinstance(u, Batch)).batch
         assert isinstance(batch.events[0], BlockStored) and batch.data_parallel_rank == 0

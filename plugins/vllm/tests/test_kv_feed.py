@@ -15,8 +15,15 @@ TOKENS = list(range(3, 35))
 
 
 def stored(token_ids: list[int], block_size: int, medium: str) -> BlockStored:
-    return BlockStored(block_hashes=[b"h" * 32], parent_block_hash=None, token_ids=token_ids,
-                       block_size=block_size, lora_id=None, medium=medium, lora_name=None)
+    return BlockStored(
+        block_hashes=[b"h" * 32],
+        parent_block_hash=None,
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
 
 
 def test_placeholders_are_dropped_and_the_instance_stays_indexed() -> None:

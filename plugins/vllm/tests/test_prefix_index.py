@@ -17,14 +17,19 @@ def tokens(prompt: int, blocks: int) -> list[int]:
     return [prompt * 1000 + i for i in range(blocks * BS)]
 
 
-def stored(prompt: int, first: int, count: int, *, seed: int = 0, medium: str = "GPU",
-           block_size: int = BS) -> BlockStored:
+def stored(
+    prompt: int, first: int, count: int, *, seed: int = 0, medium: str = "GPU", block_size: int = BS
+) -> BlockStored:
     """Blocks ``first .. first+count-1`` of prompt ``prompt`` (engine hash: (seed, prompt, i))."""
     return BlockStored(
         block_hashes=[hash((seed, prompt, i)) for i in range(first, first + count)],
         parent_block_hash=hash((seed, prompt, first - 1)) if first else None,
-        token_ids=tokens(prompt, first + count)[first * BS:], block_size=block_size,
-        lora_id=None, medium=medium, lora_name=None)
+        token_ids=tokens(prompt, first + count)[first * BS :],
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
 
 
 def removed(prompt: int, blocks: list[int], medium: str = "GPU", seed: int = 0) -> BlockRemoved:
@@ -99,10 +104,18 @@ def test_refuses_an_instance_hashing_the_same_block_differently() -> None:
     assert index.match(tokens(1, 2)) == {"A": 8, "C": 8}
 
 
-events = st.lists(st.tuples(
-    st.sampled_from(["store", "remove", "clear"]), st.sampled_from(["A", "B"]),
-    st.integers(0, 2), st.integers(0, 3), st.integers(1, 3), st.sampled_from(["GPU", "CPU"]),
-    st.booleans()), max_size=40)
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "remove", "clear"]),
+        st.sampled_from(["A", "B"]),
+        st.integers(0, 2),
+        st.integers(0, 3),
+        st.integers(1, 3),
+        st.sampled_from(["GPU", "CPU"]),
+        st.booleans(),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -120,7 +133,8 @@ def test_index_matches_a_model_under_random_events(script: list[tuple]) -> None:
             # stores extend a chain only from its current end (as an engine does)
             first = min(first, chain_depth(held[who], prompt))
             event: BlockStored | BlockRemoved | AllBlocksCleared = stored(
-                prompt, first, count, medium=medium)
+                prompt, first, count, medium=medium
+            )
             held[who] |= {(prompt, i, medium) for i in range(first, first + count)}
         elif kind == "remove":
             event = removed(prompt, list(range(first, first + count)), medium)

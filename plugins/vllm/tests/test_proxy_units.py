@@ -52,8 +52,9 @@ def test_prefiller_spec_defaults_to_url_host_and_tier_port() -> None:
 
 
 def test_prefiller_spec_options_and_env_port() -> None:
-    p = parse_prefiller("http://h:8100,p2p_host=10.1.1.1,dp_size=4",
-                        environ={"VLLM_P2P_SIDE_CHANNEL_PORT": "6000"})
+    p = parse_prefiller(
+        "http://h:8100,p2p_host=10.1.1.1,dp_size=4", environ={"VLLM_P2P_SIDE_CHANNEL_PORT": "6000"}
+    )
     assert p == Prefiller("http://h:8100", "10.1.1.1", 6000, 4)
     assert parse_prefiller("http://h:1,p2p_port=7000", environ={}).p2p_port == 7000
 
@@ -91,8 +92,9 @@ def test_config_file_json_and_toml(tmp_path: Path) -> None:
         "mode": "decoder-first",
         "on_prefill_failure": "fail",
         "policy": "least-inflight",
-        "prefillers": [{"url": "http://p:8100", "p2p_host": "10.0.0.1", "p2p_port": 6000,
-                        "dp_size": 2}],
+        "prefillers": [
+            {"url": "http://p:8100", "p2p_host": "10.0.0.1", "p2p_port": 6000, "dp_size": 2}
+        ],
         "decoders": [{"url": "http://d:8200", "dp_size": 3}],
         "timeouts": {"prefill": 5, "idle": 7.5},
     }
@@ -126,8 +128,7 @@ def test_config_file_json_and_toml(tmp_path: Path) -> None:
         ({"prefillers": "http://p:1"}, "prefillers must be a list"),
     ],
 )
-def test_config_file_errors_name_the_key(tmp_path: Path, doc: dict[str, Any],
-                                         needle: str) -> None:
+def test_config_file_errors_name_the_key(tmp_path: Path, doc: dict[str, Any], needle: str) -> None:
     base = {"prefillers": [{"url": "http://p:1"}], "decoders": [{"url": "http://d:1"}]}
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**base, **doc}))
@@ -190,36 +191,72 @@ def test_custom_policy_by_module_path() -> None:
 
 
 def test_prefill_leg_is_one_token_unstreamed_and_carries_the_producer_dict() -> None:
-    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 9, "min_tokens": 2,
-            "min_completion_tokens": 3, "n": 2, "best_of": 3, "temperature": 0.5,
-            "kv_transfer_params": {"client": "junk"}}
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 9,
+        "min_tokens": 2,
+        "min_completion_tokens": 3,
+        "n": 2,
+        "best_of": 3,
+        "temperature": 0.5,
+        "kv_transfer_params": {"client": "junk"},
+    }
     out = prefill_body(body, producer_params("kv1"))
-    assert out == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
-                   "temperature": 0.5,
-                   "kv_transfer_params": {"remote_decoder": {"kv_request_id": "kv1"}}}
+    assert out == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 1,
+        "stream": False,
+        "temperature": 0.5,
+        "kv_transfer_params": {"remote_decoder": {"kv_request_id": "kv1"}},
+    }
     assert body["max_tokens"] == 50  # the client body is not mutated
 
 
 def test_decode_leg_keeps_the_body_and_names_the_prefiller_replica() -> None:
     body = {"model": "m", "messages": [], "stream": True, "kv_transfer_params": {"x": 1}}
     out = decode_body(body, consumer_params("kv1", Slot(A, 1)))
-    assert out == {"model": "m", "messages": [], "stream": True, "kv_transfer_params": {
-        "remote_prefiller": {"kv_request_id": "kv1", "remote_host": "a", "remote_port": 6001}}}
+    assert out == {
+        "model": "m",
+        "messages": [],
+        "stream": True,
+        "kv_transfer_params": {
+            "remote_prefiller": {"kv_request_id": "kv1", "remote_host": "a", "remote_port": 6001}
+        },
+    }
     assert source_params("kv2", Slot(B, 0)) == {
-        "remote_kv_source": {"kv_request_id": "kv2", "remote_host": "b", "remote_port": 7000}}
+        "remote_kv_source": {"kv_request_id": "kv2", "remote_host": "b", "remote_port": 7000}
+    }
     assert decode_body(body, None) == {"model": "m", "messages": [], "stream": True}
 
 
 def test_leg_headers_forward_auth_only_and_pin_the_rank() -> None:
-    client = [(b"Authorization", b"Bearer sk-1"), (b"Cookie", b"c=1"), (b"X-Api-Key", b"k"),
-              (b"Content-Length", b"12"), (b"accept", b"text/event-stream")]
+    client = [
+        (b"Authorization", b"Bearer sk-1"),
+        (b"Cookie", b"c=1"),
+        (b"X-Api-Key", b"k"),
+        (b"Content-Length", b"12"),
+        (b"accept", b"text/event-stream"),
+    ]
     assert leg_headers(client, "kv1", 3) == {
-        "authorization": "Bearer sk-1", "x-api-key": "k", "accept": "text/event-stream",
-        "content-type": "application/json", "x-request-id": "kv1", "x-data-parallel-rank": "3"}
+        "authorization": "Bearer sk-1",
+        "x-api-key": "k",
+        "accept": "text/event-stream",
+        "content-type": "application/json",
+        "x-request-id": "kv1",
+        "x-data-parallel-rank": "3",
+    }
     assert leg_headers([], "kv1", 0, api_key="sk-env")["authorization"] == "Bearer sk-env"
-    assert leg_headers([(b"authorization", b"Bearer mine")], "kv1", 0,
-                       api_key="sk-env")["authorization"] == "Bearer mine"
+    assert (
+        leg_headers([(b"authorization", b"Bearer mine")], "kv1", 0, api_key="sk-env")[
+            "authorization"
+        ]
+        == "Bearer mine"
+    )
 
 
 def test_kv_request_ids_are_fresh() -> None:
@@ -235,8 +272,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_proxy_subcommand_comes_from_the_plugin_hook() -> None:
-    args = _parse(["proxy", "--prefiller", "http://p:8100,dp_size=2", "--decoder",
-                   "http://d:8200", "--mode", "symmetric", "--prefill-timeout", "3"])
+    args = _parse(
+        [
+            "proxy",
+            "--prefiller",
+            "http://p:8100,dp_size=2",
+            "--decoder",
+            "http://d:8200",
+            "--mode",
+            "symmetric",
+            "--prefill-timeout",
+            "3",
+        ]
+    )
     cfg = cli_plugin.config_from_args(args)
     assert cfg.mode is Mode.SYMMETRIC
     assert cfg.prefillers[0].dp_size == 2
@@ -252,23 +300,53 @@ def test_proxy_help_lists_every_per_instance_option(
     for option in INSTANCE_OPTIONS:
         listed = [line for line in lines if line.split()[:1] == [option]]
         assert len(listed) == 1, f"{option}: one line of help each, got {listed}"
-    examples = {"p2p_host": "h", "p2p_port": "7", "dp_size": "2", "kv_events": "tcp://e:1",
-                "kv_replay": "tcp://e:2"}
+    examples = {
+        "p2p_host": "h",
+        "p2p_port": "7",
+        "dp_size": "2",
+        "kv_events": "tcp://e:1",
+        "kv_replay": "tcp://e:2",
+    }
     assert examples.keys() == INSTANCE_OPTIONS.keys()
     for option, value in examples.items():  # every listed option works on both kinds
-        args = _parse(["proxy", "--prefiller", f"http://p:1,{option}={value}",
-                       "--decoder", f"http://d:1,{option}={value}"])
+        args = _parse(
+            [
+                "proxy",
+                "--prefiller",
+                f"http://p:1,{option}={value}",
+                "--decoder",
+                f"http://d:1,{option}={value}",
+            ]
+        )
         cli_plugin.config_from_args(args)
 
 
 def test_flags_override_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"prefillers": [{"url": "http://p:1"}],
-                                "decoders": [{"url": "http://d:1"}],
-                                "timeouts": {"decode": 9}, "on_prefill_failure": "fail"}))
+    path.write_text(
+        json.dumps(
+            {
+                "prefillers": [{"url": "http://p:1"}],
+                "decoders": [{"url": "http://d:1"}],
+                "timeouts": {"decode": 9},
+                "on_prefill_failure": "fail",
+            }
+        )
+    )
     monkeypatch.setenv("UPSTREAM_KEY", "sk-x")
-    args = _parse(["proxy", "--config", str(path), "--decoder", "http://d2:1,dp_size=2",
-                   "--idle-timeout", "4", "--api-key-env", "UPSTREAM_KEY"])
+    args = _parse(
+        [
+            "proxy",
+            "--config",
+            str(path),
+            "--decoder",
+            "http://d2:1,dp_size=2",
+            "--idle-timeout",
+            "4",
+            "--api-key-env",
+            "UPSTREAM_KEY",
+        ]
+    )
     cfg = cli_plugin.config_from_args(args)
     assert cfg.prefillers == (Prefiller("http://p:1", "p", 5710, 1),)
     assert cfg.decoders == (Decoder("http://d2:1", 2),)
@@ -281,7 +359,16 @@ def test_cli_config_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     args = _parse(["proxy", "--prefiller", "http://p:1"])
     assert args.func(args) == 2
     assert "no decoder configured" in capsys.readouterr().err
-    args = _parse(["proxy", "--prefiller", "http://p:1", "--decoder", "http://d:1",
-                   "--api-key-env", "P2PKV_TEST_SURELY_UNSET"])
+    args = _parse(
+        [
+            "proxy",
+            "--prefiller",
+            "http://p:1",
+            "--decoder",
+            "http://d:1",
+            "--api-key-env",
+            "P2PKV_TEST_SURELY_UNSET",
+        ]
+    )
     assert args.func(args) == 2
     assert "P2PKV_TEST_SURELY_UNSET is not set" in capsys.readouterr().err

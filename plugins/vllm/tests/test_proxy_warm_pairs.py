@@ -27,24 +27,29 @@ def names(config: ProxyConfig) -> list[str]:
 
 def test_pd_pairs_every_decoder_with_every_prefiller_rank() -> None:
     config = ProxyConfig(prefillers=(P1, P2), decoders=(PLAIN,))
-    assert names(config) == ["http://d2:1#dp0 <- http://p1:1#dp0",
-                             "http://d2:1#dp0 <- http://p2:1#dp0",
-                             "http://d2:1#dp0 <- http://p2:1#dp1"]
+    assert names(config) == [
+        "http://d2:1#dp0 <- http://p1:1#dp0",
+        "http://d2:1#dp0 <- http://p2:1#dp0",
+        "http://d2:1#dp0 <- http://p2:1#dp1",
+    ]
     assert [p.peer.port for p in pairs(config)] == [5710, 5720, 5721]
 
 
 def test_prefix_policies_add_prefiller_pairs_and_each_two_slots_are_warmed_once() -> None:
     p3 = Prefiller("http://p3:1", "p3", 5730)
     config = ProxyConfig(prefillers=(P1, p3), decoders=(HOLDER, PLAIN), policy="prefix-aware")
-    assert names(config) == ["http://d1:1#dp0 <- http://p1:1#dp0",
-                             "http://d1:1#dp0 <- http://p3:1#dp0",
-                             "http://d2:1#dp0 <- http://p1:1#dp0",
-                             "http://d2:1#dp0 <- http://p3:1#dp0",
-                             "http://p1:1#dp0 <- http://p3:1#dp0"]  # one session both ways
+    assert names(config) == [
+        "http://d1:1#dp0 <- http://p1:1#dp0",
+        "http://d1:1#dp0 <- http://p3:1#dp0",
+        "http://d2:1#dp0 <- http://p1:1#dp0",
+        "http://d2:1#dp0 <- http://p3:1#dp0",
+        "http://p1:1#dp0 <- http://p3:1#dp0",
+    ]  # one session both ways
 
 
 async def warm_status(client: aiohttp.ClientSession, timeout: float = 10.0) -> Any:
     """``/ready``'s ``warm_pairs`` once no pair is pending (bounded)."""
+
     async def loop() -> Any:
         while True:
             async with client.get("/ready") as resp:
@@ -52,6 +57,7 @@ async def warm_status(client: aiohttp.ClientSession, timeout: float = 10.0) -> A
             if all(s["state"] != "pending" for s in status.values()):
                 return status
             await asyncio.sleep(0.02)
+
     return await asyncio.wait_for(loop(), timeout)
 
 
@@ -62,12 +68,19 @@ def run_warm_up(kit: type[Kit], consumer_behavior: Any) -> tuple[Any, Any, Any]:
 
     async def main() -> Any:
         async with kit.serving(pre) as p_url, kit.serving(dec) as d_url:
-            config = ProxyConfig(prefillers=(Prefiller(p_url, "127.0.0.1", 5710),),
-                                 decoders=(Decoder(d_url),), warm_pairs=True)
-            async with kit.serving(ProxyApp(config)) as url, aiohttp.ClientSession(
-                    base_url=url, trust_env=False,
-                    timeout=aiohttp.ClientTimeout(total=10)) as client:
+            config = ProxyConfig(
+                prefillers=(Prefiller(p_url, "127.0.0.1", 5710),),
+                decoders=(Decoder(d_url),),
+                warm_pairs=True,
+            )
+            async with (
+                kit.serving(ProxyApp(config)) as url,
+                aiohttp.ClientSession(
+                    base_url=url, trust_env=False, timeout=aiohttp.ClientTimeout(total=10)
+                ) as client,
+            ):
                 return await warm_status(client)
+
     return kit.run(main), pre.generate_requests(), dec.generate_requests()
 
 
@@ -76,8 +89,13 @@ def test_a_warm_up_is_one_tiny_pd_request_naming_the_producer(kit: type[Kit]) ->
     (state,) = status.values()
     assert state["state"] == "warm" and state["ms"] > 0
     kv_id = prefill.kv_params["remote_decoder"]["kv_request_id"]
-    assert decode.kv_params == {"remote_prefiller": {
-        "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": 5710}}
+    assert decode.kv_params == {
+        "remote_prefiller": {
+            "kv_request_id": kv_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5710,
+        }
+    }
     for leg in (prefill, decode):
         assert leg.body["model"] == "pre" and leg.body["max_tokens"] == 1
         assert leg.body["prompt"] == prefill.body["prompt"]
@@ -90,6 +108,7 @@ def test_a_failed_warm_up_is_reported_not_retried(kit: type[Kit]) -> None:
 
     async def behave(fake: Any, seen: Any, send: Any) -> None:
         await (refuse if seen.path == "/v1/completions" else kit.reply)(fake, seen, send)
+
     status, _, decodes = run_warm_up(kit, behave)
     (state,) = status.values()
     assert state["state"] == "failed" and "answered 500" in state["reason"]

@@ -29,8 +29,14 @@ def test_a_garbled_opt_in_names_the_variable_and_the_fix() -> None:
 
 
 def test_the_guide_s_entry_and_upstream_s_keys_keep_their_meaning() -> None:
-    guide = {"type": "p2p", "host": "10.0.0.7", "port": 7777, "backends": ["UCX"],
-             "num_threads": 8, "unbound_store_timeout_s": 90}
+    guide = {
+        "type": "p2p",
+        "host": "10.0.0.7",
+        "port": 7777,
+        "backends": ["UCX"],
+        "num_threads": 8,
+        "unbound_store_timeout_s": 90,
+    }
     cfg = entry_tier_config(guide, extra_config={}, dp_rank=1, environ={"PYTHONHASHSEED": "0"})
     assert (cfg.host, cfg.port, cfg.hash_seed) == ("10.0.0.7", 7778, "0")
     assert cfg.data == "nixl"
@@ -39,21 +45,27 @@ def test_the_guide_s_entry_and_upstream_s_keys_keep_their_meaning() -> None:
 
 
 def test_an_alias_that_disagrees_with_the_p2pkv_key_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"'unbound_store_timeout_s' \(5\) and "
-                                          r"timeouts.unbound_store \(9\) disagree"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'unbound_store_timeout_s' \(5\) and "
+        r"timeouts.unbound_store \(9\) disagree",
+    ):
         upstream_keys_mapped({"unbound_store_timeout_s": 5, "timeouts": {"unbound_store": 9}})
     with pytest.raises(ConfigError, match=r"'backends' is a NIXL setting.*data is 'ucx'"):
         upstream_keys_mapped({"backends": ["UCX"], "data": "ucx"})
     assert upstream_keys_mapped({"num_threads": 2, "data_options": {"num_threads": 2}}) == {
-        "data_options": {"num_threads": 2}}
+        "data_options": {"num_threads": 2}
+    }
 
 
 def test_idle_wait_is_checked_like_every_key() -> None:
     with pytest.raises(ConfigError, match=r"idle_wait must be seconds from 0 to 1.*got 'x'"):
-        entry_tier_config({"type": "p2pkv", "idle_wait": "x"}, extra_config={}, dp_rank=0,
-                          environ={})
-    cfg = entry_tier_config({"type": "p2pkv", "idle_wait": 0}, extra_config={}, dp_rank=0,
-                            environ={})
+        entry_tier_config(
+            {"type": "p2pkv", "idle_wait": "x"}, extra_config={}, dp_rank=0, environ={}
+        )
+    cfg = entry_tier_config(
+        {"type": "p2pkv", "idle_wait": 0}, extra_config={}, dp_rank=0, environ={}
+    )
     assert cfg.port == 5710
 
 

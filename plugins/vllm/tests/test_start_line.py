@@ -23,45 +23,63 @@ RUN = {"model_name": "m", "dtype": "bfloat16", "tokens_per_hash": 16}
 
 
 def config(keys: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-    return tier_config_from_keys(keys, dp_rank=1, run_config=RUN, hash_seed="s",
-                                 environ=env or {})
+    return tier_config_from_keys(keys, dp_rank=1, run_config=RUN, hash_seed="s", environ=env or {})
 
 
 def test_the_line_names_version_address_transports_security_and_peers() -> None:
     env = {"P2PKV_PEERS_ALLOW": "10.0.0.0/8", "P2PKV_PEERS_CONNECT": "peers.ns.svc:7777"}
-    line = start_line("P2PKVTier", "10.1.2.3:7778", config({"port": 7777}, env),
-                      {"P2PKV_CURVE_DIR": "/etc/p2pkv/curve"})
+    line = start_line(
+        "P2PKVTier",
+        "10.1.2.3:7778",
+        config({"port": 7777}, env),
+        {"P2PKV_CURVE_DIR": "/etc/p2pkv/curve"},
+    )
     assert line == (
         f"{START_PREFIX} version {p2pkv.__version__}, address 10.1.2.3:7778 (dp rank 1), "
         "control zmq, data nixl, security CURVE (fleet keys from "
         "P2PKV_CURVE_DIR=/etc/p2pkv/curve), peers allow=10.0.0.0/8 "
-        "connect=peers.ns.svc:7777 max_dialed=256, entry type 'P2PKVTier'")
+        "connect=peers.ns.svc:7777 max_dialed=256, entry type 'P2PKVTier'"
+    )
 
 
 def test_zero_edit_mode_says_it_replaced_the_builtin_tier_and_runs_insecure() -> None:
     keys = zero_edit_keys({"host": "10.1.2.3", "port": 7777})  # no P2PKV_CURVE_DIR here
     line = start_line("p2p", "10.1.2.3:7777", config(keys), {})
     assert "security none (insecure: anyone who reaches the port may open sessions)" in line
-    assert line.endswith("entry type 'p2p' (P2PKV_REPLACE_P2P=1: p2pkv in place of "
-                         "vLLM's built-in P2P tier)")
+    assert line.endswith(
+        "entry type 'p2p' (P2PKV_REPLACE_P2P=1: p2pkv in place of vLLM's built-in P2P tier)"
+    )
     assert "peers allow=any connect=none max_dialed=256" in line
 
 
-@pytest.mark.parametrize(("options", "env", "mode"), [
-    ({"server_secret_key": "/k/s", "client_secret_key": "/k/c", "allowed_client_keys": ["/k"]},
-     {"P2PKV_CURVE_DIR": "/etc/x"}, "CURVE (keys from control_options)"),
-    ({}, {"P2PKV_CURVE_DIR": "/etc/x"}, "CURVE (fleet keys from P2PKV_CURVE_DIR=/etc/x)"),
-    ({}, {"P2PKV_CURVE_DIR": ""}, "none (loopback bind)"),
-    ({"insecure": True}, {}, "none (insecure: anyone who reaches the port may open sessions)"),
-])
-def test_security_mode_follows_the_zmq_policy(options: dict[str, Any], env: dict[str, str],
-                                              mode: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "env", "mode"),
+    [
+        (
+            {
+                "server_secret_key": "/k/s",
+                "client_secret_key": "/k/c",
+                "allowed_client_keys": ["/k"],
+            },
+            {"P2PKV_CURVE_DIR": "/etc/x"},
+            "CURVE (keys from control_options)",
+        ),
+        ({}, {"P2PKV_CURVE_DIR": "/etc/x"}, "CURVE (fleet keys from P2PKV_CURVE_DIR=/etc/x)"),
+        ({}, {"P2PKV_CURVE_DIR": ""}, "none (loopback bind)"),
+        ({"insecure": True}, {}, "none (insecure: anyone who reaches the port may open sessions)"),
+    ],
+)
+def test_security_mode_follows_the_zmq_policy(
+    options: dict[str, Any], env: dict[str, str], mode: str
+) -> None:
     assert security_mode(config({"control_options": options}), env) == mode
 
 
 def test_another_control_transport_is_named() -> None:
-    assert security_mode(config({"control": "memory", "data": "memory"}), {}) == \
-        "set by the 'memory' control transport"
+    assert (
+        security_mode(config({"control": "memory", "data": "memory"}), {})
+        == "set by the 'memory' control transport"
+    )
 
 
 def test_the_line_goes_to_a_logger_under_vllm_s_tree() -> None:
@@ -91,8 +109,13 @@ def test_vllm_s_default_logging_prints_the_line(monkeypatch: pytest.MonkeyPatch)
     pytest.importorskip("vllm.logger", reason="needs vLLM (nox -s vllm)")
     for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"):
         monkeypatch.delenv(name, raising=False)
-    out = subprocess.run([sys.executable, "-c", _CONFIGURE_AS_AN_ENGINE], capture_output=True,
-                         text=True, timeout=540, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CONFIGURE_AS_AN_ENGINE],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=True,
+    )
     printed = out.stdout + out.stderr
     (line,) = [text for text in printed.splitlines() if START_PREFIX in text]
     assert "INFO" in line.split(START_PREFIX)[0] and "address 127.0.0.1:7777" in line, printed

@@ -101,8 +101,9 @@ def test_a_backpressure_block_may_drop_symmetric_offers_but_never_a_pd_store() -
     """vLLM's own factory builds the detector from the entry's block (0.33); the manager
     asks ``tier.bp_detector.should_store`` before each store. A detector under pressure
     drops stores only while no PD producer request is open on the tier."""
-    pytest.importorskip("vllm.v1.kv_offload.tiering.backpressure",
-                        reason="this vLLM has no store back-pressure")
+    pytest.importorskip(
+        "vllm.v1.kv_offload.tiering.backpressure", reason="this vLLM has no store back-pressure"
+    )
     tier, _ = build({**MEMORY, "backpressure": {"backpressure_cls": "EMABackpressureDetector"}})
     try:
         assert tier.bp_detector is not None
@@ -123,7 +124,9 @@ def test_the_release_s_features_and_vllm_s_localities() -> None:
     config_info, 0.27.1 every one of them; the tier runs on each."""
     release = tuple(int(p) for p in vllm.__version__.split(".")[:2])
     lacking: dict[tuple[int, ...], tuple[str, ...]] = {
-        (0, 33): (), (0, 32): ("tolerates_off_thread_polling", "config_info")}
+        (0, 33): (),
+        (0, 32): ("tolerates_off_thread_polling", "config_info"),
+    }
     names = lacking.get(release, tuple(OPTIONAL_FEATURES))
     expected = [OPTIONAL_FEATURES[n] for n in names]
     assert missing_features() == expected
@@ -179,8 +182,7 @@ def job(job_id: int, keys: list[bytes], chunks: list[int], load: bool, ctx: Any)
     return TransferJob(job_id, keys, np.array(chunks, dtype=np.int32), load, ctx)
 
 
-def drive(*tiers: P2PKVTier, until: Any, parent: Any = None, rounds: int = 2000
-          ) -> dict[int, bool]:
+def drive(*tiers: P2PKVTier, until: Any, parent: Any = None, rounds: int = 2000) -> dict[int, bool]:
     """Step every tier (as vLLM's manager does: serve, schedule end, collect) until
     ``until(results)`` holds; returns job id -> success."""
     results: dict[int, bool] = {}
@@ -210,8 +212,16 @@ def test_pd_store_and_load_through_the_adapter_types() -> None:
         producer.submit_store(job(1, keys, [2, 5, 7], False, prefill))
         producer.on_request_finished(prefill)
 
-        decode = ReqContext("dec-1", {"remote_prefiller": {
-            "kv_request_id": "kv1", "remote_host": host, "remote_port": int(port)}})
+        decode = ReqContext(
+            "dec-1",
+            {
+                "remote_prefiller": {
+                    "kv_request_id": "kv1",
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            },
+        )
         assert consumer.on_new_request(decode).policy is NEW_BLOCKS_ONLY
         assert [consumer.lookup(k, decode) for k in keys] == [LookupResult.HIT] * 3
         consumer.submit_load(job(2, keys, [9, 0, 4], True, decode))
@@ -251,8 +261,9 @@ def test_an_idle_engine_without_a_poll_thread_answers_through_has_pending_work()
             assert producer.has_pending_work() is False
             return
         host, port = producer._tier.local_address.rsplit(":", 1)
-        hint = ReqContext("warm-1", {"p2pkv_connect": [{"remote_host": host,
-                                                        "remote_port": int(port)}]})
+        hint = ReqContext(
+            "warm-1", {"p2pkv_connect": [{"remote_host": host, "remote_port": int(port)}]}
+        )
         consumer.on_new_request(hint)
         consumer.on_request_finished(hint)
         for _ in range(2000):  # the idle engine's loop: ask, and step when told to
@@ -395,8 +406,16 @@ def test_a_busy_source_answers_a_fetch_within_the_step_it_arrives_in() -> None:
             return
         assert source._watch is not None
         host, port = source._tier.local_address.rsplit(":", 1)
-        ctx = ReqContext("busy-1", {"remote_kv_source": {
-            "kv_request_id": "kv-busy", "remote_host": host, "remote_port": int(port)}})
+        ctx = ReqContext(
+            "busy-1",
+            {
+                "remote_kv_source": {
+                    "kv_request_id": "kv-busy",
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            },
+        )
         consumer.on_new_request(ctx)
 
         def probed() -> LookupResult | None:
@@ -421,8 +440,12 @@ def test_a_busy_source_answers_a_fetch_within_the_step_it_arrives_in() -> None:
         assert (engine.steps, source._watch.wakeups) == (steps, wakeups)
         assert engine.input_queue.empty()  # the watcher never woke the computing engine
         consumer.on_request_finished(ctx)
-        wait_until(lambda: 101 in engine.results, timeout=60, what="the pinned store job",
-                   pumps=[engine.step])
+        wait_until(
+            lambda: 101 in engine.results,
+            timeout=60,
+            what="the pinned store job",
+            pumps=[engine.step],
+        )
         assert engine.results[101] is True  # collected at the next step, once, as before
     finally:
         source.shutdown()
@@ -439,8 +462,13 @@ def test_a_preconnect_hint_opens_the_session_before_the_first_pull() -> None:
         assert consumer.on_new_request(hint).policy is NEW_BLOCKS_ONLY
         consumer.on_request_finished(hint)
         assert consumer._tier.has_pending_work()  # the handshake
-        drive(producer, consumer, until=lambda _: not (consumer._tier.has_pending_work()
-                                                       or producer._tier.has_pending_work()))
+        drive(
+            producer,
+            consumer,
+            until=lambda _: (
+                not (consumer._tier.has_pending_work() or producer._tier.has_pending_work())
+            ),
+        )
         assert consumer._tier.stats()["sessions_ready"] == 1
         assert producer._tier.stats()["sessions_ready"] == 1
 
@@ -472,6 +500,7 @@ class PrimaryTierParent(ParentManager):
     def on_new_request(self, req_context: ReqContext) -> Any:
         self.log.append(f"new:{req_context.req_id}")
         from vllm.v1.kv_offload.base import RequestOffloadingContext
+
         return RequestOffloadingContext()
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
@@ -480,8 +509,7 @@ class PrimaryTierParent(ParentManager):
     def create_store_job(self, keys: Any, req_context: ReqContext) -> TransferJob:
         self.next_job += 1
         self.log.append(f"pin:{len(keys)}")
-        return job(self.next_job, list(keys), [self.chunks[k] for k in keys], False,
-                   req_context)
+        return job(self.next_job, list(keys), [self.chunks[k] for k in keys], False, req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.log.append(f"end:{req_context.req_id}")
@@ -495,8 +523,16 @@ def test_symmetric_lookup_is_served_from_the_parent() -> None:
         have, missing = b"h" * 36, b"m" * 36
         s_arr[6] = 77
         parent = PrimaryTierParent({have: 6})
-        ctx = ReqContext("sym-1", {"remote_kv_source": {
-            "kv_request_id": "kv-sym", "remote_host": host, "remote_port": int(port)}})
+        ctx = ReqContext(
+            "sym-1",
+            {
+                "remote_kv_source": {
+                    "kv_request_id": "kv-sym",
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            },
+        )
         consumer.on_new_request(ctx)
         answers: dict[bytes, Any] = {}
 
@@ -513,8 +549,12 @@ def test_symmetric_lookup_is_served_from_the_parent() -> None:
         assert results == {1: True, 101: True}  # the load, and the parent's pinned store job
         assert (c_arr[3] == 77).all()
         consumer.on_request_finished(ctx)
-        drive(source, consumer, parent=parent,
-              until=lambda _: any(x.startswith("end:") for x in parent.log))
+        drive(
+            source,
+            consumer,
+            parent=parent,
+            until=lambda _: any(x.startswith("end:") for x in parent.log),
+        )
         assert parent.log[0].startswith("new:p2pkv-serve-") and "pin:1" in parent.log
     finally:
         source.shutdown()

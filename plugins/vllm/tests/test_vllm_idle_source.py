@@ -40,8 +40,11 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager  # noqa: E402
 from vllm_engine_host import engine_host  # noqa: E402
 
 if not hasattr(SecondaryTierManager, "tolerates_off_thread_polling"):
-    pytest.skip("this vLLM has no tier-poll thread: its idle source is p2pkv's idle watcher, "
-                "tested with real engines", allow_module_level=True)
+    pytest.skip(
+        "this vLLM has no tier-poll thread: its idle source is p2pkv's idle watcher, "
+        "tested with real engines",
+        allow_module_level=True,
+    )
 
 PEERS = 16
 """Peers (one tiering manager each, in one process) that pull from the idle source."""
@@ -77,16 +80,24 @@ def fleet() -> Iterator[tuple[Child, Child, tuple[str, int]]]:
             assert (kind, leftovers) == ("down", [])
 
 
-def pull(peers: Child, name: str, req_id: str, source: tuple[str, int],
-         keys: list[bytes], seeded: dict[bytes, str]) -> dict[str, float]:
+def pull(
+    peers: Child,
+    name: str,
+    req_id: str,
+    source: tuple[str, int],
+    keys: list[bytes],
+    seeded: dict[bytes, str],
+) -> dict[str, float]:
     """Peer ``name`` pulls ``keys`` from the source; every block must arrive as seeded.
     Returns the pull's ``answer`` and ``fetch`` seconds."""
     peers.send(("pull", name, req_id, req_id, *source, keys))
     reply = peers.recv(WAIT, f"{name}'s pull")
     assert reply[:3] == ("loaded", req_id, seeded), reply
     marks = reply[3]
-    return {"answer": marks["answered"] - marks["lookup"],
-            "fetch": marks["loaded"] - marks["answered"]}
+    return {
+        "answer": marks["answered"] - marks["lookup"],
+        "fetch": marks["loaded"] - marks["answered"],
+    }
 
 
 def idle_cpu(src: Child) -> dict[str, float]:
@@ -95,38 +106,42 @@ def idle_cpu(src: Child) -> dict[str, float]:
     threading.Event().wait(WINDOW)  # the source idle: what it costs is the measurement
     after = src.request(("cpu",), WAIT, "the source's CPU")[1]
     used = {name: (spent - before.get(name, 0.0)) / WINDOW for name, spent in after.items()}
-    return {"total": round(sum(used.values()), 4),
-            **{name: round(share, 4) for name, share in used.items() if share >= 0.0005}}
+    return {
+        "total": round(sum(used.values()), 4),
+        **{name: round(share, 4) for name, share in used.items() if share >= 0.0005},
+    }
 
 
-def test_an_idle_source_is_served_by_the_tier_poll_thread(fleet: Any,
-                                                          record_property: Any) -> None:
+def test_an_idle_source_is_served_by_the_tier_poll_thread(fleet: Any, record_property: Any) -> None:
     src, peers, source = fleet
     prefixes = [keys_for(f"idle-prefix-{i}", BLOCKS) for i in range(ROUNDS)]
-    seeded = [src.request(("seed", "a", f"own-{i}", keys), WAIT, "the source's request")[1]
-              for i, keys in enumerate(prefixes)]
+    seeded = [
+        src.request(("seed", "a", f"own-{i}", keys), WAIT, "the source's request")[1]
+        for i, keys in enumerate(prefixes)
+    ]
     assert POLL_THREAD in src.request(("cpu",), WAIT, "the source's threads")[1]
     cpu_alone = idle_cpu(src)
 
     gate = {}
     for i, gap in enumerate(GAPS):  # the guide's gate: fresh peers after 5 s and 20 s idle
         threading.Event().wait(gap)
-        gate[f"{gap:g}s"] = pull(peers, f"gate{i}", f"gate-{i}", source, prefixes[0],
-                                 seeded[0])
+        gate[f"{gap:g}s"] = pull(peers, f"gate{i}", f"gate-{i}", source, prefixes[0], seeded[0])
 
-    fresh = [pull(peers, f"c{i}", f"fresh-{i}", source, prefixes[0], seeded[0])
-             for i in range(PEERS)]
-    connected = [pull(peers, f"c{i}", f"again-{r}-{i}", source, prefixes[r], seeded[r])
-                 for r in range(1, ROUNDS) for i in range(PEERS)]
+    fresh = [
+        pull(peers, f"c{i}", f"fresh-{i}", source, prefixes[0], seeded[0]) for i in range(PEERS)
+    ]
+    connected = [
+        pull(peers, f"c{i}", f"again-{r}-{i}", source, prefixes[r], seeded[r])
+        for r in range(1, ROUNDS)
+        for i in range(PEERS)
+    ]
     cpu_with_peers = idle_cpu(src)
 
     assert src.request(("steps", "a"), WAIT, "the source's steps")[1] == 0  # never stepped
     result = {
-        "gate_ms": {gap: {k: round(v * 1000, 1) for k, v in t.items()}
-                    for gap, t in gate.items()},
+        "gate_ms": {gap: {k: round(v * 1000, 1) for k, v in t.items()} for gap, t in gate.items()},
         "fresh_peer": {kind: summary([p[kind] for p in fresh]) for kind in fresh[0]},
-        "connected_peer": {kind: summary([p[kind] for p in connected])
-                           for kind in connected[0]},
+        "connected_peer": {kind: summary([p[kind] for p in connected]) for kind in connected[0]},
         "source_idle_cpu_no_peer": cpu_alone,
         f"source_idle_cpu_{PEERS + len(GAPS)}_peers": cpu_with_peers,
     }

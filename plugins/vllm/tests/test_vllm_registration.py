@@ -30,8 +30,14 @@ def _classes(replace: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "P2PKV_REPLACE_P2P"}
     if replace is not None:
         env["P2PKV_REPLACE_P2P"] = replace
-    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     found: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
     return found

@@ -39,8 +39,12 @@ TIER = {
     "data": "nixl",
     "host": "127.0.0.1",
     "port": 0,
-    "control_options": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0,
-                        "heartbeat_ttl": 3.0, "connect_timeout": 5.0},
+    "control_options": {
+        "heartbeat_interval": 0.5,
+        "heartbeat_timeout": 3.0,
+        "heartbeat_ttl": 3.0,
+        "connect_timeout": 5.0,
+    },
     "timeouts": {"handshake": 10, "load": 30},
 }
 
@@ -96,8 +100,9 @@ def test_pd_transfer_in_both_orders(pair: Any, dp_rank: int) -> None:
 
     # Prefiller first: the stores park until the decoder's fetch names their kv_request_id.
     keys = keys_for(f"prefiller-first-{dp_rank}", 5)
-    kind, written = pre.request(("store", p, f"pre-1-{dp_rank}", f"kv-1-{dp_rank}", keys),
-                                WAIT, "the store")
+    kind, written = pre.request(
+        ("store", p, f"pre-1-{dp_rank}", f"kv-1-{dp_rank}", keys), WAIT, "the store"
+    )
     assert kind == "stored" and len(set(written.values())) == 5
     dec.send(("load", d, "dec-1", f"kv-1-{dp_rank}", host, port, keys))
     assert dec.recv(WAIT, "the loads")[:3] == ("loaded", "dec-1", written)
@@ -105,13 +110,17 @@ def test_pd_transfer_in_both_orders(pair: Any, dp_rank: int) -> None:
     # Decoder first: its fetch waits on the producer until the prefill's stores arrive.
     keys = keys_for(f"decoder-first-{dp_rank}", 3)
     dec.send(("load", d, "dec-2", f"kv-2-{dp_rank}", host, port, keys))
-    kind, written = pre.request(("store", p, f"pre-2-{dp_rank}", f"kv-2-{dp_rank}", keys),
-                                WAIT, "the store")
+    kind, written = pre.request(
+        ("store", p, f"pre-2-{dp_rank}", f"kv-2-{dp_rank}", keys), WAIT, "the store"
+    )
     assert dec.recv(WAIT, "the loads")[:3] == ("loaded", "dec-2", written)
 
     # one cascade job per stored prompt, done once the decoder released what it read
-    wait_until(lambda: stats(pre, p).get(f"{JOBS}{{done}}") == 2, timeout=WAIT,
-               what="the prefiller's store jobs to be released")
+    wait_until(
+        lambda: stats(pre, p).get(f"{JOBS}{{done}}") == 2,
+        timeout=WAIT,
+        what="the prefiller's store jobs to be released",
+    )
     totals = stats(dec, d)
     assert totals[f"{JOBS}{{done}}"] == 2
     assert totals["vllm:kv_offload_p2pkv_sessions_ready"] == 1
@@ -121,8 +130,17 @@ def test_killed_prefiller_fails_the_loads_instead_of_hanging(pair: Any) -> None:
     """Runs last (it kills the prefiller): one load in flight per DP rank when it dies."""
     pre, dec, addresses = pair
     for dp_rank, (host, port) in addresses.items():
-        dec.send(("load", f"d{dp_rank}", f"doomed-{dp_rank}", f"kv-3-{dp_rank}", host, port,
-                  keys_for(f"never-stored-{dp_rank}", 4)))
+        dec.send(
+            (
+                "load",
+                f"d{dp_rank}",
+                f"doomed-{dp_rank}",
+                f"kv-3-{dp_rank}",
+                host,
+                port,
+                keys_for(f"never-stored-{dp_rank}", 4),
+            )
+        )
     for dp_rank in addresses:  # each promotion load is submitted (a job is open) first
         for _ in range(2000):
             if stats(dec, f"d{dp_rank}").get("vllm:kv_offload_p2pkv_jobs_pending", 0) >= 1:
@@ -139,8 +157,9 @@ def test_killed_prefiller_fails_the_loads_instead_of_hanging(pair: Any) -> None:
     assert set(replies) == {f"doomed-{r}" for r in addresses}
     for dp_rank in addresses:
         totals = stats(dec, f"d{dp_rank}")
-        assert totals.get(f"{JOBS}{{peer_dead}}", 0) + totals.get(f"{JOBS}{{load_timeout}}", 0) \
-            >= 1, totals
+        assert (
+            totals.get(f"{JOBS}{{peer_dead}}", 0) + totals.get(f"{JOBS}{{load_timeout}}", 0) >= 1
+        ), totals
 
     # Later requests naming the dead prefiller fail at once instead of waiting.
     host, port = addresses[0]

@@ -51,8 +51,12 @@ ARCHITECTURES = ("llama", "gemma3", "gpt-oss", "deepseek", "llama-bench", *KV_SH
 BENCH_POSITIONS = 16384
 """Longest sequence ``llama-bench`` takes (its ``max_position_embeddings``)."""
 BENCH_SHAPE: dict[str, int] = {
-    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "intermediate_size": 256}
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+}
 """``llama-bench``'s geometry (its KV bytes per token follow: layers x KV heads x head dim
 x 2 x 4 bytes)."""
 
@@ -61,12 +65,22 @@ def kv_bytes_per_token(arch: str = "llama-bench") -> int:
     """KV bytes per token of an engine-benchmark model: layers x KV heads x head dim x 2
     (K and V) x the KV dtype's bytes (4 for ``llama-bench``'s float32, 2 for bf16)."""
     if arch == "llama-bench":
-        shape, dtype_bytes = {**BENCH_SHAPE, "head_dim": BENCH_SHAPE["hidden_size"]
-                              // BENCH_SHAPE["num_attention_heads"]}, 4
+        shape, dtype_bytes = (
+            {
+                **BENCH_SHAPE,
+                "head_dim": BENCH_SHAPE["hidden_size"] // BENCH_SHAPE["num_attention_heads"],
+            },
+            4,
+        )
     else:
         shape, dtype_bytes = KV_SHAPES[arch], 2
-    return (shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
-            * 2 * dtype_bytes)
+    return (
+        shape["num_hidden_layers"]
+        * shape["num_key_value_heads"]
+        * shape["head_dim"]
+        * 2
+        * dtype_bytes
+    )
 
 
 def _model(arch: str) -> Any:
@@ -74,33 +88,74 @@ def _model(arch: str) -> Any:
     import transformers as hf
 
     common: dict[str, Any] = {
-        "vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+        "vocab_size": VOCAB,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
     hybrid = ["sliding_attention", "full_attention"]
     if arch == "llama":
         return hf.LlamaForCausalLM(hf.LlamaConfig(**common, intermediate_size=512))
     if arch == "llama-bench":
-        return hf.LlamaForCausalLM(hf.LlamaConfig(
-            **{**common, **BENCH_SHAPE, "max_position_embeddings": BENCH_POSITIONS}))
+        return hf.LlamaForCausalLM(
+            hf.LlamaConfig(**{**common, **BENCH_SHAPE, "max_position_embeddings": BENCH_POSITIONS})
+        )
     if arch in KV_SHAPES:
         shape = KV_SHAPES[arch]
-        return hf.LlamaForCausalLM(hf.LlamaConfig(**{
-            **common, **KV_SHAPE_BODY, **shape, "num_attention_heads": shape["num_key_value_heads"],
-            "max_position_embeddings": BENCH_POSITIONS}))
+        return hf.LlamaForCausalLM(
+            hf.LlamaConfig(
+                **{
+                    **common,
+                    **KV_SHAPE_BODY,
+                    **shape,
+                    "num_attention_heads": shape["num_key_value_heads"],
+                    "max_position_embeddings": BENCH_POSITIONS,
+                }
+            )
+        )
     if arch == "gemma3":
-        return hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(
-            **common, intermediate_size=512, head_dim=64, sliding_window=WINDOW,
-            layer_types=hybrid))
+        return hf.Gemma3ForCausalLM(
+            hf.Gemma3TextConfig(
+                **common,
+                intermediate_size=512,
+                head_dim=64,
+                sliding_window=WINDOW,
+                layer_types=hybrid,
+            )
+        )
     if arch == "gpt-oss":
-        return hf.GptOssForCausalLM(hf.GptOssConfig(
-            **common, intermediate_size=256, head_dim=64, sliding_window=WINDOW,
-            num_local_experts=4, num_experts_per_tok=2, layer_types=hybrid))
+        return hf.GptOssForCausalLM(
+            hf.GptOssConfig(
+                **common,
+                intermediate_size=256,
+                head_dim=64,
+                sliding_window=WINDOW,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                layer_types=hybrid,
+            )
+        )
     if arch == "deepseek":
-        return hf.DeepseekV2ForCausalLM(hf.DeepseekV2Config(
-            **common, intermediate_size=512, kv_lora_rank=512, q_lora_rank=None,
-            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=4,
-            num_experts_per_tok=2, first_k_dense_replace=2, moe_intermediate_size=128))
+        return hf.DeepseekV2ForCausalLM(
+            hf.DeepseekV2Config(
+                **common,
+                intermediate_size=512,
+                kv_lora_rank=512,
+                q_lora_rank=None,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=128,
+                v_head_dim=128,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                first_k_dense_replace=2,
+                moe_intermediate_size=128,
+            )
+        )
     raise ValueError(f"unknown architecture {arch!r}: one of {', '.join(ARCHITECTURES)}")
 
 
@@ -123,8 +178,9 @@ def build(out: Path, arch: str = "llama") -> Path:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
     return out
 
 

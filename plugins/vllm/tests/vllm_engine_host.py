@@ -91,8 +91,9 @@ def _made(cls: Any, **fields: Any) -> Any:
     return cls(**{k: v for k, v in fields.items() if k in known})
 
 
-def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any],
-                      poll: bool = False) -> OffloadingConfig:
+def offloading_config(
+    name: str, dp_rank: int, tier_keys: dict[str, Any], poll: bool = False
+) -> OffloadingConfig:
     """A small model-free offloading config: one KV group, one block per chunk. The tier
     entry names ``module_path`` (vLLM 0.30 and later load it from there; 0.27.1 by the type
     p2pkv-vllm's plugin registers, :func:`p2pkv_vllm.registration.register`). vLLM's
@@ -101,20 +102,34 @@ def offloading_config(name: str, dp_rank: int, tier_keys: dict[str, Any],
     polling = {} if poll else {"tier_poll_interval_s": 0}
     config: OffloadingConfig = _made(
         OffloadingConfig,
-        groups=(_made(OffloadingGroupConfig, tokens_per_block=16, layer_names=("layers.0",),
-                      group_id=0),),
+        groups=(
+            _made(
+                OffloadingGroupConfig, tokens_per_block=16, layer_names=("layers.0",), group_id=0
+            ),
+        ),
         worker_kv_bytes_per_block=CHUNK_BYTES,
         enable_kv_cache_events=False,
-        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_BYTES,
-                      **polling, "secondary_tiers": [tier]},
+        extra_config={
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": CPU_BYTES,
+            **polling,
+            "secondary_tiers": [tier],
+        },
         engine_id=f"p2pkv-test-{os.getpid()}-{name}-dp{dp_rank}",
         model=OffloadingModelConfig(name="p2pkv/test-model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=_made(
             OffloadingParallelConfig,
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=dp_rank, data_parallel_size=dp_rank + 1,
-            data_parallel_rank_local=None, is_parallelism_agnostic=True,
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=dp_rank,
+            data_parallel_size=dp_rank + 1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
         ),
     )
     return config
@@ -136,8 +151,9 @@ class _Load:
 
 
 class _Engine:
-    def __init__(self, name: str, dp_rank: int, tier_keys: dict[str, Any],
-                 idle: bool = False) -> None:
+    def __init__(
+        self, name: str, dp_rank: int, tier_keys: dict[str, Any], idle: bool = False
+    ) -> None:
         config = offloading_config(name, dp_rank, tier_keys, poll=idle)
         self.engine_id = config.engine_id
         self.spec = OffloadingSpecFactory.create_spec(config)
@@ -162,7 +178,7 @@ class _Engine:
         view = self.manager.primary_tier.get_kv_memoryview()
         stride = view.strides[0]
         with view.cast("B") as flat:
-            rows = [flat[int(c) * stride:(int(c) + 1) * stride] for c in chunk_ids]
+            rows = [flat[int(c) * stride : (int(c) + 1) * stride] for c in chunk_ids]
             try:
                 yield rows
             finally:
@@ -172,16 +188,20 @@ class _Engine:
     def store(self, req_id: str, kv_id: str, keys: list[bytes]) -> dict[bytes, str]:
         """A prefill for a decoder (``remote_decoder``): its blocks cascade into the P2P tier,
         parked until the decoder's fetch names ``kv_id``."""
-        return self._computed(ReqContext(req_id, {"remote_decoder": {"kv_request_id": kv_id}}),
-                              keys, OffloadPolicy.REQUEST_LEVEL)
+        return self._computed(
+            ReqContext(req_id, {"remote_decoder": {"kv_request_id": kv_id}}),
+            keys,
+            OffloadPolicy.REQUEST_LEVEL,
+        )
 
     def seed(self, req_id: str, keys: list[bytes]) -> dict[bytes, str]:
         """A request of this engine's own computed ``keys``' blocks: they are stored into
         the primary tier (no ``kv_transfer_params``), where peers' prefix pulls find them."""
         return self._computed(ReqContext(req_id, {}), keys, None)
 
-    def _computed(self, ctx: ReqContext, keys: list[bytes],
-                  policy: OffloadPolicy | None) -> dict[bytes, str]:
+    def _computed(
+        self, ctx: ReqContext, keys: list[bytes], policy: OffloadPolicy | None
+    ) -> dict[bytes, str]:
         """Request ``ctx`` stored ``keys``' blocks (deterministic content; the request's
         offload policy must be ``policy`` unless None); their sha256 by key."""
         m = self.manager
@@ -200,13 +220,22 @@ class _Engine:
             m.on_request_finished(ctx)
         return digests
 
-    def start_load(self, name: str, req_id: str, kv_id: str, host: str, port: int,
-                   keys: list[bytes], kind: str = "remote_prefiller") -> _Load:
+    def start_load(
+        self,
+        name: str,
+        req_id: str,
+        kv_id: str,
+        host: str,
+        port: int,
+        keys: list[bytes],
+        kind: str = "remote_prefiller",
+    ) -> _Load:
         """A PD consumer's load (``remote_prefiller``) or a prefix pull
         (``remote_kv_source``) of ``keys`` from the peer at ``host:port``."""
         m = self.manager
-        ctx = ReqContext(req_id, {kind: {
-            "kv_request_id": kv_id, "remote_host": host, "remote_port": port}})
+        ctx = ReqContext(
+            req_id, {kind: {"kv_request_id": kv_id, "remote_host": host, "remote_port": port}}
+        )
         began = time.monotonic()
         with locked(m):
             m.on_new_request(ctx)
@@ -227,8 +256,10 @@ class _Engine:
             if all(r is LookupResult.HIT for r in results):
                 spec = m.prepare_load(load.keys, load.ctx)
                 with self.rows(slots_of(spec)) as rows:
-                    digests = {k: hashlib.sha256(r).hexdigest()
-                               for k, r in zip(load.keys, rows, strict=True)}
+                    digests = {
+                        k: hashlib.sha256(r).hexdigest()
+                        for k, r in zip(load.keys, rows, strict=True)
+                    }
                 m.complete_load(load.keys, load.ctx)
                 m.on_request_finished(load.ctx)
                 load.marks["loaded"] = time.monotonic()
@@ -263,8 +294,7 @@ def thread_cpu() -> dict[str, float]:
     ticks = os.sysconf("SC_CLK_TCK")
     used = {}
     for thread in threading.enumerate():
-        with contextlib.suppress(OSError), \
-                open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread.native_id}/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()
             used[thread.name] = (int(fields[11]) + int(fields[12])) / ticks
     return used
@@ -293,8 +323,9 @@ def engine_host(conn: Connection) -> None:
                 conn.send(("seeded", engines[name].seed(req_id, keys)))
             elif op in _LOADS:
                 _, name, req_id, kv_id, host, port, keys = cmd
-                loads.append(engines[name].start_load(name, req_id, kv_id, host, port, keys,
-                                                      _LOADS[op]))
+                loads.append(
+                    engines[name].start_load(name, req_id, kv_id, host, port, keys, _LOADS[op])
+                )
             elif op == "stats":
                 conn.send(("stats", engines[cmd[1]].stats()))
             elif op == "cpu":

@@ -72,18 +72,33 @@ def add_parser(sub: Any) -> None:
         description="Everything needed when p2pkv is slow or fails on this host.",
     )
     given = p.add_mutually_exclusive_group()
-    given.add_argument("--config", metavar="JSON",
-                       help="tier config or vLLM secondary_tiers entry (JSON text or @file) "
-                            "whose ports to check, read as the tier reads it")
-    given.add_argument("--kv-transfer-config", metavar="JSON",
-                       help="vLLM's --kv-transfer-config (JSON text or @file): the ports of "
-                            "its p2pkv entries, as the engine's tier reads them")
-    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size",
-                   type=data_parallel_size, default=1, metavar="N",
-                   help="data-parallel ranks on this host (the engine's "
-                        "--data-parallel-size): check base port .. base+N-1")
-    p.add_argument("--no-probe", action="store_true",
-                   help="skip the UCX lane probe (it starts a subprocess for a few seconds)")
+    given.add_argument(
+        "--config",
+        metavar="JSON",
+        help="tier config or vLLM secondary_tiers entry (JSON text or @file) "
+        "whose ports to check, read as the tier reads it",
+    )
+    given.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        help="vLLM's --kv-transfer-config (JSON text or @file): the ports of "
+        "its p2pkv entries, as the engine's tier reads them",
+    )
+    p.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=data_parallel_size,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks on this host (the engine's "
+        "--data-parallel-size): check base port .. base+N-1",
+    )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="skip the UCX lane probe (it starts a subprocess for a few seconds)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -159,8 +174,12 @@ def transport_lanes(name: str) -> dict[str, Any]:
         if t.get("scope") != "self"
         for r in t["rows"]
     ]
-    return {"ok": bool(report.get("ok")), "error": str(report.get("error", "")),
-            "lanes": summarize_lanes(rows), "source": f"{module_name}.{func_name}"}
+    return {
+        "ok": bool(report.get("ok")),
+        "error": str(report.get("error", "")),
+        "lanes": summarize_lanes(rows),
+        "source": f"{module_name}.{func_name}",
+    }
 
 
 def probe_lanes(name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -207,18 +226,24 @@ def summarize_lanes(rows: Sequence[LaneRow]) -> list[dict[str, str]]:
         if "*(" in r.operation and not family.startswith("active messages"):
             continue
         if family.startswith("active messages"):
-            entry = out.setdefault((family, ""), {
-                "operation": family, "size_range": "all", "protocol": "", "lanes": ""
-            })
+            entry = out.setdefault(
+                (family, ""),
+                {"operation": family, "size_range": "all", "protocol": "", "lanes": ""},
+            )
             for field, value in (("protocol", r.protocol), ("lanes", r.lanes)):
                 have = [v for v in entry[field].split(", ") if v]
                 if value not in have:
                     entry[field] = ", ".join([*have, value])
         else:
-            out.setdefault((family, r.size_range), {
-                "operation": family, "size_range": r.size_range, "protocol": r.protocol,
-                "lanes": r.lanes,
-            })
+            out.setdefault(
+                (family, r.size_range),
+                {
+                    "operation": family,
+                    "size_range": r.size_range,
+                    "protocol": r.protocol,
+                    "lanes": r.lanes,
+                },
+            )
     return list(out.values())
 
 
@@ -232,16 +257,20 @@ def check_ports(host: str, ports: Sequence[int]) -> list[dict[str, Any]]:
     ephemeral and always free. A host holding a ``$(VAR)`` reference (llm-d's ``$(POD_IP)``,
     which the kubelet expands on the pod) is not checked: ``free`` is None."""
     if "$(" in host:
-        later = (f"not checked: the kubelet expands {host} on the pod; run doctor there, or "
-                 "check the entry here with `p2pkv check-config --pod-ip IP --no-bind`")
+        later = (
+            f"not checked: the kubelet expands {host} on the pod; run doctor there, or "
+            "check the entry here with `p2pkv check-config --pod-ip IP --no-bind`"
+        )
         return [{"host": host, "port": p, "free": None, "detail": later} for p in ports]
     results = []
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         addrs = sorted({(info[0], info[4][0]) for info in infos})
     except socket.gaierror as exc:
-        return [{"host": host, "port": p, "free": False, "detail": f"cannot resolve: {exc}"}
-                for p in ports]
+        return [
+            {"host": host, "port": p, "free": False, "detail": f"cannot resolve: {exc}"}
+            for p in ports
+        ]
     for port in ports:
         problems = []
         for family, addr in addrs:
@@ -254,9 +283,9 @@ def check_ports(host: str, ports: Sequence[int]) -> list[dict[str, Any]]:
                 except OSError as exc:
                     why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
                     problems.append(f"{addr}: {why}{_owner(port)}")
-        results.append({
-            "host": host, "port": port, "free": not problems, "detail": "; ".join(problems)
-        })
+        results.append(
+            {"host": host, "port": port, "free": not problems, "detail": "; ".join(problems)}
+        )
     return results
 
 
@@ -286,11 +315,17 @@ def plugin_checks(registry: Registry) -> list[dict[str, Any]]:
     rows = []
     for plugin, outcome in registry.doctor_checks():
         if isinstance(outcome, Exception):
-            rows.append(_check_row(plugin, "p2pkv_doctor_checks", CheckResult(
-                False, f"the hook raised {type(outcome).__name__}: {outcome}")))
+            rows.append(
+                _check_row(
+                    plugin,
+                    "p2pkv_doctor_checks",
+                    CheckResult(False, f"the hook raised {type(outcome).__name__}: {outcome}"),
+                )
+            )
         else:
-            rows.extend(_check_row(plugin, getattr(c, "name", repr(c)), _run_check(c))
-                        for c in outcome)
+            rows.extend(
+                _check_row(plugin, getattr(c, "name", repr(c)), _run_check(c)) for c in outcome
+            )
     return rows
 
 
@@ -322,9 +357,7 @@ def _version(dist: str) -> str | None:
 
 def nixl_install_note() -> str:
     """How NIXL is installed here, and what that means (lean install explained)."""
-    cu12, cu13, meta, torch = (
-        _version(d) for d in ("nixl-cu12", "nixl-cu13", "nixl", "torch")
-    )
+    cu12, cu13, meta, torch = (_version(d) for d in ("nixl-cu12", "nixl-cu13", "nixl", "torch"))
     how = (
         "Install it lean (no torch/CUDA): pip install numpy && pip install --no-deps "
         "nixl-cu12==1.5.1 nixl==1.5.1 (scripts/install.sh does this). Plain "
@@ -361,8 +394,9 @@ def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | N
     from p2pkv import check_config
 
     def read(text: str, option: str, what: str) -> dict[str, Any]:
-        expanded = check_config.expand(option_text(text, option), os.environ, set(),
-                                       placeholder=False)
+        expanded = check_config.expand(
+            option_text(text, option), os.environ, set(), placeholder=False
+        )
         return json_object(expanded, option, what)
 
     if args.kv_transfer_config:
@@ -415,13 +449,11 @@ def _source(raw: Mapping[str, Any], key: str, names: Sequence[str]) -> tuple[str
     return f"{name}={os.environ[name]}", name
 
 
-def entry_listeners(entry: Any, extra: Mapping[str, Any], dp_size: int
-                    ) -> list[dict[str, Any]]:
+def entry_listeners(entry: Any, extra: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
     """Where the tier of an engine entry would listen (its adapter's reading of the entry and
     of this environment), as :func:`listeners` reports it."""
     try:
-        cfg = entry.adapter.entry_tier_config(entry.keys, extra_config=extra,
-                                              dp_rank=dp_size - 1)
+        cfg = entry.adapter.entry_tier_config(entry.keys, extra_config=extra, dp_rank=dp_size - 1)
     except ConfigError as exc:
         ranks = f" (--dp-size {dp_size}: lower the base port or the DP size)"
         raise ConfigError(f"{entry.where}: {exc}{ranks if dp_size > 1 else ''}") from None
@@ -430,9 +462,18 @@ def entry_listeners(entry: Any, extra: Mapping[str, Any], dp_size: int
     host_from, _ = _source(raw, "host", host_env)
     port_from, port_change = _source(raw, "port", port_env)
     ports = [cfg.base_port + r for r in range(dp_size)] if cfg.base_port else [0]
-    return [{"engines": [f"vLLM ({entry.how})"], "host": cfg.host, "ports": ports,
-             "host_from": host_from, "port_from": port_from, "port_change": port_change,
-             "control": cfg.control, "data": cfg.data}]
+    return [
+        {
+            "engines": [f"vLLM ({entry.how})"],
+            "host": cfg.host,
+            "ports": ports,
+            "host_from": host_from,
+            "port_from": port_from,
+            "port_change": port_change,
+            "control": cfg.control,
+            "data": cfg.data,
+        }
+    ]
 
 
 def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
@@ -443,19 +484,28 @@ def listeners(raw: Mapping[str, Any], dp_size: int) -> list[dict[str, Any]]:
     found: dict[tuple[Any, ...], dict[str, Any]] = {}
     for engine, host_env, port_env in _engines():
         try:
-            cfg = TierConfig.from_dict(raw, dp_rank=dp_size - 1, host_env=host_env,
-                                       port_env=port_env)
+            cfg = TierConfig.from_dict(
+                raw, dp_rank=dp_size - 1, host_env=host_env, port_env=port_env
+            )
         except ConfigError as exc:
             ranks = f" (--dp-size {dp_size}: lower the base port or the DP size)"
             raise ConfigError(f"{exc}{ranks if dp_size > 1 else ''}") from None
         ports = tuple(cfg.base_port + r for r in range(dp_size)) if cfg.base_port else (0,)
         host_from, _ = _source(raw, "host", host_env)
         port_from, port_change = _source(raw, "port", port_env)
-        entry = found.setdefault((cfg.host, ports, host_from, port_from), {
-            "engines": [], "host": cfg.host, "ports": list(ports), "host_from": host_from,
-            "port_from": port_from, "port_change": port_change, "control": cfg.control,
-            "data": cfg.data,
-        })
+        entry = found.setdefault(
+            (cfg.host, ports, host_from, port_from),
+            {
+                "engines": [],
+                "host": cfg.host,
+                "ports": list(ports),
+                "host_from": host_from,
+                "port_from": port_from,
+                "port_change": port_change,
+                "control": cfg.control,
+                "data": cfg.data,
+            },
+        )
         entry["engines"].append(engine)
     return list(found.values())
 
@@ -464,8 +514,11 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``p2pkv doctor`` shows, as plain data; ``ConfigError`` for bad options."""
     registry = default_registry()
     engine_entry = _entry_config(args)
-    listen = (entry_listeners(*engine_entry, args.dp_size) if engine_entry is not None
-              else listeners(_config_dict(args.config), args.dp_size))
+    listen = (
+        entry_listeners(*engine_entry, args.dp_size)
+        if engine_entry is not None
+        else listeners(_config_dict(args.config), args.dp_size)
+    )
     lanes: dict[str, Any] = {}
     if not args.no_probe:
         for name in UCX_TRANSPORTS:
@@ -497,8 +550,10 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _lane_table(name: str, probe: Mapping[str, Any]) -> Table:
-    table = Table(title=f"UCX lanes picked by the {name} transport on this host "
-                  f"(from {probe['source']})", title_justify="left")
+    table = Table(
+        title=f"UCX lanes picked by the {name} transport on this host (from {probe['source']})",
+        title_justify="left",
+    )
     for col in ("operation", "size (bytes)", "protocol", "lanes"):
         table.add_column(col)
     for row in probe["lanes"]:
@@ -510,18 +565,28 @@ def _advice(report: Mapping[str, Any]) -> list[str]:
     tips = []
     env = report["host"]["env"]
     if "UCX_NET_DEVICES" not in env:
-        tips.append("UCX_NET_DEVICES is unset: on a single host UCX may stripe TCP over every "
-                    "interface; set UCX_NET_DEVICES=lo for loopback-only runs.")
+        tips.append(
+            "UCX_NET_DEVICES is unset: on a single host UCX may stripe TCP over every "
+            "interface; set UCX_NET_DEVICES=lo for loopback-only runs."
+        )
     if env.get("UCX_TLS") in {"tcp", "self,tcp"}:
-        tips.append("UCX_TLS forces TCP: intra-host reads lose the zero-copy cma lane "
-                    "(about 3x slower here) and nixl stages them (one more copy).")
+        tips.append(
+            "UCX_TLS forces TCP: intra-host reads lose the zero-copy cma lane "
+            "(about 3x slower here) and nixl stages them (one more copy)."
+        )
     for name, probe in report["ucx_lanes"].items():
-        tcp_data = [r for r in probe["lanes"]
-                    if ("remote memory" in r["operation"] or "tag" in r["operation"])
-                    and "tcp" in r["lanes"] and "inf" in r["size_range"]]
+        tcp_data = [
+            r
+            for r in probe["lanes"]
+            if ("remote memory" in r["operation"] or "tag" in r["operation"])
+            and "tcp" in r["lanes"]
+            and "inf" in r["size_range"]
+        ]
         if tcp_data:
-            tips.append(f"{name}: large transfers go over TCP ({tcp_data[0]['lanes']}); expect "
-                        "about 1 GB/s instead of the cma zero-copy lane.")
+            tips.append(
+                f"{name}: large transfers go over TCP ({tcp_data[0]['lanes']}); expect "
+                "about 1 GB/s instead of the cma zero-copy lane."
+            )
     return tips
 
 
@@ -531,14 +596,17 @@ def _hints(report: Mapping[str, Any]) -> list[str]:
     tips = [
         f"{p['host']}:{p['port']} ({', '.join(p['engines'])}) is taken: choose a free base "
         f"port with {p['change']}."
-        for p in report["ports"] if p["free"] is False
+        for p in report["ports"]
+        if p["free"] is False
     ]
     vllm = any("vLLM" in where["engines"] for where in report["listeners"])
     if vllm and report["python_hash_seed"] != "set":
-        tips.append("PYTHONHASHSEED is " + report["python_hash_seed"] + ": with a "
-                    "non-cryptographic prefix_caching_hash_algo vLLM then seeds block hashes "
-                    "per process and no two instances ever match each other's blocks; set "
-                    "PYTHONHASHSEED to one value on every instance.")
+        tips.append(
+            "PYTHONHASHSEED is " + report["python_hash_seed"] + ": with a "
+            "non-cryptographic prefix_caching_hash_algo vLLM then seeds block hashes "
+            "per process and no two instances ever match each other's blocks; set "
+            "PYTHONHASHSEED to one value on every instance."
+        )
     return tips
 
 
@@ -550,8 +618,13 @@ def _print_listeners(console: Console, report: Mapping[str, Any]) -> None:
             f"base port {where['ports'][0]} ({where['port_from']})"
         )
     for p in report["ports"]:
-        state = ("[green]free[/]" if p["free"] else escape(p["detail"]) if p["free"] is None
-                 else f"[red]NOT free[/]: {escape(p['detail'])}")
+        state = (
+            "[green]free[/]"
+            if p["free"]
+            else escape(p["detail"])
+            if p["free"] is None
+            else f"[red]NOT free[/]: {escape(p['detail'])}"
+        )
         console.print(f"  port {p['host']}:{p['port']}: {state}")
     console.print(f"PYTHONHASHSEED: {report['python_hash_seed']}")
 
@@ -574,8 +647,10 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     host = report["host"]
     console.rule(f"p2pkv {report['p2pkv']} doctor")
-    console.print(f"host: {host['cpu']}, {host['cores']} cores, {host['memory_gib']} GiB, "
-                  f"kernel {host['kernel']}, Python {host['python']}")
+    console.print(
+        f"host: {host['cpu']}, {host['cores']} cores, {host['memory_gib']} GiB, "
+        f"kernel {host['kernel']}, Python {host['python']}"
+    )
     console.print("libraries: " + ", ".join(f"{k} {v}" for k, v in host["libraries"].items()))
     print_report(console, report["plugins"])
     _print_listeners(console, report)
@@ -592,5 +667,6 @@ def run(args: argparse.Namespace) -> int:
     for tip in [*_advice(report), *_hints(report)]:
         console.print(f"[yellow]hint:[/] {escape(tip)}")
     failed = [p for p in report["ports"] if p["free"] is False] + [
-        c for c in report["plugin_checks"] if not c["ok"]]
+        c for c in report["plugin_checks"] if not c["ok"]
+    ]
     return 1 if failed else 0

@@ -25,9 +25,16 @@ class Recorder:
     """
 
     RECORDED = (
-        "make_prepped_xfer", "initialize_xfer", "transfer", "check_xfer_state",
-        "release_xfer_handle", "release_dlist_handle", "remove_remote_agent",
-        "deregister_memory", "add_remote_agent", "send_notif",
+        "make_prepped_xfer",
+        "initialize_xfer",
+        "transfer",
+        "check_xfer_state",
+        "release_xfer_handle",
+        "release_dlist_handle",
+        "remove_remote_agent",
+        "deregister_memory",
+        "add_remote_agent",
+        "send_notif",
     )
 
     def __init__(self, agent: Any) -> None:
@@ -74,24 +81,23 @@ class Local:
     def __init__(self, num_blocks: int, block_len: int, options: dict[str, Any], seed: int):
         self.array = pattern(seed, num_blocks * block_len)
         self.blocks = self.array.reshape(num_blocks, block_len)
-        self.transport = NixlDataTransport.create(
-            DataSettings(self.array.data, block_len, options)
-        )
-
+        self.transport = NixlDataTransport.create(DataSettings(self.array.data, block_len, options))
 
 
 class MakeLocal(Protocol):
     """The ``make_local`` fixture: a :class:`Local` closed after the test."""
 
-    def __call__(self, num_blocks: int = 64, block_len: int = 4096, seed: int = 1,
-                 **options: Any) -> Local: ...
+    def __call__(
+        self, num_blocks: int = 64, block_len: int = 4096, seed: int = 1, **options: Any
+    ) -> Local: ...
 
 
 class WaitFor(Protocol):
     """The ``wait_for`` fixture: ``(done, failed)`` once every id in ``ids`` ended."""
 
-    def __call__(self, transport: NixlDataTransport, peer_id: str | None,
-                 ids: set[int]) -> tuple[set[int], set[int]]: ...
+    def __call__(
+        self, transport: NixlDataTransport, peer_id: str | None, ids: set[int]
+    ) -> tuple[set[int], set[int]]: ...
 
 
 MakeRecorder = Callable[[NixlDataTransport], Recorder]

@@ -30,8 +30,9 @@ BLOCK = 64 * 1024
 CANARY = 0xCC
 
 
-def _stalled(make_local: MakeLocal, doomed: PeerHost,
-             **options: Any) -> tuple[Local, ChildDataPeer, set[int]]:
+def _stalled(
+    make_local: MakeLocal, doomed: PeerHost, **options: Any
+) -> tuple[Local, ChildDataPeer, set[int]]:
     """A consumer with reads in flight from a paused producer: (consumer, producer, ids)."""
     consumer = make_local(num_blocks=16, block_len=BLOCK, **options)
     producer = doomed.data_peer(NixlDataTransport, 16, BLOCK, {})
@@ -43,8 +44,9 @@ def _stalled(make_local: MakeLocal, doomed: PeerHost,
     return consumer, producer, ids
 
 
-def _stalled_posted(make_local: MakeLocal, doomed_tcp: PeerHost,
-                    **options: Any) -> tuple[Local, ChildDataPeer, set[int]]:
+def _stalled_posted(
+    make_local: MakeLocal, doomed_tcp: PeerHost, **options: Any
+) -> tuple[Local, ChildDataPeer, set[int]]:
     """As ``_stalled``, but with reads posted: the connection to a tcp-only producer is wired
     up before it is paused, and the consumer reads it directly (``staging: never``), so its
     stopped worker, which executes our GETs over tcp, keeps them in flight (``PROC``). (Over
@@ -55,8 +57,9 @@ def _stalled_posted(make_local: MakeLocal, doomed_tcp: PeerHost,
     t = consumer.transport
     t.add_peer("p", producer.descriptor)
     producer.add_peer("c", t.descriptor())
-    wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
-               pumps=[t.progress])
+    wait_until(
+        lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end", pumps=[t.progress]
+    )
     doomed_tcp.pause()
     ids = {t.read_blocks("p", [i], [i]) for i in range(4)}
     assert all(read.handle is not None for read in t._reads_in_flight())
@@ -74,8 +77,12 @@ def _drained_by_a_neighbour(transport: NixlDataTransport, make_local: MakeLocal)
     on this thread (a closed transport's own ``progress`` and ``close`` do nothing)."""
     assert transport.close() == [] and transport.leaked
     neighbour = make_local(num_blocks=1, block_len=BLOCK, seed=9).transport
-    wait_until(lambda: not transport.leaked, timeout=15.0,
-               what="the leaked transport to drain", pumps=[neighbour.progress])
+    wait_until(
+        lambda: not transport.leaked,
+        timeout=15.0,
+        what="the leaked transport to drain",
+        pumps=[neighbour.progress],
+    )
 
 
 def _poll_for(transport: NixlDataTransport, peer_id: str, seconds: float) -> list[PollResult]:
@@ -125,13 +132,18 @@ def test_cancel_of_direct_reads_is_final(
     log.cancel(sorted(ids))  # PollLog: returns None, and the ids are never reported
     consumer.blocks[:4] = CANARY
     doomed.resume()
-    wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
-               pumps=[t.progress])  # the connection wires up: a queued GET would run now
+    wait_until(
+        lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end", pumps=[t.progress]
+    )  # the connection wires up: a queued GET would run now
     assert _poll_for(t, "p", 1.0) == []
     assert (consumer.blocks[:4] == CANARY).all(), "a cancelled read landed"
     tid = log.submitted(t.read_blocks("p", [5], [5]), "p")  # the peer itself is fine
-    wait_until(lambda: log.terminal({tid}), timeout=15.0, what="a fresh read",
-               pumps=[lambda: log.poll("p")])
+    wait_until(
+        lambda: log.terminal({tid}),
+        timeout=15.0,
+        what="a fresh read",
+        pumps=[lambda: log.poll("p")],
+    )
     assert log.done == {tid}
     assert t.close() == []
 
@@ -169,8 +181,9 @@ def test_held_reads_end_without_a_nixl_call_and_close_releases_in_order(
     recorder = record(t)
     t.cancel(sorted(ids))
     doomed.resume()
-    wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
-               pumps=[t.progress])
+    wait_until(
+        lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end", pumps=[t.progress]
+    )
 
     assert t.close() == []
 
@@ -227,8 +240,10 @@ def test_remove_peer_that_cannot_drain_its_warmup_reports_it_and_ends_the_reads(
 
     doomed.resume()
     wait_until(  # released once quiescent: progress alone, no poll of "p" needed
-        lambda: "release_dlist_handle" in recorder.names(), timeout=15.0,
-        what="the removed peer to be released", pumps=[t.progress],
+        lambda: "release_dlist_handle" in recorder.names(),
+        timeout=15.0,
+        what="the removed peer to be released",
+        pumps=[t.progress],
     )
     assert recorder.names().count("release_dlist_handle") == 1
     assert log.poll(None) == ([], [])
@@ -241,8 +256,9 @@ def test_a_handle_nixl_will_not_release_keeps_the_region(
     t = consumer.transport
     producer = host.data_peer(NixlDataTransport, 16, BLOCK, {})
     t.add_peer("p", producer.descriptor)
-    wait_until(lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end",
-               pumps=[t.progress])
+    wait_until(
+        lambda: not _warmup_ids(t), timeout=15.0, what="the warm-up READ to end", pumps=[t.progress]
+    )
     recorder = record(t)
     recorder.refuse_release = True
 
@@ -259,8 +275,9 @@ def test_a_handle_nixl_will_not_release_keeps_the_region(
     producer.close()
 
 
-def _warming(make_local: MakeLocal, doomed: PeerHost,
-             **options: Any) -> tuple[NixlDataTransport, Any, bytes]:
+def _warming(
+    make_local: MakeLocal, doomed: PeerHost, **options: Any
+) -> tuple[NixlDataTransport, Any, bytes]:
     """A reader whose connection warm-up READ from a paused peer is in flight:
     (transport, warm-up handle, the 8 bytes the READ fetches once the peer wakes up)."""
     reader = make_local(num_blocks=4, block_len=BLOCK, **options)
@@ -329,8 +346,10 @@ def test_remove_peer_drains_a_running_warmup_like_a_transfer(
 
     doomed.resume()
     wait_until(  # no poll of "c" needed: progress() alone retires it once the READ ended
-        lambda: "release_dlist_handle" in recorder.names(), timeout=15.0,
-        what="the removed peer to be released once its warm-up ended", pumps=[t.progress],
+        lambda: "release_dlist_handle" in recorder.names(),
+        timeout=15.0,
+        what="the removed peer to be released once its warm-up ended",
+        pumps=[t.progress],
     )
     assert _released_once_ended(recorder, warmup)
     assert bytes(t.state.scratch) == fetched  # the READ really landed, in memory kept registered
@@ -347,8 +366,12 @@ def test_a_warmup_handle_nixl_will_not_release_keeps_the_scratch(
     recorder.refuse_release = True
     t.add_peer("p", producer.descriptor)
     [warmup_id] = _warmup_ids(t)
-    wait_until(lambda: "release_refused" in recorder.names(), timeout=15.0,
-               what="the warm-up READ to end", pumps=[t.progress])
+    wait_until(
+        lambda: "release_refused" in recorder.names(),
+        timeout=15.0,
+        what="the warm-up READ to end",
+        pumps=[t.progress],
+    )
 
     assert t.close() == [warmup_id]
     assert "deregister_memory" not in recorder.names()
@@ -368,8 +391,12 @@ def test_a_closed_transport_disconnects_its_peers(make_local: MakeLocal) -> None
     assert _warmup_ids(t)
 
     assert gone.transport.close() == []
-    wait_until(lambda: not _warmup_ids(t), timeout=15.0,
-               what="the warm-up READ to the closed peer to fail", pumps=[t.progress])
+    wait_until(
+        lambda: not _warmup_ids(t),
+        timeout=15.0,
+        what="the warm-up READ to the closed peer to fail",
+        pumps=[t.progress],
+    )
     with pytest.raises(TransferSubmitError, match="disconnected"):
         t.read_blocks("g", [0], [0])
     assert t.remove_peer("g") == []
@@ -390,8 +417,12 @@ def test_a_close_left_undrained_is_finished_by_a_peer_polling_on_the_same_thread
 
     assert b.close() == [warmup_id]  # `a` did not progress: b's READ from it still runs
     assert b.leaked
-    wait_until(lambda: not b.leaked and not _warmup_ids(a), timeout=15.0,
-               what="the leaked peer to drain and go", pumps=[a.progress])
+    wait_until(
+        lambda: not b.leaked and not _warmup_ids(a),
+        timeout=15.0,
+        what="the leaked peer to drain and go",
+        pumps=[a.progress],
+    )
     assert b.close() == []
     assert a.remove_peer("b") == []
     assert a.close() == []
@@ -420,8 +451,11 @@ def test_cancel_ignores_unknown_and_reported_ids_and_nothing_runs_after_close(
 
 
 def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
-    make_local: MakeLocal, doomed_tcp: PeerHost, record: MakeRecorder, caplog:
-    pytest.LogCaptureFixture, wait_for: WaitFor
+    make_local: MakeLocal,
+    doomed_tcp: PeerHost,
+    record: MakeRecorder,
+    caplog: pytest.LogCaptureFixture,
+    wait_for: WaitFor,
 ) -> None:
     """NIXL refusing to release a cancelled direct read (it could not cancel it): cancel drives
     our worker up to drain_timeout; a read still running then is kept aside (logged as an
@@ -442,8 +476,12 @@ def test_a_direct_read_nixl_will_not_release_is_driven_then_kept_aside(
 
     recorder.refuse_release = False
     doomed_tcp.resume()
-    wait_until(lambda: not registration.quarantined, timeout=15.0,
-               what="the kept read to end and be released", pumps=[t.progress])
+    wait_until(
+        lambda: not registration.quarantined,
+        timeout=15.0,
+        what="the kept read to end and be released",
+        pumps=[t.progress],
+    )
     rest = ids - {tid}  # never cancelled: they complete and are reported
     assert wait_for(t, "p", rest) == (rest, set())
     assert t.close() == []

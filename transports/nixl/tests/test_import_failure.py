@@ -58,7 +58,11 @@ BLOCKER = textwrap.dedent(
 def _run(setup: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", PROBE.format(setup=setup)],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -94,4 +98,3 @@ def test_nixl_failing_to_import(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": path}
     out = _run("", env)
     _assert_unavailable(out, "ImportError: libcuda.so.1: cannot open shared object file")
-

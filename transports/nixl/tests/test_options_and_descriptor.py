@@ -44,20 +44,24 @@ def test_the_slice_size_default_comes_from_the_environment_and_the_option_wins(
 
 
 def test_values_and_init_params() -> None:
-    options = NixlOptions.parse({
-        "backends": ["UCX"],
-        "num_threads": 2,
-        "enable_prog_thread": True,
-        "drain_timeout": 1,
-        "warmup": False,
-        "staging": "always",
-        "staging_blocks": 1024,
-        "backend_params": {"UCX": {"ucx_error_handling_mode": "none", "num_workers": 1}},
-    })
+    options = NixlOptions.parse(
+        {
+            "backends": ["UCX"],
+            "num_threads": 2,
+            "enable_prog_thread": True,
+            "drain_timeout": 1,
+            "warmup": False,
+            "staging": "always",
+            "staging_blocks": 1024,
+            "backend_params": {"UCX": {"ucx_error_handling_mode": "none", "num_workers": 1}},
+        }
+    )
     assert options.drain_timeout == 1.0 and options.enable_prog_thread and not options.warmup
     assert options.staging == "always" and options.staging_blocks == 1024
     assert options.init_params("UCX") == {
-        "num_threads": "2", "ucx_error_handling_mode": "none", "num_workers": "1",
+        "num_threads": "2",
+        "ucx_error_handling_mode": "none",
+        "num_workers": "1",
     }
 
 
@@ -116,8 +120,18 @@ def test_region_must_be_whole_writable_blocks() -> None:
 
 # -- descriptor ----------------------------------------------------------------------------
 
-GOOD = RegionDescriptor("p2pkv-agent", b"md", 0x7F00_0000_0000, 16, 4096, "boot/host/ns", True,
-                        pid=4242, mark=0x7F00_1000_0000, token=2**64 - 1)
+GOOD = RegionDescriptor(
+    "p2pkv-agent",
+    b"md",
+    0x7F00_0000_0000,
+    16,
+    4096,
+    "boot/host/ns",
+    True,
+    pid=4242,
+    mark=0x7F00_1000_0000,
+    token=2**64 - 1,
+)
 
 
 def _with(**changes: object) -> bytes:
@@ -250,11 +264,26 @@ def test_a_live_descriptor_names_this_host_and_its_cma() -> None:
 @pytest.mark.parametrize(
     ("tls", "allowed"),
     [
-        (None, True), ("", True), ("  ", True), ("all", True), ("cma", True), ("tcp,cma", True),
-        ("sm", True), ("shm,tcp", True), ("TCP,CMA", True), ("ud:aux,cma", True),
-        ("^tcp", True), ("^rc,ud", True),
-        ("tcp", False), ("tcp,self", False), ("posix,sysv,tcp", False), ("rc,ud", False),
-        ("^cma", False), ("^sm", False), ("^shm,tcp", False), ("^all", False),
+        (None, True),
+        ("", True),
+        ("  ", True),
+        ("all", True),
+        ("cma", True),
+        ("tcp,cma", True),
+        ("sm", True),
+        ("shm,tcp", True),
+        ("TCP,CMA", True),
+        ("ud:aux,cma", True),
+        ("^tcp", True),
+        ("^rc,ud", True),
+        ("tcp", False),
+        ("tcp,self", False),
+        ("posix,sysv,tcp", False),
+        ("rc,ud", False),
+        ("^cma", False),
+        ("^sm", False),
+        ("^shm,tcp", False),
+        ("^all", False),
     ],
 )
 def test_which_ucx_tls_values_leave_cma(tls: str | None, allowed: bool) -> None:

@@ -34,12 +34,15 @@ def test_slice_layout_rounds_down_to_whole_blocks_at_least_one() -> None:
 
 def test_prepared_lists_have_one_row_per_slice() -> None:
     rows = block_dlist(0x1000, (3, 3, 1), 64)
-    assert rows.tolist() == [[0x1000, 64, 0, 64, 3], [0x1000 + 192, 64, 0, 64, 3],
-                             [0x1000 + 384, 64, 0, 64, 1]]
+    assert rows.tolist() == [
+        [0x1000, 64, 0, 64, 3],
+        [0x1000 + 192, 64, 0, 64, 3],
+        [0x1000 + 384, 64, 0, 64, 1],
+    ]
 
 
 def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(
-    make_local: MakeLocal
+    make_local: MakeLocal,
 ) -> None:
     t = make_local(num_blocks=16, block_len=BLOCK, slice_bytes=THREE).transport
     desc = RegionDescriptor.decode(t.descriptor(), "self")
@@ -50,17 +53,21 @@ def test_the_descriptor_advertises_the_slices_and_nixl_holds_them_apart(
     agent = other.state.agent
     span = [(int(other._blocks.ctypes.data), 4 * BLOCK, 0)]
     with pytest.raises(Exception, match="NOT_FOUND"):  # 4 blocks span two of t's slices
-        agent.initialize_xfer("READ", agent.get_xfer_descs(span, "DRAM"),
-                              agent.get_xfer_descs([(desc.base, 4 * BLOCK, 0)], "DRAM"),
-                              desc.agent)
+        agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(span, "DRAM"),
+            agent.get_xfer_descs([(desc.base, 4 * BLOCK, 0)], "DRAM"),
+            desc.agent,
+        )
 
 
 @pytest.mark.parametrize("producer_slice", [THREE, FIVE], ids=["same-slices", "other-slices"])
 def test_direct_reads_cross_slices_byte_exact_one_descriptor_per_piece(
     make_local: MakeLocal, host: PeerHost, wait_for: WaitFor, producer_slice: int
 ) -> None:
-    consumer = make_local(num_blocks=64, block_len=BLOCK, seed=10, staging="never",
-                          slice_bytes=THREE)
+    consumer = make_local(
+        num_blocks=64, block_len=BLOCK, seed=10, staging="never", slice_bytes=THREE
+    )
     t = consumer.transport
     producer = host.data_peer(NixlDataTransport, 64, BLOCK, {"slice_bytes": producer_slice})
     producer.fill(31)
@@ -70,8 +77,7 @@ def test_direct_reads_cross_slices_byte_exact_one_descriptor_per_piece(
     scattered = np.random.default_rng(3).choice(64, size=40, replace=False).tolist()
     for local, remote, posted in [
         (list(range(32)), list(range(32)), 1 + len(cuts(0, 32, 3) | cuts(0, 32, every))),
-        (list(range(16, 48)), list(range(32)),
-         1 + len(cuts(16, 32, 3) | cuts(0, 32, every))),
+        (list(range(16, 48)), list(range(32)), 1 + len(cuts(16, 32, 3) | cuts(0, 32, every))),
         (list(range(0, 64, 2)), list(range(32, 64)), 32),
         (scattered, list(range(40)), None),
     ]:
@@ -88,8 +94,14 @@ def test_direct_reads_cross_slices_byte_exact_one_descriptor_per_piece(
 def test_staged_reads_write_across_both_sides_slices_byte_exact(
     make_local: MakeLocal, host: PeerHost, wait_for: WaitFor
 ) -> None:
-    consumer = make_local(num_blocks=64, block_len=BLOCK, seed=4, staging="always",
-                          staging_blocks=16, slice_bytes=THREE)
+    consumer = make_local(
+        num_blocks=64,
+        block_len=BLOCK,
+        seed=4,
+        staging="always",
+        staging_blocks=16,
+        slice_bytes=THREE,
+    )
     t = consumer.transport
     producer = host.data_peer(NixlDataTransport, 64, BLOCK, {"slice_bytes": FIVE})
     producer.fill(9)
@@ -111,8 +123,12 @@ def test_staged_reads_write_across_both_sides_slices_byte_exact(
 
 @pytest.mark.parametrize(
     ("slices", "says"),
-    [([8, 8], "covers 16 blocks, the region has 8"), ([4, 0, 4], "not a positive integer"),
-     ("8", "not a list"), (None, "not a list")],
+    [
+        ([8, 8], "covers 16 blocks, the region has 8"),
+        ([4, 0, 4], "not a positive integer"),
+        ("8", "not a list"),
+        (None, "not a list"),
+    ],
 )
 def test_a_malformed_slice_list_is_rejected_at_add_peer(
     make_local: MakeLocal, slices: object, says: str

@@ -38,15 +38,17 @@ class _Corrupting:
     def send_notif(self, remote: str, message: bytes, *args: Any) -> Any:
         if message.startswith(wire.REQUEST):
             head = wire.REQUEST_HEAD.size
-            message = message[:head] + struct.pack("<I", self._index) + message[head + 4:]
+            message = message[:head] + struct.pack("<I", self._index) + message[head + 4 :]
         return self._agent.send_notif(remote, message, *args)
 
 
-def _head(request: int, base: int, capacity: int, block_len: int, count: int,
-          slice_blocks: int = 3) -> bytes:
+def _head(
+    request: int, base: int, capacity: int, block_len: int, count: int, slice_blocks: int = 3
+) -> bytes:
     """A staged request's head (the pool in slices of ``slice_blocks``)."""
-    return wire.REQUEST_HEAD.pack(wire.REQUEST, request, base, capacity, block_len, count,
-                                  slice_blocks)
+    return wire.REQUEST_HEAD.pack(
+        wire.REQUEST, request, base, capacity, block_len, count, slice_blocks
+    )
 
 
 def _serving(transport: NixlDataTransport) -> bool:
@@ -57,16 +59,18 @@ def _serving(transport: NixlDataTransport) -> bool:
 @pytest.fixture
 def pair(make_local: MakeLocal) -> Pair:
     """(consumer, producer, consumer Local): the consumer stages every read."""
-    consumer = make_local(num_blocks=16, block_len=BLOCK, seed=1, staging="always",
-                          staging_blocks=8)
+    consumer = make_local(
+        num_blocks=16, block_len=BLOCK, seed=1, staging="always", staging_blocks=8
+    )
     producer = make_local(num_blocks=16, block_len=BLOCK, seed=2)
     consumer.transport.add_peer("p", producer.transport.descriptor())
     producer.transport.add_peer("c", consumer.transport.descriptor())
     return consumer.transport, producer.transport, consumer
 
 
-def _read(consumer: NixlDataTransport, producer: NixlDataTransport, local: list[int],
-          remote: list[int]) -> tuple[set[int], set[int]]:
+def _read(
+    consumer: NixlDataTransport, producer: NixlDataTransport, local: list[int], remote: list[int]
+) -> tuple[set[int], set[int]]:
     tid = consumer.read_blocks("p", local, remote)
     done: set[int] = set()
     failed: set[int] = set()
@@ -95,19 +99,28 @@ def test_a_staged_read_is_served_by_the_producers_write_and_lands_exact(pair: Pa
     assert producer.remove_peer("c") == [] and consumer.remove_peer("p") == []
 
 
-@pytest.mark.parametrize(("local", "remote", "posted"), [
-    ([9, 3, 4], [4, 5, 6], 1),  # the WRITE's runs: producer blocks 4..6 into pool blocks 0..2
-    ([0, 1, 2, 3], [0, 2, 4, 6], 4),  # scattered source: one descriptor per block
-    ([0, 1, 2, 3], [7, 8, 9, 10], 2),  # the pool's slices of 3 blocks cut the run at block 3
-])
+@pytest.mark.parametrize(
+    ("local", "remote", "posted"),
+    [
+        ([9, 3, 4], [4, 5, 6], 1),  # the WRITE's runs: producer blocks 4..6 into pool blocks 0..2
+        ([0, 1, 2, 3], [0, 2, 4, 6], 4),  # scattered source: one descriptor per block
+        ([0, 1, 2, 3], [7, 8, 9, 10], 2),  # the pool's slices of 3 blocks cut the run at block 3
+    ],
+)
 def test_a_staged_read_counts_the_descriptors_its_request_asks_for(
     make_local: MakeLocal, local: list[int], remote: list[int], posted: int
 ) -> None:
     """``descriptors_posted`` counts a staged read too, on the consumer: the runs of the
     producer's WRITE its request asks for (:func:`p2pkv.runs.coalesce`, cut at both sides'
     slices), however our own slots lie."""
-    consumer = make_local(num_blocks=16, block_len=BLOCK, seed=1, staging="always",
-                          staging_blocks=8, slice_bytes=3 * BLOCK).transport
+    consumer = make_local(
+        num_blocks=16,
+        block_len=BLOCK,
+        seed=1,
+        staging="always",
+        staging_blocks=8,
+        slice_bytes=3 * BLOCK,
+    ).transport
     producer = make_local(num_blocks=16, block_len=BLOCK, seed=2).transport
     consumer.add_peer("p", producer.descriptor())
     producer.add_peer("c", consumer.descriptor())
@@ -126,8 +139,10 @@ def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
         done, failed = _read(consumer, producer, [0, 1], [0, 1])
     assert failed and not done
     np.testing.assert_array_equal(local.blocks, before)
-    assert any("refused staged read request" in r.getMessage() and "outside" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "refused staged read request" in r.getMessage() and "outside" in r.getMessage()
+        for r in caplog.records
+    )
     assert consumer.staging_usage()["free"] == 8
     consumer.state.agent = consumer.state.agent._agent
     assert _read(consumer, producer, [0, 1], [0, 1])[0]  # the pair still works
@@ -145,9 +160,9 @@ def test_a_request_the_producer_refuses_fails_the_read_and_frees_its_blocks(
         _head(7, 1 << 20, 8, BLOCK, 1, slice_blocks=0) + bytes(9),  # no pool slices
         _head(7, 1 << 20, 2**20, BLOCK, 1, slice_blocks=1) + bytes(9),  # too many slices
         _head(7, 1 << 20, 8, BLOCK, 1)
-        + struct.pack("<II", 0, 8) + b"md",  # pool index outside the pool
-        _head(7, 1 << 20, 8, BLOCK, 1)
-        + struct.pack("<II", 0, 0) + b"not nixl metadata",
+        + struct.pack("<II", 0, 8)
+        + b"md",  # pool index outside the pool
+        _head(7, 1 << 20, 8, BLOCK, 1) + struct.pack("<II", 0, 0) + b"not nixl metadata",
         b"p2kvD1" + bytes(8),  # a completion of a read we never posted
         b"p2kvF1",  # a truncated failure
         b"something else entirely",
@@ -157,6 +172,7 @@ def test_malformed_notifications_are_refused_never_raised(
     pair: Pair, message: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     consumer, producer, _ = pair
+
     def refused() -> bool:
         return any("refused staged read request" in r.getMessage() for r in caplog.records)
 
@@ -164,8 +180,12 @@ def test_malformed_notifications_are_refused_never_raised(
         consumer.state.agent.send_notif(producer.agent_name, message)
         producer.state.agent.send_notif(consumer.agent_name, message)
         if message.startswith(wire.REQUEST):
-            wait_until(refused, timeout=15.0, what="the request to be refused",
-                       pumps=[producer.progress, consumer.progress])
+            wait_until(
+                refused,
+                timeout=15.0,
+                what="the request to be refused",
+                pumps=[producer.progress, consumer.progress],
+            )
         for _ in range(50):
             producer.progress()
             consumer.progress()
@@ -177,10 +197,12 @@ def test_malformed_notifications_are_refused_never_raised(
 def test_requests_from_an_agent_the_producer_did_not_add_are_ignored(
     make_local: MakeLocal, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stranger = make_local(num_blocks=16, block_len=BLOCK, seed=3, staging="always",
-                          drain_timeout=0.2).transport
+    stranger = make_local(
+        num_blocks=16, block_len=BLOCK, seed=3, staging="always", drain_timeout=0.2
+    ).transport
     producer = make_local(num_blocks=16, block_len=BLOCK, seed=4).transport
     stranger.add_peer("p", producer.descriptor())  # the producer never adds it
+
     def warnings() -> int:
         return sum("ignoring staged read requests" in r.getMessage() for r in caplog.records)
 
@@ -200,6 +222,10 @@ def test_requests_from_an_agent_the_producer_did_not_add_are_ignored(
     stranger.cancel([tid])
     assert stranger.staging_usage()["quarantined"] == 1  # never answered: stays quarantined
     assert producer.close() == []  # its agent goes: the stranger's probe sees a disconnect
-    wait_until(lambda: stranger.staging_usage()["quarantined"] == 0, timeout=15.0,
-               what="the probe to see the producer gone", pumps=[stranger.progress])
+    wait_until(
+        lambda: stranger.staging_usage()["quarantined"] == 0,
+        timeout=15.0,
+        what="the probe to see the producer gone",
+        pumps=[stranger.progress],
+    )
     assert stranger.close() == []

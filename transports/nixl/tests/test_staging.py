@@ -54,15 +54,22 @@ def test_auto_reads_a_same_host_cma_peer_directly_and_a_tcp_peer_through_staging
     [("always", "staged", "staged"), ("never", "direct", "direct")],
 )
 def test_the_staging_option_overrides_the_lane(
-    make_local: MakeLocal, host: PeerHost, tcp_host: PeerHost, caplog: pytest.LogCaptureFixture,
-    staging: str, near: str, tcp: str
+    make_local: MakeLocal,
+    host: PeerHost,
+    tcp_host: PeerHost,
+    caplog: pytest.LogCaptureFixture,
+    staging: str,
+    near: str,
+    tcp: str,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="p2pkv.nixl.transport"):
         t = make_local(num_blocks=8, block_len=4096, staging=staging).transport
     warned = [r for r in caplog.records if "staging='never'" in r.getMessage()]
     assert bool(warned) == (staging == "never")
-    peers = {"near": host.data_peer(NixlDataTransport, 8, 4096, {}),
-             "tcp": tcp_host.data_peer(NixlDataTransport, 8, 4096, {})}
+    peers = {
+        "near": host.data_peer(NixlDataTransport, 8, 4096, {}),
+        "tcp": tcp_host.data_peer(NixlDataTransport, 8, 4096, {}),
+    }
     for name, peer in peers.items():
         t.add_peer(name, peer.descriptor)
     assert (t.lane("near"), t.lane("tcp")) == (near, tcp)
@@ -124,9 +131,11 @@ def test_a_full_staging_pool_says_busy_and_an_oversized_read_is_refused(
 def test_staging_options_are_validated() -> None:
     from p2pkv.contracts import DataSettings
 
-    bad: list[tuple[dict[str, Any], str]] = [({"staging": "sometimes"}, "'staging'"),
-                                             ({"staging_blocks": 0}, "'staging_blocks'"),
-                                             ({"staging_blocks": 2.5}, "'staging_blocks'")]
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"staging": "sometimes"}, "'staging'"),
+        ({"staging_blocks": 0}, "'staging_blocks'"),
+        ({"staging_blocks": 2.5}, "'staging_blocks'"),
+    ]
     for options, key in bad:
         with pytest.raises(ConfigError, match=key):
             NixlDataTransport.create(DataSettings(memoryview(bytearray(8192)), 4096, options))
@@ -178,8 +187,12 @@ def test_a_cancelled_staged_read_never_lands_when_the_stopped_producer_resumes(
     _poll_quietly(t, "p", 2.0)
     assert (consumer.blocks == CANARY).all(), "a cancelled staged read landed in the slots"
 
-    wait_until(lambda: t.staging_usage()["quarantined"] == 0, timeout=30.0,
-               what="the quarantined read to end", pumps=[t.progress])
+    wait_until(
+        lambda: t.staging_usage()["quarantined"] == 0,
+        timeout=30.0,
+        what="the quarantined read to end",
+        pumps=[t.progress],
+    )
     assert t.state.pool is not None
     np.testing.assert_array_equal(t.state.pool.blocks, source)  # it did land: in the pool only
     assert (consumer.blocks == CANARY).all()
@@ -214,8 +227,12 @@ def test_control_without_staging_a_cancelled_tcp_read_does_land(
         consumer.blocks[:] = CANARY
     finally:
         tcp_host.resume()
-    wait_until(lambda: not (consumer.blocks == CANARY).all(), timeout=15.0,
-               what="the released read's bytes to land anyway", pumps=[t.progress])
+    wait_until(
+        lambda: not (consumer.blocks == CANARY).all(),
+        timeout=15.0,
+        what="the released read's bytes to land anyway",
+        pumps=[t.progress],
+    )
     producer.close()
 
 
@@ -240,8 +257,12 @@ def test_a_producer_refuses_the_staged_requests_of_a_peer_it_removed(
     assert wait_for(t, "p", {live}) == (set(), {live})  # refused, not left hanging
     cancelled = t.read_blocks("p", [3, 4, 5], [3, 4, 5])
     assert t.cancel([cancelled]) is None
-    wait_until(lambda: t.staging_usage()["quarantined"] == 0, timeout=30.0,
-               what="the refused request's quarantine to end", pumps=[t.progress])
+    wait_until(
+        lambda: t.staging_usage()["quarantined"] == 0,
+        timeout=30.0,
+        what="the refused request's quarantine to end",
+        pumps=[t.progress],
+    )
     assert t.staging_usage() == {"capacity": 8, "free": 8, "quarantined": 0}
 
     producer.add_peer("c", t.descriptor())  # a new session: served again

@@ -47,8 +47,16 @@ class Pair:
             self.results[job_id] = outcome
 
     def request(self, kv: str, slots: list[int], dst: list[int], consumer_first: bool) -> None:
-        ctx = RequestContext(f"c-{kv}", {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": self.host, "remote_port": self.port}})
+        ctx = RequestContext(
+            f"c-{kv}",
+            {
+                "remote_prefiller": {
+                    "kv_request_id": kv,
+                    "remote_host": self.host,
+                    "remote_port": self.port,
+                }
+            },
+        )
         keys = [f"{kv}/{i}".encode() for i in range(len(slots))]
         store_id, load_id = 1000 + len(self.results), 2000 + len(self.results)
 
@@ -63,8 +71,12 @@ class Pair:
         first()
         self.pump()
         second()
-        wait_until(lambda: store_id in self.results and load_id in self.results, timeout=T,
-                   what=f"both results of {kv}", pumps=[self.pump])
+        wait_until(
+            lambda: store_id in self.results and load_id in self.results,
+            timeout=T,
+            what=f"both results of {kv}",
+            pumps=[self.pump],
+        )
         assert self.results[store_id] == Outcome.DONE.value
         assert self.results[load_id] == Outcome.DONE.value
         np.testing.assert_array_equal(self.blocks[dst], self.source[slots])
@@ -74,8 +86,9 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
-    with Child(nixl_tier_peers.producer_tier, SEED, NUM_BLOCKS, BLOCK_LEN,
-               name="p2pkv-nixl-producer-tier") as child:
+    with Child(
+        nixl_tier_peers.producer_tier, SEED, NUM_BLOCKS, BLOCK_LEN, name="p2pkv-nixl-producer-tier"
+    ) as child:
         pair = Pair(child)
         yield pair
         assert pair.tier.shutdown() == []
@@ -94,6 +107,7 @@ def test_tier_pair_over_zmq_and_nixl_moves_bytes_exactly(pair: Pair, order: str)
 def test_the_tier_reports_the_descriptors_its_reads_posted(pair: Pair) -> None:
     """``P2PTier.stats`` passes the data transport's ``descriptors_posted`` on: a request
     of 8 blocks contiguous on both sides (one run) posts one descriptor, 8 scattered ones 8."""
+
     def posted() -> int:
         return int(pair.tier.stats()["descriptors_posted"])
 

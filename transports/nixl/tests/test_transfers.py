@@ -28,7 +28,8 @@ def _blocks(region: bytes) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("options", "lane"), [({}, "direct"), ({"staging": "always"}, "staged")],
+    ("options", "lane"),
+    [({}, "direct"), ({"staging": "always"}, "staged")],
     ids=["auto-direct", "always-staged"],
 )
 def test_256_blocks_land_byte_exact_at_scattered_slots(
@@ -85,20 +86,29 @@ def consumer_and_small_peer(host: PeerHost) -> Iterator[SimpleNamespace]:
         ([[0]], [[1]], "flat sequence of integers"),
         (["0"], [1], "flat sequence of integers"),
         ([0], ["1"], "remote (peer 'small') block indexes must be a flat sequence of integers"),
-        (list(range(100)), [*range(31), *range(31), *range(31), *range(6), 32],
-         "remote (peer 'small') block index 32 is outside"),
+        (
+            list(range(100)),
+            [*range(31), *range(31), *range(31), *range(6), 32],
+            "remote (peer 'small') block index 32 is outside",
+        ),
         (list(range(100)), [-5, *range(31), *range(31), *range(31), *range(6)], "index -5 is"),
         ([*range(99), 170], [i % 32 for i in range(100)], "local block index 170 is outside"),
-        ([*range(30), *range(30, 0, -1), *range(10)], [i % 32 for i in range(70)],
-         "local block index 29 is named twice"),
+        (
+            [*range(30), *range(30, 0, -1), *range(10)],
+            [i % 32 for i in range(70)],
+            "local block index 29 is named twice",
+        ),
         (np.array([0.0]), [1], "flat sequence of integers"),
         ([0], np.zeros((1, 1), dtype=np.int64), "flat sequence of integers"),
         ([0], [2**40], f"remote (peer 'small') block index {2**40} is outside 0..31"),
     ],
 )
 def test_bad_indexes_are_refused_before_anything_is_posted(
-    consumer_and_small_peer: SimpleNamespace, record: MakeRecorder, local_idxs: object,
-    remote_idxs: object, says: str
+    consumer_and_small_peer: SimpleNamespace,
+    record: MakeRecorder,
+    local_idxs: object,
+    remote_idxs: object,
+    says: str,
 ) -> None:
     consumer = consumer_and_small_peer
     recorder = record(consumer.transport)
@@ -174,6 +184,7 @@ def test_poll_is_scoped_when_two_peers_share_the_transport(
             result = log.poll(peer)  # PollLog fails if another peer's id shows up
             seen.update(result.done)
             return set(ids[peer]) <= seen
+
         wait_until(mine, timeout=15.0, what=f"{peer}'s reads")
     assert log.pending == set()
     assert log.poll(None) == ([], [])
@@ -205,8 +216,12 @@ def test_contiguous_runs_and_repeated_reads(
     producer.add_peer("c", consumer.transport.descriptor())
     ids = {
         consumer.transport.read_blocks("p", list(range(32, 64)), list(range(0, 32))),
-        consumer.transport.read_blocks(  # numpy index arrays: accepted, though typed Sequence[int]
-            "p", np.arange(0, 32), np.arange(32, 64, dtype=np.int32)),  # type: ignore[arg-type]
+        # numpy index arrays: accepted, though typed Sequence[int]
+        consumer.transport.read_blocks(
+            "p",
+            np.arange(0, 32),  # type: ignore[arg-type]
+            np.arange(32, 64, dtype=np.int32),  # type: ignore[arg-type]
+        ),
     }
     done, failed = wait_for(consumer.transport, "p", ids)
     assert done == ids and not failed
@@ -216,8 +231,11 @@ def test_contiguous_runs_and_repeated_reads(
 
 
 def test_re_adding_a_peer_ends_its_reads_and_replaces_it_once_quiescent(
-    make_local: MakeLocal, doomed: PeerHost, record: MakeRecorder, wait_for: WaitFor, poll_log:
-    MakePollLog
+    make_local: MakeLocal,
+    doomed: PeerHost,
+    record: MakeRecorder,
+    wait_for: WaitFor,
+    poll_log: MakePollLog,
 ) -> None:
     """A new incarnation (another descriptor) replaces the peer at once: the old read ends
     finally and is never reported; the old record goes once its warm-up READ ended."""
@@ -241,8 +259,12 @@ def test_re_adding_a_peer_ends_its_reads_and_replaces_it_once_quiescent(
     doomed.resume()
     consumer.blocks[2] = 0xCC  # slot of the ended read, reused at once
     fresh = log.submitted(t.read_blocks("p", [4], [3]), "p")
-    wait_until(lambda: log.terminal({fresh}), timeout=15.0, what="the new read",
-               pumps=[lambda: log.poll("p")])
+    wait_until(
+        lambda: log.terminal({fresh}),
+        timeout=15.0,
+        what="the new read",
+        pumps=[lambda: log.poll("p")],
+    )
 
     assert log.done == {fresh}  # the old read was never reported (PollLog checks it)
     wait_until(  # the old record goes once its warm-up READ has ended too

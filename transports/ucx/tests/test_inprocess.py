@@ -44,8 +44,12 @@ def _raw(nodes: Make) -> tuple[Node, RawProducer]:
 
 def _keep_polling(node: Node, raw: RawProducer, sends: list[Any], rounds: int = 50) -> None:
     """Poll until the raw producer's sends completed, then some more (bounded)."""
-    wait_until(lambda: all(s.completed for s in sends), timeout=T,
-               what="the raw sends", pumps=[node.poll, raw.worker.progress])
+    wait_until(
+        lambda: all(s.completed for s in sends),
+        timeout=T,
+        what="the raw sends",
+        pumps=[node.poll, raw.worker.progress],
+    )
     for _ in range(rounds):
         node.poll()
         raw.worker.progress()
@@ -86,12 +90,15 @@ def test_a_contiguous_read_posts_fewer_messages_than_a_scattered_one(nodes: Make
     on the producer, one receive here); 32 scattered ones as 32. The bytes are right."""
     producer, consumer = _pair(nodes, num_blocks=64)
     counts = []
-    for dst, src in [(list(range(32)), list(range(32, 64))),
-                     (list(range(0, 64, 2)), list(range(63, 0, -2)))]:
+    for dst, src in [
+        (list(range(32)), list(range(32, 64))),
+        (list(range(0, 64, 2)), list(range(63, 0, -2))),
+    ]:
         sent, received = producer.t.descriptors_posted, consumer.t.descriptors_posted
         _read(producer, consumer, dst, src)
-        counts.append((producer.t.descriptors_posted - sent,
-                       consumer.t.descriptors_posted - received))
+        counts.append(
+            (producer.t.descriptors_posted - sent, consumer.t.descriptors_posted - received)
+        )
     assert counts == [(1, 1), (32, 32)]
 
 
@@ -101,8 +108,12 @@ def test_the_producer_serves_only_from_its_own_progress(nodes: Make) -> None:
     for _ in range(50):
         consumer.poll("p")
     assert tid not in consumer.done | consumer.failed, "nothing moves while the producer idles"
-    wait_until(lambda: tid in consumer.done, timeout=T, what="the read once the producer pumps",
-               pumps=[producer.t.progress, lambda: consumer.poll("p")])
+    wait_until(
+        lambda: tid in consumer.done,
+        timeout=T,
+        what="the read once the producer pumps",
+        pumps=[producer.t.progress, lambda: consumer.poll("p")],
+    )
     assert (consumer.blocks[[7, 8]] == producer.blocks[[1, 2]]).all()
 
 
@@ -134,19 +145,25 @@ def test_the_consumer_takes_only_what_a_live_read_asked_for(nodes: Make) -> None
     block = consumer.t.block_len
     junk = np.full(2 * block, 7, np.uint8)
     sends = [
-        raw.send_run(first.link, first.rid, 0, junk),          # the cancelled read
-        raw.send_run(read.link, read.rid + 5, 0, junk),       # a read never made
-        raw.send_run(read.link + 1, read.rid, 0, junk),       # another link
-        raw.send_run(read.link, read.rid, 2, junk[:block]),   # a run the read does not have
+        raw.send_run(first.link, first.rid, 0, junk),  # the cancelled read
+        raw.send_run(read.link, read.rid + 5, 0, junk),  # a read never made
+        raw.send_run(read.link + 1, read.rid, 0, junk),  # another link
+        raw.send_run(read.link, read.rid, 2, junk[:block]),  # a run the read does not have
     ]
     _keep_polling(consumer, raw, sends)
     assert (consumer.blocks[[1, 2, 4, 5, 9]] == CANARY).all(), "unasked payload touched slots"
     assert tid not in consumer.done | consumer.failed
     good = np.arange(2 * block, dtype=np.uint64).astype(np.uint8)
-    sends = [raw.send_run(read.link, read.rid, 0, good),
-             raw.send_run(read.link, read.rid, 1, np.full(block, 9, np.uint8))]
-    wait_until(lambda: tid in consumer.done, timeout=T, what="the live read",
-               pumps=[consumer.poll, raw.worker.progress])
+    sends = [
+        raw.send_run(read.link, read.rid, 0, good),
+        raw.send_run(read.link, read.rid, 1, np.full(block, 9, np.uint8)),
+    ]
+    wait_until(
+        lambda: tid in consumer.done,
+        timeout=T,
+        what="the live read",
+        pumps=[consumer.poll, raw.worker.progress],
+    )
     assert (consumer.blocks[[4, 5]].ravel() == good).all() and (consumer.blocks[9] == 9).all()
     consumer.blocks[[4, 5, 9]] = CANARY
     _keep_polling(consumer, raw, [raw.send_run(read.link, read.rid, 1, junk[:block])])
@@ -160,8 +177,12 @@ def test_a_run_of_the_wrong_length_fails_the_read_and_lands_nothing(nodes: Make)
     read = raw.notice(consumer.t.progress)
     consumer.blocks[3] = CANARY
     sends = [raw.send_run(read.link, read.rid, 0, np.zeros(consumer.t.block_len // 2, np.uint8))]
-    wait_until(lambda: tid in consumer.failed, timeout=T, what="the read to fail",
-               pumps=[consumer.poll, raw.worker.progress])
+    wait_until(
+        lambda: tid in consumer.failed,
+        timeout=T,
+        what="the read to fail",
+        pumps=[consumer.poll, raw.worker.progress],
+    )
     _keep_polling(consumer, raw, sends)
     assert (consumer.blocks[3] == CANARY).all()
 
@@ -171,8 +192,12 @@ def test_a_refused_read_fails(nodes: Make) -> None:
     tid = consumer.t.read_blocks("p", [3], [0])
     read = raw.notice(consumer.t.progress)
     raw.send_notice(wire.encode_refuse(raw.instance, read.link, read.rid, "no such block"))
-    wait_until(lambda: tid in consumer.failed, timeout=T, what="the refusal",
-               pumps=[consumer.poll, raw.worker.progress])
+    wait_until(
+        lambda: tid in consumer.failed,
+        timeout=T,
+        what="the refusal",
+        pumps=[consumer.poll, raw.worker.progress],
+    )
 
 
 def test_a_read_cancelled_before_it_is_served_is_skipped_and_never_lands(nodes: Make) -> None:
@@ -192,25 +217,34 @@ def test_a_producer_refuses_a_read_outside_its_region(nodes: Make) -> None:
     producer, consumer = _pair(nodes)
     peer = consumer.t.attached_peer("p")
     assert isinstance(peer, Peer)
-    peer.desc = wire.Descriptor(peer.desc.address, peer.desc.instance, 64, peer.desc.block_len,
-                                peer.desc.max_run, peer.desc.error_handling)  # lie: 64 blocks
+    peer.desc = wire.Descriptor(
+        peer.desc.address,
+        peer.desc.instance,
+        64,
+        peer.desc.block_len,
+        peer.desc.max_run,
+        peer.desc.error_handling,
+    )  # lie: 64 blocks
     tid = consumer.t.read_blocks("p", [0], [40])
     settle([producer, consumer], {consumer: {tid}}, "the refusal")
     assert tid in consumer.failed
 
 
-@pytest.mark.parametrize("args, match", [
-    (([0], [40]), "outside"),
-    (([40], [0]), "outside"),
-    (([0], [-1]), "outside"),
-    (([0, 1], [0]), "remote"),
-    (([2, 2], [0, 1]), "twice"),
-    (([], []), "at least one"),
-    (([0.5], [1]), "integers"),
-    (([[0]], [[1]]), "integers"),
-    (([True], [1]), "integers"),
-    (([1], ["a"]), "integers"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (([0], [40]), "outside"),
+        (([40], [0]), "outside"),
+        (([0], [-1]), "outside"),
+        (([0, 1], [0]), "remote"),
+        (([2, 2], [0, 1]), "twice"),
+        (([], []), "at least one"),
+        (([0.5], [1]), "integers"),
+        (([[0]], [[1]]), "integers"),
+        (([True], [1]), "integers"),
+        (([1], ["a"]), "integers"),
+    ],
+)
 def test_bad_indexes_are_refused_before_anything_is_sent(
     nodes: Make, args: tuple[list[object], list[object]], match: str
 ) -> None:
@@ -237,8 +271,12 @@ def test_cancel_ends_a_finished_but_unreported_read_and_ignores_the_rest(nodes: 
     producer, consumer = _pair(nodes)
     tid = consumer.t.read_blocks("p", [1], [2])
     read = consumer.t.read_handle(tid)
-    wait_until(lambda: read.ended, timeout=T, what="the read to finish",
-               pumps=[producer.t.progress, consumer.t.progress])
+    wait_until(
+        lambda: read.ended,
+        timeout=T,
+        what="the read to finish",
+        pumps=[producer.t.progress, consumer.t.progress],
+    )
     consumer.t.cancel([tid, 999, tid])
     for _ in range(10):
         consumer.poll()
@@ -250,8 +288,12 @@ def test_cancel_ends_a_finished_but_unreported_read_and_ignores_the_rest(nodes: 
 def test_deadline_fails_a_read_and_its_late_runs_never_land(nodes: Make) -> None:
     producer, consumer = _pair(nodes, transfer_timeout=0.3)
     tid = consumer.t.read_blocks("p", [5, 6], [1, 2])
-    wait_until(lambda: tid in consumer.failed, timeout=T, what="the deadline",
-               pumps=[lambda: consumer.poll("p")])
+    wait_until(
+        lambda: tid in consumer.failed,
+        timeout=T,
+        what="the deadline",
+        pumps=[lambda: consumer.poll("p")],
+    )
     consumer.blocks[[5, 6]] = CANARY
     for _ in range(100):  # the producer serves it now: its runs are drained
         producer.poll()
@@ -265,11 +307,19 @@ def test_reads_are_reported_to_their_own_peer(nodes: Make) -> None:
     q.link("c", consumer, back_as="q")
     from_p = {consumer.t.read_blocks("p", [i], [i]) for i in range(4)}
     from_q = {consumer.t.read_blocks("q", [i], [i]) for i in range(4, 8)}
-    wait_until(lambda: from_p <= consumer.done, timeout=T, what="p's reads",
-               pumps=[p.t.progress, q.t.progress, lambda: consumer.poll("p")])
+    wait_until(
+        lambda: from_p <= consumer.done,
+        timeout=T,
+        what="p's reads",
+        pumps=[p.t.progress, q.t.progress, lambda: consumer.poll("p")],
+    )
     assert not from_q & (consumer.done | consumer.failed), "poll('p') reports only p's"
-    wait_until(lambda: from_q <= consumer.done, timeout=T, what="q's reads",
-               pumps=[p.t.progress, q.t.progress, lambda: consumer.poll("q")])
+    wait_until(
+        lambda: from_q <= consumer.done,
+        timeout=T,
+        what="q's reads",
+        pumps=[p.t.progress, q.t.progress, lambda: consumer.poll("q")],
+    )
     assert (consumer.blocks[:4] == p.blocks[:4]).all()
     assert (consumer.blocks[4:8] == q.blocks[4:8]).all()
 
@@ -310,9 +360,18 @@ def test_an_older_wire_version_is_rejected(nodes: Make) -> None:
     import msgpack
 
     node = nodes()
-    old = msgpack.packb({"transport": "ucx", "v": 1, "address": b"x", "instance": 1,
-                         "num_blocks": 32, "block_len": 1024, "max_run": 1,
-                         "error_handling": True})
+    old = msgpack.packb(
+        {
+            "transport": "ucx",
+            "v": 1,
+            "address": b"x",
+            "instance": 1,
+            "num_blocks": 32,
+            "block_len": 1024,
+            "max_run": 1,
+            "error_handling": True,
+        }
+    )
     with pytest.raises(PeerRejected, match="version"):
         node.t.add_peer("old", old)
 
@@ -362,15 +421,22 @@ def test_a_consumer_that_removes_its_producer_still_drains_the_sends_serving_it(
     consumer = nodes(seed=2, num_blocks=16, block_len=256 * 1024, **opts)
     producer.link("c", consumer, back_as="p")
     tids = [consumer.t.read_blocks("p", [i], [i]) for i in range(8)]
-    wait_until(lambda: len(producer.t.state.serves) == len(tids), timeout=T,
-               what="the producer serving every read",
-               pumps=[producer.t.progress, lambda: consumer.t.state.worker.progress()])
+    wait_until(
+        lambda: len(producer.t.state.serves) == len(tids),
+        timeout=T,
+        what="the producer serving every read",
+        pumps=[producer.t.progress, lambda: consumer.t.state.worker.progress()],
+    )
     consumer.t.cancel(tids)
     consumer.blocks[:8] = CANARY
     assert consumer.t.remove_peer("p") == []
     assert consumer.t.state.retired, "the consumer released the endpoint the producer still needs"
-    wait_until(lambda: not producer.t.state.serves and not consumer.t.state.retired, timeout=T,
-               what="the serving sends to drain", pumps=[producer.poll, consumer.poll])
+    wait_until(
+        lambda: not producer.t.state.serves and not consumer.t.state.retired,
+        timeout=T,
+        what="the serving sends to drain",
+        pumps=[producer.poll, consumer.poll],
+    )
     assert producer.t.remove_peer("c") == []
     assert (consumer.blocks[:8] == CANARY).all()
     assert not consumer.t.state.ghosts

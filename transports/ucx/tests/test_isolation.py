@@ -31,8 +31,9 @@ def _rounds_until(pumps: list[Callable[[], object]], done: Callable[[], bool]) -
 def _warm(consumer: Node, producer: Node, peer: str, slot: int) -> None:
     """One read, so the endpoints are wired up (as a serving peer's are)."""
     tid = consumer.t.read_blocks(peer, [slot], [0])
-    assert _rounds_until([producer.t.progress, lambda: consumer.poll(peer)],
-                         lambda: tid in consumer.done)
+    assert _rounds_until(
+        [producer.t.progress, lambda: consumer.poll(peer)], lambda: tid in consumer.done
+    )
 
 
 def _star(nodes: Make, center_as: str, **opts: object) -> tuple[Node, Node, Node]:
@@ -67,21 +68,25 @@ def test_a_frozen_producer_holds_half_the_staging_and_another_producers_reads_la
     """A frozen producer's runs are half received (it stopped after sending their headers):
     they hold its share of the staging budget (half) and its other runs wait, parked; a
     healthy producer's reads meanwhile land within ``ROUNDS`` rounds."""
-    consumer, frozen, healthy = _star(nodes, "c", max_message_bytes=BLOCK,
-                                      staging_bytes=4 * BLOCK, ucx_config=TCP_RNDV)
+    consumer, frozen, healthy = _star(
+        nodes, "c", max_message_bytes=BLOCK, staging_bytes=4 * BLOCK, ucx_config=TCP_RNDV
+    )
     _warm(consumer, frozen, "frozen", 31)
     _warm(consumer, healthy, "healthy", 30)
     stuck = consumer.t.read_blocks("frozen", list(range(8)), list(range(8)))
     staging = consumer.t.state.staging
     frozen_peer = consumer.t.attached_peer("frozen")
     assert isinstance(frozen_peer, Peer)
-    taken = _rounds_until([frozen.t.progress, consumer.t.progress],
-                          lambda: staging.held_by(frozen_peer) > 0)
+    taken = _rounds_until(
+        [frozen.t.progress, consumer.t.progress], lambda: staging.held_by(frozen_peer) > 0
+    )
     assert taken, "the frozen producer's runs never started"
     # frozen from here on: never progressed again
     ids = {consumer.t.read_blocks("healthy", [16 + i], [i]) for i in range(8)}
-    rounds = _rounds_until([healthy.t.progress, lambda: consumer.poll("healthy")],
-                           lambda: ids <= consumer.done | consumer.failed)
+    rounds = _rounds_until(
+        [healthy.t.progress, lambda: consumer.poll("healthy")],
+        lambda: ids <= consumer.done | consumer.failed,
+    )
     assert rounds is not None, "a healthy producer's reads stalled behind a frozen one's"
     assert ids <= consumer.done
     assert (consumer.blocks[16:24] == healthy.blocks[:8]).all()
@@ -109,8 +114,10 @@ def test_removing_a_frozen_consumer_returns_at_once_and_held_accounts_for_its_se
     held = producer.t.held()
     assert held["sends_to_removed_peers"] == len(left) and held["retired_endpoints"] == 1
     # it resumes: its receives complete, the producer's sends settle, everything is released
-    assert _rounds_until([frozen.t.progress, producer.t.progress, lambda: frozen.poll("p")],
-                         lambda: not producer.t.held())
+    assert _rounds_until(
+        [frozen.t.progress, producer.t.progress, lambda: frozen.poll("p")],
+        lambda: not producer.t.held(),
+    )
 
 
 def test_a_frozen_peers_half_received_notice_holds_up_no_other_peer(nodes: Make) -> None:
@@ -123,7 +130,9 @@ def test_a_frozen_peers_half_received_notice_holds_up_no_other_peer(nodes: Make)
     _warm(healthy, producer, "p", 31)
     frozen.t.read_blocks("p", [0, 1], [0, 1])  # its READ leaves; then it is frozen
     ids = {healthy.t.read_blocks("p", [i], [i]) for i in range(2, 6)}
-    rounds = _rounds_until([producer.t.progress, lambda: healthy.poll("p")],
-                           lambda: ids <= healthy.done | healthy.failed)
+    rounds = _rounds_until(
+        [producer.t.progress, lambda: healthy.poll("p")],
+        lambda: ids <= healthy.done | healthy.failed,
+    )
     assert rounds is not None, "a healthy consumer's READs waited behind a frozen one's"
     assert ids <= healthy.done

@@ -54,8 +54,7 @@ class Remote:
         self.failed.update(failed)
 
     def blocks(self) -> np.ndarray:
-        return np.frombuffer(self.call("region"), np.uint8).reshape(
-            self.num_blocks, self.block_len)
+        return np.frombuffer(self.call("region"), np.uint8).reshape(self.num_blocks, self.block_len)
 
 
 Spawn = Callable[..., tuple[Node, Remote]]
@@ -69,8 +68,9 @@ def spawn() -> Iterator[Spawn]:
 
     def make(num_blocks: int, block_len: int, **options: Any) -> tuple[Node, Remote]:
         opts = {**FAST, **options}
-        child = Child(ucx_programs.data_node, num_blocks, block_len, 4, opts,
-                      name="p2pkv-ucx-peer").start()
+        child = Child(
+            ucx_programs.data_node, num_blocks, block_len, 4, opts, name="p2pkv-ucx-peer"
+        ).start()
         local = Node(num_blocks=num_blocks, block_len=block_len, seed=3, **opts)
         made.append((local, child))
         remote = Remote(child, num_blocks, block_len)
@@ -86,8 +86,10 @@ def spawn() -> Iterator[Spawn]:
 
 
 def _options(error_handling: bool, tls: str | None) -> dict[str, Any]:
-    return {"endpoint_error_handling": error_handling,
-            **({"ucx_config": {"TLS": tls}} if tls else {})}
+    return {
+        "endpoint_error_handling": error_handling,
+        **({"ucx_config": {"TLS": tls}} if tls else {}),
+    }
 
 
 @pytest.mark.parametrize("error_handling", [True, False], ids=["eh-on", "eh-off"])
@@ -102,14 +104,22 @@ def test_256_scattered_blocks_land_byte_exact(
     if direction == "we-read":
         before, sent = local.blocks.copy(), remote.blocks()
         tid = local.t.read_blocks("child", dst, src)
-        wait_until(lambda: tid in local.done, timeout=T, what="256 blocks from the child",
-                   pumps=[local.poll])
+        wait_until(
+            lambda: tid in local.done,
+            timeout=T,
+            what="256 blocks from the child",
+            pumps=[local.poll],
+        )
         after = local.blocks
     else:
         before, sent = remote.blocks(), local.blocks
         tid = remote.call("read", "local", dst, src)
-        wait_until(lambda: tid in remote.done, timeout=T, what="256 blocks into the child",
-                   pumps=[local.t.progress, remote.poll])
+        wait_until(
+            lambda: tid in remote.done,
+            timeout=T,
+            what="256 blocks into the child",
+            pumps=[local.t.progress, remote.poll],
+        )
         after = remote.blocks()
     assert not local.failed and not remote.failed
     assert (after[dst] == sent[src]).all(), "a block did not land byte-exact"
@@ -126,8 +136,9 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
     cannot stop, over TCP; or some landed and the rest to come, over CMA, whose receives
     complete inside our own progress); we cancel, fill the slots with a canary, resume it and
     keep polling for two seconds: whatever UCX still delivers must not reach the slots."""
-    local, remote = spawn(128, 1 * MiB, coalesce=False, staging_bytes=4 * MiB,
-                          **_options(error_handling, tls))
+    local, remote = spawn(
+        128, 1 * MiB, coalesce=False, staging_bytes=4 * MiB, **_options(error_handling, tls)
+    )
     slots = list(range(16, 112))  # 96 runs: 24 times what staging takes at once (a long read)
     src = np.random.default_rng(1).permutation(128)[:96].tolist()
     receiving = local.t.state.receiving
@@ -142,8 +153,9 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
         def started(read: Any = read, on_its_way: Any = on_its_way) -> bool:
             return bool(read.ended or (on_its_way() if over_tcp else read.landed))
 
-        wait_until(started, timeout=T, what="runs of the read to be on their way",
-                   pumps=[local.t.progress])
+        wait_until(
+            started, timeout=T, what="runs of the read to be on their way", pumps=[local.t.progress]
+        )
         remote.child.pause()
         if not read.ended:
             break
@@ -165,12 +177,21 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
     assert tid not in local.done | local.failed, "a cancelled read was reported"
     assert (local.blocks[slots] == CANARY).all(), (
         f"bytes of the cancelled read reached its slots ({in_flight} matched runs were "
-        f"still being received at the cancel)")
-    wait_until(lambda: not local.t.state.receiving, timeout=T,
-               what="the cancelled read's runs to end in staging", pumps=[local.poll])
+        f"still being received at the cancel)"
+    )
+    wait_until(
+        lambda: not local.t.state.receiving,
+        timeout=T,
+        what="the cancelled read's runs to end in staging",
+        pumps=[local.poll],
+    )
     again = local.t.read_blocks("child", slots, src)
-    wait_until(lambda: again in local.done, timeout=T, what="a new read of the same slots",
-               pumps=[local.poll])
+    wait_until(
+        lambda: again in local.done,
+        timeout=T,
+        what="a new read of the same slots",
+        pumps=[local.poll],
+    )
     assert (local.blocks[slots] == remote.blocks()[src]).all()
 
 
@@ -205,8 +226,12 @@ def _serve_to_paused_child(spawn: Spawn, **options: Any) -> tuple[Node, Remote]:
     (they cannot finish without our next progress, and then the child takes no payload)."""
     local, remote = spawn(64, 256 * KiB, **options)
     remote.call("read", "local", list(range(32)), list(range(32)))
-    wait_until(lambda: local.t.state.serves, timeout=T, what="us to serve the child's read",
-               pumps=[local.t.progress])
+    wait_until(
+        lambda: local.t.state.serves,
+        timeout=T,
+        what="us to serve the child's read",
+        pumps=[local.t.progress],
+    )
     remote.child.pause()
     return local, remote
 
@@ -217,8 +242,12 @@ def test_a_killed_peer_fails_our_read_and_ends_our_sends(spawn: Spawn) -> None:
     local, remote = _serve_to_paused_child(spawn)
     tid = local.t.read_blocks("child", [40, 41], [1, 2])
     remote.child.kill()
-    wait_until(lambda: tid in local.failed, timeout=T, what="our read to fail after the kill",
-               pumps=[local.poll])
+    wait_until(
+        lambda: tid in local.failed,
+        timeout=T,
+        what="our read to fail after the kill",
+        pumps=[local.poll],
+    )
     assert not local.done
     assert local.t.remove_peer("child") == []
     assert local.t.close() == []
@@ -242,12 +271,17 @@ def test_remove_peer_bounds_a_silent_peer(spawn: Spawn, error_handling: bool) ->
 def test_a_dead_peer_without_error_handling_fails_at_the_deadline(spawn: Spawn) -> None:
     """Without endpoint error handling UCX never ends a transfer with a dead peer: the
     transfer deadline fails our read, and close reports the send it gave up on."""
-    local, remote = _serve_to_paused_child(spawn, endpoint_error_handling=False,
-                                           transfer_timeout=1.5)
+    local, remote = _serve_to_paused_child(
+        spawn, endpoint_error_handling=False, transfer_timeout=1.5
+    )
     tid = local.t.read_blocks("child", [40], [40])
     remote.child.kill()
-    wait_until(lambda: tid in local.failed, timeout=T, what="the deadline to fail our read",
-               pumps=[local.poll])
+    wait_until(
+        lambda: tid in local.failed,
+        timeout=T,
+        what="the deadline to fail our read",
+        pumps=[local.poll],
+    )
     kept = local.t.close()
     assert kept and tid not in kept, "the orphaned send must be reported by close"
 

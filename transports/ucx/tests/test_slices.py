@@ -25,16 +25,17 @@ THREE = 3 * BLOCK + 10  # rounds down to 3 blocks
 def test_reads_cross_slices_byte_exact_one_message_per_piece(
     nodes: Make, producer_blocks: int
 ) -> None:
-    producer = nodes(num_blocks=64, block_len=BLOCK, seed=1,
-                     slice_bytes=producer_blocks * BLOCK)
+    producer = nodes(num_blocks=64, block_len=BLOCK, seed=1, slice_bytes=producer_blocks * BLOCK)
     consumer = nodes(num_blocks=64, block_len=BLOCK, seed=2, slice_bytes=THREE)
     producer.link("c", consumer, back_as="p")
     scattered = np.random.default_rng(4).choice(64, size=40, replace=False).tolist()
     for dst, src, runs in [
-        (list(range(32)), list(range(32)),
-         1 + len(cuts(0, 32, 3) | cuts(0, 32, producer_blocks))),
-        (list(range(16, 48)), list(range(32, 64)),
-         1 + len(cuts(16, 32, 3) | cuts(32, 32, producer_blocks))),
+        (list(range(32)), list(range(32)), 1 + len(cuts(0, 32, 3) | cuts(0, 32, producer_blocks))),
+        (
+            list(range(16, 48)),
+            list(range(32, 64)),
+            1 + len(cuts(16, 32, 3) | cuts(32, 32, producer_blocks)),
+        ),
         (scattered, list(range(40)), None),
     ]:
         sent, received = producer.t.descriptors_posted, consumer.t.descriptors_posted
@@ -43,8 +44,10 @@ def test_reads_cross_slices_byte_exact_one_message_per_piece(
         assert tid in consumer.done
         assert (consumer.blocks[dst] == producer.blocks[src]).all()
         if runs is not None:
-            posted = (producer.t.descriptors_posted - sent,
-                      consumer.t.descriptors_posted - received)
+            posted = (
+                producer.t.descriptors_posted - sent,
+                consumer.t.descriptors_posted - received,
+            )
             assert posted == (runs, runs)
 
 

@@ -36,8 +36,14 @@ def test_tier_pair_over_zmq_and_ucx_moves_blocks_exactly(error_handling: bool) -
             results[r.job_id] = r
 
     rng = np.random.default_rng(3)
-    with Child(ucx_programs.producer_tier, NUM_BLOCKS, BLOCK_LEN, PRODUCER_SEED, options,
-               name="p2pkv-ucx-producer-tier") as producer:
+    with Child(
+        ucx_programs.producer_tier,
+        NUM_BLOCKS,
+        BLOCK_LEN,
+        PRODUCER_SEED,
+        options,
+        name="p2pkv-ucx-producer-tier",
+    ) as producer:
         host, port = parse_address(producer.recv(T, "the producer's address"))
         try:
             for round_ in range(3):  # several requests over one session, both orders
@@ -45,8 +51,16 @@ def test_tier_pair_over_zmq_and_ucx_moves_blocks_exactly(error_handling: bool) -
                 src = rng.permutation(NUM_BLOCKS)[:64].tolist()
                 dst = rng.permutation(NUM_BLOCKS)[:64].tolist()
                 keys = [f"{kv}/{i}".encode() for i in range(64)]
-                ctx = RequestContext(f"c-{kv}", {"remote_prefiller": {
-                    "kv_request_id": kv, "remote_host": host, "remote_port": port}})
+                ctx = RequestContext(
+                    f"c-{kv}",
+                    {
+                        "remote_prefiller": {
+                            "kv_request_id": kv,
+                            "remote_host": host,
+                            "remote_port": port,
+                        }
+                    },
+                )
                 tier.on_new_request(ctx)
                 store = ("store", 100 + round_, kv, keys, src)
                 if round_ % 2:
@@ -55,15 +69,20 @@ def test_tier_pair_over_zmq_and_ucx_moves_blocks_exactly(error_handling: bool) -
                 if not round_ % 2:
                     tick()
                     producer.request(store, T, "the store to be submitted")
-                wait_until(partial(operator.contains, results, 200 + round_), timeout=T,
-                           what=f"the load of {kv}", pumps=[tick])
+                wait_until(
+                    partial(operator.contains, results, 200 + round_),
+                    timeout=T,
+                    what=f"the load of {kv}",
+                    pumps=[tick],
+                )
                 assert results[200 + round_].outcome is Outcome.DONE, results[200 + round_]
                 assert (blocks[dst] == produced[src]).all(), f"{kv}: bytes differ"
                 tier.on_request_finished(ctx)
             stores = wait_until(
-                lambda: (r := producer.request(("results",), T, "results"))
-                and len(r) == 3 and r,
-                timeout=T, what="the producer's three store results", pumps=[tick],
+                lambda: (r := producer.request(("results",), T, "results")) and len(r) == 3 and r,
+                timeout=T,
+                what="the producer's three store results",
+                pumps=[tick],
             )
             assert stores
             assert set(stores.values()) == {Outcome.DONE.value}, stores

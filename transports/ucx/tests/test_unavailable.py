@@ -41,16 +41,21 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("blocked", ["ucxx", "ucxx._lib.libucxx"])
 def test_missing_or_broken_ucxx_is_explained_not_crashed(blocked: str) -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(blocked=blocked)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(blocked=blocked)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 
 
 def test_importing_the_plugin_does_not_import_ucxx() -> None:
-    code = ("import sys, p2pkv, p2pkv_ucx, p2pkv_ucx.plugin, p2pkv_ucx.transport; "
-            "print('ucxx' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys, p2pkv, p2pkv_ucx, p2pkv_ucx.plugin, p2pkv_ucx.transport; "
+        "print('ucxx' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

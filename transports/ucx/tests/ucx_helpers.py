@@ -19,10 +19,12 @@ T = 15.0
 class Node:
     """One in-process transport over its own region (``blocks``: a numpy row per block)."""
 
-    def __init__(self, num_blocks: int = 32, block_len: int = 1024, seed: int = 0,
-                 **options: Any) -> None:
-        self.array = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len,
-                                                          dtype=np.uint8)
+    def __init__(
+        self, num_blocks: int = 32, block_len: int = 1024, seed: int = 0, **options: Any
+    ) -> None:
+        self.array = np.random.default_rng(seed).integers(
+            0, 256, num_blocks * block_len, dtype=np.uint8
+        )
         self.blocks = self.array.reshape(num_blocks, block_len)
         self.t = UcxDataTransport.create(
             DataSettings(region=self.array.data, block_len=block_len, options={**FAST, **options})
@@ -47,7 +49,9 @@ def settle(nodes: list[Node], ids: dict[Node, set[int]], what: str) -> None:
     """Poll every node until each id of ``ids[node]`` is done or failed on that node."""
     wait_until(
         lambda: all(i <= (n.done | n.failed) for n, i in ids.items()),
-        timeout=T, what=what, pumps=[n.poll for n in nodes],
+        timeout=T,
+        what=what,
+        pumps=[n.poll for n in nodes],
     )
 
 
@@ -63,8 +67,11 @@ class RawProducer:
         api = self.lib.api
         self.worker = api.UCXWorker(api.UCXContext(feature_flags=(api.Feature.TAG,)))
         self.instance = 424242
-        self.descriptor = wire.encode_descriptor(wire.Descriptor(
-            self.worker.address.tobytes(), self.instance, num_blocks, block_len, 64, True))
+        self.descriptor = wire.encode_descriptor(
+            wire.Descriptor(
+                self.worker.address.tobytes(), self.instance, num_blocks, block_len, 64, True
+            )
+        )
         self.ep: Any = None
         self.keep: list[Any] = []
 
@@ -74,7 +81,8 @@ class RawProducer:
         api = self.lib.api
         address = wire.decode_descriptor(consumer_descriptor).address
         self.ep = api.UCXEndpoint.create_from_worker_address(
-            self.worker, api.UCXAddress.create_from_buffer(address), True)
+            self.worker, api.UCXAddress.create_from_buffer(address), True
+        )
 
     def notice(self, pump: Any) -> Any:
         """The next NOTICE from the consumer (decoded), pumping ``pump`` meanwhile."""
@@ -87,12 +95,20 @@ class RawProducer:
             self.worker.progress()
             return self.worker.tag_probe(tag, mask, remove=True)
 
-        found = wait_until(lambda: (p := probe()).matched and p, timeout=T,
-                           what="a NOTICE from the consumer", pumps=[pump])
+        found = wait_until(
+            lambda: (p := probe()).matched and p,
+            timeout=T,
+            what="a NOTICE from the consumer",
+            pumps=[pump],
+        )
         buf = np.empty(found.length, np.uint8)
         req = self.worker.tag_recv_with_handle(self.lib.array(buf), found)
-        wait_until(lambda: req.completed, timeout=T, what="the NOTICE payload",
-                   pumps=[self.worker.progress, pump])
+        wait_until(
+            lambda: req.completed,
+            timeout=T,
+            what="the NOTICE payload",
+            pumps=[self.worker.progress, pump],
+        )
         return wire.decode_notice(buf.tobytes())
 
     def send_run(self, link: int, rid: int, run: int, payload: np.ndarray) -> Any:
@@ -108,5 +124,6 @@ class RawProducer:
 
         data = np.frombuffer(payload, np.uint8)
         self.keep.append(data)
-        return self.ep.tag_send(self.lib.array(data),
-                                self.lib.api.UCXXTag(tags.kind_tag(tags.NOTICE)))
+        return self.ep.tag_send(
+            self.lib.array(data), self.lib.api.UCXXTag(tags.kind_tag(tags.NOTICE))
+        )

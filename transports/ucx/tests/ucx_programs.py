@@ -13,8 +13,9 @@ heartbeat timeout for a pause of its own and drops its sessions (a test ticking 
 cores has gaps over a second)."""
 
 
-def data_node(conn: Connection, num_blocks: int, block_len: int, seed: int,
-              options: dict[str, Any]) -> None:
+def data_node(
+    conn: Connection, num_blocks: int, block_len: int, seed: int, options: dict[str, Any]
+) -> None:
     """A child hosting one ``ucx`` transport over a region filled from ``seed``, like a
     serving process: it answers the parent's commands and calls ``progress()`` between them.
 
@@ -26,14 +27,17 @@ def data_node(conn: Connection, num_blocks: int, block_len: int, seed: int,
     from p2pkv.contracts import DataSettings
     from p2pkv_ucx import UcxDataTransport
 
-    region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len,
-                                                  dtype=np.uint8)
+    region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len, dtype=np.uint8)
     t = UcxDataTransport.create(DataSettings(region.data, block_len, options))
 
     ops: dict[str, Any] = {
-        "add_peer": t.add_peer, "remove_peer": t.remove_peer, "read": t.read_blocks,
-        "poll": lambda peer: [list(ids) for ids in t.poll(peer)], "cancel": t.cancel,
-        "region": region.tobytes, "close": t.close,
+        "add_peer": t.add_peer,
+        "remove_peer": t.remove_peer,
+        "read": t.read_blocks,
+        "poll": lambda peer: [list(ids) for ids in t.poll(peer)],
+        "cancel": t.cancel,
+        "region": region.tobytes,
+        "close": t.close,
     }
     conn.send(t.descriptor())
     try:
@@ -69,15 +73,22 @@ def make_tier(region: bytearray, block_len: int, data_options: dict[str, Any]) -
     from p2pkv.tier import P2PTier
 
     registry = Registry.from_plugins([("zmq", zmq_plugin), ("ucx", ucx_plugin)])
-    config = TierConfig.from_dict({
-        "control": "zmq", "data": "ucx", "host": "127.0.0.1", "port": 0,
-        "control_options": ZMQ_CONTROL, "data_options": data_options,
-    })
+    config = TierConfig.from_dict(
+        {
+            "control": "zmq",
+            "data": "ucx",
+            "host": "127.0.0.1",
+            "port": 0,
+            "control_options": ZMQ_CONTROL,
+            "data_options": data_options,
+        }
+    )
     return P2PTier(config, memoryview(region), block_len, registry=registry)
 
 
-def producer_tier(conn: Connection, num_blocks: int, block_len: int, seed: int,
-                  data_options: dict[str, Any]) -> None:
+def producer_tier(
+    conn: Connection, num_blocks: int, block_len: int, seed: int, data_options: dict[str, Any]
+) -> None:
     """A producer tier: stores blocks for the requests the parent names, reports results.
 
     Commands: ``("store", job_id, kv, keys, slots)``, ``("results",)`` -> {job_id: outcome},

@@ -23,13 +23,19 @@ def make_transport() -> Iterator[MakeTransport]:
     transport's default options unless given (``options=zmq_peers.FAST`` for quick liveness)."""
     made: list[ZmqControlTransport] = []
 
-    def make(host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = 1 << 20,
-             dp_rank: int = 0, options: Mapping[str, Any] | None = None,
-             **kw: Any) -> ZmqControlTransport:
+    def make(
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame_bytes: int = 1 << 20,
+        dp_rank: int = 0,
+        options: Mapping[str, Any] | None = None,
+        **kw: Any,
+    ) -> ZmqControlTransport:
         opts = {**(options or {}), **kw}
         t = ZmqControlTransport.create(
-            ControlSettings(host, port, max_frame_bytes=max_frame_bytes, options=opts,
-                            dp_rank=dp_rank)
+            ControlSettings(
+                host, port, max_frame_bytes=max_frame_bytes, options=opts, dp_rank=dp_rank
+            )
         )
         made.append(t)
         return t

@@ -49,8 +49,9 @@ def tier(pipe: Connection, environ: Mapping[str, str], keys: Mapping[str, Any]) 
     lines = _Lines()
     logging.getLogger().addHandler(lines)
     logging.getLogger().setLevel(logging.DEBUG)
-    config = TierConfig.from_dict({"control": "zmq", "data": "memory", "host": "127.0.0.1",
-                                   "port": 0, **keys})
+    config = TierConfig.from_dict(
+        {"control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0, **keys}
+    )
     tier = P2PTier(config, memoryview(bytearray(4096 * 4)), 4096)
     pipe.send(("address", tier.local_address))
     deadline = time.monotonic() + _LIFETIME

@@ -46,12 +46,16 @@ def curve(keydir: Path, client: str) -> dict[str, Any]:
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("p2pkv.zmq") and "refused" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("p2pkv.zmq") and "refused" in r.getMessage()
+    ]
 
 
 def test_keys_command_writes_a_usable_pair(
-    keydir: Path, capsys: pytest.CaptureFixture[str],
+    keydir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     public, secret = zmq.auth.load_certificate(str(keydir / "alice.key_secret"))
     assert secret is not None and zmq.curve_public(secret) == public
@@ -69,8 +73,9 @@ def test_right_keys_connect_both_ways(make_transport: MakeTransport, keydir: Pat
     public, secret = zmq.auth.load_certificate(str(keydir / "alice.key_secret"))
     assert secret is not None
     as_text = {  # the same keys given as Z85 strings instead of files
-        "server_secret_key": zmq.auth.load_certificate(
-            str(keydir / "server.key_secret"))[1].decode(),  # type: ignore[union-attr]
+        "server_secret_key": zmq.auth.load_certificate(str(keydir / "server.key_secret"))[
+            1
+        ].decode(),  # type: ignore[union-attr]
         "server_public_key": zmq.auth.load_certificate(str(keydir / "server.key"))[0].decode(),
         "client_secret_key": secret.decode(),
         "allowed_client_keys": [public.decode()],
@@ -79,18 +84,29 @@ def test_right_keys_connect_both_ways(make_transport: MakeTransport, keydir: Pat
     out = client.connect(server.local_address)
     out.send(b"secret hello")
     got: list[Any] = []
-    wait_until(lambda: got.extend(server.poll(0.001)) or got, timeout=T,
-               what="the authenticated peer", pumps=[pump(client)])
+    wait_until(
+        lambda: got.extend(server.poll(0.001)) or got,
+        timeout=T,
+        what="the authenticated peer",
+        pumps=[pump(client)],
+    )
     assert list(got[0].recv()) == [b"secret hello"]
     got[0].send(b"secret reply")
-    wait_until(lambda: b"secret reply" in out.recv(), timeout=T, what="the reply",
-               pumps=[pump(client, server)])
+    wait_until(
+        lambda: b"secret reply" in out.recv(),
+        timeout=T,
+        what="the reply",
+        pumps=[pump(client, server)],
+    )
     assert server.stats()["refused_handshakes"] == 0
 
 
 @pytest.mark.parametrize("who", ["wrong client key", "no keys", "wrong server key"])
 def test_unauthenticated_peer_delivers_nothing(
-    make_transport: MakeTransport, keydir: Path, caplog: pytest.LogCaptureFixture, who: str,
+    make_transport: MakeTransport,
+    keydir: Path,
+    caplog: pytest.LogCaptureFixture,
+    who: str,
 ) -> None:
     server = make_transport(options=curve(keydir, "alice"))
     if who == "wrong client key":
@@ -98,26 +114,38 @@ def test_unauthenticated_peer_delivers_nothing(
     elif who == "no keys":
         options = {}
     else:
-        options = {**curve(keydir, "alice"),
-                   "server_public_key": str(keydir / "mallory.key")}
+        options = {**curve(keydir, "alice"), "server_public_key": str(keydir / "mallory.key")}
     intruder = make_transport(options=options)
     conn = intruder.connect(server.local_address)
     for i in range(20):
         conn.send(b"let me in %d" % i)
     accepted: list[Any] = []
-    wait_until(lambda: accepted.extend(server.poll(0.001)) or not conn.alive, timeout=T,
-               what="the intruder's connection to be refused", pumps=[pump(intruder)])
+    wait_until(
+        lambda: accepted.extend(server.poll(0.001)) or not conn.alive,
+        timeout=T,
+        what="the intruder's connection to be refused",
+        pumps=[pump(intruder)],
+    )
     for _ in range(20):
         accepted.extend(server.poll(0.005))
     assert accepted == [], "an unauthenticated peer delivered a frame"
     assert not conn.alive
     reason = conn.close_reason or ""
-    assert any(why in reason for why in ("handshake failed", "hung up in the zmq handshake",
-                                        "disconnected", "could not open the link")), reason
+    assert any(
+        why in reason
+        for why in (
+            "handshake failed",
+            "hung up in the zmq handshake",
+            "disconnected",
+            "could not open the link",
+        )
+    ), reason
 
 
 def test_refusal_is_logged_once_per_peer_not_per_attempt(
-    make_transport: MakeTransport, keydir: Path, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport,
+    keydir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     server = make_transport(options=curve(keydir, "alice"))
@@ -133,8 +161,12 @@ def test_refusal_is_logged_once_per_peer_not_per_attempt(
         raw.send(b"knock", zmq.NOBLOCK)
         attempts.append(raw)
     try:
-        wait_until(lambda: server.stats()["refused_handshakes"] >= 5, timeout=T,
-                   what="five refused attempts", pumps=[pump(server)])
+        wait_until(
+            lambda: server.stats()["refused_handshakes"] >= 5,
+            timeout=T,
+            what="five refused attempts",
+            pumps=[pump(server)],
+        )
         assert server.poll(0.01) == ()
     finally:
         for raw in attempts:
@@ -144,7 +176,7 @@ def test_refusal_is_logged_once_per_peer_not_per_attempt(
 
 
 def test_non_loopback_bind_without_keys_is_refused_before_binding(
-    make_transport: MakeTransport
+    make_transport: MakeTransport,
 ) -> None:
     fds = len(os.listdir("/proc/self/fd"))
     for host in ("0.0.0.0", "::", socket.gethostname(), "192.0.2.2"):
@@ -155,7 +187,8 @@ def test_non_loopback_bind_without_keys_is_refused_before_binding(
 
 
 def test_insecure_is_allowed_and_warned_at_every_start(
-    make_transport: MakeTransport, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv.zmq")
     for _ in range(2):
@@ -169,13 +202,18 @@ def test_keys_allow_a_non_loopback_bind(make_transport: MakeTransport, keydir: P
     client = make_transport(options=curve(keydir, "alice"))
     client.connect(server.local_address).send(b"over CURVE")
     got: list[Any] = []
-    wait_until(lambda: got.extend(server.poll(0.001)) or got, timeout=T,
-               what="the peer", pumps=[pump(client)])
+    wait_until(
+        lambda: got.extend(server.poll(0.001)) or got,
+        timeout=T,
+        what="the peer",
+        pumps=[pump(client)],
+    )
     assert list(got[0].recv()) == [b"over CURVE"]
 
 
 def test_curve_option_errors_are_clear_and_never_echo_keys(
-    make_transport: MakeTransport, keydir: Path,
+    make_transport: MakeTransport,
+    keydir: Path,
 ) -> None:
     full = curve(keydir, "alice")
     with pytest.raises(ConfigError, match="allowed_client_keys"):
@@ -198,10 +236,19 @@ def test_curve_option_errors_are_clear_and_never_echo_keys(
         make_transport(options={**full, "allowed_client_keys": [str(empty)]})
 
 
-@pytest.mark.parametrize("mismatch", ["different server key pair", "keys on the listener only",
-                                      "keys on the dialer only", "client key not allowed"])
+@pytest.mark.parametrize(
+    "mismatch",
+    [
+        "different server key pair",
+        "keys on the listener only",
+        "keys on the dialer only",
+        "client key not allowed",
+    ],
+)
 def test_a_curve_mismatch_is_named_on_the_dialing_side(
-    make_transport: MakeTransport, keydir: Path, mismatch: str,
+    make_transport: MakeTransport,
+    keydir: Path,
+    mismatch: str,
 ) -> None:
     """The dialer's connection dies fast with a reason naming the security mismatch, not a
     bare disconnect (the listener alone used to say why)."""
@@ -217,8 +264,12 @@ def test_a_curve_mismatch_is_named_on_the_dialing_side(
     listener = make_transport(options=listener_options)
     dialer = make_transport(options=dialer_options)
     conn = dialer.connect(listener.local_address)
-    wait_until(lambda: not conn.alive, timeout=T, what="the mismatched dial to die",
-               pumps=[pump(dialer, listener)])
+    wait_until(
+        lambda: not conn.alive,
+        timeout=T,
+        what="the mismatched dial to die",
+        pumps=[pump(dialer, listener)],
+    )
     died = time.monotonic()
     reason = conn.close_reason or ""
     assert "security" in reason and listener.local_address in reason, reason

@@ -26,15 +26,20 @@ WAIT = 60.0
 def _dead(t: Any, address: str, within: float = WAIT) -> str:
     """Dial ``address``; the connection's close reason once it is dead (within ``within``)."""
     conn = t.connect(address)
-    wait_until(lambda: not conn.alive, timeout=within, what=f"the dial to {address} to die",
-               pumps=[lambda: t.poll(0.001)])
+    wait_until(
+        lambda: not conn.alive,
+        timeout=within,
+        what=f"the dial to {address} to die",
+        pumps=[lambda: t.poll(0.001)],
+    )
     with pytest.raises(ConnectionClosed, match="gone"):
         conn.send(b"to nobody")
     return str(conn.close_reason)
 
 
 def test_a_refused_dial_is_dead_at_once_and_says_refused(
-    make_transport: MakeTransport, refused_address: str,
+    make_transport: MakeTransport,
+    refused_address: str,
 ) -> None:
     t = make_transport(connect_timeout=FAR, handshake_timeout=FAR)
     reason = _dead(t, refused_address)
@@ -42,7 +47,8 @@ def test_a_refused_dial_is_dead_at_once_and_says_refused(
 
 
 def test_repeated_dials_to_a_refused_port_back_off_through_the_negative_cache(
-    make_transport: MakeTransport, refused_address: str,
+    make_transport: MakeTransport,
+    refused_address: str,
 ) -> None:
     t = make_transport(connect_timeout=FAR, handshake_timeout=FAR)
     reasons = [_dead(t, refused_address) for _ in range(20)]
@@ -50,8 +56,12 @@ def test_repeated_dials_to_a_refused_port_back_off_through_the_negative_cache(
     cached = [r for r in reasons if "remembered from the dial" in r]
     assert cached, f"no dial was answered from the negative cache: {reasons}"
     # Once the backoff has passed, the address is dialed again for real (a live dial first).
-    wait_until(lambda: t.connect(refused_address).alive, timeout=DIAL_BACKOFF + T,
-               what="a real dial once the backoff passed", pumps=[lambda: t.poll(0.001)])
+    wait_until(
+        lambda: t.connect(refused_address).alive,
+        timeout=DIAL_BACKOFF + T,
+        what="a real dial once the backoff passed",
+        pumps=[lambda: t.poll(0.001)],
+    )
     assert "remembered" not in _dead(t, refused_address)
 
 

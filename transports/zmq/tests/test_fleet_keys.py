@@ -31,14 +31,18 @@ def mounted_secret(name: str, into: Path, capsys: pytest.CaptureFixture[str]) ->
     manifest = capsys.readouterr().out.splitlines()
     assert manifest[:2] == ["apiVersion: v1", "kind: Secret"]
     assert f"  name: {name}" in manifest and "  namespace: llm-d" in manifest
-    data = manifest[manifest.index("data:") + 1:]
+    data = manifest[manifest.index("data:") + 1 :]
     into.mkdir()
     for line in data:
         file, _, encoded = line.strip().partition(": ")
         (into / file).write_bytes(base64.b64decode(encoded))
         (into / file).chmod(0o400)
     assert sorted(p.name for p in into.iterdir()) == [
-        "client.key", "client.key_secret", "server.key", "server.key_secret"]
+        "client.key",
+        "client.key_secret",
+        "server.key",
+        "server.key_secret",
+    ]
     return into
 
 
@@ -53,13 +57,19 @@ def dial(sender: Any, receiver: Any, frame: bytes) -> tuple[Any, list[Any]]:
     conn = sender.connect(receiver.local_address)
     conn.send(frame)
     accepted: list[Any] = []
-    wait_until(lambda: accepted.extend(receiver.poll(0.001)) or accepted or not conn.alive,
-               timeout=T, what="the dial's outcome", pumps=[pump(sender)])
+    wait_until(
+        lambda: accepted.extend(receiver.poll(0.001)) or accepted or not conn.alive,
+        timeout=T,
+        what="the dial's outcome",
+        pumps=[pump(sender)],
+    )
     return conn, accepted
 
 
 def test_replicas_sharing_the_secret_connect_with_curve(
-    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CURVE_DIR_ENV, str(mounted_secret("p2pkv-curve", tmp_path / "s", capsys)))
@@ -72,7 +82,9 @@ def test_replicas_sharing_the_secret_connect_with_curve(
 
 
 def test_another_fleets_keys_are_refused(
-    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CURVE_DIR_ENV, str(mounted_secret("ours", tmp_path / "ours", capsys)))
@@ -83,7 +95,9 @@ def test_another_fleets_keys_are_refused(
 
 
 def test_per_instance_client_keys_sit_beside_the_fleet_pairs(
-    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fleet = mounted_secret("fleet", tmp_path / "fleet", capsys)
@@ -102,19 +116,26 @@ def test_per_instance_client_keys_sit_beside_the_fleet_pairs(
     assert len(accepted) == 1 and list(accepted[0].recv()) == [b"from alice"]
 
 
-@pytest.mark.parametrize(("setup", "message"), [
-    ("missing", "is not a directory"),
-    ("no client pair", "no client.key_secret"),
-    ("no client key", "no client public key"),
-])
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "is not a directory"),
+        ("no client pair", "no client.key_secret"),
+        ("no client key", "no client public key"),
+    ],
+)
 def test_a_broken_key_directory_names_what_is_missing(
-    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch, setup: str, message: str,
+    make_transport: MakeTransport,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    setup: str,
+    message: str,
 ) -> None:
     directory = tmp_path / "missing"
     if setup != "missing":
         directory = mounted_secret("s", tmp_path / "s", capsys)
-        for file in (["client.key_secret"] if setup == "no client pair" else ["client.key"]):
+        for file in ["client.key_secret"] if setup == "no client pair" else ["client.key"]:
             (directory / file).unlink()
     monkeypatch.setenv(CURVE_DIR_ENV, str(directory))
     with pytest.raises(ConfigError, match=message) as raised:
@@ -123,7 +144,9 @@ def test_a_broken_key_directory_names_what_is_missing(
 
 
 def test_insecure_and_a_key_directory_contradict(
-    make_transport: MakeTransport, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CURVE_DIR_ENV, str(mounted_secret("s", tmp_path / "s", capsys)))
@@ -132,20 +155,26 @@ def test_insecure_and_a_key_directory_contradict(
 
 
 def test_no_keys_on_a_routable_host_names_the_variable(
-    make_transport: MakeTransport, monkeypatch: pytest.MonkeyPatch,
+    make_transport: MakeTransport,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(CURVE_DIR_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"set {CURVE_DIR_ENV} to a directory"):
         make_transport(host="0.0.0.0", advertise="10.0.0.1")
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--secret", "Not_A_Name"], "not a valid Kubernetes name"),
-    (["--fleet", "--name", "x"], "drop --name"),
-    (["--namespace", "ns"], "--namespace goes with --secret"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--secret", "Not_A_Name"], "not a valid Kubernetes name"),
+        (["--fleet", "--name", "x"], "drop --name"),
+        (["--namespace", "ns"], "--namespace goes with --secret"),
+    ],
+)
 def test_keys_misuse_is_one_line_naming_the_fix(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
 ) -> None:
     assert p2pkv_main(["keys", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -153,7 +182,9 @@ def test_keys_misuse_is_one_line_naming_the_fix(
 
 
 def test_keys_fleet_writes_the_directory_and_refuses_to_overwrite(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], make_transport: MakeTransport,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make_transport: MakeTransport,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert p2pkv_main(["keys", "--fleet", "--dir", str(tmp_path / "k")]) == 0

@@ -64,8 +64,12 @@ def _quiet(make_transport: Any, bind: Callable[[], str], count: int) -> Any:
     """A transport with ``count`` dials that completed their handshake and stay quiet."""
     t = make_transport(max_sockets=8 * count + 64)
     conns = [t.connect(bind()) for _ in range(count)]
-    wait_until(lambda: all(c.progress == "ready" for c in conns), timeout=T,
-               what=f"{count} handshakes", pumps=[lambda: t.poll(0.01)])
+    wait_until(
+        lambda: all(c.progress == "ready" for c in conns),
+        timeout=T,
+        what=f"{count} handshakes",
+        pumps=[lambda: t.poll(0.01)],
+    )
     assert all(c.alive for c in conns)
     return t
 
@@ -80,8 +84,9 @@ def _work_per_sweep(t: Any) -> tuple[float, float]:
         if event in ("call", "c_call"):
             calls += 1
 
-    wait_until(lambda: poller.sweeps, timeout=T, what="a first sweep",
-               pumps=[lambda: t.poll(0.02)])  # the dials' fresh monitors visited
+    wait_until(
+        lambda: poller.sweeps, timeout=T, what="a first sweep", pumps=[lambda: t.poll(0.02)]
+    )  # the dials' fresh monitors visited
     sweeps, work = poller.sweeps, poller.readiness.work
     sys.setprofile(count)
     try:
@@ -111,19 +116,29 @@ def test_progress_tells_a_listener_from_a_black_hole_and_a_refusal(
     with socket.socket() as mute:  # accepts TCP, never speaks ZMTP
         mute.bind(("127.0.0.1", 0))
         mute.listen(8)
-        ready, hole, silent = (t.connect(bind()), t.connect(black_hole),
-                               t.connect(f"127.0.0.1:{mute.getsockname()[1]}"))
+        ready, hole, silent = (
+            t.connect(bind()),
+            t.connect(black_hole),
+            t.connect(f"127.0.0.1:{mute.getsockname()[1]}"),
+        )
         refused = t.connect(refused_address)
-        wait_until(lambda: ready.progress == "ready" and silent.progress == "connected"
-                   and not refused.alive, timeout=T, what="the dials' outcomes",
-                   pumps=[lambda: t.poll(0.01)])
+        wait_until(
+            lambda: (
+                ready.progress == "ready" and silent.progress == "connected" and not refused.alive
+            ),
+            timeout=T,
+            what="the dials' outcomes",
+            pumps=[lambda: t.poll(0.01)],
+        )
         assert hole.progress == "dialing" and hole.alive
         assert refused.progress == "dialing" and "refused" in (refused.close_reason or "")
         assert silent.alive
 
 
 def test_requests_to_a_pending_or_failed_dial_open_no_socket(
-    make_transport: Any, black_hole: str, refused_address: str,
+    make_transport: Any,
+    black_hole: str,
+    refused_address: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """However often a caller asks for a black-holed or refusing address, the hub holds one
@@ -132,11 +147,11 @@ def test_requests_to_a_pending_or_failed_dial_open_no_socket(
     t = make_transport(connect_timeout=600.0)
     hole = t.connect(black_hole)
     refused = t.connect(refused_address)
-    wait_until(lambda: not refused.alive, timeout=T, what="the refusal",
-               pumps=[lambda: t.poll(0.01)])
+    wait_until(
+        lambda: not refused.alive, timeout=T, what="the refusal", pumps=[lambda: t.poll(0.01)]
+    )
     live, fds = t.stats()["connections"], _descriptors()
-    again = [t.connect(address) for _ in range(200)
-             for address in (black_hole, refused_address)]
+    again = [t.connect(address) for _ in range(200) for address in (black_hole, refused_address)]
     assert all(c is hole for c in again[::2])
     assert not any(c.alive for c in again[1::2])
     assert t.stats()["connections"] == live == 1
@@ -149,8 +164,12 @@ def test_take_active_names_the_connections_with_news_once(make_transport: Any) -
     out = a.connect(b.local_address)
     out.send(b"first")
     inbound: list[Any] = []
-    wait_until(lambda: inbound.extend(b.poll(0.01)) or inbound, timeout=T,
-               what="b to accept a's dial", pumps=[lambda: a.poll(0.0)])
+    wait_until(
+        lambda: inbound.extend(b.poll(0.01)) or inbound,
+        timeout=T,
+        what="b to accept a's dial",
+        pumps=[lambda: a.poll(0.0)],
+    )
     conn = inbound[0]
     assert b.take_active() == [conn]  # its first frame is news
     assert b.take_active() == []
@@ -166,14 +185,20 @@ def test_take_active_names_the_connections_with_news_once(make_transport: Any) -
             calls.append(news)
             frames.extend(conn.recv())
             return until()
+
         return step
 
-    wait_until(listed(lambda: len(frames) == 4), timeout=T, what="the frames",
-               pumps=[lambda: a.poll(0.0)])
+    wait_until(
+        listed(lambda: len(frames) == 4), timeout=T, what="the frames", pumps=[lambda: a.poll(0.0)]
+    )
     assert frames == [b"first", b"0", b"1", b"2"]
     out.close()
-    wait_until(listed(lambda: not conn.alive and conn in calls[-1]), timeout=T,
-               what="news of the peer's close", pumps=[lambda: a.poll(0.0)])
+    wait_until(
+        listed(lambda: not conn.alive and conn in calls[-1]),
+        timeout=T,
+        what="news of the peer's close",
+        pumps=[lambda: a.poll(0.0)],
+    )
     assert all(news in ([], [conn]) for news in calls), calls
     assert sum(1 for news in calls if news) >= 2  # the frames, then the death
     assert b.take_active() == []
@@ -205,7 +230,6 @@ def _descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-
 class _ClosedWith:
     """Stands in for a connection's PUSH and records the linger its ``close`` got."""
 
@@ -222,7 +246,9 @@ class _ClosedWith:
 
 
 def test_a_dial_that_never_connected_closes_without_lingering(
-    make_transport: Any, raw_pull: Any, black_hole: str,
+    make_transport: Any,
+    raw_pull: Any,
+    black_hole: str,
 ) -> None:
     """A dial closed before it connected tells its peer nothing (the peer never saw it) and
     closes at once: a flood of such dials, each closed for the next, must not keep its
@@ -231,8 +257,12 @@ def test_a_dial_that_never_connected_closes_without_lingering(
     _, bind = raw_pull
     t = make_transport(connect_timeout=600.0)
     hole, ready = t.connect(black_hole), t.connect(bind())
-    wait_until(lambda: ready.progress == "ready", timeout=T, what="the handshake",
-               pumps=[lambda: t.poll(0.01)])
+    wait_until(
+        lambda: ready.progress == "ready",
+        timeout=T,
+        what="the handshake",
+        pumps=[lambda: t.poll(0.01)],
+    )
     assert hole.progress == "dialing"
     spies = [_ClosedWith(conn.out) for conn in (hole, ready)]
     hole.out, ready.out = spies

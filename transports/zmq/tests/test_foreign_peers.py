@@ -23,8 +23,11 @@ from zmq_fixtures import MakeTransport
 T = 30.0
 """Bound of every wait. It is longer than the transport's 10 s handshake timeout, so the
 tests tell a named refusal from a timed-out handshake by the reason, never by the time."""
-UPSTREAM_HEARTBEAT_MS = {zmq.HEARTBEAT_IVL: 2000, zmq.HEARTBEAT_TIMEOUT: 10000,
-                         zmq.HEARTBEAT_TTL: 10000}
+UPSTREAM_HEARTBEAT_MS = {
+    zmq.HEARTBEAT_IVL: 2000,
+    zmq.HEARTBEAT_TIMEOUT: 10000,
+    zmq.HEARTBEAT_TTL: 10000,
+}
 """The heartbeat options vLLM's P2P ``ZmqTransport`` puts on its sockets."""
 CONNECT_MSG = b"\x81\xa4type\xa7connect"
 """A msgpack map ``{"type": "connect"}``: the shape of the built-in tier's first message."""
@@ -51,15 +54,19 @@ def _exchange_works(make_transport: MakeTransport, listener: Any) -> None:
     peer = make_transport()
     peer.connect(listener.local_address).send(b"still serving")
     got: list[Any] = []
-    wait_until(lambda: got.extend(listener.poll(0.001)) or got, timeout=T,
-               what="a p2pkv peer's connection after the foreign one",
-               pumps=[lambda: peer.poll(0.001)])
+    wait_until(
+        lambda: got.extend(listener.poll(0.001)) or got,
+        timeout=T,
+        what="a p2pkv peer's connection after the foreign one",
+        pumps=[lambda: peer.poll(0.001)],
+    )
     assert got[0].recv() == [b"still serving"]
 
 
 def test_a_dealer_dialing_the_listener_is_named_and_the_listener_serves_on(
-    make_transport: MakeTransport, ctx: zmq.Context[zmq.Socket[bytes]], caplog:
-    pytest.LogCaptureFixture
+    make_transport: MakeTransport,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Each dial is named: certainly, at WARNING, when libzmq ended it with no handshake
     outcome; else (the DEALER found the mismatch first) in the listener's one INFO line about
@@ -73,14 +80,22 @@ def test_a_dealer_dialing_the_listener_is_named_and_the_listener_serves_on(
         dealer.reconnect_ivl = -1  # one attempt per dial, as the built-in tier's sessions do
         dealer.connect(f"tcp://{t.local_address}")
         dealer.send(CONNECT_MSG, zmq.NOBLOCK)  # queued: libzmq never pairs the two
-        wait_until(lambda: FOREIGN in caplog.text, timeout=T, what="a line naming it",
-                   pumps=[lambda: t.poll(0.001)])
+        wait_until(
+            lambda: FOREIGN in caplog.text,
+            timeout=T,
+            what="a line naming it",
+            pumps=[lambda: t.poll(0.001)],
+        )
 
     dial()
     named = [r for r in caplog.records if FOREIGN in r.getMessage()]
     assert named and named[0].levelno >= logging.INFO, named
-    wait_until(lambda: "not a p2pkv zmq peer" in caplog.text, timeout=T,
-               what="a dial named certainly", pumps=[dial])
+    wait_until(
+        lambda: "not a p2pkv zmq peer" in caplog.text,
+        timeout=T,
+        what="a dial named certainly",
+        pumps=[dial],
+    )
     certain = [r for r in caplog.records if "not a p2pkv zmq peer" in r.getMessage()]
     assert all(r.levelno == logging.WARNING for r in certain), certain  # once per host
     assert t.stats()["refused_handshakes"] >= 1
@@ -89,7 +104,8 @@ def test_a_dealer_dialing_the_listener_is_named_and_the_listener_serves_on(
 
 
 def test_a_dial_to_a_router_dies_naming_the_foreign_listener(
-    make_transport: MakeTransport, ctx: zmq.Context[zmq.Socket[bytes]],
+    make_transport: MakeTransport,
+    ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """The dial dies in its handshake, and the reason names the built-in tier either way
     (no outcome: the ROUTER refused our PUSH; a failure: our side refused first)."""
@@ -98,8 +114,12 @@ def test_a_dial_to_a_router_dies_naming_the_foreign_listener(
     t = make_transport()
     conn = t.connect(f"127.0.0.1:{port}")
     conn.send(b"hello")
-    wait_until(lambda: not conn.alive, timeout=T, what="the dial to the ROUTER to die",
-               pumps=[lambda: t.poll(0.001)])
+    wait_until(
+        lambda: not conn.alive,
+        timeout=T,
+        what="the dial to the ROUTER to die",
+        pumps=[lambda: t.poll(0.001)],
+    )
     reason = str(conn.close_reason)  # the same words whichever side found the mismatch
     assert "hung up in the zmq handshake" in reason, reason
     assert FOREIGN in reason, reason
@@ -108,7 +128,8 @@ def test_a_dial_to_a_router_dies_naming_the_foreign_listener(
 
 
 def test_a_raw_tcp_probe_is_not_named_foreign(
-    make_transport: MakeTransport, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A connect-and-close (a kubelet TCP probe, a port scan) fails its handshake as a
     client that left: never named a foreign zmq peer, no warning (one INFO line)."""
@@ -117,8 +138,12 @@ def test_a_raw_tcp_probe_is_not_named_foreign(
     host, port = t.local_address.rsplit(":", 1)
     for _ in range(3):
         socket.create_connection((host, int(port))).close()
-    wait_until(lambda: "ended in its zmq handshake" in caplog.text, timeout=T,
-               what="the probes' ends", pumps=[lambda: t.poll(0.001)])
+    wait_until(
+        lambda: "ended in its zmq handshake" in caplog.text,
+        timeout=T,
+        what="the probes' ends",
+        pumps=[lambda: t.poll(0.001)],
+    )
     _exchange_works(make_transport, t)
     assert "not a p2pkv zmq peer" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -40,8 +40,11 @@ class Harness:
         self.good.send_multipart([self.link, b"", b"open", b""])
         self.good.send_multipart([self.link, b"start"])
         accepted: list[Any] = []
-        wait_until(lambda: accepted.extend(self.t.poll(0.001)) or accepted, timeout=T,
-                   what="the raw peer to be accepted")
+        wait_until(
+            lambda: accepted.extend(self.t.poll(0.001)) or accepted,
+            timeout=T,
+            what="the raw peer to be accepted",
+        )
         self.conn: ZmqConnection = accepted[0]
         assert list(self.conn.recv()) == [b"start"]
         self.others: list[ZmqConnection] = []
@@ -86,9 +89,12 @@ def harness(make_transport: MakeTransport) -> Iterator[Harness]:
 
 rids = st.one_of(
     st.binary(min_size=1, max_size=80),
-    st.builds(lambda host, port, inc: f"{host}:{port}#{inc}".encode(),
-              st.sampled_from(["127.0.0.1", "[::1]", "LOCALHOST", "x"]),
-              st.integers(0, 70000), st.text("0123456789abcdefXYZ#", min_size=0, max_size=18)),
+    st.builds(
+        lambda host, port, inc: f"{host}:{port}#{inc}".encode(),
+        st.sampled_from(["127.0.0.1", "[::1]", "LOCALHOST", "x"]),
+        st.integers(0, 70000),
+        st.text("0123456789abcdefXYZ#", min_size=0, max_size=18),
+    ),
 )
 parts = st.binary(max_size=200)
 # One harness serves every example on purpose: a long-lived transport must survive them all.
@@ -101,8 +107,11 @@ link_messages = st.one_of(
     st.lists(parts, min_size=1, max_size=6),
     st.builds(lambda ref: [b"", b"open", ref], st.binary(max_size=20)),
     st.builds(lambda extra: [b"", b"open", b"", *extra], st.lists(parts, max_size=2)),
-    st.builds(lambda verb, inc: [b"", verb, inc], st.sampled_from([b"gone", b"paired"]),
-              st.binary(min_size=1, max_size=20)),
+    st.builds(
+        lambda verb, inc: [b"", verb, inc],
+        st.sampled_from([b"gone", b"paired"]),
+        st.binary(min_size=1, max_size=20),
+    ),
     st.just([b"", b"gone"]),
 ).filter(lambda m: m != _OWN_CLOSE)
 
@@ -110,7 +119,8 @@ link_messages = st.one_of(
 @shared_harness
 @given(messages=st.lists(link_messages, min_size=1, max_size=5))
 def test_garbage_on_a_connected_peer_never_reaches_the_connection(
-    harness: Harness, messages: list[list[bytes]],
+    harness: Harness,
+    messages: list[list[bytes]],
 ) -> None:
     for message in messages:
         harness.good.send_multipart([harness.link, *message])
@@ -124,7 +134,9 @@ def test_garbage_on_a_connected_peer_never_reaches_the_connection(
 @shared_harness
 @given(rid=rids, messages=st.lists(link_messages, min_size=1, max_size=5))
 def test_strangers_sending_anything_never_crash_the_transport(
-    harness: Harness, rid: bytes, messages: list[list[bytes]],
+    harness: Harness,
+    rid: bytes,
+    messages: list[list[bytes]],
 ) -> None:
     stranger = harness._push()
     try:

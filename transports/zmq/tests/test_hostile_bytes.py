@@ -43,8 +43,9 @@ def _hostile_payloads(rng: random.Random) -> list[tuple[str, bytes]]:
     one_byte = [("one byte", bytes([b])) for b in [0xFF, 0x00, *rng.choices(range(256), k=18)]]
     cut_in_handshake = [("frame cut in the handshake", _greeting() + _ready()[:9])] * 5
     # The handshake completes, then a message frame announces 100 bytes and sends 10.
-    cut_after = [("frame cut after the handshake", _greeting() + _ready() + b"\x00\x64"
-                  + b"x" * 10)] * 5
+    cut_after = [
+        ("frame cut after the handshake", _greeting() + _ready() + b"\x00\x64" + b"x" * 10)
+    ] * 5
     return random_bytes + one_byte + cut_in_handshake + cut_after
 
 
@@ -89,8 +90,12 @@ def _resources(child: Child) -> tuple[int, int, dict[str, int]]:
 def _echo(t: Any, conn: Any, word: bytes) -> None:
     conn.send(word)
     got: list[bytes] = []
-    wait_until(lambda: got.extend(conn.recv()) or b"echo:" + word in got, timeout=T,
-               what=f"the echo of {word!r}", pumps=[lambda: t.poll(0.01)])
+    wait_until(
+        lambda: got.extend(conn.recv()) or b"echo:" + word in got,
+        timeout=T,
+        what=f"the echo of {word!r}",
+        pumps=[lambda: t.poll(0.01)],
+    )
 
 
 def test_hostile_connections_are_closed_within_the_handshake_timeout(
@@ -109,9 +114,11 @@ def test_hostile_connections_are_closed_within_the_handshake_timeout(
             conn = during.connect(address)
             _echo(during, conn, b"during the attack")
             still_open = _wait_closed_by_peer(hostile, started + HANDSHAKE + MARGIN)
-            assert still_open == [], f"still open {MARGIN} s past the handshake timeout: " \
-                                     f"{sorted(set(still_open))} ({len(still_open)} of " \
-                                     f"{len(hostile)})"
+            assert still_open == [], (
+                f"still open {MARGIN} s past the handshake timeout: "
+                f"{sorted(set(still_open))} ({len(still_open)} of "
+                f"{len(hostile)})"
+            )
         finally:
             for _, sock in hostile:
                 sock.close()
@@ -122,15 +129,19 @@ def test_hostile_connections_are_closed_within_the_handshake_timeout(
         assert stats["inbound_timeouts"] >= 5, stats  # the frames cut after the handshake
         for t in (during, after):
             t.close()
-        wait_until(lambda: _resources(child)[0] == fds_before, timeout=T,
-                   what=f"the listener's open descriptors back at {fds_before}")
+        wait_until(
+            lambda: _resources(child)[0] == fds_before,
+            timeout=T,
+            what=f"the listener's open descriptors back at {fds_before}",
+        )
         _, rss_after, _ = _resources(child)
         assert rss_after - rss_before < RSS_SLACK, (rss_before, rss_after)
         child.send("stop")
 
 
 def test_a_flood_of_hostile_messages_logs_a_bounded_number_of_warnings(
-    make_transport: MakeTransport, caplog: pytest.LogCaptureFixture,
+    make_transport: MakeTransport,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Every message below carries a different sender id, so logging once per sender would
     log each of them: the log is capped in all, whatever the keys."""
@@ -145,8 +156,12 @@ def test_a_flood_of_hostile_messages_logs_a_bounded_number_of_warnings(
         raw.connect(f"tcp://{t.local_address}")
         for i in range(flood):
             raw.send(b"garbage-%d" % i)
-        wait_until(lambda: t.stats()["dropped_messages"] >= flood, timeout=T,
-                   what="every hostile message to be dropped", pumps=[lambda: t.poll(0.01)])
+        wait_until(
+            lambda: t.stats()["dropped_messages"] >= flood,
+            timeout=T,
+            what="every hostile message to be dropped",
+            pumps=[lambda: t.poll(0.01)],
+        )
     finally:
         ctx.destroy(linger=0)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -126,10 +126,16 @@ def test_a_long_tick_keeps_the_tiers_deadlines() -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
-        config = TierConfig.from_dict({
-            "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
-            "timeouts": {"handshake": 0.5},
-            "control_options": {"connect_timeout": 600, "handshake_timeout": 600}})
+        config = TierConfig.from_dict(
+            {
+                "control": "zmq",
+                "data": "memory",
+                "host": "127.0.0.1",
+                "port": 0,
+                "timeouts": {"handshake": 0.5},
+                "control_options": {"connect_timeout": 600, "handshake_timeout": 600},
+            }
+        )
         tier = P2PTier(config, memoryview(bytearray(4096)), 256)
         try:
             assert tier.connect(f"127.0.0.1:{silent.getsockname()[1]}")

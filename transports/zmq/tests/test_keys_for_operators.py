@@ -35,8 +35,9 @@ def keys_of(environ: dict[str, str]) -> object:
 
 
 @pytest.mark.parametrize("mode", [0o400, 0o440])
-def test_a_secret_mounts_modes_are_accepted_quietly(tmp_path: Path, mode: int,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_secret_mounts_modes_are_accepted_quietly(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = fleet(tmp_path / "keys")
     for path in keys.iterdir():
         path.chmod(mode)
@@ -46,7 +47,8 @@ def test_a_secret_mounts_modes_are_accepted_quietly(tmp_path: Path, mode: int,
 
 
 def test_a_world_readable_secret_key_names_the_secrets_fix(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = fleet(tmp_path / "keys")
     (keys / "client.key_secret").chmod(0o644)
     with caplog.at_level(logging.WARNING):
@@ -54,7 +56,8 @@ def test_a_world_readable_secret_key_names_the_secrets_fix(
     assert [r.getMessage() for r in caplog.records] == [
         f"CURVE secret key file {keys / 'client.key_secret'} is readable or writable by every "
         "user: set the Secret volume's defaultMode to 0400 (or 0440 with the pod's fsGroup); "
-        "outside Kubernetes, chmod 600 it"]
+        "outside Kubernetes, chmod 600 it"
+    ]
 
 
 @pytest.mark.parametrize("value", ["", " "])
@@ -63,7 +66,8 @@ def test_an_empty_curve_dir_is_refused_not_insecure(value: str) -> None:
         keys_of({"P2PKV_CURVE_DIR": value})
     assert str(refused.value) == (
         "P2PKV_CURVE_DIR is set but empty: set it to the directory where the fleet's key "
-        "Secret is mounted, or unset it (a tier without keys must say insecure: true)")
+        "Secret is mounted, or unset it (a tier without keys must say insecure: true)"
+    )
 
 
 @pytest.mark.skipif(not ROOT_ONLY, reason="drops privileges to a user the files deny")
@@ -83,7 +87,8 @@ def test_an_unreadable_key_file_names_the_fix() -> None:
     assert message == (
         f"P2PKV_CURVE_DIR: server.key_secret: cannot read key file {keys / 'server.key_secret'}: "
         "this process (uid 65534, gid 65534) may not read it: give it read access (a Secret "
-        "volume: the pod's securityContext.fsGroup and the volume's defaultMode 0440)")
+        "volume: the pod's securityContext.fsGroup and the volume's defaultMode 0440)"
+    )
 
 
 def as_nobody(call: Callable[[], object]) -> str:
@@ -120,8 +125,9 @@ def test_an_unlistable_key_directory_names_the_fix(tmp_path: Path) -> None:
         keys.chmod(0o755)
 
 
-def test_keys_never_replace_a_fleets_keys_unasked(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_keys_never_replace_a_fleets_keys_unasked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     keys = fleet(tmp_path / "keys")
     before = {p.name: p.read_bytes() for p in keys.iterdir()}
     capsys.readouterr()
@@ -129,11 +135,13 @@ def test_keys_never_replace_a_fleets_keys_unasked(tmp_path: Path,
     assert capsys.readouterr().err == (
         f"p2pkv keys: {keys / 'server.key'} exists: {keys} holds a fleet's keys. Rotate them "
         f"without an outage (`p2pkv keys --rotate begin --dir {keys}`, docs/security.md), or "
-        "pass --force to replace them (every peer still on the old keys is then refused)\n")
+        "pass --force to replace them (every peer still on the old keys is then refused)\n"
+    )
     assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
     assert p2pkv_main(["keys", "--rotate", "begin", "--dir", str(keys), "--force"]) == 2
-    assert capsys.readouterr().err == ("p2pkv keys: --rotate replaces only what its step "
-                                       "changes: drop --force\n")
+    assert capsys.readouterr().err == (
+        "p2pkv keys: --rotate replaces only what its step changes: drop --force\n"
+    )
 
 
 def test_each_rotation_step_keeps_old_and_new_admitted_until_finish(tmp_path: Path) -> None:
@@ -149,19 +157,35 @@ def test_each_rotation_step_keeps_old_and_new_admitted_until_finish(tmp_path: Pa
         assert len(now.allowed) == (2 if admitted_old else 1)
     assert now.client_secret != first.client_secret
     assert sorted(p.name for p in keys.iterdir()) == [
-        "client.key", "client.key_secret", "server.key", "server.key_secret"]
+        "client.key",
+        "client.key_secret",
+        "server.key",
+        "server.key_secret",
+    ]
 
 
-@pytest.mark.parametrize("step, state, message", [
-    ("switch", {}, "no client-next.key_secret: run `begin` first"),
-    ("finish", {}, "not switched yet (client-previous.key missing, or client-next present): "
-                   "run `switch` first"),
-    ("begin", {"client-next.key_secret": "x"}, "a rotation is already under way (client-next "
-                                               "or client-previous is present): run `switch` "
-                                               "or `finish`"),
-])
-def test_a_step_out_of_order_says_which_to_run(step: str, state: dict[str, str],
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    "step, state, message",
+    [
+        ("switch", {}, "no client-next.key_secret: run `begin` first"),
+        (
+            "finish",
+            {},
+            "not switched yet (client-previous.key missing, or client-next present): "
+            "run `switch` first",
+        ),
+        (
+            "begin",
+            {"client-next.key_secret": "x"},
+            "a rotation is already under way (client-next "
+            "or client-previous is present): run `switch` "
+            "or `finish`",
+        ),
+    ],
+)
+def test_a_step_out_of_order_says_which_to_run(
+    step: str, state: dict[str, str], message: str
+) -> None:
     files = {"server.key_secret": "s", "client.key_secret": "c", "client.key": "p", **state}
     with pytest.raises(ConfigError) as refused:
         rotate(files, step)  # type: ignore[arg-type]
@@ -170,24 +194,39 @@ def test_a_step_out_of_order_says_which_to_run(step: str, state: dict[str, str],
 
 def test_a_secret_is_rotated_as_json_without_its_server_fields(tmp_path: Path) -> None:
     keys = fleet(tmp_path / "keys")
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-              "metadata": {"name": "p2pkv-curve", "namespace": "llm-d", "uid": "u",
-                           "resourceVersion": "7"},
-              "data": {p.name: base64.b64encode(p.read_bytes()).decode()
-                       for p in keys.iterdir()}}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": "p2pkv-curve",
+            "namespace": "llm-d",
+            "uid": "u",
+            "resourceVersion": "7",
+        },
+        "data": {p.name: base64.b64encode(p.read_bytes()).decode() for p in keys.iterdir()},
+    }
     text, hint = rotate_secret(json.dumps(secret), "begin")
     after = json.loads(text)
-    assert hint.endswith("check every pod with `p2pkv probe --client-key client-next`, then "
-                         "run switch")
+    assert hint.endswith(
+        "check every pod with `p2pkv probe --client-key client-next`, then run switch"
+    )
     assert after["metadata"] == {"name": "p2pkv-curve", "namespace": "llm-d"}
-    assert sorted(after["data"]) == ["client-next.key", "client-next.key_secret", "client.key",
-                                     "client.key_secret", "server.key", "server.key_secret"]
+    assert sorted(after["data"]) == [
+        "client-next.key",
+        "client-next.key_secret",
+        "client.key",
+        "client.key_secret",
+        "server.key",
+        "server.key_secret",
+    ]
     with pytest.raises(ConfigError, match=r"^not a Secret with data"):
         rotate_secret("{}", "begin")
 
 
 def test_a_changed_directory_is_reread_but_the_server_pair_stays(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = fleet(tmp_path / "keys")
     now = [0.0]
     live = LiveKeys(keys, clock=lambda: now[0])

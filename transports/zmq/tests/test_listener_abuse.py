@@ -41,13 +41,20 @@ def test_a_connection_reusing_a_live_routing_id_is_read_like_any_other(
     try:
         first = _client(ctx, t.local_address, b"reused-id")
         first.send(b"first")
-        wait_until(lambda: t.stats()["dropped_messages"] >= 1, timeout=T,
-                   what="the first connection's message", pumps=[lambda: t.poll(0.001)])
+        wait_until(
+            lambda: t.stats()["dropped_messages"] >= 1,
+            timeout=T,
+            what="the first connection's message",
+            pumps=[lambda: t.poll(0.001)],
+        )
         second = _client(ctx, t.local_address, b"reused-id")  # the first one is still live
         second.send(b"second")
-        wait_until(lambda: t.stats()["dropped_messages"] >= 2, timeout=T,
-                   what="the message of the connection that reused the live routing id",
-                   pumps=[lambda: t.poll(0.001)])
+        wait_until(
+            lambda: t.stats()["dropped_messages"] >= 2,
+            timeout=T,
+            what="the message of the connection that reused the live routing id",
+            pumps=[lambda: t.poll(0.001)],
+        )
     finally:
         ctx.destroy(linger=0)
 
@@ -95,8 +102,11 @@ def test_squatting_the_ids_a_router_would_generate_cannot_abort_the_listener() -
         child.send("busy")
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            socks = [_client(ctx, address, b"\x00" + struct.pack(">I", (s + k) & 0xFFFFFFFF))
-                     for s in _unseeded_rand_starts(32) for k in range(2)]
+            socks = [
+                _client(ctx, address, b"\x00" + struct.pack(">I", (s + k) & 0xFFFFFFFF))
+                for s in _unseeded_rand_starts(32)
+                for k in range(2)
+            ]
             socks += [_client(ctx, address, b"") for _ in range(2)]
             for sock in socks:
                 sock.send(b"x")
@@ -106,8 +116,7 @@ def test_squatting_the_ids_a_router_would_generate_cannot_abort_the_listener() -
                     kind, dropped = child.recv(T, "the listener reading every client's frame")
                 except EOFError:
                     child.process.join(T)
-                    raise AssertionError(
-                        f"listener died (exit {child.process.exitcode})") from None
+                    raise AssertionError(f"listener died (exit {child.process.exitcode})") from None
                 assert kind == "served"
         finally:
             ctx.destroy(linger=0)

@@ -77,8 +77,16 @@ class Side:
         stream = self.net.open(ADDRESSES.index(key))
         ref = b"" if answering is None else answering.rpartition(b"#")[2]
         stream.messages.append([link, b"", OPEN, ref])
-        conn = ZmqConnection(self, LIMITS, PeerAddress(key, key), out=stream,  # type: ignore[arg-type]
-                             monitor=None, incarnation=incarnation, link=link, deadline=0.0)
+        conn = ZmqConnection(
+            self,
+            LIMITS,
+            PeerAddress(key, key),
+            out=stream,  # type: ignore[arg-type]
+            monitor=None,
+            incarnation=incarnation,
+            link=link,
+            deadline=0.0,
+        )
         self.pairing.add(conn)
         self.conns.append(conn)
         self.streams[conn] = stream
@@ -251,7 +259,8 @@ class Pairing(RuleBasedStateMachine):
             for conn in self._live(here.index):
                 if conn.remote_link is None:
                     assert not here.sent[conn], (
-                        f"{conn} sent frames, yet the peer neither paired it nor said gone")
+                        f"{conn} sent frames, yet the peer neither paired it nor said gone"
+                    )
                     continue
                 peer = next((c for c in there.conns if c.link == conn.remote_link), None)
                 assert peer is not None, f"{conn} is paired with a PUSH the peer never had"
@@ -259,7 +268,8 @@ class Pairing(RuleBasedStateMachine):
                     continue  # its death is on its way (a disconnect is not told here)
                 assert peer.remote_link == conn.link, "the two sides paired differently"
                 assert here.received.get(conn, []) == there.sent[peer], (
-                    "a live pair lost, reordered or duplicated frames")
+                    "a live pair lost, reordered or duplicated frames"
+                )
 
 
 TestPairing = Pairing.TestCase
@@ -320,4 +330,3 @@ def test_a_peer_offered_a_dial_that_then_disconnects_is_told_gone() -> None:
     a.send(ours)
     net.drain()
     assert not ours.alive
-

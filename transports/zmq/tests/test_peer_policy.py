@@ -41,8 +41,10 @@ def log_budget(seconds: float) -> int:
 
 
 def pull_context(kv: str, host: str, port: int) -> RequestContext:
-    return RequestContext(f"c-{kv}", {"remote_prefiller": {
-        "kv_request_id": kv, "remote_host": host, "remote_port": port}})
+    return RequestContext(
+        f"c-{kv}",
+        {"remote_prefiller": {"kv_request_id": kv, "remote_host": host, "remote_port": port}},
+    )
 
 
 def open_descriptors() -> int:
@@ -80,22 +82,30 @@ def test_a_peer_outside_the_allow_list_is_never_dialed(caplog: pytest.LogCapture
         consumer.tier.on_new_request(ctx)
         assert consumer.tier.lookup(b"outside/0", ctx) is LookupResult.MISS
         consumer.job(1, [b"outside/0"], [0], load=True, ctx=ctx)
-        wait_until(lambda: 1 in consumer.results, timeout=T, what="the load's result",
-                   pumps=[tick(consumer)])
+        wait_until(
+            lambda: 1 in consumer.results,
+            timeout=T,
+            what="the load's result",
+            pumps=[tick(consumer)],
+        )
         assert consumer.results[1].outcome is Outcome.SUBMIT_FAILED  # failed at its start
         assert "not dialing" in consumer.results[1].detail
         assert "peers.allow" in consumer.results[1].detail
         assert consumer.tier.stats()["peers_refused"] >= 1
         assert consumer.tier._control.stats()["connections"] == 0  # type: ignore[attr-defined]
-        assert any("not dialing" in r.getMessage() and "peers.allow" in r.getMessage()
-                   for r in caplog.records)
+        assert any(
+            "not dialing" in r.getMessage() and "peers.allow" in r.getMessage()
+            for r in caplog.records
+        )
     finally:
         consumer.tier.shutdown()
         producer.tier.shutdown()
 
 
 def test_a_flood_of_bogus_peers_locks_no_real_peer_out(
-    caplog: pytest.LogCaptureFixture, black_hole: int, refusing: int,
+    caplog: pytest.LogCaptureFixture,
+    black_hole: int,
+    refusing: int,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv")
     producer, fresh = Peer(1), Peer(3)
@@ -117,24 +127,38 @@ def test_a_flood_of_bogus_peers_locks_no_real_peer_out(
             consumer.tier.tick()
             assert consumer.tier.stats()["sessions"] <= MAX_DIALED + 1  # + the producer's
             if i % REAL_EVERY == REAL_EVERY - 1:
-                run_request(producer, consumer, f"real-{i}", list(range(16)),
-                            consumer_first=bool(i % 2))
+                run_request(
+                    producer, consumer, f"real-{i}", list(range(16)), consumer_first=bool(i % 2)
+                )
             if i == FLOOD // 2:  # a producer never contacted before, mid-flood
-                run_request(fresh, consumer, "first-contact", list(range(16, 32)),
-                            consumer_first=False)
+                run_request(
+                    fresh, consumer, "first-contact", list(range(16, 32)), consumer_first=False
+                )
         stats = consumer.tier.stats()
         assert stats["peers_waited"] > 0, stats  # the budget of new dials held names back
-        wait_until(lambda: all(job in consumer.results for job in loads), timeout=30,
-                   what="the bogus loads' results", pumps=[tick(consumer)])
+        wait_until(
+            lambda: all(job in consumer.results for job in loads),
+            timeout=30,
+            what="the bogus loads' results",
+            pumps=[tick(consumer)],
+        )
         for job in loads:  # none waited for the load deadline: failed at once or by the
             result = consumer.results[job]  # handshake's (or evicted for a newer peer)
             assert result.outcome is not Outcome.DONE, result
             assert result.outcome is not Outcome.LOAD_TIMEOUT, result
         fresh.tier.shutdown()  # its session was opened during the flood: not a leftover
-        wait_until(lambda: consumer.tier.stats()["sessions"] <= 1, timeout=30,
-                   what="the bogus peers' sessions to end", pumps=[tick(consumer)])
-        wait_until(lambda: open_descriptors() <= before + 4, timeout=30,  # libzmq closes late
-                   what=f"descriptors back to {before} (+4)", pumps=[tick(consumer)])
+        wait_until(
+            lambda: consumer.tier.stats()["sessions"] <= 1,
+            timeout=30,
+            what="the bogus peers' sessions to end",
+            pumps=[tick(consumer)],
+        )
+        wait_until(
+            lambda: open_descriptors() <= before + 4,
+            timeout=30,  # libzmq closes late
+            what=f"descriptors back to {before} (+4)",
+            pumps=[tick(consumer)],
+        )
         assert threads_now() <= threads
         warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
         # a rate: the budget grows with the time the flood took, not with its size
@@ -181,22 +205,37 @@ def test_an_idle_dialed_session_is_closed_and_dialed_again_when_needed(
         clock.advance(12, consumer)
         assert consumer.tier.stats()["peers_reaped"] == 0  # a load is open: kept
         producer.job(8, [b"open/0"], [5], load=False, ctx=pctx)
-        wait_until(lambda: 7 in consumer.results and 8 in producer.results, timeout=T,
-                   what="the open request's results", pumps=[tick(producer, consumer)])
+        wait_until(
+            lambda: 7 in consumer.results and 8 in producer.results,
+            timeout=T,
+            what="the open request's results",
+            pumps=[tick(producer, consumer)],
+        )
         assert consumer.results[7].outcome is Outcome.DONE
         assert bytes(consumer.blocks[40]) == bytes(producer.blocks[5])
         for tier, ctx in ((producer.tier, pctx), (consumer.tier, cctx)):
             tier.on_request_finished(ctx)
-        wait_until(lambda: producer.tier.stats()["jobs_pending"] == 0, timeout=T,
-                   what="the producer's round to end", pumps=[tick(producer, consumer)])
+        wait_until(
+            lambda: producer.tier.stats()["jobs_pending"] == 0,
+            timeout=T,
+            what="the producer's round to end",
+            pumps=[tick(producer, consumer)],
+        )
         clock.advance(8, consumer)
-        wait_until(lambda: consumer.tier.stats()["peers_reaped"] == 1, timeout=T,
-                   what="the idle session's close", pumps=[tick(consumer)])
+        wait_until(
+            lambda: consumer.tier.stats()["peers_reaped"] == 1,
+            timeout=T,
+            what="the idle session's close",
+            pumps=[tick(consumer)],
+        )
         assert consumer.tier.stats()["sessions"] == 0
-        wait_until(lambda: producer.tier.stats()["sessions"] == 0, timeout=T,
-                   what="the producer to close its side", pumps=[tick(producer)])
-        assert any("idle for 6s (peers.idle_timeout)" in r.getMessage()
-                   for r in caplog.records)
+        wait_until(
+            lambda: producer.tier.stats()["sessions"] == 0,
+            timeout=T,
+            what="the producer to close its side",
+            pumps=[tick(producer)],
+        )
+        assert any("idle for 6s (peers.idle_timeout)" in r.getMessage() for r in caplog.records)
         run_request(producer, consumer, "again", [3], consumer_first=True)  # dials anew
         assert consumer.tier.stats()["sessions"] == 1
     finally:
@@ -205,12 +244,15 @@ def test_an_idle_dialed_session_is_closed_and_dialed_again_when_needed(
 
 
 def pull_context_pair(kv: str, producer: Peer) -> tuple[RequestContext, RequestContext]:
-    return (RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}}),
-            pull_context(kv, producer.host, producer.port))
+    return (
+        RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}}),
+        pull_context(kv, producer.host, producer.port),
+    )
 
 
 def test_out_of_zmq_sockets_names_the_cap_really_hit(
-    make_transport: Any, black_hole: int,
+    make_transport: Any,
+    black_hole: int,
 ) -> None:
     transport = make_transport(max_sockets=16)
     with pytest.raises(ResourceUnavailable) as raised:
@@ -239,24 +281,41 @@ def test_a_peer_named_by_a_host_name_is_connected_before_any_request() -> None:
         assert kind == "address"
         port = int(address.rpartition(":")[2])
         region = np.zeros(blocks * block_len, np.uint8)
-        config = TierConfig.from_dict({
-            "control": "zmq", "data": "nixl", "host": "127.0.0.1", "port": 0,
-            "peers": {"connect": [f"localhost:{port}"], "resolve_interval": 0.5}})
+        config = TierConfig.from_dict(
+            {
+                "control": "zmq",
+                "data": "nixl",
+                "host": "127.0.0.1",
+                "port": 0,
+                "peers": {"connect": [f"localhost:{port}"], "resolve_interval": 0.5},
+            }
+        )
         consumer = P2PTier(config, region.data, block_len)
         try:
-            wait_until(lambda: consumer.stats()["sessions_ready"] >= 1, timeout=T,
-                       what="the session to the named peer", pumps=[lambda: consumer.tick(0.01)])
+            wait_until(
+                lambda: consumer.stats()["sessions_ready"] >= 1,
+                timeout=T,
+                what="the session to the named peer",
+                pumps=[lambda: consumer.tick(0.01)],
+            )
             sessions = consumer.stats()["sessions"]
             child.send(("store", 1, "named", [b"named/0", b"named/1"], [3, 4]))
             ctx = pull_context("named", "127.0.0.1", port)
             consumer.on_new_request(ctx)
             consumer.submit_load(Job(2, [b"named/0", b"named/1"], [0, 1], True, ctx))
             results: dict[int, Any] = {}
-            wait_until(lambda: results.update({r.job_id: r for r in consumer.get_finished_jobs()})
-                       or 2 in results, timeout=T, what="the load", pumps=[consumer.tick])
+            wait_until(
+                lambda: (
+                    results.update({r.job_id: r for r in consumer.get_finished_jobs()})
+                    or 2 in results
+                ),
+                timeout=T,
+                what="the load",
+                pumps=[consumer.tick],
+            )
             assert results[2].outcome is Outcome.DONE, results[2]
             source = np.random.default_rng(7).integers(0, 256, blocks * block_len, np.uint8)
-            assert (region[:2 * block_len] == source[3 * block_len:5 * block_len]).all()
+            assert (region[: 2 * block_len] == source[3 * block_len : 5 * block_len]).all()
             assert consumer.stats()["sessions"] == sessions  # no new dial for the request
             consumer.on_request_finished(ctx)
             child.send(("finish", "named"))

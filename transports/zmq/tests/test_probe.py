@@ -29,16 +29,23 @@ from p2pkv_zmq.options import CURVE_DIR_ENV
 pytestmark = pytest.mark.timeout(120)
 T = 30.0
 WHAT = f"p2pkv {__version__}, control zmq, wire {WIRE_MAJOR}.{WIRE_MINOR}"
-BUILTIN_FIX = ("the image lacks p2pkv-vllm, vLLM did not load its plugin (VLLM_PLUGINS), or "
-               "P2PKV_REPLACE_P2P is not 1 on the engine")
+BUILTIN_FIX = (
+    "the image lacks p2pkv-vllm, vLLM did not load its plugin (VLLM_PLUGINS), or "
+    "P2PKV_REPLACE_P2P is not 1 on the engine"
+)
 
 
 def run_probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """``p2pkv probe ARGS`` in a process of its own: (exit status, stdout, stderr)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("P2PKV_", "VLLM_P2P"))}
-    done = subprocess.run([sys.executable, "-m", "p2pkv.cli", "probe", *args],
-                          env={**environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=T, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pkv.cli", "probe", *args],
+        env={**environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=T,
+        check=False,
+    )
     return done.returncode, done.stdout, done.stderr
 
 
@@ -48,8 +55,12 @@ def fleet(directory: Path) -> Path:
 
 
 def run_probe_keys(*args: str) -> int:
-    return subprocess.run([sys.executable, "-m", "p2pkv.cli", "keys", *args],
-                          capture_output=True, timeout=T, check=False).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "p2pkv.cli", "keys", *args],
+        capture_output=True,
+        timeout=T,
+        check=False,
+    ).returncode
 
 
 def keyed(directory: Path) -> str:
@@ -95,7 +106,8 @@ def insecure_tier() -> Iterator[str]:
 
 
 def test_a_tier_with_the_fleets_keys_passes_and_is_left_undisturbed(
-        curve_tier: tuple[Child, str], keys: Path) -> None:
+    curve_tier: tuple[Child, str], keys: Path
+) -> None:
     child, address = curve_tier
     before = child.request("log", T)[1]
     for _ in range(3):
@@ -107,12 +119,17 @@ def test_a_tier_with_the_fleets_keys_passes_and_is_left_undisturbed(
 
 
 def test_the_default_address_and_keys_are_the_tiers_own(
-        curve_tier: tuple[Child, str], keys: Path) -> None:
+    curve_tier: tuple[Child, str], keys: Path
+) -> None:
     """No address: the variables the tier reads under vLLM; no flag: ``$P2PKV_CURVE_DIR``."""
     _, address = curve_tier
     host, port = address.rsplit(":", 1)
-    env = {"VLLM_P2P_SIDE_CHANNEL_HOST": host, "P2PKV_PORT": str(int(port) + 7),
-           "VLLM_P2P_SIDE_CHANNEL_PORT": port, CURVE_DIR_ENV: str(keys)}
+    env = {
+        "VLLM_P2P_SIDE_CHANNEL_HOST": host,
+        "P2PKV_PORT": str(int(port) + 7),
+        "VLLM_P2P_SIDE_CHANNEL_PORT": port,
+        CURVE_DIR_ENV: str(keys),
+    }
     status, out, err = run_probe(env=env)
     assert (status, err) == (0, "")
     assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
@@ -140,9 +157,11 @@ def test_a_paused_tier_fails_and_passes_again_when_resumed(keys: Path) -> None:
         finally:
             child.resume()
         assert (status, out) == (1, "")
-        assert err == (f"p2pkv probe: {address}: it accepts TCP connections but sends no zmq "
-                       "greeting: a process stopped (SIGSTOP) or starved of CPU, or not a "
-                       "p2pkv tier\n")
+        assert err == (
+            f"p2pkv probe: {address}: it accepts TCP connections but sends no zmq "
+            "greeting: a process stopped (SIGSTOP) or starved of CPU, or not a "
+            "p2pkv tier\n"
+        )
         status, out, err = run_probe(address, "--curve-dir", str(keys))
         assert (status, err) == (0, ""), err
         assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
@@ -162,9 +181,11 @@ def test_a_tier_whose_driver_stalls_is_not_taken_for_other_keys(keys: Path) -> N
         finally:
             assert child.request("go on", T) == ("ok",)
         assert (status, out) == (1, "")
-        assert err == (f"p2pkv probe: {address}: a CURVE listener that completed no handshake "
-                       "within 0.5 s: a p2pkv tier still starting, or stopped (SIGSTOP) or "
-                       "starved of CPU\n")
+        assert err == (
+            f"p2pkv probe: {address}: a CURVE listener that completed no handshake "
+            "within 0.5 s: a p2pkv tier still starting, or stopped (SIGSTOP) or "
+            "starved of CPU\n"
+        )
         status, out, err = run_probe(address, "--curve-dir", str(keys))
         assert (status, err) == (0, ""), err
 
@@ -172,23 +193,28 @@ def test_a_tier_whose_driver_stalls_is_not_taken_for_other_keys(keys: Path) -> N
 def test_a_closed_port(keys: Path, refused_address: str) -> None:
     status, out, err = run_probe(refused_address, "--curve-dir", str(keys))
     assert (status, out) == (1, "")
-    assert err == (f"p2pkv probe: {refused_address}: nothing listens there (connection "
-                   "refused): the tier is not up yet, or listens on another port "
-                   "(VLLM_P2P_SIDE_CHANNEL_PORT, + the DP rank)\n")
+    assert err == (
+        f"p2pkv probe: {refused_address}: nothing listens there (connection "
+        "refused): the tier is not up yet, or listens on another port "
+        "(VLLM_P2P_SIDE_CHANNEL_PORT, + the DP rank)\n"
+    )
 
 
 def test_a_tier_with_another_fleets_keys(curve_tier: tuple[Child, str], other_keys: Path) -> None:
     child, address = curve_tier
     status, out, err = run_probe(address, "--curve-dir", str(other_keys))
     assert (status, out) == (1, "")
-    assert err == (f"p2pkv probe: {address}: a CURVE listener whose server key is not this "
-                   f"fleet's (keys {fingerprint(other_keys)}): it mounts another fleet's "
-                   "Secret, or a rotation not finished there\n")
+    assert err == (
+        f"p2pkv probe: {address}: a CURVE listener whose server key is not this "
+        f"fleet's (keys {fingerprint(other_keys)}): it mounts another fleet's "
+        "Secret, or a rotation not finished there\n"
+    )
     assert child.request("sessions", T) == ("sessions", 0)
 
 
 def test_a_tier_that_refuses_the_fleets_client_key(
-        curve_tier: tuple[Child, str], keys: Path, tmp_path: Path) -> None:
+    curve_tier: tuple[Child, str], keys: Path, tmp_path: Path
+) -> None:
     """Same server pair, another client pair: the tier's allow-list refuses the probe."""
     _, address = curve_tier
     mixed = fleet(tmp_path / "mixed")
@@ -197,17 +223,21 @@ def test_a_tier_that_refuses_the_fleets_client_key(
     status, out, err = run_probe(address, "--curve-dir", str(mixed))
     assert (status, out) == (1, "")
     client = read_key(str(mixed / "client.key"), "client", "public")
-    assert err == (f"p2pkv probe: {address}: a CURVE listener refused this fleet's client key "
-                   f"({key_fingerprint(client)}): its allowed client keys are another "
-                   "fleet's (another Secret, or a rotation not finished there)\n")
+    assert err == (
+        f"p2pkv probe: {address}: a CURVE listener refused this fleet's client key "
+        f"({key_fingerprint(client)}): its allowed client keys are another "
+        "fleet's (another Secret, or a rotation not finished there)\n"
+    )
 
 
 def test_an_insecure_tier_when_keys_are_expected(insecure_tier: str, keys: Path) -> None:
     status, out, err = run_probe(insecure_tier, "--curve-dir", str(keys))
     assert (status, out) == (1, "")
-    assert err == (f"p2pkv probe: {insecure_tier}: a tier without authentication (insecure), "
-                   "but this fleet's keys are set: the engine lacks P2PKV_CURVE_DIR (or its "
-                   "entry says insecure: true)\n")
+    assert err == (
+        f"p2pkv probe: {insecure_tier}: a tier without authentication (insecure), "
+        "but this fleet's keys are set: the engine lacks P2PKV_CURVE_DIR (or its "
+        "entry says insecure: true)\n"
+    )
 
 
 def test_an_insecure_tier_with_insecure(insecure_tier: str) -> None:
@@ -220,19 +250,30 @@ def test_a_curve_tier_with_insecure(curve_tier: tuple[Child, str]) -> None:
     _, address = curve_tier
     status, out, err = run_probe(address, "--insecure")
     assert (status, out) == (1, "")
-    assert err == (f"p2pkv probe: {address}: a CURVE listener (a p2pkv tier with keys?), but "
-                   "the probe runs --insecure: give it the fleet's keys (P2PKV_CURVE_DIR or "
-                   "--curve-dir)\n")
+    assert err == (
+        f"p2pkv probe: {address}: a CURVE listener (a p2pkv tier with keys?), but "
+        "the probe runs --insecure: give it the fleet's keys (P2PKV_CURVE_DIR or "
+        "--curve-dir)\n"
+    )
 
 
-@pytest.mark.parametrize("kind, named", [
-    ("ROUTER", f"vLLM's built-in P2P tier (a zmq ROUTER without authentication), not p2pkv: "
-               f"{BUILTIN_FIX}"),
-    ("PULL", "a zmq PULL accepted the connection but did not identify itself within 2 s: a "
-             "p2pkv tier still starting, stopped (SIGSTOP) or starved of CPU, a p2pkv older "
-             "than this probe, or not a p2pkv tier"),
-    ("REP", "a zmq REP without authentication: not a p2pkv tier"),
-])
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        (
+            "ROUTER",
+            f"vLLM's built-in P2P tier (a zmq ROUTER without authentication), not p2pkv: "
+            f"{BUILTIN_FIX}",
+        ),
+        (
+            "PULL",
+            "a zmq PULL accepted the connection but did not identify itself within 2 s: a "
+            "p2pkv tier still starting, stopped (SIGSTOP) or starved of CPU, a p2pkv older "
+            "than this probe, or not a p2pkv tier",
+        ),
+        ("REP", "a zmq REP without authentication: not a p2pkv tier"),
+    ],
+)
 def test_a_plain_zmq_socket(kind: str, named: str) -> None:
     with Child(probe_targets.zmq_socket, kind) as child:
         address = started(child)
@@ -246,9 +287,11 @@ def test_a_tcp_server_that_says_nothing() -> None:
         address = started(child)
         status, out, err = run_probe(address, "--insecure", "--timeout", "1")
     assert (status, out) == (1, "")
-    assert err == (f"p2pkv probe: {address}: it accepts TCP connections but sends no zmq "
-                   "greeting: a process stopped (SIGSTOP) or starved of CPU, or not a p2pkv "
-                   "tier\n")
+    assert err == (
+        f"p2pkv probe: {address}: it accepts TCP connections but sends no zmq "
+        "greeting: a process stopped (SIGSTOP) or starved of CPU, or not a p2pkv "
+        "tier\n"
+    )
 
 
 def test_a_server_of_another_protocol(keys: Path) -> None:
@@ -256,25 +299,52 @@ def test_a_server_of_another_protocol(keys: Path) -> None:
         address = started(child)
         status, out, err = run_probe(address, "--curve-dir", str(keys), "--timeout", "2")
     assert (status, out) == (1, "")
-    assert err == (f"p2pkv probe: {address}: it answers with bytes that are not zmq "
-                   "(b'SSH-2.0-Op'): not a p2pkv tier\n")
+    assert err == (
+        f"p2pkv probe: {address}: it answers with bytes that are not zmq "
+        "(b'SSH-2.0-Op'): not a p2pkv tier\n"
+    )
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (["127.0.0.1:5710"], {}, "no keys: set P2PKV_CURVE_DIR (or --curve-dir DIR) to the fleet's "
-     "key directory, or pass --insecure for a tier without authentication"),
-    (["127.0.0.1:5710"], {CURVE_DIR_ENV: " "}, "P2PKV_CURVE_DIR is set but empty: set it to "
-     "the fleet's key directory, or pass --insecure for a tier without keys"),
-    (["10.0.0.1", "--insecure"], {}, "malformed address '10.0.0.1': expected host:port or "
-     "[ipv6]:port: give the tier's control address as HOST:PORT"),
-    (["127.0.0.1:5710", "--insecure", "--ranks", "0"], {}, "--ranks must be 1..1024 (the "
-     "engine's data-parallel size), got 0"),
-    (["127.0.0.1:5710", "--insecure", "--timeout", "nan"], {}, "--timeout must be a number of "
-     "seconds in (0, 3600], got nan"),
-    (["127.0.0.1:5710", "--curve-dir", "/nonexistent/keys"], {}, "P2PKV_CURVE_DIR="
-     "'/nonexistent/keys' is not a directory: mount the fleet's key Secret there (`p2pkv keys "
-     "--secret NAME` writes one)"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (
+            ["127.0.0.1:5710"],
+            {},
+            "no keys: set P2PKV_CURVE_DIR (or --curve-dir DIR) to the fleet's "
+            "key directory, or pass --insecure for a tier without authentication",
+        ),
+        (
+            ["127.0.0.1:5710"],
+            {CURVE_DIR_ENV: " "},
+            "P2PKV_CURVE_DIR is set but empty: set it to "
+            "the fleet's key directory, or pass --insecure for a tier without keys",
+        ),
+        (
+            ["10.0.0.1", "--insecure"],
+            {},
+            "malformed address '10.0.0.1': expected host:port or "
+            "[ipv6]:port: give the tier's control address as HOST:PORT",
+        ),
+        (
+            ["127.0.0.1:5710", "--insecure", "--ranks", "0"],
+            {},
+            "--ranks must be 1..1024 (the engine's data-parallel size), got 0",
+        ),
+        (
+            ["127.0.0.1:5710", "--insecure", "--timeout", "nan"],
+            {},
+            "--timeout must be a number of seconds in (0, 3600], got nan",
+        ),
+        (
+            ["127.0.0.1:5710", "--curve-dir", "/nonexistent/keys"],
+            {},
+            "P2PKV_CURVE_DIR="
+            "'/nonexistent/keys' is not a directory: mount the fleet's key Secret there "
+            "(`p2pkv keys --secret NAME` writes one)",
+        ),
+    ],
+)
 def test_misuse(args: list[str], env: dict[str, str], message: str) -> None:
     status, out, err = run_probe(*args, env=env)
     assert (status, out, err) == (2, "", f"p2pkv probe: {message}\n")
@@ -283,5 +353,7 @@ def test_misuse(args: list[str], env: dict[str, str], message: str) -> None:
 def test_insecure_and_keys_together() -> None:
     status, out, err = run_probe("127.0.0.1:5710", "--insecure", "--curve-dir", "/x")
     assert (status, out) == (2, "")
-    assert err == ("p2pkv probe: argument --curve-dir: not allowed with argument --insecure "
-                   "(see 'p2pkv probe --help')\n")
+    assert err == (
+        "p2pkv probe: argument --curve-dir: not allowed with argument --insecure "
+        "(see 'p2pkv probe --help')\n"
+    )

@@ -15,8 +15,9 @@ from zmq_fixtures import MakeTransport
 T = 10.0
 
 
-def _prober(ctx: zmq.Context[zmq.Socket[bytes]], tier: str
-            ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], bytes]:
+def _prober(
+    ctx: zmq.Context[zmq.Socket[bytes]], tier: str
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], bytes]:
     """(a PULL for the answer, a PUSH dialing ``tier``, the link id naming that PULL)."""
     answers = ctx.socket(zmq.PULL)
     answers.linger = 0
@@ -28,15 +29,20 @@ def _prober(ctx: zmq.Context[zmq.Socket[bytes]], tier: str
 
 
 def test_a_probe_is_answered_at_the_probers_address_and_opens_nothing(
-        make_transport: MakeTransport) -> None:
+    make_transport: MakeTransport,
+) -> None:
     t = make_transport(insecure=True)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         answers, push, link = _prober(ctx, t.local_address)
         push.send_multipart([link, b"", PROBE, b"n" * 16])
         accepted: list[Any] = []
-        wait_until(lambda: answers.poll(0), timeout=T, what="the tier's identity",
-                   pumps=[lambda: accepted.extend(t.poll(0.001))])
+        wait_until(
+            lambda: answers.poll(0),
+            timeout=T,
+            what="the tier's identity",
+            pumps=[lambda: accepted.extend(t.poll(0.001))],
+        )
         parts = answers.recv_multipart()
         assert parts[0].startswith(f"{t.local_address}#".encode())
         assert parts[1:3] == [b"", IDENTITY]
@@ -54,8 +60,12 @@ def test_a_probe_with_a_bad_nonce_is_dropped(make_transport: MakeTransport) -> N
     try:
         answers, push, link = _prober(ctx, t.local_address)
         push.send_multipart([link, b"", PROBE, b"short"])
-        wait_until(lambda: t.stats()["dropped_messages"] >= 1, timeout=T,
-                   what="the probe dropped", pumps=[lambda: t.poll(0.001)])
+        wait_until(
+            lambda: t.stats()["dropped_messages"] >= 1,
+            timeout=T,
+            what="the probe dropped",
+            pumps=[lambda: t.poll(0.001)],
+        )
         assert t.stats()["dropped_messages"] == 1
         assert not answers.poll(0)  # dropped before any answer could be dialed
     finally:

@@ -46,29 +46,43 @@ def test_any_bytes_decode_or_fail_cleanly(payload: bytes) -> None:
         pass
 
 
-_EXTRA = st.none() | st.integers(-2**63, 2**63 - 1) | st.binary(max_size=8) | st.text(max_size=8)
+_EXTRA = st.none() | st.integers(-(2**63), 2**63 - 1) | st.binary(max_size=8) | st.text(max_size=8)
 
 
 @given(identities, st.dictionaries(st.text(max_size=8), _EXTRA, max_size=4))
 def test_unknown_fields_are_ignored_and_known_ones_checked(
-        identity: Identity, extra: dict[str, object]) -> None:
+    identity: Identity, extra: dict[str, object]
+) -> None:
     raw = msgpack.unpackb(encode_identity(identity), raw=False)
     payload = msgpack.packb({**extra, **raw}, use_bin_type=True)
     assert decode_identity(payload) == identity
-    for name, bad in (("nonce", b"short"), ("wire", [2]), ("security", "plain"),
-                      ("p2pkv", "a b"), ("control", ""), ("wire", [True, 1])):
+    for name, bad in (
+        ("nonce", b"short"),
+        ("wire", [2]),
+        ("security", "plain"),
+        ("p2pkv", "a b"),
+        ("control", ""),
+        ("wire", [True, 1]),
+    ):
         with pytest.raises(ProbeWireError, match=f"^identity.{name}: "):
             decode_identity(msgpack.packb({**raw, name: bad}, use_bin_type=True))
 
 
-@pytest.mark.parametrize("payload, message", [
-    (b"\xc1", "identity: not one msgpack map (FormatError)"),
-    (msgpack.packb([1, 2]), "identity: expected a map, got list"),
-    (msgpack.packb({"nonce": msgpack.ExtType(1, b"x")}),
-     "identity: not one msgpack map (ProbeWireError)"),
-    (b"\x80" * (MAX_IDENTITY_BYTES + 1), f"identity: {MAX_IDENTITY_BYTES + 1} bytes, more than "
-     f"{MAX_IDENTITY_BYTES}"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\xc1", "identity: not one msgpack map (FormatError)"),
+        (msgpack.packb([1, 2]), "identity: expected a map, got list"),
+        (
+            msgpack.packb({"nonce": msgpack.ExtType(1, b"x")}),
+            "identity: not one msgpack map (ProbeWireError)",
+        ),
+        (
+            b"\x80" * (MAX_IDENTITY_BYTES + 1),
+            f"identity: {MAX_IDENTITY_BYTES + 1} bytes, more than {MAX_IDENTITY_BYTES}",
+        ),
+    ],
+)
 def test_what_is_refused(payload: bytes, message: str) -> None:
     with pytest.raises(ProbeWireError) as refused:
         decode_identity(payload)
@@ -98,11 +112,14 @@ def test_a_well_formed_probe_names_the_probers_address(nonce: bytes, port: int) 
     assert probe_request([link, b"", PROBE, nonce]) == (PROBE, address)
 
 
-@pytest.mark.parametrize("link, nonce, why", [
-    (b"10.1.2.3:80", b"n" * 16, "malformed link id in a probe (not a p2pkv probe?)"),
-    (None, b"n" * 7, "a probe whose nonce is not 8..64 bytes"),
-    (None, b"n" * 65, "a probe whose nonce is not 8..64 bytes"),
-])
+@pytest.mark.parametrize(
+    "link, nonce, why",
+    [
+        (b"10.1.2.3:80", b"n" * 16, "malformed link id in a probe (not a p2pkv probe?)"),
+        (None, b"n" * 7, "a probe whose nonce is not 8..64 bytes"),
+        (None, b"n" * 65, "a probe whose nonce is not 8..64 bytes"),
+    ],
+)
 def test_a_malformed_probe_says_why(link: bytes | None, nonce: bytes, why: str) -> None:
     link = link or link_id("10.1.2.3:80", new_incarnation())
     assert probe_request([link, b"", PROBE, nonce]) == why

@@ -18,16 +18,21 @@ DEATH_MARGIN = 2.0  # seconds beyond the heartbeat timeout for death to show
 
 def accept_one(p: Any) -> Any:
     accepted: list[Any] = []
-    wait_until(lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T,
-               what="the child's connection")
+    wait_until(
+        lambda: accepted.extend(p.poll(0.01)) or accepted, timeout=T, what="the child's connection"
+    )
     assert len(accepted) == 1
     return accepted[0]
 
 
 def echo(p: Any, conn: Any, word: bytes) -> None:
     conn.send(word)
-    wait_until(lambda: b"echo:" + word in conn.recv(), timeout=T, what="the echo",
-               pumps=[lambda: p.poll(0.01)])
+    wait_until(
+        lambda: b"echo:" + word in conn.recv(),
+        timeout=T,
+        what="the echo",
+        pumps=[lambda: p.poll(0.01)],
+    )
 
 
 def address_of(child: Child) -> str:
@@ -42,8 +47,9 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
     p = make_transport()
     plan = {"B": 10_000, "C": 2_000}  # frames each way per peer
     calm: dict[str, float] = {}  # default heartbeats: a starved CPU must not look like death
-    with Child(zmq_peers.streamer, p.local_address, plan["B"], b"B", plan["B"], calm,
-               name="streamer-B") as b:
+    with Child(
+        zmq_peers.streamer, p.local_address, plan["B"], b"B", plan["B"], calm, name="streamer-B"
+    ) as b:
         addresses = {address_of(b): "B"}
         c: Child | None = None
         conns: dict[str, Any] = {}
@@ -65,8 +71,15 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
                         break
                     sent[name] += 1
             if c is None and len(got["B"]) >= plan["B"] // 2:
-                c = Child(zmq_peers.streamer, p.local_address, plan["C"], b"C", plan["C"],
-                          calm, name="streamer-C").start()
+                c = Child(
+                    zmq_peers.streamer,
+                    p.local_address,
+                    plan["C"],
+                    b"C",
+                    plan["C"],
+                    calm,
+                    name="streamer-C",
+                ).start()
                 addresses[address_of(c)] = "C"
             return all(len(got[n]) >= plan[n] and sent[n] == plan[n] for n in plan)
 
@@ -86,7 +99,7 @@ def test_two_processes_exchange_10000_in_order_and_a_third_joins_mid_stream(
 
 
 def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(
-    make_transport: MakeTransport
+    make_transport: MakeTransport,
 ) -> None:
     p = make_transport(options=FAST)
     with Child(zmq_peers.sitter, 0, p.local_address, FAST, name="sitter-1") as first:
@@ -97,8 +110,12 @@ def test_sigkill_is_detected_and_a_restarted_peer_reconnects_fresh(
         assert p.connect(address) is old
         echo(p, old, b"ping")
         first.kill()
-        wait_until(lambda: not old.alive, timeout=FAST["heartbeat_timeout"] + DEATH_MARGIN,
-                   what="alive False after SIGKILL", pumps=[lambda: p.poll(0.01)])
+        wait_until(
+            lambda: not old.alive,
+            timeout=FAST["heartbeat_timeout"] + DEATH_MARGIN,
+            what="alive False after SIGKILL",
+            pumps=[lambda: p.poll(0.01)],
+        )
     with Child(zmq_peers.sitter, port, p.local_address, FAST, name="sitter-2") as second:
         assert address_of(second) == address
         new = accept_one(p)
@@ -116,8 +133,12 @@ def test_dialed_peer_sigkill_is_detected(make_transport: MakeTransport) -> None:
         conn = p.connect(address_of(child))
         echo(p, conn, b"ping")
         child.kill()
-        wait_until(lambda: not conn.alive, timeout=FAST["heartbeat_timeout"] + DEATH_MARGIN,
-                   what="alive False after SIGKILL", pumps=[lambda: p.poll(0.01)])
+        wait_until(
+            lambda: not conn.alive,
+            timeout=FAST["heartbeat_timeout"] + DEATH_MARGIN,
+            what="alive False after SIGKILL",
+            pumps=[lambda: p.poll(0.01)],
+        )
 
 
 def test_silent_peer_is_detected_by_heartbeats(make_transport: MakeTransport) -> None:
@@ -127,10 +148,11 @@ def test_silent_peer_is_detected_by_heartbeats(make_transport: MakeTransport) ->
         echo(p, conn, b"ping")  # after the echo, both directions are established
         child.pause()  # SIGSTOP: sockets stay open, nothing answers
         try:
-            wait_until(lambda: not conn.alive,
-                       timeout=FAST["heartbeat_interval"] + FAST["heartbeat_timeout"]
-                       + DEATH_MARGIN,
-                       what="alive False while the peer is SIGSTOPped",
-                       pumps=[lambda: p.poll(0.01)])
+            wait_until(
+                lambda: not conn.alive,
+                timeout=FAST["heartbeat_interval"] + FAST["heartbeat_timeout"] + DEATH_MARGIN,
+                what="alive False while the peer is SIGSTOPped",
+                pumps=[lambda: p.poll(0.01)],
+            )
         finally:
             child.kill()

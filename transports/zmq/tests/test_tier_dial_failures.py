@@ -36,23 +36,34 @@ WAIT = 60.0
 class Consumer:
     def __init__(self, control_options: dict[str, Any] | None = None) -> None:
         self.region = np.zeros(NUM_BLOCKS * BLOCK_LEN, np.uint8)
-        config = TierConfig.from_dict({
-            "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0,
-            "control_options": control_options or {},
-            "timeouts": {"handshake": FAR, "load": FAR}})
+        config = TierConfig.from_dict(
+            {
+                "control": "zmq",
+                "data": "memory",
+                "host": "127.0.0.1",
+                "port": 0,
+                "control_options": control_options or {},
+                "timeouts": {"handshake": FAR, "load": FAR},
+            }
+        )
         self.tier = P2PTier(config, self.region.data, BLOCK_LEN)
         self.results: dict[int, JobResult] = {}
 
     def load_from(self, job_id: int, host: str, port: int) -> JobResult:
         """One load of ``kv{job_id}`` from ``host:port``; its result."""
         kv = f"kv{job_id}"
-        ctx = RequestContext(kv, {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": host, "remote_port": port}})
+        ctx = RequestContext(
+            kv,
+            {"remote_prefiller": {"kv_request_id": kv, "remote_host": host, "remote_port": port}},
+        )
         self.tier.on_new_request(ctx)
         self.tier.submit_load(Job(job_id, [b"%s/0" % kv.encode()], [0], True, ctx))
-        wait_until(lambda: job_id in self.results, timeout=WAIT,
-                   what=f"load {job_id}'s result (its deadlines are {FAR}s away)",
-                   pumps=[self.collect])
+        wait_until(
+            lambda: job_id in self.results,
+            timeout=WAIT,
+            what=f"load {job_id}'s result (its deadlines are {FAR}s away)",
+            pumps=[self.collect],
+        )
         self.tier.on_request_finished(ctx)
         return self.results[job_id]
 
@@ -72,8 +83,9 @@ def consumer() -> Iterator[Consumer]:
 def stopped_producer_address() -> tuple[str, int]:
     """The address of a producer tier that ran in another process and has exited: its port
     now refuses connections (a prefiller that died, or a wrong ``remote_port``)."""
-    with Child(zmq_peers.producer_tier, "memory", NUM_BLOCKS, BLOCK_LEN, 1,
-               name="gone-producer") as child:
+    with Child(
+        zmq_peers.producer_tier, "memory", NUM_BLOCKS, BLOCK_LEN, 1, name="gone-producer"
+    ) as child:
         kind, address = child.recv(60, "the producer's address")
         assert kind == "address"
         child.send("stop")
@@ -102,11 +114,14 @@ def test_a_curve_mismatch_fails_the_consumers_load_naming_it(tmp_path: Path) -> 
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "alice.key").write_bytes((tmp_path / "alice.key").read_bytes())
-    server = {"server_secret_key": str(tmp_path / "server.key_secret"),
-              "client_secret_key": str(tmp_path / "alice.key_secret"),
-              "allowed_client_keys": [str(allowed)]}
-    with Child(zmq_peers.producer_tier, "memory", NUM_BLOCKS, BLOCK_LEN, 1, server,
-               name="curve-producer") as child:
+    server = {
+        "server_secret_key": str(tmp_path / "server.key_secret"),
+        "client_secret_key": str(tmp_path / "alice.key_secret"),
+        "allowed_client_keys": [str(allowed)],
+    }
+    with Child(
+        zmq_peers.producer_tier, "memory", NUM_BLOCKS, BLOCK_LEN, 1, server, name="curve-producer"
+    ) as child:
         kind, address = child.recv(60, "the producer's address")
         assert kind == "address"
         host, _, port = address.rpartition(":")
@@ -122,7 +137,8 @@ def test_a_curve_mismatch_fails_the_consumers_load_naming_it(tmp_path: Path) -> 
 
 
 def test_a_load_from_an_http_server_fails_fast_saying_it_is_no_p2pkv_peer(
-        consumer: Consumer) -> None:
+    consumer: Consumer,
+) -> None:
     """A wrong ``remote_port`` that points at an HTTP server (a proxy's, say)."""
     import threading
 

@@ -27,8 +27,12 @@ def pump(*transports: Any) -> Any:
 
 def accept_one(listener: Any, *others: Any) -> Any:
     got: list[Any] = []
-    wait_until(lambda: got.extend(listener.poll(0.001)) or got, timeout=T,
-               what="an inbound connection", pumps=[pump(*others)])
+    wait_until(
+        lambda: got.extend(listener.poll(0.001)) or got,
+        timeout=T,
+        what="an inbound connection",
+        pumps=[pump(*others)],
+    )
     assert len(got) == 1
     return got[0]
 
@@ -43,8 +47,12 @@ def connected(make_transport: MakeTransport) -> tuple[Any, Any, Any, Any]:
 
 def drain(conn: Any, count: int, *transports: Any) -> list[bytes]:
     got: list[bytes] = []
-    wait_until(lambda: got.extend(conn.recv()) or len(got) >= count, timeout=T,
-               what=f"{count} frames", pumps=[pump(*transports)])
+    wait_until(
+        lambda: got.extend(conn.recv()) or len(got) >= count,
+        timeout=T,
+        what=f"{count} frames",
+        pumps=[pump(*transports)],
+    )
     return got
 
 
@@ -81,7 +89,7 @@ def test_inbound_is_returned_with_its_first_frame(make_transport: MakeTransport)
 
 
 def test_dialing_each_other_at_once_gives_one_connection_each(
-    make_transport: MakeTransport
+    make_transport: MakeTransport,
 ) -> None:
     a, b = make_transport(), make_transport()
     ab, ba = a.connect(b.local_address), b.connect(a.local_address)
@@ -196,14 +204,21 @@ def test_frame_cap_on_send(make_transport: MakeTransport) -> None:
 def test_oversized_inbound_frame_is_refused_and_kills_only_that_connection(
     make_transport: MakeTransport,
 ) -> None:
-    small, big, other = (make_transport(max_frame_bytes=1000),
-                         make_transport(max_frame_bytes=10_000), make_transport())
+    small, big, other = (
+        make_transport(max_frame_bytes=1000),
+        make_transport(max_frame_bytes=10_000),
+        make_transport(),
+    )
     out = big.connect(small.local_address)
     out.send(b"ok")
     inbound = accept_one(small, big)
     out.send(b"z" * 5000)
-    wait_until(lambda: not out.alive, timeout=T, what="the oversized sender's connection to die",
-               pumps=[pump(small, big)])
+    wait_until(
+        lambda: not out.alive,
+        timeout=T,
+        what="the oversized sender's connection to die",
+        pumps=[pump(small, big)],
+    )
     assert list(inbound.recv()) == [b"ok"]
     other.connect(small.local_address).send(b"still serving")
     assert list(accept_one(small, other).recv()) == [b"still serving"]
@@ -231,8 +246,7 @@ def test_unreachable_peer_dies_after_connect_timeout(make_transport: MakeTranspo
         a = make_transport(connect_timeout=0.3)
         conn = a.connect(f"127.0.0.1:{silent.getsockname()[1]}")
         conn.send(b"queued")
-        wait_until(lambda: not conn.alive, timeout=T, what="connect_timeout",
-                   pumps=[pump(a)])
+        wait_until(lambda: not conn.alive, timeout=T, what="connect_timeout", pumps=[pump(a)])
         with pytest.raises(ConnectionClosed):
             conn.send(b"after")
 
@@ -244,16 +258,18 @@ def test_close_is_idempotent_and_visible_to_the_peer(make_transport: MakeTranspo
     assert not out.alive
     with pytest.raises(ConnectionClosed):
         out.send(b"after close")
-    wait_until(lambda: not inbound.alive, timeout=T, what="the peer to see the close",
-               pumps=[pump(a, b)])
+    wait_until(
+        lambda: not inbound.alive, timeout=T, what="the peer to see the close", pumps=[pump(a, b)]
+    )
     assert list(inbound.recv()) == [b"x"], "frames received before the close stay readable"
 
 
 def test_accepted_side_close_is_visible_to_the_dialer(make_transport: MakeTransport) -> None:
     a, b, out, inbound = connected(make_transport)
     inbound.close()
-    wait_until(lambda: not out.alive, timeout=T, what="the dialer to see the close",
-               pumps=[pump(a, b)])
+    wait_until(
+        lambda: not out.alive, timeout=T, what="the dialer to see the close", pumps=[pump(a, b)]
+    )
     fresh = a.connect(b.local_address)
     assert fresh is not out and fresh.alive
     fresh.send(b"again")
@@ -268,8 +284,12 @@ def test_transport_close_is_visible_and_idempotent(make_transport: MakeTransport
     assert b.poll(0.0) == ()
     with pytest.raises(ConnectionClosed):
         b.connect(a.local_address)
-    wait_until(lambda: not out.alive, timeout=T, what="the peer to see the transport close",
-               pumps=[pump(a)])
+    wait_until(
+        lambda: not out.alive,
+        timeout=T,
+        what="the peer to see the transport close",
+        pumps=[pump(a)],
+    )
 
 
 def test_close_with_frames_queued_to_nobody_returns(make_transport: MakeTransport) -> None:
@@ -285,7 +305,7 @@ def test_close_with_frames_queued_to_nobody_returns(make_transport: MakeTranspor
 
 
 def test_restarted_peer_at_the_same_address_is_a_fresh_connection(
-    make_transport: MakeTransport
+    make_transport: MakeTransport,
 ) -> None:
     a = make_transport()
     b = make_transport()
@@ -300,8 +320,12 @@ def test_restarted_peer_at_the_same_address_is_a_fresh_connection(
     new = accept_one(a, reborn)
     assert new is not old and new.alive
     assert list(new.recv()) == [b"second life"]
-    wait_until(lambda: not old.alive, timeout=T, what="the old connection to be retired",
-               pumps=[pump(a, reborn)])
+    wait_until(
+        lambda: not old.alive,
+        timeout=T,
+        what="the old connection to be retired",
+        pumps=[pump(a, reborn)],
+    )
     assert list(old.recv()) == [], "nothing of the new life may reach the old connection"
 
 
@@ -319,7 +343,7 @@ def test_reconnecting_over_a_dead_connection_replaces_it(make_transport: MakeTra
 
 
 def test_stale_frames_without_open_are_dropped_and_answered_gone(
-    make_transport: MakeTransport
+    make_transport: MakeTransport,
 ) -> None:
     a = make_transport()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -331,10 +355,15 @@ def test_stale_frames_without_open_are_dropped_and_answered_gone(
     raw.linger = 0
     raw.connect(f"tcp://{a.local_address}")
     try:
-        raw.send_multipart([f"127.0.0.1:{port}#0123456789abcdef".encode(),
-                            b"a frame from a previous life"])
-        wait_until(lambda: a.stats()["dropped_messages"] >= 1, timeout=T,
-                   what="the stale frame to be dropped", pumps=[pump(a)])
+        raw.send_multipart(
+            [f"127.0.0.1:{port}#0123456789abcdef".encode(), b"a frame from a previous life"]
+        )
+        wait_until(
+            lambda: a.stats()["dropped_messages"] >= 1,
+            timeout=T,
+            what="the stale frame to be dropped",
+            pumps=[pump(a)],
+        )
         assert home.poll(int(T * 1000)), "the stale dialer must be told its connection is gone"
         notice = home.recv_multipart()
         assert notice[1:] == [b"", b"gone", b"0123456789abcdef"], notice
@@ -377,14 +406,19 @@ def test_a_closed_dial_never_feeds_the_peers_new_connection(make_transport: Make
     stale = b.connect(a.local_address)
     assert isinstance(stale, ZmqConnection)
     stale.send(b"stale")
-    wait_until(lambda: stale.progress == "ready", timeout=T, what="b's handshake",
-               pumps=[pump(b)])  # the open and the frame are on their way to a
+    wait_until(
+        lambda: stale.progress == "ready", timeout=T, what="b's handshake", pumps=[pump(b)]
+    )  # the open and the frame are on their way to a
     stale.close()
     fresh = a.connect(b.local_address)  # a dials b while b's closed dial is still arriving
     fresh.send(b"hello")
     accepted: list[Any] = []
-    wait_until(lambda: accepted.extend(b.poll(0.001)) or accepted, timeout=T,
-               what="b to accept a's dial", pumps=[pump(a)])
+    wait_until(
+        lambda: accepted.extend(b.poll(0.001)) or accepted,
+        timeout=T,
+        what="b to accept a's dial",
+        pumps=[pump(a)],
+    )
     accepted[0].send(b"welcome")
     got = drain(fresh, 1, a, b)
     assert got == [b"welcome"], "a frame of the closed dial reached the new connection"
@@ -407,11 +441,15 @@ def test_an_accepted_peer_that_stops_listening_is_dead_at_once(
         raw.send_multipart([link, b"", b"open", b""])
         raw.send_multipart([link, b"hi"])
         accepted: list[Any] = []
-        wait_until(lambda: accepted.extend(a.poll(0.001)) or accepted, timeout=T,
-                   what="the inbound connection")
+        wait_until(
+            lambda: accepted.extend(a.poll(0.001)) or accepted,
+            timeout=T,
+            what="the inbound connection",
+        )
         # well before connect_timeout (10 s): the dial-back is refused
-        wait_until(lambda: not accepted[0].alive, timeout=T, what="the refused dial-back",
-                   pumps=[pump(a)])
+        wait_until(
+            lambda: not accepted[0].alive, timeout=T, what="the refused dial-back", pumps=[pump(a)]
+        )
         assert "no longer listens" in (accepted[0].close_reason or "")
     finally:
         raw.close()
@@ -440,7 +478,7 @@ def test_batched_sends_leave_at_the_flush_in_order(make_transport: MakeTransport
 
 
 def test_batched_sends_to_a_full_queue_refuse_and_never_block(
-    make_transport: MakeTransport
+    make_transport: MakeTransport,
 ) -> None:
     with socket.socket() as silent:  # accepts TCP, never speaks ZMTP: nothing leaves the queue
         silent.bind(("127.0.0.1", 0))

@@ -38,8 +38,9 @@ SCRIPT = textwrap.dedent(
 
 
 def test_missing_pyzmq_is_explained_not_crashed() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert "pip install p2pkv-zmq" in done.stderr
@@ -47,7 +48,6 @@ def test_missing_pyzmq_is_explained_not_crashed() -> None:
 
 def test_importing_the_plugin_does_not_import_zmq() -> None:
     code = "import sys, p2pkv_zmq.plugin, p2pkv_zmq; print('zmq' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

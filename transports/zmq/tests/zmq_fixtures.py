@@ -14,6 +14,12 @@ from p2pkv_zmq import ZmqControlTransport
 class MakeTransport(Protocol):
     """The ``make_transport`` fixture: a transport on loopback, closed after the test."""
 
-    def __call__(self, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = 1 << 20,
-                 dp_rank: int = 0, options: Mapping[str, Any] | None = None,
-                 **kw: Any) -> ZmqControlTransport: ...
+    def __call__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame_bytes: int = 1 << 20,
+        dp_rank: int = 0,
+        options: Mapping[str, Any] | None = None,
+        **kw: Any,
+    ) -> ZmqControlTransport: ...

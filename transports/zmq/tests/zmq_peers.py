@@ -52,7 +52,11 @@ def _resident_bytes() -> int:
 
 
 def streamer(
-    pipe: Connection, target: str, count: int, tag: bytes, expect: int,
+    pipe: Connection,
+    target: str,
+    count: int,
+    tag: bytes,
+    expect: int,
     options: Mapping[str, Any],
 ) -> None:
     """Dial ``target`` and send ``tag:0 .. tag:count-1`` while receiving ``expect`` frames on
@@ -98,8 +102,14 @@ def sitter(pipe: Connection, port: int, dial: str | None, options: Mapping[str, 
     t.close()
 
 
-def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, seed: int,
-                  control_options: Mapping[str, Any] | None = None) -> None:
+def producer_tier(
+    pipe: Connection,
+    data: str,
+    num_blocks: int,
+    block_len: int,
+    seed: int,
+    control_options: Mapping[str, Any] | None = None,
+) -> None:
     """A producer ``P2PTier`` over ``zmq`` control (with ``control_options``) and ``data``:
     its region holds ``default_rng(seed)`` bytes; ``("store", job_id, kv, keys, slots)``
     offers blocks, ``("finish", kv)`` ends a request. Reports ``("result", job_id,
@@ -110,8 +120,15 @@ def producer_tier(pipe: Connection, data: str, num_blocks: int, block_len: int, 
     from p2pkv.types import Job, RequestContext
 
     region = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len, np.uint8)
-    config = TierConfig.from_dict({"control": "zmq", "data": data, "host": "127.0.0.1",
-                                   "port": 0, "control_options": dict(control_options or {})})
+    config = TierConfig.from_dict(
+        {
+            "control": "zmq",
+            "data": data,
+            "host": "127.0.0.1",
+            "port": 0,
+            "control_options": dict(control_options or {}),
+        }
+    )
     tier = P2PTier(config, region.data, block_len)
     pipe.send(("address", tier.local_address))
     contexts: dict[str, RequestContext] = {}

@@ -27,16 +27,24 @@ class Peer:
     """A tier over zmq control and memory data; ``config`` adds tier config keys, ``clock``
     is the tier's."""
 
-    def __init__(self, seed: int, *, clock: Callable[[], float] = time.monotonic,
-                 **config: Any) -> None:
+    def __init__(
+        self, seed: int, *, clock: Callable[[], float] = time.monotonic, **config: Any
+    ) -> None:
         self.region = bytearray(NUM_BLOCKS * BLOCK_LEN)
         self.blocks = np.frombuffer(self.region, np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
-        tier_config = TierConfig.from_dict({
-            "control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0, **config,
-        })
-        self.tier = P2PTier(tier_config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY,
-                             clock=clock)
+        tier_config = TierConfig.from_dict(
+            {
+                "control": "zmq",
+                "data": "memory",
+                "host": "127.0.0.1",
+                "port": 0,
+                **config,
+            }
+        )
+        self.tier = P2PTier(
+            tier_config, memoryview(self.region), BLOCK_LEN, registry=REGISTRY, clock=clock
+        )
         self.host, self.port = parse_address(self.tier.local_address)
         self.results: dict[int, JobResult] = {}
 
@@ -45,17 +53,27 @@ class Peer:
             assert r.job_id not in self.results, f"job {r.job_id} reported twice"
             self.results[r.job_id] = r
 
-    def job(self, job_id: int, keys: list[bytes], slots: list[int], *, load: bool,
-            ctx: RequestContext) -> None:
+    def job(
+        self, job_id: int, keys: list[bytes], slots: list[int], *, load: bool, ctx: RequestContext
+    ) -> None:
         (self.tier.submit_load if load else self.tier.submit_store)(
-            Job(job_id, keys, slots, load, ctx))
+            Job(job_id, keys, slots, load, ctx)
+        )
 
 
 def contexts(kv: str, producer: Peer) -> tuple[RequestContext, RequestContext]:
     return (
         RequestContext(f"p-{kv}", {"remote_decoder": {"kv_request_id": kv}}),
-        RequestContext(f"c-{kv}", {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": producer.host, "remote_port": producer.port}}),
+        RequestContext(
+            f"c-{kv}",
+            {
+                "remote_prefiller": {
+                    "kv_request_id": kv,
+                    "remote_host": producer.host,
+                    "remote_port": producer.port,
+                }
+            },
+        ),
     )
 
 
@@ -63,8 +81,9 @@ def tick(*peers: Peer) -> Any:
     return lambda: [p.collect() for p in peers]
 
 
-def run_request(producer: Peer, consumer: Peer, kv: str, slots: list[int],
-                consumer_first: bool) -> None:
+def run_request(
+    producer: Peer, consumer: Peer, kv: str, slots: list[int], consumer_first: bool
+) -> None:
     """One PD request: store ``slots`` of the producer into mirrored consumer slots, its
     bytes checked."""
     pctx, cctx = contexts(kv, producer)
@@ -73,15 +92,21 @@ def run_request(producer: Peer, consumer: Peer, kv: str, slots: list[int],
     keys = [f"{kv}/{i}".encode() for i in range(len(slots))]
     dst = [NUM_BLOCKS - 1 - s for s in slots]
     store_id, load_id = len(producer.results) + 1000, len(consumer.results) + 2000
-    steps = [lambda: producer.job(store_id, keys, slots, load=False, ctx=pctx),
-             lambda: consumer.job(load_id, keys, dst, load=True, ctx=cctx)]
+    steps = [
+        lambda: producer.job(store_id, keys, slots, load=False, ctx=pctx),
+        lambda: consumer.job(load_id, keys, dst, load=True, ctx=cctx),
+    ]
     if consumer_first:
         steps.reverse()
     steps[0]()
     tick(producer, consumer)()
     steps[1]()
-    wait_until(lambda: store_id in producer.results and load_id in consumer.results,
-               timeout=T, what=f"both results of {kv}", pumps=[tick(producer, consumer)])
+    wait_until(
+        lambda: store_id in producer.results and load_id in consumer.results,
+        timeout=T,
+        what=f"both results of {kv}",
+        pumps=[tick(producer, consumer)],
+    )
     assert producer.results[store_id].outcome is Outcome.DONE
     assert consumer.results[load_id].outcome is Outcome.DONE
     assert (consumer.blocks[dst] == producer.blocks[slots]).all(), f"{kv}: wrong bytes"

@@ -176,7 +176,8 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
             raise ConfigError(
                 f"memory transport {address} cannot connect to itself (the memory transport "
                 f"is process-local: a peer in another process with the same address is "
-                f"unreachable; use a network control transport such as zmq)")
+                f"unreachable; use a network control transport such as zmq)"
+            )
         with _HUB.lock:
             if self._closed:
                 raise ConnectionClosed(f"transport {self._address} is closed")

@@ -115,11 +115,15 @@ class MemoryDataTransport(DataTransport):
     def _admit(self, nblocks: int) -> None:
         """Count ``nblocks`` in flight, or refuse: for now, or (too large) for good."""
         if nblocks > self._capacity:
-            raise TransferSubmitError(f"a read of {nblocks} blocks exceeds memory data option "
-                                      f"read_capacity={self._capacity}")
+            raise TransferSubmitError(
+                f"a read of {nblocks} blocks exceeds memory data option "
+                f"read_capacity={self._capacity}"
+            )
         if self._in_flight + nblocks > self._capacity:
-            raise TransferBusy(f"{self._in_flight} of read_capacity={self._capacity} blocks "
-                               f"are in flight, a read needs {nblocks}")
+            raise TransferBusy(
+                f"{self._in_flight} of read_capacity={self._capacity} blocks "
+                f"are in flight, a read needs {nblocks}"
+            )
         self._in_flight += nblocks
 
     def _end(self, read: _Read) -> None:
@@ -165,18 +169,19 @@ def _run_start(idxs: Indexes) -> int:
     return -1
 
 
-def _copy_blocks(dst: npt.NDArray[np.uint8], local: Indexes, src: npt.NDArray[np.uint8],
-                 remote: Indexes) -> None:
+def _copy_blocks(
+    dst: npt.NDArray[np.uint8], local: Indexes, src: npt.NDArray[np.uint8], remote: Indexes
+) -> None:
     """``dst[local] = src[remote]`` (checked indexes), in one pass over the bytes when either
     side is one run of blocks (no temporary copy of the source blocks)."""
     n = len(local)
     start = _run_start(local)
     if start >= 0:  # mode="clip": the indexes are checked; "raise" would buffer the output
-        np.take(src, remote, axis=0, out=dst[start:start + n], mode="clip")
+        np.take(src, remote, axis=0, out=dst[start : start + n], mode="clip")
         return
     start = _run_start(remote)
     if start >= 0:
-        dst[local] = src[start:start + n]
+        dst[local] = src[start : start + n]
     else:
         dst[local] = src[remote]
 

@@ -5,9 +5,9 @@ Wrap transport instances (memory, zmq, nixl, ucx...) and arm rules::
     faults = FaultInjector(seed=7)
     ctl = faults.control(MemoryControlTransport.create(settings))
     data = faults.data(inner_data, local=ctl.local_address)
-    faults.arm(Fault.DROP, peer=other_address, count=1)         # drop the next frame to it
-    faults.arm(Fault.FAIL_COMPLETION, probability=0.1)          # fail 10% of completions
-    faults.partition(ctl.local_address, other_address)          # until faults.heal(...)
+    faults.arm(Fault.DROP, peer=other_address, count=1)  # drop the next frame to it
+    faults.arm(Fault.FAIL_COMPLETION, probability=0.1)  # fail 10% of completions
+    faults.partition(ctl.local_address, other_address)  # until faults.heal(...)
 
 Frame faults act on frames *sent* through a wrapped connection (wrap both sides to hit both
 directions); ``peer`` is the destination's address. Per frame, the first armed rule that

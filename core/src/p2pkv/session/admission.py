@@ -48,7 +48,10 @@ class Admission:
     ``close_unusable`` close one as the tier does."""
 
     def __init__(
-        self, env: SessionEnv, sessions: Mapping[str, Session], *,
+        self,
+        env: SessionEnv,
+        sessions: Mapping[str, Session],
+        *,
         start: Callable[[str, ControlConnection, list[bytes] | None], Session],
         close: Callable[[Session, Outcome, str], None],
         close_unusable: Callable[[Session], None],
@@ -93,14 +96,20 @@ class Admission:
                 continue
             newcomer.frames += conn.recv()
             if len(newcomer.frames) > NEWCOMER_MAX_FRAMES:
-                self._drop(peer, newcomer, f"it sent {len(newcomer.frames)} frames before "
-                           "its session could start")
+                self._drop(
+                    peer,
+                    newcomer,
+                    f"it sent {len(newcomer.frames)} frames before its session could start",
+                )
                 continue
             old = self._sessions.get(peer)
             if old is not None and old.usable and self._redials(old, newcomer.frames):
-                self._close(old, Outcome.PEER_DEAD,
-                            f"{peer} dialled again with the same epoch: it had given this "
-                            f"session up (paused or cut off for longer than its timeouts?)")
+                self._close(
+                    old,
+                    Outcome.PEER_DEAD,
+                    f"{peer} dialled again with the same epoch: it had given this "
+                    f"session up (paused or cut off for longer than its timeouts?)",
+                )
             if old is None or not old.usable:
                 self.promote(peer)
 
@@ -125,8 +134,12 @@ class Admission:
         if previous is not None:
             self._drop(peer, previous, "a newer connection claims the same address")
         wait = self._env.timeouts.handshake
-        log.warning("a new connection claims the address of live peer %s; it is held until "
-                    "that peer's connection ends (at most %.1fs)", peer, wait)
+        log.warning(
+            "a new connection claims the address of live peer %s; it is held until "
+            "that peer's connection ends (at most %.1fs)",
+            peer,
+            wait,
+        )
         timer = self._env.deadlines.at(self._env.clock() + wait, self._expired, peer)
         self._held[peer] = _Newcomer(conn, timer)
 
@@ -148,11 +161,15 @@ class Admission:
 
     def _expired(self, peer: str) -> None:
         wait = self._env.timeouts.handshake
-        self._drop(peer, self._held[peer], "the live session with that address did not end "
-                   f"within {wait}s (an impostor?)")
+        self._drop(
+            peer,
+            self._held[peer],
+            f"the live session with that address did not end within {wait}s (an impostor?)",
+        )
 
-    def _drop(self, peer: str, newcomer: _Newcomer, why: str, *,
-              level: int = logging.WARNING) -> None:
+    def _drop(
+        self, peer: str, newcomer: _Newcomer, why: str, *, level: int = logging.WARNING
+    ) -> None:
         self._held.pop(peer, None)
         self._env.deadlines.cancel(newcomer.timer)
         newcomer.conn.close()

@@ -59,8 +59,9 @@ class ConsumerRole:
         self.peer = session.peer
         self.reqs: dict[str, ConsumerRequest] = {}
         """The requests this role holds state for (read-only outside the role)."""
-        self.window: LoadWindow[LoadRound] = LoadWindow(env.flow.window_rounds,
-                                                        env.flow.window_blocks)
+        self.window: LoadWindow[LoadRound] = LoadWindow(
+            env.flow.window_rounds, env.flow.window_blocks
+        )
         self.reads: dict[int, LoadRound] = {}
         """Our reads in flight, by transfer id."""
         self.probes = Probes(env, session)
@@ -75,8 +76,9 @@ class ConsumerRole:
         """Track ``kv`` from ``on_new_request`` on (so a session death marks it failed)."""
         self._request(kv)
 
-    def submit(self, job: Job, kv: str, *, pull: bool = False,
-               deadline: float | None = None) -> None:
+    def submit(
+        self, job: Job, kv: str, *, pull: bool = False, deadline: float | None = None
+    ) -> None:
         """Start a load round for ``job`` (already recorded in the ledger). ``pull``: a
         prefix pull (``remote_kv_source``), which waits behind PD loads for the window.
         ``deadline``: when the load fails ``load_timeout`` (default: ``timeouts.load`` from
@@ -125,8 +127,9 @@ class ConsumerRole:
         """The producer pinned some of the round's blocks: read them into our slots."""
         top = max(msg.slots)
         if top >= peer_num_blocks:
-            raise ProtocolError(f"ready.slots: slot {top} is outside the producer's region "
-                                f"0..{peer_num_blocks - 1}")
+            raise ProtocolError(
+                f"ready.slots: slot {top} is outside the producer's region 0..{peer_num_blocks - 1}"
+            )
         rnd = self._round(msg.kv_request_id, msg.round, "ready")
         if rnd is None:  # the round ended here meanwhile (we sent, or will send, release)
             return
@@ -149,8 +152,12 @@ class ConsumerRole:
         self.reads[rid] = rnd
         env.owners[rid] = self
         if env.observers.enabled:
-            env.observers.transfer_submitted(peer=self.peer, transfer_id=rid, blocks=nblocks,
-                                             nbytes=nblocks * env.local.block_len)
+            env.observers.transfer_submitted(
+                peer=self.peer,
+                transfer_id=rid,
+                blocks=nblocks,
+                nbytes=nblocks * env.local.block_len,
+            )
 
     def read_refused(self, held: HeldRead, exc: Exception) -> None:
         """The data transport refused ``held`` for good: its round fails."""
@@ -169,20 +176,26 @@ class ConsumerRole:
         window = self.session.read_window
         late = ok and now - rnd.sent_at > window
         if env.observers.enabled:
-            env.observers.transfer_finished(peer=self.peer, transfer_id=rid,
-                                            success=ok and not late,
-                                            nbytes=nblocks * env.local.block_len,
-                                            seconds=now - posted)
+            env.observers.transfer_finished(
+                peer=self.peer,
+                transfer_id=rid,
+                success=ok and not late,
+                nbytes=nblocks * env.local.block_len,
+                seconds=now - posted,
+            )
         if not ok:
             env.counters["transfers_failed"] += 1
             self._fail(rnd, Outcome.TRANSFER_FAILED, f"read {rid} failed")
             return
         if late:
             env.counters["transfers_failed"] += 1
-            self._fail(rnd, Outcome.TRANSFER_FAILED,
-                       f"read {rid} completed {now - rnd.sent_at:.1f}s after the fetch, past "
-                       f"the producer's lease ({window:.1f}s usable): its source may have "
-                       f"changed")
+            self._fail(
+                rnd,
+                Outcome.TRANSFER_FAILED,
+                f"read {rid} completed {now - rnd.sent_at:.1f}s after the fetch, past "
+                f"the producer's lease ({window:.1f}s usable): its source may have "
+                f"changed",
+            )
             return
         env.counters["blocks_read"] += nblocks
         rnd.unread -= nblocks
@@ -276,18 +289,21 @@ class ConsumerRole:
         if rnd.phase is not Phase.UNSENT:
             waited = ""
             if rnd.held:
-                waited = (f"; {len(rnd.held)} read(s) waited for room in the data transport "
-                          f"({env.reads.busy})")
-            detail = (f"{rnd.unread} of {len(rnd.keys)} block(s) not read within {load}s"
-                      f"{waited}")
+                waited = (
+                    f"; {len(rnd.held)} read(s) waited for room in the data transport "
+                    f"({env.reads.busy})"
+                )
+            detail = f"{rnd.unread} of {len(rnd.keys)} block(s) not read within {load}s{waited}"
         elif not self.session.ready:
             detail = "never sent: handshake not complete"
         else:
             window = self.window
-            detail = (f"waited {load}s in the flow-control queue for {self.peer} behind "
-                      f"{window.ahead_of(rnd)} load(s); the window was full: {window.rounds} "
-                      f"round(s) of flow.window_rounds={window.max_rounds} and {window.blocks} "
-                      f"block(s) of flow.window_blocks={window.max_blocks} open")
+            detail = (
+                f"waited {load}s in the flow-control queue for {self.peer} behind "
+                f"{window.ahead_of(rnd)} load(s); the window was full: {window.rounds} "
+                f"round(s) of flow.window_rounds={window.max_rounds} and {window.blocks} "
+                f"block(s) of flow.window_blocks={window.max_blocks} open"
+            )
         self._fail(rnd, Outcome.LOAD_TIMEOUT, detail)
 
     def _end_rounds(self, req: ConsumerRequest, why: Outcome, detail: str) -> None:

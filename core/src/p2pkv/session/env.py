@@ -138,5 +138,9 @@ class SessionEnv:
     def __post_init__(self) -> None:
         self.reads = ReadGate(self)
         self.warnings = LogLimiter(
-            logging.getLogger("p2pkv.tier"), _WARN_BURST, _WARN_WINDOW, self.clock(),
-            "warnings about peers (requests naming peers that cannot or may not be dialed?)")
+            logging.getLogger("p2pkv.tier"),
+            _WARN_BURST,
+            _WARN_WINDOW,
+            self.clock(),
+            "warnings about peers (requests naming peers that cannot or may not be dialed?)",
+        )

@@ -31,8 +31,14 @@ class FetchRounds:
     ``send`` puts a message on the session (False: over the frame cap, not sent).
     ``maybe_done`` is told of a request each time one of its rounds ended."""
 
-    def __init__(self, env: SessionEnv, peer: str, send: Callable[[Message], bool],
-                 jobs: StoreJobs, maybe_done: Callable[[ProducerRequest], None]) -> None:
+    def __init__(
+        self,
+        env: SessionEnv,
+        peer: str,
+        send: Callable[[Message], bool],
+        jobs: StoreJobs,
+        maybe_done: Callable[[ProducerRequest], None],
+    ) -> None:
         self._env = env
         self._peer = peer
         self._send = send
@@ -66,8 +72,11 @@ class FetchRounds:
         self.pinned += len(jobs)
         pins = rnd.pins
         first = jobs[0]
-        groups = ([(first, len(jobs))] if jobs.count(first) == len(jobs)  # one job: no loop
-                  else Counter(jobs).items())
+        groups = (
+            [(first, len(jobs))]
+            if jobs.count(first) == len(jobs)  # one job: no loop
+            else Counter(jobs).items()
+        )
         for sj, n in groups:
             sj.pinned += n
             pins[sj] = pins.get(sj, 0) + n
@@ -156,8 +165,7 @@ class FetchRounds:
     def _arm_lease(self, rnd: FetchRound) -> None:
         env = self._env
         env.deadlines.cancel(rnd.timer)
-        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._on_lease_expired,
-                                     rnd)
+        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._on_lease_expired, rnd)
 
     def _lease_expired(self, rnd: FetchRound) -> None:
         """The lease after the round's latest ``ready`` (or its fetch) passed without a

@@ -36,8 +36,9 @@ class JobIntake:
         self._num_blocks = num_blocks
         self._slot_type = list[Annotated[int, msgspec.Meta(ge=0, lt=num_blocks)]]
 
-    def admit(self, job: Job, routing: Routing, *, load: bool,
-              closed: bool) -> tuple[Job, str, str] | None:
+    def admit(
+        self, job: Job, routing: Routing, *, load: bool, closed: bool
+    ) -> tuple[Job, str, str] | None:
         """Check and record a submitted job: (normalised job, kv_request_id, peer), or None
         when it got its result at once (no route, nothing to move, shut down, over limits)."""
         if job.is_load is not load:
@@ -107,13 +108,17 @@ class JobIntake:
         limits = self._limits
         nkeys = len(keys)
         if nkeys > limits.max_keys_per_message:
-            return (f"{nkeys} blocks exceed limits.max_keys_per_message="
-                    f"{limits.max_keys_per_message}; raise it to at least {nkeys} (on both "
-                    f"peers) or use larger blocks")
+            return (
+                f"{nkeys} blocks exceed limits.max_keys_per_message="
+                f"{limits.max_keys_per_message}; raise it to at least {nkeys} (on both "
+                f"peers) or use larger blocks"
+            )
         cap = limits.max_frame_bytes - 16 * nkeys - 512
         if load and longest * nkeys > cap and len(b"".join(keys)) > cap:
-            return (f"a fetch for {nkeys} blocks would exceed limits.max_frame_bytes="
-                    f"{limits.max_frame_bytes}; raise it (on both peers)")
+            return (
+                f"a fetch for {nkeys} blocks would exceed limits.max_frame_bytes="
+                f"{limits.max_frame_bytes}; raise it (on both peers)"
+            )
         return ""
 
 
@@ -128,13 +133,11 @@ def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int, slot_type: Any)
         pass  # not a plain list of ints in range: the slow path converts it or says why
     tolist = getattr(ids, "tolist", None)
     raw = tolist() if tolist is not None else list(ids)
-    bad = next((s for s in raw if isinstance(s, bool) or not hasattr(type(s), "__index__")),
-               None)
+    bad = next((s for s in raw if isinstance(s, bool) or not hasattr(type(s), "__index__")), None)
     if bad is not None:
         raise UsageError(f"job {job_id}: block id {bad!r} is not an integer")
     slots = list(map(operator.index, raw))
     bad = next((s for s in slots if not 0 <= s < num_blocks), None)
     if bad is not None:
-        raise UsageError(f"job {job_id}: block id {bad!r} is not a slot in "
-                         f"0..{num_blocks - 1}")
+        raise UsageError(f"job {job_id}: block id {bad!r} is not a slot in 0..{num_blocks - 1}")
     return slots

@@ -68,9 +68,14 @@ class JobLedger:
         self.outcomes[outcome] += 1
         obs = self._observers
         if obs.enabled:  # once per job: no keyword arguments built for nobody
-            obs.job_finished(job_id=job_id, is_load=rec.is_load, outcome=outcome.value,
-                             kv_request_id=rec.kv_request_id, peer=rec.peer,
-                             seconds=self._clock() - rec.started)
+            obs.job_finished(
+                job_id=job_id,
+                is_load=rec.is_load,
+                outcome=outcome.value,
+                kv_request_id=rec.kv_request_id,
+                peer=rec.peer,
+                seconds=self._clock() - rec.started,
+            )
         return True
 
     def take(self) -> list[JobResult]:

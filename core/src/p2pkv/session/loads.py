@@ -40,8 +40,21 @@ class Probe(enum.IntEnum):
 class LoadRound:
     """One load job of the engine: its fetch, the reads into our slots, its deadline."""
 
-    __slots__ = ("announced", "held", "job_id", "keys", "no", "opened", "phase", "reads", "req",
-                 "sent_at", "slots", "timer", "unread")
+    __slots__ = (
+        "announced",
+        "held",
+        "job_id",
+        "keys",
+        "no",
+        "opened",
+        "phase",
+        "reads",
+        "req",
+        "sent_at",
+        "slots",
+        "timer",
+        "unread",
+    )
 
     def __init__(self, req: ConsumerRequest, no: int, job: Job) -> None:
         self.req = req
@@ -75,8 +88,10 @@ class LoadRound:
         announced = self.announced
         if max(pos) >= n or len(set(pos)) != len(pos) or not announced.isdisjoint(pos):
             bad = _first_bad_position(pos, n, announced)
-            raise ProtocolError(f"ready.pos: position {bad} is outside the round's {n} "
-                                f"key(s) or was already announced")
+            raise ProtocolError(
+                f"ready.pos: position {bad} is outside the round's {n} "
+                f"key(s) or was already announced"
+            )
         announced.update(pos)
         return list(map(self.slots.__getitem__, pos))
 
@@ -84,8 +99,19 @@ class LoadRound:
 class ConsumerRequest:
     """Load rounds and probes of one ``kv_request_id``."""
 
-    __slots__ = ("contacted", "failed", "finished", "kv", "loaded", "next_round", "open_keys",
-                 "probes", "released", "rounds", "unsent_keys")
+    __slots__ = (
+        "contacted",
+        "failed",
+        "finished",
+        "kv",
+        "loaded",
+        "next_round",
+        "open_keys",
+        "probes",
+        "released",
+        "rounds",
+        "unsent_keys",
+    )
 
     def __init__(self, kv: str) -> None:
         self.kv = kv
@@ -107,19 +133,25 @@ class ConsumerRequest:
     def conflict(self, job: Job, ledger: JobLedger) -> str:
         """Why ``job`` cannot be a new round here (only this job fails), or ``""``."""
         if self.released:
-            return (f"request {self.kv!r} was already ended with its producer (finished or an "
-                    f"earlier load failed); a new load needs a new kv_request_id")
+            return (
+                f"request {self.kv!r} was already ended with its producer (finished or an "
+                f"earlier load failed); a new load needs a new kv_request_id"
+            )
         if self.open_keys and not self.open_keys.isdisjoint(job.keys):
             wanted = set(job.keys)
             busy = next(r for r in self.rounds.values() if not wanted.isdisjoint(r.keys))
-            return (f"{len(self.open_keys.intersection(job.keys))} of its blocks are already "
-                    f"being loaded for request {self.kv!r} by job {busy.job_id}")
+            return (
+                f"{len(self.open_keys.intersection(job.keys))} of its blocks are already "
+                f"being loaded for request {self.kv!r} by job {busy.job_id}"
+            )
         for job_id, keys in list(self.loaded.items()):
             if not ledger.not_taken(job_id):
                 del self.loaded[job_id]
             elif not set(keys).isdisjoint(job.keys):
-                return (f"its blocks were just loaded for request {self.kv!r} by job {job_id}, "
-                        f"whose result the engine has not taken yet")
+                return (
+                    f"its blocks were just loaded for request {self.kv!r} by job {job_id}, "
+                    f"whose result the engine has not taken yet"
+                )
         return ""
 
     def open_round(self, job: Job) -> LoadRound:

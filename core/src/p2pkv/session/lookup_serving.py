@@ -43,8 +43,13 @@ class LookupServing:
     pinned into supply for ``kv``: the keys it can serve, or None (the job then has its
     result already)."""
 
-    def __init__(self, env: SessionEnv, peer: str, send: Callable[[Message], bool],
-                 adopt: Callable[[str, Job], set[bytes] | None]) -> None:
+    def __init__(
+        self,
+        env: SessionEnv,
+        peer: str,
+        send: Callable[[Message], bool],
+        adopt: Callable[[str, Job], set[bytes] | None],
+    ) -> None:
         self._env = env
         self._peer = peer
         self._send = send
@@ -95,8 +100,12 @@ class LookupServing:
                         elif res is LookupResult.MISS:
                             answers[i] = False
             except Exception:
-                log.exception("peer %s: hit source failed serving lookup %d of %r; "
-                              "answering MISS", self._peer, serve.seq, serve.kv)
+                log.exception(
+                    "peer %s: hit source failed serving lookup %d of %r; answering MISS",
+                    self._peer,
+                    serve.seq,
+                    serve.kv,
+                )
                 self._answer_miss(serve, source)
                 continue
             expired = serve.timer is not None and now >= serve.timer[0]
@@ -124,8 +133,10 @@ class LookupServing:
                 log.exception("peer %s: hit source pin() failed; answering MISS", self._peer)
             else:
                 pinned = self._adopt(serve.kv, job)
-            hits = [h and pinned is not None and k in pinned
-                    for k, h in zip(serve.keys, hits, strict=True)]
+            hits = [
+                h and pinned is not None and k in pinned
+                for k, h in zip(serve.keys, hits, strict=True)
+            ]
         self._finish(serve, hits)
         self._end(source, serve.handle)
 

@@ -46,7 +46,8 @@ class Outbox:
         if len(self._held) >= self._limit:
             raise OutboxOverflow(
                 f"{len(self._held)} control frames are held for a peer whose send queue stays "
-                f"full (flow.max_held_frames={self._limit}): it reads nothing")
+                f"full (flow.max_held_frames={self._limit}): it reads nothing"
+            )
         self._held.append(frame)
         return True
 

@@ -48,8 +48,9 @@ class PauseDetector:
 
     __slots__ = ("_clock", "_ident", "_last", "_watch", "limit", "slow_ticks")
 
-    def __init__(self, clock: Callable[[], float], limit: float | None, *,
-                 watch: StopWatch | None = None) -> None:
+    def __init__(
+        self, clock: Callable[[], float], limit: float | None, *, watch: StopWatch | None = None
+    ) -> None:
         self._clock = clock
         self.limit = limit
         """The silence peers tolerate (None: the control transport has no such limit)."""
@@ -77,9 +78,13 @@ class PauseDetector:
         if watch.stopped(since, now):
             return gap
         self.slow_ticks += 1
-        log.warning("this tier was not ticked for %.1fs, longer than the control transport's "
-                    "silence timeout %gs, but the process ran meanwhile: a slow tick, not a "
-                    "pause; its sessions are kept", gap, limit)
+        log.warning(
+            "this tier was not ticked for %.1fs, longer than the control transport's "
+            "silence timeout %gs, but the process ran meanwhile: a slow tick, not a "
+            "pause; its sessions are kept",
+            gap,
+            limit,
+        )
         return None
 
     def close(self) -> None:

@@ -87,9 +87,7 @@ class Probes:
         req, keys, timer = entry
         self._env.deadlines.cancel(timer)
         if len(msg.hits) != len(keys):
-            raise ProtocolError(
-                f"lookup_resp.hits: {len(msg.hits)} answers for {len(keys)} keys"
-            )
+            raise ProtocolError(f"lookup_resp.hits: {len(msg.hits)} answers for {len(keys)} keys")
         probes = req.probes
         for k, hit in zip(keys, msg.hits, strict=True):
             if probes.get(k) is Probe.INFLIGHT:
@@ -114,8 +112,9 @@ class Probes:
     def _timeout(self, seq: int) -> None:
         entry = self._lookups.get(seq)
         if entry is not None:
-            self._env.observers.timeout(kind="lookup", kv_request_id=entry[0].kv,
-                                        peer=self._link.peer)
+            self._env.observers.timeout(
+                kind="lookup", kv_request_id=entry[0].kv, peer=self._link.peer
+            )
             self._unanswered(seq)
 
     def _unanswered(self, seq: int) -> None:

@@ -79,7 +79,8 @@ class ProducerRole:
         for rnd in list(req.rounds.values()):
             if rnd.waiting:
                 self._rounds.fail(
-                    rnd, Outcome.DEMAND_UNMET,
+                    rnd,
+                    Outcome.DEMAND_UNMET,
                     f"{rnd.waiting} demanded block(s) were never stored by the producer",
                 )
         self._maybe_drop(req)
@@ -129,16 +130,18 @@ class ProducerRole:
         if req is None:
             return  # ended here already (lease passed, or the session was rebuilt)
         if msg.round > req.max_round:
-            raise ProtocolError(f"release.round: round {msg.round} of {req.kv!r} was never "
-                                f"fetched")
+            raise ProtocolError(f"release.round: round {msg.round} of {req.kv!r} was never fetched")
         rnd = req.rounds.get(msg.round)
         if rnd is None:
             return
         if msg.read and rnd.unready:
-            raise ProtocolError(f"release.read: round {msg.round} of {req.kv!r} still has "
-                                f"{rnd.unready} block(s) never announced")
+            raise ProtocolError(
+                f"release.read: round {msg.round} of {req.kv!r} still has "
+                f"{rnd.unready} block(s) never announced"
+            )
         self._rounds.release(
-            rnd, None if msg.read else (Outcome.ABORTED, "the consumer gave the round up"))
+            rnd, None if msg.read else (Outcome.ABORTED, "the consumer gave the round up")
+        )
 
     def on_lookup(self, msg: Lookup) -> None:
         self._lookups.on_lookup(msg)
@@ -203,8 +206,9 @@ class ProducerRole:
         req = self.reqs.get(msg.kv_request_id)
         if req is not None:  # its release(read=False) will name this round
             req.max_round = max(req.max_round, msg.round)
-        self._rounds.refuse(msg.kv_request_id, msg.round, Outcome.PEER_DEAD,
-                            "the producer is shutting down")
+        self._rounds.refuse(
+            msg.kv_request_id, msg.round, Outcome.PEER_DEAD, "the producer is shutting down"
+        )
 
     def _servable(self, req: ProducerRequest, msg: Fetch) -> bool | None:
         """Whether the supply holds every key of the fetch. None when it cannot be served:
@@ -212,15 +216,19 @@ class ProducerRole:
         keys = msg.keys
         conflict = req.conflict(keys)
         if conflict:  # a request-level conflict fails that round, not the session
-            log.warning("peer %s: round %d of %r refused: %s", self.peer, msg.round, req.kv,
-                        conflict)
+            log.warning(
+                "peer %s: round %d of %r refused: %s", self.peer, msg.round, req.kv, conflict
+            )
             self._rounds.refuse(req.kv, msg.round, Outcome.REQUEST_CONFLICT, conflict)
             return None
         held_all = req.holds_all(keys)
         if not req.supply_open and not held_all:
-            self._rounds.refuse(req.kv, msg.round, Outcome.DEMAND_UNMET,
-                                f"{req.missing(keys)} of {len(keys)} block(s) are not held "
-                                f"and cannot arrive")
+            self._rounds.refuse(
+                req.kv,
+                msg.round,
+                Outcome.DEMAND_UNMET,
+                f"{req.missing(keys)} of {len(keys)} block(s) are not held and cannot arrive",
+            )
             self._maybe_drop(req)
             return None
         return held_all
@@ -250,10 +258,14 @@ class ProducerRole:
             return None
         if msg.round <= req.max_round:  # e.g. a finished kv_request_id reused: that round fails
             if msg.keys:
-                self._rounds.refuse(kv, msg.round, Outcome.REQUEST_CONFLICT,
-                                    f"round {msg.round} is not above the previous round "
-                                    f"{req.max_round} of {kv!r} (is the kv_request_id reused "
-                                    f"while the producer still holds it?)")
+                self._rounds.refuse(
+                    kv,
+                    msg.round,
+                    Outcome.REQUEST_CONFLICT,
+                    f"round {msg.round} is not above the previous round "
+                    f"{req.max_round} of {kv!r} (is the kv_request_id reused "
+                    f"while the producer still holds it?)",
+                )
             return None
         req.max_round = msg.round
         return req
@@ -268,8 +280,9 @@ class ProducerRole:
             log.exception("peer %s: hit source pinned an unusable job; answering MISS", self.peer)
             return None
         if job.is_load or len(job.keys) != len(job.block_ids):
-            ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
-                         "pinned job is not a store with one slot per key")
+            ledger.close(
+                job.job_id, Outcome.SUBMIT_FAILED, "pinned job is not a store with one slot per key"
+            )
             return None
         req = self._claimed(kv, by_fetch=False)
         if isinstance(req, str):

@@ -55,8 +55,14 @@ class Claim:
 
 
 class ProducerDirectory:
-    def __init__(self, ledger: JobLedger, deadlines: Deadlines, clock: Callable[[], float],
-                 timeouts: Timeouts, observers: Observers) -> None:
+    def __init__(
+        self,
+        ledger: JobLedger,
+        deadlines: Deadlines,
+        clock: Callable[[], float],
+        timeouts: Timeouts,
+        observers: Observers,
+    ) -> None:
         self._ledger = ledger
         self._deadlines = deadlines
         self._clock = clock
@@ -87,8 +93,9 @@ class ProducerDirectory:
             parked.append(job)
         # A fetch for an id never seen here waits for stores (decoder-first); a lookup-served
         # request only gets more supply while a local producer request is running.
-        supply_open = active or (by_fetch and entries is None
-                                 and kv_request_id not in self._tombstones)
+        supply_open = active or (
+            by_fetch and entries is None and kv_request_id not in self._tombstones
+        )
         self._bindings[kv_request_id] = role
         return Claim(parked, supply_open)
 
@@ -142,7 +149,8 @@ class ProducerDirectory:
 
     def park(self, kv_request_id: str, job: Job) -> None:
         timer = self._deadlines.at(
-            self._clock() + self._timeouts.unbound_store, self._unbound_expired,
+            self._clock() + self._timeouts.unbound_store,
+            self._unbound_expired,
             (kv_request_id, job),
         )
         self._parked.setdefault(kv_request_id, []).append((job, timer))
@@ -157,8 +165,11 @@ class ProducerDirectory:
                 if kv in self._tombstones:
                     self._tombstone(kv)
         self._observers.timeout(kind="unbound_store", kv_request_id=kv, peer="")
-        self._ledger.close(job.job_id, Outcome.UNBOUND_TIMEOUT,
-                           f"no consumer fetched {kv!r} within {self._timeouts.unbound_store}s")
+        self._ledger.close(
+            job.job_id,
+            Outcome.UNBOUND_TIMEOUT,
+            f"no consumer fetched {kv!r} within {self._timeouts.unbound_store}s",
+        )
 
     def fail_parked(self, outcome: Outcome, detail: str) -> None:
         parked, self._parked = self._parked, {}

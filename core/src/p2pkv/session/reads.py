@@ -56,8 +56,14 @@ class HeldRead:
 
     __slots__ = ("live", "local", "owner", "owner_data", "peer", "remote")
 
-    def __init__(self, owner: ReadPoster, owner_data: object, peer: str, local: list[int],
-                 remote: Sequence[int]) -> None:
+    def __init__(
+        self,
+        owner: ReadPoster,
+        owner_data: object,
+        peer: str,
+        local: list[int],
+        remote: Sequence[int],
+    ) -> None:
         self.owner = owner
         self.owner_data = owner_data
         self.peer = peer
@@ -115,8 +121,9 @@ class ReadGate:
         else:
             del self._used[peer]
 
-    def split(self, peer: str, local: list[int],
-              remote: Sequence[int]) -> Iterator[tuple[list[int], Sequence[int]]]:
+    def split(
+        self, peer: str, local: list[int], remote: Sequence[int]
+    ) -> Iterator[tuple[list[int], Sequence[int]]]:
         """``local``/``remote`` cut into reads that fit half of the shared resource reads
         from ``peer`` need (one piece when they need none, or fit): a read larger than the
         pool would be refused for good, and one larger than a peer's share would wait until
@@ -127,7 +134,7 @@ class ReadGate:
             yield local, remote
             return
         for start in range(0, len(local), step):
-            yield local[start:start + step], remote[start:start + step]
+            yield local[start : start + step], remote[start : start + step]
 
     # -- the tier's side --------------------------------------------------------------------
 
@@ -179,8 +186,10 @@ class ReadGate:
         if capacity is not None:
             used = self._used.get(peer, 0)
             if used and used + nblocks > self._share(capacity, peer):
-                self.busy = (f"peer {peer!r} has {used} block(s) in flight, its share of the "
-                             f"{capacity} the data transport shares among peers")
+                self.busy = (
+                    f"peer {peer!r} has {used} block(s) in flight, its share of the "
+                    f"{capacity} the data transport shares among peers"
+                )
                 return _OVER_SHARE
         try:
             rid = self._holder.data.read_blocks(peer, held.local, held.remote)
@@ -208,8 +217,9 @@ class ReadGate:
     def _share(self, capacity: int, peer: str) -> int:
         """Blocks ``peer`` may have in flight: the capacity over the peers using it (at
         least two, so one peer never takes all of it)."""
-        users = len(self._used) + sum(1 for p in self._held
-                                      if p not in self._used and self._capacity(p) is not None)
+        users = len(self._used) + sum(
+            1 for p in self._held if p not in self._used and self._capacity(p) is not None
+        )
         if peer not in self._used and peer not in self._held:
             users += 1
         return capacity // max(2, users)

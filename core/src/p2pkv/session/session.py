@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 
 REJECTED_PREFIX = "rejected: "
 """Head of a rejecting bye's reason (what a 2.0 peer recognises a rejection by)."""
-_BYE_OUTCOMES = {Outcome.PEER_REJECTED.value: Outcome.PEER_REJECTED,
-                 Outcome.PROTOCOL_ERROR.value: Outcome.PROTOCOL_ERROR}
+_BYE_OUTCOMES = {
+    Outcome.PEER_REJECTED.value: Outcome.PEER_REJECTED,
+    Outcome.PROTOCOL_ERROR.value: Outcome.PROTOCOL_ERROR,
+}
 """The ``bye.outcome`` values other than ``peer_dead`` (the default for anything else)."""
 
 
@@ -79,8 +81,9 @@ class Doom(NamedTuple):
 class Session:
     """Both roles towards one peer over one control connection."""
 
-    def __init__(self, env: SessionEnv, peer: str, conn: ControlConnection, *,
-                 dialed: bool = False) -> None:
+    def __init__(
+        self, env: SessionEnv, peer: str, conn: ControlConnection, *, dialed: bool = False
+    ) -> None:
         self.env = env
         self.peer = peer
         self.conn = conn
@@ -129,12 +132,19 @@ class Session:
         self.timer = env.deadlines.at(env.clock() + wait, self._handshake_expired, wait)
         hello = env.hello
         if hello is None:  # the same for every peer: encoded once
-            hello = env.hello = encode(Hello(
-                wire=(WIRE_MAJOR, WIRE_MINOR), epoch=local.epoch, address=local.address,
-                descriptor=local.descriptor, num_blocks=local.num_blocks,
-                block_len=local.block_len, fingerprint=local.fingerprint,
-                hash_seed=local.hash_seed, lease_ms=int(env.timeouts.lease * 1000),
-            ))
+            hello = env.hello = encode(
+                Hello(
+                    wire=(WIRE_MAJOR, WIRE_MINOR),
+                    epoch=local.epoch,
+                    address=local.address,
+                    descriptor=local.descriptor,
+                    num_blocks=local.num_blocks,
+                    block_len=local.block_len,
+                    fingerprint=local.fingerprint,
+                    hash_seed=local.hash_seed,
+                    lease_ms=int(env.timeouts.lease * 1000),
+                )
+            )
         self._send_frame(hello, "hello")
 
     @property
@@ -154,8 +164,9 @@ class Session:
     @property
     def usable(self) -> bool:
         """Still able to carry new work (handshaking or ready, not doomed, connection alive)."""
-        return (self.state in (State.HANDSHAKE, State.READY) and self.doomed is None
-                and self.conn.alive)
+        return (
+            self.state in (State.HANDSHAKE, State.READY) and self.doomed is None and self.conn.alive
+        )
 
     @property
     def busy(self) -> bool:
@@ -182,15 +193,17 @@ class Session:
         """No load round or fetch round of this session is open, no block pinned for it."""
         return not (self.consumer.n_rounds or self.producer.n_rounds or self.producer.n_pins)
 
-    def doom(self, outcome: Outcome, reason: str, bye: str | None, *,
-             by_peer: bool = False) -> None:
+    def doom(
+        self, outcome: Outcome, reason: str, bye: str | None, *, by_peer: bool = False
+    ) -> None:
         """Mark the session for closing at the tier's next safe point (first reason wins)."""
         if self.doomed is None and self.state in (State.HANDSHAKE, State.READY):
             self.doomed = Doom(outcome, reason, bye, by_peer)
             self.env.doomed.append(self)
 
-    def close(self, outcome: Outcome, reason: str, *, bye: str | None = None,
-              close_conn: bool = True) -> None:
+    def close(
+        self, outcome: Outcome, reason: str, *, bye: str | None = None, close_conn: bool = True
+    ) -> None:
         """Fail everything with ``outcome``; cancel our reads; say ``bye`` if given."""
         if self.state is State.CLOSED:
             return
@@ -209,11 +222,21 @@ class Session:
         if handshaking and self.pre_connect:
             log.debug("session with %s closed: %s", self.peer, reason)
         elif handshaking and self.dialed:  # rate-limited: see ``dialed``
-            env.warnings.log(env.clock(), logging.WARNING, "session with %s closed: %s",
-                             self.peer, reason, logger=log)
+            env.warnings.log(
+                env.clock(),
+                logging.WARNING,
+                "session with %s closed: %s",
+                self.peer,
+                reason,
+                logger=log,
+            )
         else:
-            log.log(logging.WARNING if handshaking else logging.INFO,
-                    "session with %s closed: %s", self.peer, reason)
+            log.log(
+                logging.WARNING if handshaking else logging.INFO,
+                "session with %s closed: %s",
+                self.peer,
+                reason,
+            )
         env.observers.session_closed(peer=self.peer, reason=reason)
         self.consumer.close(outcome, reason)
         self.producer.close(outcome, reason)
@@ -234,14 +257,17 @@ class Session:
         dooms the session."""
         return self._send_frame(encode(msg), msg, oversize_fails_session=oversize_fails_session)
 
-    def _send_frame(self, frame: bytes, what: Message | str, *,
-                    oversize_fails_session: bool = True) -> bool:
+    def _send_frame(
+        self, frame: bytes, what: Message | str, *, oversize_fails_session: bool = True
+    ) -> bool:
         """:meth:`_send_now` of an encoded frame (``what``: its message, or its type, for the
         log)."""
         try:
             if len(frame) > self.env.limits.max_frame_bytes:
-                raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds limits."
-                                    f"max_frame_bytes {self.env.limits.max_frame_bytes}")
+                raise FrameTooLarge(
+                    f"frame of {len(frame)} bytes exceeds limits."
+                    f"max_frame_bytes {self.env.limits.max_frame_bytes}"
+                )
             if self.outbox.send(frame):
                 self.env.congested.add(self)
                 self.env.counters["frames_delayed"] += 1
@@ -249,8 +275,12 @@ class Session:
             if oversize_fails_session:
                 self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
             else:
-                log.warning("session %s: %s not sent: %s", self.peer,
-                            what if isinstance(what, str) else message_type(what), exc)
+                log.warning(
+                    "session %s: %s not sent: %s",
+                    self.peer,
+                    what if isinstance(what, str) else message_type(what),
+                    exc,
+                )
             return False
         except Exception as exc:  # ConnectionClosed, OutboxOverflow, ...
             self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
@@ -287,8 +317,11 @@ class Session:
                 return None
             try:
                 msg = decode(frame, self.env.limits)
-                if (type(msg) is Hello and self.peer_hello is not None
-                        and msg.epoch != self.peer_hello.epoch):
+                if (
+                    type(msg) is Hello
+                    and self.peer_hello is not None
+                    and msg.epoch != self.peer_hello.epoch
+                ):
                     return list(frames[i:])
                 self._dispatch(msg)
                 self.internal_errors = 0
@@ -297,8 +330,12 @@ class Session:
             except Exception as exc:
                 self.internal_errors += 1
                 cap = self.env.limits.max_consecutive_internal_errors
-                log.exception("session %s: internal error %d/%d handling a frame",
-                              self.peer, self.internal_errors, cap)
+                log.exception(
+                    "session %s: internal error %d/%d handling a frame",
+                    self.peer,
+                    self.internal_errors,
+                    cap,
+                )
                 if self.internal_errors >= cap:
                     self.protocol_error(
                         f"{self.internal_errors} consecutive internal errors, last: "
@@ -311,8 +348,7 @@ class Session:
         log.warning("protocol error from %s: %s; closing the session", self.peer, reason)
         env.counters["protocol_errors"] += 1
         env.observers.protocol_error(peer=self.peer, reason=reason)
-        self.doom(Outcome.PROTOCOL_ERROR, f"protocol error: {reason}",
-                  f"protocol error: {reason}")
+        self.doom(Outcome.PROTOCOL_ERROR, f"protocol error: {reason}", f"protocol error: {reason}")
 
     def _dispatch(self, msg: Message | Unknown) -> None:
         handler = self._handlers.get(type(msg))
@@ -359,23 +395,32 @@ class Session:
     def _incompatibility(self, msg: Hello) -> str:
         local = self.env.local
         if msg.wire[0] != WIRE_MAJOR:
-            return (f"wire version {msg.wire[0]}.{msg.wire[1]} is incompatible with ours "
-                    f"{WIRE_MAJOR}.{WIRE_MINOR} (major versions differ)")
+            return (
+                f"wire version {msg.wire[0]}.{msg.wire[1]} is incompatible with ours "
+                f"{WIRE_MAJOR}.{WIRE_MINOR} (major versions differ)"
+            )
         if msg.block_len != local.block_len:
-            return (f"block_len mismatch: block_len {msg.block_len} does not match ours "
-                    f"({local.block_len}): a different model, KV dtype, block size or "
-                    f"parallel layout")
+            return (
+                f"block_len mismatch: block_len {msg.block_len} does not match ours "
+                f"({local.block_len}): a different model, KV dtype, block size or "
+                f"parallel layout"
+            )
         if msg.fingerprint and local.fingerprint and msg.fingerprint != local.fingerprint:
-            return (f"config fingerprint {msg.fingerprint!r} does not match ours "
-                    f"({local.fingerprint!r}): a different model, KV cache dtype, block size, "
-                    f"KV-cache group layout or parallel layout (compare the run config each "
-                    f"side logged at start)")
+            return (
+                f"config fingerprint {msg.fingerprint!r} does not match ours "
+                f"({local.fingerprint!r}): a different model, KV cache dtype, block size, "
+                f"KV-cache group layout or parallel layout (compare the run config each "
+                f"side logged at start)"
+            )
         if msg.hash_seed != local.hash_seed:
-            return (f"block-hash seed {msg.hash_seed!r} does not match ours "
-                    f"({local.hash_seed!r}): every lookup would miss")
+            return (
+                f"block-hash seed {msg.hash_seed!r} does not match ours "
+                f"({local.hash_seed!r}): every lookup would miss"
+            )
         if msg.address != self.peer:
-            return (f"hello.address {msg.address!r} is not the connection's peer address "
-                    f"{self.peer!r}")
+            return (
+                f"hello.address {msg.address!r} is not the connection's peer address {self.peer!r}"
+            )
         return ""
 
     def _reject(self, reason: str) -> None:
@@ -383,8 +428,9 @@ class Session:
         log.warning("rejecting peer %s: %s", self.peer, reason)
         env.counters["handshake_rejections"] += 1
         env.observers.handshake_rejected(peer=self.peer, reason=reason)
-        self.doom(Outcome.PEER_REJECTED, f"rejected {self.peer}: {reason}",
-                  REJECTED_PREFIX + reason)
+        self.doom(
+            Outcome.PEER_REJECTED, f"rejected {self.peer}: {reason}", REJECTED_PREFIX + reason
+        )
 
     def _on_hello_ack(self, msg: HelloAck) -> None:
         if msg.epoch != self.env.local.epoch:
@@ -422,9 +468,11 @@ class Session:
         self.timer = None
         env = self.env
         env.observers.timeout(kind="handshake", kv_request_id="", peer=self.peer)
-        self.doom(Outcome.PEER_DEAD, f"handshake with {self.peer} not complete within "
-                  f"{wait:g}s", "handshake timeout")
+        self.doom(
+            Outcome.PEER_DEAD,
+            f"handshake with {self.peer} not complete within {wait:g}s",
+            "handshake timeout",
+        )
 
     def state_sizes(self) -> dict[str, int]:
         return {**self.consumer.state_sizes(), **self.producer.state_sizes()}
-

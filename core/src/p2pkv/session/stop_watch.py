@@ -78,11 +78,28 @@ class StopWatch:
     then calls :meth:`beat` itself. ``runnable`` reads a thread's time on or waiting for a
     CPU (tests replace it)."""
 
-    __slots__ = ("__weakref__", "_beat", "_clock", "_done", "_runnable", "_sample", "_stop",
-                 "_thread", "driver", "limit", "period")
+    __slots__ = (
+        "__weakref__",
+        "_beat",
+        "_clock",
+        "_done",
+        "_runnable",
+        "_sample",
+        "_stop",
+        "_thread",
+        "driver",
+        "limit",
+        "period",
+    )
 
-    def __init__(self, clock: Callable[[], float], limit: float, *, start: bool = True,
-                 runnable: Callable[[int], int | None] = runnable_ns) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        limit: float,
+        *,
+        start: bool = True,
+        runnable: Callable[[int], int | None] = runnable_ns,
+    ) -> None:
         self._clock = clock
         self._runnable = runnable
         self.driver = 0
@@ -146,8 +163,11 @@ class StopWatch:
     def _start(self) -> None:
         self._beat = self._clock()
         self._thread = threading.Thread(
-            target=_watch, args=(weakref.ref(self), self._done, self.period),
-            name="p2pkv-stop-watch", daemon=True)
+            target=_watch,
+            args=(weakref.ref(self), self._done, self.period),
+            name="p2pkv-stop-watch",
+            daemon=True,
+        )
         self._thread.start()
 
 

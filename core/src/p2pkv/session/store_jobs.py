@@ -23,8 +23,9 @@ class StoreJobs:
     ``settled`` is told of a request each time one of its jobs got its result (the role
     frees the request once nothing of it is left)."""
 
-    def __init__(self, env: SessionEnv, peer: str,
-                 settled: Callable[[ProducerRequest], None]) -> None:
+    def __init__(
+        self, env: SessionEnv, peer: str, settled: Callable[[ProducerRequest], None]
+    ) -> None:
         self._env = env
         self._peer = peer
         self._settled = settled
@@ -56,8 +57,10 @@ class StoreJobs:
         elif sj.remaining <= 0:
             outcome, detail = Outcome.DONE, ""
         elif sj.timed_out:
-            outcome, detail = (Outcome.STORE_TIMEOUT,
-                               f"not delivered within {self._env.timeouts.store}s")
+            outcome, detail = (
+                Outcome.STORE_TIMEOUT,
+                f"not delivered within {self._env.timeouts.store}s",
+            )
         elif sj.released:
             if sj.delivered:
                 outcome, detail = Outcome.DONE, "consumer needed only part of the blocks"

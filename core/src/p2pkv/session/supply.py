@@ -24,8 +24,17 @@ class StoreJob:
     """One store job of the engine, offered to one consumer."""
 
     __slots__ = (
-        "delivered", "done", "failure", "job_id", "keys", "pinned", "released", "remaining",
-        "req", "timed_out", "timer",
+        "delivered",
+        "done",
+        "failure",
+        "job_id",
+        "keys",
+        "pinned",
+        "released",
+        "remaining",
+        "req",
+        "timed_out",
+        "timer",
     )
 
     def __init__(self, job_id: int, req: ProducerRequest, keys: Sequence[bytes]) -> None:
@@ -77,8 +86,18 @@ class Batch(NamedTuple):
 class ProducerRequest:
     """Supply, demand and rounds of one ``kv_request_id`` (see the module docstring)."""
 
-    __slots__ = ("demand", "demand_pos", "jobs", "kv", "max_round", "released", "rounds",
-                 "supply", "supply_job", "supply_open")
+    __slots__ = (
+        "demand",
+        "demand_pos",
+        "jobs",
+        "kv",
+        "max_round",
+        "released",
+        "rounds",
+        "supply",
+        "supply_job",
+        "supply_open",
+    )
 
     def __init__(self, kv: str, supply_open: bool) -> None:
         self.kv = kv
@@ -132,11 +151,16 @@ class ProducerRequest:
     def add_demand(self, rnd: FetchRound, keys: list[bytes], held_all: bool) -> Batch | None:
         """Demand ``keys`` for ``rnd``: the held ones are matched at once (returned), the
         others wait for supply. ``held_all``: the supply holds every key."""
-        supply, supply_job, demand, demand_pos = (self.supply, self.supply_job, self.demand,
-                                                  self.demand_pos)
+        supply, supply_job, demand, demand_pos = (
+            self.supply,
+            self.supply_job,
+            self.demand,
+            self.demand_pos,
+        )
         if held_all:  # producer first: everything is here (C-level passes)
-            return Batch(list(range(len(keys))), list(map(supply.pop, keys)),
-                         list(map(supply_job.pop, keys)))
+            return Batch(
+                list(range(len(keys))), list(map(supply.pop, keys)), list(map(supply_job.pop, keys))
+            )
         if not supply:  # consumer first: everything waits
             demand.update(dict.fromkeys(keys, rnd))
             demand_pos.update(zip(keys, range(len(keys)), strict=True))

@@ -64,8 +64,9 @@ class LoadWindow(Generic[R]):
                 break
         return opened
 
-    def _open_from(self, lane: dict[R, None], expired: Callable[[R], bool],
-                   opened: list[R]) -> bool:
+    def _open_from(
+        self, lane: dict[R, None], expired: Callable[[R], bool], opened: list[R]
+    ) -> bool:
         """Open ``lane``'s rounds in order into ``opened``; True if one did not fit."""
         taken: list[R] = []
         full = False

@@ -40,8 +40,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         kinds = installed or {"control", "data"}  # not installed: fail with the registry's hint
         if wanted in (kind, "both") and kind in kinds:
             names.append(name)
-    metafunc.parametrize("p2pkv_transport_name", names or [NO_TRANSPORT], scope="class",
-                         ids=None if names else ["none"])
+    metafunc.parametrize(
+        "p2pkv_transport_name",
+        names or [NO_TRANSPORT],
+        scope="class",
+        ids=None if names else ["none"],
+    )
 
 
 class _ByName:
@@ -78,11 +82,17 @@ class _MachineByName(_ByName):
     liveness_timeout: float = 10.0
 
     def test_state_machine(
-        self, transport_class: type[Any], transport_options: Mapping[str, Any],
+        self,
+        transport_class: type[Any],
+        transport_options: Mapping[str, Any],
         pytestconfig: pytest.Config,
     ) -> None:
-        attrs = {"transport": transport_class, "options": dict(transport_options),
-                 "timeout": self.timeout, "liveness_timeout": self.liveness_timeout}
+        attrs = {
+            "transport": transport_class,
+            "options": dict(transport_options),
+            "timeout": self.timeout,
+            "liveness_timeout": self.liveness_timeout,
+        }
         machine = type(f"{transport_class.__name__}Machine", (self.machine,), attrs)
         if pytestconfig.getoption("p2pkv_machine_child"):
             run_machine_in_child(machine)

@@ -78,14 +78,31 @@ class Node(TierNode):
     results it reported (see :class:`~p2pkv.testing.tier_machine.TierNode`).
     ``config_overrides`` are tier config keys (``timeouts``, ``limits``, ``flow``, ...)."""
 
-    def __init__(self, clock: FakeClock, *, faults: FaultInjector | None = None,
-                 num_blocks: int = 64, block_len: int = 16,
-                 data_options: Mapping[str, Any] | None = None, seed: int = 0,
-                 port: int = 0, **config_overrides: Any) -> None:
-        super().__init__(clock, control=MemoryControlTransport, data=MemoryDataTransport,
-                         data_options=data_options, faults=faults, num_blocks=num_blocks,
-                         block_len=block_len, seed=seed, port=port, registry=REGISTRY,
-                         **config_overrides)
+    def __init__(
+        self,
+        clock: FakeClock,
+        *,
+        faults: FaultInjector | None = None,
+        num_blocks: int = 64,
+        block_len: int = 16,
+        data_options: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        port: int = 0,
+        **config_overrides: Any,
+    ) -> None:
+        super().__init__(
+            clock,
+            control=MemoryControlTransport,
+            data=MemoryDataTransport,
+            data_options=data_options,
+            faults=faults,
+            num_blocks=num_blocks,
+            block_len=block_len,
+            seed=seed,
+            port=port,
+            registry=REGISTRY,
+            **config_overrides,
+        )
         self.limits: Limits = config(**config_overrides).limits
         """The limits this node's tier runs with."""
 
@@ -119,7 +136,8 @@ class RawPeer:
         self.ctl = MemoryControlTransport.create(ControlSettings("127.0.0.1", 0))
         self.conn: MemoryConnection = self.ctl.connect(node.address)
         self.data: DataTransport = MemoryDataTransport.create(
-            DataSettings(memoryview(bytearray(64 * 16)), 16))
+            DataSettings(memoryview(bytearray(64 * 16)), 16)
+        )
 
     def __enter__(self) -> RawPeer:
         return self
@@ -130,8 +148,16 @@ class RawPeer:
 
     def hello(self, address: str = "", epoch: int = 1) -> Hello:
         """A hello that ``node`` accepts (from ``address``: this peer's own by default)."""
-        return Hello((WIRE_MAJOR, WIRE_MINOR), epoch, address or self.ctl.local_address,
-                     self.data.descriptor(), self.data.num_blocks, self.data.block_len, "", "")
+        return Hello(
+            (WIRE_MAJOR, WIRE_MINOR),
+            epoch,
+            address or self.ctl.local_address,
+            self.data.descriptor(),
+            self.data.num_blocks,
+            self.data.block_len,
+            "",
+            "",
+        )
 
     def send(self, *msgs: Message | bytes) -> list[Message | Unknown]:
         """Send messages (or raw frames), let the node answer; returns what it sent back."""
@@ -172,8 +198,9 @@ def keys(kv: str, n: int, start: int = 0) -> list[bytes]:
     return [f"{kv}/{i}".encode() for i in range(start, start + n)]
 
 
-def probe_until(node: TierNode, key: bytes, ctx: RequestContext, others: Iterable[TierNode],
-                rounds: int = 10) -> LookupResult:
+def probe_until(
+    node: TierNode, key: bytes, ctx: RequestContext, others: Iterable[TierNode], rounds: int = 10
+) -> LookupResult:
     """Symmetric lookup: call, flush at schedule end, pump, until not RETRY."""
     others = list(others)
     for _ in range(rounds):

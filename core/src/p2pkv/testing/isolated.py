@@ -7,6 +7,7 @@ seed; the test process only waits (bounded) for the outcome::
 
     from p2pkv.testing.isolated import run_machine_in_child
 
+
     def test_data_machine():
         run_machine_in_child(MyDataMachine)
 
@@ -62,18 +63,20 @@ def run_machine_in_child(
     seed = random.randrange(2**32) if seed is None else seed
     chosen = hypothesis.settings(settings or machine.TestCase.settings, database=None)
     recipe = _recipe(machine)
-    replay = (f"replay: run_machine_in_child({machine.__name__}, seed={seed}) makes the "
-              f"same draws")
+    replay = f"replay: run_machine_in_child({machine.__name__}, seed={seed}) makes the same draws"
     with tempfile.TemporaryDirectory(prefix="p2pkv-steps-") as tmp:
         log = Path(tmp) / "steps.log"
-        with Child(_child_main, recipe, chosen, seed, str(log),
-                   name=f"p2pkv-{machine.__name__}") as child:
+        with Child(
+            _child_main, recipe, chosen, seed, str(log), name=f"p2pkv-{machine.__name__}"
+        ) as child:
             outcome, detail = _outcome(child, timeout)
             if outcome == "passed":
                 return
             if outcome == "failed":
-                raise AssertionError(f"{machine.__name__} failed in its child process (seed "
-                                     f"{seed}; {replay}):\n{detail}")
+                raise AssertionError(
+                    f"{machine.__name__} failed in its child process (seed "
+                    f"{seed}; {replay}):\n{detail}"
+                )
             child.kill()
         raise AssertionError(
             f"{machine.__name__}'s child process {detail}; its last example's steps, each "
@@ -96,8 +99,9 @@ def _outcome(child: Child, timeout: float) -> tuple[str, str]:
         return "died", f"exited with status {code} before reporting an outcome"
 
 
-def _child_main(conn: Connection, recipe: Any, chosen: hypothesis.settings, seed: int,
-                log: str) -> None:
+def _child_main(
+    conn: Connection, recipe: Any, chosen: hypothesis.settings, seed: int, log: str
+) -> None:
     """Child side: run the machine with its step log open; send the outcome."""
     os.environ[steps.ENV] = log
     machine = recipe if isinstance(recipe, type) else type(*recipe)
@@ -115,15 +119,20 @@ def _recipe(machine: type[Any]) -> Any:
     cross to the child."""
     if _importable(machine):
         return machine
-    attrs = {k: v for k, v in vars(machine).items()  # not hypothesis' per-class caches
-             if not k.startswith("_") and k != "TestCase"}
+    attrs = {
+        k: v
+        for k, v in vars(machine).items()  # not hypothesis' per-class caches
+        if not k.startswith("_") and k != "TestCase"
+    }
     recipe = (machine.__name__, machine.__bases__, attrs)
     try:
         pickle.dumps(recipe)
     except Exception as exc:
-        raise TypeError(f"run_machine_in_child: {machine.__name__} cannot be rebuilt in a "
-                        f"child ({exc}); define it at module level of an importable module, "
-                        f"or build it with type() over importable classes and values") from None
+        raise TypeError(
+            f"run_machine_in_child: {machine.__name__} cannot be rebuilt in a "
+            f"child ({exc}); define it at module level of an importable module, "
+            f"or build it with type() over importable classes and values"
+        ) from None
     return recipe
 
 
@@ -143,7 +152,7 @@ def _last_example(log: Path) -> str:
     """The steps logged since the last example began (at most ``_SHOWN_LINES`` lines)."""
     lines = log.read_text().splitlines() if log.exists() else []
     starts = [i for i, line in enumerate(lines) if line.startswith(steps.EXAMPLE)]
-    last = lines[starts[-1]:] if starts else lines
+    last = lines[starts[-1] :] if starts else lines
     if not last:
         return "  (no step was logged)"
     return "\n".join(last[-_SHOWN_LINES:])

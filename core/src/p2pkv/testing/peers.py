@@ -577,8 +577,9 @@ class ChildDataPeer(DataPeer):
 def _plain(idxs: Sequence[int]) -> list[Any]:
     """Indexes as a plain list for the pipe (ints stay ints; anything else goes as it is, so
     the child's transport refuses it as it would here)."""
-    return [int(i) if isinstance(i, (int, np.integer)) and not isinstance(i, bool) else i
-            for i in idxs]
+    return [
+        int(i) if isinstance(i, (int, np.integer)) and not isinstance(i, bool) else i for i in idxs
+    ]
 
 
 class ChildControlPeer(ControlPeer):

@@ -53,7 +53,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--p2pkv-machine-child",
         action="store_true",
         help="run the state machines in a child process: a transport that crashes is reported "
-             "with the signal, its last steps and the seed that replays them",
+        "with the signal, its last steps and the seed that replays them",
     )
     group.addoption(
         "--p2pkv-timeout",
@@ -89,8 +89,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def unwanted(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
-        return (Path(str(item.path)) == BY_NAME_MODULE and callspec is not None
-                and callspec.params.get("p2pkv_transport_name") == NO_TRANSPORT)
+        return (
+            Path(str(item.path)) == BY_NAME_MODULE
+            and callspec is not None
+            and callspec.params.get("p2pkv_transport_name") == NO_TRANSPORT
+        )
 
     dropped = [item for item in items if unwanted(item)]
     if dropped:

@@ -7,8 +7,10 @@ every step that the two agree. Subclass, set ``transport`` (and ``options``), an
     from hypothesis.stateful import run_state_machine_as_test
     from p2pkv.testing.stateful import DataTransportMachine
 
+
     class MyDataMachine(DataTransportMachine):
         transport = MyDataTransport
+
 
     def test_my_data_transport_state_machine():
         run_state_machine_as_test(MyDataMachine)
@@ -106,8 +108,15 @@ class _Read:
     state: str = "pending"  # pending | done | failed | ended
 
 
-_BAD_READS = ("local-too-big", "local-negative", "remote-too-big", "remote-negative",
-              "local-duplicate", "lengths-differ", "empty")
+_BAD_READS = (
+    "local-too-big",
+    "local-negative",
+    "remote-too-big",
+    "remote-negative",
+    "local-duplicate",
+    "lengths-differ",
+    "empty",
+)
 
 
 class DataTransportMachine(KitMachine):
@@ -151,11 +160,14 @@ class DataTransportMachine(KitMachine):
     # -- helpers --------------------------------------------------------------------------
 
     def _block(self, region: bytes | bytearray, idx: int) -> bytes:
-        return bytes(region[idx * self.block_len:(idx + 1) * self.block_len])
+        return bytes(region[idx * self.block_len : (idx + 1) * self.block_len])
 
     def _pending(self, peer: str | None = None) -> list[_Read]:
-        return [t for t in self.reads.values()
-                if t.state == "pending" and (peer is None or t.peer == peer)]
+        return [
+            t
+            for t in self.reads.values()
+            if t.state == "pending" and (peer is None or t.peer == peer)
+        ]
 
     def _end(self, t: _Read, state: str) -> None:
         """The read is over: its slots are ours again, and like an engine we reuse them at
@@ -179,14 +191,20 @@ class DataTransportMachine(KitMachine):
         """The model's blocks ``idxs`` are now ``data`` (``len(idxs)`` blocks, in order)."""
         b = self.block_len
         for k, idx in enumerate(idxs):
-            self.expected[idx * b:(idx + 1) * b] = data[k * b:(k + 1) * b]
+            self.expected[idx * b : (idx + 1) * b] = data[k * b : (k + 1) * b]
 
     def _record(self, done: Sequence[int], failed: Sequence[int]) -> None:
         region = self.local.region_bytes()
         for tid in done:
             t = self.reads[tid]
-            closed = (f" ({t.peer} closed meanwhile: after a peer's close its region is its "
-                      f"caller's again, reads of it must fail)") if t.peer in self.dead else ""
+            closed = (
+                (
+                    f" ({t.peer} closed meanwhile: after a peer's close its region is its "
+                    f"caller's again, reads of it must fail)"
+                )
+                if t.peer in self.dead
+                else ""
+            )
             for idx, block in zip(t.local, t.payload, strict=True):
                 assert self._block(region, idx) == block, (
                     f"read {tid} reported done but our block {idx} lacks peer {t.peer}'s "
@@ -211,13 +229,14 @@ class DataTransportMachine(KitMachine):
         the free list, whatever its length."""
         pid = data.draw(st.sampled_from(sorted(self.peers)), label="peer")
         picks = data.draw(st.lists(st.integers(0, 63), min_size=k, max_size=k), label="slots")
-        remote = data.draw(st.lists(st.integers(0, self.num_blocks - 1), min_size=k,
-                                    max_size=k), label="remote")
+        remote = data.draw(
+            st.lists(st.integers(0, self.num_blocks - 1), min_size=k, max_size=k), label="remote"
+        )
         free = [s for s in range(self.num_blocks) if s not in self.busy]
         if not free:
             return
         local = list(dict.fromkeys(free[p % len(free)] for p in picks))
-        remote = remote[:len(local)]
+        remote = remote[: len(local)]
         try:
             tid = self.log.submitted(self.local.read_blocks(pid, local, remote), pid)
         except TransferSubmitError:
@@ -253,8 +272,9 @@ class DataTransportMachine(KitMachine):
             tid = self.local.read_blocks(pid, local, remote)
         except TransferSubmitError:
             return
-        raise AssertionError(f"read_blocks accepted a bad read ({bad}: {local} <- {remote}, "
-                             f"id {tid})")
+        raise AssertionError(
+            f"read_blocks accepted a bad read ({bad}: {local} <- {remote}, id {tid})"
+        )
 
     @step(data=st.data())
     def poll(self, data: st.DataObject) -> None:
@@ -277,8 +297,7 @@ class DataTransportMachine(KitMachine):
 
     @step(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        indexes = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=8),
-                            label="cancel")
+        indexes = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=8), label="cancel")
         pending = self._pending()
         if not pending:
             return
@@ -308,7 +327,7 @@ class DataTransportMachine(KitMachine):
             lambda: not self._pending(pid),
             timeout=self.timeout,
             what=f"every read of peer {pid}, which closed, to end (failed, or done with bytes "
-                 f"read before the close): a transport must notice a closed peer",
+            f"read before the close): a transport must notice a closed peer",
             pumps=[*self._live_pumps(), lambda: self._record(*self.log.poll(pid))],
         )
 
@@ -445,8 +464,10 @@ class ControlTransportMachine(KitMachine):
     def __init__(self) -> None:
         super().__init__()
         cls = _available(self.transport, type(self).__name__)
-        self.nodes = [LocalControlPeer(cls, self.options, self.max_frame_bytes, self.host)
-                      for _ in range(self.node_count)]
+        self.nodes = [
+            LocalControlPeer(cls, self.options, self.max_frame_bytes, self.host)
+            for _ in range(self.node_count)
+        ]
         settle = self.settle_each_rule
         self.settle = cls.capabilities.cross_process if settle is None else settle
         self.ends: dict[EndId, _End] = {}
@@ -478,7 +499,7 @@ class ControlTransportMachine(KitMachine):
             end.died = not self.nodes[end.node].alive(end.handle)
 
     def _send(self, end: _End, payload: bytes) -> None:
-        frame = (_HEADER.pack(end.node, end.handle, len(end.sent)) + payload)
+        frame = _HEADER.pack(end.node, end.handle, len(end.sent)) + payload
         frame = frame[: self.max_frame_bytes]
         node = self.nodes[end.node]
         doomed = self._doomed(end)
@@ -508,10 +529,14 @@ class ControlTransportMachine(KitMachine):
                 sender.peer = me
             assert sender.peer == me, f"frames of end {sender_id} arrived at two ends"
             due = len(end.got)
-            assert seq <= due, (f"end {me}: frame {seq} of {sender_id} arrived where frame "
-                                f"{due} was due: frames {due}..{seq - 1} were lost")
-            assert seq == due, (f"end {me}: frame {seq} of {sender_id} arrived again after "
-                                f"frame {due - 1} (duplicated or reordered)")
+            assert seq <= due, (
+                f"end {me}: frame {seq} of {sender_id} arrived where frame "
+                f"{due} was due: frames {due}..{seq - 1} were lost"
+            )
+            assert seq == due, (
+                f"end {me}: frame {seq} of {sender_id} arrived again after "
+                f"frame {due - 1} (duplicated or reordered)"
+            )
             assert frame == sender.sent[seq], f"frame {seq} of {sender_id} was corrupted"
             end.got.append(frame)
 
@@ -663,19 +688,26 @@ class ControlTransportMachine(KitMachine):
         """Wait (bounded) until every frame sent on ``ends`` arrived; else fail naming the
         frames that never did."""
         try:
-            wait_until(lambda: not self._undelivered(ends), timeout=self.timeout,
-                       pumps=[self._pump],
-                       what="every frame sent on an open connection to arrive")
+            wait_until(
+                lambda: not self._undelivered(ends),
+                timeout=self.timeout,
+                pumps=[self._pump],
+                what="every frame sent on an open connection to arrive",
+            )
         except WaitTimeout:
             raise AssertionError(self._missing(ends)) from None
 
     def _missing(self, ends: Sequence[_End]) -> str:
         """What never arrived on the open connections of ``ends``, end by end."""
-        lines = [f"end ({end.node}, {end.handle}) -> {end.peer}: {got} of {len(end.sent)} "
-                 f"frames arrived, frames {got}..{len(end.sent) - 1} never did"
-                 for end, got in self._undelivered(ends)]
-        return (f"within {self.timeout}s, frames sent on open connections were lost "
-                f"(dropped?):\n" + "\n".join(lines))
+        lines = [
+            f"end ({end.node}, {end.handle}) -> {end.peer}: {got} of {len(end.sent)} "
+            f"frames arrived, frames {got}..{len(end.sent) - 1} never did"
+            for end, got in self._undelivered(ends)
+        ]
+        return (
+            f"within {self.timeout}s, frames sent on open connections were lost "
+            f"(dropped?):\n" + "\n".join(lines)
+        )
 
     # Rules wait for what real transports do at their own pace (an accept, a death) before
     # the next rule is drawn: which ends exist and are usable must not depend on timing, or
@@ -684,22 +716,28 @@ class ControlTransportMachine(KitMachine):
     def _await_far(self, end: _End) -> None:
         """Wait (bounded) until the far end of ``end`` received its first frame."""
         if self.settle and end.peer is None and end.sent and not self._doomed(end):
-            wait_until(lambda: end.peer is not None or self._doomed(end),
-                       timeout=self.timeout, pumps=[self._pump],
-                       what="the first frame of a new connection to be accepted")
+            wait_until(
+                lambda: end.peer is not None or self._doomed(end),
+                timeout=self.timeout,
+                pumps=[self._pump],
+                what="the first frame of a new connection to be accepted",
+            )
 
     def _await_deaths(self) -> None:
         """Wait (bounded) until the far end of every closed connection sees it dead."""
+
         def deaths_seen() -> bool:
             for end in self.ends.values():
                 far = self._far(end)
                 if end.node in self.gone or far is None or end.closed:
                     continue
-                if (far.over or far.node in self.gone) and self.nodes[end.node].alive(
-                    end.handle
-                ):
+                if (far.over or far.node in self.gone) and self.nodes[end.node].alive(end.handle):
                     return False
             return True
 
-        wait_until(deaths_seen, timeout=self.liveness_timeout, pumps=[self._pump],
-                   what="the far end of every closed connection to see it dead")
+        wait_until(
+            deaths_seen,
+            timeout=self.liveness_timeout,
+            pumps=[self._pump],
+            what="the far end of every closed connection to see it dead",
+        )

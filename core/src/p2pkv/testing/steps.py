@@ -110,8 +110,10 @@ def step(**arguments: Any) -> Callable[[_F], _F]:
         def logged(self: Any, *args: Any, **values: Any) -> Any:
             log = current()
             if log is not None:  # hypothesis passes keywords; a rule calling another, not
-                shown = [*map(repr, args), *(f"{k}={v!r}" for k, v in values.items()
-                                             if not isinstance(v, DataObject))]
+                shown = [
+                    *map(repr, args),
+                    *(f"{k}={v!r}" for k, v in values.items() if not isinstance(v, DataObject)),
+                ]
                 log.step(function.__name__, ", ".join(shown))
                 args = tuple(_logged(v, log) for v in args)
                 values = {k: _logged(v, log) for k, v in values.items()}

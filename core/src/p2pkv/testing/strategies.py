@@ -6,9 +6,11 @@ For authors who fuzz their own code (a transport's framing, a proxy, a codec wra
     from p2pkv.protocol import decode, encode
     from p2pkv.testing import strategies as p2st
 
+
     @given(p2st.messages())
     def test_round_trip(msg):
         assert decode(encode(msg), LIMITS) == msg
+
 
     @given(p2st.hostile_frames())
     def test_never_crashes(frame):
@@ -126,8 +128,9 @@ def readies(draw: st.DrawFn, limits: Limits = DEFAULT_LIMITS) -> Ready:
 
 
 def lookups(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Lookup]:
-    return st.builds(Lookup, seq=_u64(), kv_request_id=_request_id(limits),
-                     keys=_keys(limits, min_size=1))
+    return st.builds(
+        Lookup, seq=_u64(), kv_request_id=_request_id(limits), keys=_keys(limits, min_size=1)
+    )
 
 
 def lookup_resps(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[LookupResp]:
@@ -136,13 +139,16 @@ def lookup_resps(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[LookupRes
 
 
 def releases(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Release]:
-    return st.builds(Release, kv_request_id=_request_id(limits), round=_u64(),
-                     read=st.booleans())
+    return st.builds(Release, kv_request_id=_request_id(limits), round=_u64(), read=st.booleans())
 
 
 def round_faileds(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[RoundFailed]:
-    return st.builds(RoundFailed, kv_request_id=_request_id(limits), round=_u64(),
-                     reason=_text(MAX_REASON_CHARS, min_chars=1))
+    return st.builds(
+        RoundFailed,
+        kv_request_id=_request_id(limits),
+        round=_u64(),
+        reason=_text(MAX_REASON_CHARS, min_chars=1),
+    )
 
 
 def byes() -> st.SearchStrategy[Bye]:
@@ -152,8 +158,15 @@ def byes() -> st.SearchStrategy[Bye]:
 def messages(limits: Limits = DEFAULT_LIMITS) -> st.SearchStrategy[Message]:
     """Every message type, each valid under ``limits``."""
     return st.one_of(
-        hellos(limits), hello_acks(), fetches(limits), readies(limits), releases(limits),
-        round_faileds(limits), lookups(limits), lookup_resps(limits), byes(),
+        hellos(limits),
+        hello_acks(),
+        fetches(limits),
+        readies(limits),
+        releases(limits),
+        round_faileds(limits),
+        lookups(limits),
+        lookup_resps(limits),
+        byes(),
     )
 
 
@@ -174,8 +187,14 @@ def binary_frames(max_bytes: int = 4096) -> st.SearchStrategy[bytes]:
 
 _PACKABLE_INTS = st.integers(-(1 << 63), _U64)
 _WRONG_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 63), -1), st.just(_U64), st.floats(),
-    st.text(max_size=8), st.binary(max_size=8), st.lists(_PACKABLE_INTS, max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), -1),
+    st.just(_U64),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.lists(_PACKABLE_INTS, max_size=3),
     st.dictionaries(st.text(max_size=4), _PACKABLE_INTS, max_size=2),
 )
 

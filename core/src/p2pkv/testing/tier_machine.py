@@ -31,8 +31,9 @@ Usage (``core/tests/test_stateful_tier.py`` runs it over the memory transports w
         control_transport = ZmqControlTransport
         data_transport = NixlDataTransport
 
+
     def test_tiers():
-        run_state_machine_as_test(ZmqNixlTiers)   # the kit's settings (p2pkv.testing.profiles)
+        run_state_machine_as_test(ZmqNixlTiers)  # the kit's settings (p2pkv.testing.profiles)
 
 The machine uses the tier's debug views (``peer_connection``, ``state_sizes``) to inject
 connection kills and to check that nothing is left behind.
@@ -91,23 +92,45 @@ class TierNode:
     """
 
     # keyword-only knobs of a test node, each with a default: a dataclass would only rename them
-    def __init__(self, clock: FakeClock, *, control: type[ControlTransport],  # noqa: PLR0913
-                 data: type[DataTransport], control_options: Mapping[str, Any] | None = None,
-                 data_options: Mapping[str, Any] | None = None, faults: FaultInjector | None = None,
-                 num_blocks: int = 64, block_len: int = 16, seed: int = 0,
-                 host: str = "127.0.0.1", port: int = 0, registry: Registry | None = None,
-                 **config_overrides: Any) -> None:
+    def __init__(  # noqa: PLR0913
+        self,
+        clock: FakeClock,
+        *,
+        control: type[ControlTransport],
+        data: type[DataTransport],
+        control_options: Mapping[str, Any] | None = None,
+        data_options: Mapping[str, Any] | None = None,
+        faults: FaultInjector | None = None,
+        num_blocks: int = 64,
+        block_len: int = 16,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        registry: Registry | None = None,
+        **config_overrides: Any,
+    ) -> None:
         self.clock = clock
         options = dict(data_options or {})
         self.region = allocated_region(data, num_blocks, block_len, options)
         self.blocks = np.frombuffer(self.region, dtype=np.uint8).reshape(num_blocks, block_len)
         self.blocks[:] = np.random.default_rng(seed).integers(0, 256, self.blocks.shape)
-        cfg = TierConfig.from_dict({"control": control.name, "data": data.name, "host": host,
-                                    "port": 0, **config_overrides})
-        ctl: Any = control.create(ControlSettings(
-            host, port, max_frame_bytes=cfg.limits.max_frame_bytes,
-            options=dict(control_options or {}),
-        ))
+        cfg = TierConfig.from_dict(
+            {
+                "control": control.name,
+                "data": data.name,
+                "host": host,
+                "port": 0,
+                **config_overrides,
+            }
+        )
+        ctl: Any = control.create(
+            ControlSettings(
+                host,
+                port,
+                max_frame_bytes=cfg.limits.max_frame_bytes,
+                options=dict(control_options or {}),
+            )
+        )
         try:
             dt: Any = data.create(DataSettings(self.region, block_len, options))
         except BaseException:
@@ -117,9 +140,15 @@ class TierNode:
             ctl = faults.control(ctl)
             dt = faults.data(dt, local=ctl.local_address)
         self.control, self.data = ctl, dt
-        self.tier = P2PTier(cfg, self.region, block_len,
-                            registry=registry or Registry.from_plugins([]), clock=clock,
-                            control=ctl, data=dt)
+        self.tier = P2PTier(
+            cfg,
+            self.region,
+            block_len,
+            registry=registry or Registry.from_plugins([]),
+            clock=clock,
+            control=ctl,
+            data=dt,
+        )
         self.address = self.tier.local_address
         self.host, self.port = parse_address(self.address)
         self.results: dict[int, JobResult] = {}
@@ -134,17 +163,22 @@ class TierNode:
 
     def consumer_ctx(self, kv: str, source: TierNode, *, probe: bool = False) -> RequestContext:
         key = "remote_kv_source" if probe else "remote_prefiller"
-        return RequestContext(f"cons-{kv}", {key: {
-            "kv_request_id": kv, "remote_host": source.host, "remote_port": source.port,
-        }})
+        return RequestContext(
+            f"cons-{kv}",
+            {
+                key: {
+                    "kv_request_id": kv,
+                    "remote_host": source.host,
+                    "remote_port": source.port,
+                }
+            },
+        )
 
-    def store(self, job_id: int, keys: list[bytes], slots: list[int],
-              ctx: RequestContext) -> None:
+    def store(self, job_id: int, keys: list[bytes], slots: list[int], ctx: RequestContext) -> None:
         self.submitted.add(job_id)
         self.tier.submit_store(Job(job_id, keys, slots, False, ctx))
 
-    def load(self, job_id: int, keys: list[bytes], slots: list[int],
-             ctx: RequestContext) -> None:
+    def load(self, job_id: int, keys: list[bytes], slots: list[int], ctx: RequestContext) -> None:
         self.submitted.add(job_id)
         self.tier.submit_load(Job(job_id, keys, slots, True, ctx))
 
@@ -288,29 +322,50 @@ class TierMachine(KitMachine):
         control, data = self.control_transport, self.data_transport
         if control is None or data is None:
             raise TypeError(f"{type(self).__name__}: set control_transport and data_transport")
-        return TierNode(self.clock, control=control, data=data,
-                        control_options=self.control_options,
-                        data_options=self.node_data_options[i], faults=self.faults,
-                        num_blocks=self.num_blocks, block_len=self.block_len,
-                        seed=1000 * i + len(self.retired), port=port, flow=self.flow)
+        return TierNode(
+            self.clock,
+            control=control,
+            data=data,
+            control_options=self.control_options,
+            data_options=self.node_data_options[i],
+            faults=self.faults,
+            num_blocks=self.num_blocks,
+            block_len=self.block_len,
+            seed=1000 * i + len(self.retired),
+            port=port,
+            flow=self.flow,
+        )
 
     # -- requests ---------------------------------------------------------------------------
 
-    @step(target=requests, pair=st.sampled_from([(0, 1), (1, 0), (0, 2), (2, 1)]),
-          n=st.integers(1, 6), probe=st.sampled_from([False, False, True]),
-          first=st.sampled_from(["store", "load", "both", "none"]), data=st.data())
-    def new_request(self, pair: tuple[int, int], n: int, probe: bool, first: str,
-                    data: Any) -> Any:
+    @step(
+        target=requests,
+        pair=st.sampled_from([(0, 1), (1, 0), (0, 2), (2, 1)]),
+        n=st.integers(1, 6),
+        probe=st.sampled_from([False, False, True]),
+        first=st.sampled_from(["store", "load", "both", "none"]),
+        data=st.data(),
+    )
+    def new_request(self, pair: tuple[int, int], n: int, probe: bool, first: str, data: Any) -> Any:
         prod, cons = (p % self.N_NODES for p in pair)
         if prod == cons:
             cons = (cons + 1) % self.N_NODES
         kv = f"r{next(self.kvs)}"
         keys = [f"{kv}/{i}".encode() for i in range(n)]
-        slots = data.draw(st.lists(st.integers(0, self.source - 1), min_size=n, max_size=n,
-                                   unique=True))
+        slots = data.draw(
+            st.lists(st.integers(0, self.source - 1), min_size=n, max_size=n, unique=True)
+        )
         p, c = self.nodes[prod], self.nodes[cons]
-        req = Req(kv, prod, cons, probe, keys, dict(zip(keys, slots, strict=True)),
-                  p.producer_ctx(kv), c.consumer_ctx(kv, p, probe=probe))
+        req = Req(
+            kv,
+            prod,
+            cons,
+            probe,
+            keys,
+            dict(zip(keys, slots, strict=True)),
+            p.producer_ctx(kv),
+            c.consumer_ctx(kv, p, probe=probe),
+        )
         if probe:
             self.sources[prod].have.update(req.src)
             req.done_p = True  # served from the source's cache: no producer request
@@ -331,9 +386,12 @@ class TierMachine(KitMachine):
         for _ in range(count):
             self.new_request(pair, 1, False, "both", data)
 
-    @step(req=requests, action=st.sampled_from(["store", "store", "load", "load", "load",
-                                                "probe", "finish"]),
-          producer_first=st.booleans(), data=st.data())
+    @step(
+        req=requests,
+        action=st.sampled_from(["store", "store", "load", "load", "load", "probe", "finish"]),
+        producer_first=st.booleans(),
+        data=st.data(),
+    )
     def act(self, req: Req, action: str, producer_first: bool, data: Any) -> None:
         if action == "store":
             self.store(req, data)
@@ -350,8 +408,7 @@ class TierMachine(KitMachine):
             return
         chunk = data.draw(st.lists(st.sampled_from(left), min_size=1, unique=True))
         req.stored.update(chunk)
-        self.nodes[req.prod].store(next(self.ids), chunk, [req.src[k] for k in chunk],
-                                   req.pctx)
+        self.nodes[req.prod].store(next(self.ids), chunk, [req.src[k] for k in chunk], req.pctx)
 
     def load(self, req: Req, data: Any) -> None:
         c = self.nodes[req.cons]
@@ -431,15 +488,20 @@ class TierMachine(KitMachine):
                     assert (now == want).all(), f"job {r.job_id}: slot {s} lacks {k!r}"
                 else:
                     assert (now == want).all() or (now == rec.before[j]).all(), (
-                        f"job {r.job_id} ({r.outcome}): slot {s} holds foreign bytes")
+                        f"job {r.job_id} ({r.outcome}): slot {s} holds foreign bytes"
+                    )
                 self.free[i].add(s)  # reused at once, whatever the outcome
                 self.quiet[i][s] = now.copy()  # and final: nothing may land there now
 
     # -- faults -----------------------------------------------------------------------------
 
-    @step(kind=st.sampled_from([*_INJECTED, "kill", "partition", "heal", "restart", "freeze"]),
-          node=st.integers(0, 2), other=st.integers(0, 2), count=st.integers(1, 2),
-          polls=st.integers(1, 3))
+    @step(
+        kind=st.sampled_from([*_INJECTED, "kill", "partition", "heal", "restart", "freeze"]),
+        node=st.integers(0, 2),
+        other=st.integers(0, 2),
+        count=st.integers(1, 2),
+        polls=st.integers(1, 3),
+    )
     def fault(self, kind: str, node: int, other: int, count: int, polls: int) -> None:
         """Injected faults need ``faults_enabled``; kill (a session's connection is closed),
         restart (a node shuts down and comes back on its port) and freeze (the node misses
@@ -481,8 +543,14 @@ class TierMachine(KitMachine):
             if i in (req.prod, req.cons):
                 self._finish(req)
         old.shutdown()
-        self._results(i, [old.results[j] for j in list(self.loads)
-                          if j in old.results and self.loads[j].node == i])
+        self._results(
+            i,
+            [
+                old.results[j]
+                for j in list(self.loads)
+                if j in old.results and self.loads[j].node == i
+            ],
+        )
         assert not [j for j, rec in self.loads.items() if rec.node == i], "lost a load"
         self.retired.append(old)
         new = self._node(i, port=old.port)
@@ -494,11 +562,12 @@ class TierMachine(KitMachine):
     @invariant()
     def regions_untouched_where_nobody_asked(self) -> None:
         for i, node in enumerate(self.nodes):
-            src = node.blocks[:self.source]
+            src = node.blocks[: self.source]
             assert (src == self._source_of(i)).all(), f"node {i}: source half was written"
             for s, snap in self.quiet[i].items():
                 assert (node.blocks[s] == snap).all(), (
-                    f"node {i}: slot {s} changed after its load had a result")
+                    f"node {i}: slot {s} changed after its load had a result"
+                )
 
     def _source_of(self, i: int) -> Any:
         if not hasattr(self, "_sources"):
@@ -506,7 +575,7 @@ class TierMachine(KitMachine):
         node = self.nodes[i]
         snap = self._sources.get(id(node))
         if snap is None:
-            snap = self._sources[id(node)] = node.blocks[:self.source].copy()
+            snap = self._sources[id(node)] = node.blocks[: self.source].copy()
         return snap
 
     def teardown(self) -> None:
@@ -532,18 +601,28 @@ class TierMachine(KitMachine):
             self.pump(3)
 
         def quiet() -> bool:  # real transports need real time on top of the fake clock
-            return all(not n.tier.has_pending_work() and n.submitted <= set(n.results)
-                       for n in self.nodes)
+            return all(
+                not n.tier.has_pending_work() and n.submitted <= set(n.results) for n in self.nodes
+            )
 
         try:
-            wait_until(quiet, timeout=self.settle_timeout, what="every tier to go quiet",
-                       pumps=[lambda: self.clock.advance(35), lambda: self.pump(1)])
+            wait_until(
+                quiet,
+                timeout=self.settle_timeout,
+                what="every tier to go quiet",
+                pumps=[lambda: self.clock.advance(35), lambda: self.pump(1)],
+            )
         except WaitTimeout as exc:
-            left = {n.address: ({k: v for k, v in n.tier.state_sizes().items() if v},
-                                sorted(n.submitted - set(n.results)))
-                    for n in self.nodes}
-            raise AssertionError(f"{exc}; per node (state left, jobs without a result): "
-                                 f"{left}") from None
+            left = {
+                n.address: (
+                    {k: v for k, v in n.tier.state_sizes().items() if v},
+                    sorted(n.submitted - set(n.results)),
+                )
+                for n in self.nodes
+            }
+            raise AssertionError(
+                f"{exc}; per node (state left, jobs without a result): {left}"
+            ) from None
         for node in self.nodes:
             missing = node.submitted - set(node.results)
             assert not missing, f"{node.address}: jobs without a result: {sorted(missing)}"
@@ -551,5 +630,3 @@ class TierMachine(KitMachine):
             sizes = node.tier.state_sizes()
             left = {k: v for k, v in sizes.items() if v}
             assert not left, f"{node.address}: per-request state left: {left}"
-
-

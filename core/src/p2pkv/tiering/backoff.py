@@ -67,8 +67,10 @@ class DialBackoff:
         if failure is None or now >= failure.until:
             return None
         self.refused += 1
-        return (f"its last dial failed ({failure.reason}); dialed again in "
-                f"{failure.until - now:.1f}s (peers.dial_backoff)")
+        return (
+            f"its last dial failed ({failure.reason}); dialed again in "
+            f"{failure.until - now:.1f}s (peers.dial_backoff)"
+        )
 
     def ready_at(self, peer: str) -> float | None:
         """When ``peer`` may be dialed again, if it is backed off."""

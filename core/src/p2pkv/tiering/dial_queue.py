@@ -44,8 +44,7 @@ class QueuedLoad:
 
     __slots__ = ("deadline", "job", "kv", "pull", "timer", "waiting")
 
-    def __init__(self, waiting: Waiting, kv: str, job: Job, pull: bool,
-                 deadline: float) -> None:
+    def __init__(self, waiting: Waiting, kv: str, job: Job, pull: bool, deadline: float) -> None:
         self.waiting = waiting
         self.kv = kv
         self.job = job
@@ -78,8 +77,9 @@ class DialQueue:
     ride ``timers``, the peers' waits end in :meth:`expire`. ``listed(peer)``:
     ``peers.connect`` lists it."""
 
-    def __init__(self, env: SessionEnv, size: int, timers: Deadlines,
-                 listed: Callable[[str], bool]) -> None:
+    def __init__(
+        self, env: SessionEnv, size: int, timers: Deadlines, listed: Callable[[str], bool]
+    ) -> None:
         self._env = env
         self._size = size
         self._timers = timers
@@ -123,8 +123,11 @@ class DialQueue:
         if len(self._waiting) <= self._size:
             return None
         worst = self._worst()
-        why = self._drop(worst, f"{self._size} peers wait for a dial (peers.max_dialed) and "
-                         "it was named least and longest ago (a flood of new names?)")
+        why = self._drop(
+            worst,
+            f"{self._size} peers wait for a dial (peers.max_dialed) and "
+            "it was named least and longest ago (a flood of new names?)",
+        )
         return why if worst is waiting else None
 
     def add_load(self, peer: str, kv: str, job: Job, pull: bool) -> None:
@@ -155,8 +158,11 @@ class DialQueue:
         waiting = self._waiting[peer]
         loads = waiting.requests.pop(kv, None)
         if loads:
-            self._close_loads(loads, Outcome.REQUEST_FINISHED,
-                              f"request finished while waiting for a dial of {peer}")
+            self._close_loads(
+                loads,
+                Outcome.REQUEST_FINISHED,
+                f"request finished while waiting for a dial of {peer}",
+            )
         if not waiting.requests:
             self._remove(waiting)
 
@@ -167,8 +173,11 @@ class DialQueue:
         oldest = now - self._env.timeouts.handshake
         waiting = self._waiting
         while waiting and (first := next(iter(waiting.values()))).since <= oldest:
-            self._drop(first, f"waited {self._env.timeouts.handshake:g}s for a free dial "
-                       "(timeouts.handshake): new peers are named faster than they answer")
+            self._drop(
+                first,
+                f"waited {self._env.timeouts.handshake:g}s for a free dial "
+                "(timeouts.handshake): new peers are named faster than they answer",
+            )
 
     def best(self) -> Waiting | None:
         """The peer to dial next, if any waits."""
@@ -216,8 +225,10 @@ class DialQueue:
         loads = waiting.requests.get(load.kv)
         if loads is not None and load in loads:
             loads.remove(load)
-            detail = (f"waited {env.timeouts.load:g}s for a dial of {waiting.peer} (its "
-                      "budget of new dials was spent on other new peers)")
+            detail = (
+                f"waited {env.timeouts.load:g}s for a dial of {waiting.peer} (its "
+                "budget of new dials was spent on other new peers)"
+            )
             env.failed_loads.mark(load.kv, f"{Outcome.LOAD_TIMEOUT.value}: {detail}")
             env.ledger.close(load.job.job_id, Outcome.LOAD_TIMEOUT, detail)
 

@@ -82,9 +82,17 @@ class Dialer(SessionWatcher):
     the peers waiting for a dial; ``timers``: where the wake-up for the next free dial is
     set. The views read ``policy``, ``backoff`` and ``queue``."""
 
-    def __init__(self, control: ControlTransport, table: SessionTable, admission: Admission,
-                 env: SessionEnv, policy: DialPolicy, backoff: DialBackoff,
-                 queue: DialQueue, timers: Deadlines) -> None:
+    def __init__(
+        self,
+        control: ControlTransport,
+        table: SessionTable,
+        admission: Admission,
+        env: SessionEnv,
+        policy: DialPolicy,
+        backoff: DialBackoff,
+        queue: DialQueue,
+        timers: Deadlines,
+    ) -> None:
         self._control = control
         self._table = table
         self._admission = admission
@@ -101,8 +109,9 @@ class Dialer(SessionWatcher):
         self.warm: Collection[str] = frozenset()
         self.handshake_timeout: Callable[[str], float | None] = lambda peer: None
 
-    def session_for(self, peer: str, kind: DialKind,
-                    kv: str | None = None) -> Session | Refusal | Queued:
+    def session_for(
+        self, peer: str, kind: DialKind, kv: str | None = None
+    ) -> Session | Refusal | Queued:
         """A request's session to ``peer`` (``kind`` PD or REQUEST), dialing if needed; why
         not, if it may not be; or ``QUEUED``: the dial waits, and the request ``kv`` (None:
         ``P2PTier.connect``) with it."""
@@ -205,14 +214,19 @@ class Dialer(SessionWatcher):
         the policy evicts to make room is closed here), why not, or ``QUEUED``: wait."""
         env = self._env
         now = env.clock()
-        verdict = self.policy.admit(peer, _Dialed(self._table, self.warm), now,
-                                    pd=kind is DialKind.PD)
+        verdict = self.policy.admit(
+            peer, _Dialed(self._table, self.warm), now, pd=kind is DialKind.PD
+        )
         if verdict.wait:
             return Queued.QUEUED
         victim = verdict.evict
         if victim is not None:  # a bye only to a peer that ever answered
-            self._table.close(victim, Outcome.PEER_DEAD, verdict.reason,
-                              bye=verdict.reason if victim.heard else None)
+            self._table.close(
+                victim,
+                Outcome.PEER_DEAD,
+                verdict.reason,
+                bye=verdict.reason if victim.heard else None,
+            )
         if verdict.refused is not None:
             env.warnings.log(now, logging.WARNING, "not dialing %s: %s", peer, verdict.refused)
             return Refusal(f"not dialing {peer}: {verdict.refused}")
@@ -231,8 +245,9 @@ class Dialer(SessionWatcher):
                 self._env.warnings.log(self._env.clock(), logging.WARNING, "%s", why)
             return why
         table = self._table
-        session = table.open(peer, conn, dialed=True,
-                             handshake_timeout=self.handshake_timeout(peer))
+        session = table.open(
+            peer, conn, dialed=True, handshake_timeout=self.handshake_timeout(peer)
+        )
         if kind in _REQUESTS:
             table.touch(session)
         else:
@@ -266,8 +281,11 @@ class _Dialed:
 
     def count(self) -> int:
         table = self._table
-        warm = sum(1 for peer in self._warm
-                   if (s := table.get(peer)) is not None and s.dialed) if self._warm else 0
+        warm = (
+            sum(1 for peer in self._warm if (s := table.get(peer)) is not None and s.dialed)
+            if self._warm
+            else 0
+        )
         return len(table.dialed) - warm
 
     def unheard_count(self) -> int:
@@ -281,13 +299,14 @@ class _Dialed:
         for session, dialed in self._table.unheard.items():
             if dialed > dialed_before:
                 return
-            if (session.peer not in warm
-                    and getattr(session.conn, "progress", "dialing") == "dialing"):
+            if (
+                session.peer not in warm
+                and getattr(session.conn, "progress", "dialing") == "dialing"
+            ):
                 yield session
 
     def idle(self) -> Iterator[Session]:
-        return (s for s in self._table.dialed
-                if s.peer not in self._warm and s.ready and s.idle)
+        return (s for s in self._table.dialed if s.peer not in self._warm and s.ready and s.idle)
 
 
 def _screened(peer: str) -> None:

@@ -49,8 +49,7 @@ class FailureDomains(SessionWatcher):
     """Suspect hosts and their probes (see the module docstring). ``redial(peer)`` dials a
     probe (the dialer's ``own_dial`` with ``DialKind.PROBE``)."""
 
-    def __init__(self, table: SessionTable, clock: Callable[[], float],
-                 handshake: float) -> None:
+    def __init__(self, table: SessionTable, clock: Callable[[], float], handshake: float) -> None:
         self._table = table
         self._clock = clock
         self._window = handshake
@@ -116,8 +115,12 @@ class FailureDomains(SessionWatcher):
         self.suspected += 1
         quiet = [s for s in self._by_host.get(host, ()) if s.ready and s.idle]
         if quiet:
-            log.info("peer %s lost: probing %d quiet session(s) to other ranks of %s",
-                     peer, len(quiet), host)
+            log.info(
+                "peer %s lost: probing %d quiet session(s) to other ranks of %s",
+                peer,
+                len(quiet),
+                host,
+            )
         for sibling in quiet:
             if self._table.get(sibling.peer) is not sibling:
                 continue

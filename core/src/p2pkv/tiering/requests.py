@@ -33,9 +33,16 @@ log = logging.getLogger("p2pkv.tier")
 class RequestRouter:
     """Routes the engine's request calls to sessions (see the module docstring)."""
 
-    def __init__(self, config: TierConfig, env: SessionEnv, intake: JobIntake,
-                 table: SessionTable, dialer: Dialer, warm: WarmSet,
-                 observers: Observers) -> None:
+    def __init__(
+        self,
+        config: TierConfig,
+        env: SessionEnv,
+        intake: JobIntake,
+        table: SessionTable,
+        dialer: Dialer,
+        warm: WarmSet,
+        observers: Observers,
+    ) -> None:
         self._config = config
         self._env = env
         self._intake = intake
@@ -85,8 +92,11 @@ class RequestRouter:
         """See ``P2PTier.lookup``."""
         routing = ctx.routing
         consumer = (routing if isinstance(routing, Routing) else self.routing(ctx)).consumer
-        if (consumer is None or self._table.closed
-                or consumer.kv_request_id in self._env.failed_loads):
+        if (
+            consumer is None
+            or self._table.closed
+            or consumer.kv_request_id in self._env.failed_loads
+        ):
             return LookupResult.MISS
         if not consumer.probe:
             return LookupResult.HIT
@@ -127,9 +137,11 @@ class RequestRouter:
         ledger, env = self._env.ledger, self._env
         failed = env.failed_loads.get(kv)
         if failed is not None:
-            ledger.close(job.job_id, Outcome.SUBMIT_FAILED,
-                         f"request {kv!r} already failed ({failed}); its loads cannot "
-                         f"succeed any more")
+            ledger.close(
+                job.job_id,
+                Outcome.SUBMIT_FAILED,
+                f"request {kv!r} already failed ({failed}); its loads cannot succeed any more",
+            )
             return
         consumer = self.routing(job.ctx).consumer
         assert consumer is not None  # admitted as a load: it has consumer routing
@@ -147,8 +159,7 @@ class RequestRouter:
             session.consumer.submit(job, kv, pull=consumer.probe)
 
     def _admit(self, job: Job, *, load: bool) -> tuple[Job, str, str] | None:
-        return self._intake.admit(job, self.routing(job.ctx), load=load,
-                                  closed=self._table.closed)
+        return self._intake.admit(job, self.routing(job.ctx), load=load, closed=self._table.closed)
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         """See ``P2PTier.on_request_finished``."""

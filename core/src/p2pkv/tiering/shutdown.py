@@ -36,9 +36,17 @@ class Shutdown:
     """Runs the steps of the module docstring once; ``tick(timeout)`` is the tier's,
     ``stop_watch()`` stops the pause detector's watchdog (``PauseDetector.close``)."""
 
-    def __init__(self, control: ControlTransport, env: SessionEnv, table: SessionTable,
-                 admission: Admission, discovery: Discovery | None, queue: DialQueue,
-                 tick: Callable[[float], None], stop_watch: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        control: ControlTransport,
+        env: SessionEnv,
+        table: SessionTable,
+        admission: Admission,
+        discovery: Discovery | None,
+        queue: DialQueue,
+        tick: Callable[[float], None],
+        stop_watch: Callable[[], None],
+    ) -> None:
         self._control = control
         self._env = env
         self._table = table
@@ -69,8 +77,10 @@ class Shutdown:
         """Tick until every session is wound down or the budget is spent."""
         drain, clock, sessions = self._env.timeouts.shutdown_drain, self._env.clock, self._table
         start, wall = clock(), time.monotonic()
-        while (any(not s.wound_down for s in sessions.sessions.values())
-               and max(clock() - start, time.monotonic() - wall) < drain):
+        while (
+            any(not s.wound_down for s in sessions.sessions.values())
+            and max(clock() - start, time.monotonic() - wall) < drain
+        ):
             self._tick(0.001)
 
     def _close_sessions(self) -> None:
@@ -79,8 +89,11 @@ class Shutdown:
             table.close(session, Outcome.SHUTDOWN, "shutdown", bye="shutdown")
         for session in list(table.lingering):
             pinned = session.producer.drop_pins(Outcome.SHUTDOWN, "tier shut down")
-            log.warning("shutdown: %d block(s) pinned for %s released before its lease ended",
-                        pinned, session.peer)
+            log.warning(
+                "shutdown: %d block(s) pinned for %s released before its lease ended",
+                pinned,
+                session.peer,
+            )
         table.lingering.clear()
         table.closed = True
         for job_id in ledger.open_ids():  # safety net: nothing may stay unanswered
@@ -89,11 +102,16 @@ class Shutdown:
     def _close_transports(self) -> None:
         owed = len(self._env.lookup_ends.take())
         if owed:
-            log.info("shutdown: %d lookup handle(s) were never released (no serve_lookups call)",
-                     owed)
+            log.info(
+                "shutdown: %d lookup handle(s) were never released (no serve_lookups call)", owed
+            )
         self._control.close()
         self._stop_watch()
         undrained = self._env.data.close()
         if undrained:
-            log.error("shutdown: data transport kept its region registered; %d transfer(s) "
-                      "never drained: %s", len(undrained), undrained[:16])
+            log.error(
+                "shutdown: data transport kept its region registered; %d transfer(s) "
+                "never drained: %s",
+                len(undrained),
+                undrained[:16],
+            )

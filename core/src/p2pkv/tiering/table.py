@@ -86,8 +86,14 @@ class SessionTable:
 
     # -- opening and closing ----------------------------------------------------------------
 
-    def open(self, peer: str, conn: ControlConnection, *, dialed: bool = False,
-             handshake_timeout: float | None = None) -> Session:
+    def open(
+        self,
+        peer: str,
+        conn: ControlConnection,
+        *,
+        dialed: bool = False,
+        handshake_timeout: float | None = None,
+    ) -> Session:
         """A new session on ``conn`` (its hello sent), received at the next tick."""
         session = Session(self._env, peer, conn, dialed=dialed)
         self.sessions[peer] = session
@@ -109,16 +115,31 @@ class SessionTable:
             self.receive(session, frames)
         return session
 
-    def close(self, session: Session, outcome: Outcome, reason: str, *,
-              bye: str | None = None, close_conn: bool = True, lost: bool = False) -> None:
+    def close(
+        self,
+        session: Session,
+        outcome: Outcome,
+        reason: str,
+        *,
+        bye: str | None = None,
+        close_conn: bool = True,
+        lost: bool = False,
+    ) -> None:
         """Close ``session`` (its reads end, finally), remove its data peer, and keep it
         lingering while blocks stay pinned for its consumer."""
         if self.sessions.get(session.peer) is session:
             del self.sessions[session.peer]
         if self._by_conn.get(id(session.conn)) is session:
             del self._by_conn[id(session.conn)]
-        for members in (self.dialed, self.unheard, self.probing, self.serving, self._due,
-                        self._work, self._handshaking):
+        for members in (
+            self.dialed,
+            self.unheard,
+            self.probing,
+            self.serving,
+            self._due,
+            self._work,
+            self._handshaking,
+        ):
             members.pop(session, None)
         session.close(outcome, reason, bye=bye, close_conn=close_conn)
         if session.producer.n_pins:
@@ -135,8 +156,14 @@ class SessionTable:
             self.close(session, doom.outcome, doom.reason, bye=doom.bye, lost=lost)
         else:
             why = session.conn.close_reason
-            self.close(session, Outcome.PEER_DEAD, f"connection to {session.peer} failed: "
-                       f"{why}" if why else f"connection to {session.peer} lost", lost=True)
+            self.close(
+                session,
+                Outcome.PEER_DEAD,
+                f"connection to {session.peer} failed: {why}"
+                if why
+                else f"connection to {session.peer} lost",
+                lost=True,
+            )
 
     def _release_data_peer(self, session: Session) -> None:
         """Remove the data peer if ``session`` registered it (a newer session of the same
@@ -147,8 +174,12 @@ class SessionTable:
         env.flush_control()  # a bye queued for the peer leaves before the drain
         undrained = env.data.remove_peer(peer)
         if undrained:
-            log.warning("data peer %s removed with %d internal transfer(s) undrained: %s",
-                        peer, len(undrained), undrained[:16])
+            log.warning(
+                "data peer %s removed with %d internal transfer(s) undrained: %s",
+                peer,
+                len(undrained),
+                undrained[:16],
+            )
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -214,8 +245,11 @@ class SessionTable:
         doomed, env.doomed = env.doomed, []
         for candidate in doomed:
             session = self.sessions.get(candidate.peer)
-            if (session is not None and session is candidate
-                    and (session.doomed is not None or not session.conn.alive)):
+            if (
+                session is not None
+                and session is candidate
+                and (session.doomed is not None or not session.conn.alive)
+            ):
                 self.close_unusable(session)
         if self.lingering:
             self.lingering = {s for s in self.lingering if s.producer.n_pins}
@@ -254,8 +288,11 @@ class SessionTable:
     def ready_count(self) -> int:
         """Sessions ready and not doomed."""
         sessions = self.sessions
-        doomed_ready = sum(1 for d in self._env.doomed
-                           if (s := sessions.get(d.peer)) is d and s.state is State.READY)
+        doomed_ready = sum(
+            1
+            for d in self._env.doomed
+            if (s := sessions.get(d.peer)) is d and s.state is State.READY
+        )
         return len(self.sessions) - self._unready() - doomed_ready
 
     def _unready(self) -> int:

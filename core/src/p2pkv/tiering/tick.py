@@ -36,9 +36,16 @@ Periodic = Callable[[float], None]
 class TickPipeline:
     """Runs :meth:`tick` over the tier's roles (see the module docstring)."""
 
-    def __init__(self, control: ControlTransport, env: SessionEnv, table: SessionTable,
-                 admission: Admission, pauses: PauseDetector, peer_timers: Deadlines,
-                 periodic: Sequence[Periodic]) -> None:
+    def __init__(
+        self,
+        control: ControlTransport,
+        env: SessionEnv,
+        table: SessionTable,
+        admission: Admission,
+        pauses: PauseDetector,
+        peer_timers: Deadlines,
+        periodic: Sequence[Periodic],
+    ) -> None:
         self._control = control
         self._env = env
         self._table = table
@@ -118,11 +125,20 @@ class TickPipeline:
         (loads end at once, reads cancelled first; new requests dial afresh)."""
         table, limit = self._table, self._pauses.limit
         if len(table):
-            log.warning("this tier was not ticked for %.1fs (process paused?), longer than the "
-                        "control transport's silence timeout %gs: closing its %d session(s), "
-                        "which its peers have dropped", gap, limit, len(table))
+            log.warning(
+                "this tier was not ticked for %.1fs (process paused?), longer than the "
+                "control transport's silence timeout %gs: closing its %d session(s), "
+                "which its peers have dropped",
+                gap,
+                limit,
+                len(table),
+            )
         for session in list(table.sessions.values()):
-            table.close(session, Outcome.PEER_DEAD,
-                        f"this process was paused {gap:.1f}s (no tick), longer than the "
-                        f"control transport's silence timeout {limit:g}s: {session.peer} has "
-                        f"dropped the session", bye="paused past the silence timeout")
+            table.close(
+                session,
+                Outcome.PEER_DEAD,
+                f"this process was paused {gap:.1f}s (no tick), longer than the "
+                f"control transport's silence timeout {limit:g}s: {session.peer} has "
+                f"dropped the session",
+                bye="paused past the silence timeout",
+            )

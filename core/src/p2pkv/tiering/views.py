@@ -24,9 +24,21 @@ from p2pkv.tiering.warm import WarmSet
 
 __all__ = ["Isolation", "TierViews"]
 
-_REQUEST_SIZES = ("consumer_requests", "consumer_rounds", "reads", "queued_rounds", "lookups",
-                  "probes", "producer_requests", "producer_rounds", "producer_jobs", "supply",
-                  "demand", "pins", "serves")
+_REQUEST_SIZES = (
+    "consumer_requests",
+    "consumer_rounds",
+    "reads",
+    "queued_rounds",
+    "lookups",
+    "probes",
+    "producer_requests",
+    "producer_rounds",
+    "producer_jobs",
+    "supply",
+    "demand",
+    "pins",
+    "serves",
+)
 
 
 @dataclass(frozen=True)
@@ -42,9 +54,17 @@ class Isolation:
 class TierViews:
     """Reads the roles' state; changes nothing but the table's lazily pruned sets."""
 
-    def __init__(self, env: SessionEnv, table: SessionTable, admission: Admission,
-                 dialer: Dialer, warm: WarmSet, domains: FailureDomains,
-                 idle: IdleReaper, isolation: Isolation) -> None:
+    def __init__(
+        self,
+        env: SessionEnv,
+        table: SessionTable,
+        admission: Admission,
+        dialer: Dialer,
+        warm: WarmSet,
+        domains: FailureDomains,
+        idle: IdleReaper,
+        isolation: Isolation,
+    ) -> None:
         self._env = env
         self._table = table
         self._admission = admission
@@ -66,8 +86,12 @@ class TierViews:
 
     def has_pending_work(self) -> bool:
         """See ``P2PTier.has_pending_work``."""
-        return (bool(len(self._admission)) or self.needs_engine()
-                or self._table.any_handshaking() or bool(len(self._queue)))
+        return (
+            bool(len(self._admission))
+            or self.needs_engine()
+            or self._table.any_handshaking()
+            or bool(len(self._queue))
+        )
 
     def stats(self) -> dict[str, int]:
         """See ``P2PTier.stats``."""
@@ -132,11 +156,16 @@ class TierViews:
                 sizes[k] += v
         sizes.update(env.producers.state_sizes())
         sizes.update(
-            failed_ids=len(env.failed_loads), deferred_ends=len(env.lookup_ends),
-            jobs_open=env.ledger.pending, results_waiting=env.ledger.undelivered,
-            owners=len(env.owners), timers=len(env.deadlines),
-            sessions_lingering=len(table.lingering), newcomers=len(self._admission),
-            dial_queue=len(self._queue), dial_queue_loads=self._queue.loads(),
+            failed_ids=len(env.failed_loads),
+            deferred_ends=len(env.lookup_ends),
+            jobs_open=env.ledger.pending,
+            results_waiting=env.ledger.undelivered,
+            owners=len(env.owners),
+            timers=len(env.deadlines),
+            sessions_lingering=len(table.lingering),
+            newcomers=len(self._admission),
+            dial_queue=len(self._queue),
+            dial_queue_loads=self._queue.loads(),
             reads_waiting=env.reads.waiting,
             frames_held=sum(len(s.outbox) for s in env.congested),
         )

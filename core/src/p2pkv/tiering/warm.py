@@ -50,9 +50,16 @@ class WarmSet(SessionWatcher):
     """The members (a collection of peer addresses) and their dialing; ``dial(peer)`` opens
     a warm session (the dialer's ``own_dial`` with ``DialKind.WARM``)."""
 
-    def __init__(self, size: int, max_handshakes: int, table: SessionTable,
-                 deadlines: Deadlines, clock: Callable[[], float], backoff: DialBackoff,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        max_handshakes: int,
+        table: SessionTable,
+        deadlines: Deadlines,
+        clock: Callable[[], float],
+        backoff: DialBackoff,
+        rng: random.Random | None = None,
+    ) -> None:
         self.size = size
         self._max_handshakes = max_handshakes
         self._table = table
@@ -88,8 +95,7 @@ class WarmSet(SessionWatcher):
     def ready(self) -> int:
         """Members with a ready session."""
         table = self._table
-        return sum(1 for peer in self._members
-                   if (s := table.get(peer)) is not None and s.ready)
+        return sum(1 for peer in self._members if (s := table.get(peer)) is not None and s.ready)
 
     def discovered(self, addresses: Sequence[str]) -> None:
         """``peers.connect`` resolved to ``addresses``: drop members it no longer lists,
@@ -172,9 +178,12 @@ class WarmSet(SessionWatcher):
         peer = session.peer
         if lost and not session.heard and peer in self._members and peer not in self._failing:
             self._failing.add(peer)
-            log.info("peers.connect: %s does not answer (%s); dialed again with a backoff "
-                     "of up to peers.dial_backoff", peer,
-                     session.conn.close_reason or "no answer within the handshake deadline")
+            log.info(
+                "peers.connect: %s does not answer (%s); dialed again with a backoff "
+                "of up to peers.dial_backoff",
+                peer,
+                session.conn.close_reason or "no answer within the handshake deadline",
+            )
         if peer in self._members:
             until = self._backoff.ready_at(peer)
             wait = 0.0 if until is None else max(0.0, until - self._clock())

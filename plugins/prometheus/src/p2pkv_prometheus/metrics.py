@@ -14,7 +14,21 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 __all__ = ["Metrics"]
 
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
 )
 
 
@@ -23,31 +37,41 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.jobs = Counter(
-            "p2pkv_jobs", "Engine jobs finished, by kind and outcome.", ["kind", "outcome"],
+            "p2pkv_jobs",
+            "Engine jobs finished, by kind and outcome.",
+            ["kind", "outcome"],
             registry=registry,
         )
         self.job_seconds = Histogram(
             "p2pkv_job_duration_seconds",
             "Time from submit to result of an engine job (a store's includes waiting for its "
-            "consumer).", ["kind"],
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "consumer).",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.transfers = Counter(
             "p2pkv_transfers", "Data transfers finished, by result.", ["result"], registry=registry
         )
         self.bytes_read = Counter(
-            "p2pkv_bytes_read", "Bytes of this tier's reads that completed (peers' blocks read "
-            "into our region for loads).", registry=registry,
+            "p2pkv_bytes_read",
+            "Bytes of this tier's reads that completed (peers' blocks read "
+            "into our region for loads).",
+            registry=registry,
         )
         self.transfer_seconds = Histogram(
-            "p2pkv_transfer_duration_seconds", "Time from submit to completion of a transfer.",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            "p2pkv_transfer_duration_seconds",
+            "Time from submit to completion of a transfer.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.sessions_opened = Counter(
             "p2pkv_sessions_opened", "Sessions that completed their handshake.", registry=registry
         )
         self.sessions_closed = Counter(
-            "p2pkv_sessions_closed", "Sessions that ended, by reason.", ["reason"],
+            "p2pkv_sessions_closed",
+            "Sessions that ended, by reason.",
+            ["reason"],
             registry=registry,
         )
         self.rejections = Counter(
@@ -60,11 +84,15 @@ class Metrics:
             "p2pkv_timeouts", "Deadlines that fired, by kind.", ["kind"], registry=registry
         )
         self.in_flight = Gauge(
-            "p2pkv_in_flight_transfers", "Data transfers in flight.", registry=registry,
+            "p2pkv_in_flight_transfers",
+            "Data transfers in flight.",
+            registry=registry,
             multiprocess_mode="livesum",
         )
         self.parked = Gauge(
-            "p2pkv_parked_stores", "Store jobs waiting for their consumer.", registry=registry,
+            "p2pkv_parked_stores",
+            "Store jobs waiting for their consumer.",
+            registry=registry,
             multiprocess_mode="livesum",
         )
         self.sessions = Gauge(

@@ -93,9 +93,7 @@ OPTIONAL_FEATURES: Mapping[str, str] = {
         "cache-hit source attribution (new in vLLM 0.32): prompt tokens loaded through the "
         "tier count as external hits without a source"
     ),
-    "bp_detector": (
-        "store back-pressure (new in vLLM 0.32): a backpressure block is not read"
-    ),
+    "bp_detector": ("store back-pressure (new in vLLM 0.32): a backpressure block is not read"),
 }
 """``SecondaryTierManager`` attributes of newer vLLM releases the adapter uses when present,
 and what an engine without them lacks."""
@@ -122,6 +120,7 @@ def _engine_call(method: _Method) -> _Method:
     """Run ``method`` with the tier handed to the engine thread when an :class:`IdleWatch`
     drives it while the engine sleeps or computes (vLLM before 0.33); a plain call
     otherwise. After a schedule's end, each call lends the tier back to the watcher."""
+
     @functools.wraps(method)
     def call(self: P2PKVTier, *args: Any, **kwargs: Any) -> Any:
         watch = self._watch
@@ -132,13 +131,15 @@ def _engine_call(method: _Method) -> _Method:
             if self._lending:
                 watch.lend()
             return result
+
     return cast(_Method, call)
 
 
 def missing_features() -> list[str]:
     """What the running vLLM lacks of :data:`OPTIONAL_FEATURES` (empty on 0.33)."""
-    return [why for name, why in OPTIONAL_FEATURES.items()
-            if not hasattr(SecondaryTierManager, name)]
+    return [
+        why for name, why in OPTIONAL_FEATURES.items() if not hasattr(SecondaryTierManager, name)
+    ]
 
 
 def run_config(offloading_spec: Any) -> dict[str, Any]:
@@ -153,16 +154,22 @@ def run_config(offloading_spec: Any) -> dict[str, Any]:
     without ``canonical_layout`` the real parallel sizes stay in the config. A TP 1 engine's
     config is unchanged by this (all sizes 1), so it still matches earlier p2pkv releases."""
     config = offloading_spec.config
-    run = dict(FileMapper.from_offloading_spec(
-        root_dir="",
-        offloading_spec=offloading_spec,
-        blocks_per_file=config.cache.blocks_per_chunk,
-        parallel_agnostic=True,
-    ).get_run_config())
+    run = dict(
+        FileMapper.from_offloading_spec(
+            root_dir="",
+            offloading_spec=offloading_spec,
+            blocks_per_file=config.cache.blocks_per_chunk,
+            parallel_agnostic=True,
+        ).get_run_config()
+    )
     if not getattr(config, "canonical_layout", False):
         parallel = config.parallel
-        run.update(tp_size=parallel.tp_size, pp_size=parallel.pp_size,
-                   pcp_size=parallel.pcp_size, dcp_size=parallel.dcp_size)
+        run.update(
+            tp_size=parallel.tp_size,
+            pp_size=parallel.pp_size,
+            pcp_size=parallel.pcp_size,
+            dcp_size=parallel.dcp_size,
+        )
     return run
 
 
@@ -211,9 +218,12 @@ class P2PKVTier(SecondaryTierManager):
         if backpressure_detector is None:  # releases before 0.33 take no detector
             super().__init__(offloading_spec, primary_kv_view, tier_type)
         else:
-            super().__init__(offloading_spec, primary_kv_view, tier_type,
-                             backpressure_detector=PDSafeDetector(
-                                 backpressure_detector, self._serving_pd))
+            super().__init__(
+                offloading_spec,
+                primary_kv_view,
+                tier_type,
+                backpressure_detector=PDSafeDetector(backpressure_detector, self._serving_pd),
+            )
         if locality is not None:
             self.locality = Locality(locality)
         if primary_kv_view.ndim != 2:
@@ -254,11 +264,19 @@ class P2PKVTier(SecondaryTierManager):
             log.info("P2PKVTier: this vLLM has no %s", lacking)
         log.info(
             "P2PKVTier %s listening on %s (control %s, data %s, dp rank %d, %d chunks x %d B)",
-            tier_type, self._tier.local_address, config.control, config.data, config.dp_rank,
-            len(primary_kv_view), self.block_size_bytes,
+            tier_type,
+            self._tier.local_address,
+            config.control,
+            config.data,
+            config.dp_rank,
+            len(primary_kv_view),
+            self.block_size_bytes,
         )
-        log.info("P2PKVTier run config (fingerprint %s; peers must match it): %s",
-                 config.fingerprint, describe_run_config(run))
+        log.info(
+            "P2PKVTier run config (fingerprint %s; peers must match it): %s",
+            config.fingerprint,
+            describe_run_config(run),
+        )
         log_start(tier_type, self._tier.local_address, config)
 
     @property
@@ -325,8 +343,12 @@ class P2PKVTier(SecondaryTierManager):
             if ctx is not None:
                 self._failed_loads.failed(result, ctx)
             else:
-                log.debug("P2PKVTier store job %d failed: %s %s", result.job_id,
-                          result.outcome.value, result.detail)
+                log.debug(
+                    "P2PKVTier store job %d failed: %s %s",
+                    result.job_id,
+                    result.outcome.value,
+                    result.detail,
+                )
         return [JobResult(result.job_id, result.success) for result in results]
 
     @_engine_call
@@ -354,7 +376,8 @@ class P2PKVTier(SecondaryTierManager):
             #         always serves: the tier learns it has a hit source before any probe)
         if source is None or not source.over(parent):
             source = self._hit_source = ParentHitSource(
-                parent, new_context=ReqContext, results=_FROM_VLLM, serial=self._serial)
+                parent, new_context=ReqContext, results=_FROM_VLLM, serial=self._serial
+            )
         self._tier.serve_lookups(source)
 
     @_engine_call
@@ -385,8 +408,10 @@ class P2PKVTier(SecondaryTierManager):
         if wake is None:
             return None
         self._watch = IdleWatch(self._tier, wake, self._idle_wait)
-        log.info("P2PKVTier: this vLLM has no tier-poll thread; peers are served by a thread "
-                 "of ours while the engine sleeps, which wakes the engine when they need it")
+        log.info(
+            "P2PKVTier: this vLLM has no tier-poll thread; peers are served by a thread "
+            "of ours while the engine sleeps, which wakes the engine when they need it"
+        )
         return self._watch
 
     @_engine_call
@@ -429,8 +454,12 @@ class P2PKVTier(SecondaryTierManager):
         return _INFO_KEYS
 
     def config_info(self) -> Mapping[str, str]:
-        values = (self._tier.local_address, self._config.control, self._config.data,
-                  self._config.fingerprint)
+        values = (
+            self._tier.local_address,
+            self._config.control,
+            self._config.data,
+            self._config.fingerprint,
+        )
         return dict(zip(_INFO_KEYS, values, strict=True))
 
     def _check_hash_seed(self) -> None:

@@ -102,12 +102,20 @@ def tier_config_from_keys(
     derived = {"fingerprint": config_fingerprint(run_config), "hash_seed": hash_seed}
     for name in _DERIVED_KEYS:
         keys.setdefault(name, derived[name])
-    aliases = {f"{section}.{name}": alias for alias, (section, name) in UPSTREAM_KEYS.items()
-               if alias in tier_keys}
+    aliases = {
+        f"{section}.{name}": alias
+        for alias, (section, name) in UPSTREAM_KEYS.items()
+        if alias in tier_keys
+    }
     try:
         return TierConfig.from_dict(
-            keys, dp_rank=dp_rank, environ=environ, host_env=HOST_ENV, port_env=PORT_ENV,
-            also_accepted=(*ENTRY_KEYS, *UPSTREAM_KEYS, IDLE_WAIT_KEY), shown_as=aliases,
+            keys,
+            dp_rank=dp_rank,
+            environ=environ,
+            host_env=HOST_ENV,
+            port_env=PORT_ENV,
+            also_accepted=(*ENTRY_KEYS, *UPSTREAM_KEYS, IDLE_WAIT_KEY),
+            shown_as=aliases,
         )
     except ConfigError as exc:
         raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
@@ -131,8 +139,10 @@ def replace_requested(environ: Mapping[str, str] | None = None) -> bool:
         return True
     if value in _NO:
         return False
-    raise ConfigError(f"{REPLACE_ENV}={value!r}: set it to 1 to build p2pkv's tier for "
-                      f"\"type\": \"p2p\" entries, or unset it")
+    raise ConfigError(
+        f"{REPLACE_ENV}={value!r}: set it to 1 to build p2pkv's tier for "
+        f'"type": "p2p" entries, or unset it'
+    )
 
 
 _CURVE_OPTIONS = ("server_secret_key", "client_secret_key", "allowed_client_keys", "insecure")
@@ -147,8 +157,11 @@ def zero_edit_keys(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
     keys = dict(tier_keys)
     options = keys.get("control_options")
     options = dict(options) if isinstance(options, Mapping) else {}
-    if keys.get("control", "zmq") == "zmq" and not any(k in options for k in _CURVE_OPTIONS) \
-            and not _fleet_keys_mounted():
+    if (
+        keys.get("control", "zmq") == "zmq"
+        and not any(k in options for k in _CURVE_OPTIONS)
+        and not _fleet_keys_mounted()
+    ):
         options["insecure"] = True
         keys["control_options"] = options
     return keys
@@ -174,14 +187,18 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
             continue
         value = keys.pop(alias)
         if section == "data_options" and keys.get("data", "nixl") != "nixl":
-            raise ConfigError(f"P2PKVTier secondary_tiers entry: {alias!r} is a NIXL setting "
-                              f"of vLLM's p2p tier, but data is {keys['data']!r}: set that "
-                              f"transport's data_options instead")
+            raise ConfigError(
+                f"P2PKVTier secondary_tiers entry: {alias!r} is a NIXL setting "
+                f"of vLLM's p2p tier, but data is {keys['data']!r}: set that "
+                f"transport's data_options instead"
+            )
         inner = keys.get(section)
         inner = dict(inner) if isinstance(inner, Mapping) else {}
         if name in inner and inner[name] != value:
-            raise ConfigError(f"P2PKVTier secondary_tiers entry: {alias!r} ({value!r}) and "
-                              f"{section}.{name} ({inner[name]!r}) disagree: keep one")
+            raise ConfigError(
+                f"P2PKVTier secondary_tiers entry: {alias!r} ({value!r}) and "
+                f"{section}.{name} ({inner[name]!r}) disagree: keep one"
+            )
         inner[name] = value
         keys[section] = inner
     return keys
@@ -198,8 +215,10 @@ def idle_wait_of(tier_keys: dict[str, Any], default: float) -> float:
     of seconds from 0 to 1."""
     value = tier_keys.pop(IDLE_WAIT_KEY, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"P2PKVTier: {IDLE_WAIT_KEY} must be seconds from 0 to 1 (0 turns "
-                          f"idle serving off), got {value!r}")
+        raise ConfigError(
+            f"P2PKVTier: {IDLE_WAIT_KEY} must be seconds from 0 to 1 (0 turns "
+            f"idle serving off), got {value!r}"
+        )
     return float(value)
 
 
@@ -209,9 +228,7 @@ def check_engine_keys(*, locality: Any) -> str | None:
     ``backpressure`` block is vLLM's to read and is accepted (see
     :mod:`p2pkv_vllm.backpressure` for what it may drop)."""
     if locality is not None and locality not in LOCALITIES:
-        raise ConfigError(
-            f"P2PKVTier: locality {locality!r} is not one of {', '.join(LOCALITIES)}"
-        )
+        raise ConfigError(f"P2PKVTier: locality {locality!r} is not one of {', '.join(LOCALITIES)}")
     return None if locality is None else str(locality)
 
 
@@ -232,8 +249,13 @@ def entry_tier_config(
         keys = zero_edit_keys(keys)
     idle_wait_of(keys, 0.0)
     check_engine_keys(locality=entry.get("locality"))
-    return tier_config_from_keys(keys, dp_rank=dp_rank, run_config={},
-                                 hash_seed=resolve_hash_seed("", environ), environ=environ)
+    return tier_config_from_keys(
+        keys,
+        dp_rank=dp_rank,
+        run_config={},
+        hash_seed=resolve_hash_seed("", environ),
+        environ=environ,
+    )
 
 
 def resolve_hash_seed(engine_seed: str, environ: Mapping[str, str] | None = None) -> str:
@@ -269,18 +291,31 @@ def preconnect_peers(params: Any, req_id: str = "") -> list[str]:
     if hint is None:
         return []
     if not isinstance(hint, list):
-        _log.warning("request %s: %s must be a list of peers, got %s (ignored)", req_id or "?",
-                     PRECONNECT_KEY, type(hint).__name__)
+        _log.warning(
+            "request %s: %s must be a list of peers, got %s (ignored)",
+            req_id or "?",
+            PRECONNECT_KEY,
+            type(hint).__name__,
+        )
         return []
     if len(hint) > MAX_PRECONNECT:
-        _log.warning("request %s: %s names %d peers; connecting to the first %d",
-                     req_id or "?", PRECONNECT_KEY, len(hint), MAX_PRECONNECT)
+        _log.warning(
+            "request %s: %s names %d peers; connecting to the first %d",
+            req_id or "?",
+            PRECONNECT_KEY,
+            len(hint),
+            MAX_PRECONNECT,
+        )
     peers: dict[str, None] = {}
     for peer in hint[:MAX_PRECONNECT]:
         address = _peer_address(peer)
         if address is None:
-            _log.warning("request %s: %s peer %r is not {remote_host: str, remote_port: "
-                         "1..65535} (ignored)", req_id or "?", PRECONNECT_KEY, peer)
+            _log.warning(
+                "request %s: %s peer %r is not {remote_host: str, remote_port: 1..65535} (ignored)",
+                req_id or "?",
+                PRECONNECT_KEY,
+                peer,
+            )
         else:
             peers[address] = None
     return list(peers)
@@ -292,8 +327,13 @@ def _peer_address(peer: Any) -> str | None:
     host, port = peer.get("remote_host"), peer.get("remote_port")
     if isinstance(port, str) and port.isdecimal():
         port = int(port)
-    if (not isinstance(host, str) or not host.strip("[]") or isinstance(port, bool)
-            or not isinstance(port, int) or not 0 < port < 65536):
+    if (
+        not isinstance(host, str)
+        or not host.strip("[]")
+        or isinstance(port, bool)
+        or not isinstance(port, int)
+        or not 0 < port < 65536
+    ):
         return None
     return format_address(host, port)
 
@@ -360,8 +400,13 @@ class ParentHitSource:
         """The parent's store job over ``keys`` (block ids as plain ints: pinned jobs are not
         normalised by the tier)."""
         transfer_job = self._parent.create_store_job(keys, handle)
-        return Job(transfer_job.job_id, list(transfer_job.keys),
-                   slots_of(transfer_job).tolist(), False, context_of(handle))
+        return Job(
+            transfer_job.job_id,
+            list(transfer_job.keys),
+            slots_of(transfer_job).tolist(),
+            False,
+            context_of(handle),
+        )
 
     def end(self, handle: object) -> None:
         self._parent.on_request_finished(handle)
@@ -376,8 +421,12 @@ class FailedLoadLog:
     many were folded into it.
     """
 
-    def __init__(self, logger: logging.Logger, window: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        window: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._log = logger
         self._window = window
         self._clock = clock
@@ -398,6 +447,9 @@ class FailedLoadLog:
         more = f" ({folded} more like it since the last such line)" if folded else ""
         self._log.warning(
             "P2PKVTier load from %s failed (%s) for request %s: vLLM recomputes its blocks%s%s",
-            peer, result.outcome.value, ctx.req_id,
-            f": {result.detail}" if result.detail else "", more,
+            peer,
+            result.outcome.value,
+            ctx.req_id,
+            f": {result.detail}" if result.detail else "",
+            more,
         )

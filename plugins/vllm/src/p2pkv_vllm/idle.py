@@ -116,8 +116,9 @@ class IdleWatch:
         self._lock.acquire()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._lock.release()
 
     def sleep(self) -> None:

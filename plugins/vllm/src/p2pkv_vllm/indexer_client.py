@@ -30,22 +30,29 @@ __all__ = ["IndexerClient"]
 class IndexerClient:
     """Queries ``base_url`` for the prefix every (instance URL, DP rank) holds."""
 
-    def __init__(self, post_json: PostJson, base_url: str, *, block_size: int,
-                 tenant: str = "default") -> None:
+    def __init__(
+        self, post_json: PostJson, base_url: str, *, block_size: int, tenant: str = "default"
+    ) -> None:
         self._post = post_json
         self._url = f"{base_url.rstrip('/')}/query"
         self._block_size = block_size
         self._tenant = tenant
         self.failures = 0
 
-    async def match(self, token_ids: Sequence[int], model: str,
-                    ranks: Mapping[str, int]) -> dict[tuple[str, int], int]:
+    async def match(
+        self, token_ids: Sequence[int], model: str, ranks: Mapping[str, int]
+    ) -> dict[tuple[str, int], int]:
         """Matched tokens per (instance URL, DP rank) for the instances in ``ranks``
         (URL -> DP size); instances the indexer does not name are absent."""
-        status, raw = await self._post(self._url, {
-            "model": model, "token_ids": list(token_ids), "block_size": self._block_size,
-            "tenant_id": self._tenant,
-        })
+        status, raw = await self._post(
+            self._url,
+            {
+                "model": model,
+                "token_ids": list(token_ids),
+                "block_size": self._block_size,
+                "tenant_id": self._tenant,
+            },
+        )
         try:
             if not 200 <= status < 300:
                 raise ValueError(f"status {status}")

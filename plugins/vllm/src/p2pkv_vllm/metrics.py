@@ -45,7 +45,21 @@ PREFIX = "vllm:kv_offload_p2pkv_"
 JOBS = f"{PREFIX}jobs"
 JOB_SECONDS = f"{PREFIX}job_duration_seconds"
 JOB_SECONDS_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
 )
 """Upper bounds in seconds, the same as ``p2pkv_job_duration_seconds`` (p2pkv-prometheus)."""
 MAX_UNREPORTED_DURATIONS = 10_000
@@ -104,7 +118,9 @@ class StatsPayload(Protocol):
     """What a report is written into: vLLM's ``OffloadingConnectorStats`` has these."""
 
     def increase_counter(
-        self, counter_name: str, counter_increase_value: int | float = 1,
+        self,
+        counter_name: str,
+        counter_increase_value: int | float = 1,
         labelvalues: tuple[str, ...] = (),
     ) -> None: ...
 
@@ -113,7 +129,9 @@ class StatsPayload(Protocol):
     ) -> None: ...
 
     def observe_histogram(
-        self, histogram_name: str, histogram_value: int | float,
+        self,
+        histogram_name: str,
+        histogram_value: int | float,
         labelvalues: tuple[str, ...] = (),
     ) -> None: ...
 

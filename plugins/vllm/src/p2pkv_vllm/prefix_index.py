@@ -64,7 +64,7 @@ def chain_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY
     keys: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
-        h.update(array("q", token_ids[start:start + block_size]).tobytes())
+        h.update(array("q", token_ids[start : start + block_size]).tobytes())
         parent = int.from_bytes(h.digest(), "little")
         keys.append(parent)
     return keys
@@ -104,8 +104,9 @@ class _Instance:
 class PrefixIndex:
     """Per-instance, per-medium block chains; see the module docstring for the contract."""
 
-    def __init__(self, *, block_size: int | None = None,
-                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(
+        self, *, block_size: int | None = None, max_blocks: int = DEFAULT_MAX_BLOCKS
+    ) -> None:
         if max_blocks < 1 or (block_size is not None and block_size < 1):
             raise ValueError("block_size and max_blocks must be >= 1")
         self._lock = threading.Lock()
@@ -165,8 +166,10 @@ class PrefixIndex:
     def status(self) -> dict[str, InstanceStatus]:
         """A copy of every instance's counters (``refused`` says why when refused)."""
         with self._lock:
-            return {name: InstanceStatus(**{**s.status.__dict__, "blocks": len(s.blocks)})
-                    for name, s in self._instances.items()}
+            return {
+                name: InstanceStatus(**{**s.status.__dict__, "blocks": len(s.blocks)})
+                for name, s in self._instances.items()
+            }
 
     # -- events (lock held) ---------------------------------------------------------------
 
@@ -175,8 +178,12 @@ class PrefixIndex:
         if bs is None:
             return
         n = len(event.block_hashes)
-        if (event.group_idx or event.lora_name is not None or event.lora_id is not None
-                or len(event.token_ids) != n * bs):
+        if (
+            event.group_idx
+            or event.lora_name is not None
+            or event.lora_id is not None
+            or len(event.token_ids) != n * bs
+        ):
             state.status.skipped += n
             return
         if event.extra_keys is not None:
@@ -189,16 +196,18 @@ class PrefixIndex:
                 state.status.orphans += n
                 return
             parent = found
-        keys = chain_keys(event.token_ids[:n * bs], bs, parent)
-        if event.parent_block_hash is None and keys and not self._same_hashing(
-                instance, state, keys[0], event.block_hashes[0]):
+        keys = chain_keys(event.token_ids[: n * bs], bs, parent)
+        if (
+            event.parent_block_hash is None
+            and keys
+            and not self._same_hashing(instance, state, keys[0], event.block_hashes[0])
+        ):
             return
         bit = self._medium_bit(event.medium)
         for key, engine_hash in zip(keys, event.block_hashes, strict=False):
             self._insert(state, key, engine_hash, bit)
 
-    def _insert(self, state: _Instance, key: int, engine_hash: EngineBlockHash,
-                bit: int) -> None:
+    def _insert(self, state: _Instance, key: int, engine_hash: EngineBlockHash, bit: int) -> None:
         block = state.blocks.get(key)
         if block is None:
             state.blocks[key] = _Block(bit, engine_hash)
@@ -240,13 +249,18 @@ class PrefixIndex:
             self._block_size, self._block_size_from = size, instance
         if size == self._block_size:
             return size
-        self._refuse(instance, state, f"its BlockStored events say block_size {size}, the "
-                     f"cluster's is {self._block_size} (from {self._block_size_from}); "
-                     "start every instance with the same --block-size")
+        self._refuse(
+            instance,
+            state,
+            f"its BlockStored events say block_size {size}, the "
+            f"cluster's is {self._block_size} (from {self._block_size_from}); "
+            "start every instance with the same --block-size",
+        )
         return None
 
-    def _same_hashing(self, instance: str, state: _Instance, key: int,
-                      engine_hash: EngineBlockHash) -> bool:
+    def _same_hashing(
+        self, instance: str, state: _Instance, key: int, engine_hash: EngineBlockHash
+    ) -> bool:
         seen = self._roots.get(key)
         if seen is None:
             self._roots[key] = (engine_hash, instance)
@@ -255,9 +269,13 @@ class PrefixIndex:
             return True
         if seen[0] == engine_hash or seen[1] == instance:
             return True
-        self._refuse(instance, state, f"the same first block hashes differently here and on "
-                     f"{seen[1]}: block hash seed or algorithm differ; start every instance "
-                     "with the same PYTHONHASHSEED and --prefix-caching-hash-algo")
+        self._refuse(
+            instance,
+            state,
+            f"the same first block hashes differently here and on "
+            f"{seen[1]}: block hash seed or algorithm differ; start every instance "
+            "with the same PYTHONHASHSEED and --prefix-caching-hash-algo",
+        )
         return False
 
     def _refuse(self, instance: str, state: _Instance, why: str) -> None:

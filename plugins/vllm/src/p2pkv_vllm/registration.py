@@ -46,13 +46,17 @@ def register() -> None:
     try:
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     except ImportError as exc:
-        log.info("p2pkv: this vLLM has no secondary tier factory (%s); P2PKVTier not "
-                 "registered", exc)
+        log.info(
+            "p2pkv: this vLLM has no secondary tier factory (%s); P2PKVTier not registered", exc
+        )
         return
     registry = SecondaryTierFactory._registry
     for name in TIER_NAMES:
         registry.setdefault(name, _load_tier)
     if replace and registry.get(UPSTREAM_TYPE) is not _load_tier:
         registry[UPSTREAM_TYPE] = _load_tier
-        log.info("p2pkv: %s=1: secondary tier type 'p2p' builds p2pkv's P2PKVTier, not "
-                 "vLLM's built-in P2P tier", REPLACE_ENV)
+        log.info(
+            "p2pkv: %s=1: secondary tier type 'p2p' builds p2pkv's P2PKVTier, not "
+            "vLLM's built-in P2P tier",
+            REPLACE_ENV,
+        )

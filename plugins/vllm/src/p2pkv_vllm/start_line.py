@@ -59,20 +59,22 @@ def _peer_policy(config: TierConfig) -> str:
     return f"allow={allow} connect={connect} max_dialed={peers.max_dialed}"
 
 
-def start_line(tier_type: str, address: str, config: TierConfig,
-               environ: Mapping[str, str] | None = None) -> str:
+def start_line(
+    tier_type: str, address: str, config: TierConfig, environ: Mapping[str, str] | None = None
+) -> str:
     """The start line of a tier built for a ``secondary_tiers`` entry of ``tier_type`` and
     listening on ``address``."""
     entry = f"type {tier_type!r}"
     if tier_type == UPSTREAM_TYPE:
         entry += f" ({REPLACE_ENV}=1: p2pkv in place of vLLM's built-in P2P tier)"
-    return (f"{START_PREFIX} version {p2pkv.__version__}, address {address} "
-            f"(dp rank {config.dp_rank}), control {config.control}, data {config.data}, "
-            f"security {security_mode(config, environ)}, peers {_peer_policy(config)}, "
-            f"entry {entry}")
+    return (
+        f"{START_PREFIX} version {p2pkv.__version__}, address {address} "
+        f"(dp rank {config.dp_rank}), control {config.control}, data {config.data}, "
+        f"security {security_mode(config, environ)}, peers {_peer_policy(config)}, "
+        f"entry {entry}"
+    )
 
 
 def log_start(tier_type: str, address: str, config: TierConfig) -> None:
     """Log :func:`start_line` at INFO on :data:`START_LOGGER` (attributed to the caller)."""
-    logging.getLogger(START_LOGGER).info("%s", start_line(tier_type, address, config),
-                                         stacklevel=2)
+    logging.getLogger(START_LOGGER).info("%s", start_line(tier_type, address, config), stacklevel=2)

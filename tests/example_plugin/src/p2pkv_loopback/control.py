@@ -64,9 +64,7 @@ class LoopbackControlTransport(InboxControlTransport[LoopbackConnection]):
 
     def __init__(self, settings: ControlSettings) -> None:
         if settings.options:
-            raise ConfigError(
-                f"loopback control takes no options, got {sorted(settings.options)}"
-            )
+            raise ConfigError(f"loopback control takes no options, got {sorted(settings.options)}")
         address = self._free_address(settings)
         super().__init__(settings.max_frame_bytes)
         self.queued: dict[LoopbackConnection, None] = {}
@@ -79,8 +77,9 @@ class LoopbackControlTransport(InboxControlTransport[LoopbackConnection]):
         if settings.port:
             address = format_address(settings.host, settings.port)
             if address in _LISTENERS:
-                raise ConfigError(f"loopback address {address} is already in use; change "
-                                  f"{settings.port_setting}")
+                raise ConfigError(
+                    f"loopback address {address} is already in use; change {settings.port_setting}"
+                )
             return address
         for _ in range(65536 - 40000):
             address = format_address(settings.host, next(_PORTS))

@@ -45,15 +45,26 @@ QUICK = MatrixConfig(
 )
 """``--quick``: every series, two block sizes, two batches; seconds, for CI smoke runs."""
 
-_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
-          "G": 1024 * MiB, "GB": 1024 * MiB, "GIB": 1024 * MiB}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": KiB,
+    "KB": KiB,
+    "KIB": KiB,
+    "M": MiB,
+    "MB": MiB,
+    "MIB": MiB,
+    "G": 1024 * MiB,
+    "GB": 1024 * MiB,
+    "GIB": 1024 * MiB,
+}
 
 
 def parse_size(text: str) -> int:
     """``64K``, ``1M``, ``4MiB``, ``1G``, ``65536`` -> bytes (binary units)."""
     t = text.strip().upper()
     num = t.rstrip("BKMGI")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     if not num.isdigit() or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64K, 1M, 4MiB)")
     return int(num) * _UNITS[unit]
@@ -93,8 +104,10 @@ def _positive_rate(text: str) -> float:
     return value
 
 
-RATE_HELP = ("with --netns: shape the veth to RATE each way with tc, e.g. 25gbit (tc units: "
-             "bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)")
+RATE_HELP = (
+    "with --netns: shape the veth to RATE each way with tc, e.g. 25gbit (tc units: "
+    "bit, kbit, mbit, gbit; bps, mbps, ... are bytes/s)"
+)
 """``--rate``'s help (with :func:`tc_rate` its type), wherever a bench takes ``--rate``."""
 
 
@@ -117,8 +130,11 @@ def add_parser(sub: Any) -> None:
         "verified. --control measures control-plane round trips instead.",
     )
     p.add_argument("--quick", action="store_true", help="small matrix for CI (seconds)")
-    p.add_argument("--transports", type=lambda s: tuple(x for x in s.split(",") if x),
-                   help="data transports to run (default: every available one)")
+    p.add_argument(
+        "--transports",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        help="data transports to run (default: every available one)",
+    )
     p.add_argument("--block-sizes", type=_size_list, help="e.g. 64K,256K,1M,4M")
     p.add_argument("--batches", type=_int_list, help="blocks per request, e.g. 1,4,16,64,256")
     p.add_argument("--concurrency", type=_int_list, help="requests in flight, e.g. 1,4")
@@ -126,71 +142,132 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=int, help="untimed repetitions per cell (default 1)")
     p.add_argument("--bytes-per-rep", type=parse_size, help="bytes per repetition (default 256M)")
     p.add_argument("--region", type=parse_size, help="region size per side (default 1G)")
-    p.add_argument("--contiguous", action="store_true",
-                   help="contiguous slot runs instead of scattered slots")
+    p.add_argument(
+        "--contiguous", action="store_true", help="contiguous slot runs instead of scattered slots"
+    )
     p.add_argument("--no-raw", action="store_true", help="skip the raw-library baselines")
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy baseline")
-    p.add_argument(DATA_OPTIONS_FLAG, metavar="[NAME=]JSON", action="append",
-                   help="data_options of the transports in --transports (needed with it), a "
-                   "JSON object or @FILE for every one of them, or NAME=JSON for one (repeat "
-                   "the flag); their regions are allocated with them too")
+    p.add_argument(
+        DATA_OPTIONS_FLAG,
+        metavar="[NAME=]JSON",
+        action="append",
+        help="data_options of the transports in --transports (needed with it), a "
+        "JSON object or @FILE for every one of them, or NAME=JSON for one (repeat "
+        "the flag); their regions are allocated with them too",
+    )
     p.add_argument("--seed", type=int, default=0, help="slot-placement seed")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                   help="write results as JSON to PATH ('-' or no value: stdout)")
-    p.add_argument("--plot", metavar="PATH.png",
-                   help="GB/s vs block size per series, log scale, a panel per batch and "
-                   "concurrency (needs p2pkv-tools[plot])")
-    p.add_argument("--control", action="store_true",
-                   help="control plane: round trips vs raw pyzmq, CPU per request")
-    p.add_argument("--tier", action="store_true",
-                   help="submit_load to result through two real P2PTiers (two processes), "
-                   "both arrival orders, per cell: GB/s, p50/p99, CPU per request per side, "
-                   "ratios to raw and memcpy; data transports from --transports (default "
-                   "nixl); descriptors per request when the data transport counts them "
-                   "(nixl, ucx); on one host, or across a veth with --netns")
-    p.add_argument("--tier-control", metavar="NAME",
-                   help="control transport of --tier (default zmq)")
-    p.add_argument("--recompute-rate", type=_positive_rate, metavar="TOKENS_PER_S",
-                   help="with --tier: prefill tokens/s per GPU; prints the prompt length "
-                   "above which pulling the KV beats recomputing it")
-    p.add_argument("--overload", action="store_const", const=True, metavar="",
-                   help="with --tier: also offer each (block, batch) more requests at once "
-                   "than the tier's flow window holds (4x flow.window_rounds) and report "
-                   "throughput and p99 under overload next to the unloaded peak")
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="model whose KV bytes per token the crossover uses (default "
-                   "llama-3-8b)")
-    p.add_argument("--tp", type=int, metavar="N",
-                   help="with --recompute-rate: tensor-parallel size of the engines (a "
-                   "CPU-tier chunk holds every rank's KV heads; default 1)")
-    p.add_argument("--netns", action="store_const", const=True,
-                   help="with --tier: each side (and the raw baseline's two) in a network "
-                   "namespace of its own, joined by a veth pair, UCX over TCP (nixl's staged "
-                   "lane, as across hosts without RDMA); removed afterwards; needs root and "
-                   "iproute2")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write results as JSON to PATH ('-' or no value: stdout)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="GB/s vs block size per series, log scale, a panel per batch and "
+        "concurrency (needs p2pkv-tools[plot])",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="control plane: round trips vs raw pyzmq, CPU per request",
+    )
+    p.add_argument(
+        "--tier",
+        action="store_true",
+        help="submit_load to result through two real P2PTiers (two processes), "
+        "both arrival orders, per cell: GB/s, p50/p99, CPU per request per side, "
+        "ratios to raw and memcpy; data transports from --transports (default "
+        "nixl); descriptors per request when the data transport counts them "
+        "(nixl, ucx); on one host, or across a veth with --netns",
+    )
+    p.add_argument(
+        "--tier-control", metavar="NAME", help="control transport of --tier (default zmq)"
+    )
+    p.add_argument(
+        "--recompute-rate",
+        type=_positive_rate,
+        metavar="TOKENS_PER_S",
+        help="with --tier: prefill tokens/s per GPU; prints the prompt length "
+        "above which pulling the KV beats recomputing it",
+    )
+    p.add_argument(
+        "--overload",
+        action="store_const",
+        const=True,
+        metavar="",
+        help="with --tier: also offer each (block, batch) more requests at once "
+        "than the tier's flow window holds (4x flow.window_rounds) and report "
+        "throughput and p99 under overload next to the unloaded peak",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="model whose KV bytes per token the crossover uses (default llama-3-8b)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help="with --recompute-rate: tensor-parallel size of the engines (a "
+        "CPU-tier chunk holds every rank's KV heads; default 1)",
+    )
+    p.add_argument(
+        "--netns",
+        action="store_const",
+        const=True,
+        help="with --tier: each side (and the raw baseline's two) in a network "
+        "namespace of its own, joined by a veth pair, UCX over TCP (nixl's staged "
+        "lane, as across hosts without RDMA); removed afterwards; needs root and "
+        "iproute2",
+    )
     p.add_argument("--rate", type=tc_rate, metavar="RATE", help=RATE_HELP)
-    p.add_argument("--fleet", action="store_true",
-                   help="fleet simulator: one tier under test against N peers in a few "
-                   "processes (zmq control): per N idle CPU, CPU per request at a fixed "
-                   "rate, fds, threads, RSS, heartbeat segments/s, time to a warm mesh after "
-                   "a storm of N starts, p99 of a load to a peer never contacted; then two "
-                   "floods of 10,000 client-named peers (refusing, black-holed)")
-    p.add_argument("--fleet-sizes", type=_int_list, metavar="N,N,...",
-                   help="with --fleet: the fleet sizes (default 16,64,256,1000)")
-    p.add_argument("--fleet-label", metavar="TEXT",
-                   help="with --fleet: a label the JSON and its tables carry (e.g. a commit)")
-    p.add_argument("--no-floods", action="store_const", const=True,
-                   help="with --fleet: skip the two floods")
-    p.add_argument("--fleet-per-process", type=_positive_int, metavar="N",
-                   help="with --fleet: peers per helper process (default 256)")
-    p.add_argument("--fleet-tut-path", metavar="DIR:DIR",
-                   help="with --fleet: run the tier under test on another checkout's "
-                   "packages (its core/src and transports/zmq/src), against this one's peers")
-    p.add_argument("--phases", action="store_const", const=True,
-                   help="with --tier: instead of the matrix, PD requests one at a time per "
-                   "block size x blocks per request, each split into queue, control round "
-                   "trip, read and report, with both sides' CPU per request by component, "
-                   "next to raw NIXL's read of the same blocks")
+    p.add_argument(
+        "--fleet",
+        action="store_true",
+        help="fleet simulator: one tier under test against N peers in a few "
+        "processes (zmq control): per N idle CPU, CPU per request at a fixed "
+        "rate, fds, threads, RSS, heartbeat segments/s, time to a warm mesh after "
+        "a storm of N starts, p99 of a load to a peer never contacted; then two "
+        "floods of 10,000 client-named peers (refusing, black-holed)",
+    )
+    p.add_argument(
+        "--fleet-sizes",
+        type=_int_list,
+        metavar="N,N,...",
+        help="with --fleet: the fleet sizes (default 16,64,256,1000)",
+    )
+    p.add_argument(
+        "--fleet-label",
+        metavar="TEXT",
+        help="with --fleet: a label the JSON and its tables carry (e.g. a commit)",
+    )
+    p.add_argument(
+        "--no-floods", action="store_const", const=True, help="with --fleet: skip the two floods"
+    )
+    p.add_argument(
+        "--fleet-per-process",
+        type=_positive_int,
+        metavar="N",
+        help="with --fleet: peers per helper process (default 256)",
+    )
+    p.add_argument(
+        "--fleet-tut-path",
+        metavar="DIR:DIR",
+        help="with --fleet: run the tier under test on another checkout's "
+        "packages (its core/src and transports/zmq/src), against this one's peers",
+    )
+    p.add_argument(
+        "--phases",
+        action="store_const",
+        const=True,
+        help="with --tier: instead of the matrix, PD requests one at a time per "
+        "block size x blocks per request, each split into queue, control round "
+        "trip, read and report, with both sides' CPU per request by component, "
+        "next to raw NIXL's read of the same blocks",
+    )
     add_large_region_arguments(p, parse_size)
     p.set_defaults(func=run)
 
@@ -248,8 +325,10 @@ def _check_options(args: argparse.Namespace, registry: Registry) -> MatrixConfig
 
     if args.control and not tier_requested(args):
         if args.data_options is not None:
-            raise ConfigError(f"{DATA_OPTIONS_FLAG} does not apply to --control (its tiers "
-                              f"run the memory data transport as it is): drop it")
+            raise ConfigError(
+                f"{DATA_OPTIONS_FLAG} does not apply to --control (its tiers "
+                f"run the memory data transport as it is): drop it"
+            )
         return None
     config = _config(args)
     for name in config.transports or ():
@@ -264,16 +343,19 @@ def _fleet_requested(args: argparse.Namespace) -> bool:
     from p2pkv_tools.bench.tier_bench import tier_requested
 
     if not args.fleet:
-        used = next((flag for dest, flag in FLEET_FLAGS.items()
-                     if getattr(args, dest) is not None), None)
+        used = next(
+            (flag for dest, flag in FLEET_FLAGS.items() if getattr(args, dest) is not None), None
+        )
         if used is not None:
             raise ConfigError(f"{used} is an option of the fleet simulator: add --fleet")
         return False
     if args.control or tier_requested(args):
         raise ConfigError("--fleet, --tier and --control are separate benchmarks: give one")
     if args.plot:
-        raise ConfigError("--fleet has no plot: drop --plot (its tables come from --json: "
-                          "python -m p2pkv_tools.bench.fleet_report RUN.json)")
+        raise ConfigError(
+            "--fleet has no plot: drop --plot (its tables come from --json: "
+            "python -m p2pkv_tools.bench.fleet_report RUN.json)"
+        )
     if args.json and args.json != "-":
         check_output_path("--json", args.json)
     return True

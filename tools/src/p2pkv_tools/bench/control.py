@@ -57,8 +57,11 @@ _PEERS = (1, 4, 16, 64)
 
 def _percentiles(samples_s: Sequence[float]) -> dict[str, float]:
     arr = np.asarray(samples_s) * 1e6
-    return {"p50_us": float(np.percentile(arr, 50)), "p99_us": float(np.percentile(arr, 99)),
-            "mean_us": float(arr.mean())}
+    return {
+        "p50_us": float(np.percentile(arr, 50)),
+        "p99_us": float(np.percentile(arr, 99)),
+        "mean_us": float(arr.mean()),
+    }
 
 
 # -- tier cost ------------------------------------------------------------------------------
@@ -74,8 +77,10 @@ class _Request:
         blocks = len(slots)
         kv = f"ctl-{r}"
         self.keys = [r.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(blocks)]
-        self.cctx = RequestContext(f"c{r}", {"remote_prefiller": {
-            "kv_request_id": kv, "remote_host": host, "remote_port": port}})
+        self.cctx = RequestContext(
+            f"c{r}",
+            {"remote_prefiller": {"kv_request_id": kv, "remote_host": host, "remote_port": port}},
+        )
         self.pctx = RequestContext(f"p{r}", {"remote_decoder": {"kv_request_id": kv}})
         self.load = Job(2 * r, self.keys, slots, is_load=True, ctx=self.cctx)
         self.store = Job(2 * r + 1, self.keys, store_slots, is_load=False, ctx=self.pctx)
@@ -85,8 +90,7 @@ class _Tiers:
     """A consumer tier and ``peers`` producer tiers in this process, and PD requests between
     them (the producers in turn)."""
 
-    def __init__(self, control: str, peers: int, consumer_slots: int,
-                 producer_slots: int) -> None:
+    def __init__(self, control: str, peers: int, consumer_slots: int, producer_slots: int) -> None:
         from p2pkv.tier import P2PTier
 
         config = TierConfig.from_dict(
@@ -99,7 +103,10 @@ class _Tiers:
         self._regions = [transport_region(memory, n, _BLOCK, {}) for n in sizes]
         self.tiers = [
             P2PTier(
-                config, region, _BLOCK, registry=bare,
+                config,
+                region,
+                _BLOCK,
+                registry=bare,
                 control=installed.transport("control", control).create(
                     ControlSettings(host=config.host, port=0)
                 ),
@@ -123,9 +130,17 @@ class _Tiers:
             r = self._n = self._n + 1
             producer = self.producers[r % peers]
             j = i // peers
-            out.append((producer, _Request(r, producer.local_address,
-                                           list(range(i * blocks, (i + 1) * blocks)),
-                                           list(range(j * blocks, (j + 1) * blocks)))))
+            out.append(
+                (
+                    producer,
+                    _Request(
+                        r,
+                        producer.local_address,
+                        list(range(i * blocks, (i + 1) * blocks)),
+                        list(range(j * blocks, (j + 1) * blocks)),
+                    ),
+                )
+            )
         return out
 
     def run(self, batch: list[tuple[P2PTier, _Request]]) -> None:
@@ -165,8 +180,15 @@ class _Tiers:
             tier.shutdown()
 
 
-def tier_cost(control: str, requests: int, blocks: int, window: int = 50, peers: int = 1,
-              repeats: int = 3, latency: bool = True) -> dict[str, Any]:
+def tier_cost(
+    control: str,
+    requests: int,
+    blocks: int,
+    window: int = 50,
+    peers: int = 1,
+    repeats: int = 3,
+    latency: bool = True,
+) -> dict[str, Any]:
     """CPU per PD request (and request latency) through tiers in this process.
 
     CPU: ``window`` requests are submitted at once and ticked to completion, so the cost of
@@ -194,9 +216,17 @@ def tier_cost(control: str, requests: int, blocks: int, window: int = 50, peers:
             latencies.append(time.perf_counter() - t0)
     finally:
         tiers.close()
-    return {"control": control, "blocks": blocks, "requests": requests, "window": window,
-            "peers": peers, "repeats": repeats, "cpu_us_per_request": min(runs),
-            "cpu_us_runs": runs, **(_percentiles(latencies) if latencies else {})}
+    return {
+        "control": control,
+        "blocks": blocks,
+        "requests": requests,
+        "window": window,
+        "peers": peers,
+        "repeats": repeats,
+        "cpu_us_per_request": min(runs),
+        "cpu_us_runs": runs,
+        **(_percentiles(latencies) if latencies else {}),
+    }
 
 
 def _cpu_per_request(tiers: _Tiers, requests: int, blocks: int, window: int) -> float:
@@ -232,17 +262,24 @@ def run_control(args: argparse.Namespace, console: Console) -> int:
     registry = default_registry()
     requests = _QUICK_REQUESTS if args.quick else 1000
     with environ_restored():
-        controls = sorted(n for n, e in registry.entries("control").items()
-                          if e.cls.availability() is None)
+        controls = sorted(
+            n for n, e in registry.entries("control").items() if e.cls.availability() is None
+        )
     rtt = _round_trips(args.quick)
     tiers = [tier_cost(name, requests, blocks) for name in controls for blocks in _LANES]
     doc: dict[str, Any] = {"round_trips": rtt, "tier": tiers}
     if not args.quick:
         doc["sweeps"] = {
-            "in_flight": [tier_cost(name, max(requests, w), _SWEEP_BLOCKS, window=w,
-                                    latency=False) for name in controls for w in _IN_FLIGHT],
-            "peers": [tier_cost(name, requests, _SWEEP_BLOCKS, window=max(_PEERS), peers=n,
-                                latency=False) for name in controls for n in _PEERS],
+            "in_flight": [
+                tier_cost(name, max(requests, w), _SWEEP_BLOCKS, window=w, latency=False)
+                for name in controls
+                for w in _IN_FLIGHT
+            ],
+            "peers": [
+                tier_cost(name, requests, _SWEEP_BLOCKS, window=max(_PEERS), peers=n, latency=False)
+                for name in controls
+                for n in _PEERS
+            ],
         }
     if args.json:
         text = json.dumps(doc, indent=2, sort_keys=True)
@@ -261,30 +298,48 @@ def _print_control(console: Console, doc: dict[str, Any]) -> None:
     if "skipped" in rtt:
         console.print(f"round trips not measured: {rtt['skipped']}")
     else:
-        table = Table(title=f"control-plane round trips, {rtt['frame_bytes']} B frames, two "
-                      f"processes ({rtt['round_trips']} per lane)", title_justify="left")
+        table = Table(
+            title=f"control-plane round trips, {rtt['frame_bytes']} B frames, two "
+            f"processes ({rtt['round_trips']} per lane)",
+            title_justify="left",
+        )
         for col in ("lane", "p50 µs", "p99 µs", "msgs/s (streamed)"):
             table.add_column(col, justify="right")
         for lane, r in rtt["lanes"].items():
-            table.add_row(lane, f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
-                          f"{r['msgs_per_s']:.0f}")
+            table.add_row(
+                lane, f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}", f"{r['msgs_per_s']:.0f}"
+            )
         ratio = rtt["ratio"]
-        table.add_row("p2pkv / raw", f"{ratio['p50_us']:.2f}x", f"{ratio['p99_us']:.2f}x",
-                      f"{ratio['msgs_per_s']:.2f}x")
+        table.add_row(
+            "p2pkv / raw",
+            f"{ratio['p50_us']:.2f}x",
+            f"{ratio['p99_us']:.2f}x",
+            f"{ratio['msgs_per_s']:.2f}x",
+        )
         console.print(table)
-    cost = Table(title="tier control plane per PD request (producer + consumer tiers in one "
-                 "process, memory data)", title_justify="left")
+    cost = Table(
+        title="tier control plane per PD request (producer + consumer tiers in one "
+        "process, memory data)",
+        title_justify="left",
+    )
     for col in ("control", "blocks", "CPU µs/request", "latency p50 µs", "p99 µs"):
         cost.add_column(col, justify="right")
     for t in doc["tier"]:
         if "skipped" in t:
             continue
-        cost.add_row(t["control"], str(t["blocks"]), f"{t['cpu_us_per_request']:.0f}",
-                     f"{t['p50_us']:.0f}", f"{t['p99_us']:.0f}")
+        cost.add_row(
+            t["control"],
+            str(t["blocks"]),
+            f"{t['cpu_us_per_request']:.0f}",
+            f"{t['p50_us']:.0f}",
+            f"{t['p99_us']:.0f}",
+        )
     console.print(cost)
     for name, col in (("in_flight", "window"), ("peers", "peers")):
-        sweep = Table(title=f"CPU µs per {_SWEEP_BLOCKS}-block request by {col} (least of "
-                      f"the repeats)", title_justify="left")
+        sweep = Table(
+            title=f"CPU µs per {_SWEEP_BLOCKS}-block request by {col} (least of the repeats)",
+            title_justify="left",
+        )
         for head in ("control", col, "CPU µs/request"):
             sweep.add_column(head, justify="right")
         for t in doc.get("sweeps", {}).get(name, []):

@@ -33,9 +33,11 @@ __all__ = [
 ]
 
 DATA_OPTIONS_FLAG = "--data-options"
-_EXAMPLE = (f"""e.g. {DATA_OPTIONS_FLAG} '{{"completion_polls": 1}}' (every transport of """
-            f"""--transports), {DATA_OPTIONS_FLAG} 'nixl={{"backends": ["UCX"]}}' (one of """
-            f"""them; repeat the flag for each), or @FILE""")
+_EXAMPLE = (
+    f"""e.g. {DATA_OPTIONS_FLAG} '{{"completion_polls": 1}}' (every transport of """
+    f"""--transports), {DATA_OPTIONS_FLAG} 'nixl={{"backends": ["UCX"]}}' (one of """
+    f"""them; repeat the flag for each), or @FILE"""
+)
 _PROBE_BLOCK = 4096
 _NAMED = re.compile(r"([A-Za-z0-9_.-]+)=(.*)", re.DOTALL)
 
@@ -51,8 +53,9 @@ def parse_data_options(text: str | None) -> dict[str, Any]:
         raise ConfigError(f"{exc}; {_EXAMPLE}") from None
 
 
-def parse_bench_data_options(values: Sequence[str] | None,
-                             transports: Sequence[str] | None) -> dict[str, dict[str, Any]]:
+def parse_bench_data_options(
+    values: Sequence[str] | None, transports: Sequence[str] | None
+) -> dict[str, dict[str, Any]]:
     """``p2pkv bench``'s ``--data-options`` values (the flag may repeat) as transport name ->
     its data_options: a plain JSON object (or @FILE) for every transport of ``transports``,
     ``NAME=JSON`` for transport NAME only (a named one wins over a plain one). ``ConfigError``
@@ -61,23 +64,29 @@ def parse_bench_data_options(values: Sequence[str] | None,
     if not values:
         return {}
     if not transports:
-        raise ConfigError(f"{DATA_OPTIONS_FLAG} needs --transports NAME[,NAME...]: the "
-                          f"options go to those data transports")
+        raise ConfigError(
+            f"{DATA_OPTIONS_FLAG} needs --transports NAME[,NAME...]: the "
+            f"options go to those data transports"
+        )
     shared: dict[str, Any] | None = None
     named: dict[str, dict[str, Any]] = {}
     for value in values:
         match = _NAMED.fullmatch(value.strip())
         if match is None:
             if shared is not None:
-                raise ConfigError(f"{DATA_OPTIONS_FLAG} gives options for every transport "
-                                  f"twice: give them once, and NAME=JSON for each transport "
-                                  f"whose options differ")
+                raise ConfigError(
+                    f"{DATA_OPTIONS_FLAG} gives options for every transport "
+                    f"twice: give them once, and NAME=JSON for each transport "
+                    f"whose options differ"
+                )
             shared = parse_data_options(value)
             continue
         name = match.group(1)
         if name not in transports:
-            raise ConfigError(f"{DATA_OPTIONS_FLAG} names {name!r}, which is not in "
-                              f"--transports {','.join(transports)}: add it there")
+            raise ConfigError(
+                f"{DATA_OPTIONS_FLAG} names {name!r}, which is not in "
+                f"--transports {','.join(transports)}: add it there"
+            )
         if name in named:
             raise ConfigError(f"{DATA_OPTIONS_FLAG} names {name!r} twice: give its options once")
         named[name] = parse_data_options(match.group(2))
@@ -93,9 +102,7 @@ def check_data_options(registry: Registry, name: str, options: Mapping[str, Any]
     cls.create(DataSettings(region, _PROBE_BLOCK, options)).close()
 
 
-def check_bench_data_options(
-    registry: Registry, options: Mapping[str, Mapping[str, Any]]
-) -> None:
+def check_bench_data_options(registry: Registry, options: Mapping[str, Mapping[str, Any]]) -> None:
     """``p2pkv bench --data-options``: each transport's options checked on it
     (:func:`check_data_options`) before anything runs."""
     for name, own in options.items():
@@ -125,9 +132,7 @@ class RegionSource:
     transport: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
 
-    def allocate(
-        self, nbytes: int, block_len: int, registry: Registry | None = None
-    ) -> memoryview:
+    def allocate(self, nbytes: int, block_len: int, registry: Registry | None = None) -> memoryview:
         """A pre-faulted region of ``nbytes // block_len`` blocks of ``block_len``."""
         cls: Any = DataTransport  # its default: zeroed process memory
         if self.transport is not None:

@@ -94,8 +94,9 @@ class FleetConfig:
 
 
 FULL = FleetConfig()
-QUICK = FleetConfig(sizes=(8, 12), idle_s=1.0, rate=50.0, rate_s=1.0, cold=3,
-                    flood_names=300, flood_s=0.5)
+QUICK = FleetConfig(
+    sizes=(8, 12), idle_s=1.0, rate=50.0, rate_s=1.0, cold=3, flood_names=300, flood_s=0.5
+)
 """``--quick``: seconds, for the README test command (figures mean nothing)."""
 
 
@@ -107,23 +108,33 @@ def _tier_config(quick: bool) -> dict[str, Any]:
     if quick:
         options["connect_timeout"] = 2.0
         timeouts = {"handshake": 2.0, "load": 5.0}
-    return {"control": "zmq", "data": "fleet-shm", "host": "127.0.0.1", "port": 0,
-            "control_options": options, "timeouts": timeouts}
+    return {
+        "control": "zmq",
+        "data": "fleet-shm",
+        "host": "127.0.0.1",
+        "port": 0,
+        "control_options": options,
+        "timeouts": timeouts,
+    }
 
 
 class _Fleet:
     """The processes of one measurement: the tier under test, the fast helper, the bulk."""
 
-    def __init__(self, stack: ExitStack, peers: int, extra: int, config: FleetConfig,
-                 quick: bool) -> None:
+    def __init__(
+        self, stack: ExitStack, peers: int, extra: int, config: FleetConfig, quick: bool
+    ) -> None:
         per_process = config.per_process
         tier_config = _tier_config(quick)
-        self.tut = _helper(stack, tut_entry, (list(config.tut_path), tier_config, _TUT_BLOCKS),
-                           "p2pkv-fleet-tut")
+        self.tut = _helper(
+            stack, tut_entry, (list(config.tut_path), tier_config, _TUT_BLOCKS), "p2pkv-fleet-tut"
+        )
         self.fast = _helper(stack, peers_main, (tier_config,), "p2pkv-fleet-fast")
         bulk = peers - PRODUCERS
-        self.bulk = [_helper(stack, peers_main, (tier_config,), f"p2pkv-fleet-bulk{i}")
-                     for i in range(-(-bulk // per_process))]
+        self.bulk = [
+            _helper(stack, peers_main, (tier_config,), f"p2pkv-fleet-bulk{i}")
+            for i in range(-(-bulk // per_process))
+        ]
         self.address = self.tut.call("describe")
         for i, helper in enumerate(self.bulk):
             count = min(per_process, bulk - i * per_process)
@@ -134,13 +145,14 @@ class _Fleet:
 
     def storm(self, expected: int) -> dict[str, Any]:
         """Every warm peer dials the tier under test at once (see the module docstring)."""
-        for helper, count in ((self.fast, PRODUCERS), *zip(self.bulk, self.bulk_sizes,
-                                                            strict=True)):
+        for helper, count in (
+            (self.fast, PRODUCERS),
+            *zip(self.bulk, self.bulk_sizes, strict=True),
+        ):
             helper.send("storm", 0, count, self.address)
         started = min([self.fast.reply("storm"), *(h.reply("storm") for h in self.bulk)])
         warm_s, reached = self.tut.call("warm", expected, started, STORM_TIMEOUT, _STALL)
-        return {"warm_s": None if warm_s is None else round(warm_s, 3),
-                "warm_sessions": reached}
+        return {"warm_s": None if warm_s is None else round(warm_s, 3), "warm_sessions": reached}
 
     def produce(self, requests: Sequence[int], peers: Sequence[int]) -> None:
         """Peer ``peers[i % len]`` (of the fast helper) stores request ``requests[i]``."""
@@ -162,8 +174,11 @@ def measure_size(peers: int, config: FleetConfig, quick: bool) -> dict[str, Any]
     load = os.getloadavg()[0]
     with ExitStack() as stack:
         fleet = _Fleet(stack, peers, config.cold, config, quick)
-        row: dict[str, Any] = {"peers": peers, "processes": 2 + len(fleet.bulk),
-                               "tut_packages": fleet.tut.call("origin")}
+        row: dict[str, Any] = {
+            "peers": peers,
+            "processes": 2 + len(fleet.bulk),
+            "tut_packages": fleet.tut.call("origin"),
+        }
         row.update(fleet.storm(peers))
         idle = fleet.tut.call("idle", config.idle_s)
         row.update(_idle_row(idle, peers))
@@ -177,36 +192,44 @@ def _idle_row(idle: dict[str, Any], peers: int) -> dict[str, Any]:
     wall = idle["wall_s"]
     segments = idle["segments"]
     per_s = None if segments is None else segments / wall
-    return {"idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
-            "idle_cpu_per_tick_us": round(1e6 * idle["cpu_s"] / max(1, idle["ticks"]), 1),
-            "idle_tick_thread_us": round(1e6 * idle["tick_thread_cpu_s"] / max(1, idle["ticks"]),
-                                         1),
-            "idle_ticks_per_s": round(idle["ticks"] / wall, 1),
-            "idle_calls_per_tick": round(idle["calls_per_tick"], 1),
-            "idle_sessions": idle["sessions"],
-            "fds": int(idle["fds"]), "threads": int(idle["threads"]),
-            "rss_mib": round(idle["rss_mib"], 1),
-            "heartbeat_segments_per_s": None if per_s is None else round(per_s, 1),
-            "heartbeat_segments_per_s_per_session": (
-                None if per_s is None else round(per_s / peers, 3))}
+    return {
+        "idle_cpu_pct": round(100 * idle["cpu_s"] / wall, 2),
+        "idle_cpu_per_tick_us": round(1e6 * idle["cpu_s"] / max(1, idle["ticks"]), 1),
+        "idle_tick_thread_us": round(1e6 * idle["tick_thread_cpu_s"] / max(1, idle["ticks"]), 1),
+        "idle_ticks_per_s": round(idle["ticks"] / wall, 1),
+        "idle_calls_per_tick": round(idle["calls_per_tick"], 1),
+        "idle_sessions": idle["sessions"],
+        "fds": int(idle["fds"]),
+        "threads": int(idle["threads"]),
+        "rss_mib": round(idle["rss_mib"], 1),
+        "heartbeat_segments_per_s": None if per_s is None else round(per_s, 1),
+        "heartbeat_segments_per_s_per_session": (
+            None if per_s is None else round(per_s / peers, 3)
+        ),
+    }
 
 
 def _rate_row(fleet: _Fleet, config: FleetConfig, idle: dict[str, Any]) -> dict[str, Any]:
     count = max(1, int(config.rate * config.rate_s))
     requests = list(range(1_000_000, 1_000_000 + count))
     fleet.produce(requests, range(PRODUCERS))
-    timed = [(i / config.rate, fleet.producers[i % PRODUCERS], r, "rate")
-             for i, r in enumerate(requests)]
+    timed = [
+        (i / config.rate, fleet.producers[i % PRODUCERS], r, "rate") for i, r in enumerate(requests)
+    ]
     result = fleet.tut.call("run", Plan(config.rate_s, _BLOCKS, timed=timed))
     fleet.fast.call("drop")
     kind = result["kinds"].get("rate", {})
     idle_rate = idle["cpu_s"] / idle["wall_s"]
     spent = result["cpu_s"] - idle_rate * result["wall_s"]
-    return {"rate_rps": config.rate, "rate_requests": count,
-            "cpu_per_request_us": round(1e6 * result["cpu_s"] / count, 1),
-            "cpu_above_idle_per_request_us": round(1e6 * spent / count, 1),
-            **_latencies("rate", kind), "rate_outcomes": kind.get("outcomes", {}),
-            "mismatched": result["mismatched"]}
+    return {
+        "rate_rps": config.rate,
+        "rate_requests": count,
+        "cpu_per_request_us": round(1e6 * result["cpu_s"] / count, 1),
+        "cpu_above_idle_per_request_us": round(1e6 * spent / count, 1),
+        **_latencies("rate", kind),
+        "rate_outcomes": kind.get("outcomes", {}),
+        "mismatched": result["mismatched"],
+    }
 
 
 def _cold_row(fleet: _Fleet, config: FleetConfig) -> dict[str, Any]:
@@ -218,8 +241,11 @@ def _cold_row(fleet: _Fleet, config: FleetConfig) -> dict[str, Any]:
     timed = [(0.25 * i, fleet.others[i], r, "cold") for i, r in enumerate(requests)]
     result = fleet.tut.call("run", Plan(0.25 * config.cold, _BLOCKS, timed=timed))
     kind = result["kinds"].get("cold", {})
-    return {**_latencies("cold", kind), "cold_outcomes": kind.get("outcomes", {}),
-            "cold_details": kind.get("details", [])}
+    return {
+        **_latencies("cold", kind),
+        "cold_outcomes": kind.get("outcomes", {}),
+        "cold_details": kind.get("details", []),
+    }
 
 
 def _latencies(prefix: str, kind: dict[str, Any]) -> dict[str, float | None]:
@@ -227,8 +253,10 @@ def _latencies(prefix: str, kind: dict[str, Any]) -> dict[str, float | None]:
     if not samples:
         return {f"{prefix}_p50_ms": None, f"{prefix}_p99_ms": None}
     ms = np.asarray(samples) * 1000
-    return {f"{prefix}_p50_ms": round(float(np.percentile(ms, 50)), 2),
-            f"{prefix}_p99_ms": round(float(np.percentile(ms, 99)), 2)}
+    return {
+        f"{prefix}_p50_ms": round(float(np.percentile(ms, 50)), 2),
+        f"{prefix}_p99_ms": round(float(np.percentile(ms, 99)), 2),
+    }
 
 
 # -- floods ------------------------------------------------------------------------------------
@@ -243,8 +271,10 @@ def flood_names(kind: str, count: int) -> Iterator[list[str]]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("0.0.0.0", 0))  # every 127.x.y.z reaches it
         port = sock.getsockname()[1]
-        names = [f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256 or 1}:{port}"
-                 for i in range(1, count + 1)]
+        names = [
+            f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256 or 1}:{port}"
+            for i in range(1, count + 1)
+        ]
         if kind == "refusing":
             yield names
             return
@@ -266,15 +296,21 @@ def measure_floods(config: FleetConfig, quick: bool) -> list[dict[str, Any]]:
             first = base + 3 * i * 10**5
             before = _established(fleet, config, first, [])
             with flood_names(kind, config.flood_names) as names:
-                flooded = _established(fleet, config, first + 10**5, names,
-                                       newcomer=(fleet.others[i], PRODUCERS + i))
+                flooded = _established(
+                    fleet, config, first + 10**5, names, newcomer=(fleet.others[i], PRODUCERS + i)
+                )
             after = _established(fleet, config, first + 2 * 10**5, [])
             rows.append(_flood_row(kind, (before, after), flooded))
     return rows
 
 
-def _established(fleet: _Fleet, config: FleetConfig, base: int, names: list[str],
-                 newcomer: tuple[str, int] | None = None) -> dict[str, Any]:
+def _established(
+    fleet: _Fleet,
+    config: FleetConfig,
+    base: int,
+    names: list[str],
+    newcomer: tuple[str, int] | None = None,
+) -> dict[str, Any]:
     """Closed-loop loads over the producers for the flood window (with ``names`` flooded
     and 4 loads to ``newcomer`` a third of the way in)."""
     count = 40_000 if not names else 40_000 + len(names)
@@ -288,8 +324,8 @@ def _established(fleet: _Fleet, config: FleetConfig, base: int, names: list[str]
         timed = [(config.flood_s / 3, newcomer[0], first + j, "newcomer") for j in range(4)]
     window = config.flood_s if not names else len(names) / FLOOD_RATE
     result: dict[str, Any] = fleet.tut.call(
-        "run", Plan(window, _BLOCKS, timed=timed, closed=closed, flood=names,
-                    flood_rate=FLOOD_RATE))
+        "run", Plan(window, _BLOCKS, timed=timed, closed=closed, flood=names, flood_rate=FLOOD_RATE)
+    )
     fleet.fast.call("drop")
     return result
 
@@ -305,32 +341,36 @@ def _window_cpu_pct(result: dict[str, Any]) -> float:
     return round(100 * float(result["window_cpu_s"]) / float(result["window_s"]), 1)
 
 
-def _flood_row(kind: str, alone: tuple[dict[str, Any], dict[str, Any]],
-               flooded: dict[str, Any]) -> dict[str, Any]:
+def _flood_row(
+    kind: str, alone: tuple[dict[str, Any], dict[str, Any]], flooded: dict[str, Any]
+) -> dict[str, Any]:
     newcomer = flooded["kinds"].get("newcomer", {})
     flood = flooded["kinds"].get("flood", {})
     established = flooded["kinds"].get("established", {})
     unloaded = sum(_rps(run) for run in alone) / len(alone)
     loaded = _rps(flooded)
-    return {"kind": kind, "names": flooded["flood_issued"],
-            "flood_rate": FLOOD_RATE, "window_s": flooded["window_s"],
-            "cpu_pct_alone": round(sum(_window_cpu_pct(run) for run in alone) / len(alone), 1),
-            "cpu_pct_flooded": _window_cpu_pct(flooded),
-            "established_rps_alone": round(unloaded, 1),
-            "established_rps_alone_runs": [round(_rps(run), 1) for run in alone],
-            "established_rps_flooded": round(loaded, 1),
-            "ratio": round(loaded / unloaded, 3) if unloaded else None,
-            "flood_outcomes": flood.get("outcomes", {}),
-            "established_outcomes_flooded": established.get("outcomes", {}),
-            "established_details_flooded": established.get("details", []),
-            "newcomer_outcomes": newcomer.get("outcomes", {}),
-            **_latencies("newcomer", newcomer),
-            "newcomer_details": newcomer.get("details", []),
-            "mismatched": sum(run["mismatched"] for run in (*alone, flooded))}
+    return {
+        "kind": kind,
+        "names": flooded["flood_issued"],
+        "flood_rate": FLOOD_RATE,
+        "window_s": flooded["window_s"],
+        "cpu_pct_alone": round(sum(_window_cpu_pct(run) for run in alone) / len(alone), 1),
+        "cpu_pct_flooded": _window_cpu_pct(flooded),
+        "established_rps_alone": round(unloaded, 1),
+        "established_rps_alone_runs": [round(_rps(run), 1) for run in alone],
+        "established_rps_flooded": round(loaded, 1),
+        "ratio": round(loaded / unloaded, 3) if unloaded else None,
+        "flood_outcomes": flood.get("outcomes", {}),
+        "established_outcomes_flooded": established.get("outcomes", {}),
+        "established_details_flooded": established.get("details", []),
+        "newcomer_outcomes": newcomer.get("outcomes", {}),
+        **_latencies("newcomer", newcomer),
+        "newcomer_details": newcomer.get("details", []),
+        "mismatched": sum(run["mismatched"] for run in (*alone, flooded)),
+    }
 
 
-def measure_fleet(config: FleetConfig, quick: bool,
-                  progress: Any = None) -> dict[str, Any]:
+def measure_fleet(config: FleetConfig, quick: bool, progress: Any = None) -> dict[str, Any]:
     """Every size, then the floods; the JSON document's measured part."""
     sizes = []
     for peers in config.sizes:

@@ -20,9 +20,13 @@ from p2pkv_tools.bench.hostinfo import describe_host
 
 __all__ = ["FLEET_FLAGS", "fleet_config", "run_fleet"]
 
-FLEET_FLAGS = {"fleet_sizes": "--fleet-sizes", "fleet_label": "--fleet-label",
-               "no_floods": "--no-floods", "fleet_per_process": "--fleet-per-process",
-               "fleet_tut_path": "--fleet-tut-path"}
+FLEET_FLAGS = {
+    "fleet_sizes": "--fleet-sizes",
+    "fleet_label": "--fleet-label",
+    "no_floods": "--no-floods",
+    "fleet_per_process": "--fleet-per-process",
+    "fleet_tut_path": "--fleet-tut-path",
+}
 """Options that only ``--fleet`` reads (argparse dest -> flag)."""
 
 
@@ -31,8 +35,10 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
     config = QUICK if args.quick else FULL
     if args.fleet_sizes:
         if min(args.fleet_sizes) < PRODUCERS:
-            raise ConfigError(f"--fleet-sizes: a fleet needs at least {PRODUCERS} peers (the "
-                              f"producers of the fixed-rate loads); give sizes >= {PRODUCERS}")
+            raise ConfigError(
+                f"--fleet-sizes: a fleet needs at least {PRODUCERS} peers (the "
+                f"producers of the fixed-rate loads); give sizes >= {PRODUCERS}"
+            )
         config = replace(config, sizes=tuple(args.fleet_sizes))
     if args.no_floods:
         config = replace(config, floods=False)
@@ -40,12 +46,18 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         config = replace(config, per_process=args.fleet_per_process)
     if args.fleet_tut_path:
         paths = tuple(os.path.abspath(p) for p in args.fleet_tut_path.split(os.pathsep) if p)
-        missing = [p for p in paths if not os.path.isdir(os.path.join(p, "p2pkv"))
-                   and not os.path.isdir(os.path.join(p, "p2pkv_zmq"))]
+        missing = [
+            p
+            for p in paths
+            if not os.path.isdir(os.path.join(p, "p2pkv"))
+            and not os.path.isdir(os.path.join(p, "p2pkv_zmq"))
+        ]
         if not paths or missing:
-            raise ConfigError(f"--fleet-tut-path: {missing or args.fleet_tut_path!r} holds no "
-                              "p2pkv or p2pkv_zmq package; give a checkout's core/src and "
-                              "transports/zmq/src, separated by ':'")
+            raise ConfigError(
+                f"--fleet-tut-path: {missing or args.fleet_tut_path!r} holds no "
+                "p2pkv or p2pkv_zmq package; give a checkout's core/src and "
+                "transports/zmq/src, separated by ':'"
+            )
         config = replace(config, tut_path=paths)
     return config
 
@@ -55,12 +67,14 @@ def run_fleet(args: argparse.Namespace, console: Console, notes: Console) -> int
     load moved bytes that did not verify."""
     config = fleet_config(args)
     started, load = time.time(), os.getloadavg()[0]
-    measured = measure_fleet(config, bool(args.quick),
-                             progress=lambda what: notes.print(f"fleet: {escape(what)}"))
+    measured = measure_fleet(
+        config, bool(args.quick), progress=lambda what: notes.print(f"fleet: {escape(what)}")
+    )
     doc: dict[str, Any] = {
         "label": args.fleet_label,
-        "command": "p2pkv bench --fleet " + " ".join(sys.argv[3:]) if sys.argv[1:3] == [
-            "bench", "--fleet"] else "p2pkv bench --fleet",
+        "command": "p2pkv bench --fleet " + " ".join(sys.argv[3:])
+        if sys.argv[1:3] == ["bench", "--fleet"]
+        else "p2pkv bench --fleet",
         "date": time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(started)),
         "host": describe_host(),
         "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)],

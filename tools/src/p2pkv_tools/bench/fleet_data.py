@@ -75,9 +75,14 @@ class ShmDataTransport(DataTransport):
         return region
 
     def descriptor(self) -> bytes:
-        packed: bytes = msgpack.packb({"transport": _NAME, "path": self._path,
-                                       "num_blocks": self.num_blocks,
-                                       "block_len": self.block_len})
+        packed: bytes = msgpack.packb(
+            {
+                "transport": _NAME,
+                "path": self._path,
+                "num_blocks": self.num_blocks,
+                "block_len": self.block_len,
+            }
+        )
         return packed
 
     def _attach_peer(self, peer_id: str, descriptor: bytes) -> _Peer:
@@ -88,8 +93,10 @@ class ShmDataTransport(DataTransport):
         if not isinstance(path, str) or not _is_count(num_blocks):
             raise PeerRejected(f"peer {peer_id!r}: malformed {_NAME} descriptor {desc!r}")
         if desc.get("block_len") != self.block_len:
-            raise PeerRejected(f"peer {peer_id!r}: block_len {desc.get('block_len')} is not "
-                               f"ours ({self.block_len})")
+            raise PeerRejected(
+                f"peer {peer_id!r}: block_len {desc.get('block_len')} is not "
+                f"ours ({self.block_len})"
+            )
         return _Peer(path, num_blocks)
 
     def _post_read(self, peer: _Peer, local: Indexes, remote: Indexes) -> bool:

@@ -41,8 +41,15 @@ from p2pkv_tools.bench.harness import serve_built
 from p2pkv_tools.bench.tier_side import request_keys
 from p2pkv_tools.demo.content import BlockRegion
 
-__all__ = ["BLOCK", "IDLE_WAIT", "FleetPeers", "fleet_kv_id", "peers_main", "process_usage",
-           "quiet_logs"]
+__all__ = [
+    "BLOCK",
+    "IDLE_WAIT",
+    "FleetPeers",
+    "fleet_kv_id",
+    "peers_main",
+    "process_usage",
+    "quiet_logs",
+]
 
 BLOCK = 4096
 """Block size of every simulated region (bytes)."""
@@ -67,10 +74,12 @@ def process_usage() -> dict[str, float]:
         for line in f:
             key, _, value = line.partition(":")
             status[key] = value.split()
-    return {"cpu_s": usage.ru_utime + usage.ru_stime,
-            "threads": float(status["Threads"][0]),
-            "fds": float(len(os.listdir("/proc/self/fd"))),
-            "rss_mib": int(status["VmRSS"][0]) / 1024}
+    return {
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "threads": float(status["Threads"][0]),
+        "fds": float(len(os.listdir("/proc/self/fd"))),
+        "rss_mib": int(status["VmRSS"][0]) / 1024,
+    }
 
 
 class _Peer:
@@ -114,8 +123,9 @@ class _Peer:
             slots = [self.free.popleft() for _ in range(self.blocks)]
             keys = request_keys(request, self.blocks)
             self.region.fill(slots, keys)
-            ctx = RequestContext(f"p{request}",
-                                 {"remote_decoder": {"kv_request_id": fleet_kv_id(request)}})
+            ctx = RequestContext(
+                f"p{request}", {"remote_decoder": {"kv_request_id": fleet_kv_id(request)}}
+            )
             self.tier.on_new_request(ctx)
             self.tier.submit_store(Job(request, keys, slots, is_load=False, ctx=ctx))
             self.stored[request] = (ctx, slots)
@@ -160,9 +170,10 @@ class FleetPeers:
             def run() -> None:
                 if go.wait(_ASK_TIMEOUT):
                     tier.connect(address)
+
             return run
 
-        for peer in self._peers[first:first + count]:
+        for peer in self._peers[first : first + count]:
             peer.call(dial(peer.tier))
         started = time.time()
         go.set()
@@ -211,5 +222,8 @@ def quiet_logs() -> None:
 def peers_main(conn: Connection, tier_config: dict[str, Any]) -> None:
     """Helper entry: serve a :class:`FleetPeers`."""
     quiet_logs()
-    serve_built(conn, lambda: FleetPeers(tier_config),
-                ("build", "storm", "produce", "drop", "ready", "usage"))
+    serve_built(
+        conn,
+        lambda: FleetPeers(tier_config),
+        ("build", "storm", "produce", "drop", "ready", "usage"),
+    )

@@ -73,8 +73,10 @@ def _rows(items: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -
 
 def print_fleet(console: Console, doc: dict[str, Any], title: str) -> None:
     """The per-N table and the floods table."""
-    for items, columns, name in ((doc["sizes"], SIZE_COLUMNS, "per fleet size"),
-                                 (doc["floods"], FLOOD_COLUMNS, "floods")):
+    for items, columns, name in (
+        (doc["sizes"], SIZE_COLUMNS, "per fleet size"),
+        (doc["floods"], FLOOD_COLUMNS, "floods"),
+    ):
         if not items:
             continue
         table = Table(title=f"{title}: {name}")
@@ -86,8 +88,7 @@ def print_fleet(console: Console, doc: dict[str, Any], title: str) -> None:
 
 
 def _markdown_table(items: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
-    lines = ["| " + " | ".join(h for _, h in columns) + " |",
-             "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(items, columns)]
     return "\n".join(lines)
 
@@ -95,9 +96,11 @@ def _markdown_table(items: Sequence[dict[str, Any]], columns: Sequence[tuple[str
 def markdown(doc: dict[str, Any]) -> str:
     """One run as markdown: where and when it ran, then its tables."""
     host = doc.get("host", {})
-    head = (f"**{doc.get('label') or 'run'}**: `{doc.get('command', '')}`, "
-            f"{doc.get('date', '?')}, {host.get('cores', '?')} cores, load average "
-            f"{_cell(doc.get('load_avg'))} (start, end), {doc.get('elapsed_s', '?')} s.")
+    head = (
+        f"**{doc.get('label') or 'run'}**: `{doc.get('command', '')}`, "
+        f"{doc.get('date', '?')}, {host.get('cores', '?')} cores, load average "
+        f"{_cell(doc.get('load_avg'))} (start, end), {doc.get('elapsed_s', '?')} s."
+    )
     parts = [head, "", _markdown_table(doc["sizes"], SIZE_COLUMNS)]
     if doc.get("floods"):
         parts += ["", _markdown_table(doc["floods"], FLOOD_COLUMNS)]

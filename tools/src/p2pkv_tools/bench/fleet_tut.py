@@ -97,8 +97,9 @@ class TierUnderTest:
     def __init__(self, tier_config: dict[str, Any], blocks: int) -> None:
         region = ShmDataTransport.allocate_region(blocks, BLOCK, {})
         self._region = BlockRegion(region, BLOCK)
-        self._tier = P2PTier(TierConfig.from_dict(tier_config), region, BLOCK,
-                             registry=fleet_registry())
+        self._tier = P2PTier(
+            TierConfig.from_dict(tier_config), region, BLOCK, registry=fleet_registry()
+        )
         self._free = deque(range(blocks))
         self._open: dict[int, tuple[RequestContext, list[int], float, str]] = {}
         self._open_kinds: Counter[str] = Counter()
@@ -117,8 +118,9 @@ class TierUnderTest:
     def sessions(self) -> int:
         return self._tier.stats().get("sessions_ready", 0)
 
-    def warm(self, expected: int, started: float, timeout: float,
-             stall: float) -> tuple[float | None, int]:
+    def warm(
+        self, expected: int, started: float, timeout: float, stall: float
+    ) -> tuple[float | None, int]:
         """Tick (waiting for I/O) until ``expected`` sessions are ready: (the seconds from
         ``started``, a wall-clock time, to then, or None; the sessions reached). Gives up
         ``timeout`` seconds after ``started``, or once no session was added for ``stall``."""
@@ -150,13 +152,20 @@ class TierUnderTest:
             time.sleep(max(0.0, started + ticks * CADENCE - now))
         wall, thread_cpu = time.monotonic() - started, time.thread_time() - thread_cpu
         after, segments_after = process_usage(), tcp_segments()
-        return {"cpu_s": after["cpu_s"] - before["cpu_s"], "wall_s": wall, "ticks": ticks,
-                "tick_thread_cpu_s": thread_cpu,
-                "calls_per_tick": self._calls_per_tick(COUNTED_TICKS),
-                "sessions": self.sessions(),
-                "threads": after["threads"], "fds": after["fds"], "rss_mib": after["rss_mib"],
-                "segments": (None if segments is None or segments_after is None
-                             else segments_after - segments)}
+        return {
+            "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "wall_s": wall,
+            "ticks": ticks,
+            "tick_thread_cpu_s": thread_cpu,
+            "calls_per_tick": self._calls_per_tick(COUNTED_TICKS),
+            "sessions": self.sessions(),
+            "threads": after["threads"],
+            "fds": after["fds"],
+            "rss_mib": after["rss_mib"],
+            "segments": (
+                None if segments is None or segments_after is None else segments_after - segments
+            ),
+        }
 
     def _calls_per_tick(self, ticks: int) -> float:
         """Python calls per quiet tick over ``ticks`` ticks, :data:`CADENCE` apart."""
@@ -210,10 +219,16 @@ class TierUnderTest:
             if not self._open:
                 time.sleep(CADENCE)
         wall = time.monotonic() - started
-        return {"cpu_s": process_usage()["cpu_s"] - cpu, "wall_s": wall,
-                "window_s": window, "window_cpu_s": window_cpu, "mismatched": self._mismatched,
-                "left_open": len(self._open), "flood_issued": flooded,
-                "kinds": {k: vars(v) for k, v in self._kinds.items()}}
+        return {
+            "cpu_s": process_usage()["cpu_s"] - cpu,
+            "wall_s": wall,
+            "window_s": window,
+            "window_cpu_s": window_cpu,
+            "mismatched": self._mismatched,
+            "left_open": len(self._open),
+            "flood_issued": flooded,
+            "kinds": {k: vars(v) for k, v in self._kinds.items()},
+        }
 
     def _count(self, kind: str) -> int:
         return self._open_kinds[kind]
@@ -225,8 +240,7 @@ class TierUnderTest:
             kinds.add("no_free_slot", 0.0, "the region of the tier under test is full")
             return
         host, port = parse_address(producer)
-        route = {"kv_request_id": fleet_kv_id(request), "remote_host": host,
-                 "remote_port": port}
+        route = {"kv_request_id": fleet_kv_id(request), "remote_host": host, "remote_port": port}
         ctx = RequestContext(f"c{request}", {"remote_prefiller": route})
         tier = self._tier
         tier.on_new_request(ctx)
@@ -255,12 +269,14 @@ class TierUnderTest:
         ctx, slots, submitted, kind = entry
         self._open_kinds[kind] -= 1
         outcome = result.outcome.value
-        if outcome == "done" and self._region.verify(slots, request_keys(result.job_id,
-                                                                         len(slots))):
+        if outcome == "done" and self._region.verify(
+            slots, request_keys(result.job_id, len(slots))
+        ):
             self._mismatched += 1
             outcome = "mismatched"
-        self._kinds.setdefault(kind, _Kind()).add(outcome, time.perf_counter() - submitted,
-                                                  result.detail)
+        self._kinds.setdefault(kind, _Kind()).add(
+            outcome, time.perf_counter() - submitted, result.detail
+        )
         self._tier.on_request_finished(ctx)
         self._free.extend(slots)
 
@@ -275,8 +291,9 @@ def tcp_segments() -> int | None:
     if ss is None:
         return None
     try:
-        out = subprocess.run([ss, "-tinpH"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout
+        out = subprocess.run(
+            [ss, "-tinpH"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     mine, total = f"pid={os.getpid()},", 0
@@ -297,5 +314,9 @@ def tcp_segments() -> int | None:
 def tut_main(conn: Connection, tier_config: dict[str, Any], blocks: int) -> None:
     """Helper entry: serve a :class:`TierUnderTest`."""
     quiet_logs()
-    serve_built(conn, lambda: TierUnderTest(tier_config, blocks),
-                ("describe", "origin", "sessions", "warm", "idle", "run"), idle="step")
+    serve_built(
+        conn,
+        lambda: TierUnderTest(tier_config, blocks),
+        ("describe", "origin", "sessions", "warm", "idle", "run"),
+        idle="step",
+    )

@@ -58,8 +58,13 @@ class Group(Protocol):
 
 def failed_cell(spec: SeriesSpec, plan: CellPlan, error: str) -> CellResult:
     return CellResult(
-        series=spec.label, impl=spec.impl, transport=spec.transport,
-        block_size=plan.block_size, batch=plan.batch, concurrency=plan.concurrency, error=error,
+        series=spec.label,
+        impl=spec.impl,
+        transport=spec.transport,
+        block_size=plan.block_size,
+        batch=plan.batch,
+        concurrency=plan.concurrency,
+        error=error,
     )
 
 
@@ -69,7 +74,10 @@ class LaneGroup:
     ``target_placement`` when given (see :mod:`p2pkv_tools.bench.netns`)."""
 
     def __init__(
-        self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource,
+        self,
+        series: Sequence[SeriesSpec],
+        region_bytes: int,
+        source: RegionSource,
         target_placement: Placement | None = None,
     ) -> None:
         self.series = list(series)
@@ -78,7 +86,8 @@ class LaneGroup:
         self._region: memoryview | None = None
         remote = any(s.cross_process for s in series)
         self._target: RemoteTarget | LocalTarget = (
-            RemoteTarget(region_bytes, source=source, placement=target_placement) if remote
+            RemoteTarget(region_bytes, source=source, placement=target_placement)
+            if remote
             else LocalTarget(region_bytes, source=source)
         )
         self._lanes: dict[str, Lane] = {}
@@ -97,8 +106,9 @@ class LaneGroup:
             self._region = None  # released before the next one is allocated
             self._region = self._source.allocate(self._region_bytes, block_size, registry)
         except Exception as exc:
-            self._open_errors.update({s.label: f"region: {type(exc).__name__}: {exc}"
-                                      for s in self.series})
+            self._open_errors.update(
+                {s.label: f"region: {type(exc).__name__}: {exc}" for s in self.series}
+            )
             return dict(self._open_errors)
         for spec in self.series:
             try:
@@ -116,8 +126,9 @@ class LaneGroup:
         if spec.impl == "memcpy":
             assert isinstance(self._target, LocalTarget)
             return MemcpyLane(self._region, self._target.state.region(block_size))
-        return EndpointLane(spec, default_registry(), self._region, self._target,
-                            self._source.options)
+        return EndpointLane(
+            spec, default_registry(), self._region, self._target, self._source.options
+        )
 
     def measure(self, label: str, plan: CellPlan, seed: Sequence[int]) -> CellResult:
         spec = next(s for s in self.series if s.label == label)
@@ -145,11 +156,17 @@ class LaneGroup:
 
 
 def _worker_main(
-    conn: Connection, series: list[SeriesSpec], region_bytes: int, source: RegionSource,
+    conn: Connection,
+    series: list[SeriesSpec],
+    region_bytes: int,
+    source: RegionSource,
     target_placement: Placement | None,
 ) -> None:
-    serve_built(conn, lambda: LaneGroup(series, region_bytes, source, target_placement),
-                ("open", "measure", "close"))
+    serve_built(
+        conn,
+        lambda: LaneGroup(series, region_bytes, source, target_placement),
+        ("open", "measure", "close"),
+    )
 
 
 class WorkerGroup:
@@ -161,14 +178,24 @@ class WorkerGroup:
     or when its pipe closes, and is killed if it does not within ``timeout``."""
 
     def __init__(
-        self, series: Sequence[SeriesSpec], region_bytes: int, source: RegionSource,
-        timeout: float, link: Link | None = None,
+        self,
+        series: Sequence[SeriesSpec],
+        region_bytes: int,
+        source: RegionSource,
+        timeout: float,
+        link: Link | None = None,
     ) -> None:
         self.series = list(series)
         name = "p2pkv-bench-" + "-".join(sorted({s.transport for s in series}))
         args = (self.series, region_bytes, source, link.source if link else None)
-        self._helper = Helper(_worker_main, args, name=name, daemon=False, timeout=timeout,
-                              placement=link.reader if link else None)
+        self._helper = Helper(
+            _worker_main,
+            args,
+            name=name,
+            daemon=False,
+            timeout=timeout,
+            placement=link.reader if link else None,
+        )
 
     def begin_open(self, block_size: int) -> None:
         self._helper.send("open", block_size)

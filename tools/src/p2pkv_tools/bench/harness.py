@@ -52,7 +52,10 @@ def serve(
 
 
 def serve_built(
-    conn: Connection, build: Callable[[], Any], commands: Sequence[str], *,
+    conn: Connection,
+    build: Callable[[], Any],
+    commands: Sequence[str],
+    *,
     idle: str | None = None,
 ) -> None:
     """Build the object a helper process serves, answer ``commands`` (names of its methods)
@@ -64,14 +67,18 @@ def serve_built(
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     try:
-        serve(conn, {name: getattr(target, name) for name in commands},
-              getattr(target, idle) if idle is not None else None)
+        serve(
+            conn,
+            {name: getattr(target, name) for name in commands},
+            getattr(target, idle) if idle is not None else None,
+        )
     finally:
         target.shutdown()
 
 
-def _placed(placement: Placement, target: Callable[..., None], conn: Connection,
-            *args: Any) -> None:
+def _placed(
+    placement: Placement, target: Callable[..., None], conn: Connection, *args: Any
+) -> None:
     """Child entry of a placed helper: join ``placement`` before ``target`` runs (so before
     any socket or thread exists); a failure to join is the first reply (an error)."""
     try:
@@ -98,15 +105,24 @@ class Helper:
     be daemonic."""
 
     def __init__(
-        self, target: Callable[..., None], args: tuple[Any, ...], *, name: str, daemon: bool,
-        timeout: float, placement: Placement | None = None,
+        self,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        *,
+        name: str,
+        daemon: bool,
+        timeout: float,
+        placement: Placement | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         self.name = name
         self.timeout = timeout
-        entry, entry_args = ((target, (child, *args)) if placement is None
-                             else (_placed, (placement, target, child, *args)))
+        entry, entry_args = (
+            (target, (child, *args))
+            if placement is None
+            else (_placed, (placement, target, child, *args))
+        )
         self.process = ctx.Process(target=entry, args=entry_args, name=name, daemon=daemon)
         self.process.start()
         child.close()

@@ -101,7 +101,11 @@ class EndpointLane(Lane):
     (for a p2pkv transport: from its ``allocate_region``)."""
 
     def __init__(
-        self, spec: SeriesSpec, registry: Registry, dest: memoryview, target: Target,
+        self,
+        spec: SeriesSpec,
+        registry: Registry,
+        dest: memoryview,
+        target: Target,
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = spec
@@ -113,8 +117,9 @@ class EndpointLane(Lane):
 
     def open(self, block_len: int) -> None:
         self.dest = BlockRegion(self._region, block_len)
-        self._endpoint = make_endpoint(self.spec, self._registry, self._region, block_len,
-                                       self._options)
+        self._endpoint = make_endpoint(
+            self.spec, self._registry, self._region, block_len, self._options
+        )
         try:
             self._endpoint.add_peer(TARGET, self._target.open(self.spec, block_len))
             self._target.add_peer(self.spec.label, bytes(self._endpoint.descriptor()))

@@ -45,8 +45,14 @@ from p2pkv_tools.bench.harness import Helper, HelperError
 from p2pkv_tools.bench.hostinfo import describe_host, environ_restored
 from p2pkv_tools.bench.large_region_side import run_side
 
-__all__ = ["LANES", "LargeRegionConfig", "OffsetClass", "offset_classes", "render",
-           "run_large_region"]
+__all__ = [
+    "LANES",
+    "LargeRegionConfig",
+    "OffsetClass",
+    "offset_classes",
+    "render",
+    "run_large_region",
+]
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -97,8 +103,10 @@ class LargeRegionConfig:
         if min(self.block_len, self.run_blocks, self.reps) < 1 or self.block_len % 8:
             raise ValueError("block size (a multiple of 8), run and reps must be positive")
         if self.num_blocks < 4 * self.run_blocks:
-            raise ValueError(f"a region of {self.region_bytes} B holds fewer than 4 runs of "
-                             f"{self.run_blocks} blocks of {self.block_len} B")
+            raise ValueError(
+                f"a region of {self.region_bytes} B holds fewer than 4 runs of "
+                f"{self.run_blocks} blocks of {self.block_len} B"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,9 @@ def _run(first: int, n: int) -> tuple[int, ...]:
     return tuple(range(first, first + n))
 
 
-def offset_classes(num_blocks: int, block_len: int, slice_blocks: int, run: int,
-                   seed: int = 0) -> list[OffsetClass]:
+def offset_classes(
+    num_blocks: int, block_len: int, slice_blocks: int, run: int, seed: int = 0
+) -> list[OffsetClass]:
     """The classes of the module docstring for a region of ``num_blocks`` blocks registered
     in slices of ``slice_blocks`` (``past 4 GiB`` only when the region reaches past it)."""
     classes = [OffsetClass("start", _run(0, run), _run(0, run))]
@@ -125,8 +134,9 @@ def offset_classes(num_blocks: int, block_len: int, slice_blocks: int, run: int,
     starts = region_slice_starts(num_blocks, slice_blocks)
     if len(starts) > 1:
         first, last = int(starts[1]), int(starts[-1])
-        classes.append(OffsetClass("across slices", _run(first - run // 2, run),
-                                   _run(last - run // 2, run)))
+        classes.append(
+            OffsetClass("across slices", _run(first - run // 2, run), _run(last - run // 2, run))
+        )
     else:
         middle = _run(num_blocks // 2 - run // 2, run)
         classes.append(OffsetClass("mid-region", middle, middle))
@@ -146,16 +156,28 @@ def _sides(transport: str, env: Mapping[str, str], deadline: float) -> Iterator[
         with environ_restored():
             os.environ.update(env)
             for role in (PRODUCER, CONSUMER):
-                helpers.append(Helper(run_side, (transport,), name=f"p2pkv-large-{role}",
-                                      daemon=True, timeout=deadline))
+                helpers.append(
+                    Helper(
+                        run_side,
+                        (transport,),
+                        name=f"p2pkv-large-{role}",
+                        daemon=True,
+                        timeout=deadline,
+                    )
+                )
         yield helpers
     finally:
         for helper in helpers:
             helper.stop()
 
 
-def _measure_class(producer: Helper, consumer: Helper, cls: OffsetClass,
-                   config: LargeRegionConfig, seeds: Sequence[int]) -> dict[str, Any]:
+def _measure_class(
+    producer: Helper,
+    consumer: Helper,
+    cls: OffsetClass,
+    config: LargeRegionConfig,
+    seeds: Sequence[int],
+) -> dict[str, Any]:
     """One class: fill, one untimed read, ``reps`` timed ones, every byte checked."""
     producer.call("fill", list(cls.remote), list(seeds))
     consumer.call("fill", list(cls.local), [s ^ 0x5A5A for s in seeds])  # fault pages in
@@ -164,20 +186,34 @@ def _measure_class(producer: Helper, consumer: Helper, cls: OffsetClass,
     producer.call("begin")
     try:
         for rep in range(config.reps + 1):
-            seconds = consumer.call("read", PRODUCER, list(cls.local), list(cls.remote),
-                                    config.deadline)
+            seconds = consumer.call(
+                "read", PRODUCER, list(cls.local), list(cls.remote), config.deadline
+            )
             wrong += consumer.call("verify", list(cls.local), list(seeds))
             if rep:
                 times.append(seconds)
     finally:
         failed = producer.call("end")
     rates = [nbytes / t / 1e9 for t in times]
-    error = (f"{wrong} block(s) with wrong bytes" if wrong else
-             f"the producer reported {failed} failure(s)" if failed else "")
-    return {"name": cls.name, "remote_first": cls.remote[0], "local_first": cls.local[0],
-            "blocks": len(cls.remote), "bytes": nbytes, "gbps": statistics.median(rates),
-            "gbps_min": min(rates), "gbps_max": max(rates), "verified": not error,
-            "error": error}
+    error = (
+        f"{wrong} block(s) with wrong bytes"
+        if wrong
+        else f"the producer reported {failed} failure(s)"
+        if failed
+        else ""
+    )
+    return {
+        "name": cls.name,
+        "remote_first": cls.remote[0],
+        "local_first": cls.local[0],
+        "blocks": len(cls.remote),
+        "bytes": nbytes,
+        "gbps": statistics.median(rates),
+        "gbps_min": min(rates),
+        "gbps_max": max(rates),
+        "verified": not error,
+        "error": error,
+    }
 
 
 def run_lane(lane: str, entry: int, config: LargeRegionConfig) -> dict[str, Any]:
@@ -187,21 +223,32 @@ def run_lane(lane: str, entry: int, config: LargeRegionConfig) -> dict[str, Any]
     options = {} if entry == DEFAULT else {"slice_bytes": size}
     slice_blocks = min(per_slice(size, config.block_len), config.num_blocks)
     row: dict[str, Any] = {
-        "lane": lane, "transport": transport, "env": env, "slice_bytes": size,
+        "lane": lane,
+        "transport": transport,
+        "env": env,
+        "slice_bytes": size,
         "slice_option": "default" if entry == DEFAULT else "whole" if entry == WHOLE else size,
-        "slices": -(-config.num_blocks // slice_blocks), "classes": [], "error": ""}
+        "slices": -(-config.num_blocks // slice_blocks),
+        "classes": [],
+        "error": "",
+    }
     try:
         with _sides(transport, env, config.deadline) as (producer, consumer):
-            built = {role: helper.call("build", config.num_blocks, config.block_len, options)
-                     for role, helper in ((PRODUCER, producer), (CONSUMER, consumer))}
+            built = {
+                role: helper.call("build", config.num_blocks, config.block_len, options)
+                for role, helper in ((PRODUCER, producer), (CONSUMER, consumer))
+            }
             row["add_peer_ms"] = {
                 PRODUCER: producer.call("add_peer", CONSUMER, built[CONSUMER]["descriptor"]) * 1e3,
-                CONSUMER: consumer.call("add_peer", PRODUCER, built[PRODUCER]["descriptor"]) * 1e3}
+                CONSUMER: consumer.call("add_peer", PRODUCER, built[PRODUCER]["descriptor"]) * 1e3,
+            }
             row["create_ms"] = {r: b["create_s"] * 1e3 for r, b in built.items()}
-            row["create_one_block_ms"] = {r: b["create_one_block_s"] * 1e3
-                                          for r, b in built.items()}
-            classes = offset_classes(config.num_blocks, config.block_len, slice_blocks,
-                                     config.run_blocks, config.seed)
+            row["create_one_block_ms"] = {
+                r: b["create_one_block_s"] * 1e3 for r, b in built.items()
+            }
+            classes = offset_classes(
+                config.num_blocks, config.block_len, slice_blocks, config.run_blocks, config.seed
+            )
             for index, cls in enumerate(classes):
                 first = (config.seed << 32) + (index << 20) + 1
                 seeds = list(range(first, first + len(cls.remote)))
@@ -210,21 +257,23 @@ def run_lane(lane: str, entry: int, config: LargeRegionConfig) -> dict[str, Any]
     except HelperError as exc:
         row["error"] = str(exc)
     if not row["error"]:
-        row["error"] = "; ".join(f"{c['name']}: {c['error']}" for c in row["classes"]
-                                 if c["error"])
+        row["error"] = "; ".join(f"{c['name']}: {c['error']}" for c in row["classes"] if c["error"])
     return row
 
 
-def run_large_region(config: LargeRegionConfig,
-                     progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+def run_large_region(
+    config: LargeRegionConfig, progress: Callable[[str], None] = lambda line: None
+) -> dict[str, Any]:
     """Every lane at every slice size: the JSON document (``host``, ``config``, ``rows``)."""
     config.check()
     rows = []
     for lane in config.lanes:
         for entry in config.slice_bytes:
             row = run_lane(lane, entry, config)
-            progress(f"{lane}, slices of {row['slice_bytes'] / GiB:.2f} GiB: "
-                     + (row["error"] or "every byte verified"))
+            progress(
+                f"{lane}, slices of {row['slice_bytes'] / GiB:.2f} GiB: "
+                + (row["error"] or "every byte verified")
+            )
             rows.append(row)
     return {"host": describe_host(), "config": asdict(config), "rows": rows}
 
@@ -236,28 +285,36 @@ def _ms(pair: Mapping[str, float] | None) -> str:
 def render(doc: Mapping[str, Any]) -> str:
     """The report as a Markdown table: one line per lane, slice size and offset class."""
     config = doc["config"]
-    lines = [f"region {config['region_bytes'] / GiB:.2f} GiB per side, blocks of "
-             f"{config['block_len'] // 1024} KiB, runs of {config['run_blocks']} blocks, "
-             f"{config['reps']} timed reads per class", "",
-             "| lane | slices | create ms: region, one block (producer / consumer) | "
-             "add_peer ms | class | first block (remote / local) | GB/s median (min-max) | "
-             "verified |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"region {config['region_bytes'] / GiB:.2f} GiB per side, blocks of "
+        f"{config['block_len'] // 1024} KiB, runs of {config['run_blocks']} blocks, "
+        f"{config['reps']} timed reads per class",
+        "",
+        "| lane | slices | create ms: region, one block (producer / consumer) | "
+        "add_peer ms | class | first block (remote / local) | GB/s median (min-max) | "
+        "verified |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in doc["rows"]:
-        head = (f"| {row['lane']} | {row['slices']} x {row['slice_bytes'] / GiB:.2f} GiB "
-                f"({row['slice_option']}) | {_ms(row.get('create_ms'))}, "
-                f"{_ms(row.get('create_one_block_ms'))} | "
-                f"{_ms(row.get('add_peer_ms'))} |")
+        head = (
+            f"| {row['lane']} | {row['slices']} x {row['slice_bytes'] / GiB:.2f} GiB "
+            f"({row['slice_option']}) | {_ms(row.get('create_ms'))}, "
+            f"{_ms(row.get('create_one_block_ms'))} | "
+            f"{_ms(row.get('add_peer_ms'))} |"
+        )
         if not row["classes"]:
             lines.append(f"{head} - | - | - | FAILED: {row['error']} |")
         for cls in row["classes"]:
             lines.append(
                 f"{head} {cls['name']} | {cls['remote_first']} / {cls['local_first']} | "
                 f"{cls['gbps']:.2f} ({cls['gbps_min']:.2f}-{cls['gbps_max']:.2f}) | "
-                f"{'yes' if cls['verified'] else 'NO: ' + cls['error']} |")
+                f"{'yes' if cls['verified'] else 'NO: ' + cls['error']} |"
+            )
             head = "| | | | |"
         rss = row.get("rss")
         if rss:
-            lines.append(f"| | | | | RSS after (MiB) | {rss[PRODUCER] / MiB:.0f} / "
-                         f"{rss[CONSUMER] / MiB:.0f} | | |")
+            lines.append(
+                f"| | | | | RSS after (MiB) | {rss[PRODUCER] / MiB:.0f} / "
+                f"{rss[CONSUMER] / MiB:.0f} | | |"
+            )
     return "\n".join(lines)

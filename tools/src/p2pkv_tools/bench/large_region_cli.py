@@ -22,8 +22,11 @@ from p2pkv_tools.bench.large_region import (
 
 __all__ = ["LARGE_REGION_FLAGS", "add_arguments", "large_region_requested", "run_cli"]
 
-LARGE_REGION_FLAGS = {"lanes": "--lanes", "slice_bytes": "--slice-bytes",
-                      "run_blocks": "--run-blocks"}
+LARGE_REGION_FLAGS = {
+    "lanes": "--lanes",
+    "slice_bytes": "--slice-bytes",
+    "run_blocks": "--run-blocks",
+}
 """Options only ``--large-region`` reads (argparse dest -> flag)."""
 _OTHER_MODES = {"tier": "--tier", "control": "--control"}
 
@@ -31,20 +34,31 @@ _OTHER_MODES = {"tier": "--tier", "control": "--control"}
 def add_arguments(parser: Any, parse_size: Any) -> None:
     """``--large-region`` and the flags only it reads."""
     parser.add_argument(
-        "--large-region", action="store_true",
+        "--large-region",
+        action="store_true",
         help="a large region (--region, default 6G) registered in slices: per lane and slice "
         "size, registration time and the GB/s of reads near the start, past 4 GiB, across "
-        "slice boundaries, at the end and scattered, every byte checked")
+        "slice boundaries, at the end and scattered, every byte checked",
+    )
     parser.add_argument(
-        "--lanes", type=lambda s: tuple(x for x in s.split(",") if x), metavar="LANE,...",
-        help=f"with --large-region: lanes to run (default {','.join(LANES)})")
+        "--lanes",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        metavar="LANE,...",
+        help=f"with --large-region: lanes to run (default {','.join(LANES)})",
+    )
     parser.add_argument(
-        "--slice-bytes", metavar="SIZE,...",
+        "--slice-bytes",
+        metavar="SIZE,...",
         type=lambda s: tuple(_slice_entry(x, parse_size) for x in s.split(",") if x),
         help="with --large-region: slice sizes, each a size (e.g. 1G), 'default' (the "
-        "transports' default or P2PKV_SLICE_BYTES) or 'whole' (default: whole,default)")
-    parser.add_argument("--run-blocks", type=int, metavar="N",
-                        help="with --large-region: blocks per read (default 16)")
+        "transports' default or P2PKV_SLICE_BYTES) or 'whole' (default: whole,default)",
+    )
+    parser.add_argument(
+        "--run-blocks",
+        type=int,
+        metavar="N",
+        help="with --large-region: blocks per read (default 16)",
+    )
 
 
 def _slice_entry(text: str, parse_size: Any) -> int:
@@ -60,22 +74,28 @@ def _slice_entry(text: str, parse_size: Any) -> int:
 def large_region_requested(args: argparse.Namespace) -> bool:
     """``--large-region`` or a flag only it reads was given."""
     return bool(args.large_region) or any(
-        getattr(args, dest) is not None for dest in LARGE_REGION_FLAGS)
+        getattr(args, dest) is not None for dest in LARGE_REGION_FLAGS
+    )
 
 
 def _config(args: argparse.Namespace) -> LargeRegionConfig:
     """The run's config from the flags; ``ConfigError`` for a misuse (one line each)."""
     if not args.large_region:
-        given = [flag for dest, flag in LARGE_REGION_FLAGS.items()
-                 if getattr(args, dest) is not None]
+        given = [
+            flag for dest, flag in LARGE_REGION_FLAGS.items() if getattr(args, dest) is not None
+        ]
         raise ConfigError(f"{', '.join(given)} apply to --large-region only: add it")
     clashing = [flag for dest, flag in _OTHER_MODES.items() if getattr(args, dest)]
     if clashing:
         raise ConfigError(f"--large-region is a mode of its own: drop {', '.join(clashing)}")
-    changes = {"lanes": args.lanes, "slice_bytes": args.slice_bytes,
-               "run_blocks": args.run_blocks, "reps": args.reps,
-               "region_bytes": args.region,
-               "block_len": args.block_sizes[0] if args.block_sizes else None}
+    changes = {
+        "lanes": args.lanes,
+        "slice_bytes": args.slice_bytes,
+        "run_blocks": args.run_blocks,
+        "reps": args.reps,
+        "region_bytes": args.region,
+        "block_len": args.block_sizes[0] if args.block_sizes else None,
+    }
     config = LargeRegionConfig(**{k: v for k, v in changes.items() if v is not None})
     try:
         config.check()

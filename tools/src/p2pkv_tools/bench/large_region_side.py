@@ -50,8 +50,7 @@ class RegionSide:
             raise RuntimeError("the side has no transport yet: build it first")
         return self._transport
 
-    def build(self, num_blocks: int, block_len: int,
-              options: Mapping[str, Any]) -> dict[str, Any]:
+    def build(self, num_blocks: int, block_len: int, options: Mapping[str, Any]) -> dict[str, Any]:
         """Create the transport over a fresh large region (and, first, twice over a region
         of one block, closed again: the first loads the library, the second is timed):
         ``descriptor``, ``create_s`` and ``create_one_block_s`` (seconds each timed
@@ -66,8 +65,12 @@ class RegionSide:
         self._transport = self._cls.create(DataSettings(region, block_len, dict(options)))
         created = time.perf_counter() - began
         self._region = BlockRegion(region, block_len, num_blocks)
-        return {"descriptor": bytes(self._transport.descriptor()), "create_s": created,
-                "create_one_block_s": one_block, "rss": self.rss()}
+        return {
+            "descriptor": bytes(self._transport.descriptor()),
+            "create_s": created,
+            "create_one_block_s": one_block,
+            "rss": self.rss(),
+        }
 
     def add_peer(self, peer_id: str, descriptor: bytes) -> float:
         """Add the other side; seconds it took."""
@@ -95,8 +98,9 @@ class RegionSide:
             self.transport.progress()
         return self._serving
 
-    def read(self, peer_id: str, local: Sequence[int], remote: Sequence[int],
-             deadline: float) -> float:
+    def read(
+        self, peer_id: str, local: Sequence[int], remote: Sequence[int], deadline: float
+    ) -> float:
         """Read blocks ``remote`` of the peer into ``local``; seconds from ``read_blocks`` to
         the ``poll`` that reports it done. ``RuntimeError`` when it fails or takes longer
         than ``deadline`` seconds (then it is cancelled)."""

@@ -26,7 +26,12 @@ from p2pkv_tools.bench.netns import Link
 from p2pkv_tools.bench.runner import CellPlan, CellResult
 
 __all__ = [
-    "CellKey", "MatrixConfig", "available_series", "memcpy_by_cell", "raw_by_cell", "run_matrix",
+    "CellKey",
+    "MatrixConfig",
+    "available_series",
+    "memcpy_by_cell",
+    "raw_by_cell",
+    "run_matrix",
 ]
 
 log = module_logger(__name__)
@@ -142,8 +147,11 @@ def raw_by_cell(results: Sequence[CellResult]) -> dict[CellKey, list[CellResult]
 
 def memcpy_by_cell(results: Sequence[CellResult]) -> dict[tuple[int, int], CellResult]:
     """memcpy's measured rows (concurrency 1, GB/s above 0) by (block size, batch)."""
-    return {(r.block_size, r.batch): r for r in results
-            if r.impl == "memcpy" and r.concurrency == 1 and r.gbps > 0}
+    return {
+        (r.block_size, r.batch): r
+        for r in results
+        if r.impl == "memcpy" and r.concurrency == 1 and r.gbps > 0
+    }
 
 
 def _add_ratios(results: Sequence[CellResult]) -> None:
@@ -162,8 +170,9 @@ def _add_ratios(results: Sequence[CellResult]) -> None:
             r.ratio_memcpy = r.gbps / base.gbps
 
 
-def _groups(config: MatrixConfig, series: Sequence[SeriesSpec],
-            link: Link | None = None) -> list[Group]:
+def _groups(
+    config: MatrixConfig, series: Sequence[SeriesSpec], link: Link | None = None
+) -> list[Group]:
     """The series of a transport (p2pkv and raw) form a group, in this process when they
     are in-process, else in a worker (with ``link``: the worker at its reader end, the
     worker's target at its source end); memcpy is a group of its own, in this process. A
@@ -179,7 +188,8 @@ def _groups(config: MatrixConfig, series: Sequence[SeriesSpec],
             p2pkv = any(s.impl == "p2pkv" for s in specs)
             source = RegionSource(name if p2pkv else None, config.options_for(name))
             groups.append(
-                WorkerGroup(specs, config.region_bytes, source, timeout, link) if remote
+                WorkerGroup(specs, config.region_bytes, source, timeout, link)
+                if remote
                 else LaneGroup(specs, config.region_bytes, source)
             )
     except Exception:

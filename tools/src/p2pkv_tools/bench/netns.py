@@ -44,8 +44,19 @@ from typing import Any
 from p2pkv.errors import ConfigError
 from p2pkv.logs import module_logger
 
-__all__ = ["PREFIX", "Link", "NetnsUnavailable", "Placement", "Traffic", "check_tools",
-           "enter", "format_rate", "join_namespace", "open_link", "parse_rate"]
+__all__ = [
+    "PREFIX",
+    "Link",
+    "NetnsUnavailable",
+    "Placement",
+    "Traffic",
+    "check_tools",
+    "enter",
+    "format_rate",
+    "join_namespace",
+    "open_link",
+    "parse_rate",
+]
 
 log = module_logger(__name__)
 
@@ -102,8 +113,9 @@ class Link:
     def sent_bytes(self) -> int | None:
         """Bytes the source end has sent so far (producer -> consumer: every read's payload
         and the producer's control frames); None when ``ip`` cannot tell."""
-        done = _run("ip", "-n", self.source.netns, "-s", "-j", "link", "show", "dev",
-                    self.source.device)
+        done = _run(
+            "ip", "-n", self.source.netns, "-s", "-j", "link", "show", "dev", self.source.device
+        )
         try:
             return int(json.loads(done.stdout)[0]["stats64"]["tx"]["bytes"])
         except (ValueError, LookupError, TypeError):
@@ -183,8 +195,9 @@ def check_tools(shaped: bool) -> None:
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT,
-                              check=False)
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return subprocess.CompletedProcess(cmd, 1, "", str(exc))
 
@@ -212,16 +225,26 @@ class _Namespaces:
             name = self.created.pop()
             done = _run("ip", "netns", "del", name)
             if done.returncode:
-                log.warning("could not remove network namespace %s (%s): run `ip netns del "
-                            "%s`", name, done.stderr.strip(), name)
+                log.warning(
+                    "could not remove network namespace %s (%s): run `ip netns del %s`",
+                    name,
+                    done.stderr.strip(),
+                    name,
+                )
 
 
 def _ends(tag: str) -> tuple[Placement, Placement]:
     ends = []
     for side, address in zip("ab", _ADDRESSES, strict=True):
         device = f"pkb{tag}{side}"[:15]  # IFNAMSIZ
-        ends.append(Placement(f"{PREFIX}{tag}-{side}", device, address,
-                              {"UCX_TLS": "tcp", "UCX_NET_DEVICES": device}))
+        ends.append(
+            Placement(
+                f"{PREFIX}{tag}-{side}",
+                device,
+                address,
+                {"UCX_TLS": "tcp", "UCX_NET_DEVICES": device},
+            )
+        )
     return ends[0], ends[1]
 
 
@@ -231,15 +254,46 @@ def _shape(end: Placement, bits: int) -> str:
     burst = str(max(bits // 8 // 1000, _MIN_BURST))  # a millisecond of traffic
     rate = f"{bits}bit"
     dev = ("tc", "-n", end.netns)
-    done = _run(*dev, "qdisc", "add", "dev", end.device, "root", "tbf", "rate", rate,
-                "burst", burst, "latency", _QUEUE_LATENCY)
+    done = _run(
+        *dev,
+        "qdisc",
+        "add",
+        "dev",
+        end.device,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        burst,
+        "latency",
+        _QUEUE_LATENCY,
+    )
     if not done.returncode:
         return "tbf"
     if "unknown" not in done.stderr.lower():
         raise NetnsUnavailable(f"tc tbf on {end.device} failed: {done.stderr.strip()}")
     _must(*dev, "qdisc", "add", "dev", end.device, "root", "handle", "1:", "htb", "default", "1")
-    _must(*dev, "class", "add", "dev", end.device, "parent", "1:", "classid", "1:1", "htb",
-          "rate", rate, "ceil", rate, "burst", burst, "cburst", burst)
+    _must(
+        *dev,
+        "class",
+        "add",
+        "dev",
+        end.device,
+        "parent",
+        "1:",
+        "classid",
+        "1:1",
+        "htb",
+        "rate",
+        rate,
+        "ceil",
+        rate,
+        "burst",
+        burst,
+        "cburst",
+        burst,
+    )
     return "htb"
 
 
@@ -264,8 +318,9 @@ def _wait_up(ends: tuple[Placement, ...]) -> None:
         if not problems:
             return
         if time.monotonic() > deadline:
-            raise NetnsUnavailable(f"the veth link is not up after {_UP_TIMEOUT:.0f} s: "
-                                   f"{problems[0]}")
+            raise NetnsUnavailable(
+                f"the veth link is not up after {_UP_TIMEOUT:.0f} s: {problems[0]}"
+            )
         pause.wait(0.01)
 
 
@@ -274,13 +329,30 @@ def _build(spaces: _Namespaces, rate_bits: int | None) -> Link:
     source, reader = _ends(str(os.getpid()))
     for end in (source, reader):
         spaces.add(end.netns)
-    _must("ip", "link", "add", source.device, "mtu", str(_MTU), "netns", source.netns,
-          "type", "veth", "peer", "name", reader.device, "mtu", str(_MTU), "netns",
-          reader.netns)
+    _must(
+        "ip",
+        "link",
+        "add",
+        source.device,
+        "mtu",
+        str(_MTU),
+        "netns",
+        source.netns,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        reader.device,
+        "mtu",
+        str(_MTU),
+        "netns",
+        reader.netns,
+    )
     qdisc = None
     for end in (source, reader):
-        _must("ip", "-n", end.netns, "addr", "add", f"{end.address}/{_PREFIX_LEN}", "dev",
-              end.device)
+        _must(
+            "ip", "-n", end.netns, "addr", "add", f"{end.address}/{_PREFIX_LEN}", "dev", end.device
+        )
         _must("ip", "-n", end.netns, "link", "set", "lo", "up")
         if rate_bits:  # before the link is up: a replaced root qdisc would bounce it
             qdisc = _shape(end, rate_bits)

@@ -17,8 +17,9 @@ from p2pkv_tools.bench.runner import CellResult
 __all__ = ["measure_matrix"]
 
 
-def measure_matrix(notes: Console, config: MatrixConfig, series: list[SeriesSpec],
-             link: Link | None = None) -> list[CellResult]:
+def measure_matrix(
+    notes: Console, config: MatrixConfig, series: list[SeriesSpec], link: Link | None = None
+) -> list[CellResult]:
     """Run the matrix (its cross-process series across ``link`` when given) with a progress
     bar on ``notes`` (stderr), or, when that is not a terminal, a progress line every 20
     cells."""
@@ -47,7 +48,8 @@ def measure_matrix(notes: Console, config: MatrixConfig, series: list[SeriesSpec
             progress.update(task, advance=1, description=escape(what))
             done[0] += 1
             if not notes.is_terminal and (done[0] % 20 == 0 or done[0] == total):
-                notes.print(f"{done[0]}/{total} cells, last: {escape(what)}, "
-                            f"{time.time() - started:.0f} s")
+                notes.print(
+                    f"{done[0]}/{total} cells, last: {escape(what)}, {time.time() - started:.0f} s"
+                )
 
         return run_matrix(config, series, on_cell, link)

@@ -82,28 +82,41 @@ def _groups(results: Sequence[CellResult]) -> list[tuple[str, list[str]]]:
 
 
 def _throughput_table(
-    title: str, labels: Sequence[str], index: dict[tuple[Any, ...], CellResult],
+    title: str,
+    labels: Sequence[str],
+    index: dict[tuple[Any, ...], CellResult],
     cells: Sequence[tuple[int, int, int]],
 ) -> Table:
     """GB/s per series of one transport, then p2pkv's ratios to raw and to memcpy."""
     p2pkv = next((s for s in labels if s.startswith("p2pkv ")), None)
-    ratios = [(attr, col) for attr, col, base in (("ratio_raw", "/raw", "raw "),
-                                                  ("ratio_memcpy", "/memcpy", "memcpy"))
-              if p2pkv and any(s.startswith(base) for s in labels)]
+    ratios = [
+        (attr, col)
+        for attr, col, base in (
+            ("ratio_raw", "/raw", "raw "),
+            ("ratio_memcpy", "/memcpy", "memcpy"),
+        )
+        if p2pkv and any(s.startswith(base) for s in labels)
+    ]
     table = Table(title=title, title_justify="left")
     for col in ("block", "batch", "conc", *labels, *(f"p2pkv\n{c}" for _, c in ratios)):
         table.add_column(col, justify="right")
     for block, batch, conc in cells:
         found = {s: index.get((s, block, batch, conc)) for s in labels}
         own = found.get(p2pkv or "")
-        table.add_row(format_size(block), str(batch), str(conc),
-                      *(_rate(found[s]) for s in labels),
-                      *(_ratio(getattr(own, attr) if own else None) for attr, _ in ratios))
+        table.add_row(
+            format_size(block),
+            str(batch),
+            str(conc),
+            *(_rate(found[s]) for s in labels),
+            *(_ratio(getattr(own, attr) if own else None) for attr, _ in ratios),
+        )
     return table
 
 
 def _latency_table(
-    title: str, labels: Sequence[str], index: dict[tuple[Any, ...], CellResult],
+    title: str,
+    labels: Sequence[str],
+    index: dict[tuple[Any, ...], CellResult],
     cells: Sequence[tuple[int, int, int]],
 ) -> Table:
     """Per-request p50 / p99 µs of each series but memcpy."""
@@ -112,9 +125,12 @@ def _latency_table(
         table.add_column(col, justify="right")
     for block, batch, conc in cells:
         rows = [index.get((s, block, batch, conc)) for s in labels]
-        table.add_row(format_size(block), str(batch), str(conc), *(
-            f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r and r.gbps else "" for r in rows
-        ))
+        table.add_row(
+            format_size(block),
+            str(batch),
+            str(conc),
+            *(f"{r.p50_us:.0f} / {r.p99_us:.0f}" if r and r.gbps else "" for r in rows),
+        )
     return table
 
 
@@ -129,8 +145,11 @@ def print_tables(console: Console, results: Sequence[CellResult], title: str) ->
         console.print(_throughput_table(f"{transport}: GB/s", labels, index, cells))
         timed = [s for s in labels if s != "memcpy"]
         if timed:
-            console.print(_latency_table(
-                f"{transport}: per-request latency p50 / p99 (µs)", timed, index, cells))
+            console.print(
+                _latency_table(
+                    f"{transport}: per-request latency p50 / p99 (µs)", timed, index, cells
+                )
+            )
     for label, g in geomean_ratios(results).items():
         parts = []
         if "ratio_raw" in g:
@@ -174,8 +193,13 @@ def figure(results: Sequence[CellResult], title: str) -> Any:
     batches = sorted({r.batch for r in results})
     concs = sorted({r.concurrency for r in results if r.impl != "memcpy"}) or [1]
     fig, axes = plt.subplots(
-        len(concs), len(batches), figsize=(1.0 + 3.4 * len(batches), 1.4 + 2.8 * len(concs)),
-        squeeze=False, sharex=True, sharey=True, layout="constrained",
+        len(concs),
+        len(batches),
+        figsize=(1.0 + 3.4 * len(batches), 1.4 + 2.8 * len(concs)),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+        layout="constrained",
     )
     sizes = sorted({r.block_size for r in results})
     for row, conc in zip(axes, concs, strict=True):
@@ -186,8 +210,9 @@ def figure(results: Sequence[CellResult], title: str) -> Any:
             ax.set_yscale("log")
             ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-            ax.set_xticks([b / 1024 for b in sizes], [format_size(b) for b in sizes],
-                          fontsize="small")
+            ax.set_xticks(
+                [b / 1024 for b in sizes], [format_size(b) for b in sizes], fontsize="small"
+            )
             ax.minorticks_off()
             ax.margins(x=0.12)  # end ticks of neighbouring panels stay apart
             ax.grid(True, which="major", alpha=0.3)
@@ -200,11 +225,18 @@ def figure(results: Sequence[CellResult], title: str) -> Any:
             handles.setdefault(label, handle)
     order = [label for label in series_order(results) if label in handles]
     per_row = max(1, min(len(order), int(fig.get_figwidth() / 1.9)))  # entries fit the width
-    fig.legend([handles[label] for label in order], order, loc="outside lower center",
-               ncols=per_row, frameon=False)
-    note = ("every concurrency measured, one row each (concurrency = requests in flight, "
-            "batch = blocks per request); memcpy, measured at concurrency 1 only, is the "
-            "dashed reference in every panel")
+    fig.legend(
+        [handles[label] for label in order],
+        order,
+        loc="outside lower center",
+        ncols=per_row,
+        frameon=False,
+    )
+    note = (
+        "every concurrency measured, one row each (concurrency = requests in flight, "
+        "batch = blocks per request); memcpy, measured at concurrency 1 only, is the "
+        "dashed reference in every panel"
+    )
     width = int(fig.get_figwidth() * 13)
     fig.suptitle(f"{title}\n{textwrap.fill(note, width)}", fontsize="medium")
     return fig
@@ -216,7 +248,9 @@ def _panel(ax: Any, results: Sequence[CellResult], batch: int, conc: int) -> Non
         pts = sorted(
             (r.block_size, r.gbps, r.gbps_min, r.gbps_max)
             for r in results
-            if r.series == label and r.batch == batch and r.gbps > 0
+            if r.series == label
+            and r.batch == batch
+            and r.gbps > 0
             and r.concurrency == (1 if r.impl == "memcpy" else conc)
         )
         if not pts:
@@ -225,5 +259,11 @@ def _panel(ax: Any, results: Sequence[CellResult], batch: int, conc: int) -> Non
         style: dict[str, Any] = (
             {"color": "black", "linestyle": "--"} if label == "memcpy" else {"marker": "o"}
         )
-        ax.errorbar([p[0] / 1024 for p in pts], [p[1] for p in pts], yerr=err, label=label,
-                    capsize=2, **style)
+        ax.errorbar(
+            [p[0] / 1024 for p in pts],
+            [p[1] for p in pts],
+            yerr=err,
+            label=label,
+            capsize=2,
+            **style,
+        )

@@ -196,8 +196,12 @@ def _rep(
     lane.begin_rep()
     try:
         wall, lat, failed = _run_rep(
-            lane, layout.local[:used], layout.remote[:used],
-            requests=requests, concurrency=plan.concurrency, deadline=plan.deadline,
+            lane,
+            layout.local[:used],
+            layout.remote[:used],
+            requests=requests,
+            concurrency=plan.concurrency,
+            deadline=plan.deadline,
         )
     finally:  # a broken source side explains a timeout better than the timeout does
         source_failures = lane.end_rep()
@@ -206,8 +210,14 @@ def _rep(
     request_bytes = plan.batch * plan.block_size
     result.bytes_moved += requests * request_bytes
     if failed or bad or source_failures:
-        return wall, lat, (f"{failed} failed reads, {len(bad)} wrong blocks, "
-                           f"{source_failures} failures on the source side")
+        return (
+            wall,
+            lat,
+            (
+                f"{failed} failed reads, {len(bad)} wrong blocks, "
+                f"{source_failures} failures on the source side"
+            ),
+        )
     result.bytes_verified += used * request_bytes
     return wall, lat, ""
 
@@ -242,21 +252,28 @@ def measure_cell(lane: Lane, plan: CellPlan, rng: np.random.Generator) -> CellRe
     A cell that does not fit the region is returned with ``skipped`` set, unmeasured."""
     spec = lane.spec
     result = CellResult(
-        series=spec.label, impl=spec.impl, transport=spec.transport,
-        block_size=plan.block_size, batch=plan.batch, concurrency=plan.concurrency,
-        requests=plan.requests, reps=plan.reps,
+        series=spec.label,
+        impl=spec.impl,
+        transport=spec.transport,
+        block_size=plan.block_size,
+        batch=plan.batch,
+        concurrency=plan.concurrency,
+        requests=plan.requests,
+        reps=plan.reps,
     )
     n_groups = plan.groups_within(lane.num_blocks)
     if n_groups == 0:
-        result.skipped = (f"needs {plan.batch * plan.concurrency} blocks per side, "
-                          f"region holds {lane.num_blocks}")
+        result.skipped = (
+            f"needs {plan.batch * plan.concurrency} blocks per side, region holds {lane.num_blocks}"
+        )
         return result
     layout = _layout(lane, plan, n_groups, rng)
     errors: list[str] = []
     timed = plan.requests
     for i in range(plan.warmup):
-        _, lat, error = _rep(lane, plan, layout, min(plan.requests, max(8, 4 * plan.concurrency)),
-                             result)
+        _, lat, error = _rep(
+            lane, plan, layout, min(plan.requests, max(8, 4 * plan.concurrency)), result
+        )
         errors += [f"warm-up {i}: {error}"] if error else []
         timed = _timed_requests(plan, lat)
     result.requests = timed

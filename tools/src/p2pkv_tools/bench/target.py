@@ -73,7 +73,9 @@ class TargetState:
     """
 
     def __init__(
-        self, region_bytes: int, registry: Registry | None = None,
+        self,
+        region_bytes: int,
+        registry: Registry | None = None,
         source: RegionSource | None = None,
     ) -> None:
         self._region_bytes = region_bytes
@@ -89,8 +91,10 @@ class TargetState:
         if self._region is not None and self._region[0] == block_len:
             return self._region[1]
         if self._sources:
-            raise RuntimeError(f"target endpoints {sorted(self._sources)} are open over "
-                               f"blocks of another size than {block_len} B")
+            raise RuntimeError(
+                f"target endpoints {sorted(self._sources)} are open over "
+                f"blocks of another size than {block_len} B"
+            )
         self._region = None  # released before the next one is allocated
         registry = self._registry or default_registry()
         region = self._source.allocate(self._region_bytes, block_len, registry)
@@ -171,8 +175,18 @@ def _serve(conn: Connection, region_bytes: int, source: RegionSource) -> None:
         return state.active
 
     try:
-        serve(conn, {"open": state.open, "add_peer": state.add_peer, "fill": state.fill,
-                     "begin": state.begin, "end": state.end, "close": state.close}, idle)
+        serve(
+            conn,
+            {
+                "open": state.open,
+                "add_peer": state.add_peer,
+                "fill": state.fill,
+                "begin": state.begin,
+                "end": state.end,
+                "close": state.close,
+            },
+            idle,
+        )
     finally:
         state.close()
 
@@ -182,12 +196,20 @@ class RemoteTarget:
     :mod:`p2pkv_tools.bench.netns`), called synchronously with deadlines."""
 
     def __init__(
-        self, region_bytes: int, timeout: float = 60.0, source: RegionSource | None = None,
+        self,
+        region_bytes: int,
+        timeout: float = 60.0,
+        source: RegionSource | None = None,
         placement: Placement | None = None,
     ) -> None:
-        self._helper = Helper(_serve, (region_bytes, source or RegionSource()),
-                              name="p2pkv-bench-target", daemon=True, timeout=timeout,
-                              placement=placement)
+        self._helper = Helper(
+            _serve,
+            (region_bytes, source or RegionSource()),
+            name="p2pkv-bench-target",
+            daemon=True,
+            timeout=timeout,
+            placement=placement,
+        )
 
     def open(self, spec: SeriesSpec, block_len: int) -> bytes:
         return bytes(self._helper.call("open", spec, block_len))
@@ -219,7 +241,9 @@ class LocalTarget:
     come from ``registry`` (default: the process-wide one), its region from ``source``."""
 
     def __init__(
-        self, region_bytes: int, registry: Registry | None = None,
+        self,
+        region_bytes: int,
+        registry: Registry | None = None,
         source: RegionSource | None = None,
     ) -> None:
         self.state = TargetState(region_bytes, registry, source)

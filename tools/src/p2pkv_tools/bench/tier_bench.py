@@ -40,13 +40,27 @@ from p2pkv_tools.bench.tier_lane import ORDERS, TierLane
 from p2pkv_tools.demo.presets import ModelPreset, resolve_preset
 
 __all__ = [
-    "OVERLOAD_FACTOR", "TIER_FLAGS", "TierCellResult", "TierPlan", "check_tier_options",
-    "measure_tier", "overload_concurrency", "run_baselines", "tier_requested",
+    "OVERLOAD_FACTOR",
+    "TIER_FLAGS",
+    "TierCellResult",
+    "TierPlan",
+    "check_tier_options",
+    "measure_tier",
+    "overload_concurrency",
+    "run_baselines",
+    "tier_requested",
 ]
 
-TIER_FLAGS = {"tier_control": "--tier-control", "recompute_rate": "--recompute-rate",
-              "preset": "--preset", "tp": "--tp", "overload": "--overload",
-              "netns": "--netns", "rate": "--rate", "phases": "--phases"}
+TIER_FLAGS = {
+    "tier_control": "--tier-control",
+    "recompute_rate": "--recompute-rate",
+    "preset": "--preset",
+    "tp": "--tp",
+    "overload": "--overload",
+    "netns": "--netns",
+    "rate": "--rate",
+    "phases": "--phases",
+}
 """Options that only ``--tier`` reads (argparse dest -> flag)."""
 
 
@@ -91,8 +105,9 @@ def tier_requested(args: argparse.Namespace) -> bool:
     return bool(args.tier) or any(getattr(args, d) is not None for d in TIER_FLAGS)
 
 
-def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
-                       registry: Registry) -> TierPlan:
+def check_tier_options(
+    args: argparse.Namespace, config: MatrixConfig, registry: Registry
+) -> TierPlan:
     """The tier plan, or ``ConfigError``/``TransportUnavailable`` naming the flag to fix."""
     if not args.tier:
         used = next(flag for dest, flag in TIER_FLAGS.items() if getattr(args, dest) is not None)
@@ -102,38 +117,50 @@ def check_tier_options(args: argparse.Namespace, config: MatrixConfig,
     name = args.tier_control or "zmq"
     control = usable_transport(registry, "control", name)
     if not control.capabilities.cross_process:
-        raise ConfigError(f"--tier-control {name} is process-local: the tier bench runs "
-                          "two processes; use a cross-process one such as zmq")
+        raise ConfigError(
+            f"--tier-control {name} is process-local: the tier bench runs "
+            "two processes; use a cross-process one such as zmq"
+        )
     data = config.transports or ("nixl",)
     for transport in data:
         if not usable_transport(registry, "data", transport).capabilities.cross_process:
-            raise ConfigError(f"--transports {transport} is process-local: the tier bench runs "
-                              "two processes; use a cross-process one such as nixl")
+            raise ConfigError(
+                f"--transports {transport} is process-local: the tier bench runs "
+                "two processes; use a cross-process one such as nixl"
+            )
     _check_link_options(args)
     preset = None
     if args.recompute_rate is not None:
         preset = resolve_preset(args.preset or "llama-3-8b", tp=args.tp)
     elif args.preset is not None or args.tp is not None:
         flag = "--preset" if args.preset is not None else "--tp"
-        raise ConfigError(f"{flag} needs --recompute-rate TOKENS_PER_S (the crossover "
-                          "compares pulling with recomputing)")
-    return TierPlan(name, data, preset, args.recompute_rate, bool(args.overload),
-                    bool(args.netns), args.rate)
+        raise ConfigError(
+            f"{flag} needs --recompute-rate TOKENS_PER_S (the crossover "
+            "compares pulling with recomputing)"
+        )
+    return TierPlan(
+        name, data, preset, args.recompute_rate, bool(args.overload), bool(args.netns), args.rate
+    )
 
 
 def _check_link_options(args: argparse.Namespace) -> None:
     """``--rate`` only with ``--netns``; ``--netns`` only as root with iproute2
     (``ConfigError`` naming the flag or what is missing)."""
     if args.rate is not None and not args.netns:
-        raise ConfigError("--rate shapes the link of --netns: add --netns (on one host "
-                          "the sides share memory, there is no link to shape)")
+        raise ConfigError(
+            "--rate shapes the link of --netns: add --netns (on one host "
+            "the sides share memory, there is no link to shape)"
+        )
     if args.netns:
         check_tools(shaped=args.rate is not None)
 
 
-def run_baselines(config: MatrixConfig, data: Sequence[str], registry: Registry,
-                  measure: Callable[[MatrixConfig, list[Any]], list[CellResult]],
-                  ) -> tuple[list[CellResult], dict[str, str]]:
+def run_baselines(
+    config: MatrixConfig,
+    data: Sequence[str],
+    registry: Registry,
+    measure: Callable[[MatrixConfig, list[Any]], list[CellResult]],
+) -> tuple[list[CellResult], dict[str, str]]:
     """Raw baselines of ``data`` and memcpy over ``config``'s matrix (``measure`` runs it);
     (results, label -> why a series could not run)."""
     base = replace(config, transports=tuple(data))
@@ -143,10 +170,17 @@ def run_baselines(config: MatrixConfig, data: Sequence[str], registry: Registry,
 
 
 def _plan(config: MatrixConfig, block: int, batch: int, conc: int) -> CellPlan:
-    return CellPlan(block_size=block, batch=batch, concurrency=conc,
-                    requests=config.requests_for(block, batch, conc), reps=config.reps,
-                    warmup=config.warmup, contiguous=config.contiguous,
-                    deadline=config.deadline, rep_seconds=config.rep_seconds)
+    return CellPlan(
+        block_size=block,
+        batch=batch,
+        concurrency=conc,
+        requests=config.requests_for(block, batch, conc),
+        reps=config.reps,
+        warmup=config.warmup,
+        contiguous=config.contiguous,
+        deadline=config.deadline,
+        rep_seconds=config.rep_seconds,
+    )
 
 
 def _tier_cell(lane: TierLane, plan: CellPlan, order: str, seed: list[int]) -> TierCellResult:
@@ -155,11 +189,18 @@ def _tier_cell(lane: TierLane, plan: CellPlan, order: str, seed: list[int]) -> T
     try:
         base = measure_cell(lane, plan, np.random.default_rng(seed))
     except Exception as exc:  # a side died: the cell fails, the run goes on
-        base = CellResult(series="", impl="tier", transport=lane.spec.transport,
-                          block_size=plan.block_size, batch=plan.batch,
-                          concurrency=plan.concurrency, error=f"{type(exc).__name__}: {exc}")
-    row = TierCellResult(**{**asdict(base), "series": f"tier {lane.spec.transport} {order}"},
-                         order=order)
+        base = CellResult(
+            series="",
+            impl="tier",
+            transport=lane.spec.transport,
+            block_size=plan.block_size,
+            batch=plan.batch,
+            concurrency=plan.concurrency,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+    row = TierCellResult(
+        **{**asdict(base), "series": f"tier {lane.spec.transport} {order}"}, order=order
+    )
     lat = lane.latencies(plan.reps) * 1e6
     if lat.size:
         row.p50_us, row.p99_us = (float(v) for v in np.percentile(lat, [50, 99]))
@@ -199,8 +240,13 @@ def overload_concurrency() -> int:
     return OVERLOAD_FACTOR * Flow().window_rounds
 
 
-def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellResult],
-                 notes: Console, link: Link | None = None) -> list[TierCellResult]:
+def measure_tier(
+    config: MatrixConfig,
+    plan: TierPlan,
+    baselines: Sequence[CellResult],
+    notes: Console,
+    link: Link | None = None,
+) -> list[TierCellResult]:
     """Every tier cell of every data transport, both orders (and with ``plan.overload`` an
     overload cell per block size and batch, stores first), with ratios to ``baselines``;
     the two sides across ``link`` when given.
@@ -210,8 +256,9 @@ def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellR
     timeout = config.deadline * (config.reps + config.warmup + 2)
     started = time.time()
     for data in plan.data:
-        lane = TierLane(plan.control, data, config.region_bytes, timeout,
-                         config.options_for(data), link)
+        lane = TierLane(
+            plan.control, data, config.region_bytes, timeout, config.options_for(data), link
+        )
         try:
             for block in config.block_sizes:
                 rows += _block_rows(lane, config, plan, block, notes, started)
@@ -221,8 +268,9 @@ def measure_tier(config: MatrixConfig, plan: TierPlan, baselines: Sequence[CellR
     return rows
 
 
-def _block_rows(lane: TierLane, config: MatrixConfig, plan: TierPlan, block: int,
-                notes: Console, started: float) -> list[TierCellResult]:
+def _block_rows(
+    lane: TierLane, config: MatrixConfig, plan: TierPlan, block: int, notes: Console, started: float
+) -> list[TierCellResult]:
     """The cells of one block size on ``lane``, opened here (when it cannot start, every
     cell fails with the reason), each reported on ``notes`` as it ends."""
     data = lane.spec.transport
@@ -234,25 +282,40 @@ def _block_rows(lane: TierLane, config: MatrixConfig, plan: TierPlan, block: int
     rows = []
     for batch in config.batches:
         for cell, order, overload in _cells(config, plan, block, batch):
-            row = (_tier_cell(lane, cell, order, [config.seed, block, batch, cell.concurrency])
-                   if not opened else TierCellResult(
-                       series=f"tier {data} {order}", impl="tier", transport=data,
-                       block_size=block, batch=batch, concurrency=cell.concurrency,
-                       error=opened, order=order))
+            row = (
+                _tier_cell(lane, cell, order, [config.seed, block, batch, cell.concurrency])
+                if not opened
+                else TierCellResult(
+                    series=f"tier {data} {order}",
+                    impl="tier",
+                    transport=data,
+                    block_size=block,
+                    batch=batch,
+                    concurrency=cell.concurrency,
+                    error=opened,
+                    order=order,
+                )
+            )
             row.overload = overload
             rows.append(row)
-            notes.print(f"tier {escape(data)} {format_size(block)} x{batch} "
-                        f"c{cell.concurrency} {order}{' overload' * overload}: "
-                        f"{row.gbps:.2f} GB/s, {time.time() - started:.0f} s")
+            notes.print(
+                f"tier {escape(data)} {format_size(block)} x{batch} "
+                f"c{cell.concurrency} {order}{' overload' * overload}: "
+                f"{row.gbps:.2f} GB/s, {time.time() - started:.0f} s"
+            )
     return rows
 
 
-def _cells(config: MatrixConfig, plan: TierPlan, block: int,
-           batch: int) -> list[tuple[CellPlan, str, bool]]:
+def _cells(
+    config: MatrixConfig, plan: TierPlan, block: int, batch: int
+) -> list[tuple[CellPlan, str, bool]]:
     """The cells of one (block size, batch): every concurrency in both orders, then the
     overload cell (stores first: a prefiller ahead of its decoder) when asked for."""
-    cells = [(_plan(config, block, batch, conc), order, False)
-             for conc in config.concurrency for order in ORDERS]
+    cells = [
+        (_plan(config, block, batch, conc), order, False)
+        for conc in config.concurrency
+        for order in ORDERS
+    ]
     if plan.overload:
         cells.append((_plan(config, block, batch, overload_concurrency()), ORDERS[0], True))
     return cells

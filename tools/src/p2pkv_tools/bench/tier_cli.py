@@ -53,8 +53,9 @@ PHASES_CELLS = ((64 * 1024, 2304 * 1024), (1, 32, 256))
 gpt-oss-120b's 32-token vLLM block (2.25 MiB) x 1, 32 and 256 (8,192 tokens, 576 MiB)."""
 
 
-def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
-             notes: Console) -> int:
+def run_tier(
+    args: argparse.Namespace, config: MatrixConfig, console: Console, notes: Console
+) -> int:
     """Baselines, the first pulls, then the tier cells, on one host or (``--netns``) across
     a veth link built first and removed at the end, however the run ends; 1 if a cell or a
     first pull failed or a byte did not verify. Bad options, and a link that cannot be
@@ -66,21 +67,35 @@ def run_tier(args: argparse.Namespace, config: MatrixConfig, console: Console,
         return _run(args, config, plan, link, console, notes)
 
 
-def _run_phases(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan,
-                link: Link | None, console: Console, notes: Console) -> int:
+def _run_phases(
+    args: argparse.Namespace,
+    config: MatrixConfig,
+    plan: TierPlan,
+    link: Link | None,
+    console: Console,
+    notes: Console,
+) -> int:
     """``--phases`` (:mod:`~p2pkv_tools.bench.tier_phases`): one data transport, the
     matrix's block sizes and batches (defaults: :data:`PHASES_CELLS`); 1 if a cell failed."""
     if len(plan.data) != 1:
         raise ConfigError("--phases profiles one data transport: give one in --transports")
-    cells = replace(config, block_sizes=args.block_sizes or PHASES_CELLS[0],
-                    batches=args.batches or PHASES_CELLS[1])
+    cells = replace(
+        config,
+        block_sizes=args.block_sizes or PHASES_CELLS[0],
+        batches=args.batches or PHASES_CELLS[1],
+    )
     link_doc = link.describe() if link else _one_host_link()
     notes.print(f"link: {escape(link_summary(link_doc))}")
     phases = plan_from(cells, plan.control, plan.data[0], bool(args.quick))
     started = time.time()
     rows = measure_phases(phases, link, lambda line: notes.print(escape(line)))
-    doc = {"host": describe_host(), "link": link_doc, "plan": asdict(phases),
-           "rows": [row.as_row() for row in rows], "elapsed_s": round(time.time() - started, 1)}
+    doc = {
+        "host": describe_host(),
+        "link": link_doc,
+        "plan": asdict(phases),
+        "rows": [row.as_row() for row in rows],
+        "elapsed_s": round(time.time() - started, 1),
+    }
     if args.json != "-":
         console.print(escape(phase_table(rows)))
     _write(args, doc)
@@ -98,25 +113,38 @@ class _Measured:
     carried: dict[str, int | None]
 
 
-def _measure_all(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan,
-                 link: Link | None, notes: Console) -> _Measured:
+def _measure_all(
+    args: argparse.Namespace,
+    config: MatrixConfig,
+    plan: TierPlan,
+    link: Link | None,
+    notes: Console,
+) -> _Measured:
     """The raw baselines and memcpy, the first pulls, the tier cells, in that order."""
     traffic = Traffic(link)
     with traffic.phase("baselines"):
         baselines, unavailable = run_baselines(
-            config, plan.data, default_registry(), lambda c, s: measure_matrix(notes, c, s, link))
+            config, plan.data, default_registry(), lambda c, s: measure_matrix(notes, c, s, link)
+        )
     for label, why in unavailable.items():
         notes.print(f"[yellow]{escape(label)} not measured:[/] {escape(why)}")
     with traffic.phase("first_pull"):
-        first = measure_first_pulls(config, plan.control, plan.data,
-                                    FIRST_PULL_PAIRS[bool(args.quick)], link)
+        first = measure_first_pulls(
+            config, plan.control, plan.data, FIRST_PULL_PAIRS[bool(args.quick)], link
+        )
     with traffic.phase("tier"):
         rows = measure_tier(config, plan, baselines, notes, link)
     return _Measured(baselines, unavailable, first, rows, traffic.phases)
 
 
-def _run(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan, link: Link | None,
-         console: Console, notes: Console) -> int:
+def _run(
+    args: argparse.Namespace,
+    config: MatrixConfig,
+    plan: TierPlan,
+    link: Link | None,
+    console: Console,
+    notes: Console,
+) -> int:
     started = time.time()
     link_doc = link.describe() if link else _one_host_link()
     notes.print(f"link: {escape(link_summary(link_doc))}")
@@ -124,22 +152,31 @@ def _run(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan, link: L
     elapsed = time.time() - started
     if link:
         link_doc["carried_bytes"] = m.carried
-    title = (f"p2pkv bench --tier{' --netns' if link else ''} "
-             f"({'quick' if args.quick else 'full'}, {elapsed:.0f} s)")
+    title = (
+        f"p2pkv bench --tier{' --netns' if link else ''} "
+        f"({'quick' if args.quick else 'full'}, {elapsed:.0f} s)"
+    )
     doc: dict[str, Any] = {
         "host": describe_host(),
         "config": asdict(config),
         "link": link_doc,
-        "tier": {"control": plan.control, "data": list(plan.data), "orders": list(ORDERS),
-                 "descriptors_stat": DESCRIPTORS_STAT,
-                 "control_options": link_control_options(plan.control, link)},
+        "tier": {
+            "control": plan.control,
+            "data": list(plan.data),
+            "orders": list(ORDERS),
+            "descriptors_stat": DESCRIPTORS_STAT,
+            "control_options": link_control_options(plan.control, link),
+        },
         "baseline_rows": [r.as_row() for r in m.baselines],
         "unavailable": m.unavailable,
         "rows": [r.as_row() for r in m.rows],
         "first_pull": [f.as_row() for f in m.first],
         "verified": bool(m.rows) and all(r.verified for r in m.rows if not r.skipped),
-        "crossover": (crossover(m.rows, plan.preset, plan.recompute_rate)
-                      if plan.preset and plan.recompute_rate else None),
+        "crossover": (
+            crossover(m.rows, plan.preset, plan.recompute_rate)
+            if plan.preset and plan.recompute_rate
+            else None
+        ),
         "overload": overload_summary(m.rows),
         "elapsed_s": round(elapsed, 1),
     }
@@ -151,15 +188,19 @@ def _run(args: argparse.Namespace, config: MatrixConfig, plan: TierPlan, link: L
         notes.print(f"plot written to {escape(args.plot)}")
     failed = [r for r in [*m.rows, *m.baselines] if r.error]
     if failed:
-        notes.print(f"[red]{len(failed)} cells failed or moved bytes that did not verify[/] "
-                    "(see above)")
+        notes.print(
+            f"[red]{len(failed)} cells failed or moved bytes that did not verify[/] (see above)"
+        )
     return 1 if failed or any(f.errors for f in m.first) else 0
 
 
 def _one_host_link() -> dict[str, Any]:
     """The JSON's ``link`` without ``--netns``: both sides on this host, UCX as configured."""
-    return {"kind": "one host", "UCX_TLS": os.environ.get("UCX_TLS"),
-            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES")}
+    return {
+        "kind": "one host",
+        "UCX_TLS": os.environ.get("UCX_TLS"),
+        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"),
+    }
 
 
 def _print(console: Console, doc: dict[str, Any], m: _Measured, title: str) -> None:

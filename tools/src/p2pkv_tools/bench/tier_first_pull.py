@@ -74,8 +74,11 @@ class FirstPull:
             if pull.handshake_ms is not None:
                 self.handshake_ms.append(pull.handshake_ms)
             return
-        after, setup = ((self.after_connect_ms, self.connect_ms) if pull.kind == "connect"
-                        else (self.after_discovery_ms, self.discovery_ms))
+        after, setup = (
+            (self.after_connect_ms, self.connect_ms)
+            if pull.kind == "connect"
+            else (self.after_discovery_ms, self.discovery_ms)
+        )
         after.append(pull.total_ms)
         if pull.setup_ms is not None:
             setup.append(pull.setup_ms)
@@ -86,18 +89,24 @@ class FirstPull:
         ``first_pull_after_discovery_ms``, ``discovery_ms``), every sample, and the errors."""
         cold, hand = _median(self.cold_ms), _median(self.handshake_ms)
         return {
-            "transport": self.transport, "block_size": self.block_size, "blocks": self.blocks,
-            "first_pull_ms": cold, "first_pull_handshake_ms": hand,
+            "transport": self.transport,
+            "block_size": self.block_size,
+            "blocks": self.blocks,
+            "first_pull_ms": cold,
+            "first_pull_handshake_ms": hand,
             "first_pull_transfer_ms": None if cold is None or hand is None else cold - hand,
             "first_pull_after_connect_ms": _median(self.after_connect_ms),
             "connect_ms": _median(self.connect_ms),
             "first_pull_after_discovery_ms": _median(self.after_discovery_ms),
             "discovery_ms": _median(self.discovery_ms),
-            "samples": {"cold_ms": self.cold_ms, "handshake_ms": self.handshake_ms,
-                        "after_connect_ms": self.after_connect_ms,
-                        "connect_ms": self.connect_ms,
-                        "after_discovery_ms": self.after_discovery_ms,
-                        "discovery_ms": self.discovery_ms},
+            "samples": {
+                "cold_ms": self.cold_ms,
+                "handshake_ms": self.handshake_ms,
+                "after_connect_ms": self.after_connect_ms,
+                "connect_ms": self.connect_ms,
+                "after_discovery_ms": self.after_discovery_ms,
+                "discovery_ms": self.discovery_ms,
+            },
             "errors": self.errors,
         }
 
@@ -112,8 +121,9 @@ def first_pull(lane: TierLane, block_len: int, blocks: int, *, kind: str) -> Pul
     ``RuntimeError`` when the pull does not succeed or its bytes do not verify."""
     lane.open(block_len, discover=kind == "discover")
     try:
-        setup_s = {"cold": lambda: None, "connect": lane.connect,
-                   "discover": lane.discovered}[kind]()
+        setup_s = {"cold": lambda: None, "connect": lane.connect, "discover": lane.discovered}[
+            kind
+        ]()
         slots = list(range(blocks))
         seeds = [_SEED + s for s in slots]
         lane.fill(slots, seeds)
@@ -125,12 +135,17 @@ def first_pull(lane: TierLane, block_len: int, blocks: int, *, kind: str) -> Pul
             raise RuntimeError(f"first pull landed wrong blocks {wrong}")
     finally:
         lane.close()
-    return Pull(kind, finished[0][2] * 1e3, None if ready_s is None else ready_s * 1e3,
-                None if setup_s is None else setup_s * 1e3)
+    return Pull(
+        kind,
+        finished[0][2] * 1e3,
+        None if ready_s is None else ready_s * 1e3,
+        None if setup_s is None else setup_s * 1e3,
+    )
 
 
-def measure_first_pulls(config: MatrixConfig, control: str, data: Sequence[str],
-                        pairs: int, link: Link | None = None) -> list[FirstPull]:
+def measure_first_pulls(
+    config: MatrixConfig, control: str, data: Sequence[str], pairs: int, link: Link | None = None
+) -> list[FirstPull]:
     """Per data transport, ``pairs`` fresh pairs of each kind (cold, pre-connected,
     discovered), each one request of the first batch size of blocks of the first block
     size; across ``link`` when given."""

@@ -76,15 +76,26 @@ class TierLane(Lane):
     data transport built with ``data_options`` (its regions allocated with them too), on one
     host or across ``link``."""
 
-    def __init__(self, control: str, data: str, region_bytes: int, timeout: float,
-                 data_options: Mapping[str, Any] | None = None,
-                 link: Link | None = None) -> None:
+    def __init__(
+        self,
+        control: str,
+        data: str,
+        region_bytes: int,
+        timeout: float,
+        data_options: Mapping[str, Any] | None = None,
+        link: Link | None = None,
+    ) -> None:
         self.spec = SeriesSpec("tier", data, cross_process=True)
         self._link = link
         self.order = ORDERS[0]
-        self._config = {"control": control, "data": data, "host": "127.0.0.1", "port": 0,
-                        "data_options": dict(data_options or {}),
-                        "control_options": link_control_options(control, link)}
+        self._config = {
+            "control": control,
+            "data": data,
+            "host": "127.0.0.1",
+            "port": 0,
+            "data_options": dict(data_options or {}),
+            "control_options": link_control_options(control, link),
+        }
         self._region_bytes = region_bytes
         self._timeout = timeout
         self._sides: list[Helper] = []
@@ -121,9 +132,14 @@ class TierLane(Lane):
         if self._link is not None:
             end = self._link.source if kind == "producer" else self._link.reader
             config = {**config, "host": end.address}
-        return Helper(side_main, (config, block_len, self._region_bytes),
-                      name=f"p2pkv-bench-tier-{kind}", daemon=True, timeout=self._timeout,
-                      placement=end)
+        return Helper(
+            side_main,
+            (config, block_len, self._region_bytes),
+            name=f"p2pkv-bench-tier-{kind}",
+            daemon=True,
+            timeout=self._timeout,
+            placement=end,
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -176,8 +192,9 @@ class TierLane(Lane):
         r = next(self._ids)
         host, port = self._route
         self._producer.call("store", r, remote)
-        finished, ready_s = self._consumer.call("first_load", r, host, port, local,
-                                                self._timeout / 2)
+        finished, ready_s = self._consumer.call(
+            "first_load", r, host, port, local, self._timeout / 2
+        )
         self._producer.call("wait", self._timeout / 2, True)
         return finished, ready_s
 

@@ -108,29 +108,50 @@ def split(record: Mapping[str, Any]) -> dict[str, float] | None:
         return None
     submitted, result = record["submitted"], record["result"]
     post = sum(b - a for a, b in zip(calls, posts, strict=True))
-    return {"control": calls[0] - submitted, "post": post,
-            "read": max(max(ended) - calls[0] - post, 0.0), "report": result - max(ended),
-            "total": result - submitted}
+    return {
+        "control": calls[0] - submitted,
+        "post": post,
+        "read": max(max(ended) - calls[0] - post, 0.0),
+        "report": result - max(ended),
+        "total": result - submitted,
+    }
 
 
 def _sides(plan: PhasesPlan, row: PhaseRow, link: Link | None) -> list[Helper]:
     """A producer and a consumer side built with ``phases`` (at the link's ends if any)."""
-    config = {"control": plan.control, "data": plan.data, "host": "127.0.0.1", "port": 0,
-              "data_options": dict(plan.data_options),
-              "control_options": link_control_options(plan.control, link)}
+    config = {
+        "control": plan.control,
+        "data": plan.data,
+        "host": "127.0.0.1",
+        "port": 0,
+        "data_options": dict(plan.data_options),
+        "control_options": link_control_options(plan.control, link),
+    }
     helpers = []
     for role in (PRODUCER, CONSUMER):
         end = None if link is None else link.source if role == PRODUCER else link.reader
         side_config = config if end is None else {**config, "host": end.address}
-        helpers.append(Helper(side_main, (side_config, row.block_size,
-                                          plan.region_for(row.nbytes), True),
-                              name=f"p2pkv-bench-phases-{role}", daemon=True,
-                              timeout=plan.timeout, placement=end))
+        helpers.append(
+            Helper(
+                side_main,
+                (side_config, row.block_size, plan.region_for(row.nbytes), True),
+                name=f"p2pkv-bench-phases-{role}",
+                daemon=True,
+                timeout=plan.timeout,
+                placement=end,
+            )
+        )
     return helpers
 
 
-def _request(producer: Helper, consumer: Helper, r: int, route: tuple[str, int],
-             slots: tuple[list[int], list[int]], timeout: float) -> str:
+def _request(
+    producer: Helper,
+    consumer: Helper,
+    r: int,
+    route: tuple[str, int],
+    slots: tuple[list[int], list[int]],
+    timeout: float,
+) -> str:
     """One PD request, store first; its load's outcome (the store waited for too)."""
     remote, local = slots
     producer.call("store", r, remote)
@@ -147,8 +168,13 @@ def _each(sides: Mapping[str, Helper], op: str, *args: Any) -> dict[str, Any]:
     return {role: side.call(op, *args) for role, side in sides.items()}
 
 
-def _timed(plan: PhasesPlan, sides: Mapping[str, Helper], route: tuple[str, int],
-           slots: tuple[list[int], list[int]], row: PhaseRow) -> None:
+def _timed(
+    plan: PhasesPlan,
+    sides: Mapping[str, Helper],
+    route: tuple[str, int],
+    slots: tuple[list[int], list[int]],
+    row: PhaseRow,
+) -> None:
     """The warm-up, the timed requests (unprofiled: the phases and the CPU per request),
     then as many profiled (the components); their figures into ``row``."""
     consumer = sides[CONSUMER]
@@ -160,20 +186,30 @@ def _timed(plan: PhasesPlan, sides: Mapping[str, Helper], route: tuple[str, int]
     if not _run(plan, sides, route, slots, row, plan.warmup + 1, n):
         return
     per = 1e6 / n
-    row.cpu_us = {role: (usage[0] - cpu[role]) * per
-                  for role, usage in _each(sides, "usage").items()}
+    row.cpu_us = {
+        role: (usage[0] - cpu[role]) * per for role, usage in _each(sides, "usage").items()
+    }
     split_ok = [s for s in map(split, consumer.call("phases")) if s is not None]
     row.requests = len(split_ok)
     row.phases_us = {p: statistics.median(s[p] for s in split_ok) * 1e6 for p in PHASES}
     _each(sides, "profile", True)
     if not _run(plan, sides, route, slots, row, plan.warmup + n + 1, n):
         return
-    row.components_us = {role: {k: v * per for k, v in seconds.items()}
-                         for role, seconds in _each(sides, "profile", False).items()}
+    row.components_us = {
+        role: {k: v * per for k, v in seconds.items()}
+        for role, seconds in _each(sides, "profile", False).items()
+    }
 
 
-def _run(plan: PhasesPlan, sides: Mapping[str, Helper], route: tuple[str, int],
-         slots: tuple[list[int], list[int]], row: PhaseRow, first: int, count: int) -> bool:
+def _run(
+    plan: PhasesPlan,
+    sides: Mapping[str, Helper],
+    route: tuple[str, int],
+    slots: tuple[list[int], list[int]],
+    row: PhaseRow,
+    first: int,
+    count: int,
+) -> bool:
     """Requests ``first`` .. ``first + count - 1``, one at a time; False (``row.error`` set)
     at the first that fails."""
     for r in range(first, first + count):
@@ -193,8 +229,10 @@ def _cell(plan: PhasesPlan, row: PhaseRow, link: Link | None) -> None:
         route = parse_address(described[PRODUCER][0])
         blocks = min(n for _, n in described.values())
         rng = np.random.default_rng(plan.seed)
-        slots = (rng.choice(blocks, row.batch, replace=False).tolist(),
-                 rng.choice(blocks, row.batch, replace=False).tolist())
+        slots = (
+            rng.choice(blocks, row.batch, replace=False).tolist(),
+            rng.choice(blocks, row.batch, replace=False).tolist(),
+        )
         seeds = [plan.seed * 1_000_003 + i + 1 for i in range(row.batch)]
         producer.call("fill", slots[0], seeds)
         _timed(plan, sides, route, slots, row)
@@ -213,13 +251,20 @@ def _raw(plan: PhasesPlan, link: Link | None) -> dict[tuple[int, int], dict[str,
     """Raw NIXL READ and WRITE (and memcpy on one host) of every cell, one in flight: p50
     µs per series, by (block size, batch)."""
     largest = max(plan.block_sizes) * max(plan.batches)
-    config = MatrixConfig(block_sizes=plan.block_sizes, batches=plan.batches,
-                          concurrency=(1,), reps=3, warmup=1,
-                          region_bytes=plan.region_for(largest),
-                          bytes_per_rep=64 * 1024 * 1024, memcpy=link is None)
+    config = MatrixConfig(
+        block_sizes=plan.block_sizes,
+        batches=plan.batches,
+        concurrency=(1,),
+        reps=3,
+        warmup=1,
+        region_bytes=plan.region_for(largest),
+        bytes_per_rep=64 * 1024 * 1024,
+        memcpy=link is None,
+    )
     results: list[CellResult]
-    results, _ = run_baselines(config, (plan.data,), default_registry(),
-                               lambda c, s: run_matrix(c, s, link=link))
+    results, _ = run_baselines(
+        config, (plan.data,), default_registry(), lambda c, s: run_matrix(c, s, link=link)
+    )
     out: dict[tuple[int, int], dict[str, float]] = {}
     for result in results:
         if not result.error:
@@ -227,8 +272,9 @@ def _raw(plan: PhasesPlan, link: Link | None) -> dict[tuple[int, int], dict[str,
     return out
 
 
-def measure_phases(plan: PhasesPlan, link: Link | None = None,
-                   progress: Callable[[str], None] = lambda line: None) -> list[PhaseRow]:
+def measure_phases(
+    plan: PhasesPlan, link: Link | None = None, progress: Callable[[str], None] = lambda line: None
+) -> list[PhaseRow]:
     """Every cell of ``plan``: raw references first, then the tiers (see the module doc)."""
     raw = _raw(plan, link)
     rows = []
@@ -236,43 +282,58 @@ def measure_phases(plan: PhasesPlan, link: Link | None = None,
         for batch in plan.batches:
             row = PhaseRow(block, batch, raw_us=raw.get((block, batch), {}))
             _cell(plan, row, link)
-            progress(f"{block // 1024} KiB x {batch}: "
-                     + (row.error or f"total {row.phases_us['total']:.0f} µs"))
+            progress(
+                f"{block // 1024} KiB x {batch}: "
+                + (row.error or f"total {row.phases_us['total']:.0f} µs")
+            )
             rows.append(row)
     return rows
 
 
 def _top(components: Mapping[str, float], n: int = 4) -> str:
-    shown = sorted(((v, k) for k, v in components.items() if k != "thread total"),
-                   reverse=True)[:n]
+    shown = sorted(((v, k) for k, v in components.items() if k != "thread total"), reverse=True)[:n]
     return ", ".join(f"{k} {v:.0f}" for v, k in shown)
 
 
 def phase_table(rows: Sequence[PhaseRow]) -> str:
     """The report as a Markdown table (µs; CPU per request; a side's top components)."""
-    lines = ["| block | blocks | MiB | raw READ / WRITE p50 | tier p50 | control | post | "
-             "read | report | CPU/request producer / consumer | consumer thread: top | "
-             "producer thread: top |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| block | blocks | MiB | raw READ / WRITE p50 | tier p50 | control | post | "
+        "read | report | CPU/request producer / consumer | consumer thread: top | "
+        "producer thread: top |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        raw = " / ".join(f"{row.raw_us[k]:.0f}" if k in row.raw_us else "-"
-                         for k in ("raw nixl", "raw nixl write"))
+        raw = " / ".join(
+            f"{row.raw_us[k]:.0f}" if k in row.raw_us else "-"
+            for k in ("raw nixl", "raw nixl write")
+        )
         if row.error:
-            lines.append(f"| {row.block_size // 1024} KiB | {row.batch} | "
-                         f"{row.nbytes / 2**20:.1f} | {raw} | FAILED: {row.error} |")
+            lines.append(
+                f"| {row.block_size // 1024} KiB | {row.batch} | "
+                f"{row.nbytes / 2**20:.1f} | {raw} | FAILED: {row.error} |"
+            )
             continue
         ph = row.phases_us
         lines.append(
             f"| {row.block_size // 1024} KiB | {row.batch} | {row.nbytes / 2**20:.1f} | {raw} | "
             + " | ".join(f"{ph[p]:.0f}" for p in ("total", "control", "post", "read", "report"))
             + f" | {row.cpu_us[PRODUCER]:.0f} / {row.cpu_us[CONSUMER]:.0f} | "
-            f"{_top(row.components_us[CONSUMER])} | {_top(row.components_us[PRODUCER])} |")
+            f"{_top(row.components_us[CONSUMER])} | {_top(row.components_us[PRODUCER])} |"
+        )
     return "\n".join(lines)
 
 
 def plan_from(config: MatrixConfig, control: str, data: str, quick: bool) -> PhasesPlan:
     """The plan of ``p2pkv bench --tier --phases``: the matrix's block sizes, batches,
     region and data options; 10 requests per cell with ``--quick``, else 50."""
-    plan = PhasesPlan(control, data, config.block_sizes, config.batches,
-                      region_bytes=config.region_bytes,
-                      data_options=config.options_for(data), seed=config.seed)
+    plan = PhasesPlan(
+        control,
+        data,
+        config.block_sizes,
+        config.batches,
+        region_bytes=config.region_bytes,
+        data_options=config.options_for(data),
+        seed=config.seed,
+    )
     return replace(plan, requests=10, warmup=2) if quick else plan

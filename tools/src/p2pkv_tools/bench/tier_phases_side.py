@@ -74,8 +74,9 @@ class PhaseClock:
         self.events: list[Event] = []
 
     @hookimpl
-    def p2pkv_transfer_finished(self, peer: str, transfer_id: int, success: bool, nbytes: int,
-                                seconds: float) -> None:
+    def p2pkv_transfer_finished(
+        self, peer: str, transfer_id: int, success: bool, nbytes: int, seconds: float
+    ) -> None:
         self.events.append(("ended", time.perf_counter()))
 
     def watch(self, cls: type[Any]) -> None:

@@ -79,15 +79,14 @@ class TierSide:
     from ``tier_config`` over it; with ``phases``, its reads timed by a
     :class:`PhaseClock` observer and its driver thread profiled on demand."""
 
-    def __init__(self, tier_config: dict[str, Any], block_len: int, region_bytes: int,
-                 phases: bool = False) -> None:
+    def __init__(
+        self, tier_config: dict[str, Any], block_len: int, region_bytes: int, phases: bool = False
+    ) -> None:
         config = TierConfig.from_dict(tier_config)
         self._clock = PhaseClock() if phases else None
-        registry = (clocked_registry(self._clock, config.data) if self._clock
-                    else default_registry())
+        registry = clocked_registry(self._clock, config.data) if self._clock else default_registry()
         data = registry.transport("data", config.data)
-        region = transport_region(data, region_bytes // block_len, block_len,
-                                  config.data_options)
+        region = transport_region(data, region_bytes // block_len, block_len, config.data_options)
         self.region = BlockRegion(region, block_len)
         self.tier = P2PTier(config, region, block_len, registry=registry)
         self._open: dict[int, tuple[RequestContext, float]] = {}
@@ -113,12 +112,12 @@ class TierSide:
         return time.process_time(), stat
 
     def store(self, request: int, slots: list[int]) -> None:
-        ctx = RequestContext(f"p{request}",
-                             {"remote_decoder": {"kv_request_id": _kv_id(request)}})
+        ctx = RequestContext(f"p{request}", {"remote_decoder": {"kv_request_id": _kv_id(request)}})
         self.tier.on_new_request(ctx)
         self._open[request] = (ctx, time.perf_counter())
-        self.tier.submit_store(Job(request, request_keys(request, len(slots)), slots,
-                                   is_load=False, ctx=ctx))
+        self.tier.submit_store(
+            Job(request, request_keys(request, len(slots)), slots, is_load=False, ctx=ctx)
+        )
 
     def load(self, request: int, host: str, port: int, slots: list[int]) -> None:
         route = {"kv_request_id": _kv_id(request), "remote_host": host, "remote_port": port}
@@ -158,8 +157,9 @@ class TierSide:
     def _ready(self) -> bool:
         return self.tier.stats()["sessions_ready"] > 0
 
-    def first_load(self, request: int, host: str, port: int, slots: list[int],
-                   timeout: float) -> FirstLoad:
+    def first_load(
+        self, request: int, host: str, port: int, slots: list[int], timeout: float
+    ) -> FirstLoad:
         """``load``, stepped until its result or ``timeout``, sampling the tier's
         ``sessions_ready`` stat after every step (see :data:`FirstLoad`)."""
         ready_s = 0.0 if self._ready() else None
@@ -183,12 +183,19 @@ class TierSide:
                 continue
             ctx, submitted = entry
             now = time.perf_counter()
-            self._finished.append((result.job_id, result.outcome.value, now - submitted,
-                                   result.detail))
+            self._finished.append(
+                (result.job_id, result.outcome.value, now - submitted, result.detail)
+            )
             if self._clock is not None and result.job_id in self._loads:
                 self._loads.discard(result.job_id)
-                self._phases.append({"request": result.job_id, "submitted": submitted,
-                                     "result": now, "events": self._clock.take()})
+                self._phases.append(
+                    {
+                        "request": result.job_id,
+                        "submitted": submitted,
+                        "result": now,
+                        "events": self._clock.take(),
+                    }
+                )
             self.tier.on_request_finished(ctx)
         self.tier.on_schedule_end()
         if self._open:
@@ -223,9 +230,30 @@ class TierSide:
         self.tier.shutdown()
 
 
-def side_main(conn: Connection, tier_config: dict[str, Any], block_len: int,
-              region_bytes: int, phases: bool = False) -> None:
+def side_main(
+    conn: Connection,
+    tier_config: dict[str, Any],
+    block_len: int,
+    region_bytes: int,
+    phases: bool = False,
+) -> None:
     """Child entry: build the side, then serve commands, stepping while a job is open."""
-    serve_built(conn, lambda: TierSide(tier_config, block_len, region_bytes, phases),
-                ("describe", "fill", "verify", "usage", "store", "load", "wait", "connect",
-                 "accept", "first_load", "phases", "profile"), idle="step")
+    serve_built(
+        conn,
+        lambda: TierSide(tier_config, block_len, region_bytes, phases),
+        (
+            "describe",
+            "fill",
+            "verify",
+            "usage",
+            "store",
+            "load",
+            "wait",
+            "connect",
+            "accept",
+            "first_load",
+            "phases",
+            "profile",
+        ),
+        idle="step",
+    )

@@ -45,8 +45,14 @@ def _measure(impl: str, block_len: int, num_blocks: int, repeats: int, warmup: i
         lane = EndpointLane(spec, registry, page_in(region_bytes).data, target)
         lane.open(block_len)
         try:
-            plan = CellPlan(block_size=block_len, batch=num_blocks, concurrency=1, requests=1,
-                            reps=repeats, warmup=warmup)
+            plan = CellPlan(
+                block_size=block_len,
+                batch=num_blocks,
+                concurrency=1,
+                requests=1,
+                reps=repeats,
+                warmup=warmup,
+            )
             result = measure_cell(lane, plan, np.random.default_rng(0))
         finally:
             lane.close()
@@ -68,14 +74,17 @@ def run_transport(block_len: int, num_blocks: int, repeats: int, warmup: int) ->
     return _measure("p2pkv", block_len, num_blocks, repeats, warmup)
 
 
-def compare(
-    sizes: Sequence[int], num_blocks: int, repeats: int, warmup: int
-) -> list[CellResult]:
+def compare(sizes: Sequence[int], num_blocks: int, repeats: int, warmup: int) -> list[CellResult]:
     """Raw ucxx, the ``ucx`` transport and memcpy, side by side per size (``p2pkv bench``)."""
     registry = default_registry()
     config = MatrixConfig(
-        block_sizes=tuple(sizes), batches=(num_blocks,), concurrency=(1,), reps=repeats,
-        warmup=warmup, bytes_per_rep=0, region_bytes=2 * num_blocks * max(sizes),
+        block_sizes=tuple(sizes),
+        batches=(num_blocks,),
+        concurrency=(1,),
+        reps=repeats,
+        warmup=warmup,
+        bytes_per_rep=0,
+        region_bytes=2 * num_blocks * max(sizes),
         transports=("ucx",),
     )
     series, skipped = available_series(registry, config)
@@ -88,14 +97,18 @@ def _table(results: Sequence[CellResult], mode: str) -> str:
     rows: dict[int, dict[str, CellResult]] = {}
     for r in results:
         rows.setdefault(r.block_size, {})[r.impl] = r
-    lines = [f"endpoint error handling {mode}: GB/s (median of reps), ratios",
-             f"{'block':>8} {'raw ucxx':>9} {'p2pkv ucx':>10} {'memcpy':>8} "
-             f"{'ucx/raw':>8} {'ucx/memcpy':>10} {'raw/memcpy':>10}"]
+    lines = [
+        f"endpoint error handling {mode}: GB/s (median of reps), ratios",
+        f"{'block':>8} {'raw ucxx':>9} {'p2pkv ucx':>10} {'memcpy':>8} "
+        f"{'ucx/raw':>8} {'ucx/memcpy':>10} {'raw/memcpy':>10}",
+    ]
     for size, by_impl in sorted(rows.items()):
         raw, ucx, mem = (by_impl.get(k) for k in ("raw", "p2pkv", "memcpy"))
         g = [x.gbps if x is not None and not x.error else float("nan") for x in (raw, ucx, mem)]
-        lines.append(f"{_label(size):>8} {g[0]:9.2f} {g[1]:10.2f} {g[2]:8.2f} "
-                     f"{g[1] / g[0]:8.2f} {g[1] / g[2]:10.2f} {g[0] / g[2]:10.2f}")
+        lines.append(
+            f"{_label(size):>8} {g[0]:9.2f} {g[1]:10.2f} {g[2]:8.2f} "
+            f"{g[1] / g[0]:8.2f} {g[1] / g[2]:10.2f} {g[0] / g[2]:10.2f}"
+        )
         for x in (raw, ucx, mem):
             if x is not None and x.error:
                 lines.append(f"         {x.series}: {x.error}")
@@ -107,12 +120,15 @@ def _label(nbytes: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m p2pkv_tools.bench.ucx_baseline",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m p2pkv_tools.bench.ucx_baseline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--blocks", type=int, default=256)
-    parser.add_argument("--sizes", default="64K,256K,1M,2M",
-                        help="comma-separated block sizes (K/M suffixes)")
+    parser.add_argument(
+        "--sizes", default="64K,256K,1M,2M", help="comma-separated block sizes (K/M suffixes)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--error-handling", choices=("on", "off", "both"), default="both")

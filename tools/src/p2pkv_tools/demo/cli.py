@@ -65,35 +65,60 @@ def add_parser(sub: Any) -> None:
         "KV heads x head dim x tokens per block x dtype bytes x (2 for K and V, 1 for an MLA "
         f"latent). Presets: {presets}.",
     )
-    p.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
-                   help="model whose KV block shape to use (default llama-3-8b)")
+    p.add_argument(
+        "--preset",
+        default="llama-3-8b",
+        choices=sorted(PRESETS),
+        help="model whose KV block shape to use (default llama-3-8b)",
+    )
     p.add_argument("--block-bytes", type=parse_size, help="override the preset's block size")
     p.add_argument("--tokens-per-block", type=int, help="override tokens per block (16)")
-    p.add_argument("--tp", type=int, help="tensor-parallel size of the engines: a CPU-tier "
-                   "chunk holds every rank's KV heads (1)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel size of the engines: a CPU-tier "
+        "chunk holds every rank's KV heads (1)",
+    )
     p.add_argument("--requests", type=int, default=48, help="requests to replay (default 48)")
-    p.add_argument("--prompt-dist", default="lognormal:1024:0.6",
-                   help="prompt tokens: lognormal:MEDIAN:SIGMA, uniform:LO:HI or fixed:N")
+    p.add_argument(
+        "--prompt-dist",
+        default="lognormal:1024:0.6",
+        help="prompt tokens: lognormal:MEDIAN:SIGMA, uniform:LO:HI or fixed:N",
+    )
     p.add_argument("--max-tokens", type=int, default=4096, help="longest prompt (tokens)")
-    p.add_argument("--orders", default="consumer_first=2,producer_first=2,symmetric=1",
-                   help="arrival orders and weights (consumer_first, producer_first, symmetric)")
+    p.add_argument(
+        "--orders",
+        default="consumer_first=2,producer_first=2,symmetric=1",
+        help="arrival orders and weights (consumer_first, producer_first, symmetric)",
+    )
     p.add_argument("--inflight", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--region", type=parse_size, default=parse_size("512M"),
-                   help="KV region per side (default 512M)")
+    p.add_argument(
+        "--region",
+        type=parse_size,
+        default=parse_size("512M"),
+        help="KV region per side (default 512M)",
+    )
     p.add_argument("--control", default="zmq", help="control transport (default zmq)")
     p.add_argument("--data", default="nixl", help="data transport (default nixl)")
-    p.add_argument(DATA_OPTIONS_FLAG, metavar="JSON",
-                   help="data_options of the data transport, a JSON object or @FILE "
-                   "(its keys: docs/transports.md); its regions come from allocate_region "
-                   "with them too")
+    p.add_argument(
+        DATA_OPTIONS_FLAG,
+        metavar="JSON",
+        help="data_options of the data transport, a JSON object or @FILE "
+        "(its keys: docs/transports.md); its regions come from allocate_region "
+        "with them too",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the producer listens on")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many s")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
-    p.add_argument("--metrics", metavar="PORT|dump", type=metrics_option,
-                   help=f"the run's Prometheus metrics (needs {PLUGIN}): PORT serves "
-                   f"http://HOST:PORT/metrics while the demo runs (0 picks a free port, "
-                   f"printed on stderr); {DUMP!r} prints them on stdout at the end")
+    p.add_argument(
+        "--metrics",
+        metavar="PORT|dump",
+        type=metrics_option,
+        help=f"the run's Prometheus metrics (needs {PLUGIN}): PORT serves "
+        f"http://HOST:PORT/metrics while the demo runs (0 picks a free port, "
+        f"printed on stderr); {DUMP!r} prints them on stdout at the end",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -130,7 +155,9 @@ def _plan(
     if args.json:
         check_output_path("--json", args.json)
     preset = resolve_preset(
-        args.preset, block_bytes=args.block_bytes, tokens_per_block=args.tokens_per_block,
+        args.preset,
+        block_bytes=args.block_bytes,
+        tokens_per_block=args.tokens_per_block,
         tp=args.tp,
     )
     dist = PromptDistribution.parse(args.prompt_dist)
@@ -165,9 +192,13 @@ def _demo(
     """Announce the run, replay it and report it: 0 when every request moved verified
     bytes, 1 otherwise."""
     stream = make_stream(
-        args.requests, dist, tokens_per_block=preset.tokens_per_block,
+        args.requests,
+        dist,
+        tokens_per_block=preset.tokens_per_block,
         max_blocks=min(max(args.max_tokens // preset.tokens_per_block, 1), capacity),
-        orders=orders, seed=args.seed, run_id=f"demo{time.time_ns() % 10**9}",
+        orders=orders,
+        seed=args.seed,
+        run_id=f"demo{time.time_ns() % 10**9}",
     )
     console = make_console()
     mode = "one process (process-local transport)" if inline else "two processes"
@@ -178,25 +209,46 @@ def _demo(
     )
     if metrics.url:
         make_console(stderr=True).print(f"metrics at {escape(metrics.url)} while the demo runs")
-    tier_config = {"control": args.control, "data": args.data, "host": args.host, "port": 0,
-                   "data_options": args.data_options}
+    tier_config = {
+        "control": args.control,
+        "data": args.data,
+        "host": args.host,
+        "port": 0,
+        "data_options": args.data_options,
+    }
     log_level = logging.getLogger("p2pkv").getEffectiveLevel()
     setups = [
-        RoleSetup(tier_config, preset.block_bytes, capacity, seed=args.seed + i,
-                  log_level=log_level)
+        RoleSetup(
+            tier_config, preset.block_bytes, capacity, seed=args.seed + i, log_level=log_level
+        )
         for i in (0, 1)
     ]
-    played = _play(InlineRole if inline else ProcessRole, setups, stream, args,
-                   block_len=preset.block_bytes, capacity=capacity, metrics=metrics)
+    played = _play(
+        InlineRole if inline else ProcessRole,
+        setups,
+        stream,
+        args,
+        block_len=preset.block_bytes,
+        capacity=capacity,
+        metrics=metrics,
+    )
     if played is None:
         return 1
     records, wall, stats = played
     summary = summarize(records, wall, preset.block_bytes, stats)
-    summary.update({
-        "preset": preset.name, "formula": preset.formula(), "control": args.control,
-        "data": args.data, "processes": 1 if inline else 2, "prompt_dist": str(dist),
-        "orders": orders, "inflight": args.inflight, "slots_per_side": capacity,
-    })
+    summary.update(
+        {
+            "preset": preset.name,
+            "formula": preset.formula(),
+            "control": args.control,
+            "data": args.data,
+            "processes": 1 if inline else 2,
+            "prompt_dist": str(dist),
+            "orders": orders,
+            "inflight": args.inflight,
+            "slots_per_side": capacity,
+        }
+    )
     return _report(console, summary, args)
 
 
@@ -273,10 +325,15 @@ def _replay_with_display(
             last[0] = now
             # the last second's rate while running; the whole run's once finished
             rate = p.bytes_moved / max(now - first[0], 1e-9) / 1e9 if finished else p.rate(now)
-            bar.update(task, completed=p.done, gb=p.bytes_moved / 1e9, rate=rate,
-                       failed=p.failed)
+            bar.update(task, completed=p.done, gb=p.bytes_moved / 1e9, rate=rate, failed=p.failed)
 
         return replay(
-            roles[0], roles[1], stream, block_len=block_len, capacity=capacity,
-            inflight=args.inflight, timeout=args.timeout, on_progress=show,
+            roles[0],
+            roles[1],
+            stream,
+            block_len=block_len,
+            capacity=capacity,
+            inflight=args.inflight,
+            timeout=args.timeout,
+            on_progress=show,
         )

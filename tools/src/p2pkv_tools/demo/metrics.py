@@ -87,8 +87,10 @@ class DemoMetrics:
             self._temporary = True
             os.environ[MULTIPROC_ENV] = directory
         elif not os.path.isdir(directory):
-            raise ConfigError(f"--metrics: {MULTIPROC_ENV}={directory} is not a directory; "
-                              "create it or unset the variable")
+            raise ConfigError(
+                f"--metrics: {MULTIPROC_ENV}={directory} is not a directory; "
+                "create it or unset the variable"
+            )
         self._directory = directory
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
@@ -98,13 +100,14 @@ class DemoMetrics:
         from prometheus_client import start_http_server
 
         try:
-            self._server, self._thread = start_http_server(port, addr=host,
-                                                           registry=self._registry)
+            self._server, self._thread = start_http_server(port, addr=host, registry=self._registry)
         except OSError as exc:
             self.close()
-            raise ConfigError(f"--metrics {port}: cannot serve on "
-                              f"{format_address(host, port)}: {exc.strerror or exc}; choose "
-                              "another port (0 picks a free one)") from None
+            raise ConfigError(
+                f"--metrics {port}: cannot serve on "
+                f"{format_address(host, port)}: {exc.strerror or exc}; choose "
+                "another port (0 picks a free one)"
+            ) from None
         bound = self._server.server_address[1]
         self.url = f"http://{format_address(host, bound)}/metrics"
 

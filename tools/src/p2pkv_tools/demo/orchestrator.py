@@ -279,8 +279,10 @@ def replay(
             in_use += req.num_blocks
             router.admit(req)
         if pending and not active:
-            raise DemoFailure(f"request {pending[0].index} needs {pending[0].num_blocks} "
-                              f"blocks; the regions hold {capacity}")
+            raise DemoFailure(
+                f"request {pending[0].index} needs {pending[0].num_blocks} "
+                f"blocks; the regions hold {capacity}"
+            )
         got = _gather((producer, consumer))
         now = time.monotonic()
         if got:
@@ -301,8 +303,10 @@ def replay(
                 router.progress.failed += bool(rec.problems)
         on_progress(router.progress)
         if now > deadline:
-            raise DemoFailure(f"run exceeded --timeout {timeout}s with {len(active)} active "
-                              f"and {len(pending)} pending requests")
+            raise DemoFailure(
+                f"run exceeded --timeout {timeout}s with {len(active)} active "
+                f"and {len(pending)} pending requests"
+            )
         if now - last_change > 60.0:
             raise DemoFailure(f"no progress for 60 s; active requests: {sorted(active)}")
     return list(records.values()), time.perf_counter() - t_start

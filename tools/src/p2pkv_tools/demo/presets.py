@@ -73,8 +73,11 @@ class ModelPreset:
         kv = "2 (K and V)" if self.kv_factor == 2 else "1 (MLA latent)"
         heads = f"{self.heads_per_chunk} KV heads"
         if self.tp > 1:
-            heads += f" (TP {self.tp}: {self.heads_per_chunk // self.tp} per rank x {self.tp})" \
-                if self.kv_factor == 2 else f" (TP {self.tp}: one copy)"
+            heads += (
+                f" (TP {self.tp}: {self.heads_per_chunk // self.tp} per rank x {self.tp})"
+                if self.kv_factor == 2
+                else f" (TP {self.tp}: one copy)"
+            )
         return (
             f"{self.layers} layers x {heads} x {self.head_dim} head dim x "
             f"{self.tokens_per_block} tokens x {self.dtype_bytes} B x {kv} = "
@@ -98,19 +101,38 @@ PRESETS: dict[str, ModelPreset] = {
             kv_factor=1,
             note="MLA: kv_lora_rank 512 + rope dim 64, bf16",
         ),
-        ModelPreset("llama-3-8b-fp8", layers=32, kv_heads=8, head_dim=128, dtype_bytes=1,
-                    note="GQA, fp8 KV cache (--kv-cache-dtype fp8)"),
-        ModelPreset("gpt-oss-120b", layers=36, kv_heads=8, head_dim=64,
-                    note="GQA, half the layers sliding-window (128 tokens), bf16"),
-        ModelPreset("gemma-3-27b", layers=62, kv_heads=16, head_dim=128,
-                    note="GQA, 5 of 6 layers sliding-window (1024 tokens), bf16"),
+        ModelPreset(
+            "llama-3-8b-fp8",
+            layers=32,
+            kv_heads=8,
+            head_dim=128,
+            dtype_bytes=1,
+            note="GQA, fp8 KV cache (--kv-cache-dtype fp8)",
+        ),
+        ModelPreset(
+            "gpt-oss-120b",
+            layers=36,
+            kv_heads=8,
+            head_dim=64,
+            note="GQA, half the layers sliding-window (128 tokens), bf16",
+        ),
+        ModelPreset(
+            "gemma-3-27b",
+            layers=62,
+            kv_heads=16,
+            head_dim=128,
+            note="GQA, 5 of 6 layers sliding-window (1024 tokens), bf16",
+        ),
         ModelPreset("tiny", layers=2, kv_heads=2, head_dim=64, note="for quick checks"),
     )
 }
 
 
 def resolve_preset(
-    name: str, *, block_bytes: int | None = None, tokens_per_block: int | None = None,
+    name: str,
+    *,
+    block_bytes: int | None = None,
+    tokens_per_block: int | None = None,
     tp: int | None = None,
 ) -> ModelPreset:
     """The preset ``name``, optionally re-blocked (``tokens_per_block``), on ``tp`` ranks, or
@@ -129,8 +151,10 @@ def resolve_preset(
     if tp is not None:
         heads = preset.kv_heads
         if tp <= 0 or (preset.kv_factor == 2 and heads % tp and tp % heads):
-            raise ConfigError(f"--tp {tp}: {name} has {heads} KV heads; TP must divide them "
-                              "or be a multiple of them")
+            raise ConfigError(
+                f"--tp {tp}: {name} has {heads} KV heads; TP must divide them "
+                "or be a multiple of them"
+            )
         preset = replace(preset, tp=tp)
     if block_bytes is not None:
         preset = replace(preset, override_bytes=block_bytes)

@@ -49,6 +49,7 @@ __all__ = [
     "Submitted",
 ]
 
+
 @dataclass(frozen=True)
 class Submitted:
     """A side took its half of request ``index`` (at ``at``, ``time.monotonic``)."""
@@ -120,8 +121,10 @@ class _Engine:
         self.block_len = setup.block_len
         config = TierConfig.from_dict(setup.tier_config)
         self.view = transport_region(  # pre-faulted: no page fault once the clock runs
-            default_registry().transport("data", config.data), setup.num_slots,
-            setup.block_len, config.data_options,
+            default_registry().transport("data", config.data),
+            setup.num_slots,
+            setup.block_len,
+            config.data_options,
         )
         """The region, as the data transport's ``allocate_region`` returned it."""
         self.buf = np.frombuffer(self.view, dtype=np.uint8)
@@ -325,8 +328,9 @@ class ConsumerRole(_Engine):
         host, port = parse_address(producer)
         route = {"kv_request_id": req.kv_request_id, "remote_host": host, "remote_port": port}
         key = "remote_kv_source" if probe else "remote_prefiller"
-        load = _Load(req, RequestContext(req_id=f"c-{req.kv_request_id}",
-                                         kv_transfer_params={key: route}))
+        load = _Load(
+            req, RequestContext(req_id=f"c-{req.kv_request_id}", kv_transfer_params={key: route})
+        )
         self.tier.on_new_request(load.ctx)
         if probe:
             self._probing.append(load)
@@ -387,8 +391,17 @@ class ConsumerRole(_Engine):
             self.region.poison(load.slots)
         self.tier.on_request_finished(load.ctx)
         self.free_slots(load.slots)
-        return [Loaded(load.req.index, result.outcome.value, load.started, done_at,
-                       len(load.keys), bad, result.detail)]
+        return [
+            Loaded(
+                load.req.index,
+                result.outcome.value,
+                load.started,
+                done_at,
+                len(load.keys),
+                bad,
+                result.detail,
+            )
+        ]
 
     @property
     def busy(self) -> bool:

@@ -25,13 +25,19 @@ def summarize(
     """Counts, bytes, throughput, latency percentiles and failures of a finished run."""
     loads = [r.loaded for r in records if r.loaded is not None]
     blocks = sum(ev.blocks for ev in loads)
-    done = [r for r in records if r.loaded is not None and r.loaded.outcome == "done"
-            and r.loaded.blocks]
+    done = [
+        r
+        for r in records
+        if r.loaded is not None and r.loaded.outcome == "done" and r.loaded.blocks
+    ]
     load_s = np.array([r.loaded.done_at - r.loaded.submitted_at for r in done if r.loaded])
-    transfer_s = np.array([
-        r.loaded.done_at - max(r.loaded.submitted_at, r.store_submitted or 0.0)
-        for r in done if r.loaded
-    ])
+    transfer_s = np.array(
+        [
+            r.loaded.done_at - max(r.loaded.submitted_at, r.store_submitted or 0.0)
+            for r in done
+            if r.loaded
+        ]
+    )
     failed = [r for r in records if r.problems or not r.finished]
     nbytes = blocks * block_len
     requests = len(records)
@@ -39,8 +45,10 @@ def summarize(
     def ms(samples: np.ndarray) -> dict[str, float]:
         if not samples.size:
             return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-        return {q: float(np.percentile(samples, p) * 1e3)
-                for q, p in (("p50", 50), ("p99", 99), ("max", 100))}
+        return {
+            q: float(np.percentile(samples, p) * 1e3)
+            for q, p in (("p50", 50), ("p99", 99), ("max", 100))
+        }
 
     cpu = {side: float(s.get("cpu_s", 0.0)) for side, s in side_stats.items()}
     return {
@@ -75,10 +83,11 @@ def print_summary(console: Console, summary: Mapping[str, Any], title: str) -> N
         ("bytes moved", f"{summary['bytes'] / 1e9:.2f} GB"),
         ("wall time", f"{summary['wall_s']:.2f} s"),
         ("throughput", f"{summary['throughput_gbps']:.2f} GB/s"),
-        ("transfer latency per request p50 / p99",
-         f"{lat['p50']:.1f} / {lat['p99']:.1f} ms"),
-        ("load latency (submit_load to result) p50 / p99",
-         f"{load['p50']:.1f} / {load['p99']:.1f} ms"),
+        ("transfer latency per request p50 / p99", f"{lat['p50']:.1f} / {lat['p99']:.1f} ms"),
+        (
+            "load latency (submit_load to result) p50 / p99",
+            f"{load['p50']:.1f} / {load['p99']:.1f} ms",
+        ),
         ("bytes verified", "every byte of every loaded block"),
         ("failures", "[green]0[/]" if not failures else f"[red]{failures}[/]"),
     ]

@@ -21,7 +21,12 @@ from p2pkv_nixl.library import Nixl
 from p2pkv_nixl.options import NixlOptions
 
 __all__ = [
-    "LOCAL", "LocalRegion", "block_dlist", "open_agent", "region_array", "register_region",
+    "LOCAL",
+    "LocalRegion",
+    "block_dlist",
+    "open_agent",
+    "region_array",
+    "register_region",
     "register_slices",
 ]
 

@@ -56,7 +56,13 @@ from p2pkv_nixl.options import NixlOptions
 from p2pkv_nixl.transport import NixlDataTransport
 
 __all__ = [
-    "RawNixl", "RawNixlWrite", "main", "measure", "run_memcpy", "run_raw", "run_transport",
+    "RawNixl",
+    "RawNixlWrite",
+    "main",
+    "measure",
+    "run_memcpy",
+    "run_raw",
+    "run_transport",
 ]
 
 KiB = 1024
@@ -204,9 +210,13 @@ class RawNixlWrite(RawNixl):
     ) -> int:
         """Ask the peer to WRITE its blocks ``remote_idxs[i]`` into ours ``local_idxs[i]``."""
         request = next(self._ids)
-        message = b"".join((_ASK.pack(_ASK_PREFIX, request, len(local_idxs)),
-                            np.asarray(remote_idxs, dtype="<u4").tobytes(),
-                            np.asarray(local_idxs, dtype="<u4").tobytes()))
+        message = b"".join(
+            (
+                _ASK.pack(_ASK_PREFIX, request, len(local_idxs)),
+                np.asarray(remote_idxs, dtype="<u4").tobytes(),
+                np.asarray(local_idxs, dtype="<u4").tobytes(),
+            )
+        )
         self._agent.send_notif(_agent_name(self._peers[peer_id][0]), message)
         self._asked[request] = peer_id
         return request
@@ -227,7 +237,11 @@ class RawNixlWrite(RawNixl):
         _, request, count = _ASK.unpack_from(message)
         idxs = np.frombuffer(message, "<u4", 2 * count, _ASK.size).astype(np.int32)
         handle = self._agent.make_prepped_xfer(
-            "WRITE", self._local, idxs[:count], self._regions[sender], idxs[count:],
+            "WRITE",
+            self._local,
+            idxs[:count],
+            self._regions[sender],
+            idxs[count:],
             notif_msg=_DONE + _ID.pack(request),
         )
         if self._agent.transfer(handle) == "ERR":
@@ -479,7 +493,11 @@ def compare(
         cpu: dict[str, list[float]] = {"memcpy": []}
         wall = measure(
             {"raw nixl": RawNixl, "p2pkv nixl": NixlDataTransport},
-            block_len, num_blocks, repeats, warmup, cpu=cpu,
+            block_len,
+            num_blocks,
+            repeats,
+            warmup,
+            cpu=cpu,
         )
         wall["memcpy"] = run_memcpy(block_len, num_blocks, repeats, warmup, cpu=cpu["memcpy"])
         row: dict[str, Any] = {"block_bytes": block_len, "blocks": num_blocks}
@@ -487,14 +505,18 @@ def compare(
             raw, p2pkv, memcpy = (
                 _gbps(nbytes, seconds[k]) for k in ("raw nixl", "p2pkv nixl", "memcpy")
             )
-            row.update({
-                f"raw_nixl{basis}_gbps": raw,
-                f"p2pkv_nixl{basis}_gbps": p2pkv,
-                f"memcpy{basis}_gbps": memcpy,
-                f"p2pkv_over_raw{basis}": paired_ratio(seconds["raw nixl"], seconds["p2pkv nixl"]),
-                f"raw_over_memcpy{basis}": raw / memcpy,
-                f"p2pkv_over_memcpy{basis}": p2pkv / memcpy,
-            })
+            row.update(
+                {
+                    f"raw_nixl{basis}_gbps": raw,
+                    f"p2pkv_nixl{basis}_gbps": p2pkv,
+                    f"memcpy{basis}_gbps": memcpy,
+                    f"p2pkv_over_raw{basis}": paired_ratio(
+                        seconds["raw nixl"], seconds["p2pkv nixl"]
+                    ),
+                    f"raw_over_memcpy{basis}": raw / memcpy,
+                    f"p2pkv_over_memcpy{basis}": p2pkv / memcpy,
+                }
+            )
         rows.append(row)
     return rows
 
@@ -534,12 +556,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    print(f"{args.blocks} scattered blocks per transfer, median of {args.repeats} repetitions; "
-          f"GB/s = 1e9 B/s; p2pkv/raw is the median of per-repetition ratios (the two run back "
-          f"to back). 'cpu' divides by the initiator thread's CPU time (it does the copy), "
-          f"which waiting for a core on a busy machine does not inflate.")
-    header = ("block", "basis", "raw nixl", "p2pkv nixl", "memcpy", "p2pkv/raw", "raw/memcpy",
-              "p2pkv/memcpy")
+    print(
+        f"{args.blocks} scattered blocks per transfer, median of {args.repeats} repetitions; "
+        f"GB/s = 1e9 B/s; p2pkv/raw is the median of per-repetition ratios (the two run back "
+        f"to back). 'cpu' divides by the initiator thread's CPU time (it does the copy), "
+        f"which waiting for a core on a busy machine does not inflate."
+    )
+    header = (
+        "block",
+        "basis",
+        "raw nixl",
+        "p2pkv nixl",
+        "memcpy",
+        "p2pkv/raw",
+        "raw/memcpy",
+        "p2pkv/memcpy",
+    )
     print("  ".join(f"{h:>11}" for h in header))
     for row in rows:
         for basis, name in (("", "wall"), ("_cpu", "cpu")):

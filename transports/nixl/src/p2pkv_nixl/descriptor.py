@@ -2,9 +2,22 @@
 
 Wire form: a msgpack map (never pickle) ::
 
-    {"format": "p2pkv-nixl", "v": 3, "agent": str, "metadata": bytes, "mem": "DRAM",
-     "base": int, "num_blocks": int, "block_len": int, "slices": [int, ...], "host": str,
-     "cma": bool, "pid": int, "mark": int, "token": int}
+    {
+        "format": "p2pkv-nixl",
+        "v": 3,
+        "agent": str,
+        "metadata": bytes,
+        "mem": "DRAM",
+        "base": int,
+        "num_blocks": int,
+        "block_len": int,
+        "slices": [int, ...],
+        "host": str,
+        "cma": bool,
+        "pid": int,
+        "mark": int,
+        "token": int,
+    }
 
 ``metadata`` is NIXL's ``get_agent_metadata()`` taken after the region was registered (it
 carries the remote keys); ``base`` is the region's virtual address in the owner's process.
@@ -105,7 +118,9 @@ class RegionDescriptor:
             raise reject(f"nixl descriptor version {fields.get('v')!r}; this side reads {VERSION}")
         agent, metadata, mem = fields.get("agent"), fields.get("metadata"), fields.get("mem")
         base, num_blocks, block_len = (
-            fields.get("base"), fields.get("num_blocks"), fields.get("block_len")
+            fields.get("base"),
+            fields.get("num_blocks"),
+            fields.get("block_len"),
         )
         if not (isinstance(agent, str) and agent):
             raise reject(f"nixl descriptor has no agent name: {agent!r}")
@@ -124,8 +139,9 @@ class RegionDescriptor:
             pid, mark, token = _open_mark(fields)
         except ValueError as exc:
             raise reject(f"nixl descriptor {exc}") from None
-        return cls(agent, metadata, base, num_blocks, block_len, host, cma, mem, slices,
-                   pid, mark, token)
+        return cls(
+            agent, metadata, base, num_blocks, block_len, host, cma, mem, slices, pid, mark, token
+        )
 
 
 def _placement(fields: dict[str, Any], num_blocks: int) -> tuple[str, bool, tuple[int, ...]]:

@@ -54,14 +54,19 @@ class Finality:
             read.handle = None
             return
         except Exception as exc:
-            log.warning("nixl: a cancelled read from %s was not released (%s); driving it to "
-                        "its end", peer.peer_id, exc)
+            log.warning(
+                "nixl: a cancelled read from %s was not released (%s); driving it to its end",
+                peer.peer_id,
+                exc,
+            )
         while not state.ended(peer, read.handle):
             if time.monotonic() >= deadline:
                 log.error(
                     "nixl: a cancelled direct read from %s still runs after %.1fs: its bytes may "
                     "still land in slots %s (lane %s; only staged reads are final on any lane)",
-                    peer.peer_id, state.options.drain_timeout, read.local[:16].tolist(),
+                    peer.peer_id,
+                    state.options.drain_timeout,
+                    read.local[:16].tolist(),
                     peer.lane,
                 )
                 self._keep(read)

@@ -87,8 +87,14 @@ def process_vm_call(name: str) -> Any:
     except (OSError, AttributeError):
         return None
     call.restype = ctypes.c_ssize_t
-    call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                     ctypes.c_ulong, ctypes.c_ulong]
+    call.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     return call
 
 

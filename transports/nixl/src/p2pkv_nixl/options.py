@@ -104,9 +104,7 @@ class NixlOptions:
     def init_params(self, backend: str) -> dict[str, str]:
         """The init parameters ``backend`` is created with."""
         params = {"num_threads": str(self.num_threads)} if self.num_threads else {}
-        params.update(
-            (k, _param_text(v)) for k, v in self.backend_params.get(backend, {}).items()
-        )
+        params.update((k, _param_text(v)) for k, v in self.backend_params.get(backend, {}).items())
         return params
 
 

@@ -67,8 +67,9 @@ class PeerTable:
             raise PeerRejected(
                 f"peer {peer_id!r}: NIXL refused its region ({type(exc).__name__}: {exc})"
             ) from exc
-        peer = Peer(peer_id, remote, dlist, desc.num_blocks, lane, desc.base,
-                    slice_starts(desc.slices))
+        peer = Peer(
+            peer_id, remote, dlist, desc.num_blocks, lane, desc.base, slice_starts(desc.slices)
+        )
         if lane == "direct" and desc.mark and self._cma_peer(desc):
             peer.mark = MarkReader(desc.pid, desc.mark, desc.token)
         state.peers.append(peer)
@@ -105,16 +106,20 @@ class PeerTable:
         options, block_len = state.options, state.block_len
         capacity = min(options.staging_blocks, state.num_blocks)
         try:
-            state.pool = StagingPool(state.agent, block_len, capacity,
-                                     per_slice(options.slice_bytes, block_len))
+            state.pool = StagingPool(
+                state.agent, block_len, capacity, per_slice(options.slice_bytes, block_len)
+            )
         except Exception as exc:
             raise PeerRejected(
                 f"peer {peer_id!r} needs staged reads, but NIXL could not register the staging "
                 f"pool ({capacity} blocks of {block_len} B, nixl data option "
                 f"'staging_blocks'): {type(exc).__name__}: {exc}"
             ) from exc
-        log.info("nixl: staging pool of %d blocks (%.1f MiB) registered for staged reads",
-                 capacity, capacity * block_len / 2**20)
+        log.info(
+            "nixl: staging pool of %d blocks (%.1f MiB) registered for staged reads",
+            capacity,
+            capacity * block_len / 2**20,
+        )
 
     def _load_agent(self, peer_id: str, desc: RegionDescriptor) -> RemoteAgent:
         state = self._state
@@ -238,8 +243,7 @@ class PeerTable:
             return self._warmup_ended(peer, exc)
         return xfer_state != "PROC" and self._warmup_ended(peer, None, xfer_state)
 
-    def _warmup_ended(self, peer: Peer, exc: BaseException | None, xfer_state: str = "ERR"
-                      ) -> bool:
+    def _warmup_ended(self, peer: Peer, exc: BaseException | None, xfer_state: str = "ERR") -> bool:
         """Release an ended warm-up (``DONE``: the peer is ``wired``); False if NIXL refused
         (it is tried again next tick)."""
         if exc is None and xfer_state == "DONE":
@@ -249,8 +253,9 @@ class PeerTable:
         try:
             self._state.agent.release_xfer_handle(peer.warmup)
         except Exception as release_exc:
-            log.warning("nixl: warm-up handle of %s not released yet: %s",
-                        peer.peer_id, release_exc)
+            log.warning(
+                "nixl: warm-up handle of %s not released yet: %s", peer.peer_id, release_exc
+            )
             return False
         peer.warmup = None
         return True

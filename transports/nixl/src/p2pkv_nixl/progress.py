@@ -21,8 +21,9 @@ class Ticker:
     Called on the driver thread only (a leaked transport's: on the thread that closed it).
     Owns nothing; never raises for a NIXL failure (each role absorbs its own)."""
 
-    def __init__(self, state: NixlState, peers: PeerTable, reads: Reads, server: Server,
-                 finality: Finality) -> None:
+    def __init__(
+        self, state: NixlState, peers: PeerTable, reads: Reads, server: Server, finality: Finality
+    ) -> None:
         self._state = state
         self._peers = peers
         self._reads = reads

@@ -76,9 +76,16 @@ class Reads:
         pool = state.pool
         assert pool is not None and read.stage is not None
         read.request = next(state.ids)
-        message = wire.request_message(read.request, pool.base, pool.capacity,
-                                       pool.slice_blocks, state.block_len, remote, read.stage,
-                                       pool.metadata)
+        message = wire.request_message(
+            read.request,
+            pool.base,
+            pool.capacity,
+            pool.slice_blocks,
+            state.block_len,
+            remote,
+            read.stage,
+            pool.metadata,
+        )
         try:
             state.agent.send_notif(peer.remote.name, message)
         except Exception as exc:
@@ -102,19 +109,22 @@ class Reads:
         agent = state.agent
         try:
             read.handle = agent.make_prepped_xfer(
-                "READ", state.local, read.local.astype(np.int32), peer.dlist,
+                "READ",
+                state.local,
+                read.local.astype(np.int32),
+                peer.dlist,
                 remote.astype(np.int32),
             )
-            self.descriptors_posted += len(coalesce(read.local, remote, state.slices,
-                                                    peer.slices)[2])
+            self.descriptors_posted += len(
+                coalesce(read.local, remote, state.slices, peer.slices)[2]
+            )
             xfer_state = agent.transfer(read.handle)
         except Exception as exc:
             state.note_failure(peer.remote, exc)
             if read.handle is not None:
                 self._finality.end([read])
             raise TransferSubmitError(
-                f"peer {peer.peer_id!r}: NIXL could not post the read "
-                f"({type(exc).__name__}: {exc})"
+                f"peer {peer.peer_id!r}: NIXL could not post the read ({type(exc).__name__}: {exc})"
             ) from exc
         if xfer_state == "ERR":
             self._finality.end([read])
@@ -141,8 +151,11 @@ class Reads:
             xfer_state = "ERR"
         state.release(read.handle)
         if xfer_state == "DONE" and peer.mark is not None and not peer.mark.holds():
-            log.info("nixl: a read from %s failed: the peer closed its region (its open mark "
-                     "is cleared), so the bytes read may be its caller's again", peer.peer_id)
+            log.info(
+                "nixl: a read from %s failed: the peer closed its region (its open mark "
+                "is cleared), so the bytes read may be its caller's again",
+                peer.peer_id,
+            )
             return ReadState.FAILED
         return ReadState.DONE if xfer_state == "DONE" else ReadState.FAILED
 
@@ -180,13 +193,15 @@ class Reads:
         reported by ``poll``, a cancelled one leaves quarantine. Nothing of its WRITE
         arrives after this."""
         if not answer.ok:
-            log.warning("nixl: agent %s failed staged read %d: %s", sender, answer.request,
-                        answer.reason)
+            log.warning(
+                "nixl: agent %s failed staged read %d: %s", sender, answer.request, answer.reason
+            )
         requests = self._state.requests
         read = requests.get(answer.request)
         if read is None or read.peer.remote.name != sender:
-            log.debug("nixl: completion of unknown staged read %d from %s ignored",
-                      answer.request, sender)
+            log.debug(
+                "nixl: completion of unknown staged read %d from %s ignored", answer.request, sender
+            )
             return
         del requests[answer.request]
         read.ended, read.ok = True, answer.ok

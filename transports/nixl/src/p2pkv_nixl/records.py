@@ -71,14 +71,31 @@ class Peer:
     record is released once ``quiescent``."""
 
     __slots__ = (
-        "base", "current", "dlist", "lane", "mark", "num_blocks", "peer_id", "quarantined",
+        "base",
+        "current",
+        "dlist",
+        "lane",
+        "mark",
+        "num_blocks",
+        "peer_id",
+        "quarantined",
         "remote",
-        "serving", "slices", "warmup", "warmup_id", "wired",
+        "serving",
+        "slices",
+        "warmup",
+        "warmup_id",
+        "wired",
     )
 
     def __init__(
-        self, peer_id: str, remote: RemoteAgent, dlist: Any, num_blocks: int, lane: Lane,
-        base: int, slices: Indexes,
+        self,
+        peer_id: str,
+        remote: RemoteAgent,
+        dlist: Any,
+        num_blocks: int,
+        lane: Lane,
+        base: int,
+        slices: Indexes,
     ) -> None:
         self.peer_id = peer_id
         self.remote = remote

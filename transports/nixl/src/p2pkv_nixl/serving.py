@@ -66,13 +66,19 @@ class Server:
         former = strangers.former.get(sender)
         request = wire.request_id(message)
         if former is not None and request is not None:
-            self._notify_failed(former, request, "stale request: the peer was removed here "
-                                "(its session ended); nothing was written")
+            self._notify_failed(
+                former,
+                request,
+                "stale request: the peer was removed here (its session ended); nothing was written",
+            )
             return
         if sender not in strangers.unknown:
             strangers.unknown.add(sender)
-            log.warning("nixl: ignoring staged read requests from agent %s: not a peer added "
-                        "here (or disconnected)", sender)
+            log.warning(
+                "nixl: ignoring staged read requests from agent %s: not a peer added "
+                "here (or disconnected)",
+                sender,
+            )
 
     def _serving_write(self, remote: RemoteAgent, request: wire.StagedRequest) -> Any:
         """The WRITE serving ``request`` (not posted yet); ``Refused`` with its id if NIXL
@@ -81,7 +87,11 @@ class Server:
         try:
             target = self._remote_pool(remote, request)
             return state.agent.make_prepped_xfer(
-                "WRITE", state.local, request.src, target, request.stage,
+                "WRITE",
+                state.local,
+                request.src,
+                target,
+                request.stage,
                 notif_msg=wire.DONE + wire.ID.pack(request.request),
             )
         except wire.Refused as refusal:
@@ -99,8 +109,9 @@ class Server:
         except Exception as exc:
             state.note_failure(peer.remote, exc)
             xfer_state = "ERR"
-            log.warning("nixl: WRITE serving %s's staged read %d not posted: %s",
-                        peer.peer_id, request, exc)
+            log.warning(
+                "nixl: WRITE serving %s's staged read %d not posted: %s", peer.peer_id, request, exc
+            )
         if xfer_state == "PROC":
             peer.serving[next(state.ids)] = Serving(handle, request)
         else:
@@ -131,8 +142,9 @@ class Server:
         return remote.pool_dlist
 
     def _refuse(self, peer: Peer, request: int | None, reason: str) -> None:
-        log.warning("nixl: refused staged read request %s of peer %s: %s",
-                    request, peer.peer_id, reason)
+        log.warning(
+            "nixl: refused staged read request %s of peer %s: %s", request, peer.peer_id, reason
+        )
         if request is not None:
             self._notify_failed(peer.remote, request, reason)
 
@@ -163,7 +175,8 @@ class Server:
     def _served(self, peer: Peer, handle: Any, request: int, ok: bool) -> None:
         self._state.release(handle)
         if not ok:
-            log.warning("nixl: the WRITE serving staged read %d of peer %s failed",
-                        request, peer.peer_id)
+            log.warning(
+                "nixl: the WRITE serving staged read %d of peer %s failed", request, peer.peer_id
+            )
             if not peer.remote.disconnected:
                 self._notify_failed(peer.remote, request, "the WRITE failed")

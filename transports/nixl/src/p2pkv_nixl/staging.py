@@ -129,7 +129,7 @@ class StagingPool:
         run of pool blocks is taken as a view, so the bytes are copied once)."""
         first, last = int(stage[0]), int(stage[-1])
         if last - first == len(stage) - 1:
-            dest[local] = self.blocks[first:last + 1]
+            dest[local] = self.blocks[first : last + 1]
         else:
             dest[local] = self.blocks[stage]
 

@@ -53,8 +53,9 @@ class NixlState:
     Construction raises what NIXL raises when the agent or region cannot be set up; the
     helpers here never raise for a NIXL failure they can absorb (each says how it fails)."""
 
-    def __init__(self, options: NixlOptions, blocks: npt.NDArray[np.uint8],
-                 ids: itertools.count[int]) -> None:
+    def __init__(
+        self, options: NixlOptions, blocks: npt.NDArray[np.uint8], ids: itertools.count[int]
+    ) -> None:
         self.options = options
         self.blocks = blocks
         self.num_blocks, self.block_len = (int(n) for n in blocks.shape)
@@ -70,10 +71,19 @@ class NixlState:
         self.slices = slice_starts(slices)
         """The first block of each of our region's registrations (direct READs cut at them)."""
         region = register_region(
-            self.agent, self.agent_name, blocks.reshape(-1), self.block_len,
+            self.agent,
+            self.agent_name,
+            blocks.reshape(-1),
+            self.block_len,
             extra=(self.scratch,),
-            slices=slices, identity={"host": self.host, "cma": self.cma, "pid": os.getpid(),
-                                     "mark": self.mark.address, "token": self.mark.token},
+            slices=slices,
+            identity={
+                "host": self.host,
+                "cma": self.cma,
+                "pid": os.getpid(),
+                "mark": self.mark.address,
+                "token": self.mark.token,
+            },
         )
         self.memory = region.registrations
         """NIXL registrations (the region's slices, then scratch), deregistered last."""
@@ -124,8 +134,12 @@ class NixlState:
             self.agent.release_xfer_handle(handle)
         except Exception as exc:
             zombie = next(self.ids)
-            log.error("nixl: a read ended but NIXL refused to release it (kept as internal "
-                      "transfer %d): %s", zombie, exc)
+            log.error(
+                "nixl: a read ended but NIXL refused to release it (kept as internal "
+                "transfer %d): %s",
+                zombie,
+                exc,
+            )
             self.zombies[zombie] = handle
 
     def ended(self, peer: Peer, handle: Any) -> bool:
@@ -144,7 +158,8 @@ class NixlState:
         except Exception as exc:
             log.log(
                 logging.DEBUG if self._progress_failed else logging.WARNING,
-                "nixl: progressing the worker failed: %s", exc,
+                "nixl: progressing the worker failed: %s",
+                exc,
             )
             self._progress_failed = True
             return {}

@@ -71,8 +71,11 @@ class Teardown:
         first) reports nothing: it goes once quiescent too."""
         peer.current = False
         records = self._peers.records(peer.peer_id)
-        undrained = [] if any(p.current for p in records) else sorted(
-            i for p in records for i in p.running(False))
+        undrained = (
+            []
+            if any(p.current for p in records)
+            else sorted(i for p in records for i in p.running(False))
+        )
         self._peers.retire_idle()
         return undrained
 
@@ -93,7 +96,9 @@ class Teardown:
         if undrained:
             log.warning(
                 "nixl: %d internal transfer(s) still running after the %.2fs close grace "
-                "(%s); their memory stays registered until they end", len(undrained), grace,
+                "(%s); their memory stays registered until they end",
+                len(undrained),
+                grace,
                 undrained,
             )
         return undrained
@@ -136,9 +141,11 @@ class Teardown:
         undrained = self._drain(state.peers, quarantine=True)
         kept = {q for p in state.peers for q in p.quarantined}
         if undrained and not state.zombies and set(undrained) <= kept:
-            log.info("nixl: %d cancelled staged read(s) still unanswered at close; their "
-                     "staging pool is kept, with the agent, until the process exits",
-                     len(undrained))
+            log.info(
+                "nixl: %d cancelled staged read(s) still unanswered at close; their "
+                "staging pool is kept, with the agent, until the process exits",
+                len(undrained),
+            )
             state.serves_remote = True
             self._release_everything()
             return []
@@ -204,5 +211,6 @@ class Teardown:
             "nixl: agent %s closed but not destroyed: a peer may still be reading from us over "
             "a lane other than cma, served by this agent's UCX worker, and destroying it then "
             "crashes UCX; it is kept, idle, until the process exits (%d kept)",
-            state.agent_name, len(_RETAINED),
+            state.agent_name,
+            len(_RETAINED),
         )

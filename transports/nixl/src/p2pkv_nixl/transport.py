@@ -153,7 +153,9 @@ class NixlDataTransport(DataTransport):
 
     name: ClassVar[str] = "nixl"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        cross_process=True, cross_host=True, memory_kinds=frozenset({"DRAM"}),
+        cross_process=True,
+        cross_host=True,
+        memory_kinds=frozenset({"DRAM"}),
         # The direct lane is one-sided (our READ, executed by our own process over cma); the
         # staged lane is not: the producer's transport serves our request with a WRITE from
         # its progress/poll, so it needs the source side to take part.
@@ -178,8 +180,7 @@ class NixlDataTransport(DataTransport):
         self._finality = Finality(self._state)
         self._reads = Reads(self._state, self._peers, self._finality)
         self._server = Server(self._state)
-        self._ticker = Ticker(self._state, self._peers, self._reads, self._server,
-                              self._finality)
+        self._ticker = Ticker(self._state, self._peers, self._reads, self._server, self._finality)
         self._teardown = Teardown(self._state, self._peers, self._ticker.tick)
         if options.staging == "never":
             log.warning(

@@ -45,12 +45,15 @@ def proto_tables(text: str) -> list[dict[str, Any]]:
     tables: dict[tuple[str, str], dict[str, Any]] = {}
     for row in parse_proto_info(text):
         words = row.endpoint.split()
-        table = tables.setdefault((row.endpoint, row.operation), {
-            "context": row.endpoint,
-            "scope": " ".join(words[1:-1]),
-            "operation": row.operation,
-            "rows": [],
-        })
+        table = tables.setdefault(
+            (row.endpoint, row.operation),
+            {
+                "context": row.endpoint,
+                "scope": " ".join(words[1:-1]),
+                "operation": row.operation,
+                "rows": [],
+            },
+        )
         table["rows"].append({"range": row.size_range, "protocol": row.protocol, "lane": row.lanes})
     return list(tables.values())
 
@@ -174,8 +177,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"active messages: {', '.join(report['am'])}")
     print(f"same-host reads land: {report['lane'] or '?'}")
     if "cma/memory" not in report["get"]:
-        print("note: reads do not use cma on this host; check UCX_TLS (unset or 'all' picks "
-              "cma); the transport then reads through its staging pool")
+        print(
+            "note: reads do not use cma on this host; check UCX_TLS (unset or 'all' picks "
+            "cma); the transport then reads through its staging pool"
+        )
     return 0
 
 

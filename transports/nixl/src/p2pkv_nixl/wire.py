@@ -21,8 +21,19 @@ import numpy.typing as npt
 from p2pkv_nixl.slices import MAX_SLICES
 
 __all__ = [
-    "DONE", "FAILED", "ID", "PING", "REQUEST", "REQUEST_HEAD", "Outcome", "Refused",
-    "StagedRequest", "outcome", "parse_request", "request_id", "request_message",
+    "DONE",
+    "FAILED",
+    "ID",
+    "PING",
+    "REQUEST",
+    "REQUEST_HEAD",
+    "Outcome",
+    "Refused",
+    "StagedRequest",
+    "outcome",
+    "parse_request",
+    "request_id",
+    "request_message",
 ]
 
 REQUEST = b"p2kvR2"
@@ -67,14 +78,24 @@ class Outcome:
 
 
 def request_message(
-    request: int, base: int, capacity: int, slice_blocks: int, block_len: int,
-    src: npt.NDArray[np.int64], stage: npt.NDArray[np.int32], metadata: bytes,
+    request: int,
+    base: int,
+    capacity: int,
+    slice_blocks: int,
+    block_len: int,
+    src: npt.NDArray[np.int64],
+    stage: npt.NDArray[np.int32],
+    metadata: bytes,
 ) -> bytes:
     """The request asking a producer to WRITE its blocks ``src`` into our pool's ``stage``."""
-    return b"".join((
-        REQUEST_HEAD.pack(REQUEST, request, base, capacity, block_len, len(src), slice_blocks),
-        src.astype("<u4").tobytes(), stage.astype("<u4").tobytes(), metadata,
-    ))
+    return b"".join(
+        (
+            REQUEST_HEAD.pack(REQUEST, request, base, capacity, block_len, len(src), slice_blocks),
+            src.astype("<u4").tobytes(),
+            stage.astype("<u4").tobytes(),
+            metadata,
+        )
+    )
 
 
 def request_id(message: bytes) -> int | None:
@@ -100,16 +121,26 @@ def parse_request(message: bytes, block_len: int, num_blocks: int) -> StagedRequ
         raise Refused(f"staging pool slices of {slice_blocks} blocks are invalid", request)
     end = REQUEST_HEAD.size + 8 * count
     if len(message) <= end:
-        raise Refused(f"a request for {count} blocks of {len(message)} bytes is truncated "
-                      f"(or lacks the pool metadata)", request)
+        raise Refused(
+            f"a request for {count} blocks of {len(message)} bytes is truncated "
+            f"(or lacks the pool metadata)",
+            request,
+        )
     src = np.frombuffer(message, "<u4", count, REQUEST_HEAD.size)
     stage = np.frombuffer(message, "<u4", count, REQUEST_HEAD.size + 4 * count)
     if int(src.max()) >= num_blocks:
         raise Refused(f"source block {int(src.max())} is outside 0..{num_blocks - 1}", request)
     if int(stage.max()) >= capacity:
         raise Refused(f"pool block {int(stage.max())} is outside 0..{capacity - 1}", request)
-    return StagedRequest(request, base, capacity, slice_blocks, src.astype(np.int32),
-                         stage.astype(np.int32), message[end:])
+    return StagedRequest(
+        request,
+        base,
+        capacity,
+        slice_blocks,
+        src.astype(np.int32),
+        stage.astype(np.int32),
+        message[end:],
+    )
 
 
 def outcome(message: bytes) -> Outcome | None:
@@ -118,5 +149,5 @@ def outcome(message: bytes) -> Outcome | None:
     if prefix not in (DONE, FAILED) or len(message) < 6 + ID.size:
         return None
     (request,) = ID.unpack_from(message, 6)
-    reason = message[6 + ID.size:].decode("utf-8", "replace")
+    reason = message[6 + ID.size :].decode("utf-8", "replace")
     return Outcome(request, prefix == DONE, reason)

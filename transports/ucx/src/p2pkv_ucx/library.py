@@ -105,16 +105,22 @@ def _import_ucxx() -> Ucxx | TransportUnavailable:
         ucxx = importlib.import_module("ucxx")
         api = importlib.import_module("ucxx._lib.libucxx")
         arr = importlib.import_module("ucxx._lib.arr")
-        for name in ("UCXContext", "UCXWorker", "UCXEndpoint", "UCXAddress", "UCXXTag",
-                     "UCXXTagMask", "Feature"):
+        for name in (
+            "UCXContext",
+            "UCXWorker",
+            "UCXEndpoint",
+            "UCXAddress",
+            "UCXXTag",
+            "UCXXTagMask",
+            "Feature",
+        ):
             getattr(api, name)
         array = arr.Array
     except Exception as exc:  # ImportError, OSError from a missing .so, AttributeError
         return TransportUnavailable(
             TRANSPORT, LEAN_INSTALL, f"cannot import ucxx ({type(exc).__name__}: {exc})"
         )
-    return Ucxx(api, array, _cancel_function(), str(getattr(ucxx, "__version__", "?")),
-                _IMPORT_ENV)
+    return Ucxx(api, array, _cancel_function(), str(getattr(ucxx, "__version__", "?")), _IMPORT_ENV)
 
 
 def _cancel_function() -> Callable[[Any], None] | None:

@@ -42,8 +42,14 @@ class Peers:
             raise PeerRejected(
                 f"peer {peer_id!r}: UCX cannot reach its worker ({type(exc).__name__}: {exc})"
             ) from None
-        peer = Peer(peer_id, desc, ep, link, min(s.max_run, desc.max_run),
-                    region_slice_starts(desc.num_blocks, desc.slice_blocks))
+        peer = Peer(
+            peer_id,
+            desc,
+            ep,
+            link,
+            min(s.max_run, desc.max_run),
+            region_slice_starts(desc.num_blocks, desc.slice_blocks),
+        )
         s.control_limit = max(s.control_limit, 64 + 12 * desc.num_blocks)
         s.peers.add(peer)
         s.by_instance[desc.instance] = peer
@@ -57,8 +63,7 @@ class Peers:
             raise PeerRejected(f"peer {peer_id!r}: {exc}") from None
         if desc.block_len != s.block_len:
             raise PeerRejected(
-                f"peer {peer_id!r}: block_len {desc.block_len} does not match ours "
-                f"({s.block_len})"
+                f"peer {peer_id!r}: block_len {desc.block_len} does not match ours ({s.block_len})"
             )
         if desc.error_handling != s.opts.endpoint_error_handling:
             raise PeerRejected(
@@ -110,8 +115,13 @@ class Peers:
             peer.drains = [r for r in peer.drains if not r.completed]
         if not peer.ep.alive:
             self._reads.drop_ghosts(peer)  # nothing more can arrive
-        return not (peer.serves or peer.ghosts or peer.drains or peer.parked or any(
-            r.read.peer is peer and not r.request.completed for r in self._s.receiving))
+        return not (
+            peer.serves
+            or peer.ghosts
+            or peer.drains
+            or peer.parked
+            or any(r.read.peer is peer and not r.request.completed for r in self._s.receiving)
+        )
 
     def _release(self, peer: Peer) -> None:
         """Drop a removed peer whose sends are all gone (its endpoint closes on release)."""

@@ -46,18 +46,21 @@ class Reads:
         if not peer.dead and peer.unreachable():
             self.mark_dead(peer)
         if peer.dead:
-            raise TransferSubmitError(
-                f"peer {peer.peer_id!r} is unreachable (UCX endpoint failed)"
-            )
+            raise TransferSubmitError(f"peer {peer.peer_id!r} is unreachable (UCX endpoint failed)")
         if len(local) > tags.MAX_RUNS:
             raise TransferSubmitError(f"at most {tags.MAX_RUNS} blocks per read")
         starts, dsts, lengths = coalesce(remote, local, peer.slices, s.slices, peer.max_run)
         link, rid = self._next_rid(peer)
-        s.loose.append(
-            s.notify(peer, wire.encode_read(s.instance, link, rid, starts, lengths))
+        s.loose.append(s.notify(peer, wire.encode_read(s.instance, link, rid, starts, lengths)))
+        read = Read(
+            peer,
+            time.monotonic() + s.timeout,
+            link,
+            rid,
+            dsts,
+            lengths,
+            np.zeros(len(lengths), np.bool_),
         )
-        read = Read(peer, time.monotonic() + s.timeout, link, rid, dsts, lengths,
-                    np.zeros(len(lengths), np.bool_))
         s.live[read.key] = read
         peer.live += 1
         return read
@@ -109,16 +112,24 @@ class Reads:
         read.staged = 0
         left = len(read.taken) - int(np.count_nonzero(read.taken))
         if coming and left and not peer.dead and peer.ep is not None:
-            deadline = read.deadline if math.isfinite(read.deadline) else (
-                time.monotonic() + _GHOST_LINGER)
+            deadline = (
+                read.deadline
+                if math.isfinite(read.deadline)
+                else (time.monotonic() + _GHOST_LINGER)
+            )
             ghost = Ghost(peer, read.taken, left, deadline)
             s.ghosts[read.key] = ghost
             peer.ghosts[read.key] = ghost
 
     def fail(self, read: Read, reason: str, *, coming: bool = True) -> None:
         """Fail a live read (reported by ``poll``) and CANCEL it at its producer."""
-        log.info("ucx: read %d:%d from peer %r failed: %s", read.link, read.rid,
-                 read.peer.peer_id, reason)
+        log.info(
+            "ucx: read %d:%d from peer %r failed: %s",
+            read.link,
+            read.rid,
+            read.peer.peer_id,
+            reason,
+        )
         self.end(read, False, coming=coming)
         self._tell_cancelled([read])
 
@@ -131,9 +142,7 @@ class Reads:
             peer = batch[0].peer
             if not peer.dead and peer.ep is not None:
                 rids = np.array([r.rid for r in batch], np.int64)
-                self._s.send_notice(
-                    peer, wire.encode_cancel(self._s.instance, batch[0].link, rids)
-                )
+                self._s.send_notice(peer, wire.encode_cancel(self._s.instance, batch[0].link, rids))
 
     def mark_dead(self, peer: Peer) -> None:
         """The peer's endpoint failed: fail its live reads, stop awaiting its runs."""

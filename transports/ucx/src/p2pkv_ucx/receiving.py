@@ -181,7 +181,7 @@ class Receiving:
 
     def _copy(self, read: Read, run: int, buf: Bytes) -> None:
         start, n = int(read.dst[run]), int(read.lengths[run])
-        self._s.blocks[start:start + n] = buf.reshape(n, self._s.block_len)
+        self._s.blocks[start : start + n] = buf.reshape(n, self._s.block_len)
         read.landed += 1
         if read.landed == len(read.lengths):
             self._reads.end(read, True)

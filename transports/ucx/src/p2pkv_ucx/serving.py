@@ -58,10 +58,10 @@ class Serving:
         send, array, tag, blocks = peer.ep.tag_send, s.array, s.tag, s.blocks
         first = tags.data_tag(notice.link, notice.rid, 0)
         try:
-            for run, (start, n) in enumerate(zip(
-                notice.starts.tolist(), notice.lengths.tolist(), strict=True
-            )):
-                serve.requests.append(send(array(blocks[start:start + n]), tag(first | run)))
+            for run, (start, n) in enumerate(
+                zip(notice.starts.tolist(), notice.lengths.tolist(), strict=True)
+            ):
+                serve.requests.append(send(array(blocks[start : start + n]), tag(first | run)))
                 s.posted += 1
         except Exception as exc:  # a failed endpoint refuses new sends
             serve.error = f"UCX refused a send ({type(exc).__name__}: {exc})"
@@ -82,9 +82,10 @@ class Serving:
         if int(ends.max()) > s.num_blocks:
             return f"blocks outside 0..{s.num_blocks - 1}"
         slice_blocks = s.slice_blocks
-        if slice_blocks < s.num_blocks and (
-            notice.starts // slice_blocks != (ends - 1) // slice_blocks
-        ).any():
+        if (
+            slice_blocks < s.num_blocks
+            and (notice.starts // slice_blocks != (ends - 1) // slice_blocks).any()
+        ):
             return f"a run crossing a slice boundary (slices of {slice_blocks} blocks)"
         return None
 
@@ -97,12 +98,16 @@ class Serving:
         for serve in list(s.serves.values()):
             if serve.settle():
                 if serve.error is not None:
-                    log.info("ucx: a send serving peer %r failed: %s", serve.peer.peer_id,
-                             serve.error)
+                    log.info(
+                        "ucx: a send serving peer %r failed: %s", serve.peer.peer_id, serve.error
+                    )
                 self._forget(serve)
             elif now > serve.deadline:
-                log.info("ucx: a send serving peer %r did not finish in time; kept until UCX "
-                         "releases it", serve.peer.peer_id)
+                log.info(
+                    "ucx: a send serving peer %r did not finish in time; kept until UCX "
+                    "releases it",
+                    serve.peer.peer_id,
+                )
                 s.orphans.append(serve)
                 self._forget(serve)
 

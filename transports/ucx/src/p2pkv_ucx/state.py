@@ -42,7 +42,10 @@ class UcxState:
     """
 
     def __init__(
-        self, lib: library.Ucxx, options: UcxOptions, blocks: np.ndarray[Any, Any],
+        self,
+        lib: library.Ucxx,
+        options: UcxOptions,
+        blocks: np.ndarray[Any, Any],
         transfer_ids: Iterator[int],
     ) -> None:
         self.lib, self.opts, self.blocks, self.transfer_ids = lib, options, blocks, transfer_ids
@@ -80,8 +83,9 @@ class UcxState:
         self.pending: dict[tuple[int, int, int], tuple[Peer, wire.Read]] = {}
         """READs of this pump's notices, served after the batch (a CANCEL may follow)."""
         self.receiving: list[Receive] = []
-        self.staging: Staging[Peer] = Staging(self.block_len, self.opts.staging_bytes,
-                                              self.max_run * self.block_len)
+        self.staging: Staging[Peer] = Staging(
+            self.block_len, self.opts.staging_bytes, self.max_run * self.block_len
+        )
         self.inbox: dict[int, deque[tuple[Any, Bytes]]] = {}
         """NOTICE receives by sender (its tag's sender part), each sender's in order."""
         self.drains: list[Any] = []
@@ -96,9 +100,7 @@ class UcxState:
         config = {k.removeprefix("UCX_"): v for k, v in options.ucx_config.items()}
         try:
             with library.ucx_environment(self.lib.env):
-                self.ctx: Any = api.UCXContext(
-                    config_dict=config, feature_flags=(api.Feature.TAG,)
-                )
+                self.ctx: Any = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
             self.worker: Any = api.UCXWorker(self.ctx)
             return bytes(self.worker.address.tobytes())
         except Exception as exc:

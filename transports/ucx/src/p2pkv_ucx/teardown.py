@@ -33,7 +33,8 @@ class Teardown:
         if undrained:
             log.warning(
                 "ucx transport closed with %d sends UCX has not released; keeping its "
-                "region and UCX objects alive on purpose", len(undrained)
+                "region and UCX objects alive on purpose",
+                len(undrained),
             )
             _leak(s)
             self.leaked = True
@@ -58,12 +59,23 @@ class Teardown:
         s.worker.progress()
         sends = [(r, keep) for r, keep in s.loose if not r.completed]
         if sends or not all(req.completed for req in receives):
-            _leak((s.worker, s.ctx, receives, inbox, s.scratch,
-                   list(s.receiving), sends))
+            _leak((s.worker, s.ctx, receives, inbox, s.scratch, list(s.receiving), sends))
         for peer in [*s.peers, *s.retired]:
             peer.ep = None
-        for table in (s.peers, s.retired, s.by_instance, s.early, s.serves, s.live, s.ghosts,
-                      s.inbox, s.drains, s.receiving, s.orphans, s.loose):
+        for table in (
+            s.peers,
+            s.retired,
+            s.by_instance,
+            s.early,
+            s.serves,
+            s.live,
+            s.ghosts,
+            s.inbox,
+            s.drains,
+            s.receiving,
+            s.orphans,
+            s.loose,
+        ):
             table.clear()
         s.scratch = None
         s.worker = None

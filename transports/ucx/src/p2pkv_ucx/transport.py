@@ -137,10 +137,17 @@ class UcxDataTransport(DataTransport):
                 f"{self.num_blocks}: use larger blocks"
             )
         self._state = s = UcxState(library.load(), options, self._blocks, self._transfer_ids)
-        self._descriptor = wire.encode_descriptor(wire.Descriptor(
-            s.address, s.instance, self.num_blocks, self.block_len,
-            s.max_run, options.endpoint_error_handling, s.slice_blocks,
-        ))
+        self._descriptor = wire.encode_descriptor(
+            wire.Descriptor(
+                s.address,
+                s.instance,
+                self.num_blocks,
+                self.block_len,
+                s.max_run,
+                options.endpoint_error_handling,
+                s.slice_blocks,
+            )
+        )
         self._reads = Reads(s)
         self._receiving = Receiving(s, self._reads)
         self._notices = Notices(s, self._reads)

@@ -98,11 +98,19 @@ Notice = Read | Cancel | Refuse
 
 
 def encode_descriptor(d: Descriptor) -> bytes:
-    return _pack({
-        "transport": "ucx", "v": WIRE_VERSION, "address": d.address, "instance": d.instance,
-        "num_blocks": d.num_blocks, "block_len": d.block_len, "max_run": d.max_run,
-        "error_handling": d.error_handling, "slice_blocks": d.slice_blocks,
-    })
+    return _pack(
+        {
+            "transport": "ucx",
+            "v": WIRE_VERSION,
+            "address": d.address,
+            "instance": d.instance,
+            "num_blocks": d.num_blocks,
+            "block_len": d.block_len,
+            "max_run": d.max_run,
+            "error_handling": d.error_handling,
+            "slice_blocks": d.slice_blocks,
+        }
+    )
 
 
 def decode_descriptor(data: bytes) -> Descriptor:
@@ -111,11 +119,14 @@ def decode_descriptor(data: bytes) -> Descriptor:
     if not isinstance(obj, dict) or obj.get("transport") != "ucx":
         raise ValueError("not a ucx transport descriptor")
     if obj.get("v") != WIRE_VERSION:
-        raise ValueError(f"descriptor of ucx wire version {obj.get('v')!r}, expected "
-                         f"{WIRE_VERSION} (upgrade p2pkv-ucx on both sides)")
+        raise ValueError(
+            f"descriptor of ucx wire version {obj.get('v')!r}, expected "
+            f"{WIRE_VERSION} (upgrade p2pkv-ucx on both sides)"
+        )
     address = obj.get("address")
-    numbers = [obj.get(k) for k in ("instance", "num_blocks", "block_len", "max_run",
-                                    "slice_blocks")]
+    numbers = [
+        obj.get(k) for k in ("instance", "num_blocks", "block_len", "max_run", "slice_blocks")
+    ]
     if not isinstance(address, bytes) or not address:
         raise ValueError("descriptor has no worker address")
     if not all(_is_positive(n) for n in numbers):
@@ -124,7 +135,8 @@ def decode_descriptor(data: bytes) -> Descriptor:
     if not isinstance(error_handling, bool):
         raise ValueError("descriptor does not say whether it uses endpoint error handling")
     instance, num_blocks, block_len, max_run, slices = (
-        int(n) for n in numbers  # type: ignore[arg-type]
+        int(n)  # type: ignore[arg-type]
+        for n in numbers
     )
     return Descriptor(address, instance, num_blocks, block_len, max_run, error_handling, slices)
 
@@ -161,9 +173,7 @@ def decode_notice(data: bytes) -> Notice:
         return Read(instance, link, fields[0], starts, lengths)
     if kind == _CANCEL and len(fields) == 1:
         return Cancel(instance, link, _ints(fields[0], "rids"))
-    if kind == _REFUSE and len(fields) == 2 and _is_count(fields[0]) and isinstance(
-        fields[1], str
-    ):
+    if kind == _REFUSE and len(fields) == 2 and _is_count(fields[0]) and isinstance(fields[1], str):
         return Refuse(instance, link, fields[0], fields[1])
     raise ValueError(f"malformed NOTICE of kind {kind!r}")
 
@@ -175,8 +185,14 @@ def _pack(obj: Any) -> bytes:
 def _unpack(data: bytes, max_bin: int) -> Any:
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_bin_len=max_bin, max_str_len=64,
-            max_array_len=8, max_map_len=16, max_ext_len=0,
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bin,
+            max_str_len=64,
+            max_array_len=8,
+            max_map_len=16,
+            max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several unrelated types
         raise ValueError(f"undecodable ({type(exc).__name__}: {exc})") from None

@@ -181,11 +181,15 @@ def run_control_bench(
     finally:
         for client in clients.values():
             client.close()
-    lanes = {lane: {**_percentiles(rtts[lane]), "msgs_per_s": count * rounds / streamed[lane]}
-             for lane in LANES}
+    lanes = {
+        lane: {**_percentiles(rtts[lane]), "msgs_per_s": count * rounds / streamed[lane]}
+        for lane in LANES
+    }
     ours, raw = lanes["p2pkv-zmq"], lanes["raw-pyzmq"]
     return {
-        "frame_bytes": frame_bytes, "round_trips": count * rounds, "window": window,
+        "frame_bytes": frame_bytes,
+        "round_trips": count * rounds,
+        "window": window,
         "lanes": lanes,
         "ratio": {key: ours[key] / raw[key] for key in ("p50_us", "p99_us", "msgs_per_s")},
     }
@@ -197,8 +201,9 @@ def _percentiles(samples_ns: Sequence[int]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m p2pkv_zmq.bench", description=__doc__.split(
-        "\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m p2pkv_zmq.bench", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--count", type=int, default=2000, help="round trips per lane per round")
     p.add_argument("--frame-bytes", type=int, default=200)
     p.add_argument("--window", type=int, default=64, help="frames in flight when streaming")
@@ -206,20 +211,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
-    result = run_control_bench(count=args.count, frame_bytes=args.frame_bytes,
-                               window=args.window, rounds=args.rounds, host=args.host)
+    result = run_control_bench(
+        count=args.count,
+        frame_bytes=args.frame_bytes,
+        window=args.window,
+        rounds=args.rounds,
+        host=args.host,
+    )
     if args.json:
         json.dump(result, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
         return 0
-    print(f"{result['frame_bytes']}-byte frames, {result['round_trips']} round trips per lane, "
-          f"two processes on {args.host}")
+    print(
+        f"{result['frame_bytes']}-byte frames, {result['round_trips']} round trips per lane, "
+        f"two processes on {args.host}"
+    )
     print(f"{'lane':<12}{'p50 µs':>10}{'p99 µs':>10}{'msgs/s':>12}")
     for lane, r in result["lanes"].items():
         print(f"{lane:<12}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{r['msgs_per_s']:>12.0f}")
     ratio = result["ratio"]
-    print(f"{'ratio':<12}{ratio['p50_us']:>9.2f}x{ratio['p99_us']:>9.2f}x"
-          f"{ratio['msgs_per_s']:>11.2f}x  (p2pkv-zmq / raw-pyzmq)")
+    print(
+        f"{'ratio':<12}{ratio['p50_us']:>9.2f}x{ratio['p99_us']:>9.2f}x"
+        f"{ratio['msgs_per_s']:>11.2f}x  (p2pkv-zmq / raw-pyzmq)"
+    )
     return 0
 
 

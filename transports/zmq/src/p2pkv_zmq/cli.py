@@ -19,7 +19,7 @@ def add_keys_parser(sub: Any) -> None:
     p = sub.add_parser(
         "keys",
         help="write CURVE keys for zmq control: one pair, a fleet's key directory, or a "
-             "Kubernetes Secret of it",
+        "Kubernetes Secret of it",
         description=(
             "Write CURVE keys for the zmq control transport. By default one pair: NAME.key "
             "(public: list it in peers' allowed_client_keys, or use it as server_public_key) "
@@ -31,18 +31,31 @@ def add_keys_parser(sub: Any) -> None:
         ),
     )
     kind = p.add_mutually_exclusive_group()
-    kind.add_argument("--fleet", action="store_true",
-                      help="write server.key(_secret) and client.key(_secret) into --dir")
-    kind.add_argument("--secret", metavar="NAME",
-                      help="print a Kubernetes Secret NAME of fresh fleet keys (nothing is "
-                           "written to disk; create it with `kubectl create -f -`, which "
-                           "refuses to replace an existing one)")
-    kind.add_argument("--rotate", choices=STEPS, metavar="STEP",
-                      help="a step of a client key rotation: begin, switch, finish "
-                           "(docs/security.md)")
-    p.add_argument("--from", dest="source", metavar="FILE",
-                   help="with --rotate: the Secret as JSON (`kubectl get secret NAME -o "
-                        "json`; - for stdin); the rotated Secret is printed")
+    kind.add_argument(
+        "--fleet",
+        action="store_true",
+        help="write server.key(_secret) and client.key(_secret) into --dir",
+    )
+    kind.add_argument(
+        "--secret",
+        metavar="NAME",
+        help="print a Kubernetes Secret NAME of fresh fleet keys (nothing is "
+        "written to disk; create it with `kubectl create -f -`, which "
+        "refuses to replace an existing one)",
+    )
+    kind.add_argument(
+        "--rotate",
+        choices=STEPS,
+        metavar="STEP",
+        help="a step of a client key rotation: begin, switch, finish (docs/security.md)",
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        metavar="FILE",
+        help="with --rotate: the Secret as JSON (`kubectl get secret NAME -o "
+        "json`; - for stdin); the rotated Secret is printed",
+    )
     p.add_argument("--namespace", help="with --secret: the Secret's namespace")
     p.add_argument("--dir", default=".", help="directory to write into (default: .)")
     p.add_argument("--name", help="file name stem of one pair (default: p2pkv)")
@@ -54,8 +67,10 @@ def run_keys(args: argparse.Namespace) -> int:
     try:
         from p2pkv_zmq import keys
     except ImportError as exc:
-        print(f"p2pkv keys needs pyzmq ({exc}); install it with: pip install p2pkv-zmq",
-              file=sys.stderr)
+        print(
+            f"p2pkv keys needs pyzmq ({exc}); install it with: pip install p2pkv-zmq",
+            file=sys.stderr,
+        )
         return 1
     from p2pkv.errors import ConfigError
 
@@ -70,11 +85,15 @@ def run_keys(args: argparse.Namespace) -> int:
             sys.stdout.write(keys.fleet_secret_manifest(args.secret, args.namespace))
         elif args.fleet:
             paths = keys.write_fleet_keys(Path(args.dir), force=args.force)
-            print("fleet keys: " + ", ".join(map(str, paths))
-                  + f"\nset P2PKV_CURVE_DIR={args.dir} on every instance (keep it private)")
+            print(
+                "fleet keys: "
+                + ", ".join(map(str, paths))
+                + f"\nset P2PKV_CURVE_DIR={args.dir} on every instance (keep it private)"
+            )
         else:
-            public, secret = keys.write_key_pair(Path(args.dir), args.name or "p2pkv",
-                                                 force=args.force)
+            public, secret = keys.write_key_pair(
+                Path(args.dir), args.name or "p2pkv", force=args.force
+            )
             print(f"public key: {public}\nsecret key: {secret} (keep it private)")
     except (ConfigError, FileExistsError) as exc:  # bad input, or keys it would replace
         print(f"p2pkv keys: {exc}", file=sys.stderr)

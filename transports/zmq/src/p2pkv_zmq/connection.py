@@ -36,8 +36,16 @@ import zmq
 from p2pkv.contracts import ControlConnection
 from p2pkv.errors import ConnectionClosed, FrameTooLarge, SendQueueFull
 
-__all__ = ["CONNECTED", "DIALING", "READY", "LinkLimits", "Owner", "PeerAddress", "Progress",
-           "ZmqConnection"]
+__all__ = [
+    "CONNECTED",
+    "DIALING",
+    "READY",
+    "LinkLimits",
+    "Owner",
+    "PeerAddress",
+    "Progress",
+    "ZmqConnection",
+]
 
 Progress = Literal["dialing", "connected", "ready"]
 DIALING: Progress = "dialing"
@@ -138,8 +146,9 @@ class ZmqConnection(ControlConnection):
     ) -> ZmqConnection:
         """A connection that is dead from the start (a dial that could not begin): no
         sockets, not registered with the hub, ``close_reason`` says why."""
-        conn = cls(owner, limits, peer, out=None, monitor=None, incarnation=b"", link=b"",
-                   deadline=0.0)
+        conn = cls(
+            owner, limits, peer, out=None, monitor=None, incarnation=b"", link=b"", deadline=0.0
+        )
         conn.close_reason = reason
         return conn
 

@@ -88,19 +88,25 @@ class DialFailures:
         if now - when >= DIAL_BACKOFF:
             del self._failed[key]
             return None
-        return (f"{reason} (remembered from the dial {round((now - when) * 1000)} ms ago: a "
-                f"failed address is dialed again after {DIAL_BACKOFF:g} s)")
+        return (
+            f"{reason} (remembered from the dial {round((now - when) * 1000)} ms ago: a "
+            f"failed address is dialed again after {DIAL_BACKOFF:g} s)"
+        )
 
 
 def refused_reason(key: str, *, dialed_us: bool) -> str:
     if dialed_us:
         return f"connection refused: the peer that dialed us no longer listens at {key}"
-    return (f"connection refused: nothing accepts TCP connections at {key} (nothing listens "
-            "there, or no route to it)")
+    return (
+        f"connection refused: nothing accepts TCP connections at {key} (nothing listens "
+        "there, or no route to it)"
+    )
 
 
-FOREIGN_PEER = ("vLLM's built-in P2P tier (the same 'p2p' entry without "
-                "P2PKV_REPLACE_P2P=1) is such a peer; see 'Mixed fleets' in docs/vllm.md")
+FOREIGN_PEER = (
+    "vLLM's built-in P2P tier (the same 'p2p' entry without "
+    "P2PKV_REPLACE_P2P=1) is such a peer; see 'Mixed fleets' in docs/vllm.md"
+)
 """What a zmq peer that libzmq refuses for its socket type most likely is, in a fleet."""
 
 
@@ -108,8 +114,10 @@ def foreign_listener_reason(key: str) -> str:
     """Why our dial to ``key`` ended in its ZMTP handshake with no failure named: libzmq
     hangs up silently on a peer whose socket type cannot pair with ours (our PUSH dials a
     PULL; a ROUTER, say, refuses it)."""
-    return (f"{key} hung up in the zmq handshake without a security failure: it is not a "
-            f"p2pkv zmq listener (its socket type refuses ours): {FOREIGN_PEER}")
+    return (
+        f"{key} hung up in the zmq handshake without a security failure: it is not a "
+        f"p2pkv zmq listener (its socket type refuses ours): {FOREIGN_PEER}"
+    )
 
 
 def foreign_dialer_reason(peer: str | None) -> str:
@@ -117,40 +125,54 @@ def foreign_dialer_reason(peer: str | None) -> str:
     ended in its ZMTP handshake with no outcome reported (libzmq refused the dialing socket's
     type: not a PUSH)."""
     source = f" from {peer}" if peer is not None else ""
-    return (f"refused an inbound connection{source}: not a p2pkv zmq peer (libzmq refused "
-            f"its socket type in the handshake): {FOREIGN_PEER}")
+    return (
+        f"refused an inbound connection{source}: not a p2pkv zmq peer (libzmq refused "
+        f"its socket type in the handshake): {FOREIGN_PEER}"
+    )
 
 
 def protocol_failure(value: int) -> str:
     """What a ZMTP protocol error code of a failed handshake means for the operator."""
     if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return ("the security modes differ (CURVE keys configured on one side only); give "
-                "both peers the same CURVE options (vLLM's built-in P2P tier has no CURVE: "
-                "see 'Mixed fleets' in docs/vllm.md)")
+        return (
+            "the security modes differ (CURVE keys configured on one side only); give "
+            "both peers the same CURVE options (vLLM's built-in P2P tier has no CURVE: "
+            "see 'Mixed fleets' in docs/vllm.md)"
+        )
     if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "CURVE decryption failed (the two sides use different server key pairs)"
-    return (f"ZMTP protocol error {value:#x}; both sides must use the same security mode "
-            "(CURVE or none) and server key")
+    return (
+        f"ZMTP protocol error {value:#x}; both sides must use the same security mode "
+        "(CURVE or none) and server key"
+    )
 
 
 def handshake_reason(key: str, kind: int, value: int, *, curve: bool, timeout: float) -> str:
     """Why our dial to ``key`` died in its handshake (monitor event ``kind``, ``value``)."""
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"security handshake failed: {key} refused our client key (ZAP status "
-                f"{value}); add our client public key to its allowed_client_keys")
+        return (
+            f"security handshake failed: {key} refused our client key (ZAP status "
+            f"{value}); add our client public key to its allowed_client_keys"
+        )
     if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         return f"security handshake failed with {key}: {protocol_failure(value)}"
     if value in _TIMED_OUT:
-        return (f"handshake timed out: {key} accepted the TCP connection but did not complete "
-                f"the ZMTP handshake within handshake_timeout ({timeout:g} s); not a p2pkv "
-                "zmq listener, or stopped?")
+        return (
+            f"handshake timed out: {key} accepted the TCP connection but did not complete "
+            f"the ZMTP handshake within handshake_timeout ({timeout:g} s); not a p2pkv "
+            "zmq listener, or stopped?"
+        )
     # The side that finds a mismatch hangs up, often before the other side can tell why.
     if curve:
-        return (f"security handshake failed: {key} closed the connection during the CURVE "
-                "handshake: its server key pair is not the one our server_public_key names, "
-                f"or it runs without CURVE (or it is not a p2pkv zmq listener: {FOREIGN_PEER})")
+        return (
+            f"security handshake failed: {key} closed the connection during the CURVE "
+            "handshake: its server key pair is not the one our server_public_key names, "
+            f"or it runs without CURVE (or it is not a p2pkv zmq listener: {FOREIGN_PEER})"
+        )
     # Without CURVE on our side the likelier cause in a fleet is a foreign listener; the
     # wording matches foreign_listener_reason's, whichever way libzmq reported the hang-up.
-    return (f"{key} hung up in the zmq handshake: it is not a p2pkv zmq listener "
-            f"({FOREIGN_PEER}), or its security mode differs: it requires CURVE keys, which "
-            "we do not have (give both peers the same CURVE options)")
+    return (
+        f"{key} hung up in the zmq handshake: it is not a p2pkv zmq listener "
+        f"({FOREIGN_PEER}), or its security mode differs: it requires CURVE keys, which "
+        "we do not have (give both peers the same CURVE options)"
+    )

@@ -63,37 +63,58 @@ def read_fleet_dir(directory: Path, client: str = FLEET_CLIENT) -> KeySet:
     for name in (FLEET_SERVER, client):
         path = directory / f"{name}{SECRET_SUFFIX}"
         if not path.is_file():
-            raise ConfigError(f"{CURVE_DIR_ENV}: no {path.name} in {directory} (a fleet key "
-                              "directory holds the server and client pairs `p2pkv keys "
-                              "--fleet` or `--secret` writes)")
+            raise ConfigError(
+                f"{CURVE_DIR_ENV}: no {path.name} in {directory} (a fleet key "
+                "directory holds the server and client pairs `p2pkv keys "
+                "--fleet` or `--secret` writes)"
+            )
         secrets[name] = read_key(str(path), f"{CURVE_DIR_ENV}: {path.name}", "secret")
-    allowed = [str(path) for path in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))
-               if path.name != f"{FLEET_SERVER}{PUBLIC_SUFFIX}"]
+    allowed = [
+        str(path)
+        for path in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))
+        if path.name != f"{FLEET_SERVER}{PUBLIC_SUFFIX}"
+    ]
     if not allowed:
-        raise ConfigError(f"{CURVE_DIR_ENV}: no client public key (*{PUBLIC_SUFFIX} other than "
-                          f"{FLEET_SERVER}{PUBLIC_SUFFIX}) in {directory}")
+        raise ConfigError(
+            f"{CURVE_DIR_ENV}: no client public key (*{PUBLIC_SUFFIX} other than "
+            f"{FLEET_SERVER}{PUBLIC_SUFFIX}) in {directory}"
+        )
     server, ours = secrets[FLEET_SERVER], secrets[client]
-    return KeySet(server, public_of(server), ours, public_of(ours),
-                  read_key_list(tuple(allowed), f"{CURVE_DIR_ENV}: client keys"))
+    return KeySet(
+        server,
+        public_of(server),
+        ours,
+        public_of(ours),
+        read_key_list(tuple(allowed), f"{CURVE_DIR_ENV}: client keys"),
+    )
 
 
 def _check_readable(directory: Path) -> None:
     if not directory.is_dir():
-        raise ConfigError(f"{CURVE_DIR_ENV}={str(directory)!r} is not a directory: mount the "
-                          "fleet's key Secret there (`p2pkv keys --secret NAME` writes one)")
+        raise ConfigError(
+            f"{CURVE_DIR_ENV}={str(directory)!r} is not a directory: mount the "
+            "fleet's key Secret there (`p2pkv keys --secret NAME` writes one)"
+        )
     if not os.access(directory, os.R_OK | os.X_OK):
-        raise ConfigError(f"{CURVE_DIR_ENV}={str(directory)!r} cannot be listed by this "
-                          f"process (uid {os.getuid()}): give it read access (a Secret "
-                          "volume: the pod's securityContext.fsGroup and the volume's "
-                          "defaultMode 0440)")
+        raise ConfigError(
+            f"{CURVE_DIR_ENV}={str(directory)!r} cannot be listed by this "
+            f"process (uid {os.getuid()}): give it read access (a Secret "
+            "volume: the pod's securityContext.fsGroup and the volume's "
+            "defaultMode 0440)"
+        )
 
 
 class LiveKeys:
     """The keys of a fleet key directory as they are now (see the module docstring);
     ``clock`` is injectable for tests."""
 
-    def __init__(self, directory: Path, *, client: str = FLEET_CLIENT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        client: str = FLEET_CLIENT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.directory = directory
         self._client = client
         self._clock = clock
@@ -119,20 +140,35 @@ class LiveKeys:
         except ConfigError as exc:
             if self._logged != signature:
                 self._logged = signature
-                log.warning("zmq CURVE keys in %s changed but cannot be read (%s): keeping the "
-                            "keys read before", self.directory, exc)
+                log.warning(
+                    "zmq CURVE keys in %s changed but cannot be read (%s): keeping the "
+                    "keys read before",
+                    self.directory,
+                    exc,
+                )
             return
         self._signature = signature
         old = self._keys
         if fresh.server_secret != old.server_secret:
-            log.warning("zmq CURVE server key pair in %s changed: this process keeps listening "
-                        "and dialing with the one it started with (a server pair changes at "
-                        "restart; docs/security.md, rotating keys)", self.directory)
-        self._keys = KeySet(old.server_secret, old.server_public, fresh.client_secret,
-                            fresh.client_public, fresh.allowed)
-        log.info("zmq CURVE keys re-read from %s: %d allowed client key(s)%s", self.directory,
-                 len(fresh.allowed), ", new client key pair"
-                 if fresh.client_secret != old.client_secret else "")
+            log.warning(
+                "zmq CURVE server key pair in %s changed: this process keeps listening "
+                "and dialing with the one it started with (a server pair changes at "
+                "restart; docs/security.md, rotating keys)",
+                self.directory,
+            )
+        self._keys = KeySet(
+            old.server_secret,
+            old.server_public,
+            fresh.client_secret,
+            fresh.client_public,
+            fresh.allowed,
+        )
+        log.info(
+            "zmq CURVE keys re-read from %s: %d allowed client key(s)%s",
+            self.directory,
+            len(fresh.allowed),
+            ", new client key pair" if fresh.client_secret != old.client_secret else "",
+        )
 
 
 class AllowedView(Set[bytes]):

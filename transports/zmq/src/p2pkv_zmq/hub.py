@@ -107,8 +107,13 @@ class ZmqHub:
         self._options = options
         self._keys = keys
         self._sockets = SocketFactory(options, keys, max_frame_bytes)
-        self.counters = {"refused_handshakes": 0, "dropped_messages": 0, "accepted": 0,
-                         "refused_accepts": 0, "inbound_timeouts": 0}
+        self.counters = {
+            "refused_handshakes": 0,
+            "dropped_messages": 0,
+            "accepted": 0,
+            "refused_accepts": 0,
+            "inbound_timeouts": 0,
+        }
         self.pairing = LinkPairing(self, self.counters)
         self.poller: Poller | None = None
         self._readiness: Readiness | None = None
@@ -120,8 +125,13 @@ class ZmqHub:
         now = time.monotonic()
         self._notices = TokenBucket(_NOTICE_RATE, _NOTICE_RATE, now)
         self._logged: OrderedDict[Hashable, None] = OrderedDict()
-        self._log_limit = LogLimiter(log, _LOG_BURST, _LOG_WINDOW, now, "zmq control transport "
-                                     "warnings (a flood of hostile or failing connections?)")
+        self._log_limit = LogLimiter(
+            log,
+            _LOG_BURST,
+            _LOG_WINDOW,
+            now,
+            "zmq control transport warnings (a flood of hostile or failing connections?)",
+        )
         self._dial_failures = DialFailures()
         self._unflushed: list[ZmqConnection] = []
         """Connections with frames queued since the last flush (possibly repeated)."""
@@ -152,21 +162,36 @@ class ZmqHub:
         plan, keys, sockets = self._plan, self._keys, self._sockets
         readiness = self._readiness = Readiness()
         monitors = self.monitors = SocketMonitors(
-            readiness, self, self._options, curve=keys is not None, counters=self.counters,
-            log_once=self._log_once)
+            readiness,
+            self,
+            self._options,
+            curve=keys is not None,
+            counters=self.counters,
+            log_once=self._log_once,
+        )
         if keys is not None:  # before the listener exists, or libzmq admits everyone
             self._zap = ZapHandler(sockets.context, keys.allowed, monitors.on_zap_refusal)
             readiness.watch(self._zap.socket, self._zap.serve)
         listener = self._listener = sockets.listener(plan)
-        self.poller = Poller(readiness, listener, self.pairing.routes, self.pairing.news,
-                             self._on_unrouted, (self._on_sweep, monitors.next_due))
+        self.poller = Poller(
+            readiness,
+            listener,
+            self.pairing.routes,
+            self.pairing.news,
+            self._on_unrouted,
+            (self._on_sweep, monitors.next_due),
+        )
         self._listener_monitor = sockets.monitor(listener, LISTENER_EVENTS)
         monitors.watch_listener(self._listener_monitor)
         endpoint = sockets.bind(listener, plan)
         port = plan.advertise_port or int(endpoint.rsplit(":", 1)[1])
         self._local_address = format_address(plan.advertise_host, port)
-        log.info("zmq control transport listening on %s as %s (%s)", endpoint,
-                 self._local_address, "CURVE" if keys else "no authentication")
+        log.info(
+            "zmq control transport listening on %s as %s (%s)",
+            endpoint,
+            self._local_address,
+            "CURVE" if keys else "no authentication",
+        )
 
     # -- the ControlTransport calls -------------------------------------------------------------
 
@@ -273,8 +298,11 @@ class ZmqHub:
             self.poller.close()
         if self._readiness is not None:
             self._readiness.close()
-        for sock in (self._listener_monitor, self._zap.socket if self._zap else None,
-                     self._listener):
+        for sock in (
+            self._listener_monitor,
+            self._zap.socket if self._zap else None,
+            self._listener,
+        ):
             if sock is not None:
                 sock.close(0)
         self._sockets.close()
@@ -293,29 +321,45 @@ class ZmqHub:
         incarnation = new_incarnation()
         link = link_id(self._local_address, incarnation)
         ref = b"" if answering is None else answering.rpartition(b"#")[2]
-        push, monitor, queued = self._sockets.dial(peer.key, url, [link, b"", OPEN, ref],
-                                                   LINK_EVENTS)
+        push, monitor, queued = self._sockets.dial(
+            peer.key, url, [link, b"", OPEN, ref], LINK_EVENTS
+        )
         deadline = time.monotonic() + self._options.connect_timeout
-        conn = ZmqConnection(self, self._limits, peer, out=push, monitor=monitor,
-                             incarnation=incarnation, link=link, deadline=deadline)
+        conn = ZmqConnection(
+            self,
+            self._limits,
+            peer,
+            out=push,
+            monitor=monitor,
+            incarnation=incarnation,
+            link=link,
+            deadline=deadline,
+        )
         self.pairing.add(conn)
         self.monitors.watch_dial(conn)
         log.debug("dialing %s (%s)", peer.key, "answering" if answering else "fresh")
         if not queued:
-            self.retire(conn, "could not open the link: libzmq had no pipe to the peer right "
-                        "after connecting (handshake refused?)", notify=False)
+            self.retire(
+                conn,
+                "could not open the link: libzmq had no pipe to the peer right "
+                "after connecting (handshake refused?)",
+                notify=False,
+            )
         return conn
 
     def dial_back(self, address: str, link: bytes) -> ZmqConnection | None:
         """Accept the fresh peer PUSH ``link`` by dialing ``address`` back. Out of sockets, or
         with an address libzmq cannot dial, None: counted in ``refused_accepts``."""
         try:
-            return self._dial(PeerAddress(address, address), link,
-                              tcp_url(*parse_address(address)))
+            return self._dial(PeerAddress(address, address), link, tcp_url(*parse_address(address)))
         except (ResourceUnavailable, ConfigError) as exc:
             self.counters["refused_accepts"] += 1
-            self._log_once(("accept",), "refused connections from peers: %s (a flood of "
-                           "connections? counted in refused_accepts)", exc)
+            self._log_once(
+                ("accept",),
+                "refused connections from peers: %s (a flood of "
+                "connections? counted in refused_accepts)",
+                exc,
+            )
             return None
 
     def retire(self, conn: ZmqConnection, reason: str, *, notify: bool = True) -> None:
@@ -356,8 +400,7 @@ class ZmqHub:
         next dials to its address get at once while it is remembered; logged once per
         address and cause."""
         self._dial_failures.record(conn.key, reason, time.monotonic())
-        self._log_once(("dial", conn.key, reason), "connection to %s failed: %s", conn.key,
-                       reason)
+        self._log_once(("dial", conn.key, reason), "connection to %s failed: %s", conn.key, reason)
         self.retire(conn, reason, notify=False)
 
     def tell_gone(self, link: bytes) -> None:
@@ -375,9 +418,12 @@ class ZmqHub:
         """``[our link, "", verb, arg]`` over a PUSH dialed to ``address`` for that one
         message (rate-limited: :meth:`notice`)."""
         if not self._notices.take(time.monotonic()):
-            self._log_once(("notice-rate",), "not telling every stale peer connection it is "
-                           "gone: more than %s notices a second (a flood of stale frames?)",
-                           _NOTICE_RATE)
+            self._log_once(
+                ("notice-rate",),
+                "not telling every stale peer connection it is "
+                "gone: more than %s notices a second (a flood of stale frames?)",
+                _NOTICE_RATE,
+            )
             return False
         try:
             push = self._sockets.push(address)
@@ -394,8 +440,13 @@ class ZmqHub:
     def dropped(self, link: bytes, why: str, level: int = logging.WARNING) -> None:
         """Count and log (once per sender id) a dropped message."""
         self.counters["dropped_messages"] += 1
-        self._log_once(("drop", link[:MAX_LINK_ID_BYTES]), "dropped a message from %r: %s",
-                       link[:64], why, level=level)
+        self._log_once(
+            ("drop", link[:MAX_LINK_ID_BYTES]),
+            "dropped a message from %r: %s",
+            link[:64],
+            why,
+            level=level,
+        )
 
     def warn_once(self, key: Hashable, msg: str, *args: object) -> None:
         self._log_once(key, msg, *args)

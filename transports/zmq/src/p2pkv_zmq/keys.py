@@ -24,9 +24,18 @@ from zmq.utils import z85
 
 from p2pkv_zmq.key_files import FLEET_CLIENT, FLEET_SERVER, PUBLIC_SUFFIX, SECRET_SUFFIX
 
-__all__ = ["PUBLIC_SUFFIX", "SECRET_SUFFIX", "fleet_secret_manifest", "key_fingerprint",
-           "key_pair_files", "public_of", "read_key", "read_key_list", "write_fleet_keys",
-           "write_key_pair"]
+__all__ = [
+    "PUBLIC_SUFFIX",
+    "SECRET_SUFFIX",
+    "fleet_secret_manifest",
+    "key_fingerprint",
+    "key_pair_files",
+    "public_of",
+    "read_key",
+    "read_key_list",
+    "write_fleet_keys",
+    "write_key_pair",
+]
 
 log = module_logger(__name__)
 
@@ -103,11 +112,15 @@ def key_pair_files() -> tuple[str, str]:
     and ``NAME.key_secret`` (both halves)."""
     public, secret = zmq.curve_keypair()
     pub, sec = public.decode("ascii"), secret.decode("ascii")
-    secret_text = ("# p2pkv CURVE secret key. Keep it private; peers need only the .key file.\n"
-                   f'curve\n    public-key = "{pub}"\n    secret-key = "{sec}"\n')
-    public_text = ("# p2pkv CURVE public key. List it in the peers' allowed_client_keys (or use "
-                   "it as\n# their server_public_key when this pair is the cluster's server key).\n"
-                   f'curve\n    public-key = "{pub}"\n')
+    secret_text = (
+        "# p2pkv CURVE secret key. Keep it private; peers need only the .key file.\n"
+        f'curve\n    public-key = "{pub}"\n    secret-key = "{sec}"\n'
+    )
+    public_text = (
+        "# p2pkv CURVE public key. List it in the peers' allowed_client_keys (or use "
+        "it as\n# their server_public_key when this pair is the cluster's server key).\n"
+        f'curve\n    public-key = "{pub}"\n'
+    )
     return public_text, secret_text
 
 
@@ -122,9 +135,9 @@ def write_fleet_keys(directory: Path, *, force: bool = False) -> list[Path]:
                     f"{directory / (name + suffix)} exists: {directory} holds a fleet's keys. "
                     f"Rotate them without an outage (`p2pkv keys --rotate begin --dir "
                     f"{directory}`, docs/security.md), or pass --force to replace them (every "
-                    "peer still on the old keys is then refused)")
-    return [path for name in _FLEET_PAIRS
-            for path in write_key_pair(directory, name, force=True)]
+                    "peer still on the old keys is then refused)"
+                )
+    return [path for name in _FLEET_PAIRS for path in write_key_pair(directory, name, force=True)]
 
 
 def fleet_secret_manifest(name: str, namespace: str | None = None) -> str:
@@ -133,8 +146,10 @@ def fleet_secret_manifest(name: str, namespace: str | None = None) -> str:
     ``namespace`` Kubernetes would refuse."""
     for what, value in (("name", name), ("namespace", namespace)):
         if value is not None and (len(value) > 253 or not _K8S_NAME.match(value)):
-            raise ConfigError(f"Secret {what} {value!r} is not a valid Kubernetes name: use "
-                              "lowercase letters, digits, '-' and '.'")
+            raise ConfigError(
+                f"Secret {what} {value!r} is not a valid Kubernetes name: use "
+                "lowercase letters, digits, '-' and '.'"
+            )
     files: dict[str, str] = {}
     for pair in _FLEET_PAIRS:
         files[f"{pair}{PUBLIC_SUFFIX}"], files[f"{pair}{SECRET_SUFFIX}"] = key_pair_files()
@@ -142,8 +157,10 @@ def fleet_secret_manifest(name: str, namespace: str | None = None) -> str:
     if namespace is not None:
         lines.append(f"  namespace: {namespace}")
     lines += ["  labels:", "    app.kubernetes.io/part-of: p2pkv", "type: Opaque", "data:"]
-    lines += [f"  {file}: {base64.b64encode(text.encode('ascii')).decode('ascii')}"
-              for file, text in files.items()]
+    lines += [
+        f"  {file}: {base64.b64encode(text.encode('ascii')).decode('ascii')}"
+        for file, text in files.items()
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -176,20 +193,28 @@ def _from_file(path: Path, option: str, kind: Kind) -> bytes:
         raise ConfigError(
             f"{_named(option)}: cannot read key file {path}: this process (uid {os.getuid()}, "
             f"gid {os.getgid()}) may not read it: give it read access (a Secret volume: the "
-            "pod's securityContext.fsGroup and the volume's defaultMode 0440)") from None
+            "pod's securityContext.fsGroup and the volume's defaultMode 0440)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"{_named(option)}: cannot read key file {path}: {why}") from None
     found = {m.group(1): m.group(2) for m in map(_LINE.match, text.splitlines()) if m}
     value = found.get(kind) if found else text.strip()
     if value is None:
-        fix = (": give the NAME.key_secret file `p2pkv keys` wrote (NAME.key is its public "
-               "half, for the peers' allowed_client_keys)" if kind == "secret" else "")
+        fix = (
+            ": give the NAME.key_secret file `p2pkv keys` wrote (NAME.key is its public "
+            "half, for the peers' allowed_client_keys)"
+            if kind == "secret"
+            else ""
+        )
         raise ConfigError(f"{_named(option)}: {path} holds no {kind} key{fix}")
     if kind == "secret" and os.stat(path).st_mode & _LOOSE:
-        log.warning("CURVE secret key file %s is readable or writable by every user: set the "
-                    "Secret volume's defaultMode to 0400 (or 0440 with the pod's fsGroup); "
-                    "outside Kubernetes, chmod 600 it", path)
+        log.warning(
+            "CURVE secret key file %s is readable or writable by every user: set the "
+            "Secret volume's defaultMode to 0400 (or 0440 with the pod's fsGroup); "
+            "outside Kubernetes, chmod 600 it",
+            path,
+        )
     return _checked(value, option, str(path))
 
 

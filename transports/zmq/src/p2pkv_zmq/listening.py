@@ -65,8 +65,15 @@ def plan_listener(settings: ControlSettings, options: ZmqOptions) -> ListenPlan:
         raise ConfigError(f"advertised host {advertise_host!r} is too long for a zmq link id")
     if not advertise_host.isascii():
         raise ConfigError(f"advertised host {advertise_host!r} must be ASCII (use the IDNA form)")
-    return ListenPlan(bind_host, settings.port, advertise_host, advertise_port, settings.dp_rank,
-                      settings.host_setting, settings.port_setting)
+    return ListenPlan(
+        bind_host,
+        settings.port,
+        advertise_host,
+        advertise_port,
+        settings.dp_rank,
+        settings.host_setting,
+        settings.port_setting,
+    )
 
 
 def _split_advertise(value: str) -> tuple[str, int | None]:

@@ -51,13 +51,18 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 LINK_EVENTS = (  # a refused TCP connect (CONNECT_RETRIED) is fatal: fail fast, say why
-    zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_FAILED
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | _HANDSHAKE_FAILED
 )
 """What a dial's monitor reports."""
 LISTENER_EVENTS = (
-    zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # for the gate
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED  # outcomes, for the gate's count
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED  # for the gate
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | _HANDSHAKE_FAILED  # outcomes, for the gate's count
 )
 """What the listener's monitor reports."""
 
@@ -133,17 +138,25 @@ class SocketMonitors:
                 self._owner.dial_failed(conn, foreign_listener_reason(conn.key))  # no outcome
             elif kind == zmq.EVENT_DISCONNECTED:  # after the handshake (a failure comes first)
                 link = conn.remote_link
-                self._owner.retire(conn, "disconnected (peer closed, crashed or silent)",
-                                   notify=False)
+                self._owner.retire(
+                    conn, "disconnected (peer closed, crashed or silent)", notify=False
+                )
                 if link is not None:  # its half may live on (say, it refused our frame size)
                     self._owner.tell_gone(link)
             elif kind == zmq.EVENT_CONNECT_RETRIED:  # the TCP connect failed
                 dialed_us = conn.remote_link is not None
                 self._owner.dial_failed(conn, refused_reason(conn.key, dialed_us=dialed_us))
             elif kind & _HANDSHAKE_FAILED:
-                self._owner.dial_failed(conn, handshake_reason(
-                    conn.key, kind, int(event["value"]), curve=self._curve,
-                    timeout=self._options.handshake_timeout))
+                self._owner.dial_failed(
+                    conn,
+                    handshake_reason(
+                        conn.key,
+                        kind,
+                        int(event["value"]),
+                        curve=self._curve,
+                        timeout=self._options.handshake_timeout,
+                    ),
+                )
 
     # -- timers ---------------------------------------------------------------------------------
 
@@ -174,8 +187,11 @@ class SocketMonitors:
             conn = dials.popleft()
             examined += 1
             if _connecting(conn):
-                self._owner.dial_failed(conn, f"not connected within connect_timeout "
-                                        f"({timeout:g} s): no answer from {conn.key}")
+                self._owner.dial_failed(
+                    conn,
+                    f"not connected within connect_timeout "
+                    f"({timeout:g} s): no answer from {conn.key}",
+                )
         return examined
 
     # -- the listener ---------------------------------------------------------------------------
@@ -219,26 +235,43 @@ class SocketMonitors:
         peer): failures counted and logged once per cause; refused client keys are logged by
         the ZAP handler, which knows the peer."""
         if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # stalled, left, or refused: see gate
-            self._log_once(("listen", "ended"), "an inbound connection ended in its zmq "
-                           "handshake (%s): a TCP probe, a client that left, or a zmq peer of "
-                           "another kind; %s", os.strerror(value), FOREIGN_PEER,
-                           level=logging.INFO)
+            self._log_once(
+                ("listen", "ended"),
+                "an inbound connection ended in its zmq "
+                "handshake (%s): a TCP probe, a client that left, or a zmq peer of "
+                "another kind; %s",
+                os.strerror(value),
+                FOREIGN_PEER,
+                level=logging.INFO,
+            )
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             self._counters["refused_handshakes"] += 1
-            self._log_once(("listen", value), "refused an inbound connection: security "
-                           "handshake failed: %s", protocol_failure(value))
+            self._log_once(
+                ("listen", value),
+                "refused an inbound connection: security handshake failed: %s",
+                protocol_failure(value),
+            )
 
     def _on_gate_close(self, peer: str) -> None:
         self._counters["inbound_timeouts"] += 1
-        self._log_once(("gate", peer.rpartition(":")[0]), "closed an inbound connection from "
-                       "%s: no well-formed p2pkv message within handshake_timeout %g s (not a "
-                       "p2pkv zmq peer?)", peer, self.gate.timeout)
+        self._log_once(
+            ("gate", peer.rpartition(":")[0]),
+            "closed an inbound connection from "
+            "%s: no well-formed p2pkv message within handshake_timeout %g s (not a "
+            "p2pkv zmq peer?)",
+            peer,
+            self.gate.timeout,
+        )
 
     def on_zap_refusal(self, host: str, client: str) -> None:
         self._counters["refused_handshakes"] += 1
         key: Hashable = ("zap", host, client)
-        self._log_once(key, "refused a connection from %s: client key %s is not in "
-                       "allowed_client_keys", host, client)
+        self._log_once(
+            key,
+            "refused a connection from %s: client key %s is not in allowed_client_keys",
+            host,
+            client,
+        )
 
 
 def _connecting(conn: ZmqConnection) -> bool:

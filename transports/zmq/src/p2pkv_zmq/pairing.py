@@ -273,8 +273,13 @@ class LinkPairing:
             self._on_notice(link, verb, parts[3], now)
         elif link in self._retired:  # its connection ended; the peer may not know yet
             # Normal at every close (frames in flight cross our close): not worth a warning.
-            self._drop(link, "frames for a connection that has ended", now, notify=True,
-                       level=logging.DEBUG)
+            self._drop(
+                link,
+                "frames for a connection that has ended",
+                now,
+                notify=True,
+                level=logging.DEBUG,
+            )
         elif link in self.routes:
             pass  # the open of an answered PUSH came after its pairing
         elif verb == OPEN:
@@ -288,8 +293,13 @@ class LinkPairing:
         "gone" (rule 5)."""
         opened = self._pending.get(link)
         if opened is None:
-            self._drop(link, "frames from a peer connection that never opened to this "
-                       "transport (a stale reconnect after a restart?)", now, notify=True)
+            self._drop(
+                link,
+                "frames from a peer connection that never opened to this "
+                "transport (a stale reconnect after a restart?)",
+                now,
+                notify=True,
+            )
         elif opened.offered is None:
             self._unpend(link)
             self._accept(link, address, frame, now)
@@ -298,8 +308,9 @@ class LinkPairing:
         else:
             self._unpend(link)
             _remember(self._retired, link)
-            self._drop(link, "too many frames before the peer confirmed the pairing", now,
-                       notify=True)
+            self._drop(
+                link, "too many frames before the peer confirmed the pairing", now, notify=True
+            )
 
     def _on_open(self, link: bytes, address: str, ref: bytes, now: float) -> None:
         if ref:
@@ -319,10 +330,13 @@ class LinkPairing:
             self.tell_gone(link, now)  # we already retired that connection
         elif conn.remote_link is None:
             if conn.key != address:  # matched by incarnation, so still one connection
-                self._port.warn_once(("alias", conn.key, address),
-                                     "peer dialed as %s presents itself as %s; dial the "
-                                     "address it advertises, or set its 'advertise' option",
-                                     conn.key, address)
+                self._port.warn_once(
+                    ("alias", conn.key, address),
+                    "peer dialed as %s presents itself as %s; dial the "
+                    "address it advertises, or set its 'advertise' option",
+                    conn.key,
+                    address,
+                )
             self.confirm(conn, link, now)
         else:
             self.tell_gone(link, now, via=conn)
@@ -344,8 +358,12 @@ class LinkPairing:
         conn = self._by_incarnation.get(incarnation)
         if conn is None:
             if incarnation not in self._retired:
-                self._drop(link, "a link message for a connection this transport never had",
-                           now, notify=False)
+                self._drop(
+                    link,
+                    "a link message for a connection this transport never had",
+                    now,
+                    notify=False,
+                )
         elif verb == GONE:
             if conn.remote_link is not None:
                 self.mark_told(conn.remote_link, now)  # it knows
@@ -429,8 +447,9 @@ class LinkPairing:
         if sent:
             self.mark_told(link, now)
 
-    def _drop(self, link: bytes, why: str, now: float, *, notify: bool,
-              level: int = logging.WARNING) -> None:
+    def _drop(
+        self, link: bytes, why: str, now: float, *, notify: bool, level: int = logging.WARNING
+    ) -> None:
         """Count and log a dropped message; ``notify``: tell ``link`` (a valid id) "gone"."""
         self._port.dropped(link, why, level)
         if notify:

@@ -313,5 +313,4 @@ class Poller:
         """A message of three parts or more, the rest still to read: link messages (rare).
         Read as frames, which name the TCP connection they came over (``ZMQ_SRCFD``)."""
         rest = self._listener.recv_multipart(_NOBLOCK, copy=False)
-        self._on_unrouted([link, first, *(frame.bytes for frame in rest)],
-                          rest[-1].get(_SRCFD))
+        self._on_unrouted([link, first, *(frame.bytes for frame in rest)], rest[-1].get(_SRCFD))

@@ -44,15 +44,23 @@ from p2pkv_zmq.zmtp import Greeting, greet
 
 __all__ = ["ProbeResult", "probe"]
 
-_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
-           | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 _STALLED = "stopped (SIGSTOP) or starved of CPU"
 """Why a listener may accept TCP and then say nothing in time, as failure lines say it."""
 _MIN_GREET = 0.05
 """Seconds the hand reading gets at least (it always has about half the timeout)."""
-_BUILTIN_FIX = ("the image lacks p2pkv-vllm, vLLM did not load its plugin (VLLM_PLUGINS), or "
-                "P2PKV_REPLACE_P2P is not 1 on the engine")
+_BUILTIN_FIX = (
+    "the image lacks p2pkv-vllm, vLLM did not load its plugin (VLLM_PLUGINS), or "
+    "P2PKV_REPLACE_P2P is not 1 on the engine"
+)
 
 
 @dataclass(frozen=True)
@@ -84,8 +92,9 @@ class _Seen:
     stall)."""
 
 
-def probe(address: str, host: str, port: int, keys: CurveKeys | None, timeout: float
-          ) -> ProbeResult:
+def probe(
+    address: str, host: str, port: int, keys: CurveKeys | None, timeout: float
+) -> ProbeResult:
     """Probe the tier at ``host:port`` (``address`` as the operator wrote it, for the line):
     CURVE with ``keys``, or plain (``--insecure``) without."""
     deadline = time.monotonic() + timeout
@@ -103,20 +112,32 @@ def probe(address: str, host: str, port: int, keys: CurveKeys | None, timeout: f
     if seen.failure:
         return ProbeResult(False, f"{address}: {seen.failure}")
     if seen.refused_tier_key:
-        return ProbeResult(False, f"{address}: a tier answered with client key "
-                           f"{seen.refused_tier_key}, which is not among this fleet's "
-                           "allowed client keys: it mounts another fleet's Secret")
+        return ProbeResult(
+            False,
+            f"{address}: a tier answered with client key "
+            f"{seen.refused_tier_key}, which is not among this fleet's "
+            "allowed client keys: it mounts another fleet's Secret",
+        )
     if seen.handshake:
-        return ProbeResult(False, f"{address}: a zmq PULL accepted the connection but did not "
-                           f"identify itself within {timeout:g} s: a p2pkv tier still "
-                           f"starting, {_STALLED}, a p2pkv older than this probe, or not a "
-                           "p2pkv tier")
+        return ProbeResult(
+            False,
+            f"{address}: a zmq PULL accepted the connection but did not "
+            f"identify itself within {timeout:g} s: a p2pkv tier still "
+            f"starting, {_STALLED}, a p2pkv older than this probe, or not a "
+            "p2pkv tier",
+        )
     found = greet(ip, port, max(deadline - time.monotonic(), _MIN_GREET))
     return ProbeResult(False, f"{address}: {_named(found, keys, seen.stalled)}")
 
 
-def _exchange(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, port: int,
-              keys: CurveKeys | None, deadline: float, timeout: float) -> _Seen:
+def _exchange(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    ip: str,
+    port: int,
+    keys: CurveKeys | None,
+    deadline: float,
+    timeout: float,
+) -> _Seen:
     """Dial, send ``probe`` once the handshake succeeds, wait for ``identity``: the
     handshake until ``timeout / 2`` before ``deadline`` (else ``stalled``), the answer
     until ``deadline``."""
@@ -142,8 +163,13 @@ def _exchange(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, port: int,
             break
         for sock, _ in poller.poll(max(1, math.ceil(left * 1000))):
             if sock is monitor:
-                _on_event(parse_monitor_message(monitor.recv_multipart()), seen, keys, push,
-                          [our_link, b"", PROBE, nonce])
+                _on_event(
+                    parse_monitor_message(monitor.recv_multipart()),
+                    seen,
+                    keys,
+                    push,
+                    [our_link, b"", PROBE, nonce],
+                )
             elif sock is answers:
                 _on_answer(answers.recv_multipart(), nonce, seen)
             elif zap is not None:
@@ -151,8 +177,9 @@ def _exchange(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, port: int,
     return seen
 
 
-def _dialer(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, keys: CurveKeys | None,
-            timeout: float) -> zmq.Socket[bytes]:
+def _dialer(
+    ctx: zmq.Context[zmq.Socket[bytes]], ip: str, keys: CurveKeys | None, timeout: float
+) -> zmq.Socket[bytes]:
     """The PUSH that dials the tier: a CURVE client with the fleet's keys, or plain."""
     push = ctx.socket(zmq.PUSH)
     push.linger = 0
@@ -165,8 +192,9 @@ def _dialer(ctx: zmq.Context[zmq.Socket[bytes]], ip: str, keys: CurveKeys | None
     return push
 
 
-def _answer_socket(ctx: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys | None, seen: _Seen
-                   ) -> tuple[zmq.Socket[bytes], ZapHandler | None]:
+def _answer_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys | None, seen: _Seen
+) -> tuple[zmq.Socket[bytes], ZapHandler | None]:
     """The PULL the tier's answer comes to: with keys, a CURVE server holding the fleet's
     server key whose ZAP handler admits only the fleet's client keys (so the answer proves
     them; a refused one is recorded in ``seen``)."""
@@ -189,8 +217,13 @@ def _answer_socket(ctx: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys | None, 
     return answers, zap
 
 
-def _on_event(event: Mapping[str, Any], seen: _Seen, keys: CurveKeys | None,
-              push: zmq.Socket[bytes], message: list[bytes]) -> None:
+def _on_event(
+    event: Mapping[str, Any],
+    seen: _Seen,
+    keys: CurveKeys | None,
+    push: zmq.Socket[bytes],
+    message: list[bytes],
+) -> None:
     kind, value = event["event"], event["value"]
     assert isinstance(value, int)
     if kind == zmq.EVENT_CONNECTED:
@@ -205,11 +238,16 @@ def _on_event(event: Mapping[str, Any], seen: _Seen, keys: CurveKeys | None,
         seen.diagnose = True  # refused: greet names it
     elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         fingerprint = key_fingerprint(keys.client_public) if keys else ""
-        seen.failure = (f"a CURVE listener refused this fleet's client key ({fingerprint}): "
-                        "its allowed client keys are another fleet's (another Secret, or a "
-                        "rotation not finished there)")
-    elif (kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-          and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC and keys is not None):
+        seen.failure = (
+            f"a CURVE listener refused this fleet's client key ({fingerprint}): "
+            "its allowed client keys are another fleet's (another Secret, or a "
+            "rotation not finished there)"
+        )
+    elif (
+        kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC
+        and keys is not None
+    ):
         seen.failure = _other_server_key(keys)
     elif kind != zmq.EVENT_CONNECT_RETRIED and not seen.handshake:
         seen.diagnose = True  # a hang-up or another protocol error: greet names the peer
@@ -228,62 +266,87 @@ def _on_answer(parts: list[bytes], nonce: bytes, seen: _Seen) -> None:
         seen.identity = identity
 
 
-def _verdict(address: str, identity: Identity, keys: CurveKeys | None, tier_client: bytes
-             ) -> ProbeResult:
-    what = (f"p2pkv {identity.version}, control {identity.control}, wire "
-            f"{identity.wire[0]}.{identity.wire[1]}")
+def _verdict(
+    address: str, identity: Identity, keys: CurveKeys | None, tier_client: bytes
+) -> ProbeResult:
+    what = (
+        f"p2pkv {identity.version}, control {identity.control}, wire "
+        f"{identity.wire[0]}.{identity.wire[1]}"
+    )
     if identity.wire[0] != WIRE_MAJOR:
-        return ProbeResult(False, f"{address}: a p2pkv tier ({what}) whose wire major version "
-                           f"is not this p2pkv's ({WIRE_MAJOR}): the two cannot share blocks")
+        return ProbeResult(
+            False,
+            f"{address}: a p2pkv tier ({what}) whose wire major version "
+            f"is not this p2pkv's ({WIRE_MAJOR}): the two cannot share blocks",
+        )
     if keys is None:
-        return ProbeResult(True, f"p2pkv tier at {address}: {what}, no authentication "
-                           "(--insecure)")
+        return ProbeResult(True, f"p2pkv tier at {address}: {what}, no authentication (--insecure)")
     client = f", its client key {key_fingerprint(tier_client)}" if tier_client else ""
-    return ProbeResult(True, f"p2pkv tier at {address}: {what}, CURVE (keys "
-                       f"{key_fingerprint(keys.server_public)}{client})")
+    return ProbeResult(
+        True,
+        f"p2pkv tier at {address}: {what}, CURVE (keys "
+        f"{key_fingerprint(keys.server_public)}{client})",
+    )
 
 
 def _named(found: Greeting, keys: CurveKeys | None, stalled: float) -> str:
     """What :func:`greet` found, as the end of a failure line (``stalled``: seconds our dial
     waited for a handshake in vain, 0 if it failed at once)."""
     if found.mechanism == "CURVE" and keys is not None and stalled:
-        return (f"a CURVE listener that completed no handshake within {stalled:g} s: a "
-                f"p2pkv tier still starting, or {_STALLED}")
+        return (
+            f"a CURVE listener that completed no handshake within {stalled:g} s: a "
+            f"p2pkv tier still starting, or {_STALLED}"
+        )
     if found.mechanism:
         return _zmq_listener(found, keys)
     if found.refused:
-        return "nothing listens there (connection refused): the tier is not up yet, or "\
-               "listens on another port (VLLM_P2P_SIDE_CHANNEL_PORT, + the DP rank)"
+        return (
+            "nothing listens there (connection refused): the tier is not up yet, or "
+            "listens on another port (VLLM_P2P_SIDE_CHANNEL_PORT, + the DP rank)"
+        )
     if found.unreachable:
         return f"no answer ({found.unreachable})"
     if found.not_zmq is not None:
         shown = f" ({found.not_zmq!r})" if found.not_zmq else ""
         return f"it answers with bytes that are not zmq{shown}: not a p2pkv tier"
-    return (f"it accepts TCP connections but sends no zmq greeting: a process {_STALLED}, "
-            "or not a p2pkv tier")
+    return (
+        f"it accepts TCP connections but sends no zmq greeting: a process {_STALLED}, "
+        "or not a p2pkv tier"
+    )
 
 
 def _zmq_listener(found: Greeting, keys: CurveKeys | None) -> str:
     """A zmq listener that is not the expected tier, named by its mechanism (and type)."""
     if found.mechanism == "CURVE":
-        return _other_server_key(keys) if keys is not None else (
-            "a CURVE listener (a p2pkv tier with keys?), but the probe runs --insecure: "
-            "give it the fleet's keys (P2PKV_CURVE_DIR or --curve-dir)")
+        return (
+            _other_server_key(keys)
+            if keys is not None
+            else (
+                "a CURVE listener (a p2pkv tier with keys?), but the probe runs --insecure: "
+                "give it the fleet's keys (P2PKV_CURVE_DIR or --curve-dir)"
+            )
+        )
     if found.mechanism != "NULL":
         return f"a zmq listener with {found.mechanism} security: not a p2pkv tier"
     if found.socket_type == "ROUTER":
-        return f"vLLM's built-in P2P tier (a zmq ROUTER without authentication), not p2pkv: "\
-               f"{_BUILTIN_FIX}"
+        return (
+            f"vLLM's built-in P2P tier (a zmq ROUTER without authentication), not p2pkv: "
+            f"{_BUILTIN_FIX}"
+        )
     if found.socket_type == "PULL" and keys is not None:
-        return ("a tier without authentication (insecure), but this fleet's keys are set: "
-                "the engine lacks P2PKV_CURVE_DIR (or its entry says insecure: true)")
+        return (
+            "a tier without authentication (insecure), but this fleet's keys are set: "
+            "the engine lacks P2PKV_CURVE_DIR (or its entry says insecure: true)"
+        )
     return f"a zmq {found.socket_type or 'socket'} without authentication: not a p2pkv tier"
 
 
 def _other_server_key(keys: CurveKeys) -> str:
-    return (f"a CURVE listener whose server key is not this fleet's (keys "
-            f"{key_fingerprint(keys.server_public)}): it mounts another fleet's Secret, or "
-            "a rotation not finished there")
+    return (
+        f"a CURVE listener whose server key is not this fleet's (keys "
+        f"{key_fingerprint(keys.server_public)}): it mounts another fleet's Secret, or "
+        "a rotation not finished there"
+    )
 
 
 def _local_ip(ip: str, port: int) -> str:

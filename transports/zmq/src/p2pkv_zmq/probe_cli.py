@@ -46,7 +46,7 @@ def add_probe_parser(sub: Any) -> None:
     p = sub.add_parser(
         "probe",
         help="prove that a p2pkv tier with the expected security answers at HOST:PORT "
-             "(a readiness probe)",
+        "(a readiness probe)",
         description=(
             "Dial the tier at HOST:PORT as a peer would and ask who it is, without opening a "
             "session. Exit 0 only when a p2pkv tier answers with this fleet's CURVE keys (or "
@@ -56,22 +56,44 @@ def add_probe_parser(sub: Any) -> None:
             "localhost:5710)."
         ),
     )
-    p.add_argument("address", nargs="?", metavar="HOST:PORT",
-                   help="the tier's control address (default: this pod's, from the environment)")
-    p.add_argument("--ranks", type=int, default=1, metavar="N",
-                   help="probe ports PORT..PORT+N-1 (one per data-parallel rank); all must pass")
+    p.add_argument(
+        "address",
+        nargs="?",
+        metavar="HOST:PORT",
+        help="the tier's control address (default: this pod's, from the environment)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="probe ports PORT..PORT+N-1 (one per data-parallel rank); all must pass",
+    )
     security = p.add_mutually_exclusive_group()
-    security.add_argument("--curve-dir", metavar="DIR",
-                          help=f"the fleet's key directory (default: ${CURVE_DIR_ENV})")
-    security.add_argument("--insecure", action="store_true",
-                          help="expect a tier without authentication (insecure: true)")
-    p.add_argument("--client-key", default="client", metavar="NAME",
-                   help="dial with the pair NAME.key_secret of the key directory (default "
-                        "client; client-next checks a rotation's new key, docs/security.md)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                   help=f"seconds each rank's probe takes at most, the naming of what "
-                        f"answered included (default {DEFAULT_TIMEOUT:g}); ranks are probed "
-                        "at once")
+    security.add_argument(
+        "--curve-dir", metavar="DIR", help=f"the fleet's key directory (default: ${CURVE_DIR_ENV})"
+    )
+    security.add_argument(
+        "--insecure",
+        action="store_true",
+        help="expect a tier without authentication (insecure: true)",
+    )
+    p.add_argument(
+        "--client-key",
+        default="client",
+        metavar="NAME",
+        help="dial with the pair NAME.key_secret of the key directory (default "
+        "client; client-next checks a rotation's new key, docs/security.md)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"seconds each rank's probe takes at most, the naming of what "
+        f"answered included (default {DEFAULT_TIMEOUT:g}); ranks are probed "
+        "at once",
+    )
     p.set_defaults(func=run_probe)
 
 
@@ -79,11 +101,13 @@ def run_probe(args: argparse.Namespace) -> int:
     """0: every rank passed; 1: one did not (its line on stderr); misuse raises
     ``ConfigError`` (the CLI prints it and exits 2)."""
     if not 1 <= args.ranks <= MAX_RANKS:
-        raise ConfigError(f"--ranks must be 1..{MAX_RANKS} (the engine's data-parallel size), "
-                          f"got {args.ranks}")
+        raise ConfigError(
+            f"--ranks must be 1..{MAX_RANKS} (the engine's data-parallel size), got {args.ranks}"
+        )
     if not 0 < args.timeout <= MAX_TIMEOUT:
-        raise ConfigError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], "
-                          f"got {args.timeout}")
+        raise ConfigError(
+            f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {args.timeout}"
+        )
     host, port = _target(args.address, os.environ)
     if port + args.ranks - 1 > 65535:
         raise ConfigError(f"--ranks {args.ranks} from port {port} passes 65535: lower --ranks")
@@ -110,8 +134,9 @@ def _target(address: str | None, environ: os._Environ[str] | dict[str, str]) -> 
             return parse_address(address)
         except ConfigError as exc:
             raise ConfigError(f"{exc}: give the tier's control address as HOST:PORT") from None
-    config = TierConfig.from_dict({}, environ=environ, host_env=VLLM_HOST_ENV,
-                                  port_env=VLLM_PORT_ENV)
+    config = TierConfig.from_dict(
+        {}, environ=environ, host_env=VLLM_HOST_ENV, port_env=VLLM_PORT_ENV
+    )
     if config.base_port == 0:
         raise ConfigError("the tier's port is 0 (ephemeral) here: give HOST:PORT")
     host = config.host
@@ -129,11 +154,15 @@ def _keys(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) 
     if directory is None:
         directory = environ.get(CURVE_DIR_ENV)
         if directory is not None and not directory.strip():
-            raise ConfigError(f"{CURVE_DIR_ENV} is set but empty: set it to the fleet's key "
-                              "directory, or pass --insecure for a tier without keys")
+            raise ConfigError(
+                f"{CURVE_DIR_ENV} is set but empty: set it to the fleet's key "
+                "directory, or pass --insecure for a tier without keys"
+            )
     if directory is None:
-        raise ConfigError(f"no keys: set {CURVE_DIR_ENV} (or --curve-dir DIR) to the fleet's "
-                          "key directory, or pass --insecure for a tier without authentication")
+        raise ConfigError(
+            f"no keys: set {CURVE_DIR_ENV} (or --curve-dir DIR) to the fleet's "
+            "key directory, or pass --insecure for a tier without authentication"
+        )
     import zmq
 
     from p2pkv_zmq.security import fleet_keys

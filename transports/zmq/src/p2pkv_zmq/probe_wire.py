@@ -90,10 +90,18 @@ def probe_request(parts: list[bytes]) -> tuple[bytes, str] | str | None:
 
 def encode_identity(identity: Identity) -> bytes:
     """The payload of an ``identity`` message."""
-    return bytes(msgpack.packb({
-        "nonce": identity.nonce, "p2pkv": identity.version, "wire": list(identity.wire),
-        "control": identity.control, "security": identity.security,
-    }, use_bin_type=True))
+    return bytes(
+        msgpack.packb(
+            {
+                "nonce": identity.nonce,
+                "p2pkv": identity.version,
+                "wire": list(identity.wire),
+                "control": identity.control,
+                "security": identity.security,
+            },
+            use_bin_type=True,
+        )
+    )
 
 
 def decode_identity(payload: bytes) -> Identity:
@@ -102,17 +110,22 @@ def decode_identity(payload: bytes) -> Identity:
     if len(payload) > MAX_IDENTITY_BYTES:
         raise ProbeWireError(f"identity: {len(payload)} bytes, more than {MAX_IDENTITY_BYTES}")
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True,
-                              ext_hook=_no_extensions)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_no_extensions)
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
         raise ProbeWireError(f"identity: not one msgpack map ({type(exc).__name__})") from None
     if not isinstance(raw, dict):
         raise ProbeWireError(f"identity: expected a map, got {type(raw).__name__}")
     nonce = _field(raw, "nonce", bytes)
     if not valid_nonce(nonce):
-        raise ProbeWireError(f"identity.nonce: expected {MIN_NONCE_BYTES}..{MAX_NONCE_BYTES} "
-                             f"bytes, got {len(nonce)}")
+        raise ProbeWireError(
+            f"identity.nonce: expected {MIN_NONCE_BYTES}..{MAX_NONCE_BYTES} bytes, got {len(nonce)}"
+        )
     version = _field(raw, "p2pkv", str)
     if not _VERSION_TEXT.match(version):
         raise ProbeWireError("identity.p2pkv: expected a version string")
@@ -131,8 +144,9 @@ def decode_identity(payload: bytes) -> Identity:
 def _field(raw: dict[str, Any], name: str, kind: type) -> Any:
     value = raw.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ProbeWireError(f"identity.{name}: expected {kind.__name__}, "
-                             f"got {type(value).__name__}")
+        raise ProbeWireError(
+            f"identity.{name}: expected {kind.__name__}, got {type(value).__name__}"
+        )
     return value
 
 
@@ -147,5 +161,6 @@ def _no_extensions(code: int, data: bytes) -> Any:
 def identity_answer(nonce: bytes, *, curve: bool) -> bytes:
     """This process's answer to a probe carrying ``nonce``: its p2pkv version, the session
     wire version, ``zmq``, and whether the listener runs CURVE."""
-    return encode_identity(Identity(nonce, __version__, (WIRE_MAJOR, WIRE_MINOR), "zmq",
-                                    "curve" if curve else "none"))
+    return encode_identity(
+        Identity(nonce, __version__, (WIRE_MAJOR, WIRE_MINOR), "zmq", "curve" if curve else "none")
+    )

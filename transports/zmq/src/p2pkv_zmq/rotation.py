@@ -51,12 +51,16 @@ def rotate(files: Mapping[str, str], step: Step) -> tuple[dict[str, str], list[s
     out = dict(files)
     current, following = f"{_CLIENT}{SECRET_SUFFIX}", f"{_NEXT}{SECRET_SUFFIX}"
     if current not in has:
-        raise ConfigError(f"no {current}: this is not a fleet key directory (`p2pkv keys "
-                          "--fleet` or `--secret` makes one)")
+        raise ConfigError(
+            f"no {current}: this is not a fleet key directory (`p2pkv keys "
+            "--fleet` or `--secret` makes one)"
+        )
     if step == "begin":
         if following in has or f"{_PREVIOUS}{PUBLIC_SUFFIX}" in has:
-            raise ConfigError("a rotation is already under way (client-next or "
-                              "client-previous is present): run `switch` or `finish`")
+            raise ConfigError(
+                "a rotation is already under way (client-next or "
+                "client-previous is present): run `switch` or `finish`"
+            )
         from p2pkv_zmq.keys import key_pair_files
 
         out[f"{_NEXT}{PUBLIC_SUFFIX}"], out[following] = key_pair_files()
@@ -72,8 +76,10 @@ def rotate(files: Mapping[str, str], step: Step) -> tuple[dict[str, str], list[s
             del out[name]
         return out, gone
     if f"{_PREVIOUS}{PUBLIC_SUFFIX}" not in has or following in has:
-        raise ConfigError("not switched yet (client-previous.key missing, or client-next "
-                          "present): run `switch` first")
+        raise ConfigError(
+            "not switched yet (client-previous.key missing, or client-next "
+            "present): run `switch` first"
+        )
     del out[f"{_PREVIOUS}{PUBLIC_SUFFIX}"]
     return out, [f"{_PREVIOUS}{PUBLIC_SUFFIX}"]
 
@@ -89,14 +95,20 @@ def check_hint(step: Step, files: Mapping[str, str]) -> str:
         return key_fingerprint(read_key(key, name, "public"))
 
     if step == "begin":
-        return (f"new client key {fingerprint(_NEXT)} is admitted once this reaches a pod; "
-                f"check every pod with `p2pkv probe --client-key {_NEXT}`, then run switch")
+        return (
+            f"new client key {fingerprint(_NEXT)} is admitted once this reaches a pod; "
+            f"check every pod with `p2pkv probe --client-key {_NEXT}`, then run switch"
+        )
     if step == "switch":
-        return (f"new dials present client key {fingerprint(_CLIENT)}; check that `p2pkv "
-                f"probe` shows 'its client key {fingerprint(_CLIENT)}' on every pod, then run "
-                "finish")
-    return (f"only client key {fingerprint(_CLIENT)} is admitted for new connections once this "
-            "reaches a pod; restart pods to cut connections made with the old one")
+        return (
+            f"new dials present client key {fingerprint(_CLIENT)}; check that `p2pkv "
+            f"probe` shows 'its client key {fingerprint(_CLIENT)}' on every pod, then run "
+            "finish"
+        )
+    return (
+        f"only client key {fingerprint(_CLIENT)} is admitted for new connections once this "
+        "reaches a pod; restart pods to cut connections made with the old one"
+    )
 
 
 def rotate_dir(directory: Path, step: Step) -> list[str]:
@@ -104,8 +116,11 @@ def rotate_dir(directory: Path, step: Step) -> list[str]:
     file. New and changed files first (each written to a temporary name and renamed over),
     removals last, so a tier reading the directory meanwhile finds a usable set."""
     try:
-        files = {p.name: p.read_text(encoding="ascii") for p in directory.iterdir()
-                 if p.is_file() and p.name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX))}
+        files = {
+            p.name: p.read_text(encoding="ascii")
+            for p in directory.iterdir()
+            if p.is_file() and p.name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX))
+        }
     except OSError as exc:
         raise ConfigError(f"--dir {directory}: cannot read it: {exc.strerror or exc}") from None
     after, gone = rotate(files, step)
@@ -129,24 +144,34 @@ def rotate_secret(manifest: str, step: Step) -> tuple[str, str]:
     try:
         secret = json.loads(manifest)
     except ValueError as exc:
-        raise ConfigError(f"the Secret is not JSON ({exc}): give `kubectl get secret NAME -o "
-                          "json`") from None
-    if not isinstance(secret, dict) or secret.get("kind") != "Secret" \
-            or not isinstance(secret.get("data"), dict):
+        raise ConfigError(
+            f"the Secret is not JSON ({exc}): give `kubectl get secret NAME -o json`"
+        ) from None
+    if (
+        not isinstance(secret, dict)
+        or secret.get("kind") != "Secret"
+        or not isinstance(secret.get("data"), dict)
+    ):
         raise ConfigError("not a Secret with data: give `kubectl get secret NAME -o json`")
     try:
-        files = {name: base64.b64decode(value, validate=True).decode("ascii")
-                 for name, value in secret["data"].items()}
+        files = {
+            name: base64.b64decode(value, validate=True).decode("ascii")
+            for name, value in secret["data"].items()
+        }
     except (binascii.Error, UnicodeDecodeError, TypeError, ValueError):
         raise ConfigError("the Secret's data is not base64 key files") from None
     after, _ = rotate(files, step)
     given = secret.get("metadata")
     metadata: dict[str, Any] = given if isinstance(given, dict) else {}
     out: dict[str, Any] = {
-        "apiVersion": "v1", "kind": "Secret", "type": secret.get("type", "Opaque"),
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": secret.get("type", "Opaque"),
         "metadata": {k: metadata[k] for k in _SECRET_KEEP if k in metadata},
-        "data": {name: base64.b64encode(text.encode("ascii")).decode("ascii")
-                 for name, text in sorted(after.items())},
+        "data": {
+            name: base64.b64encode(text.encode("ascii")).decode("ascii")
+            for name, text in sorted(after.items())
+        },
     }
     return json.dumps(out, indent=2) + "\n", check_hint(step, after)
 

@@ -75,7 +75,10 @@ class CurveKeys:
 
 
 def curve_keys(
-    bind_host: str, options: ZmqOptions, *, curve_supported: bool,
+    bind_host: str,
+    options: ZmqOptions,
+    *,
+    curve_supported: bool,
     environ: Mapping[str, str] = os.environ,
 ) -> CurveKeys | None:
     """The CURVE keys to use, or None for plain (unauthenticated) ZMTP.
@@ -84,13 +87,17 @@ def curve_keys(
     """
     directory = environ.get(CURVE_DIR_ENV)
     if directory is not None and not directory.strip():
-        raise ConfigError(f"{CURVE_DIR_ENV} is set but empty: set it to the directory where the "
-                          "fleet's key Secret is mounted, or unset it (a tier without keys must "
-                          "say insecure: true)")
+        raise ConfigError(
+            f"{CURVE_DIR_ENV} is set but empty: set it to the directory where the "
+            "fleet's key Secret is mounted, or unset it (a tier without keys must "
+            "say insecure: true)"
+        )
     if not options.curve_requested and directory:
         if options.insecure:
-            raise ConfigError(f"zmq option insecure: true and {CURVE_DIR_ENV}={directory!r} "
-                              f"contradict each other: unset {CURVE_DIR_ENV} or drop insecure")
+            raise ConfigError(
+                f"zmq option insecure: true and {CURVE_DIR_ENV}={directory!r} "
+                f"contradict each other: unset {CURVE_DIR_ENV} or drop insecure"
+            )
         if not curve_supported:
             raise ConfigError(f"{CURVE_DIR_ENV} is set but this libzmq was built without CURVE")
         return fleet_keys(Path(directory))
@@ -106,7 +113,8 @@ def curve_keys(
         if options.insecure:
             log.warning(
                 "zmq control transport on %r runs with insecure: true: no authentication and no "
-                "encryption; anyone who can reach the port can open sessions", bind_host,
+                "encryption; anyone who can reach the port can open sessions",
+                bind_host,
             )
         return None
     if options.insecure:
@@ -129,15 +137,25 @@ def curve_keys(
         if options.server_public_key
         else public_of(server_secret)
     )
-    return CurveKeys(KeySet(server_secret, server_public, client_secret,
-                            public_of(client_secret),
-                            read_key_list(options.allowed_client_keys, "allowed_client_keys")))
+    return CurveKeys(
+        KeySet(
+            server_secret,
+            server_public,
+            client_secret,
+            public_of(client_secret),
+            read_key_list(options.allowed_client_keys, "allowed_client_keys"),
+        )
+    )
 
 
 def fleet_keys(directory: Path, client: str = FLEET_CLIENT) -> CurveKeys:
     """A fleet's keys from ``directory``, followed as it changes (:mod:`p2pkv_zmq.fleet_dir`),
     dialing with the pair ``client``; ``ConfigError`` naming what is missing or unreadable."""
     live = LiveKeys(directory, client=client)
-    log.info("zmq CURVE keys from %s=%s (%d allowed client key(s); re-read when it changes)",
-             CURVE_DIR_ENV, directory, len(live.current().allowed))
+    log.info(
+        "zmq CURVE keys from %s=%s (%d allowed client key(s); re-read when it changes)",
+        CURVE_DIR_ENV,
+        directory,
+        len(live.current().allowed),
+    )
     return CurveKeys(live)

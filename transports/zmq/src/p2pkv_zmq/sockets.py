@@ -174,13 +174,16 @@ def _dial_error(context: zmq.Context[Socket], key: str, exc: zmq.ZMQError) -> P2
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         return _out_of_sockets(context, key, exc)
     if exc.errno in (errno.ENOMEM, errno.ENOBUFS):
-        return ResourceUnavailable(f"cannot dial zmq peer {key}: {exc}; lower the tier's "
-                                   "peers.max_dialed or restrict peers.allow")
+        return ResourceUnavailable(
+            f"cannot dial zmq peer {key}: {exc}; lower the tier's "
+            "peers.max_dialed or restrict peers.allow"
+        )
     return ConfigError(f"cannot dial zmq peer {key}: {exc}; check the address")
 
 
-def _out_of_sockets(context: zmq.Context[Socket], key: str,
-                    exc: zmq.ZMQError) -> ResourceUnavailable:
+def _out_of_sockets(
+    context: zmq.Context[Socket], key: str, exc: zmq.ZMQError
+) -> ResourceUnavailable:
     """No socket left: name the limit that was really hit, the zmq context's socket cap or
     the process's descriptor limit, and its fix."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -189,12 +192,16 @@ def _out_of_sockets(context: zmq.Context[Socket], key: str,
     except OSError:  # not Linux: cannot tell which
         used = soft
     if used < soft - _DESCRIPTOR_MARGIN:
-        limit = (f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = "
-                 f"{context.get(zmq.MAX_SOCKETS)}, 3 per dialed peer): lower the tier's "
-                 "peers.max_dialed or restrict peers.allow")
+        limit = (
+            f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = "
+            f"{context.get(zmq.MAX_SOCKETS)}, 3 per dialed peer): lower the tier's "
+            "peers.max_dialed or restrict peers.allow"
+        )
     else:
-        limit = (f"the process's descriptor limit (ulimit -n = {soft}, {used} open): raise "
-                 "it, or lower the tier's peers.max_dialed")
+        limit = (
+            f"the process's descriptor limit (ulimit -n = {soft}, {used} open): raise "
+            "it, or lower the tier's peers.max_dialed"
+        )
     return ResourceUnavailable(f"cannot dial zmq peer {key}: no socket left ({exc}); {limit}")
 
 

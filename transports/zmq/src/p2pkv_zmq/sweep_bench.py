@@ -34,12 +34,14 @@ def measure_sweeps(connections: int) -> dict[str, Any]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.linger = 0
-    t = ZmqControlTransport.create(ControlSettings(
-        "127.0.0.1", 0, options={"max_sockets": 8 * connections + 64}))
+    t = ZmqControlTransport.create(
+        ControlSettings("127.0.0.1", 0, options={"max_sockets": 8 * connections + 64})
+    )
     try:
         conns: list[Any] = [
             t.connect(f"127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
-            for _ in range(connections)]
+            for _ in range(connections)
+        ]
         limit = time.monotonic() + _DEADLINE
         while not all(c.progress == "ready" for c in conns):
             if time.monotonic() > limit:
@@ -75,10 +77,13 @@ def _measure(t: ZmqControlTransport, connections: int) -> dict[str, Any]:
     finally:
         sys.setprofile(None)
     done = poller.sweeps - sweeps
-    return {"connections": connections, "sweeps": done,
-            "examined_per_sweep": round((poller.readiness.work - work) / done, 2),
-            "python_calls_per_sweep": round(calls / (poller.sweeps - profiled), 1),
-            "cpu_us_per_poll": round(cpu_us, 1)}
+    return {
+        "connections": connections,
+        "sweeps": done,
+        "examined_per_sweep": round((poller.readiness.work - work) / done, 2),
+        "python_calls_per_sweep": round(calls / (poller.sweeps - profiled), 1),
+        "cpu_us_per_poll": round(cpu_us, 1),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -95,8 +95,9 @@ class ZmqControlTransport(ControlTransport):
         from p2pkv_zmq.options import read_options
         from p2pkv_zmq.security import curve_keys
 
-        options = read_options({"handshake_timeout": settings.handshake_timeout,
-                                **settings.options})
+        options = read_options(
+            {"handshake_timeout": settings.handshake_timeout, **settings.options}
+        )
         plan = plan_listener(settings, options)
         keys = curve_keys(plan.bind_host, options, curve_supported=bool(zmq.has("curve")))
         return cls(ZmqHub.open(plan, options, keys, settings.max_frame_bytes))

@@ -93,8 +93,13 @@ def _converse(sock: socket.socket, deadline: float) -> Greeting:
 
 
 def _command(name: bytes, properties: dict[bytes, bytes]) -> bytes:
-    body = bytes([len(name)]) + name + b"".join(
-        bytes([len(k)]) + k + struct.pack(">I", len(v)) + v for k, v in properties.items())
+    body = (
+        bytes([len(name)])
+        + name
+        + b"".join(
+            bytes([len(k)]) + k + struct.pack(">I", len(v)) + v for k, v in properties.items()
+        )
+    )
     return bytes([_COMMAND, len(body)]) + body
 
 
@@ -111,15 +116,15 @@ def _read_command(sock: socket.socket, deadline: float) -> bytes:
 
 def _socket_type(command: bytes) -> str:
     """The ``Socket-Type`` property of a ``READY`` command body ("" if it has none)."""
-    if not command or command[1:1 + command[0]] != b"READY":
+    if not command or command[1 : 1 + command[0]] != b"READY":
         return ""
     at = 1 + command[0]
     while at < len(command):
         name_len = command[at]
-        name = command[at + 1:at + 1 + name_len]
+        name = command[at + 1 : at + 1 + name_len]
         at += 1 + name_len
-        (value_len,) = struct.unpack(">I", command[at:at + 4].rjust(4, b"\0"))
-        value = command[at + 4:at + 4 + value_len]
+        (value_len,) = struct.unpack(">I", command[at : at + 4].rjust(4, b"\0"))
+        value = command[at + 4 : at + 4 + value_len]
         at += 4 + value_len
         if name.lower() == b"socket-type":
             return value.decode("ascii", "replace")

@@ -5,9 +5,10 @@ Ten lines prove a data transport (see ``docs/plugin-authors.md``)::
     from p2pkv.testing.suites import DataTransportSuite
     from my_transport import MyDataTransport
 
+
     class TestMyDataTransport(DataTransportSuite):
         transport = MyDataTransport
-        options = {"my_option": 1}   # your data_options, used for every instance (optional)
+        options = {"my_option": 1}  # your data_options, used for every instance (optional)
 
 The kit builds every instance itself through ``transport.create(settings)``: the transport
 under test here, and its peers either in this process (``same-process``) or in a spawned child
@@ -71,7 +72,10 @@ from p2pkv.testing.suites.support import PEER_MODES as PEER_MODES
 from p2pkv.testing.suites.support import installed_transport
 
 __all__ = [
-    "ControlTransportSuite", "DataIsolationSuite", "DataTransportSuite", "installed_transport",
+    "ControlTransportSuite",
+    "DataIsolationSuite",
+    "DataTransportSuite",
+    "installed_transport",
 ]
 
 

@@ -69,13 +69,19 @@ class _Stream:
         try:
             index = self.expected.index(frame)
         except ValueError:
-            raise AssertionError(f"{self.what}: a frame never sent arrived where frame {due} "
-                                 f"was due (corrupted or misdelivered)") from None
+            raise AssertionError(
+                f"{self.what}: a frame never sent arrived where frame {due} "
+                f"was due (corrupted or misdelivered)"
+            ) from None
         if index > due:
-            raise AssertionError(f"{self.what}: frame {index} arrived where frame {due} was "
-                                 f"due: frames {due}..{index - 1} were lost")
-        raise AssertionError(f"{self.what}: frame {index} arrived again after frame {due - 1} "
-                             f"(duplicated or reordered)")
+            raise AssertionError(
+                f"{self.what}: frame {index} arrived where frame {due} was "
+                f"due: frames {due}..{index - 1} were lost"
+            )
+        raise AssertionError(
+            f"{self.what}: frame {index} arrived again after frame {due - 1} "
+            f"(duplicated or reordered)"
+        )
 
 
 class _ControlPair:
@@ -210,8 +216,7 @@ class ControlTransportSuite(_SuiteBase):
     def _frames(self, count: int) -> list[bytes]:
         sizes = [1, 2, 17, 1000, self.max_frame_bytes]
         return [
-            bytes([i % 251]) + pattern(i, sizes[i % len(sizes)] - 1).tobytes()
-            for i in range(count)
+            bytes([i % 251]) + pattern(i, sizes[i % len(sizes)] - 1).tobytes() for i in range(count)
         ]
 
     # -- setup ----------------------------------------------------------------------------
@@ -243,8 +248,9 @@ class ControlTransportSuite(_SuiteBase):
         capabilities: Capabilities,
     ) -> None:
         key = "p2pkv_conformance_no_such_option"
-        settings = ControlSettings(self.host, 0, self.max_frame_bytes,
-                                   {**transport_options, key: 1})
+        settings = ControlSettings(
+            self.host, 0, self.max_frame_bytes, {**transport_options, key: 1}
+        )
         with pytest.raises(ConfigError, match=key):
             transport_class.create(settings).close()
 
@@ -284,14 +290,13 @@ class ControlTransportSuite(_SuiteBase):
         """600 small frames each way, in batches, arrive in order, each once. A transport
         that loses an occasional frame (one in a hundred) fails here, naming the frames
         lost, where the short tests would likely pass it."""
-        frames = [i.to_bytes(4, "big") + pattern(i, i % 61).tobytes()
-                  for i in range(STREAM_FRAMES)]
+        frames = [i.to_bytes(4, "big") + pattern(i, i % 61).tobytes() for i in range(STREAM_FRAMES)]
         conn, handle = pair.dial_peer(frames[:1])
         ours = _Stream("a long stream, at the peer", lambda: pair.peer.frames(handle))
         theirs = _Stream("a long stream from the peer, at us", lambda: pair.recv(conn))
         ours.expected.append(frames[0])
         for start in range(1, STREAM_FRAMES, STREAM_BATCH):
-            for frame in frames[start:start + STREAM_BATCH]:
+            for frame in frames[start : start + STREAM_BATCH]:
                 conn.send(frame)
                 ours.expected.append(frame)
                 pair.peer.send(handle, frame)
@@ -329,8 +334,12 @@ class ControlTransportSuite(_SuiteBase):
                 pump()
         for frame in frames:
             pair.peer.send(handle, frame)
-        wait_until(lambda: pair.inbound, timeout=self.timeout,
-                   what="our poll to return the inbound connection", pumps=pair.pumps())
+        wait_until(
+            lambda: pair.inbound,
+            timeout=self.timeout,
+            what="our poll to return the inbound connection",
+            pumps=pair.pumps(),
+        )
         conn = pair.inbound[0]
         first = pair.recv(conn)
         assert first[0] == frames[0]
@@ -406,36 +415,54 @@ class ControlTransportSuite(_SuiteBase):
     def test_close_is_visible_to_the_peer(self, pair: _ControlPair) -> None:
         conn, handle = pair.dial_peer([b"x"])
         conn.close()
-        wait_until(lambda: not pair.peer.alive(handle), timeout=self.liveness_timeout,
-                   what="the peer to see our closed connection die", pumps=pair.pumps())
+        wait_until(
+            lambda: not pair.peer.alive(handle),
+            timeout=self.liveness_timeout,
+            what="the peer to see our closed connection die",
+            pumps=pair.pumps(),
+        )
 
     def test_peer_close_is_visible_to_us(self, pair: _ControlPair) -> None:
         handle, conn = pair.accept_from_peer([b"x"])
         pair.peer.close_conn(handle)
-        wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
-                   what="our accepted connection to die after the peer closed it",
-                   pumps=pair.pumps())
+        wait_until(
+            lambda: not conn.alive,
+            timeout=self.liveness_timeout,
+            what="our accepted connection to die after the peer closed it",
+            pumps=pair.pumps(),
+        )
         with pytest.raises(ConnectionClosed):
             conn.send(b"to the dead")
 
     def test_transport_close_is_visible_to_the_peer(self, pair: _ControlPair) -> None:
         _, handle = pair.dial_peer([b"x"])
         pair.transport.close()
-        wait_until(lambda: not pair.peer.alive(handle), timeout=self.liveness_timeout,
-                   what="the peer to see our transport close", pumps=[pair.peer.pump])
+        wait_until(
+            lambda: not pair.peer.alive(handle),
+            timeout=self.liveness_timeout,
+            what="the peer to see our transport close",
+            pumps=[pair.peer.pump],
+        )
 
     def test_dead_connection_is_replaced_on_connect(self, pair: _ControlPair) -> None:
         conn, handle = pair.dial_peer([b"first"])
         pair.peer.close_conn(handle)
-        wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
-                   what="our connection to die after the peer closed it", pumps=pair.pumps())
+        wait_until(
+            lambda: not conn.alive,
+            timeout=self.liveness_timeout,
+            what="our connection to die after the peer closed it",
+            pumps=pair.pumps(),
+        )
         fresh = pair.transport.connect(pair.peer.address)
         assert fresh is not conn and fresh.alive, "connect must replace a dead connection"
         fresh.send(b"second")
         handles: list[int] = []
-        wait_until(lambda: _gather(handles, pair.peer.accepted()),
-                   timeout=self.timeout, what="the peer to accept the new connection",
-                   pumps=pair.pumps())
+        wait_until(
+            lambda: _gather(handles, pair.peer.accepted()),
+            timeout=self.timeout,
+            what="the peer to accept the new connection",
+            pumps=pair.pumps(),
+        )
         got = pair.receive(lambda: pair.peer.frames(handles[-1]), 1, "a frame on the new one")
         assert got == [b"second"]
 
@@ -455,9 +482,12 @@ class ControlTransportSuite(_SuiteBase):
             else:
                 _, conn = pair.accept_from_peer([b"x"])
             host.kill()
-            wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
-                       what="alive to turn False after the peer was SIGKILLed",
-                       pumps=[lambda: pair.poll_local(0.01)])
+            wait_until(
+                lambda: not conn.alive,
+                timeout=self.liveness_timeout,
+                what="alive to turn False after the peer was SIGKILLed",
+                pumps=[lambda: pair.poll_local(0.01)],
+            )
             with pytest.raises(ConnectionClosed):
                 conn.send(b"to the dead")
 
@@ -474,9 +504,12 @@ class ControlTransportSuite(_SuiteBase):
             conn, _ = pair.dial_peer([b"x"])
             host.pause()
             try:
-                wait_until(lambda: not conn.alive, timeout=self.liveness_timeout,
-                           what="alive to turn False while the peer is SIGSTOPped",
-                           pumps=[lambda: pair.poll_local(0.01)])
+                wait_until(
+                    lambda: not conn.alive,
+                    timeout=self.liveness_timeout,
+                    what="alive to turn False while the peer is SIGSTOPped",
+                    pumps=[lambda: pair.poll_local(0.01)],
+                )
             finally:
                 host.kill()
 

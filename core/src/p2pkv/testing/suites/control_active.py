@@ -109,8 +109,10 @@ class ActiveConnectionChecks:
     ) -> None:
         watcher = _Watcher(local.transport)
         if local.transport.take_active() is None:
-            pytest.skip("the transport does not track active connections (take_active() is "
-                        "None): the tier visits every connection, as before")
+            pytest.skip(
+                "the transport does not track active connections (take_active() is "
+                "None): the tier visits every connection, as before"
+            )
         peers = [make_peer(peer_mode) for _ in range(_PEERS)]
         handles = [self._open(watcher, peer, i) for i, peer in enumerate(peers)]
         if watcher.untracked:
@@ -127,14 +129,20 @@ class ActiveConnectionChecks:
                 peer.pump()
             watcher.poll()
         ours = [self._ours(watcher, peer) for peer in peers]
-        wait_until(lambda: all(watcher.frames[id(c)] == sent[i] for i, c in enumerate(ours)),
-                   timeout=self.timeout, what="every peer's frames, each listed connection "
-                   "drained", pumps=pumps)
+        wait_until(
+            lambda: all(watcher.frames[id(c)] == sent[i] for i, c in enumerate(ours)),
+            timeout=self.timeout,
+            what="every peer's frames, each listed connection drained",
+            pumps=pumps,
+        )
         for peer, handle in list(zip(peers, handles, strict=True))[1::2]:
             peer.close_conn(handle)
-        wait_until(lambda: not any(c.alive for c in ours[1::2]),
-                   timeout=self.liveness_timeout,
-                   what="the connections whose peers closed them to die", pumps=pumps)
+        wait_until(
+            lambda: not any(c.alive for c in ours[1::2]),
+            timeout=self.liveness_timeout,
+            what="the connections whose peers closed them to die",
+            pumps=pumps,
+        )
         watcher.poll()  # a death listed late is listed by now
 
     def _open(self, watcher: _Watcher, peer: ControlPeer, i: int) -> int:
@@ -150,14 +158,21 @@ class ActiveConnectionChecks:
                 got.extend(peer.accepted())
                 return got
 
-            wait_until(accepted, timeout=self.timeout, what="the peer to accept our dial",
-                       pumps=[watcher.poll, peer.pump])
+            wait_until(
+                accepted,
+                timeout=self.timeout,
+                what="the peer to accept our dial",
+                pumps=[watcher.poll, peer.pump],
+            )
             return got[0]
         handle = peer.connect(watcher.transport.local_address)
         peer.send(handle, b"hello")
-        wait_until(lambda: any(c.peer_address == peer.address for c in watcher.conns),
-                   timeout=self.timeout, what="our poll to return the peer's dial",
-                   pumps=[peer.pump, watcher.poll])
+        wait_until(
+            lambda: any(c.peer_address == peer.address for c in watcher.conns),
+            timeout=self.timeout,
+            what="our poll to return the peer's dial",
+            pumps=[peer.pump, watcher.poll],
+        )
         return handle
 
     @staticmethod

@@ -1,5 +1,4 @@
-"""``DataTransportSuite``: the ``DataTransport`` contract (see :mod:`p2pkv.testing.suites`).
-"""
+"""``DataTransportSuite``: the ``DataTransport`` contract (see :mod:`p2pkv.testing.suites`)."""
 
 from __future__ import annotations
 
@@ -41,7 +40,9 @@ class DataTransportSuite(DataIsolationSuite):
         assert t.name and t.kind == "data"
 
     def test_create_rejects_a_region_that_is_not_whole_blocks(
-        self, transport_class: type[DataTransport], transport_options: Mapping[str, Any],
+        self,
+        transport_class: type[DataTransport],
+        transport_options: Mapping[str, Any],
         capabilities: Capabilities,
     ) -> None:
         region = transport_class.allocate_region(1, self.block_len + 1, transport_options)
@@ -51,14 +52,14 @@ class DataTransportSuite(DataIsolationSuite):
             ).close()
 
     def test_unknown_option_is_refused_naming_it(
-        self, transport_class: type[DataTransport], transport_options: Mapping[str, Any],
+        self,
+        transport_class: type[DataTransport],
+        transport_options: Mapping[str, Any],
         capabilities: Capabilities,
     ) -> None:
         key = "p2pkv_conformance_no_such_option"
         options = {**transport_options, key: 1}
-        region = transport_class.allocate_region(
-            self.num_blocks, self.block_len, transport_options
-        )
+        region = transport_class.allocate_region(self.num_blocks, self.block_len, transport_options)
         with pytest.raises(ConfigError, match=key):
             transport_class.create(
                 DataSettings(region=region, block_len=self.block_len, options=options)
@@ -94,8 +95,12 @@ class DataTransportSuite(DataIsolationSuite):
             lambda: plog.terminal({tid}),
             timeout=self.timeout,
             what="the peer's read of our region",
-            pumps=[remote.pump, pair.local.pump, lambda: pair.log.poll("remote"),
-                   lambda: plog.poll("local")],
+            pumps=[
+                remote.pump,
+                pair.local.pump,
+                lambda: pair.log.poll("remote"),
+                lambda: plog.poll("local"),
+            ],
         )
         assert tid in plog.done, "the peer's read of our region failed"
         after = remote.region_bytes()
@@ -123,7 +128,7 @@ class DataTransportSuite(DataIsolationSuite):
 
         def landed() -> bool:
             theirs = remote.region_bytes()[:b]
-            return pair.local.region_bytes()[(n - 1) * b:] == theirs
+            return pair.local.region_bytes()[(n - 1) * b :] == theirs
 
         _keep_pumping([*pair.pumps(), pair.local.pump], pair.window, landed)
         pair.wait_terminal("remote", {tid}, "poll to report the read progress advanced")
@@ -174,7 +179,7 @@ class DataTransportSuite(DataIsolationSuite):
         b = self.block_len
 
         def other_landed() -> bool:  # t2 complete: poll("remote") must still not report it
-            return pair.local.region_bytes()[4 * b:5 * b] == other.region_bytes()[2 * b:3 * b]
+            return pair.local.region_bytes()[4 * b : 5 * b] == other.region_bytes()[2 * b : 3 * b]
 
         pumps = [*pair.pumps(), pair.local.pump, lambda: pair.log.poll("remote")]
         _keep_pumping(pumps, pair.window, other_landed)  # PollLog fails if t2 shows up
@@ -205,8 +210,16 @@ class DataTransportSuite(DataIsolationSuite):
 
     @pytest.mark.parametrize(
         "case",
-        ["local-too-big", "local-negative", "remote-too-big", "remote-negative",
-         "lengths-differ", "one-bad-among-good", "local-duplicate", "empty"],
+        [
+            "local-too-big",
+            "local-negative",
+            "remote-too-big",
+            "remote-negative",
+            "lengths-differ",
+            "one-bad-among-good",
+            "local-duplicate",
+            "empty",
+        ],
     )
     def test_bad_indexes_are_refused_before_posting(self, pair: _DataPair, case: str) -> None:
         n = self.num_blocks
@@ -226,7 +239,7 @@ class DataTransportSuite(DataIsolationSuite):
         # nothing was posted: a good read afterwards is the only thing ever reported
         pair.read("remote", [n - 1], [n - 1])
         after, b = pair.local.region_bytes(), self.block_len
-        assert after[:(n - 1) * b] == before[:(n - 1) * b], "a refused read changed our region"
+        assert after[: (n - 1) * b] == before[: (n - 1) * b], "a refused read changed our region"
 
     def test_mismatched_descriptor_is_refused(
         self, local: LocalDataPeer, make_peer: Callable[..., DataPeer], capabilities: Capabilities
@@ -300,13 +313,16 @@ class DataTransportSuite(DataIsolationSuite):
         tid = pair.submit("remote", [2], [n - 2])
 
         def landed() -> bool:
-            theirs = remote.region_bytes()[(n - 2) * b:(n - 1) * b]
-            return pair.local.region_bytes()[2 * b:3 * b] == theirs
+            theirs = remote.region_bytes()[(n - 2) * b : (n - 1) * b]
+            return pair.local.region_bytes()[2 * b : 3 * b] == theirs
 
         _keep_pumping([*pair.pumps(), pair.local.pump], pair.window, landed)
         pair.log.cancel([tid])
-        _keep_pumping([*pair.pumps(), lambda: pair.log.poll("remote"),
-                       lambda: pair.log.poll(None)], pair.window, lambda: False)
+        _keep_pumping(
+            [*pair.pumps(), lambda: pair.log.poll("remote"), lambda: pair.log.poll(None)],
+            pair.window,
+            lambda: False,
+        )
         pair.read("remote", [2], [n - 3])  # the transport still works, the slot is ours again
 
     @pytest.mark.parametrize("when", ["at-once", "after-progress"])
@@ -479,8 +495,9 @@ class DataTransportSuite(DataIsolationSuite):
             try:
                 _survive_dead_peer(pair, "SIGKILLed")
             except (EOFError, TimeoutError) as exc:
-                pytest.fail(f"the transport under test crashed or hung after its peer was "
-                            f"SIGKILLed: {exc}")
+                pytest.fail(
+                    f"the transport under test crashed or hung after its peer was SIGKILLed: {exc}"
+                )
 
 
 def _empty_poll(result: Any, what: str) -> None:
@@ -500,9 +517,13 @@ def _survive_dead_peer(
     except TransferSubmitError:
         tid = None
     reads = {*earlier, *([] if tid is None else [tid])}
-    pair.wait_terminal("remote", reads, f"reads from a peer that was {how} to end (failed, or "
-                       f"done with bytes read before): the transport must notice that its "
-                       f"peer is dead")
+    pair.wait_terminal(
+        "remote",
+        reads,
+        f"reads from a peer that was {how} to end (failed, or "
+        f"done with bytes read before): the transport must notice that its "
+        f"peer is dead",
+    )
     assert not (must_fail and tid in pair.log.done), (
         f"read {tid}, posted after its peer was {how}, was reported done: once a peer's "
         f"close returned its region is its caller's again, and reads of it must fail"

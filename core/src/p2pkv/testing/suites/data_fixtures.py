@@ -75,7 +75,9 @@ class DataSuiteBase(_SuiteBase):
                 f"{sorted(capabilities.memory_kinds)}: a p2pkv data transport must register "
                 f"host memory (vLLM's CPU tier region: process memory or a /dev/shm mapping), "
                 f"so memory_kinds must include 'DRAM' (memory your allocate_region returns, "
-                f"/dev/shm or pinned, is DRAM too); the data suites run on it", pytrace=False)
+                f"/dev/shm or pinned, is DRAM too); the data suites run on it",
+                pytrace=False,
+            )
         local = LocalDataPeer(transport_class, self.num_blocks, self.block_len, transport_options)
         local.fill(1)
         yield local

@@ -20,8 +20,12 @@ def _keep_pumping(
     """Call ``pumps`` for ``seconds`` (bounded; no sleep) or until ``until()`` holds first.
     Returns whether it held."""
     end = time.monotonic() + seconds
-    wait_until(lambda: until() or time.monotonic() > end, timeout=seconds + 60.0,
-               what=f"{seconds}s of pumping", pumps=pumps)
+    wait_until(
+        lambda: until() or time.monotonic() > end,
+        timeout=seconds + 60.0,
+        what=f"{seconds}s of pumping",
+        pumps=pumps,
+    )
     return until()
 
 
@@ -100,16 +104,25 @@ class _DataPair:
         tid = self.local.read_blocks(peer_id, local_idxs, remote_idxs)
         self.log.submitted(tid, peer_id)
         src, b = self.source(peer_id), self.local.block_len
-        self._reads[tid] = (peer_id, [int(i) for i in local_idxs],
-                            [_block(src, int(r), b) for r in remote_idxs])
+        self._reads[tid] = (
+            peer_id,
+            [int(i) for i in local_idxs],
+            [_block(src, int(r), b) for r in remote_idxs],
+        )
         return tid
 
     def _check_done(self, tid: int) -> None:
         peer_id, local_idxs, payload = self._reads[tid]
         ours = self.local.region_bytes()
-        closed = (f" (peer {peer_id} was closed or killed meanwhile: after its close its "
-                  f"region is its caller's again, so a read of it that had not completed "
-                  f"must fail)") if peer_id in self.dead else ""
+        closed = (
+            (
+                f" (peer {peer_id} was closed or killed meanwhile: after its close its "
+                f"region is its caller's again, so a read of it that had not completed "
+                f"must fail)"
+            )
+            if peer_id in self.dead
+            else ""
+        )
         for li, block in zip(local_idxs, payload, strict=True):
             assert _block(ours, li, self.local.block_len) == block, (
                 f"poll reported read {tid} done, but our block {li} does not hold peer "
@@ -138,8 +151,13 @@ class _DataPair:
         self.local.set_blocks(idxs, data)
         return data
 
-    def watch_canary(self, idxs: Sequence[int], canary: bytes, after: str,
-                     peer_ids: Sequence[str | None] = (None,)) -> None:
+    def watch_canary(
+        self,
+        idxs: Sequence[int],
+        canary: bytes,
+        after: str,
+        peer_ids: Sequence[str | None] = (None,),
+    ) -> None:
         """Keep both sides progressing (and our poll going) for ``window`` seconds: no byte of
         ``canary`` in our blocks ``idxs`` may change (the late-landing rule), and no ended read
         may be reported (``PollLog``)."""
@@ -158,4 +176,4 @@ class _DataPair:
 
 
 def _block(region: bytes, idx: int, block_len: int) -> bytes:
-    return region[idx * block_len:(idx + 1) * block_len]
+    return region[idx * block_len : (idx + 1) * block_len]

@@ -71,15 +71,21 @@ class DataIsolationSuite(DataSuiteBase):
             yield host
 
     @pytest.fixture
-    def freezable(self, make_peer: Callable[..., DataPeer], peer_mode: str,
-                  request: pytest.FixtureRequest) -> Callable[[], DataPeer]:
+    def freezable(
+        self, make_peer: Callable[..., DataPeer], peer_mode: str, request: pytest.FixtureRequest
+    ) -> Callable[[], DataPeer]:
         """``freezable()`` -> a new peer that can be frozen alone."""
         host = request.getfixturevalue("frozen_host") if peer_mode == "child-process" else None
         return lambda: make_peer(peer_mode, host=host)
 
     @pytest.fixture
-    def trio(self, local: LocalDataPeer, make_peer: Callable[..., DataPeer], peer_mode: str,
-             freezable: Callable[[], DataPeer]) -> Iterator[IsolationPair]:
+    def trio(
+        self,
+        local: LocalDataPeer,
+        make_peer: Callable[..., DataPeer],
+        peer_mode: str,
+        freezable: Callable[[], DataPeer],
+    ) -> Iterator[IsolationPair]:
         """The transport under test with peers ``frozen`` (freezable alone) and ``healthy``,
         each connection wired up by a read each way."""
         pair = _DataPair(local, self.timeout, self.late_landing_window)
@@ -94,8 +100,7 @@ class DataIsolationSuite(DataSuiteBase):
     # -- no budget a frozen peer can hold -------------------------------------------------
 
     @pytest.mark.parametrize("freeze", ["before-serving", "mid-transfer"])
-    def test_a_frozen_source_stalls_no_other_source(self, trio: IsolationPair,
-                                                    freeze: str) -> None:
+    def test_a_frozen_source_stalls_no_other_source(self, trio: IsolationPair, freeze: str) -> None:
         """We read half our region from a peer that freezes (before it served anything, or
         after one round of work: its transfers under way), then the other half from a
         healthy peer: those reads complete, byte-exact, within ``isolation_rounds``."""
@@ -116,7 +121,8 @@ class DataIsolationSuite(DataSuiteBase):
             f"{freeze}): a budget the peers share (staging, slots, windows, queues) is held "
             f"by the frozen peer; give each peer a share, or declare it (read_capacity, "
             f"TransferBusy) so the tier shares it (docs/plugin-authors.md, 'Isolation'); "
-            f"gate: {iso.gate.busy or 'nothing held'}")
+            f"gate: {iso.gate.busy or 'nothing held'}"
+        )
         refused = [p.refused for p in healthy if p.refused is not None]
         assert not refused, f"a healthy peer's read was refused: {refused[0]}"
         failed = {p.rid for p in healthy if p.rid is not None} & iso.pair.log.failed
@@ -162,27 +168,38 @@ class DataIsolationSuite(DataSuiteBase):
                 assert not left or local.transport.held(), (
                     f"remove_peer({peer_id!r}) returned internal transfers {left} still "
                     f"running, but held() shows nothing: what a removed peer leaves must be "
-                    f"accounted for until it is released")
+                    f"accounted for until it is released"
+                )
         finally:
             iso.frozen.thaw()
         assert min(took) <= self.call_limit, (
             f"remove_peer of a frozen peer took {[round(t, 3) for t in took]}s, each over "
             f"{self.call_limit:g}s ({self.call_margin:g} x the driver bound of "
             f"{DRIVER_BOUND:g}s): it waited for the frozen peer; end a removed peer's "
-            f"transfers in later progress calls (docs/plugin-authors.md, 'The driver bound')")
+            f"transfers in later progress calls (docs/plugin-authors.md, 'The driver bound')"
+        )
 
     def test_closing_with_a_frozen_peer_is_bounded(
-        self, local: LocalDataPeer, freezable: Callable[[], DataPeer],
-        transport_class: type[DataTransport], transport_options: Mapping[str, Any],
+        self,
+        local: LocalDataPeer,
+        freezable: Callable[[], DataPeer],
+        transport_class: type[DataTransport],
+        transport_options: Mapping[str, Any],
     ) -> None:
         """A peer freezes with transfers in flight both ways; ``close`` returns within the
         call limit (the fastest of up to three transports, each with a frozen peer)."""
         took: list[float] = []
         for attempt in range(_TRIES):
-            ours = local if attempt == 0 else LocalDataPeer(
-                transport_class, self.num_blocks, self.block_len, transport_options)
-            iso = IsolationPair(_DataPair(ours, self.timeout, self.late_landing_window),
-                                ours.transport)
+            ours = (
+                local
+                if attempt == 0
+                else LocalDataPeer(
+                    transport_class, self.num_blocks, self.block_len, transport_options
+                )
+            )
+            iso = IsolationPair(
+                _DataPair(ours, self.timeout, self.late_landing_window), ours.transport
+            )
             try:
                 self._freeze_in_flight(iso, [f"frozen{attempt}"], freezable)
                 took.append(timed(ours.close)[1])
@@ -195,7 +212,8 @@ class DataIsolationSuite(DataSuiteBase):
             f"close with a frozen peer took {[round(t, 3) for t in took]}s, each over "
             f"{self.call_limit:g}s ({self.call_margin:g} x the driver bound of "
             f"{DRIVER_BOUND:g}s): it waited for the frozen peer; wait at most DRAIN_GRACE "
-            f"and return what still runs (docs/plugin-authors.md, 'The driver bound')")
+            f"and return what still runs (docs/plugin-authors.md, 'The driver bound')"
+        )
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -209,11 +227,13 @@ class DataIsolationSuite(DataSuiteBase):
         assert rounds is not None, (
             f"a healthy peer's reads of our region were not served within "
             f"{self.isolation_rounds} rounds {what}: serving one peer must not wait for "
-            f"another (docs/plugin-authors.md, 'Isolation')")
+            f"another (docs/plugin-authors.md, 'Isolation')"
+        )
         assert ids <= log.done, f"a healthy peer's reads of our region failed {what}"
 
-    def _freeze_in_flight(self, iso: IsolationPair, peer_ids: list[str],
-                          freezable: Callable[[], DataPeer]) -> None:
+    def _freeze_in_flight(
+        self, iso: IsolationPair, peer_ids: list[str], freezable: Callable[[], DataPeer]
+    ) -> None:
         """Connect ``peer_ids`` (freezable peers), have each read our first two blocks into
         its last two, freeze them, read the first two of each into our second half, and serve
         what reached us for a few rounds: each frozen peer then has transfers in flight both

@@ -50,8 +50,9 @@ class _Submitting(DelegatingDataTransport):
         super().__init__(inner)
         self._pair = pair
 
-    def read_blocks(self, peer_id: str, local_idxs: Sequence[int],
-                    remote_idxs: Sequence[int]) -> int:
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int:
         return self._pair.submit(peer_id, local_idxs, remote_idxs)
 
 
@@ -98,8 +99,7 @@ class IsolationPair:
         self.gate.post(held)
         return posted
 
-    def serve(self, peer_id: str, reads: Iterable[tuple[Sequence[int], Sequence[int]]]
-              ) -> set[int]:
+    def serve(self, peer_id: str, reads: Iterable[tuple[Sequence[int], Sequence[int]]]) -> set[int]:
         """Reads of ``peer_id``'s from us (each our blocks ``remote`` into its ``local``), in
         order, as many as its own bounded resources take now (``TransferBusy`` ends the
         batch; at least one must go), logged by its poll log; returns their ids."""
@@ -120,9 +120,12 @@ class IsolationPair:
         pair.read(peer_id, [n - 1], [0])
         log = pair.peer_logs[peer_id]
         ids = self.serve(peer_id, [([n - 1], [0])])
-        wait_until(lambda: log.terminal(ids), timeout=pair.timeout,
-                   what=f"peer {peer_id!r} reading our region",
-                   pumps=[*pair.pumps(), pair.local.pump])
+        wait_until(
+            lambda: log.terminal(ids),
+            timeout=pair.timeout,
+            what=f"peer {peer_id!r} reading our region",
+            pumps=[*pair.pumps(), pair.local.pump],
+        )
         assert ids <= log.done, f"peer {peer_id!r} failed to read our region"
         pair.rewritten(peer_id)
 
@@ -159,8 +162,9 @@ class IsolationPair:
     def ended(self, posted: Iterable[_Posted]) -> bool:
         """Whether every read of ``posted`` was refused or reached a terminal state."""
         log = self.pair.log
-        return all(p.refused is not None or (p.rid is not None and log.terminal({p.rid}))
-                   for p in posted)
+        return all(
+            p.refused is not None or (p.rid is not None and log.terminal({p.rid})) for p in posted
+        )
 
     def cancel_pending(self, peer_id: str) -> None:
         """Cancel our reads from ``peer_id`` that are still in flight, and give up the ones

@@ -48,8 +48,9 @@ class _SuiteBase:
         if self.transport is not None:
             return self.transport
         if self.transport_name is not None:
-            return installed_transport(self.kind, self.transport_name,
-                                       missing=self.missing_transport)
+            return installed_transport(
+                self.kind, self.transport_name, missing=self.missing_transport
+            )
         pytest.fail(
             f"{type(self).__name__}: set `transport = YourTransport` (or `transport_name`) on "
             f"the suite subclass, or override the `transport_class` fixture"
@@ -84,7 +85,9 @@ class _SuiteBase:
                 f"{type(self).__name__} sets same_process_pairs = False and its transport does "
                 f"not claim cross_process: the kit has no way to build a peer, so every pair "
                 f"test would be skipped; claim cross_process (peers then run in a child "
-                f"process) or allow same-process pairs", pytrace=False)
+                f"process) or allow same-process pairs",
+                pytrace=False,
+            )
         mode: str = request.param
         if mode == "child-process" and not capabilities.cross_process:
             pytest.skip("transport does not claim cross_process")

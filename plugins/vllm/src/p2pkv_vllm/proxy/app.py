@@ -80,8 +80,16 @@ GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 KV_REQUEST_ID_HEADER = b"x-kv-request-id"
 _DROPPED_RESPONSE_HEADERS = frozenset(
     {
-        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-        b"trailer", b"transfer-encoding", b"upgrade", b"date", b"server",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"date",
+        b"server",
     }
 )
 
@@ -180,14 +188,19 @@ class _Exchange:
         await self._whole(status, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 
     async def _whole(self, status: int, data: bytes, content_type: bytes) -> None:
-        await self.start(status, [(b"content-type", content_type),
-                                  (b"content-length", str(len(data)).encode())])
+        await self.start(
+            status, [(b"content-type", content_type), (b"content-length", str(len(data)).encode())]
+        )
         await self.body(data)
         await self.end()
 
     async def error(self, status: int, message: str, *, kind: str, upstream: str = "") -> None:
-        err: dict[str, Any] = {"message": message, "type": kind, "code": status,
-                               "kv_request_id": self.record.kv_request_id}
+        err: dict[str, Any] = {
+            "message": message,
+            "type": kind,
+            "code": status,
+            "kv_request_id": self.record.kv_request_id,
+        }
         if upstream:
             err["upstream"] = upstream
         await self.json(status, {"error": err})
@@ -232,17 +245,23 @@ class ProxyApp:
 
     def _prefix_router(self) -> PrefixRouter:
         settings = self.config.prefix_routing
-        upstreams: tuple[Prefiller | Decoder, ...] = (*self.config.prefillers,
-                                                      *self.config.decoders)
+        upstreams: tuple[Prefiller | Decoder, ...] = (
+            *self.config.prefillers,
+            *self.config.decoders,
+        )
         tokens = PromptTokens(self._post_json, [u.url for u in upstreams])
         if self.config.policy == "kv-indexer":
             assert settings.indexer_url is not None and settings.block_size is not None
-            client = IndexerClient(self._post_json, settings.indexer_url,
-                                   block_size=settings.block_size,
-                                   tenant=settings.indexer_tenant)
+            client = IndexerClient(
+                self._post_json,
+                settings.indexer_url,
+                block_size=settings.block_size,
+                tenant=settings.indexer_tenant,
+            )
             return PrefixRouter(self.config, indexer_matcher(client, self.config), tokens)
-        self.prefix_index = PrefixIndex(block_size=settings.block_size,
-                                        max_blocks=settings.max_blocks_per_instance)
+        self.prefix_index = PrefixIndex(
+            block_size=settings.block_size, max_blocks=settings.max_blocks_per_instance
+        )
         self._feeds = KVEventFeeds(self.prefix_index, upstreams)
         return PrefixRouter(self.config, local_matcher(self.prefix_index), tokens)
 
@@ -254,8 +273,7 @@ class ProxyApp:
         if self.warmer is not None:
             self._warming = asyncio.ensure_future(self.warmer.run())
 
-    async def _call(self, method: str, url: str, payload: Any,
-                    headers: Any) -> tuple[int, bytes]:
+    async def _call(self, method: str, url: str, payload: Any, headers: Any) -> tuple[int, bytes]:
         """One upstream call for the warm-up; transport failures raise ``OSError``."""
         data = None if payload is None else json.dumps(payload).encode()
         try:
@@ -268,8 +286,14 @@ class ProxyApp:
         timeout = self.config.prefix_routing.lookup_timeout
         try:
             reply = await asyncio.wait_for(
-                self._fetch("POST", url, data=json.dumps(payload).encode(),
-                            headers={"content-type": "application/json"}), timeout)
+                self._fetch(
+                    "POST",
+                    url,
+                    data=json.dumps(payload).encode(),
+                    headers={"content-type": "application/json"},
+                ),
+                timeout,
+            )
         except (TimeoutError, aiohttp.ClientError):
             return 0, b""
         return reply.status, reply.body
@@ -278,10 +302,8 @@ class ProxyApp:
         if self._session is None:
             t = self.config.timeouts
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.config.max_connections,
-                                               limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect,
-                                              sock_read=t.idle),
+                connector=aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.idle),
                 auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding",),
                 trust_env=False,
@@ -311,10 +333,14 @@ class ProxyApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        allowed = {"/health": "GET", "/ready": "GET", "/v1/models": "GET", "/metrics": "GET",
-                   "/prefix-index": "GET", "/prefix-index/match": "POST"}.get(
-            path, "POST" if path in GENERATE_PATHS else None
-        )
+        allowed = {
+            "/health": "GET",
+            "/ready": "GET",
+            "/v1/models": "GET",
+            "/metrics": "GET",
+            "/prefix-index": "GET",
+            "/prefix-index/match": "POST",
+        }.get(path, "POST" if path in GENERATE_PATHS else None)
         record = AccessRecord(new_kv_request_id(), method, path, self.config.mode.value)
         exchange = _Exchange(send, record)
         if allowed is None:
@@ -328,8 +354,12 @@ class ProxyApp:
         elif path == "/v1/models":
             await self._models(scope, exchange)
         elif path == "/metrics":
-            await exchange.text(200, decision_metrics.render(
-                self.prefix_router.counters if self.prefix_router is not None else {}))
+            await exchange.text(
+                200,
+                decision_metrics.render(
+                    self.prefix_router.counters if self.prefix_router is not None else {}
+                ),
+            )
         elif path.startswith("/prefix-index"):
             await self._prefix_status(receive, exchange, match=path.endswith("/match"))
         else:
@@ -356,21 +386,32 @@ class ProxyApp:
         The body lists every upstream's state and names the dead ones with the reason; with
         ``warm_pairs``, each pair's warm-up state (``warm_pairs``; it never affects status).
         """
-        pools = {"prefillers": [u.url for u in self.config.prefillers],
-                 "decoders": [u.url for u in self.config.decoders]}
+        pools = {
+            "prefillers": [u.url for u in self.config.prefillers],
+            "decoders": [u.url for u in self.config.decoders],
+        }
         urls = [url for members in pools.values() for url in members]
-        problems = dict(zip(urls, await asyncio.gather(*map(self._probe_health, urls)),
-                            strict=True))
+        problems = dict(
+            zip(urls, await asyncio.gather(*map(self._probe_health, urls)), strict=True)
+        )
         dead = {url: why for url, why in problems.items() if why}
         empty = [pool for pool, members in pools.items() if all(problems[u] for u in members)]
         status = "unready" if empty else "degraded" if dead else "ready"
-        await exchange.json(503 if empty else 200, {
-            "status": status, "mode": self.config.mode.value, "dead": dead,
-            "no_live_instance": empty, **self._prefix_refusals(),
-            **({"warm_pairs": self.warmer.status()} if self.warmer else {}),
-            **{pool: {url: problems[url] or "ok" for url in members}
-               for pool, members in pools.items()},
-        })
+        await exchange.json(
+            503 if empty else 200,
+            {
+                "status": status,
+                "mode": self.config.mode.value,
+                "dead": dead,
+                "no_live_instance": empty,
+                **self._prefix_refusals(),
+                **({"warm_pairs": self.warmer.status()} if self.warmer else {}),
+                **{
+                    pool: {url: problems[url] or "ok" for url in members}
+                    for pool, members in pools.items()
+                },
+            },
+        )
 
     async def _probe_health(self, url: str) -> str:
         """Why ``url`` is not healthy ("" when its ``/health`` answered 2xx in time)."""
@@ -389,8 +430,11 @@ class ProxyApp:
         """``/ready``'s ``prefix_index_refused`` (slot -> why), with the in-process index."""
         if self.prefix_index is None:
             return {}
-        return {"prefix_index_refused": {name: s.refused for name, s in
-                                         self.prefix_index.status().items() if s.refused}}
+        return {
+            "prefix_index_refused": {
+                name: s.refused for name, s in self.prefix_index.status().items() if s.refused
+            }
+        }
 
     async def _prefix_status(self, receive: Receive, exchange: _Exchange, *, match: bool) -> None:
         """``GET /prefix-index``: policy, counters, per-rank index and feed state.
@@ -398,27 +442,42 @@ class ProxyApp:
         or a generate body and its ``path``), without routing anything."""
         router = self.prefix_router
         if router is None:
-            await exchange.error(404, f"policy {self.config.policy} keeps no prefix index",
-                                 kind="not_found")
+            await exchange.error(
+                404, f"policy {self.config.policy} keeps no prefix index", kind="not_found"
+            )
             return
         if not match:
             index = self.prefix_index
-            await exchange.json(200, {
-                "policy": self.config.policy, "decisions": dict(router.counters),
-                "block_size": index.block_size if index else self.config.prefix_routing.block_size,
-                "instances": {n: asdict(s) for n, s in (index.status() if index else {}).items()},
-                "feeds": self._feeds.stats() if self._feeds else {},
-            })
+            await exchange.json(
+                200,
+                {
+                    "policy": self.config.policy,
+                    "decisions": dict(router.counters),
+                    "block_size": index.block_size
+                    if index
+                    else self.config.prefix_routing.block_size,
+                    "instances": {
+                        n: asdict(s) for n, s in (index.status() if index else {}).items()
+                    },
+                    "feeds": self._feeds.stats() if self._feeds else {},
+                },
+            )
             return
-        raw = await asyncio.wait_for(_read_body(receive, self.config.max_body_bytes),
-                                     self.config.timeouts.idle)
+        raw = await asyncio.wait_for(
+            _read_body(receive, self.config.max_body_bytes), self.config.timeouts.idle
+        )
         body = _json_object(raw or b"") or {}
         token_ids = body.get("token_ids")
         path = str(body.pop("path", "/v1/completions"))
         query = {**body, "prompt": token_ids} if isinstance(token_ids, list) else body
         tokens = await router.tokens.of(path, query)
-        await exchange.json(200, {"prompt_tokens": len(tokens or ()),
-                                  "matches": await router.matches(tokens or [], query)})
+        await exchange.json(
+            200,
+            {
+                "prompt_tokens": len(tokens or ()),
+                "matches": await router.matches(tokens or [], query),
+            },
+        )
 
     # -- /v1/models --------------------------------------------------------------------------
 
@@ -437,8 +496,10 @@ class ProxyApp:
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             await exchange.error(
-                502, f"decoder {decoder.url} unreachable: {_describe(exc)}",
-                kind="bad_gateway", upstream=decoder.url,
+                502,
+                f"decoder {decoder.url} unreachable: {_describe(exc)}",
+                kind="bad_gateway",
+                upstream=decoder.url,
             )
             return
         await exchange.reply(reply)
@@ -455,14 +516,16 @@ class ProxyApp:
             except _BodyTooLarge:
                 record.outcome = "bad_request"
                 await exchange.error(
-                    413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                    413,
+                    f"request body exceeds {self.config.max_body_bytes} bytes",
                     kind="invalid_request_error",
                 )
                 return
             except TimeoutError:
                 record.outcome = "client_timeout"
-                await exchange.error(408, "request body not received in time",
-                                     kind="invalid_request_error")
+                await exchange.error(
+                    408, "request body not received in time", kind="invalid_request_error"
+                )
                 return
             if raw is None:
                 record.outcome = "client_disconnected"
@@ -470,8 +533,9 @@ class ProxyApp:
             body = _json_object(raw)
             if body is None:
                 record.outcome = "bad_request"
-                await exchange.error(400, "request body must be a JSON object",
-                                     kind="invalid_request_error")
+                await exchange.error(
+                    400, "request body must be a JSON object", kind="invalid_request_error"
+                )
                 return
             record.stream = bool(body.get("stream"))
             await self._supervise(_Call(scope, exchange, body), receive)
@@ -497,12 +561,14 @@ class ProxyApp:
             record.outcome = "client_disconnected" if watcher in done else "deadline"
             await _cancel(work)
             if record.outcome == "deadline" and not exchange.started:
-                await exchange.error(504, f"request exceeded {self._deadline:g}s",
-                                     kind="gateway_timeout")
+                await exchange.error(
+                    504, f"request exceeded {self._deadline:g}s", kind="gateway_timeout"
+                )
         except _UpstreamError as exc:
             record.outcome = exc.outcome
-            await exchange.error(exc.status, str(exc), kind=_kind(exc.status),
-                                 upstream=exc.upstream)
+            await exchange.error(
+                exc.status, str(exc), kind=_kind(exc.status), upstream=exc.upstream
+            )
         except Exception:
             record.outcome = "error"
             log.exception("proxy failure for kv_request_id %s", record.kv_request_id)
@@ -520,13 +586,18 @@ class ProxyApp:
             if self.config.mode is Mode.DECODER_FIRST:
                 await self._decoder_first(call, decision)
                 return
-            producer = None if self.config.mode is Mode.SYMMETRIC else producer_params(
-                record.kv_request_id)
+            producer = (
+                None
+                if self.config.mode is Mode.SYMMETRIC
+                else producer_params(record.kv_request_id)
+            )
             outcome = await self._prefill(
-                call, prefiller, with_kv_source(producer, record.kv_request_id, decision.source))
+                call, prefiller, with_kv_source(producer, record.kv_request_id, decision.source)
+            )
             if outcome.ok:
-                params = (source_params if self.config.mode is Mode.SYMMETRIC
-                          else consumer_params)(record.kv_request_id, prefiller)
+                params = (source_params if self.config.mode is Mode.SYMMETRIC else consumer_params)(
+                    record.kv_request_id, prefiller
+                )
             elif await self._refuse_after_prefill_failure(call, prefiller, outcome):
                 return
             else:
@@ -559,7 +630,8 @@ class ProxyApp:
         )
         try:
             outcome = await self._prefill(
-                call, prefiller, with_kv_source(producer_params(kv_id), kv_id, decision.source))
+                call, prefiller, with_kv_source(producer_params(kv_id), kv_id, decision.source)
+            )
             if outcome.ok:
                 response = await decode
             else:
@@ -586,8 +658,12 @@ class ProxyApp:
                     "POST",
                     f"{slot.upstream.url}{record.path}",
                     data=json.dumps(prefill_body(call.body, kv_params)).encode(),
-                    headers=leg_headers(call.scope["headers"], record.kv_request_id,
-                                        slot.dp_rank, self.config.api_key),
+                    headers=leg_headers(
+                        call.scope["headers"],
+                        record.kv_request_id,
+                        slot.dp_rank,
+                        self.config.api_key,
+                    ),
                 ),
                 timeout,
             )
@@ -605,9 +681,13 @@ class ProxyApp:
         record.prefill_ms = round((time.monotonic() - began) * 1000, 3)
         record.prefill = "ok" if outcome.ok else f"failed: {outcome.reason}"
         if not outcome.ok:
-            log.warning("prefill leg %s to %s failed: %s (on_prefill_failure=%s)",
-                        record.kv_request_id, slot_name(slot), outcome.reason,
-                        self.config.on_prefill_failure.value)
+            log.warning(
+                "prefill leg %s to %s failed: %s (on_prefill_failure=%s)",
+                record.kv_request_id,
+                slot_name(slot),
+                outcome.reason,
+                self.config.on_prefill_failure.value,
+            )
         return outcome
 
     async def _refuse_after_prefill_failure(
@@ -625,8 +705,10 @@ class ProxyApp:
             return True
         url = slot.upstream.url
         await exchange.error(
-            502, f"prefiller {url} (dp rank {slot.dp_rank}) failed: {outcome.reason}",
-            kind="bad_gateway", upstream=url,
+            502,
+            f"prefiller {url} (dp rank {slot.dp_rank}) failed: {outcome.reason}",
+            kind="bad_gateway",
+            upstream=url,
         )
         return True
 
@@ -641,17 +723,23 @@ class ProxyApp:
                 self._http().post(
                     f"{url}{call.record.path}",
                     data=json.dumps(decode_body(call.body, kv_params)).encode(),
-                    headers=leg_headers(call.scope["headers"], call.record.kv_request_id,
-                                        slot.dp_rank, self.config.api_key),
+                    headers=leg_headers(
+                        call.scope["headers"],
+                        call.record.kv_request_id,
+                        slot.dp_rank,
+                        self.config.api_key,
+                    ),
                 ),
                 timeout,
             )
         except TimeoutError:
-            raise _UpstreamError(504, "decoder_timeout",
-                                 f"decoder {url} sent no response in {timeout:g}s", url) from None
+            raise _UpstreamError(
+                504, "decoder_timeout", f"decoder {url} sent no response in {timeout:g}s", url
+            ) from None
         except aiohttp.ClientError as exc:
-            raise _UpstreamError(502, "decoder_unreachable",
-                                 f"decoder {url} unreachable: {_describe(exc)}", url) from None
+            raise _UpstreamError(
+                502, "decoder_unreachable", f"decoder {url} unreachable: {_describe(exc)}", url
+            ) from None
 
     async def _relay(self, exchange: _Exchange, response: aiohttp.ClientResponse) -> None:
         """Stream the decode response to the client chunk by chunk, as received."""
@@ -663,9 +751,12 @@ class ProxyApp:
                     await exchange.body(chunk)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 exchange.record.outcome = "decode_stream_error"
-                log.warning("decode stream %s broke after %d bytes: %s; dropping the client "
-                            "connection", exchange.record.kv_request_id, exchange.record.bytes,
-                            _describe(exc))
+                log.warning(
+                    "decode stream %s broke after %d bytes: %s; dropping the client connection",
+                    exchange.record.kv_request_id,
+                    exchange.record.bytes,
+                    _describe(exc),
+                )
                 return
             await exchange.end()
             finished = True

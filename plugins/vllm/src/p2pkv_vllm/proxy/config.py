@@ -169,14 +169,20 @@ class ProxyConfig:
         if self.max_connections < 1 or self.max_body_bytes < 1:
             raise ConfigError("max_connections and max_body_bytes must be >= 1")
         with_events = [u for u in self.prefillers if u.kv_events] + [
-            u for u in self.decoders if u.kv_events]
+            u for u in self.decoders if u.kv_events
+        ]
         if self.policy == "prefix-aware" and not with_events:
-            raise ConfigError("policy prefix-aware needs kv_events=tcp://HOST:PORT on at least "
-                              "one --prefiller or --decoder (vLLM's --kv-events-config endpoint)")
-        if self.policy == "kv-indexer" and not (self.prefix_routing.indexer_url
-                                                and self.prefix_routing.block_size):
-            raise ConfigError("policy kv-indexer needs prefix_routing.indexer_url and "
-                              "prefix_routing.block_size (the indexer's /query takes it)")
+            raise ConfigError(
+                "policy prefix-aware needs kv_events=tcp://HOST:PORT on at least "
+                "one --prefiller or --decoder (vLLM's --kv-events-config endpoint)"
+            )
+        if self.policy == "kv-indexer" and not (
+            self.prefix_routing.indexer_url and self.prefix_routing.block_size
+        ):
+            raise ConfigError(
+                "policy kv-indexer needs prefix_routing.indexer_url and "
+                "prefix_routing.block_size (the indexer's /query takes it)"
+            )
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], *, source: str = "config") -> ProxyConfig:
@@ -201,16 +207,19 @@ class ProxyConfig:
             values["timeouts"] = timeouts_from(raw["timeouts"], f"{source}: timeouts")
         if "prefix_routing" in raw:
             values["prefix_routing"] = prefix_routing_from(
-                raw["prefix_routing"], f"{source}: prefix_routing")
+                raw["prefix_routing"], f"{source}: prefix_routing"
+            )
         for key in ("max_connections", "max_body_bytes"):
             if key in raw:
                 values[key] = _positive_int(raw[key], f"{source}: {key}")
         if "warm_pairs" in raw and not isinstance(raw["warm_pairs"], bool):
-            raise ConfigError(f"{source}: warm_pairs must be true or false, "
-                              f"got {raw['warm_pairs']!r}")
+            raise ConfigError(
+                f"{source}: warm_pairs must be true or false, got {raw['warm_pairs']!r}"
+            )
         if "warm_pairs_wait" in raw:
             values["warm_pairs_wait"] = timeouts_from(
-                {"connect": raw["warm_pairs_wait"]}, f"{source}: warm_pairs_wait").connect
+                {"connect": raw["warm_pairs_wait"]}, f"{source}: warm_pairs_wait"
+            ).connect
         for key in ("policy", "api_key"):
             if key in raw and not isinstance(raw[key], str):
                 raise ConfigError(f"{source}: {key} must be a string, got {raw[key]!r}")
@@ -284,7 +293,8 @@ def prefix_routing_from(raw: Any, source: str) -> PrefixRouting:
             values[key] = _int_at_least(raw[key], minimum, f"{source}.{key}")
     if "lookup_timeout" in raw:
         values["lookup_timeout"] = timeouts_from(
-            {"connect": raw["lookup_timeout"]}, f"{source}.lookup_timeout").connect
+            {"connect": raw["lookup_timeout"]}, f"{source}.lookup_timeout"
+        ).connect
     if "indexer_url" in raw:
         values["indexer_url"] = _url(raw["indexer_url"], f"{source}.indexer_url")
     if "indexer_tenant" in raw:
@@ -335,8 +345,13 @@ def _prefiller_from(
     dp_size = _positive_int(raw.get("dp_size", 1), f"{source}: dp_size")
     if port + dp_size - 1 > 65535:
         raise ConfigError(f"{source}: p2p_port {port} + dp_size {dp_size} exceeds 65535")
-    return Prefiller(url=url, p2p_host=host.strip("[]"), p2p_port=port, dp_size=dp_size,
-                     **_kv_event_endpoints(raw, source))
+    return Prefiller(
+        url=url,
+        p2p_host=host.strip("[]"),
+        p2p_port=port,
+        dp_size=dp_size,
+        **_kv_event_endpoints(raw, source),
+    )
 
 
 def _default_port(environ: Mapping[str, str] | None) -> Any:
@@ -345,8 +360,7 @@ def _default_port(environ: Mapping[str, str] | None) -> Any:
     return (os.environ if environ is None else environ).get(P2P_PORT_ENV) or DEFAULT_PORT
 
 
-def _decoder_from(raw: Any, source: str, *, environ: Mapping[str, str] | None = None
-                  ) -> Decoder:
+def _decoder_from(raw: Any, source: str, *, environ: Mapping[str, str] | None = None) -> Decoder:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source} must be a table/object with at least 'url'")
     _only(raw, _DECODER_KEYS, source)
@@ -357,17 +371,16 @@ def _decoder_from(raw: Any, source: str, *, environ: Mapping[str, str] | None = 
         url=_url(raw.get("url"), source),
         dp_size=_positive_int(raw.get("dp_size", 1), f"{source}: dp_size"),
         p2p_host=host.strip("[]") if host else None,
-        p2p_port=_positive_int(raw.get("p2p_port", _default_port(environ)),
-                               f"{source}: p2p_port"),
+        p2p_port=_positive_int(raw.get("p2p_port", _default_port(environ)), f"{source}: p2p_port"),
         **_kv_event_endpoints(raw, source),
     )
 
 
 INSTANCE_OPTIONS = {
     "p2p_host": "host of its P2P tier (prefiller default: the URL's host; a decoder "
-                "without one is never named a source)",
+    "without one is never named a source)",
     "p2p_port": "the tier's base port, + DP rank (default $VLLM_P2P_SIDE_CHANNEL_PORT, "
-                f"else {DEFAULT_PORT})",
+    f"else {DEFAULT_PORT})",
     "dp_size": "data-parallel ranks behind the URL (default 1)",
     "kv_events": "tcp://HOST:PORT of the instance's KV-event publisher (prefix routing)",
     "kv_replay": "tcp://HOST:PORT of its replay endpoint (recovers missed KV events)",
@@ -383,10 +396,16 @@ def _kv_event_endpoints(raw: Mapping[str, Any], source: str) -> dict[str, str | 
     out: dict[str, str | None] = {}
     for key in ("kv_events", "kv_replay"):
         value = raw.get(key)
-        if value is not None and (not isinstance(value, str) or not value.startswith("tcp://")
-                                  or "*" in value or not value.rpartition(":")[2].isdigit()):
-            raise ConfigError(f"{source}: {key} {value!r} must be tcp://HOST:PORT (the host "
-                              "the engine publishes on; the proxy connects)")
+        if value is not None and (
+            not isinstance(value, str)
+            or not value.startswith("tcp://")
+            or "*" in value
+            or not value.rpartition(":")[2].isdigit()
+        ):
+            raise ConfigError(
+                f"{source}: {key} {value!r} must be tcp://HOST:PORT (the host "
+                "the engine publishes on; the proxy connects)"
+            )
         out[key] = value
     return out
 

@@ -30,10 +30,12 @@ METRICS: Mapping[str, str] = {
     f"{_PREFIX}source_tokens_total": "Prompt tokens cached on the named source, summed.",
 }
 """Every metric ``render`` writes, with its help text."""
-_FROM_COUNTER = {f"{_PREFIX}decisions_total": "decisions",
-                 f"{_PREFIX}decisions_with_source_total": "with_source",
-                 f"{_PREFIX}matched_tokens_total": "matched_tokens",
-                 f"{_PREFIX}source_tokens_total": "source_tokens"}
+_FROM_COUNTER = {
+    f"{_PREFIX}decisions_total": "decisions",
+    f"{_PREFIX}decisions_with_source_total": "with_source",
+    f"{_PREFIX}matched_tokens_total": "matched_tokens",
+    f"{_PREFIX}source_tokens_total": "source_tokens",
+}
 _LOOKUP = "lookup_"
 
 
@@ -43,8 +45,11 @@ def render(counters: Mapping[str, int]) -> str:
     for name, help_text in METRICS.items():
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         if name == f"{_PREFIX}lookups_total":
-            lines += [f'{name}{{outcome="{key[len(_LOOKUP):]}"}} {value}'
-                      for key, value in sorted(counters.items()) if key.startswith(_LOOKUP)]
+            lines += [
+                f'{name}{{outcome="{key[len(_LOOKUP) :]}"}} {value}'
+                for key, value in sorted(counters.items())
+                if key.startswith(_LOOKUP)
+            ]
         else:
             lines.append(f"{name} {counters.get(_FROM_COUNTER[name], 0)}")
     return "\n".join(lines) + "\n"

@@ -38,9 +38,14 @@ class KVEventFeeds:
         self._index = index
         self._stop = threading.Event()
         self._targets = [
-            (slot_name(Slot(u, rank)), endpoint_for_rank(u.kv_events, rank),
-             endpoint_for_rank(u.kv_replay, rank) if u.kv_replay else None)
-            for u in upstreams if u.kv_events for rank in range(u.dp_size)
+            (
+                slot_name(Slot(u, rank)),
+                endpoint_for_rank(u.kv_events, rank),
+                endpoint_for_rank(u.kv_replay, rank) if u.kv_replay else None,
+            )
+            for u in upstreams
+            if u.kv_events
+            for rank in range(u.dp_size)
         ]
         self._stats: dict[str, SubscriberStats] = {}
         self._threads: list[threading.Thread] = []
@@ -49,8 +54,9 @@ class KVEventFeeds:
         for name, endpoint, replay in self._targets:
             sub = KVEventSubscriber(endpoint, replay)
             self._stats[name] = sub.stats
-            thread = threading.Thread(target=self._run, args=(name, sub), daemon=True,
-                                      name=f"p2pkv-kv-events {name}")
+            thread = threading.Thread(
+                target=self._run, args=(name, sub), daemon=True, name=f"p2pkv-kv-events {name}"
+            )
             thread.start()
             self._threads.append(thread)
 
@@ -61,9 +67,14 @@ class KVEventFeeds:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per rank: its endpoints and subscriber counters (read racily: monitoring only)."""
-        return {name: {"endpoint": endpoint, "replay_endpoint": replay,
-                       **(asdict(self._stats[name]) if name in self._stats else {})}
-                for name, endpoint, replay in self._targets}
+        return {
+            name: {
+                "endpoint": endpoint,
+                "replay_endpoint": replay,
+                **(asdict(self._stats[name]) if name in self._stats else {}),
+            }
+            for name, endpoint, replay in self._targets
+        }
 
     def _run(self, name: str, sub: KVEventSubscriber) -> None:
         try:
@@ -80,7 +91,9 @@ class KVEventFeeds:
 def without_placeholders(batch: KVEventBatch) -> KVEventBatch:
     """``batch`` minus its placeholder ``BlockStored`` events (``block_size`` 0 and no
     ``token_ids``); the same object when it has none."""
-    kept = [e for e in batch.events
-            if not (isinstance(e, BlockStored) and e.block_size == 0 and not e.token_ids)]
-    return batch if len(kept) == len(batch.events) else msgspec.structs.replace(batch,
-                                                                                 events=kept)
+    kept = [
+        e
+        for e in batch.events
+        if not (isinstance(e, BlockStored) and e.block_size == 0 and not e.token_ids)
+    ]
+    return batch if len(kept) == len(batch.events) else msgspec.structs.replace(batch, events=kept)

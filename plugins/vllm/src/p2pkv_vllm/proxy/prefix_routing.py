@@ -61,6 +61,7 @@ class PrefixDecision:
 def local_matcher(index: PrefixIndex) -> Matcher:
     async def match(token_ids: Sequence[int], body: Mapping[str, Any]) -> dict[str, int]:
         return index.match(token_ids)
+
     return match
 
 
@@ -72,6 +73,7 @@ def indexer_matcher(client: IndexerClient, config: ProxyConfig) -> Matcher:
         model = body.get("model")
         found = await client.match(token_ids, model if isinstance(model, str) else "", ranks)
         return {f"{url}#dp{rank}": tokens for (url, rank), tokens in found.items()}
+
     return match
 
 
@@ -100,22 +102,30 @@ class PrefixRouter:
         self.tokens = tokens
         self._prefillers = _Pool(slots_of(config.prefillers))
         self._decoders = _Pool(slots_of(config.decoders))
-        slots: list[Slot[Prefiller] | Slot[Decoder]] = [*self._prefillers.slots,
-                                                          *self._decoders.slots]
+        slots: list[Slot[Prefiller] | Slot[Decoder]] = [
+            *self._prefillers.slots,
+            *self._decoders.slots,
+        ]
         self._peers = [peer for slot in slots if (peer := p2p_peer(slot)) is not None]
         self.counters: Counter[str] = Counter()
         """decisions, with_source, lookup_<outcome>, matched_tokens, source_tokens."""
 
     async def decide(self, path: str, body: Mapping[str, Any]) -> PrefixDecision:
         try:
-            decision = await asyncio.wait_for(self._decide(path, body),
-                                              self._settings.lookup_timeout)
+            decision = await asyncio.wait_for(
+                self._decide(path, body), self._settings.lookup_timeout
+            )
         except TimeoutError:
             decision = self._decision({}, 0, "timeout")
-        self.counters.update({"decisions": 1, f"lookup_{decision.lookup}": 1,
-                              "with_source": decision.source is not None,
-                              "matched_tokens": decision.matched_tokens,
-                              "source_tokens": decision.source_tokens})
+        self.counters.update(
+            {
+                "decisions": 1,
+                f"lookup_{decision.lookup}": 1,
+                "with_source": decision.source is not None,
+                "matched_tokens": decision.matched_tokens,
+                "source_tokens": decision.source_tokens,
+            }
+        )
         return decision
 
     async def _decide(self, path: str, body: Mapping[str, Any]) -> PrefixDecision:
@@ -123,21 +133,26 @@ class PrefixRouter:
         if not tokens:
             return self._decision({}, 0, "no_tokens")
         scores = await self.matches(tokens, body)
-        return self._decision(scores, len(tokens),
-                              "hit" if any(v > 0 for v in scores.values()) else "miss")
+        return self._decision(
+            scores, len(tokens), "hit" if any(v > 0 for v in scores.values()) else "miss"
+        )
 
     async def matches(self, tokens: Sequence[int], body: Mapping[str, Any]) -> dict[str, int]:
         """Matched tokens per slot name for ``tokens`` (nothing routed, nothing counted)."""
         return await self._matcher(tokens, body) if tokens else {}
 
-    def _decision(self, scores: Mapping[str, int], prompt_tokens: int,
-                  lookup: str) -> PrefixDecision:
+    def _decision(
+        self, scores: Mapping[str, int], prompt_tokens: int, lookup: str
+    ) -> PrefixDecision:
         prefiller = self._prefillers.best(scores)
         decoder = self._decoders.best(scores)
         chosen = slot_name(prefiller)
         mine = scores.get(chosen, 0)
-        holder = max((p for p in self._peers if p.name != chosen),
-                     key=lambda p: scores.get(p.name, 0), default=None)
+        holder = max(
+            (p for p in self._peers if p.name != chosen),
+            key=lambda p: scores.get(p.name, 0),
+            default=None,
+        )
         held = scores.get(holder.name, 0) if holder is not None else 0
         if holder is None or held <= mine or held - mine < self._settings.min_cached_tokens_delta:
             return PrefixDecision(prefiller, decoder, None, mine, 0, prompt_tokens, lookup)

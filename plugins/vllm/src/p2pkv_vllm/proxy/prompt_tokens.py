@@ -21,16 +21,26 @@ PostJson = Callable[[str, Mapping[str, Any]], Awaitable[tuple[int, bytes]]]
 """POST a JSON body to a URL; returns (status, body), ``(0, b"")`` when the upstream is
 unreachable or slow (it never raises for transport failures)."""
 
-_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
-                "chat_template_kwargs", "tools", "add_special_tokens")
+_CHAT_FIELDS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "add_special_tokens",
+)
 _COMPLETION_FIELDS = ("prompt", "add_special_tokens")
 
 
 def tokens_in_body(body: Mapping[str, Any]) -> list[int] | None:
     """The prompt's token ids when the client sent ids (``prompt: [int, ...]``)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         return prompt
     return None
 
@@ -48,7 +58,8 @@ class PromptTokens:
             return ids
         fields = _CHAT_FIELDS if path.endswith("/chat/completions") else _COMPLETION_FIELDS
         if not isinstance(body.get(fields[0]), (str, list)) or (
-                fields is _COMPLETION_FIELDS and not isinstance(body["prompt"], str)):
+            fields is _COMPLETION_FIELDS and not isinstance(body["prompt"], str)
+        ):
             return None
         request = {k: body[k] for k in fields if k in body}
         if "model" in body:

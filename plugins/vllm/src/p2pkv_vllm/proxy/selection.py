@@ -18,7 +18,12 @@ from typing import Any, Generic, Protocol, TypeVar
 from p2pkv.errors import ConfigError
 
 __all__ = [
-    "LeastInFlight", "RoundRobin", "SelectionPolicy", "Slot", "make_policy", "slot_name",
+    "LeastInFlight",
+    "RoundRobin",
+    "SelectionPolicy",
+    "Slot",
+    "make_policy",
+    "slot_name",
     "slots_of",
 ]
 
@@ -90,9 +95,7 @@ class LeastInFlight(Generic[U]):
 
     def choose(self) -> Slot[U]:
         n = len(self._slots)
-        best = min(
-            ((self._start + k) % n for k in range(n)), key=self._in_flight.__getitem__
-        )
+        best = min(((self._start + k) % n for k in range(n)), key=self._in_flight.__getitem__)
         self._start = (best + 1) % n
         self._in_flight[best] += 1
         return self._slots[best]

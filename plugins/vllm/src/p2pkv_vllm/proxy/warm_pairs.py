@@ -63,8 +63,9 @@ TOKEN_IDS = range(3, 98)
 """Warm-up prompt token ids: ids every vocabulary of practical size has."""
 HEALTH_POLL = 0.5
 
-Call = Callable[[str, str, Mapping[str, Any] | None, Mapping[str, str]],
-                Awaitable[tuple[int, bytes]]]
+Call = Callable[
+    [str, str, Mapping[str, Any] | None, Mapping[str, str]], Awaitable[tuple[int, bytes]]
+]
 """(method, url, JSON body or None, headers) -> (status, body); raises on transport
 failures (the warmer bounds and catches every call)."""
 
@@ -92,14 +93,19 @@ def pairs(config: ProxyConfig) -> list[WarmPair]:
     decoders: list[Slot[Any]] = list(slots_of(config.decoders))
     wanted = [(d, p) for d in decoders for p in prefillers]
     if config.policy in PREFIX_POLICIES:
-        wanted += [(p, q) for p in prefillers for q in (*prefillers, *decoders)
-                   if slot_name(q) != slot_name(p)]
+        wanted += [
+            (p, q)
+            for p in prefillers
+            for q in (*prefillers, *decoders)
+            if slot_name(q) != slot_name(p)
+        ]
     out: dict[frozenset[str], WarmPair] = {}
     for consumer, producer in wanted:
         peer = p2p_peer(producer)
         if peer is not None:
-            out.setdefault(frozenset((slot_name(consumer), peer.name)),
-                           WarmPair(consumer, producer, peer))
+            out.setdefault(
+                frozenset((slot_name(consumer), peer.name)), WarmPair(consumer, producer, peer)
+            )
     return list(out.values())
 
 
@@ -116,8 +122,9 @@ class PairWarmer:
         self._config = config
         self._call = call
         self._pairs = pairs(config)
-        self._status: dict[str, dict[str, Any]] = {p.name: {"state": "pending"}
-                                                   for p in self._pairs}
+        self._status: dict[str, dict[str, Any]] = {
+            p.name: {"state": "pending"} for p in self._pairs
+        }
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Per pair: ``state`` (``pending``, ``warm``, ``failed``), ``ms`` (the warm-up's
@@ -152,8 +159,9 @@ class PairWarmer:
 
     async def _healthy(self, url: str) -> bool:
         try:
-            status, _ = await asyncio.wait_for(self._call("GET", f"{url}/health", None, {}),
-                                               self._config.timeouts.connect)
+            status, _ = await asyncio.wait_for(
+                self._call("GET", f"{url}/health", None, {}), self._config.timeouts.connect
+            )
         except (TimeoutError, OSError):
             return False
         return 200 <= status < 300
@@ -163,23 +171,25 @@ class PairWarmer:
         t = self._config.timeouts
         kv_id = new_kv_request_id()
         model = await self._model(pair.producer.upstream.url, kv_id)
-        body = {"model": model, "prompt": warm_prompt(kv_id), "max_tokens": 1,
-                "temperature": 0}
-        legs = ((pair.producer, prefill_body(body, producer_params(kv_id)), t.prefill),
-                (pair.consumer, decode_body(body, pull_params(kv_id, pair.peer)), t.decode))
+        body = {"model": model, "prompt": warm_prompt(kv_id), "max_tokens": 1, "temperature": 0}
+        legs = (
+            (pair.producer, prefill_body(body, producer_params(kv_id)), t.prefill),
+            (pair.consumer, decode_body(body, pull_params(kv_id, pair.peer)), t.decode),
+        )
         for slot, leg, timeout in legs:
             headers = leg_headers([], kv_id, slot.dp_rank, self._config.api_key)
             status, raw = await asyncio.wait_for(
-                self._call("POST", f"{slot.upstream.url}/v1/completions", leg, headers),
-                timeout)
+                self._call("POST", f"{slot.upstream.url}/v1/completions", leg, headers), timeout
+            )
             if not 200 <= status < 300:
                 raise OSError(f"{slot_name(slot)} answered {status}: {raw[:200]!r}")
 
     async def _model(self, url: str, kv_id: str) -> str:
         """The first model ``url`` serves (``GET /v1/models``)."""
         headers = leg_headers([], kv_id, 0, self._config.api_key)
-        status, raw = await asyncio.wait_for(self._call("GET", f"{url}/v1/models", None,
-                                                        headers), self._config.timeouts.connect)
+        status, raw = await asyncio.wait_for(
+            self._call("GET", f"{url}/v1/models", None, headers), self._config.timeouts.connect
+        )
         if not 200 <= status < 300:
             raise OSError(f"{url}/v1/models answered {status}")
         return str(json.loads(raw)["data"][0]["id"])
