@@ -93,6 +93,39 @@ def test_a_driver_starved_of_cpu_is_no_stop_though_the_watchdog_waited() -> None
     assert watch.stopped(since=103.0, now=clock.now)
 
 
+class DriverWithinTheWakeUp(Runnable):
+    """A ``/proc`` reading during which the driver thread asks the watch: what happens when
+    the watchdog lets go of the GIL inside a wake-up, as both threads start after a resume."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.watch: StopWatch | None = None
+        self.answers: list[bool] = []
+
+    def __call__(self, tid: int) -> int:
+        watch, self.watch = self.watch, None  # once: ``stopped`` reads /proc too
+        if watch is not None:
+            self.answers.append(watch.stopped(since=100.0, now=self.clock.now))
+        return self.ns
+
+
+def test_a_driver_that_asks_within_the_watchdogs_first_wake_up_after_a_stop_sees_it() -> None:
+    """The defect behind one missed pause in ten (chaos, "consumer resumed", every lane): the
+    watchdog published its wake-up's time before judging the gap, and a driver that asked in
+    between took the 3 s stop for a slow tick."""
+    clock = Clock()
+    runnable = DriverWithinTheWakeUp(clock)
+    watch = StopWatch(clock, 1.0, start=False, runnable=runnable)
+    watch.driver = 7
+    watch.beat()
+    clock.now += 3.0  # stopped: the driver's times stand still
+    runnable.watch = watch
+    watch.beat()  # the driver asks while the watchdog reads /proc
+    assert runnable.answers == [True]
+    assert watch.stopped(since=100.0, now=clock.now), "and after the wake-up"
+
+
 def test_without_the_drivers_cpu_times_the_watchdog_alone_decides() -> None:
     clock = Clock()
     watch = StopWatch(clock, 2.0, start=False, runnable=lambda tid: None)
@@ -144,11 +177,11 @@ def test_the_watchdog_thread_ends_on_close_and_with_its_watch() -> None:
 def test_the_watchdog_thread_beats_on_its_own() -> None:
     watch = StopWatch(time.monotonic, 1.0)
     try:
-        first = watch._beat
+        first = watch._latest[0]
         deadline = time.monotonic() + 10
-        while watch._beat == first and time.monotonic() < deadline:
+        while watch._latest[0] == first and time.monotonic() < deadline:
             threading.Event().wait(watch.period)
-        assert watch._beat > first
+        assert watch._latest[0] > first
     finally:
         watch.close()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from chaos_cluster import Cluster, Node, Req, all_done, measured, not_done, requests, tier_config
 from chaos_node import NodeSpec
 from p2pkv_tools.demo.roles import RoleSetup
@@ -88,19 +87,9 @@ def _one_round(c: Cluster, nodes: tuple[Node, Node, Node], no: int) -> float:
     return ended
 
 
-KNOWN_MISS = (
-    "known issue: on nixl's staged lane (UCX_TLS=tcp) the pause detector has taken the 3 s stop "
-    "for a slow tick in 1 round of 10, in each of 3 runs: the resumed consumer posted "
-    "reads for stale ready frames, which its producer refused with nothing written, so those "
-    "loads failed transfer_failed instead of peer_dead. No stale byte; the cause is not found"
-)
-
-
 def test_a_resumed_consumer_ends_pre_pause_loads_at_once_and_serves_again(
-    data: str, lane: dict[str, str], request: pytest.FixtureRequest
+    data: str, lane: dict[str, str]
 ) -> None:
-    if data == "nixl" and lane.get("UCX_TLS") == "tcp":
-        request.applymarker(pytest.mark.xfail(strict=False, reason=KNOWN_MISS))
     with Cluster() as c:
         nodes = c.start(
             ("P", spec("producer", data, lane)),

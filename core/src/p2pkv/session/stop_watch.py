@@ -36,7 +36,10 @@ no watchdog thread; :meth:`StopWatch.stopped` then starts a new one and, that on
 the gap as a stop (the old rule).
 
 Threading: :meth:`stopped` and :meth:`close` from the tier's driver thread; the watchdog
-thread only writes ``_beat``/``_stop`` (single assignments, atomic under the GIL).
+thread only writes ``_stop`` and then ``_latest`` (single assignments, atomic under the
+GIL), and the driver reads them in the other order. The watchdog lets go of the GIL inside a
+wake-up (reading ``/proc``), often right after a resume, when the driver wants it too: a
+driver that saw a wake-up's time before its stop would take the stop for a slow tick.
 """
 
 from __future__ import annotations
@@ -80,11 +83,10 @@ class StopWatch:
 
     __slots__ = (
         "__weakref__",
-        "_beat",
         "_clock",
         "_done",
+        "_latest",
         "_runnable",
-        "_sample",
         "_stop",
         "_thread",
         "driver",
@@ -105,12 +107,11 @@ class StopWatch:
         self.driver = 0
         """The native id of the thread that drives the tier (0: not known yet); set by the
         pause detector on the driver thread."""
-        self._sample: _Sample | None = None
-        """The driver thread's reading at the watchdog's latest wake-up."""
         self.limit = limit
         self.period = watch_period(limit)
-        self._beat = clock()
-        """When the watchdog last ran (``clock``)."""
+        self._latest: tuple[float, _Sample | None] = (clock(), None)
+        """The watchdog's latest wake-up: when (``clock``), and the driver thread's reading
+        then. One tuple, so that the driver reads both of the same wake-up."""
         self._stop: tuple[float, float] | None = None
         """The latest stop it saw: (when it ended, how long it lasted)."""
         self._done = threading.Event()
@@ -122,11 +123,11 @@ class StopWatch:
         """One wake-up of the watchdog: note a gap longer than ``limit`` as a stop, unless
         the driver thread was running or waiting for a CPU all along but for ``limit``."""
         now = self._clock()
-        gap, self._beat = now - self._beat, now
-        sample, before = self._read(now), self._sample
-        self._sample = sample
+        (beat, before), sample = self._latest, self._read(now)
+        gap = now - beat
         if gap > self.limit and not self._ran(before, sample):
             self._stop = (now, gap)
+        self._latest = (now, sample)  # last: a driver that sees this wake-up sees its stop
 
     def stopped(self, since: float, now: float) -> bool:
         """Whether the process was stopped for longer than ``limit`` after ``since`` (both
@@ -136,12 +137,13 @@ class StopWatch:
         if self._thread is not None and not self._thread.is_alive() and not self._done.is_set():
             self._start()  # after a fork: the gap cannot be told apart, so it counts
             return True
+        beat, sample = self._latest  # before the stop: see ``beat``
         stop = self._stop
         if stop is not None and stop[0] > since:
             return True
-        if now - self._beat <= self.limit:
+        if now - beat <= self.limit:
             return False
-        return not self._ran(self._sample, self._read(now))
+        return not self._ran(sample, self._read(now))
 
     def _read(self, now: float) -> _Sample | None:
         tid = self.driver
@@ -161,7 +163,7 @@ class StopWatch:
         self._done.set()
 
     def _start(self) -> None:
-        self._beat = self._clock()
+        self._latest = (self._clock(), None)
         self._thread = threading.Thread(
             target=_watch,
             args=(weakref.ref(self), self._done, self.period),
