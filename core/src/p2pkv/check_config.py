@@ -88,6 +88,12 @@ class Entry:
     def where(self) -> str:
         return f"secondary_tiers[{self.index}]"
 
+    def says(self, exc: BaseException) -> str:
+        """``exc``'s message, prefixed with :attr:`where` instead of the adapter's own name
+        for the entry (its ``ENTRY_CONTEXT``, which an engine's log needs and this does not)."""
+        context = getattr(self.adapter, "ENTRY_CONTEXT", "")
+        return f"{self.where}: {str(exc).removeprefix(context)}"
+
 
 class BuiltInTier(P2PKVError):
     """The config is vLLM's built-in P2P tier without the opt-in: valid, but vLLM would not
@@ -318,10 +324,10 @@ def connector_problem(
 def _refusal(entry: Entry, exc: BaseException) -> str:
     if getattr(exc.__cause__, "errno", None) == errno.EADDRNOTAVAIL:
         return (
-            f"{entry.where}: {exc} (not an address of this machine: run check-config on "
+            f"{entry.says(exc)} (not an address of this machine: run check-config on "
             f"the pod, or add --no-bind to check everything else here)"
         )
-    return f"{entry.where}: {exc}"
+    return entry.says(exc)
 
 
 def _hints(environ: Mapping[str, str]) -> list[str]:

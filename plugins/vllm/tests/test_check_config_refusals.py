@@ -24,7 +24,7 @@ pytest.importorskip("zmq", reason="needs pyzmq (p2pkv-zmq)")
 pytest.importorskip("nixl._api", reason="needs NIXL (scripts/install.sh installs it lean)")
 
 SCRIPT = Path(sys.executable).parent / "p2pkv"
-P = "p2pkv check-config: secondary_tiers[0]: P2PKVTier secondary_tiers entry: "
+P = "p2pkv check-config: secondary_tiers[0]: "
 VALID_KEYS = (
     "type, control, data, host, port, control_options, data_options, timeouts, "
     "limits, flow, peers, fingerprint, hash_seed, module_path, backpressure, "

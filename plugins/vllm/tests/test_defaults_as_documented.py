@@ -93,11 +93,12 @@ def test_doctor_reads_the_variables_vllms_tier_reads(
     }
 
 
-def test_doctor_refuses_the_builtin_tier_and_names_the_fix(
+def test_doctor_says_the_builtin_tier_runs_no_p2pkv_and_names_the_fix(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A valid config that runs no p2pkv tier: exit 1, as ``check-config`` (2 is misuse)."""
     monkeypatch.delenv("P2PKV_REPLACE_P2P", raising=False)
-    assert main(["doctor", "--no-probe", "--config", json.dumps(GUIDE)]) == 2
+    assert main(["doctor", "--no-probe", "--config", json.dumps(GUIDE)]) == 1
     assert capsys.readouterr().err == (
         "p2pkv doctor: secondary_tiers[0] has type 'p2p': vLLM's built-in P2P tier would be "
         "built, not p2pkv's; set P2PKV_REPLACE_P2P=1 on the engines (and here) to build "

@@ -31,7 +31,7 @@ from typing import Any
 
 from p2pkv import __version__
 from p2pkv.check_config import data_parallel_size
-from p2pkv.cli import TOOL_COMMANDS, make_console, print_json
+from p2pkv.cli import TOOL_COMMANDS, make_console, print_error, print_json
 from p2pkv.cli_plugins import plugin_report, print_report
 from p2pkv.config import HOST_ENV, PORT_ENV, TierConfig
 from p2pkv.errors import ConfigError
@@ -408,10 +408,7 @@ def _entry_config(args: argparse.Namespace) -> tuple[Any, Mapping[str, Any]] | N
         kv = {"kv_connector_extra_config": {"secondary_tiers": [raw]}}
     else:
         return None
-    try:
-        extra, found = check_config.entries(kv)
-    except check_config.BuiltInTier as exc:
-        raise ConfigError(str(exc)) from None
+    extra, found = check_config.entries(kv)  # BuiltInTier: see ``run``
     return found[0], extra
 
 
@@ -456,7 +453,7 @@ def entry_listeners(entry: Any, extra: Mapping[str, Any], dp_size: int) -> list[
         cfg = entry.adapter.entry_tier_config(entry.keys, extra_config=extra, dp_rank=dp_size - 1)
     except ConfigError as exc:
         ranks = f" (--dp-size {dp_size}: lower the base port or the DP size)"
-        raise ConfigError(f"{entry.where}: {exc}{ranks if dp_size > 1 else ''}") from None
+        raise ConfigError(f"{entry.says(exc)}{ranks if dp_size > 1 else ''}") from None
     raw = entry.keys
     host_env, port_env = entry.adapter.HOST_ENV, entry.adapter.PORT_ENV
     host_from, _ = _source(raw, "host", host_env)
@@ -638,9 +635,16 @@ def _print_plugin_checks(console: Console, report: Mapping[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print (or ``--json``, status 0) the report; 1 when a port a tier would bind is taken
-    or a plugin's check failed, else 0. Bad options raise ``ConfigError`` (the CLI prints one
-    line and exits 2)."""
-    report = collect(args)
+    or a plugin's check failed, or when the entry is vLLM's built-in tier (valid, but no
+    p2pkv tier: one line, as ``check-config`` says it), else 0. Bad options raise
+    ``ConfigError`` (the CLI prints one line and exits 2)."""
+    from p2pkv.check_config import BuiltInTier
+
+    try:
+        report = collect(args)
+    except BuiltInTier as exc:
+        print_error("p2pkv doctor", str(exc))
+        return 1
     if args.json:
         print_json(report)
         return 0

@@ -222,6 +222,9 @@ def test_a_secret_is_rotated_as_json_without_its_server_fields(tmp_path: Path) -
     ]
     with pytest.raises(ConfigError, match=r"^not a Secret with data"):
         rotate_secret("{}", "begin")
+    as_yaml = "apiVersion: v1\nkind: Secret\ndata:\n  server.key: eA==\n"
+    with pytest.raises(ConfigError, match=r"^the Secret is YAML; --from takes JSON"):
+        rotate_secret(as_yaml, "begin")
 
 
 def test_a_changed_directory_is_reread_but_the_server_pair_stays(

@@ -339,7 +339,7 @@ def test_a_server_of_another_protocol(keys: Path) -> None:
         (
             ["127.0.0.1:5710", "--curve-dir", "/nonexistent/keys"],
             {},
-            "P2PKV_CURVE_DIR="
+            "--curve-dir="
             "'/nonexistent/keys' is not a directory: mount the fleet's key Secret there "
             "(`p2pkv keys --secret NAME` writes one)",
         ),
@@ -348,6 +348,17 @@ def test_a_server_of_another_protocol(keys: Path) -> None:
 def test_misuse(args: list[str], env: dict[str, str], message: str) -> None:
     status, out, err = run_probe(*args, env=env)
     assert (status, out, err) == (2, "", f"p2pkv probe: {message}\n")
+
+
+def test_a_key_directory_given_on_the_command_line_is_blamed_by_its_option(
+    keys: Path,
+) -> None:
+    """Not ``$P2PKV_CURVE_DIR``, which this probe never read."""
+    status, out, err = run_probe(
+        "127.0.0.1:5710", "--curve-dir", str(keys), "--client-key", "client-next"
+    )
+    assert (status, out) == (2, "")
+    assert err.startswith(f"p2pkv probe: --curve-dir: no client-next.key_secret in {keys} ")
 
 
 def test_insecure_and_keys_together() -> None:

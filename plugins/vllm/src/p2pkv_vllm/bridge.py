@@ -20,6 +20,7 @@ from p2pkv.routing import Routing
 from p2pkv.types import Job, JobResult, LookupResult, RequestContext
 
 __all__ = [
+    "ENTRY_CONTEXT",
     "ENTRY_KEYS",
     "HOST_ENV",
     "IDLE_WAIT_KEY",
@@ -68,6 +69,10 @@ MAX_PRECONNECT = 256
 """Peers one hint may name (the rest are ignored, and logged)."""
 
 _log = logging.getLogger(__name__)
+
+ENTRY_CONTEXT = "P2PKVTier secondary_tiers entry: "
+"""How this adapter's ``ConfigError`` messages begin, naming the entry in an engine's log;
+``p2pkv check-config`` and ``doctor`` name it by its index instead and leave this out."""
 
 _DERIVED_KEYS = ("fingerprint", "hash_seed")
 """TierConfig keys the adapter derives from the engine; an explicit tier key still wins."""
@@ -118,7 +123,7 @@ def tier_config_from_keys(
             shown_as=aliases,
         )
     except ConfigError as exc:
-        raise ConfigError(f"P2PKVTier secondary_tiers entry: {exc}") from None
+        raise ConfigError(f"{ENTRY_CONTEXT}{exc}") from None
 
 
 UPSTREAM_TYPE = "p2p"
@@ -188,7 +193,7 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
         value = keys.pop(alias)
         if section == "data_options" and keys.get("data", "nixl") != "nixl":
             raise ConfigError(
-                f"P2PKVTier secondary_tiers entry: {alias!r} is a NIXL setting "
+                f"{ENTRY_CONTEXT}{alias!r} is a NIXL setting "
                 f"of vLLM's p2p tier, but data is {keys['data']!r}: set that "
                 f"transport's data_options instead"
             )
@@ -196,7 +201,7 @@ def upstream_keys_mapped(tier_keys: Mapping[str, Any]) -> dict[str, Any]:
         inner = dict(inner) if isinstance(inner, Mapping) else {}
         if name in inner and inner[name] != value:
             raise ConfigError(
-                f"P2PKVTier secondary_tiers entry: {alias!r} ({value!r}) and "
+                f"{ENTRY_CONTEXT}{alias!r} ({value!r}) and "
                 f"{section}.{name} ({inner[name]!r}) disagree: keep one"
             )
         inner[name] = value

@@ -54,21 +54,24 @@ class KeySet:
         return f"KeySet(server_public={self.server_public!r}, allowed={len(self.allowed)})"
 
 
-def read_fleet_dir(directory: Path, client: str = FLEET_CLIENT) -> KeySet:
+def read_fleet_dir(
+    directory: Path, client: str = FLEET_CLIENT, *, named: str = CURVE_DIR_ENV
+) -> KeySet:
     """The keys of a fleet key directory, dialing with the pair ``client`` (the fleet's, or
     another one of the directory: ``client-next`` during a rotation); ``ConfigError`` naming
-    what is missing or unreadable and the fix."""
-    _check_readable(directory)
+    what is missing or unreadable and the fix, the directory called ``named`` (how the user
+    gave it: the environment variable, or a command-line option)."""
+    _check_readable(directory, named)
     secrets = {}
     for name in (FLEET_SERVER, client):
         path = directory / f"{name}{SECRET_SUFFIX}"
         if not path.is_file():
             raise ConfigError(
-                f"{CURVE_DIR_ENV}: no {path.name} in {directory} (a fleet key "
+                f"{named}: no {path.name} in {directory} (a fleet key "
                 "directory holds the server and client pairs `p2pkv keys "
                 "--fleet` or `--secret` writes)"
             )
-        secrets[name] = read_key(str(path), f"{CURVE_DIR_ENV}: {path.name}", "secret")
+        secrets[name] = read_key(str(path), f"{named}: {path.name}", "secret")
     allowed = [
         str(path)
         for path in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))
@@ -76,7 +79,7 @@ def read_fleet_dir(directory: Path, client: str = FLEET_CLIENT) -> KeySet:
     ]
     if not allowed:
         raise ConfigError(
-            f"{CURVE_DIR_ENV}: no client public key (*{PUBLIC_SUFFIX} other than "
+            f"{named}: no client public key (*{PUBLIC_SUFFIX} other than "
             f"{FLEET_SERVER}{PUBLIC_SUFFIX}) in {directory}"
         )
     server, ours = secrets[FLEET_SERVER], secrets[client]
@@ -85,19 +88,19 @@ def read_fleet_dir(directory: Path, client: str = FLEET_CLIENT) -> KeySet:
         public_of(server),
         ours,
         public_of(ours),
-        read_key_list(tuple(allowed), f"{CURVE_DIR_ENV}: client keys"),
+        read_key_list(tuple(allowed), f"{named}: client keys"),
     )
 
 
-def _check_readable(directory: Path) -> None:
+def _check_readable(directory: Path, named: str) -> None:
     if not directory.is_dir():
         raise ConfigError(
-            f"{CURVE_DIR_ENV}={str(directory)!r} is not a directory: mount the "
+            f"{named}={str(directory)!r} is not a directory: mount the "
             "fleet's key Secret there (`p2pkv keys --secret NAME` writes one)"
         )
     if not os.access(directory, os.R_OK | os.X_OK):
         raise ConfigError(
-            f"{CURVE_DIR_ENV}={str(directory)!r} cannot be listed by this "
+            f"{named}={str(directory)!r} cannot be listed by this "
             f"process (uid {os.getuid()}): give it read access (a Secret "
             "volume: the pod's securityContext.fsGroup and the volume's "
             "defaultMode 0440)"
@@ -114,11 +117,13 @@ class LiveKeys:
         *,
         client: str = FLEET_CLIENT,
         clock: Callable[[], float] = time.monotonic,
+        named: str = CURVE_DIR_ENV,
     ) -> None:
         self.directory = directory
         self._client = client
         self._clock = clock
-        self._keys = read_fleet_dir(directory, client)
+        self._named = named
+        self._keys = read_fleet_dir(directory, client, named=named)
         self._signature = _signature(directory)
         self._next_look = clock() + RELOAD_INTERVAL
         self._logged: object = None
@@ -136,7 +141,7 @@ class LiveKeys:
 
     def _reload(self, signature: object) -> None:
         try:
-            fresh = read_fleet_dir(self.directory, self._client)
+            fresh = read_fleet_dir(self.directory, self._client, named=self._named)
         except ConfigError as exc:
             if self._logged != signature:
                 self._logged = signature

@@ -150,8 +150,9 @@ def _keys(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) 
     ``--insecure``; ``ConfigError`` when neither is given or the keys cannot be read."""
     if args.insecure:
         return None
-    directory = args.curve_dir
+    directory, named = args.curve_dir, "--curve-dir"
     if directory is None:
+        named = CURVE_DIR_ENV
         directory = environ.get(CURVE_DIR_ENV)
         if directory is not None and not directory.strip():
             raise ConfigError(
@@ -169,4 +170,4 @@ def _keys(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str]) 
 
     if not zmq.has("curve"):
         raise ConfigError("this libzmq was built without CURVE: probe with --insecure only")
-    return fleet_keys(Path(directory), args.client_key)
+    return fleet_keys(Path(directory), args.client_key, named=named)

@@ -28,6 +28,7 @@ import base64
 import binascii
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -144,6 +145,11 @@ def rotate_secret(manifest: str, step: Step) -> tuple[str, str]:
     try:
         secret = json.loads(manifest)
     except ValueError as exc:
+        if re.search(r"^kind:\s*Secret\s*$", manifest, re.MULTILINE):
+            raise ConfigError(
+                "the Secret is YAML; --from takes JSON (p2pkv-zmq parses no YAML): "
+                "give `kubectl get secret NAME -o json`"
+            ) from None
         raise ConfigError(
             f"the Secret is not JSON ({exc}): give `kubectl get secret NAME -o json`"
         ) from None

@@ -148,13 +148,16 @@ def curve_keys(
     )
 
 
-def fleet_keys(directory: Path, client: str = FLEET_CLIENT) -> CurveKeys:
+def fleet_keys(
+    directory: Path, client: str = FLEET_CLIENT, *, named: str = CURVE_DIR_ENV
+) -> CurveKeys:
     """A fleet's keys from ``directory``, followed as it changes (:mod:`p2pkv_zmq.fleet_dir`),
-    dialing with the pair ``client``; ``ConfigError`` naming what is missing or unreadable."""
-    live = LiveKeys(directory, client=client)
+    dialing with the pair ``client``; ``ConfigError`` naming what is missing or unreadable,
+    the directory called ``named`` (the environment variable, or a command-line option)."""
+    live = LiveKeys(directory, client=client, named=named)
     log.info(
         "zmq CURVE keys from %s=%s (%d allowed client key(s); re-read when it changes)",
-        CURVE_DIR_ENV,
+        named,
         directory,
         len(live.current().allowed),
     )
