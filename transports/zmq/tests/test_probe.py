@@ -135,11 +135,13 @@ def test_the_default_address_and_keys_are_the_tiers_own(
     assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
 
 
-def test_every_rank_must_pass(curve_tier: tuple[Child, str], keys: Path) -> None:
+@pytest.mark.parametrize("ranks", ["--ranks", "--data-parallel-size"])
+def test_every_rank_must_pass(curve_tier: tuple[Child, str], keys: Path, ranks: str) -> None:
+    """``--data-parallel-size`` is vLLM's name for the same number."""
     _, address = curve_tier
     host, port = address.rsplit(":", 1)
     next_rank = f"{host}:{int(port) + 1}"
-    status, out, err = run_probe(address, "--ranks", "2", "--curve-dir", str(keys))
+    status, out, err = run_probe(address, ranks, "2", "--curve-dir", str(keys))
     assert status == 1
     assert out == f"p2pkv tier at {address}: {WHAT}, CURVE ({keyed(keys)})\n"
     assert err.startswith(f"p2pkv probe: {next_rank}: ")

@@ -64,10 +64,13 @@ def add_probe_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--ranks",
+        "--data-parallel-size",
+        dest="ranks",
         type=int,
         default=1,
         metavar="N",
-        help="probe ports PORT..PORT+N-1 (one per data-parallel rank); all must pass",
+        help="probe ports PORT..PORT+N-1 (one per data-parallel rank: the engine's "
+        "--data-parallel-size); all must pass",
     )
     security = p.add_mutually_exclusive_group()
     security.add_argument(
