@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from p2pkv.config import Peers, TierConfig
 from p2pkv.dial_policy import GRACE, DialPolicy
 from p2pkv.errors import ConfigError
+from p2pkv.peer_allow import service_allowed
 
 
 def policy(*allow: str, max_dialed: int = 256) -> DialPolicy:
@@ -40,6 +41,17 @@ def test_the_allow_list_matches_networks_addresses_and_names(peer: str, allowed:
 def test_an_empty_allow_list_allows_every_peer() -> None:
     assert policy().refusal("203.0.113.7:7777") is None
     assert policy().refusal("mem://anything") is None
+
+
+def test_a_short_service_name_is_refused_only_when_pre_connect_names_that_service() -> None:
+    """``p2pkv-peers`` alone may be a host; beside ``peers.connect`` dialing the Service
+    ``p2pkv-peers.ns.svc...`` it is that Service, which a request never names."""
+    service = ["p2pkv-peers.ns.svc.cluster.local:7777"]
+    assert service_allowed(["10.0.0.0/8", "P2PKV-Peers"], ["p2pkv-peers.ns.svc.cluster.local"])
+    TierConfig.from_dict({"peers": {"allow": ["p2pkv-peers"], "connect": ["p2pkv-peers:7777"]}})
+    TierConfig.from_dict({"peers": {"allow": ["other"], "connect": service}})
+    with pytest.raises(ConfigError, match=r"peers.allow\[0\] = 'p2pkv-peers.ns' names the"):
+        TierConfig.from_dict({"peers": {"allow": ["p2pkv-peers.ns"], "connect": service}})
 
 
 @pytest.mark.parametrize("entry", ["10.0.0.0/33", "", "a b", "host:7777", "-x"])

@@ -18,7 +18,7 @@ from typing import Any
 from p2pkv.addressing import format_address, parse_address
 from p2pkv.errors import ConfigError
 from p2pkv.options import derived, option, parse_options, shown
-from p2pkv.peer_allow import parse_allow_list
+from p2pkv.peer_allow import parse_allow_list, service_allowed
 
 __all__ = [
     "DEFAULT_HOST",
@@ -354,6 +354,7 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
     if values:
         peers = parse_options(Peers, {**given, **values}, "tier config key")
     parse_allow_list(peers.allow, from_env.get("allow"))  # refuses a bad entry now, naming it
+    hosts = []
     for i, entry in enumerate(peers.connect):
         where = (
             f"{PEERS_CONNECT_ENV} entry {entry!r}"
@@ -367,9 +368,19 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
                 "(only earlier ones expand)"
             )
         try:
-            parse_address(entry)
+            hosts.append(parse_address(entry)[0])
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+    service = service_allowed(peers.allow, hosts)
+    if service is not None:
+        i, host = service
+        variable, entry = from_env.get("allow"), peers.allow[i]
+        where = f"{variable} entry" if variable else f"tier config key peers.allow[{i}] ="
+        raise ConfigError(
+            f"{where} {entry!r} names the Service peers.connect dials ({host}), which "
+            "never matches: routers name pods by their IP; give the pods' network (the "
+            "cluster's pod CIDR, e.g. 10.0.0.0/8)"
+        )
     return peers
 
 

@@ -12,7 +12,9 @@ Entries that could never match the peer a router names are refused at start, and
 - a range ``10.0.0.0-10.0.0.255`` or a wildcard ``10.0.0.*``: written as the networks that
   cover it (``10.0.0.0/24``);
 - a Kubernetes Service's DNS name (a label ``svc``: ``ms-p2p.llm-d.svc.cluster.local``):
-  routers name pods by their IP, never by a Service's name; allow the pods' network;
+  routers name pods by their IP, never by a Service's name; allow the pods' network. Its
+  short forms (``ms-p2p``, ``ms-p2p.llm-d``) too, when ``peers.connect`` names that Service
+  (:func:`service_allowed`): a short name alone cannot be told from a host's;
 - a ``$(VAR)`` Kubernetes left unexpanded (``VAR`` defined below the variable using it);
 - several entries separated by spaces or semicolons: the list is comma-separated;
 - anything with a port or a scheme.
@@ -25,12 +27,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["PeerAllowList", "parse_allow_list"]
+__all__ = ["PeerAllowList", "parse_allow_list", "service_allowed"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _ANY = frozenset({"*", "any", "all", "*.*.*.*"})
@@ -85,6 +87,24 @@ def parse_allow_list(entries: Sequence[str], variable: str | None = None) -> Pee
             raise ConfigError(f"{where} {problem}")
         names.add(text.lower().rstrip("."))
     return PeerAllowList(tuple(networks), frozenset(names))
+
+
+def service_allowed(entries: Sequence[str], hosts: Iterable[str]) -> tuple[int, str] | None:
+    """The first of ``entries`` (``peers.allow``) that is a short form (``name`` or
+    ``name.namespace``) of one of ``hosts`` that is a Kubernetes Service's DNS name, as
+    (its index, that host); else None. Pre-connect (``peers.connect``) dials such a Service
+    and reaches its pods; requests name those pods by IP, so the short name never matches."""
+    short: dict[str, str] = {}
+    for host in hosts:
+        labels = host.lower().rstrip(".").split(".")
+        if _SERVICE_LABEL in labels:
+            short.setdefault(labels[0], host)
+            short.setdefault(".".join(labels[:2]), host)
+    for i, entry in enumerate(entries):
+        service = short.get(entry.strip().lower().rstrip("."))
+        if service is not None:
+            return i, service
+    return None
 
 
 def _never_matches(text: str) -> str:

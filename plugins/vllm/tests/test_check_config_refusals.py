@@ -97,6 +97,26 @@ REFUSED: list[tuple[dict[str, Any] | str, dict[str, str], str]] = [
         "CIDR, e.g. 10.0.0.0/8)",
     ),
     (
+        OURS,
+        {
+            "P2PKV_PEERS_ALLOW": "10.0.0.0/8,p2pkv-peers",
+            "P2PKV_PEERS_CONNECT": "p2pkv-peers.llm-d.svc.cluster.local:7777",
+        },
+        "P2PKV_PEERS_ALLOW entry 'p2pkv-peers' names the Service peers.connect dials "
+        "(p2pkv-peers.llm-d.svc.cluster.local), which never matches: routers name pods by "
+        "their IP; give the pods' network (the cluster's pod CIDR, e.g. 10.0.0.0/8)",
+    ),
+    (
+        {
+            **OURS,
+            "peers": {"allow": ["ms-p2p.llm-d"], "connect": ["ms-p2p.llm-d.svc:7777"]},
+        },
+        {},
+        "tier config key peers.allow[0] = 'ms-p2p.llm-d' names the Service peers.connect "
+        "dials (ms-p2p.llm-d.svc), which never matches: routers name pods by their IP; give "
+        "the pods' network (the cluster's pod CIDR, e.g. 10.0.0.0/8)",
+    ),
+    (
         {**OURS, "peers": {"allow": ["10.0.0.1:7777"]}},
         {},
         "tier config key peers.allow[0] = "
