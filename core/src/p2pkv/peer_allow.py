@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["PeerAllowList", "parse_allow_list"]
-
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _ANY = frozenset({"*", "any", "all", "*.*.*.*"})
 _SERVICE_LABEL = "svc"
