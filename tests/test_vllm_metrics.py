@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from p2pkv.metrics import LATENCY_BUCKETS
 from p2pkv.types import JobResult, Outcome
 
 metrics = pytest.importorskip("p2pkv_vllm.metrics")
@@ -111,4 +112,4 @@ def test_buckets_match_the_prometheus_plugin() -> None:
         for s in family.samples
         if s.name == "p2pkv_job_duration_seconds_bucket"
     ]
-    assert tuple(bounds) == (*metrics.JOB_SECONDS_BUCKETS, float("inf"))
+    assert tuple(bounds) == (*LATENCY_BUCKETS, float("inf"))

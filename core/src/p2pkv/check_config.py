@@ -43,20 +43,6 @@ from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object, option_text
 
-__all__ = [
-    "ADAPTERS",
-    "PLACEHOLDER_ADDRESS",
-    "BuiltInTier",
-    "Entry",
-    "add_parser",
-    "check",
-    "connector_problem",
-    "data_parallel_size",
-    "entries",
-    "expand",
-    "run",
-]
-
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
 a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""

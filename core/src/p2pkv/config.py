@@ -20,19 +20,6 @@ from p2pkv.errors import ConfigError
 from p2pkv.options import derived, option, parse_options, shown
 from p2pkv.peer_allow import parse_allow_list, service_allowed
 
-__all__ = [
-    "DEFAULT_HOST",
-    "DEFAULT_PORT",
-    "VLLM_HOST_ENV",
-    "VLLM_PORT_ENV",
-    "Flow",
-    "Limits",
-    "Peers",
-    "TierConfig",
-    "Timeouts",
-    "config_fingerprint",
-]
-
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5710
 HOST_ENV = ("P2PKV_HOST",)

@@ -38,8 +38,6 @@ from p2pkv.contracts import ControlConnection, ControlTransport
 from p2pkv.errors import ConfigError, ConnectionClosed, FrameTooLarge
 from p2pkv.logs import module_logger
 
-__all__ = ["OVERSIZED", "InboxConnection", "InboxControlTransport"]
-
 log = module_logger(__name__)
 
 OVERSIZED = "closed: peer sent an oversized frame"

@@ -46,8 +46,6 @@ from p2pkv.errors import ConfigError
 from p2pkv.peer_allow import parse_allow_list
 from p2pkv.ratelimit import TokenBucket
 
-__all__ = ["GRACE", "UNHEARD_SHARE", "DialPolicy", "DialedSessions", "PeerLimits", "Verdict"]
-
 S = TypeVar("S")
 UNHEARD_SHARE = 4
 """At most ``max_dialed // UNHEARD_SHARE`` dials that heard nothing yet are open at once, and

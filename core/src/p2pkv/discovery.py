@@ -22,8 +22,6 @@ from collections.abc import Callable, Sequence
 
 from p2pkv.addressing import format_address, parse_address
 
-__all__ = ["Discovery", "Resolver", "resolve_all"]
-
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str], list[str]]

@@ -26,8 +26,6 @@ from p2pkv.session.deadlines import Deadlines, Timer
 from p2pkv.session.session import State
 from p2pkv.tiering.table import SessionWatcher
 
-__all__ = ["RECHECK", "IdleReaper"]
-
 RECHECK = 30.0
 """Seconds at most before a session that was not closable is looked at again."""
 

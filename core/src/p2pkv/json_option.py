@@ -12,8 +12,6 @@ from typing import Any
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["json_object", "option_text"]
-
 
 def option_text(text: str, option: str) -> str:
     """``text`` itself, or the content of the file ``@path`` names (``ConfigError`` naming

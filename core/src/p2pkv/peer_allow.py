@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 from p2pkv.errors import ConfigError
 
-__all__ = ["PeerAllowList", "parse_allow_list", "service_allowed"]
-
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _ANY = frozenset({"*", "any", "all", "*.*.*.*"})
 _SERVICE_LABEL = "svc"

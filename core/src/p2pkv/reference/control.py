@@ -45,8 +45,6 @@ from p2pkv.errors import ConfigError, ConnectionClosed, SendQueueFull
 from p2pkv.options import parse_options
 from p2pkv.reference.options import MemoryControlOptions
 
-__all__ = ["MEM_SCHEME", "MemoryConnection", "MemoryControlTransport"]
-
 MEM_SCHEME = "mem://"
 _FIRST_FAKE_PORT = 20000
 

@@ -50,15 +50,6 @@ from p2pkv.contracts import (
 from p2pkv.errors import ConnectionClosed, TransferSubmitError
 from p2pkv.reference.delegating import DelegatingControlTransport, DelegatingDataTransport
 
-__all__ = [
-    "Fault",
-    "FaultInjector",
-    "FaultRule",
-    "FaultyConnection",
-    "FaultyControlTransport",
-    "FaultyDataTransport",
-]
-
 
 class Fault(str, enum.Enum):
     DROP = "drop"

@@ -3,33 +3,17 @@
 Label values are bounded: ``outcome`` is an ``Outcome`` value, ``reason`` keeps only the first
 word of a free-text reason, ``kind`` is a timeout kind. No per-request or per-peer labels.
 Quantities the vLLM adapter also reports carry the same words in their names
-(``bytes_read``, ``in_flight_transfers``, ``parked_stores``, ``sessions``, ...). Every metric
-is listed, with type, labels and meaning, in docs/observability.md (a test checks it).
+(``bytes_read``, ``in_flight_transfers``, ``parked_stores``, ``sessions``, ...). Both take
+their histogram buckets from ``p2pkv.metrics.LATENCY_BUCKETS``. Every metric is listed, with
+type, labels and meaning, in docs/observability.md (a test checks it).
 """
 
 from __future__ import annotations
 
+from p2pkv.metrics import LATENCY_BUCKETS
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["Metrics"]
-
-_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-)
 
 
 class Metrics:
@@ -47,7 +31,7 @@ class Metrics:
             "Time from submit to result of an engine job (a store's includes waiting for its "
             "consumer).",
             ["kind"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.transfers = Counter(
@@ -62,7 +46,7 @@ class Metrics:
         self.transfer_seconds = Histogram(
             "p2pkv_transfer_duration_seconds",
             "Time from submit to completion of a transfer.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.sessions_opened = Counter(

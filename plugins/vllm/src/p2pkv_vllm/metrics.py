@@ -13,7 +13,7 @@ which are ``P2PTier.stats()`` keys) import without vLLM, so the docs check can l
 vLLM's classes load when the definitions or a report are built, and :meth:`StatsReporter.fill`
 writes into any :class:`StatsPayload` (tests use it without vLLM). Names shared with
 ``p2pkv-prometheus`` use the same words there (``bytes_sent``, ``in_flight_transfers``,
-``job_duration_seconds``, ...).
+``job_duration_seconds``, ...). Both take their buckets from ``p2pkv.metrics.LATENCY_BUCKETS``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from p2pkv.metrics import LATENCY_BUCKETS
 from p2pkv.types import JobResult, Outcome
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ __all__ = [
     "GAUGES",
     "JOBS",
     "JOB_SECONDS",
-    "JOB_SECONDS_BUCKETS",
     "MAX_UNREPORTED_DURATIONS",
     "PREFIX",
     "StatsPayload",
@@ -44,24 +44,6 @@ __all__ = [
 PREFIX = "vllm:kv_offload_p2pkv_"
 JOBS = f"{PREFIX}jobs"
 JOB_SECONDS = f"{PREFIX}job_duration_seconds"
-JOB_SECONDS_BUCKETS: tuple[float, ...] = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-)
-"""Upper bounds in seconds, the same as ``p2pkv_job_duration_seconds`` (p2pkv-prometheus)."""
 MAX_UNREPORTED_DURATIONS = 10_000
 """Job durations kept for the next report; when vLLM does not ask for stats, older ones go."""
 _JOB_STAT = "jobs_"
@@ -104,7 +86,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             documentation="Submit to result of a P2P tier job, by kind and outcome (a "
             "store's includes waiting for its consumer).",
             labelnames=("kind", "outcome"),
-            buckets=JOB_SECONDS_BUCKETS,
+            buckets=LATENCY_BUCKETS,
         ),
     }
     for name, doc in COUNTERS.items():
