@@ -660,10 +660,11 @@ class DataTransport(_Transport, DataBackend):
         """Start copying the peer's block ``remote_idxs[i]`` into our block ``local_idxs[i]``.
 
         Non-blocking. Both lists are checked before anything is posted (``check_read``):
-        equal lengths, not empty, flat sequences of integers (``int``, numpy integers, or a
-        1-D integer array), ``local_idxs`` within ours and without duplicates, ``remote_idxs``
-        within the peer's advertised ``num_blocks``; a remote index may repeat (one source
-        block may fill two slots). Raises ``TransferSubmitError`` on any failure (unknown
+        equal lengths, not empty, flat sequences of integers, ``local_idxs`` within ours and
+        without duplicates, ``remote_idxs`` within the peer's advertised ``num_blocks``; a
+        remote index may repeat (one source block may fill two slots). The typed contract is
+        ``Sequence[int]``, which the tier passes; at run time ``check_read`` also takes
+        numpy integers and 1-D integer arrays (a caller doing so casts for mypy). Raises ``TransferSubmitError`` on any failure (unknown
         peer, bad index naming it, empty read, backend refusal, closed transport); never
         returns a sentinel. Its subclass ``TransferBusy`` says the read does not fit a
         bounded resource *now* (see ``read_capacity``): retry it after a ``poll``. Our
