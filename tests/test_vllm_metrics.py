@@ -113,3 +113,16 @@ def test_buckets_match_the_prometheus_plugin() -> None:
         if s.name == "p2pkv_job_duration_seconds_bucket"
     ]
     assert tuple(bounds) == (*LATENCY_BUCKETS, float("inf"))
+
+
+def test_the_isolation_stats_are_exported() -> None:
+    """``slow_ticks`` and ``data_calls_over_bound`` as counters, ``data_held`` as a gauge
+    (docs/observability.md, "Isolation")."""
+    reporter = metrics.StatsReporter(clock=Clock())
+    stats = {"slow_ticks": 1, "data_calls_over_bound": 3, "data_held": 12}
+    filled = _fill(reporter, stats)
+    assert sorted(filled.counters) == [
+        (metrics.PREFIX + "data_calls_over_bound", 3, ()),
+        (metrics.PREFIX + "slow_ticks", 1, ()),
+    ]
+    assert filled.gauges == {metrics.PREFIX + "data_held": 12}

@@ -664,15 +664,16 @@ class DataTransport(_Transport, DataBackend):
         without duplicates, ``remote_idxs`` within the peer's advertised ``num_blocks``; a
         remote index may repeat (one source block may fill two slots). The typed contract is
         ``Sequence[int]``, which the tier passes; at run time ``check_read`` also takes
-        numpy integers and 1-D integer arrays (a caller doing so casts for mypy). Raises ``TransferSubmitError`` on any failure (unknown
-        peer, bad index naming it, empty read, backend refusal, closed transport); never
-        returns a sentinel. Its subclass ``TransferBusy`` says the read does not fit a
-        bounded resource *now* (see ``read_capacity``): retry it after a ``poll``. Our
-        destination blocks must not be touched by the caller until the id is reported or
-        cancelled. A refusal is final like a cancel: nothing of the
-        read can land after ``read_blocks`` raised; a backend that copies as it posts (NIXL
-        over ``cma``) may have written the named blocks before it noticed the failure (a
-        peer that died under the call), so their contents are garbage, never data.
+        numpy integers and 1-D integer arrays (a caller doing so casts for mypy).
+
+        Raises ``TransferSubmitError`` on any failure (unknown peer, bad index naming it, empty
+        read, backend refusal, closed transport); never returns a sentinel. Its subclass
+        ``TransferBusy`` says the read does not fit a bounded resource *now* (see
+        ``read_capacity``): retry it after a ``poll``. Our destination blocks must not be
+        touched by the caller until the id is reported or cancelled. A refusal is final like a
+        cancel: nothing of the read can land after ``read_blocks`` raised; a backend that copies
+        as it posts (NIXL over ``cma``) may have written the named blocks before it noticed the
+        failure (a peer that died under the call), so their contents are garbage, never data.
         """
         if self._closed:
             raise TransferSubmitError(f"the {self.name} data transport is closed")

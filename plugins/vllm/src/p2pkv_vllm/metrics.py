@@ -57,6 +57,10 @@ COUNTERS: Mapping[str, str] = {
     "submit_failures": "Reads that could not be submitted.",
     "protocol_errors": "Peer sessions closed for a protocol violation.",
     "handshake_rejections": "Peers refused at handshake (shape, fingerprint, hash seed, version).",
+    "data_calls_over_bound": "Data transport calls that kept the tier's thread past the "
+    "driver bound (0.1 s).",
+    "slow_ticks": "Tick gaps longer than the control transport's silence timeout while the "
+    "process ran (slow ticks, not pauses).",
 }
 GAUGES: Mapping[str, str] = {
     "jobs_pending": "Tier jobs (loads and stores) without a result yet.",
@@ -66,6 +70,8 @@ GAUGES: Mapping[str, str] = {
     "consumer's lease ends.",
     "in_flight_transfers": "Reads from producers submitted and not finished.",
     "parked_stores": "Stores waiting for their consumer to ask for them.",
+    "data_held": "What the data transport still holds for removed peers (sends, endpoints, "
+    "cancelled reads, staging blocks).",
 }
 
 
