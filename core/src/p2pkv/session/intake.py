@@ -45,7 +45,9 @@ class JobIntake:
             want = "submit_load needs a load" if load else "submit_store needs a store"
             raise UsageError(f"job {job.job_id}: {want} job (is_load={load})")
         route = routing.consumer if load else routing.producer
-        if self._refuse(job, routing, route is None, closed):
+        if (closed or route is None or not len(job.keys)) and self._refuse(
+            job, routing, route is None, closed
+        ):
             return None
         assert route is not None
         checked = self._checked(job, load=load)

@@ -130,7 +130,7 @@ class DialQueue:
         if len(self._waiting) <= self._size:
             return None
         worst = self._worst()
-        why = self._drop(worst, self._full)
+        why = self._drop(worst, self._full, now)
         return why if worst is waiting else None
 
     def add_load(self, peer: str, kv: str, job: Job, pull: bool) -> bool:
@@ -190,6 +190,7 @@ class DialQueue:
                 first,
                 f"waited {self._env.timeouts.handshake:g}s for a free dial "
                 "(timeouts.handshake): new peers are named faster than they answer",
+                now,
             )
 
     def best(self) -> Waiting | None:
@@ -247,12 +248,12 @@ class DialQueue:
             env.failed_loads.mark(load.kv, f"{Outcome.LOAD_TIMEOUT.value}: {detail}")
             env.ledger.close(load.job.job_id, Outcome.LOAD_TIMEOUT, detail)
 
-    def _drop(self, waiting: Waiting, reason: str) -> str:
-        """``waiting`` leaves undialed for ``reason``: logged, its loads failed; why."""
+    def _drop(self, waiting: Waiting, reason: str, now: float) -> str:
+        """``waiting`` leaves undialed for ``reason`` at ``now``: logged, its loads failed;
+        why."""
         self.failed += 1
         why = f"not dialing {waiting.peer}: {reason}"
-        env = self._env
-        env.warnings.log(env.clock(), logging.WARNING, "%s", why)
+        self._env.warnings.log(now, logging.WARNING, "%s", why)
         self.fail(waiting, why)
         return why
 
