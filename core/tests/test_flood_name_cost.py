@@ -8,9 +8,9 @@ of Python and of C functions), never timed.
 
 A flood name's request names a new silent peer: it waits, and an older waiting peer leaves
 with its load failed. An established request names the producer: its session takes it. A
-flood name, that drop included, makes at most :data:`SHARE` of an established request's
-calls. Measured before the cheap path: 144 calls a name and 137 a request (1.05); after it:
-see :data:`SHARE`.
+flood name, that drop included, makes at most :data:`SHARE` times an established request's
+calls. Measured at main ``1f1b943``: 184 and 161 (1.14); now 155 and 148 (1.05). Both
+counts include the test's own work of building each request.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from p2pkv.types import LookupResult, RequestContext
 from test_flood_tick_cost import DIALS
 from test_idle_cost import calls
 
-SHARE = 1.2
-"""A flood name's calls, at most this share of an established request's."""
+SHARE = 1.1
+"""A flood name's calls, at most this many times an established request's."""
 REQUESTS = 50
 """Requests of each kind counted."""
 
@@ -71,5 +71,4 @@ def test_a_flood_name_costs_less_than_an_established_request(cluster: Cluster) -
     name = calls(lambda: flood(REQUESTS)) / REQUESTS
     request = calls(established) / REQUESTS
     assert node.tier.stats()["peers_waiting"] == 4 * DIALS
-    print(name, request)
     assert name <= SHARE * request, (name, request)

@@ -151,7 +151,7 @@ class DialQueue:
             loads = self._named(waiting, kv, now)
         deadline = now + env.timeouts.load
         load = QueuedLoad(waiting, kv, job, pull, deadline)
-        if deadline < waiting.since + env.timeouts.handshake:
+        if deadline <= waiting.since + env.timeouts.handshake:
             load.timer = self._timers.at(deadline, self._on_load_expired, load)
         loads.append(load)
         return True
@@ -217,7 +217,7 @@ class DialQueue:
         later loads too."""
         self._remove(waiting)
         failed = self._env.failed_loads
-        marked = f"{outcome._value_}: {why}"
+        marked = f"{outcome._value_}: {why}"  # ``_value_``: no descriptor call, once a drop
         for kv, loads in waiting.requests.items():
             failed.mark(kv, marked)
             if loads:

@@ -149,7 +149,7 @@ class RequestRouter:
             return
         session = self.session_for(consumer)
         if isinstance(session, str):
-            env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD._value_}: {session}")
+            env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD.value}: {session}")
             env.ledger.close(job.job_id, Outcome.PEER_DEAD, session)
         elif session is Queued.QUEUED:
             queue.add_load(peer, kv, job, consumer.probe)
