@@ -112,6 +112,7 @@ class DialPolicy:
 
     def __init__(self, peers: PeerLimits, now: float) -> None:
         self._allow = parse_allow_list(peers.allow)
+        self._open = self._allow.open
         self.max_dialed = peers.max_dialed
         self.max_unheard = max(1, peers.max_dialed // UNHEARD_SHARE)
         """Dials that heard nothing yet open at once (a flood's footprint), and new dials a
@@ -128,7 +129,7 @@ class DialPolicy:
 
     def refusal(self, peer: str) -> str | None:
         """Why ``peer`` may not be dialed (outside ``peers.allow``), or None."""
-        if self._allow.open:
+        if self._open:
             return None
         try:
             host, _ = parse_address(peer)
@@ -143,6 +144,8 @@ class DialPolicy:
 
     def screen(self, peer: str) -> str | None:
         """:meth:`refusal`, counted in ``refused``: a request named ``peer``."""
+        if self._open:  # no allow-list: asked once per request, so kept cheap
+            return None
         why = self.refusal(peer)
         if why is not None:
             self.refused += 1

@@ -101,9 +101,10 @@ def parse_routing(
     if not params:
         return NO_ROUTING
     try:
-        if not isinstance(params, Mapping):
+        if type(params) is not dict and not isinstance(params, Mapping):
             raise _Refused(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
-        _warn_misspelt(params, req_id)
+        if not _ROUTING_KEY_SET.issuperset(params):
+            _warn_misspelt(params, req_id)
         pd = _pick(params, _PD_CONSUMER)
         sym = _pick(params, _SYM_CONSUMER)
         prod = _pick(params, _PRODUCER)
@@ -155,7 +156,7 @@ def _pick(params: Mapping[str, Any], names: tuple[str, str]) -> tuple[str, Any] 
 
 
 def _request_id(name: str, d: Any, max_chars: int) -> str:
-    if not isinstance(d, Mapping):
+    if type(d) is not dict and not isinstance(d, Mapping):
         raise _Refused(f"{name!r} must be a mapping, got {type(d).__name__}")
     kv = d.get("kv_request_id")
     if not isinstance(kv, str) or not kv:

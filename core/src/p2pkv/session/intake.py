@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import Annotated, Any
 
 import msgspec
 
@@ -27,6 +26,8 @@ from p2pkv.types import Job, Outcome
 log = logging.getLogger(__name__)
 
 _BYTES_TYPES = frozenset({bytes})
+_INTS = list[int]
+"""Block ids as msgspec checks them (a plain alias: its hash costs no Python call)."""
 
 
 class JobIntake:
@@ -34,7 +35,6 @@ class JobIntake:
         self._ledger = ledger
         self._limits = limits
         self._num_blocks = num_blocks
-        self._slot_type = list[Annotated[int, msgspec.Meta(ge=0, lt=num_blocks)]]
 
     def admit(
         self, job: Job, routing: Routing, *, load: bool, closed: bool
@@ -45,7 +45,9 @@ class JobIntake:
             want = "submit_load needs a load" if load else "submit_store needs a store"
             raise UsageError(f"job {job.job_id}: {want} job (is_load={load})")
         route = routing.consumer if load else routing.producer
-        if self._refuse(job, routing, route is None, closed):
+        if (closed or route is None or not len(job.keys)) and self._refuse(
+            job, routing, route is None, closed
+        ):
             return None
         assert route is not None
         checked = self._checked(job, load=load)
@@ -61,7 +63,7 @@ class JobIntake:
         """Answer jobs that cannot go anywhere at once; True if ``job`` got its result."""
         if closed:
             outcome, detail = Outcome.SHUTDOWN, "tier shut down"
-        elif routing.invalid:
+        elif routing.error:
             outcome, detail = Outcome.NO_ROUTE, routing.error
         elif no_route:
             if job.is_load:
@@ -83,7 +85,7 @@ class JobIntake:
         n = len(keys)
         if n != len(ids):
             raise UsageError(f"job {job.job_id}: {n} keys but {len(ids)} block ids")
-        slots = _slot_list(job.job_id, ids, self._num_blocks, self._slot_type)
+        slots = _slot_list(job.job_id, ids, self._num_blocks)
         if set(map(type, keys)) != _BYTES_TYPES:
             bad_key = next(k for k in keys if type(k) is not bytes)
             raise UsageError(f"job {job.job_id}: keys must be bytes, got {bad_key!r:.60}")
@@ -91,7 +93,7 @@ class JobIntake:
         longest = max(map(len, keys))
         if longest > cap or b"" in keys:
             raise UsageError(f"job {job.job_id}: keys must be 1..{cap} bytes long")
-        if load:
+        if load and n > 1:  # one block cannot repeat itself
             if len(set(keys)) != n:
                 raise UsageError(f"job {job.job_id}: duplicate keys in one load")
             if len(set(slots)) != n:
@@ -122,15 +124,18 @@ class JobIntake:
         return ""
 
 
-def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int, slot_type: Any) -> list[int]:
-    """``ids`` as a new list of Python ints within ``0..num_blocks-1`` (``slot_type``: that
-    list's msgspec type, checked in one C-level pass); numpy arrays and numpy integers
-    (anything ``operator.index`` takes) are accepted like ints; bools and floats raise
+def _slot_list(job_id: int, ids: Sequence[int], num_blocks: int) -> list[int]:
+    """``ids`` as a new list of Python ints within ``0..num_blocks-1`` (checked in one
+    C-level pass and a bounds check); numpy arrays and numpy integers (anything
+    ``operator.index`` takes) are accepted like ints; bools and floats raise
     ``UsageError``."""
     try:
-        return msgspec.convert(ids, slot_type)  # type: ignore[no-any-return]
+        slots: list[int] = msgspec.convert(ids, _INTS)
     except msgspec.ValidationError:
-        pass  # not a plain list of ints in range: the slow path converts it or says why
+        pass  # not a plain list of ints: the slow path converts it or says why
+    else:
+        if not slots or (min(slots) >= 0 and max(slots) < num_blocks):
+            return slots
     tolist = getattr(ids, "tolist", None)
     raw = tolist() if tolist is not None else list(ids)
     bad = next((s for s in raw if isinstance(s, bool) or not hasattr(type(s), "__index__")), None)

@@ -95,6 +95,11 @@ class DialQueue:
         self.failed = 0
         """Peers that left the queue undialed (too many waiting, or waited too long)."""
         self._on_load_expired = self._load_expired
+        self._full = (
+            f"{size} peers wait for a dial (peers.max_dialed) and "
+            "it was named least and longest ago (a flood of new names?)"
+        )
+        """Why the worst of a full queue leaves (built once: a flood drops one a name)."""
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._waiting
@@ -113,35 +118,43 @@ class DialQueue:
         Returns why not when ``peer`` is the worst of a full queue (it does not wait)."""
         now = self._env.clock()
         waiting = self._waiting.get(peer)
-        if waiting is None:
+        if waiting is None:  # a new name: a small record, the bulk of a flood
             waiting = self._waiting[peer] = Waiting(peer, now, self._listed(peer))
             (self._favoured if waiting.listed else self._once)[peer] = waiting
             self.queued += 1
-        waiting.pd = waiting.pd or pd
-        if kv is not None and kv not in waiting.requests:
+            if kv is not None:
+                waiting.requests[kv] = []
+        elif kv is not None and kv not in waiting.requests:
             self._named(waiting, kv, now)
+        waiting.pd = waiting.pd or pd
         if len(self._waiting) <= self._size:
             return None
         worst = self._worst()
-        why = self._drop(
-            worst,
-            f"{self._size} peers wait for a dial (peers.max_dialed) and "
-            "it was named least and longest ago (a flood of new names?)",
-        )
+        why = self._drop(worst, self._full, now)
         return why if worst is waiting else None
 
-    def add_load(self, peer: str, kv: str, job: Job, pull: bool) -> None:
-        """A load of ``kv``'s request, whose peer waits: its deadline starts now."""
+    def add_load(self, peer: str, kv: str, job: Job, pull: bool) -> bool:
+        """A load of ``kv``'s request, whose peer waits: its deadline starts now. False
+        (nothing done) when ``peer`` does not wait.
+
+        The load's own timer is armed only if its deadline falls before the peer's wait
+        ends (``timeouts.load`` below ``timeouts.handshake``): otherwise the peer leaves
+        first, or is dialed and the load keeps its deadline in the session."""
+        waiting = self._waiting.get(peer)
+        if waiting is None:
+            return False
         env = self._env
         now = env.clock()
-        waiting = self._waiting[peer]
         waiting.pd = waiting.pd or not pull
         loads = waiting.requests.get(kv)
         if loads is None:
             loads = self._named(waiting, kv, now)
-        load = QueuedLoad(waiting, kv, job, pull, now + env.timeouts.load)
-        load.timer = self._timers.at(load.deadline, self._on_load_expired, load)
+        deadline = now + env.timeouts.load
+        load = QueuedLoad(waiting, kv, job, pull, deadline)
+        if deadline <= waiting.since + env.timeouts.handshake:
+            load.timer = self._timers.at(deadline, self._on_load_expired, load)
         loads.append(load)
+        return True
 
     def _named(self, waiting: Waiting, kv: str, now: float) -> list[QueuedLoad]:
         """A new request ``kv`` waits for ``waiting``'s peer: its loads (none yet)."""
@@ -177,6 +190,7 @@ class DialQueue:
                 first,
                 f"waited {self._env.timeouts.handshake:g}s for a free dial "
                 "(timeouts.handshake): new peers are named faster than they answer",
+                now,
             )
 
     def best(self) -> Waiting | None:
@@ -203,9 +217,11 @@ class DialQueue:
         later loads too."""
         self._remove(waiting)
         failed = self._env.failed_loads
+        marked = f"{outcome._value_}: {why}"  # ``_value_``: no descriptor call, once a drop
         for kv, loads in waiting.requests.items():
-            failed.mark(kv, f"{outcome.value}: {why}")
-            self._close_loads(loads, outcome, why)
+            failed.mark(kv, marked)
+            if loads:
+                self._close_loads(loads, outcome, why)
 
     def fail_all(self, outcome: Outcome, why: str) -> None:
         """Every waiting peer's loads fail (the tier shuts down)."""
@@ -232,19 +248,20 @@ class DialQueue:
             env.failed_loads.mark(load.kv, f"{Outcome.LOAD_TIMEOUT.value}: {detail}")
             env.ledger.close(load.job.job_id, Outcome.LOAD_TIMEOUT, detail)
 
-    def _drop(self, waiting: Waiting, reason: str) -> str:
-        """``waiting`` leaves undialed for ``reason``: logged, its loads failed; why."""
+    def _drop(self, waiting: Waiting, reason: str, now: float) -> str:
+        """``waiting`` leaves undialed for ``reason`` at ``now``: logged, its loads failed;
+        why."""
         self.failed += 1
         why = f"not dialing {waiting.peer}: {reason}"
-        env = self._env
-        env.warnings.log(env.clock(), logging.WARNING, "%s", why)
+        self._env.warnings.log(now, logging.WARNING, "%s", why)
         self.fail(waiting, why)
         return why
 
     def _close_loads(self, loads: list[QueuedLoad], outcome: Outcome, why: str) -> None:
         ledger, timers = self._env.ledger, self._timers
         for load in loads:
-            timers.cancel(load.timer)
+            if load.timer is not None:
+                timers.cancel(load.timer)
             ledger.close(load.job.job_id, outcome, why)
 
     def _remove(self, waiting: Waiting) -> None:

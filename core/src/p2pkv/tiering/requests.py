@@ -133,28 +133,26 @@ class RequestRouter:
         admitted = self._admit(job, load=True)
         if admitted is None:
             return
-        job, kv, _ = admitted
-        ledger, env = self._env.ledger, self._env
+        job, kv, peer = admitted
+        env = self._env
         failed = env.failed_loads.get(kv)
         if failed is not None:
-            ledger.close(
+            env.ledger.close(
                 job.job_id,
                 Outcome.SUBMIT_FAILED,
                 f"request {kv!r} already failed ({failed}); its loads cannot succeed any more",
             )
             return
-        consumer = self.routing(job.ctx).consumer
-        assert consumer is not None  # admitted as a load: it has consumer routing
+        consumer: ConsumerRoute = job.ctx.routing.consumer  # parsed by ``_admit``
         queue = self._dialer.queue
-        if consumer.peer in queue:  # it waits for a dial: the load waits with it
-            queue.add_load(consumer.peer, kv, job, consumer.probe)
+        if queue.add_load(peer, kv, job, consumer.probe):  # it waits for a dial: so does the load
             return
         session = self.session_for(consumer)
         if isinstance(session, str):
             env.failed_loads.mark(kv, f"{Outcome.PEER_DEAD.value}: {session}")
-            ledger.close(job.job_id, Outcome.PEER_DEAD, session)
+            env.ledger.close(job.job_id, Outcome.PEER_DEAD, session)
         elif session is Queued.QUEUED:
-            self._dialer.queue.add_load(consumer.peer, kv, job, consumer.probe)
+            queue.add_load(peer, kv, job, consumer.probe)
         else:
             session.consumer.submit(job, kv, pull=consumer.probe)
 

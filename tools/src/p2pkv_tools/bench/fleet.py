@@ -366,8 +366,21 @@ def _flood_row(
         "newcomer_outcomes": newcomer.get("outcomes", {}),
         **_latencies("newcomer", newcomer),
         "newcomer_details": newcomer.get("details", []),
+        "flood_us_per_name": _per(flooded["flood_thread_cpu_s"], flooded["flood_issued"]),
+        "tick_us_alone": round(sum(_tick_us(run) for run in alone) / len(alone), 1),
+        "tick_us_flooded": _tick_us(flooded),
         "mismatched": sum(run["mismatched"] for run in (*alone, flooded)),
     }
+
+
+def _per(seconds: float, count: int) -> float | None:
+    """``seconds`` per one of ``count``, in µs."""
+    return round(1e6 * seconds / count, 1) if count else None
+
+
+def _tick_us(result: dict[str, Any]) -> float:
+    """The ticking thread's CPU per tick within the run's window, in µs."""
+    return _per(result["tick_thread_cpu_s"], result["window_ticks"]) or 0.0
 
 
 def measure_fleet(config: FleetConfig, quick: bool, progress: Any = None) -> dict[str, Any]:

@@ -51,6 +51,9 @@ FLOOD_COLUMNS = (
     ("cpu_pct_flooded", "CPU % flooded"),
     ("newcomer_outcomes", "newcomer's first loads"),
     ("newcomer_p99_ms", "newcomer p99 ms"),
+    ("flood_us_per_name", "thread CPU µs a flood name"),
+    ("tick_us_alone", "thread CPU µs a tick, alone"),
+    ("tick_us_flooded", "thread CPU µs a tick, flooded"),
 )
 """(JSON key, heading) of the floods table, in order."""
 

@@ -12,7 +12,8 @@ Commands (over a harness pipe):
   sockets sent and received (``ss``), and the Python calls of a quiet tick.
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
   the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
-  (in all, and within the window).
+  (in all, and within the window); within the window, the ticking thread's CPU issuing
+  flood names and ticking (``time.thread_time``), and its ticks.
 
 Loads name their producer in the request's routing, as llm-d's router does; keys and
 ``kv_request_id`` come from the request number (:func:`~p2pkv_tools.bench.fleet_peers.fleet_kv_id`).
@@ -89,6 +90,26 @@ class _Kind:
             self.latencies_s.append(latency)
         elif len(self.details) < _DETAILS and detail:
             self.details.append(detail)
+
+
+@dataclass
+class _ThreadCpu:
+    """The tier thread's CPU (``time.thread_time``) within a run's window: issuing flood
+    names, and ticking."""
+
+    flood_s: float = 0.0
+    tick_s: float = 0.0
+    ticks: int = 0
+
+    def tick(self, tier: P2PTier, timeout: float, in_window: bool) -> None:
+        """``tier.tick(timeout)``, counted while ``in_window``."""
+        if not in_window:
+            tier.tick(timeout)
+            return
+        spent = time.thread_time()
+        tier.tick(timeout)
+        self.tick_s += time.thread_time() - spent
+        self.ticks += 1
 
 
 class TierUnderTest:
@@ -194,6 +215,7 @@ class TierUnderTest:
         started = time.monotonic()
         flooded = 0
         window = plan.seconds
+        thread = _ThreadCpu()
         while True:
             now = time.monotonic() - started
             if flood and now >= window:
@@ -204,9 +226,12 @@ class TierUnderTest:
             while timed and timed[0][0] <= now:
                 _, producer, request, kind = timed.popleft()
                 self._load(producer, request, plan.blocks, kind)
-            while in_window and flood and flooded < plan.flood_rate * now:
-                self._flood(flood.popleft())
-                flooded += 1
+            if in_window and flood and flooded < plan.flood_rate * now:
+                spent = time.thread_time()
+                while flood and flooded < plan.flood_rate * now:
+                    self._flood(flood.popleft())
+                    flooded += 1
+                thread.flood_s += time.thread_time() - spent
             while in_window and closed and self._count("established") < plan.concurrency:
                 producer, request = closed.popleft()
                 self._load(producer, request, plan.blocks, "established")
@@ -215,7 +240,7 @@ class TierUnderTest:
                 break
             if now > window + _GRACE:
                 break
-            self._tier.tick(_STEP if self._open else 0.0)
+            thread.tick(self._tier, _STEP if self._open else 0.0, in_window)
             if not self._open:
                 time.sleep(CADENCE)
         wall = time.monotonic() - started
@@ -224,6 +249,9 @@ class TierUnderTest:
             "wall_s": wall,
             "window_s": window,
             "window_cpu_s": window_cpu,
+            "flood_thread_cpu_s": thread.flood_s,
+            "tick_thread_cpu_s": thread.tick_s,
+            "window_ticks": thread.ticks,
             "mismatched": self._mismatched,
             "left_open": len(self._open),
             "flood_issued": flooded,

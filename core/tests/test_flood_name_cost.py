@@ -1,0 +1,74 @@
+"""A flood name costs the engine thread less than an established request (issue 48, item 5).
+
+A consumer tier (memory transports, fake clock) has a ready session to a producer and a
+full dial queue: 64 dials that heard nothing and 256 silent peers waiting. Then each engine
+request makes the three calls vLLM makes: ``on_new_request``, ``lookup`` and
+``submit_load`` (one block). The work is counted as Python calls (``sys.setprofile``: calls
+of Python and of C functions), never timed.
+
+A flood name's request names a new silent peer: it waits, and an older waiting peer leaves
+with its load failed. An established request names the producer: its session takes it. A
+flood name, that drop included, makes at most :data:`SHARE` times an established request's
+calls. Measured at main ``1f1b943``: 184 and 161 (1.14); now 155 and 148 (1.05). Both
+counts include the test's own work of building each request.
+"""
+
+from __future__ import annotations
+
+from p2pkv.testing.harness import Cluster, Node, pump_until
+from p2pkv.types import LookupResult, RequestContext
+from test_flood_tick_cost import DIALS
+from test_idle_cost import calls
+
+SHARE = 1.1
+"""A flood name's calls, at most this many times an established request's."""
+REQUESTS = 50
+"""Requests of each kind counted."""
+
+
+def pd_request(i: int, host: str, port: int) -> RequestContext:
+    """A PD request ``i`` naming the producer at ``host:port``."""
+    route = {"kv_request_id": f"r-{i}", "remote_host": host, "remote_port": port}
+    return RequestContext(f"r-{i}", {"remote_prefiller": route})
+
+
+def silent_host(i: int) -> str:
+    """A distinct address for each ``i`` >= 1, where nothing answers."""
+    return f"127.{1 + i // 65536}.{(i // 256) % 256}.{i % 256 or 1}"
+
+
+def engine_request(node: Node, ctx: RequestContext, job_id: int) -> None:
+    """vLLM's calls for a new request with a one-block load; the lookup hits (PD)."""
+    tier = node.tier
+    tier.on_new_request(ctx)
+    key = f"k{job_id}".encode()
+    assert tier.lookup(key, ctx) is LookupResult.HIT
+    node.load(job_id, [key], [job_id % 60], ctx)
+
+
+def test_a_flood_name_costs_less_than_an_established_request(cluster: Cluster) -> None:
+    producer = cluster()
+    node = cluster(control_options={"connect_timeout": 3600})
+    node.tier.connect(producer.address)
+    pump_until([node, producer], lambda: node.tier.stats()["sessions_ready"] == 1)
+    job_id = 0
+
+    def flood(names: int) -> None:
+        nonlocal job_id
+        for _ in range(names):
+            job_id += 1
+            engine_request(node, pd_request(job_id, silent_host(job_id), 9), job_id)
+
+    def established() -> None:
+        nonlocal job_id
+        for _ in range(REQUESTS):
+            job_id += 1
+            engine_request(node, pd_request(job_id, producer.host, producer.port), job_id)
+
+    flood(DIALS + 4 * DIALS + 10)  # every dial is taken, the queue is full
+    stats = node.tier.stats()
+    assert (stats["peers_dialing"], stats["peers_waiting"]) == (DIALS, 4 * DIALS), stats
+    name = calls(lambda: flood(REQUESTS)) / REQUESTS
+    request = calls(established) / REQUESTS
+    assert node.tier.stats()["peers_waiting"] == 4 * DIALS
+    assert name <= SHARE * request, (name, request)
