@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from p2pkv.contracts import EMPTY_POLL, Capabilities, DataSettings, DataTransport, ReadState
 from p2pkv.data_base import Indexes, check_read
 from p2pkv.errors import ConfigError, PeerRejected, TransferSubmitError
@@ -96,6 +98,8 @@ def make(num_blocks: int = 8, block_len: int = 4) -> Scripted:
         ([3, 1, 3], [0, 1, 2], "local block index 3 is named twice"),
         ([0.5], [0], "integers"),
         ([True], [0], "integers"),
+        ([0, 1], [True, False], "remote block indexes must be"),
+        ([0, [1]], [0, 1], "local block indexes must be"),
         ([[0]], [[0]], "integers"),
         (np.zeros((1, 1), np.int64), [0], "integers"),
     ],
@@ -108,6 +112,37 @@ def test_check_read_refuses_naming_the_index(local: Any, remote: Any, match: str
 def test_check_read_finds_a_repeat_in_a_long_read() -> None:
     with pytest.raises(TransferSubmitError, match="local block index 5 is named twice"):
         check_read([*range(100), 5], [0] * 101, 100, 1)
+
+
+_INDEX = st.one_of(
+    st.integers(-3, 12),
+    st.booleans(),
+    st.booleans().map(np.bool_),
+    st.floats(0, 4),
+    st.lists(st.integers(0, 3), min_size=1, max_size=1),
+    st.just(2**64 - 1),
+    st.integers(0, 7).map(np.int32),
+)
+"""Index entries of every kind, good and bad (out of range, bools, floats, nested, huge)."""
+
+
+@given(
+    st.lists(st.one_of(st.integers(0, 7), _INDEX), max_size=80),
+    st.lists(st.one_of(st.integers(0, 3), _INDEX), max_size=80),
+)
+def test_two_lists_are_checked_as_any_sequence_is(local: list[Any], remote: list[Any]) -> None:
+    """Two lists (checked by one numpy call) give what the same indexes as tuples give (the
+    general path): the same arrays, or the same refusal."""
+
+    def outcome(a: Any, b: Any) -> tuple[list[int], list[int]] | str:
+        try:
+            checked = check_read(a, b, 8, 4, "p")
+        except TransferSubmitError as exc:
+            return str(exc)
+        assert checked[0].dtype == checked[1].dtype == np.int64
+        return checked[0].tolist(), checked[1].tolist()
+
+    assert outcome(local, remote) == outcome(tuple(local), tuple(remote))
 
 
 def test_check_read_returns_fresh_int64_arrays() -> None:

@@ -22,9 +22,17 @@ import numpy as np
 import pytest
 from p2pkv.cli import main
 from p2pkv.registry import default_registry
+from p2pkv_tools.bench.cli import QUICK
 from p2pkv_tools.bench.netns import Link, Placement, Traffic
-from p2pkv_tools.bench.runner import CellPlan, measure_cell
+from p2pkv_tools.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv_tools.bench.tier_lane import ORDERS, TierLane
+from p2pkv_tools.bench.tier_rounds import (
+    ROUNDS,
+    cell_steps,
+    merge_rounds,
+    pair_ratios,
+    reps_per_round,
+)
 
 Doc = tuple[dict[str, Any], Path]
 """The quick run's JSON document and where its plot went."""
@@ -36,6 +44,7 @@ TIER_KEYS = {
     "descriptors_per_request",
     "raw_series",
     "ratios_raw",
+    "pair_ratios",
 }
 
 
@@ -143,27 +152,82 @@ def test_both_raw_baselines_move_verified_bytes_in_the_same_run(tier_doc: Doc) -
         assert row["error"] == "" and row["verified"] and row["bytes_verified"] > 0, row
 
 
-def test_ratios_are_against_the_faster_raw_baseline_of_the_same_cell(tier_doc: Doc) -> None:
-    """``ratio_raw`` is to the faster of raw READ and raw WRITE in the cell, named in
-    ``raw_series``; ``ratios_raw`` keeps the ratio to each."""
+def test_ratios_come_from_rounds_paired_in_the_same_cell(tier_doc: Doc) -> None:
+    """Each tier row's ratio to a raw series is the median of its rounds' ratios, each
+    round's tier GB/s over that series' in the same round (``pair_ratios``); ``ratio_raw``
+    is the lowest, to the series named in ``raw_series``. ``--quick`` runs one timed
+    repetition per round, so a round's rate is its entry in ``rep_gbps``."""
     doc, _ = tier_doc
-    gbps = {
-        (r["series"], r["block_size"], r["batch"], r["concurrency"]): r["gbps"]
+    per_round = reps_per_round(QUICK.reps)
+    assert per_round == 1
+    raw_rows = {
+        (r["series"], r["block_size"], r["batch"], r["concurrency"]): r
         for r in doc["baseline_rows"]
-        if r["gbps"] > 0
+        if r["gbps"] > 0 and r["impl"] == "raw"
     }
+    for r in raw_rows.values():
+        assert r["reps"] == ROUNDS * per_round and len(r["rep_gbps"]) == ROUNDS
     for row in doc["rows"]:
         assert row["ratio_memcpy"] is not None
+        assert len(row["rep_gbps"]) == ROUNDS
         cell = (row["block_size"], row["batch"], row["concurrency"])
-        measured = {s: gbps[(s, *cell)] for s in RAW if (s, *cell) in gbps}
-        assert set(row["ratios_raw"]) == set(measured)
+        measured = {s: raw_rows[(s, *cell)] for s in RAW if (s, *cell) in raw_rows}
+        assert set(row["pair_ratios"]) == set(row["ratios_raw"]) == set(measured)
         if not measured:
             assert row["ratio_raw"] is None and row["raw_series"] is None
             continue
-        fastest = max(measured, key=lambda s: measured[s])
-        assert row["raw_series"] == fastest
-        assert row["ratio_raw"] == pytest.approx(row["gbps"] / measured[fastest])
+        for series, pairs in row["pair_ratios"].items():
+            rounds = zip(row["rep_gbps"], measured[series]["rep_gbps"], strict=True)
+            assert pairs == pytest.approx([t / r for t, r in rounds])
+            assert row["ratios_raw"][series] == pytest.approx(float(np.median(pairs)))
         assert row["ratio_raw"] == min(row["ratios_raw"].values())
+        assert row["ratios_raw"][row["raw_series"]] == row["ratio_raw"]
+
+
+def test_raw_and_tier_alternate_round_by_round() -> None:
+    """Every round of a cell holds each raw series and each arrival order once, raw first
+    in even rounds and the tier first in odd ones (ABBA); memcpy once, at concurrency 1."""
+    raw = ["raw nixl", "raw nixl write"]
+    steps = cell_steps(1, raw, ORDERS, memcpy=True, rounds=4)
+    kinds = [s.kind for s in steps]
+    base = ["raw", "raw"]
+    assert kinds == [
+        *base, "memcpy", "tier", "tier",
+        "tier", "tier", *base,
+        *base, "tier", "tier",
+        "tier", "tier", *base,
+    ]  # fmt: skip
+    assert [s.round for s in steps] == [0] * 5 + [1] * 4 + [2] * 4 + [3] * 4
+    for r in range(4):
+        own = [s.label for s in steps if s.round == r and s.kind != "memcpy"]
+        assert sorted(own) == sorted([*raw, *ORDERS])
+    assert all(s.concurrency == 1 for s in steps)
+    four = cell_steps(4, raw, ORDERS, memcpy=True)
+    assert "memcpy" not in [s.kind for s in four] and len(four) == ROUNDS * 4
+    alone = cell_steps(1, [], ORDERS, memcpy=True)
+    assert [(s.kind, s.round) for s in alone] == [("tier", 0), ("tier", 0)]
+
+
+def test_rounds_merge_into_one_row() -> None:
+    """Rates pool across rounds; bytes and repetitions add up; an error names its round;
+    pairs skip a round either side measured nothing."""
+
+    def part(rates: list[float], error: str = "", p50: float = 10.0) -> CellResult:
+        return CellResult(
+            "s", "raw", "nixl", 65536, 4, 1, requests=8, reps=len(rates), gbps=max(rates),
+            p50_us=p50, p99_us=2 * p50, mean_us=p50, bytes_moved=100, bytes_verified=100,
+            verified=not error, error=error, rep_gbps=rates,
+        )  # fmt: skip
+
+    merged = merge_rounds([part([1.0, 2.0]), part([3.0], "1 wrong blocks", p50=30.0)])
+    assert merged.rep_gbps == [1.0, 2.0, 3.0] and merged.gbps == 2.0
+    assert (merged.gbps_min, merged.gbps_max, merged.reps) == (1.0, 3.0, 3)
+    assert merged.p50_us == 20.0 and merged.p99_us == 60.0
+    assert merged.bytes_moved == merged.bytes_verified == 200
+    assert not merged.verified and merged.error == "round 1: 1 wrong blocks"
+    tier = [part([2.0]), part([0.0]), part([3.0])]
+    raw = {"raw nixl": [part([4.0]), part([4.0]), part([2.0])], "raw x": [part([0.0])] * 3}
+    assert pair_ratios(tier, raw) == {"raw nixl": [0.5, 1.5]}
 
 
 def test_crossover_is_reported_per_order(tier_doc: Doc) -> None:

@@ -3,7 +3,8 @@ what a peer record must tell the base.
 
 :func:`check_read` is *the* index rule of ``DataTransport.read_blocks``; the base applies it
 before a backend sees a read, and a transport that overrides ``read_blocks`` calls it itself.
-It allocates only the two index arrays it returns (no per-block Python objects).
+It allocates only the index arrays it returns (no per-block Python objects); two lists of
+ints, the usual read, become one numpy array in one call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ Indexes = npt.NDArray[np.int64]
 
 _SMALL = 64
 """Up to this many indexes a ``set`` finds repeats faster than a sort."""
+_BOOLS = (bool, np.bool_)
 _FRESH = (list, tuple)
 """Index containers ``np.asarray`` always copies into a new array."""
 
@@ -57,6 +59,15 @@ def check_read(
     within ``0..peer_num_blocks-1``. A remote index may repeat (one source block may fill two
     slots). Raises ``TransferSubmitError`` naming the side and the offending index.
     """
+    both = _lists_at_once(local_idxs, remote_idxs)
+    if both is not None:  # the usual read: two lists of ints, one numpy call
+        highest = both.view(np.uint64).max(axis=1).tolist()  # negatives wrap above any limit
+        if highest[0] >= num_blocks:
+            _within(both[0], num_blocks, "local", "")
+        if highest[1] >= peer_num_blocks:
+            _within(both[1], peer_num_blocks, "remote", peer_id)
+        _distinct(both[0])
+        return both[0], both[1]
     local = _indexes(local_idxs, "local", "")
     remote = _indexes(remote_idxs, "remote", peer_id)
     if len(local) != len(remote):
@@ -108,8 +119,29 @@ def _side(what: str, peer_id: str) -> str:
     return f"{what} (peer {peer_id!r})" if peer_id else what
 
 
+def _lists_at_once(local: Sequence[int], remote: Sequence[int]) -> Indexes | None:
+    """Two non-empty lists of ints of one length as one fresh ``(2, n)`` int64 array, built
+    by one numpy call; None for anything else (the general path checks it, with the same
+    outcome). A list that starts with a bool (Python's or numpy's) goes the general path,
+    which refuses it when it is all bools: inference over both lists would hide that."""
+    if type(local) is not list or type(remote) is not list:
+        return None
+    if not local or len(local) != len(remote):
+        return None
+    if isinstance(local[0], _BOOLS) or isinstance(remote[0], _BOOLS):
+        return None
+    try:
+        both: Indexes = np.asarray((local, remote))
+    except ValueError:  # ragged: a nested list
+        return None
+    return both if both.ndim == 2 and both.dtype == np.int64 else None
+
+
 def _indexes(idxs: Sequence[int], what: str, peer_id: str) -> Indexes:
-    arr = np.asarray(idxs)
+    try:
+        arr = np.asarray(idxs)
+    except ValueError:  # ragged: numbers beside lists
+        arr = np.empty((0, 0))
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TransferSubmitError(
             f"{_side(what, peer_id)} block indexes must be a flat sequence of integers"

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from p2pkv.data_base import Indexes
 from p2pkv.errors import ConfigError
@@ -96,10 +97,7 @@ def coalesce(
     n = len(first)
     if n <= 1 or max_run == 1:  # nothing to coalesce (and the hot single-block case)
         return first, second, np.ones(n, np.int64)
-    breaks = (np.diff(first) != 1) | (np.diff(second) != 1)
-    for idxs, bounds in ((first, first_slices), (second, second_slices)):
-        if len(bounds) > 1:
-            breaks |= np.diff(np.searchsorted(bounds, idxs, "right")) != 0
+    breaks = _breaks(first, second, first_slices, second_slices)
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.append(starts, n))
     if max_run > 1 and (lengths > max_run).any():
@@ -109,3 +107,27 @@ def coalesce(
         starts = starts[run] + offset
         lengths = np.minimum(max_run, lengths[run] - offset)
     return first[starts], second[starts], lengths.astype(np.int64)
+
+
+def count_runs(
+    first: Indexes,
+    second: Indexes,
+    first_slices: Indexes = ONE_SLICE,
+    second_slices: Indexes = ONE_SLICE,
+) -> int:
+    """How many runs :func:`coalesce` makes of the same pairs with ``max_run`` 0, without
+    building them: a transport that only counts its descriptors pays one pass."""
+    if len(first) <= 1:
+        return len(first)
+    return 1 + int(np.count_nonzero(_breaks(first, second, first_slices, second_slices)))
+
+
+def _breaks(
+    first: Indexes, second: Indexes, first_slices: Indexes, second_slices: Indexes
+) -> npt.NDArray[np.bool_]:
+    """Per pair after the first: True where it starts a new run (see :func:`coalesce`)."""
+    breaks: npt.NDArray[np.bool_] = (np.diff(first) != 1) | (np.diff(second) != 1)
+    for idxs, bounds in ((first, first_slices), (second, second_slices)):
+        if len(bounds) > 1:
+            breaks |= np.diff(np.searchsorted(bounds, idxs, "right")) != 0
+    return breaks

@@ -28,10 +28,14 @@ from p2pkv_tools.bench.runner import CellPlan, CellResult
 __all__ = [
     "CellKey",
     "MatrixConfig",
+    "add_ratios",
     "available_series",
+    "measure_series",
     "memcpy_by_cell",
+    "open_all",
     "raw_by_cell",
     "run_matrix",
+    "series_groups",
 ]
 
 log = module_logger(__name__)
@@ -154,7 +158,7 @@ def memcpy_by_cell(results: Sequence[CellResult]) -> dict[tuple[int, int], CellR
     }
 
 
-def _add_ratios(results: Sequence[CellResult]) -> None:
+def add_ratios(results: Sequence[CellResult]) -> None:
     """A p2pkv row's ``ratio_raw`` (to the fastest raw series of its transport in the cell);
     every row's but memcpy's ``ratio_memcpy`` (to memcpy at concurrency 1)."""
     raws = raw_by_cell(results)
@@ -170,7 +174,7 @@ def _add_ratios(results: Sequence[CellResult]) -> None:
             r.ratio_memcpy = r.gbps / base.gbps
 
 
-def _groups(
+def series_groups(
     config: MatrixConfig, series: Sequence[SeriesSpec], link: Link | None = None
 ) -> list[Group]:
     """The series of a transport (p2pkv and raw) form a group, in this process when they
@@ -199,7 +203,7 @@ def _groups(
     return groups
 
 
-def _open_all(groups: Sequence[Group], block_size: int) -> dict[str, str]:
+def open_all(groups: Sequence[Group], block_size: int) -> dict[str, str]:
     """Open every group's series for ``block_size``, the groups in parallel; returns
     label -> why a series could not open."""
     open_errors: dict[str, str] = {}
@@ -218,6 +222,23 @@ def _open_all(groups: Sequence[Group], block_size: int) -> dict[str, str]:
     return open_errors
 
 
+def measure_series(
+    group: Group,
+    spec: SeriesSpec,
+    plan: CellPlan,
+    seed: Sequence[int],
+    open_errors: Mapping[str, str],
+) -> CellResult:
+    """``spec``'s cell on its opened ``group``; a failed cell (never raises) when the series
+    could not open (``open_errors``) or its measurement raised."""
+    if spec.label in open_errors:
+        return failed_cell(spec, plan, open_errors[spec.label])
+    try:
+        return group.measure(spec.label, plan, seed)
+    except Exception as exc:
+        return failed_cell(spec, plan, f"{type(exc).__name__}: {exc}")
+
+
 def run_matrix(
     config: MatrixConfig,
     series: Sequence[SeriesSpec],
@@ -228,12 +249,12 @@ def run_matrix(
     With ``link`` (:mod:`p2pkv_tools.bench.netns`) the cross-process series read over it.
 
     The series of a cell run back to back with the same slot placement (one seed per cell)."""
-    groups = _groups(config, series, link)
+    groups = series_groups(config, series, link)
     owner = {s.label: g for g in groups for s in g.series}
     results: list[CellResult] = []
     try:
         for block_size in config.block_sizes:
-            open_errors = _open_all(groups, block_size)
+            open_errors = open_all(groups, block_size)
             for batch in config.batches:
                 for conc in config.concurrency:
                     plan = CellPlan(
@@ -251,13 +272,7 @@ def run_matrix(
                     for spec in series:
                         if spec.impl == "memcpy" and conc != 1:
                             continue
-                        if spec.label in open_errors:
-                            result = failed_cell(spec, plan, open_errors[spec.label])
-                        else:
-                            try:
-                                result = owner[spec.label].measure(spec.label, plan, seed)
-                            except Exception as exc:
-                                result = failed_cell(spec, plan, f"{type(exc).__name__}: {exc}")
+                        result = measure_series(owner[spec.label], spec, plan, seed, open_errors)
                         results.append(result)
                         on_cell(result)
             for g in groups:
@@ -268,5 +283,5 @@ def run_matrix(
     finally:
         for g in groups:
             g.shutdown()
-    _add_ratios(results)
+    add_ratios(results)
     return results

@@ -1,15 +1,17 @@
 """``p2pkv bench --tier``: submit_load to the result through two real tiers, next to the raw
-library and memcpy measured in the same run.
+library and memcpy measured in the same run, cell by cell.
 
 Per data transport (default ``nixl``; it and the control transport, default ``zmq``, must
 cross processes), per block size a producer and a consumer tier are started
-(:class:`~p2pkv_tools.bench.tier_lane.TierLane`), and every (blocks per request, concurrency) cell
-is timed in both arrival orders by the data bench's runner. The raw baseline of the same
-library (progress thread off; for nixl both ``raw nixl``, a READ posted by the reader, and
-``raw nixl write``, a WRITE posted by the source when the reader asks) and memcpy run first,
-over the same matrix, through the data bench (:func:`p2pkv_tools.bench.matrix.run_matrix`); each
-tier cell's ratios are against the fastest raw cell (:func:`p2pkv_tools.bench.matrix.raw_by_cell`)
-and the memcpy cell (concurrency 1) of the same block size and blocks per request.
+(:class:`~p2pkv_tools.bench.tier_lane.TierLane`) beside the data bench's groups of the raw
+baseline of the same library (progress thread off; for nixl both ``raw nixl``, a READ posted
+by the reader, and ``raw nixl write``, a WRITE posted by the source when the reader asks)
+and memcpy (:func:`p2pkv_tools.bench.matrix.series_groups`). Every (blocks per request,
+concurrency) cell then runs in rounds, raw and tier side by side in each
+(:mod:`~p2pkv_tools.bench.tier_rounds`), the tier in both arrival orders. A tier cell's
+ratio to a raw series is the median of its rounds' ratios; ``ratio_raw`` is to the fastest
+raw series of the cell, and ``ratio_memcpy`` to memcpy (concurrency 1) of the same block
+size and blocks per request.
 
 With ``--netns`` (optionally ``--rate``) every cross-process side — both tiers, and the raw
 baseline's reader and target — runs at an end of one veth link between two network
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -28,15 +30,32 @@ import numpy as np
 from p2pkv.cli import usable_transport
 from p2pkv.config import Flow
 from p2pkv.errors import ConfigError
-from p2pkv.registry import Registry
+from p2pkv.registry import Registry, default_registry
 from rich.console import Console
 from rich.markup import escape
 
-from p2pkv_tools.bench.matrix import MatrixConfig, available_series, memcpy_by_cell, raw_by_cell
-from p2pkv_tools.bench.netns import Link, check_tools
+from p2pkv_tools.bench.endpoints import SeriesSpec
+from p2pkv_tools.bench.groups import Group
+from p2pkv_tools.bench.matrix import (
+    MatrixConfig,
+    add_ratios,
+    available_series,
+    measure_series,
+    memcpy_by_cell,
+    open_all,
+    series_groups,
+)
+from p2pkv_tools.bench.netns import Link, Traffic, check_tools
 from p2pkv_tools.bench.report import format_size
 from p2pkv_tools.bench.runner import CellPlan, CellResult, measure_cell
 from p2pkv_tools.bench.tier_lane import ORDERS, TierLane
+from p2pkv_tools.bench.tier_rounds import (
+    Step,
+    cell_steps,
+    merge_rounds,
+    pair_ratios,
+    reps_per_round,
+)
 from p2pkv_tools.demo.presets import ModelPreset, resolve_preset
 
 __all__ = [
@@ -44,6 +63,7 @@ __all__ = [
     "TIER_FLAGS",
     "TierCellResult",
     "TierPlan",
+    "TierRun",
     "check_tier_options",
     "measure_tier",
     "overload_concurrency",
@@ -81,7 +101,10 @@ class TierCellResult(CellResult):
     """The raw baseline ``ratio_raw`` is against: the fastest in this cell (``raw nixl`` or
     ``raw nixl write``); None without one."""
     ratios_raw: dict[str, float] = field(default_factory=dict)
-    """GB/s over each raw baseline measured in this cell, by its series label."""
+    """GB/s over each raw baseline measured in this cell, by its series label: the median
+    of ``pair_ratios``."""
+    pair_ratios: dict[str, list[float]] = field(default_factory=dict)
+    """Per raw series, this row's GB/s over the series' in each round of the cell."""
 
 
 @dataclass(frozen=True)
@@ -216,21 +239,6 @@ def _tier_cell(lane: TierLane, plan: CellPlan, order: str, seed: list[int]) -> T
     return row
 
 
-def _add_ratios(rows: Sequence[TierCellResult], baselines: Sequence[CellResult]) -> None:
-    """Each measured tier row's ratios: to every raw baseline of its cell (``ratios_raw``),
-    ``ratio_raw`` to the fastest of them (named in ``raw_series``), and to memcpy."""
-    raws, memcpy = raw_by_cell(baselines), memcpy_by_cell(baselines)
-    for r in rows:
-        if r.gbps <= 0:
-            continue
-        cell = raws.get((r.transport, r.block_size, r.batch, r.concurrency), [])
-        r.ratios_raw = {raw.series: r.gbps / raw.gbps for raw in cell}
-        r.raw_series = cell[0].series if cell else None
-        r.ratio_raw = r.ratios_raw[cell[0].series] if cell else None
-        base = memcpy.get((r.block_size, r.batch))
-        r.ratio_memcpy = r.gbps / base.gbps if base else None
-
-
 OVERLOAD_FACTOR = 4
 """Requests an overload cell offers at once, in units of the tier's ``flow.window_rounds``."""
 
@@ -243,79 +251,195 @@ def overload_concurrency() -> int:
 def measure_tier(
     config: MatrixConfig,
     plan: TierPlan,
-    baselines: Sequence[CellResult],
     notes: Console,
     link: Link | None = None,
-) -> list[TierCellResult]:
+    traffic: Traffic | None = None,
+) -> TierRun:
     """Every tier cell of every data transport, both orders (and with ``plan.overload`` an
-    overload cell per block size and batch, stores first), with ratios to ``baselines``;
-    the two sides across ``link`` when given.
+    overload cell per block size and batch, stores first), interleaved with the raw
+    baselines and memcpy of the same cell (:mod:`~p2pkv_tools.bench.tier_rounds`); the
+    cross-process sides across ``link`` when given, their bytes counted in ``traffic``'s
+    ``baselines`` and ``tier`` phases.
 
     A lane that cannot start fails its block size's cells (``error``); the run goes on."""
-    rows: list[TierCellResult] = []
-    timeout = config.deadline * (config.reps + config.warmup + 2)
+    run = TierRun([], {}, [])
+    traffic = traffic or Traffic(None)
+    registry = default_registry()
     started = time.time()
-    for data in plan.data:
+    for i, data in enumerate(plan.data):
+        base = replace(config, transports=(data,), memcpy=config.memcpy and i == 0)
+        series, unavailable = available_series(registry, base)
+        run.unavailable.update(unavailable)
+        cells = _TransportCells(
+            base, plan, [s for s in series if s.impl != "p2pkv"], notes, traffic, started
+        )
+        groups = series_groups(base, cells.series, link)
         lane = TierLane(
-            plan.control, data, config.region_bytes, timeout, config.options_for(data), link
+            plan.control, data, config.region_bytes, cells.timeout, config.options_for(data), link
         )
         try:
             for block in config.block_sizes:
-                rows += _block_rows(lane, config, plan, block, notes, started)
-        finally:
-            lane.close()  # also when interrupted: the sides end before their namespaces do
-    _add_ratios(rows, baselines)
-    return rows
+                cells.block(groups, lane, block, run)
+        finally:  # also when interrupted: the sides end before their namespaces do
+            lane.close()
+            for g in groups:
+                g.shutdown()
+    add_ratios(run.baselines)
+    memcpy = memcpy_by_cell(run.baselines)
+    for r in run.rows:
+        base_row = memcpy.get((r.block_size, r.batch))
+        r.ratio_memcpy = r.gbps / base_row.gbps if base_row and r.gbps > 0 else None
+    return run
 
 
-def _block_rows(
-    lane: TierLane, config: MatrixConfig, plan: TierPlan, block: int, notes: Console, started: float
-) -> list[TierCellResult]:
-    """The cells of one block size on ``lane``, opened here (when it cannot start, every
-    cell fails with the reason), each reported on ``notes`` as it ends."""
-    data = lane.spec.transport
-    try:
-        lane.open(block)
-        opened = ""
-    except Exception as exc:
-        opened = f"tier sides failed to start: {type(exc).__name__}: {exc}"
-    rows = []
-    for batch in config.batches:
-        for cell, order, overload in _cells(config, plan, block, batch):
-            row = (
-                _tier_cell(lane, cell, order, [config.seed, block, batch, cell.concurrency])
-                if not opened
-                else TierCellResult(
-                    series=f"tier {data} {order}",
-                    impl="tier",
-                    transport=data,
-                    block_size=block,
-                    batch=batch,
-                    concurrency=cell.concurrency,
-                    error=opened,
-                    order=order,
+@dataclass
+class TierRun:
+    """What :func:`measure_tier` measured: the raw and memcpy rows (rounds merged), the
+    series that could not run (label -> why), and the tier rows."""
+
+    baselines: list[CellResult]
+    unavailable: dict[str, str]
+    rows: list[TierCellResult]
+
+
+@dataclass
+class _TransportCells:
+    """Runs one data transport's cells, a block size at a time, on its opened groups and
+    tier lane, and reports each row on ``notes`` as its cell ends."""
+
+    config: MatrixConfig
+    plan: TierPlan
+    series: list[SeriesSpec]
+    notes: Console
+    traffic: Traffic
+    started: float
+
+    @property
+    def timeout(self) -> float:
+        return self.config.deadline * (self.config.reps + self.config.warmup + 2)
+
+    def block(self, groups: Sequence[Group], lane: TierLane, block: int, run: TierRun) -> None:
+        """Open ``groups`` and ``lane`` for ``block`` (a lane that cannot start fails every
+        tier cell with the reason), then every cell of that block size."""
+        owner = {s.label: g for g in groups for s in g.series}
+        open_errors = open_all(groups, block)
+        try:
+            lane.open(block)
+            opened = ""
+        except Exception as exc:
+            opened = f"tier sides failed to start: {type(exc).__name__}: {exc}"
+        for batch in self.config.batches:
+            for conc in self.config.concurrency:
+                self._cell(
+                    owner, open_errors, lane, opened, _plan(self.config, block, batch, conc), run
                 )
-            )
-            row.overload = overload
-            rows.append(row)
-            notes.print(
-                f"tier {escape(data)} {format_size(block)} x{batch} "
-                f"c{cell.concurrency} {order}{' overload' * overload}: "
-                f"{row.gbps:.2f} GB/s, {time.time() - started:.0f} s"
-            )
-    return rows
+            if self.plan.overload:
+                cell = _plan(self.config, block, batch, overload_concurrency())
+                (row,) = self._tier_rounds(
+                    lane, opened, cell, [Step("tier", ORDERS[0], cell.concurrency, 0)]
+                )
+                row.overload = True
+                run.rows.append(row)
+                self._note(row)
+        for g in groups:
+            try:
+                g.close()
+            except Exception as exc:
+                labels = ", ".join(s.label for s in g.series)
+                self.notes.print(f"[yellow]closing {escape(labels)}:[/] {escape(str(exc))}")
+
+    def _cell(
+        self,
+        owner: Mapping[str, Group],
+        open_errors: Mapping[str, str],
+        lane: TierLane,
+        opened: str,
+        cell: CellPlan,
+        run: TierRun,
+    ) -> None:
+        """One cell's rounds, then its merged rows, each tier row's ratios from the pairs."""
+        raw = [s for s in self.series if s.impl == "raw"]
+        steps = cell_steps(
+            cell.concurrency,
+            [s.label for s in raw],
+            ORDERS,
+            memcpy=any(s.impl == "memcpy" for s in self.series),
+        )
+        rounds = 1 + max(s.round for s in steps)
+        parts = replace(cell, reps=reps_per_round(cell.reps, rounds))
+        seed = (self.config.seed, cell.block_size, cell.batch, cell.concurrency)
+        measured: dict[str, list[CellResult]] = {}
+        tier: dict[str, list[TierCellResult]] = {}
+        spec = {s.label: s for s in self.series}
+        for step in steps:
+            if step.kind == "tier":
+                tier.setdefault(step.label, []).extend(
+                    self._tier_rounds(lane, opened, parts, [step])
+                )
+                continue
+            with self.traffic.phase("baselines"):
+                result = measure_series(
+                    owner[step.label], spec[step.label], parts, seed, open_errors
+                )
+            measured.setdefault(step.label, []).append(result)
+        for results in measured.values():
+            run.baselines.append(merge_rounds(results))
+            self._note(run.baselines[-1])
+        raws = {s.label: measured[s.label] for s in raw}
+        for order_rows in tier.values():
+            row = merge_rounds(order_rows)
+            _pair(row, order_rows, raws)
+            run.rows.append(row)
+            self._note(row)
+
+    def _tier_rounds(
+        self, lane: TierLane, opened: str, cell: CellPlan, steps: Sequence[Step]
+    ) -> list[TierCellResult]:
+        """The tier rows of ``steps`` (arrival orders) on ``lane``, or failed rows naming
+        why the lane did not open."""
+        rows = []
+        seed = [self.config.seed, cell.block_size, cell.batch, cell.concurrency]
+        for step in steps:
+            if opened:
+                rows.append(_failed_tier_row(lane, cell, step.label, opened))
+                continue
+            with self.traffic.phase("tier"):
+                rows.append(_tier_cell(lane, cell, step.label, seed))
+        return rows
+
+    def _note(self, row: CellResult) -> None:
+        overload = " overload" * bool(getattr(row, "overload", False))
+        ratio = row.ratio_raw
+        self.notes.print(
+            f"{escape(row.series)} {format_size(row.block_size)} x{row.batch} "
+            f"c{row.concurrency}{overload}: {row.gbps:.2f} GB/s"
+            + (f", {ratio:.2f}x raw" if row.impl == "tier" and ratio is not None else "")
+            + f", {time.time() - self.started:.0f} s"
+        )
 
 
-def _cells(
-    config: MatrixConfig, plan: TierPlan, block: int, batch: int
-) -> list[tuple[CellPlan, str, bool]]:
-    """The cells of one (block size, batch): every concurrency in both orders, then the
-    overload cell (stores first: a prefiller ahead of its decoder) when asked for."""
-    cells = [
-        (_plan(config, block, batch, conc), order, False)
-        for conc in config.concurrency
-        for order in ORDERS
-    ]
-    if plan.overload:
-        cells.append((_plan(config, block, batch, overload_concurrency()), ORDERS[0], True))
-    return cells
+def _failed_tier_row(lane: TierLane, cell: CellPlan, order: str, error: str) -> TierCellResult:
+    data = lane.spec.transport
+    return TierCellResult(
+        series=f"tier {data} {order}",
+        impl="tier",
+        transport=data,
+        block_size=cell.block_size,
+        batch=cell.batch,
+        concurrency=cell.concurrency,
+        error=error,
+        order=order,
+    )
+
+
+def _pair(
+    row: TierCellResult, rounds: Sequence[TierCellResult], raws: Mapping[str, Sequence[CellResult]]
+) -> None:
+    """``row``'s ratios from its rounds paired with the raw series' rounds: per series the
+    median of the pairs (``ratios_raw``), ``ratio_raw`` the lowest of them (the fastest
+    raw way, named in ``raw_series``), every pair kept in ``pair_ratios``."""
+    row.pair_ratios = pair_ratios(rounds, raws)
+    row.ratios_raw = {s: float(np.median(p)) for s, p in row.pair_ratios.items()}
+    if row.ratios_raw:
+        row.raw_series = min(row.ratios_raw, key=lambda s: row.ratios_raw[s])
+        row.ratio_raw = row.ratios_raw[row.raw_series]

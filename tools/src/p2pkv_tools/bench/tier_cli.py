@@ -19,7 +19,6 @@ from rich.markup import escape
 from p2pkv_tools.bench.hostinfo import describe_host
 from p2pkv_tools.bench.matrix import MatrixConfig
 from p2pkv_tools.bench.netns import Link, Traffic, open_link
-from p2pkv_tools.bench.progress import measure_matrix
 from p2pkv_tools.bench.report import plot, print_tables
 from p2pkv_tools.bench.runner import CellResult
 from p2pkv_tools.bench.tier_bench import (
@@ -27,7 +26,6 @@ from p2pkv_tools.bench.tier_bench import (
     TierPlan,
     check_tier_options,
     measure_tier,
-    run_baselines,
 )
 from p2pkv_tools.bench.tier_crossover import crossover
 from p2pkv_tools.bench.tier_first_pull import FirstPull, measure_first_pulls
@@ -56,8 +54,9 @@ gpt-oss-120b's 32-token vLLM block (2.25 MiB) x 1, 32 and 256 (8,192 tokens, 576
 def run_tier(
     args: argparse.Namespace, config: MatrixConfig, console: Console, notes: Console
 ) -> int:
-    """Baselines, the first pulls, then the tier cells, on one host or (``--netns``) across
-    a veth link built first and removed at the end, however the run ends; 1 if a cell or a
+    """The first pulls, then the tier cells beside the raw baselines, on one host or
+    (``--netns``) across a veth link built first and removed at the end, however the run
+    ends; 1 if a cell or a
     first pull failed or a byte did not verify. Bad options, and a link that cannot be
     built, raise ``ConfigError``/``TransportUnavailable`` before anything runs."""
     plan = check_tier_options(args, config, default_registry())
@@ -120,21 +119,17 @@ def _measure_all(
     link: Link | None,
     notes: Console,
 ) -> _Measured:
-    """The raw baselines and memcpy, the first pulls, the tier cells, in that order."""
+    """The first pulls, then the tier cells with the raw baselines and memcpy beside them,
+    cell by cell (:func:`~p2pkv_tools.bench.tier_bench.measure_tier`)."""
     traffic = Traffic(link)
-    with traffic.phase("baselines"):
-        baselines, unavailable = run_baselines(
-            config, plan.data, default_registry(), lambda c, s: measure_matrix(notes, c, s, link)
-        )
-    for label, why in unavailable.items():
-        notes.print(f"[yellow]{escape(label)} not measured:[/] {escape(why)}")
     with traffic.phase("first_pull"):
         first = measure_first_pulls(
             config, plan.control, plan.data, FIRST_PULL_PAIRS[bool(args.quick)], link
         )
-    with traffic.phase("tier"):
-        rows = measure_tier(config, plan, baselines, notes, link)
-    return _Measured(baselines, unavailable, first, rows, traffic.phases)
+    run = measure_tier(config, plan, notes, link, traffic)
+    for label, why in run.unavailable.items():
+        notes.print(f"[yellow]{escape(label)} not measured:[/] {escape(why)}")
+    return _Measured(run.baselines, run.unavailable, first, run.rows, traffic.phases)
 
 
 def _run(

@@ -129,9 +129,9 @@ def _raw_footnote(data: str, rows: Sequence[TierCellResult]) -> str:
     if not measured:
         return f"/raw: no raw {escape(data)} baseline measured in this run"
     return (
-        f"/raw: GB/s over the fastest raw baseline of the same cell, named under raw "
-        f"(measured: {escape(', '.join(measured))}; the ratio to each is in the JSON's "
-        f"ratios_raw)"
+        f"/raw: GB/s over the fastest raw baseline of the same cell, named under raw, "
+        f"round by round beside it, the median of the rounds (measured: "
+        f"{escape(', '.join(measured))}; the JSON's ratios_raw and pair_ratios have each)"
     )
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from p2pkv.contracts import ReadState
 from p2pkv.data_base import Indexes
 from p2pkv.errors import TransferSubmitError
-from p2pkv.runs import coalesce
+from p2pkv.runs import count_runs
 
 from p2pkv_nixl import wire
 from p2pkv_nixl.finality import Finality
@@ -97,12 +97,12 @@ class Reads:
             ) from exc
         state.requests[read.request] = read
         stage = read.stage.astype(np.int64)
-        self.descriptors_posted += len(coalesce(stage, remote, pool.slice_starts, peer.slices)[2])
+        self.descriptors_posted += count_runs(stage, remote, pool.slice_starts, peer.slices)
 
     def _post_direct(self, read: Read, remote: Indexes) -> None:
         """Make and post the READ into our slots from the prepared lists of both regions
         (ours, and the peer's made by ``add_peer``): NIXL merges the blocks consecutive on
-        both sides within one slice into one descriptor, as :func:`p2pkv.runs.coalesce`
+        both sides within one slice into one descriptor, as :func:`p2pkv.runs.count_runs`
         counts them. ``TransferSubmitError`` if NIXL refuses, with nothing of it left able
         to land."""
         state, peer = self._state, read.peer
@@ -115,9 +115,7 @@ class Reads:
                 peer.dlist,
                 remote.astype(np.int32),
             )
-            self.descriptors_posted += len(
-                coalesce(read.local, remote, state.slices, peer.slices)[2]
-            )
+            self.descriptors_posted += count_runs(read.local, remote, state.slices, peer.slices)
             xfer_state = agent.transfer(read.handle)
         except Exception as exc:
             state.note_failure(peer.remote, exc)
