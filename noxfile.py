@@ -284,20 +284,23 @@ def engine(session: nox.Session, release: str) -> None:
     ``engine-constraints.txt`` (no CUDA-built torchvision/torchaudio/torchcodec). Runs the
     ``-m "engine or vllm"`` tests of plugins/vllm: the real engines, and the adapter against
     the release's tier API; on the newest release also ``-m refusal``, the layouts a peer
-    must refuse (the whole set: ``engine_layouts``), ``-m engine_bench_quick``, the
-    engine benchmark's quick form (both tiers, two lengths, tokens and pulls checked; the
-    full benchmark: ``engine_bench``), and ``-m recipe``, docs/vllm.md's recipe run as
-    written (two ``vllm serve``; on the older release: ``engine_recipe``). Offload regions
-    that killed engines leave in /dev/shm are removed by the tests.
+    must refuse (the whole set: ``engine_layouts``). CI's time budget leaves out
+    docs/vllm.md's recipe run as written (``engine_recipe``) and the engine benchmark's
+    quick form (``engine_bench_quick``). Offload regions that killed engines leave in
+    /dev/shm are removed by the tests.
     """
     if release == ENGINE_RELEASES[-1]:
-        _engines(session, release, "engine or vllm or refusal or engine_bench_quick")
+        _engines(session, release, "(engine or vllm or refusal) and not recipe")
     else:  # CI's time budget: PD, prefix sharing and the tier API; the rest: engine_oldest
         _engines(session, release, "(engine or vllm) and not recipe", "-k", OLDEST_IN_CI)
 
 
-OLDEST_IN_CI = "test_engine_pd or test_engine_prefix or test_vllm_"
-"""The tests of ``plugins/vllm/tests`` CI's ``engine`` session runs on the oldest release."""
+OLDEST_IN_CI = (
+    "(test_engine_pd or test_engine_prefix or test_vllm_) "
+    "and not test_vllm_serve_prints_the_start_line"
+)
+"""The tests of ``plugins/vllm/tests`` CI's ``engine`` session runs on the oldest release:
+PD, prefix sharing and the tier API (the start line's test only shares their prefix)."""
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
@@ -309,10 +312,11 @@ def engine_oldest(session: nox.Session, release: str) -> None:
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
-@nox.parametrize("release", ENGINE_RELEASES[:-1])
+@nox.parametrize("release", ENGINE_RELEASES)
 def engine_recipe(session: nox.Session, release: str) -> None:
-    """docs/vllm.md's PD recipe run as written (``-m recipe``) on the releases where CI's
-    ``engine`` session leaves it out (the oldest; ``engine_release`` runs it on the others)."""
+    """docs/vllm.md's PD recipe run as written (``-m recipe``: two ``vllm serve`` and the
+    proxy), on CI's releases, which CI's ``engine`` session leaves out for its time budget
+    (about 1.5 minutes a release; ``engine_release`` runs it on the others)."""
     _engines(session, release, "recipe")
 
 
@@ -359,6 +363,15 @@ ENGINE_BENCH_RELEASES = tuple(
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
 @nox.parametrize("release", ENGINE_BENCH_RELEASES)
+def engine_bench_quick(session: nox.Session, release: str) -> None:
+    """The engine benchmark's quick form (``-m engine_bench_quick``): both tiers, two
+    lengths, every pull's tokens checked; about 1.5 minutes, left out of CI for its time
+    budget (the full benchmark: ``engine_bench``)."""
+    _engines(session, release, "engine_bench_quick")
+
+
+@nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
+@nox.parametrize("release", ENGINE_BENCH_RELEASES)
 def engine_bench(session: nox.Session, release: str) -> None:
     """The engine benchmark (``plugins/vllm/tests/engine_bench.py``; docs/benchmarks.md,
     "Between real engines"): pulls between real engines with p2pkv's tier and with vLLM's
@@ -366,7 +379,7 @@ def engine_bench(session: nox.Session, release: str) -> None:
     tokens: the consumer's TTFT pulling from an idle and from a busy source, against a local
     prefix hit and a recompute; the first pull of a fresh pair; per tier the fitted llm-d
     ``costModel`` and p2pkv / built-in ratios. About 7 minutes on 2 quiet cores (10 under
-    load), so not in CI (its quick form runs in ``engine`` on the newest release). On
+    load), so not in CI, nor is its quick form (``engine_bench_quick``). On
     0.32.0 unless ``P2PKV_ENGINE_BENCH_RELEASES`` says otherwise; arguments after ``--`` go
     to the script, e.g. ``nox -s engine_bench -- --json engine-bench.json`` (``--quick``,
     ``--lengths``, ``--reps``). As root, ``-- --netns [--rate 25gbit]`` runs it across a veth
