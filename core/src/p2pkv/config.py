@@ -18,7 +18,7 @@ from typing import Any
 from p2pkv.addressing import format_address, parse_address
 from p2pkv.errors import ConfigError
 from p2pkv.options import derived, option, parse_options, shown
-from p2pkv.peer_allow import parse_allow_list, service_allowed
+from p2pkv.peer_allow import SERVICE_NEVER_MATCHES, parse_allow_list, service_allowed
 
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5710
@@ -364,9 +364,8 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
         variable, entry = from_env.get("allow"), peers.allow[i]
         where = f"{variable} entry" if variable else f"tier config key peers.allow[{i}] ="
         raise ConfigError(
-            f"{where} {entry!r} names the Service peers.connect dials ({host}), which "
-            "never matches: routers name pods by their IP; give the pods' network (the "
-            "cluster's pod CIDR, e.g. 10.0.0.0/8)"
+            f"{where} {entry!r} names the Service peers.connect dials ({host}), "
+            f"{SERVICE_NEVER_MATCHES}"
         )
     return peers
 

@@ -35,6 +35,11 @@ from p2pkv.errors import ConfigError
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _ANY = frozenset({"*", "any", "all", "*.*.*.*"})
 _SERVICE_LABEL = "svc"
+SERVICE_NEVER_MATCHES = (
+    "which never matches: routers name pods by their IP; give the pods' network (the "
+    "cluster's pod CIDR, e.g. 10.0.0.0/8)"
+)
+"""Why an allow-list entry naming a Service (or its short form) is refused, and the fix."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_.])?$")
 
 
@@ -133,10 +138,7 @@ def _never_matches(text: str) -> str:
             "host name (no port, no scheme)"
         )
     if _SERVICE_LABEL in text.lower().rstrip(".").split("."):
-        return (
-            "is a Kubernetes Service's name, which never matches: routers name pods by "
-            "their IP; give the pods' network (the cluster's pod CIDR, e.g. 10.0.0.0/8)"
-        )
+        return f"is a Kubernetes Service's name, {SERVICE_NEVER_MATCHES}"
     return ""
 
 
