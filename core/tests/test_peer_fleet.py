@@ -179,3 +179,43 @@ def test_an_address_whose_dial_failed_is_refused_at_once_until_its_backoff_passe
     c.tier.on_new_request(c.consumer_ctx("again", gone))
     assert c.tier.stats()["peers_dialing"] == 1
     assert c.tier.peer_connection(address) is not None
+
+
+def test_a_listed_peer_that_was_not_up_when_pre_connect_dialed_it_is_served_at_once(
+    h: Any,
+    cluster: Any,
+) -> None:
+    """A static ``peers.connect`` whose peer starts after this tier (engines started together):
+    the warm dial fails, and a request naming the peer once it is up is dialed at once, not
+    refused by that dial's backoff. A failed request dial still backs the address off."""
+    gone = cluster()
+    address, port = gone.address, int(gone.address.rsplit(":", 1)[1])
+    gone.shutdown()  # nothing listens there yet
+    c = cluster(
+        peers={"connect": [address], "dial_backoff": 8},
+        control_options={"connect_timeout": 0.001},
+    )
+    wait_until(
+        lambda: c.tier.stats()["peers_warm"] == 1,
+        timeout=T,
+        pumps=[c.collect],
+        what="peers.connect's answer",
+    )
+    c.clock.advance(1.0)  # the member's first dial is due
+    wait_until(
+        lambda: c.tier.stats()["peers_dialing"] == 1,
+        timeout=T,
+        pumps=[c.collect],
+        what="the warm dial",
+    )
+    wait_until(
+        lambda: c.tier.stats()["peers_dialing"] == 0,
+        timeout=T,
+        pumps=[c.collect],
+        what="the warm dial to fail (nobody listens)",
+    )
+    p = cluster(port=port)  # the peer is up now, well within the backoff
+    assert p.address == address
+    result = pd_request(h, p, c, "late", 1)
+    assert result.outcome is Outcome.DONE, result
+    assert c.tier.stats()["peers_backed_off"] == 0

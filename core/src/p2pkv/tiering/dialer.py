@@ -17,8 +17,9 @@ return the live session to a peer, the held newcomer's if one waits
 
 A dial to a suspect host gets the probe's short handshake deadline. As a watcher of the
 table, the dialer backs off an address whose dialed session ended lost without hearing from
-its peer, forgets the backoff once any session with the address hears from it, and gives a
-request dial's token back to the budget when its peer answers.
+its peer (a warm dial's failure paces pre-connect only, see :mod:`.backoff`), forgets the
+backoff once any session with the address hears from it, and gives a request dial's token
+back to the budget when its peer answers.
 
 Threading: driver thread only.
 """
@@ -106,6 +107,8 @@ class Dialer(SessionWatcher):
         """No waiting peer is dialed before this (the policy said wait)."""
         self._charged: dict[Session, None] = {}
         """Request dials that spent a token of the budget and heard nothing yet."""
+        self._pre_connecting: dict[Session, None] = {}
+        """Warm dials that heard nothing yet (their failure only paces pre-connect)."""
         self.warm: Collection[str] = frozenset()
         self.handshake_timeout: Callable[[str], float | None] = lambda peer: None
 
@@ -252,12 +255,15 @@ class Dialer(SessionWatcher):
             table.touch(session)
         else:
             session.pre_connect = True
+            if kind is DialKind.WARM:
+                self._pre_connecting[session] = None
         return session
 
     # -- watching sessions ------------------------------------------------------------------
 
     def heard(self, session: Session) -> None:
         self.backoff.heard(session.peer)
+        self._pre_connecting.pop(session, None)
         if session in self._charged:
             del self._charged[session]
             self.policy.answered()
@@ -267,9 +273,12 @@ class Dialer(SessionWatcher):
         if session in self._charged:
             del self._charged[session]
             self._retry_at = 0.0  # a place for dials without progress came free
+        warm = session in self._pre_connecting
+        if warm:
+            del self._pre_connecting[session]
         if lost and session.dialed and not session.heard and not self._table.stopping:
             reason = session.conn.close_reason or "no answer within the handshake deadline"
-            self.backoff.failed(session.peer, reason, self._env.clock())
+            self.backoff.failed(session.peer, reason, self._env.clock(), pre_connect=warm)
 
 
 class _Dialed:
