@@ -157,7 +157,7 @@ class Peers:
     dial_backoff: float = field(default=10.0, metadata=_SECONDS)
     """The longest wait, in seconds, before an address whose dial failed is dialed again
     (from 1 s, doubling per failure in a row); requests naming it meanwhile are refused at
-    once."""
+    once (unless only pre-connect's dial failed)."""
 
 
 def _setting(key: str, source: str, env_names: Sequence[str]) -> str:
