@@ -205,7 +205,9 @@ VLLM_P2PKV_DEPS = (
 )
 
 
-PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
+PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile")
+"""pip in a vLLM venv; ``--no-compile``: Python compiles what the tests import on first import,
+not every module of torch and vLLM at install time (a fifth of a venv's install time)."""
 
 
 def install_p2pkv(session: nox.Session) -> None:
@@ -297,17 +299,19 @@ def engine(session: nox.Session, release: str) -> None:
 
 OLDEST_IN_CI = (
     "(test_engine_pd or test_engine_prefix or test_vllm_) "
-    "and not test_vllm_serve_prints_the_start_line"
+    "and not test_vllm_serve_prints_the_start_line and not test_warm_pairs"
 )
 """The tests of ``plugins/vllm/tests`` CI's ``engine`` session runs on the oldest release:
-PD, prefix sharing and the tier API (the start line's test only shares their prefix)."""
+PD, prefix sharing and the tier API (the start line's test only shares their prefix; the
+warm pairs' test, a minute of engines, runs on the newest)."""
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
 @nox.parametrize("release", ENGINE_RELEASES[:-1])
 def engine_oldest(session: nox.Session, release: str) -> None:
     """The engine tests CI's ``engine`` session runs on the newest release only (the overlay,
-    the probe, the start line, the documented metrics), on the oldest release."""
+    the probe, the start line, the documented metrics, the warm pairs), on the oldest
+    release."""
     _engines(session, release, "(engine or vllm) and not recipe", "-k", f"not ({OLDEST_IN_CI})")
 
 
