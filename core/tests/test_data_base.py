@@ -131,8 +131,8 @@ _INDEX = st.one_of(
     st.lists(st.one_of(st.integers(0, 3), _INDEX), max_size=80),
 )
 def test_two_lists_are_checked_as_any_sequence_is(local: list[Any], remote: list[Any]) -> None:
-    """Two lists (checked by one numpy call) give what the same indexes as tuples give (the
-    general path): the same arrays, or the same refusal."""
+    """Two lists (checked in Python when short, else by one numpy call) give what the same
+    indexes as tuples give (the general path): the same arrays, or the same refusal."""
 
     def outcome(a: Any, b: Any) -> tuple[list[int], list[int]] | str:
         try:

@@ -4,7 +4,8 @@ what a peer record must tell the base.
 :func:`check_read` is *the* index rule of ``DataTransport.read_blocks``; the base applies it
 before a backend sees a read, and a transport that overrides ``read_blocks`` calls it itself.
 It allocates only the index arrays it returns (no per-block Python objects); two lists of
-ints, the usual read, become one numpy array in one call.
+ints, the usual read, become one numpy array in one call. A read of a few blocks (a single
+block's pull) is checked in plain Python first: numpy's calls cost more than the check then.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ Indexes = npt.NDArray[np.int64]
 
 _SMALL = 64
 """Up to this many indexes a ``set`` finds repeats faster than a sort."""
+_FEW = 8
+"""Up to this many plain ``int`` indexes per list are checked in Python (:func:`_few_at_once`)."""
 _BOOLS = (bool, np.bool_)
 _FRESH = (list, tuple)
 """Index containers ``np.asarray`` always copies into a new array."""
@@ -59,6 +62,9 @@ def check_read(
     within ``0..peer_num_blocks-1``. A remote index may repeat (one source block may fill two
     slots). Raises ``TransferSubmitError`` naming the side and the offending index.
     """
+    few = _few_at_once(local_idxs, remote_idxs, num_blocks, peer_num_blocks)
+    if few is not None:
+        return few
     both = _lists_at_once(local_idxs, remote_idxs)
     if both is not None:  # the usual read: two lists of ints, one numpy call
         highest = both.view(np.uint64).max(axis=1).tolist()  # negatives wrap above any limit
@@ -117,6 +123,27 @@ def allocated_region(
 def _side(what: str, peer_id: str) -> str:
     """The side an error names: ``what``, and the peer if known (built only for errors)."""
     return f"{what} (peer {peer_id!r})" if peer_id else what
+
+
+def _few_at_once(
+    local: Sequence[int], remote: Sequence[int], num_blocks: int, peer_num_blocks: int
+) -> tuple[Indexes, Indexes] | None:
+    """Two lists of at most :data:`_FEW` plain ints that pass the rule, as fresh int64 arrays;
+    None for anything else, which the numpy path then checks (it raises what is wrong)."""
+    if type(local) is not list or type(remote) is not list:
+        return None
+    count = len(local)
+    if not 0 < count <= _FEW or len(remote) != count:
+        return None
+    for index in local:
+        if type(index) is not int or not 0 <= index < num_blocks:
+            return None
+    for index in remote:
+        if type(index) is not int or not 0 <= index < peer_num_blocks:
+            return None
+    if count > 1 and len(set(local)) != count:
+        return None
+    return np.array(local, dtype=np.int64), np.array(remote, dtype=np.int64)
 
 
 def _lists_at_once(local: Sequence[int], remote: Sequence[int]) -> Indexes | None:

@@ -168,5 +168,5 @@ def p2pkv_timeout(kind: str, kv_request_id: str, peer: str) -> None:
 
 @hookspec
 def p2pkv_tier_state(in_flight_transfers: int, parked_stores: int, sessions: int) -> None:
-    """Gauges, reported once per ``on_schedule_end`` (``in_flight_transfers``: our reads
-    posted and not yet terminal)."""
+    """Gauges, reported by an ``on_schedule_end`` when one changed since the last report,
+    and by the first (``in_flight_transfers``: our reads posted and not yet terminal)."""

@@ -50,6 +50,8 @@ class RequestRouter:
         self._dialer = dialer
         self._warm = warm
         self._observers = observers
+        self._reported: tuple[int, int, int] | None = None
+        """The gauges ``tier_state`` last reported (None: not yet)."""
 
     def routing(self, ctx: RequestContext) -> Routing:
         """The request's routing, parsed once and kept on ``ctx``."""
@@ -177,17 +179,19 @@ class RequestRouter:
 
     def on_schedule_end(self) -> None:
         """See ``P2PTier.on_schedule_end``: sessions with lookups of ours queued send them
-        (those still in their handshake keep them for later)."""
+        (those still in their handshake keep them for later); the gauges are reported when
+        one changed since the last report."""
         probing = self._table.probing
         if probing:
             for session in [s for s in probing if s.ready]:
                 session.consumer.flush_lookups()
                 del probing[session]
-        self._observers.tier_state(
-            in_flight_transfers=len(self._env.owners),
-            parked_stores=self._env.producers.parked_count,
-            sessions=len(self._table),
-        )
+        state = (len(self._env.owners), self._env.producers.parked_count, len(self._table))
+        if state != self._reported:  # gauges: an unchanged value needs no report
+            self._reported = state
+            self._observers.tier_state(
+                in_flight_transfers=state[0], parked_stores=state[1], sessions=state[2]
+            )
 
     def serve_lookups(self, source: LocalHitSource) -> None:
         """See ``P2PTier.serve_lookups``: only sessions with peers' lookups waiting."""
