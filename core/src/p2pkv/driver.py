@@ -8,7 +8,9 @@ allowed is two threads inside at once: the second one raises :class:`ConcurrentC
 both threads and the method the first is in, and touches nothing.
 
 Cost: one uncontended non-blocking acquire and release of a re-entrant lock per call (in C);
-the outermost call also records the method and the thread, for the refusal's message.
+the outermost call also records the method and the thread, for the refusal's message. Its
+exit flushes control frames only when one was queued (:class:`FlushPoint`): a call that sent
+nothing, such as a request naming a peer with no session yet, makes no call for it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,26 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+class FlushPoint:
+    """Control frames a batching transport holds, and the call that puts them on the wire.
+
+    Whoever queues a frame sets ``pending`` (the sessions, as they send). Calling the point
+    flushes and clears it. :class:`DriverGuard` calls it as an outermost call returns, only
+    when ``pending`` is set: every frame leaves by the end of the call that queued it, and a
+    call that queued none pays one attribute read. Driver thread only."""
+
+    __slots__ = ("_flush", "pending")
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+        self.pending = False
+
+    def __call__(self) -> None:
+        """Flush now, whether or not a frame is pending (before a slow data call, say)."""
+        self.pending = False
+        self._flush()
+
+
 class DriverGuard:
     """Admits the calls of one thread at a time; a concurrent thread gets ``ConcurrentCall``.
 
@@ -31,13 +53,13 @@ class DriverGuard:
     any other one is refused. ``enter`` returns whether the call is the thread's outermost,
     which the matching ``exit`` is given."""
 
-    __slots__ = ("_lock", "_method", "_owner", "_what", "on_exit")
+    __slots__ = ("_lock", "_method", "_owner", "_what", "flush")
 
     def __init__(self, what: str) -> None:
         self._what = what
-        self.on_exit: Callable[[], None] | None = None
-        """Called as each outermost call returns (or raises), by its thread, before the next
-        caller may enter: the tier's control flush point."""
+        self.flush: FlushPoint | None = None
+        """Called as an outermost call returns (or raises) with a frame pending, by its
+        thread, before the next caller may enter: the tier's control flush point."""
         self._lock = threading.RLock()
         self._owner = 0
         """The thread inside (for the refusal's message only)."""
@@ -57,8 +79,9 @@ class DriverGuard:
         try:
             if outermost:
                 self._method = ""
-                if self.on_exit is not None:
-                    self.on_exit()
+                flush = self.flush
+                if flush is not None and flush.pending:
+                    flush()
         finally:
             self._lock.release()
 

@@ -34,7 +34,7 @@ from p2pkv.contracts import (
 )
 from p2pkv.dial_policy import DialPolicy
 from p2pkv.discovery import Discovery
-from p2pkv.driver import DriverGuard, driver_call
+from p2pkv.driver import DriverGuard, FlushPoint, driver_call
 from p2pkv.errors import ConfigError
 from p2pkv.idle_reaper import IdleReaper
 from p2pkv.registry import Registry, default_registry
@@ -102,8 +102,8 @@ class P2PTier:
         self._observers = reg.observers
         self._ledger = JobLedger(clock, self._observers)
         self._env = self._session_env(Deadlines())
-        if self._control.batch_sends():  # then frames leave as each public call returns
-            self._guard.on_exit = self._env.flush_control = self._control.flush
+        if self._control.batch_sends():  # then frames leave as the call that sent returns
+            self._guard.flush = self._env.flush_control = FlushPoint(self._control.flush)
         self._table = SessionTable(self._env)
         self._admission = Admission(
             self._env,

@@ -16,7 +16,7 @@ from p2pkv.registry import default_registry
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
 from p2pkv.tier import P2PTier
-from p2pkv.types import Job, JobResult, Outcome, RequestContext
+from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 from p2pkv_zmq import ZmqControlTransport
 from zmq_tiers import BLOCK_LEN, NUM_BLOCKS, REGISTRY, Peer, T, contexts, run_request, tick
 
@@ -182,6 +182,34 @@ def test_a_frame_leaves_when_the_call_that_queued_it_returns(pair: tuple[Peer, P
         what="the fetch at the producer",
         pumps=[tick(producer)],
     )
+    wait_until(
+        lambda: 2 in consumer.results, timeout=T, what="the load", pumps=[tick(producer, consumer)]
+    )
+    assert consumer.results[2].outcome is Outcome.DONE
+
+
+def test_a_call_that_queued_no_frame_makes_no_flush(pair: tuple[Peer, Peer]) -> None:
+    """The guard flushes only after a call that queued a frame: a request's routing and its
+    lookups send nothing and flush nothing (nor does a flood name that waits for a dial).
+    The load that sends a fetch still flushes as its call returns."""
+    producer, consumer = pair
+    run_request(producer, consumer, "warm", [0], consumer_first=False)  # the session
+    hub = consumer.tier._control._hub  # type: ignore[attr-defined]
+    flush, flushes = hub.flush, []
+
+    def counted() -> None:
+        flushes.append(1)
+        flush()
+
+    hub.flush = counted
+    pctx, cctx = contexts("sent", producer)
+    producer.tier.on_new_request(pctx)
+    producer.job(1, [b"sent/0"], [1], load=False, ctx=pctx)
+    consumer.tier.on_new_request(cctx)
+    assert consumer.tier.lookup(b"sent/0", cctx) is LookupResult.HIT
+    assert flushes == []
+    consumer.job(2, [b"sent/0"], [2], load=True, ctx=cctx)  # a fetch: queued, flushed
+    assert flushes == [1]
     wait_until(
         lambda: 2 in consumer.results, timeout=T, what="the load", pumps=[tick(producer, consumer)]
     )

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from p2pkv.config import Flow, Limits, Timeouts
 from p2pkv.contracts import DataTransport
+from p2pkv.driver import FlushPoint
 from p2pkv.observers import Observers
 from p2pkv.protocol import Message
 from p2pkv.ratelimit import LogLimiter
@@ -91,6 +92,10 @@ class PendingSession(Protocol):
         ...
 
 
+def _no_flush() -> None:
+    """The flush of a control transport that does not batch: its frames are on their way."""
+
+
 _WARN_BURST = 20  # peer warnings logged at once, and per _WARN_WINDOW on average ...
 _WARN_WINDOW = 10.0  # ... then one "suppressed K" line per this many seconds
 
@@ -122,9 +127,10 @@ class SessionEnv:
     """Sessions doomed since the tier's last pass over them (it closes them)."""
     congested: set[PendingSession] = field(default_factory=set)
     """Sessions holding frames behind a full send queue (the tier flushes them every tick)."""
-    flush_control: Callable[[], None] = lambda: None
+    flush_control: FlushPoint = field(default_factory=lambda: FlushPoint(_no_flush))
     """Puts queued control frames on the wire (``ControlTransport.flush`` of a batching
-    transport): called before a data-transport call that can take milliseconds
+    transport). Sessions set its ``pending`` as they send; the tier's guard flushes as its
+    call returns. Called at once before a data-transport call that can take milliseconds
     (``add_peer``, ``remove_peer``), so a peer never waits for our frames meanwhile."""
     hello: bytes | None = field(default=None, init=False)
     """Our hello, encoded once (every session sends the same)."""

@@ -262,15 +262,17 @@ class Session:
     ) -> bool:
         """:meth:`_send_now` of an encoded frame (``what``: its message, or its type, for the
         log)."""
+        env = self.env
         try:
-            if len(frame) > self.env.limits.max_frame_bytes:
+            if len(frame) > env.limits.max_frame_bytes:
                 raise FrameTooLarge(
                     f"frame of {len(frame)} bytes exceeds limits."
-                    f"max_frame_bytes {self.env.limits.max_frame_bytes}"
+                    f"max_frame_bytes {env.limits.max_frame_bytes}"
                 )
+            env.flush_control.pending = True  # the tier's guard flushes as its call returns
             if self.outbox.send(frame):
-                self.env.congested.add(self)
-                self.env.counters["frames_delayed"] += 1
+                env.congested.add(self)
+                env.counters["frames_delayed"] += 1
         except (FrameTooLarge, ProtocolError) as exc:  # ProtocolError: older transports
             if oversize_fails_session:
                 self.doom(Outcome.PEER_DEAD, f"send failed: {type(exc).__name__}: {exc}", None)
@@ -291,6 +293,7 @@ class Session:
         session cannot send any more)."""
         if self.state is State.CLOSED or self.doomed is not None:
             return True
+        self.env.flush_control.pending = True
         try:
             return self.outbox.flush()
         except Exception as exc:

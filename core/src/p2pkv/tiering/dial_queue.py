@@ -40,12 +40,14 @@ __all__ = ["DialQueue", "Waiting"]
 
 
 class QueuedLoad:
-    """A load waiting with its peer, and the deadline it keeps when handed over."""
+    """A load waiting with its peer, and the deadline it keeps when handed over. It names
+    its peer, not the peer's :class:`Waiting` record: no reference cycle, so a record that
+    leaves is freed at once, without the garbage collector (a flood drops one a name)."""
 
-    __slots__ = ("deadline", "job", "kv", "pull", "timer", "waiting")
+    __slots__ = ("deadline", "job", "kv", "peer", "pull", "timer")
 
-    def __init__(self, waiting: Waiting, kv: str, job: Job, pull: bool, deadline: float) -> None:
-        self.waiting = waiting
+    def __init__(self, peer: str, kv: str, job: Job, pull: bool, deadline: float) -> None:
+        self.peer = peer
         self.kv = kv
         self.job = job
         self.pull = pull
@@ -150,7 +152,7 @@ class DialQueue:
         if loads is None:
             loads = self._named(waiting, kv, now)
         deadline = now + env.timeouts.load
-        load = QueuedLoad(waiting, kv, job, pull, deadline)
+        load = QueuedLoad(peer, kv, job, pull, deadline)
         if deadline <= waiting.since + env.timeouts.handshake:
             load.timer = self._timers.at(deadline, self._on_load_expired, load)
         loads.append(load)
@@ -237,12 +239,12 @@ class DialQueue:
 
     def _load_expired(self, load: QueuedLoad) -> None:
         load.timer = None
-        waiting, env = load.waiting, self._env
-        loads = waiting.requests.get(load.kv)
+        waiting, env = self._waiting.get(load.peer), self._env
+        loads = None if waiting is None else waiting.requests.get(load.kv)
         if loads is not None and load in loads:
             loads.remove(load)
             detail = (
-                f"waited {env.timeouts.load:g}s for a dial of {waiting.peer} (its "
+                f"waited {env.timeouts.load:g}s for a dial of {load.peer} (its "
                 "budget of new dials was spent on other new peers)"
             )
             env.failed_loads.mark(load.kv, f"{Outcome.LOAD_TIMEOUT.value}: {detail}")

@@ -15,12 +15,16 @@ Commands (over a harness pipe):
   (in all, and within the window); within the window, the ticking thread's CPU issuing
   flood names and ticking (``time.thread_time``), and its ticks.
 
+The process freezes its startup heap once the tier is built, as vLLM's EngineCore does
+(``gc.freeze``): the collector then walks what the tier and the runs allocate since.
+
 Loads name their producer in the request's routing, as llm-d's router does; keys and
 ``kv_request_id`` come from the request number (:func:`~p2pkv_tools.bench.fleet_peers.fleet_kv_id`).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -339,12 +343,22 @@ def tcp_segments() -> int | None:
     return total
 
 
+def _frozen(tut: TierUnderTest) -> TierUnderTest:
+    """``tut``, with the process's startup heap frozen out of the collector's walks, as
+    vLLM's EngineCore freezes its own once built (``freeze_gc_heap``, with the tier inside).
+    Without it, every full collection walks the modules and the simulator's startup objects,
+    which an engine's collections skip."""
+    gc.collect()
+    gc.freeze()
+    return tut
+
+
 def tut_main(conn: Connection, tier_config: dict[str, Any], blocks: int) -> None:
     """Helper entry: serve a :class:`TierUnderTest`."""
     quiet_logs()
     serve_built(
         conn,
-        lambda: TierUnderTest(tier_config, blocks),
+        lambda: _frozen(TierUnderTest(tier_config, blocks)),
         ("describe", "origin", "sessions", "warm", "idle", "run"),
         idle="step",
     )
