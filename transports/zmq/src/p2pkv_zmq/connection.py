@@ -3,8 +3,8 @@
 Sending may be batched (once the owner of the transport asked for it, ``batch_sends``, as the
 tier does): ``send`` then queues the frame in the connection, and
 :meth:`ZmqConnection.push` hands every queued frame to libzmq back to back at the transport's
-flush point (the hub's ``flush``, which the tier calls as each of its public calls returns,
-and the start of every ``poll``). libzmq's I/O thread then wakes about once for a tick's
+flush point (the hub's ``flush``, which the tier calls as a public call that queued a frame
+returns, and the start of every ``poll``). libzmq's I/O thread then wakes about once for a tick's
 frames instead of once per frame. Nothing changes on the wire (each frame is its own
 message), and a frame waits at most until the call that queued it returns. Without batching,
 ``send`` pushes at once. Either way, frames a full libzmq queue cannot take wait in the
