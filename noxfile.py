@@ -205,11 +205,11 @@ VLLM_P2PKV_DEPS = (
 )
 
 
-PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile")
-"""pip in a vLLM venv; ``--no-compile``: Python compiles what the tests import on first import,
-not every module of torch and vLLM at install time (a fifth of a venv's install time). Run
-through ``session.run_install``, so ``nox --install-only`` builds a venv without testing (CI
-builds them beside the README's tests, then runs the sessions with ``--no-install``)."""
+PIP = ("python", "-m", "pip", "install", "--disable-pip-version-check", "-q")
+"""pip in a vLLM venv, run through ``session.run_install``, so ``nox --install-only`` builds a
+venv without testing (CI builds them beside the README's tests, then runs the sessions with
+``--no-install``). Bytecode is compiled at install: engines started without it took twice
+as long (each engine process compiled torch and vLLM again)."""
 
 
 def install_p2pkv(session: nox.Session) -> None:
