@@ -295,25 +295,29 @@ def engine(session: nox.Session, release: str) -> None:
     """
     if release == ENGINE_RELEASES[-1]:
         _engines(session, release, "(engine or vllm or refusal) and not recipe")
-    else:  # CI's time budget: PD, prefix sharing and the tier API; the rest: engine_oldest
+    else:  # CI's time budget: OLDEST_IN_CI; the rest: engine_oldest
         _engines(session, release, "(engine or vllm) and not recipe", "-k", OLDEST_IN_CI)
 
 
 OLDEST_IN_CI = (
     "(test_engine_pd or test_engine_prefix or test_vllm_) "
-    "and not test_vllm_serve_prints_the_start_line and not test_warm_pairs"
+    "and not test_vllm_serve_prints_the_start_line and not test_warm_pairs "
+    "and not vllm-p2p and not test_corrupted_blocks"
 )
 """The tests of ``plugins/vllm/tests`` CI's ``engine`` session runs on the oldest release:
-PD, prefix sharing and the tier API (the start line's test only shares their prefix; the
-warm pairs' test, a minute of engines, runs on the newest)."""
+PD and prefix sharing over p2pkv (its own entry and llm-d's guide entry unedited), the mixed
+fleet and the tier API. Left to ``engine_oldest`` for CI's time budget, each run on the
+newest release in CI: the start line's test (it only shares their prefix), the warm pairs'
+test (a minute of engines), vLLM's own tier as the PD reference row (``vllm-p2p``) and the
+corrupted-blocks check of the harness (each a pair of engines)."""
 
 
 @nox.session(venv_backend="venv", python="3.11", reuse_venv=True)
 @nox.parametrize("release", ENGINE_RELEASES[:-1])
 def engine_oldest(session: nox.Session, release: str) -> None:
     """The engine tests CI's ``engine`` session runs on the newest release only (the overlay,
-    the probe, the start line, the documented metrics, the warm pairs), on the oldest
-    release."""
+    the probe, the start line, the documented metrics, the warm pairs, the ``vllm-p2p``
+    reference row, the corrupted-blocks control), on the oldest release."""
     _engines(session, release, "(engine or vllm) and not recipe", "-k", f"not ({OLDEST_IN_CI})")
 
 

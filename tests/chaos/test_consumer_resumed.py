@@ -23,7 +23,8 @@ from p2pkv_tools.demo.roles import RoleSetup
 BLOCK = 16 * 1024
 MAX_BLOCKS = 4
 HEARTBEAT_TIMEOUT = 1.0
-PAUSE = 3.0
+PAUSE = 2.0
+"""Twice the heartbeat timeout: the producer drops the session while the consumer is stopped."""
 ROUNDS = 10
 OPEN = 10
 END_BOUND = 0.5
