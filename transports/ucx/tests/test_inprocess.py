@@ -395,15 +395,20 @@ def test_remove_then_close_release_everything(nodes: Make) -> None:
 
 def test_re_adding_a_peer_behind_a_failed_endpoint_makes_a_fresh_one(nodes: Make) -> None:
     """A producer paused past UCX's keepalive comes back with the same worker address: the new
-    session's add_peer must not keep the dead endpoint (every read would fail forever)."""
+    session's add_peer must not keep the dead endpoint (every read would fail forever).
+
+    Keepalive fails the endpoints at both ends, and the new session registers each end again.
+    (Only one end marked dead would not be the scenario: releasing its endpoint disconnects
+    the other end's live one, UCX's pair of the two, so a read in between may fail.)"""
     producer, consumer = _pair(nodes)
-    old = consumer.t.attached_peer("p")
-    assert isinstance(old, Peer)
-    old.dead = True  # as the progress loop marks it when the endpoint errors
+    old, back = consumer.t.attached_peer("p"), producer.t.attached_peer("c")
+    assert isinstance(old, Peer) and isinstance(back, Peer)
+    old.dead = back.dead = True  # as the progress loops mark them when the endpoints error
     with pytest.raises(TransferSubmitError, match="unreachable"):
         consumer.t.read_blocks("p", [1], [2])
-    consumer.t.add_peer("p", producer.t.descriptor())  # the new session registers it again
+    producer.link("c", consumer, back_as="p")  # the new session registers both ends again
     assert consumer.t.attached_peer("p") is not old
+    assert producer.t.attached_peer("c") is not back
     _read(producer, consumer, [1], [2])
     consumer.t.add_peer("p", producer.t.descriptor())  # healthy: kept as it is
     assert consumer.t.attached_peer("p") is not old
