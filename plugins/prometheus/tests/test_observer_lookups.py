@@ -17,14 +17,15 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 from p2pkv_prometheus import plugin  # noqa: E402
 from p2pkv_prometheus.metrics import Metrics  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
-Counted = tuple[prometheus_client.CollectorRegistry, Counter[str]]
+Counted = tuple[CollectorRegistry, Counter[str]]
 
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counted]:
     """Fresh metrics in their own registry, made the plugin's; ``labels()`` calls counted."""
-    registry = prometheus_client.CollectorRegistry()
+    registry = CollectorRegistry()
     metrics = Metrics(registry)
     lookups: Counter[str] = Counter()
     for name in ("jobs", "job_seconds", "transfers"):
