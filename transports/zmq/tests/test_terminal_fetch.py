@@ -10,24 +10,15 @@ flushes first). These tests count pushes and frames (work, never time) and check
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 from p2pkv.addressing import format_address
 from p2pkv.testing.waiting import wait_until
 from p2pkv.types import Outcome, RequestContext
 from p2pkv_zmq.connection import ZmqConnection
-from zmq_tiers import Peer, T, contexts, tick
+from zmq_tiers import Peer, T, contexts, run_request, tick
 
 REQUESTS = 20
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Peer, Peer]]:
-    producer, consumer = Peer(1), Peer(2)
-    yield producer, consumer
-    consumer.tier.shutdown()
-    producer.tier.shutdown()
 
 
 def _count_pushes(consumer: Peer, producer: Peer) -> list[int]:
@@ -47,23 +38,10 @@ def _count_pushes(consumer: Peer, producer: Peer) -> list[int]:
 
 
 def _pull(producer: Peer, consumer: Peer, n: int) -> tuple[RequestContext, RequestContext]:
-    """Request ``n`` stored first, then loaded, both sides stepped until their results (as
-    an engine would); its contexts, not finished yet."""
-    pctx, cctx = contexts(f"r{n}", producer)
-    key, store_id, load_id = f"r{n}".encode(), 1000 + n, 2000 + n
-    producer.tier.on_new_request(pctx)
-    producer.job(store_id, [key], [n % 32], load=False, ctx=pctx)
-    consumer.tier.on_new_request(cctx)
-    consumer.job(load_id, [key], [32 + n % 32], load=True, ctx=cctx)
-    wait_until(
-        lambda: store_id in producer.results and load_id in consumer.results,
-        timeout=T,
-        what=f"both results of request {n}",
-        pumps=[tick(producer, consumer)],
-    )
-    assert producer.results[store_id].outcome is Outcome.DONE
-    assert consumer.results[load_id].outcome is Outcome.DONE
-    return pctx, cctx
+    """Request ``n``, stored then at once loaded, both sides ticked until their results (as
+    an engine steps); its contexts, the request not finished yet."""
+    run_request(producer, consumer, f"r{n}", [n % 32], False, settle=False, finish=False)
+    return contexts(f"r{n}", producer)
 
 
 def _quiet(*peers: Peer) -> Callable[[], bool]:
