@@ -290,8 +290,9 @@ class ControlTransport(_Transport):
         :meth:`flush` (or the next ``poll``), so the frames of one tick cost its I/O one
         wake-up instead of one each. Returns whether it will (then the caller must flush: the
         tier does as each of its public calls that sent a frame returns, so a frame never
-        waits for the next tick). The default declines (False): ``send`` keeps putting
-        frames on their way itself, and nobody needs to flush. Driver thread only."""
+        waits for the next tick, except a terminal fetch: that cleanup waits for the next
+        flush or ``poll``). The default declines (False): ``send`` keeps putting frames on
+        their way itself, and nobody needs to flush. Driver thread only."""
         return False
 
     def flush(self) -> None:

@@ -32,7 +32,9 @@ class FlushPoint:
     Whoever queues a frame sets ``pending`` (the sessions, as they send). Calling the point
     flushes and clears it. :class:`DriverGuard` calls it as an outermost call returns, only
     when ``pending`` is set: every frame leaves by the end of the call that queued it, and a
-    call that queued none pays one attribute read. Driver thread only."""
+    call that queued none pays one attribute read. A cleanup frame (the terminal fetch) does
+    not set it: it leaves with the next flush, or at the next tick's ``poll``. Driver thread
+    only."""
 
     __slots__ = ("_flush", "pending")
 

@@ -15,6 +15,7 @@ import pytest
 from p2pkv.contracts import ControlSettings
 from p2pkv_zmq import ZmqControlTransport
 from zmq_fixtures import MakeTransport
+from zmq_tiers import Peer
 
 
 @pytest.fixture
@@ -52,3 +53,12 @@ def refused_address() -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Peer, Peer]]:
+    """A producer and a consumer tier (:class:`zmq_tiers.Peer`), shut down afterwards."""
+    producer, consumer = Peer(1), Peer(2)
+    yield producer, consumer
+    consumer.tier.shutdown()
+    producer.tier.shutdown()

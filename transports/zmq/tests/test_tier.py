@@ -3,7 +3,6 @@ clock), built from tier configs through the registry like an engine adapter woul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,14 +18,6 @@ from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, Outcome, RequestContext
 from p2pkv_zmq import ZmqControlTransport
 from zmq_tiers import BLOCK_LEN, NUM_BLOCKS, REGISTRY, Peer, T, contexts, run_request, tick
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Peer, Peer]]:
-    producer, consumer = Peer(1), Peer(2)
-    yield producer, consumer
-    consumer.tier.shutdown()
-    producer.tier.shutdown()
 
 
 def test_the_tier_builds_the_zmq_transport_from_its_config(pair: tuple[Peer, Peer]) -> None:

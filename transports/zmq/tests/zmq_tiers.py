@@ -82,10 +82,18 @@ def tick(*peers: Peer) -> Any:
 
 
 def run_request(
-    producer: Peer, consumer: Peer, kv: str, slots: list[int], consumer_first: bool
+    producer: Peer,
+    consumer: Peer,
+    kv: str,
+    slots: list[int],
+    consumer_first: bool,
+    *,
+    settle: bool = True,
+    finish: bool = True,
 ) -> None:
     """One PD request: store ``slots`` of the producer into mirrored consumer slots, its
-    bytes checked."""
+    bytes checked. ``settle``: both sides tick between the two submits; ``finish``: both
+    finish the request at the end (else the caller does, with :func:`contexts`)."""
     pctx, cctx = contexts(kv, producer)
     producer.tier.on_new_request(pctx)
     consumer.tier.on_new_request(cctx)
@@ -99,7 +107,8 @@ def run_request(
     if consumer_first:
         steps.reverse()
     steps[0]()
-    tick(producer, consumer)()
+    if settle:
+        tick(producer, consumer)()
     steps[1]()
     wait_until(
         lambda: store_id in producer.results and load_id in consumer.results,
@@ -111,5 +120,6 @@ def run_request(
     assert consumer.results[load_id].outcome is Outcome.DONE
     assert (consumer.blocks[dst] == producer.blocks[slots]).all(), f"{kv}: wrong bytes"
     assert (consumer.blocks[dst] == producer.blocks[slots]).all()
-    producer.tier.on_request_finished(pctx)
-    consumer.tier.on_request_finished(cctx)
+    if finish:
+        producer.tier.on_request_finished(pctx)
+        consumer.tier.on_request_finished(cctx)

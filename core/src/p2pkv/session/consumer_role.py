@@ -23,7 +23,9 @@ is final for the bytes too: the engine may reuse the slots at once, and nothing 
 fencing.
 
 When a request is finished (or one of its loads failed) and no round is open, the consumer
-sends one **terminal fetch** (empty keys), so the producer releases what it still holds.
+sends one **terminal fetch** (empty keys), so the producer releases what it still holds. It
+is sent as cleanup (``SessionLink.send``): it rides the next frame to that producer, or
+leaves at the tier's next tick, instead of waking both sides' I/O on its own.
 
 Threading: driver thread only.
 """
@@ -360,7 +362,7 @@ class ConsumerRole:
         if (req.finished or req.failed) and req.contacted and not req.released:
             req.released = True
             if self.session.ready:
-                self.session.send(Fetch(req.kv, req.next_round, []))
+                self.session.send(Fetch(req.kv, req.next_round, []), cleanup=True)
                 req.next_round += 1
         if req.finished and self.reqs.get(req.kv) is req:
             self.probes.drop(req)

@@ -58,9 +58,10 @@ class SessionLink(Protocol):
         """How long after a fetch a read of ours is still within the producer's lease."""
         ...
 
-    def send(self, msg: Message) -> bool:
+    def send(self, msg: Message, *, cleanup: bool = False) -> bool:
         """Send ``msg`` (dropped when not ready). False only when the frame is over the size
-        cap: it was not sent, the session goes on, the caller fails the request it served."""
+        cap: it was not sent, the session goes on, the caller fails the request it served.
+        ``cleanup``: no peer waits on it; it may leave with the next frame or tick."""
         ...
 
 

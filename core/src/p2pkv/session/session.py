@@ -243,22 +243,36 @@ class Session:
 
     # -- sending ----------------------------------------------------------------------------
 
-    def send(self, msg: Message) -> bool:
+    def send(self, msg: Message, *, cleanup: bool = False) -> bool:
         """Send a non-handshake message; dropped when the session is not ready. False when
         the frame is over the size cap: not sent, the session goes on, and the caller fails
-        the request that built it."""
+        the request that built it.
+
+        ``cleanup``: a frame no peer waits on (the terminal fetch). It does not ask for the
+        flush as the tier's call returns. On a control transport that batches it leaves with
+        the next flushed frame, or at the tier's next tick (``poll`` flushes first), so it
+        costs no wake-up of its own. Without batching it leaves at once, as any frame."""
         if self.state is State.READY and self.doomed is None:
-            return self._send_now(msg, oversize_fails_session=False)
+            return self._send_now(msg, oversize_fails_session=False, cleanup=cleanup)
         return True
 
-    def _send_now(self, msg: Message, *, oversize_fails_session: bool = True) -> bool:
+    def _send_now(
+        self, msg: Message, *, oversize_fails_session: bool = True, cleanup: bool = False
+    ) -> bool:
         """Send (or, behind a full send queue, hold) ``msg``. Only a frame over the size cap
         is refused (False); a full queue is back-pressure (the outbox), a dead connection
         dooms the session."""
-        return self._send_frame(encode(msg), msg, oversize_fails_session=oversize_fails_session)
+        return self._send_frame(
+            encode(msg), msg, oversize_fails_session=oversize_fails_session, cleanup=cleanup
+        )
 
     def _send_frame(
-        self, frame: bytes, what: Message | str, *, oversize_fails_session: bool = True
+        self,
+        frame: bytes,
+        what: Message | str,
+        *,
+        oversize_fails_session: bool = True,
+        cleanup: bool = False,
     ) -> bool:
         """:meth:`_send_now` of an encoded frame (``what``: its message, or its type, for the
         log)."""
@@ -269,7 +283,8 @@ class Session:
                     f"frame of {len(frame)} bytes exceeds limits."
                     f"max_frame_bytes {env.limits.max_frame_bytes}"
                 )
-            env.flush_control.pending = True  # the tier's guard flushes as its call returns
+            if not cleanup:
+                env.flush_control.pending = True  # the tier's guard flushes as its call returns
             if self.outbox.send(frame):
                 env.congested.add(self)
                 env.counters["frames_delayed"] += 1

@@ -6,6 +6,10 @@ Quantities the vLLM adapter also reports carry the same words in their names
 (``bytes_read``, ``in_flight_transfers``, ``parked_stores``, ``sessions``, ...). Both take
 their histogram buckets from ``p2pkv.metrics.LATENCY_BUCKETS``. Every metric is listed, with
 type, labels and meaning, in docs/observability.md (a test checks it).
+
+The labelled children a pull updates (``jobs``, ``job_seconds``, ``transfers``) are looked
+up once per label set and kept: ``labels()`` costs a few microseconds per call, and the
+label sets are few. Nothing here removes a child, so a kept one stays the registered one.
 """
 
 from __future__ import annotations
@@ -82,3 +86,25 @@ class Metrics:
         self.sessions = Gauge(
             "p2pkv_sessions", "Live sessions.", registry=registry, multiprocess_mode="livesum"
         )
+        self._job_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._transfer_children: dict[bool, Counter] = {}
+
+    def job(self, kind: str, outcome: str) -> tuple[Counter, Histogram]:
+        """The ``jobs`` child of (``kind``, ``outcome``) and the ``job_seconds`` child of
+        ``kind``, looked up on first use and kept. Driver thread (the observers')."""
+        children = self._job_children.get((kind, outcome))
+        if children is None:
+            children = self._job_children[(kind, outcome)] = (
+                self.jobs.labels(kind=kind, outcome=outcome),
+                self.job_seconds.labels(kind=kind),
+            )
+        return children
+
+    def transfer(self, success: bool) -> Counter:
+        """The ``transfers`` child of a transfer's result, looked up on first use and kept."""
+        child = self._transfer_children.get(success)
+        if child is None:
+            child = self._transfer_children[success] = self.transfers.labels(
+                result="ok" if success else "failed"
+            )
+        return child

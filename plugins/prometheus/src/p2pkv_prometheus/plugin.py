@@ -54,7 +54,7 @@ def p2pkv_transfer_finished(
     peer: str, transfer_id: int, success: bool, nbytes: int, seconds: float
 ) -> None:
     m = metrics()
-    m.transfers.labels(result="ok" if success else "failed").inc()
+    m.transfer(success).inc()
     if success:
         m.bytes_read.inc(nbytes)
     m.transfer_seconds.observe(seconds)
@@ -64,10 +64,9 @@ def p2pkv_transfer_finished(
 def p2pkv_job_finished(
     job_id: int, is_load: bool, outcome: str, kv_request_id: str, peer: str, seconds: float
 ) -> None:
-    m = metrics()
-    kind = "load" if is_load else "store"
-    m.jobs.labels(kind=kind, outcome=outcome).inc()
-    m.job_seconds.labels(kind=kind).observe(seconds)
+    jobs, job_seconds = metrics().job("load" if is_load else "store", outcome)
+    jobs.inc()
+    job_seconds.observe(seconds)
 
 
 @hookimpl

@@ -6,7 +6,8 @@ tier does): ``send`` then queues the frame in the connection, and
 flush point (the hub's ``flush``, which the tier calls as a public call that queued a frame
 returns, and the start of every ``poll``). libzmq's I/O thread then wakes about once for a tick's
 frames instead of once per frame. Nothing changes on the wire (each frame is its own
-message), and a frame waits at most until the call that queued it returns. Without batching,
+message), and a frame waits at most until the call that queued it returns (a frame the
+tier sends as cleanup, the terminal fetch, until the next flush or poll). Without batching,
 ``send`` pushes at once. Either way, frames a full libzmq queue cannot take wait in the
 connection, in order, for the next flush or poll, and ``send`` refuses more
 (``SendQueueFull``) until they got through.
