@@ -47,6 +47,9 @@ ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
 a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""
 _INSTALL = {"p2pkv_vllm": "p2pkv-vllm"}
+_SUMMARIES = {"p2pkv_vllm.bridge": "p2pkv_vllm.start_line"}
+"""Adapter bridge -> the module whose ``security_and_peers`` words the start line: the ok
+line says security and peers exactly as the engine's start line will."""
 _PROBE_BLOCK = 4096
 PLACEHOLDER_ADDRESS = "192.0.2.1"
 """What an unset ``$(VAR)`` becomes off the pod: an address reserved for documentation
@@ -316,6 +319,15 @@ def _refusal(entry: Entry, exc: BaseException) -> str:
     return entry.says(exc)
 
 
+def _summary(entry: Entry, config: TierConfig) -> str:
+    """``, security ..., peers ...`` as the engine's start line words them (empty for an
+    adapter without such a line)."""
+    module = _SUMMARIES.get(entry.adapter.__name__)
+    if module is None:
+        return ""
+    return f", {importlib.import_module(module).security_and_peers(config)}"
+
+
 def _hints(environ: Mapping[str, str]) -> list[str]:
     if environ.get("PYTHONHASHSEED") in (None, "", "random"):
         return [
@@ -379,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
             f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
             f"{config.control}, data {config.data}, host "
             f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
-            f"{args.data_parallel_size - 1})"
+            f"{args.data_parallel_size - 1}){_summary(entry, config)}"
         )
         if args.no_bind:
             print(
