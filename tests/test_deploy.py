@@ -508,9 +508,16 @@ def test_a_dp8_pool_pre_connects_every_rank_as_the_readme_says(
     cli = [sys.executable, "-m", "p2pkv.cli"]
     subprocess.run([*cli, "keys", "--fleet", "--dir", str(tmp_path / "keys")], check=True)
     env["P2PKV_CURVE_DIR"] = str(tmp_path / "keys")  # where the Secret is mounted
+    config = flag(args, "--kv-transfer-config")
     done = subprocess.run(
-        [*cli, "check-config", "--kv-transfer-config", flag(args, "--kv-transfer-config")]
-        + ["--data-parallel-size", "8", "--no-bind"],
+        [
+            *cli,
+            "check-config",
+            "--kv-transfer-config",
+            config,
+            "--data-parallel-size=8",
+            "--no-bind",
+        ],
         env={**os.environ, **env, "UCX_NET_DEVICES": "lo"},
         capture_output=True,
         text=True,
