@@ -451,7 +451,7 @@ def test_the_readme_s_check_of_the_rendered_entry_passes(tmp_path: Path) -> None
     assert "ports 7777..7777" in done.stdout
     assert (
         "security CURVE (fleet keys from P2PKV_CURVE_DIR=./keys), peers allow=10.0.0.0/8 "
-        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256"
+        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256 warm=32"
     ) in done.stdout
 
 

@@ -228,7 +228,7 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
         "secondary_tiers[0]: ok: p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1: "
         "zero-edit mode): control zmq, data nixl, host 10.1.2.3, ports 7777..7777 (DP ranks "
         f"0..0), security CURVE (fleet keys from P2PKV_CURVE_DIR={keys}), peers allow=any "
-        "connect=none max_dialed=256\nsecondary_tiers[0]: not checked here (--no-bind), "
+        "connect=none max_dialed=256 warm=32\nsecondary_tiers[0]: not checked here (--no-bind), "
         "only on the pod: listening on "
         "the tier's address and port; the key files as the pod mounts them; the transports' "
         "libraries as the image has them\n"
@@ -267,7 +267,7 @@ def test_the_ok_line_says_security_and_peers_as_the_start_line_will() -> None:
     assert (
         "ports 7777..7777 (DP ranks 0..0), security none (insecure: anyone who reaches the "
         "port may open sessions), peers allow=10.0.0.0/8 "
-        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256\n"
+        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256 warm=32\n"
     ) in out
     assert "runs with insecure: true" in err
 

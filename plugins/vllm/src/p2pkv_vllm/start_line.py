@@ -63,7 +63,7 @@ def _peer_policy(config: TierConfig) -> str:
     peers = config.peers
     allow = ",".join(peers.allow) if peers.allow else "any"
     connect = ",".join(peers.connect) if peers.connect else "none"
-    return f"allow={allow} connect={connect} max_dialed={peers.max_dialed}"
+    return f"allow={allow} connect={connect} max_dialed={peers.max_dialed} warm={peers.warm}"
 
 
 def security_and_peers(config: TierConfig, environ: Mapping[str, str] | None = None) -> str:
