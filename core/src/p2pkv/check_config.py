@@ -18,8 +18,9 @@ Kubernetes expands them (``--pod-ip`` sets ``$(POD_IP)``; a reference left unset
 placeholder address :data:`PLACEHOLDER_ADDRESS`, said on stderr), and ``--no-bind`` skips
 what only the pod can do: listening on its address (every other check still runs).
 
-Exit status: 0 when every entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to
-stderr); 1 when the config is valid but runs no p2pkv tier (vLLM's built-in P2P tier, a
+Each entry that would start gets an ``ok`` line naming its transports, ports, security and
+peer policy (the last two as the engine's start line words them). Exit status: 0 when every
+entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to stderr); 1 when the config is valid but runs no p2pkv tier (vLLM's built-in P2P tier, a
 connector or spec that never reads ``secondary_tiers``); 2 when the config cannot work or
 cannot be read: the tier would refuse it (one line on stderr: the entry and the tier's
 message), the JSON is not an object or holds an unreadable number, it has no p2pkv entry,
