@@ -316,3 +316,34 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
         " ($(VLLM_P2P_SIDE_CHANNEL_PORT) unset here: give the pod's value with --env NAME=VALUE)\n"
     )
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "peers, env, line",
+    [
+        (
+            {"warm": 1000},
+            {},
+            "peers.max_dialed 256 + peers.warm 1000 = 1256 dialed sessions of 3 zmq "
+            "sockets each, above the 1023 of control_options.max_sockets: lower "
+            "peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm to a sum of at most "
+            "341, or raise max_sockets",
+        ),
+        (
+            {},
+            {"P2PKV_PEERS_MAX_DIALED": "100000"},
+            "peers.max_dialed 100000 + peers.warm 32 = 100032 dialed sessions",
+        ),
+    ],
+)
+def test_absurd_peer_numbers_are_refused_before_the_sockets_run_out(
+    peers: dict[str, int], env: dict[str, str], line: str
+) -> None:
+    """Numbers that parse but can never be served (the zmq context's 1,023 sockets, 3 per
+    dialed session) are refused off the pod, exit 2, one line naming them and the fix."""
+    entry = {**GUIDE, "peers": peers} if peers else GUIDE
+    args = ("--env", "P2PKV_REPLACE_P2P=1", "--pod-ip", "10.1.2.3", "--no-bind")
+    status, out, err = check(entry, *args, **env)
+    assert (status, out) == (2, ""), err
+    assert err.splitlines()[-1].startswith(f"{P}{line}"), err
+    assert check({**GUIDE, "peers": {"warm": 63}}, *args, P2PKV_PEERS_MAX_DIALED="200")[0] == 0
