@@ -436,6 +436,7 @@ def test_the_readme_s_check_of_the_rendered_entry_passes(tmp_path: Path) -> None
     env["PATH"] = os.pathsep.join(
         [str(Path(sys.executable).parent), str(Path(kubectl).parent), env.get("PATH", "")]
     )
+    env["NS"] = "llm-d"
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block],
         cwd=tmp_path,
@@ -448,6 +449,10 @@ def test_the_readme_s_check_of_the_rendered_entry_passes(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert "ok: p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1" in done.stdout
     assert "ports 7777..7777" in done.stdout
+    assert (
+        "security CURVE (fleet keys from P2PKV_CURVE_DIR=./keys), peers allow=10.0.0.0/8 "
+        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256 warm=32"
+    ) in done.stdout
 
 
 def test_no_doc_pipes_fresh_keys_into_kubectl_apply() -> None:
@@ -474,3 +479,51 @@ def test_the_strategies_share_no_object(tmp_path: Path) -> None:
     (service,) = [name for kind, name in named["side-by-side"] if kind == "Service"]
     connect = env_values(model_server(deployment))["P2PKV_PEERS_CONNECT"]
     assert connect.startswith(f"{service}.llm-d.svc.cluster.local:")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_dp8_pool_pre_connects_every_rank_as_the_readme_says(
+    strategy: str, tmp_path: Path
+) -> None:
+    """deploy/llm-d/README.md, "Size pre-connect": DP8 lists every rank's port in
+    ``P2PKV_PEERS_CONNECT``. The edit renders in both strategies (side by side: its own
+    Service), expands to eight entries, and check-config accepts it for eight ranks."""
+    pytest.importorskip("p2pkv_vllm")
+    tree = deploy_tree(tmp_path)
+    path = tree / "p2pkv" / "model-server.yaml"
+    base = 7800 if strategy == "side-by-side" else 7777  # settings.yaml's p2pPorts
+    ranks = ",".join(f"$(PEERS_SERVICE):{port}" for port in range(base + 1, base + 8))
+    text = path.read_text()
+    old = "value: $(PEERS_SERVICE):$(VLLM_P2P_SIDE_CHANNEL_PORT)"
+    assert old in text
+    path.write_text(text.replace(old, f"{old},{ranks}"))
+    (deployment,) = deployments(parse(kustomize(tree / strategy)))
+    env = env_values(model_server(deployment))
+    service = env["PEERS_SERVICE"]
+    assert service.startswith("p2pkv-peers" + ("-p2pkv." if strategy == "side-by-side" else "."))
+    assert env["P2PKV_PEERS_CONNECT"].split(",") == [
+        f"{service}:{port}" for port in range(base, base + 8)
+    ]
+    args = expanded_args(model_server(deployment), env)
+    cli = [sys.executable, "-m", "p2pkv.cli"]
+    subprocess.run([*cli, "keys", "--fleet", "--dir", str(tmp_path / "keys")], check=True)
+    env["P2PKV_CURVE_DIR"] = str(tmp_path / "keys")  # where the Secret is mounted
+    config = flag(args, "--kv-transfer-config")
+    done = subprocess.run(
+        [
+            *cli,
+            "check-config",
+            "--kv-transfer-config",
+            config,
+            "--data-parallel-size=8",
+            "--no-bind",
+        ],
+        env={**os.environ, **env, "UCX_NET_DEVICES": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"ports {base}..{base + 7} (DP ranks 0..7)" in done.stdout
+    assert f"connect={env['P2PKV_PEERS_CONNECT']} " in done.stdout

@@ -126,3 +126,27 @@ def test_the_isolation_stats_are_exported() -> None:
         (metrics.PREFIX + "slow_ticks", 1, ()),
     ]
     assert filled.gauges == {metrics.PREFIX + "data_held": 12}
+
+
+def test_every_peer_policy_stat_reaches_metrics() -> None:
+    """A fleet's operator reads ``/metrics``, not ``P2PTier.stats()``: each ``peers_*`` key
+    of a real tier's stats is a counter or a gauge, as docs/observability.md says."""
+    from p2pkv import TierConfig
+    from p2pkv.tier import P2PTier
+
+    config = TierConfig.from_dict(
+        {"control": "zmq", "data": "memory", "host": "127.0.0.1", "port": 0}
+    )
+    tier = P2PTier(config, memoryview(bytearray(8192)), 4096)
+    try:
+        stats = tier.stats()
+    finally:
+        tier.shutdown()
+    peers = {key for key in stats if key.startswith("peers_")}
+    gauges = {"peers_warm", "peers_warm_ready", "peers_dialing", "peers_waiting"}
+    assert gauges <= peers
+    assert peers - gauges == {key for key in metrics.COUNTERS if key.startswith("peers_")}
+    assert gauges == {key for key in metrics.GAUGES if key.startswith("peers_")}
+    filled = _fill(metrics.StatsReporter(clock=Clock()), {**stats, "peers_refused": 2})
+    assert (metrics.PREFIX + "peers_refused", 2, ()) in filled.counters
+    assert filled.gauges[metrics.PREFIX + "peers_warm"] == 0

@@ -18,12 +18,16 @@ Kubernetes expands them (``--pod-ip`` sets ``$(POD_IP)``; a reference left unset
 placeholder address :data:`PLACEHOLDER_ADDRESS`, said on stderr), and ``--no-bind`` skips
 what only the pod can do: listening on its address (every other check still runs).
 
+Each entry that would start gets an ``ok`` line naming its transports, ports, security and
+peer policy (the last two as the engine's start line words them).
+
 Exit status: 0 when every entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to
 stderr); 1 when the config is valid but runs no p2pkv tier (vLLM's built-in P2P tier, a
 connector or spec that never reads ``secondary_tiers``); 2 when the config cannot work or
 cannot be read: the tier would refuse it (one line on stderr: the entry and the tier's
-message), the JSON is not an object or holds an unreadable number, it has no p2pkv entry,
-p2pkv-vllm is missing, a bad flag.
+message), its peers would need more zmq sockets than the context has, the JSON is not an
+object or holds an unreadable number, it has no p2pkv entry, p2pkv-vllm is missing, a bad
+flag.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
 a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""
 _INSTALL = {"p2pkv_vllm": "p2pkv-vllm"}
+ZMQ_MAX_SOCKETS = 1023
+"""libzmq's default cap of sockets per context (``ZMQ_MAX_SOCKETS``): the zmq control
+transport's ``max_sockets`` unless ``control_options`` sets it."""
+_SOCKETS_PER_DIAL = 3
+"""zmq sockets a session this tier dialed holds (docs/configuration.md, ``peers.max_dialed``)."""
+_SUMMARIES = {"p2pkv_vllm.bridge": "p2pkv_vllm.start_line"}
+"""Adapter bridge -> the module whose ``security_and_peers`` words the start line: the ok
+line says security and peers exactly as the engine's start line will."""
 _PROBE_BLOCK = 4096
 PLACEHOLDER_ADDRESS = "192.0.2.1"
 """What an unset ``$(VAR)`` becomes off the pod: an address reserved for documentation
@@ -316,6 +328,34 @@ def _refusal(entry: Entry, exc: BaseException) -> str:
     return entry.says(exc)
 
 
+def socket_budget(config: TierConfig) -> None:
+    """``ConfigError`` when the sessions this tier may dial (``peers.max_dialed`` plus the
+    warm set) need more zmq sockets than its context has: an absurd number, caught before the
+    engine runs out of sockets under load. Other control transports are not checked."""
+    if config.control != "zmq":
+        return
+    cap = int(config.control_options.get("max_sockets", ZMQ_MAX_SOCKETS))
+    peers = config.peers
+    sessions = peers.max_dialed + peers.warm
+    if sessions * _SOCKETS_PER_DIAL <= cap:
+        return
+    raise ConfigError(
+        f"peers.max_dialed {peers.max_dialed} + peers.warm {peers.warm} = {sessions} "
+        f"dialed sessions of {_SOCKETS_PER_DIAL} zmq sockets each, above the {cap} of "
+        f"control_options.max_sockets: lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or "
+        f"peers.warm to a sum of at most {cap // _SOCKETS_PER_DIAL}, or raise max_sockets"
+    )
+
+
+def _summary(entry: Entry, config: TierConfig) -> str:
+    """``, security ..., peers ...`` as the engine's start line words them (empty for an
+    adapter without such a line)."""
+    module = _SUMMARIES.get(entry.adapter.__name__)
+    if module is None:
+        return ""
+    return f", {importlib.import_module(module).security_and_peers(config)}"
+
+
 def _hints(environ: Mapping[str, str]) -> list[str]:
     if environ.get("PYTHONHASHSEED") in (None, "", "random"):
         return [
@@ -371,6 +411,7 @@ def run(args: argparse.Namespace) -> int:
     for entry in found:
         try:
             config = check(entry, extra, args.data_parallel_size, bind=not args.no_bind)
+            socket_budget(config)
         except (P2PKVError, OSError) as exc:
             print_error("p2pkv check-config", _refusal(entry, exc))
             return 2
@@ -379,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
             f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
             f"{config.control}, data {config.data}, host "
             f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
-            f"{args.data_parallel_size - 1})"
+            f"{args.data_parallel_size - 1}){_summary(entry, config)}"
         )
         if args.no_bind:
             print(

@@ -227,7 +227,9 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
     assert out == (
         "secondary_tiers[0]: ok: p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1: "
         "zero-edit mode): control zmq, data nixl, host 10.1.2.3, ports 7777..7777 (DP ranks "
-        "0..0)\nsecondary_tiers[0]: not checked here (--no-bind), only on the pod: listening on "
+        f"0..0), security CURVE (fleet keys from P2PKV_CURVE_DIR={keys}), peers allow=any "
+        "connect=none max_dialed=256 warm=32\nsecondary_tiers[0]: not checked here (--no-bind), "
+        "only on the pod: listening on "
         "the tier's address and port; the key files as the pod mounts them; the transports' "
         "libraries as the image has them\n"
     )
@@ -241,6 +243,33 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
         "an address of this machine: run check-config on the pod, or add --no-bind to check "
         "everything else here)\n"
     )
+
+
+def test_the_ok_line_says_security_and_peers_as_the_start_line_will() -> None:
+    """Exit 0 alone does not say the fleet's keys are on: the ok line names the security
+    and the peer policy in the start line's words, so a guide entry without keys shows
+    ``security none`` before any pod starts."""
+    status, out, err = check(
+        GUIDE,
+        "--env",
+        "P2PKV_REPLACE_P2P=1",
+        "--env",
+        "POD_NAMESPACE=llm-d",
+        "--env",
+        "P2PKV_PEERS_CONNECT=p2pkv-peers.$(POD_NAMESPACE).svc.cluster.local:7777",
+        "--env",
+        "P2PKV_PEERS_ALLOW=10.0.0.0/8",
+        "--pod-ip",
+        "10.1.2.3",
+        "--no-bind",
+    )
+    assert status == 0, err
+    assert (
+        "ports 7777..7777 (DP ranks 0..0), security none (insecure: anyone who reaches the "
+        "port may open sessions), peers allow=10.0.0.0/8 "
+        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256 warm=32\n"
+    ) in out
+    assert "runs with insecure: true" in err
 
 
 def test_pod_variables_expand_in_order_as_kubernetes_expands_them() -> None:
@@ -287,3 +316,34 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
         " ($(VLLM_P2P_SIDE_CHANNEL_PORT) unset here: give the pod's value with --env NAME=VALUE)\n"
     )
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "peers, env, line",
+    [
+        (
+            {"warm": 1000},
+            {},
+            "peers.max_dialed 256 + peers.warm 1000 = 1256 dialed sessions of 3 zmq "
+            "sockets each, above the 1023 of control_options.max_sockets: lower "
+            "peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm to a sum of at most "
+            "341, or raise max_sockets",
+        ),
+        (
+            {},
+            {"P2PKV_PEERS_MAX_DIALED": "100000"},
+            "peers.max_dialed 100000 + peers.warm 32 = 100032 dialed sessions",
+        ),
+    ],
+)
+def test_absurd_peer_numbers_are_refused_before_the_sockets_run_out(
+    peers: dict[str, int], env: dict[str, str], line: str
+) -> None:
+    """Numbers that parse but can never be served (the zmq context's 1,023 sockets, 3 per
+    dialed session) are refused off the pod, exit 2, one line naming them and the fix."""
+    entry = {**GUIDE, "peers": peers} if peers else GUIDE
+    args = ("--env", "P2PKV_REPLACE_P2P=1", "--pod-ip", "10.1.2.3", "--no-bind")
+    status, out, err = check(entry, *args, **env)
+    assert (status, out) == (2, ""), err
+    assert err.splitlines()[-1].startswith(f"{P}{line}"), err
+    assert check({**GUIDE, "peers": {"warm": 63}}, *args, P2PKV_PEERS_MAX_DIALED="200")[0] == 0

@@ -38,7 +38,7 @@ def test_the_line_names_version_address_transports_security_and_peers() -> None:
         f"{START_PREFIX} version {p2pkv.__version__}, address 10.1.2.3:7778 (dp rank 1), "
         "control zmq, data nixl, security CURVE (fleet keys from "
         "P2PKV_CURVE_DIR=/etc/p2pkv/curve), peers allow=10.0.0.0/8 "
-        "connect=peers.ns.svc:7777 max_dialed=256, entry type 'P2PKVTier'"
+        "connect=peers.ns.svc:7777 max_dialed=256 warm=32, entry type 'P2PKVTier'"
     )
 
 
@@ -49,7 +49,7 @@ def test_zero_edit_mode_says_it_replaced_the_builtin_tier_and_runs_insecure() ->
     assert line.endswith(
         "entry type 'p2p' (P2PKV_REPLACE_P2P=1: p2pkv in place of vLLM's built-in P2P tier)"
     )
-    assert "peers allow=any connect=none max_dialed=256" in line
+    assert "peers allow=any connect=none max_dialed=256 warm=32" in line
 
 
 @pytest.mark.parametrize(

@@ -363,6 +363,24 @@ def test_a_key_directory_given_on_the_command_line_is_blamed_by_its_option(
     assert err.startswith(f"p2pkv probe: --curve-dir: no client-next.key_secret in {keys} ")
 
 
+def test_a_garbled_key_is_blamed_on_the_option_that_named_its_directory(
+    keys: Path, tmp_path: Path
+) -> None:
+    """A garbled secret key under ``--curve-dir`` names that flag, not a zmq option the
+    operator never wrote."""
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    for name in ("server.key", "server.key_secret", "client.key", "client.key_secret"):
+        (garbled / name).write_bytes((keys / name).read_bytes())
+    (garbled / "server.key_secret").write_text("garbage\n")
+    for secret in garbled.glob("*.key_secret"):
+        secret.chmod(0o600)
+    status, out, err = run_probe("127.0.0.1:5710", "--curve-dir", str(garbled))
+    assert (status, out) == (2, "")
+    assert err.startswith(f"p2pkv probe: --curve-dir: server.key_secret: {garbled}/"), err
+    assert "zmq option" not in err
+
+
 def test_insecure_and_keys_together() -> None:
     status, out, err = run_probe("127.0.0.1:5710", "--insecure", "--curve-dir", "/x")
     assert (status, out) == (2, "")

@@ -61,6 +61,16 @@ COUNTERS: Mapping[str, str] = {
     "driver bound (0.1 s).",
     "slow_ticks": "Tick gaps longer than the control transport's silence timeout while the "
     "process ran (slow ticks, not pauses).",
+    "peers_refused": "Dials refused: outside peers.allow, or beyond a cap of working sessions.",
+    "peers_evicted": "Dials that made no progress for 1 s, closed for a new one.",
+    "peers_gave_way": "Idle sessions closed to make room for a new peer with a request.",
+    "peers_over_cap": "PD requests dialed beyond peers.max_dialed.",
+    "peers_backed_off": "Dials refused at once: the address's last dial failed.",
+    "peers_reaped": "Dialed sessions closed after peers.idle_timeout idle.",
+    "peers_waited": "Peers that had to wait for a dial.",
+    "peers_wait_failed": "Waiting peers that left undialed (their loads failed).",
+    "peers_suspected": "Hosts made suspect by a lost peer.",
+    "peers_probed": "Quiet sessions to a suspect host's ranks probed.",
 }
 GAUGES: Mapping[str, str] = {
     "jobs_pending": "Tier jobs (loads and stores) without a result yet.",
@@ -72,6 +82,10 @@ GAUGES: Mapping[str, str] = {
     "parked_stores": "Stores waiting for their consumer to ask for them.",
     "data_held": "What the data transport still holds for removed peers (sends, endpoints, "
     "cancelled reads, staging blocks).",
+    "peers_warm": "Members of the warm set (at most peers.warm).",
+    "peers_warm_ready": "Members of the warm set with a ready session.",
+    "peers_dialing": "Dials of this tier that heard nothing from their peer yet.",
+    "peers_waiting": "Peers whose requests wait for a free dial.",
 }
 
 

@@ -23,7 +23,14 @@ from p2pkv.config import TierConfig
 
 from p2pkv_vllm.bridge import REPLACE_ENV, UPSTREAM_TYPE
 
-__all__ = ["START_LOGGER", "START_PREFIX", "log_start", "security_mode", "start_line"]
+__all__ = [
+    "START_LOGGER",
+    "START_PREFIX",
+    "log_start",
+    "security_and_peers",
+    "security_mode",
+    "start_line",
+]
 
 START_LOGGER = "vllm.p2pkv"
 """The logger of the start line: under vLLM's own tree, so vLLM's handler prints it."""
@@ -56,7 +63,13 @@ def _peer_policy(config: TierConfig) -> str:
     peers = config.peers
     allow = ",".join(peers.allow) if peers.allow else "any"
     connect = ",".join(peers.connect) if peers.connect else "none"
-    return f"allow={allow} connect={connect} max_dialed={peers.max_dialed}"
+    return f"allow={allow} connect={connect} max_dialed={peers.max_dialed} warm={peers.warm}"
+
+
+def security_and_peers(config: TierConfig, environ: Mapping[str, str] | None = None) -> str:
+    """``security ..., peers ...`` as the start line says them: what ``p2pkv check-config``
+    prints too, so an operator compares the two."""
+    return f"security {security_mode(config, environ)}, peers {_peer_policy(config)}"
 
 
 def start_line(
@@ -70,8 +83,7 @@ def start_line(
     return (
         f"{START_PREFIX} version {p2pkv.__version__}, address {address} "
         f"(dp rank {config.dp_rank}), control {config.control}, data {config.data}, "
-        f"security {security_mode(config, environ)}, peers {_peer_policy(config)}, "
-        f"entry {entry}"
+        f"{security_and_peers(config, environ)}, entry {entry}"
     )
 
 

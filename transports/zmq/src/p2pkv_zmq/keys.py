@@ -181,9 +181,9 @@ def _write(path: Path, mode: int, text: str) -> None:
 
 
 def _named(option: str) -> str:
-    """How a message names where a key came from: an environment variable as is, else the
-    zmq option."""
-    return option if option.startswith("P2PKV_") else f"zmq option {option!r}"
+    """How a message names where a key came from: an environment variable or a command's
+    flag (``--curve-dir``) as is, else the zmq option."""
+    return option if option.startswith(("P2PKV_", "--")) else f"zmq option {option!r}"
 
 
 def _from_file(path: Path, option: str, kind: Kind) -> bytes:
