@@ -9,7 +9,9 @@ frames instead of once per frame. Nothing changes on the wire (each frame is its
 message), and a frame waits at most until the call that queued it returns. Without batching,
 ``send`` pushes at once. Either way, frames a full libzmq queue cannot take wait in the
 connection, in order, for the next flush or poll, and ``send`` refuses more
-(``SendQueueFull``) until they got through.
+(``SendQueueFull``) until they got through. So do frames sent while the hub still checks
+that the peer's address accepts TCP connections (:mod:`p2pkv_zmq.reach`): ``out`` is None
+then.
 
 Progress of a dial (:attr:`ZmqConnection.progress`), as the hub's monitor of our PUSH reports
 it: ``"dialing"`` until the TCP connection is up, ``"connected"`` while the ZMTP handshake runs
@@ -203,11 +205,17 @@ class ZmqConnection(ControlConnection):
     def push(self) -> bool:
         """Hand the queued frames to libzmq, oldest first, until its queue is full; True when
         none is left. A connection libzmq fails is retired with the error (its frames are
-        dropped: the peer sees it die)."""
+        dropped: the peer sees it die). A live one without its PUSH yet (a reach check runs)
+        keeps them, up to ``max_queued_frames``, for the hub to push once it dials."""
         unsent = self._unsent
         out = self.out
-        if not unsent or out is None:
+        if out is None:
+            if self.close_reason is None:
+                self._stalled = len(unsent) >= self._limits.max_queued_frames
+                return not self._stalled
             unsent.clear()
+            return True
+        if not unsent:
             return True
         sent = 0
         try:

@@ -75,6 +75,7 @@ from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.pairing import GONE, MEMORY, OPEN, LinkPairing, classify
 from p2pkv_zmq.poller import Poller, Readiness
 from p2pkv_zmq.probe_wire import IDENTITY, identity_answer, probe_request
+from p2pkv_zmq.reach import ReachChecks
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
@@ -118,6 +119,7 @@ class ZmqHub:
         self.poller: Poller | None = None
         self._readiness: Readiness | None = None
         self.monitors: SocketMonitors | None = None
+        self._reach: ReachChecks | None = None
         self._listener: zmq.Socket[bytes] | None = None
         self._listener_monitor: zmq.Socket[bytes] | None = None
         self._zap: ZapHandler | None = None
@@ -169,6 +171,7 @@ class ZmqHub:
             counters=self.counters,
             log_once=self._log_once,
         )
+        self._reach = ReachChecks(readiness, self._on_reached, self.dial_failed)
         if keys is not None:  # before the listener exists, or libzmq admits everyone
             self._zap = ZapHandler(sockets.context, keys.allowed, monitors.on_zap_refusal)
             readiness.watch(self._zap.socket, self._zap.serve)
@@ -226,7 +229,7 @@ class ZmqHub:
         reason = self._dial_failures.recent(key, now)
         if reason is None:
             try:
-                return self._dial(peer, None, tcp_url(resolve(host), port))
+                return self._dial_fresh(peer, resolve(host), port, now)
             except DialFailed as exc:
                 reason = str(exc)
                 self._dial_failures.record(key, reason, now)
@@ -294,6 +297,8 @@ class ZmqHub:
         self._closed = True
         for conn in self.pairing.live():
             self.retire(conn, "transport closed", notify=False)
+        if self._reach is not None:
+            self._reach.close()
         if self.poller is not None:
             self.poller.close()
         if self._readiness is not None:
@@ -313,6 +318,23 @@ class ZmqHub:
 
     # -- connections (the LinkPort and MonitorOwner sides) -------------------------------------
 
+    def _dial_fresh(self, peer: PeerAddress, host: str, port: int, now: float) -> ZmqConnection:
+        """A new connection to ``peer`` at ``host`` (an IP literal): dialed at once, or,
+        during a flood of fruitless dials, once a reach check connects
+        (:mod:`p2pkv_zmq.reach`); a check that fails at once fails the dial."""
+        assert self._reach is not None and self.monitors is not None
+        url = tcp_url(host, port)
+        if not self._reach.wanted(peer.key, now):
+            return self._dial(peer, None, url)
+        incarnation = new_incarnation()
+        conn = self._connection(peer, incarnation, link_id(self._local_address, incarnation))
+        reason = self._reach.start(conn, host, port, url)
+        self.pairing.add(conn)
+        self.monitors.watch_deadline(conn)
+        if reason is not None:
+            self.dial_failed(conn, reason)
+        return conn
+
     def _dial(self, peer: PeerAddress, answering: bytes | None, url: str) -> ZmqConnection:
         """A new connection to ``peer`` dialing ``url`` (``answering``: the peer's fresh PUSH
         it answers). ``ResourceUnavailable`` when libzmq refuses the dial (out of sockets or
@@ -324,8 +346,25 @@ class ZmqHub:
         push, monitor, queued = self._sockets.dial(
             peer.key, url, [link, b"", OPEN, ref], LINK_EVENTS
         )
+        conn = self._connection(peer, incarnation, link, push, monitor)
+        self.pairing.add(conn)
+        self.monitors.watch_dial(conn)
+        log.debug("dialing %s (%s)", peer.key, "answering" if answering else "fresh")
+        if not queued:
+            self._no_pipe(conn)
+        return conn
+
+    def _connection(
+        self,
+        peer: PeerAddress,
+        incarnation: bytes,
+        link: bytes,
+        push: zmq.Socket[bytes] | None = None,
+        monitor: zmq.Socket[bytes] | None = None,
+    ) -> ZmqConnection:
+        """A new dial's connection, due by now plus ``connect_timeout``."""
         deadline = time.monotonic() + self._options.connect_timeout
-        conn = ZmqConnection(
+        return ZmqConnection(
             self,
             self._limits,
             peer,
@@ -335,17 +374,33 @@ class ZmqHub:
             link=link,
             deadline=deadline,
         )
-        self.pairing.add(conn)
-        self.monitors.watch_dial(conn)
-        log.debug("dialing %s (%s)", peer.key, "answering" if answering else "fresh")
-        if not queued:
-            self.retire(
-                conn,
-                "could not open the link: libzmq had no pipe to the peer right "
-                "after connecting (handshake refused?)",
-                notify=False,
+
+    def _on_reached(self, conn: ZmqConnection, url: str) -> None:
+        """The reach check of ``conn`` connected: dial ``url`` with zmq now, and hand libzmq
+        what was sent meanwhile. Out of sockets (or an address libzmq refuses) retires it."""
+        assert self.monitors is not None
+        try:
+            push, monitor, queued = self._sockets.dial(
+                conn.key, url, [conn.link, b"", OPEN, b""], LINK_EVENTS
             )
-        return conn
+        except (ResourceUnavailable, ConfigError) as exc:
+            self.retire(conn, str(exc), notify=False)
+            return
+        conn.out, conn.monitor = push, monitor
+        self.monitors.watch_monitor(conn)
+        log.debug("dialing %s (fresh, reached)", conn.key)
+        if not queued:
+            self._no_pipe(conn)
+        else:
+            conn.push()
+
+    def _no_pipe(self, conn: ZmqConnection) -> None:
+        self.retire(
+            conn,
+            "could not open the link: libzmq had no pipe to the peer right "
+            "after connecting (handshake refused?)",
+            notify=False,
+        )
 
     def dial_back(self, address: str, link: bytes) -> ZmqConnection | None:
         """Accept the fresh peer PUSH ``link`` by dialing ``address`` back. Out of sockets, or
@@ -373,9 +428,13 @@ class ZmqHub:
         if conn.close_reason is not None:
             return
         conn.close_reason = reason
+        if self._reach is not None:
+            self._reach.drop(conn)
+        now = time.monotonic()
         if conn.progress == DIALING and conn.remote_link is None:
             notify = False
-        now = time.monotonic()
+            if self._reach is not None:
+                self._reach.fruitless(now)
         push, monitor = conn.out, conn.monitor
         if not notify:
             conn.out = None
@@ -400,6 +459,8 @@ class ZmqHub:
         next dials to its address get at once while it is remembered; logged once per
         address and cause."""
         self._dial_failures.record(conn.key, reason, time.monotonic())
+        if self._reach is not None:
+            self._reach.forget(conn.key)
         self._log_once(("dial", conn.key, reason), "connection to %s failed: %s", conn.key, reason)
         self.retire(conn, reason, notify=False)
 
