@@ -104,6 +104,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc.get('date', '?')}, {host.get('cores', '?')} cores, load average "
         f"{_cell(doc.get('load_avg'))} (start, end), {doc.get('elapsed_s', '?')} s."
     )
+    cores = doc.get("placement")
+    if cores:
+        tut, peers = (", ".join(map(str, cores[role])) for role in ("tut", "peers"))
+        head += f" Tier under test pinned to core {tut}, peers to {peers}."
     parts = [head, "", _markdown_table(doc["sizes"], SIZE_COLUMNS)]
     if doc.get("floods"):
         parts += ["", _markdown_table(doc["floods"], FLOOD_COLUMNS)]
