@@ -282,6 +282,12 @@ class ZmqHub:
         for conn in unflushed:
             conn.push()  # one that keeps frames queues itself again
 
+    def forget_dial_failure(self, address: str) -> None:
+        """The next dial to ``address`` is a real one, even within the
+        :class:`~p2pkv_zmq.dialing.DialFailures` backoff of a failed one (the tier's
+        pre-connect dials: ``ControlTransport.forget_dial_failure``)."""
+        self._dial_failures.forget(canonical_address(address))
+
     def interrupt(self) -> None:
         """End an idle wait of ``poll`` now, or the next one at its start (any thread; see
         ``ControlTransport.interrupt``)."""
