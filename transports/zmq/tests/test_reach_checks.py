@@ -4,7 +4,8 @@ sockets (issue 48, item 5; :mod:`p2pkv_zmq.reach`).
 The cost is held in counts, never time: zmq dials built (``SocketFactory.dial`` calls) and
 reach checks started, per flood name. A refused or black-holed name then builds no zmq
 socket. A healthy peer dialed during the flood is reached, gets its frames sent before the
-handshake, and is dialed without a check afterwards. Without a flood, dials are zmq's alone.
+handshake, and is dialed without a check afterwards; with CURVE as without. Without a
+flood, dials are zmq's alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import socket
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq import dialing
 from p2pkv_zmq.reach import FLOOD_DIALS, ReachChecks
 from p2pkv_zmq.sockets import SocketFactory
-from zmq_fixtures import MakeTransport
+from zmq_fixtures import MakeTransport, curve
 
 T = 30.0
 FAR = 3600.0
@@ -184,3 +186,26 @@ def test_a_checked_dial_that_is_refused_is_remembered_as_refused(
     again = t.connect(f"{flood_host(2 * FLOOD_DIALS - 1)}:{refusing}")
     assert not again.alive and "remembered from the dial" in str(again.close_reason)
     assert (counts.checks, counts.dials) == (checks, dials)
+
+
+def test_during_a_flood_a_curve_peer_is_reached_and_counts_no_refused_handshake(
+    make_transport: MakeTransport, counts: Counts, refusing: int, keydir: Path
+) -> None:
+    """The zmq dial after a check has its CURVE keys as ever. The check's own connection,
+    reset before any handshake, is no refused handshake at the peer."""
+    server = make_transport(options=curve(keydir, "alice"))
+    client = make_transport(connect_timeout=FAR, options=curve(keydir, "alice"))
+    refuse(client, refusing, 2 * FLOOD_DIALS)
+    checks = counts.checks
+    out = client.connect(server.local_address)
+    out.send(b"secret hello")
+    got: list[Any] = []
+    wait_until(
+        lambda: got.extend(server.poll(0.01)) or got,
+        timeout=T,
+        what="the authenticated peer",
+        pumps=[lambda: client.poll(0.01)],
+    )
+    assert list(got[0].recv()) == [b"secret hello"]
+    assert counts.checks - checks == 1
+    assert server.stats()["refused_handshakes"] == 0
