@@ -373,6 +373,8 @@ def _flood_row(
         **_latencies("newcomer", newcomer),
         "newcomer_details": newcomer.get("details", []),
         "flood_us_per_name": _per(flooded["flood_thread_cpu_s"], flooded["flood_issued"]),
+        "flood_zmq_dials": flooded["zmq_dials"],
+        "flood_reach_checks": flooded["reach_checks"],
         "tick_us_alone": round(sum(_tick_us(run) for run in alone) / len(alone), 1),
         "tick_us_flooded": _tick_us(flooded),
         "mismatched": sum(run["mismatched"] for run in (*alone, flooded)),

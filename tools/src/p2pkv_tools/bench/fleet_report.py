@@ -52,6 +52,8 @@ FLOOD_COLUMNS = (
     ("newcomer_outcomes", "newcomer's first loads"),
     ("newcomer_p99_ms", "newcomer p99 ms"),
     ("flood_us_per_name", "thread CPU µs a flood name"),
+    ("flood_zmq_dials", "zmq dials in the flooded run"),
+    ("flood_reach_checks", "reach checks in the flooded run"),
     ("tick_us_alone", "thread CPU µs a tick, alone"),
     ("tick_us_flooded", "thread CPU µs a tick, flooded"),
 )
