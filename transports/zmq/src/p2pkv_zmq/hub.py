@@ -34,9 +34,9 @@ dialed us is gone), a failed handshake (named: a CURVE mismatch, a key the peer 
 allow), one not done within ``handshake_timeout``, or no connection within
 ``connect_timeout``. A failed dial is remembered (:mod:`p2pkv_zmq.dialing`), and a host name
 that does not resolve fails at ``connect``. During a flood of dials that reach nothing, a
-fresh dial checks TCP reach before it gets sockets (:mod:`p2pkv_zmq.reach`). A death shows within a sweep of libzmq reporting
-it; ``close_reason`` says why. Only PUSH sockets send ZMTP heartbeats (why:
-:mod:`p2pkv_zmq.sockets`).
+fresh dial checks TCP reach before it gets sockets (:mod:`p2pkv_zmq.reach`). A death shows
+within a sweep of libzmq reporting it; ``close_reason`` says why. Only PUSH sockets send
+ZMTP heartbeats (why: :mod:`p2pkv_zmq.sockets`).
 
 Hostile bytes on the listening port: the PULL has a ZAP domain even without CURVE (libzmq then
 refuses ZMTP 1.0/2.0 peers, which any stray bytes pass for, at once) and
