@@ -19,7 +19,8 @@ it: ``"dialing"`` until the TCP connection is up, ``"connected"`` while the ZMTP
 dial to a refused or black-holed address never leaves ``"dialing"``; a peer that accepts TCP
 but does not speak ZMTP stays ``"connected"`` until ``handshake_timeout``. A dead connection
 keeps the stage it reached. A connection the peer dialed first is ours dialing back, so it
-starts at ``"dialing"`` too.
+starts at ``"dialing"`` too. A dial whose reach check connected (:mod:`p2pkv_zmq.reach`) is
+``"connected"`` from then on: its address accepts TCP.
 
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
 fills ``inbox``, advances ``progress`` and retires the connection (``close_reason`` set,

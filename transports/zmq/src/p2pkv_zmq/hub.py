@@ -61,7 +61,7 @@ from p2pkv.errors import ConfigError, ConnectionClosed, ResourceUnavailable
 from p2pkv.logs import module_logger
 from p2pkv.ratelimit import LogLimiter, TokenBucket
 
-from p2pkv_zmq.connection import DIALING, LinkLimits, PeerAddress, ZmqConnection
+from p2pkv_zmq.connection import CONNECTED, DIALING, LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.dialing import DialFailed, DialFailures, resolve
 from p2pkv_zmq.identity import (
     MAX_LINK_ID_BYTES,
@@ -383,9 +383,11 @@ class ZmqHub:
         )
 
     def _on_reached(self, conn: ZmqConnection, url: str) -> None:
-        """The reach check of ``conn`` connected: dial ``url`` with zmq now, and hand libzmq
-        what was sent meanwhile. Out of sockets (or an address libzmq refuses) retires it."""
+        """The reach check of ``conn`` connected: it counts as connected (a dial making
+        progress), is dialed with zmq now, and libzmq gets what was sent meanwhile. Out of
+        sockets (or an address libzmq refuses) retires it."""
         assert self.monitors is not None
+        conn.reached(CONNECTED)
         try:
             push, monitor, queued = self._sockets.dial(
                 conn.key, url, [conn.link, b"", OPEN, b""], LINK_EVENTS
