@@ -57,6 +57,14 @@ def refused_address() -> Iterator[str]:
 
 
 @pytest.fixture
+def refusing() -> Iterator[int]:
+    """A port that refuses on every loopback address (bound, not listening)."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
 def keydir(tmp_path: Path) -> Path:
     """Key pairs written by ``p2pkv keys``: server, alice (allowed), mallory (not allowed)."""
     for name in ("server", "alice", "mallory"):

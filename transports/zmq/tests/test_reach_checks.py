@@ -61,14 +61,6 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
 
 
 @pytest.fixture
-def refusing() -> Iterator[int]:
-    """A port that refuses on every loopback address (bound, not listening)."""
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        yield sock.getsockname()[1]
-
-
-@pytest.fixture
 def black_holed() -> Iterator[int]:
     """A port that drops SYNs on every loopback address: a listener whose accept queue one
     connection fills."""
