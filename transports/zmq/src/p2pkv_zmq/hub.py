@@ -1,4 +1,4 @@
-"""The hub of one ``zmq`` control transport: a facade over three roles, and the sockets of
+"""The hub of one ``zmq`` control transport: a facade over four roles, and the sockets of
 its connections.
 
 - :class:`~p2pkv_zmq.pairing.LinkPairing`: the link-pairing protocol (its rules and wire
@@ -7,6 +7,8 @@ its connections.
   other sockets and the timers are swept every 10 ms, visiting only what is ready or due.
 - :class:`~p2pkv_zmq.monitors.SocketMonitors`: what libzmq reports about our sockets (dial
   progress and failures, disconnects, the listener's gate, ZAP refusals).
+- :class:`~p2pkv_zmq.dials.LinkDials`: a new dial's sockets and connection, after a reach
+  check during a flood of dials that reach nothing (:mod:`p2pkv_zmq.reach`).
 
 Sockets (all in the transport's own ``zmq.Context``, all used only from the driver thread):
 one PULL bound at our address (every peer's frames come in here), one PUSH per connection
@@ -61,8 +63,9 @@ from p2pkv.errors import ConfigError, ConnectionClosed, ResourceUnavailable
 from p2pkv.logs import module_logger
 from p2pkv.ratelimit import LogLimiter, TokenBucket
 
-from p2pkv_zmq.connection import CONNECTED, DIALING, LinkLimits, PeerAddress, ZmqConnection
+from p2pkv_zmq.connection import DIALING, LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.dialing import DialFailed, DialFailures, resolve
+from p2pkv_zmq.dials import LinkDials
 from p2pkv_zmq.identity import (
     MAX_LINK_ID_BYTES,
     canonical_address,
@@ -71,12 +74,11 @@ from p2pkv_zmq.identity import (
     tcp_url,
 )
 from p2pkv_zmq.listening import ListenPlan
-from p2pkv_zmq.monitors import LINK_EVENTS, LISTENER_EVENTS, SocketMonitors
+from p2pkv_zmq.monitors import LISTENER_EVENTS, SocketMonitors
 from p2pkv_zmq.options import ZmqOptions
-from p2pkv_zmq.pairing import GONE, MEMORY, OPEN, LinkPairing, classify
+from p2pkv_zmq.pairing import GONE, MEMORY, LinkPairing, classify
 from p2pkv_zmq.poller import Poller, Readiness
 from p2pkv_zmq.probe_wire import IDENTITY, identity_answer, probe_request
-from p2pkv_zmq.reach import ReachChecks
 from p2pkv_zmq.security import CurveKeys
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
@@ -120,7 +122,7 @@ class ZmqHub:
         self.poller: Poller | None = None
         self._readiness: Readiness | None = None
         self.monitors: SocketMonitors | None = None
-        self._reach: ReachChecks | None = None
+        self._dials: LinkDials | None = None
         self._listener: zmq.Socket[bytes] | None = None
         self._listener_monitor: zmq.Socket[bytes] | None = None
         self._zap: ZapHandler | None = None
@@ -172,7 +174,9 @@ class ZmqHub:
             counters=self.counters,
             log_once=self._log_once,
         )
-        self._reach = ReachChecks(readiness, self._on_reached, self.dial_failed)
+        self._dials = LinkDials(
+            self, sockets, self._options, self._limits, (self.pairing, monitors, readiness)
+        )
         if keys is not None:  # before the listener exists, or libzmq admits everyone
             self._zap = ZapHandler(sockets.context, keys.allowed, monitors.on_zap_refusal)
             readiness.watch(self._zap.socket, self._zap.serve)
@@ -215,6 +219,8 @@ class ZmqHub:
         socket."""
         if self._closed:
             raise ConnectionClosed("the zmq control transport is closed")
+        dials = self._dials
+        assert dials is not None  # set once listening
         key = canonical_address(address)
         conn = self.pairing.connection_to(key)
         if conn is not None:
@@ -222,7 +228,7 @@ class ZmqHub:
         answering = self.pairing.answerable(key)  # the peer dialed us: it listens, dial back
         peer = PeerAddress(key, address)
         if answering is not None:
-            conn = self._dial(peer, answering, tcp_url(*parse_address(key)))
+            conn = dials.dial(peer, answering, tcp_url(*parse_address(key)))
             self.pairing.confirm(conn, answering, time.monotonic())
             return conn
         host, port = parse_address(key)
@@ -230,7 +236,7 @@ class ZmqHub:
         reason = self._dial_failures.recent(key, now)
         if reason is None:
             try:
-                return self._dial_fresh(peer, resolve(host), port, now)
+                return dials.fresh(peer, resolve(host), port, now)
             except DialFailed as exc:
                 reason = str(exc)
                 self._dial_failures.record(key, reason, now)
@@ -304,8 +310,8 @@ class ZmqHub:
         self._closed = True
         for conn in self.pairing.live():
             self.retire(conn, "transport closed", notify=False)
-        if self._reach is not None:
-            self._reach.close()
+        if self._dials is not None:
+            self._dials.reach.close()
         if self.poller is not None:
             self.poller.close()
         if self._readiness is not None:
@@ -325,97 +331,13 @@ class ZmqHub:
 
     # -- connections (the LinkPort and MonitorOwner sides) -------------------------------------
 
-    def _dial_fresh(self, peer: PeerAddress, host: str, port: int, now: float) -> ZmqConnection:
-        """A new connection to ``peer`` at ``host`` (an IP literal): dialed at once, or,
-        during a flood of fruitless dials, once a reach check connects
-        (:mod:`p2pkv_zmq.reach`); a check that fails at once fails the dial."""
-        assert self._reach is not None and self.monitors is not None
-        url = tcp_url(host, port)
-        if not self._reach.wanted(peer.key, now):
-            return self._dial(peer, None, url)
-        incarnation = new_incarnation()
-        conn = self._connection(peer, incarnation, link_id(self._local_address, incarnation))
-        reason = self._reach.start(conn, host, port, url)
-        self.pairing.add(conn)
-        self.monitors.watch_deadline(conn)
-        if reason is not None:
-            self.dial_failed(conn, reason)
-        return conn
-
-    def _dial(self, peer: PeerAddress, answering: bytes | None, url: str) -> ZmqConnection:
-        """A new connection to ``peer`` dialing ``url`` (``answering``: the peer's fresh PUSH
-        it answers). ``ResourceUnavailable`` when libzmq refuses the dial (out of sockets or
-        descriptors); ``ConfigError`` for an address libzmq cannot dial."""
-        assert self.monitors is not None
-        incarnation = new_incarnation()
-        link = link_id(self._local_address, incarnation)
-        ref = b"" if answering is None else answering.rpartition(b"#")[2]
-        push, monitor, queued = self._sockets.dial(
-            peer.key, url, [link, b"", OPEN, ref], LINK_EVENTS
-        )
-        conn = self._connection(peer, incarnation, link, push, monitor)
-        self.pairing.add(conn)
-        self.monitors.watch_dial(conn)
-        log.debug("dialing %s (%s)", peer.key, "answering" if answering else "fresh")
-        if not queued:
-            self._no_pipe(conn)
-        return conn
-
-    def _connection(
-        self,
-        peer: PeerAddress,
-        incarnation: bytes,
-        link: bytes,
-        push: zmq.Socket[bytes] | None = None,
-        monitor: zmq.Socket[bytes] | None = None,
-    ) -> ZmqConnection:
-        """A new dial's connection, due by now plus ``connect_timeout``."""
-        deadline = time.monotonic() + self._options.connect_timeout
-        return ZmqConnection(
-            self,
-            self._limits,
-            peer,
-            out=push,
-            monitor=monitor,
-            incarnation=incarnation,
-            link=link,
-            deadline=deadline,
-        )
-
-    def _on_reached(self, conn: ZmqConnection, url: str) -> None:
-        """The reach check of ``conn`` connected: it counts as connected (a dial making
-        progress), is dialed with zmq now, and libzmq gets what was sent meanwhile. Out of
-        sockets (or an address libzmq refuses) retires it."""
-        assert self.monitors is not None
-        conn.reached(CONNECTED)
-        try:
-            push, monitor, queued = self._sockets.dial(
-                conn.key, url, [conn.link, b"", OPEN, b""], LINK_EVENTS
-            )
-        except (ResourceUnavailable, ConfigError) as exc:
-            self.retire(conn, str(exc), notify=False)
-            return
-        conn.out, conn.monitor = push, monitor
-        self.monitors.watch_monitor(conn)
-        log.debug("dialing %s (fresh, reached)", conn.key)
-        if not queued:
-            self._no_pipe(conn)
-        else:
-            conn.push()
-
-    def _no_pipe(self, conn: ZmqConnection) -> None:
-        self.retire(
-            conn,
-            "could not open the link: libzmq had no pipe to the peer right "
-            "after connecting (handshake refused?)",
-            notify=False,
-        )
-
     def dial_back(self, address: str, link: bytes) -> ZmqConnection | None:
         """Accept the fresh peer PUSH ``link`` by dialing ``address`` back. Out of sockets, or
         with an address libzmq cannot dial, None: counted in ``refused_accepts``."""
         try:
-            return self._dial(PeerAddress(address, address), link, tcp_url(*parse_address(address)))
+            assert self._dials is not None  # set once listening
+            url = tcp_url(*parse_address(address))
+            return self._dials.dial(PeerAddress(address, address), link, url)
         except (ResourceUnavailable, ConfigError) as exc:
             self.counters["refused_accepts"] += 1
             self._log_once(
@@ -437,13 +359,13 @@ class ZmqHub:
         if conn.close_reason is not None:
             return
         conn.close_reason = reason
-        if self._reach is not None:
-            self._reach.drop(conn)
+        if self._dials is not None:
+            self._dials.reach.drop(conn)
         now = time.monotonic()
         if conn.progress == DIALING and conn.remote_link is None:
             notify = False
-            if self._reach is not None:
-                self._reach.fruitless(now)
+            if self._dials is not None:
+                self._dials.reach.fruitless(now)
         push, monitor = conn.out, conn.monitor
         if not notify:
             conn.out = None
@@ -468,8 +390,8 @@ class ZmqHub:
         next dials to its address get at once while it is remembered; logged once per
         address and cause."""
         self._dial_failures.record(conn.key, reason, time.monotonic())
-        if self._reach is not None:
-            self._reach.forget(conn.key)
+        if self._dials is not None:
+            self._dials.reach.forget(conn.key)
         self._log_once(("dial", conn.key, reason), "connection to %s failed: %s", conn.key, reason)
         self.retire(conn, reason, notify=False)
 
