@@ -1,10 +1,12 @@
 """Reach checks: during a flood of dials that reach nothing, a fresh dial tries a plain
 TCP connect first, and gets its zmq sockets only once that connect succeeds.
 
-Why: a zmq dial builds a PUSH, its monitor and their options, about 160-330 µs of the
-driver thread. A flood of names that refuse or never answer (issue 48) paid that per name.
-A check costs one non-blocking socket. A refused name ends there, and a black-holed one
-holds one descriptor, and no zmq socket, until ``connect_timeout`` or its eviction.
+Why: a zmq dial builds a PUSH, its monitor and their options. Over its life a refused or
+black-holed dial cost the driver thread 230-390 µs, a check 100-170 µs (docs/scale.md,
+``floods5``). A flood of names that refuse or never answer (issue 48) paid a dial per name
+the tier let through. A check costs one non-blocking socket. A refused name ends there,
+and a black-holed one holds one descriptor, and no zmq socket, until ``connect_timeout``
+or its eviction.
 
 - **When.** Fresh dials that end before their TCP connection is up (refused, unreachable,
   timed out, or closed by the tier while dialing) are counted. While :data:`FLOOD_DIALS`
@@ -19,7 +21,8 @@ holds one descriptor, and no zmq socket, until ``connect_timeout`` or its evicti
 - What it costs a healthy peer's first dial during a flood: its zmq dial starts at the
   sweep that sees the check connect (within 10 ms of it), or at once when the hub waits
   idle; it progresses only while the hub is polled. Frames sent meanwhile wait in the
-  connection.
+  connection. From the check's connect on, the dial counts as ``"connected"``: a dial
+  making progress, which the tier never evicts for a newer one.
 
 Threading: the hub's driver thread only. A check's socket is this module's own: it closes it
 when the check ends or :meth:`ReachChecks.drop` is called.
