@@ -38,7 +38,7 @@ the outcomes of the first loads to a healthy newcomer contacted during the flood
 
 Timings are wall clock on a shared host; every figure carries the load average around it.
 With two cores or more, the tier under test has a core of its own and the peers share the
-others (:func:`~p2pkv_tools.bench.fleet_boot.placement`).
+others (:func:`~p2pkv_tools.bench.fleet_cores.placement`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from p2pkv_tools.bench.fleet_boot import placement, tut_entry
+from p2pkv_tools.bench.fleet_boot import tut_entry
+from p2pkv_tools.bench.fleet_cores import placement
 from p2pkv_tools.bench.fleet_peers import peers_main
 from p2pkv_tools.bench.fleet_tut import Plan
 from p2pkv_tools.bench.harness import Helper

@@ -36,7 +36,7 @@ from p2pkv.config import TierConfig
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, RequestContext
 
-from p2pkv_tools.bench.fleet_boot import pin
+from p2pkv_tools.bench.fleet_cores import pin
 from p2pkv_tools.bench.fleet_data import ShmDataTransport, fleet_registry
 from p2pkv_tools.bench.harness import serve_built
 from p2pkv_tools.bench.tier_side import request_keys
