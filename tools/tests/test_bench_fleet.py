@@ -7,6 +7,7 @@ line. Benchmarks are not tests: no figure is looked at, only structure and verif
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,17 @@ def test_quick_json_has_both_floods_with_the_newcomer(fleet_doc: dict[str, Any])
         assert set(row) >= FLOOD_FIELDS, FLOOD_FIELDS - set(row)
         assert sum(row["newcomer_outcomes"].values()) == 4  # every first load has an outcome
         assert row["mismatched"] == 0
+
+
+def test_quick_json_says_the_tier_under_test_had_a_core_of_its_own(
+    fleet_doc: dict[str, Any],
+) -> None:
+    cores = fleet_doc["placement"]
+    if len(os.sched_getaffinity(0)) < 2:
+        assert cores is None
+        return
+    assert len(cores["tut"]) == 1 and cores["tut"][0] not in cores["peers"]
+    assert set(cores["tut"]) | set(cores["peers"]) == os.sched_getaffinity(0)
 
 
 def test_the_doc_tables_come_from_the_json(fleet_doc: dict[str, Any], tmp_path: Path) -> None:

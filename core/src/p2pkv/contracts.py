@@ -308,6 +308,13 @@ class ControlTransport(_Transport):
         does nothing: a poll then ends at its timeout, so a transport without it only makes
         the thread that wants the tier wait up to that timeout (``P2PTier.interrupt``)."""
 
+    def forget_dial_failure(self, address: str) -> None:
+        """Forget that a dial to ``address`` failed, if this transport remembers failed
+        dials (a negative cache that answers the next ``connect`` with a dead connection).
+        The tier calls it when a pre-connect dial failed: that failure paces pre-connect
+        only, so a request naming the peer then dials it for real. The default does
+        nothing. Driver thread only."""
+
     @property
     def silence_timeout(self) -> float | None:
         """Seconds this process may go without any control I/O before its peers drop its

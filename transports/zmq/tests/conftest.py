@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
+from p2pkv.cli import main as p2pkv_main
 from p2pkv.contracts import ControlSettings
 from p2pkv_zmq import ZmqControlTransport
 from zmq_fixtures import MakeTransport
@@ -62,3 +64,22 @@ def pair() -> Iterator[tuple[Peer, Peer]]:
     yield producer, consumer
     consumer.tier.shutdown()
     producer.tier.shutdown()
+
+
+@pytest.fixture
+def refusing() -> Iterator[int]:
+    """A port that refuses on every loopback address (bound, not listening)."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def keydir(tmp_path: Path) -> Path:
+    """Key pairs written by ``p2pkv keys``: server, alice (allowed), mallory (not allowed)."""
+    for name in ("server", "alice", "mallory"):
+        assert p2pkv_main(["keys", "--dir", str(tmp_path), "--name", name]) == 0
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "alice.key").write_bytes((tmp_path / "alice.key").read_bytes())
+    return tmp_path

@@ -18,32 +18,13 @@ from p2pkv.cli import main as p2pkv_main
 from p2pkv.errors import ConfigError
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq.dialing import DIAL_BACKOFF
-from zmq_fixtures import MakeTransport
+from zmq_fixtures import MakeTransport, curve
 
 T = 5.0
 
 
 def pump(*transports: Any) -> Any:
     return lambda: [t.poll(0.001) for t in transports]
-
-
-@pytest.fixture
-def keydir(tmp_path: Path) -> Path:
-    """Key pairs written by ``p2pkv keys``: server, alice (allowed), mallory (not allowed)."""
-    for name in ("server", "alice", "mallory"):
-        assert p2pkv_main(["keys", "--dir", str(tmp_path), "--name", name]) == 0
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    (allowed / "alice.key").write_bytes((tmp_path / "alice.key").read_bytes())
-    return tmp_path
-
-
-def curve(keydir: Path, client: str) -> dict[str, Any]:
-    return {
-        "server_secret_key": str(keydir / "server.key_secret"),
-        "client_secret_key": str(keydir / f"{client}.key_secret"),
-        "allowed_client_keys": [str(keydir / "allowed")],
-    }
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:

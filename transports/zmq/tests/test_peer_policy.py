@@ -65,14 +65,6 @@ def black_hole() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-@pytest.fixture
-def refusing() -> Iterator[int]:
-    """A port that refuses on every loopback address (bound, not listening)."""
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        yield sock.getsockname()[1]
-
-
 def test_a_peer_outside_the_allow_list_is_never_dialed(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="p2pkv")
     producer = Peer(1)

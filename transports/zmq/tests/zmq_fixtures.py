@@ -1,4 +1,5 @@
-"""Types of the zmq tests' fixtures, importable by name (a conftest is not).
+"""Types of the zmq tests' fixtures, and helpers for them, importable by name (a conftest
+is not).
 
 ``conftest.py`` builds the fixtures; test functions annotate their parameters with these.
 """
@@ -6,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from p2pkv_zmq import ZmqControlTransport
@@ -23,3 +25,13 @@ class MakeTransport(Protocol):
         options: Mapping[str, Any] | None = None,
         **kw: Any,
     ) -> ZmqControlTransport: ...
+
+
+def curve(keydir: Path, client: str) -> dict[str, Any]:
+    """zmq options with CURVE keys from the ``keydir`` fixture, as ``client`` (alice is
+    allowed, mallory is not)."""
+    return {
+        "server_secret_key": str(keydir / "server.key_secret"),
+        "client_secret_key": str(keydir / f"{client}.key_secret"),
+        "allowed_client_keys": [str(keydir / "allowed")],
+    }

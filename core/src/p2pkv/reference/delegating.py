@@ -2,10 +2,11 @@
 
 :class:`DelegatingControlTransport` and :class:`DelegatingDataTransport` forward every
 member of their contract, optional ones included (``take_active``/``batch_sends``/``flush``/
-``interrupt``/``silence_timeout``; ``read_capacity``/``descriptors_posted``/``held``), to
-``inner``, and report its capabilities. A wrapper that injects faults or records calls
-subclasses one, overrides only the calls it changes and calls ``super()`` for the rest, so
-a member added to a contract is forwarded in one place.
+``interrupt``/``forget_dial_failure``/``silence_timeout``;
+``read_capacity``/``descriptors_posted``/``held``), to ``inner``, and report its
+capabilities. A wrapper that injects faults or records calls subclasses one, overrides
+only the calls it changes and calls ``super()`` for the rest, so a member added to a
+contract is forwarded in one place.
 
 Ownership: a wrapper owns its inner transport (its ``close`` closes it). Threading: as the
 inner transport's (the driver thread; ``interrupt`` from any thread).
@@ -67,6 +68,9 @@ class DelegatingControlTransport(ControlTransport):
 
     def interrupt(self) -> None:
         self.inner.interrupt()
+
+    def forget_dial_failure(self, address: str) -> None:
+        self.inner.forget_dial_failure(address)
 
     @property
     def silence_timeout(self) -> float | None:

@@ -17,7 +17,8 @@ return the live session to a peer, the held newcomer's if one waits
 
 A dial to a suspect host gets the probe's short handshake deadline. As a watcher of the
 table, the dialer backs off an address whose dialed session ended lost without hearing from
-its peer (a warm dial's failure paces pre-connect only, see :mod:`.backoff`), forgets the
+its peer (a warm dial's failure paces pre-connect only, see :mod:`.backoff`; the control
+transport is told to forget it too, ``forget_dial_failure``), forgets the
 backoff once any session with the address hears from it, and gives a request dial's token
 back to the budget when its peer answers.
 
@@ -279,6 +280,8 @@ class Dialer(SessionWatcher):
         if lost and session.dialed and not session.heard and not self._table.stopping:
             reason = session.conn.close_reason or "no answer within the handshake deadline"
             self.backoff.failed(session.peer, reason, self._env.clock(), pre_connect=warm)
+            if warm:  # it paces pre-connect only: the transport's own memory too
+                self._control.forget_dial_failure(session.peer)
 
 
 class _Dialed:

@@ -37,6 +37,8 @@ the mean of the runs alone (a shared host drifts), the tier's CPU within each wi
 the outcomes of the first loads to a healthy newcomer contacted during the flood.
 
 Timings are wall clock on a shared host; every figure carries the load average around it.
+With two cores or more, the tier under test has a core of its own and the peers share the
+others (:func:`~p2pkv_tools.bench.fleet_cores.placement`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from p2pkv_tools.bench.fleet_boot import tut_entry
+from p2pkv_tools.bench.fleet_cores import placement
 from p2pkv_tools.bench.fleet_peers import peers_main
 from p2pkv_tools.bench.fleet_tut import Plan
 from p2pkv_tools.bench.harness import Helper
@@ -126,13 +129,17 @@ class _Fleet:
     ) -> None:
         per_process = config.per_process
         tier_config = _tier_config(quick)
+        cores = placement()
         self.tut = _helper(
-            stack, tut_entry, (list(config.tut_path), tier_config, _TUT_BLOCKS), "p2pkv-fleet-tut"
+            stack,
+            tut_entry,
+            (cores, list(config.tut_path), tier_config, _TUT_BLOCKS),
+            "p2pkv-fleet-tut",
         )
-        self.fast = _helper(stack, peers_main, (tier_config,), "p2pkv-fleet-fast")
+        self.fast = _helper(stack, peers_main, (cores, tier_config), "p2pkv-fleet-fast")
         bulk = peers - PRODUCERS
         self.bulk = [
-            _helper(stack, peers_main, (tier_config,), f"p2pkv-fleet-bulk{i}")
+            _helper(stack, peers_main, (cores, tier_config), f"p2pkv-fleet-bulk{i}")
             for i in range(-(-bulk // per_process))
         ]
         self.address = self.tut.call("describe")
@@ -367,6 +374,8 @@ def _flood_row(
         **_latencies("newcomer", newcomer),
         "newcomer_details": newcomer.get("details", []),
         "flood_us_per_name": _per(flooded["flood_thread_cpu_s"], flooded["flood_issued"]),
+        "flood_zmq_dials": flooded["zmq_dials"],
+        "flood_reach_checks": flooded["reach_checks"],
         "tick_us_alone": round(sum(_tick_us(run) for run in alone) / len(alone), 1),
         "tick_us_flooded": _tick_us(flooded),
         "mismatched": sum(run["mismatched"] for run in (*alone, flooded)),
@@ -395,4 +404,4 @@ def measure_fleet(config: FleetConfig, quick: bool, progress: Any = None) -> dic
         if progress is not None:
             progress("floods")
         floods = measure_floods(config, quick)
-    return {"sizes": sizes, "floods": floods}
+    return {"placement": placement(), "sizes": sizes, "floods": floods}

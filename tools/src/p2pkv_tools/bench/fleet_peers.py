@@ -36,6 +36,7 @@ from p2pkv.config import TierConfig
 from p2pkv.tier import P2PTier
 from p2pkv.types import Job, RequestContext
 
+from p2pkv_tools.bench.fleet_cores import pin
 from p2pkv_tools.bench.fleet_data import ShmDataTransport, fleet_registry
 from p2pkv_tools.bench.harness import serve_built
 from p2pkv_tools.bench.tier_side import request_keys
@@ -219,8 +220,12 @@ def quiet_logs() -> None:
     logging.getLogger("p2pkv").setLevel(logging.ERROR)
 
 
-def peers_main(conn: Connection, tier_config: dict[str, Any]) -> None:
-    """Helper entry: serve a :class:`FleetPeers`."""
+def peers_main(
+    conn: Connection, cores: dict[str, list[int]] | None, tier_config: dict[str, Any]
+) -> None:
+    """Helper entry: pin this process to the peers' cores (:func:`pin`), then serve a
+    :class:`FleetPeers`."""
+    pin("peers", cores)
     quiet_logs()
     serve_built(
         conn,

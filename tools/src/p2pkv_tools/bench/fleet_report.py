@@ -52,6 +52,8 @@ FLOOD_COLUMNS = (
     ("newcomer_outcomes", "newcomer's first loads"),
     ("newcomer_p99_ms", "newcomer p99 ms"),
     ("flood_us_per_name", "thread CPU µs a flood name"),
+    ("flood_zmq_dials", "zmq dials in the flooded run"),
+    ("flood_reach_checks", "reach checks in the flooded run"),
     ("tick_us_alone", "thread CPU µs a tick, alone"),
     ("tick_us_flooded", "thread CPU µs a tick, flooded"),
 )
@@ -104,6 +106,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc.get('date', '?')}, {host.get('cores', '?')} cores, load average "
         f"{_cell(doc.get('load_avg'))} (start, end), {doc.get('elapsed_s', '?')} s."
     )
+    cores = doc.get("placement")
+    if cores:
+        tut, peers = (", ".join(map(str, cores[role])) for role in ("tut", "peers"))
+        head += f" Tier under test pinned to core {tut}, peers to {peers}."
     parts = [head, "", _markdown_table(doc["sizes"], SIZE_COLUMNS)]
     if doc.get("floods"):
         parts += ["", _markdown_table(doc["floods"], FLOOD_COLUMNS)]

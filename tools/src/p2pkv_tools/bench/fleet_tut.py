@@ -13,7 +13,8 @@ Commands (over a harness pipe):
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
   the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
   (in all, and within the window); within the window, the ticking thread's CPU issuing
-  flood names and ticking (``time.thread_time``), and its ticks.
+  flood names and ticking (``time.thread_time``), and its ticks; the zmq dials and reach
+  checks the run made (:mod:`~p2pkv_tools.bench.fleet_dials`).
 
 The process freezes its startup heap once the tier is built, as vLLM's EngineCore does
 (``gc.freeze``): the collector then walks what the tier and the runs allocate since.
@@ -42,6 +43,7 @@ from p2pkv.tier import P2PTier
 from p2pkv.types import Job, JobResult, LookupResult, RequestContext
 
 from p2pkv_tools.bench.fleet_data import ShmDataTransport, fleet_registry
+from p2pkv_tools.bench.fleet_dials import DialCounts
 from p2pkv_tools.bench.fleet_peers import BLOCK, fleet_kv_id, process_usage, quiet_logs
 from p2pkv_tools.bench.harness import serve_built
 from p2pkv_tools.bench.tier_side import request_keys
@@ -122,6 +124,7 @@ class TierUnderTest:
     def __init__(self, tier_config: dict[str, Any], blocks: int) -> None:
         region = ShmDataTransport.allocate_region(blocks, BLOCK, {})
         self._region = BlockRegion(region, BLOCK)
+        self._dials = DialCounts()
         self._tier = P2PTier(
             TierConfig.from_dict(tier_config), region, BLOCK, registry=fleet_registry()
         )
@@ -220,6 +223,7 @@ class TierUnderTest:
         flooded = 0
         window = plan.seconds
         thread = _ThreadCpu()
+        dials, checks = self._dials.snapshot()
         while True:
             now = time.monotonic() - started
             if flood and now >= window:
@@ -248,7 +252,10 @@ class TierUnderTest:
             if not self._open:
                 time.sleep(CADENCE)
         wall = time.monotonic() - started
+        dials_now, checks_now = self._dials.snapshot()
         return {
+            "zmq_dials": dials_now - dials,
+            "reach_checks": None if checks is None or checks_now is None else checks_now - checks,
             "cpu_s": process_usage()["cpu_s"] - cpu,
             "wall_s": wall,
             "window_s": window,

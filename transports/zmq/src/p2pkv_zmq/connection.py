@@ -10,7 +10,9 @@ message), and a frame waits at most until the call that queued it returns (a fra
 tier sends as cleanup, the terminal fetch, until the next flush or poll). Without batching,
 ``send`` pushes at once. Either way, frames a full libzmq queue cannot take wait in the
 connection, in order, for the next flush or poll, and ``send`` refuses more
-(``SendQueueFull``) until they got through.
+(``SendQueueFull``) until they got through. So do frames sent while the hub still checks
+that the peer's address accepts TCP connections (:mod:`p2pkv_zmq.reach`): ``out`` is None
+then.
 
 Progress of a dial (:attr:`ZmqConnection.progress`), as the hub's monitor of our PUSH reports
 it: ``"dialing"`` until the TCP connection is up, ``"connected"`` while the ZMTP handshake runs
@@ -18,7 +20,8 @@ it: ``"dialing"`` until the TCP connection is up, ``"connected"`` while the ZMTP
 dial to a refused or black-holed address never leaves ``"dialing"``; a peer that accepts TCP
 but does not speak ZMTP stays ``"connected"`` until ``handshake_timeout``. A dead connection
 keeps the stage it reached. A connection the peer dialed first is ours dialing back, so it
-starts at ``"dialing"`` too.
+starts at ``"dialing"`` too. A dial whose reach check connected (:mod:`p2pkv_zmq.reach`) is
+``"connected"`` from then on: its address accepts TCP.
 
 Threading: used only from the transport's driver thread, like the hub that owns it. The hub
 fills ``inbox``, advances ``progress`` and retires the connection (``close_reason`` set,
@@ -204,11 +207,17 @@ class ZmqConnection(ControlConnection):
     def push(self) -> bool:
         """Hand the queued frames to libzmq, oldest first, until its queue is full; True when
         none is left. A connection libzmq fails is retired with the error (its frames are
-        dropped: the peer sees it die)."""
+        dropped: the peer sees it die). A live one without its PUSH yet (a reach check runs)
+        keeps them, up to ``max_queued_frames``, for the hub to push once it dials."""
         unsent = self._unsent
         out = self.out
-        if not unsent or out is None:
+        if out is None:
+            if self.close_reason is None:
+                self._stalled = len(unsent) >= self._limits.max_queued_frames
+                return not self._stalled
             unsent.clear()
+            return True
+        if not unsent:
             return True
         sent = 0
         try:

@@ -79,6 +79,10 @@ class DialFailures:
         while len(self._failed) > _MEMORY:
             self._failed.popitem(last=False)
 
+    def forget(self, key: str) -> None:
+        """The next dial to ``key`` is a real one, whatever failed before."""
+        self._failed.pop(key, None)
+
     def recent(self, key: str, now: float) -> str | None:
         """The reason a dial to ``key`` failed within the backoff, said as such, or None."""
         entry = self._failed.get(key)

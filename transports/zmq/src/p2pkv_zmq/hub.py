@@ -1,4 +1,4 @@
-"""The hub of one ``zmq`` control transport: a facade over three roles, and the sockets of
+"""The hub of one ``zmq`` control transport: a facade over four roles, and the sockets of
 its connections.
 
 - :class:`~p2pkv_zmq.pairing.LinkPairing`: the link-pairing protocol (its rules and wire
@@ -7,6 +7,8 @@ its connections.
   other sockets and the timers are swept every 10 ms, visiting only what is ready or due.
 - :class:`~p2pkv_zmq.monitors.SocketMonitors`: what libzmq reports about our sockets (dial
   progress and failures, disconnects, the listener's gate, ZAP refusals).
+- :class:`~p2pkv_zmq.dials.LinkDials`: a new dial's sockets and connection, after a reach
+  check during a flood of dials that reach nothing (:mod:`p2pkv_zmq.reach`).
 
 Sockets (all in the transport's own ``zmq.Context``, all used only from the driver thread):
 one PULL bound at our address (every peer's frames come in here), one PUSH per connection
@@ -33,9 +35,10 @@ the first refused TCP connect (libzmq retries; we do not: nothing listens, or a 
 dialed us is gone), a failed handshake (named: a CURVE mismatch, a key the peer does not
 allow), one not done within ``handshake_timeout``, or no connection within
 ``connect_timeout``. A failed dial is remembered (:mod:`p2pkv_zmq.dialing`), and a host name
-that does not resolve fails at ``connect``. A death shows within a sweep of libzmq reporting
-it; ``close_reason`` says why. Only PUSH sockets send ZMTP heartbeats (why:
-:mod:`p2pkv_zmq.sockets`).
+that does not resolve fails at ``connect``. During a flood of dials that reach nothing, a
+fresh dial checks TCP reach before it gets sockets (:mod:`p2pkv_zmq.reach`). A death shows
+within a sweep of libzmq reporting it; ``close_reason`` says why. Only PUSH sockets send
+ZMTP heartbeats (why: :mod:`p2pkv_zmq.sockets`).
 
 Hostile bytes on the listening port: the PULL has a ZAP domain even without CURVE (libzmq then
 refuses ZMTP 1.0/2.0 peers, which any stray bytes pass for, at once) and
@@ -62,6 +65,7 @@ from p2pkv.ratelimit import LogLimiter, TokenBucket
 
 from p2pkv_zmq.connection import DIALING, LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.dialing import DialFailed, DialFailures, resolve
+from p2pkv_zmq.dials import LinkDials
 from p2pkv_zmq.identity import (
     MAX_LINK_ID_BYTES,
     canonical_address,
@@ -70,9 +74,9 @@ from p2pkv_zmq.identity import (
     tcp_url,
 )
 from p2pkv_zmq.listening import ListenPlan
-from p2pkv_zmq.monitors import LINK_EVENTS, LISTENER_EVENTS, SocketMonitors
+from p2pkv_zmq.monitors import LISTENER_EVENTS, SocketMonitors
 from p2pkv_zmq.options import ZmqOptions
-from p2pkv_zmq.pairing import GONE, MEMORY, OPEN, LinkPairing, classify
+from p2pkv_zmq.pairing import GONE, MEMORY, LinkPairing, classify
 from p2pkv_zmq.poller import Poller, Readiness
 from p2pkv_zmq.probe_wire import IDENTITY, identity_answer, probe_request
 from p2pkv_zmq.security import CurveKeys
@@ -118,6 +122,7 @@ class ZmqHub:
         self.poller: Poller | None = None
         self._readiness: Readiness | None = None
         self.monitors: SocketMonitors | None = None
+        self._dials: LinkDials | None = None
         self._listener: zmq.Socket[bytes] | None = None
         self._listener_monitor: zmq.Socket[bytes] | None = None
         self._zap: ZapHandler | None = None
@@ -169,6 +174,9 @@ class ZmqHub:
             counters=self.counters,
             log_once=self._log_once,
         )
+        self._dials = LinkDials(
+            self, sockets, self._options, self._limits, (self.pairing, monitors, readiness)
+        )
         if keys is not None:  # before the listener exists, or libzmq admits everyone
             self._zap = ZapHandler(sockets.context, keys.allowed, monitors.on_zap_refusal)
             readiness.watch(self._zap.socket, self._zap.serve)
@@ -211,6 +219,8 @@ class ZmqHub:
         socket."""
         if self._closed:
             raise ConnectionClosed("the zmq control transport is closed")
+        dials = self._dials
+        assert dials is not None  # set once listening
         key = canonical_address(address)
         conn = self.pairing.connection_to(key)
         if conn is not None:
@@ -218,7 +228,7 @@ class ZmqHub:
         answering = self.pairing.answerable(key)  # the peer dialed us: it listens, dial back
         peer = PeerAddress(key, address)
         if answering is not None:
-            conn = self._dial(peer, answering, tcp_url(*parse_address(key)))
+            conn = dials.dial(peer, answering, tcp_url(*parse_address(key)))
             self.pairing.confirm(conn, answering, time.monotonic())
             return conn
         host, port = parse_address(key)
@@ -226,7 +236,7 @@ class ZmqHub:
         reason = self._dial_failures.recent(key, now)
         if reason is None:
             try:
-                return self._dial(peer, None, tcp_url(resolve(host), port))
+                return dials.fresh(peer, resolve(host), port, now)
             except DialFailed as exc:
                 reason = str(exc)
                 self._dial_failures.record(key, reason, now)
@@ -279,6 +289,12 @@ class ZmqHub:
         for conn in unflushed:
             conn.push()  # one that keeps frames queues itself again
 
+    def forget_dial_failure(self, address: str) -> None:
+        """The next dial to ``address`` is a real one, even within the
+        :class:`~p2pkv_zmq.dialing.DialFailures` backoff of a failed one (the tier's
+        pre-connect dials: ``ControlTransport.forget_dial_failure``)."""
+        self._dial_failures.forget(canonical_address(address))
+
     def interrupt(self) -> None:
         """End an idle wait of ``poll`` now, or the next one at its start (any thread; see
         ``ControlTransport.interrupt``)."""
@@ -294,6 +310,8 @@ class ZmqHub:
         self._closed = True
         for conn in self.pairing.live():
             self.retire(conn, "transport closed", notify=False)
+        if self._dials is not None:
+            self._dials.reach.close()
         if self.poller is not None:
             self.poller.close()
         if self._readiness is not None:
@@ -313,45 +331,13 @@ class ZmqHub:
 
     # -- connections (the LinkPort and MonitorOwner sides) -------------------------------------
 
-    def _dial(self, peer: PeerAddress, answering: bytes | None, url: str) -> ZmqConnection:
-        """A new connection to ``peer`` dialing ``url`` (``answering``: the peer's fresh PUSH
-        it answers). ``ResourceUnavailable`` when libzmq refuses the dial (out of sockets or
-        descriptors); ``ConfigError`` for an address libzmq cannot dial."""
-        assert self.monitors is not None
-        incarnation = new_incarnation()
-        link = link_id(self._local_address, incarnation)
-        ref = b"" if answering is None else answering.rpartition(b"#")[2]
-        push, monitor, queued = self._sockets.dial(
-            peer.key, url, [link, b"", OPEN, ref], LINK_EVENTS
-        )
-        deadline = time.monotonic() + self._options.connect_timeout
-        conn = ZmqConnection(
-            self,
-            self._limits,
-            peer,
-            out=push,
-            monitor=monitor,
-            incarnation=incarnation,
-            link=link,
-            deadline=deadline,
-        )
-        self.pairing.add(conn)
-        self.monitors.watch_dial(conn)
-        log.debug("dialing %s (%s)", peer.key, "answering" if answering else "fresh")
-        if not queued:
-            self.retire(
-                conn,
-                "could not open the link: libzmq had no pipe to the peer right "
-                "after connecting (handshake refused?)",
-                notify=False,
-            )
-        return conn
-
     def dial_back(self, address: str, link: bytes) -> ZmqConnection | None:
         """Accept the fresh peer PUSH ``link`` by dialing ``address`` back. Out of sockets, or
         with an address libzmq cannot dial, None: counted in ``refused_accepts``."""
         try:
-            return self._dial(PeerAddress(address, address), link, tcp_url(*parse_address(address)))
+            assert self._dials is not None  # set once listening
+            url = tcp_url(*parse_address(address))
+            return self._dials.dial(PeerAddress(address, address), link, url)
         except (ResourceUnavailable, ConfigError) as exc:
             self.counters["refused_accepts"] += 1
             self._log_once(
@@ -373,9 +359,13 @@ class ZmqHub:
         if conn.close_reason is not None:
             return
         conn.close_reason = reason
+        if self._dials is not None:
+            self._dials.reach.drop(conn)
+        now = time.monotonic()
         if conn.progress == DIALING and conn.remote_link is None:
             notify = False
-        now = time.monotonic()
+            if self._dials is not None:
+                self._dials.reach.fruitless(now)
         push, monitor = conn.out, conn.monitor
         if not notify:
             conn.out = None
@@ -400,6 +390,8 @@ class ZmqHub:
         next dials to its address get at once while it is remembered; logged once per
         address and cause."""
         self._dial_failures.record(conn.key, reason, time.monotonic())
+        if self._dials is not None:
+            self._dials.reach.forget(conn.key)
         self._log_once(("dial", conn.key, reason), "connection to %s failed: %s", conn.key, reason)
         self.retire(conn, reason, notify=False)
 

@@ -115,9 +115,18 @@ class SocketMonitors:
     def watch_dial(self, conn: ZmqConnection) -> None:
         """Follow the new dial ``conn`` (its ``monitor`` set, ``deadline`` its start plus
         ``connect_timeout``)."""
+        self.watch_deadline(conn)
+        self.watch_monitor(conn)
+
+    def watch_deadline(self, conn: ZmqConnection) -> None:
+        """Fail the new dial ``conn`` if it is not ready by its ``deadline`` (its start plus
+        ``connect_timeout``), with or without its sockets yet."""
+        self._dials.append(conn)
+
+    def watch_monitor(self, conn: ZmqConnection) -> None:
+        """Follow what ``conn``'s ``monitor`` reports (set now, after its deadline)."""
         assert conn.monitor is not None
         self._readiness.watch(conn.monitor, partial(self._on_link_event, conn))
-        self._dials.append(conn)
 
     def release(self, monitor: zmq.Socket[bytes]) -> None:
         """Stop following a retired dial's ``monitor`` (before it is closed)."""

@@ -87,6 +87,21 @@ class Readiness:
         else:
             self._poll.register(fd, select.POLLIN)
 
+    def watch_writable(self, fd: int, handler: Handler) -> None:
+        """Call ``handler`` once the plain descriptor ``fd`` is writable or failed (a TCP
+        connect that ended); it must :meth:`unwatch_fd` it."""
+        self._handlers[fd] = handler
+        if self._epoll is not None:
+            self._epoll.register(fd, select.EPOLLOUT)
+        else:
+            self._poll.register(fd, select.POLLOUT)
+
+    def unwatch_fd(self, fd: int) -> None:
+        """Stop watching the plain descriptor ``fd``; call it before closing it."""
+        self._handlers.pop(fd, None)
+        with contextlib.suppress(OSError, KeyError):
+            (self._epoll or self._poll).unregister(fd)
+
     def unwatch(self, sock: zmq.Socket[bytes]) -> None:
         """Stop watching ``sock``; call it before closing ``sock`` (libzmq closes the
         descriptor)."""

@@ -135,6 +135,10 @@ class ZmqControlTransport(ControlTransport):
         """See :meth:`p2pkv_zmq.hub.ZmqHub.interrupt` (any thread)."""
         self._hub.interrupt()
 
+    def forget_dial_failure(self, address: str) -> None:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.forget_dial_failure`."""
+        self._hub.forget_dial_failure(address)
+
     def close(self) -> None:
         self._hub.close()
 
