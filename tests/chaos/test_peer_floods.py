@@ -24,6 +24,7 @@ import pytest
 from chaos_cluster import measured
 from fleet_cluster import Fleet, TierRef
 from fleet_host import Flood, HostSpec
+from zmq_fixtures import refusing_port
 
 FLOOD = int(os.environ.get("P2PKV_FLOOD_PEERS", "10000"))
 """Bogus peers named in each flood (``P2PKV_FLOOD_PEERS``)."""
@@ -40,9 +41,8 @@ CONFIG = {"control": "zmq", "data": "memory", "timeouts": {"shutdown_drain": 2.0
 @pytest.fixture
 def refusing() -> Iterator[int]:
     """A port that refuses on every loopback address (bound, not listening)."""
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        yield sock.getsockname()[1]
+    with refusing_port() as port:
+        yield port
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from p2pkv.cli import main as p2pkv_main
 from p2pkv.contracts import ControlSettings
 from p2pkv_zmq import ZmqControlTransport
-from zmq_fixtures import MakeTransport
+from zmq_fixtures import MakeTransport, refusing_port
 from zmq_tiers import Peer
 
 
@@ -69,9 +69,8 @@ def pair() -> Iterator[tuple[Peer, Peer]]:
 @pytest.fixture
 def refusing() -> Iterator[int]:
     """A port that refuses on every loopback address (bound, not listening)."""
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        yield sock.getsockname()[1]
+    with refusing_port() as port:
+        yield port
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ is not).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,3 +37,11 @@ def curve(keydir: Path, client: str) -> dict[str, Any]:
         "client_secret_key": str(keydir / f"{client}.key_secret"),
         "allowed_client_keys": [str(keydir / "allowed")],
     }
+
+
+@contextmanager
+def refusing_port() -> Iterator[int]:
+    """A port that refuses on every loopback address (bound, not listening) while open."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        yield sock.getsockname()[1]
