@@ -71,6 +71,16 @@ def test_the_environment_fills_what_the_entry_lacks() -> None:
     assert upstream.max_dialed == 128  # the built-in tier's variable, read when ours is unset
 
 
+@pytest.mark.parametrize(("value", "warm"), [("63", 63), ("0", 0)])
+def test_the_environment_sizes_the_warm_set(value: str, warm: int) -> None:
+    """``P2PKV_PEERS_WARM`` sets ``peers.warm`` (0: pre-connect nothing); the key wins."""
+    assert TierConfig.from_dict({}, environ={"P2PKV_PEERS_WARM": value}).peers.warm == warm
+    keyed = TierConfig.from_dict({"peers": {"warm": 5}}, environ={"P2PKV_PEERS_WARM": value})
+    assert keyed.peers.warm == 5
+    with pytest.raises(ConfigError, match=r"P2PKV_PEERS_WARM='-1' must be an integer in 0\.\."):
+        TierConfig.from_dict({}, environ={"P2PKV_PEERS_WARM": "-1"})
+
+
 def test_the_environment_sets_the_handshake_deadline_and_the_idle_time() -> None:
     ours = {
         "P2PKV_HANDSHAKE_TIMEOUT": "4.5",

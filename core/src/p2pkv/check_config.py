@@ -343,7 +343,8 @@ def socket_budget(config: TierConfig) -> None:
         f"peers.max_dialed {peers.max_dialed} + peers.warm {peers.warm} = {sessions} "
         f"dialed sessions of {_SOCKETS_PER_DIAL} zmq sockets each, above the {cap} of "
         f"control_options.max_sockets: lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or "
-        f"peers.warm to a sum of at most {cap // _SOCKETS_PER_DIAL}, or raise max_sockets"
+        f"peers.warm (P2PKV_PEERS_WARM) to a sum of at most {cap // _SOCKETS_PER_DIAL}, or "
+        f"raise max_sockets"
     )
 
 

@@ -32,6 +32,7 @@ VLLM_PORT_ENV = ("VLLM_P2P_SIDE_CHANNEL_PORT", *PORT_ENV)
 PEERS_ALLOW_ENV = "P2PKV_PEERS_ALLOW"
 PEERS_CONNECT_ENV = "P2PKV_PEERS_CONNECT"
 PEERS_MAX_DIALED_ENV = ("P2PKV_PEERS_MAX_DIALED", "VLLM_P2P_MAX_PEERS")
+PEERS_WARM_ENV = ("P2PKV_PEERS_WARM",)
 """First set wins; ``VLLM_P2P_MAX_PEERS`` is the cap vLLM's built-in tier reads once its
 fix for GHSA-frvg-qw88-hww9 lands (there it counts every peer, here dialed ones)."""
 PEERS_IDLE_TIMEOUT_ENV = ("P2PKV_PEERS_IDLE_TIMEOUT", "VLLM_P2P_IDLE_TIMEOUT_S")
@@ -123,7 +124,7 @@ class Peers:
     """Which peers requests may make this tier dial (:mod:`p2pkv.dial_policy`). Keys absent
     here are read from ``P2PKV_PEERS_ALLOW`` (comma-separated) and
     ``P2PKV_PEERS_MAX_DIALED`` (else ``VLLM_P2P_MAX_PEERS``), for deployments that cannot
-    edit the tier entry."""
+    edit the tier entry; so are ``connect``, ``idle_timeout`` and ``warm`` (named at each)."""
 
     allow: tuple[str, ...] = ()
     """Networks, addresses or host names the tier may dial; empty: any peer."""
@@ -150,7 +151,7 @@ class Peers:
     """Peers of ``connect`` kept connected at most (the warm set): those requests named
     most recently, filled up with a random sample. Warm sessions do not count in
     ``max_dialed``. 32 keeps the full mesh of every fleet the field runs today (16 pods,
-    3 x DP8) and a bounded set beyond. 0: pre-connect nothing."""
+    3 x DP8) and a bounded set beyond. 0: pre-connect nothing. Env ``P2PKV_PEERS_WARM``."""
     max_handshakes: int = field(default=16, metadata=_COUNT)
     """Pre-connect dials of this tier in their handshake at once (requests' dials never wait
     for it): many tiers starting together spread their dials."""
@@ -276,16 +277,17 @@ def _env_number(
 ) -> float | None:
     """The number the first set of ``names`` holds, or None; ``ConfigError`` naming the
     variable if it is not a number in range (> 0, or >= 0 with ``zero_ok``; with
-    ``integer``, a positive integer)."""
+    ``integer``, an integer, from 1 or with ``zero_ok`` from 0)."""
     text, source = _from_env(env, names, "")
     if not text.strip():
         return None
     variable = source.removeprefix("environment variable ")
     if integer:
         digits = text.strip()
-        if not digits.isdigit() or len(digits) > 10 or not 0 < int(digits) <= MAX_COUNT:
+        least = 0 if zero_ok else 1
+        if not digits.isdigit() or len(digits) > 10 or not least <= int(digits) <= MAX_COUNT:
             raise ConfigError(
-                f"{variable}={shown(text)} must be an integer in 1..{MAX_COUNT} ({what})"
+                f"{variable}={shown(text)} must be an integer in {least}..{MAX_COUNT} ({what})"
             )
         return int(digits)
     try:
@@ -321,20 +323,22 @@ def _peers_from_env(peers: Peers, raw: Any, env: Mapping[str, str]) -> Peers:
         if key not in given and listed.strip():
             values[key] = [part.strip() for part in listed.split(",") if part.strip()]
             from_env[key] = name
-    numbers = (
-        ("max_dialed", PEERS_MAX_DIALED_ENV, "sessions this tier may dial", False),
+    numbers = (  # key, variables, what it is, zero allowed, an integer
+        ("max_dialed", PEERS_MAX_DIALED_ENV, "sessions this tier may dial", False, True),
         (
             "idle_timeout",
             PEERS_IDLE_TIMEOUT_ENV,
             "seconds before an unused dialed session closes; 0: never",
             True,
+            False,
         ),
+        ("warm", PEERS_WARM_ENV, "peers of connect kept connected; 0: none", True, True),
     )
-    for key, names, what, seconds in numbers:
+    for key, names, what, zero_ok, integer in numbers:
         value = (
             None
             if key in given
-            else _env_number(env, names, what, zero_ok=seconds, integer=not seconds)
+            else _env_number(env, names, what, zero_ok=zero_ok, integer=integer)
         )
         if value is not None:
             values[key] = value

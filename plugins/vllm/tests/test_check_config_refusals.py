@@ -326,8 +326,13 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
             {},
             "peers.max_dialed 256 + peers.warm 1000 = 1256 dialed sessions of 3 zmq "
             "sockets each, above the 1023 of control_options.max_sockets: lower "
-            "peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm to a sum of at most "
-            "341, or raise max_sockets",
+            "peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to "
+            "a sum of at most 341, or raise max_sockets",
+        ),
+        (
+            {},
+            {"P2PKV_PEERS_WARM": "400"},
+            "peers.max_dialed 256 + peers.warm 400 = 656 dialed sessions",
         ),
         (
             {},
@@ -347,3 +352,5 @@ def test_absurd_peer_numbers_are_refused_before_the_sockets_run_out(
     assert (status, out) == (2, ""), err
     assert err.splitlines()[-1].startswith(f"{P}{line}"), err
     assert check({**GUIDE, "peers": {"warm": 63}}, *args, P2PKV_PEERS_MAX_DIALED="200")[0] == 0
+    fits = {"P2PKV_PEERS_WARM": "63", "P2PKV_PEERS_MAX_DIALED": "200"}
+    assert check(GUIDE, *args, **fits)[0] == 0
