@@ -188,7 +188,9 @@ def _out_of_sockets(
     return no_socket_left(key, exc, context.get(zmq.MAX_SOCKETS))
 
 
-def no_socket_left(key: str, exc: OSError, max_sockets: int | None = None) -> ResourceUnavailable:
+def no_socket_left(
+    key: str, exc: OSError | zmq.ZMQError, max_sockets: int | None = None
+) -> ResourceUnavailable:
     """The error of a dial to ``key`` that got no socket (``exc``: EMFILE or ENFILE). It
     names the limit really hit, and its fix: the process's descriptor limit (with the count
     open), or the zmq context's cap ``max_sockets`` (None: a plain socket, never capped)."""
