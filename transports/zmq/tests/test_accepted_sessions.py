@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 from p2pkv.testing.waiting import wait_until
 from p2pkv.types import Outcome
-from zmq_tiers import T, Peer, contexts, run_request, tick
+from zmq_tiers import Peer, T, contexts, run_request, tick
 
 MAX_SOCKETS = 40
 FITS = 12
