@@ -3,9 +3,9 @@ sockets (issue 48, item 5; :mod:`p2pkv_zmq.reach`).
 
 The cost is held in counts, never time: zmq dials built (``SocketFactory.dial`` calls) and
 reach checks started, per flood name. A refused or black-holed name then builds no zmq
-socket. A healthy peer dialed during the flood is reached, gets its frames sent before the
-handshake, and is dialed without a check afterwards; with CURVE as without. Without a
-flood, dials are zmq's alone.
+socket, nor does most of a flood's first burst. A healthy peer dialed during the flood is
+reached, gets its frames sent before the handshake, and is dialed without a check
+afterwards; with CURVE as without. Without a flood, dials are zmq's alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from p2pkv.contracts import ControlConnection
 from p2pkv.testing.waiting import wait_until
 from p2pkv_zmq import dialing
-from p2pkv_zmq.reach import FLOOD_DIALS, ReachChecks
+from p2pkv_zmq.reach import BURST_DIALS, FLOOD_DIALS, ReachChecks
 from p2pkv_zmq.sockets import SocketFactory
 from zmq_fixtures import MakeTransport, curve
 
@@ -100,6 +100,26 @@ def test_a_refused_flood_name_builds_no_zmq_socket_once_the_flood_shows(
     assert all("connection refused" in r for r in reasons), reasons
     assert counts.dials <= FLOOD_DIALS, f"{counts.dials} zmq dials for {NAMES} refused names"
     assert counts.checks == NAMES - counts.dials
+    assert t.stats()["connections"] == 0
+
+
+def test_a_floods_first_burst_builds_few_zmq_sockets(
+    make_transport: MakeTransport, counts: Counts, refusing: int
+) -> None:
+    """A flood of 100 refused names dialed at once, as the tier's first burst of a flood is:
+    none has failed yet, so only the unconnected burst shows it. Before the burst rule,
+    each name built its PUSH and monitor (100 zmq dials); now the first ``BURST_DIALS``."""
+    t = make_transport(connect_timeout=FAR, handshake_timeout=FAR)
+    conns = [t.connect(f"{flood_host(i)}:{refusing}") for i in range(NAMES)]
+    wait_until(
+        lambda: not any(c.alive for c in conns),
+        timeout=T,
+        what="every refusal",
+        pumps=[lambda: t.poll(0.01)],
+    )
+    assert all("connection refused" in str(c.close_reason) for c in conns)
+    assert counts.dials == BURST_DIALS, f"{counts.dials} zmq dials for {NAMES} names at once"
+    assert counts.checks == NAMES - BURST_DIALS
     assert t.stats()["connections"] == 0
 
 

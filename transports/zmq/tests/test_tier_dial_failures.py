@@ -11,6 +11,7 @@ wait: ending at all proves the cause was seen. No elapsed time is asserted."""
 
 from __future__ import annotations
 
+import gc
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import zmq_peers
 from p2pkv.cli import main as p2pkv_main
 from p2pkv.config import TierConfig
+from p2pkv.session.session import Session
 from p2pkv.testing.child import Child
 from p2pkv.testing.waiting import wait_until
 from p2pkv.tier import P2PTier
@@ -101,6 +103,24 @@ def test_loads_to_a_refused_port_fail_fast_saying_refused(consumer: Consumer) ->
     assert first.outcome is Outcome.PEER_DEAD and "refused" in first.detail, first
     later = [consumer.load_from(2 + i, host, port) for i in range(20)]
     assert all(r.outcome is Outcome.PEER_DEAD and "refused" in r.detail for r in later), later
+
+
+def test_refused_dials_sessions_are_freed_without_the_collector(
+    consumer: Consumer, refusing: int
+) -> None:
+    """Loads naming 20 refusing addresses fail; with the collector off, none of their
+    sessions is left alive: reference counting freed them (issue 48)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for job_id in range(1, 21):
+            result = consumer.load_from(job_id, f"127.8.0.{job_id}", refusing)
+            assert result.outcome is Outcome.PEER_DEAD, result
+        assert not any(isinstance(o, Session) for o in gc.get_objects())
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_a_load_from_an_unresolvable_host_fails_fast_saying_so(consumer: Consumer) -> None:

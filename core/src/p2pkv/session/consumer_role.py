@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol import Fetch, LookupResp, Ready, Release, RoundFailed
-from p2pkv.session.env import SessionEnv, SessionLink
+from p2pkv.session.env import ClosedLink, SessionEnv, SessionLink
 from p2pkv.session.loads import ConsumerRequest, LoadRound, Phase
 from p2pkv.session.probes import Probes
 from p2pkv.session.reads import HeldRead
@@ -69,8 +69,6 @@ class ConsumerRole:
         self.probes = Probes(env, session)
         self.n_rounds = 0
         self.closing = False
-        self._on_load_timeout = self._load_timeout
-        """Bound once: arming a load deadline allocates no method object."""
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -95,7 +93,7 @@ class ConsumerRole:
         self.n_rounds += 1
         if deadline is None:
             deadline = env.clock() + env.timeouts.load
-        rnd.timer = env.deadlines.at(deadline, self._on_load_timeout, rnd)
+        rnd.timer = env.deadlines.at(deadline, self._load_timeout, rnd)
         self.window.wait(rnd, pull=pull)
         self._open_rounds()
 
@@ -234,6 +232,13 @@ class ConsumerRole:
                 req.failed = True
                 env.failed_loads.mark(req.kv, f"{outcome.value}: {reason}")
         self.reqs.clear()
+
+    def unlink(self) -> None:
+        """The session closed and wound down: a stand-in replaces it here and in the
+        probes, so no reference cycle is left."""
+        link = ClosedLink(self.peer)
+        self.session = link
+        self.probes.unlink(link)
 
     @property
     def busy(self) -> bool:

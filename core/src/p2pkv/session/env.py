@@ -65,6 +65,26 @@ class SessionLink(Protocol):
         ...
 
 
+class ClosedLink:
+    """What a role of a closed, wound-down session sees of it: never ready, sends nothing.
+    It names the peer only, so the role holds no reference back to its session."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    ready = False
+    read_window = 0.0
+
+    def send(self, msg: Message, *, cleanup: bool = False) -> bool:
+        """Dropped, as on any session that is not ready."""
+        return True
+
+
+def dropped(msg: Message) -> bool:
+    """The ``send`` of a closed session's producer parts: the message is dropped."""
+    return True
+
+
 class ReadOwner(Protocol):
     """Who posted a read (the consumer role of the session with ``peer``): told once when
     it terminates."""

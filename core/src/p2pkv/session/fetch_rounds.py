@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from p2pkv.protocol import Message, Ready, RoundFailed
-from p2pkv.session.env import SessionEnv
-from p2pkv.session.store_jobs import StoreJobs
+from p2pkv.session.env import SessionEnv, dropped
+from p2pkv.session.store_jobs import StoreJobs, settled_nowhere
 from p2pkv.session.supply import Batch, FetchRound, ProducerRequest
 from p2pkv.types import Outcome
 
@@ -51,8 +51,12 @@ class FetchRounds:
         self.closed = False
         self._after_close: list[FetchRound] = []
         """Rounds with pins when the session closed (their leases still run)."""
-        self._on_lease_expired = self._lease_expired
-        """Bound once: arming a deadline allocates no method object."""
+
+    def unlink(self) -> None:
+        """The session closed with nothing left: forget it and its role (no reference
+        cycle)."""
+        self._send = dropped
+        self._maybe_done = settled_nowhere
 
     def open(self, req: ProducerRequest, no: int, keys: list[bytes], held_all: bool) -> None:
         """Open round ``no`` of ``req`` for ``keys``: ready what is held, demand the rest."""
@@ -165,7 +169,7 @@ class FetchRounds:
     def _arm_lease(self, rnd: FetchRound) -> None:
         env = self._env
         env.deadlines.cancel(rnd.timer)
-        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._on_lease_expired, rnd)
+        rnd.timer = env.deadlines.at(env.clock() + env.timeouts.lease, self._lease_expired, rnd)
 
     def _lease_expired(self, rnd: FetchRound) -> None:
         """The lease after the round's latest ``ready`` (or its fetch) passed without a

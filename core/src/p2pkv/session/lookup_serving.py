@@ -17,7 +17,7 @@ from collections.abc import Callable
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol import Lookup, LookupResp, Message
 from p2pkv.session.deadlines import Timer
-from p2pkv.session.env import SessionEnv
+from p2pkv.session.env import SessionEnv, dropped
 from p2pkv.types import Job, LocalHitSource, LookupResult
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ class LookupServing:
     def __len__(self) -> int:
         """Lookups not answered yet."""
         return len(self._serves)
+
+    def unlink(self) -> None:
+        """The session closed with nothing left: forget it and its role (no reference
+        cycle)."""
+        self._send = dropped
+        self._adopt = _adopt_nothing
 
     def on_lookup(self, msg: Lookup) -> None:
         """Queue ``msg`` for the hit source; answer all MISS at once when there is none."""
@@ -164,3 +170,7 @@ class LookupServing:
         serve.timer = None
         self._env.observers.timeout(kind="lookup", kv_request_id=serve.kv, peer=self._peer)
         self._answer_miss(serve, None)
+
+
+def _adopt_nothing(kv: str, job: Job) -> None:
+    """A closed session serves no lookup: never called (its lookups were dropped)."""

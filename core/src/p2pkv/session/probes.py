@@ -102,6 +102,10 @@ class Probes:
             for seq in [s for s, e in self._lookups.items() if e[0] is req]:
                 self._env.deadlines.cancel(self._lookups.pop(seq)[2])
 
+    def unlink(self, link: SessionLink) -> None:
+        """The session closed with nothing left: ``link`` (a stand-in) replaces it."""
+        self._link = link
+
     def close(self) -> None:
         """The session is over: forget every probe."""
         for _, _, timer in self._lookups.values():

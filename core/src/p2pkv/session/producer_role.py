@@ -162,6 +162,13 @@ class ProducerRole:
                 self._jobs.fail(sj, outcome, reason)
             self.env.producers.request_gone(req.kv, self)
 
+    def unlink(self) -> None:
+        """The session closed and wound down: its parts forget it and this role, so none
+        is left in a reference cycle."""
+        self._jobs.unlink()
+        self._rounds.unlink()
+        self._lookups.unlink()
+
     def drop_pins(self, outcome: Outcome, reason: str) -> int:
         """Stop waiting for the leases of a closed session (tier shutdown): the pinned store
         jobs get their results now. Returns how many blocks were still pinned."""

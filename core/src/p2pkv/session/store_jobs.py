@@ -29,15 +29,17 @@ class StoreJobs:
         self._env = env
         self._peer = peer
         self._settled = settled
-        self._on_timeout = self._timeout
-        """Bound once: arming a deadline allocates no method object."""
+
+    def unlink(self) -> None:
+        """The session closed with nothing left: forget its role (no reference cycle)."""
+        self._settled = settled_nowhere
 
     def open(self, req: ProducerRequest, job: Job) -> StoreJob:
         """Track ``job`` of ``req`` and arm its store deadline."""
         sj = StoreJob(job.job_id, req, job.keys)
         req.jobs.add(sj)
         env = self._env
-        sj.timer = env.deadlines.at(env.clock() + env.timeouts.store, self._on_timeout, sj)
+        sj.timer = env.deadlines.at(env.clock() + env.timeouts.store, self._timeout, sj)
         return sj
 
     def fail(self, sj: StoreJob, outcome: Outcome, detail: str) -> None:
@@ -81,3 +83,7 @@ class StoreJobs:
         sj.timed_out = True  # a job being read fails only once the release decided
         sj.req.withdraw(sj)
         self.settle(sj)
+
+
+def settled_nowhere(req: ProducerRequest) -> None:
+    """What a closed session's producer parts tell of a request: nothing (see ``unlink``)."""

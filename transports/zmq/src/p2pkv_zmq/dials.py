@@ -3,8 +3,9 @@
 - :meth:`LinkDials.dial`: a PUSH and its monitor, connected now, with the link's first
   message queued (a fresh dial, or one answering a peer that dialed us).
 - :meth:`LinkDials.fresh`: a fresh dial to an IP literal. During a flood of dials that reach
-  nothing it starts as a reach check (:mod:`p2pkv_zmq.reach`): the connection exists, with
-  no socket, and gets its PUSH once the check connects.
+  nothing, or a burst of unconnected ones, it starts as a reach check
+  (:mod:`p2pkv_zmq.reach`): the connection exists, with no socket, and gets its PUSH once
+  the check connects.
 
 Every new connection is registered with the hub's pairing and followed by its monitors
 (``connect_timeout`` from its start). Threading: the hub's driver thread only.
@@ -75,11 +76,16 @@ class LinkDials:
         during a flood of fruitless dials, once a reach check connects; a check that fails
         at once fails the dial. Raises as :meth:`dial` does."""
         url = tcp_url(host, port)
-        if not self.reach.wanted(peer.key, now):
-            return self.dial(peer, None, url)
+        reach = self.reach
+        if not reach.wanted(peer.key, now):
+            conn = self.dial(peer, None, url)
+            if conn.alive:
+                reach.dialing(conn)
+            return conn
         incarnation = new_incarnation()
         conn = self._connection(peer, incarnation, link_id(self._owner.local_address, incarnation))
-        reason = self.reach.start(conn, host, port, url)
+        reach.dialing(conn)
+        reason = reach.start(conn, host, port, url)
         self._pairing.add(conn)
         self._monitors.watch_deadline(conn)
         if reason is not None:

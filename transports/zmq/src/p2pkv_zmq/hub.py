@@ -342,8 +342,9 @@ class ZmqHub:
             self.counters["refused_accepts"] += 1
             self._log_once(
                 ("accept",),
-                "refused connections from peers: %s (a flood of "
-                "connections? counted in refused_accepts)",
+                "refused connections from peers: %s (a flood of connections, or more "
+                "peers than control_options.max_sockets holds at 3 sockets a session? "
+                "counted in refused_accepts)",
                 exc,
             )
             return None

@@ -25,8 +25,8 @@ option                   type       default     meaning
 ``max_queued_frames``    int        1000        Frames a connection queues before ``send``
                                                 raises ``SendQueueFull`` (``ZMQ_SNDHWM``).
 ``max_sockets``          int        1023        Sockets of the transport's zmq context
-                                                (``ZMQ_MAX_SOCKETS``): about 3 per dialed
-                                                peer and 2 per accepted one; see the tier's
+                                                (``ZMQ_MAX_SOCKETS``): about 3 per session,
+                                                dialed or accepted; see the tier's
                                                 ``peers.max_dialed``.
 ``server_secret_key``    key        none        CURVE secret key our listener presents.
 ``server_public_key``    key        derived     CURVE public key of the listeners we dial

@@ -11,8 +11,16 @@ or its eviction.
 - **When.** Fresh dials that end before their TCP connection is up (refused, unreachable,
   timed out, or closed by the tier while dialing) are counted. While :data:`FLOOD_DIALS`
   or more ended so within about the last second (:data:`FLOOD_WINDOW`), dials are checked
-  first. Otherwise a dial is zmq's alone, as before: it progresses in libzmq's I/O thread
-  whether or not the hub is polled, and its first frames leave with no extra wait.
+  first. So are dials while :data:`BURST_DIALS` or more fresh dials are still unconnected
+  at once: a flood's first burst (the tier lets 64 out together) shows there, before any
+  of its dials has failed. Otherwise a dial is zmq's alone, as before: it progresses in
+  libzmq's I/O thread whether or not the hub is polled, and its first frames leave with no
+  extra wait.
+- **Why a burst.** A healthy peer connects within a round trip, so dials that a tier's
+  requests make one at a time are never eight unconnected at once. A burst is a flood, a
+  pre-connect of many warm peers, or a startup storm. Its healthy dials pay a check each:
+  up to one sweep (10 ms) before the zmq dial, once per address (then remembered). Warm
+  and storm dials carry no request, so no user waits on that sweep.
 - The check's connection is reset (``SO_LINGER`` 0) once it is up. The peer's listener
   sees a client that left in its handshake: logged once at INFO there, counted nowhere.
 - Addresses whose check succeeded are remembered (the newest ``_MEMORY``). Dials to them
@@ -38,12 +46,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 
-from p2pkv.errors import ResourceUnavailable
-
-from p2pkv_zmq.connection import ZmqConnection
+from p2pkv_zmq.connection import DIALING, ZmqConnection
 from p2pkv_zmq.dialing import refused_reason
 from p2pkv_zmq.identity import is_ipv6_literal
 from p2pkv_zmq.poller import Readiness
+from p2pkv_zmq.sockets import no_socket_left
 
 __all__ = ["ReachChecks"]
 
@@ -52,6 +59,8 @@ FLOOD_DIALS = 8
 """Fruitless dials within :data:`FLOOD_WINDOW` from which fresh dials are checked first.
 A dead peer is dialed about once a second at most (``DIAL_BACKOFF``): eight dead
 addresses a second is a flood, or a fleet losing many pods at once."""
+BURST_DIALS = 8
+"""Fresh dials unconnected at once from which further fresh dials are checked first."""
 FLOOD_WINDOW = 1.0
 """Seconds a fruitless dial counts for (one to two: two consecutive windows are summed)."""
 _STARTED = {0, errno.EINPROGRESS, errno.EAGAIN}
@@ -77,6 +86,8 @@ class ReachChecks:
         self._window = 0.0  # when the current window of fruitless dials began
         self._fruitless = 0  # fruitless dials in the current window ...
         self._before = 0  # ... and in the one before it
+        self._unconnected: set[ZmqConnection] = set()
+        """Fresh dials not known to be connected (pruned once :data:`BURST_DIALS` are)."""
         self.started = 0
         """Checks started so far (each a plain socket, never a zmq one)."""
 
@@ -85,9 +96,24 @@ class ReachChecks:
 
     def wanted(self, key: str, now: float) -> bool:
         """Whether a fresh dial to ``key`` is checked first: during a flood of fruitless
-        dials, unless a check of ``key`` succeeded lately."""
+        dials or a burst of unconnected ones, unless a check of ``key`` succeeded lately."""
+        if key in self._reached:
+            return False
         self._roll(now)
-        return self._fruitless + self._before >= FLOOD_DIALS and key not in self._reached
+        return self._fruitless + self._before >= FLOOD_DIALS or self._burst()
+
+    def dialing(self, conn: ZmqConnection) -> None:
+        """``conn`` is a fresh dial, unconnected until its progress says otherwise."""
+        self._unconnected.add(conn)
+
+    def _burst(self) -> bool:
+        """:data:`BURST_DIALS` or more fresh dials are alive and unconnected."""
+        unconnected = self._unconnected
+        if len(unconnected) < BURST_DIALS:
+            return False
+        for conn in [c for c in unconnected if c.progress != DIALING or not c.alive]:
+            unconnected.discard(conn)
+        return len(unconnected) >= BURST_DIALS
 
     def fruitless(self, now: float) -> None:
         """A fresh dial ended before its TCP connection was up."""
@@ -114,11 +140,7 @@ class ReachChecks:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as exc:
             if exc.errno in _OUT_OF_DESCRIPTORS:
-                raise ResourceUnavailable(
-                    f"cannot dial zmq peer {conn.key}: no descriptor left ({exc}); raise "
-                    "the process's descriptor limit (ulimit -n), or lower the tier's "
-                    "peers.max_dialed"
-                ) from None
+                raise no_socket_left(conn.key, exc) from None
             return _reason(conn.key, exc.errno or errno.EIO)
         self.started += 1
         sock.setblocking(False)
@@ -132,6 +154,7 @@ class ReachChecks:
 
     def drop(self, conn: ZmqConnection) -> None:
         """End the check of ``conn``, if one runs (``conn`` was retired)."""
+        self._unconnected.discard(conn)
         entry = self._pending.pop(conn, None)
         if entry is not None:
             self._close(entry[0])
@@ -141,6 +164,7 @@ class ReachChecks:
         for sock, _ in self._pending.values():
             self._close(sock)
         self._pending.clear()
+        self._unconnected.clear()
 
     def _on_writable(self, conn: ZmqConnection) -> None:
         entry = self._pending.pop(conn, None)

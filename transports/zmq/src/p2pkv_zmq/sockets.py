@@ -34,7 +34,7 @@ from p2pkv_zmq.security import CurveKeys
 _DESCRIPTOR_MARGIN = 16
 """Descriptors below the process limit at which running out counts as the process's limit."""
 
-__all__ = ["LinkSockets", "SocketFactory"]
+__all__ = ["LinkSockets", "SocketFactory", "no_socket_left"]
 
 _ZAP_DOMAIN = b"p2pkv"
 
@@ -184,18 +184,25 @@ def _dial_error(context: zmq.Context[Socket], key: str, exc: zmq.ZMQError) -> P2
 def _out_of_sockets(
     context: zmq.Context[Socket], key: str, exc: zmq.ZMQError
 ) -> ResourceUnavailable:
-    """No socket left: name the limit that was really hit, the zmq context's socket cap or
-    the process's descriptor limit, and its fix."""
+    """No zmq socket left: :func:`no_socket_left` with the context's socket cap."""
+    return no_socket_left(key, exc, context.get(zmq.MAX_SOCKETS))
+
+
+def no_socket_left(
+    key: str, exc: OSError | zmq.ZMQError, max_sockets: int | None = None
+) -> ResourceUnavailable:
+    """The error of a dial to ``key`` that got no socket (``exc``: EMFILE or ENFILE). It
+    names the limit really hit, and its fix: the process's descriptor limit (with the count
+    open), or the zmq context's cap ``max_sockets`` (None: a plain socket, never capped)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         used = len(os.listdir("/proc/self/fd"))
     except OSError:  # not Linux: cannot tell which
         used = soft
-    if used < soft - _DESCRIPTOR_MARGIN:
+    if max_sockets is not None and used < soft - _DESCRIPTOR_MARGIN:
         limit = (
-            f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = "
-            f"{context.get(zmq.MAX_SOCKETS)}, 3 per dialed peer): lower the tier's "
-            "peers.max_dialed or restrict peers.allow"
+            f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = {max_sockets}, 3 per dialed "
+            "peer): lower the tier's peers.max_dialed or restrict peers.allow"
         )
     else:
         limit = (
