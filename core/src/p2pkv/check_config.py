@@ -19,7 +19,8 @@ placeholder address :data:`PLACEHOLDER_ADDRESS`, said on stderr), and ``--no-bin
 what only the pod can do: listening on its address (every other check still runs).
 
 Each entry that would start gets an ``ok`` line naming its transports, ports, security and
-peer policy (the last two as the engine's start line words them).
+peer policy (the last two as the engine's start line words them), and the zmq socket cap
+with where it came from (``control_options.max_sockets``, or derived from ``ulimit -n``).
 
 Exit status: 0 when every entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to
 stderr); 1 when the config is valid but runs no p2pkv tier (vLLM's built-in P2P tier, a
@@ -51,11 +52,6 @@ ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
 a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""
 _INSTALL = {"p2pkv_vllm": "p2pkv-vllm"}
-ZMQ_MAX_SOCKETS = 1023
-"""libzmq's default cap of sockets per context (``ZMQ_MAX_SOCKETS``): the zmq control
-transport's ``max_sockets`` unless ``control_options`` sets it."""
-_SOCKETS_PER_DIAL = 3
-"""zmq sockets a session this tier dialed holds (docs/configuration.md, ``peers.max_dialed``)."""
 _SUMMARIES = {"p2pkv_vllm.bridge": "p2pkv_vllm.start_line"}
 """Adapter bridge -> the module whose ``security_and_peers`` words the start line: the ok
 line says security and peers exactly as the engine's start line will."""
@@ -328,23 +324,28 @@ def _refusal(entry: Entry, exc: BaseException) -> str:
     return entry.says(exc)
 
 
-def socket_budget(config: TierConfig) -> None:
-    """``ConfigError`` when the sessions this tier may dial (``peers.max_dialed`` plus the
-    warm set) need more zmq sockets than its context has: an absurd number, caught before the
-    engine runs out of sockets under load. Other control transports are not checked."""
+def socket_budget(config: TierConfig) -> str:
+    """The zmq context's socket cap, as the ok line words it (empty for another control
+    transport, which is not checked). ``ConfigError`` when the sessions this tier may dial
+    (``peers.max_dialed`` plus the warm set) need more sockets than the cap: an absurd
+    number, caught before the engine runs out under load. The cap is the transport's own
+    (:func:`p2pkv_zmq.socket_cap.socket_cap`): derived from this process's ``ulimit -n``
+    unless set, so off the pod it is this shell's limit, not the pod's."""
     if config.control != "zmq":
-        return
-    cap = int(config.control_options.get("max_sockets", ZMQ_MAX_SOCKETS))
+        return ""
+    from p2pkv_zmq.socket_cap import SOCKETS_PER_SESSION, socket_cap
+
+    cap, source = socket_cap(config.control_options.get("max_sockets"))
     peers = config.peers
     sessions = peers.max_dialed + peers.warm
-    if sessions * _SOCKETS_PER_DIAL <= cap:
-        return
+    if sessions * SOCKETS_PER_SESSION <= cap:
+        return f", zmq sockets {cap} ({source})"
     raise ConfigError(
         f"peers.max_dialed {peers.max_dialed} + peers.warm {peers.warm} = {sessions} "
-        f"dialed sessions of {_SOCKETS_PER_DIAL} zmq sockets each, above the {cap} of "
-        f"control_options.max_sockets: lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or "
-        f"peers.warm (P2PKV_PEERS_WARM) to a sum of at most {cap // _SOCKETS_PER_DIAL}, or "
-        f"raise max_sockets"
+        f"dialed sessions of {SOCKETS_PER_SESSION} zmq sockets each, above the zmq "
+        f"context's cap of {cap} ({source}): lower peers.max_dialed "
+        f"(P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to a sum of at most "
+        f"{cap // SOCKETS_PER_SESSION}, or raise control_options.max_sockets or ulimit -n"
     )
 
 
@@ -412,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     for entry in found:
         try:
             config = check(entry, extra, args.data_parallel_size, bind=not args.no_bind)
-            socket_budget(config)
+            sockets = socket_budget(config)
         except (P2PKVError, OSError) as exc:
             print_error("p2pkv check-config", _refusal(entry, exc))
             return 2
@@ -421,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
             f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
             f"{config.control}, data {config.data}, host "
             f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
-            f"{args.data_parallel_size - 1}){_summary(entry, config)}"
+            f"{args.data_parallel_size - 1}){_summary(entry, config)}{sockets}"
         )
         if args.no_bind:
             print(
