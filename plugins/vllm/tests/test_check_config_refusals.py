@@ -46,18 +46,24 @@ def config(entry: dict[str, Any] | str) -> str:
     )
 
 
-def check(
-    entry: dict[str, Any] | str, *args: str, nofile: int | None = None, **env: str
-) -> tuple[int, str, str]:
-    return check_text(config(entry), *args, nofile=nofile, **env)
+def check(entry: dict[str, Any] | str, *args: str, **env: str) -> tuple[int, str, str]:
+    return check_text(config(entry), *args, **env)
 
 
-def check_text(
-    kv_transfer_config: str, *args: str, nofile: int | None = None, **env: str
-) -> tuple[int, str, str]:
+def check_nofile(entry: dict[str, Any], nofile: int, *args: str) -> tuple[int, str, str]:
+    """:func:`check` with a soft ``ulimit -n`` of ``nofile``."""
+    return run_check(config(entry), args, {}, nofile)
+
+
+def check_text(kv_transfer_config: str, *args: str, **env: str) -> tuple[int, str, str]:
     """``p2pkv check-config --kv-transfer-config TEXT ARGS`` in a clean environment plus
-    ``env``, with a soft ``ulimit -n`` of ``nofile`` (default :data:`NOFILE`): (exit
-    status, stdout, stderr)."""
+    ``env``, with a soft ``ulimit -n`` of :data:`NOFILE`: (exit status, stdout, stderr)."""
+    return run_check(kv_transfer_config, args, env, NOFILE)
+
+
+def run_check(
+    kv_transfer_config: str, args: tuple[str, ...], env: dict[str, str], nofile: int
+) -> tuple[int, str, str]:
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("P2PKV_", "VLLM_P2P_", "POD_"))
     }
@@ -70,7 +76,7 @@ def check_text(
         text=True,
         timeout=60,
         check=False,
-        preexec_fn=functools.partial(lower_nofile, nofile or NOFILE),
+        preexec_fn=functools.partial(lower_nofile, nofile),
     )
     return done.returncode, done.stdout, done.stderr
 
@@ -392,13 +398,13 @@ def test_the_socket_cap_follows_ulimit_unless_set() -> None:
     assert (
         status == 2 and "above the zmq context's cap of 1023 (derived from ulimit -n 1024)" in err
     )
-    status, out, err = check(warm, *args, nofile=4096)
+    status, out, err = check_nofile(warm, 4096, *args)
     assert status == 0, err
     assert "warm=400, zmq sockets 2164 (derived from ulimit -n 4096)\n" in out
     capped = {**warm, "control_options": {"max_sockets": 1500}}
-    status, _, err = check(capped, *args, nofile=4096)
+    status, _, err = check_nofile(capped, 4096, *args)
     assert status == 2, err
     assert "above the zmq context's cap of 1500 (set by control_options.max_sockets)" in err
-    status, out, err = check({**capped, "peers": {"warm": 200}}, *args, nofile=4096)
+    status, out, err = check_nofile({**capped, "peers": {"warm": 200}}, 4096, *args)
     assert status == 0, err
     assert "warm=200, zmq sockets 1500 (set by control_options.max_sockets)\n" in out

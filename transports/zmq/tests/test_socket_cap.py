@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import zmq
-from p2pkv_zmq import socket_cap as cap_module
 from p2pkv_zmq.socket_cap import (
     LIBZMQ_MAX_SOCKETS,
     LIBZMQ_SOCKET_LIMIT,
@@ -27,7 +26,7 @@ def soft_limit(monkeypatch: pytest.MonkeyPatch, soft: int) -> None:
     def getrlimit(which: int) -> tuple[int, int]:
         return (soft, real(which)[1]) if which == resource.RLIMIT_NOFILE else real(which)
 
-    monkeypatch.setattr(cap_module.resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(resource, "getrlimit", getrlimit)
 
 
 @pytest.mark.parametrize(
