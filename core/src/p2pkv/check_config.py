@@ -47,6 +47,7 @@ from p2pkv.cli_support import print_error
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object, option_text
+from p2pkv.registry import default_registry
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
@@ -325,27 +326,27 @@ def _refusal(entry: Entry, exc: BaseException) -> str:
 
 
 def socket_budget(config: TierConfig) -> str:
-    """The zmq context's socket cap, as the ok line words it (empty for another control
-    transport, which is not checked). ``ConfigError`` when the sessions this tier may dial
-    (``peers.max_dialed`` plus the warm set) need more sockets than the cap: an absurd
-    number, caught before the engine runs out under load. The cap is the transport's own
-    (:func:`p2pkv_zmq.socket_cap.socket_cap`): derived from this process's ``ulimit -n``
-    unless set, so off the pod it is this shell's limit, not the pod's."""
-    if config.control != "zmq":
+    """The control transport's socket cap, as the ok line words it (empty for a transport
+    without one). ``ConfigError`` when the sessions this tier may dial (``peers.max_dialed``
+    plus the warm set) need more sockets than the cap: an absurd number, caught before the
+    engine runs out under load. The cap is the transport's own, from the ``socket_cap``
+    classmethod of its registered class (zmq's: derived from this process's ``ulimit -n``
+    unless set, so off the pod it is this shell's limit, not the pod's)."""
+    transport = default_registry().transport("control", config.control)
+    cap_of = getattr(transport, "socket_cap", None)
+    if cap_of is None:
         return ""
-    from p2pkv_zmq.socket_cap import SOCKETS_PER_SESSION, socket_cap
-
-    cap, source = socket_cap(config.control_options.get("max_sockets"))
+    cap, source, per_session = cap_of(config.control_options)
     peers = config.peers
     sessions = peers.max_dialed + peers.warm
-    if sessions * SOCKETS_PER_SESSION <= cap:
-        return f", zmq sockets {cap} ({source})"
+    if sessions * per_session <= cap:
+        return f", {config.control} sockets {cap} ({source})"
     raise ConfigError(
         f"peers.max_dialed {peers.max_dialed} + peers.warm {peers.warm} = {sessions} "
-        f"dialed sessions of {SOCKETS_PER_SESSION} zmq sockets each, above the zmq "
-        f"context's cap of {cap} ({source}): lower peers.max_dialed "
+        f"dialed sessions of {per_session} {config.control} sockets each, above the "
+        f"{config.control} context's cap of {cap} ({source}): lower peers.max_dialed "
         f"(P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to a sum of at most "
-        f"{cap // SOCKETS_PER_SESSION}, or raise control_options.max_sockets or ulimit -n"
+        f"{cap // per_session}, or raise control_options.max_sockets or ulimit -n"
     )
 
 

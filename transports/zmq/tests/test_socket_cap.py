@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import zmq
+from p2pkv.errors import ConfigError
+from p2pkv.registry import default_registry
 from p2pkv_zmq.socket_cap import (
     LIBZMQ_MAX_SOCKETS,
     LIBZMQ_SOCKET_LIMIT,
@@ -92,3 +94,16 @@ def test_libzmq_s_socket_limit_is_the_ceiling_assumed() -> None:
         assert context.get(zmq.MAX_SOCKETS) == LIBZMQ_MAX_SOCKETS
     finally:
         context.term()
+
+
+def test_check_config_reads_the_cap_off_the_registered_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``p2pkv check-config`` never imports this package: it asks the class the registry
+    holds for ``control: zmq``, which validates the options as the transport will."""
+    soft_limit(monkeypatch, 4096)
+    zmq_class = default_registry().transport("control", "zmq")
+    assert zmq_class.socket_cap({}) == SocketCap(2164, "derived from ulimit -n 4096")
+    assert zmq_class.socket_cap({"max_sockets": 40}).value == 40
+    with pytest.raises(ConfigError, match="max_sockets"):
+        zmq_class.socket_cap({"max_sockets": 8})

@@ -11,7 +11,9 @@ first, while the engine still has descriptors left. The cap is never below libzm
 and never above its ``ZMQ_SOCKET_LIMIT``. An explicit ``max_sockets`` stays as set.
 
 :func:`socket_cap` is the one computation: the transport sets it on its context, and
-``p2pkv check-config`` budgets dialed sessions against it. Pure Python: no zmq import.
+``p2pkv check-config`` budgets dialed sessions against it (through
+``ZmqControlTransport.socket_cap``: the core never imports this package). Pure Python: no
+zmq import.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class SocketCap(NamedTuple):
     value: int
     source: str
     """``set by control_options.max_sockets``, or ``derived from ulimit -n N``."""
+    per_session: int = SOCKETS_PER_SESSION
+    """Sockets one session holds, dialed or accepted."""
 
 
 def derived_max_sockets(soft_limit: int, socket_limit: int = LIBZMQ_SOCKET_LIMIT) -> int:
