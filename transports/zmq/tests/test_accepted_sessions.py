@@ -31,13 +31,16 @@ from zmq_tiers import Peer, T, contexts, run_request, tick
 MAX_SOCKETS = 40
 FITS = 12
 """Accepted sessions that fit: (40 - 4 of the producer's own) / 3."""
+PATIENCE = 60.0
+"""The consumers' ``timeouts.handshake``: on a busy host the refusal may take longer than
+the default 10 s to come back, and a handshake timeout would hide it."""
 
 
 @contextmanager
 def fleet(**control_options: int) -> Iterator[tuple[Peer, list[Peer]]]:
     """A producer with ``control_options`` and 13 consumers, all shut down after."""
     producer = Peer(0, control_options=control_options)
-    consumers = [Peer(1 + i) for i in range(FITS + 1)]
+    consumers = [Peer(1 + i, timeouts={"handshake": PATIENCE}) for i in range(FITS + 1)]
     try:
         yield producer, consumers
     finally:
@@ -80,7 +83,7 @@ def refused_and_established_go_on(
     newcomer.job(2, [b"late/0"], [9], load=True, ctx=cctx)
     wait_until(
         lambda: 2 in newcomer.results,
-        timeout=T,
+        timeout=PATIENCE + T,
         what="the newcomer's load",
         pumps=[tick(producer, newcomer)],
     )

@@ -346,7 +346,8 @@ class ZmqHub:
                 "peers than the zmq context holds at 3 sockets a session? its cap, %s, "
                 "is %s; counted in refused_accepts)",
                 exc,
-                *self._sockets.cap,
+                self._sockets.cap.value,
+                self._sockets.cap.source,
             )
             return None
 
