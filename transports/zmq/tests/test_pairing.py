@@ -275,13 +275,19 @@ class Pairing(RuleBasedStateMachine):
 TestPairing = Pairing.TestCase
 
 
-def test_an_answer_completes_the_dial_and_frames_flow_both_ways() -> None:
-    net = Net()
+def answered(net: Net) -> tuple[ZmqConnection, ZmqConnection]:
+    """Side A dials B and sends a frame; B answers: (A's connection, B's)."""
     a, b = net.sides
     ours = a.connect()
     a.send(ours)
     net.drain()
-    theirs = next(c for c in b.conns if c.alive)
+    return ours, next(c for c in b.conns if c.alive)
+
+
+def test_an_answer_completes_the_dial_and_frames_flow_both_ways() -> None:
+    net = Net()
+    a, b = net.sides
+    ours, theirs = answered(net)
     b.send(theirs)
     net.drain()
     assert ours.remote_link == theirs.link and theirs.remote_link == ours.link
@@ -347,11 +353,7 @@ def test_a_dial_the_peer_cannot_answer_ends_with_the_likely_cause() -> None:
 
 def test_an_answered_connection_the_peer_ends_is_closed_by_the_peer() -> None:
     net = Net()
-    a, b = net.sides
-    ours = a.connect()
-    a.send(ours)
-    net.drain()
-    theirs = next(c for c in b.conns if c.alive)
-    b.retire(theirs, "closed locally")
+    ours, theirs = answered(net)
+    net.sides[1].retire(theirs, "closed locally")
     net.drain()
     assert not ours.alive and ours.close_reason == "closed by the peer"
