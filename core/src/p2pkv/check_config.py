@@ -19,7 +19,8 @@ placeholder address :data:`PLACEHOLDER_ADDRESS`, said on stderr), and ``--no-bin
 what only the pod can do: listening on its address (every other check still runs).
 
 Each entry that would start gets an ``ok`` line naming its transports, ports, security and
-peer policy (the last two as the engine's start line words them).
+peer policy (the last two as the engine's start line words them), and the zmq socket cap
+with where it came from (``control_options.max_sockets``, or derived from ``ulimit -n``).
 
 Exit status: 0 when every entry would start (hints, e.g. an unset ``PYTHONHASHSEED``, go to
 stderr); 1 when the config is valid but runs no p2pkv tier (vLLM's built-in P2P tier, a
@@ -46,16 +47,12 @@ from p2pkv.cli_support import print_error
 from p2pkv.config import TierConfig
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.json_option import json_object, option_text
+from p2pkv.registry import default_registry
 
 ADAPTERS = {"p2pkv_vllm": "p2pkv_vllm.bridge"}
 """``module_path`` of an engine's tier entry -> the vLLM-free module that turns the entry into
 a ``TierConfig`` (``entry_tier_config``) and names the tier class (``TIER_TYPE``)."""
 _INSTALL = {"p2pkv_vllm": "p2pkv-vllm"}
-ZMQ_MAX_SOCKETS = 1023
-"""libzmq's default cap of sockets per context (``ZMQ_MAX_SOCKETS``): the zmq control
-transport's ``max_sockets`` unless ``control_options`` sets it."""
-_SOCKETS_PER_DIAL = 3
-"""zmq sockets a session this tier dialed holds (docs/configuration.md, ``peers.max_dialed``)."""
 _SUMMARIES = {"p2pkv_vllm.bridge": "p2pkv_vllm.start_line"}
 """Adapter bridge -> the module whose ``security_and_peers`` words the start line: the ok
 line says security and peers exactly as the engine's start line will."""
@@ -328,23 +325,28 @@ def _refusal(entry: Entry, exc: BaseException) -> str:
     return entry.says(exc)
 
 
-def socket_budget(config: TierConfig) -> None:
-    """``ConfigError`` when the sessions this tier may dial (``peers.max_dialed`` plus the
-    warm set) need more zmq sockets than its context has: an absurd number, caught before the
-    engine runs out of sockets under load. Other control transports are not checked."""
-    if config.control != "zmq":
-        return
-    cap = int(config.control_options.get("max_sockets", ZMQ_MAX_SOCKETS))
+def socket_budget(config: TierConfig) -> str:
+    """The control transport's socket cap, as the ok line words it (empty for a transport
+    without one). ``ConfigError`` when the sessions this tier may dial (``peers.max_dialed``
+    plus the warm set) need more sockets than the cap: an absurd number, caught before the
+    engine runs out under load. The cap is the transport's own, from the ``socket_cap``
+    classmethod of its registered class (zmq's: derived from this process's ``ulimit -n``
+    unless set, so off the pod it is this shell's limit, not the pod's)."""
+    transport = default_registry().transport("control", config.control)
+    cap_of = getattr(transport, "socket_cap", None)
+    if cap_of is None:
+        return ""
+    cap, source, per_session = cap_of(config.control_options)
     peers = config.peers
     sessions = peers.max_dialed + peers.warm
-    if sessions * _SOCKETS_PER_DIAL <= cap:
-        return
+    if sessions * per_session <= cap:
+        return f", {config.control} sockets {cap} ({source})"
     raise ConfigError(
         f"peers.max_dialed {peers.max_dialed} + peers.warm {peers.warm} = {sessions} "
-        f"dialed sessions of {_SOCKETS_PER_DIAL} zmq sockets each, above the {cap} of "
-        f"control_options.max_sockets: lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or "
-        f"peers.warm (P2PKV_PEERS_WARM) to a sum of at most {cap // _SOCKETS_PER_DIAL}, or "
-        f"raise max_sockets"
+        f"dialed sessions of {per_session} {config.control} sockets each, above the "
+        f"{config.control} context's cap of {cap} ({source}): lower peers.max_dialed "
+        f"(P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to a sum of at most "
+        f"{cap // per_session}, or raise control_options.max_sockets or ulimit -n"
     )
 
 
@@ -412,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
     for entry in found:
         try:
             config = check(entry, extra, args.data_parallel_size, bind=not args.no_bind)
-            socket_budget(config)
+            sockets = socket_budget(config)
         except (P2PKVError, OSError) as exc:
             print_error("p2pkv check-config", _refusal(entry, exc))
             return 2
@@ -421,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
             f"{entry.where}: ok: p2pkv's P2PKVTier ({entry.how}): control "
             f"{config.control}, data {config.data}, host "
             f"{config.host}, ports {config.base_port}..{last} (DP ranks 0.."
-            f"{args.data_parallel_size - 1}){_summary(entry, config)}"
+            f"{args.data_parallel_size - 1}){_summary(entry, config)}{sockets}"
         )
         if args.no_bind:
             print(

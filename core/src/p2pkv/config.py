@@ -130,7 +130,7 @@ class Peers:
     """Networks, addresses or host names the tier may dial; empty: any peer."""
     max_dialed: int = field(default=256, metadata=_COUNT)
     """Sessions this tier dialed for requests that may be open at once (each holds 3 zmq
-    sockets of the control transport's context, whose default cap is 1,023); a new peer
+    sockets of the control transport's context, whose cap follows ``ulimit -n``); a new peer
     beyond it takes the place of a dial that made no progress or of an idle session, else
     waits or is refused. A quarter of it bounds new dials a second and dials that heard
     nothing; as many peers may wait for a dial."""

@@ -11,8 +11,10 @@ included); upstream keys and environment variables named as written; the guide's
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -48,9 +50,20 @@ def check(entry: dict[str, Any] | str, *args: str, **env: str) -> tuple[int, str
     return check_text(config(entry), *args, **env)
 
 
+def check_nofile(entry: dict[str, Any], nofile: int, *args: str) -> tuple[int, str, str]:
+    """:func:`check` with a soft ``ulimit -n`` of ``nofile``."""
+    return run_check(config(entry), args, {}, nofile)
+
+
 def check_text(kv_transfer_config: str, *args: str, **env: str) -> tuple[int, str, str]:
     """``p2pkv check-config --kv-transfer-config TEXT ARGS`` in a clean environment plus
-    ``env``: (exit status, stdout, stderr)."""
+    ``env``, with a soft ``ulimit -n`` of :data:`NOFILE`: (exit status, stdout, stderr)."""
+    return run_check(kv_transfer_config, args, env, NOFILE)
+
+
+def run_check(
+    kv_transfer_config: str, args: tuple[str, ...], env: dict[str, str], nofile: int
+) -> tuple[int, str, str]:
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("P2PKV_", "VLLM_P2P_", "POD_"))
     }
@@ -63,8 +76,22 @@ def check_text(kv_transfer_config: str, *args: str, **env: str) -> tuple[int, st
         text=True,
         timeout=60,
         check=False,
+        preexec_fn=functools.partial(lower_nofile, nofile),
     )
     return done.returncode, done.stdout, done.stderr
+
+
+NOFILE = 1024
+"""The soft descriptor limit check-config runs with here: the zmq socket cap it derives
+(``p2pkv_zmq.socket_cap``) is then libzmq's 1,023 on any machine."""
+SOCKETS = ", zmq sockets 1023 (derived from ulimit -n 1024)"
+"""How the ok line ends with :data:`NOFILE` and ``max_sockets`` unset."""
+
+
+def lower_nofile(soft: int) -> None:
+    """In the child before exec: the soft ``RLIMIT_NOFILE`` becomes ``soft``."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 REFUSED: list[tuple[dict[str, Any] | str, dict[str, str], str]] = [
@@ -228,7 +255,8 @@ def test_the_guides_entry_off_the_pod(tmp_path: Path) -> None:
         "secondary_tiers[0]: ok: p2pkv's P2PKVTier (type 'p2p' with P2PKV_REPLACE_P2P=1: "
         "zero-edit mode): control zmq, data nixl, host 10.1.2.3, ports 7777..7777 (DP ranks "
         f"0..0), security CURVE (fleet keys from P2PKV_CURVE_DIR={keys}), peers allow=any "
-        "connect=none max_dialed=256 warm=32\nsecondary_tiers[0]: not checked here (--no-bind), "
+        f"connect=none max_dialed=256 warm=32{SOCKETS}\nsecondary_tiers[0]: not checked here "
+        "(--no-bind), "
         "only on the pod: listening on "
         "the tier's address and port; the key files as the pod mounts them; the transports' "
         "libraries as the image has them\n"
@@ -267,7 +295,7 @@ def test_the_ok_line_says_security_and_peers_as_the_start_line_will() -> None:
     assert (
         "ports 7777..7777 (DP ranks 0..0), security none (insecure: anyone who reaches the "
         "port may open sessions), peers allow=10.0.0.0/8 "
-        "connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256 warm=32\n"
+        f"connect=p2pkv-peers.llm-d.svc.cluster.local:7777 max_dialed=256 warm=32{SOCKETS}\n"
     ) in out
     assert "runs with insecure: true" in err
 
@@ -325,9 +353,10 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
             {"warm": 1000},
             {},
             "peers.max_dialed 256 + peers.warm 1000 = 1256 dialed sessions of 3 zmq "
-            "sockets each, above the 1023 of control_options.max_sockets: lower "
-            "peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to "
-            "a sum of at most 341, or raise max_sockets",
+            "sockets each, above the zmq context's cap of 1023 (derived from ulimit -n "
+            "1024): lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm "
+            "(P2PKV_PEERS_WARM) to a sum of at most 341, or raise "
+            "control_options.max_sockets or ulimit -n",
         ),
         (
             {},
@@ -354,3 +383,28 @@ def test_absurd_peer_numbers_are_refused_before_the_sockets_run_out(
     assert check({**GUIDE, "peers": {"warm": 63}}, *args, P2PKV_PEERS_MAX_DIALED="200")[0] == 0
     fits = {"P2PKV_PEERS_WARM": "63", "P2PKV_PEERS_MAX_DIALED": "200"}
     assert check(GUIDE, *args, **fits)[0] == 0
+
+
+def test_the_socket_cap_follows_ulimit_unless_set() -> None:
+    """The cap check-config budgets with is the transport's own: derived from this
+    process's ``ulimit -n`` (at least libzmq's 1,023), or ``max_sockets`` as set. The ok
+    line or the refusal says which, and from what."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if 0 <= hard < 4096:
+        pytest.skip(f"needs a hard descriptor limit of 4096, this one is {hard}")
+    args = ("--env", "P2PKV_REPLACE_P2P=1", "--pod-ip", "10.1.2.3", "--no-bind")
+    warm = {**GUIDE, "peers": {"warm": 400}}  # 656 dialed sessions: 1,968 sockets
+    status, _, err = check(warm, *args)
+    assert (
+        status == 2 and "above the zmq context's cap of 1023 (derived from ulimit -n 1024)" in err
+    )
+    status, out, err = check_nofile(warm, 4096, *args)
+    assert status == 0, err
+    assert "warm=400, zmq sockets 2164 (derived from ulimit -n 4096)\n" in out
+    capped = {**warm, "control_options": {"max_sockets": 1500}}
+    status, _, err = check_nofile(capped, 4096, *args)
+    assert status == 2, err
+    assert "above the zmq context's cap of 1500 (set by control_options.max_sockets)" in err
+    status, out, err = check_nofile({**capped, "peers": {"warm": 200}}, 4096, *args)
+    assert status == 0, err
+    assert "warm=200, zmq sockets 1500 (set by control_options.max_sockets)\n" in out

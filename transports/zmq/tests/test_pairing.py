@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from p2pkv_zmq.connection import LinkLimits, PeerAddress, ZmqConnection
 from p2pkv_zmq.identity import link_id
-from p2pkv_zmq.pairing import GONE, OPEN, RETELL_INTERVAL, LinkPairing, classify
+from p2pkv_zmq.pairing import GONE, OPEN, REFUSED, RETELL_INTERVAL, LinkPairing, classify
 
 ADDRESSES = ("127.0.0.1:1001", "127.0.0.1:1002")
 LIMITS = LinkLimits(1 << 16, 100)
@@ -275,13 +275,19 @@ class Pairing(RuleBasedStateMachine):
 TestPairing = Pairing.TestCase
 
 
-def test_an_answer_completes_the_dial_and_frames_flow_both_ways() -> None:
-    net = Net()
+def answered(net: Net) -> tuple[ZmqConnection, ZmqConnection]:
+    """Side A dials B and sends a frame; B answers: (A's connection, B's)."""
     a, b = net.sides
     ours = a.connect()
     a.send(ours)
     net.drain()
-    theirs = next(c for c in b.conns if c.alive)
+    return ours, next(c for c in b.conns if c.alive)
+
+
+def test_an_answer_completes_the_dial_and_frames_flow_both_ways() -> None:
+    net = Net()
+    a, b = net.sides
+    ours, theirs = answered(net)
     b.send(theirs)
     net.drain()
     assert ours.remote_link == theirs.link and theirs.remote_link == ours.link
@@ -330,3 +336,24 @@ def test_a_peer_offered_a_dial_that_then_disconnects_is_told_gone() -> None:
     a.send(ours)
     net.drain()
     assert not ours.alive
+
+
+def test_a_dial_the_peer_cannot_answer_ends_with_the_likely_cause() -> None:
+    """B cannot dial back (no socket left): it tells our PUSH "gone" before any answer, and
+    our dial ends naming the refusal, not a plain close (issue 48)."""
+    net = Net()
+    a, b = net.sides
+    b.dial_back = lambda address, link: None  # type: ignore[method-assign]
+    ours = a.connect()
+    a.send(ours)
+    net.drain()
+    assert not ours.alive and ours.close_reason == REFUSED
+    assert "control_options.max_sockets" in REFUSED
+
+
+def test_an_answered_connection_the_peer_ends_is_closed_by_the_peer() -> None:
+    net = Net()
+    ours, theirs = answered(net)
+    net.sides[1].retire(theirs, "closed locally")
+    net.drain()
+    assert not ours.alive and ours.close_reason == "closed by the peer"

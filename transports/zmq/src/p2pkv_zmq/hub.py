@@ -343,9 +343,11 @@ class ZmqHub:
             self._log_once(
                 ("accept",),
                 "refused connections from peers: %s (a flood of connections, or more "
-                "peers than control_options.max_sockets holds at 3 sockets a session? "
-                "counted in refused_accepts)",
+                "peers than the zmq context holds at 3 sockets a session? its cap, %s, "
+                "is %s; counted in refused_accepts)",
                 exc,
+                self._sockets.cap.value,
+                self._sockets.cap.source,
             )
             return None
 

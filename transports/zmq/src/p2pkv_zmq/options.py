@@ -24,10 +24,13 @@ option                   type       default     meaning
                                                 connection handshake by then is dead.
 ``max_queued_frames``    int        1000        Frames a connection queues before ``send``
                                                 raises ``SendQueueFull`` (``ZMQ_SNDHWM``).
-``max_sockets``          int        1023        Sockets of the transport's zmq context
-                                                (``ZMQ_MAX_SOCKETS``): about 3 per session,
-                                                dialed or accepted; see the tier's
-                                                ``peers.max_dialed``.
+``max_sockets``          int        derived     Sockets of the transport's zmq context
+                                                (``ZMQ_MAX_SOCKETS``): 3 per session,
+                                                dialed or accepted. Default: derived from
+                                                the soft ``ulimit -n`` (3 sockets per 5
+                                                descriptors, less a reserve of 1/8, at
+                                                least 256), within 1023..65535; see
+                                                :mod:`p2pkv_zmq.socket_cap`.
 ``server_secret_key``    key        none        CURVE secret key our listener presents.
 ``server_public_key``    key        derived     CURVE public key of the listeners we dial
                                                 (default: the public half of
@@ -83,7 +86,7 @@ class ZmqOptions:
     handshake_timeout: float = field(default=10.0, metadata=_SECONDS)
     connect_timeout: float = field(default=10.0, metadata=_SECONDS)
     max_queued_frames: int = field(default=1000, metadata=option(ge=1))
-    max_sockets: int = field(default=1023, metadata=option(ge=16, le=65535))
+    max_sockets: int | None = field(default=None, metadata=option(ge=16, le=65535))
     server_secret_key: str | None = field(default=None, metadata=_TEXT)
     server_public_key: str | None = field(default=None, metadata=_TEXT)
     client_secret_key: str | None = field(default=None, metadata=_TEXT)

@@ -19,7 +19,8 @@ Rules (each method below applies one):
 
 1. Accept on the first frame. A PUSH that opened fresh is remembered until its first payload
    frame. Then a connection dials back, answering that PUSH, and ``poll`` returns it with the
-   frame buffered.
+   frame buffered. A dial back that fails (no socket left, an address libzmq cannot dial)
+   tells that PUSH "gone"; its sender ends the dial with :data:`REFUSED` as the reason.
 2. Answer. An open naming one of our PUSHes completes that connection. If we retired it, the
    sender is told "gone". A second answer replaces nothing: the connection ends.
 3. Both dialed at once. A fresh open while our dial to its address is unanswered is offered our
@@ -67,6 +68,7 @@ __all__ = [
     "MEMORY",
     "OPEN",
     "PAIRED",
+    "REFUSED",
     "RETELL_INTERVAL",
     "LinkPairing",
     "LinkPort",
@@ -78,6 +80,13 @@ GONE = b"gone"
 PAIRED = b"paired"
 PAYLOAD = b""  # what classify says of [link, frame]
 _VERBS = (OPEN, PAIRED, GONE)
+REFUSED = (
+    "closed by the peer before it answered, likely refused: it could not dial us back, "
+    "out of zmq sockets (its control_options.max_sockets or ulimit -n) or unable to "
+    "reach our address; its log says 'refused connections from peers'"
+)
+"""Why our dial ended when the peer said "gone" before any answer: mostly a refused
+accept (rule 1); also an offer that lapsed (rule 3), whose other dial carries on."""
 MEMORY = 4096
 """Entries kept in each bounded memory."""
 MAX_HELD_FRAMES = 10_000
@@ -367,7 +376,9 @@ class LinkPairing:
         elif verb == GONE:
             if conn.remote_link is not None:
                 self.mark_told(conn.remote_link, now)  # it knows
-            self._port.retire(conn, "closed by the peer", notify=False)
+                self._port.retire(conn, "closed by the peer", notify=False)
+            else:
+                self._port.retire(conn, REFUSED, notify=False)
         else:
             self._on_paired(conn, link, now)
 

@@ -30,6 +30,7 @@ from p2pkv_zmq.identity import is_ipv6_literal, tcp_url
 from p2pkv_zmq.listening import ListenPlan
 from p2pkv_zmq.options import ZmqOptions
 from p2pkv_zmq.security import CurveKeys
+from p2pkv_zmq.socket_cap import socket_cap
 
 _DESCRIPTOR_MARGIN = 16
 """Descriptors below the process limit at which running out counts as the process's limit."""
@@ -59,7 +60,9 @@ class SocketFactory:
         self._keys = keys
         self._max_frame_bytes = max_frame_bytes
         self.context: zmq.Context[Socket] = zmq.Context(io_threads=1)
-        self.context.max_sockets = options.max_sockets
+        self.cap = socket_cap(options.max_sockets, self.context.get(zmq.SOCKET_LIMIT))
+        """The context's ``ZMQ_MAX_SOCKETS`` and where it came from (set before any socket)."""
+        self.context.max_sockets = self.cap.value
         self._monitor_seq = itertools.count()
         self._dial_options = (
             (zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval)),
@@ -201,8 +204,10 @@ def no_socket_left(
         used = soft
     if max_sockets is not None and used < soft - _DESCRIPTOR_MARGIN:
         limit = (
-            f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = {max_sockets}, 3 per dialed "
-            "peer): lower the tier's peers.max_dialed or restrict peers.allow"
+            f"the zmq context's socket cap (ZMQ_MAX_SOCKETS = {max_sockets}, 3 per "
+            "session, dialed or accepted): lower the tier's peers.max_dialed, restrict "
+            "peers.allow, or raise control_options.max_sockets (unset: derived from the "
+            "descriptor limit)"
         )
     else:
         limit = (

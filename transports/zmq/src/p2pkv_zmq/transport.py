@@ -35,8 +35,8 @@ Model (what callers and tests rely on):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from p2pkv.contracts import (
     Capabilities,
@@ -45,6 +45,8 @@ from p2pkv.contracts import (
     ControlTransport,
 )
 from p2pkv.errors import TransportUnavailable
+
+from p2pkv_zmq.socket_cap import SocketCap, socket_cap
 
 if TYPE_CHECKING:
     from p2pkv_zmq.hub import ZmqHub
@@ -82,6 +84,16 @@ class ZmqControlTransport(ControlTransport):
 
     def __init__(self, hub: ZmqHub) -> None:
         self._hub = hub
+
+    @classmethod
+    def socket_cap(cls, options: Mapping[str, Any]) -> SocketCap:
+        """The zmq socket cap a transport of these ``control_options`` would get, set or
+        derived from this process's ``ulimit -n`` (:mod:`p2pkv_zmq.socket_cap`). For
+        ``p2pkv check-config``, which finds it on the registered class (no import);
+        ``ConfigError`` for invalid options. Needs no zmq."""
+        from p2pkv_zmq.options import read_options
+
+        return socket_cap(read_options(options).max_sockets)
 
     @classmethod
     def create(cls, settings: ControlSettings) -> ZmqControlTransport:
