@@ -89,43 +89,36 @@ def test_a_flood_name_costs_less_than_an_established_request(cluster: Cluster) -
     assert name <= SHARE * request, (name, request)
 
 
+@contextmanager
+def collector_off() -> Iterator[Callable[[type], int]]:
+    """The collector off (restored after); yields a count of the live objects of a class."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield lambda cls: sum(isinstance(o, cls) for o in gc.get_objects())
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_a_name_that_leaves_the_queue_is_freed_without_the_collector(cluster: Cluster) -> None:
     node = cluster(control_options={"connect_timeout": 3600})
     names = DIALS + 4 * DIALS + 10
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off() as live:
         for job_id in range(1, names + REQUESTS + 1):
             engine_request(node, pd_request(job_id, silent_host(job_id), 9), job_id)
-        records = sum(isinstance(o, Waiting) for o in gc.get_objects())
-        loads = sum(isinstance(o, QueuedLoad) for o in gc.get_objects())
-    finally:
-        if enabled:
-            gc.enable()
+        records, loads = live(Waiting), live(QueuedLoad)
     sizes = node.tier.state_sizes()
     assert sizes["dial_queue"] == 4 * DIALS
     assert (records, loads) == (sizes["dial_queue"], sizes["dial_queue_loads"])
-
-
-@contextmanager
-def collector_off() -> Iterator[Callable[[], int]]:
-    """The collector off (restored after); yields a count of the live sessions."""
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield lambda: sum(isinstance(o, Session) for o in gc.get_objects())
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def test_evicted_dials_are_freed_without_the_collector(cluster: Cluster) -> None:
     """Dials that heard nothing are evicted by newer names: every evicted session is freed
     by its reference count, and the collector then finds none of them."""
     node = cluster(control_options={"connect_timeout": 3600})
-    with collector_off() as sessions:
+    with collector_off() as live:
         for job_id in range(1, DIALS + 1):
             engine_request(node, pd_request(job_id, silent_host(job_id), 9), job_id)
         advance(cluster.clock, [node], 2.0)
@@ -134,7 +127,7 @@ def test_evicted_dials_are_freed_without_the_collector(cluster: Cluster) -> None
             pump([node], 1)
         stats = node.tier.stats()
         assert stats["peers_evicted"] >= DIALS // 2, stats
-        assert sessions() == stats["sessions"] == DIALS
+        assert live(Session) == stats["sessions"] == DIALS
         assert gc.collect() == 0
 
 
@@ -142,11 +135,11 @@ def test_failed_dials_are_freed_without_the_collector(cluster: Cluster) -> None:
     """Dials whose handshake deadline passed close with their loads failed: none of their
     sessions is left for the collector."""
     node = cluster(control_options={"connect_timeout": 3600})
-    with collector_off() as sessions:
+    with collector_off() as live:
         for job_id in range(1, DIALS + 1):
             engine_request(node, pd_request(job_id, silent_host(job_id), 9), job_id)
-        assert sessions() == DIALS
+        assert live(Session) == DIALS
         advance(cluster.clock, [node], config().timeouts.handshake + 1)
         assert node.tier.stats()["sessions"] == 0
-        assert sessions() == 0
+        assert live(Session) == 0
         assert gc.collect() == 0
