@@ -60,7 +60,7 @@ def derived_max_sockets(soft_limit: int, socket_limit: int = LIBZMQ_SOCKET_LIMIT
     """The cap for a process whose soft descriptor limit is ``soft_limit`` (negative:
     unlimited): 3 sockets per session that fits the limit less its reserve, plus
     :data:`OWN_SOCKETS`; within :data:`LIBZMQ_MAX_SOCKETS` .. ``socket_limit``."""
-    if soft_limit < 0 or soft_limit == resource.RLIM_INFINITY:
+    if _unlimited(soft_limit):
         return max(LIBZMQ_MAX_SOCKETS, socket_limit)
     reserve = max(RESERVE_FLOOR, soft_limit // RESERVE_SHARE)
     sessions = max(0, soft_limit - reserve) // DESCRIPTORS_PER_SESSION
@@ -74,5 +74,10 @@ def socket_cap(max_sockets: int | None, socket_limit: int = LIBZMQ_SOCKET_LIMIT)
     if max_sockets is not None:
         return SocketCap(max_sockets, "set by control_options.max_sockets")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    shown = "unlimited" if soft < 0 or soft == resource.RLIM_INFINITY else str(soft)
+    shown = "unlimited" if _unlimited(soft) else str(soft)
     return SocketCap(derived_max_sockets(soft, socket_limit), f"derived from ulimit -n {shown}")
+
+
+def _unlimited(soft_limit: int) -> bool:
+    """Whether a soft ``RLIMIT_NOFILE`` means no limit (``RLIM_INFINITY``, or negative)."""
+    return soft_limit < 0 or soft_limit == resource.RLIM_INFINITY
