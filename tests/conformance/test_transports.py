@@ -9,6 +9,7 @@ from p2pkv.testing.suites import ControlTransportSuite, DataIsolationSuite, Data
 class TestMemoryControl(ControlTransportSuite):
     transport_name = "memory"
     missing_transport = "skip"
+    options = {"max_connections": 64}  # so that it reports its session room
 
 
 class TestMemoryData(DataTransportSuite):

@@ -48,6 +48,7 @@ __all__ = [
     "DataTransport",
     "PollResult",
     "ReadState",
+    "SessionRoom",
     "TransportKind",
 ]
 
@@ -68,6 +69,16 @@ DRAIN_GRACE: Final = DRIVER_BOUND / 2
 """Seconds ``close`` may keep progressing internal transfers so they end cleanly before it
 returns the rest undrained. ``remove_peer`` waits for none: its peer's transfers end in
 later ``progress`` calls."""
+
+
+class SessionRoom(NamedTuple):
+    """How many peer sessions a control transport holds, at most and still (dialed and
+    accepted alike): what ``ControlTransport.session_room`` reports."""
+
+    free: int
+    """Sessions it can still open before it must refuse peers' connections."""
+    total: int
+    """Sessions it can hold in all."""
 
 
 @dataclass(frozen=True)
@@ -314,6 +325,26 @@ class ControlTransport(_Transport):
         The tier calls it when a pre-connect dial failed: that failure paces pre-connect
         only, so a request naming the peer then dials it for real. The default does
         nothing. Driver thread only."""
+
+    def session_room(self) -> SessionRoom | None:
+        """How many sessions this transport can still open and hold in all, when a resource
+        bounds them (sockets, descriptors, a configured cap); None when it knows no such
+        bound (the default). Driver thread, after ``poll``; cheap (the tier asks after each
+        session it opens).
+
+        The tier keeps room for new peers with it: when ``free`` falls below a reserve it
+        closes the sessions peers dialed to it that are idle, least recently active first
+        (:mod:`p2pkv.tiering.accept_room`), so a new consumer is not refused while idle ones
+        hold the room. A transport that reports it should count ``accepts_refused``."""
+        return None
+
+    @property
+    def accepts_refused(self) -> int:
+        """Peers' connections this transport refused since it was created for lack of room
+        for their session (out of sockets or descriptors, over a cap); a counter the tier
+        exports as ``peers_accept_refused``. The default: 0 (it never refuses, or does not
+        count)."""
+        return 0
 
     @property
     def silence_timeout(self) -> float | None:

@@ -46,6 +46,7 @@ from p2pkv.session.ledger import JobLedger
 from p2pkv.session.pause import PauseDetector
 from p2pkv.session.producers import ProducerDirectory
 from p2pkv.session.session import Session
+from p2pkv.tiering.accept_room import AcceptRoom
 from p2pkv.tiering.backoff import DialBackoff
 from p2pkv.tiering.dial_queue import DialQueue
 from p2pkv.tiering.dialer import Dialer, DialKind
@@ -54,7 +55,7 @@ from p2pkv.tiering.requests import RequestRouter
 from p2pkv.tiering.shutdown import Shutdown
 from p2pkv.tiering.table import SessionTable
 from p2pkv.tiering.tick import TickPipeline
-from p2pkv.tiering.views import Isolation, TierViews
+from p2pkv.tiering.views import Isolation, PeerRoles, TierViews
 from p2pkv.tiering.warm import WarmSet
 from p2pkv.types import Job, JobResult, LocalHitSource, LookupResult, Outcome, RequestContext
 
@@ -161,13 +162,14 @@ class P2PTier:
         dialer.warm, dialer.handshake_timeout = warm, domains.handshake_timeout
         warm.dial = lambda peer: dialer.own_dial(peer, DialKind.WARM)
         domains.redial = lambda peer: dialer.own_dial(peer, DialKind.PROBE)
-        table.watchers.extend((dialer, warm, domains, idle))
+        room = AcceptRoom(self._control, table, clock, self._reap)
+        table.watchers.extend((dialer, warm, domains, idle, room))
         discovery = (
             Discovery(peers.connect, peers.resolve_interval, self.local_address)
             if peers.connect
             else None
         )
-        periodic = [env.warnings.flush, dialer.drain]
+        periodic = [env.warnings.flush, dialer.drain, room.check]
         if discovery is not None:
             periodic.append(lambda now: _discovered(discovery, warm, now))
         self._dialer = dialer
@@ -198,10 +200,7 @@ class P2PTier:
             env,
             table,
             self._admission,
-            dialer,
-            warm,
-            domains,
-            idle,
+            PeerRoles(dialer, warm, domains, idle, room),
             Isolation(self._call_guard, pauses),
         )
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from p2pkv.addressing import format_address, parse_address
-from p2pkv.contracts import Capabilities, ControlConnection, ControlSettings
+from p2pkv.contracts import Capabilities, ControlConnection, ControlSettings, SessionRoom
 from p2pkv.control_base import InboxConnection, InboxControlTransport
 from p2pkv.errors import ConfigError, ConnectionClosed, SendQueueFull
 from p2pkv.options import parse_options
@@ -130,7 +130,10 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
     """In-process control transport (see the module docstring for the model).
 
     Options (``control_options``): ``max_queued_frames`` (int > 0, default 1_000_000),
-    ``connect_timeout`` (seconds > 0 an unattached dial may wait for its listener, default 10).
+    ``connect_timeout`` (seconds > 0 an unattached dial may wait for its listener, default 10),
+    ``max_connections`` (int >= 0: connections held at most, a peer's dial beyond it refused
+    and counted in ``accepts_refused``, as a transport out of sockets does; default 0,
+    unbounded).
     """
 
     name: ClassVar[str] = "memory"
@@ -141,6 +144,9 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
         super().__init__(settings.max_frame_bytes)
         self.max_queued_frames = opts.max_queued_frames
         self.connect_timeout = opts.connect_timeout
+        self.max_connections = opts.max_connections
+        self._refused = 0
+        """Peers' dials refused over ``max_connections`` (hub lock)."""
         self._closed = False
         self._interrupted = False  # guarded by _HUB.lock
         self._attaching: dict[MemoryConnection, None] = {}
@@ -180,6 +186,18 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
             if self._closed:
                 raise ConnectionClosed(f"transport {self._address} is closed")
             return super().connect(address)
+
+    def session_room(self) -> SessionRoom | None:
+        """``max_connections`` less the connections held; None when unbounded."""
+        cap = self.max_connections
+        if not cap:
+            return None
+        with _HUB.lock:
+            return SessionRoom(max(0, cap - len(self._connections)), cap)
+
+    @property
+    def accepts_refused(self) -> int:
+        return self._refused
 
     def interrupt(self) -> None:
         """End a waiting ``poll`` now, or the next one (any thread)."""
@@ -228,6 +246,10 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
             return False
         other = target._connections.get(self._address)
         if other is None or other.peer is not None or not other.alive:
+            if other is None and target._full():  # a replaced connection frees its place
+                target._refused += 1
+                conn.end(f"refused by {target._address}: no room for another connection")
+                return True
             other = MemoryConnection(target, self._address)
             target._accept(other)
         # else both sides dialed before either attached: pair the two dialed ends
@@ -237,6 +259,10 @@ class MemoryControlTransport(InboxControlTransport[MemoryConnection]):
         other.pending()
         _HUB.wake()
         return True
+
+    def _full(self) -> bool:
+        """Whether ``max_connections`` connections are held (a new peer would be refused)."""
+        return 0 < self.max_connections <= len(self._connections)
 
     def _retry_attaching(self) -> bool:
         """Attach the waiting dials whose listener opened since the last try; end those past

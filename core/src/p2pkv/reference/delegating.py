@@ -24,6 +24,7 @@ from p2pkv.contracts import (
     DataSettings,
     DataTransport,
     PollResult,
+    SessionRoom,
 )
 from p2pkv.data_base import AttachedPeer
 
@@ -71,6 +72,13 @@ class DelegatingControlTransport(ControlTransport):
 
     def forget_dial_failure(self, address: str) -> None:
         self.inner.forget_dial_failure(address)
+
+    def session_room(self) -> SessionRoom | None:
+        return self.inner.session_room()
+
+    @property
+    def accepts_refused(self) -> int:
+        return self.inner.accepts_refused
 
     @property
     def silence_timeout(self) -> float | None:

@@ -17,6 +17,9 @@ class MemoryControlOptions:
     """Frames a connection queues before ``send`` raises ``SendQueueFull``."""
     connect_timeout: float = field(default=10.0, metadata=option(gt=0, unit="seconds"))
     """How long an unattached dial may wait for its listener."""
+    max_connections: int = field(default=0, metadata=option(ge=0))
+    """Connections (dialed and accepted) the transport holds at most; a peer's dial beyond
+    it is refused (0: unbounded). Models a transport out of sockets in tests."""
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,13 @@ from p2pkv.idle_reaper import IdleReaper
 from p2pkv.session.admission import Admission
 from p2pkv.session.env import SessionEnv
 from p2pkv.session.pause import PauseDetector
+from p2pkv.tiering.accept_room import AcceptRoom
 from p2pkv.tiering.dialer import Dialer
 from p2pkv.tiering.domains import FailureDomains
 from p2pkv.tiering.table import SessionTable
 from p2pkv.tiering.warm import WarmSet
 
-__all__ = ["Isolation", "TierViews"]
+__all__ = ["Isolation", "PeerRoles", "TierViews"]
 
 _REQUEST_SIZES = (
     "consumer_requests",
@@ -51,6 +52,17 @@ class Isolation:
     pauses: PauseDetector
 
 
+@dataclass(frozen=True)
+class PeerRoles:
+    """The roles that decide which peers have sessions, whose ``peers_*`` ``stats`` reports."""
+
+    dialer: Dialer
+    warm: WarmSet
+    domains: FailureDomains
+    idle: IdleReaper
+    room: AcceptRoom
+
+
 class TierViews:
     """Reads the roles' state; changes nothing but the table's lazily pruned sets."""
 
@@ -59,21 +71,20 @@ class TierViews:
         env: SessionEnv,
         table: SessionTable,
         admission: Admission,
-        dialer: Dialer,
-        warm: WarmSet,
-        domains: FailureDomains,
-        idle: IdleReaper,
+        peers: PeerRoles,
         isolation: Isolation,
     ) -> None:
         self._env = env
         self._table = table
         self._admission = admission
+        dialer = peers.dialer
         self._policy = dialer.policy
         self._backoff = dialer.backoff
         self._queue = dialer.queue
-        self._warm = warm
-        self._domains = domains
-        self._idle = idle
+        self._warm = peers.warm
+        self._domains = peers.domains
+        self._idle = peers.idle
+        self._room = peers.room
         self._isolation = isolation
 
     def needs_engine(self) -> bool:
@@ -145,6 +156,7 @@ class TierViews:
             "peers_wait_failed": self._queue.failed,
             "peers_suspected": domains.suspected,
             "peers_probed": domains.probed,
+            **self._room.stats(),
         }
 
     def state_sizes(self) -> dict[str, int]:

@@ -71,6 +71,11 @@ COUNTERS: Mapping[str, str] = {
     "peers_wait_failed": "Waiting peers that left undialed (their loads failed).",
     "peers_suspected": "Hosts made suspect by a lost peer.",
     "peers_probed": "Quiet sessions to a suspect host's ranks probed.",
+    "peers_accepted": "Sessions peers opened with this instance (they dialed it).",
+    "peers_accepted_gave_way": "Idle sessions peers dialed to this instance, closed to keep "
+    "room for new peers in the control transport.",
+    "peers_accept_refused": "Peers' connections the control transport refused for lack of "
+    "room (sockets, descriptors).",
 }
 GAUGES: Mapping[str, str] = {
     "jobs_pending": "Tier jobs (loads and stores) without a result yet.",
@@ -86,6 +91,8 @@ GAUGES: Mapping[str, str] = {
     "peers_warm_ready": "Members of the warm set with a ready session.",
     "peers_dialing": "Dials of this tier that heard nothing from their peer yet.",
     "peers_waiting": "Peers whose requests wait for a free dial.",
+    "sessions_free": "Sessions the control transport can still open before it refuses "
+    "peers (reported by transports with a bound, such as zmq's socket cap).",
 }
 
 

@@ -58,7 +58,7 @@ from collections.abc import Hashable, Sequence
 
 import zmq
 from p2pkv.addressing import format_address, parse_address
-from p2pkv.contracts import ControlConnection
+from p2pkv.contracts import ControlConnection, SessionRoom
 from p2pkv.errors import ConfigError, ConnectionClosed, ResourceUnavailable
 from p2pkv.logs import module_logger
 from p2pkv.ratelimit import LogLimiter, TokenBucket
@@ -80,6 +80,7 @@ from p2pkv_zmq.pairing import GONE, MEMORY, LinkPairing, classify
 from p2pkv_zmq.poller import Poller, Readiness
 from p2pkv_zmq.probe_wire import IDENTITY, identity_answer, probe_request
 from p2pkv_zmq.security import CurveKeys
+from p2pkv_zmq.socket_cap import OWN_SOCKETS
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
 
@@ -328,6 +329,14 @@ class ZmqHub:
     def stats(self) -> dict[str, int]:
         """Counters: refused handshakes, dropped messages, accepted connections, live ones."""
         return {**self.counters, "connections": len(self.pairing)}
+
+    def session_room(self) -> SessionRoom:
+        """Sessions the context's socket cap holds in all (3 sockets each, after the
+        transport's own), and those still free beside the live connections. Connections
+        retired with a notice in flight hold their PUSH a little longer than counted."""
+        cap = self._sockets.cap
+        total = (cap.value - OWN_SOCKETS) // cap.per_session
+        return SessionRoom(max(0, total - len(self.pairing)), total)
 
     # -- connections (the LinkPort and MonitorOwner sides) -------------------------------------
 

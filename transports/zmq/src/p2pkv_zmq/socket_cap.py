@@ -24,6 +24,7 @@ from typing import NamedTuple
 __all__ = [
     "LIBZMQ_MAX_SOCKETS",
     "LIBZMQ_SOCKET_LIMIT",
+    "OWN_SOCKETS",
     "SOCKETS_PER_SESSION",
     "SocketCap",
     "derived_max_sockets",

@@ -43,6 +43,7 @@ from p2pkv.contracts import (
     ControlConnection,
     ControlSettings,
     ControlTransport,
+    SessionRoom,
 )
 from p2pkv.errors import TransportUnavailable
 
@@ -157,3 +158,12 @@ class ZmqControlTransport(ControlTransport):
     def stats(self) -> dict[str, int]:
         """Counters: refused handshakes, dropped messages, accepted connections, live ones."""
         return self._hub.stats()
+
+    def session_room(self) -> SessionRoom:
+        """See :meth:`p2pkv_zmq.hub.ZmqHub.session_room`."""
+        return self._hub.session_room()
+
+    @property
+    def accepts_refused(self) -> int:
+        """Peers' connections refused while out of sockets (``refused_accepts``)."""
+        return self._hub.counters["refused_accepts"]

@@ -354,6 +354,19 @@ class ControlTransportSuite(_SuiteBase):
         conn.send(b"welcome")
         assert pair.receive(lambda: pair.peer.frames(handle), 1, "our reply") == [b"welcome"]
 
+    def test_session_room_counts_an_accepted_connection(self, pair: _ControlPair) -> None:
+        """``session_room`` (optional): within its total, and one fewer free once a peer's
+        connection is accepted; ``accepts_refused`` a count that refused nothing here."""
+        before = pair.transport.session_room()
+        if before is None:
+            pytest.skip(f"{pair.transport.name} reports no session room (optional)")
+        assert 0 <= before.free <= before.total, before
+        pair.accept_from_peer([b"hello"])
+        after = pair.transport.session_room()
+        assert after is not None and after.total == before.total, (before, after)
+        assert after.free == max(0, before.free - 1), (before, after)
+        assert pair.transport.accepts_refused == 0
+
     def test_connect_returns_the_live_connection(self, pair: _ControlPair) -> None:
         conn = pair.transport.connect(pair.peer.address)
         assert pair.transport.connect(pair.peer.address) is conn, (
