@@ -162,7 +162,7 @@ class P2PTier:
         dialer.warm, dialer.handshake_timeout = warm, domains.handshake_timeout
         warm.dial = lambda peer: dialer.own_dial(peer, DialKind.WARM)
         domains.redial = lambda peer: dialer.own_dial(peer, DialKind.PROBE)
-        room = AcceptRoom(self._control, table, clock, self._reap)
+        room = AcceptRoom(self._control, table, self._reap)
         table.watchers.extend((dialer, warm, domains, idle, room))
         discovery = (
             Discovery(peers.connect, peers.resolve_interval, self.local_address)

@@ -24,7 +24,6 @@ Threading: driver thread only.
 from __future__ import annotations
 
 import heapq
-import logging
 import math
 from collections.abc import Callable
 
@@ -33,8 +32,6 @@ from p2pkv.session import Session
 from p2pkv.tiering.table import SessionTable, SessionWatcher
 
 __all__ = ["MIN_IDLE", "RECHECK", "AcceptRoom", "reserve"]
-
-log = logging.getLogger("p2pkv.tier")
 
 MIN_IDLE = 1.0
 """Seconds an accepted session must have been inactive to give way (a consumer between two
@@ -58,12 +55,10 @@ class AcceptRoom(SessionWatcher):
         self,
         control: ControlTransport,
         table: SessionTable,
-        clock: Callable[[], float],
         close: Callable[[Session, str], None],
     ) -> None:
         self._control = control
         self._table = table
-        self._clock = clock
         self._close = close
         self._due = math.inf
         """When to look at the room next (0: at the next tick; inf: nothing opened since)."""
