@@ -26,6 +26,9 @@ BOOT = 420.0
 """Seconds an engine may take to import vLLM and start (several at once on 2 busy cores)."""
 WAIT = 90.0
 """Seconds a request may take (a load that fails waits out the tier's load timeout first)."""
+SHUTDOWN_WAIT = 120.0
+"""Seconds an engine may take to answer its shutdown, whatever ``WAIT`` a long run set (a
+shutdown that hangs, as vLLM's built-in P2P consumer's can, costs this, not ``WAIT``)."""
 STOP = 10.0
 """Seconds engines shut down together (:func:`shutdown_all`) may take to exit before they
 are killed (``Child.stop``'s default)."""
@@ -292,8 +295,8 @@ class Engine:
     def down(self) -> list[str]:
         """After ``("shutdown",)`` was sent: the offload shm files the engine reported left,
         its replies to requests still pending from before skipped (those of a run
-        interrupted mid-request); at most ``WAIT`` seconds."""
-        deadline = time.monotonic() + WAIT
+        interrupted mid-request); at most ``WAIT`` seconds, and ``SHUTDOWN_WAIT``."""
+        deadline = time.monotonic() + min(WAIT, SHUTDOWN_WAIT)
         while True:
             reply = self.child.recv(max(0.0, deadline - time.monotonic()), f"{self.name} shutdown")
             if reply[0] == "down":
