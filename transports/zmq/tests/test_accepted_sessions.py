@@ -43,14 +43,17 @@ ROOM = (MAX_SOCKETS - OWN_SOCKETS) // SOCKETS_PER_SESSION
 flight included), one of them kept free."""
 PATIENCE = 60.0
 """The consumers' ``timeouts.handshake``: on a busy host the refusal may take longer than
-the default 10 s to come back, and a handshake timeout would hide it."""
+the default 10 s to come back, and a handshake timeout would hide it. Their loads may take
+four times as long: the working sessions' loads wait for their stores until the refusal is
+in."""
 
 
 @contextmanager
 def fleet(**control_options: int) -> Iterator[tuple[Peer, list[Peer]]]:
     """A producer with ``control_options`` and 13 consumers, all shut down after."""
     producer = Peer(0, control_options=control_options)
-    consumers = [Peer(1 + i, timeouts={"handshake": PATIENCE}) for i in range(FITS + 1)]
+    timeouts = {"handshake": PATIENCE, "load": 4 * PATIENCE}  # working loads outwait a refusal
+    consumers = [Peer(1 + i, timeouts=timeouts) for i in range(FITS + 1)]
     try:
         yield producer, consumers
     finally:
