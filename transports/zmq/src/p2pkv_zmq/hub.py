@@ -80,7 +80,6 @@ from p2pkv_zmq.pairing import GONE, MEMORY, LinkPairing, classify
 from p2pkv_zmq.poller import Poller, Readiness
 from p2pkv_zmq.probe_wire import IDENTITY, identity_answer, probe_request
 from p2pkv_zmq.security import CurveKeys
-from p2pkv_zmq.socket_cap import OWN_SOCKETS
 from p2pkv_zmq.sockets import SocketFactory
 from p2pkv_zmq.zap import ZapHandler
 
@@ -334,8 +333,7 @@ class ZmqHub:
         """Sessions the context's socket cap holds in all (3 sockets each, after the
         transport's own), and those still free beside the live connections. Connections
         retired with a notice in flight hold their PUSH a little longer than counted."""
-        cap = self._sockets.cap
-        total = (cap.value - OWN_SOCKETS) // cap.per_session
+        total = self._sockets.cap.sessions
         return SessionRoom(max(0, total - len(self.pairing)), total)
 
     # -- connections (the LinkPort and MonitorOwner sides) -------------------------------------

@@ -56,6 +56,12 @@ class SocketCap(NamedTuple):
     per_session: int = SOCKETS_PER_SESSION
     """Sockets one session holds, dialed or accepted."""
 
+    @property
+    def sessions(self) -> int:
+        """Sessions the cap holds after :data:`OWN_SOCKETS` (the inverse of
+        :func:`derived_max_sockets`' sum)."""
+        return (self.value - OWN_SOCKETS) // self.per_session
+
 
 def derived_max_sockets(soft_limit: int, socket_limit: int = LIBZMQ_SOCKET_LIMIT) -> int:
     """The cap for a process whose soft descriptor limit is ``soft_limit`` (negative:
