@@ -331,22 +331,26 @@ def socket_budget(config: TierConfig) -> str:
     plus the warm set) need more sockets than the cap: an absurd number, caught before the
     engine runs out under load. The cap is the transport's own, from the ``socket_cap``
     classmethod of its registered class (zmq's: derived from this process's ``ulimit -n``
-    unless set, so off the pod it is this shell's limit, not the pod's)."""
+    unless set, so off the pod it is this shell's limit, not the pod's); the sessions it
+    holds are its ``sessions`` when it says (zmq keeps 16 sockets of its own), else the cap
+    over the sockets a session holds."""
     transport = default_registry().transport("control", config.control)
     cap_of = getattr(transport, "socket_cap", None)
     if cap_of is None:
         return ""
-    cap, source, per_session = cap_of(config.control_options)
+    found = cap_of(config.control_options)
+    cap, source, per_session = found
+    room = getattr(found, "sessions", cap // per_session)  # after the transport's own sockets
     peers = config.peers
     sessions = peers.max_dialed + peers.warm
-    if sessions * per_session <= cap:
+    if sessions <= room:
         return f", {config.control} sockets {cap} ({source})"
     raise ConfigError(
         f"peers.max_dialed {peers.max_dialed} + peers.warm {peers.warm} = {sessions} "
-        f"dialed sessions of {per_session} {config.control} sockets each, above the "
-        f"{config.control} context's cap of {cap} ({source}): lower peers.max_dialed "
-        f"(P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to a sum of at most "
-        f"{cap // per_session}, or raise control_options.max_sockets or ulimit -n"
+        f"dialed sessions of {per_session} {config.control} sockets each, above the {room} "
+        f"the {config.control} context's cap of {cap} ({source}) holds: lower "
+        f"peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm (P2PKV_PEERS_WARM) to a "
+        f"sum of at most {room}, or raise control_options.max_sockets or ulimit -n"
     )
 
 

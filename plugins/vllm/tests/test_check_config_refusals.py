@@ -353,9 +353,9 @@ def test_an_overlay_s_entry_from_a_file_expands_before_it_is_parsed(tmp_path: Pa
             {"warm": 1000},
             {},
             "peers.max_dialed 256 + peers.warm 1000 = 1256 dialed sessions of 3 zmq "
-            "sockets each, above the zmq context's cap of 1023 (derived from ulimit -n "
-            "1024): lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or peers.warm "
-            "(P2PKV_PEERS_WARM) to a sum of at most 341, or raise "
+            "sockets each, above the 335 the zmq context's cap of 1023 (derived from "
+            "ulimit -n 1024) holds: lower peers.max_dialed (P2PKV_PEERS_MAX_DIALED) or "
+            "peers.warm (P2PKV_PEERS_WARM) to a sum of at most 335, or raise "
             "control_options.max_sockets or ulimit -n",
         ),
         (
@@ -383,6 +383,10 @@ def test_absurd_peer_numbers_are_refused_before_the_sockets_run_out(
     assert check({**GUIDE, "peers": {"warm": 63}}, *args, P2PKV_PEERS_MAX_DIALED="200")[0] == 0
     fits = {"P2PKV_PEERS_WARM": "63", "P2PKV_PEERS_MAX_DIALED": "200"}
     assert check(GUIDE, *args, **fits)[0] == 0
+    # 335 sessions fit 1,023 sockets: 3 each after the 16 zmq keeps for itself
+    assert check(GUIDE, *args, P2PKV_PEERS_WARM="79")[0] == 0
+    status, _, err = check(GUIDE, *args, P2PKV_PEERS_WARM="80")
+    assert status == 2 and "= 336 dialed sessions" in err and "at most 335" in err, err
 
 
 def test_the_socket_cap_follows_ulimit_unless_set() -> None:
@@ -395,16 +399,14 @@ def test_the_socket_cap_follows_ulimit_unless_set() -> None:
     args = ("--env", "P2PKV_REPLACE_P2P=1", "--pod-ip", "10.1.2.3", "--no-bind")
     warm = {**GUIDE, "peers": {"warm": 400}}  # 656 dialed sessions: 1,968 sockets
     status, _, err = check(warm, *args)
-    assert (
-        status == 2 and "above the zmq context's cap of 1023 (derived from ulimit -n 1024)" in err
-    )
+    assert status == 2 and "the zmq context's cap of 1023 (derived from ulimit -n 1024)" in err
     status, out, err = check_nofile(warm, 4096, *args)
     assert status == 0, err
     assert "warm=400, zmq sockets 2164 (derived from ulimit -n 4096)\n" in out
     capped = {**warm, "control_options": {"max_sockets": 1500}}
     status, _, err = check_nofile(capped, 4096, *args)
     assert status == 2, err
-    assert "above the zmq context's cap of 1500 (set by control_options.max_sockets)" in err
+    assert "above the 494 the zmq context's cap of 1500 (set by control_options." in err
     status, out, err = check_nofile({**capped, "peers": {"warm": 200}}, 4096, *args)
     assert status == 0, err
     assert "warm=200, zmq sockets 1500 (set by control_options.max_sockets)\n" in out
