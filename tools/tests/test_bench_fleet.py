@@ -63,6 +63,7 @@ def test_quick_json_has_every_field_for_every_size(fleet_doc: dict[str, Any]) ->
 
 def test_quick_json_has_both_floods_with_the_newcomer(fleet_doc: dict[str, Any]) -> None:
     assert [row["kind"] for row in fleet_doc["floods"]] == ["refusing", "black-holed"]
+    assert [row["round"] for row in fleet_doc["floods"]] == [1, 1]
     for row in fleet_doc["floods"]:
         assert set(row) >= FLOOD_FIELDS, FLOOD_FIELDS - set(row)
         assert sum(row["newcomer_outcomes"].values()) == 4  # every first load has an outcome
@@ -93,11 +94,14 @@ def test_the_doc_tables_come_from_the_json(fleet_doc: dict[str, Any], tmp_path: 
     assert proc.stdout == markdown(fleet_doc) + "\n"
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 + len(fleet_doc["sizes"]) + len(fleet_doc["floods"])
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("- ")]
+    assert [line.split(":")[0] for line in summary][:2] == ["- refusing", "- black-holed"]
 
 
 MISUSES = {
     "sizes without fleet": (("--fleet-sizes", "16"), "add --fleet"),
     "no floods without fleet": (("--no-floods",), "add --fleet"),
+    "flood rounds without fleet": (("--flood-rounds", "2"), "add --fleet"),
     "fleet and tier": (("--fleet", "--tier"), "separate benchmarks"),
     "fleet and control": (("--fleet", "--control"), "separate benchmarks"),
     "too few peers": (("--fleet", "--fleet-sizes", "4"), "--fleet-sizes"),

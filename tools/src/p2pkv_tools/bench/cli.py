@@ -230,8 +230,8 @@ def add_parser(sub: Any) -> None:
         help="fleet simulator: one tier under test against N peers in a few "
         "processes (zmq control): per N idle CPU, CPU per request at a fixed "
         "rate, fds, threads, RSS, heartbeat segments/s, time to a warm mesh after "
-        "a storm of N starts, p99 of a load to a peer never contacted; then two "
-        "floods of 10,000 client-named peers (refusing, black-holed)",
+        "a storm of N starts, p99 of a load to a peer never contacted; then "
+        "floods of 10,000 client-named peers (refusing, black-holed; 3 of each)",
     )
     p.add_argument(
         "--fleet-sizes",
@@ -245,7 +245,13 @@ def add_parser(sub: Any) -> None:
         help="with --fleet: a label the JSON and its tables carry (e.g. a commit)",
     )
     p.add_argument(
-        "--no-floods", action="store_const", const=True, help="with --fleet: skip the two floods"
+        "--no-floods", action="store_const", const=True, help="with --fleet: skip the floods"
+    )
+    p.add_argument(
+        "--flood-rounds",
+        type=_positive_int,
+        metavar="N",
+        help="with --fleet: floods of each kind, in turn (default 3; --quick: 1)",
     )
     p.add_argument(
         "--fleet-per-process",

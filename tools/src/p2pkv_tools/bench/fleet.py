@@ -43,6 +43,7 @@ others (:func:`~p2pkv_tools.bench.fleet_cores.placement`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Iterator, Sequence
@@ -94,11 +95,20 @@ class FleetConfig:
     flood_names: int = 10_000
     flood_s: float = 3.0
     floods: bool = True
+    flood_rounds: int = 3
+    """Floods of each kind (``--flood-rounds``): one flood's ratio swings with the host."""
 
 
 FULL = FleetConfig()
 QUICK = FleetConfig(
-    sizes=(8, 12), idle_s=1.0, rate=50.0, rate_s=1.0, cold=3, flood_names=300, flood_s=0.5
+    sizes=(8, 12),
+    idle_s=1.0,
+    rate=50.0,
+    rate_s=1.0,
+    cold=3,
+    flood_names=300,
+    flood_s=0.5,
+    flood_rounds=1,
 )
 """``--quick``: seconds, for the README test command (figures mean nothing)."""
 
@@ -292,22 +302,25 @@ def flood_names(kind: str, count: int) -> Iterator[list[str]]:
 
 def measure_floods(config: FleetConfig, quick: bool) -> list[dict[str, Any]]:
     """The two floods against one fleet of :data:`FLOOD_PEERS` (``--quick``: the smallest
-    size) warm peers."""
+    size) warm peers, ``config.flood_rounds`` times each, the kinds in turn. Established
+    traffic runs alone before the first flood and after each one: a flood's ratio is to
+    the mean of the runs alone on either side of it. Each flood has a newcomer of its own."""
     peers = min(config.sizes) if quick else FLOOD_PEERS
+    kinds = ("refusing", "black-holed")
     rows = []
     with ExitStack() as stack:
-        fleet = _Fleet(stack, peers, 2, config, quick)
+        fleet = _Fleet(stack, peers, len(kinds) * config.flood_rounds, config, quick)
         fleet.storm(peers)
-        base = 3_000_000
-        for i, kind in enumerate(("refusing", "black-holed")):
-            first = base + 3 * i * 10**5
-            before = _established(fleet, config, first, [])
+        bases = itertools.count(3_000_000, 10**5)
+        before = _established(fleet, config, next(bases), [])
+        for flood in range(config.flood_rounds * len(kinds)):
+            kind = kinds[flood % len(kinds)]
             with flood_names(kind, config.flood_names) as names:
-                flooded = _established(
-                    fleet, config, first + 10**5, names, newcomer=(fleet.others[i], PRODUCERS + i)
-                )
-            after = _established(fleet, config, first + 2 * 10**5, [])
-            rows.append(_flood_row(kind, (before, after), flooded))
+                newcomer = (fleet.others[flood], PRODUCERS + flood)
+                flooded = _established(fleet, config, next(bases), names, newcomer=newcomer)
+            after = _established(fleet, config, next(bases), [])
+            rows.append(_flood_row(kind, flood // len(kinds) + 1, (before, after), flooded))
+            before = after
     return rows
 
 
@@ -349,7 +362,7 @@ def _window_cpu_pct(result: dict[str, Any]) -> float:
 
 
 def _flood_row(
-    kind: str, alone: tuple[dict[str, Any], dict[str, Any]], flooded: dict[str, Any]
+    kind: str, round_: int, alone: tuple[dict[str, Any], dict[str, Any]], flooded: dict[str, Any]
 ) -> dict[str, Any]:
     newcomer = flooded["kinds"].get("newcomer", {})
     flood = flooded["kinds"].get("flood", {})
@@ -358,6 +371,7 @@ def _flood_row(
     loaded = _rps(flooded)
     return {
         "kind": kind,
+        "round": round_,
         "names": flooded["flood_issued"],
         "flood_rate": FLOOD_RATE,
         "window_s": flooded["window_s"],

@@ -24,6 +24,7 @@ FLEET_FLAGS = {
     "fleet_sizes": "--fleet-sizes",
     "fleet_label": "--fleet-label",
     "no_floods": "--no-floods",
+    "flood_rounds": "--flood-rounds",
     "fleet_per_process": "--fleet-per-process",
     "fleet_tut_path": "--fleet-tut-path",
 }
@@ -42,6 +43,8 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         config = replace(config, sizes=tuple(args.fleet_sizes))
     if args.no_floods:
         config = replace(config, floods=False)
+    if args.flood_rounds:
+        config = replace(config, flood_rounds=args.flood_rounds)
     if args.fleet_per_process:
         config = replace(config, per_process=args.fleet_per_process)
     if args.fleet_tut_path:

@@ -8,6 +8,7 @@ refreshed from the JSON by one command.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["FLOOD_COLUMNS", "SIZE_COLUMNS", "main", "markdown", "print_fleet"]
+__all__ = ["FLOOD_COLUMNS", "SIZE_COLUMNS", "flood_summary", "main", "markdown", "print_fleet"]
 
 SIZE_COLUMNS = (
     ("peers", "peers"),
@@ -42,6 +43,7 @@ SIZE_COLUMNS = (
 
 FLOOD_COLUMNS = (
     ("kind", "flood"),
+    ("round", "round"),
     ("names", "names"),
     ("established_rps_alone", "established req/s alone"),
     ("established_rps_alone_runs", "alone before → after"),
@@ -58,6 +60,28 @@ FLOOD_COLUMNS = (
     ("tick_us_flooded", "thread CPU µs a tick, flooded"),
 )
 """(JSON key, heading) of the floods table, in order."""
+
+
+def flood_summary(floods: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per kind of flood: its ratios in order, their median and the lowest; then
+    the runs alone: how far apart two of them land with no flood at all (the host's
+    swing, which one flood's ratio carries too)."""
+    lines = []
+    for kind in dict.fromkeys(row["kind"] for row in floods):
+        ratios = [row["ratio"] for row in floods if row["kind"] == kind]
+        known = [r for r in ratios if r is not None]
+        line = f"{kind}: ratios {', '.join(_cell(r) for r in ratios)}"
+        if known:
+            line += f" (median {statistics.median(known):.3g}, lowest {min(known):g})"
+        lines.append(line)
+    alone = [row["established_rps_alone_runs"] for row in floods]
+    runs = [*alone[0][:1], *(pair[-1] for pair in alone)] if alone else []
+    if len(runs) > 1 and min(runs) > 0:
+        lines.append(
+            f"alone, {len(runs)} runs: {', '.join(_cell(r) for r in runs)} req/s "
+            f"(lowest/highest {min(runs) / max(runs):.2f})"
+        )
+    return lines
 
 
 def _cell(value: Any) -> str:
@@ -90,6 +114,8 @@ def print_fleet(console: Console, doc: dict[str, Any], title: str) -> None:
         for row in _rows(items, columns):
             table.add_row(*row)
         console.print(table)
+    for line in flood_summary(doc["floods"]):
+        console.print(line)
 
 
 def _markdown_table(items: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
@@ -112,7 +138,8 @@ def markdown(doc: dict[str, Any]) -> str:
         head += f" Tier under test pinned to core {tut}, peers to {peers}."
     parts = [head, "", _markdown_table(doc["sizes"], SIZE_COLUMNS)]
     if doc.get("floods"):
-        parts += ["", _markdown_table(doc["floods"], FLOOD_COLUMNS)]
+        parts += ["", _markdown_table(doc["floods"], FLOOD_COLUMNS), ""]
+        parts += [f"- {line}" for line in flood_summary(doc["floods"])]
     return "\n".join(parts) + "\n"
 
 

@@ -13,8 +13,10 @@ Commands (over a harness pipe):
 - ``run(plan)``: PD loads as the plan says (:class:`Plan`), bytes verified; per kind of load
   the outcomes, latencies (submit to result) and a few failure details, and the CPU spent
   (in all, and within the window); within the window, the ticking thread's CPU issuing
-  flood names and ticking (``time.thread_time``), and its ticks; the zmq dials and reach
-  checks the run made (:mod:`~p2pkv_tools.bench.fleet_dials`).
+  flood names (the tier's calls: their requests are built before the window, as an
+  engine builds its own whatever its KV tier) and ticking (``time.thread_time``), and its
+  ticks; the zmq dials and reach checks the run made
+  (:mod:`~p2pkv_tools.bench.fleet_dials`).
 
 The process freezes its startup heap once the tier is built, as vLLM's EngineCore does
 (``gc.freeze``): the collector then walks what the tier and the runs allocate since.
@@ -96,6 +98,19 @@ class _Kind:
             self.latencies_s.append(latency)
         elif len(self.details) < _DETAILS and detail:
             self.details.append(detail)
+
+
+_Request = tuple[int, RequestContext, list[bytes]]
+"""A request as an engine hands it to the tier: its number (the job's id), its context
+(routing naming the producer) and its blocks' keys."""
+
+
+def _request(producer: str, request: int, blocks: int) -> _Request:
+    """Request ``request``: ``blocks`` blocks from ``producer``, named in its routing."""
+    host, port = parse_address(producer)
+    route = {"kv_request_id": fleet_kv_id(request), "remote_host": host, "remote_port": port}
+    ctx = RequestContext(f"c{request}", {"remote_prefiller": route})
+    return request, ctx, request_keys(request, blocks)
 
 
 @dataclass
@@ -216,7 +231,7 @@ class TierUnderTest:
         """Run ``plan`` (see :class:`Plan`); results per kind and the CPU spent."""
         self._kinds, self._mismatched = {}, 0
         timed = deque(sorted(plan.timed))
-        closed, flood = deque(plan.closed), deque(plan.flood)
+        closed, flood = deque(plan.closed), self._flood_requests(plan.flood)
         cpu = process_usage()["cpu_s"]
         window_cpu: float | None = None
         started = time.monotonic()
@@ -237,7 +252,7 @@ class TierUnderTest:
             if in_window and flood and flooded < plan.flood_rate * now:
                 spent = time.thread_time()
                 while flood and flooded < plan.flood_rate * now:
-                    self._flood(flood.popleft())
+                    self._issue(flood.popleft(), "flood")
                     flooded += 1
                 thread.flood_s += time.thread_time() - spent
             while in_window and closed and self._count("established") < plan.concurrency:
@@ -273,29 +288,40 @@ class TierUnderTest:
         return self._open_kinds[kind]
 
     def _load(self, producer: str, request: int, blocks: int, kind: str) -> None:
-        """``on_new_request``, a lookup of every key (PD: a hit) and ``submit_load``."""
-        kinds = self._kinds.setdefault(kind, _Kind())
+        """Build request ``request`` to ``producer`` and issue it (:meth:`_issue`)."""
+        self._issue(_request(producer, request, blocks), kind)
+
+    def _issue(self, request: _Request, kind: str) -> None:
+        """The engine's calls for ``request``: ``on_new_request``, a lookup of every key
+        (PD: a hit) and ``submit_load``."""
+        job_id, ctx, keys = request
+        blocks = len(keys)
         if len(self._free) < blocks:
-            kinds.add("no_free_slot", 0.0, "the region of the tier under test is full")
+            self._kinds.setdefault(kind, _Kind()).add(
+                "no_free_slot", 0.0, "the region of the tier under test is full"
+            )
             return
-        host, port = parse_address(producer)
-        route = {"kv_request_id": fleet_kv_id(request), "remote_host": host, "remote_port": port}
-        ctx = RequestContext(f"c{request}", {"remote_prefiller": route})
         tier = self._tier
         tier.on_new_request(ctx)
-        keys = request_keys(request, blocks)
-        if any(tier.lookup(key, ctx) is not LookupResult.HIT for key in keys):
-            tier.on_request_finished(ctx)
-            kinds.add("lookup_miss", 0.0, "")
-            return
+        for key in keys:
+            if tier.lookup(key, ctx) is not LookupResult.HIT:
+                tier.on_request_finished(ctx)
+                self._kinds.setdefault(kind, _Kind()).add("lookup_miss", 0.0, "")
+                return
         slots = [self._free.popleft() for _ in range(blocks)]
-        self._open[request] = (ctx, slots, time.perf_counter(), kind)
+        self._open[job_id] = (ctx, slots, time.perf_counter(), kind)
         self._open_kinds[kind] += 1
-        tier.submit_load(Job(request, keys, slots, is_load=True, ctx=ctx))
+        tier.submit_load(Job(job_id, keys, slots, is_load=True, ctx=ctx))
 
-    def _flood(self, producer: str) -> None:
-        self._flood_request += 1
-        self._load(producer, self._flood_request, 1, "flood")
+    def _flood_requests(self, producers: list[str]) -> deque[_Request]:
+        """A one-block request to each of ``producers``, built before the window: an
+        engine builds its requests whatever its KV tier, so a flood name's figures are the
+        tier's calls alone."""
+        first = self._flood_request
+        self._flood_request += len(producers)
+        return deque(
+            _request(producer, first + i, 1) for i, producer in enumerate(producers, start=1)
+        )
 
     def _collect(self) -> None:
         for result in self._tier.get_finished_jobs():
