@@ -64,8 +64,9 @@ FLOOD_COLUMNS = (
 
 def flood_summary(floods: Sequence[dict[str, Any]]) -> list[str]:
     """One line per kind of flood: its ratios in order, their median and the lowest; then
-    the runs alone: how far apart two of them land with no flood at all (the host's
-    swing, which one flood's ratio carries too)."""
+    the runs alone, and each one between two others read as a flood's ratio is, against
+    the mean of its neighbours: the ratio of no flood at all, the host's swing that one
+    flood's ratio carries too."""
     lines = []
     for kind in dict.fromkeys(row["kind"] for row in floods):
         ratios = [row["ratio"] for row in floods if row["kind"] == kind]
@@ -76,10 +77,12 @@ def flood_summary(floods: Sequence[dict[str, Any]]) -> list[str]:
         lines.append(line)
     alone = [row["established_rps_alone_runs"] for row in floods]
     runs = [*alone[0][:1], *(pair[-1] for pair in alone)] if alone else []
-    if len(runs) > 1 and min(runs) > 0:
+    nulls = [runs[i] / ((runs[i - 1] + runs[i + 1]) / 2) for i in range(1, len(runs) - 1)]
+    if nulls and min(runs) > 0:
         lines.append(
-            f"alone, {len(runs)} runs: {', '.join(_cell(r) for r in runs)} req/s "
-            f"(lowest/highest {min(runs) / max(runs):.2f})"
+            f"alone, {len(runs)} runs: {', '.join(_cell(r) for r in runs)} req/s; each "
+            f"between two, as a ratio to their mean (no flood at all): "
+            f"{', '.join(f'{n:.3g}' for n in nulls)} (median {statistics.median(nulls):.3g})"
         )
     return lines
 
