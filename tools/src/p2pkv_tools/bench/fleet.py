@@ -29,12 +29,14 @@ Per N, in fresh processes:
 4. **Cold peers.** One load each to peers the tier never contacted, one after another: the
    p50/p99 of submit to result (dial, handshake, fetch, read).
 
-Floods (once, with :data:`FLOOD_PEERS` warm peers): established traffic (a closed loop of
-loads over the producers) alone, then with 10,000 loads naming distinct peers that refuse
-(``127.x.y.z`` at a closed port) or drop SYNs (a listener whose accept queue is full), at
-:data:`FLOOD_RATE` per second, then alone again; the established throughput as a ratio of
-the mean of the runs alone (a shared host drifts), the tier's CPU within each window, and
-the outcomes of the first loads to a healthy newcomer contacted during the flood.
+Floods (in one fleet of :data:`FLOOD_PEERS` warm peers, ``flood_rounds`` of each kind, the
+kinds in turn): established traffic (a closed loop of loads over the producers) alone, then
+with 10,000 loads naming distinct peers that refuse (``127.x.y.z`` at a closed port) or
+drop SYNs (a listener whose accept queue is full), at :data:`FLOOD_RATE` per second, then
+alone again (which is the next flood's run before it); the established throughput as a
+ratio of the mean of the runs alone on either side (a shared host drifts), the tier's CPU
+within each window, and the outcomes of the first loads to a healthy newcomer (one per
+flood) contacted during the flood.
 
 Timings are wall clock on a shared host; every figure carries the load average around it.
 With two cores or more, the tier under test has a core of its own and the peers share the
