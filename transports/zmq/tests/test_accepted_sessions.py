@@ -43,16 +43,17 @@ ROOM = (MAX_SOCKETS - OWN_SOCKETS) // SOCKETS_PER_SESSION
 flight included), one of them kept free."""
 PATIENCE = 60.0
 """The consumers' ``timeouts.handshake``: on a busy host the refusal may take longer than
-the default 10 s to come back, and a handshake timeout would hide it. Their loads may take
-four times as long: the working sessions' loads wait for their stores until the refusal is
-in."""
+the default 10 s to come back, and a handshake timeout would hide it. Loads may take four
+times as long, on both sides: the working sessions' loads wait for their stores until the
+refusal is in, and the producer's lease (its ``timeouts.load`` and a margin, counted by each
+consumer from its fetch) must outlast that wait."""
 
 
 @contextmanager
 def fleet(**control_options: int) -> Iterator[tuple[Peer, list[Peer]]]:
     """A producer with ``control_options`` and 13 consumers, all shut down after."""
-    producer = Peer(0, control_options=control_options)
     timeouts = {"handshake": PATIENCE, "load": 4 * PATIENCE}  # working loads outwait a refusal
+    producer = Peer(0, control_options=control_options, timeouts=timeouts)  # and its lease
     consumers = [Peer(1 + i, timeouts=timeouts) for i in range(FITS + 1)]
     try:
         yield producer, consumers
@@ -115,11 +116,11 @@ def test_past_an_explicit_cap_with_every_session_working_the_newcomer_is_refused
         )
         caplog.set_level(logging.WARNING, logger="p2pkv.zmq.hub")
         pctx, cctx = start_load(producer, newcomer, "late", FITS)
-        wait_until(
+        wait_until(  # every tier ticks: one left unticked for a minute is a paused peer
             lambda: 2 * FITS in newcomer.results,
             timeout=PATIENCE + T,
             what="the newcomer's load",
-            pumps=[tick(producer, newcomer)],
+            pumps=[tick(producer, *consumers)],
         )
         refused(newcomer.results[2 * FITS], producer, caplog)
         for i, (wctx, _) in enumerate(waiting):
@@ -128,7 +129,7 @@ def test_past_an_explicit_cap_with_every_session_working_the_newcomer_is_refused
             lambda: all(FITS + i in c.results for i, c in enumerate(working)),
             timeout=T,
             what="the working sessions' loads",
-            pumps=[tick(producer, *working)],
+            pumps=[tick(producer, *consumers)],
         )
         for i, (consumer, (wctx, cwctx)) in enumerate(zip(working, waiting, strict=True)):
             assert consumer.results[FITS + i].outcome is Outcome.DONE
@@ -138,7 +139,7 @@ def test_past_an_explicit_cap_with_every_session_working_the_newcomer_is_refused
         producer.tier.on_request_finished(pctx)
         newcomer.tier.on_request_finished(cctx)
         reserve_kept(producer, consumers)
-        run_request(producer, newcomer, "again", [5], consumer_first=False)
+        run_request(producer, newcomer, "again", [5], consumer_first=False, timeout=PATIENCE)
 
 
 def start_load(producer: Peer, consumer: Peer, kv: str, i: int) -> tuple[Any, Any]:

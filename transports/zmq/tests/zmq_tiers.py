@@ -90,10 +90,12 @@ def run_request(
     *,
     settle: bool = True,
     finish: bool = True,
+    timeout: float = T,
 ) -> None:
     """One PD request: store ``slots`` of the producer into mirrored consumer slots, its
     bytes checked. ``settle``: both sides tick between the two submits; ``finish``: both
-    finish the request at the end (else the caller does, with :func:`contexts`)."""
+    finish the request at the end (else the caller does, with :func:`contexts`);
+    ``timeout``: the wait for both results (a first dial included)."""
     pctx, cctx = contexts(kv, producer)
     producer.tier.on_new_request(pctx)
     consumer.tier.on_new_request(cctx)
@@ -112,7 +114,7 @@ def run_request(
     steps[1]()
     wait_until(
         lambda: store_id in producer.results and load_id in consumer.results,
-        timeout=T,
+        timeout=timeout,
         what=f"both results of {kv}",
         pumps=[tick(producer, consumer)],
     )
