@@ -296,18 +296,16 @@ class TierUnderTest:
         (PD: a hit) and ``submit_load``."""
         job_id, ctx, keys = request
         blocks = len(keys)
+        kinds = self._kinds.setdefault(kind, _Kind())
         if len(self._free) < blocks:
-            self._kinds.setdefault(kind, _Kind()).add(
-                "no_free_slot", 0.0, "the region of the tier under test is full"
-            )
+            kinds.add("no_free_slot", 0.0, "the region of the tier under test is full")
             return
         tier = self._tier
         tier.on_new_request(ctx)
-        for key in keys:
-            if tier.lookup(key, ctx) is not LookupResult.HIT:
-                tier.on_request_finished(ctx)
-                self._kinds.setdefault(kind, _Kind()).add("lookup_miss", 0.0, "")
-                return
+        if any(tier.lookup(key, ctx) is not LookupResult.HIT for key in keys):
+            tier.on_request_finished(ctx)
+            kinds.add("lookup_miss", 0.0, "")
+            return
         slots = [self._free.popleft() for _ in range(blocks)]
         self._open[job_id] = (ctx, slots, time.perf_counter(), kind)
         self._open_kinds[kind] += 1
