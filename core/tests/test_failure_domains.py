@@ -96,3 +96,21 @@ def test_a_sibling_with_work_open_is_not_probed(h: Any, cluster: Any) -> None:
     rs[1].store(51, h.keys("open", 1), [2], pctx)
     h.pump_until([c, *rs], lambda: 50 in c.results)
     assert c.outcome(50) is Outcome.DONE
+
+
+def test_a_producer_losing_a_consumer_never_probes_its_other_consumers(
+    h: Any,
+    cluster: Any,
+) -> None:
+    """A consumer's next fetch may be on its way when its session looks quiet here: a probe's
+    bye would cross it (transports/zmq/tests/test_lost_peer_siblings.py has the crossing)."""
+    p, lost, other = cluster(), cluster(), cluster()
+    nodes = [p, lost, other]
+    assert pd_load(h, p, lost, "lost", 1, nodes).outcome is Outcome.DONE
+    assert pd_load(h, p, other, "other", 3, nodes).outcome is Outcome.DONE
+    p.tier.peer_connection(lost.address).close()
+    h.pump(nodes, 4)
+    stats = p.tier.stats()
+    assert stats["peers_suspected"] == 1 and stats["peers_probed"] == 0, stats
+    assert stats["sessions_ready"] == 1, stats
+    assert pd_load(h, p, other, "after", 5, nodes).outcome is Outcome.DONE

@@ -57,6 +57,10 @@ class ProducerRole:
         """The requests this role holds state for (read-only outside the role)."""
         self.closing = False
         self.winding_down = False
+        self.asked = False
+        """The peer has asked us for blocks (a fetch or a lookup): it may have another
+        request on its way at any moment, so quiet as the session looks here, a close would
+        cross it (the tier never probes such a session, :mod:`p2pkv.tiering.domains`)."""
         self._jobs = StoreJobs(env, peer, self._maybe_drop)
         self._rounds = FetchRounds(env, peer, send, self._jobs, self._maybe_drop)
         self._lookups = LookupServing(env, peer, send, self._adopt_pinned)
@@ -109,6 +113,7 @@ class ProducerRole:
     def on_fetch(self, msg: Fetch) -> None:
         """Open a round for the fetched keys, or release the request on a terminal fetch.
         A fetch that cannot be served is answered ``round_failed`` at once."""
+        self.asked = True
         if msg.keys and len(set(msg.keys)) != len(msg.keys):
             raise ProtocolError("fetch.keys: duplicate key")
         if msg.keys and self.winding_down:
@@ -144,6 +149,7 @@ class ProducerRole:
         )
 
     def on_lookup(self, msg: Lookup) -> None:
+        self.asked = True
         self._lookups.on_lookup(msg)
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -7,18 +7,22 @@ transport's timeout), but a consumer can act on the first one: when a session th
 from its peer is *lost* (its connection died; not a bye, an eviction or our own close), the
 peer's host becomes suspect for ``timeouts.handshake`` seconds, and
 
-- every other session to that host with nothing open (a quiet sibling rank) is probed at
-  once: closed with a bye and dialed again, with the short probe deadline
-  (``timeouts.handshake / 5``). A live rank answers within milliseconds and is warm again;
-  a dead or paused one fails the probe, and its address is backed off (:mod:`.backoff`), so
-  requests naming it are refused at once until the backoff passes;
+- every other session to that host with nothing open (a quiet sibling rank) that only
+  serves us is probed at once: closed with a bye and dialed again, with the short probe
+  deadline (``timeouts.handshake / 5``). A live rank answers within milliseconds and is
+  warm again; a dead or paused one fails the probe, and its address is backed off
+  (:mod:`.backoff`), so requests naming it are refused at once until the backoff passes;
 - every new dial to that host gets the same short deadline, and each one that fails keeps
   the host suspect for another ``timeouts.handshake``.
 
 A probe is not a death: a paused pod that resumes is dialed again once the backoff passes
 and served as before. Sessions with work open are not probed (their own heartbeats decide,
-within the timeout). Siblings are the sessions to the same host, whatever their port: on
-Kubernetes each pod has its own address, so they are the pod's ranks.
+within the timeout), and neither are sessions whose peer has ever asked us for blocks (a
+fetch or a lookup): nothing open here does not mean nothing is on its way from such a peer,
+and the probe's bye would cross its next request, failing it. A producer therefore never
+probes its consumers; a consumer probes the ranks it pulls from. Siblings are the sessions
+to the same host, whatever their port: on Kubernetes each pod has its own address, so they
+are the pod's ranks.
 
 Threading: driver thread only.
 """
@@ -113,7 +117,9 @@ class FailureDomains(SessionWatcher):
         if was is not None and was > now:
             return  # already suspect: its siblings were probed
         self.suspected += 1
-        quiet = [s for s in self._by_host.get(host, ()) if s.ready and s.idle]
+        quiet = [
+            s for s in self._by_host.get(host, ()) if s.ready and s.idle and not s.producer.asked
+        ]
         if quiet:
             log.info(
                 "peer %s lost: probing %d quiet session(s) to other ranks of %s",
