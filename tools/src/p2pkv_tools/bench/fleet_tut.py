@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import FrameType
@@ -146,7 +146,7 @@ class TierUnderTest:
         self._free = deque(range(blocks))
         self._open: dict[int, tuple[RequestContext, list[int], float, str]] = {}
         self._open_kinds: Counter[str] = Counter()
-        self._kinds: dict[str, _Kind] = {}
+        self._kinds: defaultdict[str, _Kind] = defaultdict(_Kind)
         self._mismatched = 0
         self._flood_request = 1 << 40
 
@@ -229,7 +229,7 @@ class TierUnderTest:
 
     def run(self, plan: Plan) -> dict[str, Any]:
         """Run ``plan`` (see :class:`Plan`); results per kind and the CPU spent."""
-        self._kinds, self._mismatched = {}, 0
+        self._kinds, self._mismatched = defaultdict(_Kind), 0
         timed = deque(sorted(plan.timed))
         closed, flood = deque(plan.closed), self._flood_requests(plan.flood)
         cpu = process_usage()["cpu_s"]
@@ -296,7 +296,7 @@ class TierUnderTest:
         (PD: a hit) and ``submit_load``."""
         job_id, ctx, keys = request
         blocks = len(keys)
-        kinds = self._kinds.setdefault(kind, _Kind())
+        kinds = self._kinds[kind]
         if len(self._free) < blocks:
             kinds.add("no_free_slot", 0.0, "the region of the tier under test is full")
             return
@@ -337,9 +337,7 @@ class TierUnderTest:
         ):
             self._mismatched += 1
             outcome = "mismatched"
-        self._kinds.setdefault(kind, _Kind()).add(
-            outcome, time.perf_counter() - submitted, result.detail
-        )
+        self._kinds[kind].add(outcome, time.perf_counter() - submitted, result.detail)
         self._tier.on_request_finished(ctx)
         self._free.extend(slots)
 
