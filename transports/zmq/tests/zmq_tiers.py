@@ -121,7 +121,6 @@ def run_request(
     assert producer.results[store_id].outcome is Outcome.DONE
     assert consumer.results[load_id].outcome is Outcome.DONE
     assert (consumer.blocks[dst] == producer.blocks[slots]).all(), f"{kv}: wrong bytes"
-    assert (consumer.blocks[dst] == producer.blocks[slots]).all()
     if finish:
         producer.tier.on_request_finished(pctx)
         consumer.tier.on_request_finished(cctx)
