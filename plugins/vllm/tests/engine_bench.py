@@ -508,17 +508,36 @@ def warm(pair: Pair, prompts: Prompts, tag: str, checks: Checks) -> None:
     pull(pair, tokens, f"{tag}-warm-b", expected, checks)
 
 
+INTERVALS = (
+    ("answer", "lookup", "hit"),
+    ("fetch", "load", "loaded"),
+    ("to_read", "load", "read"),
+    ("to_end", "read_end", "ended"),
+    ("report", "ended", "loaded"),
+)
+"""p2pkv's marks of a pull -> (name, from, to): the source's answer to the probe (first
+lookup to first HIT), the fetch (load submitted to its result), and the fetch's phases: to
+the first read (the fetch frame, the source's ``ready``, the consumer's tick that took it),
+from the last ``read_blocks`` return to the tier seeing the read end (the transfer on a lane
+that completes later: the staged lane's WRITE and copies), and from there to vLLM
+collecting the result (``get_finished_jobs``)."""
+SPANS = ("read_s", "read_cpu_s", "copy_s", "copy_cpu_s")
+"""Marks that are sums of seconds (``llm_host._PullClock``): inside ``read_blocks`` (on
+``cma`` the copy) and the staged copies, wall and the engine thread's CPU."""
+
+
 def marks_ms(pair: Pair, req_id: str) -> dict[str, float]:
-    """p2pkv's own view of a pull (``Engine.pull_marks``): the source's answer to the probe
-    (first lookup to first HIT) and the fetch (load submitted to its result), ms."""
+    """p2pkv's own view of a pull (``Engine.pull_marks``), ms: ``INTERVALS`` and ``SPANS``
+    (named without ``_s``), those whose marks the pull has."""
     if not pair.consumer.runs_p2pkv:
         return {}
     marks = pair.consumer.pull_marks(req_id)
-    out = {}
-    if "hit" in marks and "lookup" in marks:
-        out["answer"] = (marks["hit"] - marks["lookup"]) * 1e3
-    if "loaded" in marks and "load" in marks:
-        out["fetch"] = (marks["loaded"] - marks["load"]) * 1e3
+    out = {
+        name: (marks[end] - marks[start]) * 1e3
+        for name, start, end in INTERVALS
+        if start in marks and end in marks
+    }
+    out.update({span.removesuffix("_s"): marks[span] * 1e3 for span in SPANS if span in marks})
     return out
 
 
@@ -857,6 +876,36 @@ def length_tables(tiers: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n\n".join(out)
 
 
+PHASE_COLUMNS = (
+    "answer",
+    "fetch",
+    "to_read",
+    "read",
+    "read_cpu",
+    "copy",
+    "copy_cpu",
+    "to_end",
+    "report",
+)
+
+
+def phase_table(tiers: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """p2pkv's idle pulls by phase (``marks_ms``), medians per length; None without marks."""
+    lines = []
+    for row in tiers.get("p2pkv", {}).get("lengths", []):
+        idle = [m["idle"] for m in row["p2pkv_marks"] if m["idle"]]
+        cells = [
+            cell(statistics.median(values)) if (values := [m[c] for m in idle if c in m]) else "-"
+            for c in PHASE_COLUMNS
+        ]
+        if idle:
+            lines.append([str(row["tokens"]), *cells])
+    if not lines:
+        return None
+    title = "p2pkv's idle pulls by phase (ms, medians; engine_bench.INTERVALS, SPANS)"
+    return table(title, ["tokens", *PHASE_COLUMNS], lines)
+
+
 def yaml_block(tier: str, doc: Mapping[str, Any], label: str, shape: str) -> str:
     """The tier's costModel as YAML for the EPP's ``p2p-source-producer`` parameters (a
     value not measured is a comment)."""
@@ -917,9 +966,11 @@ def link_lines(link: Mapping[str, Any]) -> str:
 def render(doc: Mapping[str, Any]) -> str:
     """The whole report as text."""
     tiers = doc["tiers"]
+    phases = phase_table(tiers)
     parts = [
         link_lines(doc["link"]),
         length_tables(tiers),
+        *([phases] if phases else []),
         "first pull of a fresh pair (ms): "
         + ", ".join(
             f"{TIER_TITLE.get(t, t)} {v['first_pull']['ttft_ms']:.1f} "

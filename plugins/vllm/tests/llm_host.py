@@ -49,6 +49,7 @@ Only imported in the ``engine`` session's environment.
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import logging
 import multiprocessing
@@ -60,6 +61,8 @@ import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
+
+from p2pkv.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from p2pkv_tools.bench.netns import Placement
@@ -142,7 +145,16 @@ class _PullClock:
     fresh peer's dial and handshake before it), ``load`` (its load submitted) and ``loaded``
     (that load's result reported). Times are ``time.monotonic()`` of this process, taken at
     the call, so they include the engine's step cadence (vLLM calls ``lookup`` once a step
-    while the answer is pending)."""
+    while the answer is pending).
+
+    Inside a load, for every request whose load is open (the engine bench pulls one at a
+    time): ``read`` and ``read_end`` (the first ``read_blocks`` call of any data transport,
+    the last return: on UCX's ``cma`` lane the copy runs inside it), ``copy`` and
+    ``copy_end`` (the staged lane's copies from its pool into the slots,
+    ``StagingPool.copy_out``), ``ended`` (the tier saw its last read end: its
+    ``p2pkv_transfer_finished`` observer hook), and the seconds spent in those calls, wall
+    and the calling thread's CPU (``read_s``, ``read_cpu_s``, ``copy_s``, ``copy_cpu_s``).
+    """
 
     def __init__(self) -> None:
         self.marks: dict[str, dict[str, float]] = {}
@@ -177,6 +189,50 @@ class _PullClock:
         P2PKVTier.lookup = timed_lookup  # type: ignore[method-assign,assignment]
         P2PKVTier.submit_load = timed_submit_load  # type: ignore[method-assign,assignment]
         P2PKVTier.get_finished_jobs = timed_finished  # type: ignore[method-assign,assignment]
+        self._watch_loads()
+
+    def _watch_loads(self) -> None:
+        """Time the data transports' reads and staged copies, and observe the tier's reads
+        end (an observer registered in the process-wide registry the tier will load)."""
+        from p2pkv.observers import Observers
+        from p2pkv.registry import default_registry
+
+        registry = default_registry()
+        registry.pm.register(self, name="engine-bench-pull-clock")
+        registry.observers = Observers(registry.pm)
+        for name in registry.entries("data"):
+            with contextlib.suppress(Exception):  # a transport this host cannot load
+                self._time(registry.transport("data", name), "read_blocks", "read")
+        with contextlib.suppress(ImportError):
+            from p2pkv_nixl.staging import StagingPool
+
+            self._time(StagingPool, "copy_out", "copy")
+
+    def _time(self, cls: type[Any], method: str, mark: str) -> None:
+        """Wrap ``cls.method``: each call marks every open load (see the class docstring)."""
+        original = getattr(cls, method)
+
+        def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            began, cpu = time.monotonic(), time.thread_time()
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                ended, used = time.monotonic(), time.thread_time() - cpu
+                for req_id in set(self._job_requests.values()):
+                    marks = self.marks.setdefault(req_id, {})
+                    marks.setdefault(mark, began)
+                    marks[f"{mark}_end"] = ended
+                    marks[f"{mark}_s"] = marks.get(f"{mark}_s", 0.0) + ended - began
+                    marks[f"{mark}_cpu_s"] = marks.get(f"{mark}_cpu_s", 0.0) + used
+
+        setattr(cls, method, timed)
+
+    @hookimpl
+    def p2pkv_transfer_finished(
+        self, peer: str, transfer_id: int, success: bool, nbytes: int, seconds: float
+    ) -> None:
+        for req_id in set(self._job_requests.values()):
+            self.marks.setdefault(req_id, {})["ended"] = time.monotonic()
 
     def _mark(self, req_id: str, mark: str) -> None:
         self.marks.setdefault(req_id, {}).setdefault(mark, time.monotonic())

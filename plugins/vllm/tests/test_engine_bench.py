@@ -8,7 +8,9 @@ same code as the full benchmark (docs/benchmarks.md, "Between real engines"). As
 behaviour only, never a time: no check of the run failed (every pull brought the whole
 prefix as external tokens, ``B``'s greedy tokens equal the source's, local hits and
 recomputes are what they claim), each tier made the pulls the run plans (the first pull,
-then a warm-up, an idle and a busy-source pull per length and repetition), and the fit and
+then a warm-up, an idle and a busy-source pull per length and repetition), every p2pkv idle
+pull's fetch has its phases (``engine_bench.INTERVALS``: it read, the read ended, its result
+reached vLLM), and the fit and
 the p2pkv / built-in ratios came out as finite numbers. Across the veth (one length, a shaped
 link): the same checks, every tier's KV crossed the veth (its source end sent at least the
 bytes the pulls brought), raw NIXL READ and WRITE moved verified bytes over the same link in
@@ -82,6 +84,11 @@ def test_the_quick_form_measures_both_tiers(
         assert all(finite(value) for value in model["fit"].values()), (tier, model)
         assert finite(result["first_pull"]["ttft_ms"])
         assert {row["tokens"] for row in result["lengths"]} == set(settings.lengths)
+    idle_marks = [m["idle"] for row in doc["tiers"]["p2pkv"]["lengths"] for m in row["p2pkv_marks"]]
+    assert len(idle_marks) == len(settings.lengths) * settings.reps
+    for marks in idle_marks:  # every pull's fetch by phase: it read, the read ended, reported
+        assert {"fetch", "to_read", "read", "read_cpu", "to_end", "report"} <= set(marks), marks
+        assert all(value >= 0 for value in marks.values()), marks
     builtin = doc["tiers"][BUILTIN]["cost_model"]
     for key, ratio in doc["ratios"].items():
         computable = builtin.get(key, 1.0) > 0  # first_pull_ms: not a costModel key
