@@ -524,11 +524,14 @@ collecting the result (``get_finished_jobs``)."""
 SPANS = ("read_s", "read_cpu_s", "copy_s", "copy_cpu_s")
 """Marks that are sums of seconds (``llm_host._PullClock``): inside ``read_blocks`` (on
 ``cma`` the copy) and the staged copies, wall and the engine thread's CPU."""
+COUNTS = ("read_faults", "read_preempted", "copy_faults", "copy_preempted")
+"""Marks that are sums of counts over the same calls: the engine thread's page faults and
+preemptions."""
 
 
 def marks_ms(pair: Pair, req_id: str) -> dict[str, float]:
-    """p2pkv's own view of a pull (``Engine.pull_marks``), ms: ``INTERVALS`` and ``SPANS``
-    (named without ``_s``), those whose marks the pull has."""
+    """p2pkv's own view of a pull (``Engine.pull_marks``): ``INTERVALS`` and ``SPANS``
+    (named without ``_s``) in ms, and ``COUNTS``, those whose marks the pull has."""
     if not pair.consumer.runs_p2pkv:
         return {}
     marks = pair.consumer.pull_marks(req_id)
@@ -538,6 +541,7 @@ def marks_ms(pair: Pair, req_id: str) -> dict[str, float]:
         if start in marks and end in marks
     }
     out.update({span.removesuffix("_s"): marks[span] * 1e3 for span in SPANS if span in marks})
+    out.update({count: marks[count] for count in COUNTS if count in marks})
     return out
 
 
@@ -882,6 +886,7 @@ PHASE_COLUMNS = (
     "to_read",
     "read",
     "read_cpu",
+    "read_faults",
     "copy",
     "copy_cpu",
     "to_end",

@@ -55,6 +55,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import resource
 import threading
 import time
 import traceback
@@ -152,8 +153,11 @@ class _PullClock:
     the last return: on UCX's ``cma`` lane the copy runs inside it), ``copy`` and
     ``copy_end`` (the staged lane's copies from its pool into the slots,
     ``StagingPool.copy_out``), ``ended`` (the tier saw its last read end: its
-    ``p2pkv_transfer_finished`` observer hook), and the seconds spent in those calls, wall
-    and the calling thread's CPU (``read_s``, ``read_cpu_s``, ``copy_s``, ``copy_cpu_s``).
+    ``p2pkv_transfer_finished`` observer hook), and what those calls took, summed: seconds
+    of wall time and of the calling thread's CPU (``read_s``, ``read_cpu_s``, ``copy_s``,
+    ``copy_cpu_s``), the thread's page faults (``read_faults``, ``copy_faults``; the
+    kernel counts those it took for ``process_vm_readv`` on the other process's pages too)
+    and the times it was preempted (``read_preempted``, ``copy_preempted``).
     """
 
     def __init__(self) -> None:
@@ -214,16 +218,27 @@ class _PullClock:
 
         def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
             began, cpu = time.monotonic(), time.thread_time()
+            usage = resource.getrusage(resource.RUSAGE_THREAD)
             try:
                 return original(obj, *args, **kwargs)
             finally:
                 ended, used = time.monotonic(), time.thread_time() - cpu
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                added = {
+                    f"{mark}_s": ended - began,
+                    f"{mark}_cpu_s": used,
+                    f"{mark}_faults": after.ru_minflt
+                    + after.ru_majflt
+                    - usage.ru_minflt
+                    - usage.ru_majflt,
+                    f"{mark}_preempted": after.ru_nivcsw - usage.ru_nivcsw,
+                }
                 for req_id in set(self._job_requests.values()):
                     marks = self.marks.setdefault(req_id, {})
                     marks.setdefault(mark, began)
                     marks[f"{mark}_end"] = ended
-                    marks[f"{mark}_s"] = marks.get(f"{mark}_s", 0.0) + ended - began
-                    marks[f"{mark}_cpu_s"] = marks.get(f"{mark}_cpu_s", 0.0) + used
+                    for key, value in added.items():
+                        marks[key] = marks.get(key, 0.0) + value
 
         setattr(cls, method, timed)
 
