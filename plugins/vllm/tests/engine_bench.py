@@ -907,7 +907,7 @@ def phase_table(tiers: Mapping[str, Mapping[str, Any]]) -> str | None:
             lines.append([str(row["tokens"]), *cells])
     if not lines:
         return None
-    title = "p2pkv's idle pulls by phase (ms, medians; engine_bench.INTERVALS, SPANS)"
+    title = "p2pkv's idle pulls by phase (ms, medians; engine_bench.INTERVALS, SPANS, COUNTS)"
     return table(title, ["tokens", *PHASE_COLUMNS], lines)
 
 
