@@ -25,8 +25,9 @@ Commands (tuples) and replies over the ``p2pkv.testing.child.Child`` pipe:
   them, and its offline engine drops the stats of a step without request outputs;
 - ``("log",)`` -> ``("log", [line, ...])``: the INFO and higher records that p2pkv's loggers
   (``p2pkv*``) emitted in this engine so far;
-- ``("marks", req_id)`` -> ``("marks", {mark: monotonic seconds})``: when the p2pkv tier's
-  engine calls for that request happened (:class:`_PullClock`);
+- ``("marks", req_id)`` -> ``("marks", {mark: value})``: when the p2pkv tier's engine calls
+  for that request happened (monotonic seconds), and what its load's reads took (sums of
+  seconds and counts; :class:`_PullClock`);
 - ``("times", req_id)`` -> ``("times", {"submitted": s, "first_token": s, "finished": s})``:
   this process's ``time.monotonic()`` when the request was added to the engine, when a step
   first returned an output token of it and when it finished (keys missing until then; an

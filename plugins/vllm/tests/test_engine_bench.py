@@ -10,12 +10,12 @@ prefix as external tokens, ``B``'s greedy tokens equal the source's, local hits 
 recomputes are what they claim), each tier made the pulls the run plans (the first pull,
 then a warm-up, an idle and a busy-source pull per length and repetition), every p2pkv idle
 pull's fetch has its phases (``engine_bench.INTERVALS``: it read, the read ended, its result
-reached vLLM), and the fit and
-the p2pkv / built-in ratios came out as finite numbers. Across the veth (one length, a shaped
-link): the same checks, every tier's KV crossed the veth (its source end sent at least the
-bytes the pulls brought), raw NIXL READ and WRITE moved verified bytes over the same link in
-the same run, the tiers were bound to the namespace addresses, and the namespaces are gone
-afterwards; without root the run ends in one line, exit status 2.
+reached vLLM), and the fit and the p2pkv / built-in ratios came out as finite numbers.
+Across the veth (one length, a shaped link): the same checks, every tier's KV crossed the
+veth (its source end sent at least the bytes the pulls brought), raw NIXL READ and WRITE
+moved verified bytes over the same link in the same run, the tiers were bound to the
+namespace addresses, and the namespaces are gone afterwards; without root the run ends in
+one line, exit status 2.
 """
 
 from __future__ import annotations
