@@ -899,12 +899,13 @@ def phase_table(tiers: Mapping[str, Mapping[str, Any]]) -> str | None:
     lines = []
     for row in tiers.get("p2pkv", {}).get("lengths", []):
         idle = [m["idle"] for m in row["p2pkv_marks"] if m["idle"]]
+        if not idle:
+            continue
         cells = [
             cell(statistics.median(values)) if (values := [m[c] for m in idle if c in m]) else "-"
             for c in PHASE_COLUMNS
         ]
-        if idle:
-            lines.append([str(row["tokens"]), *cells])
+        lines.append([str(row["tokens"]), *cells])
     if not lines:
         return None
     title = "p2pkv's idle pulls by phase (ms, medians; engine_bench.INTERVALS, SPANS, COUNTS)"

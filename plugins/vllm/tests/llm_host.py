@@ -64,6 +64,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from p2pkv.errors import ConfigError
 from p2pkv.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ class _PullClock:
         registry.pm.register(self, name="engine-bench-pull-clock")
         registry.observers = Observers(registry.pm)
         for name in registry.entries("data"):
-            with contextlib.suppress(Exception):  # a transport this host cannot load
+            with contextlib.suppress(ConfigError):  # a transport this host has disabled
                 self._time(registry.transport("data", name), "read_blocks", "read")
         with contextlib.suppress(ImportError):
             from p2pkv_nixl.staging import StagingPool
@@ -225,17 +226,14 @@ class _PullClock:
             finally:
                 ended, used = time.monotonic(), time.thread_time() - cpu
                 after = resource.getrusage(resource.RUSAGE_THREAD)
+                faults = (after.ru_minflt + after.ru_majflt) - (usage.ru_minflt + usage.ru_majflt)
                 added = {
                     f"{mark}_s": ended - began,
                     f"{mark}_cpu_s": used,
-                    f"{mark}_faults": after.ru_minflt
-                    + after.ru_majflt
-                    - usage.ru_minflt
-                    - usage.ru_majflt,
+                    f"{mark}_faults": faults,
                     f"{mark}_preempted": after.ru_nivcsw - usage.ru_nivcsw,
                 }
-                for req_id in set(self._job_requests.values()):
-                    marks = self.marks.setdefault(req_id, {})
+                for marks in self._open_loads():
                     marks.setdefault(mark, began)
                     marks[f"{mark}_end"] = ended
                     for key, value in added.items():
@@ -247,8 +245,12 @@ class _PullClock:
     def p2pkv_transfer_finished(
         self, peer: str, transfer_id: int, success: bool, nbytes: int, seconds: float
     ) -> None:
-        for req_id in set(self._job_requests.values()):
-            self.marks.setdefault(req_id, {})["ended"] = time.monotonic()
+        for marks in self._open_loads():
+            marks["ended"] = time.monotonic()
+
+    def _open_loads(self) -> list[dict[str, float]]:
+        """The marks of each request whose load is open (submitted, result not reported)."""
+        return [self.marks.setdefault(req_id, {}) for req_id in set(self._job_requests.values())]
 
     def _mark(self, req_id: str, mark: str) -> None:
         self.marks.setdefault(req_id, {}).setdefault(mark, time.monotonic())
